@@ -21,9 +21,16 @@ fn main() {
     println!("cargo:rerun-if-changed=native");
     println!("cargo:rerun-if-changed=build.rs");
 
-    let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
-    let workspace = manifest.parent().expect("mlx-sys lives inside the workspace").to_path_buf();
-    println!("cargo:rerun-if-changed={}", workspace.join("mlx-versions.env").display());
+    let manifest =
+        PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    let workspace = manifest
+        .parent()
+        .expect("mlx-sys lives inside the workspace")
+        .to_path_buf();
+    println!(
+        "cargo:rerun-if-changed={}",
+        workspace.join("mlx-versions.env").display()
+    );
 
     let pinned = pinned_mlx_version(&workspace);
     let mlx = find_mlx(&workspace);
@@ -67,7 +74,8 @@ fn fail(message: &str) -> ! {
 
 fn pinned_mlx_version(workspace: &Path) -> String {
     let path = workspace.join("mlx-versions.env");
-    let text = fs::read_to_string(&path).unwrap_or_else(|e| fail(&format!("cannot read {}: {e}", path.display())));
+    let text = fs::read_to_string(&path)
+        .unwrap_or_else(|e| fail(&format!("cannot read {}: {e}", path.display())));
     text.lines()
         .find_map(|line| line.trim().strip_prefix("MLX_VERSION="))
         .map(|v| v.trim().to_owned())
@@ -78,7 +86,10 @@ fn find_mlx(workspace: &Path) -> PathBuf {
     if let Some(prefix) = env::var_os("MLX_PREFIX") {
         let prefix = PathBuf::from(prefix);
         if !prefix.join("share/cmake/MLX/MLXConfig.cmake").is_file() {
-            fail(&format!("MLX_PREFIX={} holds no share/cmake/MLX/MLXConfig.cmake", prefix.display()));
+            fail(&format!(
+                "MLX_PREFIX={} holds no share/cmake/MLX/MLXConfig.cmake",
+                prefix.display()
+            ));
         }
         return prefix;
     }
@@ -105,7 +116,8 @@ fn find_mlx(workspace: &Path) -> PathBuf {
 fn installed_mlx_version(mlx: &Path) -> String {
     let path = mlx.join("share/cmake/MLX/MLXConfigVersion.cmake");
     println!("cargo:rerun-if-changed={}", path.display());
-    let text = fs::read_to_string(&path).unwrap_or_else(|e| fail(&format!("cannot read {}: {e}", path.display())));
+    let text = fs::read_to_string(&path)
+        .unwrap_or_else(|e| fail(&format!("cannot read {}: {e}", path.display())));
     text.lines()
         .find_map(|line| line.trim().strip_prefix("set(PACKAGE_VERSION \""))
         .and_then(|rest| rest.split('"').next())
@@ -118,7 +130,10 @@ fn find_mlx_c(workspace: &Path) -> PathBuf {
         .map(PathBuf::from)
         .unwrap_or_else(|| workspace.join(".deps/mlx-sys-0.7.0/src/mlx-c"));
     if !path.join("mlx/c/mlx.h").is_file() {
-        fail(&format!("the mlx-c sources were not found at {}; {SETUP_HINT} (or set MLX_C_SRC)", path.display()));
+        fail(&format!(
+            "the mlx-c sources were not found at {}; {SETUP_HINT} (or set MLX_C_SRC)",
+            path.display()
+        ));
     }
     println!("cargo:rerun-if-changed={}", path.display());
     path

@@ -1,7 +1,7 @@
 fn main() {
-    use mlx_rs::Array;
-    let a = Array::from_slice(&[1.0f32, 2.0, 3.0], &[3]);
-    let b = a.multiply(&a).unwrap();
-    b.eval().unwrap();
-    println!("{:?} mlx {}", b.as_slice::<f32>(), mlx_sys::MLX_BUILD_VERSION);
+    if let Err(e) = mlxd_engine::mlx_runtime::check_mlx_version() {
+        eprintln!("{e}");
+        std::process::exit(1);
+    }
+    println!("mlx {}", mlxd_engine::mlx_runtime::loaded_mlx_version());
 }

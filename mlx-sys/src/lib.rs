@@ -21,10 +21,15 @@ pub const MLX_BUILD_VERSION: &str = env!("MLXD_MLX_BUILD_VERSION");
 #[cfg(not(target_os = "macos"))]
 #[no_mangle]
 pub extern "C" fn mach_approximate_time() -> u64 {
-    let mut ts = TimeSpec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = TimeSpec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: clock_gettime writes one timespec into the pointer we pass.
     unsafe { clock_gettime(CLOCK_MONOTONIC, &mut ts) };
-    (ts.tv_sec as u64).wrapping_mul(1_000_000_000).wrapping_add(ts.tv_nsec as u64)
+    (ts.tv_sec as u64)
+        .wrapping_mul(1_000_000_000)
+        .wrapping_add(ts.tv_nsec as u64)
 }
 
 #[cfg(not(target_os = "macos"))]

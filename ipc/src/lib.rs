@@ -1,0 +1,1 @@
+//! The control channel, the unix-socket HTTP client and SSE framing.

@@ -1,0 +1,4 @@
+//! Wire types shared by `mlxd` and `mlxd-engine`. Plain serde types: no tokio, no hyper.
+pub mod control;
+pub mod error;
+pub mod openai;
