@@ -1,0 +1,260 @@
+//! Loads a Hugging Face / MLX-format model directory: `config.json` plus safetensors, single or
+//! sharded (`model.safetensors.index.json`), in f32/f16/bf16 or MLX-quantized form.
+//!
+//! Every checkpoint tensor must be consumed by the model and every parameter found; otherwise
+//! loading fails naming the tensors. Weights are evaluated before the model is declared loaded,
+//! so a truncated or corrupt file fails the load, not the first request.
+use std::collections::{BTreeMap, HashMap};
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use mlx_rs::{Array, Dtype};
+use serde_json::Value;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("cannot read {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path} is not valid JSON: {source}")]
+    Json {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+    #[error("invalid config.json: {0}")]
+    Config(String),
+    #[error("no safetensors weights found in {0}")]
+    NoWeights(PathBuf),
+    #[error("cannot load {path}: {message}")]
+    Safetensors { path: PathBuf, message: String },
+    #[error("tensor {name} appears in both {first} and {second}")]
+    DuplicateTensor {
+        name: String,
+        first: String,
+        second: String,
+    },
+    #[error("the checkpoint lacks tensor(s) the model needs: {}", .0.join(", "))]
+    MissingTensors(Vec<String>),
+    #[error("the checkpoint has {} tensor(s) the model does not use: {}", .0.len(), .0.join(", "))]
+    UnusedTensors(Vec<String>),
+    #[error("tensor {name} has shape {found:?}, expected {expected:?}")]
+    Shape {
+        name: String,
+        found: Vec<i32>,
+        expected: Vec<i32>,
+    },
+    #[error("tensor {name} has dtype {found:?}; supported: float32, float16, bfloat16 and quantized uint32")]
+    Dtype { name: String, found: Dtype },
+    #[error("{name} is quantized but config.json has no `quantization` entry for it")]
+    Quantization { name: String },
+    #[error("unsupported architecture {0:?}; supported: {1}")]
+    Architecture(String, String),
+    #[error("MLX failed while loading weights: {0}")]
+    Mlx(#[from] mlx_rs::error::Exception),
+}
+
+/// Quantization of one layer, as `mlx.nn.quantize` records it in config.json.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuantSpec {
+    pub group_size: i32,
+    pub bits: i32,
+}
+
+/// The tensors of a checkpoint, handed out by name exactly once.
+pub struct Weights {
+    tensors: HashMap<String, Array>,
+    source_of: HashMap<String, String>,
+    missing: Vec<String>,
+    quant_default: Option<QuantSpec>,
+    quant_overrides: HashMap<String, Option<QuantSpec>>,
+    taken_bytes: usize,
+}
+
+/// Reads `config.json` from a model directory.
+pub fn read_config(dir: &Path) -> Result<Value, LoadError> {
+    read_json(&dir.join("config.json"))
+}
+
+pub fn read_json(path: &Path) -> Result<Value, LoadError> {
+    let text = fs::read_to_string(path).map_err(|source| LoadError::Io {
+        path: path.into(),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|source| LoadError::Json {
+        path: path.into(),
+        source,
+    })
+}
+
+fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, LoadError> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.is_file() {
+        let value = read_json(&index)?;
+        let map = value
+            .get("weight_map")
+            .and_then(Value::as_object)
+            .ok_or_else(|| {
+                LoadError::Config(format!("{} has no weight_map object", index.display()))
+            })?;
+        let mut files: Vec<PathBuf> = map
+            .values()
+            .filter_map(Value::as_str)
+            .map(|f| dir.join(f))
+            .collect();
+        files.sort();
+        files.dedup();
+        return Ok(files);
+    }
+    let entries = fs::read_dir(dir).map_err(|source| LoadError::Io {
+        path: dir.into(),
+        source,
+    })?;
+    let mut files: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(LoadError::NoWeights(dir.into()));
+    }
+    Ok(files)
+}
+
+fn parse_spec(v: &Value) -> Option<QuantSpec> {
+    Some(QuantSpec {
+        group_size: v.get("group_size")?.as_i64()? as i32,
+        bits: v.get("bits")?.as_i64()? as i32,
+    })
+}
+
+impl Weights {
+    /// Opens every safetensors file of the directory; `config` supplies the quantization.
+    pub fn open(dir: &Path, config: &Value) -> Result<Self, LoadError> {
+        let mut tensors = HashMap::new();
+        let mut source_of: HashMap<String, String> = HashMap::new();
+        for file in weight_files(dir)? {
+            let loaded = Array::load_safetensors(&file).map_err(|e| LoadError::Safetensors {
+                path: file.clone(),
+                message: e.to_string(),
+            })?;
+            let file_name = file
+                .file_name()
+                .map(|f| f.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            for (name, array) in loaded {
+                if let Some(first) = source_of.get(&name) {
+                    return Err(LoadError::DuplicateTensor {
+                        name,
+                        first: first.clone(),
+                        second: file_name,
+                    });
+                }
+                match array.dtype() {
+                    Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16 | Dtype::Uint32 => {}
+                    found => return Err(LoadError::Dtype { name, found }),
+                }
+                source_of.insert(name.clone(), file_name.clone());
+                tensors.insert(name, array);
+            }
+        }
+        let quant = config
+            .get("quantization")
+            .or_else(|| config.get("quantization_config"));
+        let quant_default = quant.and_then(parse_spec);
+        let mut quant_overrides = HashMap::new();
+        if let Some(Value::Object(map)) = quant {
+            for (key, value) in map {
+                match value {
+                    Value::Object(_) => {
+                        quant_overrides.insert(key.clone(), parse_spec(value));
+                    }
+                    Value::Bool(false) => {
+                        quant_overrides.insert(key.clone(), None);
+                    }
+                    _ => {}
+                }
+            }
+        }
+        Ok(Self {
+            tensors,
+            source_of,
+            missing: Vec::new(),
+            quant_default,
+            quant_overrides,
+            taken_bytes: 0,
+        })
+    }
+
+    /// How the layer at `prefix` is quantized, if its checkpoint tensors are quantized.
+    pub fn quantization_for(&mut self, prefix: &str) -> Option<QuantSpec> {
+        if !self.tensors.contains_key(&format!("{prefix}.scales")) {
+            return None;
+        }
+        let spec = match self.quant_overrides.get(prefix) {
+            Some(spec) => *spec,
+            None => self.quant_default,
+        };
+        if spec.is_none() {
+            self.missing
+                .push(format!("quantization settings for {prefix} (config.json)"));
+        }
+        spec.or(Some(QuantSpec {
+            group_size: 64,
+            bits: 4,
+        }))
+    }
+
+    /// Takes a required tensor. A missing one is recorded and reported by [`Weights::finish`],
+    /// so one load reports every missing name at once.
+    pub fn take(&mut self, name: &str) -> Result<Array, LoadError> {
+        match self.tensors.remove(name) {
+            Some(a) => {
+                self.taken_bytes += a.nbytes();
+                Ok(a)
+            }
+            None => {
+                self.missing.push(name.to_owned());
+                Ok(Array::from_f32(0.0))
+            }
+        }
+    }
+
+    /// Takes a tensor the checkpoint may or may not have.
+    pub fn take_optional(&mut self, name: &str) -> Option<Array> {
+        let a = self.tensors.remove(name)?;
+        self.taken_bytes += a.nbytes();
+        Some(a)
+    }
+
+    /// Drops a tensor that is known to be redundant (for example a tied `lm_head.weight`).
+    pub fn discard(&mut self, name: &str) {
+        self.tensors.remove(name);
+    }
+
+    /// Checks that every parameter was found and every tensor used; returns the bytes loaded.
+    pub fn finish(self) -> Result<usize, LoadError> {
+        if !self.missing.is_empty() {
+            return Err(LoadError::MissingTensors(self.missing));
+        }
+        if !self.tensors.is_empty() {
+            let unused: BTreeMap<_, _> = self.tensors.keys().map(|k| (k.clone(), ())).collect();
+            let _ = &self.source_of;
+            return Err(LoadError::UnusedTensors(unused.into_keys().collect()));
+        }
+        Ok(self.taken_bytes)
+    }
+}
+
+/// Checks a tensor's shape against what the config implies.
+pub fn expect_shape(name: &str, a: &Array, expected: &[i32]) -> Result<(), LoadError> {
+    if a.shape() != expected {
+        return Err(LoadError::Shape {
+            name: name.into(),
+            found: a.shape().to_vec(),
+            expected: expected.to_vec(),
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,200 @@
+//! Building blocks shared by every architecture: linear layers (dense or MLX-quantized),
+//! embeddings, RMS norm, rotary embeddings and attention. Each computes exactly what the
+//! matching `mlx.nn` layer does, op for op, so greedy outputs match mlx-lm token for token.
+use mlx_rs::error::Exception;
+use mlx_rs::fast::{self, ScaledDotProductAttentionMask};
+use mlx_rs::ops::{dequantize, quantized_matmul};
+use mlx_rs::Array;
+
+use crate::cache::KvCache;
+use crate::loader::{LoadError, Weights};
+
+pub type Result<T> = std::result::Result<T, Exception>;
+
+/// A weight matrix `[out, in]`, dense or quantized as MLX's affine quantization stores it.
+#[derive(Debug)]
+pub enum Matrix {
+    Dense(Array),
+    Quantized {
+        weight: Array,
+        scales: Array,
+        biases: Option<Array>,
+        group_size: i32,
+        bits: i32,
+    },
+}
+
+impl Matrix {
+    /// Loads `<prefix>.weight`, and `.scales`/`.biases` when the checkpoint quantized it.
+    pub fn load(w: &mut Weights, prefix: &str) -> std::result::Result<Self, LoadError> {
+        match w.quantization_for(prefix) {
+            Some(q) => Ok(Matrix::Quantized {
+                weight: w.take(&format!("{prefix}.weight"))?,
+                scales: w.take(&format!("{prefix}.scales"))?,
+                biases: w.take_optional(&format!("{prefix}.biases")),
+                group_size: q.group_size,
+                bits: q.bits,
+            }),
+            None => Ok(Matrix::Dense(w.take(&format!("{prefix}.weight"))?)),
+        }
+    }
+
+    /// `x @ W.T`.
+    pub fn matmul_t(&self, x: &Array) -> Result<Array> {
+        match self {
+            Matrix::Dense(w) => x.matmul(w.t()),
+            Matrix::Quantized {
+                weight,
+                scales,
+                biases,
+                group_size,
+                bits,
+            } => quantized_matmul(x, weight, scales, biases.as_ref(), true, *group_size, *bits),
+        }
+    }
+
+    /// Rows `ids` of the matrix (an embedding lookup), dequantized when needed.
+    pub fn rows(&self, ids: &Array) -> Result<Array> {
+        match self {
+            Matrix::Dense(w) => w.take_axis(ids, 0),
+            Matrix::Quantized {
+                weight,
+                scales,
+                biases,
+                group_size,
+                bits,
+            } => {
+                let b = biases.as_ref().map(|b| b.take_axis(ids, 0)).transpose()?;
+                dequantize(
+                    weight.take_axis(ids, 0)?,
+                    scales.take_axis(ids, 0)?,
+                    b.as_ref(),
+                    *group_size,
+                    *bits,
+                )
+            }
+        }
+    }
+
+    /// Bytes held by the parameters.
+    pub fn nbytes(&self) -> usize {
+        match self {
+            Matrix::Dense(w) => w.nbytes(),
+            Matrix::Quantized {
+                weight,
+                scales,
+                biases,
+                ..
+            } => weight.nbytes() + scales.nbytes() + biases.as_ref().map_or(0, Array::nbytes),
+        }
+    }
+}
+
+/// `nn.Linear` (optionally `nn.QuantizedLinear`), with an optional bias.
+#[derive(Debug)]
+pub struct Linear {
+    pub matrix: Matrix,
+    pub bias: Option<Array>,
+}
+
+impl Linear {
+    pub fn load(w: &mut Weights, prefix: &str, bias: bool) -> std::result::Result<Self, LoadError> {
+        let matrix = Matrix::load(w, prefix)?;
+        let bias = if bias {
+            Some(w.take(&format!("{prefix}.bias"))?)
+        } else {
+            None
+        };
+        Ok(Self { matrix, bias })
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        let y = self.matrix.matmul_t(x)?;
+        match &self.bias {
+            Some(b) => y.add(b),
+            None => Ok(y),
+        }
+    }
+}
+
+/// `nn.RMSNorm`.
+#[derive(Debug)]
+pub struct RmsNorm {
+    pub weight: Array,
+    pub eps: f32,
+}
+
+impl RmsNorm {
+    pub fn load(w: &mut Weights, prefix: &str, eps: f32) -> std::result::Result<Self, LoadError> {
+        Ok(Self {
+            weight: w.take(&format!("{prefix}.weight"))?,
+            eps,
+        })
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        fast::rms_norm(x, Some(&self.weight), self.eps)
+    }
+}
+
+/// Rotary position embedding, plain (`nn.RoPE`) or with precomputed frequencies (Llama 3).
+#[derive(Debug)]
+pub struct Rope {
+    pub dims: i32,
+    pub traditional: bool,
+    pub base: f32,
+    pub scale: f32,
+    pub freqs: Option<Array>,
+}
+
+impl Rope {
+    pub fn forward(&self, x: &Array, offset: i32) -> Result<Array> {
+        match &self.freqs {
+            Some(freqs) => fast::rope(x, self.dims, self.traditional, None, 1.0, offset, freqs),
+            None => fast::rope(
+                x,
+                self.dims,
+                self.traditional,
+                self.base,
+                self.scale,
+                offset,
+                None,
+            ),
+        }
+    }
+}
+
+/// `x * sigmoid(x) * up`, as mlx-lm's `swiglu` computes it.
+pub fn swiglu(gate: &Array, up: &Array) -> Result<Array> {
+    mlx_rs::nn::silu(gate)?.multiply(up)
+}
+
+/// The attention core shared by the architectures: RoPE on queries and keys at the cache
+/// offset, append to the cache, scaled dot-product attention (causal when more than one query).
+/// Inputs are `[B, heads, L, head_dim]`; returns `[B, L, heads * head_dim]`.
+pub fn attend(
+    queries: &Array,
+    keys: &Array,
+    values: &Array,
+    rope: &Rope,
+    scale: f32,
+    cache: &mut KvCache,
+) -> Result<Array> {
+    let offset = cache.offset() as i32;
+    let queries = rope.forward(queries, offset)?;
+    let keys = rope.forward(keys, offset)?;
+    let (keys, values) = cache.update_and_fetch(&keys, &values)?;
+    let l = queries.shape()[2];
+    let mask = (l > 1).then_some(ScaledDotProductAttentionMask::Causal);
+    let out = fast::scaled_dot_product_attention(&queries, &keys, &values, scale, mask, None)?;
+    let shape = out.shape().to_vec();
+    out.transpose_axes(&[0, 2, 1, 3])?
+        .reshape(&[shape[0], shape[2], -1])
+}
+
+/// `[B, L, heads * head_dim]` → `[B, heads, L, head_dim]`.
+pub fn split_heads(x: &Array, heads: i32) -> Result<Array> {
+    let s = x.shape();
+    x.reshape(&[s[0], s[1], heads, -1])?
+        .transpose_axes(&[0, 2, 1, 3])
+}

@@ -1,0 +1,91 @@
+//! Model architectures, one file per family, and the registry that picks one from
+//! `config.json`'s `architectures[0]`.
+//!
+//! A model is a config plus `forward(tokens, caches)`: caches are owned per sequence and passed
+//! in, so one loaded model serves any number of sequences.
+pub mod layers;
+pub mod llama;
+pub mod qwen3;
+
+use std::path::Path;
+
+use mlx_rs::error::Exception;
+use mlx_rs::Array;
+use serde_json::Value;
+
+use crate::cache::KvCache;
+use crate::loader::{self, LoadError, Weights};
+
+/// Facts about a loaded model that the server and the supervisor need.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelInfo {
+    pub architecture: String,
+    pub vocab_size: usize,
+    pub num_layers: usize,
+    /// The longest sequence (prompt + generation) the model supports.
+    pub context_length: usize,
+    /// Bytes of parameters held in memory.
+    pub weight_bytes: usize,
+    /// KV cache bytes per token of one sequence.
+    pub kv_bytes_per_token: usize,
+    /// Token ids that end a generation, from config.json (`eos_token_id`, int or list).
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// A causal language model.
+pub trait CausalLm: Send {
+    /// `tokens` is `[B, L]` (uint32); returns logits `[B, L, vocab]`.
+    fn forward(&self, tokens: &Array, caches: &mut [KvCache]) -> Result<Array, Exception>;
+    fn info(&self) -> &ModelInfo;
+    /// Fresh per-layer caches for a new sequence.
+    fn new_caches(&self) -> Vec<KvCache> {
+        (0..self.info().num_layers)
+            .map(|_| KvCache::new())
+            .collect()
+    }
+}
+
+type Builder = fn(&Value, &mut Weights) -> Result<Box<dyn CausalLm>, LoadError>;
+
+/// `architectures[0]` → builder. Qwen2 and Mistral share the Llama file, as in mlx-lm.
+const REGISTRY: &[(&str, Builder)] = &[
+    ("LlamaForCausalLM", llama::build),
+    ("MistralForCausalLM", llama::build),
+    ("Qwen2ForCausalLM", llama::build),
+    ("Qwen3ForCausalLM", qwen3::build),
+];
+
+/// Loads the model in `dir`, with every weight evaluated and accounted for.
+pub fn load(dir: &Path) -> Result<Box<dyn CausalLm>, LoadError> {
+    let config = loader::read_config(dir)?;
+    let arch = config
+        .get("architectures")
+        .and_then(|a| a.get(0))
+        .and_then(Value::as_str)
+        .ok_or_else(|| LoadError::Config("missing `architectures` list".into()))?;
+    let build = REGISTRY
+        .iter()
+        .find(|(name, _)| *name == arch)
+        .map(|(_, b)| *b)
+        .ok_or_else(|| {
+            let known: Vec<&str> = REGISTRY.iter().map(|(n, _)| *n).collect();
+            LoadError::Architecture(arch.to_owned(), known.join(", "))
+        })?;
+    let mut weights = Weights::open(dir, &config)?;
+    let model = build(&config, &mut weights)?;
+    weights.finish()?;
+    Ok(model)
+}
+
+/// `eos_token_id` as an int or a list of ints.
+pub fn eos_ids(config: &Value) -> Vec<u32> {
+    match config.get("eos_token_id") {
+        Some(Value::Number(n)) => n.as_u64().map(|n| vec![n as u32]).unwrap_or_default(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(Value::as_u64)
+            .map(|n| n as u32)
+            .collect(),
+        _ => Vec::new(),
+    }
+}

@@ -1,0 +1,45 @@
+//! Qwen3 (dense): the Llama decoder with RMS-normalised query and key heads, an explicit
+//! `head_dim`, and `rope_theta` possibly nested under `rope_parameters` (transformers ≥ 5).
+use serde_json::Value;
+
+use super::llama::{build_decoder, rope_from_config, Config, Variant};
+use super::CausalLm;
+use crate::loader::{LoadError, Weights};
+
+pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadError> {
+    let mut config = config.clone();
+    if let Some(params) = config.get("rope_parameters").cloned() {
+        if config.get("rope_theta").is_none() {
+            if let Some(theta) = params.get("rope_theta") {
+                config["rope_theta"] = theta.clone();
+            }
+        }
+        if config.get("rope_scaling").is_none_or(Value::is_null) {
+            config["rope_scaling"] = params;
+        }
+    }
+    if config.get("rope_theta").is_none() {
+        return Err(LoadError::Config("Qwen3 config has no rope_theta".into()));
+    }
+    let c: Config =
+        serde_json::from_value(config.clone()).map_err(|e| LoadError::Config(e.to_string()))?;
+    if c.head_dim.is_none() {
+        return Err(LoadError::Config("Qwen3 config has no head_dim".into()));
+    }
+    let rope = rope_from_config(
+        c.head_dim(),
+        c.rope_theta,
+        c.rope_traditional,
+        c.rope_scaling.as_ref(),
+    )?;
+    build_decoder(
+        &config,
+        &c,
+        w,
+        rope,
+        Variant {
+            qkv_bias: c.attention_bias,
+            qk_norm: true,
+        },
+    )
+}
