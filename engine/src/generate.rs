@@ -14,21 +14,20 @@ use crate::models::CausalLm;
 /// Prompt tokens per prefill forward pass (mlx-lm's `prefill_step_size`).
 pub const PREFILL_CHUNK: usize = 2048;
 
-/// What one call to [`Sequence::step`] produced.
-pub enum Step {
-    /// A prefill chunk went into the cache; no distribution yet.
-    Prefilled,
-    /// Log-probabilities `[1, vocab]` for the next token.
-    Next(Array),
+/// Picks a token from log-probabilities copied to the host (temperature, top-p, penalties…).
+pub trait HostSampler {
+    /// `tokens` is the prompt followed by the generated tokens; `prompt_len` splits them.
+    fn sample(&mut self, logprobs: &mut [f32], tokens: &[u32], prompt_len: usize) -> u32;
 }
 
+/// The model inputs and caches of one sequence.
 pub struct Sequence {
     caches: Vec<KvCache>,
-    /// Prompt followed by every generated token.
+    /// Prompt followed by every generated token handed out so far.
     tokens: Vec<u32>,
     prompt_len: usize,
-    /// Tokens already run through the model.
-    processed: usize,
+    /// Positions held in the KV cache.
+    cached: usize,
 }
 
 impl Sequence {
@@ -43,7 +42,7 @@ impl Sequence {
             caches: model.new_caches(),
             tokens: prompt,
             prompt_len,
-            processed: 0,
+            cached: 0,
         }
     }
 
@@ -59,75 +58,148 @@ impl Sequence {
         self.prompt_len
     }
 
-    /// Positions held in the KV cache.
-    pub fn cached_len(&self) -> usize {
-        self.processed
-    }
-
     pub fn kv_bytes(&self) -> usize {
         self.caches.iter().map(KvCache::nbytes).sum()
     }
 
-    /// Records the token chosen from the last distribution; the next step will run it.
-    pub fn push(&mut self, token: u32) {
-        self.tokens.push(token);
+    /// Prompt tokens (all but the last) not yet prefilled.
+    pub fn prefill_remaining(&self) -> usize {
+        (self.prompt_len - 1).saturating_sub(self.cached)
     }
 
-    /// Advances by one prefill chunk or one token.
-    pub fn step(&mut self, model: &dyn CausalLm) -> Result<Step, Exception> {
-        let pending = self.tokens.len() - self.processed;
-        debug_assert!(pending >= 1, "step called with no token to run");
-        if pending > 1 {
-            let n = (pending - 1).min(PREFILL_CHUNK);
-            let chunk = &self.tokens[self.processed..self.processed + n];
-            let input = Array::from_slice(chunk, &[1, n as i32]);
-            // Only the cache is needed; the logits are never evaluated.
-            let _ = model.forward(&input, &mut self.caches)?;
-            let state: Vec<&Array> = self.caches.iter().flat_map(KvCache::state).collect();
-            mlx_rs::transforms::eval(state)?;
-            self.processed += n;
-            return Ok(Step::Prefilled);
-        }
-        let input = Array::from_slice(&self.tokens[self.processed..], &[1, 1]);
-        let logits = model.forward(&input, &mut self.caches)?;
-        self.processed += 1;
+    /// Runs the next chunk of at most [`PREFILL_CHUNK`] prompt tokens into the cache.
+    pub fn prefill_chunk(&mut self, model: &dyn CausalLm) -> Result<(), Exception> {
+        let n = self.prefill_remaining().min(PREFILL_CHUNK);
+        let chunk = &self.tokens[self.cached..self.cached + n];
+        let input = Array::from_slice(chunk, &[1, n as i32]);
+        // Only the cache is needed; the logits are never evaluated.
+        let _ = model.forward(&input, &mut self.caches)?;
+        let state: Vec<&Array> = self.caches.iter().flat_map(KvCache::state).collect();
+        mlx_rs::transforms::eval(state)?;
+        self.cached += n;
+        Ok(())
+    }
+
+    /// Runs one token (`[1, 1]`, possibly not yet evaluated) and returns the log-probabilities
+    /// `[1, vocab]` of the next one, lazily.
+    pub fn decode(&mut self, model: &dyn CausalLm, input: &Array) -> Result<Array, Exception> {
+        let logits = model.forward(input, &mut self.caches)?;
+        self.cached += 1;
         let logits = logits.index((.., -1, ..));
-        let logprobs = logits.subtract(logits.logsumexp_axis(-1, true)?)?;
-        Ok(Step::Next(logprobs))
+        logits.subtract(logits.logsumexp_axis(-1, true)?)
+    }
+
+    /// The last known token as a `[1, 1]` input.
+    fn last_token(&self) -> Array {
+        Array::from_slice(&self.tokens[self.tokens.len() - 1..], &[1, 1])
     }
 }
 
-/// The most likely token of a `[1, vocab]` distribution, computed on the device.
-pub fn argmax_token(logprobs: &Array) -> Result<u32, Exception> {
-    let id = argmax_axis(logprobs, -1, None)?;
-    id.eval()?;
-    Ok(id.item_exact::<u32>())
+/// Drives one sequence from prompt to tokens.
+///
+/// Greedy decoding stays on the device and runs one step ahead, as mlx-lm does: the graph for
+/// token n+1 is built and queued (`async_eval`) before token n is read back, so the device
+/// never waits for the host. Other sampling copies the distribution to the host each step.
+pub struct Decoder<S> {
+    pub seq: Sequence,
+    sampler: Option<S>,
+    /// The next greedy token, queued but maybe not yet computed.
+    in_flight: Option<Array>,
 }
 
-/// Copies a `[1, vocab]` distribution to host memory as f32 (for the CPU sampler).
+impl<S: HostSampler> Decoder<S> {
+    /// `sampler` is `None` for plain greedy decoding.
+    pub fn new(model: &dyn CausalLm, prompt: Vec<u32>, sampler: Option<S>) -> Self {
+        Self {
+            seq: Sequence::new(model, prompt),
+            sampler,
+            in_flight: None,
+        }
+    }
+
+    /// True while prompt chunks remain to prefill.
+    pub fn prefilling(&self) -> bool {
+        self.seq.prefill_remaining() > 0
+    }
+
+    /// One unit of work: a prefill chunk (returns `None`) or one generated token. `lookahead`
+    /// says whether another token will be wanted after this one (false for the last).
+    pub fn advance(
+        &mut self,
+        model: &dyn CausalLm,
+        lookahead: bool,
+    ) -> Result<Option<u32>, Exception> {
+        if self.prefilling() {
+            self.seq.prefill_chunk(model)?;
+            return Ok(None);
+        }
+        let token = match &mut self.sampler {
+            Some(sampler) => {
+                let input = self.seq.last_token();
+                let logprobs = self.seq.decode(model, &input)?;
+                let mut host = to_host_f32(&logprobs)?;
+                sampler.sample(&mut host, &self.seq.tokens, self.seq.prompt_len)
+            }
+            None => {
+                let current = match self.in_flight.take() {
+                    Some(t) => t,
+                    None => {
+                        let input = self.seq.last_token();
+                        let t = argmax_axis(self.seq.decode(model, &input)?, -1, None)?;
+                        mlx_rs::transforms::async_eval([&t])?;
+                        t
+                    }
+                };
+                if lookahead {
+                    let next = argmax_axis(
+                        self.seq.decode(model, &current.reshape(&[1, 1])?)?,
+                        -1,
+                        None,
+                    )?;
+                    mlx_rs::transforms::async_eval([&next])?;
+                    self.in_flight = Some(next);
+                }
+                current.eval()?;
+                current.item_exact::<u32>()
+            }
+        };
+        self.seq.tokens.push(token);
+        Ok(Some(token))
+    }
+}
+
+/// Copies a `[1, vocab]` distribution to host memory as f32 (for the host sampler).
 pub fn to_host_f32(logprobs: &Array) -> Result<Vec<f32>, Exception> {
     let f = logprobs.as_dtype(mlx_rs::Dtype::Float32)?;
     f.eval()?;
     Ok(f.as_slice::<f32>().to_vec())
 }
 
+/// No host sampler: plain greedy decoding.
+pub enum NoSampler {}
+
+impl HostSampler for NoSampler {
+    fn sample(&mut self, _: &mut [f32], _: &[u32], _: usize) -> u32 {
+        match *self {}
+    }
+}
+
 /// Greedy generation of up to `max_tokens` tokens, stopping after any of `stop_ids`.
-/// Used by parity tests and benchmarks; the server uses the worker's scheduler.
+/// Used by parity tests and benchmarks; the server goes through the worker's scheduler.
 pub fn greedy(
     model: &dyn CausalLm,
     prompt: &[u32],
     max_tokens: usize,
     stop_ids: &[u32],
 ) -> Result<Vec<u32>, Exception> {
-    let mut seq = Sequence::new(model, prompt.to_vec());
-    while seq.generated().len() < max_tokens {
-        if let Step::Next(logprobs) = seq.step(model)? {
-            let token = argmax_token(&logprobs)?;
-            seq.push(token);
+    let mut decoder = Decoder::<NoSampler>::new(model, prompt.to_vec(), None);
+    while decoder.seq.generated().len() < max_tokens {
+        let lookahead = decoder.seq.generated().len() + 1 < max_tokens;
+        if let Some(token) = decoder.advance(model, lookahead)? {
             if stop_ids.contains(&token) {
                 break;
             }
         }
     }
-    Ok(seq.generated().to_vec())
+    Ok(decoder.seq.generated().to_vec())
 }
