@@ -2,5 +2,6 @@
 //! the HTTP side talks to it through the channels in [`work`].
 pub mod convert;
 pub mod mlx_runtime;
+pub mod sampler;
 pub mod sampling;
 pub mod work;
