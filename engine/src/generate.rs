@@ -17,7 +17,16 @@ pub const PREFILL_CHUNK: usize = 2048;
 /// Picks a token from log-probabilities copied to the host (temperature, top-p, penalties…).
 pub trait HostSampler {
     /// `tokens` is the prompt followed by the generated tokens; `prompt_len` splits them.
-    fn sample(&mut self, logprobs: &mut [f32], tokens: &[u32], prompt_len: usize) -> u32;
+    fn sample(&mut self, logprobs: &mut [f32], tokens: &[u32], prompt_len: usize) -> Result<u32, String>;
+}
+
+/// Why a generation step failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    #[error("MLX: {0}")]
+    Mlx(#[from] Exception),
+    #[error("sampling: {0}")]
+    Sample(String),
 }
 
 /// The model inputs and caches of one sequence.
@@ -128,7 +137,7 @@ impl<S: HostSampler> Decoder<S> {
         &mut self,
         model: &dyn CausalLm,
         lookahead: bool,
-    ) -> Result<Option<u32>, Exception> {
+    ) -> Result<Option<u32>, StepError> {
         if self.prefilling() {
             self.seq.prefill_chunk(model)?;
             return Ok(None);
@@ -138,7 +147,7 @@ impl<S: HostSampler> Decoder<S> {
                 let input = self.seq.last_token();
                 let logprobs = self.seq.decode(model, &input)?;
                 let mut host = to_host_f32(&logprobs)?;
-                sampler.sample(&mut host, &self.seq.tokens, self.seq.prompt_len)
+                sampler.sample(&mut host, &self.seq.tokens, self.seq.prompt_len).map_err(StepError::Sample)?
             }
             None => {
                 let current = match self.in_flight.take() {
@@ -179,7 +188,7 @@ pub fn to_host_f32(logprobs: &Array) -> Result<Vec<f32>, Exception> {
 pub enum NoSampler {}
 
 impl HostSampler for NoSampler {
-    fn sample(&mut self, _: &mut [f32], _: &[u32], _: usize) -> u32 {
+    fn sample(&mut self, _: &mut [f32], _: &[u32], _: usize) -> Result<u32, String> {
         match *self {}
     }
 }
@@ -191,7 +200,7 @@ pub fn greedy(
     prompt: &[u32],
     max_tokens: usize,
     stop_ids: &[u32],
-) -> Result<Vec<u32>, Exception> {
+) -> Result<Vec<u32>, StepError> {
     let mut decoder = Decoder::<NoSampler>::new(model, prompt.to_vec(), None);
     while decoder.seq.generated().len() < max_tokens {
         let lookahead = decoder.seq.generated().len() + 1 < max_tokens;

@@ -1,9 +1,12 @@
 //! `mlxd-engine`: everything that touches MLX. One OS thread owns the model and its caches;
 //! the HTTP side talks to it through the channels in [`work`].
 pub mod cache;
+pub mod convert;
 pub mod generate;
 pub mod loader;
 pub mod mlx_runtime;
 pub mod models;
+pub mod sampler;
 pub mod sampling;
 pub mod work;
+pub mod worker;

@@ -51,3 +51,62 @@ impl SamplingParams {
             && self.logit_bias.is_empty()
     }
 }
+
+/// A sampling parameter outside its domain.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SamplingError {
+    #[error("{name} is {value}; it must be {allowed}")]
+    OutOfRange {
+        name: &'static str,
+        value: f32,
+        allowed: &'static str,
+    },
+    #[error("logit_bias for token {token} is {value}; it must be finite")]
+    NonFiniteBias { token: u32, value: f32 },
+}
+
+impl SamplingParams {
+    /// Checks every field against its domain (vocabulary bounds are checked per call by the
+    /// sampler, which knows the logits' length).
+    pub fn validate(&self) -> Result<(), SamplingError> {
+        let check = |name, value: f32, ok: bool, allowed| {
+            if ok {
+                Ok(())
+            } else {
+                Err(SamplingError::OutOfRange {
+                    name,
+                    value,
+                    allowed,
+                })
+            }
+        };
+        let t = self.temperature;
+        check(
+            "temperature",
+            t,
+            t.is_finite() && t >= 0.0,
+            "finite and >= 0",
+        )?;
+        let p = self.top_p;
+        check("top_p", p, p > 0.0 && p <= 1.0, "in (0, 1]")?;
+        let m = self.min_p;
+        check("min_p", m, (0.0..=1.0).contains(&m), "in [0, 1]")?;
+        let r = self.repetition_penalty;
+        check(
+            "repetition_penalty",
+            r,
+            r.is_finite() && r > 0.0,
+            "finite and > 0",
+        )?;
+        let pp = self.presence_penalty;
+        check("presence_penalty", pp, pp.is_finite(), "finite")?;
+        let fp = self.frequency_penalty;
+        check("frequency_penalty", fp, fp.is_finite(), "finite")?;
+        for (&token, &value) in &self.logit_bias {
+            if !value.is_finite() {
+                return Err(SamplingError::NonFiniteBias { token, value });
+            }
+        }
+        Ok(())
+    }
+}
