@@ -4,4 +4,5 @@ pub mod convert;
 pub mod mlx_runtime;
 pub mod sampler;
 pub mod sampling;
+pub mod store;
 pub mod work;
