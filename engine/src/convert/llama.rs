@@ -207,6 +207,7 @@ pub fn config_json(
     tie_word_embeddings: bool,
     ids: SpecialIds,
     quantization: Option<Value>,
+    float_dtype: super::FloatDtype,
 ) -> Value {
     let mut c = json!({
         "architectures": ["LlamaForCausalLM"],
@@ -225,7 +226,7 @@ pub fn config_json(
         "hidden_act": "silu",
         "attention_bias": false,
         "mlp_bias": false,
-        "torch_dtype": "float16",
+        "torch_dtype": float_dtype.torch_name(),
         "bos_token_id": ids.bos,
         "eos_token_id": ids.eos,
     });

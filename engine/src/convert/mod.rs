@@ -21,6 +21,14 @@ use serde_json::{json, Value};
 
 use gguf::{GgmlType, GgufFile};
 use llama::{LlamaParams, SpecialIds};
+pub use quant::FloatDtype;
+
+/// How to convert.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ConvertOptions {
+    /// The float type of unquantized tensors and of quantization scales and biases.
+    pub float_dtype: FloatDtype,
+}
 
 /// Why a conversion failed. Messages name the file, key, tensor or value at fault.
 #[derive(Debug, thiserror::Error)]
@@ -111,7 +119,15 @@ struct Weights {
     tie_word_embeddings: bool,
 }
 
-fn convert_tensors(g: &GgufFile, p: &LlamaParams) -> Result<Weights, ConvertError> {
+fn convert_tensors(
+    g: &GgufFile,
+    p: &LlamaParams,
+    float_dtype: FloatDtype,
+) -> Result<Weights, ConvertError> {
+    let float_st = match float_dtype {
+        FloatDtype::F16 => Dtype::F16,
+        FloatDtype::F32 => Dtype::F32,
+    };
     let mut tensors = BTreeMap::new();
     // module path → Some((bits, group size)) when quantized, None when a float matrix.
     let mut matrices: BTreeMap<String, Option<(u32, usize)>> = BTreeMap::new();
@@ -167,23 +183,31 @@ fn convert_tensors(g: &GgufFile, p: &LlamaParams) -> Result<Weights, ConvertErro
                     tensors.insert(
                         format!("{}.{suffix}", role.module),
                         OutTensor {
-                            dtype: Dtype::F16,
+                            dtype: float_st,
                             shape: vec![rows, groups],
-                            data: bytes,
+                            data: quant::f16_bytes_as(float_dtype, bytes),
                         },
                     );
                 }
                 matrices.insert(role.module, Some((q.bits, q.group_size)));
             }
             GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => {
-                let bytes = quant::to_f16(&info.name, info.ggml_type, data, rows, cols, &order)?;
+                let bytes = quant::to_float(
+                    &info.name,
+                    info.ggml_type,
+                    data,
+                    rows,
+                    cols,
+                    &order,
+                    float_dtype,
+                )?;
                 if hf_shape.len() == 2 {
                     matrices.insert(role.module.clone(), None);
                 }
                 tensors.insert(
                     format!("{}.weight", role.module),
                     OutTensor {
-                        dtype: Dtype::F16,
+                        dtype: float_st,
                         shape: hf_shape,
                         data: bytes,
                     },
@@ -263,8 +287,18 @@ fn write_json(path: &Path, v: &Value) -> Result<(), ConvertError> {
 }
 
 /// Converts the GGUF file at `gguf_path` into an MLX model directory at `out_dir`, which must
-/// not exist yet. On error nothing is left at `out_dir` or beside it.
+/// not exist yet, with the default options (f16). On error nothing is left at `out_dir` or
+/// beside it.
 pub fn convert_gguf(gguf_path: &Path, out_dir: &Path) -> Result<(), ConvertError> {
+    convert_gguf_with(gguf_path, out_dir, &ConvertOptions::default())
+}
+
+/// [`convert_gguf`] with explicit options.
+pub fn convert_gguf_with(
+    gguf_path: &Path,
+    out_dir: &Path,
+    opts: &ConvertOptions,
+) -> Result<(), ConvertError> {
     if out_dir.exists() {
         return Err(ConvertError::OutputExists(out_dir.to_path_buf()));
     }
@@ -275,7 +309,7 @@ pub fn convert_gguf(gguf_path: &Path, out_dir: &Path) -> Result<(), ConvertError
     }
     let params = LlamaParams::from_gguf(&g)?;
     let tok = tokenizer::build(&g, params.context_length)?;
-    let weights = convert_tensors(&g, &params)?;
+    let weights = convert_tensors(&g, &params, opts.float_dtype)?;
     let config = llama::config_json(
         &params,
         weights.tie_word_embeddings,
@@ -284,6 +318,7 @@ pub fn convert_gguf(gguf_path: &Path, out_dir: &Path) -> Result<(), ConvertError
             eos: tok.eos_id,
         },
         weights.quantization.clone(),
+        opts.float_dtype,
     );
 
     let parent = match out_dir.parent() {

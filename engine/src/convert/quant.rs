@@ -191,15 +191,55 @@ fn pack_nibbles(qs: &[u8], out: &mut Vec<u8>) {
     }
 }
 
-/// Converts an F32, F16 or BF16 tensor of `rows x cols` to f16 bytes, writing source row
+/// The float type written for unquantized tensors and for scales and biases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FloatDtype {
+    /// GGML's own precision for scales and biases; half the size of f32.
+    #[default]
+    F16,
+    /// For backends where f16 arithmetic is slow (MLX's CPU build: quantized matmuls with f16
+    /// scales measured ~50x slower than with f32).
+    F32,
+}
+
+impl FloatDtype {
+    pub fn bytes(self) -> usize {
+        match self {
+            FloatDtype::F16 => 2,
+            FloatDtype::F32 => 4,
+        }
+    }
+
+    /// The name config.json's `torch_dtype` uses.
+    pub fn torch_name(self) -> &'static str {
+        match self {
+            FloatDtype::F16 => "float16",
+            FloatDtype::F32 => "float32",
+        }
+    }
+}
+
+/// Widens little-endian f16 bytes to f32 bytes when `dtype` asks for it (exact).
+pub fn f16_bytes_as(dtype: FloatDtype, bytes: Vec<u8>) -> Vec<u8> {
+    match dtype {
+        FloatDtype::F16 => bytes,
+        FloatDtype::F32 => bytes
+            .chunks_exact(2)
+            .flat_map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32().to_le_bytes())
+            .collect(),
+    }
+}
+
+/// Converts an F32, F16 or BF16 tensor of `rows x cols` to `dtype` bytes, writing source row
 /// `row_order[i]` as output row `i`. A finite value too large for f16 is an error.
-pub fn to_f16(
+pub fn to_float(
     name: &str,
     ty: GgmlType,
     data: &[u8],
     rows: usize,
     cols: usize,
     row_order: &[usize],
+    dtype: FloatDtype,
 ) -> Result<Vec<u8>, ConvertError> {
     if !matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16) {
         return Err(ConvertError::UnsupportedTensorType {
@@ -208,7 +248,14 @@ pub fn to_f16(
         });
     }
     let row_bytes = check_layout(name, ty, data, rows, cols, row_order)?;
-    let mut out = Vec::with_capacity(rows * cols * 2);
+    let mut out = Vec::with_capacity(rows * cols * dtype.bytes());
+    let mut push = |v: f32| -> Result<(), ConvertError> {
+        match dtype {
+            FloatDtype::F16 => out.extend_from_slice(&checked_f16(name, v)?.to_le_bytes()),
+            FloatDtype::F32 => out.extend_from_slice(&v.to_le_bytes()),
+        }
+        Ok(())
+    };
     for &src in row_order {
         if src >= rows {
             return Err(ConvertError::Shape(format!(
@@ -217,17 +264,19 @@ pub fn to_f16(
         }
         let row = &data[src * row_bytes..(src + 1) * row_bytes];
         match ty {
-            GgmlType::F16 => out.extend_from_slice(row),
+            GgmlType::F16 => {
+                for b in row.chunks_exact(2) {
+                    push(f16::from_le_bytes([b[0], b[1]]).to_f32())?;
+                }
+            }
             GgmlType::F32 => {
                 for b in row.chunks_exact(4) {
-                    let v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                    out.extend_from_slice(&checked_f16(name, v)?.to_le_bytes());
+                    push(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))?;
                 }
             }
             GgmlType::Bf16 => {
                 for b in row.chunks_exact(2) {
-                    let v = bf16::from_le_bytes([b[0], b[1]]).to_f32();
-                    out.extend_from_slice(&checked_f16(name, v)?.to_le_bytes());
+                    push(bf16::from_le_bytes([b[0], b[1]]).to_f32())?;
                 }
             }
             _ => unreachable!("checked above"),
@@ -357,7 +406,16 @@ mod tests {
         assert!(err.to_string().contains("19 bytes"), "{err}");
         let err = repack("x", GgmlType::Q6K, &[0u8; 210], 1, 256, &[0]).unwrap_err();
         assert!(err.to_string().contains("Q6K"), "{err}");
-        let err = to_f16("x", GgmlType::F32, &1e6f32.to_le_bytes(), 1, 1, &[0]).unwrap_err();
+        let err = to_float(
+            "x",
+            GgmlType::F32,
+            &1e6f32.to_le_bytes(),
+            1,
+            1,
+            &[0],
+            FloatDtype::F16,
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("1000000"), "{err}");
     }
 
@@ -367,12 +425,16 @@ mod tests {
             .iter()
             .flat_map(|v| v.to_le_bytes())
             .collect();
-        let out = to_f16("n", GgmlType::F32, &data, 1, 3, &[0]).unwrap();
+        let out = to_float("n", GgmlType::F32, &data, 1, 3, &[0], FloatDtype::F16).unwrap();
         let vals: Vec<f32> = out
             .chunks_exact(2)
             .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
             .collect();
         assert_eq!(vals, vec![1.0, -2.5, f16::from_f32(0.1).to_f32()]);
+        let out = to_float("n", GgmlType::F32, &data, 1, 3, &[0], FloatDtype::F32).unwrap();
+        assert_eq!(out, data);
+        let wide = f16_bytes_as(FloatDtype::F32, f16::from_f32(0.5).to_le_bytes().to_vec());
+        assert_eq!(wide, 0.5f32.to_le_bytes());
     }
 
     #[test]
