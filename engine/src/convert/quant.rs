@@ -71,7 +71,7 @@ fn check_layout(
 ) -> Result<usize, ConvertError> {
     let (block, block_bytes) = ty.block_layout();
     let (block, block_bytes) = (block as usize, block_bytes as usize);
-    if cols % block != 0 {
+    if !cols.is_multiple_of(block) {
         return Err(ConvertError::Shape(format!(
             "{name}: row length {cols} is not a multiple of the {ty:?} block size {block}"
         )));
@@ -303,7 +303,7 @@ pub fn unpermute_qk_rows(
     rows: usize,
     n_heads: usize,
 ) -> Result<Vec<usize>, ConvertError> {
-    if n_heads == 0 || rows % n_heads != 0 || (rows / n_heads) % 2 != 0 {
+    if n_heads == 0 || !rows.is_multiple_of(n_heads) || !(rows / n_heads).is_multiple_of(2) {
         return Err(ConvertError::Shape(format!(
             "{name}: {rows} rows do not split into {n_heads} heads of an even size"
         )));
@@ -358,8 +358,8 @@ mod tests {
         assert_eq!(a.scales.len(), 2 * 2 * 2);
         // First word holds elements 0..8 of row 0, element i in bits 4i..4i+4.
         let w0 = u32::from_le_bytes(a.weight[0..4].try_into().unwrap());
-        for i in 0..8 {
-            assert_eq!((w0 >> (4 * i)) & 0xf, qa[i] as u32);
+        for (i, &q) in qa.iter().take(8).enumerate() {
+            assert_eq!((w0 >> (4 * i)) & 0xf, q as u32);
         }
         let mut expected = ggml_q4_1(0.5, -1.0, &qa);
         expected.extend(ggml_q4_1(0.25, 2.0, &qb));
