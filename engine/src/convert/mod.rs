@@ -508,7 +508,10 @@ mod tests {
         b
     }
 
-    fn load(dir: &Path) -> (Value, HashMap<String, (Dtype, Vec<usize>, Vec<u8>)>) {
+    /// name → (dtype, shape, bytes)
+    type Loaded = HashMap<String, (Dtype, Vec<usize>, Vec<u8>)>;
+
+    fn load(dir: &Path) -> (Value, Loaded) {
         let config: Value =
             serde_json::from_slice(&fs::read(dir.join("config.json")).unwrap()).unwrap();
         let bytes = fs::read(dir.join("model.safetensors")).unwrap();
