@@ -483,4 +483,38 @@ mod tests {
             assert!(top5.contains(&t));
         }
     }
+    #[test]
+    fn top_p_beyond_the_first_chunk_matches_a_full_sort() {
+        // 3000 nearly flat logits: the 0.5 nucleus holds over a thousand tokens, so the
+        // chunked selection has to grow several times.
+        let n = 3000;
+        let l: Vec<f32> = (0..n).map(|i| ((i * 1777) % n) as f32 / n as f32).collect();
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_by(|&a, &b| l[b].partial_cmp(&l[a]).unwrap());
+        let w: Vec<f64> = order.iter().map(|&i| (l[i] as f64 - 1.0).exp()).collect();
+        let total: f64 = w.iter().sum();
+        let mut cum = 0.0;
+        let keep = w.iter().position(|x| {
+            cum += x;
+            cum >= 0.5 * total
+        });
+        let nucleus: std::collections::HashSet<u32> = order[..keep.unwrap() + 1]
+            .iter()
+            .map(|&i| i as u32)
+            .collect();
+        assert!(nucleus.len() > 1000);
+        let mut s = Sampler::new(&params(|p| {
+            p.temperature = 1.0;
+            p.top_p = 0.5;
+        }))
+        .unwrap();
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..2000 {
+            let t = s.sample(&mut l.clone(), &[], 0).unwrap();
+            assert!(nucleus.contains(&t), "{t} outside the nucleus");
+            seen.insert(t);
+        }
+        // Draws spread over most of the nucleus (about 1 - e^-1.7 of it for 2000 draws).
+        assert!(seen.len() > nucleus.len() * 7 / 10, "{}", seen.len());
+    }
 }
