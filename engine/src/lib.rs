@@ -8,5 +8,6 @@ pub mod mlx_runtime;
 pub mod models;
 pub mod sampler;
 pub mod sampling;
+pub mod store;
 pub mod work;
 pub mod worker;

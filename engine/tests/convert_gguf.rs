@@ -155,6 +155,23 @@ fn converts_smollm2() {
         let dec = tok.decode(enc.get_ids(), false).unwrap();
         assert_eq!(dec, text, "round trip of {text:?} via {:?}", enc.get_ids());
     }
+    // The same ids as llama.cpp and Python `tokenizers` produce on the same strings
+    // (engine/tests/testdata/smollm2_tokens.json, written by convert_gguf_check.py).
+    let fixture: Vec<Value> = serde_json::from_str(include_str!("testdata/smollm2_tokens.json"))
+        .expect("token fixture parses");
+    assert!(fixture.len() >= 20);
+    for case in &fixture {
+        let text = case["text"].as_str().unwrap();
+        let want: Vec<u32> = case["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let enc = tok.encode(text, false).unwrap();
+        assert_eq!(enc.get_ids(), want.as_slice(), "ids of {text:?}");
+        assert_eq!(tok.decode(&want, false).unwrap(), text);
+    }
     // Digits are split one by one.
     let enc = tok.encode("12345", false).unwrap();
     assert_eq!(enc.get_ids().len(), 5);

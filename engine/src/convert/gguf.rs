@@ -478,7 +478,7 @@ impl GgufFile {
                     r.name
                 )));
             }
-            if r.offset % alignment != 0 {
+            if !r.offset.is_multiple_of(alignment) {
                 return Err(ConvertError::Malformed(format!(
                     "tensor {:?} data offset {} is not a multiple of the alignment {alignment}",
                     r.name, r.offset
@@ -495,7 +495,7 @@ impl GgufFile {
                     ))
                 })?;
             let (block, block_bytes) = r.ggml_type.block_layout();
-            if r.dims[0] % block != 0 {
+            if !r.dims[0].is_multiple_of(block) {
                 return Err(ConvertError::Malformed(format!(
                     "tensor {:?} ({:?}) inner dimension {} is not a multiple of the block size {block}",
                     r.name, r.ggml_type, r.dims[0]
@@ -689,7 +689,7 @@ pub(crate) mod tests {
                 out.extend_from_slice(&ty.to_le_bytes());
                 out.extend_from_slice(&off.to_le_bytes());
             }
-            while out.len() % 32 != 0 {
+            while !out.len().is_multiple_of(32) {
                 out.push(0);
             }
             let start = out.len();

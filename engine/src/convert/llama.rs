@@ -38,7 +38,7 @@ impl LlamaParams {
             Some(_) => usize_key(g, "llama.attention.head_count_kv")?,
             None => n_heads,
         };
-        if n_heads % n_kv_heads != 0 {
+        if !n_heads.is_multiple_of(n_kv_heads) {
             return Err(ConvertError::Unsupported(format!(
                 "llama.attention.head_count {n_heads} is not a multiple of head_count_kv {n_kv_heads}"
             )));
@@ -46,7 +46,7 @@ impl LlamaParams {
         let head_dim = match g.opt_u64("llama.attention.key_length")? {
             Some(_) => usize_key(g, "llama.attention.key_length")?,
             None => {
-                if hidden_size % n_heads != 0 {
+                if !hidden_size.is_multiple_of(n_heads) {
                     return Err(ConvertError::Unsupported(format!(
                         "llama.embedding_length {hidden_size} is not a multiple of head_count {n_heads}"
                     )));
@@ -207,6 +207,7 @@ pub fn config_json(
     tie_word_embeddings: bool,
     ids: SpecialIds,
     quantization: Option<Value>,
+    float_dtype: super::FloatDtype,
 ) -> Value {
     let mut c = json!({
         "architectures": ["LlamaForCausalLM"],
@@ -225,7 +226,7 @@ pub fn config_json(
         "hidden_act": "silu",
         "attention_bias": false,
         "mlp_bias": false,
-        "torch_dtype": "float16",
+        "torch_dtype": float_dtype.torch_name(),
         "bos_token_id": ids.bos,
         "eos_token_id": ids.eos,
     });

@@ -21,6 +21,14 @@ use serde_json::{json, Value};
 
 use gguf::{GgmlType, GgufFile};
 use llama::{LlamaParams, SpecialIds};
+pub use quant::FloatDtype;
+
+/// How to convert.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ConvertOptions {
+    /// The float type of unquantized tensors and of quantization scales and biases.
+    pub float_dtype: FloatDtype,
+}
 
 /// Why a conversion failed. Messages name the file, key, tensor or value at fault.
 #[derive(Debug, thiserror::Error)]
@@ -111,7 +119,15 @@ struct Weights {
     tie_word_embeddings: bool,
 }
 
-fn convert_tensors(g: &GgufFile, p: &LlamaParams) -> Result<Weights, ConvertError> {
+fn convert_tensors(
+    g: &GgufFile,
+    p: &LlamaParams,
+    float_dtype: FloatDtype,
+) -> Result<Weights, ConvertError> {
+    let float_st = match float_dtype {
+        FloatDtype::F16 => Dtype::F16,
+        FloatDtype::F32 => Dtype::F32,
+    };
     let mut tensors = BTreeMap::new();
     // module path → Some((bits, group size)) when quantized, None when a float matrix.
     let mut matrices: BTreeMap<String, Option<(u32, usize)>> = BTreeMap::new();
@@ -167,23 +183,31 @@ fn convert_tensors(g: &GgufFile, p: &LlamaParams) -> Result<Weights, ConvertErro
                     tensors.insert(
                         format!("{}.{suffix}", role.module),
                         OutTensor {
-                            dtype: Dtype::F16,
+                            dtype: float_st,
                             shape: vec![rows, groups],
-                            data: bytes,
+                            data: quant::f16_bytes_as(float_dtype, bytes),
                         },
                     );
                 }
                 matrices.insert(role.module, Some((q.bits, q.group_size)));
             }
             GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => {
-                let bytes = quant::to_f16(&info.name, info.ggml_type, data, rows, cols, &order)?;
+                let bytes = quant::to_float(
+                    &info.name,
+                    info.ggml_type,
+                    data,
+                    rows,
+                    cols,
+                    &order,
+                    float_dtype,
+                )?;
                 if hf_shape.len() == 2 {
                     matrices.insert(role.module.clone(), None);
                 }
                 tensors.insert(
                     format!("{}.weight", role.module),
                     OutTensor {
-                        dtype: Dtype::F16,
+                        dtype: float_st,
                         shape: hf_shape,
                         data: bytes,
                     },
@@ -263,8 +287,18 @@ fn write_json(path: &Path, v: &Value) -> Result<(), ConvertError> {
 }
 
 /// Converts the GGUF file at `gguf_path` into an MLX model directory at `out_dir`, which must
-/// not exist yet. On error nothing is left at `out_dir` or beside it.
+/// not exist yet, with the default options (f16). On error nothing is left at `out_dir` or
+/// beside it.
 pub fn convert_gguf(gguf_path: &Path, out_dir: &Path) -> Result<(), ConvertError> {
+    convert_gguf_with(gguf_path, out_dir, &ConvertOptions::default())
+}
+
+/// [`convert_gguf`] with explicit options.
+pub fn convert_gguf_with(
+    gguf_path: &Path,
+    out_dir: &Path,
+    opts: &ConvertOptions,
+) -> Result<(), ConvertError> {
     if out_dir.exists() {
         return Err(ConvertError::OutputExists(out_dir.to_path_buf()));
     }
@@ -275,7 +309,7 @@ pub fn convert_gguf(gguf_path: &Path, out_dir: &Path) -> Result<(), ConvertError
     }
     let params = LlamaParams::from_gguf(&g)?;
     let tok = tokenizer::build(&g, params.context_length)?;
-    let weights = convert_tensors(&g, &params)?;
+    let weights = convert_tensors(&g, &params, opts.float_dtype)?;
     let config = llama::config_json(
         &params,
         weights.tie_word_embeddings,
@@ -284,6 +318,7 @@ pub fn convert_gguf(gguf_path: &Path, out_dir: &Path) -> Result<(), ConvertError
             eos: tok.eos_id,
         },
         weights.quantization.clone(),
+        opts.float_dtype,
     );
 
     let parent = match out_dir.parent() {
@@ -334,4 +369,289 @@ pub fn convert_gguf(gguf_path: &Path, out_dir: &Path) -> Result<(), ConvertError
         let _ = d.sync_all();
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gguf::tests::GgufBuilder;
+    use super::*;
+    use half::f16;
+
+    const HIDDEN: u64 = 64;
+    const HEADS: u32 = 2;
+    const KV_HEADS: u32 = 1;
+    const HEAD_DIM: usize = 32;
+    const FFN: u64 = 96;
+    const TOKENS: [&str; 6] = ["<|endoftext|>", "<|im_start|>", "a", "b", "ab", "Ġ"];
+
+    /// Deterministic block data: `n_blocks` Q4_1/Q4_0/Q8_0 blocks with distinct contents.
+    fn blocks(ty: GgmlType, n_blocks: usize, salt: usize) -> Vec<u8> {
+        let (_, size) = ty.block_layout();
+        let mut out = Vec::new();
+        for b in 0..n_blocks {
+            let d = f16::from_f32(0.01 * ((b + salt) % 7 + 1) as f32);
+            out.extend_from_slice(&d.to_le_bytes());
+            if ty == GgmlType::Q4_1 {
+                out.extend_from_slice(&f16::from_f32(-0.05 * (b % 3) as f32).to_le_bytes());
+            }
+            while out.len() % size as usize != 0 {
+                out.push(((out.len() * 31 + b * 17 + salt) % 251) as u8);
+            }
+        }
+        out
+    }
+
+    fn f32s(n: usize, salt: usize) -> Vec<u8> {
+        (0..n)
+            .flat_map(|i| (1.0 + ((i + salt) % 5) as f32 * 0.25).to_le_bytes())
+            .collect()
+    }
+
+    /// A one-layer llama with every supported tensor type somewhere.
+    fn tiny_llama(add_bos: bool, extra: Option<(&str, u32)>) -> GgufBuilder {
+        let mut b = GgufBuilder::default();
+        b.kv_str("general.architecture", "llama")
+            .kv_u32("llama.block_count", 1)
+            .kv_u32("llama.context_length", 256)
+            .kv_u32("llama.embedding_length", HIDDEN as u32)
+            .kv_u32("llama.feed_forward_length", FFN as u32)
+            .kv_u32("llama.attention.head_count", HEADS)
+            .kv_u32("llama.attention.head_count_kv", KV_HEADS)
+            .kv_f32("llama.rope.freq_base", 10000.0)
+            .kv_f32("llama.attention.layer_norm_rms_epsilon", 1e-6)
+            .kv_str("tokenizer.ggml.model", "gpt2")
+            .kv_str("tokenizer.ggml.pre", "smollm")
+            .kv_str_array("tokenizer.ggml.tokens", &TOKENS)
+            .kv_i32_array("tokenizer.ggml.token_type", &[3, 3, 1, 1, 1, 1])
+            .kv_str_array("tokenizer.ggml.merges", &["a b"])
+            .kv_u32("tokenizer.ggml.bos_token_id", 1)
+            .kv_u32("tokenizer.ggml.eos_token_id", 0)
+            .kv_bool("tokenizer.ggml.add_bos_token", add_bos)
+            .kv_str("tokenizer.chat_template", "{{ messages }}");
+        let v = TOKENS.len() as u64;
+        let blocks_of = |rows: u64, cols: u64| (rows * cols / 32) as usize;
+        let q_rows = HEADS as u64 * HEAD_DIM as u64;
+        let kv_rows = KV_HEADS as u64 * HEAD_DIM as u64;
+        b.tensor(
+            "token_embd.weight",
+            &[HIDDEN, v],
+            8,
+            blocks(GgmlType::Q8_0, blocks_of(v, HIDDEN), 1),
+        )
+        .tensor(
+            "output.weight",
+            &[HIDDEN, v],
+            8,
+            blocks(GgmlType::Q8_0, blocks_of(v, HIDDEN), 2),
+        )
+        .tensor("output_norm.weight", &[HIDDEN], 0, f32s(HIDDEN as usize, 3))
+        .tensor(
+            "blk.0.attn_norm.weight",
+            &[HIDDEN],
+            0,
+            f32s(HIDDEN as usize, 4),
+        )
+        .tensor(
+            "blk.0.ffn_norm.weight",
+            &[HIDDEN],
+            0,
+            f32s(HIDDEN as usize, 5),
+        )
+        .tensor(
+            "blk.0.attn_q.weight",
+            &[HIDDEN, q_rows],
+            3,
+            blocks(GgmlType::Q4_1, blocks_of(q_rows, HIDDEN), 6),
+        )
+        .tensor(
+            "blk.0.attn_k.weight",
+            &[HIDDEN, kv_rows],
+            2,
+            blocks(GgmlType::Q4_0, blocks_of(kv_rows, HIDDEN), 7),
+        )
+        .tensor(
+            "blk.0.attn_v.weight",
+            &[HIDDEN, kv_rows],
+            1,
+            (0..kv_rows * HIDDEN)
+                .flat_map(|i| f16::from_f32(i as f32 / 64.0).to_le_bytes())
+                .collect(),
+        )
+        .tensor(
+            "blk.0.attn_output.weight",
+            &[q_rows, HIDDEN],
+            3,
+            blocks(GgmlType::Q4_1, blocks_of(HIDDEN, q_rows), 8),
+        )
+        .tensor(
+            "blk.0.ffn_gate.weight",
+            &[HIDDEN, FFN],
+            3,
+            blocks(GgmlType::Q4_1, blocks_of(FFN, HIDDEN), 9),
+        )
+        .tensor(
+            "blk.0.ffn_up.weight",
+            &[HIDDEN, FFN],
+            3,
+            blocks(GgmlType::Q4_1, blocks_of(FFN, HIDDEN), 10),
+        )
+        .tensor(
+            "blk.0.ffn_down.weight",
+            &[FFN, HIDDEN],
+            3,
+            blocks(GgmlType::Q4_1, blocks_of(HIDDEN, FFN), 11),
+        );
+        if let Some((name, ty)) = extra {
+            let (_, size) = GgmlType::Q6K.block_layout();
+            b.tensor(name, &[256], ty, vec![0u8; size as usize]);
+        }
+        b
+    }
+
+    /// name → (dtype, shape, bytes)
+    type Loaded = HashMap<String, (Dtype, Vec<usize>, Vec<u8>)>;
+
+    fn load(dir: &Path) -> (Value, Loaded) {
+        let config: Value =
+            serde_json::from_slice(&fs::read(dir.join("config.json")).unwrap()).unwrap();
+        let bytes = fs::read(dir.join("model.safetensors")).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let tensors = st
+            .tensors()
+            .into_iter()
+            .map(|(n, t)| (n, (t.dtype(), t.shape().to_vec(), t.data().to_vec())))
+            .collect();
+        (config, tensors)
+    }
+
+    #[test]
+    fn converts_a_tiny_llama_end_to_end() {
+        let tmp = tempfile::tempdir().unwrap();
+        let src = tmp.path().join("tiny.gguf");
+        let b = tiny_llama(true, None);
+        b.write(&src);
+        let out = tmp.path().join("out");
+        convert_gguf(&src, &out).unwrap();
+        let (config, t) = load(&out);
+
+        assert_eq!(config["tie_word_embeddings"], false);
+        assert_eq!(config["head_dim"], HEAD_DIM);
+        assert_eq!(config["num_key_value_heads"], KV_HEADS);
+        assert_eq!(config["vocab_size"], TOKENS.len());
+        assert_eq!(config["bos_token_id"], 1);
+        let q = &config["quantization"];
+        assert_eq!(
+            (q["bits"].as_u64(), q["group_size"].as_u64()),
+            (Some(4), Some(32))
+        );
+        assert_eq!(q["model.embed_tokens"]["bits"], 8);
+        assert_eq!(q["lm_head"]["bits"], 8);
+        assert_eq!(q["model.layers.0.self_attn.v_proj"], false);
+        assert!(q.get("model.layers.0.self_attn.k_proj").is_none());
+        // 2 norms + final norm + v (float) + 8 quantized matrices x 3.
+        assert_eq!(t.len(), 4 + 8 * 3);
+        assert_eq!(t["lm_head.weight"].1, vec![TOKENS.len(), 16]);
+        assert_eq!(t["model.layers.0.self_attn.v_proj.weight"].0, Dtype::F16);
+        assert_eq!(t["model.layers.0.mlp.down_proj.weight"].1, vec![64, 12]);
+
+        // Q rows arrive un-permuted, whole, with their own scales: output row r of head h is
+        // GGUF row h*hd + 2i + j where r = h*hd + j*hd/2 + i.
+        let g = GgufFile::open(&src).unwrap();
+        let info = g
+            .tensors
+            .iter()
+            .find(|t| t.name == "blk.0.attn_q.weight")
+            .unwrap();
+        let rows = HEADS as usize * HEAD_DIM;
+        let identity: Vec<usize> = (0..rows).collect();
+        let plain = quant::repack(
+            "q",
+            GgmlType::Q4_1,
+            g.tensor_data(info),
+            rows,
+            64,
+            &identity,
+        )
+        .unwrap()
+        .dequantize();
+        let (_, shape, w) = &t["model.layers.0.self_attn.q_proj.weight"];
+        let got = quant::AffineQuant {
+            bits: 4,
+            group_size: 32,
+            rows: shape[0],
+            cols: 64,
+            weight: w.clone(),
+            scales: t["model.layers.0.self_attn.q_proj.scales"].2.clone(),
+            biases: t["model.layers.0.self_attn.q_proj.biases"].2.clone(),
+        }
+        .dequantize();
+        let half = HEAD_DIM / 2;
+        for h in 0..HEADS as usize {
+            for j in 0..2 {
+                for i in 0..half {
+                    let r = h * HEAD_DIM + j * half + i;
+                    let src_row = h * HEAD_DIM + 2 * i + j;
+                    assert_eq!(
+                        got[r * 64..(r + 1) * 64],
+                        plain[src_row * 64..(src_row + 1) * 64]
+                    );
+                }
+            }
+        }
+
+        // The tokenizer loads in the `tokenizers` crate, merges, and adds BOS as asked.
+        let tok = tokenizers::Tokenizer::from_file(out.join("tokenizer.json")).unwrap();
+        assert_eq!(tok.encode("ab", false).unwrap().get_ids(), &[4]);
+        assert_eq!(tok.encode("ab", true).unwrap().get_ids(), &[1, 4]);
+        assert_eq!(
+            tok.encode("<|endoftext|>ab", false).unwrap().get_ids(),
+            &[0, 4]
+        );
+        let tc: Value =
+            serde_json::from_slice(&fs::read(out.join("tokenizer_config.json")).unwrap()).unwrap();
+        assert_eq!(tc["add_bos_token"], true);
+        assert_eq!(tc["bos_token"], "<|im_start|>");
+        assert_eq!(tc["chat_template"], "{{ messages }}");
+        assert_eq!(tc["model_max_length"], 256);
+
+        // f32 output: same structure, wider floats.
+        let out32 = tmp.path().join("out32");
+        let opts = ConvertOptions {
+            float_dtype: FloatDtype::F32,
+        };
+        convert_gguf_with(&src, &out32, &opts).unwrap();
+        let (config32, t32) = load(&out32);
+        assert_eq!(config32["torch_dtype"], "float32");
+        assert_eq!(t32["model.norm.weight"].0, Dtype::F32);
+        assert_eq!(t32["lm_head.scales"].0, Dtype::F32);
+        assert_eq!(t32["lm_head.weight"].2, t["lm_head.weight"].2);
+    }
+
+    #[test]
+    fn unknown_or_unsupported_tensors_fail_without_leftovers() {
+        let tmp = tempfile::tempdir().unwrap();
+        for (extra, needle) in [
+            (("blk.0.attn_qkv.weight", 14), "blk.0.attn_qkv.weight"),
+            (("output_norm.bias", 14), "output_norm.bias"),
+        ] {
+            let src = tmp.path().join("bad.gguf");
+            tiny_llama(false, Some(extra)).write(&src);
+            let out = tmp.path().join("out");
+            let e = convert_gguf(&src, &out).unwrap_err();
+            assert!(e.to_string().contains(needle), "{e}");
+            assert!(!out.exists());
+        }
+        // Another architecture.
+        let mut b = GgufBuilder::default();
+        b.kv_str("general.architecture", "falcon");
+        let src = tmp.path().join("falcon.gguf");
+        b.write(&src);
+        let e = convert_gguf(&src, &tmp.path().join("out")).unwrap_err();
+        assert!(e.to_string().contains("\"falcon\""), "{e}");
+        let names: Vec<_> = fs::read_dir(tmp.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(names.iter().all(|n| n.ends_with(".gguf")), "{names:?}");
+    }
 }

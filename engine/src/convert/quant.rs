@@ -71,7 +71,7 @@ fn check_layout(
 ) -> Result<usize, ConvertError> {
     let (block, block_bytes) = ty.block_layout();
     let (block, block_bytes) = (block as usize, block_bytes as usize);
-    if cols % block != 0 {
+    if !cols.is_multiple_of(block) {
         return Err(ConvertError::Shape(format!(
             "{name}: row length {cols} is not a multiple of the {ty:?} block size {block}"
         )));
@@ -191,15 +191,55 @@ fn pack_nibbles(qs: &[u8], out: &mut Vec<u8>) {
     }
 }
 
-/// Converts an F32, F16 or BF16 tensor of `rows x cols` to f16 bytes, writing source row
+/// The float type written for unquantized tensors and for scales and biases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FloatDtype {
+    /// GGML's own precision for scales and biases; half the size of f32.
+    #[default]
+    F16,
+    /// For backends where f16 arithmetic is slow (MLX's CPU build: quantized matmuls with f16
+    /// scales measured ~50x slower than with f32).
+    F32,
+}
+
+impl FloatDtype {
+    pub fn bytes(self) -> usize {
+        match self {
+            FloatDtype::F16 => 2,
+            FloatDtype::F32 => 4,
+        }
+    }
+
+    /// The name config.json's `torch_dtype` uses.
+    pub fn torch_name(self) -> &'static str {
+        match self {
+            FloatDtype::F16 => "float16",
+            FloatDtype::F32 => "float32",
+        }
+    }
+}
+
+/// Widens little-endian f16 bytes to f32 bytes when `dtype` asks for it (exact).
+pub fn f16_bytes_as(dtype: FloatDtype, bytes: Vec<u8>) -> Vec<u8> {
+    match dtype {
+        FloatDtype::F16 => bytes,
+        FloatDtype::F32 => bytes
+            .chunks_exact(2)
+            .flat_map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32().to_le_bytes())
+            .collect(),
+    }
+}
+
+/// Converts an F32, F16 or BF16 tensor of `rows x cols` to `dtype` bytes, writing source row
 /// `row_order[i]` as output row `i`. A finite value too large for f16 is an error.
-pub fn to_f16(
+pub fn to_float(
     name: &str,
     ty: GgmlType,
     data: &[u8],
     rows: usize,
     cols: usize,
     row_order: &[usize],
+    dtype: FloatDtype,
 ) -> Result<Vec<u8>, ConvertError> {
     if !matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16) {
         return Err(ConvertError::UnsupportedTensorType {
@@ -208,7 +248,14 @@ pub fn to_f16(
         });
     }
     let row_bytes = check_layout(name, ty, data, rows, cols, row_order)?;
-    let mut out = Vec::with_capacity(rows * cols * 2);
+    let mut out = Vec::with_capacity(rows * cols * dtype.bytes());
+    let mut push = |v: f32| -> Result<(), ConvertError> {
+        match dtype {
+            FloatDtype::F16 => out.extend_from_slice(&checked_f16(name, v)?.to_le_bytes()),
+            FloatDtype::F32 => out.extend_from_slice(&v.to_le_bytes()),
+        }
+        Ok(())
+    };
     for &src in row_order {
         if src >= rows {
             return Err(ConvertError::Shape(format!(
@@ -217,17 +264,19 @@ pub fn to_f16(
         }
         let row = &data[src * row_bytes..(src + 1) * row_bytes];
         match ty {
-            GgmlType::F16 => out.extend_from_slice(row),
+            GgmlType::F16 => {
+                for b in row.chunks_exact(2) {
+                    push(f16::from_le_bytes([b[0], b[1]]).to_f32())?;
+                }
+            }
             GgmlType::F32 => {
                 for b in row.chunks_exact(4) {
-                    let v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                    out.extend_from_slice(&checked_f16(name, v)?.to_le_bytes());
+                    push(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))?;
                 }
             }
             GgmlType::Bf16 => {
                 for b in row.chunks_exact(2) {
-                    let v = bf16::from_le_bytes([b[0], b[1]]).to_f32();
-                    out.extend_from_slice(&checked_f16(name, v)?.to_le_bytes());
+                    push(bf16::from_le_bytes([b[0], b[1]]).to_f32())?;
                 }
             }
             _ => unreachable!("checked above"),
@@ -254,7 +303,7 @@ pub fn unpermute_qk_rows(
     rows: usize,
     n_heads: usize,
 ) -> Result<Vec<usize>, ConvertError> {
-    if n_heads == 0 || rows % n_heads != 0 || (rows / n_heads) % 2 != 0 {
+    if n_heads == 0 || !rows.is_multiple_of(n_heads) || !(rows / n_heads).is_multiple_of(2) {
         return Err(ConvertError::Shape(format!(
             "{name}: {rows} rows do not split into {n_heads} heads of an even size"
         )));
@@ -309,8 +358,8 @@ mod tests {
         assert_eq!(a.scales.len(), 2 * 2 * 2);
         // First word holds elements 0..8 of row 0, element i in bits 4i..4i+4.
         let w0 = u32::from_le_bytes(a.weight[0..4].try_into().unwrap());
-        for i in 0..8 {
-            assert_eq!((w0 >> (4 * i)) & 0xf, qa[i] as u32);
+        for (i, &q) in qa.iter().take(8).enumerate() {
+            assert_eq!((w0 >> (4 * i)) & 0xf, q as u32);
         }
         let mut expected = ggml_q4_1(0.5, -1.0, &qa);
         expected.extend(ggml_q4_1(0.25, 2.0, &qb));
@@ -357,7 +406,16 @@ mod tests {
         assert!(err.to_string().contains("19 bytes"), "{err}");
         let err = repack("x", GgmlType::Q6K, &[0u8; 210], 1, 256, &[0]).unwrap_err();
         assert!(err.to_string().contains("Q6K"), "{err}");
-        let err = to_f16("x", GgmlType::F32, &1e6f32.to_le_bytes(), 1, 1, &[0]).unwrap_err();
+        let err = to_float(
+            "x",
+            GgmlType::F32,
+            &1e6f32.to_le_bytes(),
+            1,
+            1,
+            &[0],
+            FloatDtype::F16,
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("1000000"), "{err}");
     }
 
@@ -367,12 +425,16 @@ mod tests {
             .iter()
             .flat_map(|v| v.to_le_bytes())
             .collect();
-        let out = to_f16("n", GgmlType::F32, &data, 1, 3, &[0]).unwrap();
+        let out = to_float("n", GgmlType::F32, &data, 1, 3, &[0], FloatDtype::F16).unwrap();
         let vals: Vec<f32> = out
             .chunks_exact(2)
             .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
             .collect();
         assert_eq!(vals, vec![1.0, -2.5, f16::from_f32(0.1).to_f32()]);
+        let out = to_float("n", GgmlType::F32, &data, 1, 3, &[0], FloatDtype::F32).unwrap();
+        assert_eq!(out, data);
+        let wide = f16_bytes_as(FloatDtype::F32, f16::from_f32(0.5).to_le_bytes().to_vec());
+        assert_eq!(wide, 0.5f32.to_le_bytes());
     }
 
     #[test]

