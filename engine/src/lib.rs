@@ -3,3 +3,6 @@
 pub mod mlx_runtime;
 pub mod sampling;
 pub mod work;
+pub mod chat_template;
+pub mod detokenizer;
+pub mod tokenizer;
