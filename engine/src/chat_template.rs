@@ -171,7 +171,9 @@ fn message_json(m: &ChatMessage) -> Json {
     obj.insert("role".into(), Json::from(m.role.as_str()));
     obj.insert(
         "content".into(),
-        m.content.as_ref().map_or(Json::Null, |c| Json::from(c.to_text())),
+        m.content
+            .as_ref()
+            .map_or(Json::Null, |c| Json::from(c.to_text())),
     );
     if let Some(name) = &m.name {
         obj.insert("name".into(), Json::from(name.as_str()));
@@ -211,7 +213,9 @@ fn replace_generation_tags(source: &str) -> String {
         };
         let inner = &tag[2..end];
         let open_ctl = inner.starts_with(['-', '+']).then(|| &inner[..1]);
-        let close_ctl = inner.ends_with(['-', '+']).then(|| &inner[inner.len() - 1..]);
+        let close_ctl = inner
+            .ends_with(['-', '+'])
+            .then(|| &inner[inner.len() - 1..]);
         let word = inner.trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace());
         let replacement = match word {
             "generation" => Some("if true"),
@@ -271,12 +275,7 @@ fn strftime_now(format: String) -> Result<String, minijinja::Error> {
             return Err(bad("strftime_now: cannot read the local time"));
         }
         let mut buf = vec![0u8; 256];
-        let n = libc::strftime(
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-            c_format.as_ptr(),
-            &tm,
-        );
+        let n = libc::strftime(buf.as_mut_ptr().cast(), buf.len(), c_format.as_ptr(), &tm);
         if n == 0 && !c_format.as_bytes().is_empty() {
             return Err(bad("strftime_now: the formatted time is empty or too long"));
         }
@@ -490,12 +489,7 @@ mod tests {
     }
 
     fn render(src: &str, messages: Json) -> Result<String, ChatTemplateError> {
-        template(src).render_json(
-            messages.as_array().unwrap(),
-            None,
-            true,
-            &Map::new(),
-        )
+        template(src).render_json(messages.as_array().unwrap(), None, true, &Map::new())
     }
 
     #[test]
@@ -506,7 +500,8 @@ mod tests {
             let tpl = tok.chat_template().unwrap();
             let want = expected(name);
             for case in want["conversations"].as_array().unwrap() {
-                let tools: Option<Vec<Json>> = serde_json::from_value(case["tools"].clone()).unwrap();
+                let tools: Option<Vec<Json>> =
+                    serde_json::from_value(case["tools"].clone()).unwrap();
                 let got = tpl.render_json(
                     case["messages"].as_array().unwrap(),
                     tools.as_deref(),
@@ -568,7 +563,9 @@ mod tests {
             json!([]),
         )
         .unwrap_err();
-        assert!(matches!(&err, ChatTemplateError::Raised(m) if m == "Only user and assistant roles are supported!"));
+        assert!(
+            matches!(&err, ChatTemplateError::Raised(m) if m == "Only user and assistant roles are supported!")
+        );
         assert_eq!(
             err.to_string(),
             "the chat template rejected the messages: Only user and assistant roles are supported!"
@@ -579,8 +576,8 @@ mod tests {
 
     #[test]
     fn syntax_errors_and_missing_default_are_reported() {
-        let err =
-            ChatTemplate::new(TemplateSource::Single("{% if %}".into()), BTreeMap::new()).unwrap_err();
+        let err = ChatTemplate::new(TemplateSource::Single("{% if %}".into()), BTreeMap::new())
+            .unwrap_err();
         assert!(matches!(err, ChatTemplateError::Syntax { .. }), "{err:?}");
         let named = BTreeMap::from([("rag".to_owned(), "x".to_owned())]);
         let err = ChatTemplate::new(TemplateSource::Named(named), BTreeMap::new()).unwrap_err();
@@ -599,7 +596,9 @@ mod tests {
         let tpl = template(
             "{{ tools[0] | tojson }}|{{ tools[0].list | tojson(indent=2) }}|{{ {'b': [1, 2], 'a': 'x'} | tojson(indent=2, sort_keys=true) }}|{{ 'é' | tojson(ensure_ascii=true) }}",
         );
-        let out = tpl.render_json(&[], Some(&tools), false, &Map::new()).unwrap();
+        let out = tpl
+            .render_json(&[], Some(&tools), false, &Map::new())
+            .unwrap();
         assert_eq!(
             out,
             "{\"name\": \"f\", \"n\": 1, \"x\": 2.5, \"y\": 7.0, \"ok\": true, \"none\": null, \
@@ -620,7 +619,11 @@ mod tests {
 
     #[test]
     fn strftime_now_and_special_tokens() {
-        let out = render("{{ bos_token }}{{ strftime_now('%Y') }}{{ eos_token }}", json!([])).unwrap();
+        let out = render(
+            "{{ bos_token }}{{ strftime_now('%Y') }}{{ eos_token }}",
+            json!([]),
+        )
+        .unwrap();
         let year: i32 = out[3..7].parse().unwrap();
         assert!(year >= 2024, "{out}");
         assert!(out.starts_with("<s>") && out.ends_with("</s>"));

@@ -182,7 +182,10 @@ mod tests {
         for (name, text) in [("qwen3", "🫠"), ("llama3", "🐍"), ("gemma3", "𝔘")] {
             let tok = load_fixture(name);
             let ids = tok.encode(text, false).unwrap();
-            assert!(ids.len() > 1, "{name}: {text} should take several tokens, got {ids:?}");
+            assert!(
+                ids.len() > 1,
+                "{name}: {text} should take several tokens, got {ids:?}"
+            );
             let mut detok = Detokenizer::new(tok.clone(), true);
             for &id in &ids[..ids.len() - 1] {
                 assert_eq!(detok.push(id).unwrap(), Delta::default(), "{name}");
@@ -225,7 +228,9 @@ mod tests {
     fn prior_ids_are_not_emitted_again() {
         for name in FIXTURES {
             let tok = load_fixture(name);
-            let ids = tok.encode("The quick brown fox jumps over 🦊 the dog", false).unwrap();
+            let ids = tok
+                .encode("The quick brown fox jumps over 🦊 the dog", false)
+                .unwrap();
             let split = ids.len() / 2;
             let mut detok = Detokenizer::with_prior(tok.clone(), true, &ids[..split]);
             let mut text = String::new();

@@ -271,7 +271,12 @@ fn template_source(dir: &Path, config: &Value) -> Result<Option<TemplateSource>,
     match std::fs::read_to_string(&jinja) {
         Ok(text) => return Ok(Some(TemplateSource::Single(text))),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(source) => return Err(TokenizerError::Read { path: jinja, source }),
+        Err(source) => {
+            return Err(TokenizerError::Read {
+                path: jinja,
+                source,
+            })
+        }
     }
     let config_path = dir.join("tokenizer_config.json");
     if let Some(source) = template_value(&config_path, config.get("chat_template"))? {
@@ -455,7 +460,11 @@ pub(crate) mod tests {
             r#"{"eos_token_id": [128001, 128009]}"#,
         )
         .unwrap();
-        std::fs::write(dir.path().join("config.json"), r#"{"eos_token_id": 128008}"#).unwrap();
+        std::fs::write(
+            dir.path().join("config.json"),
+            r#"{"eos_token_id": 128008}"#,
+        )
+        .unwrap();
         let tok = Tokenizer::from_dir(dir.path()).unwrap();
         assert_eq!(tok.stop_token_ids(), &[128001, 128008, 128009]);
 
@@ -496,7 +505,11 @@ pub(crate) mod tests {
         assert_eq!(text, "TOOLS1");
 
         // chat_template.jinja wins over the config.
-        std::fs::write(dir.path().join("chat_template.jinja"), "J{{ messages | length }}").unwrap();
+        std::fs::write(
+            dir.path().join("chat_template.jinja"),
+            "J{{ messages | length }}",
+        )
+        .unwrap();
         let tok = Tokenizer::from_dir(dir.path()).unwrap();
         assert_eq!(tok.encode_chat(&user, None, true).unwrap().0, "J1");
     }

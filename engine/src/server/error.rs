@@ -2,7 +2,9 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use mlxd_protocol::error::{ErrorBody, INVALID_REQUEST_ERROR, SERVER_ERROR, SERVICE_UNAVAILABLE_ERROR};
+use mlxd_protocol::error::{
+    ErrorBody, INVALID_REQUEST_ERROR, SERVER_ERROR, SERVICE_UNAVAILABLE_ERROR,
+};
 
 use crate::chat_template::ChatTemplateError;
 use crate::tokenizer::TokenizerError;
@@ -95,7 +97,9 @@ impl ApiError {
                 body.error.code = code.map(str::to_owned);
             }
             ApiError::NotFound { .. } => body.error.code = Some("unknown_url".into()),
-            ApiError::MethodNotAllowed { .. } => body.error.code = Some("method_not_allowed".into()),
+            ApiError::MethodNotAllowed { .. } => {
+                body.error.code = Some("method_not_allowed".into())
+            }
             ApiError::TooLarge { .. } => body.error.code = Some("request_too_large".into()),
             _ => {}
         }
@@ -142,7 +146,11 @@ mod tests {
     fn the_error_table() {
         let cases = [
             (ApiError::invalid("n", "x"), 400, "invalid_request_error"),
-            (ApiError::TooLarge { limit: 1 }, 413, "invalid_request_error"),
+            (
+                ApiError::TooLarge { limit: 1 },
+                413,
+                "invalid_request_error",
+            ),
             (
                 ApiError::NotFound {
                     method: "GET".into(),
@@ -159,7 +167,11 @@ mod tests {
                 405,
                 "invalid_request_error",
             ),
-            (ApiError::Unavailable("gone".into()), 503, "service_unavailable_error"),
+            (
+                ApiError::Unavailable("gone".into()),
+                503,
+                "service_unavailable_error",
+            ),
             (ApiError::Generation("oom".into()), 500, "server_error"),
             (ApiError::Internal("bug".into()), 500, "server_error"),
         ];
