@@ -150,7 +150,7 @@ impl Harness {
         assert_eq!(resp.status(), StatusCode::OK);
         assert_eq!(resp.headers()["content-type"], "text/event-stream");
         let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-        parse_sse(&String::from_utf8(bytes.to_vec()).unwrap())
+        parse_sse(std::str::from_utf8(&bytes).unwrap())
     }
 
     async fn stop(mut self) {
