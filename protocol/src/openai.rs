@@ -83,6 +83,21 @@ pub struct GenerationParams {
     /// Number of choices; only 1 is supported.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub n: Option<i64>,
+    /// mlxd extension (used by the proxy to resume a stream on a restarted engine).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mlxd: Option<RequestExtension>,
+}
+
+/// The `mlxd` request extension.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RequestExtension {
+    /// Continue a response whose first tokens were already generated and sent: these ids are
+    /// appended to the prompt as a forced continuation, their text is not sent again, they
+    /// count towards `max_tokens` and `usage.completion_tokens`, and a resumed chat stream
+    /// starts without the opening `role` chunk. Exactly the concatenated `mlxd.token_ids` of
+    /// the chunks already received.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub resume_token_ids: Vec<u32>,
 }
 
 impl GenerationParams {
@@ -93,6 +108,13 @@ impl GenerationParams {
 
     pub fn is_stream(&self) -> bool {
         self.stream.unwrap_or(false)
+    }
+
+    /// The ids of an earlier, interrupted generation to continue from (empty: none).
+    pub fn resume_token_ids(&self) -> &[u32] {
+        self.mlxd
+            .as_ref()
+            .map_or(&[], |m| m.resume_token_ids.as_slice())
     }
 
     pub fn include_usage(&self) -> bool {
@@ -415,6 +437,18 @@ mod tests {
         assert_eq!(p.requested_max_tokens(), Some(-1));
         assert!(!p.is_stream());
         assert!(!p.include_usage());
+    }
+
+    #[test]
+    fn resume_extension() {
+        let p: GenerationParams =
+            serde_json::from_value(json!({"mlxd": {"resume_token_ids": [4, 5]}})).unwrap();
+        assert_eq!(p.resume_token_ids(), &[4, 5]);
+        assert_eq!(
+            serde_json::to_value(&p).unwrap(),
+            json!({"mlxd": {"resume_token_ids": [4, 5]}})
+        );
+        assert!(GenerationParams::default().resume_token_ids().is_empty());
     }
 
     #[test]

@@ -27,8 +27,15 @@ pub enum Step {
 
 /// A validated request, ready to go to the MLX thread.
 pub struct Submission {
+    /// Its prompt ends with `resumed`.
     pub request: GenerateRequest,
+    /// The receiving half of `request.events`.
+    pub events: mpsc::UnboundedReceiver<TokenEvent>,
+    /// Stop strings (none empty).
     pub stops: Vec<String>,
+    /// Ids of an interrupted earlier generation that this one continues; their text was
+    /// already sent and is not sent again, but they count as generated tokens.
+    pub resumed: Vec<u32>,
 }
 
 pub struct Generation {
@@ -36,32 +43,39 @@ pub struct Generation {
     peeked: Option<TokenEvent>,
     detok: Detokenizer,
     stops: StopMatcher,
+    /// As the MLX thread counts them, resumed ids included.
     prompt_tokens: usize,
     cached_tokens: usize,
     completion_tokens: usize,
+    resumed: usize,
     done: bool,
 }
 
 impl Generation {
-    /// Sends `request` to the MLX thread. `stops` are the request's stop strings.
+    /// Sends the request to the MLX thread.
     pub fn start(
         work: &WorkSender,
         tokenizer: Arc<Tokenizer>,
-        request: GenerateRequest,
-        events: mpsc::UnboundedReceiver<TokenEvent>,
-        stops: Vec<String>,
+        submission: Submission,
     ) -> Result<Self, ApiError> {
+        let Submission {
+            request,
+            events,
+            stops,
+            resumed,
+        } = submission;
         let prompt_tokens = request.prompt.len();
         work.send(request)
             .map_err(|_| ApiError::Unavailable("the model thread has stopped".into()))?;
         Ok(Self {
             events,
             peeked: None,
-            detok: Detokenizer::new(tokenizer, true),
+            detok: Detokenizer::with_prior(tokenizer, true, &resumed),
             stops: StopMatcher::new(stops),
             prompt_tokens,
             cached_tokens: 0,
             completion_tokens: 0,
+            resumed: resumed.len(),
             done: false,
         })
     }
@@ -150,12 +164,14 @@ impl Generation {
         None
     }
 
-    /// Token counts so far (final once `next` has returned `Finished`).
+    /// Token counts so far (final once `next` has returned `Finished`). Resumed ids count as
+    /// completion tokens, not prompt tokens, so a resumed response reports the whole response.
     pub fn usage(&self) -> Usage {
+        let prompt = self.prompt_tokens.saturating_sub(self.resumed);
         Usage::new(
-            self.prompt_tokens as u64,
-            self.completion_tokens as u64,
-            self.cached_tokens as u64,
+            prompt as u64,
+            (self.completion_tokens + self.resumed) as u64,
+            self.cached_tokens.min(prompt) as u64,
         )
     }
 

@@ -113,6 +113,8 @@ pub struct Settings {
     pub stops: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
+    /// Ids to continue from (the `mlxd.resume_token_ids` extension).
+    pub resume: Vec<u32>,
 }
 
 /// Checks the shared parameters; every error names its field and the limit it broke.
@@ -224,12 +226,34 @@ pub fn validate(params: &GenerationParams, tokenizer: &Tokenizer) -> Result<Sett
             ),
         ));
     }
+    let resume = params.resume_token_ids().to_vec();
+    if let Some(bad) = resume.iter().find(|&&id| !tokenizer.contains_id(id)) {
+        return Err(ApiError::invalid(
+            "mlxd.resume_token_ids",
+            format!(
+                "resume token id {bad} is not in the vocabulary (size {})",
+                tokenizer.vocab_size()
+            ),
+        ));
+    }
+    if let Some(max) = max_tokens {
+        if resume.len() >= max {
+            return Err(ApiError::invalid(
+                "mlxd.resume_token_ids",
+                format!(
+                    "{} resumed tokens leave nothing to generate within max_tokens = {max}",
+                    resume.len()
+                ),
+            ));
+        }
+    }
     Ok(Settings {
         sampling,
         max_tokens,
         stops,
         stream: params.is_stream(),
         include_usage: params.include_usage(),
+        resume,
     })
 }
 

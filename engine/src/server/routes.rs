@@ -18,7 +18,7 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 
 use super::error::ApiError;
-use super::generation::{Generation, Step};
+use super::generation::{Generation, Step, Submission};
 use super::request::{completion_prompt, token_budget, validate, OpenAiJson, Settings};
 use super::ServerState;
 use crate::detokenizer::Delta;
@@ -40,6 +40,7 @@ fn ids_ext(ids: Vec<u32>) -> Option<TokenIds> {
 
 /// Tokenized and validated: what both completion routes hand to [`respond`].
 struct Job {
+    /// Ends with `settings.resume`.
     prompt: Vec<u32>,
     settings: Settings,
     max_tokens: usize,
@@ -47,13 +48,15 @@ struct Job {
 
 fn job(
     state: &ServerState,
-    prompt: Vec<u32>,
+    mut prompt: Vec<u32>,
     settings: Settings,
     param: &str,
 ) -> Result<Job, ApiError> {
+    let resumed = settings.resume.len();
+    prompt.extend_from_slice(&settings.resume);
     let max_tokens = token_budget(
         prompt.len(),
-        settings.max_tokens,
+        settings.max_tokens.map(|m| m - resumed),
         state.context_length,
         param,
     )?;
@@ -73,14 +76,23 @@ fn start(state: &ServerState, job: Job) -> Result<(Generation, Settings), ApiErr
         stop_token_ids: state.tokenizer.stop_token_ids().to_vec(),
         events: events_tx,
     };
-    let generation = Generation::start(
-        &state.work,
-        state.tokenizer.clone(),
+    let submission = Submission {
         request,
-        events_rx,
-        job.settings.stops.clone(),
-    )?;
+        events: events_rx,
+        stops: job.settings.stops.clone(),
+        resumed: job.settings.resume.clone(),
+    };
+    let generation = Generation::start(&state.work, state.tokenizer.clone(), submission)?;
     Ok((generation, job.settings))
+}
+
+/// Runs tokenizer work (which takes milliseconds on long prompts) off the async threads.
+async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| ApiError::Internal(format!("tokenizer task failed: {e}")))?
 }
 
 pub(super) async fn chat_completions(
@@ -94,9 +106,12 @@ pub(super) async fn chat_completions(
         ));
     }
     let settings = validate(&req.params, &state.tokenizer)?;
-    let (_, prompt) = state
-        .tokenizer
-        .encode_chat(&req.messages, req.tools.as_deref(), true)?;
+    let tokenizer = state.tokenizer.clone();
+    let prompt = blocking(move || {
+        let (_, ids) = tokenizer.encode_chat(&req.messages, req.tools.as_deref(), true)?;
+        Ok(ids)
+    })
+    .await?;
     if prompt.is_empty() {
         return Err(ApiError::invalid(
             "messages",
@@ -112,7 +127,8 @@ pub(super) async fn completions(
     OpenAiJson(req): OpenAiJson<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     let settings = validate(&req.params, &state.tokenizer)?;
-    let prompt = completion_prompt(&req.prompt, &state.tokenizer)?;
+    let tokenizer = state.tokenizer.clone();
+    let prompt = blocking(move || completion_prompt(&req.prompt, &tokenizer)).await?;
     let job = job(&state, prompt, settings, "prompt")?;
     respond::<CompletionFormat>(&state, job).await
 }
@@ -128,7 +144,13 @@ async fn respond<F: Format>(state: &ServerState, job: Job) -> Result<Response, A
     // A failure before any output still gets a proper error status.
     generation.started().await?;
     if settings.stream {
-        Ok(sse_response::<F>(meta, generation, settings.include_usage))
+        let opening = settings.resume.is_empty();
+        Ok(sse_response::<F>(
+            meta,
+            generation,
+            settings.include_usage,
+            opening,
+        ))
     } else {
         let mut text = String::new();
         let mut ids = Vec::new();
@@ -141,7 +163,9 @@ async fn respond<F: Format>(state: &ServerState, job: Job) -> Result<Response, A
                 Some(Step::Finished { last, reason }) => {
                     text.push_str(&last.text);
                     ids.extend(last.ids);
-                    let body = F::whole(&meta, text, ids, reason, generation.usage());
+                    let usage = generation.usage();
+                    log_finish(&meta, reason, &usage);
+                    let body = F::whole(&meta, text, ids, reason, usage);
                     return Ok(Json(body).into_response());
                 }
                 Some(Step::Failed(message)) => return Err(ApiError::Generation(message)),
@@ -153,6 +177,17 @@ async fn respond<F: Format>(state: &ServerState, job: Job) -> Result<Response, A
             }
         }
     }
+}
+
+fn log_finish(meta: &Meta, reason: FinishReason, usage: &Usage) {
+    tracing::info!(
+        request_id = %meta.id,
+        model = %meta.model,
+        finish_reason = reason.as_str(),
+        prompt_tokens = usage.prompt_tokens,
+        completion_tokens = usage.completion_tokens,
+        "request finished"
+    );
 }
 
 /// The fields every response and chunk of one request shares.
@@ -337,7 +372,13 @@ fn sse_frame(json: &impl Serialize) -> Bytes {
 
 /// Streams the generation as SSE. Each step is written as soon as it is ready; dropping the
 /// body (the client went away) drops the [`Generation`] and so cancels the request.
-fn sse_response<F: Format>(meta: Meta, generation: Generation, include_usage: bool) -> Response {
+/// `opening`: send the endpoint's opening chunk (not when resuming a stream).
+fn sse_response<F: Format>(
+    meta: Meta,
+    generation: Generation,
+    include_usage: bool,
+    opening: bool,
+) -> Response {
     struct Sse {
         meta: Meta,
         generation: Option<Generation>,
@@ -345,7 +386,7 @@ fn sse_response<F: Format>(meta: Meta, generation: Generation, include_usage: bo
         include_usage: bool,
     }
     let mut queue = VecDeque::new();
-    if let Some(chunk) = F::opening(&meta) {
+    if let Some(chunk) = F::opening(&meta).filter(|_| opening) {
         queue.push_back(sse_frame(&chunk));
     }
     let state = Sse {
@@ -367,8 +408,9 @@ fn sse_response<F: Format>(meta: Meta, generation: Generation, include_usage: bo
                 Some(Step::Finished { last, reason }) => {
                     s.queue
                         .push_back(sse_frame(&F::text(&s.meta, last, Some(reason))));
+                    let usage = generation.usage();
+                    log_finish(&s.meta, reason, &usage);
                     if s.include_usage {
-                        let usage = generation.usage();
                         s.queue.push_back(sse_frame(&F::usage(&s.meta, usage)));
                     }
                     s.queue
@@ -376,6 +418,7 @@ fn sse_response<F: Format>(meta: Meta, generation: Generation, include_usage: bo
                     s.generation = None;
                 }
                 Some(Step::Failed(message)) => {
+                    tracing::warn!(request_id = %s.meta.id, error = %message, "generation failed mid-stream");
                     s.queue
                         .push_back(sse_frame(&ApiError::Generation(message).body()));
                     s.generation = None;

@@ -188,7 +188,13 @@ async fn run_script(
     });
     match script {
         Script::Canned => {
-            for (i, &id) in canned.iter().chain([EOS].iter()).enumerate() {
+            // Like a deterministic model: a prompt that ends with the first k canned ids (a
+            // resumed request) continues with the rest.
+            let k = (0..=canned.len())
+                .rev()
+                .find(|&k| req.prompt.ends_with(&canned[..k]))
+                .unwrap_or(0);
+            for (i, &id) in canned[k..].iter().chain([EOS].iter()).enumerate() {
                 if i == req.max_tokens {
                     let _ = events.send(TokenEvent::Finished(FinishReason::Length));
                     return;
@@ -731,4 +737,82 @@ async fn a_stopped_worker_means_503() {
         bind(&file).unwrap_err().kind(),
         io::ErrorKind::AlreadyExists
     );
+}
+
+#[tokio::test]
+async fn disconnecting_a_whole_response_request_cancels_the_generation() {
+    let mut h = Harness::new(4096).await;
+    h.set_script(Script::Endless);
+    let stream = UnixStream::connect(&h.socket).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    let conn = tokio::spawn(conn);
+    let req = Request::post("/v1/chat/completions")
+        .header("host", "x")
+        .body(Full::new(Bytes::from(chat(json!({})).to_string())))
+        .unwrap();
+    let pending = tokio::spawn(async move { sender.send_request(req).await });
+    while h.seen.lock().unwrap().is_empty() {
+        tokio::task::yield_now().await;
+    }
+    pending.abort();
+    conn.abort();
+    tokio::time::timeout(Duration::from_secs(5), h.closed.recv())
+        .await
+        .expect("the worker should see its events channel closed")
+        .unwrap();
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn a_resumed_stream_continues_where_the_ids_end() {
+    let h = Harness::new(4096).await;
+    let body = chat(json!({"stream": true, "stream_options": {"include_usage": true}}));
+    let events = h.stream("/v1/chat/completions", body.clone()).await;
+    let full_prompt = h.last_seen().prompt;
+    // Pretend the engine died after the first four content chunks reached the client.
+    let (mut sent_text, mut sent_ids) = (String::new(), Vec::new());
+    for e in &events[1..5] {
+        sent_text.push_str(e["choices"][0]["delta"]["content"].as_str().unwrap());
+        sent_ids.extend(ids_of(&e["choices"][0]["mlxd"]["token_ids"]));
+    }
+    let mut resumed = body.clone();
+    resumed["mlxd"] = json!({"resume_token_ids": sent_ids});
+    resumed["max_tokens"] = json!(100);
+    let events = h.stream("/v1/chat/completions", resumed).await;
+    let seen = h.last_seen();
+    assert_eq!(
+        seen.prompt,
+        [full_prompt.clone(), sent_ids.clone()].concat()
+    );
+    assert_eq!(seen.max_tokens, 100 - sent_ids.len());
+    assert!(
+        events[0]["choices"][0]["delta"].get("role").is_none(),
+        "no opening chunk"
+    );
+    let mut text = sent_text;
+    let mut ids = sent_ids;
+    for e in &events[..events.len() - 2] {
+        text.push_str(e["choices"][0]["delta"]["content"].as_str().unwrap_or(""));
+        ids.extend(ids_of(&e["choices"][0]["mlxd"]["token_ids"]));
+    }
+    assert_eq!(text, CANNED);
+    assert_eq!(ids, [h.canned.clone(), vec![EOS]].concat());
+    let usage = &events[events.len() - 2]["usage"];
+    assert_eq!(usage["prompt_tokens"], full_prompt.len());
+    assert_eq!(usage["completion_tokens"], h.canned.len() + 1);
+
+    // Bad resume ids are the client's fault.
+    let mut bad = body.clone();
+    bad["mlxd"] = json!({"resume_token_ids": [1, 2, 3]});
+    bad["max_tokens"] = json!(3);
+    let (status, v) = h.post("/v1/chat/completions", bad).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(v["error"]["param"], "mlxd.resume_token_ids");
+    let mut bad = body;
+    bad["mlxd"] = json!({"resume_token_ids": [999999999]});
+    let (status, _) = h.post("/v1/chat/completions", bad).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    h.stop().await;
 }
