@@ -180,6 +180,8 @@ impl ChatMessage {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
+    /// Also accepts OpenAI's newer name for it, `developer`.
+    #[serde(alias = "developer")]
     System,
     User,
     Assistant,
@@ -388,7 +390,7 @@ mod tests {
         let req: ChatCompletionRequest = serde_json::from_value(json!({
             "model": "m",
             "messages": [
-                {"role": "system", "content": "be brief"},
+                {"role": "developer", "content": "be brief"},
                 {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
                 {"role": "assistant", "content": null, "tool_calls": [{"id": "x"}]},
                 {"role": "tool", "content": "42", "tool_call_id": "x"}
