@@ -1,0 +1,203 @@
+//! The one place where errors become HTTP responses in OpenAI's error shape.
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use mlxd_protocol::error::{
+    ErrorBody, INVALID_REQUEST_ERROR, SERVER_ERROR, SERVICE_UNAVAILABLE_ERROR,
+};
+
+use crate::chat_template::ChatTemplateError;
+use crate::tokenizer::TokenizerError;
+
+/// Everything a route can fail with, tagged with whose fault it is.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// The request is wrong: 400, naming the field (`param`) where there is one.
+    #[error("{message}")]
+    Invalid {
+        message: String,
+        param: Option<String>,
+        code: Option<&'static str>,
+    },
+    /// The body is larger than the server accepts: 413.
+    #[error("the request body is larger than {limit} bytes")]
+    TooLarge { limit: usize },
+    /// No such route: 404.
+    #[error("no route for {method} {path}")]
+    NotFound { method: String, path: String },
+    /// The route exists but not for this method: 405.
+    #[error("{method} is not allowed on {path}")]
+    MethodNotAllowed { method: String, path: String },
+    /// The MLX thread is gone (shutting down or crashed): 503.
+    #[error("the engine is not accepting work: {0}")]
+    Unavailable(String),
+    /// The MLX thread reported a failure for this request: 500.
+    #[error("generation failed: {0}")]
+    Generation(String),
+    /// A bug or an unexpected state on our side: 500.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl ApiError {
+    /// A 400 about `param`.
+    pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
+        ApiError::Invalid {
+            message: message.into(),
+            param: Some(param.into()),
+            code: None,
+        }
+    }
+
+    /// A 400 about the request as a whole.
+    pub fn invalid_body(message: impl Into<String>) -> Self {
+        ApiError::Invalid {
+            message: message.into(),
+            param: None,
+            code: None,
+        }
+    }
+
+    pub fn with_code(self, code: &'static str) -> Self {
+        match self {
+            ApiError::Invalid { message, param, .. } => ApiError::Invalid {
+                message,
+                param,
+                code: Some(code),
+            },
+            other => other,
+        }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::Invalid { .. } => StatusCode::BAD_REQUEST,
+            ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
+            ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Generation(_) | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The body for this error, also used as the SSE error event.
+    pub fn body(&self) -> ErrorBody {
+        let kind = match self {
+            ApiError::Invalid { .. }
+            | ApiError::TooLarge { .. }
+            | ApiError::NotFound { .. }
+            | ApiError::MethodNotAllowed { .. } => INVALID_REQUEST_ERROR,
+            ApiError::Unavailable(_) => SERVICE_UNAVAILABLE_ERROR,
+            ApiError::Generation(_) | ApiError::Internal(_) => SERVER_ERROR,
+        };
+        let mut body = ErrorBody::new(kind, self.to_string());
+        match self {
+            ApiError::Invalid { param, code, .. } => {
+                body.error.param = param.clone();
+                body.error.code = code.map(str::to_owned);
+            }
+            ApiError::NotFound { .. } => body.error.code = Some("unknown_url".into()),
+            ApiError::MethodNotAllowed { .. } => {
+                body.error.code = Some("method_not_allowed".into())
+            }
+            ApiError::TooLarge { .. } => body.error.code = Some("request_too_large".into()),
+            _ => {}
+        }
+        body
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        if status.is_server_error() {
+            tracing::warn!(status = status.as_u16(), error = %self, "request failed");
+        } else {
+            tracing::debug!(status = status.as_u16(), error = %self, "request rejected");
+        }
+        let mut response = (status, Json(self.body())).into_response();
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            response.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from_static("1"),
+            );
+        }
+        response
+    }
+}
+
+impl From<TokenizerError> for ApiError {
+    fn from(e: TokenizerError) -> Self {
+        match e {
+            TokenizerError::NoChatTemplate => ApiError::invalid("messages", e.to_string()),
+            TokenizerError::Template(
+                ChatTemplateError::Raised(_) | ChatTemplateError::Render(_),
+            ) => ApiError::invalid("messages", e.to_string()).with_code("chat_template_error"),
+            other => ApiError::Internal(other.to_string()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_error_table() {
+        let cases = [
+            (ApiError::invalid("n", "x"), 400, "invalid_request_error"),
+            (
+                ApiError::TooLarge { limit: 1 },
+                413,
+                "invalid_request_error",
+            ),
+            (
+                ApiError::NotFound {
+                    method: "GET".into(),
+                    path: "/x".into(),
+                },
+                404,
+                "invalid_request_error",
+            ),
+            (
+                ApiError::MethodNotAllowed {
+                    method: "GET".into(),
+                    path: "/v1/completions".into(),
+                },
+                405,
+                "invalid_request_error",
+            ),
+            (
+                ApiError::Unavailable("gone".into()),
+                503,
+                "service_unavailable_error",
+            ),
+            (ApiError::Generation("oom".into()), 500, "server_error"),
+            (ApiError::Internal("bug".into()), 500, "server_error"),
+        ];
+        for (err, status, kind) in cases {
+            assert_eq!(err.status().as_u16(), status, "{err}");
+            assert_eq!(err.body().error.kind, kind, "{err}");
+        }
+        let body = ApiError::invalid("max_tokens", "too small")
+            .with_code("bad")
+            .body();
+        assert_eq!(body.error.param.as_deref(), Some("max_tokens"));
+        assert_eq!(body.error.code.as_deref(), Some("bad"));
+        assert_eq!(body.error.message, "too small");
+    }
+
+    #[test]
+    fn template_errors_are_the_clients_fault() {
+        let err: ApiError =
+            TokenizerError::Template(ChatTemplateError::Raised("roles must alternate".into()))
+                .into();
+        assert_eq!(err.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(
+            err.body().error.message,
+            "the chat template rejected the messages: roles must alternate"
+        );
+        let err: ApiError = TokenizerError::Decode("x".into()).into();
+        assert_eq!(err.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    }
+}

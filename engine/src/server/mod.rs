@@ -1,0 +1,115 @@
+//! The engine's HTTP API (OpenAI-compatible) on a unix socket.
+//!
+//! Handlers tokenize, render chat templates and validate on the tokio side, send a
+//! [`GenerateRequest`](crate::work::GenerateRequest) to the MLX thread through a
+//! [`WorkSender`], and turn the [`TokenEvent`](crate::work::TokenEvent)s that come back into
+//! JSON or SSE responses. Routes:
+//!
+//! - `POST /v1/chat/completions`, `POST /v1/completions` (JSON or SSE with `"stream": true`)
+//! - `GET /v1/models`, `GET /v1/models/{id}`
+//! - `GET /health`
+//!
+//! Everything else is a 404 (unknown route) or 405 (wrong method) in OpenAI's error shape.
+use std::future::Future;
+use std::io;
+use std::path::Path;
+use std::sync::Arc;
+
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+use axum::Router;
+use tokio::net::UnixListener;
+
+use crate::tokenizer::Tokenizer;
+use crate::work::WorkSender;
+
+pub mod error;
+pub mod generation;
+pub mod request;
+mod routes;
+pub mod stop;
+
+pub use error::ApiError;
+
+/// What the handlers share. Cheap to clone.
+#[derive(Clone)]
+pub struct ServerState {
+    /// The id the engine answers to (`model` in responses, `/v1/models`).
+    pub model_id: String,
+    pub tokenizer: Arc<Tokenizer>,
+    /// Prompt plus generated tokens may not exceed this.
+    pub context_length: usize,
+    /// Where generation jobs go (the MLX thread).
+    pub work: WorkSender,
+    /// Unix time reported as the model's `created`.
+    pub created: u64,
+}
+
+impl ServerState {
+    pub fn new(
+        model_id: impl Into<String>,
+        tokenizer: Arc<Tokenizer>,
+        context_length: usize,
+        work: WorkSender,
+    ) -> Self {
+        let created = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        Self {
+            model_id: model_id.into(),
+            tokenizer,
+            context_length,
+            work,
+            created,
+        }
+    }
+}
+
+/// The API's routes, for [`serve`] or for driving in tests.
+pub fn router(state: ServerState) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(routes::chat_completions))
+        .route("/v1/completions", post(routes::completions))
+        .route("/v1/models", get(routes::list_models))
+        .route("/v1/models/{id}", get(routes::get_model))
+        .route("/health", get(routes::health))
+        .fallback(routes::not_found)
+        .method_not_allowed_fallback(routes::method_not_allowed)
+        .layer(DefaultBodyLimit::max(request::MAX_BODY_BYTES))
+        .with_state(state)
+}
+
+/// Serves the API on `listener` until `shutdown` completes; then stops accepting connections
+/// and returns once in-flight requests have finished.
+pub async fn serve(
+    listener: UnixListener,
+    state: ServerState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> io::Result<()> {
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+/// Binds a unix socket at `path`, removing a stale socket file left by an earlier process.
+/// Must be called inside a tokio runtime.
+pub fn bind(path: &Path) -> io::Result<UnixListener> {
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) => {
+            use std::os::unix::fs::FileTypeExt;
+            if !meta.file_type().is_socket() {
+                return Err(io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    format!("{} exists and is not a socket", path.display()),
+                ));
+            }
+            std::fs::remove_file(path)?;
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    UnixListener::bind(path)
+}
+
+#[cfg(test)]
+mod tests;

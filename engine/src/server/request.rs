@@ -1,0 +1,540 @@
+//! Request bodies: JSON parsing with OpenAI-shaped errors that name the field, and validation
+//! of the generation parameters against the model.
+use std::collections::HashMap;
+
+use axum::body::Bytes;
+use axum::extract::{FromRequest, Request};
+use mlxd_protocol::openai::{GenerationParams, Prompt};
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+use super::error::ApiError;
+use crate::sampling::SamplingParams;
+use crate::tokenizer::Tokenizer;
+
+/// Largest request body accepted (long prompts are large).
+pub const MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
+/// Most stop strings per request.
+pub const MAX_STOP_STRINGS: usize = 16;
+
+/// A JSON body deserialized into `T`; every failure is a 400 (413 when too large) in the
+/// OpenAI error shape, with `param` set to the path of the offending field.
+pub struct OpenAiJson<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for OpenAiJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let bytes = Bytes::from_request(req, state).await.map_err(|rejection| {
+            if rejection.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
+                ApiError::TooLarge {
+                    limit: MAX_BODY_BYTES,
+                }
+            } else {
+                ApiError::invalid_body(format!("cannot read the request body: {rejection}"))
+            }
+        })?;
+        parse_body(&bytes).map(OpenAiJson)
+    }
+}
+
+/// Parses a request body: first as JSON (syntax errors), then the shared generation fields
+/// (so their errors name the field even though the request type flattens them), then `T`.
+pub fn parse_body<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    if bytes.is_empty() {
+        return Err(ApiError::invalid_body(
+            "the request body is empty; expected a JSON object",
+        ));
+    }
+    let value: Value = serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::invalid_body(format!("the request body is not valid JSON: {e}")))?;
+    if !value.is_object() {
+        return Err(ApiError::invalid_body(format!(
+            "the request body must be a JSON object, not {}",
+            json_kind(&value)
+        )));
+    }
+    let _: GenerationParams = typed(&value)?;
+    typed(&value)
+}
+
+fn typed<T: DeserializeOwned>(value: &Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner().to_string();
+        if path == "." || path.is_empty() {
+            // Missing fields are reported at the parent: "missing field `messages`".
+            let param = inner
+                .strip_prefix("missing field `")
+                .and_then(|rest| rest.strip_suffix('`'))
+                .map(str::to_owned);
+            match param {
+                Some(param) => ApiError::invalid(param.clone(), format!("`{param}` is required")),
+                None => ApiError::invalid_body(format!("invalid request: {inner}")),
+            }
+        } else {
+            let last = path.rsplit('.').next().unwrap_or(&path);
+            let field = last.split('[').next().unwrap_or(last);
+            let hint = match field {
+                "prompt" => "must be a string, a list of one string, or a list of token ids",
+                "stop" => "must be a string or a list of strings",
+                "content" => {
+                    "must be a string, null, or a list of {\"type\": \"text\", \"text\": ...} parts"
+                }
+                _ => "",
+            };
+            let message = if hint.is_empty() || !inner.contains("untagged") {
+                format!("invalid `{path}`: {inner}")
+            } else {
+                format!("invalid `{path}`: {hint}")
+            };
+            ApiError::invalid(path, message)
+        }
+    })
+}
+
+fn json_kind(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// The validated generation settings of a request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settings {
+    pub sampling: SamplingParams,
+    /// As requested, before clamping to the context (`None`: up to the context's end).
+    pub max_tokens: Option<usize>,
+    pub stops: Vec<String>,
+    pub stream: bool,
+    pub include_usage: bool,
+    /// Ids to continue from (the `mlxd.resume_token_ids` extension).
+    pub resume: Vec<u32>,
+}
+
+/// Checks the shared parameters; every error names its field and the limit it broke.
+pub fn validate(params: &GenerationParams, tokenizer: &Tokenizer) -> Result<Settings, ApiError> {
+    if let Some(n) = params.n {
+        if n != 1 {
+            return Err(ApiError::invalid(
+                "n",
+                format!("only n = 1 is supported, got n = {n}"),
+            ));
+        }
+    }
+    let max_tokens = match (params.max_completion_tokens, params.max_tokens) {
+        (Some(v), _) => Some(("max_completion_tokens", v)),
+        (None, Some(v)) => Some(("max_tokens", v)),
+        (None, None) => None,
+    };
+    let max_tokens = match max_tokens {
+        Some((field, v)) if v < 1 => {
+            return Err(ApiError::invalid(
+                field,
+                format!("{field} must be at least 1, got {v}"),
+            ))
+        }
+        Some((_, v)) => Some(usize::try_from(v).unwrap_or(usize::MAX)),
+        None => None,
+    };
+
+    let mut sampling = SamplingParams::default();
+    if let Some(t) = params.temperature {
+        if !(t >= 0.0 && t.is_finite()) {
+            return Err(ApiError::invalid(
+                "temperature",
+                format!("temperature must be at least 0, got {t}"),
+            ));
+        }
+        sampling.temperature = t as f32;
+    }
+    if let Some(p) = params.top_p {
+        if !(p > 0.0 && p <= 1.0) {
+            return Err(ApiError::invalid(
+                "top_p",
+                format!("top_p must be in (0, 1], got {p}"),
+            ));
+        }
+        sampling.top_p = p as f32;
+    }
+    if let Some(k) = params.top_k {
+        if k < -1 {
+            return Err(ApiError::invalid(
+                "top_k",
+                format!("top_k must be at least 0 (or -1 to disable it), got {k}"),
+            ));
+        }
+        sampling.top_k = usize::try_from(k.max(0)).unwrap_or(usize::MAX);
+    }
+    if let Some(p) = params.min_p {
+        if !(0.0..=1.0).contains(&p) {
+            return Err(ApiError::invalid(
+                "min_p",
+                format!("min_p must be in [0, 1], got {p}"),
+            ));
+        }
+        sampling.min_p = p as f32;
+    }
+    if let Some(r) = params.repetition_penalty {
+        if !(r > 0.0 && r.is_finite()) {
+            return Err(ApiError::invalid(
+                "repetition_penalty",
+                format!("repetition_penalty must be greater than 0, got {r}"),
+            ));
+        }
+        sampling.repetition_penalty = r as f32;
+    }
+    for (field, value, slot) in [
+        (
+            "presence_penalty",
+            params.presence_penalty,
+            &mut sampling.presence_penalty,
+        ),
+        (
+            "frequency_penalty",
+            params.frequency_penalty,
+            &mut sampling.frequency_penalty,
+        ),
+    ] {
+        if let Some(v) = value {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(ApiError::invalid(
+                    field,
+                    format!("{field} must be in [-2, 2], got {v}"),
+                ));
+            }
+            *slot = v as f32;
+        }
+    }
+    if let Some(bias) = &params.logit_bias {
+        sampling.logit_bias = logit_bias(bias, tokenizer)?;
+    }
+    sampling.seed = params.seed.map(|s| s as u64);
+
+    let stops = params.stop.as_ref().map(|s| s.to_vec()).unwrap_or_default();
+    if stops.len() > MAX_STOP_STRINGS {
+        return Err(ApiError::invalid(
+            "stop",
+            format!(
+                "at most {MAX_STOP_STRINGS} stop strings are supported, got {}",
+                stops.len()
+            ),
+        ));
+    }
+    let resume = params.resume_token_ids().to_vec();
+    if let Some(bad) = resume.iter().find(|&&id| !tokenizer.contains_id(id)) {
+        return Err(ApiError::invalid(
+            "mlxd.resume_token_ids",
+            format!(
+                "resume token id {bad} is not in the vocabulary (size {})",
+                tokenizer.vocab_size()
+            ),
+        ));
+    }
+    if let Some(max) = max_tokens {
+        if resume.len() >= max {
+            return Err(ApiError::invalid(
+                "mlxd.resume_token_ids",
+                format!(
+                    "{} resumed tokens leave nothing to generate within max_tokens = {max}",
+                    resume.len()
+                ),
+            ));
+        }
+    }
+    Ok(Settings {
+        sampling,
+        max_tokens,
+        stops,
+        stream: params.is_stream(),
+        include_usage: params.include_usage(),
+        resume,
+    })
+}
+
+fn logit_bias(
+    bias: &std::collections::BTreeMap<String, f64>,
+    tokenizer: &Tokenizer,
+) -> Result<HashMap<u32, f32>, ApiError> {
+    let vocab = tokenizer.vocab_size();
+    let mut out = HashMap::with_capacity(bias.len());
+    for (key, &value) in bias {
+        let id: u32 = key.trim().parse().map_err(|_| {
+            ApiError::invalid(
+                "logit_bias",
+                format!("logit_bias keys must be token ids, got {key:?}"),
+            )
+        })?;
+        if !tokenizer.contains_id(id) {
+            return Err(ApiError::invalid(
+                "logit_bias",
+                format!(
+                    "logit_bias names token id {id}, which is not in the vocabulary (size {vocab})"
+                ),
+            ));
+        }
+        if !(-100.0..=100.0).contains(&value) {
+            return Err(ApiError::invalid(
+                "logit_bias",
+                format!("logit_bias values must be in [-100, 100], got {value} for token {id}"),
+            ));
+        }
+        out.insert(id, value as f32);
+    }
+    Ok(out)
+}
+
+/// Token ids of a `/v1/completions` prompt. Text is encoded with the tokenizer's special
+/// tokens (BOS where the model wants it); token ids are taken as they are.
+pub fn completion_prompt(prompt: &Prompt, tokenizer: &Tokenizer) -> Result<Vec<u32>, ApiError> {
+    let one = |n: usize| {
+        ApiError::invalid(
+            "prompt",
+            format!("only one prompt per request is supported, got {n}"),
+        )
+    };
+    let ids = match prompt {
+        Prompt::Text(text) => tokenizer.encode(text, true)?,
+        Prompt::Texts(texts) => match texts.as_slice() {
+            [text] => tokenizer.encode(text, true)?,
+            _ => return Err(one(texts.len())),
+        },
+        Prompt::Tokens(ids) => checked_ids(ids.clone(), tokenizer)?,
+        Prompt::TokenLists(lists) => match lists.as_slice() {
+            [ids] => checked_ids(ids.clone(), tokenizer)?,
+            _ => return Err(one(lists.len())),
+        },
+    };
+    if ids.is_empty() {
+        return Err(ApiError::invalid(
+            "prompt",
+            "the prompt is empty (it has no tokens)",
+        ));
+    }
+    Ok(ids)
+}
+
+fn checked_ids(ids: Vec<u32>, tokenizer: &Tokenizer) -> Result<Vec<u32>, ApiError> {
+    if let Some(bad) = ids.iter().find(|&&id| !tokenizer.contains_id(id)) {
+        return Err(ApiError::invalid(
+            "prompt",
+            format!(
+                "prompt token id {bad} is not in the vocabulary (size {})",
+                tokenizer.vocab_size()
+            ),
+        ));
+    }
+    Ok(ids)
+}
+
+/// How many tokens to generate: the request's `max_tokens`, at most what the context has
+/// left. Fails when the prompt leaves no room for even one token.
+pub fn token_budget(
+    prompt_tokens: usize,
+    requested: Option<usize>,
+    context_length: usize,
+    param: &str,
+) -> Result<usize, ApiError> {
+    if prompt_tokens + 1 > context_length {
+        return Err(ApiError::invalid(
+            param,
+            format!(
+                "the prompt is too long: {prompt_tokens} tokens, and the model's context length is \
+                 {context_length} tokens (prompt tokens + 1 must be at most {context_length})"
+            ),
+        )
+        .with_code("context_length_exceeded"));
+    }
+    let room = context_length - prompt_tokens;
+    Ok(requested.map_or(room, |r| r.min(room)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tokenizer::tests::load_fixture;
+    use mlxd_protocol::openai::{ChatCompletionRequest, CompletionRequest};
+
+    fn err_of<T: DeserializeOwned + std::fmt::Debug>(body: &str) -> (Option<String>, String) {
+        let e = parse_body::<T>(body.as_bytes()).unwrap_err();
+        let b = e.body();
+        assert_eq!(e.status().as_u16(), 400, "{body}: {e}");
+        (b.error.param, b.error.message)
+    }
+
+    #[test]
+    fn body_errors_name_the_field() {
+        let (param, msg) = err_of::<ChatCompletionRequest>("{not json");
+        assert_eq!(param, None);
+        assert!(msg.contains("not valid JSON"), "{msg}");
+        let (param, msg) = err_of::<ChatCompletionRequest>("[1]");
+        assert_eq!(param, None);
+        assert!(msg.contains("JSON object, not an array"), "{msg}");
+        let (param, _) = err_of::<ChatCompletionRequest>("");
+        assert_eq!(param, None);
+        let (param, msg) = err_of::<ChatCompletionRequest>(r#"{"model": "m"}"#);
+        assert_eq!(param.as_deref(), Some("messages"));
+        assert_eq!(msg, "`messages` is required");
+        let (param, _) = err_of::<ChatCompletionRequest>(r#"{"messages": "hi"}"#);
+        assert_eq!(param.as_deref(), Some("messages"));
+        let (param, msg) =
+            err_of::<ChatCompletionRequest>(r#"{"messages": [{"role": "robot", "content": "x"}]}"#);
+        assert_eq!(param.as_deref(), Some("messages[0].role"));
+        assert!(msg.contains("robot"), "{msg}");
+        let (param, msg) =
+            err_of::<ChatCompletionRequest>(r#"{"messages": [{"role": "user", "content": 5}]}"#);
+        assert_eq!(param.as_deref(), Some("messages[0].content"));
+        assert!(msg.contains("list of"), "{msg}");
+        let (param, _) = err_of::<ChatCompletionRequest>(
+            r#"{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}"#,
+        );
+        assert_eq!(param.as_deref(), Some("temperature"));
+        let (param, msg) = err_of::<ChatCompletionRequest>(
+            r#"{"messages": [{"role": "user", "content": "x"}], "stop": 3}"#,
+        );
+        assert_eq!(param.as_deref(), Some("stop"));
+        assert!(msg.contains("string or a list of strings"), "{msg}");
+        let (param, _) = err_of::<ChatCompletionRequest>(
+            r#"{"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": 1}}"#,
+        );
+        assert_eq!(param.as_deref(), Some("stream_options.include_usage"));
+        let (param, msg) = err_of::<CompletionRequest>(r#"{"prompt": {"a": 1}}"#);
+        assert_eq!(param.as_deref(), Some("prompt"));
+        assert!(msg.contains("list of token ids"), "{msg}");
+    }
+
+    fn params(json: &str) -> GenerationParams {
+        serde_json::from_str(json).unwrap()
+    }
+
+    #[test]
+    fn validation_quotes_value_and_limit() {
+        let tok = load_fixture("qwen3");
+        let cases = [
+            (r#"{"n": 2}"#, "n", "only n = 1 is supported, got n = 2"),
+            (
+                r#"{"max_tokens": 0}"#,
+                "max_tokens",
+                "max_tokens must be at least 1, got 0",
+            ),
+            (
+                r#"{"max_completion_tokens": -5}"#,
+                "max_completion_tokens",
+                "max_completion_tokens must be at least 1, got -5",
+            ),
+            (
+                r#"{"temperature": -0.5}"#,
+                "temperature",
+                "temperature must be at least 0, got -0.5",
+            ),
+            (r#"{"top_p": 0}"#, "top_p", "top_p must be in (0, 1], got 0"),
+            (
+                r#"{"top_p": 1.5}"#,
+                "top_p",
+                "top_p must be in (0, 1], got 1.5",
+            ),
+            (
+                r#"{"top_k": -2}"#,
+                "top_k",
+                "top_k must be at least 0 (or -1 to disable it), got -2",
+            ),
+            (r#"{"min_p": 2}"#, "min_p", "min_p must be in [0, 1], got 2"),
+            (
+                r#"{"repetition_penalty": 0}"#,
+                "repetition_penalty",
+                "repetition_penalty must be greater than 0, got 0",
+            ),
+            (
+                r#"{"presence_penalty": 3}"#,
+                "presence_penalty",
+                "presence_penalty must be in [-2, 2], got 3",
+            ),
+            (
+                r#"{"logit_bias": {"abc": 1}}"#,
+                "logit_bias",
+                "logit_bias keys must be token ids, got \"abc\"",
+            ),
+            (
+                r#"{"logit_bias": {"999999999": 1}}"#,
+                "logit_bias",
+                "logit_bias names token id 999999999, which is not in the vocabulary (size 151669)",
+            ),
+            (
+                r#"{"logit_bias": {"5": 101}}"#,
+                "logit_bias",
+                "logit_bias values must be in [-100, 100], got 101 for token 5",
+            ),
+        ];
+        for (json, param, message) in cases {
+            let e = validate(&params(json), &tok).unwrap_err();
+            let body = e.body();
+            assert_eq!(body.error.param.as_deref(), Some(param), "{json}");
+            assert_eq!(body.error.message, message, "{json}");
+        }
+    }
+
+    #[test]
+    fn valid_parameters_become_sampling_params() {
+        let tok = load_fixture("qwen3");
+        let s = validate(
+            &params(
+                r#"{"max_tokens": 10, "max_completion_tokens": 7, "temperature": 0.7, "top_p": 0.9,
+                    "top_k": -1, "min_p": 0.1, "repetition_penalty": 1.2, "presence_penalty": 0.5,
+                    "frequency_penalty": -1, "logit_bias": {"42": -100}, "seed": -1,
+                    "stop": ["a", ""], "stream": true, "stream_options": {"include_usage": true}, "n": 1}"#,
+            ),
+            &tok,
+        )
+        .unwrap();
+        assert_eq!(s.max_tokens, Some(7));
+        assert_eq!(s.sampling.temperature, 0.7);
+        assert_eq!(s.sampling.top_k, 0);
+        assert_eq!(s.sampling.logit_bias, HashMap::from([(42, -100.0)]));
+        assert_eq!(s.sampling.seed, Some(u64::MAX));
+        assert_eq!(s.stops, vec!["a"]);
+        assert!(s.stream && s.include_usage);
+        let s = validate(&GenerationParams::default(), &tok).unwrap();
+        assert_eq!(s.sampling, SamplingParams::default());
+        assert_eq!(s.max_tokens, None);
+    }
+
+    #[test]
+    fn prompts_and_budget() {
+        let tok = load_fixture("gemma3");
+        assert_eq!(
+            completion_prompt(&Prompt::Text("Hello".into()), &tok).unwrap()[0],
+            2,
+            "gemma adds <bos>"
+        );
+        assert_eq!(
+            completion_prompt(&Prompt::TokenLists(vec![vec![2, 9259]]), &tok).unwrap(),
+            vec![2, 9259]
+        );
+        let e = completion_prompt(&Prompt::Texts(vec!["a".into(), "b".into()]), &tok).unwrap_err();
+        assert_eq!(
+            e.body().error.message,
+            "only one prompt per request is supported, got 2"
+        );
+        let e = completion_prompt(&Prompt::Tokens(vec![]), &tok).unwrap_err();
+        assert_eq!(e.body().error.param.as_deref(), Some("prompt"));
+        let e = completion_prompt(&Prompt::Tokens(vec![4_000_000]), &tok).unwrap_err();
+        assert!(e.body().error.message.contains("4000000"));
+
+        assert_eq!(token_budget(10, None, 16, "messages").unwrap(), 6);
+        assert_eq!(token_budget(10, Some(3), 16, "messages").unwrap(), 3);
+        assert_eq!(token_budget(15, Some(100), 16, "messages").unwrap(), 1);
+        let e = token_budget(16, None, 16, "messages").unwrap_err();
+        let body = e.body();
+        assert_eq!(body.error.code.as_deref(), Some("context_length_exceeded"));
+        assert!(
+            body.error.message.contains("16 tokens"),
+            "{}",
+            body.error.message
+        );
+    }
+}

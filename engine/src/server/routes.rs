@@ -1,0 +1,505 @@
+//! The OpenAI routes: chat completions, completions, models, health, and the fallbacks.
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderValue, Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use mlxd_protocol::openai::{
+    AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+    ChatCompletionResponse, ChatDelta, CompletionChoice, CompletionRequest, CompletionResponse,
+    ModelList, ModelObject, Role, TokenIds, Usage, OBJECT_CHAT_COMPLETION,
+    OBJECT_CHAT_COMPLETION_CHUNK, OBJECT_LIST, OBJECT_MODEL, OBJECT_TEXT_COMPLETION, SSE_DONE,
+};
+use serde::Serialize;
+use tokio::sync::mpsc;
+
+use super::error::ApiError;
+use super::generation::{Generation, Step, Submission};
+use super::request::{completion_prompt, token_budget, validate, OpenAiJson, Settings};
+use super::ServerState;
+use crate::detokenizer::Delta;
+use crate::work::{FinishReason, GenerateRequest};
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn new_id(prefix: &str) -> String {
+    format!("{prefix}-{}", uuid::Uuid::new_v4().simple())
+}
+
+fn ids_ext(ids: Vec<u32>) -> Option<TokenIds> {
+    (!ids.is_empty()).then_some(TokenIds { token_ids: ids })
+}
+
+/// Tokenized and validated: what both completion routes hand to [`respond`].
+struct Job {
+    /// Ends with `settings.resume`.
+    prompt: Vec<u32>,
+    settings: Settings,
+    max_tokens: usize,
+}
+
+fn job(
+    state: &ServerState,
+    mut prompt: Vec<u32>,
+    settings: Settings,
+    param: &str,
+) -> Result<Job, ApiError> {
+    let resumed = settings.resume.len();
+    prompt.extend_from_slice(&settings.resume);
+    let max_tokens = token_budget(
+        prompt.len(),
+        settings.max_tokens.map(|m| m - resumed),
+        state.context_length,
+        param,
+    )?;
+    Ok(Job {
+        prompt,
+        settings,
+        max_tokens,
+    })
+}
+
+fn start(state: &ServerState, job: Job) -> Result<(Generation, Settings), ApiError> {
+    let (events_tx, events_rx) = mpsc::unbounded_channel();
+    let request = GenerateRequest {
+        prompt: job.prompt,
+        sampling: job.settings.sampling.clone(),
+        max_tokens: job.max_tokens,
+        stop_token_ids: state.tokenizer.stop_token_ids().to_vec(),
+        events: events_tx,
+    };
+    let submission = Submission {
+        request,
+        events: events_rx,
+        stops: job.settings.stops.clone(),
+        resumed: job.settings.resume.clone(),
+    };
+    let generation = Generation::start(&state.work, state.tokenizer.clone(), submission)?;
+    Ok((generation, job.settings))
+}
+
+/// Runs tokenizer work (which takes milliseconds on long prompts) off the async threads.
+async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| ApiError::Internal(format!("tokenizer task failed: {e}")))?
+}
+
+pub(super) async fn chat_completions(
+    State(state): State<ServerState>,
+    OpenAiJson(req): OpenAiJson<ChatCompletionRequest>,
+) -> Result<Response, ApiError> {
+    if req.messages.is_empty() {
+        return Err(ApiError::invalid(
+            "messages",
+            "messages must contain at least one message",
+        ));
+    }
+    let settings = validate(&req.params, &state.tokenizer)?;
+    let tokenizer = state.tokenizer.clone();
+    let prompt = blocking(move || {
+        let (_, ids) = tokenizer.encode_chat(&req.messages, req.tools.as_deref(), true)?;
+        Ok(ids)
+    })
+    .await?;
+    if prompt.is_empty() {
+        return Err(ApiError::invalid(
+            "messages",
+            "the chat template rendered these messages as an empty prompt",
+        ));
+    }
+    let job = job(&state, prompt, settings, "messages")?;
+    respond::<ChatFormat>(&state, job).await
+}
+
+pub(super) async fn completions(
+    State(state): State<ServerState>,
+    OpenAiJson(req): OpenAiJson<CompletionRequest>,
+) -> Result<Response, ApiError> {
+    let settings = validate(&req.params, &state.tokenizer)?;
+    let tokenizer = state.tokenizer.clone();
+    let prompt = blocking(move || completion_prompt(&req.prompt, &tokenizer)).await?;
+    let job = job(&state, prompt, settings, "prompt")?;
+    respond::<CompletionFormat>(&state, job).await
+}
+
+/// Runs a job and answers with one JSON body or an SSE stream.
+async fn respond<F: Format>(state: &ServerState, job: Job) -> Result<Response, ApiError> {
+    let (mut generation, settings) = start(state, job)?;
+    let meta = Meta {
+        id: new_id(F::ID_PREFIX),
+        created: now_secs(),
+        model: state.model_id.clone(),
+    };
+    // A failure before any output still gets a proper error status.
+    generation.started().await?;
+    if settings.stream {
+        let opening = settings.resume.is_empty();
+        Ok(sse_response::<F>(
+            meta,
+            generation,
+            settings.include_usage,
+            opening,
+        ))
+    } else {
+        let mut text = String::new();
+        let mut ids = Vec::new();
+        loop {
+            match generation.next().await {
+                Some(Step::Text(delta)) => {
+                    text.push_str(&delta.text);
+                    ids.extend(delta.ids);
+                }
+                Some(Step::Finished { last, reason }) => {
+                    text.push_str(&last.text);
+                    ids.extend(last.ids);
+                    let usage = generation.usage();
+                    log_finish(&meta, reason, &usage);
+                    let body = F::whole(&meta, text, ids, reason, usage);
+                    return Ok(Json(body).into_response());
+                }
+                Some(Step::Failed(message)) => return Err(ApiError::Generation(message)),
+                None => {
+                    return Err(ApiError::Internal(
+                        "the generation ended without a finish".into(),
+                    ))
+                }
+            }
+        }
+    }
+}
+
+fn log_finish(meta: &Meta, reason: FinishReason, usage: &Usage) {
+    tracing::info!(
+        request_id = %meta.id,
+        model = %meta.model,
+        finish_reason = reason.as_str(),
+        prompt_tokens = usage.prompt_tokens,
+        completion_tokens = usage.completion_tokens,
+        "request finished"
+    );
+}
+
+/// The fields every response and chunk of one request shares.
+struct Meta {
+    id: String,
+    created: u64,
+    model: String,
+}
+
+/// How one endpoint shapes its responses.
+trait Format: Send + 'static {
+    const ID_PREFIX: &'static str;
+    type Whole: Serialize;
+    type Chunk: Serialize;
+    fn whole(
+        meta: &Meta,
+        text: String,
+        ids: Vec<u32>,
+        reason: FinishReason,
+        usage: Usage,
+    ) -> Self::Whole;
+    /// The chunk sent before any text, if the endpoint has one.
+    fn opening(meta: &Meta) -> Option<Self::Chunk>;
+    fn text(meta: &Meta, delta: Delta, finish: Option<FinishReason>) -> Self::Chunk;
+    fn usage(meta: &Meta, usage: Usage) -> Self::Chunk;
+}
+
+struct ChatFormat;
+
+impl ChatFormat {
+    fn chunk(
+        meta: &Meta,
+        choices: Vec<ChatChunkChoice>,
+        usage: Option<Usage>,
+    ) -> ChatCompletionChunk {
+        ChatCompletionChunk {
+            id: meta.id.clone(),
+            object: OBJECT_CHAT_COMPLETION_CHUNK.into(),
+            created: meta.created,
+            model: meta.model.clone(),
+            choices,
+            usage,
+        }
+    }
+}
+
+impl Format for ChatFormat {
+    const ID_PREFIX: &'static str = "chatcmpl";
+    type Whole = ChatCompletionResponse;
+    type Chunk = ChatCompletionChunk;
+
+    fn whole(
+        meta: &Meta,
+        text: String,
+        ids: Vec<u32>,
+        reason: FinishReason,
+        usage: Usage,
+    ) -> ChatCompletionResponse {
+        ChatCompletionResponse {
+            id: meta.id.clone(),
+            object: OBJECT_CHAT_COMPLETION.into(),
+            created: meta.created,
+            model: meta.model.clone(),
+            choices: vec![ChatChoice {
+                index: 0,
+                message: AssistantMessage {
+                    role: Role::Assistant,
+                    content: Some(text),
+                },
+                finish_reason: Some(reason.as_str().into()),
+                logprobs: None,
+                mlxd: Some(TokenIds { token_ids: ids }),
+            }],
+            usage,
+        }
+    }
+
+    fn opening(meta: &Meta) -> Option<ChatCompletionChunk> {
+        let choice = ChatChunkChoice {
+            index: 0,
+            delta: ChatDelta {
+                role: Some(Role::Assistant),
+                content: Some(String::new()),
+            },
+            finish_reason: None,
+            logprobs: None,
+            mlxd: None,
+        };
+        Some(Self::chunk(meta, vec![choice], None))
+    }
+
+    fn text(meta: &Meta, delta: Delta, finish: Option<FinishReason>) -> ChatCompletionChunk {
+        let choice = ChatChunkChoice {
+            index: 0,
+            delta: ChatDelta {
+                role: None,
+                content: (!delta.text.is_empty()).then_some(delta.text),
+            },
+            finish_reason: finish.map(|r| r.as_str().into()),
+            logprobs: None,
+            mlxd: ids_ext(delta.ids),
+        };
+        Self::chunk(meta, vec![choice], None)
+    }
+
+    fn usage(meta: &Meta, usage: Usage) -> ChatCompletionChunk {
+        Self::chunk(meta, Vec::new(), Some(usage))
+    }
+}
+
+struct CompletionFormat;
+
+impl CompletionFormat {
+    fn response(
+        meta: &Meta,
+        choices: Vec<CompletionChoice>,
+        usage: Option<Usage>,
+    ) -> CompletionResponse {
+        CompletionResponse {
+            id: meta.id.clone(),
+            object: OBJECT_TEXT_COMPLETION.into(),
+            created: meta.created,
+            model: meta.model.clone(),
+            choices,
+            usage,
+        }
+    }
+}
+
+impl Format for CompletionFormat {
+    const ID_PREFIX: &'static str = "cmpl";
+    type Whole = CompletionResponse;
+    type Chunk = CompletionResponse;
+
+    fn whole(
+        meta: &Meta,
+        text: String,
+        ids: Vec<u32>,
+        reason: FinishReason,
+        usage: Usage,
+    ) -> CompletionResponse {
+        let choice = CompletionChoice {
+            index: 0,
+            text,
+            finish_reason: Some(reason.as_str().into()),
+            logprobs: None,
+            mlxd: Some(TokenIds { token_ids: ids }),
+        };
+        Self::response(meta, vec![choice], Some(usage))
+    }
+
+    fn opening(_meta: &Meta) -> Option<CompletionResponse> {
+        None
+    }
+
+    fn text(meta: &Meta, delta: Delta, finish: Option<FinishReason>) -> CompletionResponse {
+        let choice = CompletionChoice {
+            index: 0,
+            text: delta.text,
+            finish_reason: finish.map(|r| r.as_str().into()),
+            logprobs: None,
+            mlxd: ids_ext(delta.ids),
+        };
+        Self::response(meta, vec![choice], None)
+    }
+
+    fn usage(meta: &Meta, usage: Usage) -> CompletionResponse {
+        Self::response(meta, Vec::new(), Some(usage))
+    }
+}
+
+/// One SSE event: `data: <json>\n\n`.
+fn sse_frame(json: &impl Serialize) -> Bytes {
+    let mut out = b"data: ".to_vec();
+    // Our response types always serialize.
+    serde_json::to_writer(&mut out, json).unwrap_or_else(|e| {
+        out.extend_from_slice(format!("{{\"error\":{{\"message\":\"{e}\"}}}}").as_bytes())
+    });
+    out.extend_from_slice(b"\n\n");
+    Bytes::from(out)
+}
+
+/// Streams the generation as SSE. Each step is written as soon as it is ready; dropping the
+/// body (the client went away) drops the [`Generation`] and so cancels the request.
+/// `opening`: send the endpoint's opening chunk (not when resuming a stream).
+fn sse_response<F: Format>(
+    meta: Meta,
+    generation: Generation,
+    include_usage: bool,
+    opening: bool,
+) -> Response {
+    struct Sse {
+        meta: Meta,
+        generation: Option<Generation>,
+        queue: VecDeque<Bytes>,
+        include_usage: bool,
+    }
+    let mut queue = VecDeque::new();
+    if let Some(chunk) = F::opening(&meta).filter(|_| opening) {
+        queue.push_back(sse_frame(&chunk));
+    }
+    let state = Sse {
+        meta,
+        generation: Some(generation),
+        queue,
+        include_usage,
+    };
+    let stream = futures::stream::unfold(state, |mut s| async move {
+        loop {
+            if let Some(frame) = s.queue.pop_front() {
+                return Some((Ok::<_, Infallible>(frame), s));
+            }
+            let generation = s.generation.as_mut()?;
+            match generation.next().await {
+                Some(Step::Text(delta)) => {
+                    s.queue.push_back(sse_frame(&F::text(&s.meta, delta, None)))
+                }
+                Some(Step::Finished { last, reason }) => {
+                    s.queue
+                        .push_back(sse_frame(&F::text(&s.meta, last, Some(reason))));
+                    let usage = generation.usage();
+                    log_finish(&s.meta, reason, &usage);
+                    if s.include_usage {
+                        s.queue.push_back(sse_frame(&F::usage(&s.meta, usage)));
+                    }
+                    s.queue
+                        .push_back(Bytes::from(format!("data: {SSE_DONE}\n\n")));
+                    s.generation = None;
+                }
+                Some(Step::Failed(message)) => {
+                    tracing::warn!(request_id = %s.meta.id, error = %message, "generation failed mid-stream");
+                    s.queue
+                        .push_back(sse_frame(&ApiError::Generation(message).body()));
+                    s.generation = None;
+                }
+                None => s.generation = None,
+            }
+        }
+    });
+    let mut response = Response::new(Body::from_stream(stream));
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    response
+}
+
+fn model_object(state: &ServerState) -> ModelObject {
+    ModelObject {
+        id: state.model_id.clone(),
+        object: OBJECT_MODEL.into(),
+        created: state.created,
+        owned_by: "mlxd".into(),
+        context_length: Some(state.context_length as u64),
+    }
+}
+
+pub(super) async fn list_models(State(state): State<ServerState>) -> Json<ModelList> {
+    Json(ModelList {
+        object: OBJECT_LIST.into(),
+        data: vec![model_object(&state)],
+    })
+}
+
+pub(super) async fn get_model(
+    State(state): State<ServerState>,
+    Path(id): Path<String>,
+) -> Result<Json<ModelObject>, ApiError> {
+    if id == state.model_id {
+        Ok(Json(model_object(&state)))
+    } else {
+        Err(ApiError::NotFound {
+            method: "GET".into(),
+            path: format!("/v1/models/{id} (this engine serves {})", state.model_id),
+        })
+    }
+}
+
+#[derive(Serialize)]
+struct Health<'a> {
+    status: &'static str,
+    model: &'a str,
+    context_length: usize,
+}
+
+pub(super) async fn health(State(state): State<ServerState>) -> Response {
+    let ready = !state.work.is_closed();
+    let body = Health {
+        status: if ready { "ok" } else { "unavailable" },
+        model: &state.model_id,
+        context_length: state.context_length,
+    };
+    let status = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, Json(body)).into_response()
+}
+
+pub(super) async fn not_found(method: Method, uri: Uri) -> ApiError {
+    ApiError::NotFound {
+        method: method.to_string(),
+        path: uri.path().to_owned(),
+    }
+}
+
+pub(super) async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+    ApiError::MethodNotAllowed {
+        method: method.to_string(),
+        path: uri.path().to_owned(),
+    }
+}

@@ -1,0 +1,818 @@
+//! The server over a real unix socket with a real HTTP client, a fake MLX worker that emits
+//! canned token ids, and a real tokenizer (the qwen3 fixture).
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use http_body_util::{BodyExt, Full};
+use hyper::body::{Bytes, Incoming};
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use mlxd_protocol::openai::{ChatMessage, Role};
+use serde_json::{json, Value};
+use tokio::net::UnixStream;
+use tokio::sync::{mpsc, oneshot};
+
+use super::*;
+use crate::sampling::SamplingParams;
+use crate::tokenizer::tests::load_fixture;
+use crate::work::{FinishReason, GenerateRequest, TokenEvent};
+
+const CANNED: &str = "Hello there! 🫠 How are you?";
+const EOS: u32 = 151645;
+
+/// What the fake worker does with the next request.
+#[derive(Clone, Debug)]
+enum Script {
+    /// Emit the canned ids (up to `max_tokens`), then EOS.
+    Canned,
+    /// Fail before any output.
+    FailAtOnce(&'static str),
+    /// Emit this many canned tokens, then fail.
+    FailAfter(usize, &'static str),
+    /// Emit a token every 10 ms until the receiver is gone, then report on `closed`.
+    Endless,
+}
+
+/// What the worker saw of a request.
+#[derive(Clone, Debug)]
+struct Seen {
+    prompt: Vec<u32>,
+    sampling: SamplingParams,
+    max_tokens: usize,
+    stop_token_ids: Vec<u32>,
+}
+
+struct Harness {
+    _dir: tempfile::TempDir,
+    socket: PathBuf,
+    script: Arc<Mutex<Script>>,
+    seen: Arc<Mutex<Vec<Seen>>>,
+    closed: mpsc::UnboundedReceiver<()>,
+    canned: Vec<u32>,
+    tokenizer: Arc<Tokenizer>,
+    shutdown: Option<oneshot::Sender<()>>,
+    server: Option<tokio::task::JoinHandle<io::Result<()>>>,
+}
+
+impl Harness {
+    async fn new(context_length: usize) -> Self {
+        let tokenizer = load_fixture("qwen3");
+        let canned = tokenizer.encode(CANNED, false).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("engine.sock");
+        // A stale file from an earlier run is replaced.
+        std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        let listener = bind(&socket).unwrap();
+
+        let (work_tx, mut work_rx) = mpsc::unbounded_channel::<GenerateRequest>();
+        let script = Arc::new(Mutex::new(Script::Canned));
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let (closed_tx, closed) = mpsc::unbounded_channel();
+        {
+            let (script, seen, canned) = (script.clone(), seen.clone(), canned.clone());
+            tokio::spawn(async move {
+                while let Some(req) = work_rx.recv().await {
+                    seen.lock().unwrap().push(Seen {
+                        prompt: req.prompt.clone(),
+                        sampling: req.sampling.clone(),
+                        max_tokens: req.max_tokens,
+                        stop_token_ids: req.stop_token_ids.clone(),
+                    });
+                    let script = script.lock().unwrap().clone();
+                    tokio::spawn(run_script(req, script, canned.clone(), closed_tx.clone()));
+                }
+            });
+        }
+
+        let state = ServerState::new("test-model", tokenizer.clone(), context_length, work_tx);
+        let (shutdown_tx, shutdown_rx) = oneshot::channel::<()>();
+        let server = tokio::spawn(serve(listener, state, async {
+            let _ = shutdown_rx.await;
+        }));
+        Self {
+            _dir: dir,
+            socket,
+            script,
+            seen,
+            closed,
+            canned,
+            tokenizer,
+            shutdown: Some(shutdown_tx),
+            server: Some(server),
+        }
+    }
+
+    fn set_script(&self, script: Script) {
+        *self.script.lock().unwrap() = script;
+    }
+
+    fn last_seen(&self) -> Seen {
+        self.seen.lock().unwrap().last().cloned().unwrap()
+    }
+
+    async fn request(&self, method: &str, uri: &str, body: Option<String>) -> Response<Incoming> {
+        let stream = UnixStream::connect(&self.socket).await.unwrap();
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        let mut req = Request::builder()
+            .method(method)
+            .uri(uri)
+            .header("host", "engine");
+        if body.is_some() {
+            req = req.header("content-type", "application/json");
+        }
+        let req = req
+            .body(Full::new(Bytes::from(body.unwrap_or_default())))
+            .unwrap();
+        sender.send_request(req).await.unwrap()
+    }
+
+    async fn json(&self, method: &str, uri: &str, body: Option<Value>) -> (StatusCode, Value) {
+        let resp = self.request(method, uri, body.map(|b| b.to_string())).await;
+        let status = resp.status();
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        let value = serde_json::from_slice(&bytes).unwrap_or_else(|e| {
+            panic!("{uri}: not JSON ({e}): {}", String::from_utf8_lossy(&bytes))
+        });
+        (status, value)
+    }
+
+    async fn post(&self, uri: &str, body: Value) -> (StatusCode, Value) {
+        self.json("POST", uri, Some(body)).await
+    }
+
+    /// The SSE events of a streaming request, `[DONE]` as the string "[DONE]".
+    async fn stream(&self, uri: &str, body: Value) -> Vec<Value> {
+        let resp = self.request("POST", uri, Some(body.to_string())).await;
+        assert_eq!(resp.status(), StatusCode::OK);
+        assert_eq!(resp.headers()["content-type"], "text/event-stream");
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        parse_sse(std::str::from_utf8(&bytes).unwrap())
+    }
+
+    async fn stop(mut self) {
+        let _ = self.shutdown.take().unwrap().send(());
+        self.server.take().unwrap().await.unwrap().unwrap();
+    }
+}
+
+fn parse_sse(text: &str) -> Vec<Value> {
+    assert!(text.ends_with("\n\n"), "{text:?}");
+    text.split_terminator("\n\n")
+        .map(|event| {
+            let data = event
+                .strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("not an SSE data line: {event:?}"));
+            if data == "[DONE]" {
+                Value::from("[DONE]")
+            } else {
+                serde_json::from_str(data).unwrap()
+            }
+        })
+        .collect()
+}
+
+async fn run_script(
+    req: GenerateRequest,
+    script: Script,
+    canned: Vec<u32>,
+    closed: mpsc::UnboundedSender<()>,
+) {
+    let events = req.events;
+    let _ = events.send(TokenEvent::PromptDone {
+        prompt_tokens: req.prompt.len(),
+        cached: 1,
+    });
+    match script {
+        Script::Canned => {
+            // Like a deterministic model: a prompt that ends with the first k canned ids (a
+            // resumed request) continues with the rest.
+            let k = (0..=canned.len())
+                .rev()
+                .find(|&k| req.prompt.ends_with(&canned[..k]))
+                .unwrap_or(0);
+            for (i, &id) in canned[k..].iter().chain([EOS].iter()).enumerate() {
+                if i == req.max_tokens {
+                    let _ = events.send(TokenEvent::Finished(FinishReason::Length));
+                    return;
+                }
+                if events.send(TokenEvent::Token(id)).is_err() {
+                    return;
+                }
+                tokio::task::yield_now().await;
+            }
+            let _ = events.send(TokenEvent::Finished(FinishReason::Stop));
+        }
+        Script::FailAtOnce(message) => {
+            let _ = events.send(TokenEvent::Failed(message.into()));
+        }
+        Script::FailAfter(n, message) => {
+            for &id in &canned[..n] {
+                let _ = events.send(TokenEvent::Token(id));
+            }
+            let _ = events.send(TokenEvent::Failed(message.into()));
+        }
+        Script::Endless => {
+            for i in 0.. {
+                let id = canned[i % canned.len()];
+                if events.send(TokenEvent::Token(id)).is_err() {
+                    break;
+                }
+                tokio::select! {
+                    _ = events.closed() => break,
+                    _ = tokio::time::sleep(Duration::from_millis(10)) => {}
+                }
+            }
+            assert!(events.is_closed());
+            let _ = closed.send(());
+        }
+    }
+}
+
+fn chat(extra: Value) -> Value {
+    let mut body = json!({
+        "model": "test-model",
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    });
+    body.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    body
+}
+
+fn ids_of(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .map(|a| a.iter().map(|x| x.as_u64().unwrap() as u32).collect())
+        .unwrap_or_default()
+}
+
+#[tokio::test]
+async fn chat_completion_whole_response() {
+    let h = Harness::new(4096).await;
+    let (status, body) = h
+        .post(
+            "/v1/chat/completions",
+            chat(json!({"temperature": 0.5, "seed": 7})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["object"], "chat.completion");
+    assert_eq!(body["model"], "test-model");
+    assert!(body["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    let choice = &body["choices"][0];
+    assert_eq!(choice["message"]["role"], "assistant");
+    assert_eq!(choice["message"]["content"], CANNED);
+    assert_eq!(choice["finish_reason"], "stop");
+    let mut want_ids = h.canned.clone();
+    want_ids.push(EOS);
+    assert_eq!(ids_of(&choice["mlxd"]["token_ids"]), want_ids);
+
+    let seen = h.last_seen();
+    let messages = vec![
+        ChatMessage::new(Role::System, "Be brief."),
+        ChatMessage::new(Role::User, "Hi!"),
+    ];
+    let (_, prompt) = h.tokenizer.encode_chat(&messages, None, true).unwrap();
+    assert_eq!(seen.prompt, prompt);
+    assert_eq!(
+        seen.max_tokens,
+        4096 - prompt.len(),
+        "default: the rest of the context"
+    );
+    assert_eq!(seen.stop_token_ids, vec![EOS]);
+    assert_eq!(seen.sampling.temperature, 0.5);
+    assert_eq!(seen.sampling.seed, Some(7));
+
+    let usage = &body["usage"];
+    assert_eq!(usage["prompt_tokens"], prompt.len());
+    assert_eq!(usage["completion_tokens"], h.canned.len() + 1);
+    assert_eq!(usage["total_tokens"], prompt.len() + h.canned.len() + 1);
+    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 1);
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn chat_completion_stream_sends_each_token_with_its_ids() {
+    let h = Harness::new(4096).await;
+    let events = h
+        .stream(
+            "/v1/chat/completions",
+            chat(json!({"stream": true, "stream_options": {"include_usage": true}})),
+        )
+        .await;
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let first = &events[0];
+    assert_eq!(first["object"], "chat.completion.chunk");
+    assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+    let id = first["id"].clone();
+
+    let chunks = &events[1..events.len() - 1];
+    let usage_chunk = chunks.last().unwrap();
+    assert_eq!(usage_chunk["choices"], json!([]));
+    assert_eq!(
+        usage_chunk["usage"]["completion_tokens"],
+        h.canned.len() + 1
+    );
+    let content_chunks = &chunks[..chunks.len() - 1];
+    let mut text = String::new();
+    let mut ids = Vec::new();
+    for c in content_chunks {
+        assert_eq!(c["id"], id);
+        let choice = &c["choices"][0];
+        let delta = choice["delta"]["content"].as_str().unwrap_or("");
+        assert!(!delta.contains('\u{FFFD}'));
+        text.push_str(delta);
+        ids.extend(ids_of(&choice["mlxd"]["token_ids"]));
+    }
+    assert_eq!(text, CANNED);
+    let mut want_ids = h.canned.clone();
+    want_ids.push(EOS);
+    assert_eq!(ids, want_ids);
+    // One chunk per token that completes text: the emoji's byte tokens share one chunk.
+    let emoji_tokens = h.tokenizer.encode(" 🫠", false).unwrap().len();
+    assert_eq!(content_chunks.len(), h.canned.len() - emoji_tokens + 1 + 1);
+    let last = &content_chunks[content_chunks.len() - 1]["choices"][0];
+    assert_eq!(last["finish_reason"], "stop");
+    assert_eq!(ids_of(&last["mlxd"]["token_ids"]), vec![EOS]);
+    assert!(content_chunks[..content_chunks.len() - 1]
+        .iter()
+        .all(|c| c["choices"][0]["finish_reason"].is_null()));
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn stop_strings_cut_the_text_and_cancel_the_worker() {
+    let mut h = Harness::new(4096).await;
+    let (status, body) = h
+        .post(
+            "/v1/chat/completions",
+            chat(json!({"stop": ["How", "zzz"]})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["choices"][0]["message"]["content"], "Hello there! 🫠 ");
+    assert_eq!(body["choices"][0]["finish_reason"], "stop");
+
+    h.set_script(Script::Endless);
+    let events = h
+        .stream(
+            "/v1/chat/completions",
+            chat(json!({"stream": true, "stop": "🫠"})),
+        )
+        .await;
+    let text: String = events[1..events.len() - 1]
+        .iter()
+        .map(|e| {
+            e["choices"][0]["delta"]["content"]
+                .as_str()
+                .unwrap_or("")
+                .to_owned()
+        })
+        .collect();
+    assert_eq!(text, "Hello there! ");
+    assert_eq!(
+        events[events.len() - 2]["choices"][0]["finish_reason"],
+        "stop"
+    );
+    // The stop string closed the worker's sender.
+    tokio::time::timeout(Duration::from_secs(5), h.closed.recv())
+        .await
+        .expect("the worker should see its events channel closed")
+        .unwrap();
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn max_tokens_ends_with_length() {
+    let h = Harness::new(4096).await;
+    let (status, body) = h
+        .post("/v1/chat/completions", chat(json!({"max_tokens": 3})))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(h.last_seen().max_tokens, 3);
+    assert_eq!(body["choices"][0]["finish_reason"], "length");
+    assert_eq!(body["usage"]["completion_tokens"], 3);
+    assert_eq!(
+        body["choices"][0]["message"]["content"],
+        h.tokenizer.decode(&h.canned[..3], true).unwrap()
+    );
+    // max_completion_tokens wins; a request beyond the context is clamped to it.
+    let (_, body) = h
+        .post(
+            "/v1/chat/completions",
+            chat(json!({"max_tokens": 3, "max_completion_tokens": 100000})),
+        )
+        .await;
+    let prompt_tokens = body["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+    assert_eq!(h.last_seen().max_tokens, 4096 - prompt_tokens);
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn completions_whole_and_streamed() {
+    let h = Harness::new(4096).await;
+    let (status, body) = h
+        .post(
+            "/v1/completions",
+            json!({"model": "m", "prompt": "Once upon", "max_tokens": 2}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["object"], "text_completion");
+    assert!(body["id"].as_str().unwrap().starts_with("cmpl-"));
+    assert_eq!(
+        h.last_seen().prompt,
+        h.tokenizer.encode("Once upon", true).unwrap()
+    );
+    assert_eq!(body["choices"][0]["finish_reason"], "length");
+    assert_eq!(
+        ids_of(&body["choices"][0]["mlxd"]["token_ids"]),
+        h.canned[..2].to_vec()
+    );
+
+    let (status, _) = h
+        .post(
+            "/v1/completions",
+            json!({"prompt": [[9707, 11]], "max_tokens": 1}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(h.last_seen().prompt, vec![9707, 11]);
+
+    let events = h
+        .stream(
+            "/v1/completions",
+            json!({"prompt": ["Once"], "stream": true, "stop": ["!"],
+                   "stream_options": {"include_usage": true}}),
+        )
+        .await;
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let usage = &events[events.len() - 2];
+    assert_eq!(usage["choices"], json!([]));
+    assert!(usage["usage"]["prompt_tokens"].as_u64().unwrap() > 0);
+    let text: String = events[..events.len() - 2]
+        .iter()
+        .map(|e| {
+            assert_eq!(e["object"], "text_completion");
+            e["choices"][0]["text"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    assert_eq!(text, "Hello there");
+    assert_eq!(
+        events[events.len() - 3]["choices"][0]["finish_reason"],
+        "stop"
+    );
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn worker_failures_are_500_or_an_error_event() {
+    let h = Harness::new(4096).await;
+    h.set_script(Script::FailAtOnce("out of memory"));
+    let (status, body) = h.post("/v1/chat/completions", chat(json!({}))).await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(body["error"]["type"], "server_error");
+    assert_eq!(body["error"]["message"], "generation failed: out of memory");
+    // Streaming, but the failure came before any output: still a 500.
+    let (status, _) = h
+        .post("/v1/chat/completions", chat(json!({"stream": true})))
+        .await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+
+    h.set_script(Script::FailAfter(2, "device lost"));
+    let events = h
+        .stream("/v1/chat/completions", chat(json!({"stream": true})))
+        .await;
+    let last = events.last().unwrap();
+    assert_eq!(last["error"]["message"], "generation failed: device lost");
+    assert!(!events.contains(&Value::from("[DONE]")));
+    let (status, body) = h.post("/v1/completions", json!({"prompt": "x"})).await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{body}");
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn disconnecting_a_stream_cancels_the_generation() {
+    let mut h = Harness::new(4096).await;
+    h.set_script(Script::Endless);
+    let resp = h
+        .request(
+            "POST",
+            "/v1/chat/completions",
+            Some(chat(json!({"stream": true})).to_string()),
+        )
+        .await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut body = resp.into_body();
+    let mut got = 0;
+    while got < 3 {
+        let frame = body.frame().await.unwrap().unwrap();
+        if frame.data_ref().is_some() {
+            got += 1;
+        }
+    }
+    drop(body); // closes the client's connection
+    tokio::time::timeout(Duration::from_secs(5), h.closed.recv())
+        .await
+        .expect("the worker should see its events channel closed")
+        .unwrap();
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn bad_requests_are_400_naming_the_field_and_the_server_keeps_serving() {
+    let h = Harness::new(64).await;
+    let long = "word ".repeat(100);
+    let cases: Vec<(&str, String, Option<&str>, &str)> = vec![
+        (
+            "/v1/chat/completions",
+            "{\"messages\": [".into(),
+            None,
+            "not valid JSON",
+        ),
+        ("/v1/chat/completions", "[]".into(), None, "JSON object"),
+        (
+            "/v1/chat/completions",
+            json!({"model": "m"}).to_string(),
+            Some("messages"),
+            "required",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": []}).to_string(),
+            Some("messages"),
+            "at least one",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": 1, "content": "x"}]}).to_string(),
+            Some("messages[0].role"),
+            "invalid",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"max_tokens": 0})).to_string(),
+            Some("max_tokens"),
+            "at least 1, got 0",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"max_tokens": "ten"})).to_string(),
+            Some("max_tokens"),
+            "invalid",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"n": 2})).to_string(),
+            Some("n"),
+            "n = 2",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"temperature": -1})).to_string(),
+            Some("temperature"),
+            "at least 0, got -1",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"top_p": 0})).to_string(),
+            Some("top_p"),
+            "(0, 1], got 0",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"top_p": 1.01})).to_string(),
+            Some("top_p"),
+            "got 1.01",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"logit_bias": {"99999999": 5}})).to_string(),
+            Some("logit_bias"),
+            "99999999",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"stream": "yes"})).to_string(),
+            Some("stream"),
+            "invalid",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": long}]}).to_string(),
+            Some("messages"),
+            "context length is 64 tokens",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": ["a", "b"]}).to_string(),
+            Some("prompt"),
+            "got 2",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [[1], [2]]}).to_string(),
+            Some("prompt"),
+            "got 2",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": long}).to_string(),
+            Some("prompt"),
+            "64",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "max_tokens": -3}).to_string(),
+            Some("max_tokens"),
+            "got -3",
+        ),
+    ];
+    for (uri, body, param, needle) in cases {
+        let resp = h.request("POST", uri, Some(body.clone())).await;
+        let status = resp.status();
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        let v: Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}: {v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{body}");
+        assert_eq!(v["error"]["param"].as_str(), param, "{body}: {v}");
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(message.contains(needle), "{body}: {message}");
+        assert!(v["error"].as_object().unwrap().contains_key("code"));
+    }
+    // The prompt-length message quotes both numbers.
+    let (_, v) = h
+        .post("/v1/completions", json!({"prompt": vec![1; 64]}))
+        .await;
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("64 tokens, and the model's context length is 64"),
+        "{v}"
+    );
+    assert_eq!(v["error"]["code"], "context_length_exceeded");
+    // Nothing reached the worker, and it still serves.
+    assert!(h.seen.lock().unwrap().is_empty());
+    let (status, body) = h
+        .post("/v1/chat/completions", chat(json!({"max_tokens": 2})))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn unknown_routes_and_methods_models_and_health() {
+    let h = Harness::new(4096).await;
+    let (status, v) = h.json("GET", "/v1/nothing", None).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("GET /v1/nothing"));
+    let (status, v) = h.json("GET", "/v1/chat/completions", None).await;
+    assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("GET"));
+
+    let (status, v) = h.json("GET", "/v1/models", None).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(v["object"], "list");
+    assert_eq!(v["data"][0]["id"], "test-model");
+    assert_eq!(v["data"][0]["object"], "model");
+    assert_eq!(v["data"][0]["context_length"], 4096);
+    let (status, _) = h.json("GET", "/v1/models/test-model", None).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, _) = h.json("GET", "/v1/models/other", None).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+
+    let (status, v) = h.json("GET", "/health", None).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(v["status"], "ok");
+    assert_eq!(v["model"], "test-model");
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn a_stopped_worker_means_503() {
+    let tokenizer = load_fixture("qwen3");
+    let (work_tx, work_rx) = mpsc::unbounded_channel();
+    drop(work_rx);
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("s.sock");
+    let listener = bind(&socket).unwrap();
+    let state = ServerState::new("m", tokenizer, 4096, work_tx);
+    let (tx, rx) = oneshot::channel::<()>();
+    let server = tokio::spawn(serve(listener, state, async {
+        let _ = rx.await;
+    }));
+    let stream = UnixStream::connect(&socket).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let req = Request::post("/v1/completions")
+        .header("host", "x")
+        .body(Full::new(Bytes::from(json!({"prompt": "hi"}).to_string())))
+        .unwrap();
+    let resp = sender.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(resp.headers()["retry-after"], "1");
+    let req = Request::get("/health")
+        .header("host", "x")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let resp = sender.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+    drop(sender);
+    tx.send(()).unwrap();
+    server.await.unwrap().unwrap();
+    // A regular file where the socket should go is not removed.
+    let file = dir.path().join("file");
+    std::fs::write(&file, "x").unwrap();
+    assert_eq!(
+        bind(&file).unwrap_err().kind(),
+        io::ErrorKind::AlreadyExists
+    );
+}
+
+#[tokio::test]
+async fn disconnecting_a_whole_response_request_cancels_the_generation() {
+    let mut h = Harness::new(4096).await;
+    h.set_script(Script::Endless);
+    let stream = UnixStream::connect(&h.socket).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    let conn = tokio::spawn(conn);
+    let req = Request::post("/v1/chat/completions")
+        .header("host", "x")
+        .body(Full::new(Bytes::from(chat(json!({})).to_string())))
+        .unwrap();
+    let pending = tokio::spawn(async move { sender.send_request(req).await });
+    while h.seen.lock().unwrap().is_empty() {
+        tokio::task::yield_now().await;
+    }
+    pending.abort();
+    conn.abort();
+    tokio::time::timeout(Duration::from_secs(5), h.closed.recv())
+        .await
+        .expect("the worker should see its events channel closed")
+        .unwrap();
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn a_resumed_stream_continues_where_the_ids_end() {
+    let h = Harness::new(4096).await;
+    let body = chat(json!({"stream": true, "stream_options": {"include_usage": true}}));
+    let events = h.stream("/v1/chat/completions", body.clone()).await;
+    let full_prompt = h.last_seen().prompt;
+    // Pretend the engine died after the first four content chunks reached the client.
+    let (mut sent_text, mut sent_ids) = (String::new(), Vec::new());
+    for e in &events[1..5] {
+        sent_text.push_str(e["choices"][0]["delta"]["content"].as_str().unwrap());
+        sent_ids.extend(ids_of(&e["choices"][0]["mlxd"]["token_ids"]));
+    }
+    let mut resumed = body.clone();
+    resumed["mlxd"] = json!({"resume_token_ids": sent_ids});
+    resumed["max_tokens"] = json!(100);
+    let events = h.stream("/v1/chat/completions", resumed).await;
+    let seen = h.last_seen();
+    assert_eq!(
+        seen.prompt,
+        [full_prompt.clone(), sent_ids.clone()].concat()
+    );
+    assert_eq!(seen.max_tokens, 100 - sent_ids.len());
+    assert!(
+        events[0]["choices"][0]["delta"].get("role").is_none(),
+        "no opening chunk"
+    );
+    let mut text = sent_text;
+    let mut ids = sent_ids;
+    for e in &events[..events.len() - 2] {
+        text.push_str(e["choices"][0]["delta"]["content"].as_str().unwrap_or(""));
+        ids.extend(ids_of(&e["choices"][0]["mlxd"]["token_ids"]));
+    }
+    assert_eq!(text, CANNED);
+    assert_eq!(ids, [h.canned.clone(), vec![EOS]].concat());
+    let usage = &events[events.len() - 2]["usage"];
+    assert_eq!(usage["prompt_tokens"], full_prompt.len());
+    assert_eq!(usage["completion_tokens"], h.canned.len() + 1);
+
+    // Bad resume ids are the client's fault.
+    let mut bad = body.clone();
+    bad["mlxd"] = json!({"resume_token_ids": [1, 2, 3]});
+    bad["max_tokens"] = json!(3);
+    let (status, v) = h.post("/v1/chat/completions", bad).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(v["error"]["param"], "mlxd.resume_token_ids");
+    let mut bad = body;
+    bad["mlxd"] = json!({"resume_token_ids": [999999999]});
+    let (status, _) = h.post("/v1/chat/completions", bad).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    h.stop().await;
+}

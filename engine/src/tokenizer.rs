@@ -1,0 +1,529 @@
+//! A model directory's tokenizer: `tokenizer.json` through the `tokenizers` crate, plus what
+//! Hugging Face keeps beside it — `tokenizer_config.json` (special tokens, `add_bos_token`, the
+//! chat template), and the end-of-sequence ids of `generation_config.json` and `config.json`.
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::path::{Path, PathBuf};
+
+use mlxd_protocol::openai::ChatMessage;
+use serde_json::Value;
+
+use crate::chat_template::{ChatTemplate, ChatTemplateError, TemplateSource};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path} is not valid JSON: {source}")]
+    Json {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+    #[error("cannot load the tokenizer from {path}: {message}")]
+    Load { path: PathBuf, message: String },
+    #[error("{path}: {message}")]
+    Config { path: PathBuf, message: String },
+    #[error("tokenization failed: {0}")]
+    Encode(String),
+    #[error("detokenization failed: {0}")]
+    Decode(String),
+    #[error("the model has no chat template; use /v1/completions with a raw prompt")]
+    NoChatTemplate,
+    #[error(transparent)]
+    Template(#[from] ChatTemplateError),
+}
+
+/// A loaded tokenizer. Cheap to share behind an `Arc`; all methods take `&self`.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    bos_token: Option<String>,
+    bos_token_id: Option<u32>,
+    eos_token: Option<String>,
+    /// Whether encoding with special tokens puts BOS in front (`add_bos_token`), when the
+    /// config says so; otherwise the post-processor of `tokenizer.json` decides alone.
+    add_bos_token: Option<bool>,
+    stop_token_ids: Vec<u32>,
+    special_ids: HashSet<u32>,
+    chat_template: Option<ChatTemplate>,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.vocab_size())
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .field("stop_token_ids", &self.stop_token_ids)
+            .field("has_chat_template", &self.chat_template.is_some())
+            .finish()
+    }
+}
+
+impl Tokenizer {
+    /// Loads `tokenizer.json` and, where present, `tokenizer_config.json`,
+    /// `chat_template.jinja` / `chat_template.json`, `generation_config.json` and `config.json`
+    /// from a model directory.
+    pub fn from_dir(dir: &Path) -> Result<Self, TokenizerError> {
+        let tokenizer_path = dir.join("tokenizer.json");
+        let inner = tokenizers::Tokenizer::from_file(&tokenizer_path).map_err(|e| {
+            TokenizerError::Load {
+                path: tokenizer_path.clone(),
+                message: e.to_string(),
+            }
+        })?;
+        let config_path = dir.join("tokenizer_config.json");
+        let config = read_json_if_exists(&config_path)?.unwrap_or(Value::Null);
+
+        let token_of = |key: &str| token_content(config.get(key));
+        let bos_token = token_of("bos_token");
+        let eos_token = token_of("eos_token");
+        let add_bos_token = config.get("add_bos_token").and_then(Value::as_bool);
+        let bos_token_id = bos_token.as_deref().and_then(|t| inner.token_to_id(t));
+
+        let mut stops = BTreeSet::new();
+        if let Some(eos) = &eos_token {
+            if let Some(id) = inner.token_to_id(eos) {
+                stops.insert(id);
+            }
+        }
+        for file in ["generation_config.json", "config.json"] {
+            let path = dir.join(file);
+            if let Some(value) = read_json_if_exists(&path)? {
+                stops.extend(eos_ids(&path, value.get("eos_token_id"))?);
+            }
+        }
+
+        let special_ids = inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special)
+            .map(|(id, _)| id)
+            .collect();
+
+        let mut special_tokens = BTreeMap::new();
+        for key in ["bos_token", "eos_token", "unk_token", "pad_token"] {
+            if let Some(token) = token_of(key) {
+                special_tokens.insert(key.to_owned(), token);
+            }
+        }
+        let chat_template = match template_source(dir, &config)? {
+            Some(source) => Some(ChatTemplate::new(source, special_tokens)?),
+            None => None,
+        };
+
+        Ok(Self {
+            inner,
+            bos_token,
+            bos_token_id,
+            eos_token,
+            add_bos_token,
+            stop_token_ids: stops.into_iter().collect(),
+            special_ids,
+            chat_template,
+        })
+    }
+
+    /// Token ids of `text`. With `add_special_tokens`, the post-processor of `tokenizer.json`
+    /// adds what it adds (BOS for most SentencePiece models), corrected by `add_bos_token` of
+    /// `tokenizer_config.json` where that says otherwise.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizerError> {
+        let encoding = self
+            .inner
+            .encode_fast(text, add_special_tokens)
+            .map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        let mut ids = encoding.get_ids().to_vec();
+        if add_special_tokens {
+            if let (Some(want), Some(bos)) = (self.add_bos_token, self.bos_token_id) {
+                let starts_with_bos = ids.first() == Some(&bos);
+                if want && !starts_with_bos {
+                    ids.insert(0, bos);
+                } else if !want && starts_with_bos && !self.text_starts_with_bos(text)? {
+                    ids.remove(0);
+                }
+            }
+        }
+        Ok(ids)
+    }
+
+    fn text_starts_with_bos(&self, text: &str) -> Result<bool, TokenizerError> {
+        Ok(self.encode(text, false)?.first() == self.bos_token_id.as_ref())
+    }
+
+    /// Renders the chat template and tokenizes the result without adding special tokens (the
+    /// template writes BOS itself where the model wants it), as Hugging Face's
+    /// `apply_chat_template(tokenize=True)` does. Returns the rendered text and its ids.
+    pub fn encode_chat(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[Value]>,
+        add_generation_prompt: bool,
+    ) -> Result<(String, Vec<u32>), TokenizerError> {
+        let template = self
+            .chat_template
+            .as_ref()
+            .ok_or(TokenizerError::NoChatTemplate)?;
+        let text = template.render(messages, tools, add_generation_prompt)?;
+        let ids = self.encode(&text, false)?;
+        Ok((text, ids))
+    }
+
+    /// Text of `ids`; ids outside the vocabulary are left out.
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, TokenizerError> {
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| TokenizerError::Decode(e.to_string()))
+    }
+
+    /// The model's end-of-sequence ids: `eos_token` of `tokenizer_config.json` and every
+    /// `eos_token_id` of `generation_config.json` and `config.json`, sorted, without repeats.
+    pub fn stop_token_ids(&self) -> &[u32] {
+        &self.stop_token_ids
+    }
+
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.chat_template.as_ref()
+    }
+
+    pub fn bos_token(&self) -> Option<&str> {
+        self.bos_token.as_deref()
+    }
+
+    pub fn eos_token(&self) -> Option<&str> {
+        self.eos_token.as_deref()
+    }
+
+    /// Number of ids, added tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// Whether `id` names a token (of the model or added).
+    pub fn contains_id(&self, id: u32) -> bool {
+        self.inner.id_to_token(id).is_some()
+    }
+
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    pub fn is_special(&self, id: u32) -> bool {
+        self.special_ids.contains(&id)
+    }
+}
+
+fn read_json_if_exists(path: &Path) -> Result<Option<Value>, TokenizerError> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => {
+            return Err(TokenizerError::Read {
+                path: path.to_owned(),
+                source,
+            })
+        }
+    };
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|source| TokenizerError::Json {
+            path: path.to_owned(),
+            source,
+        })
+}
+
+/// A special token in `tokenizer_config.json`: a string, `{"content": ...}`, or null.
+fn token_content(value: Option<&Value>) -> Option<String> {
+    match value? {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content")?.as_str().map(str::to_owned),
+        _ => None,
+    }
+}
+
+/// `eos_token_id`: absent, null, an integer, or a list of integers.
+fn eos_ids(path: &Path, value: Option<&Value>) -> Result<Vec<u32>, TokenizerError> {
+    let bad = |v: &Value| TokenizerError::Config {
+        path: path.to_owned(),
+        message: format!("eos_token_id must be an integer or a list of integers, not {v}"),
+    };
+    let as_id = |v: &Value| {
+        v.as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .ok_or_else(|| bad(v))
+    };
+    match value {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::Array(items)) => items.iter().map(as_id).collect(),
+        Some(v) => Ok(vec![as_id(v)?]),
+    }
+}
+
+/// Where the chat template lives: `chat_template.jinja` beside the config wins (newer
+/// `transformers` save it there), then `chat_template` of `tokenizer_config.json` (a string or a
+/// list of `{name, template}`), then `chat_template.json`.
+fn template_source(dir: &Path, config: &Value) -> Result<Option<TemplateSource>, TokenizerError> {
+    let jinja = dir.join("chat_template.jinja");
+    match std::fs::read_to_string(&jinja) {
+        Ok(text) => return Ok(Some(TemplateSource::Single(text))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(source) => {
+            return Err(TokenizerError::Read {
+                path: jinja,
+                source,
+            })
+        }
+    }
+    let config_path = dir.join("tokenizer_config.json");
+    if let Some(source) = template_value(&config_path, config.get("chat_template"))? {
+        return Ok(Some(source));
+    }
+    let json_path = dir.join("chat_template.json");
+    match read_json_if_exists(&json_path)? {
+        Some(doc) => template_value(&json_path, doc.get("chat_template")),
+        None => Ok(None),
+    }
+}
+
+fn template_value(
+    path: &Path,
+    value: Option<&Value>,
+) -> Result<Option<TemplateSource>, TokenizerError> {
+    let bad = |message: String| TokenizerError::Config {
+        path: path.to_owned(),
+        message,
+    };
+    match value {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(TemplateSource::Single(s.clone()))),
+        Some(Value::Array(items)) => {
+            let mut named = BTreeMap::new();
+            for item in items {
+                let name = item.get("name").and_then(Value::as_str);
+                let template = item.get("template").and_then(Value::as_str);
+                match (name, template) {
+                    (Some(name), Some(template)) => {
+                        named.insert(name.to_owned(), template.to_owned());
+                    }
+                    _ => {
+                        return Err(bad(format!(
+                            "each chat_template entry needs a string name and template, got {item}"
+                        )))
+                    }
+                }
+            }
+            Ok(Some(TemplateSource::Named(named)))
+        }
+        Some(other) => Err(bad(format!(
+            "chat_template must be a string or a list, not {other}"
+        ))),
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use std::collections::HashMap;
+    use std::io::Read;
+    use std::sync::{Arc, Mutex, OnceLock};
+
+    /// The fixture tokenizers (see engine/tests/fixtures/README.md).
+    pub(crate) const FIXTURES: [&str; 3] = ["qwen3", "llama3", "gemma3"];
+
+    pub(crate) fn fixture_root() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+    }
+
+    /// A model directory with the fixture's tokenizer files, `tokenizer.json` unpacked.
+    pub(crate) fn fixture_dir(name: &str) -> tempfile::TempDir {
+        let src = fixture_root().join("tokenizers").join(name);
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::copy(
+            src.join("tokenizer_config.json"),
+            dir.path().join("tokenizer_config.json"),
+        )
+        .unwrap();
+        let gz = std::fs::File::open(src.join("tokenizer.json.gz")).unwrap();
+        let mut json = Vec::new();
+        flate2::read::GzDecoder::new(gz)
+            .read_to_end(&mut json)
+            .unwrap();
+        std::fs::write(dir.path().join("tokenizer.json"), json).unwrap();
+        dir
+    }
+
+    /// The fixture's tokenizer, loaded once per test binary (loading is slow in debug builds).
+    pub(crate) fn load_fixture(name: &str) -> Arc<Tokenizer> {
+        static LOADED: OnceLock<Mutex<HashMap<String, Arc<Tokenizer>>>> = OnceLock::new();
+        let cell = LOADED.get_or_init(Default::default);
+        if let Some(tok) = cell.lock().unwrap().get(name) {
+            return tok.clone();
+        }
+        let dir = fixture_dir(name);
+        let tok = Arc::new(Tokenizer::from_dir(dir.path()).unwrap());
+        cell.lock().unwrap().insert(name.to_owned(), tok.clone());
+        tok
+    }
+
+    pub(crate) fn expected(name: &str) -> Value {
+        let path = fixture_root()
+            .join("chat_templates")
+            .join(format!("{name}.json"));
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    }
+
+    fn ids(v: &Value) -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    }
+
+    #[test]
+    fn encode_and_decode_match_transformers() {
+        for name in FIXTURES {
+            let tok = load_fixture(name);
+            let want = expected(name);
+            for case in want["texts"].as_array().unwrap() {
+                let text = case["text"].as_str().unwrap();
+                assert_eq!(
+                    tok.encode(text, true).unwrap(),
+                    ids(&case["ids_with_special"]),
+                    "{name}: {text:?} with special tokens"
+                );
+                assert_eq!(
+                    tok.encode(text, false).unwrap(),
+                    ids(&case["ids_without_special"]),
+                    "{name}: {text:?} without special tokens"
+                );
+                let with = ids(&case["ids_with_special"]);
+                assert_eq!(tok.decode(&with, false).unwrap(), case["decoded"], "{name}");
+                assert_eq!(
+                    tok.decode(&with, true).unwrap(),
+                    case["decoded_skip_special"],
+                    "{name}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn chat_encoding_matches_apply_chat_template_tokenize_true() {
+        for name in FIXTURES {
+            let tok = load_fixture(name);
+            let want = expected(name);
+            for case in want["conversations"].as_array().unwrap() {
+                let Some(token_ids) = case.get("token_ids") else {
+                    continue;
+                };
+                if !case["tools"].is_null() || !case["extra"].as_object().unwrap().is_empty() {
+                    continue; // covered in chat_template's tests
+                }
+                let messages: Vec<ChatMessage> =
+                    serde_json::from_value(case["messages"].clone()).unwrap();
+                let add = case["add_generation_prompt"].as_bool().unwrap();
+                let (text, got) = tok.encode_chat(&messages, None, add).unwrap();
+                assert_eq!(text, case["rendered"], "{name} {}", case["name"]);
+                assert_eq!(got, ids(token_ids), "{name} {}", case["name"]);
+            }
+        }
+    }
+
+    #[test]
+    fn special_tokens_and_stop_ids() {
+        let qwen = load_fixture("qwen3");
+        assert_eq!(qwen.bos_token(), None);
+        assert_eq!(qwen.eos_token(), Some("<|im_end|>"));
+        assert_eq!(qwen.stop_token_ids(), &[151645]);
+        assert!(qwen.is_special(151645));
+        assert!(!qwen.is_special(9707));
+        assert!(qwen.chat_template().is_some());
+        assert!(qwen.contains_id(151645));
+        assert!(!qwen.contains_id(10_000_000));
+
+        let gemma = load_fixture("gemma3");
+        assert_eq!(gemma.bos_token(), Some("<bos>"));
+        assert_eq!(gemma.token_to_id("<end_of_turn>"), Some(106));
+        assert_eq!(gemma.stop_token_ids(), &[106]);
+    }
+
+    #[test]
+    fn eos_ids_from_generation_config_and_config_are_united() {
+        let dir = fixture_dir("llama3");
+        std::fs::write(
+            dir.path().join("generation_config.json"),
+            r#"{"eos_token_id": [128001, 128009]}"#,
+        )
+        .unwrap();
+        std::fs::write(
+            dir.path().join("config.json"),
+            r#"{"eos_token_id": 128008}"#,
+        )
+        .unwrap();
+        let tok = Tokenizer::from_dir(dir.path()).unwrap();
+        assert_eq!(tok.stop_token_ids(), &[128001, 128008, 128009]);
+
+        std::fs::write(dir.path().join("config.json"), r#"{"eos_token_id": "x"}"#).unwrap();
+        let err = Tokenizer::from_dir(dir.path()).unwrap_err();
+        assert!(err.to_string().contains("eos_token_id"), "{err}");
+    }
+
+    #[test]
+    fn token_objects_add_bos_and_template_files() {
+        let dir = fixture_dir("llama3");
+        // Object-form special tokens, add_bos_token, and a list of named templates.
+        std::fs::write(
+            dir.path().join("tokenizer_config.json"),
+            r#"{
+                "bos_token": {"content": "<|begin_of_text|>", "special": true},
+                "eos_token": {"content": "<|eot_id|>"},
+                "add_bos_token": true,
+                "chat_template": [
+                    {"name": "default", "template": "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}"},
+                    {"name": "tool_use", "template": "TOOLS{{ tools | length }}"}
+                ]
+            }"#,
+        )
+        .unwrap();
+        let tok = Tokenizer::from_dir(dir.path()).unwrap();
+        assert_eq!(tok.bos_token(), Some("<|begin_of_text|>"));
+        assert_eq!(tok.stop_token_ids(), &[128009]);
+        let bos = tok.token_to_id("<|begin_of_text|>").unwrap();
+        assert_eq!(tok.encode("Hi", true).unwrap()[0], bos);
+        assert_eq!(tok.encode("Hi", false).unwrap().first(), Some(&13347));
+        let user = [ChatMessage::new(mlxd_protocol::openai::Role::User, "Hi")];
+        let (text, ids) = tok.encode_chat(&user, None, true).unwrap();
+        assert_eq!(text, "<|begin_of_text|>Hi");
+        assert_eq!(ids, vec![bos, 13347]);
+        let tools = [serde_json::json!({"type": "function"})];
+        let (text, _) = tok.encode_chat(&user, Some(&tools), true).unwrap();
+        assert_eq!(text, "TOOLS1");
+
+        // chat_template.jinja wins over the config.
+        std::fs::write(
+            dir.path().join("chat_template.jinja"),
+            "J{{ messages | length }}",
+        )
+        .unwrap();
+        let tok = Tokenizer::from_dir(dir.path()).unwrap();
+        assert_eq!(tok.encode_chat(&user, None, true).unwrap().0, "J1");
+    }
+
+    #[test]
+    fn no_template_is_a_clear_error() {
+        let dir = fixture_dir("qwen3");
+        std::fs::write(dir.path().join("tokenizer_config.json"), "{}").unwrap();
+        let tok = Tokenizer::from_dir(dir.path()).unwrap();
+        let user = [ChatMessage::new(mlxd_protocol::openai::Role::User, "Hi")];
+        assert!(matches!(
+            tok.encode_chat(&user, None, true),
+            Err(TokenizerError::NoChatTemplate)
+        ));
+        assert!(Tokenizer::from_dir(Path::new("/nonexistent")).is_err());
+    }
+}
