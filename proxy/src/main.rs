@@ -1,6 +1,8 @@
 //! `mlxd`: parse flags, set up logging, bind, and run [`mlxd_proxy::serve`] until
 //! SIGINT or SIGTERM.
 
+use std::io::IsTerminal;
+
 use anyhow::Context;
 use clap::Parser;
 use mlxd_proxy::cli::Cli;
@@ -13,6 +15,7 @@ fn main() -> anyhow::Result<()> {
             EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let config = Cli::parse().serve_args().into_config()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
