@@ -2,7 +2,6 @@
 
 use std::convert::Infallible;
 use std::future::Future;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -311,11 +310,6 @@ async fn models(app: &App) -> Response<ResponseBody> {
         })
         .collect();
     json_response(StatusCode::OK, &json!({ "object": "list", "data": data }))
-}
-
-/// For tests: a runtime directory path under `base`.
-pub fn runtime_dir_in(base: &std::path::Path) -> PathBuf {
-    base.join("rt")
 }
 
 #[cfg(test)]
