@@ -15,7 +15,7 @@ use mlxd_protocol::control::{
 };
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
-use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{error, info, warn, Instrument};
@@ -24,6 +24,9 @@ use crate::exit::{classify, Evidence, ExitCause, ExitReport, RawExit};
 
 /// Lines of stderr kept for the crash report.
 pub const STDERR_TAIL_LINES: usize = 200;
+
+/// Longer stderr lines are split at this many bytes.
+const STDERR_LINE_MAX: u64 = 16 * 1024;
 
 /// Variables passed through from our environment when set; everything else is dropped.
 const PASSTHROUGH_ENV: &[&str] = &[
@@ -53,6 +56,8 @@ pub struct EngineSpec {
     pub options: BTreeMap<String, String>,
     /// Wait this long after `Shutdown`, and again after SIGTERM.
     pub stop_timeout: Duration,
+    /// Restarts so far (for the log span).
+    pub restarts: u32,
 }
 
 /// What an engine reports to the pool.
@@ -143,7 +148,13 @@ pub fn spawn(
     let (control_tx, control_rx) = mpsc::unbounded_channel();
     let (stop_tx, stop_rx) = oneshot::channel();
     let (death_tx, death_rx) = watch::channel(None);
-    let span = tracing::info_span!("engine", model = %spec.model, pid, generation);
+    let span = tracing::info_span!(
+        "engine",
+        model = %spec.model,
+        pid,
+        generation,
+        restarts = spec.restarts
+    );
     info!(parent: &span, bin = %spec.bin.display(), socket = %spec.socket_path.display(), "engine spawned");
     let sup = Supervised {
         spec,
@@ -384,7 +395,11 @@ async fn pump_stderr(stderr: tokio::process::ChildStderr, tail: Tail) {
     let mut buf = Vec::new();
     loop {
         buf.clear();
-        match reader.read_until(b'\n', &mut buf).await {
+        match (&mut reader)
+            .take(STDERR_LINE_MAX)
+            .read_until(b'\n', &mut buf)
+            .await
+        {
             Ok(0) | Err(_) => return,
             Ok(_) => {
                 let line = String::from_utf8_lossy(&buf);

@@ -36,8 +36,8 @@ pub enum ProxyError {
         cause: String,
         retry_after: Duration,
     },
-    /// The engine died while handling the request (upstream's fault, and we know why).
-    #[error("engine for model {model} died during the request: {}", report.summary())]
+    /// The engine exited while handling the request (upstream's fault, and we know why).
+    #[error("engine for model {model} exited during the request: {}", report.summary())]
     EngineCrashed { model: String, report: ExitReport },
     /// The engine connection failed and the engine is still alive.
     #[error("engine for model {model} failed the request: {detail}")]
@@ -99,6 +99,9 @@ impl ProxyError {
             Self::Unavailable { .. } => ("engine_unavailable", Some("engine_starting")),
             Self::QueueFull { .. } => ("engine_unavailable", Some("queue_full")),
             Self::Failed { .. } => ("engine_failed", Some("engine_failed")),
+            Self::EngineCrashed { report, .. } if report.cause.is_requested() => {
+                ("engine_stopped", Some(report.cause.code()))
+            }
             Self::EngineCrashed { report, .. } => ("engine_crashed", Some(report.cause.code())),
             Self::Upstream { .. } => ("upstream_error", None),
             Self::ShuttingDown => ("engine_unavailable", Some("shutting_down")),

@@ -459,6 +459,7 @@ impl Pool {
             limits: slot.limits.clone(),
             options: c.engine_options.clone(),
             stop_timeout: c.grace(),
+            restarts: slot.restarts,
         }
     }
 

@@ -534,3 +534,27 @@ async fn bad_input_is_rejected_without_waking_an_engine() -> Result<()> {
     p.stop().await?;
     Ok(())
 }
+
+#[tokio::test]
+async fn a_hung_request_at_shutdown_gets_an_error_event_and_the_engine_is_killed() -> Result<()> {
+    let mut p = Proxy::start_with(&[], |c| c.grace_ms = 300).await?;
+    let body = chat(
+        json!({"chunks": 10, "interval_ms": 1, "then": "hang", "at": 2}),
+        true,
+    )
+    .to_string();
+    let resp = send(p.addr, "POST", "/v1/chat/completions", Some(body.into())).await?;
+    let pid = p.engine().await?["pid"].as_i64().unwrap() as i32;
+    let reader = tokio::spawn(read_events(resp));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let took = p.stop().await?;
+    // Grace for requests, then Shutdown (ignored: a request is active), then SIGTERM.
+    assert!(took >= Duration::from_millis(550), "{took:?}");
+    assert!(process_gone(pid));
+    let events = reader.await??;
+    assert_eq!(events.len(), 3, "{events:?}");
+    let err = event_json(&events[2].1).unwrap();
+    assert_eq!(err["error"]["type"], "engine_stopped", "{err}");
+    assert_eq!(err["error"]["code"], "stopped");
+    Ok(())
+}
