@@ -62,6 +62,8 @@ pub struct Config {
     pub grace_ms: u64,
     /// Time to wait for the first request line and headers on a client connection.
     pub header_timeout_ms: u64,
+    /// An engine not ready this long after spawning is killed (a load failure).
+    pub load_timeout_ms: u64,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -104,6 +106,7 @@ impl Default for Config {
             failed_cooldown_ms: 300_000,
             grace_ms: 10_000,
             header_timeout_ms: 30_000,
+            load_timeout_ms: 600_000,
         }
     }
 }

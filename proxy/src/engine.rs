@@ -77,6 +77,15 @@ pub struct EngineMsg {
     pub event: EngineEvent,
 }
 
+/// What the pool can ask of a running engine's supervising task.
+#[derive(Debug)]
+enum RunnerCmd {
+    /// Forward a control message (e.g. `Drain`).
+    Control(ParentMsg),
+    /// SIGKILL the engine now; `reason` becomes the exit cause.
+    Kill(String),
+}
+
 /// Resolves once with the engine's exit report.
 pub type DeathWatch = watch::Receiver<Option<Arc<ExitReport>>>;
 
@@ -85,7 +94,7 @@ pub type DeathWatch = watch::Receiver<Option<Arc<ExitReport>>>;
 pub struct EngineHandle {
     pub pid: u32,
     pub generation: u64,
-    control: mpsc::UnboundedSender<ParentMsg>,
+    control: mpsc::UnboundedSender<RunnerCmd>,
     stop: Option<oneshot::Sender<()>>,
     death: DeathWatch,
 }
@@ -100,7 +109,13 @@ impl EngineHandle {
 
     /// Sends `Drain` (or any parent message).
     pub fn send(&self, msg: ParentMsg) {
-        let _ = self.control.send(msg);
+        let _ = self.control.send(RunnerCmd::Control(msg));
+    }
+
+    /// Kills the engine at once (e.g. it hung while loading); `reason` is reported as
+    /// the cause of the exit.
+    pub fn kill(&self, reason: String) {
+        let _ = self.control.send(RunnerCmd::Kill(reason));
     }
 
     pub fn death(&self) -> DeathWatch {
@@ -213,7 +228,7 @@ impl Supervised {
     async fn run(
         self,
         mut child: Child,
-        mut control: mpsc::UnboundedReceiver<ParentMsg>,
+        mut control: mpsc::UnboundedReceiver<RunnerCmd>,
         mut stop: oneshot::Receiver<()>,
         death: watch::Sender<Option<Arc<ExitReport>>>,
     ) {
@@ -249,12 +264,18 @@ impl Supervised {
         write_control(&mut stdin, &launch).await;
 
         let mut stop_requested = false;
+        let mut killed_for: Option<String> = None;
         let mut control_open = true;
         let status = loop {
             tokio::select! {
                 status = child.wait() => break status,
                 msg = control.recv(), if control_open => match msg {
-                    Some(m) => write_control(&mut stdin, &m).await,
+                    Some(RunnerCmd::Control(m)) => write_control(&mut stdin, &m).await,
+                    Some(RunnerCmd::Kill(reason)) => {
+                        warn!(%reason, "killing engine");
+                        killed_for = Some(reason);
+                        let _ = killpg(Pid::from_raw(self.pid as i32), Signal::SIGKILL);
+                    }
                     None => control_open = false,
                 },
                 _ = &mut stop => {
@@ -301,6 +322,7 @@ impl Supervised {
             stderr_tail: &tail,
             was_ready: outcome.ready,
             stop_requested,
+            killed_for: killed_for.as_deref(),
         });
         if cause.is_requested() {
             info!(?raw, "engine stopped");

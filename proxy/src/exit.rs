@@ -108,6 +108,8 @@ pub struct Evidence<'a> {
     pub stderr_tail: &'a [String],
     pub was_ready: bool,
     pub stop_requested: bool,
+    /// Set when mlxd itself killed the engine, with the reason (e.g. a load timeout).
+    pub killed_for: Option<&'a str>,
 }
 
 /// Text MLX (Metal and CUDA back ends) and the C++ runtime print on allocation failure.
@@ -133,6 +135,18 @@ fn oom_line(tail: &[String]) -> Option<&String> {
 pub fn classify(ev: Evidence<'_>) -> ExitCause {
     if ev.stop_requested {
         return ExitCause::Requested;
+    }
+    if let Some(reason) = ev.killed_for {
+        return if ev.was_ready {
+            ExitCause::Crash {
+                signal: ev.exit.signal,
+                code: ev.exit.code,
+            }
+        } else {
+            ExitCause::LoadFailed {
+                detail: reason.to_string(),
+            }
+        };
     }
     if let Some(f) = ev.fatal {
         return match f.kind {
@@ -186,7 +200,23 @@ mod tests {
             stderr_tail: tail,
             was_ready: true,
             stop_requested: false,
+            killed_for: None,
         }
+    }
+
+    #[test]
+    fn our_own_kill_during_load_is_a_load_failure_not_oom() {
+        let e = Evidence {
+            was_ready: false,
+            killed_for: Some("not ready after 5s"),
+            ..ev(None, Some(libc::SIGKILL), &[])
+        };
+        assert_eq!(
+            classify(e),
+            ExitCause::LoadFailed {
+                detail: "not ready after 5s".into()
+            }
+        );
     }
 
     #[test]

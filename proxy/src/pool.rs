@@ -265,13 +265,20 @@ impl Slot {
     }
 }
 
+/// Deadlines the actor set for itself, delivered back to it by timer tasks.
+#[derive(Debug)]
+enum Timer {
+    RestartDue { model: String, generation: u64 },
+    LoadDeadline { model: String, generation: u64 },
+}
+
 /// The actor's state.
 struct Pool {
     config: Arc<Config>,
     policy: RestartPolicy,
     slots: BTreeMap<String, Slot>,
     engine_tx: mpsc::UnboundedSender<EngineMsg>,
-    timer_tx: mpsc::UnboundedSender<(String, u64)>,
+    timer_tx: mpsc::UnboundedSender<Timer>,
     shutdown_replies: Vec<Reply<()>>,
     shutting_down: bool,
 }
@@ -326,7 +333,7 @@ impl Pool {
         mut self,
         mut commands: mpsc::Receiver<Command>,
         mut engines: mpsc::UnboundedReceiver<EngineMsg>,
-        mut timers: mpsc::UnboundedReceiver<(String, u64)>,
+        mut timers: mpsc::UnboundedReceiver<Timer>,
     ) {
         loop {
             tokio::select! {
@@ -337,7 +344,10 @@ impl Pool {
                     None => {}
                 },
                 Some(msg) = engines.recv() => self.engine_event(msg),
-                Some((model, generation)) = timers.recv() => self.restart_due(&model, generation),
+                Some(timer) = timers.recv() => match timer {
+                    Timer::RestartDue { model, generation } => self.restart_due(&model, generation),
+                    Timer::LoadDeadline { model, generation } => self.load_deadline(&model, generation),
+                },
             }
             if self.shutting_down && self.slots.values().all(|s| s.engine.is_none()) {
                 for r in self.shutdown_replies.drain(..) {
@@ -477,6 +487,14 @@ impl Pool {
             Ok(handle) => {
                 slot.engine = Some(handle);
                 slot.state = State::Starting;
+                let generation = slot.generation;
+                self.after(
+                    Duration::from_millis(self.config.load_timeout_ms),
+                    Timer::LoadDeadline {
+                        model: key.to_string(),
+                        generation,
+                    },
+                );
             }
             Err(e) => {
                 let report = Arc::new(engine::spawn_failure_report(&spec, &e));
@@ -556,12 +574,14 @@ impl Pool {
                     attempt,
                     "restarting engine after backoff"
                 );
-                let (tx, generation, model) =
-                    (self.timer_tx.clone(), slot.generation, key.to_string());
-                tokio::spawn(async move {
-                    tokio::time::sleep(delay).await;
-                    let _ = tx.send((model, generation));
-                });
+                send_after(
+                    self.timer_tx.clone(),
+                    delay,
+                    Timer::RestartDue {
+                        model: key.to_string(),
+                        generation: slot.generation,
+                    },
+                );
             }
             Decision::Fail { crashes } => {
                 let cause = report.summary();
@@ -580,6 +600,26 @@ impl Pool {
                 slot.state = State::Failed { cause, since: now };
                 slot.fail_waiters(&err);
             }
+        }
+    }
+
+    /// Delivers `timer` back to the actor after `delay`.
+    fn after(&self, delay: Duration, timer: Timer) {
+        send_after(self.timer_tx.clone(), delay, timer);
+    }
+
+    fn load_deadline(&mut self, key: &str, generation: u64) {
+        let timeout_ms = self.config.load_timeout_ms;
+        let Some(slot) = self.slots.get(key) else {
+            return;
+        };
+        if slot.generation != generation || !matches!(slot.state, State::Starting) {
+            return;
+        }
+        if let Some(engine) = &slot.engine {
+            engine.kill(format!(
+                "not ready within the load timeout of {timeout_ms} ms"
+            ));
         }
     }
 
@@ -605,4 +645,11 @@ impl Pool {
             }
         }
     }
+}
+
+fn send_after(tx: mpsc::UnboundedSender<Timer>, delay: Duration, timer: Timer) {
+    tokio::spawn(async move {
+        tokio::time::sleep(delay).await;
+        let _ = tx.send(timer);
+    });
 }

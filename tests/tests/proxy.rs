@@ -558,3 +558,27 @@ async fn a_hung_request_at_shutdown_gets_an_error_event_and_the_engine_is_killed
     assert_eq!(err["error"]["code"], "stopped");
     Ok(())
 }
+
+#[tokio::test]
+async fn an_engine_stuck_loading_is_killed_at_the_load_timeout() -> Result<()> {
+    let mut p = Proxy::start_with(&[("ready_delay_ms", "60000")], |c| {
+        c.load_timeout_ms = 300;
+        c.crash_limit = 1;
+    })
+    .await?;
+    let (s, _, v) = p
+        .post_json("/v1/completions", &json!({"prompt": "x"}))
+        .await?;
+    assert_eq!(s, 503);
+    assert_eq!(v["error"]["type"], "engine_failed");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("load timeout of 300 ms"),
+        "{v}"
+    );
+    assert_eq!(p.engine().await?["last_exit"]["code"], "load_failed");
+    p.stop().await?;
+    Ok(())
+}
