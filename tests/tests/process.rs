@@ -108,6 +108,8 @@ async fn sigterm_and_sigint_stop_everything_and_exit_zero() -> Result<()> {
         );
         let status = m.wait(Duration::from_secs(10)).await?;
         assert_eq!(status.code(), Some(0), "{sig}");
+        let runtime_dir = m._dir.path().join(format!("mlxd-{}", m.child.id()));
+        assert!(!runtime_dir.exists(), "runtime dir left behind");
         wait_gone(pid, Duration::from_secs(1)).await?;
         // New connections are refused once it is down.
         assert!(send(m.addr, "GET", "/health", None).await.is_err());
