@@ -90,6 +90,32 @@ fn is_body_limit(err: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
+/// Why forwarding failed, and whether the engine could have seen the request.
+#[derive(Debug)]
+pub enum ForwardError {
+    /// No connection to the engine: the request was never sent, so it may be retried.
+    NotDelivered(ProxyError),
+    Failed(ProxyError),
+}
+
+impl From<ForwardError> for ProxyError {
+    fn from(e: ForwardError) -> Self {
+        match e {
+            ForwardError::NotDelivered(e) | ForwardError::Failed(e) => e,
+        }
+    }
+}
+
+/// A copy of a request head (method, URI, version, headers) for a retry.
+pub fn copy_head(p: &http::request::Parts) -> http::request::Parts {
+    let mut r = Request::new(());
+    *r.method_mut() = p.method.clone();
+    *r.uri_mut() = p.uri.clone();
+    *r.version_mut() = p.version;
+    *r.headers_mut() = p.headers.clone();
+    r.into_parts().0
+}
+
 /// Sends `parts` + `body` to the leased engine and returns the client's response.
 pub async fn forward(
     lease: Lease,
@@ -97,7 +123,7 @@ pub async fn forward(
     body: ProxyRequestBody,
     request_id: u64,
     max_body: usize,
-) -> Result<Response<ProxyBody>, ProxyError> {
+) -> Result<Response<ProxyBody>, ForwardError> {
     strip_hop_by_hop(&mut parts.headers);
     parts
         .headers
@@ -113,7 +139,11 @@ pub async fn forward(
         .to_string();
     parts.uri = match path.parse() {
         Ok(u) => u,
-        Err(_) => return Err(ProxyError::BadRequest(format!("unroutable path {path:?}"))),
+        Err(_) => {
+            return Err(ForwardError::Failed(ProxyError::BadRequest(format!(
+                "unroutable path {path:?}"
+            ))))
+        }
     };
     parts.version = http::Version::HTTP_11;
     let req = Request::from_parts(parts, body);
@@ -123,13 +153,19 @@ pub async fn forward(
         Err(e) => {
             if let mlxd_ipc::uds::UdsError::Request(he) = &e {
                 if is_body_limit(he) {
-                    return Err(ProxyError::BodyTooLarge {
+                    return Err(ForwardError::Failed(ProxyError::BodyTooLarge {
                         limit: max_body,
                         got: None,
-                    });
+                    }));
                 }
             }
-            return Err(explain_failure(&lease.model, lease.death, e.to_string()).await);
+            let not_delivered = matches!(e, mlxd_ipc::uds::UdsError::Connect { .. });
+            let err = explain_failure(&lease.model, lease.death, e.to_string()).await;
+            return Err(if not_delivered {
+                ForwardError::NotDelivered(err)
+            } else {
+                ForwardError::Failed(err)
+            });
         }
     };
     let (mut parts, incoming) = resp.into_parts();

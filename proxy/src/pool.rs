@@ -38,6 +38,8 @@ type Reply<T> = oneshot::Sender<T>;
 enum Command {
     Acquire {
         model: Option<String>,
+        /// Do not hand out this engine generation (it was found dead).
+        not_generation: Option<u64>,
         reply: Reply<Result<Lease, ProxyError>>,
     },
     Status {
@@ -68,9 +70,23 @@ impl PoolHandle {
 
     /// A lease on a ready engine for `model`, waiting (bounded) while it starts.
     pub async fn acquire(&self, model: Option<String>) -> Result<Lease, ProxyError> {
+        self.acquire_avoiding(model, None).await
+    }
+
+    /// Like [`acquire`](Self::acquire), but never returns engine generation
+    /// `not_generation` (one the caller found dead before the pool heard of its exit).
+    pub async fn acquire_avoiding(
+        &self,
+        model: Option<String>,
+        not_generation: Option<u64>,
+    ) -> Result<Lease, ProxyError> {
         let label = model.clone().unwrap_or_default();
         let rx = self
-            .ask(|reply| Command::Acquire { model, reply })
+            .ask(|reply| Command::Acquire {
+                model,
+                not_generation,
+                reply,
+            })
             .await
             .ok_or(ProxyError::ShuttingDown)?;
         match tokio::time::timeout(self.queue_timeout, rx).await {
@@ -361,7 +377,11 @@ impl Pool {
 
     fn command(&mut self, cmd: Command) {
         match cmd {
-            Command::Acquire { model, reply } => self.acquire(model, reply),
+            Command::Acquire {
+                model,
+                not_generation,
+                reply,
+            } => self.acquire(model, not_generation, reply),
             Command::Status { reply } => {
                 let now = Instant::now();
                 let _ = reply.send(self.slots.values().map(|s| s.status(now)).collect());
@@ -399,7 +419,12 @@ impl Pool {
         }
     }
 
-    fn acquire(&mut self, requested: Option<String>, reply: Reply<Result<Lease, ProxyError>>) {
+    fn acquire(
+        &mut self,
+        requested: Option<String>,
+        not_generation: Option<u64>,
+        reply: Reply<Result<Lease, ProxyError>>,
+    ) {
         if self.shutting_down {
             let _ = reply.send(Err(ProxyError::ShuttingDown));
             return;
@@ -414,7 +439,11 @@ impl Pool {
             ))));
             return;
         };
+        let known_dead = not_generation.is_some()
+            && not_generation == slot.engine.as_ref().map(|e| e.generation);
         let retry_after = match &slot.state {
+            // Its exit is on the way: wait in the queue for the restart.
+            State::Ready if known_dead => Duration::from_secs(1),
             State::Ready => {
                 let _ = reply.send(slot.lease().ok_or_else(|| {
                     ProxyError::Internal(format!("model {key} is ready without an engine"))

@@ -21,7 +21,7 @@ use tracing::{debug, info, warn, Instrument};
 
 use crate::config::Config;
 use crate::error::ProxyError;
-use crate::forward::{forward, BoxError, ProxyBody, ProxyRequestBody};
+use crate::forward::{copy_head, forward, BoxError, ForwardError, ProxyBody, ProxyRequestBody};
 use crate::pool::{self, PoolHandle};
 
 pub type ResponseBody = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>;
@@ -212,19 +212,37 @@ async fn route(
                 .is_some_and(|v| v.starts_with("application/json")));
     let (parts, body) = req.into_parts();
 
-    let (model, body): (Option<String>, ProxyRequestBody) = if is_json_route {
-        let bytes = read_bounded(body, max).await?;
-        let model = model_of(&bytes)?;
-        (model, Full::new(bytes).map_err(|e| match e {}).boxed())
-    } else {
-        (None, Limited::new(body, max).boxed())
-    };
+    if !is_json_route {
+        // Streamed through as it arrives; not replayable, so one attempt.
+        let body: ProxyRequestBody = Limited::new(body, max).boxed();
+        let lease = app.pool.acquire(None).await?;
+        let resp = forward(lease, parts, body, id, max).await?;
+        return Ok(resp.map(|b: ProxyBody| b.boxed_unsync()));
+    }
+    let bytes = read_bounded(body, max).await?;
+    let model = model_of(&bytes)?;
     if let Some(m) = &model {
         tracing::Span::current().record("model", m.as_str());
     }
-    let lease = app.pool.acquire(model).await?;
-    let resp = forward(lease, parts, body, id, max).await?;
-    Ok(resp.map(|b: ProxyBody| b.boxed_unsync()))
+    // A buffered body can be sent again if the first engine was unreachable (it died
+    // between handing out the lease and our connect): the request never reached it.
+    let mut dead_generation = None;
+    loop {
+        let lease = app
+            .pool
+            .acquire_avoiding(model.clone(), dead_generation)
+            .await?;
+        let generation = lease.generation;
+        let body: ProxyRequestBody = Full::new(bytes.clone()).map_err(|e| match e {}).boxed();
+        match forward(lease, copy_head(&parts), body, id, max).await {
+            Ok(resp) => return Ok(resp.map(|b: ProxyBody| b.boxed_unsync())),
+            Err(ForwardError::NotDelivered(e)) if dead_generation.is_none() => {
+                warn!(error = %e, "engine unreachable before the request was sent; retrying once");
+                dead_generation = Some(generation);
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
 }
 
 fn content_length(req: &Request<Incoming>) -> Option<u64> {

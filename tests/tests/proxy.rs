@@ -582,3 +582,24 @@ async fn an_engine_stuck_loading_is_killed_at_the_load_timeout() -> Result<()> {
     p.stop().await?;
     Ok(())
 }
+
+#[tokio::test]
+async fn a_request_that_never_reached_a_dead_engine_is_retried_on_the_new_one() -> Result<()> {
+    let mut p = Proxy::start(&[("vanish_after_requests", "1")]).await?;
+    let (s, _, _) = p
+        .post_json("/v1/completions", &json!({"prompt": "x"}))
+        .await?;
+    assert_eq!(s, 200);
+    wait_event(&p.events_file(), "vanishing", T).await?;
+    // The pool still thinks the engine is ready; the connect fails; the request is
+    // sent again once the engine has been restarted.
+    let (s, _, v) = p
+        .post_json("/v1/completions", &json!({"prompt": "x"}))
+        .await?;
+    assert_eq!(s, 200, "{v}");
+    let e = p.engine().await?;
+    assert_eq!(e["generation"], 2);
+    assert_eq!(e["last_exit"]["code"], "crash");
+    p.stop().await?;
+    Ok(())
+}

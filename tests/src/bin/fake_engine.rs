@@ -42,7 +42,9 @@ const OOM_TEXT: &str = "libc++abi: terminating due to uncaught exception of type
 /// - `events_file=<path>`: append one line per lifecycle event (for tests);
 /// - `stats_interval_ms` (default 200), `memory_bytes` (default 123456789);
 /// - `ignore_sigterm=1`, `ignore_shutdown=1`: to test the supervisor's escalation;
-/// - `chunks`, `interval_ms`: defaults for streaming responses (8 chunks, 5 ms).
+/// - `chunks`, `interval_ms`: defaults for streaming responses (8 chunks, 5 ms);
+/// - `vanish_after_requests=<n>`: after n generation requests, remove the socket and
+///   stop listening, then exit 5 after 200 ms (a death between lease and connect).
 #[derive(Clone)]
 struct Script {
     opts: BTreeMap<String, String>,
@@ -89,6 +91,9 @@ struct Engine {
     model: String,
     active: AtomicU32,
     draining: AtomicBool,
+    /// Generation requests served so far (for `vanish_after_requests`).
+    served: AtomicU32,
+    vanish: tokio::sync::Notify,
 }
 
 fn main() -> Result<()> {
@@ -162,6 +167,8 @@ async fn run(
         model: model.clone(),
         active: AtomicU32::new(0),
         draining: AtomicBool::new(false),
+        served: AtomicU32::new(0),
+        vanish: tokio::sync::Notify::new(),
     });
     tx.send_ready(Ready {
         version: PROTOCOL_VERSION,
@@ -178,9 +185,19 @@ async fn run(
     let memory = script.get("memory_bytes").unwrap_or(123_456_789u64);
     let mut stats_tick = tokio::time::interval(stats_every);
     let mut shutting_down = false;
+    let mut listener = Some(listener);
     loop {
         tokio::select! {
-            accepted = listener.accept(), if !shutting_down => {
+            _ = engine.vanish.notified() => {
+                script.event("vanishing");
+                listener = None;
+                let _ = std::fs::remove_file(&socket);
+                tokio::spawn(async {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    std::process::exit(5);
+                });
+            }
+            accepted = async { listener.as_ref().expect("guarded").accept().await }, if !shutting_down && listener.is_some() => {
                 let (stream, _) = accepted?;
                 let engine = engine.clone();
                 tokio::spawn(async move {
@@ -299,6 +316,10 @@ async fn handle(engine: Arc<Engine>, req: Request<Incoming>) -> Result<Response<
                 ));
             }
             let chat = path == "/v1/chat/completions";
+            let served = engine.served.fetch_add(1, Ordering::Relaxed) + 1;
+            if engine.script.get::<u32>("vanish_after_requests") == Some(served) {
+                engine.vanish.notify_one();
+            }
             match req.into_body().collect().await {
                 Ok(b) => generate(engine, chat, &b.to_bytes()).await,
                 Err(_) => json_response(
