@@ -17,6 +17,7 @@ use http::{Request, Response};
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use mlxd_ipc::sse::SseSplitter;
+use mlxd_ipc::uds::Driver;
 use tracing::warn;
 
 use crate::engine::DeathWatch;
@@ -148,7 +149,7 @@ pub async fn forward(
     parts.version = http::Version::HTTP_11;
     let req = Request::from_parts(parts, body);
 
-    let resp = match mlxd_ipc::uds::send(&lease.socket, req).await {
+    let (resp, driver) = match mlxd_ipc::uds::send_driven(&lease.socket, req).await {
         Ok(r) => r,
         Err(e) => {
             if let mlxd_ipc::uds::UdsError::Request(he) = &e {
@@ -177,7 +178,7 @@ pub async fn forward(
         .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
     Ok(Response::from_parts(
         parts,
-        ProxyBody::new(incoming, sse, lease),
+        ProxyBody::new(incoming, driver, sse, lease),
     ))
 }
 
@@ -186,6 +187,8 @@ type ErrorEventFuture = Pin<Box<dyn Future<Output = Bytes> + Send>>;
 /// The client-facing response body.
 pub struct ProxyBody {
     upstream: Incoming,
+    /// The engine connection, polled from this body so no other task is involved.
+    driver: Driver<ProxyRequestBody>,
     /// Present for SSE responses.
     sse: Option<SseSplitter>,
     queued: VecDeque<Bytes>,
@@ -195,9 +198,10 @@ pub struct ProxyBody {
 }
 
 impl ProxyBody {
-    fn new(upstream: Incoming, sse: bool, lease: Lease) -> Self {
+    fn new(upstream: Incoming, driver: Driver<ProxyRequestBody>, sse: bool, lease: Lease) -> Self {
         Self {
             upstream,
+            driver,
             sse: sse.then(SseSplitter::new),
             queued: VecDeque::new(),
             failing: None,
@@ -216,6 +220,9 @@ impl Body for ProxyBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
+        // Move bytes from the engine socket into `upstream` (Pending is fine: the
+        // connection has registered for wake-ups).
+        let _ = this.driver.poll_drive(cx);
         loop {
             if let Some(b) = this.queued.pop_front() {
                 return Poll::Ready(Some(Ok(Frame::data(b))));
