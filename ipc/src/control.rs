@@ -1,19 +1,39 @@
 //! Child side of the control channel, shared by the real engine and the fake engine.
 //!
-//! An engine is started as `mlxd-engine --control` ([`CONTROL_FLAG`]) with stdin and
-//! stdout connected to the supervisor. The expected sequence is:
+//! # The engine contract
+//!
+//! `mlxd` starts an engine as `<engine-bin> --control` ([`CONTROL_FLAG`]) in its own
+//! process group, with a cleared environment plus `PATH`, `HOME`, `LANG`, `RUST_LOG`,
+//! `LD_LIBRARY_PATH`, `CUDA_VISIBLE_DEVICES` and a few more when set, and
+//! [`SUPERVISOR_PID_ENV`] and `MLXD_MODEL`. stdin and stdout carry the control channel
+//! (length-prefixed bincode frames, see [`crate::frame`]); stderr is the engine's log
+//! (one line per event, JSON preferred), re-emitted by `mlxd` and kept for crash reports.
 //!
 //! ```text
 //! set_parent_death_signal()?;              // first thing in main
-//! let mut chan = ChildChannel::from_stdio()?;
+//! let mut chan = ChildChannel::from_stdio()?;  // fd 1 now points at stderr
 //! let launch = chan.read_launch()?;        // blocks for the Launch frame
 //! let tx = chan.sender();                  // Clone + Send: Loading/Ready/Stats/Fatal
 //! chan.watch_parent(|ev| ...);             // thread: Drain, Shutdown, Closed (stdin EOF)
-//! tx.send_loading(0.5)?; /* bind launch.socket_path with socket::bind_unix */
-//! tx.send_ready(ready)?;
+//! tx.send_loading(0.5)?;                   // optional progress while loading
+//! let listener = socket::bind_unix(&launch.socket_path)?;  // stale file removed, 0600
+//! tx.send_ready(ready)?;                   // only once the socket accepts connections
+//! // every ~1 s: tx.send_stats(stats)?;
 //! ```
 //!
-//! The engine must exit when it sees [`ParentEvent::Closed`]: the supervisor is gone.
+//! Obligations:
+//! - [`ParentEvent::Closed`] (stdin EOF) or [`ParentEvent::Broken`]: exit at once.
+//! - `Drain`: stop admitting new requests (answer 503), finish the ones in flight.
+//! - `Shutdown`: stop admitting, finish in-flight work, exit 0. `mlxd` waits its grace
+//!   period, then sends SIGTERM to the group, then SIGKILL.
+//! - Before any controlled non-zero exit, send `Fatal` with the right [`FatalKind`]
+//!   (`OutOfMemory` lets `mlxd` restart with smaller limits; `LoadFailed` before
+//!   `Ready`). Never print to stdout by hand: [`ChildChannel::from_stdio`] points fd 1
+//!   at stderr so stray prints cannot corrupt the channel.
+//! - A client that disconnects closes its connection on the unix socket: cancel the
+//!   sequence.
+//!
+//! [`FatalKind`]: mlxd_protocol::control::FatalKind
 
 use std::fs::File;
 use std::io::{self, Read, Write};

@@ -80,7 +80,7 @@ impl PoolHandle {
         model: Option<String>,
         not_generation: Option<u64>,
     ) -> Result<Lease, ProxyError> {
-        let label = model.clone().unwrap_or_default();
+        let label = model.clone().unwrap_or_else(|| "(default)".into());
         let rx = self
             .ask(|reply| Command::Acquire {
                 model,
