@@ -133,4 +133,37 @@ mod tests {
         assert_eq!(c.port, 9);
         assert_eq!(c.engine_options["a"], "b");
     }
+
+    #[test]
+    fn flags_override_the_config_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("mlxd.toml");
+        std::fs::write(
+            &path,
+            "model = \"from-file\"\nport = 7000\nmax_body_bytes = 100\n[engine_options]\nx = \"1\"\n",
+        )
+        .unwrap();
+        let c = Cli::parse_from([
+            "mlxd",
+            "serve",
+            "--config",
+            path.to_str().unwrap(),
+            "--port",
+            "7001",
+        ])
+        .serve_args()
+        .into_config()
+        .unwrap();
+        assert_eq!(c.model, "from-file");
+        assert_eq!(c.port, 7001);
+        assert_eq!(c.max_body_bytes, 100);
+        assert_eq!(c.engine_options["x"], "1");
+        let bad = dir.path().join("bad.toml");
+        std::fs::write(&bad, "port = \"x\"").unwrap();
+        let err = Cli::parse_from(["mlxd", "--config", bad.to_str().unwrap()])
+            .serve_args()
+            .into_config()
+            .unwrap_err();
+        assert!(err.to_string().contains("bad.toml"), "{err}");
+    }
 }
