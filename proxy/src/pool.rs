@@ -351,13 +351,18 @@ impl Pool {
         mut engines: mpsc::UnboundedReceiver<EngineMsg>,
         mut timers: mpsc::UnboundedReceiver<Timer>,
     ) {
+        let mut handles_gone = false;
         loop {
             tokio::select! {
-                cmd = commands.recv() => match cmd {
+                cmd = commands.recv(), if !handles_gone => match cmd {
                     Some(cmd) => self.command(cmd),
                     // Every handle is gone: stop the engines and finish.
-                    None if !self.shutting_down => self.begin_shutdown(),
-                    None => {}
+                    None => {
+                        handles_gone = true;
+                        if !self.shutting_down {
+                            self.begin_shutdown();
+                        }
+                    }
                 },
                 Some(msg) = engines.recv() => self.engine_event(msg),
                 Some(timer) = timers.recv() => match timer {
