@@ -687,3 +687,63 @@ fn send_after(tx: mpsc::UnboundedSender<Timer>, delay: Duration, timer: Timer) {
         let _ = tx.send(timer);
     });
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool_with_missing_engine(dir: &std::path::Path) -> PoolHandle {
+        let config = Config {
+            engine_bin: Some("/nonexistent/mlxd-engine".into()),
+            queue_timeout_ms: 60_000,
+            ..Config::default()
+        };
+        start(Arc::new(config), dir.to_path_buf()).unwrap()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn failures_back_off_then_mark_the_model_failed() {
+        let dir = tempfile::tempdir().unwrap();
+        let pool = pool_with_missing_engine(dir.path());
+        let t = Instant::now();
+        let err = pool.acquire(Some("any-name".into())).await.unwrap_err();
+        // Five failures, with 250 + 500 + 1000 + 2000 ms of backoff between them.
+        let waited = t.elapsed();
+        assert!(
+            waited >= Duration::from_millis(3750) && waited < Duration::from_millis(3800),
+            "{waited:?}"
+        );
+        match &err {
+            ProxyError::Failed { cause, .. } => assert!(cause.contains("cannot start"), "{cause}"),
+            other => panic!("{other:?}"),
+        }
+        let st = pool.status().await;
+        assert_eq!(st[0].state, "failed");
+        assert_eq!(st[0].restarts, 4);
+        assert_eq!(st[0].last_exit.as_ref().unwrap().code, "load_failed");
+
+        // Failed: answered at once, no new attempt.
+        let again = pool.acquire(None).await.unwrap_err();
+        assert!(matches!(again, ProxyError::Failed { .. }));
+        assert_eq!(pool.status().await[0].generation, 5);
+
+        assert_eq!(pool.reset(None).await, vec![Config::default().model]);
+        assert_eq!(pool.status().await[0].state, "idle");
+        pool.shutdown().await;
+        assert!(matches!(
+            pool.acquire(None).await,
+            Err(ProxyError::ShuttingDown)
+        ));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn failed_model_cools_down() {
+        let dir = tempfile::tempdir().unwrap();
+        let pool = pool_with_missing_engine(dir.path());
+        let _ = pool.acquire(None).await.unwrap_err();
+        tokio::time::advance(Duration::from_millis(Config::default().failed_cooldown_ms)).await;
+        // The cool-down is over: a new round of attempts, failing again.
+        let _ = pool.acquire(None).await.unwrap_err();
+        assert_eq!(pool.status().await[0].generation, 10);
+    }
+}
