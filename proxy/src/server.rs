@@ -288,24 +288,41 @@ fn model_of(body: &[u8]) -> Result<Option<String>, ProxyError> {
     }
 }
 
+/// Asks a ready engine's own `/health` (1 s budget).
+async fn engine_responds(socket: &std::path::Path) -> bool {
+    let req = Request::get("/health")
+        .header(header::HOST, "localhost")
+        .body(http_body_util::Empty::<Bytes>::new());
+    let Ok(req) = req else { return false };
+    matches!(
+        tokio::time::timeout(Duration::from_secs(1), mlxd_ipc::uds::send(socket, req)).await,
+        Ok(Ok(resp)) if resp.status().is_success()
+    )
+}
+
 async fn health(app: &App) -> Response<ResponseBody> {
     let engines = app.pool.status().await;
     let all_failed = !engines.is_empty() && engines.iter().all(|e| e.state == "failed");
-    let list: Vec<Value> = engines
-        .iter()
-        .map(|e| {
-            json!({
-                "model": e.model,
-                "state": e.state,
-                "pid": e.pid,
-                "last_exit": e.last_exit.as_ref().map(|x| &x.cause),
-            })
-        })
-        .collect();
+    let mut list = Vec::with_capacity(engines.len());
+    for e in &engines {
+        let responding = if e.state == "ready" {
+            Some(engine_responds(&e.socket).await)
+        } else {
+            None
+        };
+        list.push(json!({
+            "model": e.model,
+            "state": e.state,
+            "pid": e.pid,
+            "responding": responding,
+            "last_exit": e.last_exit.as_ref().map(|x| &x.cause),
+        }));
+    }
+    let unhealthy = all_failed || list.iter().any(|e| e["responding"] == json!(false));
     json_response(
         StatusCode::OK,
         &json!({
-            "status": if all_failed { "degraded" } else { "ok" },
+            "status": if unhealthy { "degraded" } else { "ok" },
             "proxy": { "status": "ok", "uptime_s": app.started.elapsed().as_secs_f64(), "pid": std::process::id() },
             "engines": list,
         }),

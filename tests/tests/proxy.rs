@@ -78,6 +78,7 @@ async fn non_streaming_models_health_engines() -> Result<()> {
     assert_eq!(s, 200);
     assert_eq!(v["status"], "ok");
     assert_eq!(v["engines"][0]["state"], "ready");
+    assert_eq!(v["engines"][0]["responding"], true);
 
     let e = p
         .wait_engine("reporting stats", T, |e| e["stats"]["memory_bytes"] == 4242)
