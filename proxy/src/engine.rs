@@ -412,7 +412,7 @@ async fn read_control(mut stdout: ChildStdout, emit: impl Fn(EngineEvent)) -> Re
 }
 
 /// Re-emits each stderr line through tracing and keeps the last ones.
-async fn pump_stderr(stderr: tokio::process::ChildStderr, tail: Tail) {
+async fn pump_stderr<R: tokio::io::AsyncRead + Unpin>(stderr: R, tail: Tail) {
     let mut reader = BufReader::new(stderr);
     let mut buf = Vec::new();
     loop {
@@ -434,5 +434,36 @@ async fn pump_stderr(stderr: tokio::process::ChildStderr, tail: Tail) {
                 t.push_back(line.to_string());
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn stderr_tail_keeps_the_last_lines_and_splits_long_ones() {
+        let mut input = String::new();
+        for i in 0..500 {
+            input.push_str(&format!("line {i}\n"));
+        }
+        input.push_str(&"x".repeat(STDERR_LINE_MAX as usize + 10));
+        input.push_str("\n#-invalid-utf8?\r\n");
+        let mut bytes = input.into_bytes();
+        let n = bytes.len();
+        bytes[n - 17] = 0xff; // the "#"
+        let tail: Tail = Arc::default();
+        pump_stderr(&bytes[..], tail.clone()).await;
+        let t = tail.lock().unwrap();
+        assert_eq!(t.len(), STDERR_TAIL_LINES);
+        let last: Vec<&String> = t.iter().rev().take(4).collect();
+        assert!(
+            last[0].contains("invalid-utf8?") && !last[0].ends_with('\r'),
+            "{:?}",
+            last[0]
+        );
+        assert_eq!(last[1].len(), 10);
+        assert_eq!(last[2].len(), STDERR_LINE_MAX as usize);
+        assert_eq!(last[3], "line 499");
     }
 }
