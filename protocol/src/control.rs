@@ -1,1 +1,99 @@
-//! (to be written)
+//! Control-channel messages between `mlxd` (parent) and `mlxd-engine` (child).
+//!
+//! The channel is the child's stdin (parent → child) and stdout (child → parent).
+//! Framing and encoding live in `mlxd-ipc`; this module only defines the types.
+//!
+//! Versioning: the first frame the parent sends is always [`ParentMsg::Launch`], whose
+//! `version` must equal the child's [`PROTOCOL_VERSION`]; the child echoes its own
+//! version in [`Ready`]. A mismatch on either side is a load failure.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// Bumped on any incompatible change to the types in this module.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Messages from the supervisor to an engine.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum ParentMsg {
+    /// Always the first frame: what to load and where to listen.
+    Launch(Launch),
+    /// Stop admitting new requests; finish the ones in flight.
+    Drain,
+    /// Finish quickly and exit with code 0.
+    Shutdown,
+}
+
+/// Everything an engine needs to start.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Launch {
+    /// Must equal [`PROTOCOL_VERSION`].
+    pub version: u32,
+    /// A model name (`smollm2-135m`) or a directory path, as given to `mlxd --model`.
+    pub model: String,
+    /// The unix socket the engine must bind (the parent has removed any stale file).
+    pub socket_path: PathBuf,
+    pub limits: Limits,
+    /// Free-form options (engine tuning; the fake engine's test script).
+    pub options: BTreeMap<String, String>,
+}
+
+/// Resource limits; `None` means "engine default".
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Limits {
+    pub max_batch_size: Option<u32>,
+    pub kv_budget_bytes: Option<u64>,
+    pub context_length: Option<u32>,
+}
+
+/// Messages from an engine to the supervisor.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum ChildMsg {
+    /// Loading progress in `0.0..=1.0`.
+    Loading { progress: f32 },
+    /// The socket is bound and the model is loaded: requests may be sent.
+    Ready(Ready),
+    /// Periodic load and memory figures.
+    Stats(Stats),
+    /// Sent just before a controlled exit with a non-zero code.
+    Fatal(Fatal),
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Ready {
+    /// The child's [`PROTOCOL_VERSION`].
+    pub version: u32,
+    /// The id the engine answers to in `/v1/models`.
+    pub model_id: String,
+    pub weight_bytes: u64,
+    pub kv_bytes_per_token: u64,
+    pub context_length: u32,
+    /// e.g. `chat`, `completions`, `tools`.
+    pub capabilities: Vec<String>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stats {
+    /// Sequences being generated.
+    pub active: u32,
+    /// Requests admitted but not yet scheduled.
+    pub queued: u32,
+    pub kv_bytes: u64,
+    /// Total memory in use by the engine (device + host), in bytes.
+    pub memory_bytes: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Fatal {
+    pub kind: FatalKind,
+    pub message: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FatalKind {
+    OutOfMemory,
+    LoadFailed,
+    Internal,
+}

@@ -1,1 +1,298 @@
-//! Helpers shared by the integration tests.
+//! Helpers shared by the integration tests: an in-process proxy on a free port with the
+//! fake engine, a small HTTP client, raw-socket helpers, and process checks.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::{HeaderMap, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use mlxd_proxy::Config;
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+/// A binary built into the same target directory as the running test.
+pub fn target_bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let mut dir = exe.parent().expect("exe dir").to_path_buf();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    dir.join(name)
+}
+
+/// The fake engine binary (built with this crate).
+pub fn fake_engine() -> PathBuf {
+    target_bin("fake-engine")
+}
+
+/// The `mlxd` binary, built on demand if this test run did not build it.
+pub fn mlxd_bin() -> Result<PathBuf> {
+    let bin = target_bin("mlxd");
+    if !bin.exists() {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let status = std::process::Command::new(cargo)
+            .args(["build", "-p", "mlxd-proxy", "--bin", "mlxd"])
+            .status()
+            .context("building mlxd")?;
+        if !status.success() {
+            bail!("cargo build -p mlxd-proxy failed");
+        }
+    }
+    Ok(bin)
+}
+
+/// A proxy served in-process with the fake engine.
+pub struct Proxy {
+    pub addr: std::net::SocketAddr,
+    pub dir: tempfile::TempDir,
+    shutdown: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<Result<(), mlxd_proxy::server::ServeError>>>,
+}
+
+impl Proxy {
+    /// A config for tests: fake engine, fast backoff, runtime dir and events file in a
+    /// temp dir, the given `Launch` options.
+    pub fn config(dir: &Path, options: &[(&str, &str)]) -> Config {
+        let mut c = Config {
+            model: "fake-model".into(),
+            engine_bin: Some(fake_engine()),
+            runtime_dir: Some(dir.join("rt")),
+            backoff_initial_ms: 20,
+            backoff_max_ms: 200,
+            grace_ms: 2_000,
+            queue_timeout_ms: 10_000,
+            ..Config::default()
+        };
+        c.engine_options
+            .insert("events_file".into(), events_path(dir).display().to_string());
+        c.engine_options
+            .insert("stats_interval_ms".into(), "50".into());
+        for (k, v) in options {
+            c.engine_options.insert(k.to_string(), v.to_string());
+        }
+        c
+    }
+
+    pub async fn start(options: &[(&str, &str)]) -> Result<Self> {
+        Self::start_with(options, |_| {}).await
+    }
+
+    pub async fn start_with(
+        options: &[(&str, &str)],
+        tweak: impl FnOnce(&mut Config),
+    ) -> Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let mut config = Self::config(dir.path(), options);
+        tweak(&mut config);
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let (tx, rx) = oneshot::channel::<()>();
+        let task = tokio::spawn(mlxd_proxy::serve(listener, config, async move {
+            let _ = rx.await;
+        }));
+        Ok(Self {
+            addr,
+            dir,
+            shutdown: Some(tx),
+            task: Some(task),
+        })
+    }
+
+    pub fn events_file(&self) -> PathBuf {
+        events_path(self.dir.path())
+    }
+
+    /// Triggers shutdown without waiting.
+    pub fn begin_stop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+    }
+
+    /// Triggers shutdown and waits for `serve` to return.
+    pub async fn stop(&mut self) -> Result<Duration> {
+        let t = Instant::now();
+        self.begin_stop();
+        if let Some(task) = self.task.take() {
+            task.await??;
+        }
+        Ok(t.elapsed())
+    }
+
+    pub async fn get(&self, path: &str) -> Result<(StatusCode, HeaderMap, Value)> {
+        json_of(send(self.addr, "GET", path, None).await?).await
+    }
+
+    pub async fn post_json(
+        &self,
+        path: &str,
+        body: &Value,
+    ) -> Result<(StatusCode, HeaderMap, Value)> {
+        json_of(send(self.addr, "POST", path, Some(body.to_string().into())).await?).await
+    }
+
+    /// The first engine row of `GET /engines`.
+    pub async fn engine(&self) -> Result<Value> {
+        let (_, _, v) = self.get("/engines").await?;
+        Ok(v["engines"][0].clone())
+    }
+
+    /// Waits until the engine row satisfies `pred`.
+    pub async fn wait_engine(
+        &self,
+        what: &str,
+        timeout: Duration,
+        pred: impl Fn(&Value) -> bool,
+    ) -> Result<Value> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let e = self.engine().await?;
+            if pred(&e) {
+                return Ok(e);
+            }
+            if Instant::now() > deadline {
+                bail!("engine never became {what}: {e}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.begin_stop();
+    }
+}
+
+fn events_path(dir: &Path) -> PathBuf {
+    dir.join("events.log")
+}
+
+/// Sends one request on a fresh connection (a body is sent as `application/json`).
+pub async fn send(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<Bytes>,
+) -> Result<Response<Incoming>> {
+    let ct = body.as_ref().map(|_| "application/json");
+    send_typed(addr, method, path, ct, body).await
+}
+
+/// Sends one request with the given content type.
+pub async fn send_typed(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    content_type: Option<&str>,
+    body: Option<Bytes>,
+) -> Result<Response<Incoming>> {
+    let stream = TcpStream::connect(addr).await?;
+    let (mut tx, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let mut req = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", "test");
+    if let Some(ct) = content_type {
+        req = req.header("content-type", ct);
+    }
+    let req = req.body(Full::new(body.unwrap_or_default()))?;
+    Ok(tx.send_request(req).await?)
+}
+
+pub async fn json_of(resp: Response<Incoming>) -> Result<(StatusCode, HeaderMap, Value)> {
+    let (parts, body) = resp.into_parts();
+    let bytes = body.collect().await?.to_bytes();
+    let v = serde_json::from_slice(&bytes)
+        .with_context(|| format!("not JSON: {:?}", String::from_utf8_lossy(&bytes)))?;
+    Ok((parts.status, parts.headers, v))
+}
+
+/// Reads an SSE response, returning each event with the time it arrived.
+pub async fn read_events(resp: Response<Incoming>) -> Result<Vec<(Instant, String)>> {
+    let mut body = resp.into_body();
+    let mut splitter = mlxd_ipc::sse::SseSplitter::new();
+    let mut out = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame?;
+        if let Some(data) = frame.data_ref() {
+            let now = Instant::now();
+            for ev in splitter.push(data) {
+                out.push((now, String::from_utf8_lossy(&ev).into_owned()));
+            }
+        }
+    }
+    if let Some(rest) = splitter.finish() {
+        out.push((Instant::now(), String::from_utf8_lossy(&rest).into_owned()));
+    }
+    Ok(out)
+}
+
+/// The JSON of a `data: {...}` event.
+pub fn event_json(ev: &str) -> Option<Value> {
+    serde_json::from_str(ev.trim().strip_prefix("data: ")?).ok()
+}
+
+/// Writes raw bytes, optionally half-closes, and reads whatever comes back (bounded).
+pub async fn raw_exchange(
+    addr: std::net::SocketAddr,
+    bytes: &[u8],
+    half_close: bool,
+) -> Result<Vec<u8>> {
+    let mut s = TcpStream::connect(addr).await?;
+    s.write_all(bytes).await?;
+    if half_close {
+        s.shutdown().await?;
+    }
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(3), s.read_to_end(&mut out)).await;
+    Ok(out)
+}
+
+/// Waits until a line of the fake engine's events file contains `needle`.
+pub async fn wait_event(file: &Path, needle: &str, timeout: Duration) -> Result<String> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let text = std::fs::read_to_string(file).unwrap_or_default();
+        if let Some(line) = text.lines().find(|l| l.contains(needle)) {
+            return Ok(line.to_string());
+        }
+        if Instant::now() > deadline {
+            bail!("no {needle:?} in events file; it has:\n{text}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// True if `pid` is gone (or a zombie nobody has reaped yet: it runs no code).
+pub fn process_gone(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .map(|(_, rest)| rest.trim_start().starts_with('Z'))
+            .unwrap_or(false),
+    }
+}
+
+/// Waits until `pid` is gone; returns how long it took.
+pub async fn wait_gone(pid: i32, timeout: Duration) -> Result<Duration> {
+    let t = Instant::now();
+    while !process_gone(pid) {
+        if t.elapsed() > timeout {
+            bail!("process {pid} still alive after {timeout:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    Ok(t.elapsed())
+}

@@ -1,0 +1,323 @@
+//! Child side of the control channel, shared by the real engine and the fake engine.
+//!
+//! # The engine contract
+//!
+//! `mlxd` starts an engine as `<engine-bin> --control` ([`CONTROL_FLAG`]) in its own
+//! process group, with a cleared environment plus `PATH`, `HOME`, `LANG`, `RUST_LOG`,
+//! `LD_LIBRARY_PATH`, `CUDA_VISIBLE_DEVICES` and a few more when set, and
+//! [`SUPERVISOR_PID_ENV`] and `MLXD_MODEL`. stdin and stdout carry the control channel
+//! (length-prefixed bincode frames, see [`crate::frame`]); stderr is the engine's log
+//! (one line per event, JSON preferred), re-emitted by `mlxd` and kept for crash reports.
+//!
+//! ```text
+//! set_parent_death_signal()?;              // first thing in main
+//! let mut chan = ChildChannel::from_stdio()?;  // fd 1 now points at stderr
+//! let launch = chan.read_launch()?;        // blocks for the Launch frame
+//! let tx = chan.sender();                  // Clone + Send: Loading/Ready/Stats/Fatal
+//! chan.watch_parent(|ev| ...);             // thread: Drain, Shutdown, Closed (stdin EOF)
+//! tx.send_loading(0.5)?;                   // optional progress while loading
+//! let listener = socket::bind_unix(&launch.socket_path)?;  // stale file removed, 0600
+//! tx.send_ready(ready)?;                   // only once the socket accepts connections
+//! // every ~1 s: tx.send_stats(stats)?;
+//! ```
+//!
+//! Obligations:
+//! - [`ParentEvent::Closed`] (stdin EOF) or [`ParentEvent::Broken`]: exit at once.
+//! - `Drain`: stop admitting new requests (answer 503), finish the ones in flight.
+//! - `Shutdown`: stop admitting, finish in-flight work, exit 0. `mlxd` waits its grace
+//!   period, then sends SIGTERM to the group, then SIGKILL.
+//! - Before any controlled non-zero exit, send `Fatal` with the right [`FatalKind`]
+//!   (`OutOfMemory` lets `mlxd` restart with smaller limits; `LoadFailed` before
+//!   `Ready`). Never print to stdout by hand: [`ChildChannel::from_stdio`] points fd 1
+//!   at stderr so stray prints cannot corrupt the channel.
+//! - A client that disconnects closes its connection on the unix socket: cancel the
+//!   sequence.
+//!
+//! [`FatalKind`]: mlxd_protocol::control::FatalKind
+
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::os::fd::FromRawFd;
+use std::sync::{Arc, Mutex};
+
+use mlxd_protocol::control::{
+    ChildMsg, Fatal, FatalKind, Launch, ParentMsg, Ready, Stats, PROTOCOL_VERSION,
+};
+
+use crate::frame::{read_frame, write_frame, FrameError};
+
+/// The command-line flag that puts an engine binary in supervised mode.
+pub const CONTROL_FLAG: &str = "--control";
+
+/// Environment variable the supervisor sets to its own pid, so a child can tell
+/// whether it was orphaned before it armed `PR_SET_PDEATHSIG`.
+pub const SUPERVISOR_PID_ENV: &str = "MLXD_SUPERVISOR_PID";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+    #[error("control channel closed before the Launch frame")]
+    ClosedBeforeLaunch,
+    #[error("expected Launch as the first control frame, got {0}")]
+    NotLaunch(&'static str),
+    #[error("protocol version mismatch: supervisor speaks {parent}, engine speaks {child}")]
+    Version { parent: u32, child: u32 },
+    #[error("the supervisor (pid {expected}) is already gone")]
+    ParentGone { expected: i32 },
+    #[error("control channel setup: {0}")]
+    Io(#[from] io::Error),
+}
+
+/// What the parent asked for after `Launch`, as seen by [`ChildChannel::watch_parent`].
+#[derive(Debug)]
+pub enum ParentEvent {
+    Drain,
+    Shutdown,
+    /// stdin reached end of file: the supervisor is gone or wants us gone. Exit now.
+    Closed,
+    /// The stream is corrupt; treat like `Closed`.
+    Broken(FrameError),
+}
+
+/// Child end of the control channel.
+pub struct ChildChannel {
+    input: Box<dyn Read + Send>,
+    sender: ControlSender,
+}
+
+impl ChildChannel {
+    /// Takes over stdin and stdout. File descriptor 1 is then pointed at stderr, so a
+    /// stray `println!` anywhere in the engine lands in the log instead of corrupting
+    /// the control stream.
+    pub fn from_stdio() -> Result<Self, ControlError> {
+        // SAFETY: dup/dup2 on the process's own standard descriptors; the returned
+        // descriptors are owned by the `File`s created here and nowhere else.
+        let (input, output) = unsafe {
+            let control_out = libc::dup(1);
+            if control_out < 0 || libc::dup2(2, 1) < 0 {
+                return Err(io::Error::last_os_error().into());
+            }
+            let control_in = libc::dup(0);
+            if control_in < 0 {
+                return Err(io::Error::last_os_error().into());
+            }
+            (
+                File::from_raw_fd(control_in),
+                File::from_raw_fd(control_out),
+            )
+        };
+        Ok(Self::new(input, output))
+    }
+
+    /// A channel over arbitrary streams (tests).
+    pub fn new(input: impl Read + Send + 'static, output: impl Write + Send + 'static) -> Self {
+        Self {
+            input: Box::new(io::BufReader::new(input)),
+            sender: ControlSender {
+                out: Arc::new(Mutex::new(Box::new(output))),
+            },
+        }
+    }
+
+    /// Blocks for the first frame, which must be a `Launch` of our protocol version.
+    /// On a version mismatch a `Fatal(LoadFailed)` is sent before returning the error.
+    pub fn read_launch(&mut self) -> Result<Launch, ControlError> {
+        let launch = match read_frame::<ParentMsg, _>(&mut self.input)? {
+            None => return Err(ControlError::ClosedBeforeLaunch),
+            Some(ParentMsg::Launch(l)) => l,
+            Some(ParentMsg::Drain) => return Err(ControlError::NotLaunch("Drain")),
+            Some(ParentMsg::Shutdown) => return Err(ControlError::NotLaunch("Shutdown")),
+        };
+        if launch.version != PROTOCOL_VERSION {
+            let err = ControlError::Version {
+                parent: launch.version,
+                child: PROTOCOL_VERSION,
+            };
+            // Best effort: the parent may already be unable to read.
+            let _ = self
+                .sender
+                .send_fatal(FatalKind::LoadFailed, err.to_string());
+            return Err(err);
+        }
+        Ok(launch)
+    }
+
+    /// A cloneable handle for sending messages to the parent from any thread.
+    pub fn sender(&self) -> ControlSender {
+        self.sender.clone()
+    }
+
+    /// Reads the rest of the parent's frames on a dedicated thread and calls `on_event`
+    /// for each; the last call is always `Closed` or `Broken`. From tokio, pass a closure
+    /// that forwards into an unbounded channel (`UnboundedSender::send` is synchronous).
+    pub fn watch_parent<F>(self, mut on_event: F) -> std::thread::JoinHandle<()>
+    where
+        F: FnMut(ParentEvent) + Send + 'static,
+    {
+        let mut input = self.input;
+        std::thread::Builder::new()
+            .name("mlxd-control".into())
+            .spawn(move || loop {
+                match read_frame::<ParentMsg, _>(&mut input) {
+                    Ok(Some(ParentMsg::Drain)) => on_event(ParentEvent::Drain),
+                    Ok(Some(ParentMsg::Shutdown)) => on_event(ParentEvent::Shutdown),
+                    Ok(Some(ParentMsg::Launch(_))) => {
+                        on_event(ParentEvent::Broken(FrameError::Io(io::Error::new(
+                            io::ErrorKind::InvalidData,
+                            "second Launch frame",
+                        ))));
+                        return;
+                    }
+                    Ok(None) => {
+                        on_event(ParentEvent::Closed);
+                        return;
+                    }
+                    Err(e) => {
+                        on_event(ParentEvent::Broken(e));
+                        return;
+                    }
+                }
+            })
+            .expect("spawning the control-channel thread")
+    }
+}
+
+/// Sends child → parent messages; cheap to clone, safe to use from any thread.
+#[derive(Clone)]
+pub struct ControlSender {
+    out: Arc<Mutex<Box<dyn Write + Send>>>,
+}
+
+impl ControlSender {
+    pub fn send(&self, msg: &ChildMsg) -> Result<(), FrameError> {
+        // A poisoned lock only means another thread panicked mid-write; the frame
+        // boundary may be broken, and the parent will notice. Keep going.
+        let mut out = self.out.lock().unwrap_or_else(|p| p.into_inner());
+        write_frame(&mut *out, msg)
+    }
+
+    pub fn send_loading(&self, progress: f32) -> Result<(), FrameError> {
+        self.send(&ChildMsg::Loading { progress })
+    }
+
+    pub fn send_ready(&self, ready: Ready) -> Result<(), FrameError> {
+        self.send(&ChildMsg::Ready(ready))
+    }
+
+    pub fn send_stats(&self, stats: Stats) -> Result<(), FrameError> {
+        self.send(&ChildMsg::Stats(stats))
+    }
+
+    pub fn send_fatal(
+        &self,
+        kind: FatalKind,
+        message: impl Into<String>,
+    ) -> Result<(), FrameError> {
+        self.send(&ChildMsg::Fatal(Fatal {
+            kind,
+            message: message.into(),
+        }))
+    }
+}
+
+/// Arms `PR_SET_PDEATHSIG(SIGKILL)` so the kernel kills this process when the
+/// supervisor dies, then checks the supervisor did not die before that (the pid in
+/// [`SUPERVISOR_PID_ENV`], when set). Call first thing in `main`, from the main thread.
+pub fn set_parent_death_signal() -> Result<(), ControlError> {
+    // SAFETY: prctl with PR_SET_PDEATHSIG takes a signal number and touches no memory.
+    let rc = unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error().into());
+    }
+    if let Some(expected) = std::env::var(SUPERVISOR_PID_ENV)
+        .ok()
+        .and_then(|v| v.parse::<i32>().ok())
+    {
+        // SAFETY: getppid has no preconditions.
+        if unsafe { libc::getppid() } != expected {
+            return Err(ControlError::ParentGone { expected });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::frame::{encode, read_frame};
+    use mlxd_protocol::control::Limits;
+    use std::sync::mpsc;
+
+    fn launch(version: u32) -> ParentMsg {
+        ParentMsg::Launch(Launch {
+            version,
+            model: "m".into(),
+            socket_path: "/tmp/x.sock".into(),
+            limits: Limits::default(),
+            options: Default::default(),
+        })
+    }
+
+    /// A writer whose bytes the test can read back.
+    #[derive(Clone, Default)]
+    struct Shared(Arc<Mutex<Vec<u8>>>);
+    impl Write for Shared {
+        fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn launch_then_events_then_closed() {
+        let mut input = encode(&launch(PROTOCOL_VERSION)).unwrap();
+        input.extend(encode(&ParentMsg::Drain).unwrap());
+        input.extend(encode(&ParentMsg::Shutdown).unwrap());
+        let out = Shared::default();
+        let mut chan = ChildChannel::new(io::Cursor::new(input), out.clone());
+        assert_eq!(chan.read_launch().unwrap().model, "m");
+        chan.sender().send_loading(0.5).unwrap();
+        let (tx, rx) = mpsc::channel();
+        chan.watch_parent(move |e| tx.send(format!("{e:?}")).unwrap())
+            .join()
+            .unwrap();
+        let events: Vec<String> = rx.iter().collect();
+        assert_eq!(events, ["Drain", "Shutdown", "Closed"]);
+        let bytes = out.0.lock().unwrap().clone();
+        let msg: ChildMsg = read_frame(&mut bytes.as_slice()).unwrap().unwrap();
+        assert_eq!(msg, ChildMsg::Loading { progress: 0.5 });
+    }
+
+    #[test]
+    fn version_mismatch_sends_fatal() {
+        let input = encode(&launch(PROTOCOL_VERSION + 1)).unwrap();
+        let out = Shared::default();
+        let mut chan = ChildChannel::new(io::Cursor::new(input), out.clone());
+        assert!(matches!(
+            chan.read_launch(),
+            Err(ControlError::Version { .. })
+        ));
+        let bytes = out.0.lock().unwrap().clone();
+        let msg: ChildMsg = read_frame(&mut bytes.as_slice()).unwrap().unwrap();
+        assert!(matches!(
+            msg,
+            ChildMsg::Fatal(Fatal {
+                kind: FatalKind::LoadFailed,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn eof_before_launch() {
+        let mut chan = ChildChannel::new(io::Cursor::new(Vec::new()), io::sink());
+        assert!(matches!(
+            chan.read_launch(),
+            Err(ControlError::ClosedBeforeLaunch)
+        ));
+    }
+}

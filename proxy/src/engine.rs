@@ -1,0 +1,469 @@
+//! One engine child process: spawn it, speak the control channel, re-emit its stderr,
+//! stop it on request (Shutdown → SIGTERM → SIGKILL), and report how it ended.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::os::unix::process::ExitStatusExt;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use mlxd_ipc::control::{CONTROL_FLAG, SUPERVISOR_PID_ENV};
+use mlxd_ipc::frame::{read_frame_async, write_frame_async};
+use mlxd_protocol::control::{
+    ChildMsg, Fatal, Launch, Limits, ParentMsg, Ready, Stats, PROTOCOL_VERSION,
+};
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
+use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+use tokio::sync::{mpsc, oneshot, watch};
+use tracing::{error, info, warn, Instrument};
+
+use crate::exit::{classify, Evidence, ExitCause, ExitReport, RawExit};
+
+/// Lines of stderr kept for the crash report.
+pub const STDERR_TAIL_LINES: usize = 200;
+
+/// Longer stderr lines are split at this many bytes.
+const STDERR_LINE_MAX: u64 = 16 * 1024;
+
+/// Variables passed through from our environment when set; everything else is dropped.
+const PASSTHROUGH_ENV: &[&str] = &[
+    "PATH",
+    "HOME",
+    "USER",
+    "LANG",
+    "LC_ALL",
+    "TMPDIR",
+    "RUST_LOG",
+    "RUST_BACKTRACE",
+    "LD_LIBRARY_PATH",
+    "CUDA_VISIBLE_DEVICES",
+    "HF_HOME",
+    "XDG_CACHE_HOME",
+];
+
+/// What to run and how.
+#[derive(Debug, Clone)]
+pub struct EngineSpec {
+    pub model: String,
+    pub bin: PathBuf,
+    pub args: Vec<String>,
+    pub env: BTreeMap<String, String>,
+    pub socket_path: PathBuf,
+    pub limits: Limits,
+    pub options: BTreeMap<String, String>,
+    /// Wait this long after `Shutdown`, and again after SIGTERM.
+    pub stop_timeout: Duration,
+    /// Restarts so far (for the log span).
+    pub restarts: u32,
+}
+
+/// What an engine reports to the pool.
+#[derive(Debug)]
+pub enum EngineEvent {
+    Loading { progress: f32 },
+    Ready(Ready),
+    Stats(Stats),
+    Exited(Arc<ExitReport>),
+}
+
+/// An [`EngineEvent`] tagged with its engine.
+#[derive(Debug)]
+pub struct EngineMsg {
+    pub model: String,
+    pub generation: u64,
+    pub event: EngineEvent,
+}
+
+/// What the pool can ask of a running engine's supervising task.
+#[derive(Debug)]
+enum RunnerCmd {
+    /// Forward a control message (e.g. `Drain`).
+    Control(ParentMsg),
+    /// SIGKILL the engine now; `reason` becomes the exit cause.
+    Kill(String),
+}
+
+/// Resolves once with the engine's exit report.
+pub type DeathWatch = watch::Receiver<Option<Arc<ExitReport>>>;
+
+/// The pool's handle on a running engine. Dropping it stops the engine.
+#[derive(Debug)]
+pub struct EngineHandle {
+    pub pid: u32,
+    pub generation: u64,
+    control: mpsc::UnboundedSender<RunnerCmd>,
+    stop: Option<oneshot::Sender<()>>,
+    death: DeathWatch,
+}
+
+impl EngineHandle {
+    /// Starts the stop sequence: `Shutdown`, then SIGTERM, then SIGKILL.
+    pub fn stop(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+    }
+
+    /// Sends `Drain` (or any parent message).
+    pub fn send(&self, msg: ParentMsg) {
+        let _ = self.control.send(RunnerCmd::Control(msg));
+    }
+
+    /// Kills the engine at once (e.g. it hung while loading); `reason` is reported as
+    /// the cause of the exit.
+    pub fn kill(&self, reason: String) {
+        let _ = self.control.send(RunnerCmd::Kill(reason));
+    }
+
+    pub fn death(&self) -> DeathWatch {
+        self.death.clone()
+    }
+}
+
+/// Spawns the engine and its supervising task.
+pub fn spawn(
+    spec: EngineSpec,
+    generation: u64,
+    events: mpsc::UnboundedSender<EngineMsg>,
+) -> std::io::Result<EngineHandle> {
+    mlxd_ipc::socket::remove_stale(&spec.socket_path)?;
+    let mut cmd = Command::new(&spec.bin);
+    cmd.arg(CONTROL_FLAG)
+        .args(&spec.args)
+        .env_clear()
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(true);
+    for key in PASSTHROUGH_ENV {
+        if let Some(v) = std::env::var_os(key) {
+            cmd.env(key, v);
+        }
+    }
+    cmd.env(SUPERVISOR_PID_ENV, std::process::id().to_string())
+        .env("MLXD_MODEL", &spec.model)
+        .envs(&spec.env);
+    // SAFETY: the closure runs between fork and exec and only calls prctl, which is
+    // async-signal-safe. Engines arm this themselves too; doing it here as well covers
+    // the window before the engine's `main` runs.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = cmd.spawn()?;
+    let pid = child.id().unwrap_or(0);
+    let (control_tx, control_rx) = mpsc::unbounded_channel();
+    let (stop_tx, stop_rx) = oneshot::channel();
+    let (death_tx, death_rx) = watch::channel(None);
+    let span = tracing::info_span!(
+        "engine",
+        model = %spec.model,
+        pid,
+        generation,
+        restarts = spec.restarts
+    );
+    info!(parent: &span, bin = %spec.bin.display(), socket = %spec.socket_path.display(), "engine spawned");
+    let sup = Supervised {
+        spec,
+        generation,
+        pid,
+        events,
+    };
+    tokio::spawn(
+        sup.run(child, control_rx, stop_rx, death_tx)
+            .instrument(span),
+    );
+    Ok(EngineHandle {
+        pid,
+        generation,
+        control: control_tx,
+        stop: Some(stop_tx),
+        death: death_rx,
+    })
+}
+
+/// Reports an engine that could not even be spawned, as an exit.
+pub fn spawn_failure_report(spec: &EngineSpec, err: &std::io::Error) -> ExitReport {
+    ExitReport::new(
+        ExitCause::LoadFailed {
+            detail: format!("cannot start {}: {err}", spec.bin.display()),
+        },
+        Vec::new(),
+    )
+}
+
+struct Supervised {
+    spec: EngineSpec,
+    generation: u64,
+    pid: u32,
+    events: mpsc::UnboundedSender<EngineMsg>,
+}
+
+#[derive(Default)]
+struct ReaderOutcome {
+    fatal: Option<Fatal>,
+    ready: bool,
+}
+
+type Tail = Arc<Mutex<VecDeque<String>>>;
+
+impl Supervised {
+    fn emit(&self, event: EngineEvent) {
+        // The pool only goes away at shutdown; nothing to do then.
+        let _ = self.events.send(EngineMsg {
+            model: self.spec.model.clone(),
+            generation: self.generation,
+            event,
+        });
+    }
+
+    async fn run(
+        self,
+        mut child: Child,
+        mut control: mpsc::UnboundedReceiver<RunnerCmd>,
+        mut stop: oneshot::Receiver<()>,
+        death: watch::Sender<Option<Arc<ExitReport>>>,
+    ) {
+        let mut stdin = child.stdin.take();
+        let stdout = child.stdout.take();
+        let stderr = child.stderr.take();
+
+        let tail: Tail = Arc::new(Mutex::new(VecDeque::with_capacity(STDERR_TAIL_LINES)));
+        let stderr_task =
+            stderr.map(|s| tokio::spawn(pump_stderr(s, tail.clone()).in_current_span()));
+        let reader_task = stdout.map(|s| {
+            let events = self.events.clone();
+            let (model, generation) = (self.spec.model.clone(), self.generation);
+            tokio::spawn(
+                read_control(s, move |event| {
+                    let _ = events.send(EngineMsg {
+                        model: model.clone(),
+                        generation,
+                        event,
+                    });
+                })
+                .in_current_span(),
+            )
+        });
+
+        let launch = ParentMsg::Launch(Launch {
+            version: PROTOCOL_VERSION,
+            model: self.spec.model.clone(),
+            socket_path: self.spec.socket_path.clone(),
+            limits: self.spec.limits.clone(),
+            options: self.spec.options.clone(),
+        });
+        write_control(&mut stdin, &launch).await;
+
+        let mut stop_requested = false;
+        let mut killed_for: Option<String> = None;
+        let mut control_open = true;
+        let status = loop {
+            tokio::select! {
+                status = child.wait() => break status,
+                msg = control.recv(), if control_open => match msg {
+                    Some(RunnerCmd::Control(m)) => write_control(&mut stdin, &m).await,
+                    Some(RunnerCmd::Kill(reason)) => {
+                        warn!(%reason, "killing engine");
+                        killed_for = Some(reason);
+                        let _ = killpg(Pid::from_raw(self.pid as i32), Signal::SIGKILL);
+                    }
+                    None => control_open = false,
+                },
+                _ = &mut stop => {
+                    // Sent or dropped: either way the pool wants this engine gone.
+                    stop_requested = true;
+                    break self.stop_sequence(&mut child, &mut stdin).await;
+                }
+            }
+        };
+        // Anything the engine left behind in its process group goes too.
+        let _ = killpg(Pid::from_raw(self.pid as i32), Signal::SIGKILL);
+        drop(stdin);
+
+        let outcome = match reader_task {
+            Some(t) => match tokio::time::timeout(Duration::from_secs(1), t).await {
+                Ok(Ok(o)) => o,
+                _ => ReaderOutcome::default(),
+            },
+            None => ReaderOutcome::default(),
+        };
+        if let Some(t) = stderr_task {
+            let _ = tokio::time::timeout(Duration::from_secs(1), t).await;
+        }
+        let tail: Vec<String> = tail
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .cloned()
+            .collect();
+
+        let raw = match &status {
+            Ok(s) => RawExit {
+                code: s.code(),
+                signal: s.signal(),
+            },
+            Err(_) => RawExit {
+                code: None,
+                signal: None,
+            },
+        };
+        let cause = classify(Evidence {
+            exit: raw,
+            fatal: outcome.fatal.as_ref(),
+            stderr_tail: &tail,
+            was_ready: outcome.ready,
+            stop_requested,
+            killed_for: killed_for.as_deref(),
+        });
+        if cause.is_requested() {
+            info!(?raw, "engine stopped");
+        } else {
+            error!(
+                cause = %cause,
+                ?raw,
+                stderr_tail = %tail.join("\n"),
+                "engine exited"
+            );
+        }
+        let report = Arc::new(ExitReport::new(cause, tail));
+        let _ = death.send(Some(report.clone()));
+        self.emit(EngineEvent::Exited(report));
+    }
+
+    /// Shutdown frame, wait; SIGTERM to the group, wait; SIGKILL.
+    async fn stop_sequence(
+        &self,
+        child: &mut Child,
+        stdin: &mut Option<ChildStdin>,
+    ) -> std::io::Result<std::process::ExitStatus> {
+        let grace = self.spec.stop_timeout;
+        write_control(stdin, &ParentMsg::Shutdown).await;
+        if let Ok(status) = tokio::time::timeout(grace, child.wait()).await {
+            return status;
+        }
+        warn!(
+            grace_ms = grace.as_millis() as u64,
+            "engine ignored Shutdown; sending SIGTERM"
+        );
+        let _ = killpg(Pid::from_raw(self.pid as i32), Signal::SIGTERM);
+        if let Ok(status) = tokio::time::timeout(grace, child.wait()).await {
+            return status;
+        }
+        warn!(
+            grace_ms = grace.as_millis() as u64,
+            "engine ignored SIGTERM; sending SIGKILL"
+        );
+        let _ = killpg(Pid::from_raw(self.pid as i32), Signal::SIGKILL);
+        child.wait().await
+    }
+}
+
+async fn write_control(stdin: &mut Option<ChildStdin>, msg: &ParentMsg) {
+    if let Some(w) = stdin {
+        if let Err(e) = write_frame_async(w, msg).await {
+            // The engine has gone or closed stdin; its exit will be reported.
+            warn!(error = %e, "control write failed");
+            *stdin = None;
+        }
+    }
+}
+
+/// Reads child → parent frames until EOF, forwarding all but `Fatal`, which is kept
+/// for classifying the exit.
+async fn read_control(mut stdout: ChildStdout, emit: impl Fn(EngineEvent)) -> ReaderOutcome {
+    let mut out = ReaderOutcome::default();
+    loop {
+        match read_frame_async::<ChildMsg, _>(&mut stdout).await {
+            Ok(Some(ChildMsg::Loading { progress })) => emit(EngineEvent::Loading { progress }),
+            Ok(Some(ChildMsg::Ready(r))) => {
+                if r.version != PROTOCOL_VERSION {
+                    warn!(
+                        engine = r.version,
+                        ours = PROTOCOL_VERSION,
+                        "engine protocol version differs"
+                    );
+                }
+                out.ready = true;
+                emit(EngineEvent::Ready(r));
+            }
+            Ok(Some(ChildMsg::Stats(s))) => emit(EngineEvent::Stats(s)),
+            Ok(Some(ChildMsg::Fatal(f))) => {
+                error!(kind = ?f.kind, message = %f.message, "engine reported a fatal error");
+                out.fatal = Some(f);
+            }
+            Ok(None) => return out,
+            Err(e) => {
+                error!(error = %e, "control channel from engine is corrupt; ignoring the rest");
+                // Drain so the child never blocks on a full pipe.
+                let _ = tokio::io::copy(&mut stdout, &mut tokio::io::sink()).await;
+                return out;
+            }
+        }
+    }
+}
+
+/// Re-emits each stderr line through tracing and keeps the last ones.
+async fn pump_stderr<R: tokio::io::AsyncRead + Unpin>(stderr: R, tail: Tail) {
+    let mut reader = BufReader::new(stderr);
+    let mut buf = Vec::new();
+    loop {
+        buf.clear();
+        match (&mut reader)
+            .take(STDERR_LINE_MAX)
+            .read_until(b'\n', &mut buf)
+            .await
+        {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {
+                let line = String::from_utf8_lossy(&buf);
+                let line = line.trim_end_matches(['\n', '\r']);
+                info!(target: "mlxd::engine::stderr", "{line}");
+                let mut t = tail.lock().unwrap_or_else(|p| p.into_inner());
+                if t.len() == STDERR_TAIL_LINES {
+                    t.pop_front();
+                }
+                t.push_back(line.to_string());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn stderr_tail_keeps_the_last_lines_and_splits_long_ones() {
+        let mut input = String::new();
+        for i in 0..500 {
+            input.push_str(&format!("line {i}\n"));
+        }
+        input.push_str(&"x".repeat(STDERR_LINE_MAX as usize + 10));
+        input.push_str("\n#-invalid-utf8?\r\n");
+        let mut bytes = input.into_bytes();
+        let n = bytes.len();
+        bytes[n - 17] = 0xff; // the "#"
+        let tail: Tail = Arc::default();
+        pump_stderr(&bytes[..], tail.clone()).await;
+        let t = tail.lock().unwrap();
+        assert_eq!(t.len(), STDERR_TAIL_LINES);
+        let last: Vec<&String> = t.iter().rev().take(4).collect();
+        assert!(
+            last[0].contains("invalid-utf8?") && !last[0].ends_with('\r'),
+            "{:?}",
+            last[0]
+        );
+        assert_eq!(last[1].len(), 10);
+        assert_eq!(last[2].len(), STDERR_LINE_MAX as usize);
+        assert_eq!(last[3], "line 499");
+    }
+}

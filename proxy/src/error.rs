@@ -1,0 +1,220 @@
+//! The one place where proxy errors become HTTP responses, in the OpenAI error shape
+//! `{"error":{"message","type","param","code"}}` (mirrors `mlxd_protocol::error::ErrorBody`).
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Response, StatusCode};
+use serde::Serialize;
+
+use crate::exit::ExitReport;
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ProxyError {
+    /// The client sent something we cannot route (their fault).
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("request body exceeds the limit of {limit} bytes{}", got.map(|g| format!(" (content-length {g})")).unwrap_or_default())]
+    BodyTooLarge { limit: usize, got: Option<u64> },
+    #[error("{0}")]
+    NotFound(String),
+    #[error("engine for model {model} is {state}; retry in {}s", retry_after.as_secs().max(1))]
+    Unavailable {
+        model: String,
+        state: &'static str,
+        retry_after: Duration,
+    },
+    #[error("request queue for model {model} is full ({capacity} waiting); retry in {}s", retry_after.as_secs().max(1))]
+    QueueFull {
+        model: String,
+        capacity: usize,
+        retry_after: Duration,
+    },
+    #[error("model {model} has failed after repeated crashes: {cause}")]
+    Failed {
+        model: String,
+        cause: String,
+        retry_after: Duration,
+    },
+    /// The engine exited while handling the request (upstream's fault, and we know why).
+    #[error("engine for model {model} exited during the request: {}", report.summary())]
+    EngineCrashed { model: String, report: ExitReport },
+    /// The engine connection failed and the engine is still alive.
+    #[error("engine for model {model} failed the request: {detail}")]
+    Upstream { model: String, detail: String },
+    #[error("the server is shutting down")]
+    ShuttingDown,
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+#[derive(Serialize)]
+struct ErrorBody<'a> {
+    error: ErrorDetail<'a>,
+}
+
+#[derive(Serialize)]
+struct ErrorDetail<'a> {
+    message: &'a str,
+    #[serde(rename = "type")]
+    kind: &'a str,
+    param: Option<&'a str>,
+    code: Option<&'a str>,
+}
+
+/// Serializes the OpenAI error object.
+pub fn error_json(message: &str, kind: &str, code: Option<&str>) -> String {
+    serde_json::to_string(&ErrorBody {
+        error: ErrorDetail {
+            message,
+            kind,
+            param: None,
+            code,
+        },
+    })
+    .unwrap_or_else(|_| String::from("{\"error\":{\"message\":\"unencodable error\",\"type\":\"internal_error\",\"param\":null,\"code\":null}}"))
+}
+
+impl ProxyError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::BadRequest(_) => StatusCode::BAD_REQUEST,
+            Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::NotFound(_) => StatusCode::NOT_FOUND,
+            Self::Unavailable { .. }
+            | Self::QueueFull { .. }
+            | Self::Failed { .. }
+            | Self::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            Self::EngineCrashed { .. } | Self::Upstream { .. } => StatusCode::BAD_GATEWAY,
+            Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// `(type, code)` of the OpenAI error object.
+    pub fn kind(&self) -> (&'static str, Option<&'static str>) {
+        match self {
+            Self::BadRequest(_) => ("invalid_request_error", None),
+            Self::BodyTooLarge { .. } => ("invalid_request_error", Some("body_too_large")),
+            Self::NotFound(_) => ("not_found_error", None),
+            Self::Unavailable { .. } => ("engine_unavailable", Some("engine_starting")),
+            Self::QueueFull { .. } => ("engine_unavailable", Some("queue_full")),
+            Self::Failed { .. } => ("engine_failed", Some("engine_failed")),
+            Self::EngineCrashed { report, .. } if report.cause.is_requested() => {
+                ("engine_stopped", Some(report.cause.code()))
+            }
+            Self::EngineCrashed { report, .. } => ("engine_crashed", Some(report.cause.code())),
+            Self::Upstream { .. } => ("upstream_error", None),
+            Self::ShuttingDown => ("engine_unavailable", Some("shutting_down")),
+            Self::Internal(_) => ("internal_error", None),
+        }
+    }
+
+    fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Self::Unavailable { retry_after, .. }
+            | Self::QueueFull { retry_after, .. }
+            | Self::Failed { retry_after, .. } => Some(*retry_after),
+            Self::ShuttingDown => Some(Duration::from_secs(5)),
+            _ => None,
+        }
+    }
+
+    /// The body as a JSON error object.
+    pub fn body_json(&self) -> String {
+        let (kind, code) = self.kind();
+        error_json(&self.to_string(), kind, code)
+    }
+
+    /// The full HTTP response.
+    pub fn into_response<B: From<Bytes>>(self) -> Response<B> {
+        let mut resp = Response::new(B::from(Bytes::from(self.body_json())));
+        *resp.status_mut() = self.status();
+        let h = resp.headers_mut();
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        if let Some(after) = self.retry_after() {
+            // Whole seconds, rounded up, at least 1.
+            let secs = after.as_millis().div_ceil(1000).max(1);
+            h.insert(header::RETRY_AFTER, HeaderValue::from(secs as u64));
+        }
+        resp
+    }
+
+    /// The error as one SSE `data:` event, for failures after a stream has started.
+    pub fn sse_event(&self) -> Bytes {
+        mlxd_ipc::sse::data_event(&self.body_json())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::exit::ExitCause;
+
+    #[test]
+    fn status_table_and_shape() {
+        let cases = [
+            (ProxyError::BadRequest("x".into()), 400),
+            (
+                ProxyError::BodyTooLarge {
+                    limit: 1,
+                    got: Some(2),
+                },
+                413,
+            ),
+            (ProxyError::NotFound("x".into()), 404),
+            (
+                ProxyError::QueueFull {
+                    model: "m".into(),
+                    capacity: 1,
+                    retry_after: Duration::from_millis(1500),
+                },
+                503,
+            ),
+            (
+                ProxyError::EngineCrashed {
+                    model: "m".into(),
+                    report: ExitReport::new(
+                        ExitCause::Crash {
+                            signal: Some(6),
+                            code: None,
+                        },
+                        vec![],
+                    ),
+                },
+                502,
+            ),
+            (ProxyError::Internal("x".into()), 500),
+        ];
+        for (e, status) in cases {
+            let resp: Response<Bytes> = e.clone().into_response();
+            assert_eq!(resp.status().as_u16(), status, "{e}");
+            let v: serde_json::Value = serde_json::from_slice(resp.body()).unwrap();
+            assert!(v["error"]["message"].is_string());
+            assert!(v["error"]["type"].is_string());
+            assert!(v["error"].get("code").is_some());
+            assert!(v["error"].get("param").is_some());
+        }
+        let resp: Response<Bytes> = ProxyError::QueueFull {
+            model: "m".into(),
+            capacity: 1,
+            retry_after: Duration::from_millis(1500),
+        }
+        .into_response();
+        assert_eq!(resp.headers()["retry-after"], "2");
+    }
+
+    #[test]
+    fn messages_quote_limits() {
+        let e = ProxyError::BodyTooLarge {
+            limit: 10,
+            got: Some(11),
+        };
+        assert_eq!(
+            e.to_string(),
+            "request body exceeds the limit of 10 bytes (content-length 11)"
+        );
+    }
+}

@@ -1,0 +1,305 @@
+//! Classifying why an engine exited. Pure functions, unit-tested.
+
+use std::fmt;
+
+use mlxd_protocol::control::{Fatal, FatalKind};
+
+/// Why an engine process ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExitCause {
+    /// `Fatal(OutOfMemory)`, MLX's allocation-failure text on stderr, or SIGKILL that we
+    /// did not send (the kernel's OOM killer).
+    OutOfMemory { detail: String },
+    /// Died before `Ready` (any other reason).
+    LoadFailed { detail: String },
+    /// Killed by a signal or exited with a code, after `Ready`.
+    Crash {
+        signal: Option<i32>,
+        code: Option<i32>,
+    },
+    /// We asked it to stop.
+    Requested,
+}
+
+impl ExitCause {
+    /// Stable machine-readable code, used as the OpenAI error `code`.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Self::OutOfMemory { .. } => "out_of_memory",
+            Self::LoadFailed { .. } => "load_failed",
+            Self::Crash { .. } => "crash",
+            Self::Requested => "stopped",
+        }
+    }
+
+    pub fn is_requested(&self) -> bool {
+        matches!(self, Self::Requested)
+    }
+}
+
+impl fmt::Display for ExitCause {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::OutOfMemory { detail } => write!(f, "out of memory ({detail})"),
+            Self::LoadFailed { detail } => write!(f, "load failed ({detail})"),
+            Self::Crash {
+                signal: Some(s), ..
+            } => write!(f, "crashed (killed by signal {s}{})", signal_name(*s)),
+            Self::Crash { code: Some(c), .. } => write!(f, "crashed (exit code {c})"),
+            Self::Crash { .. } => write!(f, "exited unexpectedly"),
+            Self::Requested => write!(f, "stopped on request"),
+        }
+    }
+}
+
+fn signal_name(s: i32) -> &'static str {
+    match s {
+        libc::SIGABRT => ", SIGABRT",
+        libc::SIGSEGV => ", SIGSEGV",
+        libc::SIGKILL => ", SIGKILL",
+        libc::SIGTERM => ", SIGTERM",
+        libc::SIGBUS => ", SIGBUS",
+        _ => "",
+    }
+}
+
+/// An exit with its evidence: the cause and the last stderr lines.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExitReport {
+    pub cause: ExitCause,
+    pub stderr_tail: Vec<String>,
+}
+
+impl ExitReport {
+    pub fn new(cause: ExitCause, stderr_tail: Vec<String>) -> Self {
+        Self { cause, stderr_tail }
+    }
+
+    /// The cause plus the last stderr line, for error messages sent to clients.
+    pub fn summary(&self) -> String {
+        match self.stderr_tail.iter().rev().find(|l| !l.trim().is_empty()) {
+            Some(line) if !matches!(self.cause, ExitCause::OutOfMemory { .. }) => {
+                format!("{}; last log line: {}", self.cause, truncate(line, 300))
+            }
+            _ => self.cause.to_string(),
+        }
+    }
+}
+
+fn truncate(s: &str, max: usize) -> &str {
+    match s.char_indices().nth(max) {
+        Some((i, _)) => &s[..i],
+        None => s,
+    }
+}
+
+/// How the process ended, as the OS reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RawExit {
+    pub code: Option<i32>,
+    pub signal: Option<i32>,
+}
+
+/// What we know when an engine ends.
+#[derive(Debug, Clone, Copy)]
+pub struct Evidence<'a> {
+    pub exit: RawExit,
+    pub fatal: Option<&'a Fatal>,
+    pub stderr_tail: &'a [String],
+    pub was_ready: bool,
+    pub stop_requested: bool,
+    /// Set when mlxd itself killed the engine, with the reason (e.g. a load timeout).
+    pub killed_for: Option<&'a str>,
+}
+
+/// Text MLX (Metal and CUDA back ends) and the C++ runtime print on allocation failure.
+const OOM_MARKERS: &[&str] = &[
+    "[metal::malloc]",
+    "[cuda::malloc]",
+    "unable to allocate",
+    "out of memory",
+    "std::bad_alloc",
+    "cudaerrormemoryallocation",
+    "insufficient memory",
+];
+
+fn oom_line(tail: &[String]) -> Option<&String> {
+    tail.iter().rev().find(|l| {
+        let l = l.to_ascii_lowercase();
+        OOM_MARKERS.iter().any(|m| l.contains(m))
+    })
+}
+
+/// Classifies an exit. Order matters: a requested stop wins; then the engine's own
+/// `Fatal`; then out-of-memory evidence; then "before Ready" means a load failure.
+pub fn classify(ev: Evidence<'_>) -> ExitCause {
+    if ev.stop_requested {
+        return ExitCause::Requested;
+    }
+    if let Some(reason) = ev.killed_for {
+        return if ev.was_ready {
+            ExitCause::Crash {
+                signal: ev.exit.signal,
+                code: ev.exit.code,
+            }
+        } else {
+            ExitCause::LoadFailed {
+                detail: reason.to_string(),
+            }
+        };
+    }
+    if let Some(f) = ev.fatal {
+        return match f.kind {
+            FatalKind::OutOfMemory => ExitCause::OutOfMemory {
+                detail: f.message.clone(),
+            },
+            FatalKind::LoadFailed => ExitCause::LoadFailed {
+                detail: f.message.clone(),
+            },
+            FatalKind::Internal if !ev.was_ready => ExitCause::LoadFailed {
+                detail: f.message.clone(),
+            },
+            FatalKind::Internal => ExitCause::Crash {
+                signal: ev.exit.signal,
+                code: ev.exit.code,
+            },
+        };
+    }
+    if let Some(line) = oom_line(ev.stderr_tail) {
+        return ExitCause::OutOfMemory {
+            detail: truncate(line.trim(), 300).to_string(),
+        };
+    }
+    if ev.exit.signal == Some(libc::SIGKILL) {
+        return ExitCause::OutOfMemory {
+            detail: "killed by SIGKILL that mlxd did not send, likely the kernel OOM killer".into(),
+        };
+    }
+    if !ev.was_ready {
+        let how = match (ev.exit.signal, ev.exit.code) {
+            (Some(s), _) => format!("killed by signal {s}{} before ready", signal_name(s)),
+            (None, Some(c)) => format!("exit code {c} before ready"),
+            (None, None) => "exited before ready".into(),
+        };
+        return ExitCause::LoadFailed { detail: how };
+    }
+    ExitCause::Crash {
+        signal: ev.exit.signal,
+        code: ev.exit.code,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ev<'a>(code: Option<i32>, signal: Option<i32>, tail: &'a [String]) -> Evidence<'a> {
+        Evidence {
+            exit: RawExit { code, signal },
+            fatal: None,
+            stderr_tail: tail,
+            was_ready: true,
+            stop_requested: false,
+            killed_for: None,
+        }
+    }
+
+    #[test]
+    fn our_own_kill_during_load_is_a_load_failure_not_oom() {
+        let e = Evidence {
+            was_ready: false,
+            killed_for: Some("not ready after 5s"),
+            ..ev(None, Some(libc::SIGKILL), &[])
+        };
+        assert_eq!(
+            classify(e),
+            ExitCause::LoadFailed {
+                detail: "not ready after 5s".into()
+            }
+        );
+    }
+
+    #[test]
+    fn requested_stop_wins() {
+        let e = Evidence {
+            stop_requested: true,
+            ..ev(None, Some(libc::SIGKILL), &[])
+        };
+        assert_eq!(classify(e), ExitCause::Requested);
+    }
+
+    #[test]
+    fn fatal_message_decides() {
+        let f = Fatal {
+            kind: FatalKind::OutOfMemory,
+            message: "KV cache needs 4 GiB, 1 GiB free".into(),
+        };
+        let e = Evidence {
+            fatal: Some(&f),
+            ..ev(Some(1), None, &[])
+        };
+        assert!(
+            matches!(classify(e), ExitCause::OutOfMemory { detail } if detail.contains("4 GiB"))
+        );
+    }
+
+    #[test]
+    fn mlx_allocation_text_means_oom() {
+        let tail = vec![
+            "loading".to_string(),
+            "libc++abi: terminating ... [metal::malloc] Unable to allocate 17179869184 bytes."
+                .into(),
+        ];
+        assert!(matches!(
+            classify(ev(None, Some(libc::SIGABRT), &tail)),
+            ExitCause::OutOfMemory { .. }
+        ));
+    }
+
+    #[test]
+    fn unexplained_sigkill_means_oom() {
+        assert!(matches!(
+            classify(ev(None, Some(libc::SIGKILL), &[])),
+            ExitCause::OutOfMemory { .. }
+        ));
+    }
+
+    #[test]
+    fn before_ready_is_load_failure() {
+        let e = Evidence {
+            was_ready: false,
+            ..ev(Some(2), None, &[])
+        };
+        assert_eq!(
+            classify(e),
+            ExitCause::LoadFailed {
+                detail: "exit code 2 before ready".into()
+            }
+        );
+    }
+
+    #[test]
+    fn signal_or_code_after_ready_is_crash() {
+        let c = classify(ev(None, Some(libc::SIGABRT), &[]));
+        assert_eq!(c.to_string(), "crashed (killed by signal 6, SIGABRT)");
+        assert_eq!(
+            classify(ev(Some(3), None, &[])),
+            ExitCause::Crash {
+                signal: None,
+                code: Some(3)
+            }
+        );
+    }
+
+    #[test]
+    fn summary_includes_last_line() {
+        let r = ExitReport::new(
+            ExitCause::Crash {
+                signal: None,
+                code: Some(3),
+            },
+            vec!["a".into(), "boom".into(), "".into()],
+        );
+        assert_eq!(r.summary(), "crashed (exit code 3); last log line: boom");
+    }
+}

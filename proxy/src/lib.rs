@@ -1,0 +1,17 @@
+//! `mlxd`: the GPU-free supervisor and reverse proxy.
+//!
+//! [`serve`] binds nothing itself: it takes a bound listener, a [`Config`] and a
+//! shutdown future, so tests drive it in-process exactly as `main` does.
+
+pub mod cli;
+pub mod config;
+pub mod engine;
+pub mod error;
+pub mod exit;
+pub mod forward;
+pub mod policy;
+pub mod pool;
+pub mod server;
+
+pub use config::Config;
+pub use server::serve;

@@ -1,0 +1,363 @@
+//! The HTTP front: accept loop, routing, local endpoints, graceful shutdown.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::time::Instant;
+use tracing::{debug, info, warn, Instrument};
+
+use crate::config::Config;
+use crate::error::ProxyError;
+use crate::forward::{copy_head, forward, BoxError, ForwardError, ProxyBody, ProxyRequestBody};
+use crate::pool::{self, PoolHandle};
+
+pub type ResponseBody = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Socket(#[from] mlxd_ipc::socket::SocketError),
+    #[error("accepting connections: {0}")]
+    Accept(std::io::Error),
+}
+
+/// POST routes whose body must be a JSON object (checked here, before any engine wakes).
+const JSON_ROUTES: &[&str] = &[
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/embeddings",
+    "/v1/responses",
+];
+
+struct App {
+    config: Arc<Config>,
+    pool: PoolHandle,
+    started: Instant,
+    next_id: AtomicU64,
+}
+
+/// Runs the proxy on `listener` until `shutdown` resolves, then: stops accepting, lets
+/// in-flight requests finish within the grace period, and stops every engine
+/// (Shutdown, SIGTERM, SIGKILL). Returns once all engines have exited.
+pub async fn serve(
+    listener: TcpListener,
+    config: Config,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), ServeError> {
+    let (runtime_dir, owned_dir) = match &config.runtime_dir {
+        Some(d) => (d.clone(), false),
+        None => (mlxd_ipc::socket::default_runtime_dir(), true),
+    };
+    mlxd_ipc::socket::prepare_runtime_dir(&runtime_dir)?;
+    let config = Arc::new(config);
+    let pool = pool::start(config.clone(), runtime_dir.clone())?;
+    let app = Arc::new(App {
+        config: config.clone(),
+        pool: pool.clone(),
+        started: Instant::now(),
+        next_id: AtomicU64::new(1),
+    });
+    info!(
+        addr = ?listener.local_addr().ok(),
+        model = %config.model,
+        engine_bin = %config.engine_bin().display(),
+        runtime_dir = %runtime_dir.display(),
+        "mlxd listening"
+    );
+
+    let graceful = GracefulShutdown::new();
+    let mut builder = http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_millis(config.header_timeout_ms));
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of file descriptors and the like: back off, keep serving.
+                    warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let app = app.clone();
+        let svc = service_fn(move |req| handle(app.clone(), req));
+        let conn = builder.serve_connection(TokioIo::new(stream), svc);
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                debug!(%peer, error = %e, "client connection ended with an error");
+            }
+        });
+    }
+    drop(listener);
+    let grace = config.grace();
+    info!(
+        grace_ms = grace.as_millis() as u64,
+        "shutting down: no new connections; waiting for in-flight requests"
+    );
+    if tokio::time::timeout(grace, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        warn!("grace period over with requests still in flight; stopping engines anyway");
+    }
+    pool.shutdown().await;
+    if owned_dir {
+        let _ = std::fs::remove_dir_all(&runtime_dir);
+    }
+    info!("mlxd stopped");
+    Ok(())
+}
+
+async fn handle(
+    app: Arc<App>,
+    req: Request<Incoming>,
+) -> Result<Response<ResponseBody>, Infallible> {
+    let id = app.next_id.fetch_add(1, Ordering::Relaxed);
+    let span = tracing::info_span!(
+        "request",
+        request_id = id,
+        method = %req.method(),
+        path = %req.uri().path(),
+        model = tracing::field::Empty,
+    );
+    let resp = route(&app, req, id).instrument(span.clone()).await;
+    let resp = resp.unwrap_or_else(|e| {
+        let _g = span.enter();
+        if e.status().is_server_error() {
+            warn!(status = e.status().as_u16(), error = %e, "request failed");
+        } else {
+            debug!(status = e.status().as_u16(), error = %e, "request rejected");
+        }
+        e.into_response::<Full<Bytes>>()
+            .map(|b| b.map_err(|e| match e {}).boxed_unsync())
+    });
+    Ok(resp)
+}
+
+fn json_response(status: StatusCode, v: &Value) -> Response<ResponseBody> {
+    let mut r = Response::new(
+        Full::new(Bytes::from(v.to_string()))
+            .map_err(|e| match e {})
+            .boxed_unsync(),
+    );
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+async fn route(
+    app: &App,
+    req: Request<Incoming>,
+    id: u64,
+) -> Result<Response<ResponseBody>, ProxyError> {
+    let path = req.uri().path().to_string();
+    match (req.method(), path.as_str()) {
+        (&Method::GET, "/health") => return Ok(health(app).await),
+        (&Method::GET, "/v1/models") => return Ok(models(app).await),
+        (&Method::GET, "/engines") => {
+            let status = app.pool.status().await;
+            return Ok(json_response(StatusCode::OK, &json!({ "engines": status })));
+        }
+        (&Method::POST, "/engines/reset") => {
+            let model = req
+                .uri()
+                .query()
+                .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("model=")))
+                .map(String::from);
+            let reset = app.pool.reset(model).await;
+            return Ok(json_response(StatusCode::OK, &json!({ "reset": reset })));
+        }
+        _ => {}
+    }
+    let max = app.config.max_body_bytes;
+    if let Some(len) = content_length(&req) {
+        if len > max as u64 {
+            return Err(ProxyError::BodyTooLarge {
+                limit: max,
+                got: Some(len),
+            });
+        }
+    }
+    let is_json_route = req.method() == Method::POST
+        && (JSON_ROUTES.contains(&path.as_str())
+            || req
+                .headers()
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|v| v.starts_with("application/json")));
+    let (parts, body) = req.into_parts();
+
+    if !is_json_route {
+        // Streamed through as it arrives; not replayable, so one attempt.
+        let body: ProxyRequestBody = Limited::new(body, max).boxed();
+        let lease = app.pool.acquire(None).await?;
+        let resp = forward(lease, parts, body, id, max).await?;
+        return Ok(resp.map(|b: ProxyBody| b.boxed_unsync()));
+    }
+    let bytes = read_bounded(body, max).await?;
+    let model = model_of(&bytes)?;
+    if let Some(m) = &model {
+        tracing::Span::current().record("model", m.as_str());
+    }
+    // A buffered body can be sent again if the first engine was unreachable (it died
+    // between handing out the lease and our connect): the request never reached it.
+    let mut dead_generation = None;
+    loop {
+        let lease = app
+            .pool
+            .acquire_avoiding(model.clone(), dead_generation)
+            .await?;
+        let generation = lease.generation;
+        let body: ProxyRequestBody = Full::new(bytes.clone()).map_err(|e| match e {}).boxed();
+        match forward(lease, copy_head(&parts), body, id, max).await {
+            Ok(resp) => return Ok(resp.map(|b: ProxyBody| b.boxed_unsync())),
+            Err(ForwardError::NotDelivered(e)) if dead_generation.is_none() => {
+                warn!(error = %e, "engine unreachable before the request was sent; retrying once");
+                dead_generation = Some(generation);
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+fn content_length(req: &Request<Incoming>) -> Option<u64> {
+    req.headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// Reads the whole body, refusing more than `max` bytes.
+async fn read_bounded(body: Incoming, max: usize) -> Result<Bytes, ProxyError> {
+    match Limited::new(body, max).collect().await {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ProxyError::BodyTooLarge {
+            limit: max,
+            got: None,
+        }),
+        Err(e) => Err(ProxyError::BadRequest(format!("reading request body: {e}"))),
+    }
+}
+
+/// Validates a JSON request body and returns its `model`, if any.
+fn model_of(body: &[u8]) -> Result<Option<String>, ProxyError> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| ProxyError::BadRequest(format!("request body is not valid JSON: {e}")))?;
+    let Value::Object(obj) = v else {
+        return Err(ProxyError::BadRequest(
+            "request body must be a JSON object".into(),
+        ));
+    };
+    match obj.get("model") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(m)) => Ok(Some(m.clone())),
+        Some(other) => Err(ProxyError::BadRequest(format!(
+            "\"model\" must be a string, got {}",
+            match other {
+                Value::Bool(_) => "a boolean",
+                Value::Number(_) => "a number",
+                Value::Array(_) => "an array",
+                _ => "an object",
+            }
+        ))),
+    }
+}
+
+/// Asks a ready engine's own `/health` (1 s budget).
+async fn engine_responds(socket: &std::path::Path) -> bool {
+    let req = Request::get("/health")
+        .header(header::HOST, "localhost")
+        .body(http_body_util::Empty::<Bytes>::new());
+    let Ok(req) = req else { return false };
+    matches!(
+        tokio::time::timeout(Duration::from_secs(1), mlxd_ipc::uds::send(socket, req)).await,
+        Ok(Ok(resp)) if resp.status().is_success()
+    )
+}
+
+async fn health(app: &App) -> Response<ResponseBody> {
+    let engines = app.pool.status().await;
+    let all_failed = !engines.is_empty() && engines.iter().all(|e| e.state == "failed");
+    let mut list = Vec::with_capacity(engines.len());
+    for e in &engines {
+        let responding = if e.state == "ready" {
+            Some(engine_responds(&e.socket).await)
+        } else {
+            None
+        };
+        list.push(json!({
+            "model": e.model,
+            "state": e.state,
+            "pid": e.pid,
+            "responding": responding,
+            "last_exit": e.last_exit.as_ref().map(|x| &x.cause),
+        }));
+    }
+    let unhealthy = all_failed || list.iter().any(|e| e["responding"] == json!(false));
+    json_response(
+        StatusCode::OK,
+        &json!({
+            "status": if unhealthy { "degraded" } else { "ok" },
+            "proxy": { "status": "ok", "uptime_s": app.started.elapsed().as_secs_f64(), "pid": std::process::id() },
+            "engines": list,
+        }),
+    )
+}
+
+async fn models(app: &App) -> Response<ResponseBody> {
+    let engines = app.pool.status().await;
+    let data: Vec<Value> = engines
+        .iter()
+        .map(|e| {
+            json!({
+                "id": e.model,
+                "object": "model",
+                "created": 0,
+                "owned_by": "mlxd",
+                "state": e.state,
+                "failure": if e.state == "failed" { e.last_exit.as_ref().map(|x| x.cause.clone()) } else { None },
+            })
+        })
+        .collect();
+    json_response(StatusCode::OK, &json!({ "object": "list", "data": data }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_extraction() {
+        assert_eq!(model_of(br#"{"model":"x"}"#).unwrap(), Some("x".into()));
+        assert_eq!(model_of(br#"{"messages":[]}"#).unwrap(), None);
+        assert!(model_of(b"[1]").is_err());
+        assert!(model_of(br#"{"model":1}"#).is_err());
+        assert!(model_of(b"\xff\xfe{").is_err());
+        assert!(model_of(b"{\"model\":\"a").is_err());
+    }
+}

@@ -1,0 +1,188 @@
+//! The `mlxd` binary as a process: signals, orphans, and the no-MLX guarantee.
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+use mlxd_tests::*;
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use serde_json::{json, Value};
+
+struct Mlxd {
+    child: Child,
+    addr: std::net::SocketAddr,
+    log: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Mlxd {
+    async fn start() -> Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let log = dir.path().join("mlxd.log");
+        let child = Command::new(mlxd_bin()?)
+            .args(["serve", "--model", "tiny-model", "--host", "127.0.0.1"])
+            .args(["--port", &port.to_string()])
+            .arg("--engine-bin")
+            .arg(fake_engine())
+            .args(["--grace-ms", "2000"])
+            .env("RUST_LOG", "info")
+            .env("XDG_RUNTIME_DIR", dir.path())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log)?)
+            .spawn()?;
+        let addr = format!("127.0.0.1:{port}").parse()?;
+        let t = Instant::now();
+        while send(addr, "GET", "/health", None).await.is_err() {
+            if t.elapsed() > Duration::from_secs(10) {
+                bail!("mlxd did not come up");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(Self {
+            child,
+            addr,
+            log,
+            _dir: dir,
+        })
+    }
+
+    /// Starts the engine with one request; returns its pid.
+    async fn engine_pid(&self) -> Result<i32> {
+        let body = json!({"prompt": "x"}).to_string();
+        let (s, _, _) =
+            json_of(send(self.addr, "POST", "/v1/completions", Some(body.into())).await?).await?;
+        assert_eq!(s, 200);
+        let (_, _, v): (_, _, Value) =
+            json_of(send(self.addr, "GET", "/engines", None).await?).await?;
+        Ok(v["engines"][0]["pid"].as_i64().unwrap() as i32)
+    }
+
+    fn signal(&self, sig: Signal) -> Result<()> {
+        kill(Pid::from_raw(self.child.id() as i32), sig)?;
+        Ok(())
+    }
+
+    async fn wait(&mut self, timeout: Duration) -> Result<std::process::ExitStatus> {
+        let t = Instant::now();
+        loop {
+            if let Some(s) = self.child.try_wait()? {
+                return Ok(s);
+            }
+            if t.elapsed() > timeout {
+                bail!("mlxd still running after {timeout:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+impl Drop for Mlxd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test]
+async fn sigterm_and_sigint_stop_everything_and_exit_zero() -> Result<()> {
+    for sig in [Signal::SIGTERM, Signal::SIGINT] {
+        let mut m = Mlxd::start().await?;
+        let pid = m.engine_pid().await?;
+        // A stream in flight when the signal arrives still completes.
+        let body = json!({"stream": true, "prompt": "x", "fake": {"chunks": 5, "interval_ms": 60}})
+            .to_string();
+        let resp = send(m.addr, "POST", "/v1/completions", Some(body.into())).await?;
+        let reader = tokio::spawn(read_events(resp));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        m.signal(sig)?;
+        let events = reader.await??;
+        assert_eq!(
+            events.last().unwrap().1,
+            "data: [DONE]\n\n",
+            "{sig}: {events:?}"
+        );
+        let status = m.wait(Duration::from_secs(10)).await?;
+        assert_eq!(status.code(), Some(0), "{sig}");
+        let runtime_dir = m._dir.path().join(format!("mlxd-{}", m.child.id()));
+        assert!(!runtime_dir.exists(), "runtime dir left behind");
+        wait_gone(pid, Duration::from_secs(1)).await?;
+        // New connections are refused once it is down.
+        assert!(send(m.addr, "GET", "/health", None).await.is_err());
+        let log = std::fs::read_to_string(&m.log)?;
+        // The engine's stderr was re-emitted, tagged with the model.
+        assert!(
+            log.lines()
+                .any(|l| l.contains("fake engine ready") && l.contains("model=tiny-model")),
+            "{log}"
+        );
+        assert!(log.contains("engine stopped"), "{log}");
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn engines_die_within_a_second_of_mlxd_being_sigkilled() -> Result<()> {
+    let mut m = Mlxd::start().await?;
+    let pid = m.engine_pid().await?;
+    m.signal(Signal::SIGKILL)?;
+    m.wait(Duration::from_secs(5)).await?;
+    let took = wait_gone(pid, Duration::from_secs(1)).await?;
+    assert!(took < Duration::from_secs(1));
+    Ok(())
+}
+
+#[test]
+fn proxy_does_not_depend_on_or_load_mlx() -> Result<()> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = Command::new(cargo)
+        .args([
+            "tree",
+            "-p",
+            "mlxd-proxy",
+            "-e",
+            "normal",
+            "--prefix",
+            "none",
+        ])
+        .output()?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let tree = String::from_utf8(out.stdout)?;
+    assert!(tree.contains("mlxd-proxy"));
+    let mlx: Vec<&str> = tree
+        .lines()
+        .filter(|l| l.starts_with("mlx-") || l.starts_with("mlx_"))
+        .collect();
+    assert!(mlx.is_empty(), "mlxd-proxy depends on {mlx:?}");
+
+    let bin = mlxd_bin()?;
+    let out = Command::new("readelf").arg("-d").arg(&bin).output()?;
+    assert!(out.status.success());
+    let dynamic = String::from_utf8(out.stdout)?;
+    let needed: Vec<&str> = dynamic.lines().filter(|l| l.contains("(NEEDED)")).collect();
+    assert!(
+        !needed.is_empty(),
+        "readelf found no NEEDED entries: {dynamic}"
+    );
+    assert!(
+        !needed
+            .iter()
+            .any(|l| l.to_ascii_lowercase().contains("mlx")),
+        "mlxd links MLX: {needed:?}"
+    );
+    let out = Command::new("ldd").arg(&bin).output()?;
+    let resolved = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        !resolved.to_ascii_lowercase().contains("libmlx"),
+        "{resolved}"
+    );
+    Ok(())
+}

@@ -1,0 +1,606 @@
+//! Proxy behaviour with real processes and sockets: the in-process `serve` with the
+//! fake engine as its child.
+
+use std::os::unix::fs::PermissionsExt;
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use mlxd_tests::*;
+use serde_json::{json, Value};
+
+const T: Duration = Duration::from_secs(10);
+
+fn chat(fake: Value, stream: bool) -> Value {
+    json!({"model": "anything", "stream": stream, "messages": [{"role": "user", "content": "hi"}], "fake": fake})
+}
+
+async fn stream_events(p: &Proxy, fake: Value) -> Result<Vec<(Instant, String)>> {
+    let body = chat(fake, true).to_string();
+    let resp = send(p.addr, "POST", "/v1/chat/completions", Some(body.into())).await?;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["content-type"], "text/event-stream");
+    read_events(resp).await
+}
+
+#[tokio::test]
+async fn sse_chunks_pass_through_as_they_arrive() -> Result<()> {
+    let mut p = Proxy::start(&[]).await?;
+    let t0 = Instant::now();
+    let events = stream_events(&p, json!({"chunks": 5, "interval_ms": 150})).await?;
+    assert_eq!(events.len(), 6, "{events:?}");
+    assert_eq!(events[5].1, "data: [DONE]\n\n");
+    for (i, (_, ev)) in events[..5].iter().enumerate() {
+        let v = event_json(ev).unwrap();
+        assert_eq!(v["seq"], i);
+        assert_eq!(v["choices"][0]["delta"]["content"], format!("tok{i} "));
+    }
+    // Each chunk arrives on its own, about one interval after the previous one.
+    for w in events[..5].windows(2) {
+        let gap = w[1].0 - w[0].0;
+        assert!(
+            gap >= Duration::from_millis(100),
+            "chunks coalesced: gap {gap:?}"
+        );
+    }
+    assert!(events[0].0 - t0 < events[4].0 - t0 - Duration::from_millis(400));
+    p.stop().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn non_streaming_models_health_engines() -> Result<()> {
+    let mut p = Proxy::start(&[("memory_bytes", "4242")]).await?;
+    // On demand: nothing runs before the first request.
+    let e = p.engine().await?;
+    assert_eq!(e["state"], "idle");
+    assert!(e["pid"].is_null());
+
+    let (s, _, v) = p
+        .post_json(
+            "/v1/completions",
+            &json!({"prompt": "x", "fake": {"chunks": 3}}),
+        )
+        .await?;
+    assert_eq!(s, 200);
+    assert_eq!(v["choices"][0]["text"], "tok0 tok1 tok2 ");
+    let (s, _, v) = p
+        .post_json("/v1/chat/completions", &chat(json!({"chunks": 2}), false))
+        .await?;
+    assert_eq!(s, 200);
+    assert_eq!(v["choices"][0]["message"]["content"], "tok0 tok1 ");
+
+    let (s, _, v) = p.get("/v1/models").await?;
+    assert_eq!(s, 200);
+    assert_eq!(v["data"][0]["id"], "fake-model");
+    assert_eq!(v["data"][0]["state"], "ready");
+
+    let (s, _, v) = p.get("/health").await?;
+    assert_eq!(s, 200);
+    assert_eq!(v["status"], "ok");
+    assert_eq!(v["engines"][0]["state"], "ready");
+    assert_eq!(v["engines"][0]["responding"], true);
+
+    let e = p
+        .wait_engine("reporting stats", T, |e| e["stats"]["memory_bytes"] == 4242)
+        .await?;
+    assert!(e["pid"].as_u64().unwrap() > 0);
+    assert_eq!(e["restarts"], 0);
+    assert!(e["uptime_s"].as_f64().unwrap() >= 0.0);
+    assert_eq!(e["ready"]["context_length"], 2048);
+    p.stop().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn runtime_dir_and_socket_are_private_and_stale_socket_is_replaced() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let rt = dir.path().join("rt");
+    std::fs::create_dir(&rt)?;
+    std::fs::set_permissions(&rt, std::fs::Permissions::from_mode(0o755))?;
+    std::fs::write(rt.join("engine-0.sock"), b"stale")?;
+    let mut p = Proxy::start_with(&[], |c| c.runtime_dir = Some(rt.clone())).await?;
+    let (s, _, _) = p
+        .post_json("/v1/completions", &json!({"prompt": "x"}))
+        .await?;
+    assert_eq!(s, 200);
+    assert_eq!(std::fs::metadata(&rt)?.permissions().mode() & 0o777, 0o700);
+    let sock = std::fs::metadata(rt.join("engine-0.sock"))?;
+    assert_eq!(sock.permissions().mode() & 0o777, 0o600);
+    assert!(std::os::unix::fs::FileTypeExt::is_socket(&sock.file_type()));
+    p.stop().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn request_bodies_stream_and_hop_by_hop_headers_are_stripped() -> Result<()> {
+    let mut p = Proxy::start(&[]).await?;
+    // A 4 MiB non-JSON body goes through the streaming path and comes back intact.
+    let big: Vec<u8> = (0..4u32 << 20).map(|i| (i % 251) as u8).collect();
+    let resp = send_typed(
+        p.addr,
+        "POST",
+        "/echo",
+        Some("application/octet-stream"),
+        Some(big.clone().into()),
+    )
+    .await?;
+    assert_eq!(resp.status(), 200);
+    let got = http_body_util::BodyExt::collect(resp.into_body())
+        .await?
+        .to_bytes();
+    assert_eq!(got.len(), big.len());
+    assert!(got[..] == big[..]);
+
+    let req =
+        "GET /headers HTTP/1.1\r\nHost: x\r\nConnection: close, x-drop-me\r\nX-Drop-Me: 1\r\n\
+               Keep-Alive: timeout=5\r\nTE: trailers\r\nProxy-Authorization: secret\r\n\
+               Authorization: Bearer ok\r\nX-Custom: kept\r\n\r\n";
+    let out = String::from_utf8(raw_exchange(p.addr, req.as_bytes(), false).await?)?;
+    let (head, body) = out.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let v: Value = serde_json::from_str(body)?;
+    assert_eq!(v["authorization"], "Bearer ok");
+    assert_eq!(v["x-custom"], "kept");
+    for h in ["x-drop-me", "keep-alive", "te", "proxy-authorization"] {
+        assert!(v.get(h).is_none(), "{h} forwarded: {v}");
+    }
+    assert_eq!(v["host"], "localhost");
+    assert!(v["x-request-id"].is_string());
+    p.stop().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn client_disconnect_cancels_the_generation() -> Result<()> {
+    let mut p = Proxy::start(&[]).await?;
+    let body = chat(
+        json!({"chunks": 100, "interval_ms": 50, "id": "gone"}),
+        true,
+    )
+    .to_string();
+    let resp = send(p.addr, "POST", "/v1/chat/completions", Some(body.into())).await?;
+    let mut b = resp.into_body();
+    let first = http_body_util::BodyExt::frame(&mut b).await.unwrap()?;
+    assert!(first.data_ref().is_some());
+    drop(b); // closes the client connection
+    let line = wait_event(&p.events_file(), "gone", Duration::from_secs(5)).await?;
+    assert!(line.contains("cancelled gone"), "{line}");
+    p.stop().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn requests_wait_while_the_engine_loads() -> Result<()> {
+    let mut p = Proxy::start(&[("ready_delay_ms", "800")]).await?;
+    let t = Instant::now();
+    let req = tokio::spawn({
+        let addr = p.addr;
+        async move {
+            let body = json!({"prompt": "x"}).to_string();
+            json_of(send(addr, "POST", "/v1/completions", Some(body.into())).await?).await
+        }
+    });
+    let e = p
+        .wait_engine("starting", T, |e| e["state"] == "starting")
+        .await?;
+    assert!(e["pid"].as_u64().is_some());
+    let (s, _, _) = req.await??;
+    assert_eq!(s, 200);
+    assert!(t.elapsed() >= Duration::from_millis(700));
+    p.stop().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn queue_timeout_and_queue_full_give_503_with_retry_after() -> Result<()> {
+    let mut p = Proxy::start_with(&[("ready_delay_ms", "5000")], |c| {
+        c.queue_timeout_ms = 400;
+        c.queue_capacity = 1;
+    })
+    .await?;
+    let waiting = tokio::spawn({
+        let addr = p.addr;
+        async move {
+            let body = json!({"prompt": "x"}).to_string();
+            json_of(send(addr, "POST", "/v1/completions", Some(body.into())).await?).await
+        }
+    });
+    p.wait_engine("queued", T, |e| e["queued_requests"] == 1)
+        .await?;
+    // Queue of one is full.
+    let (s, h, v) = p
+        .post_json("/v1/completions", &json!({"prompt": "y"}))
+        .await?;
+    assert_eq!(s, 503);
+    assert!(h.contains_key("retry-after"));
+    assert_eq!(v["error"]["code"], "queue_full");
+    // The queued one times out.
+    let (s, h, v) = waiting.await??;
+    assert_eq!(s, 503);
+    assert!(h["retry-after"].to_str()?.parse::<u64>()? >= 1);
+    assert_eq!(v["error"]["type"], "engine_unavailable");
+    p.stop().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn crash_mid_stream_sends_an_error_event_then_the_engine_comes_back() -> Result<()> {
+    let mut p = Proxy::start(&[]).await?;
+    let events = stream_events(
+        &p,
+        json!({"chunks": 10, "interval_ms": 20, "then": "abort", "at": 3}),
+    )
+    .await?;
+    assert_eq!(events.len(), 4, "{events:?}");
+    let err = event_json(&events[3].1).expect("error event is JSON");
+    assert_eq!(err["error"]["type"], "engine_crashed");
+    assert_eq!(err["error"]["code"], "crash");
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("SIGABRT"),
+        "{err}"
+    );
+    assert!(!events.iter().any(|(_, e)| e.contains("[DONE]")));
+
+    // The next request waits for the restart and succeeds.
+    let (s, _, _) = p
+        .post_json("/v1/completions", &json!({"prompt": "x"}))
+        .await?;
+    assert_eq!(s, 200);
+    let e = p.engine().await?;
+    assert_eq!(e["restarts"], 1);
+    assert_eq!(e["generation"], 2);
+    assert_eq!(e["last_exit"]["code"], "crash");
+    assert!(!e["last_exit"]["stderr_tail"].as_array().unwrap().is_empty());
+    p.stop().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn crash_during_non_streaming_request_gives_502_with_cause() -> Result<()> {
+    let mut p = Proxy::start(&[]).await?;
+    let (s, _, v) = p
+        .post_json(
+            "/v1/chat/completions",
+            &chat(json!({"delay_ms": 50, "then": "exit:7"}), false),
+        )
+        .await?;
+    assert_eq!(s, 502);
+    assert_eq!(v["error"]["type"], "engine_crashed");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("exit code 7"), "{msg}");
+    assert!(
+        msg.contains("exiting with 7 mid-request"),
+        "stderr tail quoted: {msg}"
+    );
+    p.stop().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn sigkill_and_mlx_oom_text_are_classified_out_of_memory() -> Result<()> {
+    let mut p = Proxy::start(&[]).await?;
+    let events = stream_events(
+        &p,
+        json!({"chunks": 10, "interval_ms": 10, "then": "sigkill", "at": 2}),
+    )
+    .await?;
+    let err = event_json(&events.last().unwrap().1).unwrap();
+    assert_eq!(err["error"]["code"], "out_of_memory", "{err}");
+
+    let (s, _, v) = p
+        .post_json("/v1/chat/completions", &chat(json!({"then": "oom"}), false))
+        .await?;
+    assert_eq!(s, 502);
+    assert_eq!(v["error"]["code"], "out_of_memory");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("[metal::malloc]"),
+        "{v}"
+    );
+    p.stop().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn oom_restart_shrinks_limits() -> Result<()> {
+    let mut p = Proxy::start_with(&[], |c| {
+        c.limits.kv_budget_bytes = Some(1 << 30);
+        c.limits.max_batch_size = Some(8);
+    })
+    .await?;
+    let (s, _, _) = p
+        .post_json("/v1/chat/completions", &chat(json!({"then": "oom"}), false))
+        .await?;
+    assert_eq!(s, 502);
+    let e = p.engine().await?;
+    assert_eq!(e["limits"]["kv_budget_bytes"], 1u64 << 29);
+    assert_eq!(e["limits"]["max_batch_size"], 4);
+    p.stop().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn crash_loop_marks_the_model_failed_until_reset() -> Result<()> {
+    let mut p = Proxy::start_with(&[("fatal_before_ready", "weights file missing")], |c| {
+        c.crash_limit = 3;
+    })
+    .await?;
+    let t = Instant::now();
+    let (s, h, v) = p
+        .post_json("/v1/completions", &json!({"prompt": "x"}))
+        .await?;
+    assert_eq!(s, 503, "{v}");
+    assert!(h.contains_key("retry-after"));
+    assert_eq!(v["error"]["type"], "engine_failed");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("weights file missing"),
+        "{v}"
+    );
+    // Backoff 20 ms, 40 ms before the third failure.
+    assert!(t.elapsed() >= Duration::from_millis(60));
+
+    let e = p.engine().await?;
+    assert_eq!(e["state"], "failed");
+    assert_eq!(e["restarts"], 2);
+    assert_eq!(e["last_exit"]["code"], "load_failed");
+    let (_, _, m) = p.get("/v1/models").await?;
+    assert!(m["data"][0]["failure"]
+        .as_str()
+        .unwrap()
+        .contains("weights file missing"));
+    let (_, _, h) = p.get("/health").await?;
+    assert_eq!(h["status"], "degraded");
+
+    // Immediately again: no restart storm, same answer.
+    let (s, _, _) = p
+        .post_json("/v1/completions", &json!({"prompt": "x"}))
+        .await?;
+    assert_eq!(s, 503);
+    assert_eq!(p.engine().await?["generation"], 3);
+
+    let (s, _, v) = send(p.addr, "POST", "/engines/reset", None)
+        .await
+        .map(json_of)?
+        .await?;
+    assert_eq!(s, 200);
+    assert_eq!(v["reset"][0], "fake-model");
+    assert_eq!(p.engine().await?["state"], "idle");
+    p.stop().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn failed_model_is_retried_after_the_cool_down() -> Result<()> {
+    let mut p = Proxy::start_with(&[("exit_before_ready", "2")], |c| {
+        c.crash_limit = 1;
+        c.failed_cooldown_ms = 300;
+    })
+    .await?;
+    let (s, _, v) = p
+        .post_json("/v1/completions", &json!({"prompt": "x"}))
+        .await?;
+    assert_eq!(s, 503);
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("exit code 2 before ready"),
+        "{v}"
+    );
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let (s, _, _) = p
+        .post_json("/v1/completions", &json!({"prompt": "x"}))
+        .await?;
+    assert_eq!(s, 503);
+    assert_eq!(
+        p.engine().await?["generation"],
+        2,
+        "cool-down over: one more start"
+    );
+    p.stop().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_queued_request_survives_a_load_failure_and_restart() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let marker = dir.path().join("crashed-once");
+    let mut p = Proxy::start(&[("crash_once_marker", marker.to_str().unwrap())]).await?;
+    let (s, _, _) = p
+        .post_json("/v1/completions", &json!({"prompt": "x"}))
+        .await?;
+    assert_eq!(s, 200);
+    let e = p.engine().await?;
+    assert_eq!(e["restarts"], 1);
+    assert_eq!(e["last_exit"]["code"], "load_failed");
+    p.stop().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn shutdown_lets_in_flight_streams_finish_then_stops_the_engine() -> Result<()> {
+    let mut p = Proxy::start(&[]).await?;
+    let body = chat(json!({"chunks": 8, "interval_ms": 60}), true).to_string();
+    let resp = send(p.addr, "POST", "/v1/chat/completions", Some(body.into())).await?;
+    let pid = p.engine().await?["pid"].as_i64().unwrap() as i32;
+    let reader = tokio::spawn(read_events(resp));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    p.begin_stop();
+    let events = reader.await??;
+    assert_eq!(events.len(), 9, "stream cut short: {events:?}");
+    assert_eq!(events[8].1, "data: [DONE]\n\n");
+    let events_file = p.events_file();
+    p.stop().await?;
+    wait_gone(pid, Duration::from_secs(1)).await?;
+    wait_event(&events_file, "shutdown requested", T).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn shutdown_escalates_to_sigterm_then_sigkill() -> Result<()> {
+    let mut p = Proxy::start_with(&[("ignore_shutdown", "1"), ("ignore_sigterm", "1")], |c| {
+        c.grace_ms = 300;
+    })
+    .await?;
+    let (s, _, _) = p
+        .post_json("/v1/completions", &json!({"prompt": "x"}))
+        .await?;
+    assert_eq!(s, 200);
+    let pid = p.engine().await?["pid"].as_i64().unwrap() as i32;
+    let took = p.stop().await?;
+    assert!(process_gone(pid));
+    // Shutdown (300 ms) + SIGTERM (300 ms) + SIGKILL.
+    assert!(took >= Duration::from_millis(550), "{took:?}");
+    assert!(took < Duration::from_secs(3), "{took:?}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn bad_input_is_rejected_without_waking_an_engine() -> Result<()> {
+    let mut p = Proxy::start_with(&[], |c| c.max_body_bytes = 1024).await?;
+    let post = |path: &str, body: &[u8]| {
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            body.len()
+        );
+        [head.as_bytes(), body].concat()
+    };
+    let status = |out: &[u8]| {
+        String::from_utf8_lossy(out)
+            .split(' ')
+            .nth(1)
+            .unwrap_or("")
+            .to_string()
+    };
+
+    // Not JSON; invalid UTF-8; a JSON array; a truncated object; a non-string model.
+    for body in [
+        &b"hello"[..],
+        b"{\"model\": \"\xff\xfe\"}",
+        b"[1,2]",
+        b"{\"model\":",
+        b"{\"model\":3}",
+    ] {
+        let out = raw_exchange(p.addr, &post("/v1/chat/completions", body), false).await?;
+        assert_eq!(status(&out), "400", "{}", String::from_utf8_lossy(&out));
+        let text = String::from_utf8_lossy(&out);
+        let json = text.split_once("\r\n\r\n").unwrap().1;
+        let v: Value = serde_json::from_str(json)?;
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+    }
+    // Too large by Content-Length, and by a chunked body with no length.
+    let out = raw_exchange(p.addr, &post("/v1/chat/completions", &[b'x'; 2000]), false).await?;
+    assert_eq!(status(&out), "413");
+    let chunked = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n800\r\n{}\r\n0\r\n\r\n",
+        "y".repeat(0x800)
+    );
+    let out = raw_exchange(p.addr, chunked.as_bytes(), false).await?;
+    assert_eq!(status(&out), "413", "{}", String::from_utf8_lossy(&out));
+    assert!(String::from_utf8_lossy(&out).contains("limit of 1024 bytes"));
+
+    // Garbage, truncated requests and abrupt disconnects.
+    let _ = raw_exchange(p.addr, b"\x00\xff\xfe garbage \r\n\r\n", true).await?;
+    let _ = raw_exchange(p.addr, b"GET / HTTP/1.1\r\nHost", true).await?;
+    let _ = raw_exchange(
+        p.addr,
+        b"POST /v1/completions HTTP/1.1\r\nContent-Length: 100\r\n\r\n{\"a\"",
+        true,
+    )
+    .await?;
+    let _ = raw_exchange(p.addr, b"GET /\xff\xfe HTTP/1.1\r\nX: \xff\r\n\r\n", true).await?;
+    for _ in 0..5 {
+        let s = tokio::net::TcpStream::connect(p.addr).await?;
+        drop(s);
+    }
+
+    // Nothing above woke the engine, and the proxy is fine.
+    let e = p.engine().await?;
+    assert_eq!(e["state"], "idle", "{e}");
+    assert!(e["pid"].is_null());
+    let (s, _, _) = p.get("/health").await?;
+    assert_eq!(s, 200);
+    let (s, _, _) = p
+        .post_json("/v1/completions", &json!({"prompt": "ok"}))
+        .await?;
+    assert_eq!(s, 200);
+    p.stop().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_hung_request_at_shutdown_gets_an_error_event_and_the_engine_is_killed() -> Result<()> {
+    let mut p = Proxy::start_with(&[], |c| c.grace_ms = 300).await?;
+    let body = chat(
+        json!({"chunks": 10, "interval_ms": 1, "then": "hang", "at": 2}),
+        true,
+    )
+    .to_string();
+    let resp = send(p.addr, "POST", "/v1/chat/completions", Some(body.into())).await?;
+    let pid = p.engine().await?["pid"].as_i64().unwrap() as i32;
+    let reader = tokio::spawn(read_events(resp));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let took = p.stop().await?;
+    // Grace for requests, then Shutdown (ignored: a request is active), then SIGTERM.
+    assert!(took >= Duration::from_millis(550), "{took:?}");
+    assert!(process_gone(pid));
+    let events = reader.await??;
+    assert_eq!(events.len(), 3, "{events:?}");
+    let err = event_json(&events[2].1).unwrap();
+    assert_eq!(err["error"]["type"], "engine_stopped", "{err}");
+    assert_eq!(err["error"]["code"], "stopped");
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_engine_stuck_loading_is_killed_at_the_load_timeout() -> Result<()> {
+    let mut p = Proxy::start_with(&[("ready_delay_ms", "60000")], |c| {
+        c.load_timeout_ms = 300;
+        c.crash_limit = 1;
+    })
+    .await?;
+    let (s, _, v) = p
+        .post_json("/v1/completions", &json!({"prompt": "x"}))
+        .await?;
+    assert_eq!(s, 503);
+    assert_eq!(v["error"]["type"], "engine_failed");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("load timeout of 300 ms"),
+        "{v}"
+    );
+    assert_eq!(p.engine().await?["last_exit"]["code"], "load_failed");
+    p.stop().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_request_that_never_reached_a_dead_engine_is_retried_on_the_new_one() -> Result<()> {
+    let mut p = Proxy::start(&[("vanish_after_requests", "1")]).await?;
+    let (s, _, _) = p
+        .post_json("/v1/completions", &json!({"prompt": "x"}))
+        .await?;
+    assert_eq!(s, 200);
+    wait_event(&p.events_file(), "vanishing", T).await?;
+    // The pool still thinks the engine is ready; the connect fails; the request is
+    // sent again once the engine has been restarted.
+    let (s, _, v) = p
+        .post_json("/v1/completions", &json!({"prompt": "x"}))
+        .await?;
+    assert_eq!(s, 200, "{v}");
+    let e = p.engine().await?;
+    assert_eq!(e["generation"], 2);
+    assert_eq!(e["last_exit"]["code"], "crash");
+    p.stop().await?;
+    Ok(())
+}
