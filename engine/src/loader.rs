@@ -65,7 +65,6 @@ pub struct QuantSpec {
 /// The tensors of a checkpoint, handed out by name exactly once.
 pub struct Weights {
     tensors: HashMap<String, Array>,
-    source_of: HashMap<String, String>,
     missing: Vec<String>,
     quant_default: Option<QuantSpec>,
     quant_overrides: HashMap<String, Option<QuantSpec>>,
@@ -240,7 +239,6 @@ impl Weights {
         }
         if !self.tensors.is_empty() {
             let unused: BTreeMap<_, _> = self.tensors.keys().map(|k| (k.clone(), ())).collect();
-            let _ = &self.source_of;
             return Err(LoadError::UnusedTensors(unused.into_keys().collect()));
         }
         Ok(self.taken_bytes)

@@ -183,7 +183,7 @@ pub fn attend(
     let offset = cache.offset() as i32;
     let queries = rope.forward(queries, offset)?;
     let keys = rope.forward(keys, offset)?;
-    let (keys, values) = cache.update_and_fetch(&keys, &values)?;
+    let (keys, values) = cache.update_and_fetch(&keys, values)?;
     let l = queries.shape()[2];
     let mask = (l > 1).then_some(ScaledDotProductAttentionMask::Causal);
     let out = fast::scaled_dot_product_attention(&queries, &keys, &values, scale, mask, None)?;
