@@ -178,7 +178,6 @@ impl Weights {
         }
         Ok(Self {
             tensors,
-            source_of,
             missing: Vec::new(),
             quant_default,
             quant_overrides,
