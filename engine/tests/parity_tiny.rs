@@ -30,6 +30,11 @@ fn llama_f32_matches_mlx_lm() {
 }
 
 #[test]
+fn llama3_rope_scaling_matches_mlx_lm() {
+    check("tiny-llama3");
+}
+
+#[test]
 fn qwen2_with_biases_and_untied_head_matches_mlx_lm() {
     check("tiny-qwen2");
 }

@@ -84,6 +84,16 @@ async fn answers_real_questions_streams_and_rejects_bad_input() {
         "{body}"
     );
 
+    // Sampling with a seed: same seed, same output.
+    let sampled = json!({"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0.9, "top_p": 0.95, "seed": 7});
+    let (status, first) = engine.post("/v1/completions", sampled.clone()).await;
+    assert_eq!(status, 200, "{first}");
+    let (_, second) = engine.post("/v1/completions", sampled).await;
+    assert_eq!(
+        first["choices"][0]["text"], second["choices"][0]["text"],
+        "same seed must give the same text"
+    );
+
     // Bad input: 400 in the OpenAI shape naming the field, and the engine keeps serving.
     let cases: Vec<(&str, &str)> = vec![
         ("{not json", ""),
