@@ -23,7 +23,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Serve the OpenAI-compatible API (the default).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Running engines of a running server: model, pid, state, memory, uptime, requests.
     Ps(ClientArgs),
     /// Configured models of a running server and their states.
@@ -92,7 +92,7 @@ impl Cli {
     /// client commands.
     pub fn serve_args(self) -> Option<ServeArgs> {
         match self.command {
-            Some(Command::Serve(a)) => Some(a),
+            Some(Command::Serve(a)) => Some(*a),
             None => Some(self.serve),
             Some(_) => None,
         }

@@ -400,7 +400,7 @@ impl Slot {
             idle_s: (self.engine.is_some() && self.in_flight == 0)
                 .then(|| now.duration_since(self.last_used).as_secs_f64()),
             ttl_s: (!self.entry.ttl.is_zero() && !self.entry.pinned)
-                .then(|| self.entry.ttl.as_secs_f64()),
+                .then_some(self.entry.ttl.as_secs_f64()),
             loading_progress: self.progress,
             in_flight: self.in_flight,
             queued_requests: self.waiters.iter().filter(|w| !w.is_closed()).count(),

@@ -110,8 +110,10 @@ fn model(id: &str, memory: u64, pinned: bool) -> ModelConfig {
 }
 
 fn pool(setup: Setup) -> (PoolHandle, Arc<Sim>) {
-    let mut config = Config::default();
-    config.models = setup.models;
+    let mut config = Config {
+        models: setup.models,
+        ..Config::default()
+    };
     config.pool.max_engines = setup.max_engines;
     config.pool.ttl = setup.ttl;
     config.pool.capacity_wait = Duration::from_secs(10);
@@ -211,7 +213,7 @@ async fn pinned_models_load_at_start_and_are_never_evicted() {
     let (pool, sim) = pool(Setup {
         models: vec![
             model("pinned", 6 * GB, true),
-            model("a", 1 * GB, false),
+            model("a", GB, false),
             model("b", 3 * GB, false),
         ],
         max_engines: 2,
