@@ -17,7 +17,12 @@ pub const PREFILL_CHUNK: usize = 2048;
 /// Picks a token from log-probabilities copied to the host (temperature, top-p, penalties…).
 pub trait HostSampler {
     /// `tokens` is the prompt followed by the generated tokens; `prompt_len` splits them.
-    fn sample(&mut self, logprobs: &mut [f32], tokens: &[u32], prompt_len: usize) -> Result<u32, String>;
+    fn sample(
+        &mut self,
+        logprobs: &mut [f32],
+        tokens: &[u32],
+        prompt_len: usize,
+    ) -> Result<u32, String>;
 }
 
 /// Why a generation step failed.
@@ -147,7 +152,9 @@ impl<S: HostSampler> Decoder<S> {
                 let input = self.seq.last_token();
                 let logprobs = self.seq.decode(model, &input)?;
                 let mut host = to_host_f32(&logprobs)?;
-                sampler.sample(&mut host, &self.seq.tokens, self.seq.prompt_len).map_err(StepError::Sample)?
+                sampler
+                    .sample(&mut host, &self.seq.tokens, self.seq.prompt_len)
+                    .map_err(StepError::Sample)?
             }
             None => {
                 let current = match self.in_flight.take() {

@@ -27,7 +27,7 @@ use std::time::{Duration, UNIX_EPOCH};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-use crate::convert::{convert_gguf, ConvertError};
+use crate::convert::{convert_gguf_with, ConvertError, ConvertOptions, FloatDtype};
 
 /// The model used when none is named.
 pub const DEFAULT_MODEL: &str = "smollm2-135m";
@@ -298,9 +298,22 @@ fn ensure_known(known: &KnownModel, opts: &StoreOptions) -> Result<PathBuf, Stor
                 p
             }
         };
-        convert_gguf(&gguf, &dir).map_err(|source| StoreError::Convert { gguf, source })?;
+        convert_for_store(&gguf, &dir).map_err(|source| StoreError::Convert { gguf, source })?;
         Ok(dir.clone())
     })
+}
+
+/// Converts with float32 scales, biases and norms. The GGUF's f16 values widen losslessly,
+/// and MLX's CPU backend runs quantized matmuls about 50x faster with f32 scales than with f16
+/// (measured: 0.009 s against 0.47 s for one SmolLM2 matmul).
+fn convert_for_store(gguf: &Path, dir: &Path) -> Result<(), ConvertError> {
+    convert_gguf_with(
+        gguf,
+        dir,
+        &ConvertOptions {
+            float_dtype: FloatDtype::F32,
+        },
+    )
 }
 
 fn ensure_gguf(gguf: &Path, opts: &StoreOptions) -> Result<(String, PathBuf), StoreError> {
@@ -334,7 +347,7 @@ fn ensure_gguf(gguf: &Path, opts: &StoreOptions) -> Result<(String, PathBuf), St
     if !is_model_dir(&dir) {
         with_lock(&opts.home, &format!("gguf-{key}"), || {
             if !is_model_dir(&dir) {
-                convert_gguf(gguf, &dir).map_err(|source| StoreError::Convert {
+                convert_for_store(gguf, &dir).map_err(|source| StoreError::Convert {
                     gguf: gguf.to_path_buf(),
                     source,
                 })?;
