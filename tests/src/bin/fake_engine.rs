@@ -234,6 +234,10 @@ async fn run(
                     if !script.flag("ignore_shutdown") {
                         engine.draining.store(true, Ordering::Relaxed);
                         shutting_down = true;
+                        if engine.active.load(Ordering::Relaxed) == 0 {
+                            script.event("shutdown complete");
+                            std::process::exit(0);
+                        }
                     }
                 }
                 Some(ParentEvent::Closed) | Some(ParentEvent::Broken(_)) | None => {
