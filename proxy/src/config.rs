@@ -1,4 +1,5 @@
 //! Runtime configuration: defaults, then `mlxd.toml`, then command-line flags.
+//! `proxy/mlxd.example.toml` shows every section.
 //!
 //! ```toml
 //! [server]                      # listener, engine binary, timeouts (durations in ms: *_ms)
@@ -613,6 +614,17 @@ options = { chunks = "3" }
 
         let e = err("[server\nport = 1\n");
         assert!(e.starts_with("mlxd.toml:1:"), "{e}");
+    }
+
+    #[test]
+    fn the_example_file_parses() {
+        let c = Config::from_toml_str(include_str!("../mlxd.example.toml"), "example").unwrap();
+        assert_eq!(c.models.len(), 3);
+        assert_eq!(c.pool.max_engines, 2);
+        assert_eq!(c.models[2].source(), "Qwen/Qwen3-0.6B");
+        assert_eq!(c.models[2].memory, Some(3 << 29));
+        let cat = crate::catalog::Catalog::from_config(&c).unwrap();
+        assert_eq!(cat.resolve(Some("gpt-3.5-turbo")).unwrap().id, "smollm2");
     }
 
     #[test]

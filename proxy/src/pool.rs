@@ -312,6 +312,8 @@ struct Slot {
     last_used: Instant,
     /// The largest footprint an engine of this model has reported.
     observed_bytes: u64,
+    /// An idle check is pending (one timer per slot, re-armed while the engine is used).
+    idle_timer: bool,
     waiters: VecDeque<Reply<Result<Lease, ProxyError>>>,
     unload_replies: Vec<Reply<Result<(), ProxyError>>>,
 }
@@ -442,7 +444,7 @@ impl Slot {
 enum Timer {
     RestartDue { model: String, generation: u64 },
     LoadDeadline { model: String, generation: u64 },
-    IdleCheck { model: String, generation: u64 },
+    IdleCheck { model: String },
     CapacityDeadline { model: String, ticket: u64 },
 }
 
@@ -524,6 +526,7 @@ pub(crate) fn start_with(
                 in_flight: 0,
                 last_used: now,
                 observed_bytes: 0,
+                idle_timer: false,
                 waiters: VecDeque::new(),
                 unload_replies: Vec::new(),
             },
@@ -603,7 +606,7 @@ impl Pool {
                 Some(timer) = timers.recv() => match timer {
                     Timer::RestartDue { model, generation } => self.restart_due(&model, generation),
                     Timer::LoadDeadline { model, generation } => self.load_deadline(&model, generation),
-                    Timer::IdleCheck { model, generation } => self.idle_check(&model, generation),
+                    Timer::IdleCheck { model } => self.idle_check(&model),
                     Timer::CapacityDeadline { model, ticket } => self.capacity_deadline(&model, ticket),
                 },
             }
@@ -950,35 +953,47 @@ impl Pool {
         }
     }
 
-    fn arm_idle_timer(&self, key: &str) {
-        let Some(slot) = self.slots.get(key) else {
+    /// Starts the idle clock's timer for `key`, unless one is pending already.
+    fn arm_idle_timer(&mut self, key: &str) {
+        let Some(slot) = self.slots.get_mut(key) else {
             return;
         };
-        if slot.entry.pinned || slot.entry.ttl.is_zero() {
+        if slot.entry.pinned || slot.entry.ttl.is_zero() || slot.idle_timer {
             return;
         }
+        slot.idle_timer = true;
+        let ttl = slot.entry.ttl;
         self.after(
-            slot.entry.ttl,
+            ttl,
             Timer::IdleCheck {
                 model: key.to_string(),
-                generation: slot.generation,
             },
         );
     }
 
-    fn idle_check(&mut self, key: &str, generation: u64) {
-        let Some(slot) = self.slots.get(key) else {
+    /// Unloads `key` if it has been idle for its TTL; otherwise checks again when the
+    /// TTL would be reached (a busy engine re-arms on its last release).
+    fn idle_check(&mut self, key: &str) {
+        let Some(slot) = self.slots.get_mut(key) else {
             return;
         };
+        slot.idle_timer = false;
+        if !matches!(slot.state, State::Ready) || slot.in_flight > 0 || slot.entry.pinned {
+            return;
+        }
         let idle_for = Instant::now().duration_since(slot.last_used);
-        if slot.generation == generation
-            && matches!(slot.state, State::Ready)
-            && slot.in_flight == 0
-            && !slot.entry.pinned
-            && idle_for >= slot.entry.ttl
-        {
+        if idle_for >= slot.entry.ttl {
             info!(model = %key, idle_s = idle_for.as_secs_f64(), "idle TTL reached");
             self.evict(key, "ttl");
+        } else {
+            slot.idle_timer = true;
+            let left = slot.entry.ttl - idle_for;
+            self.after(
+                left,
+                Timer::IdleCheck {
+                    model: key.to_string(),
+                },
+            );
         }
     }
 
@@ -1050,6 +1065,10 @@ impl Pool {
                 slot.stats = Some(s);
                 if matches!(slot.state, State::Ready) {
                     slot.observed_bytes = slot.observed_bytes.max(slot.reported_bytes());
+                }
+                // Reported memory changed what fits.
+                if !self.queue.is_empty() {
+                    self.place();
                 }
             }
             EngineEvent::Ready(r) => {
