@@ -660,3 +660,48 @@ fn invalid_config_exits_64_naming_line_and_field() -> Result<()> {
     assert!(String::from_utf8_lossy(&out.stderr).contains("duplicate model id"));
     Ok(())
 }
+
+#[tokio::test]
+async fn models_dir_and_repo_ids_reach_the_engine_as_launch_model() -> Result<()> {
+    let models = tempfile::tempdir()?;
+    for name in ["tiny-one", "tiny-two"] {
+        let d = models.path().join(name);
+        std::fs::create_dir(&d)?;
+        std::fs::write(d.join("config.json"), "{}")?;
+    }
+    std::fs::write(models.path().join("small.gguf"), b"GGUF")?;
+    let mut hf = model("hf", &[]);
+    hf.path = Some("HuggingFaceTB/SmolLM2-135M-Instruct".into());
+    let dir = models.path().to_path_buf();
+    let mut p = start(vec![hf], |c| c.pool.models_dir = Some(dir)).await?;
+    let ids: Vec<String> = model_states(&p)
+        .await?
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect();
+    assert_eq!(ids, ["hf", "small", "tiny-one", "tiny-two"]);
+    for id in ["hf", "tiny-two", "small"] {
+        let (s, v) = complete(&p, id).await?;
+        assert_eq!((s, v["model"].as_str()), (200, Some(id)));
+    }
+    let events = p.events_file();
+    let source = |id: &str| {
+        std::fs::read_to_string(&events)
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| {
+                l.split_once(&format!("start model={id} source="))
+                    .map(|(_, s)| s.to_string())
+            })
+    };
+    assert_eq!(
+        source("hf").as_deref(),
+        Some("HuggingFaceTB/SmolLM2-135M-Instruct")
+    );
+    let two = models.path().join("tiny-two").display().to_string();
+    assert_eq!(source("tiny-two"), Some(two));
+    let gguf = models.path().join("small.gguf").display().to_string();
+    assert_eq!(source("small"), Some(gguf));
+    p.stop().await?;
+    Ok(())
+}
