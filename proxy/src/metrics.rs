@@ -100,7 +100,7 @@ impl Metrics {
         );
         registry.register(
             "mlxd_time_to_first_token_seconds",
-            "From request arrival to the first response event (streams) or body byte",
+            "From request arrival to the first content event (streams) or the first body byte",
             m.ttft.clone(),
         );
         registry.register(
@@ -233,7 +233,6 @@ impl RequestTap {
 
     /// One whole SSE event.
     pub fn event(&mut self, ev: &Bytes) {
-        self.mark_first();
         let Some(v) = event_json(ev) else { return };
         if let Some(u) = usage_of(&v) {
             self.usage = Some(u);
@@ -247,6 +246,8 @@ impl RequestTap {
             })
         }) || v["delta"]["text"].as_str().is_some_and(|s| !s.is_empty());
         if has_content {
+            // The first token, not a role-only or metadata chunk.
+            self.mark_first();
             self.chunks += 1;
         }
     }

@@ -846,6 +846,14 @@ impl Pool {
         if !still {
             return;
         }
+        if self
+            .slots
+            .values()
+            .any(|s| s.engine.is_some() && matches!(s.state, State::Draining))
+        {
+            // Room is being made: keep waiting; the caller's queue timeout bounds it.
+            return;
+        }
         let needed = self.slots[key].planned_bytes();
         let retry_after = Some(Duration::from_secs(5));
         let err = match placement::plan(needed, &self.residents(), self.budget) {
@@ -862,8 +870,7 @@ impl Pool {
                 why: "busy",
                 retry_after,
             },
-            // Room is being made (engines still draining): keep waiting; the caller's
-            // queue timeout bounds it.
+            // It fits, or will once evictions finish: keep waiting.
             _ => return,
         };
         self.refuse(key, err);

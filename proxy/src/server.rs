@@ -321,10 +321,10 @@ async fn admin(app: &App, rest: &str) -> Result<Response<ResponseBody>, ProxyErr
     let (name, action) = rest
         .rsplit_once('/')
         .ok_or_else(|| ProxyError::NotFound(format!("no admin route for {rest:?}")))?;
-    let id = app.catalog.resolve(Some(name))?.id.clone();
     if name.is_empty() {
         return Err(ProxyError::BadRequest("a model id is required".into()));
     }
+    let id = app.catalog.resolve(Some(name))?.id.clone();
     match action {
         "load" => app.pool.load(&id).await?,
         "unload" => app.pool.unload(&id).await?,
