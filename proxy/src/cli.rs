@@ -1,10 +1,10 @@
-//! Command line: `mlxd [serve] [--model ..] [--host ..] [--port ..] [--config ..]`.
+//! Command line: `mlxd [serve] [flags]`, `mlxd ps`, `mlxd ls`.
 
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::config::{Config, ConfigError};
+use crate::config::{parse_bytes, parse_duration, Config, ConfigError, ModelConfig};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -23,14 +23,41 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Serve the OpenAI-compatible API (the default).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
+    /// Running engines of a running server: model, pid, state, memory, uptime, requests.
+    Ps(ClientArgs),
+    /// Configured models of a running server and their states.
+    Ls(ClientArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ClientArgs {
+    /// The server to ask.
+    #[arg(long, default_value = "http://127.0.0.1:8080", env = "MLXD_URL")]
+    pub url: String,
 }
 
 #[derive(Debug, Clone, Default, Args)]
 pub struct ServeArgs {
-    /// Model name or directory [default: smollm2-135m].
+    /// A model to serve (repeatable): a known name, a model directory, a .gguf file or a
+    /// Hugging Face repo id. Added to the models of the config file.
     #[arg(long)]
-    pub model: Option<String>,
+    pub model: Vec<String>,
+    /// Scan this directory for models (subdirectories with config.json, *.gguf).
+    #[arg(long)]
+    pub models_dir: Option<PathBuf>,
+    /// Where requests without a model go [default: the first model].
+    #[arg(long)]
+    pub default_model: Option<String>,
+    /// At most this many engines at once [default: 4].
+    #[arg(long)]
+    pub max_engines: Option<usize>,
+    /// Memory all engines may use, e.g. 24GiB [default: physical memory minus 2 GiB].
+    #[arg(long, value_parser = parse_bytes)]
+    pub memory_budget: Option<u64>,
+    /// Idle time before an engine is stopped, e.g. 5m; 0 = never [default: 5m].
+    #[arg(long, value_parser = parse_duration)]
+    pub ttl: Option<std::time::Duration>,
     /// Address to bind [default: 127.0.0.1].
     #[arg(long)]
     pub host: Option<String>,
@@ -61,11 +88,13 @@ fn parse_kv(s: &str) -> Result<(String, String), String> {
 }
 
 impl Cli {
-    /// The effective serve flags (`mlxd` alone means `mlxd serve`).
-    pub fn serve_args(self) -> ServeArgs {
+    /// The effective serve flags (`mlxd` alone means `mlxd serve`); `None` for the
+    /// client commands.
+    pub fn serve_args(self) -> Option<ServeArgs> {
         match self.command {
-            Some(Command::Serve(a)) => a,
-            None => self.serve,
+            Some(Command::Serve(a)) => Some(*a),
+            None => Some(self.serve),
+            Some(_) => None,
         }
     }
 }
@@ -77,25 +106,44 @@ impl ServeArgs {
             Some(path) => Config::from_toml_file(path)?,
             None => Config::default(),
         };
-        if let Some(m) = self.model {
-            c.model = m;
+        for m in &self.model {
+            let flag = ModelConfig::from_flag(m);
+            if !c.models.iter().any(|x| x.id == flag.id) {
+                c.models.push(flag);
+            }
+        }
+        if let Some(d) = self.models_dir {
+            c.pool.models_dir = Some(d);
+        }
+        if let Some(d) = self.default_model {
+            c.pool.default_model = Some(d);
+        }
+        if let Some(n) = self.max_engines {
+            c.pool.max_engines = n;
+        }
+        if let Some(b) = self.memory_budget {
+            c.pool.memory_budget = Some(b);
+        }
+        if let Some(t) = self.ttl {
+            c.pool.ttl = t;
         }
         if let Some(h) = self.host {
-            c.host = h;
+            c.server.host = h;
         }
         if let Some(p) = self.port {
-            c.port = p;
+            c.server.port = p;
         }
         if let Some(b) = self.engine_bin {
-            c.engine_bin = Some(b);
+            c.server.engine_bin = Some(b);
         }
-        c.engine_options.extend(self.engine_opts);
+        c.server.engine_options.extend(self.engine_opts);
         if let Some(m) = self.max_body_bytes {
-            c.max_body_bytes = m;
+            c.server.max_body_bytes = m;
         }
         if let Some(g) = self.grace_ms {
-            c.grace_ms = g;
+            c.server.grace_ms = g;
         }
+        c.validate(None)?;
         Ok(c)
     }
 }
@@ -103,35 +151,64 @@ impl ServeArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::catalog::Catalog;
+
+    fn config(args: &[&str]) -> Result<Config, ConfigError> {
+        Cli::parse_from(args).serve_args().unwrap().into_config()
+    }
 
     #[test]
     fn bare_mlxd_is_serve_with_defaults() {
-        let c = Cli::parse_from(["mlxd"])
-            .serve_args()
-            .into_config()
-            .unwrap();
-        assert_eq!(c.model, "smollm2-135m");
-        assert_eq!((c.host.as_str(), c.port), ("127.0.0.1", 8080));
+        let c = config(&["mlxd"]).unwrap();
+        let cat = Catalog::from_config(&c).unwrap();
+        assert_eq!(cat.ids(), ["smollm2-135m"]);
+        assert_eq!((c.server.host.as_str(), c.server.port), ("127.0.0.1", 8080));
     }
 
     #[test]
     fn serve_flags() {
-        let c = Cli::parse_from([
+        let c = config(&[
             "mlxd",
             "serve",
             "--model",
-            "/m",
+            "a",
+            "--model",
+            "org/b",
             "--port",
             "9",
             "--engine-opt",
             "a=b",
+            "--max-engines",
+            "1",
+            "--memory-budget",
+            "2GiB",
+            "--ttl",
+            "30s",
+            "--default-model",
+            "org/b",
         ])
-        .serve_args()
-        .into_config()
         .unwrap();
-        assert_eq!(c.model, "/m");
-        assert_eq!(c.port, 9);
-        assert_eq!(c.engine_options["a"], "b");
+        let ids: Vec<&str> = c.models.iter().map(|m| m.id.as_str()).collect();
+        assert_eq!(ids, ["a", "org/b"]);
+        assert_eq!(c.server.port, 9);
+        assert_eq!(c.server.engine_options["a"], "b");
+        assert_eq!(c.pool.max_engines, 1);
+        assert_eq!(c.pool.memory_budget, Some(2 << 30));
+        assert_eq!(c.pool.ttl, std::time::Duration::from_secs(30));
+        assert_eq!(Catalog::from_config(&c).unwrap().default_model, "org/b");
+        assert!(config(&["mlxd", "--model", "a", "--default-model", "zzz"]).is_err());
+        assert!(config(&["mlxd", "--max-engines", "0"]).is_err());
+    }
+
+    #[test]
+    fn client_commands() {
+        let cli = Cli::parse_from(["mlxd", "ps", "--url", "http://h:1"]);
+        assert!(matches!(&cli.command, Some(Command::Ps(a)) if a.url == "http://h:1"));
+        assert!(cli.serve_args().is_none());
+        assert!(matches!(
+            Cli::parse_from(["mlxd", "ls"]).command,
+            Some(Command::Ls(_))
+        ));
     }
 
     #[test]
@@ -140,30 +217,22 @@ mod tests {
         let path = dir.path().join("mlxd.toml");
         std::fs::write(
             &path,
-            "model = \"from-file\"\nport = 7000\nmax_body_bytes = 100\n[engine_options]\nx = \"1\"\n",
+            "[server]\nport = 7000\nmax_body_bytes = 100\n[server.engine_options]\nx = \"1\"\n[[model]]\nid = \"from-file\"\n",
         )
         .unwrap();
-        let c = Cli::parse_from([
-            "mlxd",
-            "serve",
-            "--config",
-            path.to_str().unwrap(),
-            "--port",
-            "7001",
+        let p = path.to_str().unwrap();
+        let c = config(&[
+            "mlxd", "serve", "--config", p, "--port", "7001", "--model", "m2",
         ])
-        .serve_args()
-        .into_config()
         .unwrap();
-        assert_eq!(c.model, "from-file");
-        assert_eq!(c.port, 7001);
-        assert_eq!(c.max_body_bytes, 100);
-        assert_eq!(c.engine_options["x"], "1");
+        let ids: Vec<&str> = c.models.iter().map(|m| m.id.as_str()).collect();
+        assert_eq!(ids, ["from-file", "m2"]);
+        assert_eq!(c.server.port, 7001);
+        assert_eq!(c.server.max_body_bytes, 100);
+        assert_eq!(c.server.engine_options["x"], "1");
         let bad = dir.path().join("bad.toml");
-        std::fs::write(&bad, "port = \"x\"").unwrap();
-        let err = Cli::parse_from(["mlxd", "--config", bad.to_str().unwrap()])
-            .serve_args()
-            .into_config()
-            .unwrap_err();
-        assert!(err.to_string().contains("bad.toml"), "{err}");
+        std::fs::write(&bad, "[server]\nport = \"x\"").unwrap();
+        let err = config(&["mlxd", "--config", bad.to_str().unwrap()]).unwrap_err();
+        assert!(err.to_string().contains("bad.toml:2:"), "{err}");
     }
 }

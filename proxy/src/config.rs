@@ -1,13 +1,36 @@
 //! Runtime configuration: defaults, then `mlxd.toml`, then command-line flags.
+//! `proxy/mlxd.example.toml` shows every section.
+//!
+//! ```toml
+//! [server]                      # listener, engine binary, timeouts (durations in ms: *_ms)
+//! port = 8080
+//! [pool]
+//! default_model = "small"       # default: the first model
+//! max_engines = 2
+//! memory_budget = "24GiB"       # default: physical memory minus memory_reserve
+//! ttl = "5m"                    # idle unload; 0 = never
+//! models_dir = "/srv/models"    # every subdirectory with config.json, every *.gguf
+//! [[model]]
+//! id = "small"
+//! path = "/srv/models/SmolLM2"  # directory, .gguf, known name or Hugging Face repo id
+//! aliases = ["gpt-3.5-turbo"]
+//! pinned = true
+//! context_length = 4096
+//! ```
 
 use std::collections::BTreeMap;
+use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use mlxd_protocol::control::Limits;
+use serde::de::{self, Deserializer};
 use serde::Deserialize;
 
 pub const DEFAULT_MODEL: &str = "smollm2-135m";
+
+/// The exit code for an unusable configuration (`EX_USAGE`).
+pub const EXIT_CONFIG: i32 = 64;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -16,20 +39,35 @@ pub enum ConfigError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("parsing config {path}: {source}")]
-    Parse {
-        path: PathBuf,
-        source: toml::de::Error,
+    /// A bad value or a broken file, with where it is.
+    #[error("{file}:{line}:{column}: {field}: {message}")]
+    Invalid {
+        file: String,
+        line: usize,
+        column: usize,
+        field: String,
+        message: String,
     },
+    /// A problem that is not tied to one line (flags, `models_dir`).
+    #[error("{field}: {message}")]
+    Setting { field: String, message: String },
 }
 
-/// Everything `serve` needs. Field names double as `mlxd.toml` keys; durations are
-/// given in milliseconds there (`*_ms`).
-#[derive(Debug, Clone, Deserialize)]
+/// Everything `serve` needs.
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
-    /// The model to serve (a name or a directory), passed to the engine's `Launch`.
-    pub model: String,
+    pub server: ServerConfig,
+    pub pool: PoolConfig,
+    /// `[[model]]` entries.
+    #[serde(rename = "model")]
+    pub models: Vec<ModelConfig>,
+}
+
+/// `[server]`: the listener, the engine binary and the supervisor's timing.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServerConfig {
     pub host: String,
     pub port: u16,
     /// The engine binary; default: `mlxd-engine` beside the running `mlxd`.
@@ -38,14 +76,15 @@ pub struct Config {
     pub engine_args: Vec<String>,
     /// Extra environment for engines, on top of the explicit base set.
     pub engine_env: BTreeMap<String, String>,
-    /// Free-form `Launch.options`.
+    /// Free-form `Launch.options` for every engine (a model's `options` add to them).
     pub engine_options: BTreeMap<String, String>,
+    /// Engine limits for models that set none of their own.
     pub limits: LimitsConfig,
     /// Where engine sockets live; default `$XDG_RUNTIME_DIR/mlxd-<pid>` (created 0700).
     pub runtime_dir: Option<PathBuf>,
     /// Largest request body routed to an engine (413 above it).
     pub max_body_bytes: usize,
-    /// Requests that may wait for an engine that is starting.
+    /// Requests that may wait for one model's engine to start.
     pub queue_capacity: usize,
     /// How long a queued request waits before a 503 with `Retry-After`.
     pub queue_timeout_ms: u64,
@@ -66,10 +105,62 @@ pub struct Config {
     pub load_timeout_ms: u64,
 }
 
+/// `[pool]`: which engines run, and for how long.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PoolConfig {
+    /// Where requests without a `model` go; default: the first model.
+    pub default_model: Option<String>,
+    /// Unknown model names go to the default model instead of a 404.
+    pub route_unknown_to_default: bool,
+    /// At most this many engine processes at once.
+    pub max_engines: usize,
+    /// Memory all engines together may use; default: physical memory minus the reserve.
+    #[serde(deserialize_with = "de_opt_bytes")]
+    pub memory_budget: Option<u64>,
+    /// Kept free for everything else when the budget is derived from physical memory.
+    #[serde(deserialize_with = "de_bytes")]
+    pub memory_reserve: u64,
+    /// Idle time after which an engine is stopped (a model's `ttl` overrides); 0 = never.
+    #[serde(deserialize_with = "de_duration")]
+    pub ttl: Duration,
+    /// How long a request waits for busy engines to finish so that its model fits.
+    #[serde(deserialize_with = "de_duration")]
+    pub capacity_wait: Duration,
+    /// Scanned at start: each subdirectory with a `config.json`, and each `*.gguf`.
+    pub models_dir: Option<PathBuf>,
+}
+
+/// One `[[model]]` entry.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelConfig {
+    /// The name clients send as `model`.
+    pub id: String,
+    /// A model directory, a `.gguf` file, a known name or a Hugging Face repo id, passed
+    /// to the engine as `Launch.model`; default: the id.
+    pub path: Option<String>,
+    pub aliases: Vec<String>,
+    /// Loaded at start and never evicted.
+    pub pinned: bool,
+    #[serde(deserialize_with = "de_opt_duration")]
+    pub ttl: Option<Duration>,
+    /// Memory to plan for before the engine reports its own; default: weights on disk.
+    #[serde(deserialize_with = "de_opt_bytes")]
+    pub memory: Option<u64>,
+    pub max_batch_size: Option<u32>,
+    #[serde(deserialize_with = "de_opt_bytes")]
+    pub kv_budget_bytes: Option<u64>,
+    pub context_length: Option<u32>,
+    /// Extra `Launch.options` for this model's engine.
+    pub options: BTreeMap<String, String>,
+}
+
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct LimitsConfig {
     pub max_batch_size: Option<u32>,
+    #[serde(deserialize_with = "de_opt_bytes")]
     pub kv_budget_bytes: Option<u64>,
     pub context_length: Option<u32>,
 }
@@ -84,10 +175,9 @@ impl From<&LimitsConfig> for Limits {
     }
 }
 
-impl Default for Config {
+impl Default for ServerConfig {
     fn default() -> Self {
         Self {
-            model: DEFAULT_MODEL.into(),
             host: "127.0.0.1".into(),
             port: 8080,
             engine_bin: None,
@@ -111,29 +201,193 @@ impl Default for Config {
     }
 }
 
+impl Default for PoolConfig {
+    fn default() -> Self {
+        Self {
+            default_model: None,
+            route_unknown_to_default: false,
+            max_engines: 4,
+            memory_budget: None,
+            memory_reserve: 2 << 30,
+            ttl: Duration::from_secs(300),
+            capacity_wait: Duration::from_secs(20),
+            models_dir: None,
+        }
+    }
+}
+
+impl ModelConfig {
+    /// A model served under `id`, loaded from `id` (a known name or a path).
+    pub fn new(id: impl Into<String>) -> Self {
+        Self {
+            id: id.into(),
+            ..Self::default()
+        }
+    }
+
+    /// A model from a `--model` flag: a directory is named after itself, a `.gguf`
+    /// file after its stem, anything else (a known name, a repo id) by what was given.
+    pub fn from_flag(arg: &str) -> Self {
+        let p = Path::new(arg);
+        let id = if p.is_dir() {
+            p.file_name().map(|n| n.to_string_lossy().into_owned())
+        } else if p.extension().is_some_and(|e| e == "gguf") && p.is_file() {
+            p.file_stem().map(|n| n.to_string_lossy().into_owned())
+        } else {
+            None
+        };
+        Self {
+            id: id.unwrap_or_else(|| arg.to_string()),
+            path: Some(arg.to_string()),
+            ..Self::default()
+        }
+    }
+
+    /// What the engine is asked to load.
+    pub fn source(&self) -> &str {
+        self.path.as_deref().unwrap_or(&self.id)
+    }
+
+    /// This model's limits, falling back to `defaults` field by field.
+    pub fn limits(&self, defaults: &LimitsConfig) -> Limits {
+        Limits {
+            max_batch_size: self.max_batch_size.or(defaults.max_batch_size),
+            kv_budget_bytes: self.kv_budget_bytes.or(defaults.kv_budget_bytes),
+            context_length: self.context_length.or(defaults.context_length),
+        }
+    }
+}
+
 impl Config {
+    /// One model, everything else default.
+    pub fn single(model: impl Into<String>) -> Self {
+        Self {
+            models: vec![ModelConfig::new(model)],
+            ..Self::default()
+        }
+    }
+
+    /// Parses `mlxd.toml` text; `file` names it in errors.
+    pub fn from_toml_str(text: &str, file: &str) -> Result<Self, ConfigError> {
+        let de = toml::Deserializer::new(text);
+        let config: Config = serde_path_to_error::deserialize(de).map_err(|e| {
+            let field = e.path().to_string();
+            let inner = e.into_inner();
+            let (line, column) = inner
+                .span()
+                .map(|s| line_col(text, s.start))
+                .unwrap_or((1, 1));
+            ConfigError::Invalid {
+                file: file.to_string(),
+                line,
+                column,
+                field: if field == "." { "(file)".into() } else { field },
+                message: inner.message().trim().to_string(),
+            }
+        })?;
+        config.validate(Some((text, file)))?;
+        Ok(config)
+    }
+
     pub fn from_toml_file(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),
             source,
         })?;
-        toml::from_str(&text).map_err(|source| ConfigError::Parse {
-            path: path.to_owned(),
-            source,
-        })
+        Self::from_toml_str(&text, &path.display().to_string())
+    }
+
+    /// Checks what the types cannot: ids unique and non-empty, aliases unambiguous,
+    /// the default model known, at least one engine allowed. `source` (text, file name)
+    /// lets errors name the line.
+    pub fn validate(&self, source: Option<(&str, &str)>) -> Result<(), ConfigError> {
+        let fail = |table: Option<usize>, key: &str, field: String, message: String| {
+            Err(match source {
+                Some((text, file)) => {
+                    let line = locate(text, table, key);
+                    ConfigError::Invalid {
+                        file: file.to_string(),
+                        line,
+                        column: 1,
+                        field,
+                        message,
+                    }
+                }
+                None => ConfigError::Setting { field, message },
+            })
+        };
+        if self.pool.max_engines == 0 {
+            return fail(
+                None,
+                "max_engines",
+                "pool.max_engines".into(),
+                "must be at least 1, got 0".into(),
+            );
+        }
+        let mut names: BTreeMap<&str, String> = BTreeMap::new();
+        for (i, m) in self.models.iter().enumerate() {
+            if m.id.trim().is_empty() {
+                return fail(
+                    Some(i),
+                    "id",
+                    format!("model[{i}].id"),
+                    "a model needs a non-empty id".into(),
+                );
+            }
+            if let Some(prev) = names.insert(&m.id, format!("model {:?}", m.id)) {
+                return fail(
+                    Some(i),
+                    "id",
+                    format!("model[{i}].id"),
+                    format!("duplicate model id {:?} (already used by {prev})", m.id),
+                );
+            }
+        }
+        for (i, m) in self.models.iter().enumerate() {
+            for a in &m.aliases {
+                if a.trim().is_empty() {
+                    return fail(
+                        Some(i),
+                        "aliases",
+                        format!("model[{i}].aliases"),
+                        "an alias must not be empty".into(),
+                    );
+                }
+                if let Some(prev) = names.insert(a, format!("model {:?}", m.id)) {
+                    return fail(
+                        Some(i),
+                        "aliases",
+                        format!("model[{i}].aliases"),
+                        format!("alias {a:?} of model {:?} is already taken by {prev}", m.id),
+                    );
+                }
+            }
+        }
+        if let Some(d) = &self.pool.default_model {
+            if !self.models.is_empty() && !names.contains_key(d.as_str()) {
+                let ids: Vec<&str> = self.models.iter().map(|m| m.id.as_str()).collect();
+                return fail(
+                    None,
+                    "default_model",
+                    "pool.default_model".into(),
+                    format!("{d:?} is not a configured model or alias (models: {ids:?})"),
+                );
+            }
+        }
+        Ok(())
     }
 
     pub fn queue_timeout(&self) -> Duration {
-        Duration::from_millis(self.queue_timeout_ms)
+        Duration::from_millis(self.server.queue_timeout_ms)
     }
 
     pub fn grace(&self) -> Duration {
-        Duration::from_millis(self.grace_ms)
+        Duration::from_millis(self.server.grace_ms)
     }
 
     /// The engine binary: configured, or `mlxd-engine` in the directory of this executable.
     pub fn engine_bin(&self) -> PathBuf {
-        if let Some(bin) = &self.engine_bin {
+        if let Some(bin) = &self.server.engine_bin {
             return bin.clone();
         }
         std::env::current_exe()
@@ -143,21 +397,259 @@ impl Config {
     }
 }
 
+/// 1-based line and column of byte `offset`.
+fn line_col(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let column = before.rfind('\n').map(|i| offset - i).unwrap_or(offset + 1);
+    (line, column)
+}
+
+/// The line of `key = ...` inside the `table`-th `[[model]]` (or anywhere, for `None`);
+/// the table header's line when the key is absent; 1 when nothing matches.
+fn locate(text: &str, table: Option<usize>, key: &str) -> usize {
+    let lines: Vec<&str> = text.lines().collect();
+    let is_key = |l: &str| {
+        l.trim_start()
+            .strip_prefix(key)
+            .is_some_and(|r| r.trim_start().starts_with('='))
+    };
+    let Some(n) = table else {
+        return lines.iter().position(|l| is_key(l)).map_or(1, |i| i + 1);
+    };
+    let headers: Vec<usize> = lines
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.trim() == "[[model]]")
+        .map(|(i, _)| i)
+        .collect();
+    let Some(&start) = headers.get(n) else {
+        return 1;
+    };
+    let end = lines[start + 1..]
+        .iter()
+        .position(|l| l.trim_start().starts_with('['))
+        .map_or(lines.len(), |p| start + 1 + p);
+    (start..end).find(|&i| is_key(lines[i])).unwrap_or(start) + 1
+}
+
+/// A number, or a string with a unit.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum NumOrStr {
+    Num(u64),
+    Str(String),
+}
+
+/// `"512MiB"`, `"8GB"`, `"1.5GiB"`, or plain bytes.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("expected a size like \"8GiB\" or a byte count, got {s:?}"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" => 1_000,
+        "kib" => 1 << 10,
+        "m" | "mb" => 1_000_000,
+        "mib" => 1 << 20,
+        "g" | "gb" => 1_000_000_000,
+        "gib" => 1 << 30,
+        "t" | "tb" => 1_000_000_000_000,
+        "tib" => 1 << 40,
+        other => return Err(format!("unknown size unit {other:?} in {s:?}")),
+    };
+    Ok((n * mult as f64) as u64)
+}
+
+/// `"5m"`, `"300s"`, `"1h"`, `"250ms"`, `"0"`, or plain seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("expected a duration like \"5m\" or seconds, got {s:?}"))?;
+    let secs = match unit.trim() {
+        "" | "s" => n,
+        "ms" => n / 1000.0,
+        "m" | "min" => n * 60.0,
+        "h" => n * 3600.0,
+        other => return Err(format!("unknown duration unit {other:?} in {s:?}")),
+    };
+    Ok(Duration::from_secs_f64(secs))
+}
+
+fn de_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    match NumOrStr::deserialize(d)? {
+        NumOrStr::Num(n) => Ok(n),
+        NumOrStr::Str(s) => parse_bytes(&s).map_err(de::Error::custom),
+    }
+}
+
+fn de_opt_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    de_bytes(d).map(Some)
+}
+
+fn de_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    match NumOrStr::deserialize(d)? {
+        NumOrStr::Num(n) => Ok(Duration::from_secs(n)),
+        NumOrStr::Str(s) => parse_duration(&s).map_err(de::Error::custom),
+    }
+}
+
+fn de_opt_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+    de_duration(d).map(Some)
+}
+
+/// Human-readable bytes for tables and messages.
+pub struct Bytes(pub u64);
+
+impl fmt::Display for Bytes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let b = self.0 as f64;
+        if b >= (1u64 << 30) as f64 {
+            write!(f, "{:.1} GiB", b / (1u64 << 30) as f64)
+        } else if b >= (1u64 << 20) as f64 {
+            write!(f, "{:.1} MiB", b / (1u64 << 20) as f64)
+        } else if b >= 1024.0 {
+            write!(f, "{:.1} KiB", b / 1024.0)
+        } else {
+            write!(f, "{} B", self.0)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn err(text: &str) -> String {
+        Config::from_toml_str(text, "mlxd.toml")
+            .unwrap_err()
+            .to_string()
+    }
+
     #[test]
-    fn toml_overrides_defaults() {
-        let c: Config = toml::from_str(
-            "model = \"m\"\nport = 9000\n[limits]\nmax_batch_size = 4\n[engine_options]\na = \"b\"\n",
+    fn sections_and_units() {
+        let c = Config::from_toml_str(
+            r#"
+[server]
+port = 9000
+[server.engine_options]
+a = "b"
+[pool]
+default_model = "b"
+max_engines = 2
+memory_budget = "1.5GiB"
+ttl = "10m"
+route_unknown_to_default = true
+[[model]]
+id = "a"
+path = "/models/a"
+aliases = ["gpt-4"]
+pinned = true
+ttl = 0
+[[model]]
+id = "b"
+context_length = 4096
+kv_budget_bytes = "64MiB"
+options = { chunks = "3" }
+"#,
+            "mlxd.toml",
         )
         .unwrap();
-        assert_eq!(c.model, "m");
-        assert_eq!(c.port, 9000);
-        assert_eq!(c.limits.max_batch_size, Some(4));
-        assert_eq!(c.engine_options["a"], "b");
-        assert_eq!(c.max_body_bytes, 32 << 20);
-        assert!(toml::from_str::<Config>("nope = 1").is_err());
+        assert_eq!(c.server.port, 9000);
+        assert_eq!(c.server.engine_options["a"], "b");
+        assert_eq!(c.server.max_body_bytes, 32 << 20);
+        assert_eq!(c.pool.max_engines, 2);
+        assert_eq!(c.pool.memory_budget, Some(3 << 29));
+        assert_eq!(c.pool.ttl, Duration::from_secs(600));
+        assert!(c.pool.route_unknown_to_default);
+        assert_eq!(c.models[0].source(), "/models/a");
+        assert!(c.models[0].pinned);
+        assert_eq!(c.models[0].ttl, Some(Duration::ZERO));
+        assert_eq!(c.models[1].source(), "b");
+        let l = c.models[1].limits(&c.server.limits);
+        assert_eq!(l.context_length, Some(4096));
+        assert_eq!(l.kv_budget_bytes, Some(64 << 20));
+        assert_eq!(c.models[1].options["chunks"], "3");
+    }
+
+    #[test]
+    fn errors_name_the_line_and_field() {
+        let e = err("[server]\nport = \"x\"\n");
+        assert!(e.starts_with("mlxd.toml:2:"), "{e}");
+        assert!(e.contains("server.port"), "{e}");
+
+        let e = err("[pool]\nmax_engines = 2\n\n[[model]]\nid = \"a\"\n\n[[model]]\nid = \"b\"\nttl = \"5 fortnights\"\n");
+        assert!(e.starts_with("mlxd.toml:9:"), "{e}");
+        assert!(e.contains("model[1].ttl"), "{e}");
+        assert!(e.contains("fortnights"), "{e}");
+
+        let e = err("[pool]\nmax_engine = 2\n");
+        assert!(e.starts_with("mlxd.toml:2:"), "{e}");
+        assert!(e.contains("max_engine"), "{e}");
+
+        let e = err("[[model]]\nid = \"a\"\n[[model]]\nid = \"a\"\n");
+        assert_eq!(
+            e,
+            "mlxd.toml:4:1: model[1].id: duplicate model id \"a\" (already used by model \"a\")"
+        );
+
+        let e = err("[[model]]\nid = \"a\"\n[[model]]\nid = \"b\"\naliases = [\"x\", \"a\"]\n");
+        assert!(e.starts_with("mlxd.toml:5:1: model[1].aliases"), "{e}");
+
+        let e = err("[pool]\ndefault_model = \"zzz\"\n[[model]]\nid = \"a\"\n");
+        assert!(e.starts_with("mlxd.toml:2:1: pool.default_model"), "{e}");
+
+        let e = err("[pool]\nmax_engines = 0\n");
+        assert!(e.starts_with("mlxd.toml:2:1: pool.max_engines"), "{e}");
+
+        let e = err("[server\nport = 1\n");
+        assert!(e.starts_with("mlxd.toml:1:"), "{e}");
+    }
+
+    #[test]
+    fn the_example_file_parses() {
+        let c = Config::from_toml_str(include_str!("../mlxd.example.toml"), "example").unwrap();
+        assert_eq!(c.models.len(), 3);
+        assert_eq!(c.pool.max_engines, 2);
+        assert_eq!(c.models[2].source(), "Qwen/Qwen3-0.6B");
+        assert_eq!(c.models[2].memory, Some(3 << 29));
+        let cat = crate::catalog::Catalog::from_config(&c).unwrap();
+        assert_eq!(cat.resolve(Some("gpt-3.5-turbo")).unwrap().id, "smollm2");
+    }
+
+    #[test]
+    fn sizes_and_durations() {
+        assert_eq!(parse_bytes("512MiB").unwrap(), 512 << 20);
+        assert_eq!(parse_bytes("2GB").unwrap(), 2_000_000_000);
+        assert_eq!(parse_bytes("100").unwrap(), 100);
+        assert!(parse_bytes("lots").is_err());
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(parse_duration("1h").unwrap(), Duration::from_secs(3600));
+        assert_eq!(parse_duration("0").unwrap(), Duration::ZERO);
+        assert!(parse_duration("5d").is_err());
+    }
+
+    #[test]
+    fn model_flags_name_themselves() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = dir.path().join("tiny-llama");
+        std::fs::create_dir(&m).unwrap();
+        let g = dir.path().join("small.gguf");
+        std::fs::write(&g, b"GGUF").unwrap();
+        assert_eq!(ModelConfig::from_flag(m.to_str().unwrap()).id, "tiny-llama");
+        assert_eq!(ModelConfig::from_flag(g.to_str().unwrap()).id, "small");
+        let hf = ModelConfig::from_flag("HuggingFaceTB/SmolLM2-135M-Instruct");
+        assert_eq!(hf.id, "HuggingFaceTB/SmolLM2-135M-Instruct");
+        assert_eq!(hf.source(), "HuggingFaceTB/SmolLM2-135M-Instruct");
     }
 }

@@ -21,6 +21,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{error, info, warn, Instrument};
 
 use crate::exit::{classify, Evidence, ExitCause, ExitReport, RawExit};
+use crate::logs::ModelLog;
 
 /// Lines of stderr kept for the crash report.
 pub const STDERR_TAIL_LINES: usize = 200;
@@ -41,6 +42,7 @@ const PASSTHROUGH_ENV: &[&str] = &[
     "LD_LIBRARY_PATH",
     "CUDA_VISIBLE_DEVICES",
     "HF_HOME",
+    "HF_HUB_OFFLINE",
     "XDG_CACHE_HOME",
     "MLXD_HOME",
     "MLXD_PYPI_URL",
@@ -50,7 +52,11 @@ const PASSTHROUGH_ENV: &[&str] = &[
 /// What to run and how.
 #[derive(Debug, Clone)]
 pub struct EngineSpec {
+    /// The model id (what clients ask for; tags logs and events).
     pub model: String,
+    /// What to load, sent as `Launch.model`: a directory, a `.gguf`, a known name or a
+    /// Hugging Face repo id.
+    pub source: String,
     pub bin: PathBuf,
     pub args: Vec<String>,
     pub env: BTreeMap<String, String>,
@@ -61,6 +67,8 @@ pub struct EngineSpec {
     pub stop_timeout: Duration,
     /// Restarts so far (for the log span).
     pub restarts: u32,
+    /// Where the engine's stderr lines go besides tracing (for `GET /logs/{model}`).
+    pub log: Option<Arc<ModelLog>>,
 }
 
 /// What an engine reports to the pool.
@@ -82,7 +90,7 @@ pub struct EngineMsg {
 
 /// What the pool can ask of a running engine's supervising task.
 #[derive(Debug)]
-enum RunnerCmd {
+pub(crate) enum RunnerCmd {
     /// Forward a control message (e.g. `Drain`).
     Control(ParentMsg),
     /// SIGKILL the engine now; `reason` becomes the exit cause.
@@ -149,6 +157,7 @@ pub fn spawn(
     }
     cmd.env(SUPERVISOR_PID_ENV, std::process::id().to_string())
         .env("MLXD_MODEL", &spec.model)
+        .env("MLXD_MODEL_SOURCE", &spec.source)
         .envs(&spec.env);
     // SAFETY: the closure runs between fork and exec and only calls prctl, which is
     // async-signal-safe. Engines arm this themselves too; doing it here as well covers
@@ -240,8 +249,9 @@ impl Supervised {
         let stderr = child.stderr.take();
 
         let tail: Tail = Arc::new(Mutex::new(VecDeque::with_capacity(STDERR_TAIL_LINES)));
-        let stderr_task =
-            stderr.map(|s| tokio::spawn(pump_stderr(s, tail.clone()).in_current_span()));
+        let stderr_task = stderr.map(|s| {
+            tokio::spawn(pump_stderr(s, tail.clone(), self.spec.log.clone()).in_current_span())
+        });
         let reader_task = stdout.map(|s| {
             let events = self.events.clone();
             let (model, generation) = (self.spec.model.clone(), self.generation);
@@ -259,7 +269,7 @@ impl Supervised {
 
         let launch = ParentMsg::Launch(Launch {
             version: PROTOCOL_VERSION,
-            model: self.spec.model.clone(),
+            model: self.spec.source.clone(),
             socket_path: self.spec.socket_path.clone(),
             limits: self.spec.limits.clone(),
             options: self.spec.options.clone(),
@@ -271,6 +281,8 @@ impl Supervised {
         let mut control_open = true;
         let status = loop {
             tokio::select! {
+                // In this order: a `Drain` sent just before a stop goes out first.
+                biased;
                 status = child.wait() => break status,
                 msg = control.recv(), if control_open => match msg {
                     Some(RunnerCmd::Control(m)) => write_control(&mut stdin, &m).await,
@@ -415,7 +427,11 @@ async fn read_control(mut stdout: ChildStdout, emit: impl Fn(EngineEvent)) -> Re
 }
 
 /// Re-emits each stderr line through tracing and keeps the last ones.
-async fn pump_stderr<R: tokio::io::AsyncRead + Unpin>(stderr: R, tail: Tail) {
+async fn pump_stderr<R: tokio::io::AsyncRead + Unpin>(
+    stderr: R,
+    tail: Tail,
+    log: Option<Arc<ModelLog>>,
+) {
     let mut reader = BufReader::new(stderr);
     let mut buf = Vec::new();
     loop {
@@ -430,6 +446,9 @@ async fn pump_stderr<R: tokio::io::AsyncRead + Unpin>(stderr: R, tail: Tail) {
                 let line = String::from_utf8_lossy(&buf);
                 let line = line.trim_end_matches(['\n', '\r']);
                 info!(target: "mlxd::engine::stderr", "{line}");
+                if let Some(log) = &log {
+                    log.push(line);
+                }
                 let mut t = tail.lock().unwrap_or_else(|p| p.into_inner());
                 if t.len() == STDERR_TAIL_LINES {
                     t.pop_front();
@@ -440,9 +459,45 @@ async fn pump_stderr<R: tokio::io::AsyncRead + Unpin>(stderr: R, tail: Tail) {
     }
 }
 
+/// The ends of an [`EngineHandle`] that a simulated engine (pool unit tests) holds.
+#[cfg(test)]
+pub(crate) struct SimulatedEnds {
+    pub control: mpsc::UnboundedReceiver<RunnerCmd>,
+    pub stop: oneshot::Receiver<()>,
+    pub death: watch::Sender<Option<Arc<ExitReport>>>,
+}
+
+#[cfg(test)]
+impl EngineHandle {
+    /// A handle backed by no process: the test drives the other ends.
+    pub(crate) fn simulated(pid: u32, generation: u64) -> (Self, SimulatedEnds) {
+        let (control_tx, control_rx) = mpsc::unbounded_channel();
+        let (stop_tx, stop_rx) = oneshot::channel();
+        let (death_tx, death_rx) = watch::channel(None);
+        (
+            Self {
+                pid,
+                generation,
+                control: control_tx,
+                stop: Some(stop_tx),
+                death: death_rx,
+            },
+            SimulatedEnds {
+                control: control_rx,
+                stop: stop_rx,
+                death: death_tx,
+            },
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn t_last(tail: &Tail) -> String {
+        tail.lock().unwrap().back().cloned().unwrap()
+    }
 
     #[tokio::test]
     async fn stderr_tail_keeps_the_last_lines_and_splits_long_ones() {
@@ -456,7 +511,9 @@ mod tests {
         let n = bytes.len();
         bytes[n - 17] = 0xff; // the "#"
         let tail: Tail = Arc::default();
-        pump_stderr(&bytes[..], tail.clone()).await;
+        let log = Arc::new(ModelLog::default());
+        pump_stderr(&bytes[..], tail.clone(), Some(log.clone())).await;
+        assert_eq!(log.recent(1)[0], *t_last(&tail));
         let t = tail.lock().unwrap();
         assert_eq!(t.len(), STDERR_TAIL_LINES);
         let last: Vec<&String> = t.iter().rev().take(4).collect();

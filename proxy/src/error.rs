@@ -18,6 +18,27 @@ pub enum ProxyError {
     BodyTooLarge { limit: usize, got: Option<u64> },
     #[error("{0}")]
     NotFound(String),
+    #[error("model {requested:?} not found; available models: {}", available.join(", "))]
+    ModelNotFound {
+        requested: String,
+        available: Vec<String>,
+    },
+    #[error("model {model} needs {needed} bytes of memory ({}) but only {available} bytes ({}) are available within the memory budget of {budget} bytes{}", crate::config::Bytes(*needed), crate::config::Bytes(*available), if retry_after.is_some() { " while other engines are busy" } else { " beside pinned models" })]
+    InsufficientMemory {
+        model: String,
+        needed: u64,
+        available: u64,
+        budget: u64,
+        /// Set when waiting longer could help (busy engines), unset when it cannot.
+        retry_after: Option<Duration>,
+    },
+    #[error("no engine slot for model {model}: all {max_engines} engines (max_engines) are {why}")]
+    NoEngineAvailable {
+        model: String,
+        max_engines: usize,
+        why: &'static str,
+        retry_after: Option<Duration>,
+    },
     #[error("engine for model {model} is {state}; retry in {}s", retry_after.as_secs().max(1))]
     Unavailable {
         model: String,
@@ -80,7 +101,10 @@ impl ProxyError {
         match self {
             Self::BadRequest(_) => StatusCode::BAD_REQUEST,
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::NotFound(_) => StatusCode::NOT_FOUND,
+            Self::NotFound(_) | Self::ModelNotFound { .. } => StatusCode::NOT_FOUND,
+            Self::InsufficientMemory { .. } | Self::NoEngineAvailable { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             Self::Unavailable { .. }
             | Self::QueueFull { .. }
             | Self::Failed { .. }
@@ -96,6 +120,11 @@ impl ProxyError {
             Self::BadRequest(_) => ("invalid_request_error", None),
             Self::BodyTooLarge { .. } => ("invalid_request_error", Some("body_too_large")),
             Self::NotFound(_) => ("not_found_error", None),
+            Self::ModelNotFound { .. } => ("invalid_request_error", Some("model_not_found")),
+            Self::InsufficientMemory { .. } => {
+                ("insufficient_resources", Some("insufficient_memory"))
+            }
+            Self::NoEngineAvailable { .. } => ("engine_unavailable", Some("no_engine_available")),
             Self::Unavailable { .. } => ("engine_unavailable", Some("engine_starting")),
             Self::QueueFull { .. } => ("engine_unavailable", Some("queue_full")),
             Self::Failed { .. } => ("engine_failed", Some("engine_failed")),
@@ -115,6 +144,8 @@ impl ProxyError {
             | Self::QueueFull { retry_after, .. }
             | Self::Failed { retry_after, .. } => Some(*retry_after),
             Self::ShuttingDown => Some(Duration::from_secs(5)),
+            Self::InsufficientMemory { retry_after, .. }
+            | Self::NoEngineAvailable { retry_after, .. } => *retry_after,
             _ => None,
         }
     }
@@ -187,6 +218,23 @@ mod tests {
                 502,
             ),
             (ProxyError::Internal("x".into()), 500),
+            (
+                ProxyError::ModelNotFound {
+                    requested: "x".into(),
+                    available: vec!["a".into()],
+                },
+                404,
+            ),
+            (
+                ProxyError::InsufficientMemory {
+                    model: "m".into(),
+                    needed: 10,
+                    available: 5,
+                    budget: 8,
+                    retry_after: None,
+                },
+                503,
+            ),
         ];
         for (e, status) in cases {
             let resp: Response<Bytes> = e.clone().into_response();
@@ -215,6 +263,30 @@ mod tests {
         assert_eq!(
             e.to_string(),
             "request body exceeds the limit of 10 bytes (content-length 11)"
+        );
+    }
+
+    #[test]
+    fn pool_errors_quote_numbers() {
+        let e = ProxyError::InsufficientMemory {
+            model: "big".into(),
+            needed: 3 << 30,
+            available: 1 << 30,
+            budget: 4 << 30,
+            retry_after: None,
+        };
+        assert_eq!(
+            e.to_string(),
+            "model big needs 3221225472 bytes of memory (3.0 GiB) but only 1073741824 bytes (1.0 GiB) are available within the memory budget of 4294967296 bytes beside pinned models"
+        );
+        assert_eq!(e.kind().1, Some("insufficient_memory"));
+        let e = ProxyError::ModelNotFound {
+            requested: "gpt-4".into(),
+            available: vec!["a".into(), "b".into()],
+        };
+        assert_eq!(
+            e.to_string(),
+            "model \"gpt-4\" not found; available models: a, b"
         );
     }
 }

@@ -22,6 +22,7 @@ use tracing::warn;
 
 use crate::engine::DeathWatch;
 use crate::error::ProxyError;
+use crate::metrics::{Metrics, RequestTap};
 use crate::pool::Lease;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -117,6 +118,14 @@ pub fn copy_head(p: &http::request::Parts) -> http::request::Parts {
     r.into_parts().0
 }
 
+/// Where a forwarded response's metrics go.
+#[derive(Clone)]
+pub struct Accounting {
+    pub metrics: std::sync::Arc<Metrics>,
+    /// When the request arrived.
+    pub started: tokio::time::Instant,
+}
+
 /// Sends `parts` + `body` to the leased engine and returns the client's response.
 pub async fn forward(
     lease: Lease,
@@ -124,6 +133,7 @@ pub async fn forward(
     body: ProxyRequestBody,
     request_id: u64,
     max_body: usize,
+    accounting: Option<Accounting>,
 ) -> Result<Response<ProxyBody>, ForwardError> {
     strip_hop_by_hop(&mut parts.headers);
     parts
@@ -176,9 +186,18 @@ pub async fn forward(
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
+    let tap = accounting.map(|a| {
+        RequestTap::new(
+            a.metrics,
+            &lease.model,
+            parts.status.as_u16(),
+            a.started,
+            sse,
+        )
+    });
     Ok(Response::from_parts(
         parts,
-        ProxyBody::new(incoming, driver, sse, lease),
+        ProxyBody::new(incoming, driver, sse, lease, tap),
     ))
 }
 
@@ -194,11 +213,19 @@ pub struct ProxyBody {
     queued: VecDeque<Bytes>,
     failing: Option<ErrorEventFuture>,
     lease: Option<Lease>,
+    /// Metrics for this response, recorded when the body is dropped.
+    tap: Option<RequestTap>,
     done: bool,
 }
 
 impl ProxyBody {
-    fn new(upstream: Incoming, driver: Driver<ProxyRequestBody>, sse: bool, lease: Lease) -> Self {
+    fn new(
+        upstream: Incoming,
+        driver: Driver<ProxyRequestBody>,
+        sse: bool,
+        lease: Lease,
+        tap: Option<RequestTap>,
+    ) -> Self {
         Self {
             upstream,
             driver,
@@ -206,6 +233,7 @@ impl ProxyBody {
             queued: VecDeque::new(),
             failing: None,
             lease: Some(lease),
+            tap,
             done: false,
         }
     }
@@ -244,8 +272,20 @@ impl Body for ProxyBody {
                         Err(other) => return Poll::Ready(Some(Ok(other))),
                     };
                     match this.sse.as_mut() {
-                        Some(splitter) => this.queued.extend(splitter.push(&data)),
-                        None => return Poll::Ready(Some(Ok(Frame::data(data)))),
+                        Some(splitter) => {
+                            for ev in splitter.push(&data) {
+                                if let Some(tap) = this.tap.as_mut() {
+                                    tap.event(&ev);
+                                }
+                                this.queued.push_back(ev);
+                            }
+                        }
+                        None => {
+                            if let Some(tap) = this.tap.as_mut() {
+                                tap.data(&data);
+                            }
+                            return Poll::Ready(Some(Ok(Frame::data(data))));
+                        }
                     }
                 }
                 Some(Err(e)) => {

@@ -3,12 +3,17 @@
 //! [`serve`] binds nothing itself: it takes a bound listener, a [`Config`] and a
 //! shutdown future, so tests drive it in-process exactly as `main` does.
 
+pub mod catalog;
 pub mod cli;
+pub mod client;
 pub mod config;
 pub mod engine;
 pub mod error;
 pub mod exit;
 pub mod forward;
+pub mod logs;
+pub mod metrics;
+pub mod placement;
 pub mod policy;
 pub mod pool;
 pub mod server;

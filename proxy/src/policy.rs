@@ -23,10 +23,10 @@ pub struct RestartPolicy {
 impl RestartPolicy {
     pub fn from_config(c: &Config) -> Self {
         Self {
-            backoff_initial: Duration::from_millis(c.backoff_initial_ms),
-            backoff_max: Duration::from_millis(c.backoff_max_ms),
-            crash_limit: c.crash_limit.max(1),
-            window: Duration::from_millis(c.crash_window_ms),
+            backoff_initial: Duration::from_millis(c.server.backoff_initial_ms),
+            backoff_max: Duration::from_millis(c.server.backoff_max_ms),
+            crash_limit: c.server.crash_limit.max(1),
+            window: Duration::from_millis(c.server.crash_window_ms),
             stable_after: Duration::from_secs(30),
         }
     }

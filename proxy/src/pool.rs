@@ -1,28 +1,38 @@
-//! The pool actor: one task owns the table `model id → engine state`; everyone else
-//! sends it a [`Command`] with a oneshot reply through a cloneable [`PoolHandle`].
+//! The pool actor: one task owns the table `model id → engine state` and all pool
+//! policy; everyone else sends it a [`Command`] with a oneshot reply through a
+//! cloneable [`PoolHandle`].
 //!
-//! Today the table holds the single configured model and every requested model name
-//! routes to it. The pool policy of issue 4 (LRU eviction, max engines, memory budget,
-//! TTL) belongs in [`Pool`] beside `acquire`.
+//! Policy (the decisions themselves are in [`crate::placement`]): an engine starts on
+//! the first request for its model, if it fits within `max_engines` and the memory
+//! budget; otherwise least-recently-used idle, unpinned engines are drained and stopped
+//! first, or the request waits (bounded) for busy engines, or it is refused with the
+//! numbers. Idle engines stop after their TTL. Pinned models start with the pool and
+//! are never evicted. Every request holds an in-flight guard ([`Lease`]) until its
+//! response body ends, so the pool knows which engines are busy.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use mlxd_protocol::control::{Limits, Ready, Stats};
+use mlxd_protocol::control::{Limits, ParentMsg, Ready, Stats};
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tracing::{error, info, warn};
 
+use crate::catalog::{Catalog, ModelEntry};
 use crate::config::Config;
 use crate::engine::{self, DeathWatch, EngineEvent, EngineHandle, EngineMsg, EngineSpec};
 use crate::error::ProxyError;
 use crate::exit::{ExitCause, ExitReport};
+use crate::logs::{Logs, ModelLog};
+use crate::metrics::{EvictionLabels, Metrics};
+use crate::placement::{self, Budget, Plan, Resident, Shortfall};
 use crate::policy::{shrink_after_oom, CrashHistory, Decision, RestartPolicy};
 
-/// Permission to send one request to one engine generation.
+/// Permission to send one request to one engine generation. The engine counts as busy
+/// until every clone of the lease is dropped.
 #[derive(Debug, Clone)]
 pub struct Lease {
     pub model: String,
@@ -30,6 +40,24 @@ pub struct Lease {
     pub generation: u64,
     /// Resolves with the exit report if this engine dies.
     pub death: DeathWatch,
+    _in_flight: Arc<InFlight>,
+}
+
+/// Tells the pool when a request is over.
+#[derive(Debug)]
+struct InFlight {
+    model: String,
+    generation: u64,
+    tx: mpsc::UnboundedSender<(String, u64)>,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        // The pool is gone only at shutdown; nothing to count then.
+        let _ = self
+            .tx
+            .send((std::mem::take(&mut self.model), self.generation));
+    }
 }
 
 type Reply<T> = oneshot::Sender<T>;
@@ -37,10 +65,14 @@ type Reply<T> = oneshot::Sender<T>;
 #[derive(Debug)]
 enum Command {
     Acquire {
-        model: Option<String>,
+        model: String,
         /// Do not hand out this engine generation (it was found dead).
         not_generation: Option<u64>,
         reply: Reply<Result<Lease, ProxyError>>,
+    },
+    Unload {
+        model: String,
+        reply: Reply<Result<(), ProxyError>>,
     },
     Status {
         reply: Reply<Vec<EngineStatus>>,
@@ -68,22 +100,21 @@ impl PoolHandle {
         Some(rx)
     }
 
-    /// A lease on a ready engine for `model`, waiting (bounded) while it starts.
-    pub async fn acquire(&self, model: Option<String>) -> Result<Lease, ProxyError> {
-        self.acquire_avoiding(model, None).await
+    /// A lease on a ready engine for model `id`, waiting (bounded) while it starts.
+    pub async fn acquire(&self, id: &str) -> Result<Lease, ProxyError> {
+        self.acquire_avoiding(id, None).await
     }
 
     /// Like [`acquire`](Self::acquire), but never returns engine generation
     /// `not_generation` (one the caller found dead before the pool heard of its exit).
     pub async fn acquire_avoiding(
         &self,
-        model: Option<String>,
+        id: &str,
         not_generation: Option<u64>,
     ) -> Result<Lease, ProxyError> {
-        let label = model.clone().unwrap_or_else(|| "(default)".into());
         let rx = self
             .ask(|reply| Command::Acquire {
-                model,
+                model: id.to_string(),
                 not_generation,
                 reply,
             })
@@ -93,8 +124,34 @@ impl PoolHandle {
             Ok(Ok(result)) => result,
             Ok(Err(_)) => Err(ProxyError::ShuttingDown),
             Err(_) => Err(ProxyError::Unavailable {
-                model: label,
+                model: id.to_string(),
                 state: "still starting",
+                retry_after: Duration::from_secs(2),
+            }),
+        }
+    }
+
+    /// Loads model `id` (as a request would) and waits until it is ready.
+    pub async fn load(&self, id: &str) -> Result<(), ProxyError> {
+        self.acquire(id).await.map(drop)
+    }
+
+    /// Drains and stops model `id`'s engine (in-flight requests finish first); waits
+    /// for the exit, up to the queue timeout.
+    pub async fn unload(&self, id: &str) -> Result<(), ProxyError> {
+        let rx = self
+            .ask(|reply| Command::Unload {
+                model: id.to_string(),
+                reply,
+            })
+            .await
+            .ok_or(ProxyError::ShuttingDown)?;
+        match tokio::time::timeout(self.queue_timeout, rx).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(ProxyError::ShuttingDown),
+            Err(_) => Err(ProxyError::Unavailable {
+                model: id.to_string(),
+                state: "still draining",
                 retry_after: Duration::from_secs(2),
             }),
         }
@@ -124,19 +181,33 @@ impl PoolHandle {
     }
 }
 
-/// One row of `GET /engines`.
+/// One row of `GET /engines` (every configured model, running or not).
 #[derive(Debug, Clone, Serialize)]
 pub struct EngineStatus {
     pub model: String,
+    pub aliases: Vec<String>,
+    pub source: String,
+    pub pinned: bool,
+    /// Fine-grained: idle, queued, starting, ready, draining, restarting, failed, stopped.
     pub state: &'static str,
+    /// Coarse, for `/v1/models`: loaded, loading, unloaded, failed.
+    pub availability: &'static str,
+    pub failure: Option<String>,
     pub pid: Option<u32>,
     pub socket: PathBuf,
     pub generation: u64,
     pub restarts: u32,
     pub crashes_in_window: usize,
     pub uptime_s: Option<f64>,
+    pub idle_s: Option<f64>,
+    pub ttl_s: Option<f64>,
     pub loading_progress: Option<f32>,
+    pub in_flight: u32,
     pub queued_requests: usize,
+    /// Counted against the budget now (reported once ready, planned before).
+    pub memory_bytes: u64,
+    /// What a start would plan for.
+    pub planned_bytes: u64,
     pub last_exit: Option<LastExit>,
     pub ready: Option<ReadyInfo>,
     pub stats: Option<StatsInfo>,
@@ -179,9 +250,13 @@ pub struct LimitsInfo {
 enum State {
     /// Not started (on-demand start at the first request).
     Idle,
+    /// Wants an engine; waiting for room (engine slots or memory).
+    Queued {
+        ticket: u64,
+    },
     Starting,
     Ready,
-    /// Asked to stop; waiting for the exit.
+    /// Drained (no new requests) and stopping once in-flight requests are done.
     Draining,
     Restarting {
         at: Instant,
@@ -197,6 +272,7 @@ impl State {
     fn name(&self) -> &'static str {
         match self {
             Self::Idle => "idle",
+            Self::Queued { .. } => "queued",
             Self::Starting => "starting",
             Self::Ready => "ready",
             Self::Draining => "draining",
@@ -205,10 +281,20 @@ impl State {
             Self::Stopped => "stopped",
         }
     }
+
+    fn availability(&self) -> &'static str {
+        match self {
+            Self::Ready | Self::Draining => "loaded",
+            Self::Queued { .. } | Self::Starting | Self::Restarting { .. } => "loading",
+            Self::Idle | Self::Stopped => "unloaded",
+            Self::Failed { .. } => "failed",
+        }
+    }
 }
 
 struct Slot {
-    model: String,
+    entry: ModelEntry,
+    log: Arc<ModelLog>,
     socket: PathBuf,
     state: State,
     engine: Option<EngineHandle>,
@@ -217,21 +303,47 @@ struct Slot {
     history: CrashHistory,
     limits: Limits,
     last_exit: Option<(Arc<ExitReport>, SystemTime)>,
+    spawned_at: Option<Instant>,
     ready_at: Option<Instant>,
     ready: Option<Ready>,
     stats: Option<Stats>,
     progress: Option<f32>,
+    in_flight: u32,
+    last_used: Instant,
+    /// The largest footprint an engine of this model has reported.
+    observed_bytes: u64,
+    /// An idle check is pending (one timer per slot, re-armed while the engine is used).
+    idle_timer: bool,
     waiters: VecDeque<Reply<Result<Lease, ProxyError>>>,
+    unload_replies: Vec<Reply<Result<(), ProxyError>>>,
 }
 
 impl Slot {
-    fn lease(&self) -> Option<Lease> {
-        self.engine.as_ref().map(|e| Lease {
-            model: self.model.clone(),
+    fn id(&self) -> &str {
+        &self.entry.id
+    }
+
+    /// Hands out a lease and counts the request as in flight.
+    fn grant(&mut self, release: &mpsc::UnboundedSender<(String, u64)>) -> Option<Lease> {
+        let e = self.engine.as_ref()?;
+        self.in_flight += 1;
+        self.last_used = Instant::now();
+        Some(Lease {
+            model: self.entry.id.clone(),
             socket: self.socket.clone(),
             generation: e.generation,
             death: e.death(),
+            _in_flight: Arc::new(InFlight {
+                model: self.entry.id.clone(),
+                generation: e.generation,
+                tx: release.clone(),
+            }),
         })
+    }
+
+    fn live_waiters(&mut self) -> usize {
+        self.waiters.retain(|w| !w.is_closed());
+        self.waiters.len()
     }
 
     fn fail_waiters(&mut self, err: &ProxyError) {
@@ -240,18 +352,62 @@ impl Slot {
         }
     }
 
+    /// What the engine reports: weights plus KV cache, or its total memory.
+    fn reported_bytes(&self) -> u64 {
+        let weights = self.ready.as_ref().map_or(0, |r| r.weight_bytes);
+        let (kv, total) = self
+            .stats
+            .as_ref()
+            .map_or((0, 0), |s| (s.kv_bytes, s.memory_bytes));
+        (weights + kv).max(total)
+    }
+
+    /// Memory to plan for before a start.
+    fn planned_bytes(&self) -> u64 {
+        self.entry.planned_bytes.max(self.observed_bytes)
+    }
+
+    /// Memory counted for the running engine: reported once ready, planned before.
+    fn footprint(&self) -> u64 {
+        match self.state {
+            State::Ready | State::Draining if self.reported_bytes() > 0 => self.reported_bytes(),
+            _ => self.planned_bytes(),
+        }
+    }
+
+    /// Holds (or is about to hold) resources.
+    fn resident(&self) -> bool {
+        self.engine.is_some() || matches!(self.state, State::Restarting { .. })
+    }
+
     fn status(&self, now: Instant) -> EngineStatus {
+        let failure = match &self.state {
+            State::Failed { cause, .. } => Some(cause.clone()),
+            _ => None,
+        };
         EngineStatus {
-            model: self.model.clone(),
+            model: self.entry.id.clone(),
+            aliases: self.entry.aliases.clone(),
+            source: self.entry.source.clone(),
+            pinned: self.entry.pinned,
             state: self.state.name(),
+            availability: self.state.availability(),
+            failure,
             pid: self.engine.as_ref().map(|e| e.pid),
             socket: self.socket.clone(),
             generation: self.generation,
             restarts: self.restarts,
             crashes_in_window: self.history.recent(),
             uptime_s: self.ready_at.map(|t| now.duration_since(t).as_secs_f64()),
+            idle_s: (self.engine.is_some() && self.in_flight == 0)
+                .then(|| now.duration_since(self.last_used).as_secs_f64()),
+            ttl_s: (!self.entry.ttl.is_zero() && !self.entry.pinned)
+                .then_some(self.entry.ttl.as_secs_f64()),
             loading_progress: self.progress,
+            in_flight: self.in_flight,
             queued_requests: self.waiters.iter().filter(|w| !w.is_closed()).count(),
+            memory_bytes: if self.resident() { self.footprint() } else { 0 },
+            planned_bytes: self.planned_bytes(),
             last_exit: self.last_exit.as_ref().map(|(r, at)| LastExit {
                 cause: r.summary(),
                 code: r.cause.code(),
@@ -288,58 +444,136 @@ impl Slot {
 enum Timer {
     RestartDue { model: String, generation: u64 },
     LoadDeadline { model: String, generation: u64 },
+    IdleCheck { model: String },
+    CapacityDeadline { model: String, ticket: u64 },
 }
+
+/// What the actor needs besides the configuration.
+pub struct PoolParts {
+    pub catalog: Arc<Catalog>,
+    pub runtime_dir: PathBuf,
+    pub metrics: Arc<Metrics>,
+    pub logs: Logs,
+    /// Memory all engines together may use.
+    pub memory_budget: u64,
+}
+
+/// Starts an engine process (a simulated one in unit tests).
+pub(crate) type Spawner = Arc<
+    dyn Fn(EngineSpec, u64, mpsc::UnboundedSender<EngineMsg>) -> std::io::Result<EngineHandle>
+        + Send
+        + Sync,
+>;
 
 /// The actor's state.
 struct Pool {
     config: Arc<Config>,
+    spawner: Spawner,
     policy: RestartPolicy,
+    budget: Budget,
+    metrics: Arc<Metrics>,
     slots: BTreeMap<String, Slot>,
+    /// Models waiting for room, first come first served.
+    queue: VecDeque<String>,
+    next_ticket: u64,
     engine_tx: mpsc::UnboundedSender<EngineMsg>,
     timer_tx: mpsc::UnboundedSender<Timer>,
+    release_tx: mpsc::UnboundedSender<(String, u64)>,
     shutdown_replies: Vec<Reply<()>>,
     shutting_down: bool,
 }
 
-/// Starts the pool actor for `config`, with engine sockets in `runtime_dir`.
+/// Starts the pool actor; pinned models start loading at once.
 pub fn start(
     config: Arc<Config>,
-    runtime_dir: PathBuf,
+    parts: PoolParts,
+) -> Result<PoolHandle, mlxd_ipc::socket::SocketError> {
+    start_with(config, parts, Arc::new(engine::spawn))
+}
+
+pub(crate) fn start_with(
+    config: Arc<Config>,
+    parts: PoolParts,
+    spawner: Spawner,
 ) -> Result<PoolHandle, mlxd_ipc::socket::SocketError> {
     let (tx, rx) = mpsc::channel(1024);
     let (engine_tx, engine_rx) = mpsc::unbounded_channel();
     let (timer_tx, timer_rx) = mpsc::unbounded_channel();
+    let (release_tx, release_rx) = mpsc::unbounded_channel();
     let mut slots = BTreeMap::new();
-    let socket = mlxd_ipc::socket::engine_socket_path(&runtime_dir, 0)?;
-    slots.insert(
-        config.model.clone(),
-        Slot {
-            model: config.model.clone(),
-            socket,
-            state: State::Idle,
-            engine: None,
-            generation: 0,
-            restarts: 0,
-            history: CrashHistory::default(),
-            limits: Limits::from(&config.limits),
-            last_exit: None,
-            ready_at: None,
-            ready: None,
-            stats: None,
-            progress: None,
-            waiters: VecDeque::new(),
-        },
+    let now = Instant::now();
+    for (i, entry) in parts.catalog.models.iter().enumerate() {
+        let socket = mlxd_ipc::socket::engine_socket_path(&parts.runtime_dir, i)?;
+        let log = parts.logs.get(&entry.id).unwrap_or_default();
+        slots.insert(
+            entry.id.clone(),
+            Slot {
+                entry: entry.clone(),
+                log,
+                socket,
+                state: State::Idle,
+                engine: None,
+                generation: 0,
+                restarts: 0,
+                history: CrashHistory::default(),
+                limits: entry.limits.clone(),
+                last_exit: None,
+                spawned_at: None,
+                ready_at: None,
+                ready: None,
+                stats: None,
+                progress: None,
+                in_flight: 0,
+                last_used: now,
+                observed_bytes: 0,
+                idle_timer: false,
+                waiters: VecDeque::new(),
+                unload_replies: Vec::new(),
+            },
+        );
+    }
+    parts
+        .metrics
+        .memory_budget
+        .set(i64::try_from(parts.memory_budget).unwrap_or(i64::MAX));
+    info!(
+        models = ?parts.catalog.ids(),
+        default = %parts.catalog.default_model,
+        max_engines = config.pool.max_engines,
+        memory_budget = parts.memory_budget,
+        "model pool"
     );
-    let pool = Pool {
+    let mut pool = Pool {
+        spawner,
         policy: RestartPolicy::from_config(&config),
+        budget: Budget {
+            max_engines: config.pool.max_engines,
+            memory_bytes: parts.memory_budget,
+        },
+        metrics: parts.metrics,
         config: config.clone(),
         slots,
+        queue: VecDeque::new(),
+        next_ticket: 0,
         engine_tx,
         timer_tx,
+        release_tx,
         shutdown_replies: Vec::new(),
         shutting_down: false,
     };
-    tokio::spawn(pool.run(rx, engine_rx, timer_rx));
+    let pinned: Vec<String> = parts
+        .catalog
+        .models
+        .iter()
+        .filter(|m| m.pinned)
+        .map(|m| m.id.clone())
+        .collect();
+    tokio::spawn(async move {
+        for id in pinned {
+            pool.enqueue(&id);
+        }
+        pool.run(rx, engine_rx, timer_rx, release_rx).await
+    });
     Ok(PoolHandle {
         tx,
         queue_timeout: config.queue_timeout(),
@@ -352,6 +586,7 @@ impl Pool {
         mut commands: mpsc::Receiver<Command>,
         mut engines: mpsc::UnboundedReceiver<EngineMsg>,
         mut timers: mpsc::UnboundedReceiver<Timer>,
+        mut releases: mpsc::UnboundedReceiver<(String, u64)>,
     ) {
         let mut handles_gone = false;
         loop {
@@ -367,11 +602,15 @@ impl Pool {
                     }
                 },
                 Some(msg) = engines.recv() => self.engine_event(msg),
+                Some((model, generation)) = releases.recv() => self.release(&model, generation),
                 Some(timer) = timers.recv() => match timer {
                     Timer::RestartDue { model, generation } => self.restart_due(&model, generation),
                     Timer::LoadDeadline { model, generation } => self.load_deadline(&model, generation),
+                    Timer::IdleCheck { model } => self.idle_check(&model),
+                    Timer::CapacityDeadline { model, ticket } => self.capacity_deadline(&model, ticket),
                 },
             }
+            self.refresh_gauges();
             if self.shutting_down && self.slots.values().all(|s| s.engine.is_none()) {
                 for r in self.shutdown_replies.drain(..) {
                     let _ = r.send(());
@@ -388,7 +627,8 @@ impl Pool {
                 model,
                 not_generation,
                 reply,
-            } => self.acquire(model, not_generation, reply),
+            } => self.acquire(&model, not_generation, reply),
+            Command::Unload { model, reply } => self.unload(&model, reply),
             Command::Status { reply } => {
                 let now = Instant::now();
                 let _ = reply.send(self.slots.values().map(|s| s.status(now)).collect());
@@ -396,15 +636,15 @@ impl Pool {
             Command::Reset { model, reply } => {
                 let mut reset = Vec::new();
                 for slot in self.slots.values_mut() {
-                    if model.as_ref().is_some_and(|m| *m != slot.model) {
+                    if model.as_ref().is_some_and(|m| m != slot.id()) {
                         continue;
                     }
                     slot.history.reset();
                     slot.restarts = 0;
                     if matches!(slot.state, State::Failed { .. }) {
-                        info!(model = %slot.model, "failed state cleared by admin reset");
+                        info!(model = %slot.id(), "failed state cleared by admin reset");
                         slot.state = State::Idle;
-                        reset.push(slot.model.clone());
+                        reset.push(slot.id().to_string());
                     }
                 }
                 let _ = reply.send(reset);
@@ -418,17 +658,9 @@ impl Pool {
         }
     }
 
-    /// Which slot serves a requested model name. One model for now: all names map to it.
-    fn resolve(&self, requested: Option<&str>) -> String {
-        match requested {
-            Some(m) if self.slots.contains_key(m) => m.to_string(),
-            _ => self.config.model.clone(),
-        }
-    }
-
     fn acquire(
         &mut self,
-        requested: Option<String>,
+        key: &str,
         not_generation: Option<u64>,
         reply: Reply<Result<Lease, ProxyError>>,
     ) {
@@ -436,11 +668,10 @@ impl Pool {
             let _ = reply.send(Err(ProxyError::ShuttingDown));
             return;
         }
-        let key = self.resolve(requested.as_deref());
         let now = Instant::now();
-        let cooldown = Duration::from_millis(self.config.failed_cooldown_ms);
-        let capacity = self.config.queue_capacity;
-        let Some(slot) = self.slots.get_mut(&key) else {
+        let cooldown = Duration::from_millis(self.config.server.failed_cooldown_ms);
+        let capacity = self.config.server.queue_capacity;
+        let Some(slot) = self.slots.get_mut(key) else {
             let _ = reply.send(Err(ProxyError::NotFound(format!(
                 "model {key} is not configured"
             ))));
@@ -452,16 +683,17 @@ impl Pool {
             // Its exit is on the way: wait in the queue for the restart.
             State::Ready if known_dead => Duration::from_secs(1),
             State::Ready => {
-                let _ = reply.send(slot.lease().ok_or_else(|| {
+                let lease = slot.grant(&self.release_tx).ok_or_else(|| {
                     ProxyError::Internal(format!("model {key} is ready without an engine"))
-                }));
+                });
+                let _ = reply.send(lease);
                 return;
             }
             State::Failed { cause, since } => {
                 let elapsed = now.duration_since(*since);
                 if elapsed < cooldown {
                     let _ = reply.send(Err(ProxyError::Failed {
-                        model: key,
+                        model: key.to_string(),
                         cause: cause.clone(),
                         retry_after: cooldown - elapsed,
                     }));
@@ -472,17 +704,16 @@ impl Pool {
                 slot.state = State::Idle;
                 Duration::from_secs(1)
             }
-            State::Draining => {
-                let _ = reply.send(Err(ProxyError::ShuttingDown));
-                return;
-            }
             State::Restarting { at } => at.saturating_duration_since(now) + Duration::from_secs(1),
-            State::Idle | State::Stopped | State::Starting => Duration::from_secs(1),
+            State::Idle
+            | State::Stopped
+            | State::Starting
+            | State::Queued { .. }
+            | State::Draining => Duration::from_secs(1),
         };
-        slot.waiters.retain(|w| !w.is_closed());
-        if slot.waiters.len() >= capacity {
+        if slot.live_waiters() >= capacity {
             let _ = reply.send(Err(ProxyError::QueueFull {
-                model: key,
+                model: key.to_string(),
                 capacity,
                 retry_after,
             }));
@@ -490,22 +721,303 @@ impl Pool {
         }
         slot.waiters.push_back(reply);
         if matches!(slot.state, State::Idle | State::Stopped) {
-            self.start(&key);
+            self.enqueue(key);
+        }
+    }
+
+    /// Marks `key` as wanting an engine and tries to place it.
+    fn enqueue(&mut self, key: &str) {
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
+        let Some(slot) = self.slots.get_mut(key) else {
+            return;
+        };
+        if !matches!(slot.state, State::Idle | State::Stopped) {
+            return;
+        }
+        slot.state = State::Queued { ticket };
+        self.queue.push_back(key.to_string());
+        self.after(
+            self.config.pool.capacity_wait,
+            Timer::CapacityDeadline {
+                model: key.to_string(),
+                ticket,
+            },
+        );
+        self.place();
+    }
+
+    /// The engines that hold resources, as the placement policy sees them.
+    fn residents(&self) -> Vec<Resident> {
+        self.slots
+            .values()
+            .filter(|s| s.resident())
+            .map(|s| Resident {
+                id: s.entry.id.clone(),
+                pinned: s.entry.pinned,
+                in_flight: s.in_flight,
+                last_used: s.last_used,
+                bytes: s.footprint(),
+                ready: matches!(s.state, State::Ready),
+                leaving: matches!(s.state, State::Draining),
+            })
+            .collect()
+    }
+
+    /// Starts, evicts for, or refuses queued models, in arrival order. Once one has to
+    /// wait, those behind it may only start if they fit without evicting anything.
+    fn place(&mut self) {
+        let mut blocked = false;
+        let queue: Vec<String> = self.queue.iter().cloned().collect();
+        for key in queue {
+            let Some(slot) = self.slots.get_mut(&key) else {
+                continue;
+            };
+            if !matches!(slot.state, State::Queued { .. }) {
+                self.queue.retain(|k| *k != key);
+                continue;
+            }
+            if slot.live_waiters() == 0 && !slot.entry.pinned {
+                // Everyone gave up: no start.
+                slot.state = State::Idle;
+                self.queue.retain(|k| *k != key);
+                continue;
+            }
+            let needed = slot.planned_bytes();
+            match placement::plan(needed, &self.residents(), self.budget) {
+                Plan::Start => {
+                    self.queue.retain(|k| *k != key);
+                    self.start(&key);
+                }
+                Plan::Evict(victims) if !blocked => {
+                    blocked = true;
+                    for v in victims {
+                        info!(model = %v, for_model = %key, "evicting least recently used idle engine");
+                        self.evict(&v, "lru");
+                    }
+                }
+                Plan::Evict(_) | Plan::Wait(_) => blocked = true,
+                Plan::RefuseMemory { needed, available } => {
+                    let err = ProxyError::InsufficientMemory {
+                        model: key.clone(),
+                        needed,
+                        available,
+                        budget: self.budget.memory_bytes,
+                        retry_after: None,
+                    };
+                    self.refuse(&key, err);
+                }
+                Plan::RefuseEngines {
+                    max_engines,
+                    pinned,
+                } => {
+                    let err = ProxyError::NoEngineAvailable {
+                        model: key.clone(),
+                        max_engines,
+                        why: if pinned >= max_engines {
+                            "held by pinned models"
+                        } else {
+                            "busy"
+                        },
+                        retry_after: None,
+                    };
+                    self.refuse(&key, err);
+                }
+            }
+        }
+    }
+
+    fn refuse(&mut self, key: &str, err: ProxyError) {
+        self.queue.retain(|k| k != key);
+        if let Some(slot) = self.slots.get_mut(key) {
+            warn!(model = %key, error = %err, "model cannot be loaded");
+            slot.log.push(format!("[mlxd] cannot load: {err}"));
+            slot.state = State::Idle;
+            slot.fail_waiters(&err);
+        }
+    }
+
+    /// Stops waiting for room: the request times out with what was missing.
+    fn capacity_deadline(&mut self, key: &str, ticket: u64) {
+        let still = self
+            .slots
+            .get(key)
+            .is_some_and(|s| matches!(s.state, State::Queued { ticket: t } if t == ticket));
+        if !still {
+            return;
+        }
+        if self
+            .slots
+            .values()
+            .any(|s| s.engine.is_some() && matches!(s.state, State::Draining))
+        {
+            // Room is being made: keep waiting; the caller's queue timeout bounds it.
+            return;
+        }
+        let needed = self.slots[key].planned_bytes();
+        let retry_after = Some(Duration::from_secs(5));
+        let err = match placement::plan(needed, &self.residents(), self.budget) {
+            Plan::Wait(Shortfall::Memory { needed, available }) => ProxyError::InsufficientMemory {
+                model: key.to_string(),
+                needed,
+                available,
+                budget: self.budget.memory_bytes,
+                retry_after,
+            },
+            Plan::Wait(Shortfall::Engines { max_engines }) => ProxyError::NoEngineAvailable {
+                model: key.to_string(),
+                max_engines,
+                why: "busy",
+                retry_after,
+            },
+            // It fits, or will once evictions finish: keep waiting.
+            _ => return,
+        };
+        self.refuse(key, err);
+    }
+
+    /// Drains `key`'s engine and stops it once its in-flight requests are done.
+    fn evict(&mut self, key: &str, reason: &str) {
+        let Some(slot) = self.slots.get_mut(key) else {
+            return;
+        };
+        let Some(engine) = slot.engine.as_mut() else {
+            return;
+        };
+        if matches!(slot.state, State::Draining) {
+            return;
+        }
+        engine.send(ParentMsg::Drain);
+        slot.state = State::Draining;
+        slot.log.push(format!(
+            "[mlxd] unloading ({reason}); {} request(s) in flight",
+            slot.in_flight
+        ));
+        info!(model = %key, pid = engine.pid, reason, in_flight = slot.in_flight, "draining engine");
+        self.metrics
+            .evictions
+            .get_or_create(&EvictionLabels {
+                model: key.to_string(),
+                reason: reason.to_string(),
+            })
+            .inc();
+        if slot.in_flight == 0 {
+            engine.stop();
+        }
+    }
+
+    fn unload(&mut self, key: &str, reply: Reply<Result<(), ProxyError>>) {
+        let Some(slot) = self.slots.get_mut(key) else {
+            let _ = reply.send(Err(ProxyError::NotFound(format!(
+                "model {key} is not configured"
+            ))));
+            return;
+        };
+        match slot.state {
+            State::Queued { .. } => {
+                slot.state = State::Idle;
+                slot.fail_waiters(&ProxyError::Unavailable {
+                    model: key.to_string(),
+                    state: "unloaded by an administrator",
+                    retry_after: Duration::from_secs(1),
+                });
+                self.queue.retain(|k| k != key);
+                let _ = reply.send(Ok(()));
+            }
+            _ if slot.engine.is_some() => {
+                slot.unload_replies.push(reply);
+                self.evict(key, "admin");
+            }
+            _ => {
+                let _ = reply.send(Ok(()));
+            }
+        }
+    }
+
+    fn release(&mut self, key: &str, generation: u64) {
+        let Some(slot) = self.slots.get_mut(key) else {
+            return;
+        };
+        if slot.generation != generation || slot.engine.is_none() {
+            return;
+        }
+        slot.in_flight = slot.in_flight.saturating_sub(1);
+        slot.last_used = Instant::now();
+        if slot.in_flight > 0 {
+            return;
+        }
+        match slot.state {
+            State::Draining => {
+                if let Some(e) = slot.engine.as_mut() {
+                    e.stop();
+                }
+            }
+            State::Ready => {
+                self.arm_idle_timer(key);
+                self.place();
+            }
+            _ => {}
+        }
+    }
+
+    /// Starts the idle clock's timer for `key`, unless one is pending already.
+    fn arm_idle_timer(&mut self, key: &str) {
+        let Some(slot) = self.slots.get_mut(key) else {
+            return;
+        };
+        if slot.entry.pinned || slot.entry.ttl.is_zero() || slot.idle_timer {
+            return;
+        }
+        slot.idle_timer = true;
+        let ttl = slot.entry.ttl;
+        self.after(
+            ttl,
+            Timer::IdleCheck {
+                model: key.to_string(),
+            },
+        );
+    }
+
+    /// Unloads `key` if it has been idle for its TTL; otherwise checks again when the
+    /// TTL would be reached (a busy engine re-arms on its last release).
+    fn idle_check(&mut self, key: &str) {
+        let Some(slot) = self.slots.get_mut(key) else {
+            return;
+        };
+        slot.idle_timer = false;
+        if !matches!(slot.state, State::Ready) || slot.in_flight > 0 || slot.entry.pinned {
+            return;
+        }
+        let idle_for = Instant::now().duration_since(slot.last_used);
+        if idle_for >= slot.entry.ttl {
+            info!(model = %key, idle_s = idle_for.as_secs_f64(), "idle TTL reached");
+            self.evict(key, "ttl");
+        } else {
+            slot.idle_timer = true;
+            let left = slot.entry.ttl - idle_for;
+            self.after(
+                left,
+                Timer::IdleCheck {
+                    model: key.to_string(),
+                },
+            );
         }
     }
 
     fn spec(&self, slot: &Slot) -> EngineSpec {
-        let c = &self.config;
+        let c = &self.config.server;
         EngineSpec {
-            model: slot.model.clone(),
-            bin: c.engine_bin(),
+            model: slot.entry.id.clone(),
+            source: slot.entry.source.clone(),
+            bin: self.config.engine_bin(),
             args: c.engine_args.clone(),
             env: c.engine_env.clone(),
             socket_path: slot.socket.clone(),
             limits: slot.limits.clone(),
-            options: c.engine_options.clone(),
-            stop_timeout: c.grace(),
+            options: slot.entry.options.clone(),
+            stop_timeout: self.config.grace(),
             restarts: slot.restarts,
+            log: Some(slot.log.clone()),
         }
     }
 
@@ -519,13 +1031,20 @@ impl Pool {
         slot.progress = None;
         slot.ready = None;
         slot.stats = None;
-        match engine::spawn(spec.clone(), slot.generation, self.engine_tx.clone()) {
+        slot.in_flight = 0;
+        slot.spawned_at = Some(Instant::now());
+        self.metrics.loads.get_or_create(&Metrics::label(key)).inc();
+        match (self.spawner)(spec.clone(), slot.generation, self.engine_tx.clone()) {
             Ok(handle) => {
+                slot.log.push(format!(
+                    "[mlxd] engine starting: pid {}, generation {}, source {}",
+                    handle.pid, slot.generation, slot.entry.source
+                ));
                 slot.engine = Some(handle);
                 slot.state = State::Starting;
                 let generation = slot.generation;
                 self.after(
-                    Duration::from_millis(self.config.load_timeout_ms),
+                    Duration::from_millis(self.config.server.load_timeout_ms),
                     Timer::LoadDeadline {
                         model: key.to_string(),
                         generation,
@@ -549,21 +1068,59 @@ impl Pool {
         }
         match msg.event {
             EngineEvent::Loading { progress } => slot.progress = Some(progress),
-            EngineEvent::Stats(s) => slot.stats = Some(s),
+            EngineEvent::Stats(s) => {
+                slot.stats = Some(s);
+                if matches!(slot.state, State::Ready) {
+                    slot.observed_bytes = slot.observed_bytes.max(slot.reported_bytes());
+                }
+                // Reported memory changed what fits.
+                if !self.queue.is_empty() {
+                    self.place();
+                }
+            }
             EngineEvent::Ready(r) => {
                 if !matches!(slot.state, State::Starting) {
                     return;
                 }
-                info!(model = %slot.model, generation = slot.generation, model_id = %r.model_id, "engine ready");
+                let now = Instant::now();
+                let took = slot.spawned_at.map(|t| now.duration_since(t));
+                info!(
+                    model = %slot.id(),
+                    generation = slot.generation,
+                    model_id = %r.model_id,
+                    load_ms = took.map(|d| d.as_millis() as u64),
+                    "engine ready"
+                );
+                slot.log.push(format!(
+                    "[mlxd] engine ready in {} ms (weights {} bytes)",
+                    took.map_or(0, |d| d.as_millis()),
+                    r.weight_bytes
+                ));
+                if let Some(d) = took {
+                    self.metrics
+                        .load_duration
+                        .get_or_create(&Metrics::label(&msg.model))
+                        .observe(d.as_secs_f64());
+                }
                 slot.state = State::Ready;
-                slot.ready_at = Some(Instant::now());
+                slot.ready_at = Some(now);
                 slot.ready = Some(r);
                 slot.progress = Some(1.0);
-                if let Some(lease) = slot.lease() {
-                    for w in slot.waiters.drain(..) {
-                        let _ = w.send(Ok(lease.clone()));
+                slot.observed_bytes = slot.observed_bytes.max(slot.reported_bytes());
+                let waiters: Vec<_> = slot.waiters.drain(..).collect();
+                for w in waiters {
+                    if w.is_closed() {
+                        continue;
+                    }
+                    if let Some(lease) = slot.grant(&self.release_tx) {
+                        let _ = w.send(Ok(lease));
                     }
                 }
+                // Loaded with nobody using it (pinned preload, admin load): idle clock.
+                slot.last_used = now;
+                let key = msg.model.clone();
+                self.arm_idle_timer(&key);
+                self.place();
             }
             EngineEvent::Exited(report) => {
                 let key = msg.model.clone();
@@ -581,11 +1138,26 @@ impl Pool {
         };
         slot.engine = None;
         slot.stats = None;
+        slot.in_flight = 0;
         slot.last_exit = Some((report.clone(), SystemTime::now()));
+        slot.log
+            .push(format!("[mlxd] engine exited: {}", report.cause));
         let ready_for = slot.ready_at.take().map(|t| now.duration_since(t));
-        if shutting_down || report.cause.is_requested() {
+        for r in slot.unload_replies.drain(..) {
+            let _ = r.send(Ok(()));
+        }
+        if shutting_down {
             slot.state = State::Stopped;
             slot.fail_waiters(&ProxyError::ShuttingDown);
+            return;
+        }
+        if report.cause.is_requested() {
+            slot.state = State::Stopped;
+            // Requests that arrived while it drained get a fresh engine.
+            if slot.live_waiters() > 0 {
+                self.enqueue(key);
+            }
+            self.place();
             return;
         }
         if matches!(report.cause, ExitCause::OutOfMemory { .. }) {
@@ -596,6 +1168,9 @@ impl Pool {
                     new = ?smaller,
                     "out of memory: restarting with smaller limits"
                 );
+                slot.log.push(format!(
+                    "[mlxd] out of memory: restarting with smaller limits {smaller:?}"
+                ));
                 slot.limits = smaller;
             }
         }
@@ -603,6 +1178,10 @@ impl Pool {
             Decision::Restart { delay, attempt } => {
                 slot.restarts += 1;
                 slot.state = State::Restarting { at: now + delay };
+                self.metrics
+                    .restarts
+                    .get_or_create(&Metrics::label(key))
+                    .inc();
                 warn!(
                     model = %key,
                     cause = %report.cause,
@@ -631,12 +1210,13 @@ impl Pool {
                 let err = ProxyError::Failed {
                     model: key.to_string(),
                     cause: cause.clone(),
-                    retry_after: Duration::from_millis(self.config.failed_cooldown_ms),
+                    retry_after: Duration::from_millis(self.config.server.failed_cooldown_ms),
                 };
                 slot.state = State::Failed { cause, since: now };
                 slot.fail_waiters(&err);
             }
         }
+        self.place();
     }
 
     /// Delivers `timer` back to the actor after `delay`.
@@ -645,7 +1225,7 @@ impl Pool {
     }
 
     fn load_deadline(&mut self, key: &str, generation: u64) {
-        let timeout_ms = self.config.load_timeout_ms;
+        let timeout_ms = self.config.server.load_timeout_ms;
         let Some(slot) = self.slots.get(key) else {
             return;
         };
@@ -668,12 +1248,30 @@ impl Pool {
         }
     }
 
+    fn refresh_gauges(&self) {
+        let m = &self.metrics;
+        for (id, s) in &self.slots {
+            let l = Metrics::label(id);
+            let live = s.waiters.iter().filter(|w| !w.is_closed()).count();
+            m.queue_depth.get_or_create(&l).set(live as i64);
+            m.in_flight.get_or_create(&l).set(i64::from(s.in_flight));
+            let mem = if s.resident() { s.footprint() } else { 0 };
+            m.memory
+                .get_or_create(&l)
+                .set(i64::try_from(mem).unwrap_or(i64::MAX));
+            m.loaded
+                .get_or_create(&l)
+                .set(i64::from(matches!(s.state, State::Ready)));
+        }
+    }
+
     fn begin_shutdown(&mut self) {
         self.shutting_down = true;
+        self.queue.clear();
         for slot in self.slots.values_mut() {
             slot.fail_waiters(&ProxyError::ShuttingDown);
             if let Some(engine) = slot.engine.as_mut() {
-                info!(model = %slot.model, pid = engine.pid, "stopping engine");
+                info!(model = %slot.entry.id, pid = engine.pid, "stopping engine");
                 engine.stop();
                 slot.state = State::Draining;
             } else if !matches!(slot.state, State::Failed { .. }) {
@@ -691,61 +1289,4 @@ fn send_after(tx: mpsc::UnboundedSender<Timer>, delay: Duration, timer: Timer) {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn pool_with_missing_engine(dir: &std::path::Path) -> PoolHandle {
-        let config = Config {
-            engine_bin: Some("/nonexistent/mlxd-engine".into()),
-            queue_timeout_ms: 60_000,
-            ..Config::default()
-        };
-        start(Arc::new(config), dir.to_path_buf()).unwrap()
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn failures_back_off_then_mark_the_model_failed() {
-        let dir = tempfile::tempdir().unwrap();
-        let pool = pool_with_missing_engine(dir.path());
-        let t = Instant::now();
-        let err = pool.acquire(Some("any-name".into())).await.unwrap_err();
-        // Five failures, with 250 + 500 + 1000 + 2000 ms of backoff between them.
-        let waited = t.elapsed();
-        assert!(
-            waited >= Duration::from_millis(3750) && waited < Duration::from_millis(3800),
-            "{waited:?}"
-        );
-        match &err {
-            ProxyError::Failed { cause, .. } => assert!(cause.contains("cannot start"), "{cause}"),
-            other => panic!("{other:?}"),
-        }
-        let st = pool.status().await;
-        assert_eq!(st[0].state, "failed");
-        assert_eq!(st[0].restarts, 4);
-        assert_eq!(st[0].last_exit.as_ref().unwrap().code, "load_failed");
-
-        // Failed: answered at once, no new attempt.
-        let again = pool.acquire(None).await.unwrap_err();
-        assert!(matches!(again, ProxyError::Failed { .. }));
-        assert_eq!(pool.status().await[0].generation, 5);
-
-        assert_eq!(pool.reset(None).await, vec![Config::default().model]);
-        assert_eq!(pool.status().await[0].state, "idle");
-        pool.shutdown().await;
-        assert!(matches!(
-            pool.acquire(None).await,
-            Err(ProxyError::ShuttingDown)
-        ));
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn failed_model_cools_down() {
-        let dir = tempfile::tempdir().unwrap();
-        let pool = pool_with_missing_engine(dir.path());
-        let _ = pool.acquire(None).await.unwrap_err();
-        tokio::time::advance(Duration::from_millis(Config::default().failed_cooldown_ms)).await;
-        // The cool-down is over: a new round of attempts, failing again.
-        let _ = pool.acquire(None).await.unwrap_err();
-        assert_eq!(pool.status().await[0].generation, 10);
-    }
-}
+mod tests;

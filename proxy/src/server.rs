@@ -19,15 +19,22 @@ use tokio::net::TcpListener;
 use tokio::time::Instant;
 use tracing::{debug, info, warn, Instrument};
 
-use crate::config::Config;
+use crate::catalog::{self, Catalog};
+use crate::config::{Config, ConfigError};
 use crate::error::ProxyError;
-use crate::forward::{copy_head, forward, BoxError, ForwardError, ProxyBody, ProxyRequestBody};
-use crate::pool::{self, PoolHandle};
+use crate::forward::{
+    copy_head, forward, Accounting, BoxError, ForwardError, ProxyBody, ProxyRequestBody,
+};
+use crate::logs::Logs;
+use crate::metrics::Metrics;
+use crate::pool::{self, PoolHandle, PoolParts};
 
 pub type ResponseBody = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
     #[error(transparent)]
     Socket(#[from] mlxd_ipc::socket::SocketError),
     #[error("accepting connections: {0}")]
@@ -46,9 +53,14 @@ const JSON_ROUTES: &[&str] = &[
 
 struct App {
     config: Arc<Config>,
+    catalog: Arc<Catalog>,
     pool: PoolHandle,
+    metrics: Arc<Metrics>,
+    logs: Logs,
     started: Instant,
     next_id: AtomicU64,
+    /// Flips to true when shutdown begins (ends `/logs` followers).
+    stopping: tokio::sync::watch::Receiver<bool>,
 }
 
 /// Runs the proxy on `listener` until `shutdown` resolves, then: stops accepting, lets
@@ -59,22 +71,40 @@ pub async fn serve(
     config: Config,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ServeError> {
-    let (runtime_dir, owned_dir) = match &config.runtime_dir {
+    let (runtime_dir, owned_dir) = match &config.server.runtime_dir {
         Some(d) => (d.clone(), false),
         None => (mlxd_ipc::socket::default_runtime_dir(), true),
     };
+    let catalog = Arc::new(Catalog::from_config(&config)?);
     mlxd_ipc::socket::prepare_runtime_dir(&runtime_dir)?;
     let config = Arc::new(config);
-    let pool = pool::start(config.clone(), runtime_dir.clone())?;
+    let metrics = Arc::new(Metrics::new());
+    let logs = Logs::new(catalog.models.iter().map(|m| m.id.as_str()));
+    let pool = pool::start(
+        config.clone(),
+        PoolParts {
+            catalog: catalog.clone(),
+            runtime_dir: runtime_dir.clone(),
+            metrics: metrics.clone(),
+            logs: logs.clone(),
+            memory_budget: catalog::memory_budget(&config),
+        },
+    )?;
+    let (stopping_tx, stopping) = tokio::sync::watch::channel(false);
     let app = Arc::new(App {
         config: config.clone(),
+        catalog: catalog.clone(),
         pool: pool.clone(),
+        metrics,
+        logs,
         started: Instant::now(),
         next_id: AtomicU64::new(1),
+        stopping,
     });
     info!(
         addr = ?listener.local_addr().ok(),
-        model = %config.model,
+        models = ?catalog.ids(),
+        default_model = %catalog.default_model,
         engine_bin = %config.engine_bin().display(),
         runtime_dir = %runtime_dir.display(),
         "mlxd listening"
@@ -84,7 +114,7 @@ pub async fn serve(
     let mut builder = http1::Builder::new();
     builder
         .timer(TokioTimer::new())
-        .header_read_timeout(Duration::from_millis(config.header_timeout_ms));
+        .header_read_timeout(Duration::from_millis(config.server.header_timeout_ms));
     tokio::pin!(shutdown);
     loop {
         let (stream, peer) = tokio::select! {
@@ -111,6 +141,7 @@ pub async fn serve(
         });
     }
     drop(listener);
+    let _ = stopping_tx.send(true);
     let grace = config.grace();
     info!(
         grace_ms = grace.as_millis() as u64,
@@ -179,6 +210,20 @@ async fn route(
     match (req.method(), path.as_str()) {
         (&Method::GET, "/health") => return Ok(health(app).await),
         (&Method::GET, "/v1/models") => return Ok(models(app).await),
+        (&Method::GET, "/metrics") => {
+            let mut r = Response::new(
+                Full::new(Bytes::from(app.metrics.encode()))
+                    .map_err(|e| match e {})
+                    .boxed_unsync(),
+            );
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static(
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                ),
+            );
+            return Ok(r);
+        }
         (&Method::GET, "/engines") => {
             let status = app.pool.status().await;
             return Ok(json_response(StatusCode::OK, &json!({ "engines": status })));
@@ -192,9 +237,17 @@ async fn route(
             let reset = app.pool.reset(model).await;
             return Ok(json_response(StatusCode::OK, &json!({ "reset": reset })));
         }
+        (&Method::POST, p) if p.starts_with("/admin/models/") => {
+            return admin(app, &p["/admin/models/".len()..]).await;
+        }
+        (&Method::GET, p) if p.starts_with("/logs/") => {
+            let query = req.uri().query().unwrap_or("").to_string();
+            return logs(app, &p["/logs/".len()..], &query);
+        }
         _ => {}
     }
-    let max = app.config.max_body_bytes;
+    let started = Instant::now();
+    let max = app.config.server.max_body_bytes;
     if let Some(len) = content_length(&req) {
         if len > max as u64 {
             return Err(ProxyError::BodyTooLarge {
@@ -213,36 +266,146 @@ async fn route(
     let (parts, body) = req.into_parts();
 
     if !is_json_route {
-        // Streamed through as it arrives; not replayable, so one attempt.
+        // Streamed through as it arrives; not replayable, so one attempt. Goes to the
+        // default model.
         let body: ProxyRequestBody = Limited::new(body, max).boxed();
-        let lease = app.pool.acquire(None).await?;
-        let resp = forward(lease, parts, body, id, max).await?;
+        let lease = app.pool.acquire(&app.catalog.default_model).await?;
+        let resp = forward(lease, parts, body, id, max, None).await?;
         return Ok(resp.map(|b: ProxyBody| b.boxed_unsync()));
     }
     let bytes = read_bounded(body, max).await?;
-    let model = model_of(&bytes)?;
-    if let Some(m) = &model {
-        tracing::Span::current().record("model", m.as_str());
-    }
+    let requested = model_of(&bytes)?;
+    let model = app.catalog.resolve(requested.as_deref())?.id.clone();
+    tracing::Span::current().record("model", model.as_str());
+    let accounting = Accounting {
+        metrics: app.metrics.clone(),
+        started,
+    };
     // A buffered body can be sent again if the first engine was unreachable (it died
     // between handing out the lease and our connect): the request never reached it.
     let mut dead_generation = None;
-    loop {
-        let lease = app
-            .pool
-            .acquire_avoiding(model.clone(), dead_generation)
-            .await?;
+    let result = loop {
+        let lease = match app.pool.acquire_avoiding(&model, dead_generation).await {
+            Ok(l) => l,
+            Err(e) => break Err(e),
+        };
         let generation = lease.generation;
         let body: ProxyRequestBody = Full::new(bytes.clone()).map_err(|e| match e {}).boxed();
-        match forward(lease, copy_head(&parts), body, id, max).await {
-            Ok(resp) => return Ok(resp.map(|b: ProxyBody| b.boxed_unsync())),
+        match forward(
+            lease,
+            copy_head(&parts),
+            body,
+            id,
+            max,
+            Some(accounting.clone()),
+        )
+        .await
+        {
+            Ok(resp) => break Ok(resp.map(|b: ProxyBody| b.boxed_unsync())),
             Err(ForwardError::NotDelivered(e)) if dead_generation.is_none() => {
                 warn!(error = %e, "engine unreachable before the request was sent; retrying once");
                 dead_generation = Some(generation);
             }
-            Err(e) => return Err(e.into()),
+            Err(e) => break Err(e.into()),
+        }
+    };
+    if let Err(e) = &result {
+        app.metrics
+            .record_failure(&model, e.status().as_u16(), started);
+    }
+    result
+}
+
+/// `POST /admin/models/{id}/load` and `/unload`.
+async fn admin(app: &App, rest: &str) -> Result<Response<ResponseBody>, ProxyError> {
+    let (name, action) = rest
+        .rsplit_once('/')
+        .ok_or_else(|| ProxyError::NotFound(format!("no admin route for {rest:?}")))?;
+    if name.is_empty() {
+        return Err(ProxyError::BadRequest("a model id is required".into()));
+    }
+    let id = app.catalog.resolve(Some(name))?.id.clone();
+    match action {
+        "load" => app.pool.load(&id).await?,
+        "unload" => app.pool.unload(&id).await?,
+        other => {
+            return Err(ProxyError::NotFound(format!(
+                "unknown admin action {other:?}; expected load or unload"
+            )))
         }
     }
+    let row = app.pool.status().await.into_iter().find(|s| s.model == id);
+    Ok(json_response(
+        StatusCode::OK,
+        &json!({
+            "model": id,
+            "action": action,
+            "state": row.as_ref().map(|r| r.availability),
+            "engine": row,
+        }),
+    ))
+}
+
+/// `GET /logs/{model}`: recent lines as text; `?follow=1` streams them as SSE
+/// (`lines=N` sets how many recent lines come first, default 200).
+fn logs(app: &App, name: &str, query: &str) -> Result<Response<ResponseBody>, ProxyError> {
+    let id = app.catalog.resolve(Some(name))?.id.clone();
+    let log = app
+        .logs
+        .get(&id)
+        .ok_or_else(|| ProxyError::Internal(format!("no log for model {id}")))?;
+    let param = |k: &str| {
+        query
+            .split('&')
+            .find_map(|kv| kv.strip_prefix(k).and_then(|v| v.strip_prefix('=')))
+    };
+    let lines = param("lines").and_then(|v| v.parse().ok()).unwrap_or(200);
+    let follow = matches!(param("follow"), Some("1" | "true"));
+    if !follow {
+        let mut text = log.recent(lines).join("\n");
+        if !text.is_empty() {
+            text.push('\n');
+        }
+        let mut r = Response::new(
+            Full::new(Bytes::from(text))
+                .map_err(|e| match e {})
+                .boxed_unsync(),
+        );
+        r.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; charset=utf-8"),
+        );
+        return Ok(r);
+    }
+    use futures::StreamExt;
+    let (backlog, rx) = log.follow(lines);
+    let mut stopping = app.stopping.clone();
+    let stop = async move {
+        let _ = stopping.wait_for(|s| *s).await;
+    };
+    let live = tokio_stream::wrappers::BroadcastStream::new(rx).map(|r| match r {
+        Ok(line) => line_event(&line),
+        Err(tokio_stream::wrappers::errors::BroadcastStreamRecvError::Lagged(n)) => {
+            Bytes::from(format!(": {n} lines skipped (slow reader)\n\n"))
+        }
+    });
+    let events = futures::stream::iter(backlog.into_iter().map(|l| line_event(&l)))
+        .chain(live)
+        .take_until(Box::pin(stop))
+        .map(|b| Ok::<_, BoxError>(hyper::body::Frame::data(b)));
+    let mut r = Response::new(http_body_util::StreamBody::new(events).boxed_unsync());
+    let h = r.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    Ok(r)
+}
+
+/// One log line as an SSE event (a line never holds a newline).
+fn line_event(line: &str) -> Bytes {
+    Bytes::from(format!("data: {line}\n\n"))
 }
 
 fn content_length(req: &Request<Incoming>) -> Option<u64> {
@@ -329,6 +492,8 @@ async fn health(app: &App) -> Response<ResponseBody> {
     )
 }
 
+/// Every configured model, with its pool state in extension fields: `state` (loaded,
+/// loading, unloaded, failed), `failure` (the reason, when failed), `aliases`, `pinned`.
 async fn models(app: &App) -> Response<ResponseBody> {
     let engines = app.pool.status().await;
     let data: Vec<Value> = engines
@@ -339,8 +504,11 @@ async fn models(app: &App) -> Response<ResponseBody> {
                 "object": "model",
                 "created": 0,
                 "owned_by": "mlxd",
-                "state": e.state,
-                "failure": if e.state == "failed" { e.last_exit.as_ref().map(|x| x.cause.clone()) } else { None },
+                "state": e.availability,
+                "failure": e.failure,
+                "aliases": e.aliases,
+                "pinned": e.pinned,
+                "default": e.model == app.catalog.default_model,
             })
         })
         .collect();

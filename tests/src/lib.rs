@@ -60,22 +60,20 @@ impl Proxy {
     /// A config for tests: fake engine, fast backoff, runtime dir and events file in a
     /// temp dir, the given `Launch` options.
     pub fn config(dir: &Path, options: &[(&str, &str)]) -> Config {
-        let mut c = Config {
-            model: "fake-model".into(),
-            engine_bin: Some(fake_engine()),
-            runtime_dir: Some(dir.join("rt")),
-            backoff_initial_ms: 20,
-            backoff_max_ms: 200,
-            grace_ms: 2_000,
-            queue_timeout_ms: 10_000,
-            ..Config::default()
-        };
-        c.engine_options
+        let mut c = Config::single("fake-model");
+        let s = &mut c.server;
+        s.engine_bin = Some(fake_engine());
+        s.runtime_dir = Some(dir.join("rt"));
+        s.backoff_initial_ms = 20;
+        s.backoff_max_ms = 200;
+        s.grace_ms = 2_000;
+        s.queue_timeout_ms = 10_000;
+        s.engine_options
             .insert("events_file".into(), events_path(dir).display().to_string());
-        c.engine_options
+        s.engine_options
             .insert("stats_interval_ms".into(), "50".into());
         for (k, v) in options {
-            c.engine_options.insert(k.to_string(), v.to_string());
+            s.engine_options.insert(k.to_string(), v.to_string());
         }
         c
     }

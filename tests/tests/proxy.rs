@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 const T: Duration = Duration::from_secs(10);
 
 fn chat(fake: Value, stream: bool) -> Value {
-    json!({"model": "anything", "stream": stream, "messages": [{"role": "user", "content": "hi"}], "fake": fake})
+    json!({"model": "fake-model", "stream": stream, "messages": [{"role": "user", "content": "hi"}], "fake": fake})
 }
 
 async fn stream_events(p: &Proxy, fake: Value) -> Result<Vec<(Instant, String)>> {
@@ -72,7 +72,7 @@ async fn non_streaming_models_health_engines() -> Result<()> {
     let (s, _, v) = p.get("/v1/models").await?;
     assert_eq!(s, 200);
     assert_eq!(v["data"][0]["id"], "fake-model");
-    assert_eq!(v["data"][0]["state"], "ready");
+    assert_eq!(v["data"][0]["state"], "loaded");
 
     let (s, _, v) = p.get("/health").await?;
     assert_eq!(s, 200);
@@ -98,7 +98,7 @@ async fn runtime_dir_and_socket_are_private_and_stale_socket_is_replaced() -> Re
     std::fs::create_dir(&rt)?;
     std::fs::set_permissions(&rt, std::fs::Permissions::from_mode(0o755))?;
     std::fs::write(rt.join("engine-0.sock"), b"stale")?;
-    let mut p = Proxy::start_with(&[], |c| c.runtime_dir = Some(rt.clone())).await?;
+    let mut p = Proxy::start_with(&[], |c| c.server.runtime_dir = Some(rt.clone())).await?;
     let (s, _, _) = p
         .post_json("/v1/completions", &json!({"prompt": "x"}))
         .await?;
@@ -194,8 +194,8 @@ async fn requests_wait_while_the_engine_loads() -> Result<()> {
 #[tokio::test]
 async fn queue_timeout_and_queue_full_give_503_with_retry_after() -> Result<()> {
     let mut p = Proxy::start_with(&[("ready_delay_ms", "5000")], |c| {
-        c.queue_timeout_ms = 400;
-        c.queue_capacity = 1;
+        c.server.queue_timeout_ms = 400;
+        c.server.queue_capacity = 1;
     })
     .await?;
     let waiting = tokio::spawn({
@@ -309,8 +309,8 @@ async fn sigkill_and_mlx_oom_text_are_classified_out_of_memory() -> Result<()> {
 #[tokio::test]
 async fn oom_restart_shrinks_limits() -> Result<()> {
     let mut p = Proxy::start_with(&[], |c| {
-        c.limits.kv_budget_bytes = Some(1 << 30);
-        c.limits.max_batch_size = Some(8);
+        c.server.limits.kv_budget_bytes = Some(1 << 30);
+        c.server.limits.max_batch_size = Some(8);
     })
     .await?;
     let (s, _, _) = p
@@ -327,7 +327,7 @@ async fn oom_restart_shrinks_limits() -> Result<()> {
 #[tokio::test]
 async fn crash_loop_marks_the_model_failed_until_reset() -> Result<()> {
     let mut p = Proxy::start_with(&[("fatal_before_ready", "weights file missing")], |c| {
-        c.crash_limit = 3;
+        c.server.crash_limit = 3;
     })
     .await?;
     let t = Instant::now();
@@ -380,8 +380,8 @@ async fn crash_loop_marks_the_model_failed_until_reset() -> Result<()> {
 #[tokio::test]
 async fn failed_model_is_retried_after_the_cool_down() -> Result<()> {
     let mut p = Proxy::start_with(&[("exit_before_ready", "2")], |c| {
-        c.crash_limit = 1;
-        c.failed_cooldown_ms = 300;
+        c.server.crash_limit = 1;
+        c.server.failed_cooldown_ms = 300;
     })
     .await?;
     let (s, _, v) = p
@@ -447,7 +447,7 @@ async fn shutdown_lets_in_flight_streams_finish_then_stops_the_engine() -> Resul
 #[tokio::test]
 async fn shutdown_escalates_to_sigterm_then_sigkill() -> Result<()> {
     let mut p = Proxy::start_with(&[("ignore_shutdown", "1"), ("ignore_sigterm", "1")], |c| {
-        c.grace_ms = 300;
+        c.server.grace_ms = 300;
     })
     .await?;
     let (s, _, _) = p
@@ -465,7 +465,7 @@ async fn shutdown_escalates_to_sigterm_then_sigkill() -> Result<()> {
 
 #[tokio::test]
 async fn bad_input_is_rejected_without_waking_an_engine() -> Result<()> {
-    let mut p = Proxy::start_with(&[], |c| c.max_body_bytes = 1024).await?;
+    let mut p = Proxy::start_with(&[], |c| c.server.max_body_bytes = 1024).await?;
     let post = |path: &str, body: &[u8]| {
         let head = format!(
             "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
@@ -538,7 +538,7 @@ async fn bad_input_is_rejected_without_waking_an_engine() -> Result<()> {
 
 #[tokio::test]
 async fn a_hung_request_at_shutdown_gets_an_error_event_and_the_engine_is_killed() -> Result<()> {
-    let mut p = Proxy::start_with(&[], |c| c.grace_ms = 300).await?;
+    let mut p = Proxy::start_with(&[], |c| c.server.grace_ms = 300).await?;
     let body = chat(
         json!({"chunks": 10, "interval_ms": 1, "then": "hang", "at": 2}),
         true,
@@ -563,8 +563,8 @@ async fn a_hung_request_at_shutdown_gets_an_error_event_and_the_engine_is_killed
 #[tokio::test]
 async fn an_engine_stuck_loading_is_killed_at_the_load_timeout() -> Result<()> {
     let mut p = Proxy::start_with(&[("ready_delay_ms", "60000")], |c| {
-        c.load_timeout_ms = 300;
-        c.crash_limit = 1;
+        c.server.load_timeout_ms = 300;
+        c.server.crash_limit = 1;
     })
     .await?;
     let (s, _, v) = p

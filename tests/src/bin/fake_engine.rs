@@ -3,6 +3,7 @@
 //!
 //! Start-up behaviour comes from `Launch.options` (see [`Script`]); per-request
 //! behaviour from an optional `"fake"` object in the JSON body (see [`RequestScript`]).
+//! Responses name the model id the supervisor gave it (`MLXD_MODEL`) in `"model"`.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -40,7 +41,8 @@ const OOM_TEXT: &str = "libc++abi: terminating due to uncaught exception of type
 /// - `sigkill_before_ready=1`: SIGKILL itself while loading;
 /// - `crash_once_marker=<path>`: if the file is absent, create it and exit 3 before ready;
 /// - `events_file=<path>`: append one line per lifecycle event (for tests);
-/// - `stats_interval_ms` (default 200), `memory_bytes` (default 123456789);
+/// - `stats_interval_ms` (default 200), `memory_bytes` (default 123456789),
+///   `weight_bytes` (default 1000, reported in `Ready`);
 /// - `ignore_sigterm=1`, `ignore_shutdown=1`: to test the supervisor's escalation;
 /// - `chunks`, `interval_ms`: defaults for streaming responses (8 chunks, 5 ms);
 /// - `vanish_after_requests=<n>`: after n generation requests, remove the socket and
@@ -111,7 +113,9 @@ fn main() -> Result<()> {
         // SAFETY: installing SIG_IGN for SIGTERM has no memory-safety preconditions.
         unsafe { libc::signal(libc::SIGTERM, libc::SIG_IGN) };
     }
-    script.event(&format!("start model={}", launch.model));
+    // The id the supervisor serves this engine under; `Launch.model` is what to load.
+    let model_id = std::env::var("MLXD_MODEL").unwrap_or_else(|_| launch.model.clone());
+    script.event(&format!("start model={model_id} source={}", launch.model));
     let tx = chan.sender();
 
     let (parent_tx, parent_rx) = mpsc::unbounded_channel();
@@ -122,7 +126,7 @@ fn main() -> Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    rt.block_on(run(script, launch.model, launch.socket_path, tx, parent_rx))
+    rt.block_on(run(script, model_id, launch.socket_path, tx, parent_rx))
 }
 
 async fn run(
@@ -173,7 +177,7 @@ async fn run(
     tx.send_ready(Ready {
         version: PROTOCOL_VERSION,
         model_id: model,
-        weight_bytes: 1000,
+        weight_bytes: script.get("weight_bytes").unwrap_or(1000),
         kv_bytes_per_token: 10,
         context_length: 2048,
         capabilities: vec!["chat".into(), "completions".into()],
@@ -230,6 +234,10 @@ async fn run(
                     if !script.flag("ignore_shutdown") {
                         engine.draining.store(true, Ordering::Relaxed);
                         shutting_down = true;
+                        if engine.active.load(Ordering::Relaxed) == 0 {
+                            script.event("shutdown complete");
+                            std::process::exit(0);
+                        }
                     }
                 }
                 Some(ParentEvent::Closed) | Some(ParentEvent::Broken(_)) | None => {

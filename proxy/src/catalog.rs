@@ -1,0 +1,321 @@
+//! The configured models, fixed at start: `[[model]]` entries, the `models_dir` scan
+//! and `--model` flags, resolved into [`ModelEntry`]s; and routing a request's `model`
+//! (id or alias) to one of them.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+use mlxd_protocol::control::Limits;
+
+use crate::config::{Config, ConfigError, ModelConfig, DEFAULT_MODEL};
+use crate::error::ProxyError;
+
+/// One servable model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelEntry {
+    pub id: String,
+    /// What the engine is asked to load (`Launch.model`).
+    pub source: String,
+    pub aliases: Vec<String>,
+    pub pinned: bool,
+    /// Idle unload after this long; zero = never.
+    pub ttl: Duration,
+    pub limits: Limits,
+    /// Engine options: `[server] engine_options` plus the model's own.
+    pub options: BTreeMap<String, String>,
+    /// Memory to plan for before the engine reports its own: the configured `memory`,
+    /// else the weights on disk (0 when unknown: a known name or a repo id).
+    pub planned_bytes: u64,
+}
+
+/// All models and the routing rules.
+#[derive(Debug, Clone)]
+pub struct Catalog {
+    pub models: Vec<ModelEntry>,
+    pub default_model: String,
+    pub route_unknown_to_default: bool,
+    names: BTreeMap<String, usize>,
+}
+
+impl Catalog {
+    /// Builds the catalog from `config`: the `[[model]]` entries first, then whatever
+    /// `models_dir` holds that they do not name already. With no models at all, the
+    /// default model (`smollm2-135m`).
+    pub fn from_config(config: &Config) -> Result<Self, ConfigError> {
+        let mut configs: Vec<ModelConfig> = config.models.clone();
+        if let Some(dir) = &config.pool.models_dir {
+            for found in scan_models_dir(dir)? {
+                let taken = configs
+                    .iter()
+                    .any(|m| m.id == found.id || m.source() == found.source());
+                if !taken {
+                    configs.push(found);
+                }
+            }
+        }
+        if configs.is_empty() {
+            configs.push(ModelConfig::new(DEFAULT_MODEL));
+        }
+        let checked = Config {
+            models: configs.clone(),
+            ..config.clone()
+        };
+        checked.validate(None)?;
+
+        let mut models = Vec::with_capacity(configs.len());
+        let mut names = BTreeMap::new();
+        for (i, m) in configs.iter().enumerate() {
+            names.insert(m.id.clone(), i);
+            for a in &m.aliases {
+                names.insert(a.clone(), i);
+            }
+            let mut options = config.server.engine_options.clone();
+            options.extend(m.options.clone());
+            models.push(ModelEntry {
+                id: m.id.clone(),
+                source: m.source().to_string(),
+                aliases: m.aliases.clone(),
+                pinned: m.pinned,
+                ttl: m.ttl.unwrap_or(config.pool.ttl),
+                limits: m.limits(&config.server.limits),
+                options,
+                planned_bytes: m.memory.unwrap_or_else(|| weights_on_disk(m.source())),
+            });
+        }
+        let default_model = match &config.pool.default_model {
+            Some(d) => models[names[d.as_str()]].id.clone(),
+            None => models[0].id.clone(),
+        };
+        Ok(Self {
+            models,
+            default_model,
+            route_unknown_to_default: config.pool.route_unknown_to_default,
+            names,
+        })
+    }
+
+    /// The model a request names: missing or empty → the default; an id or alias →
+    /// that model; anything else → 404 listing the ids (or the default, if so configured).
+    pub fn resolve(&self, requested: Option<&str>) -> Result<&ModelEntry, ProxyError> {
+        let name = requested.map(str::trim).unwrap_or("");
+        if name.is_empty() {
+            return Ok(self.default_entry());
+        }
+        match self.names.get(name) {
+            Some(&i) => Ok(&self.models[i]),
+            None if self.route_unknown_to_default => Ok(self.default_entry()),
+            None => Err(ProxyError::ModelNotFound {
+                requested: name.to_string(),
+                available: self.ids(),
+            }),
+        }
+    }
+
+    pub fn get(&self, id: &str) -> Option<&ModelEntry> {
+        self.names.get(id).map(|&i| &self.models[i])
+    }
+
+    pub fn ids(&self) -> Vec<String> {
+        self.models.iter().map(|m| m.id.clone()).collect()
+    }
+
+    fn default_entry(&self) -> &ModelEntry {
+        self.get(&self.default_model)
+            .unwrap_or_else(|| &self.models[0])
+    }
+}
+
+/// Each subdirectory of `dir` with a `config.json` (id: the directory name) and each
+/// `*.gguf` file (id: the file stem), in name order.
+pub fn scan_models_dir(dir: &Path) -> Result<Vec<ModelConfig>, ConfigError> {
+    let entries = std::fs::read_dir(dir).map_err(|e| ConfigError::Setting {
+        field: "pool.models_dir".into(),
+        message: format!("cannot read {}: {e}", dir.display()),
+    })?;
+    let mut paths: Vec<_> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
+    paths.sort();
+    let mut out = Vec::new();
+    for p in paths {
+        let Some(name) = p.file_name().map(|n| n.to_string_lossy().into_owned()) else {
+            continue;
+        };
+        if name.starts_with('.') {
+            continue;
+        }
+        let id = if p.is_dir() && p.join("config.json").is_file() {
+            name
+        } else if p.is_file()
+            && p.extension()
+                .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+        {
+            match p.file_stem() {
+                Some(s) => s.to_string_lossy().into_owned(),
+                None => continue,
+            }
+        } else {
+            continue;
+        };
+        out.push(ModelConfig {
+            id,
+            path: Some(p.display().to_string()),
+            ..ModelConfig::default()
+        });
+    }
+    Ok(out)
+}
+
+/// Bytes of weights on disk: a `.gguf` file's size, or the sum of a directory's
+/// `*.safetensors` and `*.gguf` files; 0 for anything else.
+pub fn weights_on_disk(source: &str) -> u64 {
+    let p = Path::new(source);
+    if p.is_file() {
+        return p.metadata().map(|m| m.len()).unwrap_or(0);
+    }
+    let Ok(entries) = std::fs::read_dir(p) else {
+        return 0;
+    };
+    entries
+        .filter_map(Result::ok)
+        .filter(|e| {
+            let n = e.file_name();
+            let n = n.to_string_lossy();
+            n.ends_with(".safetensors") || n.ends_with(".gguf")
+        })
+        .filter_map(|e| e.metadata().ok())
+        .filter(|m| m.is_file())
+        .map(|m| m.len())
+        .sum()
+}
+
+/// Physical memory in bytes: `MemTotal` from `/proc/meminfo` on Linux, `hw.memsize`
+/// on macOS; `None` where neither is available.
+pub fn physical_memory() -> Option<u64> {
+    #[cfg(target_os = "macos")]
+    {
+        let mut size: u64 = 0;
+        let mut len = std::mem::size_of::<u64>();
+        // SAFETY: the name is NUL-terminated; `size` and `len` are valid for writes
+        // of the sizes given.
+        let rc = unsafe {
+            libc::sysctlbyname(
+                c"hw.memsize".as_ptr(),
+                (&mut size as *mut u64).cast(),
+                &mut len,
+                std::ptr::null_mut(),
+                0,
+            )
+        };
+        if rc == 0 {
+            return Some(size);
+        }
+    }
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    parse_meminfo(&text)
+}
+
+fn parse_meminfo(text: &str) -> Option<u64> {
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// The memory budget: configured, else physical memory minus the reserve.
+pub fn memory_budget(config: &Config) -> u64 {
+    config.pool.memory_budget.unwrap_or_else(|| {
+        physical_memory()
+            .map(|m| m.saturating_sub(config.pool.memory_reserve))
+            .unwrap_or(u64::MAX)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn catalog(text: &str) -> Catalog {
+        Catalog::from_config(&Config::from_toml_str(text, "t.toml").unwrap()).unwrap()
+    }
+
+    #[test]
+    fn routing_by_id_alias_and_default() {
+        let c = catalog(
+            "[pool]\ndefault_model = \"b\"\n[[model]]\nid = \"a\"\naliases = [\"gpt-4\", \"A\"]\n[[model]]\nid = \"b\"\n",
+        );
+        assert_eq!(c.resolve(Some("a")).unwrap().id, "a");
+        assert_eq!(c.resolve(Some("gpt-4")).unwrap().id, "a");
+        assert_eq!(c.resolve(Some("A")).unwrap().id, "a");
+        assert_eq!(c.resolve(None).unwrap().id, "b");
+        assert_eq!(c.resolve(Some("")).unwrap().id, "b");
+        match c.resolve(Some("zzz")) {
+            Err(ProxyError::ModelNotFound {
+                requested,
+                available,
+            }) => {
+                assert_eq!(requested, "zzz");
+                assert_eq!(available, ["a", "b"]);
+            }
+            other => panic!("{other:?}"),
+        }
+        let c = catalog(
+            "[pool]\nroute_unknown_to_default = true\n[[model]]\nid = \"a\"\n[[model]]\nid = \"b\"\n",
+        );
+        assert_eq!(c.resolve(Some("zzz")).unwrap().id, "a");
+    }
+
+    #[test]
+    fn default_alias_resolves_to_its_model() {
+        let c =
+            catalog("[pool]\ndefault_model = \"x\"\n[[model]]\nid = \"a\"\naliases = [\"x\"]\n");
+        assert_eq!(c.default_model, "a");
+    }
+
+    #[test]
+    fn nothing_configured_serves_the_default_model() {
+        let c = Catalog::from_config(&Config::default()).unwrap();
+        assert_eq!(c.ids(), [DEFAULT_MODEL]);
+        assert_eq!(c.resolve(None).unwrap().source, DEFAULT_MODEL);
+    }
+
+    #[test]
+    fn models_dir_scan_and_sizes() {
+        let dir = tempfile::tempdir().unwrap();
+        let llama = dir.path().join("tiny-llama");
+        std::fs::create_dir(&llama).unwrap();
+        std::fs::write(llama.join("config.json"), "{}").unwrap();
+        std::fs::write(llama.join("model-00001.safetensors"), vec![0u8; 1000]).unwrap();
+        std::fs::write(llama.join("model-00002.safetensors"), vec![0u8; 500]).unwrap();
+        std::fs::write(llama.join("tokenizer.json"), vec![0u8; 9999]).unwrap();
+        std::fs::create_dir(dir.path().join("not-a-model")).unwrap();
+        std::fs::create_dir(dir.path().join(".hidden")).unwrap();
+        std::fs::write(dir.path().join(".hidden/config.json"), "{}").unwrap();
+        std::fs::write(dir.path().join("smol.gguf"), vec![0u8; 300]).unwrap();
+        std::fs::write(dir.path().join("notes.txt"), "x").unwrap();
+        // A configured entry wins over the scanned one of the same id.
+        let text = format!(
+            "[pool]\nmodels_dir = {:?}\n[[model]]\nid = \"smol\"\npath = \"smollm2-135m\"\npinned = true\n",
+            dir.path().display().to_string()
+        );
+        let c = catalog(&text);
+        assert_eq!(c.ids(), ["smol", "tiny-llama"]);
+        assert!(c.get("smol").unwrap().pinned);
+        assert_eq!(c.get("smol").unwrap().source, "smollm2-135m");
+        let t = c.get("tiny-llama").unwrap();
+        assert_eq!(t.source, llama.display().to_string());
+        assert_eq!(t.planned_bytes, 1500);
+        let scanned = scan_models_dir(dir.path()).unwrap();
+        assert_eq!(scanned.len(), 2);
+        assert_eq!(
+            weights_on_disk(&dir.path().join("smol.gguf").display().to_string()),
+            300
+        );
+        assert!(scan_models_dir(&dir.path().join("missing")).is_err());
+    }
+
+    #[test]
+    fn meminfo() {
+        let text = "MemTotal:       16384000 kB\nMemFree:  1 kB\n";
+        assert_eq!(parse_meminfo(text), Some(16_384_000 * 1024));
+        assert!(physical_memory().unwrap_or(1) > 0);
+    }
+}

@@ -1,0 +1,379 @@
+//! Prometheus metrics (`GET /metrics`), per model label, with `prometheus-client`.
+//!
+//! Request metrics are recorded by a [`RequestTap`] that rides along with each routed
+//! response body: time to first byte/event, duration at the end (or when the client
+//! goes away), and tokens from the engine's `usage` (or, for streams without a usage
+//! chunk, one token per content chunk).
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use serde_json::Value;
+use tokio::time::Instant;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelLabel {
+    pub model: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    pub model: String,
+    pub status: u16,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EvictionLabels {
+    pub model: String,
+    /// `lru` (room for another model), `ttl` (idle), `admin` (unload).
+    pub reason: String,
+}
+
+type HistFamily = Family<ModelLabel, Histogram, fn() -> Histogram>;
+
+fn latency_histogram() -> Histogram {
+    // 5 ms … ~164 s.
+    Histogram::new(exponential_buckets(0.005, 2.0, 16))
+}
+
+/// Every metric `mlxd` exports.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    pub requests: Family<RequestLabels, Counter>,
+    pub prompt_tokens: Family<ModelLabel, Counter>,
+    pub completion_tokens: Family<ModelLabel, Counter>,
+    pub ttft: HistFamily,
+    pub duration: HistFamily,
+    pub load_duration: HistFamily,
+    pub queue_depth: Family<ModelLabel, Gauge>,
+    pub in_flight: Family<ModelLabel, Gauge>,
+    pub loads: Family<ModelLabel, Counter>,
+    pub evictions: Family<EvictionLabels, Counter>,
+    pub restarts: Family<ModelLabel, Counter>,
+    pub memory: Family<ModelLabel, Gauge>,
+    pub loaded: Family<ModelLabel, Gauge>,
+    pub memory_budget: Gauge,
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let hist = || HistFamily::new_with_constructor(latency_histogram as fn() -> Histogram);
+        let m = Self {
+            requests: Family::default(),
+            prompt_tokens: Family::default(),
+            completion_tokens: Family::default(),
+            ttft: hist(),
+            duration: hist(),
+            load_duration: hist(),
+            queue_depth: Family::default(),
+            in_flight: Family::default(),
+            loads: Family::default(),
+            evictions: Family::default(),
+            restarts: Family::default(),
+            memory: Family::default(),
+            loaded: Family::default(),
+            memory_budget: Gauge::default(),
+            registry: Registry::default(),
+        };
+        registry.register(
+            "mlxd_requests",
+            "Routed requests by model and HTTP status",
+            m.requests.clone(),
+        );
+        registry.register(
+            "mlxd_prompt_tokens",
+            "Prompt tokens (tokens in), from the engine's usage",
+            m.prompt_tokens.clone(),
+        );
+        registry.register(
+            "mlxd_completion_tokens",
+            "Completion tokens (tokens out), from usage or counted stream chunks",
+            m.completion_tokens.clone(),
+        );
+        registry.register(
+            "mlxd_time_to_first_token_seconds",
+            "From request arrival to the first content event (streams) or the first body byte",
+            m.ttft.clone(),
+        );
+        registry.register(
+            "mlxd_request_duration_seconds",
+            "From request arrival to the end of the response",
+            m.duration.clone(),
+        );
+        registry.register(
+            "mlxd_engine_load_duration_seconds",
+            "From engine spawn to Ready",
+            m.load_duration.clone(),
+        );
+        registry.register(
+            "mlxd_queue_depth",
+            "Requests waiting for the model's engine to start",
+            m.queue_depth.clone(),
+        );
+        registry.register(
+            "mlxd_requests_in_flight",
+            "Requests handed to the model's engine and not yet finished",
+            m.in_flight.clone(),
+        );
+        registry.register("mlxd_engine_loads", "Engine starts", m.loads.clone());
+        registry.register(
+            "mlxd_engine_evictions",
+            "Engines stopped by the pool (lru, ttl, admin)",
+            m.evictions.clone(),
+        );
+        registry.register(
+            "mlxd_engine_restarts",
+            "Engine restarts after a crash",
+            m.restarts.clone(),
+        );
+        registry.register(
+            "mlxd_engine_memory_bytes",
+            "Memory counted for the model's engine (reported, or planned while loading)",
+            m.memory.clone(),
+        );
+        registry.register(
+            "mlxd_engine_loaded",
+            "1 while the model's engine is ready",
+            m.loaded.clone(),
+        );
+        registry.register(
+            "mlxd_memory_budget_bytes",
+            "Memory all engines together may use",
+            m.memory_budget.clone(),
+        );
+        Self { registry, ..m }
+    }
+
+    /// The text exposition format.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+
+    pub fn label(model: &str) -> ModelLabel {
+        ModelLabel {
+            model: model.to_string(),
+        }
+    }
+
+    /// Records a request that never reached an engine (or failed before a response).
+    pub fn record_failure(&self, model: &str, status: u16, started: Instant) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                model: model.to_string(),
+                status,
+            })
+            .inc();
+        self.duration
+            .get_or_create(&Self::label(model))
+            .observe(started.elapsed().as_secs_f64());
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Largest non-streaming body kept to read `usage` from.
+const USAGE_BODY_MAX: usize = 1 << 20;
+
+/// Accounting for one routed response; records everything when dropped.
+pub struct RequestTap {
+    metrics: std::sync::Arc<Metrics>,
+    model: String,
+    status: u16,
+    started: Instant,
+    first: Option<Duration>,
+    sse: bool,
+    body: Vec<u8>,
+    chunks: u64,
+    usage: Option<(u64, u64)>,
+}
+
+impl RequestTap {
+    pub fn new(
+        metrics: std::sync::Arc<Metrics>,
+        model: &str,
+        status: u16,
+        started: Instant,
+        sse: bool,
+    ) -> Self {
+        Self {
+            metrics,
+            model: model.to_string(),
+            status,
+            started,
+            first: None,
+            sse,
+            body: Vec::new(),
+            chunks: 0,
+            usage: None,
+        }
+    }
+
+    /// A piece of a non-streaming body.
+    pub fn data(&mut self, b: &Bytes) {
+        self.mark_first();
+        if self.body.len() + b.len() <= USAGE_BODY_MAX {
+            self.body.extend_from_slice(b);
+        }
+    }
+
+    /// One whole SSE event.
+    pub fn event(&mut self, ev: &Bytes) {
+        let Some(v) = event_json(ev) else { return };
+        if let Some(u) = usage_of(&v) {
+            self.usage = Some(u);
+        }
+        let has_content = v["choices"].as_array().is_some_and(|cs| {
+            cs.iter().any(|c| {
+                c["delta"]["content"]
+                    .as_str()
+                    .is_some_and(|s| !s.is_empty())
+                    || c["text"].as_str().is_some_and(|s| !s.is_empty())
+            })
+        }) || v["delta"]["text"].as_str().is_some_and(|s| !s.is_empty());
+        if has_content {
+            // The first token, not a role-only or metadata chunk.
+            self.mark_first();
+            self.chunks += 1;
+        }
+    }
+
+    fn mark_first(&mut self) {
+        if self.first.is_none() {
+            self.first = Some(self.started.elapsed());
+        }
+    }
+}
+
+impl Drop for RequestTap {
+    fn drop(&mut self) {
+        let m = &self.metrics;
+        let label = Metrics::label(&self.model);
+        m.requests
+            .get_or_create(&RequestLabels {
+                model: self.model.clone(),
+                status: self.status,
+            })
+            .inc();
+        m.duration
+            .get_or_create(&label)
+            .observe(self.started.elapsed().as_secs_f64());
+        if let Some(first) = self.first {
+            if self.status < 400 {
+                m.ttft.get_or_create(&label).observe(first.as_secs_f64());
+            }
+        }
+        let usage = if self.sse {
+            self.usage.or((self.chunks > 0).then_some((0, self.chunks)))
+        } else {
+            serde_json::from_slice::<Value>(&self.body)
+                .ok()
+                .as_ref()
+                .and_then(usage_of)
+        };
+        if let Some((prompt, completion)) = usage {
+            m.prompt_tokens.get_or_create(&label).inc_by(prompt);
+            m.completion_tokens.get_or_create(&label).inc_by(completion);
+        }
+    }
+}
+
+fn event_json(ev: &[u8]) -> Option<Value> {
+    let text = std::str::from_utf8(ev).ok()?;
+    let data: String = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data:"))
+        .map(str::trim_start)
+        .collect::<Vec<_>>()
+        .join("\n");
+    if data.is_empty() || data == "[DONE]" {
+        return None;
+    }
+    serde_json::from_str(&data).ok()
+}
+
+/// `(prompt, completion)` from an OpenAI `usage` or an Anthropic one.
+fn usage_of(v: &Value) -> Option<(u64, u64)> {
+    let u = v.get("usage").filter(|u| u.is_object())?;
+    let get = |a: &str, b: &str| u[a].as_u64().or_else(|| u[b].as_u64());
+    let prompt = get("prompt_tokens", "input_tokens");
+    let completion = get("completion_tokens", "output_tokens");
+    (prompt.is_some() || completion.is_some())
+        .then(|| (prompt.unwrap_or(0), completion.unwrap_or(0)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[tokio::test]
+    async fn taps_count_tokens_from_usage_or_chunks() {
+        let m = Arc::new(Metrics::new());
+        {
+            let mut t = RequestTap::new(m.clone(), "a", 200, Instant::now(), false);
+            t.data(&Bytes::from_static(
+                br#"{"choices":[],"usage":{"prompt_tokens":7,"#,
+            ));
+            t.data(&Bytes::from_static(br#""completion_tokens":3}}"#));
+        }
+        {
+            let mut t = RequestTap::new(m.clone(), "a", 200, Instant::now(), true);
+            for _ in 0..4 {
+                t.event(&Bytes::from_static(
+                    b"data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\n",
+                ));
+            }
+            t.event(&Bytes::from_static(b"data: [DONE]\n\n"));
+        }
+        {
+            let mut t = RequestTap::new(m.clone(), "b", 200, Instant::now(), true);
+            t.event(&Bytes::from_static(
+                b"data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\n",
+            ));
+            t.event(&Bytes::from_static(
+                b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":2,\"completion_tokens\":9}}\n\n",
+            ));
+        }
+        m.record_failure("b", 503, Instant::now());
+        let text = m.encode();
+        assert!(
+            text.contains("mlxd_prompt_tokens_total{model=\"a\"} 7"),
+            "{text}"
+        );
+        assert!(
+            text.contains("mlxd_completion_tokens_total{model=\"a\"} 7"),
+            "{text}"
+        );
+        assert!(
+            text.contains("mlxd_completion_tokens_total{model=\"b\"} 9"),
+            "{text}"
+        );
+        assert!(
+            text.contains("mlxd_requests_total{model=\"a\",status=\"200\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("mlxd_requests_total{model=\"b\",status=\"503\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("mlxd_time_to_first_token_seconds_count{model=\"a\"} 2"),
+            "{text}"
+        );
+    }
+}

