@@ -43,6 +43,10 @@ fn default_true() -> bool {
 }
 
 impl Config {
+    pub fn from_json(config: &Value) -> Result<Self, LoadError> {
+        serde_json::from_value(config.clone()).map_err(|e| LoadError::Config(e.to_string()))
+    }
+
     pub fn kv_heads(&self) -> i32 {
         self.num_key_value_heads.unwrap_or(self.num_attention_heads)
     }
@@ -173,21 +177,13 @@ pub struct Llama {
 }
 
 pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadError> {
-    let c: Config =
-        serde_json::from_value(config.clone()).map_err(|e| LoadError::Config(e.to_string()))?;
+    let c = Config::from_json(config)?;
     // Qwen2 puts biases on q/k/v (not o) without saying so in its config.
     let qkv_bias = c.attention_bias || c.model_type == "qwen2";
-    let rope = rope_from_config(
-        c.head_dim(),
-        c.rope_theta,
-        c.rope_traditional,
-        c.rope_scaling.as_ref(),
-    )?;
     build_decoder(
         config,
         &c,
         w,
-        rope,
         Variant {
             qkv_bias,
             qk_norm: false,
@@ -205,10 +201,15 @@ pub(crate) fn build_decoder(
     config: &Value,
     c: &Config,
     w: &mut Weights,
-    rope: Rope,
     variant: Variant,
 ) -> Result<Box<dyn CausalLm>, LoadError> {
     let Variant { qkv_bias, qk_norm } = variant;
+    let rope = rope_from_config(
+        c.head_dim(),
+        c.rope_theta,
+        c.rope_traditional,
+        c.rope_scaling.as_ref(),
+    )?;
     let head_dim = c.head_dim();
     let mut layers = Vec::with_capacity(c.num_hidden_layers);
     for i in 0..c.num_hidden_layers {

@@ -2,7 +2,7 @@
 //! `head_dim`, and `rope_theta` possibly nested under `rope_parameters` (transformers ≥ 5).
 use serde_json::Value;
 
-use super::llama::{build_decoder, rope_from_config, Config, Variant};
+use super::llama::{build_decoder, Config, Variant};
 use super::CausalLm;
 use crate::loader::{LoadError, Weights};
 
@@ -21,22 +21,14 @@ pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadE
     if config.get("rope_theta").is_none() {
         return Err(LoadError::Config("Qwen3 config has no rope_theta".into()));
     }
-    let c: Config =
-        serde_json::from_value(config.clone()).map_err(|e| LoadError::Config(e.to_string()))?;
+    let c = Config::from_json(&config)?;
     if c.head_dim.is_none() {
         return Err(LoadError::Config("Qwen3 config has no head_dim".into()));
     }
-    let rope = rope_from_config(
-        c.head_dim(),
-        c.rope_theta,
-        c.rope_traditional,
-        c.rope_scaling.as_ref(),
-    )?;
     build_decoder(
         &config,
         &c,
         w,
-        rope,
         Variant {
             qkv_bias: c.attention_bias,
             qk_norm: true,
