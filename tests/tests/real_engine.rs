@@ -125,6 +125,16 @@ async fn chat(addr: std::net::SocketAddr, max_tokens: u32) -> Result<(hyper::Sta
     Ok((status, v))
 }
 
+/// The pid and `/engines` entry of the first engine.
+async fn first_engine(addr: std::net::SocketAddr) -> Result<(i32, Value)> {
+    let (_, _, engines) = json_of(send(addr, "GET", "/engines", None).await?).await?;
+    let engine = engines["engines"][0].clone();
+    let pid = engine["pid"]
+        .as_i64()
+        .with_context(|| format!("no engine pid in {engines}"))? as i32;
+    Ok((pid, engine))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_of_the_real_engine_mid_stream_gives_an_error_event_then_a_restart() -> Result<()> {
     let mlxd = start_mlxd().await?;
