@@ -149,10 +149,7 @@ async fn sigkill_of_the_real_engine_mid_stream_gives_an_error_event_then_a_resta
             .contains("Paris"),
         "{v}"
     );
-    let (_, _, engines) = json_of(send(mlxd.addr, "GET", "/engines", None).await?).await?;
-    let pid = engines["engines"][0]["pid"]
-        .as_i64()
-        .context("engine pid")? as i32;
+    let (pid, _) = first_engine(mlxd.addr).await?;
 
     // A long stream; kill -9 the engine once tokens are flowing.
     let body = json!({"messages": [{"role": "user", "content": "Tell me a long story about the sea."}],
@@ -225,14 +222,8 @@ async fn sigkill_of_the_real_engine_mid_stream_gives_an_error_event_then_a_resta
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let (_, _, engines) = json_of(send(mlxd.addr, "GET", "/engines", None).await?).await?;
-    let new_pid = engines["engines"][0]["pid"]
-        .as_i64()
-        .context("engine pid")? as i32;
+    let (new_pid, engine) = first_engine(mlxd.addr).await?;
     assert_ne!(new_pid, pid, "a new engine process serves after the crash");
-    assert!(
-        engines["engines"][0]["restarts"].as_u64().unwrap_or(0) >= 1,
-        "{engines}"
-    );
+    assert!(engine["restarts"].as_u64().unwrap_or(0) >= 1, "{engine}");
     Ok(())
 }
