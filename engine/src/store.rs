@@ -1077,4 +1077,67 @@ mod tests {
             0
         );
     }
+
+    #[test]
+    fn parses_repo_ids() {
+        let r = HfRepoId::parse("Qwen/Qwen3-0.6B").unwrap();
+        assert_eq!(
+            (r.org.as_str(), r.name.as_str(), r.revision.as_str()),
+            ("Qwen", "Qwen3-0.6B", "main")
+        );
+        assert_eq!(r.repo(), "Qwen/Qwen3-0.6B");
+        let r = HfRepoId::parse("mlx-community/Llama-3.2-1B-Instruct-4bit@v1.0").unwrap();
+        assert_eq!(r.name, "Llama-3.2-1B-Instruct-4bit");
+        assert_eq!(r.revision, "v1.0");
+        let r = HfRepoId::parse("org/m_1@refs/pr/12").unwrap();
+        assert_eq!(r.revision, "refs/pr/12");
+        assert_eq!(r.revision_key(), "refs--pr--12");
+        for bad in [
+            "smollm2-135m",
+            "org/",
+            "/name",
+            "-org/name",
+            ".org/name",
+            "org/name/extra",
+            "org/na me",
+            "org/name@",
+            "org/name@a@b",
+            "org/..",
+            "org/name@../x",
+            "org/name@a//b",
+            "./model",
+            "../models/x",
+            "/abs/path",
+        ] {
+            assert_eq!(HfRepoId::parse(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn repo_files_kept_from_a_listing() {
+        for f in [
+            "config.json",
+            "model-00001-of-00002.safetensors",
+            "model.safetensors.index.json",
+            "chat_template.jinja",
+            "special_tokens_map.json",
+        ] {
+            assert!(hf_wanted(f), "{f}");
+        }
+        for f in [
+            "pytorch_model.bin",
+            "README.md",
+            ".gitattributes",
+            "original/model.safetensors",
+            "onnx/model.onnx",
+        ] {
+            assert!(!hf_wanted(f), "{f}");
+        }
+    }
+
+    #[test]
+    fn truthy_values() {
+        assert!(is_truthy("1") && is_truthy("TRUE") && is_truthy(" yes "));
+        assert!(!is_truthy("0") && !is_truthy("") && !is_truthy("false"));
+    }
 }
