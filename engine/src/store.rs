@@ -629,6 +629,19 @@ fn hf_wanted(file: &str) -> bool {
         && (NAMED.contains(&file) || file.ends_with(".safetensors"))
 }
 
+/// Percent-encodes every byte of `s` outside RFC 3986's unreserved set, `/` included.
+fn url_component(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
 /// Sends a GET to the Hub, with the bearer token if there is one, mapping 401/403 and 404.
 fn hf_get(
     agent: &ureq::Agent,
@@ -670,7 +683,7 @@ fn hf_repo_info(
         "{}/api/models/{}/revision/{}",
         opts.hf_endpoint,
         repo.repo(),
-        repo.revision.replace('/', "%2F")
+        url_component(&repo.revision)
     );
     let meta_err = |message: String| StoreError::HfMetadata {
         url: url.clone(),
@@ -743,7 +756,12 @@ fn download_hf(repo: &HfRepoId, opts: &StoreOptions, dest: &Path) -> Result<(), 
         });
     }
     for file in wanted {
-        let url = format!("{}/{}/resolve/{sha}/{file}", opts.hf_endpoint, repo.repo());
+        let url = format!(
+            "{}/{}/resolve/{sha}/{}",
+            opts.hf_endpoint,
+            repo.repo(),
+            url_component(file)
+        );
         let resp = hf_get(&agent, &url, opts.hf_token.as_deref())?;
         let expected = resp
             .header("Content-Length")
@@ -1133,6 +1151,13 @@ mod tests {
         ] {
             assert!(!hf_wanted(f), "{f}");
         }
+    }
+
+    #[test]
+    fn url_components_are_escaped() {
+        assert_eq!(url_component("refs/pr/1"), "refs%2Fpr%2F1");
+        assert_eq!(url_component("a b+c.safetensors"), "a%20b%2Bc.safetensors");
+        assert_eq!(url_component("v1.0-rc_2~x"), "v1.0-rc_2~x");
     }
 
     #[test]
