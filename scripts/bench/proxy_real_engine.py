@@ -65,7 +65,7 @@ def main():
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 5
     max_tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 16
     model = sys.argv[3] if len(sys.argv) > 3 else "smollm2-135m"
-    bins = os.path.join(ROOT, "target", "release")
+    bins = os.environ.get("MLXD_BIN_DIR", os.path.join(ROOT, "target", "release"))
     runtime = tempfile.mkdtemp()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
