@@ -47,7 +47,9 @@ def stream(conn, max_tokens):
         buf += chunk
         while b"\n\n" in buf:
             event, buf = buf.split(b"\n\n", 1)
-            if b'"content":"' in event and b'"content":""' not in event:
+            # Count generated tokens by their ids: random-weight models may emit ids whose
+            # text is empty.
+            if b'"token_ids":[' in event:
                 tokens += 1
                 if first is None:
                     first = time.perf_counter()
