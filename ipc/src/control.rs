@@ -226,9 +226,13 @@ impl ControlSender {
 /// [`SUPERVISOR_PID_ENV`], when set). Call first thing in `main`, from the main thread.
 pub fn set_parent_death_signal() -> Result<(), ControlError> {
     // SAFETY: prctl with PR_SET_PDEATHSIG takes a signal number and touches no memory.
-    let rc = unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) };
-    if rc != 0 {
-        return Err(io::Error::last_os_error().into());
+    // Linux only: elsewhere the engine relies on stdin reaching end of file.
+    #[cfg(target_os = "linux")]
+    {
+        let rc = unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) };
+        if rc != 0 {
+            return Err(io::Error::last_os_error().into());
+        }
     }
     if let Some(expected) = std::env::var(SUPERVISOR_PID_ENV)
         .ok()

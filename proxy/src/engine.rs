@@ -164,7 +164,9 @@ pub fn spawn(
         .envs(&spec.env);
     // SAFETY: the closure runs between fork and exec and only calls prctl, which is
     // async-signal-safe. Engines arm this themselves too; doing it here as well covers
-    // the window before the engine's `main` runs.
+    // the window before the engine's `main` runs. (Linux only: elsewhere engines rely on
+    // stdin reaching end of file when the supervisor dies.)
+    #[cfg(target_os = "linux")]
     unsafe {
         cmd.pre_exec(|| {
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
