@@ -24,10 +24,16 @@ pub enum UdsError {
     Request(hyper::Error),
 }
 
-/// Sends one request on a fresh connection to the unix socket at `path`.
-///
-/// The connection task ends when the response body is finished or dropped.
-pub async fn send<B>(path: &Path, req: Request<B>) -> Result<Response<Incoming>, UdsError>
+/// Opens a fresh HTTP/1.1 connection to the unix socket at `path`.
+async fn connect<B>(
+    path: &Path,
+) -> Result<
+    (
+        http1::SendRequest<B>,
+        http1::Connection<TokioIo<tokio::net::UnixStream>, B>,
+    ),
+    UdsError,
+>
 where
     B: Body + Send + 'static,
     B::Data: Send,
@@ -39,10 +45,22 @@ where
             path: path.display().to_string(),
             source,
         })?;
-    let (mut sender, conn) = http1::Builder::new()
+    http1::Builder::new()
         .handshake(TokioIo::new(stream))
         .await
-        .map_err(UdsError::Handshake)?;
+        .map_err(UdsError::Handshake)
+}
+
+/// Sends one request on a fresh connection to the unix socket at `path`.
+///
+/// The connection task ends when the response body is finished or dropped.
+pub async fn send<B>(path: &Path, req: Request<B>) -> Result<Response<Incoming>, UdsError>
+where
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let (mut sender, conn) = connect(path).await?;
     tokio::spawn(async move {
         // Errors here surface to the caller through the response or its body.
         let _ = conn.await;
@@ -92,16 +110,7 @@ where
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let stream = tokio::net::UnixStream::connect(path)
-        .await
-        .map_err(|source| UdsError::Connect {
-            path: path.display().to_string(),
-            source,
-        })?;
-    let (mut sender, conn) = http1::Builder::new()
-        .handshake(TokioIo::new(stream))
-        .await
-        .map_err(UdsError::Handshake)?;
+    let (mut sender, conn) = connect(path).await?;
     let mut driver = Driver {
         conn: Box::pin(conn),
         done: false,
