@@ -1,4 +1,6 @@
-//! Builds mlx-c 0.7.0 against the MLX that the project's virtualenv installed from PyPI.
+//! Builds mlx-c 0.7.0 against the MLX that the project's virtualenv installed from PyPI,
+//! adapting the bindings whose C++ signature changed since mlx-c was written (see
+//! [`adapted_mlx_c`]).
 //!
 //! Inputs (each has an environment override, for packagers):
 //! - MLX: `MLX_PREFIX` (a directory holding `lib/libmlx.*`, `include/`, `share/cmake/MLX`),
@@ -41,7 +43,7 @@ fn main() {
             mlx.display()
         ));
     }
-    let mlx_c = find_mlx_c(&workspace);
+    let mlx_c = adapted_mlx_c(&find_mlx_c(&workspace), &found);
 
     let dst = cmake::Config::new(manifest.join("native"))
         .define("MLX_C_SOURCE_DIR", &mlx_c)
@@ -137,6 +139,75 @@ fn find_mlx_c(workspace: &Path) -> PathBuf {
     }
     println!("cargo:rerun-if-changed={}", path.display());
     path
+}
+
+/// MLX 0.32.3 inserted `global_scale` before `sorted_indices` in `gather_qmm`, and mlx-c 0.7.0
+/// (written for 0.32.2) still passes `sorted_indices` there: it compiles, because a `bool`
+/// converts to an `array`, and silently passes a scalar as the global scale. The C signature
+/// stays as mlx-c declares it (mlx-rs binds it); only the C++ call gains the new argument.
+/// Returns a copy of the sources with that call adapted, under `OUT_DIR`.
+fn adapted_mlx_c(src: &Path, mlx_version: &str) -> PathBuf {
+    let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR")).join("mlx-c");
+    if out.exists() {
+        fs::remove_dir_all(&out)
+            .unwrap_or_else(|e| fail(&format!("cannot clear {}: {e}", out.display())));
+    }
+    copy_tree(src, &out);
+    if version_at_least(mlx_version, (0, 32, 3)) {
+        let ops = out.join("mlx/c/ops.cpp");
+        let text = fs::read_to_string(&ops)
+            .unwrap_or_else(|e| fail(&format!("cannot read {}: {e}", ops.display())));
+        let start = text
+            .find("extern \"C\" int mlx_gather_qmm(")
+            .unwrap_or_else(|| fail("mlx-c's ops.cpp has no mlx_gather_qmm"));
+        let end = start
+            + text[start..]
+                .find("\n}\n")
+                .unwrap_or_else(|| fail("mlx_gather_qmm has no end in ops.cpp"));
+        let body = &text[start..end];
+        let old = "std::string(mode),\n            sorted_indices,";
+        if body.matches(old).count() != 1 {
+            fail("mlx_gather_qmm in ops.cpp no longer has the shape this adaptation expects");
+        }
+        let new = "std::string(mode),\n            std::nullopt /* global_scale */,\n            sorted_indices,";
+        let patched = format!(
+            "{}{}{}",
+            &text[..start],
+            body.replacen(old, new, 1),
+            &text[end..]
+        );
+        fs::write(&ops, patched)
+            .unwrap_or_else(|e| fail(&format!("cannot write {}: {e}", ops.display())));
+    }
+    out
+}
+
+fn version_at_least(version: &str, min: (u32, u32, u32)) -> bool {
+    let mut parts = version.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
+    let v = (
+        parts.next().unwrap_or(0),
+        parts.next().unwrap_or(0),
+        parts.next().unwrap_or(0),
+    );
+    v >= min
+}
+
+fn copy_tree(from: &Path, to: &Path) {
+    fs::create_dir_all(to)
+        .unwrap_or_else(|e| fail(&format!("cannot create {}: {e}", to.display())));
+    let entries = fs::read_dir(from)
+        .unwrap_or_else(|e| fail(&format!("cannot list {}: {e}", from.display())));
+    for entry in entries {
+        let entry = entry.unwrap_or_else(|e| fail(&format!("cannot list {}: {e}", from.display())));
+        let path = entry.path();
+        let dest = to.join(entry.file_name());
+        if path.is_dir() {
+            copy_tree(&path, &dest);
+        } else {
+            fs::copy(&path, &dest)
+                .unwrap_or_else(|e| fail(&format!("cannot copy {}: {e}", path.display())));
+        }
+    }
 }
 
 fn generate_bindings(manifest: &Path, mlx_c: &Path) {

@@ -9,7 +9,7 @@ fn main() -> anyhow::Result<()> {
         .map(|s| s.parse())
         .collect::<Result<_, _>>()?;
     let model = mlxd_engine::models::load(dir)?;
-    let out = mlxd_engine::generate::greedy(model.as_ref(), &prompt, max, &[])?;
+    let out = mlxd_engine::runtime::reference::greedy(model.as_ref(), &prompt, max, &[])?;
     println!(
         "{}",
         out.iter().map(u32::to_string).collect::<Vec<_>>().join(" ")

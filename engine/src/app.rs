@@ -12,10 +12,11 @@ use mlxd_ipc::control::{ChildChannel, ControlSender, ParentEvent};
 use mlxd_protocol::control::{FatalKind, Launch, Ready, Stats, PROTOCOL_VERSION};
 use tokio::sync::Notify;
 
+use crate::runtime::request::is_out_of_memory;
+use crate::runtime::{OomHook, Runtime, RuntimeLimits};
 use crate::server::{self, ApiError, ServerState};
 use crate::store::{self, ResolvedModel};
 use crate::tokenizer::Tokenizer;
-use crate::worker::{is_out_of_memory, OomHook, Worker, WorkerLimits};
 
 /// Why the engine could not start.
 #[derive(Debug, thiserror::Error)]
@@ -50,7 +51,7 @@ impl StartError {
 /// A model loaded and ready to serve.
 pub struct Engine {
     pub model: ResolvedModel,
-    pub worker: Worker,
+    pub runtime: Runtime,
     pub tokenizer: Arc<Tokenizer>,
 }
 
@@ -58,7 +59,7 @@ pub struct Engine {
 pub fn load(
     spec: &str,
     home: &Path,
-    limits: WorkerLimits,
+    limits: RuntimeLimits,
     on_oom: Option<OomHook>,
 ) -> Result<Engine, StartError> {
     crate::mlx_runtime::check_mlx_version().map_err(StartError::Mlx)?;
@@ -68,20 +69,20 @@ pub fn load(
         dir: model.dir.clone(),
         source,
     })?;
-    let worker =
-        Worker::start(model.dir.clone(), limits, on_oom).map_err(|source| StartError::Load {
+    let runtime =
+        Runtime::start(model.dir.clone(), limits, on_oom).map_err(|source| StartError::Load {
             dir: model.dir.clone(),
             source,
         })?;
     tracing::info!(
         model = %model.id,
-        weight_bytes = worker.info.weight_bytes,
-        context_length = worker.info.context_length,
+        weight_bytes = runtime.info.weight_bytes,
+        context_length = runtime.info.context_length,
         "loaded"
     );
     Ok(Engine {
         model,
-        worker,
+        runtime,
         tokenizer: Arc::new(tokenizer),
     })
 }
@@ -91,8 +92,8 @@ impl Engine {
         ServerState::new(
             self.model.id.clone(),
             self.tokenizer.clone(),
-            self.worker.info.context_length,
-            self.worker.work.clone(),
+            self.runtime.info.context_length,
+            self.runtime.work.clone(),
         )
     }
 }
@@ -110,7 +111,7 @@ pub async fn serve_standalone(engine: Engine, socket: &Path) -> anyhow::Result<(
         }
     };
     server::serve(listener, engine.state(), shutdown).await?;
-    engine.worker.join();
+    engine.runtime.join();
     Ok(())
 }
 
@@ -136,10 +137,16 @@ pub fn run_supervised(home: &Path) -> anyhow::Result<()> {
         });
     }
 
-    let limits = WorkerLimits {
-        max_batch_size: launch.limits.max_batch_size.map(|n| n as usize),
+    let defaults = RuntimeLimits::default();
+    let limits = RuntimeLimits {
+        max_batch_size: launch
+            .limits
+            .max_batch_size
+            .map_or(defaults.max_batch_size, |n| n as usize),
         kv_budget_bytes: launch.limits.kv_budget_bytes,
         context_length: launch.limits.context_length.map(|n| n as usize),
+        prompt_cache_bytes: defaults.prompt_cache_bytes,
+        prefill_chunk: defaults.prefill_chunk,
     };
     let oom_control = control.clone();
     let on_oom: OomHook = Box::new(move |message| {
@@ -173,7 +180,7 @@ async fn serve_supervised(
     shutdown: Arc<Notify>,
 ) -> anyhow::Result<()> {
     let listener = mlxd_ipc::socket::bind_unix(&launch.socket_path)?;
-    let info = &engine.worker.info;
+    let info = &engine.runtime.info;
     control.send_ready(Ready {
         version: PROTOCOL_VERSION,
         model_id: engine.model.id.clone(),
@@ -189,7 +196,7 @@ async fn serve_supervised(
     })?;
     tracing::info!(socket = %launch.socket_path.display(), "ready");
 
-    let stats = engine.worker.stats.clone();
+    let stats = engine.runtime.stats.clone();
     let stats_control = control.clone();
     let reporter = tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -216,7 +223,7 @@ async fn serve_supervised(
         .with_graceful_shutdown(stop)
         .await?;
     reporter.abort();
-    engine.worker.join();
+    engine.runtime.join();
     tracing::info!("shut down");
     Ok(())
 }

@@ -1,18 +1,14 @@
 //! `mlxd-engine`: everything that touches MLX. One OS thread owns the model and its caches;
-//! the HTTP side talks to it through the channels in [`work`].
+//! the HTTP side talks to it through the channels in [`runtime::request`].
 pub mod app;
 pub mod cache;
 pub mod chat_template;
 pub mod convert;
 pub mod detokenizer;
-pub mod generate;
 pub mod loader;
 pub mod mlx_runtime;
 pub mod models;
-pub mod sampler;
-pub mod sampling;
+pub mod runtime;
 pub mod server;
 pub mod store;
 pub mod tokenizer;
-pub mod work;
-pub mod worker;

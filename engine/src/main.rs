@@ -5,7 +5,8 @@
 use std::path::PathBuf;
 
 use clap::Parser;
-use mlxd_engine::{app, store, worker::WorkerLimits};
+use mlxd_engine::runtime::{RuntimeLimits, DEFAULT_MAX_BATCH_SIZE};
+use mlxd_engine::{app, store};
 
 #[derive(Parser)]
 #[command(
@@ -29,9 +30,28 @@ struct Args {
     /// Cap on prompt + generated tokens (default: the model's own).
     #[arg(long)]
     context_length: Option<usize>,
-    /// Sequences generated at once; more wait in line.
+    /// Sequences decoded together in one forward pass; more wait in line.
+    #[arg(long, default_value_t = DEFAULT_MAX_BATCH_SIZE as u64, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    max_batch_size: u64,
+    /// KV cache bytes that running sequences may reserve (prompt + max_tokens each);
+    /// default: no limit.
     #[arg(long)]
-    max_batch_size: Option<usize>,
+    kv_budget_bytes: Option<u64>,
+    /// GiB of KV the prefix cache keeps between requests, reused by prompts that share a
+    /// prefix (multi-turn chats, system prompts); 0 disables it.
+    #[arg(long, default_value_t = 1.0, value_parser = parse_gib)]
+    prompt_cache: f64,
+}
+
+fn parse_gib(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .parse()
+        .map_err(|e| format!("{s:?} is not a number of GiB: {e}"))?;
+    if v.is_finite() && (0.0..=1024.0 * 1024.0).contains(&v) {
+        Ok(v)
+    } else {
+        Err(format!("{s} GiB is outside 0..=1048576"))
+    }
 }
 
 fn main() -> anyhow::Result<()> {
@@ -44,10 +64,12 @@ fn main() -> anyhow::Result<()> {
     if args.control {
         return app::run_supervised(&home);
     }
-    let limits = WorkerLimits {
-        max_batch_size: args.max_batch_size,
-        kv_budget_bytes: None,
+    let limits = RuntimeLimits {
+        max_batch_size: args.max_batch_size as usize,
+        kv_budget_bytes: args.kv_budget_bytes,
         context_length: args.context_length,
+        prompt_cache_bytes: (args.prompt_cache * (1u64 << 30) as f64) as u64,
+        ..RuntimeLimits::default()
     };
     let engine = app::load(&args.model, &home, limits, None)?;
     let socket = args.unix.expect("clap requires --unix without --control");

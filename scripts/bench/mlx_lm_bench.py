@@ -1,8 +1,12 @@
 #!/usr/bin/env python3
-"""mlx-lm side of the engine benchmark: same prompt, same measurements as
+"""mlx-lm side of the engine benchmark: same prompts, same measurements as
 engine/examples/bench_generate.rs. Prints one JSON object (medians of the timed runs).
 
-    .venv/bin/python scripts/bench/mlx_lm_bench.py <model dir> <prompt tokens> <new tokens> <runs>
+    .venv/bin/python scripts/bench/mlx_lm_bench.py <model dir> <prompt tokens> <new tokens> <runs> [batch] [temperature]
+
+Batch 1 runs mlx-lm's `generate_step` (what `mlx_lm.generate` uses); a larger batch runs its
+`BatchGenerator` with every prompt prefilled together (prefill and completion batch sizes set
+to the batch). `decode_tps` counts the tokens of all sequences once every sequence is decoding.
 """
 import json
 import pathlib
@@ -11,40 +15,71 @@ import sys
 import time
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load_model
 
 
-def prompt(length, vocab):
-    x, out = 12345, []
+def prompt(length, vocab, row=0):
+    x, out = 12345 + row, []
     for _ in range(length):
         x = (x * 1103515245 + 12345) % (1 << 31)
         out.append(100 + x % (vocab - 100))
     return out
 
 
-def run(model, tokens, new_tokens):
+def summarise(start, arrivals, prompt_tokens):
+    first = min(t[0] for t in arrivals)
+    all_started = max(t[0] for t in arrivals)
+    end = max(t[-1] for t in arrivals)
+    steady = sum(1 for t in arrivals for x in t if x > all_started)
+    return first - start, prompt_tokens / (all_started - start), steady / (end - all_started)
+
+
+def run_single(model, tokens, new_tokens, temperature):
+    sampler = make_sampler(temp=temperature)
     start = time.perf_counter()
-    first = None
-    n = 0
-    for _token, _ in generate_step(mx.array(tokens, dtype=mx.uint32), model, max_tokens=new_tokens):
-        n += 1
-        if first is None:
-            first = time.perf_counter()
-    end = time.perf_counter()
-    return first - start, (n - 1) / (end - first)
+    times = []
+    for _token, _ in generate_step(mx.array(tokens, dtype=mx.uint32), model,
+                                   max_tokens=new_tokens, sampler=sampler):
+        times.append(time.perf_counter())
+    return summarise(start, [times], len(tokens))
+
+
+def run_batch(model, prompts, new_tokens, temperature):
+    gen = BatchGenerator(model, stop_tokens=[], sampler=make_sampler(temp=temperature),
+                         completion_batch_size=len(prompts), prefill_batch_size=len(prompts))
+    start = time.perf_counter()
+    uids = gen.insert(prompts, [new_tokens] * len(prompts))
+    arrivals = {uid: [] for uid in uids}
+    while responses := gen.next_generated():
+        now = time.perf_counter()
+        for r in responses:
+            arrivals[r.uid].append(now)
+    gen.close()
+    return summarise(start, list(arrivals.values()), sum(len(p) for p in prompts))
 
 
 def main():
     model_dir, length, new_tokens, runs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    batch = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+    temperature = float(sys.argv[6]) if len(sys.argv) > 6 else 0.0
     model, config = load_model(pathlib.Path(model_dir))
-    tokens = prompt(length, config["vocab_size"])
-    run(model, tokens, min(8, new_tokens))
-    results = [run(model, tokens, new_tokens) for _ in range(runs)]
+    prompts = [prompt(length, config["vocab_size"], r) for r in range(batch)]
+
+    def once(n):
+        if batch == 1:
+            return run_single(model, prompts[0], n, temperature)
+        return run_batch(model, prompts, n, temperature)
+
+    once(min(8, new_tokens))
+    results = [once(new_tokens) for _ in range(runs)]
     ttft = statistics.median(r[0] for r in results)
-    decode = statistics.median(r[1] for r in results)
-    print(json.dumps({"impl": "mlx-lm", "prompt_tokens": length, "new_tokens": new_tokens,
-                      "ttft_s": round(ttft, 4), "prefill_tps": round(length / ttft, 1),
+    prefill = statistics.median(r[1] for r in results)
+    decode = statistics.median(r[2] for r in results)
+    print(json.dumps({"impl": "mlx-lm", "batch": batch, "temperature": temperature,
+                      "prompt_tokens": length, "new_tokens": new_tokens,
+                      "ttft_s": round(ttft, 4), "prefill_tps": round(prefill, 1),
                       "decode_tps": round(decode, 2)}))
 
 

@@ -1,4 +1,120 @@
-//! Per-sequence caches. The KV cache lives here; the prompt cache and SSD tier come later.
-mod kv;
+//! KV caches: one layer-cache abstraction with its layouts, and the manager that owns the
+//! KV budget and the prefix cache.
+//!
+//! A model's attention sees a [`LayerCache`] and asks it three things: the rotary offset of the
+//! new positions, to append keys and values and fetch everything held, and the attention mask.
+//! Each layout answers them its own way:
+//! - [`DenseKv`]: one sequence, as mlx-lm's `KVCache` (the serial reference path);
+//! - [`BatchKv`]: many sequences in one buffer, left-padded, with per-row offsets and masks,
+//!   as mlx-lm's `BatchKVCache` (the runtime's decode batch and prefill groups).
+//!
+//! A quantized layout is not built yet (see docs/architecture.md).
+mod batched;
+mod budget;
+mod dense;
+mod manager;
+mod prefix;
 
-pub use kv::KvCache;
+pub use batched::BatchKv;
+pub use budget::{KvBudget, Reservation};
+pub use dense::DenseKv;
+pub use manager::{CacheManager, PrefixHit};
+pub use prefix::{PrefixCache, PrefixLookup};
+
+use mlx_rs::error::Exception;
+use mlx_rs::fast::ScaledDotProductAttentionMask;
+use mlx_rs::Array;
+
+use crate::models::layers::Rope;
+
+/// Positions a cache buffer grows by (mlx-lm's `KVCache.step`).
+pub(crate) const STEP: i32 = 256;
+
+/// The cache of one layer, in one of its layouts.
+#[derive(Debug)]
+pub enum LayerCache {
+    Dense(DenseKv),
+    Batched(BatchKv),
+}
+
+/// An attention mask that a layout computed for the queries of one forward pass.
+pub enum Mask {
+    /// Every query sees every key (one query, no padding).
+    None,
+    /// Causal over the new positions, no padding.
+    Causal,
+    /// A boolean `[B, 1, L, T]` mask (true = attend): padding and causality together.
+    Array(Array),
+}
+
+impl Mask {
+    pub fn as_sdpa(&self) -> Option<ScaledDotProductAttentionMask<'_>> {
+        match self {
+            Mask::None => None,
+            Mask::Causal => Some(ScaledDotProductAttentionMask::Causal),
+            Mask::Array(a) => Some(ScaledDotProductAttentionMask::Array(a)),
+        }
+    }
+}
+
+impl LayerCache {
+    /// Applies the rotary embedding to `[B, heads, L, head_dim]` at the positions the new
+    /// tokens will take (per row for a batch).
+    pub fn rope(&self, rope: &Rope, x: &Array) -> Result<Array, Exception> {
+        match self {
+            LayerCache::Dense(c) => rope.forward(x, c.offset() as i32),
+            LayerCache::Batched(c) => c.rope(rope, x),
+        }
+    }
+
+    /// Appends `[B, kv_heads, L, head_dim]` keys and values; returns all held so far.
+    pub fn update_and_fetch(
+        &mut self,
+        keys: &Array,
+        values: &Array,
+    ) -> Result<(Array, Array), Exception> {
+        match self {
+            LayerCache::Dense(c) => c.update_and_fetch(keys, values),
+            LayerCache::Batched(c) => c.update_and_fetch(keys, values),
+        }
+    }
+
+    /// The mask for `queries` new positions, called after [`Self::update_and_fetch`].
+    pub fn mask(&self, queries: i32) -> Result<Mask, Exception> {
+        match self {
+            LayerCache::Dense(_) if queries > 1 => Ok(Mask::Causal),
+            LayerCache::Dense(_) => Ok(Mask::None),
+            LayerCache::Batched(c) => c.mask(queries),
+        }
+    }
+
+    /// Bytes held by the buffers.
+    pub fn nbytes(&self) -> usize {
+        match self {
+            LayerCache::Dense(c) => c.nbytes(),
+            LayerCache::Batched(c) => c.nbytes(),
+        }
+    }
+
+    /// The arrays to evaluate to materialise the cache.
+    pub fn state(&self) -> Vec<&Array> {
+        match self {
+            LayerCache::Dense(c) => c.state(),
+            LayerCache::Batched(c) => c.state(),
+        }
+    }
+
+    pub fn into_batched(self) -> Option<BatchKv> {
+        match self {
+            LayerCache::Batched(c) => Some(c),
+            LayerCache::Dense(_) => None,
+        }
+    }
+
+    pub fn as_batched_mut(&mut self) -> Option<&mut BatchKv> {
+        match self {
+            LayerCache::Batched(c) => Some(c),
+            LayerCache::Dense(_) => None,
+        }
+    }
+}

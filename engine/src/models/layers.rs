@@ -2,11 +2,11 @@
 //! embeddings, RMS norm, rotary embeddings and attention. Each computes exactly what the
 //! matching `mlx.nn` layer does, op for op, so greedy outputs match mlx-lm token for token.
 use mlx_rs::error::Exception;
-use mlx_rs::fast::{self, ScaledDotProductAttentionMask};
+use mlx_rs::fast;
 use mlx_rs::ops::{dequantize, quantized_matmul};
 use mlx_rs::Array;
 
-use crate::cache::KvCache;
+use crate::cache::LayerCache;
 use crate::loader::{LoadError, Weights};
 
 pub type Result<T> = std::result::Result<T, Exception>;
@@ -148,6 +148,24 @@ pub struct Rope {
 }
 
 impl Rope {
+    /// Per-row offsets `[B]` (int32) for a batch whose rows sit at different positions.
+    pub fn forward_per_row(&self, x: &Array, offsets: &Array) -> Result<Array> {
+        match &self.freqs {
+            Some(freqs) => {
+                fast::rope_dynamic(x, self.dims, self.traditional, None, 1.0, offsets, freqs)
+            }
+            None => fast::rope_dynamic(
+                x,
+                self.dims,
+                self.traditional,
+                self.base,
+                self.scale,
+                offsets,
+                None,
+            ),
+        }
+    }
+
     pub fn forward(&self, x: &Array, offset: i32) -> Result<Array> {
         match &self.freqs {
             Some(freqs) => fast::rope(x, self.dims, self.traditional, None, 1.0, offset, freqs),
@@ -169,8 +187,9 @@ pub fn swiglu(gate: &Array, up: &Array) -> Result<Array> {
     mlx_rs::nn::silu(gate)?.multiply(up)
 }
 
-/// The attention core shared by the architectures: RoPE on queries and keys at the cache
-/// offset, append to the cache, scaled dot-product attention (causal when more than one query).
+/// The attention core shared by the architectures: RoPE on queries and keys at the cache's
+/// offsets, append to the cache, scaled dot-product attention under the mask the cache layout
+/// gives (causal for several queries, padding hidden in a batch).
 /// Inputs are `[B, heads, L, head_dim]`; returns `[B, L, heads * head_dim]`.
 pub fn attend(
     queries: &Array,
@@ -178,15 +197,14 @@ pub fn attend(
     values: &Array,
     rope: &Rope,
     scale: f32,
-    cache: &mut KvCache,
+    cache: &mut LayerCache,
 ) -> Result<Array> {
-    let offset = cache.offset() as i32;
-    let queries = rope.forward(queries, offset)?;
-    let keys = rope.forward(keys, offset)?;
+    let queries = cache.rope(rope, queries)?;
+    let keys = cache.rope(rope, keys)?;
     let (keys, values) = cache.update_and_fetch(&keys, values)?;
-    let l = queries.shape()[2];
-    let mask = (l > 1).then_some(ScaledDotProductAttentionMask::Causal);
-    let out = fast::scaled_dot_product_attention(&queries, &keys, &values, scale, mask, None)?;
+    let mask = cache.mask(queries.shape()[2])?;
+    let out =
+        fast::scaled_dot_product_attention(&queries, &keys, &values, scale, mask.as_sdpa(), None)?;
     let shape = out.shape().to_vec();
     out.transpose_axes(&[0, 2, 1, 3])?
         .reshape(&[shape[0], shape[2], -1])

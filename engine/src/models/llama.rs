@@ -6,7 +6,7 @@ use serde_json::Value;
 
 use super::layers::{attend, split_heads, swiglu, Linear, Matrix, RmsNorm, Rope};
 use super::{eos_ids, CausalLm, ModelInfo};
-use crate::cache::KvCache;
+use crate::cache::LayerCache;
 use crate::loader::{LoadError, Weights};
 
 #[derive(Debug, Clone, Deserialize)]
@@ -348,7 +348,7 @@ impl Llama {
 }
 
 impl Attention {
-    fn forward(&self, x: &Array, rope: &Rope, cache: &mut KvCache) -> Result<Array, Exception> {
+    fn forward(&self, x: &Array, rope: &Rope, cache: &mut LayerCache) -> Result<Array, Exception> {
         let mut q = split_heads(&self.q_proj.forward(x)?, self.heads)?;
         let mut k = split_heads(&self.k_proj.forward(x)?, self.kv_heads)?;
         if let Some(norm) = &self.q_norm {
@@ -364,7 +364,7 @@ impl Attention {
 }
 
 impl CausalLm for Llama {
-    fn forward(&self, tokens: &Array, caches: &mut [KvCache]) -> Result<Array, Exception> {
+    fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
         let mut h = self.embed_tokens.rows(tokens)?;
         for (block, cache) in self.layers.iter().zip(caches.iter_mut()) {
             let r = block

@@ -13,7 +13,7 @@ use mlx_rs::error::Exception;
 use mlx_rs::Array;
 use serde_json::Value;
 
-use crate::cache::KvCache;
+use crate::cache::{DenseKv, LayerCache};
 use crate::loader::{self, LoadError, Weights};
 
 /// Facts about a loaded model that the server and the supervisor need.
@@ -34,13 +34,14 @@ pub struct ModelInfo {
 
 /// A causal language model.
 pub trait CausalLm: Send {
-    /// `tokens` is `[B, L]` (uint32); returns logits `[B, L, vocab]`.
-    fn forward(&self, tokens: &Array, caches: &mut [KvCache]) -> Result<Array, Exception>;
+    /// `tokens` is `[B, L]` (uint32); returns logits `[B, L, vocab]`. `caches` holds one cache
+    /// per layer, in any layout, with `B` rows.
+    fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception>;
     fn info(&self) -> &ModelInfo;
-    /// Fresh per-layer caches for a new sequence.
-    fn new_caches(&self) -> Vec<KvCache> {
+    /// Fresh dense per-layer caches for one sequence (the serial reference path).
+    fn new_dense_caches(&self) -> Vec<LayerCache> {
         (0..self.info().num_layers)
-            .map(|_| KvCache::new())
+            .map(|_| LayerCache::Dense(DenseKv::new()))
             .collect()
     }
 }

@@ -7,6 +7,7 @@ use mlxd_protocol::error::{
 };
 
 use crate::chat_template::ChatTemplateError;
+use crate::runtime::request::GenerationError;
 use crate::tokenizer::TokenizerError;
 
 /// Everything a route can fail with, tagged with whose fault it is.
@@ -31,9 +32,9 @@ pub enum ApiError {
     /// The MLX thread is gone (shutting down or crashed): 503.
     #[error("the engine is not accepting work: {0}")]
     Unavailable(String),
-    /// The MLX thread reported a failure for this request: 500.
+    /// The MLX thread reported a failure for this request; its kind decides the status.
     #[error("generation failed: {0}")]
-    Generation(String),
+    Generation(GenerationError),
     /// A bug or an unexpected state on our side: 500.
     #[error("internal error: {0}")]
     Internal(String),
@@ -76,7 +77,18 @@ impl ApiError {
             ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
-            ApiError::Generation(_) | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Generation(e) => match e {
+                // The request itself cannot be served as asked: the client's to change.
+                GenerationError::KvBudget { .. }
+                | GenerationError::Sampling(_)
+                | GenerationError::TokenOutOfRange { .. } => StatusCode::BAD_REQUEST,
+                // The engine restarts (smaller after running out of memory): try again.
+                GenerationError::OutOfMemory(_) | GenerationError::Stopped => {
+                    StatusCode::SERVICE_UNAVAILABLE
+                }
+                GenerationError::Mlx(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            },
+            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -88,7 +100,12 @@ impl ApiError {
             | ApiError::NotFound { .. }
             | ApiError::MethodNotAllowed { .. } => INVALID_REQUEST_ERROR,
             ApiError::Unavailable(_) => SERVICE_UNAVAILABLE_ERROR,
-            ApiError::Generation(_) | ApiError::Internal(_) => SERVER_ERROR,
+            ApiError::Generation(_) => match self.status() {
+                StatusCode::BAD_REQUEST => INVALID_REQUEST_ERROR,
+                StatusCode::SERVICE_UNAVAILABLE => SERVICE_UNAVAILABLE_ERROR,
+                _ => SERVER_ERROR,
+            },
+            ApiError::Internal(_) => SERVER_ERROR,
         };
         let mut body = ErrorBody::new(kind, self.to_string());
         match self {
@@ -101,6 +118,25 @@ impl ApiError {
                 body.error.code = Some("method_not_allowed".into())
             }
             ApiError::TooLarge { .. } => body.error.code = Some("request_too_large".into()),
+            ApiError::Generation(e) => {
+                let (code, param) = match e {
+                    GenerationError::KvBudget { .. } => ("kv_budget_exceeded", Some("max_tokens")),
+                    GenerationError::Sampling(_) => ("invalid_sampling", None),
+                    GenerationError::TokenOutOfRange { what, .. } => (
+                        "token_out_of_range",
+                        Some(if *what == "logit_bias" {
+                            "logit_bias"
+                        } else {
+                            "prompt"
+                        }),
+                    ),
+                    GenerationError::OutOfMemory(_) => ("out_of_memory", None),
+                    GenerationError::Stopped => ("engine_stopped", None),
+                    GenerationError::Mlx(_) => ("mlx_error", None),
+                };
+                body.error.code = Some(code.into());
+                body.error.param = param.map(str::to_owned);
+            }
             _ => {}
         }
         body
@@ -172,7 +208,26 @@ mod tests {
                 503,
                 "service_unavailable_error",
             ),
-            (ApiError::Generation("oom".into()), 500, "server_error"),
+            (
+                ApiError::Generation(GenerationError::Mlx("device lost".into())),
+                500,
+                "server_error",
+            ),
+            (
+                ApiError::Generation(GenerationError::OutOfMemory("oom".into())),
+                503,
+                "service_unavailable_error",
+            ),
+            (
+                ApiError::Generation(GenerationError::KvBudget {
+                    needed: 10,
+                    budget: 5,
+                    prompt_tokens: 1,
+                    max_tokens: 9,
+                }),
+                400,
+                "invalid_request_error",
+            ),
             (ApiError::Internal("bug".into()), 500, "server_error"),
         ];
         for (err, status, kind) in cases {

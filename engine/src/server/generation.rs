@@ -11,18 +11,20 @@ use tokio::sync::mpsc;
 use super::error::ApiError;
 use super::stop::StopMatcher;
 use crate::detokenizer::{Delta, Detokenizer};
+use crate::runtime::request::{
+    FinishReason, GenerateRequest, GenerationError, TokenEvent, WorkSender,
+};
 use crate::tokenizer::Tokenizer;
-use crate::work::{FinishReason, GenerateRequest, TokenEvent, WorkSender};
 
 /// What a generation yields next.
-#[derive(Debug, PartialEq)]
+#[derive(Debug)]
 pub enum Step {
     /// Final text with the ids that produced it; never empty text.
     Text(Delta),
     /// The end. `last` holds text still to send (may be empty) and the remaining ids.
     Finished { last: Delta, reason: FinishReason },
     /// The MLX thread failed the request; nothing follows.
-    Failed(String),
+    Failed(ApiError),
 }
 
 /// A validated request, ready to go to the MLX thread.
@@ -100,9 +102,7 @@ impl Generation {
                 Some(event) => self.peeked = Some(event),
                 None => {
                     self.done = true;
-                    return Err(ApiError::Generation(
-                        "the model thread dropped the request".into(),
-                    ));
+                    return Err(ApiError::Generation(GenerationError::Stopped));
                 }
             }
         }
@@ -114,9 +114,11 @@ impl Generation {
         while !self.done {
             let event = match self.peeked.take() {
                 Some(event) => event,
-                None => self.events.recv().await.unwrap_or_else(|| {
-                    TokenEvent::Failed("the model thread dropped the request".into())
-                }),
+                None => self
+                    .events
+                    .recv()
+                    .await
+                    .unwrap_or(TokenEvent::Failed(GenerationError::Stopped)),
             };
             match event {
                 TokenEvent::PromptDone {
@@ -130,7 +132,11 @@ impl Generation {
                     self.completion_tokens += 1;
                     let delta = match self.detok.push(id) {
                         Ok(delta) => delta,
-                        Err(e) => return Some(self.fail(e.to_string())),
+                        Err(e) => {
+                            return Some(
+                                self.fail(ApiError::Internal(format!("detokenizing: {e}"))),
+                            )
+                        }
                     };
                     if delta.text.is_empty() {
                         continue;
@@ -146,7 +152,11 @@ impl Generation {
                 TokenEvent::Finished(reason) => {
                     let tail = match self.detok.flush() {
                         Ok(tail) => tail,
-                        Err(e) => return Some(self.fail(e.to_string())),
+                        Err(e) => {
+                            return Some(
+                                self.fail(ApiError::Internal(format!("detokenizing: {e}"))),
+                            )
+                        }
                     };
                     let out = self.stops.push(tail);
                     if out.stopped {
@@ -158,7 +168,7 @@ impl Generation {
                     last.ids.extend(rest.ids);
                     return Some(self.finish_now(last, reason));
                 }
-                TokenEvent::Failed(message) => return Some(self.fail(message)),
+                TokenEvent::Failed(e) => return Some(self.fail(ApiError::Generation(e))),
             }
         }
         None
@@ -182,9 +192,9 @@ impl Generation {
         Step::Finished { last, reason }
     }
 
-    fn fail(&mut self, message: String) -> Step {
+    fn fail(&mut self, error: ApiError) -> Step {
         self.done = true;
         self.events.close();
-        Step::Failed(message)
+        Step::Failed(error)
     }
 }

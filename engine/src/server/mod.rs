@@ -1,8 +1,8 @@
 //! The engine's HTTP API (OpenAI-compatible) on a unix socket.
 //!
 //! Handlers tokenize, render chat templates and validate on the tokio side, send a
-//! [`GenerateRequest`](crate::work::GenerateRequest) to the MLX thread through a
-//! [`WorkSender`], and turn the [`TokenEvent`](crate::work::TokenEvent)s that come back into
+//! [`GenerateRequest`](crate::runtime::request::GenerateRequest) to the MLX thread through a
+//! [`WorkSender`], and turn the [`TokenEvent`](crate::runtime::request::TokenEvent)s that come back into
 //! JSON or SSE responses. Routes:
 //!
 //! - `POST /v1/chat/completions`, `POST /v1/completions` (JSON or SSE with `"stream": true`)
@@ -20,8 +20,8 @@ use axum::routing::{get, post};
 use axum::Router;
 use tokio::net::UnixListener;
 
+use crate::runtime::request::WorkSender;
 use crate::tokenizer::Tokenizer;
-use crate::work::WorkSender;
 
 pub mod error;
 pub mod generation;

@@ -9,7 +9,7 @@ use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 use super::error::ApiError;
-use crate::sampling::SamplingParams;
+use crate::runtime::sampling_params::SamplingParams;
 use crate::tokenizer::Tokenizer;
 
 /// Largest request body accepted (long prompts are large).

@@ -22,7 +22,7 @@ use super::generation::{Generation, Step, Submission};
 use super::request::{completion_prompt, token_budget, validate, OpenAiJson, Settings};
 use super::ServerState;
 use crate::detokenizer::Delta;
-use crate::work::{FinishReason, GenerateRequest};
+use crate::runtime::request::{FinishReason, GenerateRequest};
 
 fn now_secs() -> u64 {
     SystemTime::now()
@@ -74,6 +74,7 @@ fn start(state: &ServerState, job: Job) -> Result<(Generation, Settings), ApiErr
         sampling: job.settings.sampling.clone(),
         max_tokens: job.max_tokens,
         stop_token_ids: state.tokenizer.stop_token_ids().to_vec(),
+        sample_offset: job.settings.resume.len(),
         events: events_tx,
     };
     let submission = Submission {
@@ -168,7 +169,7 @@ async fn respond<F: Format>(state: &ServerState, job: Job) -> Result<Response, A
                     let body = F::whole(&meta, text, ids, reason, usage);
                     return Ok(Json(body).into_response());
                 }
-                Some(Step::Failed(message)) => return Err(ApiError::Generation(message)),
+                Some(Step::Failed(error)) => return Err(error),
                 None => {
                     return Err(ApiError::Internal(
                         "the generation ended without a finish".into(),
@@ -419,8 +420,7 @@ fn sse_response<F: Format>(
                 }
                 Some(Step::Failed(message)) => {
                     tracing::warn!(request_id = %s.meta.id, error = %message, "generation failed mid-stream");
-                    s.queue
-                        .push_back(sse_frame(&ApiError::Generation(message).body()));
+                    s.queue.push_back(sse_frame(&message.body()));
                     s.generation = None;
                 }
                 None => s.generation = None,

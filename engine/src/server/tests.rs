@@ -14,9 +14,9 @@ use tokio::net::UnixStream;
 use tokio::sync::{mpsc, oneshot};
 
 use super::*;
-use crate::sampling::SamplingParams;
+use crate::runtime::request::{FinishReason, GenerateRequest, GenerationError, TokenEvent};
+use crate::runtime::sampling_params::SamplingParams;
 use crate::tokenizer::tests::load_fixture;
-use crate::work::{FinishReason, GenerateRequest, TokenEvent};
 
 const CANNED: &str = "Hello there! 🫠 How are you?";
 const EOS: u32 = 151645;
@@ -27,9 +27,9 @@ enum Script {
     /// Emit the canned ids (up to `max_tokens`), then EOS.
     Canned,
     /// Fail before any output.
-    FailAtOnce(&'static str),
+    FailAtOnce(GenerationError),
     /// Emit this many canned tokens, then fail.
-    FailAfter(usize, &'static str),
+    FailAfter(usize, GenerationError),
     /// Emit a token every 10 ms until the receiver is gone, then report on `closed`.
     Endless,
 }
@@ -207,13 +207,13 @@ async fn run_script(
             let _ = events.send(TokenEvent::Finished(FinishReason::Stop));
         }
         Script::FailAtOnce(message) => {
-            let _ = events.send(TokenEvent::Failed(message.into()));
+            let _ = events.send(TokenEvent::Failed(message));
         }
         Script::FailAfter(n, message) => {
             for &id in &canned[..n] {
                 let _ = events.send(TokenEvent::Token(id));
             }
-            let _ = events.send(TokenEvent::Failed(message.into()));
+            let _ = events.send(TokenEvent::Failed(message));
         }
         Script::Endless => {
             for i in 0.. {
@@ -471,26 +471,56 @@ async fn completions_whole_and_streamed() {
 #[tokio::test]
 async fn worker_failures_are_500_or_an_error_event() {
     let h = Harness::new(4096).await;
-    h.set_script(Script::FailAtOnce("out of memory"));
+    h.set_script(Script::FailAtOnce(GenerationError::Mlx(
+        "device lost".into(),
+    )));
     let (status, body) = h.post("/v1/chat/completions", chat(json!({}))).await;
     assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(body["error"]["type"], "server_error");
-    assert_eq!(body["error"]["message"], "generation failed: out of memory");
+    assert_eq!(
+        body["error"]["message"],
+        "generation failed: MLX failed: device lost"
+    );
+    assert_eq!(body["error"]["code"], "mlx_error");
     // Streaming, but the failure came before any output: still a 500.
     let (status, _) = h
         .post("/v1/chat/completions", chat(json!({"stream": true})))
         .await;
     assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
 
-    h.set_script(Script::FailAfter(2, "device lost"));
+    h.set_script(Script::FailAfter(
+        2,
+        GenerationError::Mlx("device lost".into()),
+    ));
     let events = h
         .stream("/v1/chat/completions", chat(json!({"stream": true})))
         .await;
     let last = events.last().unwrap();
-    assert_eq!(last["error"]["message"], "generation failed: device lost");
+    assert_eq!(
+        last["error"]["message"],
+        "generation failed: MLX failed: device lost"
+    );
     assert!(!events.contains(&Value::from("[DONE]")));
     let (status, body) = h.post("/v1/completions", json!({"prompt": "x"})).await;
     assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{body}");
+
+    // Failures that are the request's, or the engine's restart, are not 500s.
+    let budget = GenerationError::KvBudget {
+        needed: 2000,
+        budget: 1000,
+        prompt_tokens: 10,
+        max_tokens: 90,
+    };
+    h.set_script(Script::FailAtOnce(budget));
+    let (status, body) = h.post("/v1/chat/completions", chat(json!({}))).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert_eq!(body["error"]["code"], "kv_budget_exceeded");
+    assert_eq!(body["error"]["param"], "max_tokens");
+    h.set_script(Script::FailAtOnce(GenerationError::OutOfMemory(
+        "cuda".into(),
+    )));
+    let (status, body) = h.post("/v1/chat/completions", chat(json!({}))).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
     h.stop().await;
 }
 

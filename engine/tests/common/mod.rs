@@ -215,3 +215,101 @@ pub fn hf_chat_tokens(model: &Path, user: &str) -> Vec<u32> {
         .map(|t| t.parse().expect("id"))
         .collect()
 }
+
+/// One generation for [`generate_together`]: prompt, sampling, max tokens.
+#[derive(Clone)]
+pub struct Gen {
+    pub prompt: Vec<u32>,
+    pub sampling: mlxd_engine::runtime::sampling_params::SamplingParams,
+    pub max_tokens: usize,
+}
+
+impl Gen {
+    pub fn greedy(prompt: &[u32], max_tokens: usize) -> Self {
+        Self {
+            prompt: prompt.to_vec(),
+            sampling: Default::default(),
+            max_tokens,
+        }
+    }
+}
+
+/// What the runtime gave back for one request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Output {
+    pub tokens: Vec<u32>,
+    pub cached: usize,
+    pub finish: Option<mlxd_engine::runtime::request::FinishReason>,
+}
+
+/// Sends every request to a running runtime at once (so they share the batch) and collects
+/// the tokens of each, in order.
+pub fn generate_together(runtime: &mlxd_engine::runtime::Runtime, gens: &[Gen]) -> Vec<Output> {
+    use mlxd_engine::runtime::request::{GenerateRequest, TokenEvent};
+    let receivers: Vec<_> = gens
+        .iter()
+        .map(|g| {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            runtime
+                .work
+                .send(GenerateRequest {
+                    prompt: g.prompt.clone(),
+                    sampling: g.sampling.clone(),
+                    max_tokens: g.max_tokens,
+                    stop_token_ids: vec![],
+                    sample_offset: 0,
+                    events: tx,
+                })
+                .expect("runtime is running");
+            rx
+        })
+        .collect();
+    receivers
+        .into_iter()
+        .map(|mut rx| {
+            let mut out = Output {
+                tokens: vec![],
+                cached: 0,
+                finish: None,
+            };
+            while let Some(event) = rx.blocking_recv() {
+                match event {
+                    TokenEvent::PromptDone { cached, .. } => out.cached = cached,
+                    TokenEvent::Token(t) => out.tokens.push(t),
+                    TokenEvent::Finished(reason) => {
+                        out.finish = Some(reason);
+                        break;
+                    }
+                    TokenEvent::Failed(e) => panic!("generation failed: {e}"),
+                }
+            }
+            out
+        })
+        .collect()
+}
+
+/// Each request alone, one after the other.
+pub fn generate_alone(runtime: &mlxd_engine::runtime::Runtime, gens: &[Gen]) -> Vec<Output> {
+    gens.iter()
+        .map(|g| {
+            generate_together(
+                runtime,
+                std::slice::from_ref(&Gen {
+                    prompt: g.prompt.clone(),
+                    sampling: g.sampling.clone(),
+                    max_tokens: g.max_tokens,
+                }),
+            )
+            .remove(0)
+        })
+        .collect()
+}
+
+/// A runtime on the model in `dir` with default limits and the prefix cache `cache_bytes`.
+pub fn start_runtime(dir: &Path, cache_bytes: u64) -> mlxd_engine::runtime::Runtime {
+    let limits = mlxd_engine::runtime::RuntimeLimits {
+        prompt_cache_bytes: cache_bytes,
+        ..Default::default()
+    };
+    mlxd_engine::runtime::Runtime::start(dir.to_path_buf(), limits, None).expect("load")
+}

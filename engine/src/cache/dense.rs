@@ -1,22 +1,24 @@
-//! The key/value cache of one layer of one sequence.
+//! The dense layout: the key/value cache of one layer of one sequence.
 //!
 //! It grows in steps of 256 positions, like mlx-lm's `KVCache`, and returns the filled prefix,
 //! so attention sees exactly the shapes mlx-lm gives it (that keeps outputs bit-identical).
+//! The runtime batches sequences in [`BatchKv`](super::BatchKv); this layout serves the
+//! serial reference path that parity tests compare against mlx-lm's `generate_step`.
 use mlx_rs::error::Exception;
 use mlx_rs::ops::indexing::{Ellipsis, IndexOp, TryIndexMutOp};
 use mlx_rs::ops::{concatenate, zeros_dtype};
 use mlx_rs::Array;
 
-const STEP: i32 = 256;
+use super::STEP;
 
 #[derive(Debug, Default)]
-pub struct KvCache {
+pub struct DenseKv {
     keys: Option<Array>,
     values: Option<Array>,
     offset: i32,
 }
 
-impl KvCache {
+impl DenseKv {
     pub fn new() -> Self {
         Self::default()
     }
@@ -77,6 +79,11 @@ impl KvCache {
         } else {
             Ok((k_buf.clone(), v_buf.clone()))
         }
+    }
+
+    /// Drops the last `n` positions (at most all of them).
+    pub fn trim(&mut self, n: usize) {
+        self.offset -= (n as i32).min(self.offset);
     }
 
     /// The arrays to evaluate to materialise the cache (after a prefill chunk).

@@ -1,0 +1,267 @@
+//! The batched layout: one layer's keys and values for many sequences in one buffer.
+//!
+//! As in mlx-lm's `BatchKVCache`, rows are aligned on the right: every row has been written up
+//! to the same position `idx`, and row `r` holds valid positions `left_padding[r]..idx`. A
+//! row's logical length (its rotary offset) is `idx - left_padding[r]`. Rows that join later
+//! are padded on the left to line up; rows that leave are taken out, and padding that every
+//! remaining row shares is cut off so it never grows without bound.
+//!
+//! With no padding at all (one row, or rows of equal length) the layout computes exactly what
+//! [`DenseKv`](super::DenseKv) does: an integer rotary offset and no mask array.
+use mlx_rs::error::Exception;
+use mlx_rs::ops::indexing::{Ellipsis, IndexOp, TryIndexMutOp};
+use mlx_rs::ops::{concatenate, zeros_dtype};
+use mlx_rs::Array;
+
+use super::{Mask, STEP};
+use crate::models::layers::Rope;
+
+#[derive(Debug, Default)]
+pub struct BatchKv {
+    /// `[B, kv_heads, capacity, head_dim]`; `None` until the first write.
+    keys: Option<Array>,
+    values: Option<Array>,
+    /// Positions written in every row (the same for all).
+    idx: i32,
+    /// Padding positions at the start of each row; one entry per row.
+    left_padding: Vec<i32>,
+}
+
+impl BatchKv {
+    /// An empty cache for rows that will be written with the given left padding (a prefill
+    /// group whose prompts were padded on the left to one length).
+    pub fn with_padding(left_padding: Vec<i32>) -> Self {
+        Self {
+            keys: None,
+            values: None,
+            idx: 0,
+            left_padding,
+        }
+    }
+
+    /// One row that holds `keys`/`values` `[1, kv_heads, n, head_dim]` (a prefix-cache hit).
+    pub fn from_row(keys: Array, values: Array) -> Self {
+        let n = keys.shape()[2];
+        Self {
+            keys: Some(keys),
+            values: Some(values),
+            idx: n,
+            left_padding: vec![0],
+        }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.left_padding.len()
+    }
+
+    /// Valid positions held for row `r`.
+    pub fn row_len(&self, r: usize) -> usize {
+        (self.idx - self.left_padding[r]) as usize
+    }
+
+    pub fn left_padding(&self) -> &[i32] {
+        &self.left_padding
+    }
+
+    fn unpadded(&self) -> bool {
+        self.left_padding.iter().all(|&p| p == 0)
+    }
+
+    /// Rotary embedding at each row's own offset; an integer offset when all rows agree.
+    pub fn rope(&self, rope: &Rope, x: &Array) -> Result<Array, Exception> {
+        let first = self.left_padding.first().copied().unwrap_or(0);
+        if self.left_padding.iter().all(|&p| p == first) {
+            return rope.forward(x, self.idx - first);
+        }
+        let offsets: Vec<i32> = self.left_padding.iter().map(|p| self.idx - p).collect();
+        rope.forward_per_row(x, &Array::from_slice(&offsets, &[offsets.len() as i32]))
+    }
+
+    /// Appends `[B, kv_heads, L, head_dim]` at position `idx` of every row; returns the keys and
+    /// values of positions `0..idx` (padding included: the mask hides it).
+    pub fn update_and_fetch(
+        &mut self,
+        keys: &Array,
+        values: &Array,
+    ) -> Result<(Array, Array), Exception> {
+        let prev = self.idx;
+        let l = keys.shape()[2];
+        let capacity = self.keys.as_ref().map_or(0, |k| k.shape()[2]);
+        if self.keys.is_none() || prev + l > capacity {
+            let ks = keys.shape();
+            let vs = values.shape();
+            let steps = (STEP + l - 1) / STEP;
+            let new_k = zeros_dtype(&[ks[0], ks[1], steps * STEP, ks[3]], keys.dtype())?;
+            let new_v = zeros_dtype(&[vs[0], vs[1], steps * STEP, vs[3]], values.dtype())?;
+            match (self.keys.take(), self.values.take()) {
+                (Some(mut k), Some(mut v)) => {
+                    if prev < capacity {
+                        k = k.index((Ellipsis, ..prev, ..));
+                        v = v.index((Ellipsis, ..prev, ..));
+                    }
+                    self.keys = Some(concatenate(&[k, new_k], 2)?);
+                    self.values = Some(concatenate(&[v, new_v], 2)?);
+                }
+                _ => {
+                    self.keys = Some(new_k);
+                    self.values = Some(new_v);
+                }
+            }
+        }
+        self.idx += l;
+        let end = self.idx;
+        let (k_buf, v_buf) = match (self.keys.as_mut(), self.values.as_mut()) {
+            (Some(k), Some(v)) => (k, v),
+            _ => unreachable!("buffers were allocated above"),
+        };
+        k_buf.try_index_mut((Ellipsis, prev..end, ..), keys)?;
+        v_buf.try_index_mut((Ellipsis, prev..end, ..), values)?;
+        if end < k_buf.shape()[2] {
+            Ok((
+                k_buf.index((Ellipsis, ..end, ..)),
+                v_buf.index((Ellipsis, ..end, ..)),
+            ))
+        } else {
+            Ok((k_buf.clone(), v_buf.clone()))
+        }
+    }
+
+    /// The mask for `queries` new positions (the last `queries` of `0..idx`): padding hidden,
+    /// causal among the new positions. No array when nothing needs hiding.
+    pub fn mask(&self, queries: i32) -> Result<Mask, Exception> {
+        if self.unpadded() {
+            return Ok(if queries > 1 {
+                Mask::Causal
+            } else {
+                Mask::None
+            });
+        }
+        let t = self.idx;
+        let b = self.rows() as i32;
+        let keys = Array::arange::<_, i32>(None, t, None)?.reshape(&[1, 1, 1, t])?;
+        let padding = Array::from_slice(&self.left_padding, &[b, 1, 1, 1]);
+        let mut mask = keys.ge(&padding)?;
+        if queries > 1 {
+            // A padding query (in a prefill group) sees itself, so that no row of the mask is
+            // empty: an all-masked softmax would give NaN, and NaN times a zero weight is NaN.
+            let first = t - queries;
+            let query_pos =
+                Array::arange::<_, i32>(first, t, None)?.reshape(&[1, 1, queries, 1])?;
+            mask = mask
+                .logical_or(&keys.eq(&query_pos)?)?
+                .logical_and(&keys.le(&query_pos)?)?;
+        }
+        Ok(Mask::Array(mask))
+    }
+
+    /// Keeps rows `keep` (in that order) and cuts the padding they all share.
+    pub fn filter(&mut self, keep: &[usize]) -> Result<(), Exception> {
+        if keep.len() != self.rows() || keep.iter().enumerate().any(|(i, &r)| i != r) {
+            let idx = Array::from_slice(
+                &keep.iter().map(|&r| r as i32).collect::<Vec<_>>(),
+                &[keep.len() as i32],
+            );
+            self.keys = self.keys.take().map(|k| k.take_axis(&idx, 0)).transpose()?;
+            self.values = self
+                .values
+                .take()
+                .map(|v| v.take_axis(&idx, 0))
+                .transpose()?;
+            self.left_padding = keep.iter().map(|&r| self.left_padding[r]).collect();
+        }
+        let shared = self.left_padding.iter().copied().min().unwrap_or(0);
+        if shared > 0 {
+            self.keys = self.keys.take().map(|k| k.index((Ellipsis, shared.., ..)));
+            self.values = self
+                .values
+                .take()
+                .map(|v| v.index((Ellipsis, shared.., ..)));
+            self.idx -= shared;
+            for p in &mut self.left_padding {
+                *p -= shared;
+            }
+        }
+        Ok(())
+    }
+
+    /// Appends the rows of `other` after this cache's rows, padding whichever side is shorter
+    /// on the left so that both end at the same position.
+    pub fn extend(&mut self, other: BatchKv) -> Result<(), Exception> {
+        if other.rows() == 0 {
+            return Ok(());
+        }
+        if self.rows() == 0 {
+            *self = other;
+            return Ok(());
+        }
+        let template = match (&self.keys, &self.values, &other.keys, &other.values) {
+            (Some(k), Some(v), _, _) | (None, None, Some(k), Some(v)) => (k.clone(), v.clone()),
+            _ => {
+                // Nothing written on either side yet (one-token prompts): positions agree at 0.
+                self.left_padding.extend(other.left_padding);
+                return Ok(());
+            }
+        };
+        let end = self.idx.max(other.idx);
+        let (k1, v1, p1) = self.aligned(end, &template)?;
+        let (k2, v2, p2) = other.aligned(end, &template)?;
+        self.keys = Some(concatenate(&[k1, k2], 0)?);
+        self.values = Some(concatenate(&[v1, v2], 0)?);
+        self.left_padding = p1.into_iter().chain(p2).collect();
+        self.idx = end;
+        Ok(())
+    }
+
+    /// This cache's keys, values and padding cut to `idx` and padded on the left to `end`.
+    /// A cache with nothing written yet becomes all padding, shaped like `template`.
+    fn aligned(
+        &self,
+        end: i32,
+        template: &(Array, Array),
+    ) -> Result<(Array, Array, Vec<i32>), Exception> {
+        let pad = end - self.idx;
+        let rows = self.rows() as i32;
+        let padding = self.left_padding.iter().map(|p| p + pad).collect();
+        let zeros = |like: &Array, n: i32| {
+            let s = like.shape();
+            zeros_dtype(&[rows, s[1], n, s[3]], like.dtype())
+        };
+        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
+            return Ok((zeros(&template.0, end)?, zeros(&template.1, end)?, padding));
+        };
+        let mut k = k.index((Ellipsis, ..self.idx, ..));
+        let mut v = v.index((Ellipsis, ..self.idx, ..));
+        if pad > 0 {
+            k = concatenate(&[zeros(&k, pad)?, k], 2)?;
+            v = concatenate(&[zeros(&v, pad)?, v], 2)?;
+        }
+        Ok((k, v, padding))
+    }
+
+    /// A copy of row `r`'s valid keys and values, `[1, kv_heads, row_len, head_dim]`, that
+    /// holds no reference to the batch buffer (so the buffer can still be updated in place).
+    pub fn row_copy(&self, r: usize) -> Result<Option<(Array, Array)>, Exception> {
+        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
+            return Ok(None);
+        };
+        let (r, start, end) = (r as i32, self.left_padding[r], self.idx);
+        let k = k.index((r..r + 1, .., start..end, ..)).contiguous()?;
+        let v = v.index((r..r + 1, .., start..end, ..)).contiguous()?;
+        Ok(Some((k, v)))
+    }
+
+    /// Drops the last `n` positions of every row (speculative rollback).
+    pub fn trim(&mut self, n: usize) {
+        let max = self.idx - self.left_padding.iter().copied().max().unwrap_or(0);
+        self.idx -= (n as i32).min(max);
+    }
+
+    /// Bytes held by the buffers (padding and spare capacity included).
+    pub fn nbytes(&self) -> usize {
+        self.keys.as_ref().map_or(0, Array::nbytes) + self.values.as_ref().map_or(0, Array::nbytes)
+    }
+
+    pub fn state(&self) -> Vec<&Array> {
+        self.keys.iter().chain(self.values.iter()).collect()
+    }
+}

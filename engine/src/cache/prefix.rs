@@ -1,0 +1,198 @@
+//! The prefix cache: the KV of earlier sequences, keyed by their token ids, reused by any later
+//! prompt that starts with the same tokens (a multi-turn chat, a shared system prompt, the same
+//! tool schemas).
+//!
+//! Generic over what it stores so that the policy (longest-prefix match, least-recently-used
+//! eviction under a byte budget, dropping entries made redundant by a longer one) is tested
+//! without MLX; the engine stores per-layer key/value arrays.
+
+/// What a lookup found: the first `matched` tokens of the prompt are held by `payload`, whose
+/// entry covers `entry_len` tokens (`matched <= entry_len`).
+#[derive(Debug)]
+pub struct PrefixLookup<'a, T> {
+    pub matched: usize,
+    pub entry_len: usize,
+    pub payload: &'a T,
+}
+
+#[derive(Debug)]
+struct Entry<T> {
+    tokens: Vec<u32>,
+    payload: T,
+    bytes: u64,
+    last_used: u64,
+}
+
+#[derive(Debug)]
+pub struct PrefixCache<T> {
+    entries: Vec<Entry<T>>,
+    budget: u64,
+    bytes: u64,
+    clock: u64,
+}
+
+impl<T> PrefixCache<T> {
+    /// A cache that holds at most `budget` bytes; 0 disables it.
+    pub fn new(budget: u64) -> Self {
+        Self {
+            entries: Vec::new(),
+            budget,
+            bytes: 0,
+            clock: 0,
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.budget > 0
+    }
+
+    pub fn budget(&self) -> u64 {
+        self.budget
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The entry sharing the longest prefix with `tokens`, the match capped at `max_match`
+    /// (a prompt's last token must still be run to produce logits). Marks it recently used.
+    pub fn lookup(&mut self, tokens: &[u32], max_match: usize) -> Option<PrefixLookup<'_, T>> {
+        let (best, matched) = self
+            .entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (i, common_prefix(&e.tokens, tokens).min(max_match)))
+            .filter(|&(_, m)| m > 0)
+            .max_by_key(|&(i, m)| (m, std::cmp::Reverse(self.entries[i].tokens.len())))?;
+        self.clock += 1;
+        let entry = &mut self.entries[best];
+        entry.last_used = self.clock;
+        Some(PrefixLookup {
+            matched,
+            entry_len: entry.tokens.len(),
+            payload: &entry.payload,
+        })
+    }
+
+    /// Stores `payload` as the cache of `tokens`. Entries that are prefixes of `tokens` become
+    /// redundant and are dropped; if an entry already covers `tokens`, nothing is added. The
+    /// least recently used entries are evicted to stay within the budget. Returns how many
+    /// entries were removed.
+    pub fn insert(&mut self, tokens: Vec<u32>, payload: T, bytes: u64) -> usize {
+        if !self.enabled() || tokens.is_empty() || bytes > self.budget {
+            return 0;
+        }
+        self.clock += 1;
+        if let Some(cover) = self
+            .entries
+            .iter_mut()
+            .find(|e| e.tokens.len() >= tokens.len() && e.tokens.starts_with(&tokens))
+        {
+            cover.last_used = self.clock;
+            return 0;
+        }
+        let before = self.entries.len();
+        self.entries.retain(|e| !tokens.starts_with(&e.tokens));
+        self.entries.push(Entry {
+            tokens,
+            payload,
+            bytes,
+            last_used: self.clock,
+        });
+        self.recount();
+        while self.bytes > self.budget {
+            let lru = self
+                .entries
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, e)| e.last_used)
+                .map(|(i, _)| i)
+                .expect("over budget means at least one entry");
+            self.entries.swap_remove(lru);
+            self.recount();
+        }
+        before + 1 - self.entries.len()
+    }
+
+    /// Drops every entry (after an out-of-memory error, say).
+    pub fn clear(&mut self) {
+        self.entries.clear();
+        self.bytes = 0;
+    }
+
+    fn recount(&mut self) {
+        self.bytes = self.entries.iter().map(|e| e.bytes).sum();
+    }
+}
+
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_the_longest_shared_prefix() {
+        let mut c = PrefixCache::new(1000);
+        c.insert(vec![1, 2, 3], "short", 10);
+        c.insert(vec![1, 2, 9, 9], "other", 10);
+        c.insert(vec![7, 8], "unrelated", 10);
+        let hit = c.lookup(&[1, 2, 3, 4, 5], 4).unwrap();
+        assert_eq!((hit.matched, *hit.payload), (3, "short"));
+        let hit = c.lookup(&[1, 2, 9, 1], 3).unwrap();
+        assert_eq!((hit.matched, *hit.payload), (3, "other"));
+        assert!(c.lookup(&[5, 5], 1).is_none());
+    }
+
+    #[test]
+    fn caps_the_match_so_the_last_prompt_token_is_run() {
+        let mut c = PrefixCache::new(1000);
+        c.insert(vec![1, 2, 3, 4], "turn", 10);
+        let hit = c.lookup(&[1, 2, 3], 2).unwrap();
+        assert_eq!((hit.matched, hit.entry_len), (2, 4));
+    }
+
+    #[test]
+    fn a_longer_entry_replaces_its_prefixes() {
+        let mut c = PrefixCache::new(1000);
+        c.insert(vec![1, 2], "turn 1", 10);
+        assert_eq!(c.insert(vec![1, 2, 3, 4], "turn 2", 20), 1);
+        assert_eq!(c.len(), 1);
+        assert_eq!(c.bytes(), 20);
+        // Already covered: nothing added.
+        assert_eq!(c.insert(vec![1, 2, 3], "part", 5), 0);
+        assert_eq!(c.len(), 1);
+    }
+
+    #[test]
+    fn evicts_least_recently_used_within_the_budget() {
+        let mut c = PrefixCache::new(25);
+        c.insert(vec![1], "a", 10);
+        c.insert(vec![2], "b", 10);
+        c.lookup(&[1, 0], 1).unwrap(); // a is now more recent than b
+        assert_eq!(c.insert(vec![3], "c", 10), 1);
+        assert!(c.lookup(&[2, 0], 1).is_none());
+        assert!(c.lookup(&[1, 0], 1).is_some());
+        assert_eq!(c.bytes(), 20);
+    }
+
+    #[test]
+    fn disabled_or_oversized_stores_nothing() {
+        let mut off = PrefixCache::new(0);
+        off.insert(vec![1], "a", 1);
+        assert!(off.is_empty());
+        let mut small = PrefixCache::new(5);
+        small.insert(vec![1], "a", 6);
+        assert!(small.is_empty());
+    }
+}

@@ -1,0 +1,232 @@
+//! The decode batch: every sequence past its prompt advances one token per forward pass.
+//!
+//! A step runs one step ahead, as mlx-lm does: it builds and queues (`async_eval`) the forward
+//! pass for the tokens sampled in the previous step, and only then reads those tokens back, so
+//! the device never waits for the host. Rows join (prefilled sequences, their last prompt token
+//! as input) and leave (limit reached, stop token, client gone) between steps; the one token a
+//! finished row had in flight is discarded.
+use mlx_rs::error::Exception;
+use mlx_rs::ops::concatenate;
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::Array;
+
+use super::request::FinishReason;
+use super::sampler::{BatchSampler, RowSampling};
+use super::sequence::Sequence;
+use crate::cache::{BatchKv, LayerCache};
+use crate::models::CausalLm;
+
+/// Sequences whose prompt is in their cache, ready to join the batch.
+pub struct Prefilled {
+    pub seqs: Vec<Sequence>,
+    /// One cache per layer, with one row per sequence, in order.
+    pub layers: Vec<BatchKv>,
+}
+
+/// The tokens a row's KV holds and one copy of that KV per layer (keys, values).
+pub type RowKv = (Vec<u32>, Vec<(Array, Array)>);
+
+/// A sequence that left the batch, with a copy of its KV for the prefix cache.
+pub struct Departed {
+    pub seq: Sequence,
+    pub kv: Option<RowKv>,
+}
+
+pub struct DecodeBatch {
+    rows: Vec<Sequence>,
+    caches: Vec<LayerCache>,
+    sampler: BatchSampler,
+    /// Tokens sampled for `rows` in the last step, not yet read back.
+    in_flight: Option<Array>,
+    num_layers: usize,
+    /// Copy each departing row's KV (the prefix cache is on).
+    keep_kv: bool,
+}
+
+impl DecodeBatch {
+    pub fn new(num_layers: usize, vocab: usize, keep_kv: bool) -> Self {
+        Self {
+            rows: Vec::new(),
+            caches: Vec::new(),
+            sampler: BatchSampler::new(vocab),
+            in_flight: None,
+            num_layers,
+            keep_kv,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty() && self.in_flight.is_none()
+    }
+
+    pub fn kv_bytes(&self) -> usize {
+        self.caches.iter().map(LayerCache::nbytes).sum()
+    }
+
+    /// Removes every row (after a failure), in batch order.
+    pub fn drain(&mut self) -> Vec<Sequence> {
+        self.caches.clear();
+        self.in_flight = None;
+        self.sampler = BatchSampler::new(self.sampler.vocab());
+        std::mem::take(&mut self.rows)
+    }
+
+    /// One step: drop finished rows, add `joining`, queue the next forward pass, then read back
+    /// and hand out the tokens of the previous one. Returns the rows that left.
+    pub fn step(
+        &mut self,
+        model: &dyn CausalLm,
+        joining: Vec<Prefilled>,
+    ) -> Result<Vec<Departed>, Exception> {
+        let pending = self.in_flight.take();
+        let mut keep = Vec::new();
+        let mut kept = Vec::new();
+        // Rows leaving now that are still owed their pending token, with its position.
+        let mut leaving = Vec::new();
+        let mut departed = Vec::new();
+        for (i, seq) in std::mem::take(&mut self.rows).into_iter().enumerate() {
+            if seq.wants_more() {
+                keep.push(i);
+                kept.push((seq, i));
+                continue;
+            }
+            let kv = self.row_kv(i, &seq)?;
+            if seq.finished {
+                // Its pending token was sampled after the end: discard it.
+                departed.push(Departed { seq, kv });
+            } else {
+                leaving.push((seq, i, kv));
+            }
+        }
+        let pending_input = match &pending {
+            Some(p) if !keep.is_empty() => {
+                let idx = Array::from_slice(
+                    &keep.iter().map(|&r| r as i32).collect::<Vec<_>>(),
+                    &[keep.len() as i32],
+                );
+                Some(p.take_axis(&idx, 0)?)
+            }
+            _ => None,
+        };
+        self.filter(&keep)?;
+        let kept_positions: Vec<usize> = kept.iter().map(|(_, i)| *i).collect();
+        self.rows = kept.into_iter().map(|(s, _)| s).collect();
+
+        let mut join_tokens = Vec::new();
+        for unit in joining {
+            self.join(unit, &mut join_tokens)?;
+        }
+
+        if !self.rows.is_empty() {
+            let mut inputs: Vec<Array> = pending_input.into_iter().collect();
+            if !join_tokens.is_empty() {
+                inputs.push(Array::from_slice(&join_tokens, &[join_tokens.len() as i32]));
+            }
+            let input = match inputs.len() {
+                1 => inputs.pop().expect("one input"),
+                _ => concatenate(&inputs, 0)?,
+            };
+            let b = self.rows.len() as i32;
+            let logits = model.forward(&input.reshape(&[b, 1])?, &mut self.caches)?;
+            let next = self.sampler.sample(&logits.index((.., -1, ..)))?;
+            let mut state: Vec<&Array> = vec![&next];
+            state.extend(self.sampler.state());
+            mlx_rs::transforms::async_eval(state)?;
+            for seq in &mut self.rows {
+                seq.sampled += 1;
+            }
+            self.in_flight = Some(next);
+        }
+
+        match pending {
+            Some(pending) => {
+                pending.eval()?;
+                let tokens: &[u32] = pending.as_slice();
+                for (seq, &i) in self.rows.iter_mut().zip(&kept_positions) {
+                    seq.emit(tokens[i], false);
+                }
+                for (mut seq, i, kv) in leaving {
+                    seq.emit(tokens[i], true);
+                    departed.push(Departed { seq, kv });
+                }
+            }
+            None => {
+                for (mut seq, _, kv) in leaving {
+                    seq.finish(FinishReason::Length);
+                    departed.push(Departed { seq, kv });
+                }
+            }
+        }
+        Ok(departed)
+    }
+
+    /// A copy of row `r`'s KV and the tokens it holds, when the prefix cache wants it.
+    fn row_kv(&self, r: usize, seq: &Sequence) -> Result<Option<RowKv>, Exception> {
+        if !self.keep_kv {
+            return Ok(None);
+        }
+        let mut layers = Vec::with_capacity(self.caches.len());
+        let mut len = None;
+        for cache in &self.caches {
+            let LayerCache::Batched(c) = cache else {
+                return Ok(None);
+            };
+            len = Some(c.row_len(r));
+            match c.row_copy(r)? {
+                Some(kv) => layers.push(kv),
+                None => return Ok(None),
+            }
+        }
+        match len {
+            Some(n) if n > 0 && n <= seq.tokens.len() => {
+                Ok(Some((seq.tokens[..n].to_vec(), layers)))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    fn filter(&mut self, keep: &[usize]) -> Result<(), Exception> {
+        if keep.is_empty() {
+            self.caches.clear();
+            self.sampler = BatchSampler::new(self.sampler.vocab());
+            return Ok(());
+        }
+        for cache in &mut self.caches {
+            if let Some(c) = cache.as_batched_mut() {
+                c.filter(keep)?;
+            }
+        }
+        self.sampler.filter(keep)
+    }
+
+    fn join(&mut self, unit: Prefilled, join_tokens: &mut Vec<u32>) -> Result<(), Exception> {
+        let Prefilled { seqs, layers } = unit;
+        if self.caches.is_empty() {
+            self.caches = (0..self.num_layers)
+                .map(|_| LayerCache::Batched(BatchKv::default()))
+                .collect();
+        }
+        for (cache, layer) in self.caches.iter_mut().zip(layers) {
+            if let Some(c) = cache.as_batched_mut() {
+                c.extend(layer)?;
+            }
+        }
+        let joining: Vec<RowSampling> = seqs
+            .iter()
+            .map(|s| RowSampling {
+                params: &s.params,
+                seed: s.seed,
+                prompt: s.prompt(),
+                next_step: (s.sample_offset + s.sampled) as u64,
+            })
+            .collect();
+        self.sampler.extend(&joining)?;
+        join_tokens.extend(seqs.iter().map(Sequence::last_prompt_token));
+        self.rows.extend(seqs);
+        Ok(())
+    }
+}

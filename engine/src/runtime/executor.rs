@@ -1,0 +1,394 @@
+//! The MLX thread's loop: take requests, ask the scheduler what to do, run it.
+//!
+//! Each iteration admits what the [`scheduler`](super::scheduler) allows, runs one decode
+//! step for every sequence past its prompt (one forward pass, [`DecodeBatch`]) and one prefill
+//! unit (a chunk of one prompt or a padded group of short ones), then publishes its counters.
+//! Sequences whose prompt is in their cache join the decode batch at the next step. MLX
+//! arrays never leave this thread.
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use mlx_rs::error::Exception;
+use mlx_rs::Array;
+use tokio::sync::mpsc;
+
+use super::batch::{DecodeBatch, Departed, Prefilled};
+use super::request::{GenerateRequest, GenerationError, TokenEvent};
+use super::scheduler::{self, Admission, PrefillView, PrefillWork, SchedulerLimits, WaitingView};
+use super::sequence::Sequence;
+use super::{OomHook, RuntimeStats};
+use crate::cache::{BatchKv, CacheManager, LayerCache};
+use crate::models::{CausalLm, ModelInfo};
+
+/// An admitted sequence whose prompt is not all in its cache yet.
+struct Prefilling {
+    seq: Sequence,
+    /// One-row caches, `None` until something is written (or a prefix-cache hit).
+    layers: Option<Vec<BatchKv>>,
+    /// Prompt positions in `layers`.
+    written: usize,
+}
+
+impl Prefilling {
+    /// Prompt tokens still to run here; the last one runs in the first decode step.
+    fn remaining(&self) -> usize {
+        (self.seq.prompt_len - 1).saturating_sub(self.written)
+    }
+}
+
+pub(super) struct Executor<'m> {
+    pub model: &'m dyn CausalLm,
+    pub info: ModelInfo,
+    pub limits: SchedulerLimits,
+    pub caches: CacheManager,
+    pub stats: Arc<RuntimeStats>,
+    pub on_oom: Option<OomHook>,
+    waiting: VecDeque<GenerateRequest>,
+    prefilling: Vec<Prefilling>,
+    ready: Vec<Prefilled>,
+    batch: DecodeBatch,
+}
+
+impl<'m> Executor<'m> {
+    pub fn new(
+        model: &'m dyn CausalLm,
+        info: ModelInfo,
+        limits: SchedulerLimits,
+        caches: CacheManager,
+        stats: Arc<RuntimeStats>,
+        on_oom: Option<OomHook>,
+    ) -> Self {
+        let batch = DecodeBatch::new(info.num_layers, info.vocab_size, caches.prefix_enabled());
+        Self {
+            model,
+            info,
+            limits,
+            caches,
+            stats,
+            on_oom,
+            waiting: VecDeque::new(),
+            prefilling: Vec::new(),
+            ready: Vec::new(),
+            batch,
+        }
+    }
+
+    fn idle(&self) -> bool {
+        self.waiting.is_empty()
+            && self.prefilling.is_empty()
+            && self.ready.is_empty()
+            && self.batch.is_empty()
+    }
+
+    /// Serves requests until the channel closes and all work is done.
+    pub fn run(&mut self, mut rx: mpsc::UnboundedReceiver<GenerateRequest>) {
+        let mut open = true;
+        loop {
+            if self.idle() {
+                if !open {
+                    return;
+                }
+                match rx.blocking_recv() {
+                    Some(req) => self.waiting.push_back(req),
+                    None => return,
+                }
+            }
+            loop {
+                match rx.try_recv() {
+                    Ok(req) => self.waiting.push_back(req),
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => {
+                        open = false;
+                        break;
+                    }
+                }
+            }
+            if let Err(e) = self.iteration() {
+                self.fail_all(GenerationError::from_mlx(e.to_string()));
+            }
+            self.publish();
+        }
+    }
+
+    fn iteration(&mut self) -> Result<(), Exception> {
+        self.waiting.retain(|r| !r.events.is_closed());
+        self.drop_cancelled_prefills();
+        self.admit();
+        let joining = std::mem::take(&mut self.ready);
+        let departed = self.batch.step(self.model, joining)?;
+        self.settle(departed)?;
+        self.prefill()
+    }
+
+    fn drop_cancelled_prefills(&mut self) {
+        let mut kept = Vec::with_capacity(self.prefilling.len());
+        for mut p in std::mem::take(&mut self.prefilling) {
+            if p.seq.is_open() {
+                kept.push(p);
+            } else if let Some(r) = p.seq.reservation.take() {
+                self.caches.release(r);
+            }
+        }
+        self.prefilling = kept;
+    }
+
+    fn reservation(&self, req: &GenerateRequest) -> u64 {
+        let tokens = (req.prompt.len() + req.max_tokens).min(self.info.context_length);
+        self.caches.bytes_for(tokens)
+    }
+
+    fn admit(&mut self) {
+        let views: Vec<WaitingView> = self
+            .waiting
+            .iter()
+            .map(|r| WaitingView {
+                reservation: self.reservation(r),
+            })
+            .collect();
+        let running = self.prefilling.len()
+            + self.batch.len()
+            + self.ready.iter().map(|r| r.seqs.len()).sum::<usize>();
+        let decisions = scheduler::admit(&self.limits, self.caches.budget(), &views, running);
+        for decision in decisions {
+            let req = self
+                .waiting
+                .pop_front()
+                .expect("a decision per waiting request");
+            let needed = self.reservation(&req);
+            match decision {
+                Admission::Refuse => {
+                    let error = GenerationError::KvBudget {
+                        needed,
+                        budget: self.caches.budget().limit().unwrap_or(u64::MAX),
+                        prompt_tokens: req.prompt.len(),
+                        max_tokens: req.max_tokens,
+                    };
+                    let _ = req.events.send(TokenEvent::Failed(error));
+                }
+                Admission::Admit => {
+                    if let Err(e) = self.check_vocabulary(&req) {
+                        let _ = req.events.send(TokenEvent::Failed(e));
+                        continue;
+                    }
+                    let mut seq = Sequence::new(req, self.info.context_length);
+                    seq.reservation = Some(self.caches.reserve(needed));
+                    let hit = self.caches.lookup(seq.prompt());
+                    let (layers, written) = match hit {
+                        Some(hit) => {
+                            seq.cached_tokens = hit.tokens;
+                            (Some(hit.layers), hit.tokens)
+                        }
+                        None => (None, 0),
+                    };
+                    self.prefilling.push(Prefilling {
+                        seq,
+                        layers,
+                        written,
+                    });
+                }
+            }
+        }
+        self.promote_prefilled();
+    }
+
+    /// Token ids the model cannot embed or bias are refused before they reach MLX.
+    fn check_vocabulary(&self, req: &GenerateRequest) -> Result<(), GenerationError> {
+        let vocab = self.info.vocab_size;
+        if let Some(&token) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(GenerationError::TokenOutOfRange {
+                what: "the prompt",
+                token,
+                vocab,
+            });
+        }
+        if let Some(&token) = req
+            .sampling
+            .logit_bias
+            .keys()
+            .find(|&&t| t as usize >= vocab)
+        {
+            return Err(GenerationError::TokenOutOfRange {
+                what: "logit_bias",
+                token,
+                vocab,
+            });
+        }
+        req.sampling.validate().map_err(GenerationError::from)
+    }
+
+    /// Moves sequences with nothing left to prefill to the ready list, in order.
+    fn promote_prefilled(&mut self) {
+        let mut still = Vec::with_capacity(self.prefilling.len());
+        for p in std::mem::take(&mut self.prefilling) {
+            if p.remaining() > 0 {
+                still.push(p);
+                continue;
+            }
+            let layers = p
+                .layers
+                .unwrap_or_else(|| fresh_layers(self.info.num_layers, vec![0]));
+            self.ready.push(Prefilled {
+                seqs: vec![p.seq],
+                layers,
+            });
+        }
+        self.prefilling = still;
+    }
+
+    /// Releases the reservations of sequences that left the batch and keeps their KV.
+    fn settle(&mut self, departed: Vec<Departed>) -> Result<(), Exception> {
+        for Departed { mut seq, kv } in departed {
+            if let Some(r) = seq.reservation.take() {
+                self.caches.release(r);
+            }
+            if let Some((tokens, layers)) = kv {
+                self.caches.store(tokens, layers)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn prefill(&mut self) -> Result<(), Exception> {
+        let views: Vec<PrefillView> = self
+            .prefilling
+            .iter()
+            .map(|p| PrefillView {
+                remaining: p.remaining(),
+                written: p.written,
+            })
+            .collect();
+        match scheduler::next_prefill(&self.limits, &views) {
+            None => {}
+            Some(PrefillWork::Chunk { index, tokens }) => self.prefill_chunk(index, tokens)?,
+            Some(PrefillWork::Group { indices }) => self.prefill_group(&indices)?,
+        }
+        self.promote_prefilled();
+        Ok(())
+    }
+
+    /// The next `n` prompt tokens of one sequence into its own cache.
+    fn prefill_chunk(&mut self, index: usize, n: usize) -> Result<(), Exception> {
+        let num_layers = self.info.num_layers;
+        let p = &mut self.prefilling[index];
+        let chunk = &p.seq.tokens[p.written..p.written + n];
+        let input = Array::from_slice(chunk, &[1, n as i32]);
+        let layers = p
+            .layers
+            .take()
+            .unwrap_or_else(|| fresh_layers(num_layers, vec![0]));
+        let layers = run_prefill(self.model, &input, layers)?;
+        let p = &mut self.prefilling[index];
+        p.layers = Some(layers);
+        p.written += n;
+        Ok(())
+    }
+
+    /// Whole prompts (but their last token) of fresh sequences, padded on the left to one
+    /// length, in one forward pass; they then join the batch together.
+    fn prefill_group(&mut self, indices: &[usize]) -> Result<(), Exception> {
+        let lens: Vec<usize> = indices
+            .iter()
+            .map(|&i| self.prefilling[i].remaining())
+            .collect();
+        let longest = lens.iter().copied().max().unwrap_or(0);
+        let mut tokens = Vec::with_capacity(indices.len() * longest);
+        let mut padding = Vec::with_capacity(indices.len());
+        for (&i, &len) in indices.iter().zip(&lens) {
+            let pad = longest - len;
+            tokens.extend(std::iter::repeat_n(0u32, pad));
+            tokens.extend_from_slice(&self.prefilling[i].seq.tokens[..len]);
+            padding.push(pad as i32);
+        }
+        let input = Array::from_slice(&tokens, &[indices.len() as i32, longest as i32]);
+        let layers = run_prefill(
+            self.model,
+            &input,
+            fresh_layers(self.info.num_layers, padding),
+        )?;
+        let mut taken: Vec<Option<Prefilling>> = std::mem::take(&mut self.prefilling)
+            .into_iter()
+            .map(Some)
+            .collect();
+        let seqs = indices
+            .iter()
+            .map(|&i| taken[i].take().expect("each index once").seq)
+            .collect();
+        self.prefilling = taken.into_iter().flatten().collect();
+        self.ready.push(Prefilled { seqs, layers });
+        Ok(())
+    }
+
+    /// Fails every request this thread holds; after an out-of-memory error, also reports it
+    /// (the supervisor restarts the engine smaller) and drops the prefix cache.
+    fn fail_all(&mut self, error: GenerationError) {
+        tracing::error!(%error, "generation step failed");
+        for mut seq in self.batch.drain() {
+            seq.fail(error.clone());
+        }
+        for p in std::mem::take(&mut self.prefilling) {
+            let mut seq = p.seq;
+            seq.fail(error.clone());
+        }
+        for unit in std::mem::take(&mut self.ready) {
+            for mut seq in unit.seqs {
+                seq.fail(error.clone());
+            }
+        }
+        self.caches = CacheManager::new(
+            self.caches.budget().limit(),
+            self.caches.prefix_budget(),
+            self.info.kv_bytes_per_token,
+        );
+        if let GenerationError::OutOfMemory(message) = &error {
+            for r in self.waiting.drain(..) {
+                let _ = r.events.send(TokenEvent::Failed(error.clone()));
+            }
+            if let Some(hook) = self.on_oom.take() {
+                hook(message.clone());
+            }
+        }
+        let _ = mlx_rs::memory::clear_cache();
+    }
+
+    fn publish(&self) {
+        let ready: usize = self.ready.iter().map(|r| r.seqs.len()).sum();
+        let active = self.batch.len() + self.prefilling.len() + ready;
+        self.stats.active.store(active as u64, Ordering::Relaxed);
+        self.stats
+            .queued
+            .store(self.waiting.len() as u64, Ordering::Relaxed);
+        let prefill_bytes: usize = self
+            .prefilling
+            .iter()
+            .flat_map(|p| p.layers.iter().flatten())
+            .map(BatchKv::nbytes)
+            .sum();
+        let kv = self.batch.kv_bytes() + prefill_bytes + self.caches.prefix_bytes() as usize;
+        self.stats.kv_bytes.store(kv as u64, Ordering::Relaxed);
+        self.stats
+            .prefix_cache_bytes
+            .store(self.caches.prefix_bytes(), Ordering::Relaxed);
+    }
+}
+
+fn fresh_layers(num_layers: usize, padding: Vec<i32>) -> Vec<BatchKv> {
+    (0..num_layers)
+        .map(|_| BatchKv::with_padding(padding.clone()))
+        .collect()
+}
+
+/// Runs `input` `[B, L]` into `layers` and evaluates the caches (the logits are not needed).
+fn run_prefill(
+    model: &dyn CausalLm,
+    input: &Array,
+    layers: Vec<BatchKv>,
+) -> Result<Vec<BatchKv>, Exception> {
+    let mut caches: Vec<LayerCache> = layers.into_iter().map(LayerCache::Batched).collect();
+    let _ = model.forward(input, &mut caches)?;
+    mlx_rs::transforms::eval(caches.iter().flat_map(LayerCache::state))?;
+    Ok(caches
+        .into_iter()
+        .map(|c| c.into_batched().expect("built batched above"))
+        .collect())
+}

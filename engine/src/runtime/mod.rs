@@ -1,0 +1,163 @@
+//! The engine runtime: the thread that owns MLX and serves every request in one batch.
+//!
+//! - [`request`]: the contract with the HTTP side (requests in, token events out, typed
+//!   failures);
+//! - [`sampling_params`]: sampling parameters and their validation, the one place it happens;
+//! - [`scheduler`]: admission and prefill planning as pure functions (no MLX);
+//! - [`executor`]: the MLX thread's loop, which runs one decode step and one prefill unit per
+//!   iteration;
+//! - [`batch`]: the decode batch (one forward pass for every decoding sequence);
+//! - [`sampler`] and [`noise`]: on-device sampling for the whole batch;
+//! - [`sequence`]: one request's state;
+//! - [`reference`]: the serial single-sequence path that mirrors mlx-lm's `generate_step`.
+pub mod batch;
+pub mod executor;
+pub mod noise;
+pub mod reference;
+pub mod request;
+pub mod sampler;
+pub mod sampling_params;
+pub mod scheduler;
+pub mod sequence;
+
+use std::path::PathBuf;
+use std::sync::atomic::AtomicU64;
+use std::sync::mpsc as std_mpsc;
+use std::sync::Arc;
+use std::thread;
+
+use tokio::sync::mpsc;
+
+use crate::cache::CacheManager;
+use crate::loader::LoadError;
+use crate::models::{self, ModelInfo};
+use executor::Executor;
+use request::WorkSender;
+use scheduler::SchedulerLimits;
+
+/// Sequences decoded together when no limit is given.
+pub const DEFAULT_MAX_BATCH_SIZE: usize = 64;
+/// Prompt tokens of one sequence per prefill forward pass (mlx-lm's `prefill_step_size`).
+pub const PREFILL_CHUNK: usize = 2048;
+/// Tokens (rows × padded length) of one grouped prefill forward pass.
+pub const PREFILL_GROUP_TOKENS: usize = 4096;
+/// Prefix-cache bytes when no size is given (`--prompt-cache`).
+pub const DEFAULT_PROMPT_CACHE_BYTES: u64 = 1 << 30;
+
+/// Limits the supervisor may impose (smaller after an out-of-memory restart).
+#[derive(Debug, Clone)]
+pub struct RuntimeLimits {
+    /// Sequences generating at once; more wait in line.
+    pub max_batch_size: usize,
+    /// KV cache bytes that admitted sequences may reserve (prompt + max_tokens each).
+    pub kv_budget_bytes: Option<u64>,
+    /// Caps the model's context length.
+    pub context_length: Option<usize>,
+    /// Bytes of KV the prefix cache may keep between requests; 0 disables it.
+    pub prompt_cache_bytes: u64,
+    /// Prompt tokens of one sequence per prefill forward pass.
+    pub prefill_chunk: usize,
+}
+
+impl Default for RuntimeLimits {
+    fn default() -> Self {
+        Self {
+            max_batch_size: DEFAULT_MAX_BATCH_SIZE,
+            kv_budget_bytes: None,
+            context_length: None,
+            prompt_cache_bytes: DEFAULT_PROMPT_CACHE_BYTES,
+            prefill_chunk: PREFILL_CHUNK,
+        }
+    }
+}
+
+/// Counters the runtime publishes for `Stats` messages and `/health`.
+#[derive(Debug, Default)]
+pub struct RuntimeStats {
+    pub active: AtomicU64,
+    pub queued: AtomicU64,
+    /// KV bytes held: the batch, prefills in progress and the prefix cache.
+    pub kv_bytes: AtomicU64,
+    pub prefix_cache_bytes: AtomicU64,
+}
+
+/// Called once, on the MLX thread, when MLX runs out of memory: the process cannot trust its
+/// allocator any more and should report and exit (the supervisor restarts it smaller).
+pub type OomHook = Box<dyn FnOnce(String) + Send>;
+
+/// A running model thread.
+pub struct Runtime {
+    pub work: WorkSender,
+    pub info: ModelInfo,
+    pub stats: Arc<RuntimeStats>,
+    thread: thread::JoinHandle<()>,
+}
+
+impl Runtime {
+    /// Loads the model in `dir` on a new thread; returns once it is ready to serve.
+    pub fn start(
+        dir: PathBuf,
+        limits: RuntimeLimits,
+        on_oom: Option<OomHook>,
+    ) -> Result<Runtime, LoadError> {
+        let (ready_tx, ready_rx) = std_mpsc::channel();
+        let (work, rx) = mpsc::unbounded_channel();
+        let stats = Arc::new(RuntimeStats::default());
+        let thread_stats = stats.clone();
+        let thread = thread::Builder::new()
+            .name("mlx".into())
+            .spawn(move || match models::load(&dir) {
+                Ok(model) => {
+                    let mut info = model.info().clone();
+                    if let Some(cap) = limits.context_length {
+                        info.context_length = info.context_length.min(cap);
+                    }
+                    let _ = ready_tx.send(Ok(info.clone()));
+                    let caches = CacheManager::new(
+                        limits.kv_budget_bytes,
+                        limits.prompt_cache_bytes,
+                        info.kv_bytes_per_token,
+                    );
+                    let scheduler = SchedulerLimits {
+                        max_batch_size: limits.max_batch_size.max(1),
+                        prefill_chunk: limits.prefill_chunk.max(1),
+                        prefill_group_tokens: PREFILL_GROUP_TOKENS.max(limits.prefill_chunk),
+                    };
+                    Executor::new(
+                        model.as_ref(),
+                        info,
+                        scheduler,
+                        caches,
+                        thread_stats,
+                        on_oom,
+                    )
+                    .run(rx);
+                }
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                }
+            })
+            .map_err(|e| LoadError::Io {
+                path: "<mlx thread>".into(),
+                source: e,
+            })?;
+        match ready_rx.recv() {
+            Ok(Ok(info)) => Ok(Runtime {
+                work,
+                info,
+                stats,
+                thread,
+            }),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(LoadError::Config(
+                "the MLX thread died while loading the model".into(),
+            )),
+        }
+    }
+
+    /// Stops accepting work and waits for the thread to finish what it holds.
+    pub fn join(self) {
+        drop(self.work);
+        let _ = self.thread.join();
+    }
+}

@@ -1,0 +1,117 @@
+//! The contract between the HTTP side (tokio) and the thread that owns MLX.
+//!
+//! The HTTP side tokenizes, renders chat templates, validates, detokenizes and matches stop
+//! strings. The MLX thread only turns prompt token ids into generated token ids. A request is
+//! cancelled by dropping its [`TokenEvent`] receiver: the MLX thread notices the closed channel
+//! at its next step and frees the sequence.
+use tokio::sync::mpsc;
+
+use super::sampling_params::{SamplingError, SamplingParams};
+
+/// One generation job for the MLX thread.
+#[derive(Debug)]
+pub struct GenerateRequest {
+    /// Prompt token ids, already templated; never empty.
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingParams,
+    /// Generate at most this many tokens (≥ 1).
+    pub max_tokens: usize,
+    /// Generation ends after emitting one of these (the model's end-of-sequence tokens).
+    pub stop_token_ids: Vec<u32>,
+    /// Index of the first token to generate in the request's random stream: the number of
+    /// tokens an interrupted generation already produced (0 for a new one), so that a resumed
+    /// seeded request continues its draws where they stopped.
+    pub sample_offset: usize,
+    /// Where generated tokens go, in order.
+    pub events: mpsc::UnboundedSender<TokenEvent>,
+}
+
+/// What the MLX thread reports for one request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TokenEvent {
+    /// The prompt was processed; `cached` of its tokens came from the prompt cache.
+    PromptDone { prompt_tokens: usize, cached: usize },
+    /// One generated token.
+    Token(u32),
+    /// Generation ended; no more events follow.
+    Finished(FinishReason),
+    /// Generation failed; no more events follow.
+    Failed(GenerationError),
+}
+
+/// Why the MLX thread could not complete a request, by kind, so that the HTTP side maps each
+/// to its status (see `server/error.rs`).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum GenerationError {
+    /// The request's worst case cannot fit in the engine's KV budget, even alone.
+    #[error(
+        "the request needs {needed} bytes of KV cache (prompt {prompt_tokens} + max_tokens \
+         {max_tokens} tokens), more than the engine's KV budget of {budget} bytes"
+    )]
+    KvBudget {
+        needed: u64,
+        budget: u64,
+        prompt_tokens: usize,
+        max_tokens: usize,
+    },
+    #[error("invalid sampling parameters: {0}")]
+    Sampling(#[from] SamplingError),
+    /// A token id outside the model's vocabulary (in the prompt or in `logit_bias`).
+    #[error("{what} names token {token}, outside the vocabulary of {vocab} tokens")]
+    TokenOutOfRange {
+        what: &'static str,
+        token: u32,
+        vocab: usize,
+    },
+    /// MLX could not allocate; the engine is about to restart with smaller limits.
+    #[error("the engine ran out of memory: {0}")]
+    OutOfMemory(String),
+    /// Any other MLX failure.
+    #[error("MLX failed: {0}")]
+    Mlx(String),
+    /// The MLX thread stopped before the request finished.
+    #[error("the model thread stopped")]
+    Stopped,
+}
+
+impl GenerationError {
+    /// Classifies an MLX failure message.
+    pub fn from_mlx(message: String) -> Self {
+        if is_out_of_memory(&message) {
+            GenerationError::OutOfMemory(message)
+        } else {
+            GenerationError::Mlx(message)
+        }
+    }
+}
+
+/// True for MLX's allocation-failure messages (CPU malloc, Metal and CUDA allocators).
+pub fn is_out_of_memory(message: &str) -> bool {
+    let m = message.to_ascii_lowercase();
+    m.contains("unable to allocate")
+        || m.contains("out of memory")
+        || m.contains("outofmemory")
+        || m.contains("bad_alloc")
+        || m.contains("insufficient memory")
+}
+
+/// Why a generation ended, in OpenAI's terms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token or a stop string.
+    Stop,
+    /// `max_tokens` or the context length was reached.
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// The sending half that the HTTP side holds; cloneable and cheap.
+pub type WorkSender = mpsc::UnboundedSender<GenerateRequest>;

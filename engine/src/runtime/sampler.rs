@@ -1,0 +1,459 @@
+//! Picks the next token of every row of a batch on the device, each row with its own
+//! parameters. Nothing is copied to the host but the chosen token ids.
+//!
+//! Order of operations, each skipped for the whole batch when no row uses it:
+//! 1. log-probabilities, `logits - logsumexp(logits)` in the model's dtype (as mlx-lm does, so
+//!    greedy rows pick exactly mlx-lm's token), then float32;
+//! 2. logit bias (added);
+//! 3. repetition penalty over every token seen (prompt and generated), Hugging Face semantics:
+//!    a positive logit is divided by the penalty, a negative one multiplied;
+//! 4. presence and frequency penalties over the generated tokens, OpenAI semantics:
+//!    `logit -= presence * [count > 0] + frequency * count`;
+//! 5. temperature 0: argmax (the lowest id among equal maxima);
+//! 6. otherwise temperature scaling, then top-k, top-p (over the top-k distribution: the
+//!    smallest prefix of the sorted distribution whose mass reaches `top_p`, at least one
+//!    token) and min-p (tokens below `min_p` times the top probability) as one threshold per
+//!    row (tokens tied with the threshold are kept), and a Gumbel-max draw with
+//!    [`noise`](super::noise) keyed by (seed, index of the generated token).
+//!
+//! The per-row state that spans steps (bias rows, seen tokens, generated counts) lives here
+//! as `[B, vocab]` arrays, kept in the same row order as the batch's KV cache.
+use mlx_rs::error::Exception;
+#[cfg(test)]
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::ops::indexing::{argmax_axis, take_along_axis};
+use mlx_rs::ops::{concatenate, maximum, select, sort_axis, zeros_dtype};
+use mlx_rs::{Array, Dtype};
+
+use super::noise;
+use super::sampling_params::SamplingParams;
+
+/// What the sampler needs to know about one row when it joins.
+pub struct RowSampling<'a> {
+    pub params: &'a SamplingParams,
+    pub seed: u64,
+    /// Prompt tokens (for the repetition penalty).
+    pub prompt: &'a [u32],
+    /// Index of this row's next generated token in its random stream.
+    pub next_step: u64,
+}
+
+struct Row {
+    params: SamplingParams,
+    seed: u64,
+    next_step: u64,
+}
+
+/// Rows' sampling state, in batch order.
+pub struct BatchSampler {
+    vocab: i32,
+    rows: Vec<Row>,
+    /// `[B, vocab]` added to the logits; only while some row has a bias.
+    bias: Option<Array>,
+    /// `[B, vocab]`, 1.0 where a token was seen (prompt or generated); only while some row
+    /// has a repetition penalty.
+    seen: Option<Array>,
+    /// `[B, vocab]` generated-token counts; only while some row has a presence or frequency
+    /// penalty.
+    counts: Option<Array>,
+}
+
+impl BatchSampler {
+    pub fn new(vocab: usize) -> Self {
+        Self {
+            vocab: vocab as i32,
+            rows: Vec::new(),
+            bias: None,
+            seen: None,
+            counts: None,
+        }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows.len()
+    }
+
+    pub fn vocab(&self) -> usize {
+        self.vocab as usize
+    }
+
+    /// Appends rows after the current ones.
+    pub fn extend(&mut self, joining: &[RowSampling<'_>]) -> Result<(), Exception> {
+        if joining.is_empty() {
+            return Ok(());
+        }
+        let old = self.rows.len() as i32;
+        let v = self.vocab as usize;
+        let wants_bias = joining.iter().any(|r| !r.params.logit_bias.is_empty());
+        if self.bias.is_some() || wants_bias {
+            let rows: Vec<f32> = joining
+                .iter()
+                .flat_map(|r| {
+                    let mut row = vec![0.0f32; v];
+                    for (&token, &bias) in &r.params.logit_bias {
+                        if let Some(slot) = row.get_mut(token as usize) {
+                            *slot = bias;
+                        }
+                    }
+                    row
+                })
+                .collect();
+            self.bias = Some(append_rows(self.bias.take(), old, self.vocab, &rows)?);
+        }
+        let wants_seen = joining.iter().any(|r| r.params.repetition_penalty != 1.0);
+        if self.seen.is_some() || wants_seen {
+            let rows: Vec<f32> = joining
+                .iter()
+                .flat_map(|r| {
+                    let mut row = vec![0.0f32; v];
+                    for &t in r.prompt {
+                        if let Some(slot) = row.get_mut(t as usize) {
+                            *slot = 1.0;
+                        }
+                    }
+                    row
+                })
+                .collect();
+            self.seen = Some(append_rows(self.seen.take(), old, self.vocab, &rows)?);
+        }
+        let wants_counts = joining
+            .iter()
+            .any(|r| r.params.presence_penalty != 0.0 || r.params.frequency_penalty != 0.0);
+        if self.counts.is_some() || wants_counts {
+            let rows = vec![0.0f32; v * joining.len()];
+            self.counts = Some(append_rows(self.counts.take(), old, self.vocab, &rows)?);
+        }
+        self.rows.extend(joining.iter().map(|r| Row {
+            params: r.params.clone(),
+            seed: r.seed,
+            next_step: r.next_step,
+        }));
+        Ok(())
+    }
+
+    /// Keeps rows `keep`, in that order.
+    pub fn filter(&mut self, keep: &[usize]) -> Result<(), Exception> {
+        if keep.len() == self.rows.len() && keep.iter().enumerate().all(|(i, &r)| i == r) {
+            return Ok(());
+        }
+        let idx = Array::from_slice(
+            &keep.iter().map(|&r| r as i32).collect::<Vec<_>>(),
+            &[keep.len() as i32],
+        );
+        for state in [&mut self.bias, &mut self.seen, &mut self.counts] {
+            *state = state.take().map(|s| s.take_axis(&idx, 0)).transpose()?;
+        }
+        let mut rows: Vec<Option<Row>> = std::mem::take(&mut self.rows)
+            .into_iter()
+            .map(Some)
+            .collect();
+        self.rows = keep
+            .iter()
+            .map(|&r| rows[r].take().expect("each row is kept at most once"))
+            .collect();
+        if self.rows.iter().all(|r| r.params.logit_bias.is_empty()) {
+            self.bias = None;
+        }
+        if self.rows.iter().all(|r| r.params.repetition_penalty == 1.0) {
+            self.seen = None;
+        }
+        if self
+            .rows
+            .iter()
+            .all(|r| r.params.presence_penalty == 0.0 && r.params.frequency_penalty == 0.0)
+        {
+            self.counts = None;
+        }
+        Ok(())
+    }
+
+    /// Chooses one token per row from `logits` `[B, vocab]` (lazily: nothing is evaluated) and
+    /// records it in the rows' penalty state.
+    pub fn sample(&mut self, logits: &Array) -> Result<Array, Exception> {
+        let b = self.rows.len() as i32;
+        let logprobs = logits.subtract(logits.logsumexp_axis(-1, true)?)?;
+        let mut x = logprobs.as_dtype(Dtype::Float32)?;
+        if let Some(bias) = &self.bias {
+            x = x.add(bias)?;
+        }
+        if let Some(seen) = &self.seen {
+            let r = self.column(|p| p.repetition_penalty);
+            let penalised = select(&x.gt(Array::from_f32(0.0))?, x.divide(&r)?, x.multiply(&r)?)?;
+            x = select(&seen.gt(Array::from_f32(0.0))?, &penalised, &x)?;
+        }
+        if let Some(counts) = &self.counts {
+            let presence = self.column(|p| p.presence_penalty);
+            let frequency = self.column(|p| p.frequency_penalty);
+            let present = counts.gt(Array::from_f32(0.0))?.as_dtype(Dtype::Float32)?;
+            x = x
+                .subtract(presence.multiply(&present)?)?
+                .subtract(frequency.multiply(counts)?)?;
+        }
+        let greedy = argmax_axis(&x, -1, None)?.as_dtype(Dtype::Uint32)?;
+        let tokens = if self.rows.iter().all(|r| r.params.temperature == 0.0) {
+            greedy
+        } else {
+            let sampled = self.draw(&x)?;
+            let is_greedy: Vec<bool> = self
+                .rows
+                .iter()
+                .map(|r| r.params.temperature == 0.0)
+                .collect();
+            select(Array::from_slice(&is_greedy, &[b]), &greedy, &sampled)?
+        };
+        for row in &mut self.rows {
+            row.next_step += 1;
+        }
+        if self.seen.is_some() || self.counts.is_some() {
+            let one_hot = Array::arange::<_, u32>(None, self.vocab as u32, None)?
+                .reshape(&[1, self.vocab])?
+                .eq(tokens.reshape(&[b, 1])?)?
+                .as_dtype(Dtype::Float32)?;
+            if let Some(seen) = &self.seen {
+                self.seen = Some(maximum(seen, &one_hot)?);
+            }
+            if let Some(counts) = &self.counts {
+                self.counts = Some(counts.add(&one_hot)?);
+            }
+        }
+        Ok(tokens)
+    }
+
+    /// The arrays the next step reads besides the tokens (to evaluate with them).
+    pub fn state(&self) -> Vec<&Array> {
+        self.bias
+            .iter()
+            .chain(self.seen.iter())
+            .chain(self.counts.iter())
+            .collect()
+    }
+
+    /// Temperature, truncation and a Gumbel-max draw for every row (greedy rows too; their
+    /// draw is discarded).
+    fn draw(&self, x: &Array) -> Result<Array, Exception> {
+        let b = self.rows.len() as i32;
+        let temperature = self.column(|p| {
+            if p.temperature == 0.0 {
+                1.0
+            } else {
+                p.temperature
+            }
+        });
+        let z = x.divide(&temperature)?;
+        let mut threshold: Option<Array> = None;
+        let any_top_k = self.rows.iter().any(|r| r.params.top_k > 0);
+        let any_top_p = self.rows.iter().any(|r| r.params.top_p < 1.0);
+        if any_top_k || any_top_p {
+            // Descending order: sort the negation.
+            let mut sorted = sort_axis(z.negative()?, -1)?.negative()?;
+            let v = self.vocab as usize;
+            if any_top_k {
+                let last: Vec<i32> = self
+                    .rows
+                    .iter()
+                    .map(|r| match r.params.top_k {
+                        0 => v as i32 - 1,
+                        k => k.min(v) as i32 - 1,
+                    })
+                    .collect();
+                let last = Array::from_slice(&last, &[b, 1]);
+                threshold = Some(take_along_axis(&sorted, &last, -1)?);
+                let rank =
+                    Array::arange::<_, i32>(None, self.vocab, None)?.reshape(&[1, self.vocab])?;
+                sorted = select(
+                    &rank.le(&last)?,
+                    &sorted,
+                    Array::from_f32(f32::NEG_INFINITY),
+                )?;
+            }
+            if any_top_p {
+                let probs = mlx_rs::ops::softmax_axis(&sorted, -1, true)?;
+                let before = probs.cumsum(-1, None, None)?.subtract(&probs)?;
+                let top_p = self.column(|p| p.top_p);
+                let kept = before
+                    .lt(&top_p)?
+                    .as_dtype(Dtype::Int32)?
+                    .sum_axis(-1, true)?;
+                let last = maximum(kept.subtract(Array::from_int(1))?, Array::from_int(0))?;
+                let t = take_along_axis(&sorted, &last, -1)?;
+                threshold = Some(match threshold {
+                    Some(k) => maximum(&k, &t)?,
+                    None => t,
+                });
+            }
+        }
+        if self.rows.iter().any(|r| r.params.min_p > 0.0) {
+            let log_min_p = self.column(|p| {
+                if p.min_p > 0.0 {
+                    p.min_p.ln()
+                } else {
+                    f32::NEG_INFINITY
+                }
+            });
+            let t = z.max_axis(-1, true)?.add(&log_min_p)?;
+            threshold = Some(match threshold {
+                Some(k) => maximum(&k, &t)?,
+                None => t,
+            });
+        }
+        let z = match threshold {
+            Some(t) => select(&z.ge(&t)?, &z, Array::from_f32(f32::NEG_INFINITY))?,
+            None => z,
+        };
+        let keys: Vec<[u32; 2]> = self
+            .rows
+            .iter()
+            .map(|r| noise::row_key(r.seed, r.next_step))
+            .collect();
+        let g = noise::gumbel(&keys, self.vocab)?;
+        argmax_axis(z.add(&g)?, -1, None)?.as_dtype(Dtype::Uint32)
+    }
+
+    /// A `[B, 1]` float32 column of one parameter.
+    fn column(&self, f: impl Fn(&SamplingParams) -> f32) -> Array {
+        let values: Vec<f32> = self.rows.iter().map(|r| f(&r.params)).collect();
+        Array::from_slice(&values, &[values.len() as i32, 1])
+    }
+}
+
+/// `old` (`[n, vocab]`, or zeros when absent) followed by `rows` (row-major host values).
+fn append_rows(old: Option<Array>, n: i32, vocab: i32, rows: &[f32]) -> Result<Array, Exception> {
+    let added = Array::from_slice(rows, &[rows.len() as i32 / vocab, vocab]);
+    let old = match old {
+        Some(o) => o,
+        None if n == 0 => return Ok(added),
+        None => zeros_dtype(&[n, vocab], Dtype::Float32)?,
+    };
+    concatenate(&[old, added], 0)
+}
+
+/// The first `n` columns of a `[B, vocab]` array (test helper).
+#[cfg(test)]
+fn row_values(a: &Array, row: i32) -> Vec<f32> {
+    a.index(row).as_slice::<f32>().to_vec()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(f: impl FnOnce(&mut SamplingParams)) -> SamplingParams {
+        let mut p = SamplingParams::default();
+        f(&mut p);
+        p
+    }
+
+    fn sampler(rows: &[(SamplingParams, u64)], prompt: &[u32], vocab: usize) -> BatchSampler {
+        let mut s = BatchSampler::new(vocab);
+        let joining: Vec<RowSampling> = rows
+            .iter()
+            .map(|(p, seed)| RowSampling {
+                params: p,
+                seed: *seed,
+                prompt,
+                next_step: 0,
+            })
+            .collect();
+        s.extend(&joining).unwrap();
+        s
+    }
+
+    fn tokens(a: &Array) -> Vec<u32> {
+        a.as_slice::<u32>().to_vec()
+    }
+
+    fn logits(rows: &[&[f32]]) -> Array {
+        let v = rows[0].len() as i32;
+        let flat: Vec<f32> = rows.iter().flat_map(|r| r.iter().copied()).collect();
+        Array::from_slice(&flat, &[rows.len() as i32, v])
+    }
+
+    #[test]
+    fn greedy_rows_take_the_argmax_lowest_id_on_ties() {
+        let mut s = sampler(&[(params(|_| {}), 0), (params(|_| {}), 0)], &[], 4);
+        let t = s
+            .sample(&logits(&[&[0.0, 3.0, 1.0, 3.0], &[5.0, 0.0, 0.0, 0.0]]))
+            .unwrap();
+        assert_eq!(tokens(&t), vec![1, 0]);
+    }
+
+    #[test]
+    fn truncation_to_one_token_is_greedy() {
+        let rows = [
+            (params(|p| (p.temperature, p.top_k) = (1.0, 1)), 1),
+            (params(|p| (p.temperature, p.top_p) = (1.0, 0.01)), 2),
+            (params(|p| (p.temperature, p.min_p) = (1.0, 1.0)), 3),
+        ];
+        let row: &[f32] = &[0.0, 0.5, 2.0, 1.0];
+        for step in 0..20 {
+            let mut s = sampler(&rows, &[], 4);
+            s.rows.iter_mut().for_each(|r| r.next_step = step);
+            assert_eq!(
+                tokens(&s.sample(&logits(&[row, row, row])).unwrap()),
+                [2, 2, 2]
+            );
+        }
+    }
+
+    #[test]
+    fn sampling_follows_the_distribution() {
+        // p = softmax([0, ln 3]) = [0.25, 0.75]
+        let p = params(|p| p.temperature = 1.0);
+        let mut s = sampler(&[(p, 99)], &[], 2);
+        let row: &[f32] = &[0.0, 3f32.ln()];
+        let mut ones = 0;
+        let n = 2000;
+        for _ in 0..n {
+            ones += tokens(&s.sample(&logits(&[row])).unwrap())[0];
+        }
+        let share = ones as f32 / n as f32;
+        assert!((share - 0.75).abs() < 0.04, "share of token 1: {share}");
+    }
+
+    #[test]
+    fn top_k_keeps_only_the_k_best() {
+        let p = params(|p| (p.temperature, p.top_k) = (5.0, 2));
+        let mut s = sampler(&[(p, 5)], &[], 4);
+        let row: &[f32] = &[1.0, 1.1, 0.9, 1.2];
+        for _ in 0..200 {
+            let t = tokens(&s.sample(&logits(&[row])).unwrap())[0];
+            assert!(t == 1 || t == 3, "token {t} is outside the top 2");
+        }
+    }
+
+    #[test]
+    fn seeded_rows_draw_the_same_alone_and_in_any_batch() {
+        let p = params(|p| p.temperature = 1.0);
+        let row: &[f32] = &[0.1, 0.2, 0.3, 0.4, 0.5, 0.6];
+        let mut alone = sampler(&[(p.clone(), 7)], &[], 6);
+        let mut batch = sampler(&[(p.clone(), 1), (p.clone(), 7), (p, 3)], &[], 6);
+        for _ in 0..30 {
+            let a = tokens(&alone.sample(&logits(&[row])).unwrap())[0];
+            let b = tokens(&batch.sample(&logits(&[row, row, row])).unwrap())[1];
+            assert_eq!(a, b);
+        }
+    }
+
+    #[test]
+    fn bias_and_penalties_move_the_choice() {
+        let bias = params(|p| {
+            p.logit_bias.insert(0, 10.0);
+        });
+        let repetition = params(|p| p.repetition_penalty = 4.0);
+        let presence = params(|p| p.presence_penalty = 5.0);
+        let mut s = sampler(&[(bias, 0), (repetition, 0), (presence, 0)], &[2], 3);
+        let row: &[f32] = &[0.0, 1.0, 2.0];
+        // Row 0: biased to 0. Row 1: token 2 was in the prompt, 2/4 < 1 so 1 wins. Row 2: no
+        // generated tokens yet, 2 wins.
+        let t = tokens(&s.sample(&logits(&[row, row, row])).unwrap());
+        assert_eq!(t, vec![0, 1, 2]);
+        // Row 2 generated token 2: its presence penalty now makes 1 win.
+        let t = tokens(&s.sample(&logits(&[row, row, row])).unwrap());
+        assert_eq!(t[2], 1);
+        // Filtering keeps each row's state with its row.
+        s.filter(&[2]).unwrap();
+        assert!(s.bias.is_none() && s.seen.is_none());
+        let counts = row_values(s.counts.as_ref().unwrap(), 0);
+        assert_eq!(counts, vec![0.0, 1.0, 1.0]);
+    }
+}

@@ -1,0 +1,111 @@
+//! One request's state on the MLX thread, from admission to its last token.
+use tokio::sync::mpsc;
+
+use super::request::{FinishReason, GenerateRequest, GenerationError, TokenEvent};
+use super::sampling_params::SamplingParams;
+use crate::cache::Reservation;
+
+pub struct Sequence {
+    /// Prompt, then every generated token read back so far.
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    pub max_tokens: usize,
+    /// Prompt + generated tokens may not exceed this.
+    pub context_length: usize,
+    pub stop_ids: Vec<u32>,
+    pub params: SamplingParams,
+    /// The request's seed, or one drawn from the OS for an unseeded request.
+    pub seed: u64,
+    /// Index of the first generated token in the request's random stream.
+    pub sample_offset: usize,
+    /// Tokens sampled on the device, read back or still in flight.
+    pub sampled: usize,
+    /// Prompt tokens whose KV came from the prefix cache.
+    pub cached_tokens: usize,
+    pub reservation: Option<Reservation>,
+    events: mpsc::UnboundedSender<TokenEvent>,
+    prompt_reported: bool,
+    /// No more tokens wanted: a stop token came, the client left, or it failed.
+    pub finished: bool,
+}
+
+impl Sequence {
+    pub fn new(request: GenerateRequest, context_length: usize) -> Self {
+        let seed = request.sampling.seed.unwrap_or_else(rand::random);
+        Self {
+            prompt_len: request.prompt.len(),
+            tokens: request.prompt,
+            max_tokens: request.max_tokens,
+            context_length,
+            stop_ids: request.stop_token_ids,
+            params: request.sampling,
+            seed,
+            sample_offset: request.sample_offset,
+            sampled: 0,
+            cached_tokens: 0,
+            reservation: None,
+            events: request.events,
+            prompt_reported: false,
+            finished: false,
+        }
+    }
+
+    pub fn prompt(&self) -> &[u32] {
+        &self.tokens[..self.prompt_len]
+    }
+
+    /// The prompt's last token, which the first decode step runs.
+    pub fn last_prompt_token(&self) -> u32 {
+        self.tokens[self.prompt_len - 1]
+    }
+
+    /// True while the client still listens.
+    pub fn is_open(&self) -> bool {
+        !self.events.is_closed()
+    }
+
+    /// True when another token should be sampled after those sampled so far.
+    pub fn wants_more(&self) -> bool {
+        !self.finished
+            && self.is_open()
+            && self.sampled < self.max_tokens
+            && self.prompt_len + self.sampled < self.context_length
+    }
+
+    /// Hands one generated token to the client. `last` says no further token was sampled
+    /// for it (a limit was reached), so the generation ends here either way.
+    pub fn emit(&mut self, token: u32, last: bool) {
+        self.tokens.push(token);
+        if self.finished {
+            return;
+        }
+        if !self.prompt_reported {
+            self.prompt_reported = true;
+            let _ = self.events.send(TokenEvent::PromptDone {
+                prompt_tokens: self.prompt_len,
+                cached: self.cached_tokens,
+            });
+        }
+        if self.stop_ids.contains(&token) {
+            self.finish(FinishReason::Stop);
+            return;
+        }
+        if self.events.send(TokenEvent::Token(token)).is_err() {
+            self.finished = true;
+            return;
+        }
+        if last {
+            self.finish(FinishReason::Length);
+        }
+    }
+
+    pub fn finish(&mut self, reason: FinishReason) {
+        self.finished = true;
+        let _ = self.events.send(TokenEvent::Finished(reason));
+    }
+
+    pub fn fail(&mut self, error: GenerationError) {
+        self.finished = true;
+        let _ = self.events.send(TokenEvent::Failed(error));
+    }
+}

@@ -1,0 +1,321 @@
+//! The batched runtime on real MLX arrays with tiny random-weight models: a request gives the
+//! same tokens alone and in a batch, seeded sampling is reproducible across batches, the prefix
+//! cache changes nothing but the work done, and limits are honoured.
+mod common;
+
+use common::{generate_alone, generate_together, start_runtime, Gen, Output};
+use mlxd_engine::runtime::request::{FinishReason, GenerateRequest, GenerationError, TokenEvent};
+use mlxd_engine::runtime::sampling_params::SamplingParams;
+use mlxd_engine::runtime::{Runtime, RuntimeLimits};
+
+/// Prompts of different lengths, so the batch is left-padded and rows join at different steps.
+fn prompts() -> Vec<Vec<u32>> {
+    vec![
+        vec![5, 17, 42, 99, 7, 8, 9, 100, 101, 200],
+        vec![1],
+        vec![300, 2, 250, 250, 250, 13, 14],
+        (0..40).map(|i| (i * 7 + 3) % 390).collect(),
+        vec![11, 12],
+        (0..23).map(|i| (i * 13 + 1) % 390).collect(),
+    ]
+}
+
+fn tokens(outputs: &[Output]) -> Vec<Vec<u32>> {
+    outputs.iter().map(|o| o.tokens.clone()).collect()
+}
+
+fn batch_equals_alone(shape: &str) {
+    let dir = common::tiny_model(shape);
+    let runtime = start_runtime(&dir, 0);
+    // Different max_tokens, so rows also leave at different steps.
+    let gens: Vec<Gen> = prompts()
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Gen::greedy(p, 12 + 3 * i))
+        .collect();
+    let alone = tokens(&generate_alone(&runtime, &gens));
+    let together = tokens(&generate_together(&runtime, &gens));
+    assert_eq!(together, alone, "{shape}: batched greedy tokens differ");
+    for (g, t) in gens.iter().zip(&together) {
+        assert_eq!(t.len(), g.max_tokens);
+    }
+    runtime.join();
+}
+
+#[test]
+fn greedy_in_a_batch_equals_greedy_alone_f32() {
+    batch_equals_alone("tiny-llama");
+}
+
+#[test]
+fn greedy_in_a_batch_equals_greedy_alone_qwen3_bf16() {
+    batch_equals_alone("tiny-qwen3-bf16");
+}
+
+#[test]
+fn greedy_in_a_batch_equals_greedy_alone_4bit() {
+    batch_equals_alone("tiny-llama-q4");
+}
+
+fn sampled(seed: u64) -> SamplingParams {
+    SamplingParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        top_k: 40,
+        seed: Some(seed),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn seeded_sampling_is_the_same_alone_and_in_any_batch() {
+    let dir = common::tiny_model("tiny-llama");
+    let runtime = start_runtime(&dir, 0);
+    let p = prompts();
+    let target = Gen {
+        prompt: p[0].clone(),
+        sampling: sampled(42),
+        max_tokens: 20,
+    };
+    let alone = generate_alone(&runtime, std::slice::from_ref(&target));
+    let mut mixed: Vec<Gen> = p
+        .iter()
+        .skip(1)
+        .enumerate()
+        .map(|(i, prompt)| Gen {
+            prompt: prompt.clone(),
+            sampling: sampled(i as u64),
+            max_tokens: 10,
+        })
+        .collect();
+    mixed.insert(2, target.clone());
+    let together = generate_together(&runtime, &mixed);
+    assert_eq!(together[2].tokens, alone[0].tokens);
+    // A different seed draws differently (20 tokens from a 512-token vocabulary).
+    let other = generate_alone(
+        &runtime,
+        &[Gen {
+            sampling: sampled(43),
+            ..target
+        }],
+    );
+    assert_ne!(other[0].tokens, alone[0].tokens);
+    runtime.join();
+}
+
+#[test]
+fn every_sampling_option_runs_in_one_batch_without_changing_greedy_rows() {
+    let dir = common::tiny_model("tiny-llama");
+    let runtime = start_runtime(&dir, 0);
+    let p = prompts();
+    let greedy = Gen::greedy(&p[0], 16);
+    let mut bias = SamplingParams::default();
+    bias.logit_bias.insert(77, 100.0);
+    let options = [
+        sampled(1),
+        SamplingParams {
+            temperature: 0.7,
+            min_p: 0.2,
+            seed: Some(2),
+            ..Default::default()
+        },
+        SamplingParams {
+            repetition_penalty: 1.5,
+            presence_penalty: 0.5,
+            frequency_penalty: 0.5,
+            ..Default::default()
+        },
+        bias,
+    ];
+    let mut gens = vec![greedy];
+    gens.extend(options.iter().map(|s| Gen {
+        prompt: p[3].clone(),
+        sampling: s.clone(),
+        max_tokens: 16,
+    }));
+    let alone = generate_alone(&runtime, &gens[..1]);
+    let together = generate_together(&runtime, &gens);
+    assert_eq!(together[0].tokens, alone[0].tokens);
+    assert!(together.iter().all(|o| o.tokens.len() == 16));
+    // A +100 bias wins every step.
+    assert!(together[4].tokens.iter().all(|&t| t == 77));
+    // Penalties on every seen token: no token repeats in 16 greedy steps with a 512 vocabulary.
+    let mut seen = together[3].tokens.clone();
+    seen.sort();
+    seen.dedup();
+    assert!(
+        seen.len() > 8,
+        "penalties did not spread the choice: {:?}",
+        together[3].tokens
+    );
+    runtime.join();
+}
+
+#[test]
+fn a_prefix_cache_hit_gives_the_same_tokens() {
+    let dir = common::tiny_model("tiny-llama");
+    let cold = start_runtime(&dir, 0);
+    let warm = start_runtime(&dir, 64 << 20);
+    let turn1: Vec<u32> = (0..60).map(|i| (i * 11 + 5) % 390).collect();
+    let first = generate_alone(&warm, &[Gen::greedy(&turn1, 8)]);
+    assert_eq!(first[0].cached, 0);
+    // The second turn repeats the first and its answer, then adds more.
+    let mut turn2 = turn1.clone();
+    turn2.extend(&first[0].tokens);
+    turn2.extend([9, 8, 7, 6]);
+    let hit = generate_alone(&warm, &[Gen::greedy(&turn2, 12)]);
+    let miss = generate_alone(&cold, &[Gen::greedy(&turn2, 12)]);
+    assert!(
+        hit[0].cached >= turn1.len(),
+        "cached {} of a {}-token shared prefix",
+        hit[0].cached,
+        turn1.len()
+    );
+    assert_eq!(miss[0].cached, 0);
+    assert_eq!(hit[0].tokens, miss[0].tokens);
+    // The same prompt again hits for all but its last token.
+    let again = generate_alone(&warm, &[Gen::greedy(&turn2, 12)]);
+    assert_eq!(again[0].cached, turn2.len() - 1);
+    assert_eq!(again[0].tokens, miss[0].tokens);
+    cold.join();
+    warm.join();
+}
+
+#[test]
+fn a_long_prompt_is_prefilled_in_chunks_beside_running_streams() {
+    let dir = common::tiny_model("tiny-llama");
+    // Chunks of 16 tokens: the 150-token prompt takes ten steps while the others decode.
+    let runtime = Runtime::start(
+        dir.clone(),
+        RuntimeLimits {
+            prefill_chunk: 16,
+            prompt_cache_bytes: 0,
+            ..Default::default()
+        },
+        None,
+    )
+    .expect("load");
+    let long: Vec<u32> = (0..150).map(|i| (i * 31 + 7) % 390).collect();
+    let gens = vec![
+        Gen::greedy(&prompts()[0], 30),
+        Gen::greedy(&long, 6),
+        Gen::greedy(&prompts()[2], 30),
+    ];
+    let alone = tokens(&generate_alone(&runtime, &gens));
+    let together = tokens(&generate_together(&runtime, &gens));
+    assert_eq!(together, alone);
+    let reference = common::mlx_lm_greedy(&dir, 6, &long);
+    assert_eq!(
+        alone[1], reference,
+        "a prompt of many chunks differs from mlx-lm"
+    );
+    runtime.join();
+}
+
+fn start_limited(limits: RuntimeLimits) -> Runtime {
+    Runtime::start(common::tiny_model("tiny-llama"), limits, None).expect("load")
+}
+
+#[test]
+fn a_request_larger_than_the_kv_budget_is_refused_and_others_still_run() {
+    let probe = start_limited(RuntimeLimits::default());
+    let per_token = probe.info.kv_bytes_per_token as u64;
+    probe.join();
+    let runtime = start_limited(RuntimeLimits {
+        kv_budget_bytes: Some(per_token * 64),
+        ..Default::default()
+    });
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    runtime
+        .work
+        .send(GenerateRequest {
+            prompt: vec![1, 2, 3],
+            sampling: Default::default(),
+            max_tokens: 100,
+            stop_token_ids: vec![],
+            sample_offset: 0,
+            events: tx,
+        })
+        .unwrap();
+    match rx.blocking_recv() {
+        Some(TokenEvent::Failed(GenerationError::KvBudget {
+            needed,
+            budget,
+            prompt_tokens: 3,
+            max_tokens: 100,
+        })) => {
+            assert_eq!(needed, 103 * per_token);
+            assert_eq!(budget, 64 * per_token);
+        }
+        other => panic!("expected a KV budget refusal, got {other:?}"),
+    }
+    // Four requests of 3 + 20 tokens: only two fit at once; all complete.
+    let gens: Vec<Gen> = (0..4).map(|i| Gen::greedy(&[1, 2, i + 3], 20)).collect();
+    let out = generate_together(&runtime, &gens);
+    assert!(out.iter().all(|o| o.tokens.len() == 20));
+    runtime.join();
+}
+
+#[test]
+fn max_batch_size_bounds_the_batch_and_everyone_finishes() {
+    let runtime = start_limited(RuntimeLimits {
+        max_batch_size: 2,
+        ..Default::default()
+    });
+    let gens: Vec<Gen> = prompts().iter().map(|p| Gen::greedy(p, 10)).collect();
+    let alone = tokens(&generate_alone(&runtime, &gens));
+    let together = generate_together(&runtime, &gens);
+    assert_eq!(tokens(&together), alone);
+    assert!(together
+        .iter()
+        .all(|o| o.finish == Some(FinishReason::Length)));
+    runtime.join();
+}
+
+#[test]
+fn stop_tokens_and_cancellation_free_the_row() {
+    let runtime = start_limited(RuntimeLimits::default());
+    let base = generate_alone(&runtime, &[Gen::greedy(&prompts()[0], 10)]);
+    let stop = base[0].tokens[3];
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    runtime
+        .work
+        .send(GenerateRequest {
+            prompt: prompts()[0].clone(),
+            sampling: Default::default(),
+            max_tokens: 10,
+            stop_token_ids: vec![stop],
+            sample_offset: 0,
+            events: tx,
+        })
+        .unwrap();
+    let mut got = vec![];
+    let finish = loop {
+        match rx.blocking_recv().expect("events until the end") {
+            TokenEvent::Token(t) => got.push(t),
+            TokenEvent::Finished(r) => break r,
+            TokenEvent::PromptDone { .. } => {}
+            TokenEvent::Failed(e) => panic!("{e}"),
+        }
+    };
+    assert_eq!(finish, FinishReason::Stop);
+    let first_stop = base[0].tokens.iter().position(|&t| t == stop).unwrap();
+    assert_eq!(got, base[0].tokens[..first_stop]);
+    // A dropped receiver cancels; the runtime goes on serving.
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    runtime
+        .work
+        .send(GenerateRequest {
+            prompt: prompts()[3].clone(),
+            sampling: Default::default(),
+            max_tokens: 100_000,
+            stop_token_ids: vec![],
+            sample_offset: 0,
+            events: tx,
+        })
+        .unwrap();
+    drop(rx);
+    let after = generate_alone(&runtime, &[Gen::greedy(&prompts()[0], 10)]);
+    assert_eq!(after[0].tokens, base[0].tokens);
+    runtime.join();
+}
