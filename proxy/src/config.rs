@@ -96,6 +96,9 @@ pub struct ServerConfig {
     pub crash_window_ms: u64,
     /// A failed model is retried on the next request after this long.
     pub failed_cooldown_ms: u64,
+    /// Limits halved after out-of-memory exits return to the configured ones after this
+    /// long without another (default 10 minutes).
+    pub limits_recovery_ms: u64,
     /// Shutdown: time for in-flight requests, then for engines after `Shutdown`, then
     /// after SIGTERM (SIGKILL follows).
     pub grace_ms: u64,
@@ -194,6 +197,7 @@ impl Default for ServerConfig {
             crash_limit: 5,
             crash_window_ms: 120_000,
             failed_cooldown_ms: 300_000,
+            limits_recovery_ms: 600_000,
             grace_ms: 10_000,
             header_timeout_ms: 30_000,
             load_timeout_ms: 600_000,

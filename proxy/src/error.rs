@@ -51,6 +51,25 @@ pub enum ProxyError {
         capacity: usize,
         retry_after: Duration,
     },
+    /// The request's smallest KV reservation exceeds the configured KV budget: no engine
+    /// of this model can ever serve it (the client's fault).
+    #[error("max_tokens {max_tokens} needs at least {needed} bytes of KV cache for model {model}, more than its KV budget of {budget} bytes; ask for fewer tokens")]
+    ExceedsKvBudget {
+        model: String,
+        max_tokens: u64,
+        needed: u64,
+        budget: u64,
+    },
+    /// It would fit the configured KV budget, but out-of-memory exits halved the budget
+    /// for now; it comes back after a stable period.
+    #[error("model {model} runs with reduced limits after out-of-memory exits: the request needs at least {needed} bytes of KV cache, the reduced KV budget is {budget} bytes (configured: {}); retry in {}s", configured.map_or("unlimited".to_string(), |c| format!("{c} bytes")), retry_after.as_secs().max(1))]
+    LimitsReduced {
+        model: String,
+        needed: u64,
+        budget: u64,
+        configured: Option<u64>,
+        retry_after: Duration,
+    },
     #[error("model {model} has failed after repeated crashes: {cause}")]
     Failed {
         model: String,
@@ -105,7 +124,9 @@ impl ProxyError {
             Self::InsufficientMemory { .. } | Self::NoEngineAvailable { .. } => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
+            Self::ExceedsKvBudget { .. } => StatusCode::BAD_REQUEST,
             Self::Unavailable { .. }
+            | Self::LimitsReduced { .. }
             | Self::QueueFull { .. }
             | Self::Failed { .. }
             | Self::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
@@ -127,6 +148,8 @@ impl ProxyError {
             Self::NoEngineAvailable { .. } => ("engine_unavailable", Some("no_engine_available")),
             Self::Unavailable { .. } => ("engine_unavailable", Some("engine_starting")),
             Self::QueueFull { .. } => ("engine_unavailable", Some("queue_full")),
+            Self::ExceedsKvBudget { .. } => ("invalid_request_error", Some("kv_budget_exceeded")),
+            Self::LimitsReduced { .. } => ("engine_unavailable", Some("limits_reduced")),
             Self::Failed { .. } => ("engine_failed", Some("engine_failed")),
             Self::EngineCrashed { report, .. } if report.cause.is_requested() => {
                 ("engine_stopped", Some(report.cause.code()))
@@ -141,6 +164,7 @@ impl ProxyError {
     fn retry_after(&self) -> Option<Duration> {
         match self {
             Self::Unavailable { retry_after, .. }
+            | Self::LimitsReduced { retry_after, .. }
             | Self::QueueFull { retry_after, .. }
             | Self::Failed { retry_after, .. } => Some(*retry_after),
             Self::ShuttingDown => Some(Duration::from_secs(5)),

@@ -274,8 +274,8 @@ async fn route(
         return Ok(resp.map(|b: ProxyBody| b.boxed_unsync()));
     }
     let bytes = read_bounded(body, max).await?;
-    let requested = model_of(&bytes)?;
-    let model = app.catalog.resolve(requested.as_deref())?.id.clone();
+    let meta = request_meta(&bytes)?;
+    let model = app.catalog.resolve(meta.model.as_deref())?.id.clone();
     tracing::Span::current().record("model", model.as_str());
     let accounting = Accounting {
         metrics: app.metrics.clone(),
@@ -290,6 +290,11 @@ async fn route(
             Err(e) => break Err(e),
         };
         let generation = lease.generation;
+        if let Some(cap) = &lease.kv {
+            if let Err(u) = crate::policy::check_kv(meta.max_tokens, cap) {
+                break Err(unservable(&model, meta.max_tokens.unwrap_or(0), u));
+            }
+        }
         let body: ProxyRequestBody = Full::new(bytes.clone()).map_err(|e| match e {}).boxed();
         match forward(
             lease,
@@ -325,6 +330,11 @@ async fn admin(app: &App, rest: &str) -> Result<Response<ResponseBody>, ProxyErr
         return Err(ProxyError::BadRequest("a model id is required".into()));
     }
     let id = app.catalog.resolve(Some(name))?.id.clone();
+    if matches!(action, "load" | "unload") {
+        // An explicit load or unload starts from the configuration: limits halved after
+        // out-of-memory exits, and a failed state, are cleared.
+        app.pool.reset(Some(id.clone())).await;
+    }
     match action {
         "load" => app.pool.load(&id).await?,
         "unload" => app.pool.unload(&id).await?,
@@ -427,15 +437,74 @@ async fn read_bounded(body: Incoming, max: usize) -> Result<Bytes, ProxyError> {
     }
 }
 
-/// Validates a JSON request body and returns its `model`, if any.
-fn model_of(body: &[u8]) -> Result<Option<String>, ProxyError> {
+/// The proxy's view of an engine's refusal-to-be, as the response it gets.
+fn unservable(model: &str, max_tokens: u64, u: crate::policy::Unservable) -> ProxyError {
+    use crate::policy::Unservable;
+    match u {
+        Unservable::TooLarge { needed, budget } => ProxyError::ExceedsKvBudget {
+            model: model.to_string(),
+            max_tokens,
+            needed,
+            budget,
+        },
+        Unservable::LimitsReduced {
+            needed,
+            budget,
+            configured,
+            retry_after,
+        } => ProxyError::LimitsReduced {
+            model: model.to_string(),
+            needed,
+            budget,
+            configured,
+            retry_after,
+        },
+    }
+}
+
+/// What the proxy reads from a JSON request body: where it goes and how long it may be.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct RequestMeta {
+    model: Option<String>,
+    /// `max_tokens`, or `max_completion_tokens` (the newer OpenAI chat name).
+    max_tokens: Option<u64>,
+}
+
+/// Validates a JSON request body and returns its `model` and `max_tokens`, if any.
+fn request_meta(body: &[u8]) -> Result<RequestMeta, ProxyError> {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| ProxyError::BadRequest(format!("request body is not valid JSON: {e}")))?;
-    let Value::Object(obj) = v else {
+    let Value::Object(obj) = &v else {
         return Err(ProxyError::BadRequest(
             "request body must be a JSON object".into(),
         ));
     };
+    let mut max_tokens = None;
+    for key in ["max_tokens", "max_completion_tokens"] {
+        match obj.get(key) {
+            None | Some(Value::Null) => {}
+            Some(Value::Number(n)) if n.as_u64().is_some() => {
+                max_tokens = max_tokens.or(n.as_u64());
+            }
+            Some(other) => {
+                return Err(ProxyError::BadRequest(format!(
+                    "\"{key}\" must be a non-negative integer, got {other}"
+                )))
+            }
+        }
+    }
+    Ok(RequestMeta {
+        model: model_of_object(obj)?,
+        max_tokens,
+    })
+}
+
+#[cfg(test)]
+fn model_of(body: &[u8]) -> Result<Option<String>, ProxyError> {
+    request_meta(body).map(|m| m.model)
+}
+
+fn model_of_object(obj: &serde_json::Map<String, Value>) -> Result<Option<String>, ProxyError> {
     match obj.get("model") {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(m)) => Ok(Some(m.clone())),
@@ -527,5 +596,28 @@ mod tests {
         assert!(model_of(br#"{"model":1}"#).is_err());
         assert!(model_of(b"\xff\xfe{").is_err());
         assert!(model_of(b"{\"model\":\"a").is_err());
+    }
+
+    #[test]
+    fn max_tokens_extraction() {
+        let m = request_meta(br#"{"max_tokens":7}"#).unwrap();
+        assert_eq!(m.max_tokens, Some(7));
+        let m = request_meta(br#"{"max_completion_tokens":9,"model":"x"}"#).unwrap();
+        assert_eq!(
+            m,
+            RequestMeta {
+                model: Some("x".into()),
+                max_tokens: Some(9)
+            }
+        );
+        assert_eq!(request_meta(b"{}").unwrap().max_tokens, None);
+        for bad in [
+            &br#"{"max_tokens":-1}"#[..],
+            br#"{"max_tokens":1.5}"#,
+            br#"{"max_tokens":"10"}"#,
+        ] {
+            let e = request_meta(bad).unwrap_err().to_string();
+            assert!(e.contains("max_tokens"), "{e}");
+        }
     }
 }

@@ -280,7 +280,7 @@ async fn crash_during_non_streaming_request_gives_502_with_cause() -> Result<()>
 }
 
 #[tokio::test]
-async fn sigkill_and_mlx_oom_text_are_classified_out_of_memory() -> Result<()> {
+async fn mlx_oom_text_is_out_of_memory_and_an_unsent_sigkill_is_a_crash() -> Result<()> {
     let mut p = Proxy::start(&[]).await?;
     let events = stream_events(
         &p,
@@ -288,7 +288,15 @@ async fn sigkill_and_mlx_oom_text_are_classified_out_of_memory() -> Result<()> {
     )
     .await?;
     let err = event_json(&events.last().unwrap().1).unwrap();
-    assert_eq!(err["error"]["code"], "out_of_memory", "{err}");
+    // No OOM-killer record, no Fatal, no MLX text: somebody else's SIGKILL.
+    assert_eq!(err["error"]["code"], "crash", "{err}");
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("SIGKILL"),
+        "{err}"
+    );
 
     let (s, _, v) = p
         .post_json("/v1/chat/completions", &chat(json!({"then": "oom"}), false))
@@ -302,6 +310,112 @@ async fn sigkill_and_mlx_oom_text_are_classified_out_of_memory() -> Result<()> {
             .contains("[metal::malloc]"),
         "{v}"
     );
+    p.stop().await?;
+    Ok(())
+}
+
+/// Chat asking for `max_tokens` (the fake engine reserves (1 + max_tokens) · 10 bytes).
+fn chat_tokens(max_tokens: u64) -> Value {
+    json!({"model": "fake-model", "max_tokens": max_tokens, "messages": [{"role": "user", "content": "hi"}]})
+}
+
+/// Issue 12, finding 1: `kill -9` from outside, several times, used to count as
+/// out-of-memory and halve the KV budget each time until every request failed with a 500.
+#[tokio::test]
+async fn external_sigkills_are_crashes_and_leave_the_limits_alone() -> Result<()> {
+    let mut p = Proxy::start_with(&[], |c| {
+        c.server.limits.kv_budget_bytes = Some(4096);
+        c.server.limits.max_batch_size = Some(8);
+        c.server.crash_limit = 100;
+    })
+    .await?;
+    for round in 1..=4u64 {
+        let (s, _, v) = p.post_json("/v1/chat/completions", &chat_tokens(1)).await?;
+        assert_eq!(s, 200, "round {round}: {v}");
+        let e = p
+            .wait_engine("ready", T, |e| {
+                e["state"] == "ready" && e["generation"] == round
+            })
+            .await?;
+        let pid = e["pid"].as_i64().unwrap() as i32;
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        )?;
+        wait_gone(pid, T).await?;
+        p.wait_engine("restarted", T, |e| e["generation"] == round + 1)
+            .await?;
+    }
+    let e = p.engine().await?;
+    assert_eq!(e["last_exit"]["code"], "crash", "{e}");
+    assert_eq!(e["limits"]["kv_budget_bytes"], 4096);
+    assert_eq!(e["limits"]["max_batch_size"], 8);
+    assert_eq!(e["limits"]["reduced"], false);
+    // 201 tokens · 10 bytes: fits the configured 4096, not a budget halved twice.
+    let (s, _, v) = p
+        .post_json("/v1/chat/completions", &chat_tokens(200))
+        .await?;
+    assert_eq!(s, 200, "{v}");
+    p.stop().await?;
+    Ok(())
+}
+
+/// A real out-of-memory exit halves the limits; what no longer fits gets a 503 that says
+/// so (not the engine's 500), what never fits a 400; a reset restores the limits.
+#[tokio::test]
+async fn reduced_limits_refuse_with_503_and_reset_restores_them() -> Result<()> {
+    let mut p = Proxy::start_with(&[], |c| {
+        c.server.limits.kv_budget_bytes = Some(4096);
+    })
+    .await?;
+    let (s, _, v) = p
+        .post_json(
+            "/v1/chat/completions",
+            &chat(json!({"then": "fatal_oom"}), false),
+        )
+        .await?;
+    assert_eq!(s, 502, "{v}");
+    assert_eq!(v["error"]["code"], "out_of_memory");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("KV cache allocation"),
+        "{v}"
+    );
+
+    // 301 tokens · 10 bytes = 3010: more than 2048 now, within the configured 4096.
+    let (s, h, v) = p
+        .post_json("/v1/chat/completions", &chat_tokens(300))
+        .await?;
+    assert_eq!(s, 503, "{v}");
+    assert_eq!(v["error"]["code"], "limits_reduced");
+    assert!(h["retry-after"].to_str()?.parse::<u64>()? > 500, "{h:?}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("3010") && msg.contains("2048") && msg.contains("4096"),
+        "{msg}"
+    );
+    // More than even the configured budget: the client's fault.
+    let (s, _, v) = p
+        .post_json("/v1/chat/completions", &chat_tokens(1000))
+        .await?;
+    assert_eq!(s, 400, "{v}");
+    assert_eq!(v["error"]["code"], "kv_budget_exceeded");
+    let e = p.engine().await?;
+    assert_eq!(e["limits"]["reduced"], true);
+    assert_eq!(e["limits"]["kv_budget_bytes"], 2048);
+
+    let (s, _, v) = json_of(send(p.addr, "POST", "/engines/reset", None).await?).await?;
+    assert_eq!(s, 200);
+    assert_eq!(v["reset"][0], "fake-model");
+    let e = p.engine().await?;
+    assert_eq!(e["limits"]["reduced"], false, "{e}");
+    assert_eq!(e["limits"]["kv_budget_bytes"], 4096);
+    let (s, _, v) = p
+        .post_json("/v1/chat/completions", &chat_tokens(300))
+        .await?;
+    assert_eq!(s, 200, "{v}");
     p.stop().await?;
     Ok(())
 }
