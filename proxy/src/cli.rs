@@ -53,11 +53,13 @@ pub struct ServeArgs {
     #[arg(long)]
     pub max_engines: Option<usize>,
     /// Memory all engines may use, e.g. 24GiB [default: physical memory minus 2 GiB].
-    #[arg(long, value_parser = parse_bytes)]
-    pub memory_budget: Option<u64>,
+    // Sizes and durations are parsed in `into_config`, not by clap, so that a bad value
+    // exits 64 (EX_USAGE) naming the flag, like a bad config file.
+    #[arg(long)]
+    pub memory_budget: Option<String>,
     /// Idle time before an engine is stopped, e.g. 5m; 0 = never [default: 5m].
-    #[arg(long, value_parser = parse_duration)]
-    pub ttl: Option<std::time::Duration>,
+    #[arg(long)]
+    pub ttl: Option<String>,
     /// Address to bind [default: 127.0.0.1].
     #[arg(long)]
     pub host: Option<String>,
@@ -79,6 +81,14 @@ pub struct ServeArgs {
     /// Shutdown grace period in milliseconds [default: 10000].
     #[arg(long)]
     pub grace_ms: Option<u64>,
+}
+
+/// A bad flag value, named like a config field.
+fn flag(name: &str, message: String) -> ConfigError {
+    ConfigError::Setting {
+        field: name.to_string(),
+        message,
+    }
 }
 
 fn parse_kv(s: &str) -> Result<(String, String), String> {
@@ -121,11 +131,11 @@ impl ServeArgs {
         if let Some(n) = self.max_engines {
             c.pool.max_engines = n;
         }
-        if let Some(b) = self.memory_budget {
-            c.pool.memory_budget = Some(b);
+        if let Some(b) = &self.memory_budget {
+            c.pool.memory_budget = Some(parse_bytes(b).map_err(|m| flag("--memory-budget", m))?);
         }
-        if let Some(t) = self.ttl {
-            c.pool.ttl = t;
+        if let Some(t) = &self.ttl {
+            c.pool.ttl = parse_duration(t).map_err(|m| flag("--ttl", m))?;
         }
         if let Some(h) = self.host {
             c.server.host = h;
@@ -198,6 +208,16 @@ mod tests {
         assert_eq!(Catalog::from_config(&c).unwrap().default_model, "org/b");
         assert!(config(&["mlxd", "--model", "a", "--default-model", "zzz"]).is_err());
         assert!(config(&["mlxd", "--max-engines", "0"]).is_err());
+    }
+
+    #[test]
+    fn out_of_range_flags_are_config_errors_naming_the_flag() {
+        let e = config(&["mlxd", "--ttl", "99999999999999999999h"]).unwrap_err();
+        assert!(e.to_string().starts_with("--ttl: duration"), "{e}");
+        let e = config(&["mlxd", "--memory-budget", "99999999999999999999GiB"]).unwrap_err();
+        assert!(e.to_string().starts_with("--memory-budget: size"), "{e}");
+        let e = config(&["mlxd", "--grace-ms", "18446744073709551615"]).unwrap_err();
+        assert!(e.to_string().starts_with("server.grace_ms"), "{e}");
     }
 
     #[test]

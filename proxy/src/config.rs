@@ -178,6 +178,23 @@ impl From<&LimitsConfig> for Limits {
     }
 }
 
+impl ServerConfig {
+    /// Every `*_ms` setting with its key, for range checks.
+    fn durations_ms(&self) -> [(&'static str, u64); 9] {
+        [
+            ("queue_timeout_ms", self.queue_timeout_ms),
+            ("backoff_initial_ms", self.backoff_initial_ms),
+            ("backoff_max_ms", self.backoff_max_ms),
+            ("crash_window_ms", self.crash_window_ms),
+            ("failed_cooldown_ms", self.failed_cooldown_ms),
+            ("limits_recovery_ms", self.limits_recovery_ms),
+            ("grace_ms", self.grace_ms),
+            ("header_timeout_ms", self.header_timeout_ms),
+            ("load_timeout_ms", self.load_timeout_ms),
+        ]
+    }
+}
+
 impl Default for ServerConfig {
     fn default() -> Self {
         Self {
@@ -320,6 +337,32 @@ impl Config {
                 None => ConfigError::Setting { field, message },
             })
         };
+        for (key, ms) in self.server.durations_ms() {
+            if Duration::from_millis(ms) > MAX_DURATION {
+                return fail(
+                    None,
+                    key,
+                    format!("server.{key}"),
+                    format!(
+                        "{ms} ms is out of range: at most {} ms (10 years)",
+                        MAX_DURATION.as_millis()
+                    ),
+                );
+            }
+        }
+        for (field, d) in [
+            ("pool.ttl", self.pool.ttl),
+            ("pool.capacity_wait", self.pool.capacity_wait),
+        ] {
+            if d > MAX_DURATION {
+                return fail(
+                    None,
+                    field.trim_start_matches("pool."),
+                    field.into(),
+                    out_of_range(&format!("{} s", d.as_secs())),
+                );
+            }
+        }
         if self.pool.max_engines == 0 {
             return fail(
                 None,
@@ -445,17 +488,29 @@ enum NumOrStr {
     Str(String),
 }
 
-/// `"512MiB"`, `"8GB"`, `"1.5GiB"`, or plain bytes.
-pub fn parse_bytes(s: &str) -> Result<u64, String> {
-    let s = s.trim();
+/// The longest duration any setting accepts: ten years. Far beyond any sensible TTL or
+/// timeout, and far enough below `Instant`'s range that deadline arithmetic cannot
+/// overflow; a larger value is a typo, refused rather than clamped.
+pub const MAX_DURATION: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
+
+/// Splits `"1.5GiB"` into `(1.5, "GiB")`; `what` names the kind of value in errors.
+fn number_and_unit<'a>(s: &'a str, example: &str) -> Result<(f64, &'a str), String> {
     let split = s
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
     let n: f64 = num
         .parse()
-        .map_err(|_| format!("expected a size like \"8GiB\" or a byte count, got {s:?}"))?;
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        .map_err(|_| format!("expected {example}, got {s:?}"))?;
+    Ok((n, unit.trim()))
+}
+
+/// `"512MiB"`, `"8GB"`, `"1.5GiB"`, or plain bytes. A size beyond `u64` bytes (16 EiB)
+/// is an error, never clamped.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (n, unit) = number_and_unit(s, "a size like \"8GiB\" or a byte count")?;
+    let mult: u64 = match unit.to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" => 1_000,
         "kib" => 1 << 10,
@@ -467,27 +522,49 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         "tib" => 1 << 40,
         other => return Err(format!("unknown size unit {other:?} in {s:?}")),
     };
-    Ok((n * mult as f64) as u64)
+    let bytes = n * mult as f64;
+    // `u64::MAX as f64` rounds up to 2^64, so `<` is the exact test.
+    if !bytes.is_finite() || bytes >= u64::MAX as f64 {
+        return Err(format!(
+            "size {s:?} is out of range: at most {} bytes (16 EiB)",
+            u64::MAX
+        ));
+    }
+    Ok(bytes as u64)
 }
 
-/// `"5m"`, `"300s"`, `"1h"`, `"250ms"`, `"0"`, or plain seconds.
+/// `"5m"`, `"300s"`, `"1h"`, `"250ms"`, `"0"`, or plain seconds; at most
+/// [`MAX_DURATION`].
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
-    let split = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("expected a duration like \"5m\" or seconds, got {s:?}"))?;
-    let secs = match unit.trim() {
+    let (n, unit) = number_and_unit(s, "a duration like \"5m\" or seconds")?;
+    let secs = match unit {
         "" | "s" => n,
         "ms" => n / 1000.0,
         "m" | "min" => n * 60.0,
         "h" => n * 3600.0,
         other => return Err(format!("unknown duration unit {other:?} in {s:?}")),
     };
-    Ok(Duration::from_secs_f64(secs))
+    match Duration::try_from_secs_f64(secs) {
+        Ok(d) if d <= MAX_DURATION => Ok(d),
+        _ => Err(out_of_range(s)),
+    }
+}
+
+fn out_of_range(value: &str) -> String {
+    format!(
+        "duration {value:?} is out of range: at most {} s (10 years)",
+        MAX_DURATION.as_secs()
+    )
+}
+
+/// Seconds as a duration, at most [`MAX_DURATION`].
+fn secs_duration(n: u64) -> Result<Duration, String> {
+    let d = Duration::from_secs(n);
+    if d > MAX_DURATION {
+        return Err(out_of_range(&format!("{n} s")));
+    }
+    Ok(d)
 }
 
 fn de_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
@@ -503,7 +580,7 @@ fn de_opt_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error
 
 fn de_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
     match NumOrStr::deserialize(d)? {
-        NumOrStr::Num(n) => Ok(Duration::from_secs(n)),
+        NumOrStr::Num(n) => secs_duration(n).map_err(de::Error::custom),
         NumOrStr::Str(s) => parse_duration(&s).map_err(de::Error::custom),
     }
 }
@@ -641,6 +718,58 @@ options = { chunks = "3" }
         assert_eq!(parse_duration("1h").unwrap(), Duration::from_secs(3600));
         assert_eq!(parse_duration("0").unwrap(), Duration::ZERO);
         assert!(parse_duration("5d").is_err());
+    }
+
+    #[test]
+    fn huge_durations_and_sizes_are_errors_naming_the_field() {
+        for bad in [
+            "99999999999999999999h",
+            "1e400",
+            "315360001",
+            "99999999999999999999",
+        ] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
+        }
+        assert_eq!(parse_duration("315360000").unwrap(), MAX_DURATION);
+        let e = parse_duration("99999999999999999999h").unwrap_err();
+        assert!(e.contains("out of range") && e.contains("315360000"), "{e}");
+        let e = parse_bytes("99999999999999999999GiB").unwrap_err();
+        assert!(
+            e.contains("out of range") && e.contains("18446744073709551615"),
+            "{e}"
+        );
+        assert!(parse_bytes("18446744073709551616").is_err());
+        assert_eq!(parse_bytes("16EiB").ok(), None);
+
+        let e = err("[pool]\nttl = \"99999999999999999999h\"\n");
+        assert!(
+            e.starts_with("mlxd.toml:2:") && e.contains("pool.ttl"),
+            "{e}"
+        );
+        let e = err("[pool]\ncapacity_wait = \"99999999999999999999h\"\n");
+        assert!(
+            e.contains("pool.capacity_wait") && e.contains("out of range"),
+            "{e}"
+        );
+        let e = err("[pool]\nmemory_budget = \"99999999999999999999GiB\"\n");
+        assert!(
+            e.contains("pool.memory_budget") && e.contains("out of range"),
+            "{e}"
+        );
+        let e = err("[[model]]\nid = \"a\"\nttl = \"99999999999999999999h\"\n");
+        assert!(
+            e.starts_with("mlxd.toml:3:") && e.contains("model[0].ttl"),
+            "{e}"
+        );
+        let e = err("[[model]]\nid = \"a\"\nttl = 9223372036854775807\n");
+        assert!(
+            e.contains("model[0].ttl") && e.contains("out of range"),
+            "{e}"
+        );
+        let e = err("[server]\ngrace_ms = 9223372036854775807\n");
+        assert!(e.starts_with("mlxd.toml:2:1: server.grace_ms"), "{e}");
+        let e = err("[server]\nlimits_recovery_ms = 9223372036854775807\n");
+        assert!(e.contains("server.limits_recovery_ms"), "{e}");
     }
 
     #[test]

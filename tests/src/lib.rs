@@ -32,19 +32,26 @@ pub fn fake_engine() -> PathBuf {
     target_bin("fake-engine")
 }
 
-/// The `mlxd` binary, built on demand if this test run did not build it.
+/// The `mlxd` binary, (re)built once per test process: `cargo test -p mlxd-tests` does
+/// not build other packages' binaries, and a stale `mlxd` would test old code.
 pub fn mlxd_bin() -> Result<PathBuf> {
+    static BUILT: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
     let bin = target_bin("mlxd");
-    if !bin.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = std::process::Command::new(cargo)
-            .args(["build", "-p", "mlxd-proxy", "--bin", "mlxd"])
-            .status()
-            .context("building mlxd")?;
-        if !status.success() {
-            bail!("cargo build -p mlxd-proxy failed");
-        }
-    }
+    BUILT
+        .get_or_init(|| {
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            let status = std::process::Command::new(cargo)
+                .args(["build", "-p", "mlxd-proxy", "--bin", "mlxd"])
+                .status()
+                .map_err(|e| format!("running cargo build -p mlxd-proxy: {e}"))?;
+            if status.success() {
+                Ok(())
+            } else {
+                Err(format!("cargo build -p mlxd-proxy failed: {status}"))
+            }
+        })
+        .clone()
+        .map_err(anyhow::Error::msg)?;
     Ok(bin)
 }
 
