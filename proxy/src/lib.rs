@@ -11,6 +11,7 @@ pub mod engine;
 pub mod error;
 pub mod exit;
 pub mod forward;
+pub mod health;
 pub mod logs;
 pub mod metrics;
 pub mod placement;

@@ -208,7 +208,15 @@ async fn route(
 ) -> Result<Response<ResponseBody>, ProxyError> {
     let path = req.uri().path().to_string();
     match (req.method(), path.as_str()) {
-        (&Method::GET, "/health") => return Ok(health(app).await),
+        (&Method::GET, "/health") => return Ok(health(app, true).await),
+        (&Method::GET, "/health/ready") => return Ok(health(app, false).await),
+        // The process is up and its accept loop runs; nothing else is asked.
+        (&Method::GET, "/health/live") => {
+            return Ok(json_response(
+                StatusCode::OK,
+                &json!({ "status": "live", "pid": std::process::id() }),
+            ))
+        }
         (&Method::GET, "/v1/models") => return Ok(models(app).await),
         (&Method::GET, "/metrics") => {
             let mut r = Response::new(
@@ -532,33 +540,54 @@ async fn engine_responds(socket: &std::path::Path) -> bool {
     )
 }
 
-async fn health(app: &App) -> Response<ResponseBody> {
+/// `GET /health` (and `/health/ready`, without the engine list): the verdict of
+/// [`crate::health::assess`] as 200 or 503, with the reasons in the body.
+async fn health(app: &App, detail: bool) -> Response<ResponseBody> {
     let engines = app.pool.status().await;
-    let all_failed = !engines.is_empty() && engines.iter().all(|e| e.state == "failed");
-    let mut list = Vec::with_capacity(engines.len());
+    let mut responding = Vec::with_capacity(engines.len());
     for e in &engines {
-        let responding = if e.state == "ready" {
+        responding.push(if e.state == "ready" {
             Some(engine_responds(&e.socket).await)
         } else {
             None
-        };
-        list.push(json!({
-            "model": e.model,
-            "state": e.state,
-            "pid": e.pid,
-            "responding": responding,
-            "last_exit": e.last_exit.as_ref().map(|x| &x.cause),
-        }));
+        });
     }
-    let unhealthy = all_failed || list.iter().any(|e| e["responding"] == json!(false));
-    json_response(
-        StatusCode::OK,
-        &json!({
-            "status": if unhealthy { "degraded" } else { "ok" },
-            "proxy": { "status": "ok", "uptime_s": app.started.elapsed().as_secs_f64(), "pid": std::process::id() },
-            "engines": list,
-        }),
-    )
+    let models: Vec<crate::health::ModelHealth<'_>> = engines
+        .iter()
+        .zip(&responding)
+        .map(|(e, r)| crate::health::ModelHealth {
+            model: &e.model,
+            state: e.state,
+            responding: *r,
+            failure: e.failure.as_deref(),
+        })
+        .collect();
+    let draining = *app.stopping.borrow();
+    let verdict = crate::health::assess(draining, &models);
+    let mut body = json!({
+        "status": verdict.status,
+        "reasons": verdict.reasons,
+        "models_serving": verdict.serving,
+        "models_loadable": verdict.loadable,
+        "proxy": { "status": if draining { "draining" } else { "ok" }, "uptime_s": app.started.elapsed().as_secs_f64(), "pid": std::process::id() },
+    });
+    if detail {
+        body["engines"] = engines
+            .iter()
+            .zip(&responding)
+            .map(|(e, r)| {
+                json!({
+                    "model": e.model,
+                    "state": e.state,
+                    "pid": e.pid,
+                    "responding": r,
+                    "failure": e.failure,
+                    "last_exit": e.last_exit.as_ref().map(|x| &x.cause),
+                })
+            })
+            .collect();
+    }
+    json_response(verdict.http_status(), &body)
 }
 
 /// Every configured model, with its pool state in extension fields: `state` (loaded,

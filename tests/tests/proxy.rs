@@ -470,8 +470,10 @@ async fn crash_loop_marks_the_model_failed_until_reset() -> Result<()> {
         .as_str()
         .unwrap()
         .contains("weights file missing"));
-    let (_, _, h) = p.get("/health").await?;
-    assert_eq!(h["status"], "degraded");
+    // The only model failed: nothing can serve.
+    let (s, _, h) = p.get("/health").await?;
+    assert_eq!(s, 503, "{h}");
+    assert_eq!(h["status"], "unavailable");
 
     // Immediately again: no restart storm, same answer.
     let (s, _, _) = p
@@ -715,6 +717,70 @@ async fn a_request_that_never_reached_a_dead_engine_is_retried_on_the_new_one() 
     let e = p.engine().await?;
     assert_eq!(e["generation"], 2);
     assert_eq!(e["last_exit"]["code"], "crash");
+    p.stop().await?;
+    Ok(())
+}
+
+/// Issue 12, finding 6: `/health` said 200 with the only model failed.
+#[tokio::test]
+async fn health_is_503_when_every_model_failed_and_says_why() -> Result<()> {
+    let mut p = Proxy::start_with(&[("exit_before_ready", "2")], |c| {
+        c.server.crash_limit = 1;
+    })
+    .await?;
+    // Not loaded yet, but loadable on demand: healthy.
+    let (s, _, h) = p.get("/health").await?;
+    assert_eq!(s, 200, "{h}");
+    assert_eq!(h["status"], "ok");
+    assert_eq!(h["models_loadable"], 1);
+
+    let (s, _, _) = p
+        .post_json("/v1/completions", &json!({"prompt": "x"}))
+        .await?;
+    assert_eq!(s, 503);
+    for path in ["/health", "/health/ready"] {
+        let (s, _, h) = p.get(path).await?;
+        assert_eq!(s, 503, "{path}: {h}");
+        assert_eq!(h["status"], "unavailable");
+        let why = h["reasons"][0].as_str().unwrap();
+        assert!(
+            why.contains("fake-model") && why.contains("exit code 2 before ready"),
+            "{why}"
+        );
+    }
+    let (s, _, h) = p.get("/health/live").await?;
+    assert_eq!(s, 200);
+    assert_eq!(h["status"], "live");
+    p.stop().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn health_is_degraded_but_200_while_one_model_still_serves() -> Result<()> {
+    let mut bad = mlxd_proxy::config::ModelConfig::new("bad");
+    bad.options.insert("exit_before_ready".into(), "2".into());
+    let good = mlxd_proxy::config::ModelConfig::new("good");
+    let mut p = Proxy::start_with(&[], |c| {
+        c.models = vec![bad, good];
+        c.server.crash_limit = 1;
+    })
+    .await?;
+    let (s, _, _) = p
+        .post_json("/v1/completions", &json!({"model": "bad", "prompt": "x"}))
+        .await?;
+    assert_eq!(s, 503);
+    let (s, _, _) = p
+        .post_json("/v1/completions", &json!({"model": "good", "prompt": "x"}))
+        .await?;
+    assert_eq!(s, 200);
+    let (s, _, h) = p.get("/health").await?;
+    assert_eq!(s, 200, "{h}");
+    assert_eq!(h["status"], "degraded");
+    assert_eq!(h["models_serving"], 1);
+    assert!(
+        h["reasons"][0].as_str().unwrap().contains("model bad"),
+        "{h}"
+    );
     p.stop().await?;
     Ok(())
 }
