@@ -35,6 +35,9 @@ pub struct ClientArgs {
     /// The server to ask.
     #[arg(long, default_value = "http://127.0.0.1:8080", env = "MLXD_URL")]
     pub url: String,
+    /// The API key, if the server requires one.
+    #[arg(long, env = "MLXD_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Args)]
@@ -81,6 +84,21 @@ pub struct ServeArgs {
     /// Shutdown grace period in milliseconds [default: 10000].
     #[arg(long)]
     pub grace_ms: Option<u64>,
+    /// An API key clients must send (repeatable); `/health*` stays open.
+    #[arg(long = "api-key")]
+    pub api_keys: Vec<String>,
+    /// A file of API keys, one per line.
+    #[arg(long)]
+    pub api_key_file: Option<PathBuf>,
+    /// The key for /admin/* and /engines/reset.
+    #[arg(long)]
+    pub admin_api_key: Option<String>,
+    /// An origin allowed cross-origin (CORS), e.g. http://localhost:3000 (repeatable).
+    #[arg(long = "allowed-origin")]
+    pub allowed_origins: Vec<String>,
+    /// A host name accepted in the Host header besides loopback names (repeatable).
+    #[arg(long = "allowed-host")]
+    pub allowed_hosts: Vec<String>,
 }
 
 /// A bad flag value, named like a config field.
@@ -153,6 +171,18 @@ impl ServeArgs {
         if let Some(g) = self.grace_ms {
             c.server.grace_ms = g;
         }
+        c.server
+            .api_keys
+            .extend(self.api_keys.into_iter().map(crate::config::Secret));
+        if let Some(f) = self.api_key_file {
+            c.server.api_key_file = Some(f);
+        }
+        if let Some(k) = self.admin_api_key {
+            c.server.admin_api_key = Some(crate::config::Secret(k));
+        }
+        c.server.allowed_origins.extend(self.allowed_origins);
+        c.server.allowed_hosts.extend(self.allowed_hosts);
+        c.api_keys()?;
         c.validate(None)?;
         Ok(c)
     }

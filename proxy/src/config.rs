@@ -106,6 +106,29 @@ pub struct ServerConfig {
     pub header_timeout_ms: u64,
     /// An engine not ready this long after spawning is killed (a load failure).
     pub load_timeout_ms: u64,
+    /// API keys (any one opens every route but `/health*`, which is always open). Empty,
+    /// with no `api_key_file` and no `admin_api_key`: no authentication.
+    pub api_keys: Vec<Secret>,
+    /// A file with one API key per line (`#` comments and blank lines ignored).
+    pub api_key_file: Option<PathBuf>,
+    /// The key for `/admin/*` and `/engines/reset` (API keys do not open them when set).
+    pub admin_api_key: Option<Secret>,
+    /// Origins (`http://host:port`) allowed cross-origin (CORS); any other `Origin` is
+    /// refused with 403.
+    pub allowed_origins: Vec<String>,
+    /// Host names accepted in `Host` besides the loopback names and the bound address.
+    pub allowed_hosts: Vec<String>,
+}
+
+/// A credential: deserialized like a string, never printed by `Debug`.
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(pub String);
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(***)")
+    }
 }
 
 /// `[pool]`: which engines run, and for how long.
@@ -218,6 +241,11 @@ impl Default for ServerConfig {
             grace_ms: 10_000,
             header_timeout_ms: 30_000,
             load_timeout_ms: 600_000,
+            api_keys: Vec::new(),
+            api_key_file: None,
+            admin_api_key: None,
+            allowed_origins: Vec::new(),
+            allowed_hosts: Vec::new(),
         }
     }
 }
@@ -424,6 +452,43 @@ impl Config {
         Ok(())
     }
 
+    /// Every API key: `api_keys` plus the lines of `api_key_file`.
+    pub fn api_keys(&self) -> Result<Vec<String>, ConfigError> {
+        let mut keys: Vec<String> = self.server.api_keys.iter().map(|k| k.0.clone()).collect();
+        if let Some(path) = &self.server.api_key_file {
+            let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Setting {
+                field: "server.api_key_file".into(),
+                message: format!("reading {}: {e}", path.display()),
+            })?;
+            let from_file = parse_key_file(&text);
+            if from_file.is_empty() {
+                return Err(ConfigError::Setting {
+                    field: "server.api_key_file".into(),
+                    message: format!("{} holds no keys", path.display()),
+                });
+            }
+            keys.extend(from_file);
+        }
+        if let Some(i) = keys.iter().position(|k| k.trim().is_empty()) {
+            return Err(ConfigError::Setting {
+                field: format!("server.api_keys[{i}]"),
+                message: "an API key must not be empty".into(),
+            });
+        }
+        if self
+            .server
+            .admin_api_key
+            .as_ref()
+            .is_some_and(|k| k.0.trim().is_empty())
+        {
+            return Err(ConfigError::Setting {
+                field: "server.admin_api_key".into(),
+                message: "the admin API key must not be empty".into(),
+            });
+        }
+        Ok(keys)
+    }
+
     pub fn queue_timeout(&self) -> Duration {
         Duration::from_millis(self.server.queue_timeout_ms)
     }
@@ -442,6 +507,16 @@ impl Config {
             .and_then(|exe| exe.parent().map(|d| d.join("mlxd-engine")))
             .unwrap_or_else(|| PathBuf::from("mlxd-engine"))
     }
+}
+
+/// The keys of an API key file: one per line, trimmed; blank lines and `#` comments
+/// skipped.
+pub fn parse_key_file(text: &str) -> Vec<String> {
+    text.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(String::from)
+        .collect()
 }
 
 /// 1-based line and column of byte `offset`.

@@ -84,8 +84,34 @@ pub enum ProxyError {
     Upstream { model: String, detail: String },
     #[error("the server is shutting down")]
     ShuttingDown,
+    /// No key, or a key that is not valid (401).
+    #[error("{message}")]
+    Unauthorized { message: String },
+    /// Refused whatever the credentials: foreign Host or Origin, or an API key on an
+    /// admin route (403).
+    #[error("{message}")]
+    Forbidden { code: &'static str, message: String },
     #[error("internal error: {0}")]
     Internal(String),
+}
+
+/// Which API's error body a route answers with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorShape {
+    /// `{"error":{"message","type","param","code"}}`.
+    OpenAi,
+    /// `{"type":"error","error":{"type","message"}}`, for `/v1/messages*`.
+    Anthropic,
+}
+
+impl ErrorShape {
+    pub fn for_path(path: &str) -> Self {
+        if path == "/v1/messages" || path.starts_with("/v1/messages/") {
+            Self::Anthropic
+        } else {
+            Self::OpenAi
+        }
+    }
 }
 
 #[derive(Serialize)]
@@ -119,6 +145,8 @@ impl ProxyError {
     pub fn status(&self) -> StatusCode {
         match self {
             Self::BadRequest(_) => StatusCode::BAD_REQUEST,
+            Self::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
+            Self::Forbidden { .. } => StatusCode::FORBIDDEN,
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::NotFound(_) | Self::ModelNotFound { .. } => StatusCode::NOT_FOUND,
             Self::InsufficientMemory { .. } | Self::NoEngineAvailable { .. } => {
@@ -139,6 +167,8 @@ impl ProxyError {
     pub fn kind(&self) -> (&'static str, Option<&'static str>) {
         match self {
             Self::BadRequest(_) => ("invalid_request_error", None),
+            Self::Unauthorized { .. } => ("authentication_error", Some("invalid_api_key")),
+            Self::Forbidden { code, .. } => ("permission_error", Some(code)),
             Self::BodyTooLarge { .. } => ("invalid_request_error", Some("body_too_large")),
             Self::NotFound(_) => ("not_found_error", None),
             Self::ModelNotFound { .. } => ("invalid_request_error", Some("model_not_found")),
@@ -180,15 +210,45 @@ impl ProxyError {
         error_json(&self.to_string(), kind, code)
     }
 
-    /// The full HTTP response.
+    /// The body in Anthropic's shape, `{"type":"error","error":{"type","message"}}`,
+    /// with Anthropic's error types for the status.
+    pub fn anthropic_body_json(&self) -> String {
+        let kind = match self.status().as_u16() {
+            400 | 422 => "invalid_request_error",
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            408 | 504 => "timeout_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            503 => "overloaded_error",
+            _ => "api_error",
+        };
+        serde_json::json!({"type": "error", "error": {"type": kind, "message": self.to_string()}})
+            .to_string()
+    }
+
+    /// The full HTTP response, in the OpenAI shape.
     pub fn into_response<B: From<Bytes>>(self) -> Response<B> {
-        let mut resp = Response::new(B::from(Bytes::from(self.body_json())));
+        self.into_response_shaped(ErrorShape::OpenAi)
+    }
+
+    /// The full HTTP response, in the error shape of the route that failed.
+    pub fn into_response_shaped<B: From<Bytes>>(self, shape: ErrorShape) -> Response<B> {
+        let body = match shape {
+            ErrorShape::OpenAi => self.body_json(),
+            ErrorShape::Anthropic => self.anthropic_body_json(),
+        };
+        let mut resp = Response::new(B::from(Bytes::from(body)));
         *resp.status_mut() = self.status();
         let h = resp.headers_mut();
         h.insert(
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
+        if matches!(self, Self::Unauthorized { .. }) {
+            h.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
         if let Some(after) = self.retry_after() {
             // Whole seconds, rounded up, at least 1.
             let secs = after.as_millis().div_ceil(1000).max(1);

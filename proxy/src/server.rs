@@ -21,7 +21,7 @@ use tracing::{debug, info, warn, Instrument};
 
 use crate::catalog::{self, Catalog};
 use crate::config::{Config, ConfigError};
-use crate::error::ProxyError;
+use crate::error::{ErrorShape, ProxyError};
 use crate::forward::{
     copy_head, forward, Accounting, BoxError, ForwardError, ProxyBody, ProxyRequestBody,
 };
@@ -57,6 +57,7 @@ struct App {
     pool: PoolHandle,
     metrics: Arc<Metrics>,
     logs: Logs,
+    guard: crate::auth::Guard,
     started: Instant,
     next_id: AtomicU64,
     /// Flips to true when shutdown begins (ends `/logs` followers).
@@ -90,6 +91,19 @@ pub async fn serve(
             memory_budget: catalog::memory_budget(&config),
         },
     )?;
+    let guard = crate::auth::Guard::new(crate::auth::GuardConfig {
+        api_keys: &config.api_keys()?,
+        admin_api_key: config.server.admin_api_key.as_ref().map(|k| k.0.as_str()),
+        bind_host: &config.server.host,
+        allowed_hosts: &config.server.allowed_hosts,
+        allowed_origins: &config.server.allowed_origins,
+    });
+    if !crate::auth::is_loopback_bind(&config.server.host) && !guard.keys_required() {
+        warn!(
+            host = %config.server.host,
+            "listening beyond loopback WITHOUT an API key: anyone who can reach this address can use and administer mlxd; set --api-key / server.api_keys"
+        );
+    }
     let (stopping_tx, stopping) = tokio::sync::watch::channel(false);
     let app = Arc::new(App {
         config: config.clone(),
@@ -97,6 +111,7 @@ pub async fn serve(
         pool: pool.clone(),
         metrics,
         logs,
+        guard,
         started: Instant::now(),
         next_id: AtomicU64::new(1),
         stopping,
@@ -163,7 +178,7 @@ pub async fn serve(
 
 async fn handle(
     app: Arc<App>,
-    req: Request<Incoming>,
+    mut req: Request<Incoming>,
 ) -> Result<Response<ResponseBody>, Infallible> {
     let id = app.next_id.fetch_add(1, Ordering::Relaxed);
     let span = tracing::info_span!(
@@ -173,18 +188,57 @@ async fn handle(
         path = %req.uri().path(),
         model = tracing::field::Empty,
     );
-    let resp = route(&app, req, id).instrument(span.clone()).await;
-    let resp = resp.unwrap_or_else(|e| {
-        let _g = span.enter();
-        if e.status().is_server_error() {
-            warn!(status = e.status().as_u16(), error = %e, "request failed");
-        } else {
-            debug!(status = e.status().as_u16(), error = %e, "request rejected");
+    let shape = ErrorShape::for_path(req.uri().path());
+    let origin = match app
+        .guard
+        .check(req.method(), req.uri().path(), req.headers())
+    {
+        Err(e) => return Ok(error_response(&span, e, shape, None)),
+        Ok(Some(origin)) if req.method() == Method::OPTIONS => {
+            // A CORS preflight from an allowed origin.
+            let mut r = Response::new(
+                Full::new(Bytes::new())
+                    .map_err(|e| match e {})
+                    .boxed_unsync(),
+            );
+            *r.status_mut() = StatusCode::NO_CONTENT;
+            crate::auth::cors_headers(r.headers_mut(), origin, true);
+            return Ok(r);
         }
-        e.into_response::<Full<Bytes>>()
-            .map(|b| b.map_err(|e| match e {}).boxed_unsync())
-    });
+        Ok(origin) => origin,
+    };
+    app.guard.strip_credentials(req.headers_mut());
+    let mut resp = match route(&app, req, id).instrument(span.clone()).await {
+        Ok(r) => r,
+        Err(e) => return Ok(error_response(&span, e, shape, origin)),
+    };
+    if let Some(origin) = origin {
+        crate::auth::cors_headers(resp.headers_mut(), origin, false);
+    }
     Ok(resp)
+}
+
+/// Logs a failed request and renders its error in the route's shape (with CORS
+/// headers for an allowed cross-origin caller, so the browser lets it read the error).
+fn error_response(
+    span: &tracing::Span,
+    e: ProxyError,
+    shape: ErrorShape,
+    origin: Option<HeaderValue>,
+) -> Response<ResponseBody> {
+    let _g = span.enter();
+    if e.status().is_server_error() {
+        warn!(status = e.status().as_u16(), error = %e, "request failed");
+    } else {
+        debug!(status = e.status().as_u16(), error = %e, "request rejected");
+    }
+    let mut r = e
+        .into_response_shaped::<Full<Bytes>>(shape)
+        .map(|b| b.map_err(|e| match e {}).boxed_unsync());
+    if let Some(origin) = origin {
+        crate::auth::cors_headers(r.headers_mut(), origin, false);
+    }
+    r
 }
 
 fn json_response(status: StatusCode, v: &Value) -> Response<ResponseBody> {

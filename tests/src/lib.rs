@@ -199,17 +199,33 @@ pub async fn send_typed(
     content_type: Option<&str>,
     body: Option<Bytes>,
 ) -> Result<Response<Incoming>> {
+    let headers: Vec<(&str, &str)> = content_type
+        .map(|ct| ("content-type", ct))
+        .into_iter()
+        .collect();
+    send_with(addr, method, path, &headers, body).await
+}
+
+/// Sends one request with extra headers on a fresh connection. `Host` is the address
+/// (`127.0.0.1:port`) unless `headers` sets one.
+pub async fn send_with(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<Bytes>,
+) -> Result<Response<Incoming>> {
     let stream = TcpStream::connect(addr).await?;
     let (mut tx, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
     tokio::spawn(async move {
         let _ = conn.await;
     });
-    let mut req = Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", "test");
-    if let Some(ct) = content_type {
-        req = req.header("content-type", ct);
+    let mut req = Request::builder().method(method).uri(path);
+    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
+        req = req.header("host", addr.to_string());
+    }
+    for (k, v) in headers {
+        req = req.header(*k, *v);
     }
     let req = req.body(Full::new(body.unwrap_or_default()))?;
     Ok(tx.send_request(req).await?)
@@ -300,4 +316,91 @@ pub async fn wait_gone(pid: i32, timeout: Duration) -> Result<Duration> {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     Ok(t.elapsed())
+}
+
+/// The `mlxd` binary as a child process serving `fake-model` with the fake engine on a
+/// free loopback port; killed on drop.
+pub struct MlxdProcess {
+    pub child: std::process::Child,
+    pub addr: std::net::SocketAddr,
+    /// Its stderr.
+    pub log: PathBuf,
+    pub dir: tempfile::TempDir,
+}
+
+impl MlxdProcess {
+    /// Starts `mlxd serve` with `args` added, and waits until `/health/live` answers.
+    pub async fn start(args: &[&str]) -> Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let log = dir.path().join("mlxd.log");
+        let mut cmd = std::process::Command::new(mlxd_bin()?);
+        cmd.args([
+            "serve",
+            "--model",
+            "fake-model",
+            "--port",
+            &port.to_string(),
+        ]);
+        if !args.contains(&"--host") {
+            cmd.args(["--host", "127.0.0.1"]);
+        }
+        let child = cmd
+            .args(args)
+            .arg("--engine-bin")
+            .arg(fake_engine())
+            .args(["--grace-ms", "2000"])
+            .env("RUST_LOG", "info")
+            .env("XDG_RUNTIME_DIR", dir.path())
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log)?)
+            .spawn()?;
+        let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse()?;
+        let me = Self {
+            child,
+            addr,
+            log,
+            dir,
+        };
+        let t = Instant::now();
+        loop {
+            if let Ok(r) = send(addr, "GET", "/health/live", None).await {
+                if r.status() == StatusCode::OK {
+                    return Ok(me);
+                }
+            }
+            if t.elapsed() > Duration::from_secs(20) {
+                bail!(
+                    "mlxd did not come up; its log:\n{}",
+                    std::fs::read_to_string(&me.log).unwrap_or_default()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for MlxdProcess {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

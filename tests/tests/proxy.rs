@@ -132,7 +132,7 @@ async fn request_bodies_stream_and_hop_by_hop_headers_are_stripped() -> Result<(
     assert!(got[..] == big[..]);
 
     let req =
-        "GET /headers HTTP/1.1\r\nHost: x\r\nConnection: close, x-drop-me\r\nX-Drop-Me: 1\r\n\
+        "GET /headers HTTP/1.1\r\nHost: localhost\r\nConnection: close, x-drop-me\r\nX-Drop-Me: 1\r\n\
                Keep-Alive: timeout=5\r\nTE: trailers\r\nProxy-Authorization: secret\r\n\
                Authorization: Bearer ok\r\nX-Custom: kept\r\n\r\n";
     let out = String::from_utf8(raw_exchange(p.addr, req.as_bytes(), false).await?)?;
@@ -584,7 +584,7 @@ async fn bad_input_is_rejected_without_waking_an_engine() -> Result<()> {
     let mut p = Proxy::start_with(&[], |c| c.server.max_body_bytes = 1024).await?;
     let post = |path: &str, body: &[u8]| {
         let head = format!(
-            "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
             body.len()
         );
         [head.as_bytes(), body].concat()
@@ -616,7 +616,7 @@ async fn bad_input_is_rejected_without_waking_an_engine() -> Result<()> {
     let out = raw_exchange(p.addr, &post("/v1/chat/completions", &[b'x'; 2000]), false).await?;
     assert_eq!(status(&out), "413");
     let chunked = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n800\r\n{}\r\n0\r\n\r\n",
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n800\r\n{}\r\n0\r\n\r\n",
         "y".repeat(0x800)
     );
     let out = raw_exchange(p.addr, chunked.as_bytes(), false).await?;
