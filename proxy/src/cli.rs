@@ -84,6 +84,21 @@ pub struct ServeArgs {
     /// Shutdown grace period in milliseconds [default: 10000].
     #[arg(long)]
     pub grace_ms: Option<u64>,
+    /// Client connections served at once [default: 1024, fewer under a low ulimit -n].
+    #[arg(long)]
+    pub max_connections: Option<usize>,
+    /// Time for a client to send its request headers, in ms [default: 30000].
+    #[arg(long)]
+    pub header_timeout_ms: Option<u64>,
+    /// Time for a client to send a JSON request body, in ms (408 after) [default: 30000].
+    #[arg(long)]
+    pub body_timeout_ms: Option<u64>,
+    /// Requests in flight per model; more get 429 [default: 256].
+    #[arg(long)]
+    pub max_in_flight_per_model: Option<u32>,
+    /// Largest max_tokens a request may ask for [default: 131072].
+    #[arg(long)]
+    pub max_tokens_limit: Option<u64>,
     /// An API key clients must send (repeatable); `/health*` stays open.
     #[arg(long = "api-key")]
     pub api_keys: Vec<String>,
@@ -170,6 +185,21 @@ impl ServeArgs {
         }
         if let Some(g) = self.grace_ms {
             c.server.grace_ms = g;
+        }
+        if let Some(n) = self.max_connections {
+            c.server.max_connections = Some(n);
+        }
+        if let Some(t) = self.header_timeout_ms {
+            c.server.header_timeout_ms = t;
+        }
+        if let Some(t) = self.body_timeout_ms {
+            c.server.body_timeout_ms = t;
+        }
+        if let Some(n) = self.max_in_flight_per_model {
+            c.server.max_in_flight_per_model = n;
+        }
+        if let Some(n) = self.max_tokens_limit {
+            c.server.max_tokens_limit = Some(n);
         }
         c.server
             .api_keys

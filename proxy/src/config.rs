@@ -102,8 +102,18 @@ pub struct ServerConfig {
     /// Shutdown: time for in-flight requests, then for engines after `Shutdown`, then
     /// after SIGTERM (SIGKILL follows).
     pub grace_ms: u64,
-    /// Time to wait for the first request line and headers on a client connection.
+    /// Time to wait for the first request line and headers on a client connection
+    /// (the connection is closed after it).
     pub header_timeout_ms: u64,
+    /// Time to wait for a whole JSON request body once its headers are in (408 after).
+    pub body_timeout_ms: u64,
+    /// Client connections served at once; at the cap mlxd stops accepting (new clients
+    /// wait in the kernel's backlog). Default: 1024, fewer under a low open-file limit.
+    pub max_connections: Option<usize>,
+    /// Requests in flight to one model's engine at once; more get 429 with Retry-After.
+    pub max_in_flight_per_model: u32,
+    /// Largest `max_tokens` (or `max_completion_tokens`) a request may ask for (400 above).
+    pub max_tokens_limit: Option<u64>,
     /// An engine not ready this long after spawning is killed (a load failure).
     pub load_timeout_ms: u64,
     /// API keys (any one opens every route but `/health*`, which is always open). Empty,
@@ -203,7 +213,7 @@ impl From<&LimitsConfig> for Limits {
 
 impl ServerConfig {
     /// Every `*_ms` setting with its key, for range checks.
-    fn durations_ms(&self) -> [(&'static str, u64); 9] {
+    fn durations_ms(&self) -> [(&'static str, u64); 10] {
         [
             ("queue_timeout_ms", self.queue_timeout_ms),
             ("backoff_initial_ms", self.backoff_initial_ms),
@@ -213,6 +223,7 @@ impl ServerConfig {
             ("limits_recovery_ms", self.limits_recovery_ms),
             ("grace_ms", self.grace_ms),
             ("header_timeout_ms", self.header_timeout_ms),
+            ("body_timeout_ms", self.body_timeout_ms),
             ("load_timeout_ms", self.load_timeout_ms),
         ]
     }
@@ -240,6 +251,10 @@ impl Default for ServerConfig {
             limits_recovery_ms: 600_000,
             grace_ms: 10_000,
             header_timeout_ms: 30_000,
+            body_timeout_ms: 30_000,
+            max_connections: None,
+            max_in_flight_per_model: 256,
+            max_tokens_limit: Some(131_072),
             load_timeout_ms: 600_000,
             api_keys: Vec::new(),
             api_key_file: None,
@@ -375,6 +390,26 @@ impl Config {
                         "{ms} ms is out of range: at most {} ms (10 years)",
                         MAX_DURATION.as_millis()
                     ),
+                );
+            }
+        }
+        for (key, v) in [
+            (
+                "max_connections",
+                self.server.max_connections.map_or(1, |n| n as u64),
+            ),
+            (
+                "max_in_flight_per_model",
+                u64::from(self.server.max_in_flight_per_model),
+            ),
+            ("queue_capacity", self.server.queue_capacity as u64),
+        ] {
+            if v == 0 {
+                return fail(
+                    None,
+                    key,
+                    format!("server.{key}"),
+                    "must be at least 1, got 0".into(),
                 );
             }
         }

@@ -70,6 +70,21 @@ pub enum ProxyError {
         configured: Option<u64>,
         retry_after: Duration,
     },
+    #[error("model {model} already has {limit} requests in flight, the limit of server.max_in_flight_per_model; retry in {}s", retry_after.as_secs().max(1))]
+    TooManyInFlight {
+        model: String,
+        limit: u32,
+        retry_after: Duration,
+    },
+    #[error("max_tokens {value} exceeds the limit of {limit} (server.max_tokens_limit)")]
+    MaxTokensExceeded { value: u64, limit: u64 },
+    /// The client did not send what it announced in time (408).
+    #[error("the {what} did not arrive within the limit of {limit_ms} ms (server.{setting})")]
+    RequestTimeout {
+        what: &'static str,
+        limit_ms: u64,
+        setting: &'static str,
+    },
     #[error("model {model} has failed after repeated crashes: {cause}")]
     Failed {
         model: String,
@@ -152,10 +167,13 @@ impl ProxyError {
             Self::InsufficientMemory { .. } | Self::NoEngineAvailable { .. } => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
-            Self::ExceedsKvBudget { .. } => StatusCode::BAD_REQUEST,
+            Self::ExceedsKvBudget { .. } | Self::MaxTokensExceeded { .. } => {
+                StatusCode::BAD_REQUEST
+            }
+            Self::RequestTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+            Self::QueueFull { .. } | Self::TooManyInFlight { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::Unavailable { .. }
             | Self::LimitsReduced { .. }
-            | Self::QueueFull { .. }
             | Self::Failed { .. }
             | Self::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             Self::EngineCrashed { .. } | Self::Upstream { .. } => StatusCode::BAD_GATEWAY,
@@ -177,8 +195,13 @@ impl ProxyError {
             }
             Self::NoEngineAvailable { .. } => ("engine_unavailable", Some("no_engine_available")),
             Self::Unavailable { .. } => ("engine_unavailable", Some("engine_starting")),
-            Self::QueueFull { .. } => ("engine_unavailable", Some("queue_full")),
+            Self::QueueFull { .. } => ("rate_limit_error", Some("queue_full")),
             Self::ExceedsKvBudget { .. } => ("invalid_request_error", Some("kv_budget_exceeded")),
+            Self::MaxTokensExceeded { .. } => {
+                ("invalid_request_error", Some("max_tokens_exceeded"))
+            }
+            Self::RequestTimeout { .. } => ("invalid_request_error", Some("request_timeout")),
+            Self::TooManyInFlight { .. } => ("rate_limit_error", Some("too_many_requests")),
             Self::LimitsReduced { .. } => ("engine_unavailable", Some("limits_reduced")),
             Self::Failed { .. } => ("engine_failed", Some("engine_failed")),
             Self::EngineCrashed { report, .. } if report.cause.is_requested() => {
@@ -195,6 +218,7 @@ impl ProxyError {
         match self {
             Self::Unavailable { retry_after, .. }
             | Self::LimitsReduced { retry_after, .. }
+            | Self::TooManyInFlight { retry_after, .. }
             | Self::QueueFull { retry_after, .. }
             | Self::Failed { retry_after, .. } => Some(*retry_after),
             Self::ShuttingDown => Some(Duration::from_secs(5)),
@@ -286,7 +310,7 @@ mod tests {
                     capacity: 1,
                     retry_after: Duration::from_millis(1500),
                 },
-                503,
+                429,
             ),
             (
                 ProxyError::EngineCrashed {

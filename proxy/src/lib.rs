@@ -3,6 +3,7 @@
 //! [`serve`] binds nothing itself: it takes a bound listener, a [`Config`] and a
 //! shutdown future, so tests drive it in-process exactly as `main` does.
 
+pub mod accept;
 pub mod auth;
 pub mod catalog;
 pub mod cli;

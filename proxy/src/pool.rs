@@ -745,6 +745,7 @@ impl Pool {
         let now = Instant::now();
         let cooldown = Duration::from_millis(self.config.server.failed_cooldown_ms);
         let capacity = self.config.server.queue_capacity;
+        let max_in_flight = self.config.server.max_in_flight_per_model;
         let Some(slot) = self.slots.get_mut(key) else {
             let _ = reply.send(Err(ProxyError::NotFound(format!(
                 "model {key} is not configured"
@@ -756,6 +757,15 @@ impl Pool {
         let retry_after = match &slot.state {
             // Its exit is on the way: wait in the queue for the restart.
             State::Ready if known_dead => Duration::from_secs(1),
+            // The engine's own queue is bounded here, before it grows without limit.
+            State::Ready if slot.in_flight >= max_in_flight => {
+                let _ = reply.send(Err(ProxyError::TooManyInFlight {
+                    model: key.to_string(),
+                    limit: max_in_flight,
+                    retry_after: Duration::from_secs(1),
+                }));
+                return;
+            }
             State::Ready => {
                 let lease = slot.grant(&self.release_tx, &self.policy).ok_or_else(|| {
                     ProxyError::Internal(format!("model {key} is ready without an engine"))

@@ -130,15 +130,34 @@ pub async fn serve(
     builder
         .timer(TokioTimer::new())
         .header_read_timeout(Duration::from_millis(config.server.header_timeout_ms));
+    let max_connections = connection_cap(&config);
+    let slots = Arc::new(tokio::sync::Semaphore::new(max_connections));
+    let mut backoff = crate::accept::AcceptBackoff::default();
     tokio::pin!(shutdown);
     loop {
+        // Back-pressure: at the cap, stop accepting; clients wait in the kernel backlog.
+        let permit = tokio::select! {
+            p = slots.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => break, // never closed
+            },
+            _ = &mut shutdown => break,
+        };
         let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok(a) => a,
+                Ok(a) => {
+                    if let Some(n) = backoff.success() {
+                        info!(failures = n, "accepting connections again");
+                    }
+                    a
+                }
                 Err(e) => {
                     // Out of file descriptors and the like: back off, keep serving.
-                    warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    let f = backoff.failure(Instant::now());
+                    if let Some(n) = f.log {
+                        warn!(error = %e, failures = n, retry_in_ms = f.delay.as_millis() as u64, "accept failed; backing off");
+                    }
+                    tokio::time::sleep(f.delay).await;
                     continue;
                 }
             },
@@ -150,6 +169,7 @@ pub async fn serve(
         let conn = builder.serve_connection(TokioIo::new(stream), svc);
         let conn = graceful.watch(conn);
         tokio::spawn(async move {
+            let _permit = permit;
             if let Err(e) = conn.await {
                 debug!(%peer, error = %e, "client connection ended with an error");
             }
@@ -216,6 +236,29 @@ async fn handle(
         crate::auth::cors_headers(resp.headers_mut(), origin, false);
     }
     Ok(resp)
+}
+
+/// The configured connection cap, or the default for this process's open-file limit;
+/// warns when a configured cap exceeds what the limit can hold.
+fn connection_cap(config: &Config) -> usize {
+    let open_files = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+        .map(|(soft, _)| soft)
+        .unwrap_or(1024);
+    let fitting = crate::accept::default_max_connections(open_files);
+    match config.server.max_connections {
+        Some(n) => {
+            if n > fitting {
+                warn!(
+                    max_connections = n,
+                    open_file_limit = open_files,
+                    fits = fitting,
+                    "max_connections exceeds what the open-file limit can hold; expect accept errors (raise ulimit -n)"
+                );
+            }
+            n
+        }
+        None => fitting,
+    }
 }
 
 /// Logs a failed request and renders its error in the route's shape (with CORS
@@ -335,8 +378,20 @@ async fn route(
         let resp = forward(lease, parts, body, id, max, None).await?;
         return Ok(resp.map(|b: ProxyBody| b.boxed_unsync()));
     }
-    let bytes = read_bounded(body, max).await?;
+    let body_timeout = app.config.server.body_timeout_ms;
+    let bytes = tokio::time::timeout(Duration::from_millis(body_timeout), read_bounded(body, max))
+        .await
+        .map_err(|_| ProxyError::RequestTimeout {
+            what: "request body",
+            limit_ms: body_timeout,
+            setting: "body_timeout_ms",
+        })??;
     let meta = request_meta(&bytes)?;
+    if let (Some(value), Some(limit)) = (meta.max_tokens, app.config.server.max_tokens_limit) {
+        if value > limit {
+            return Err(ProxyError::MaxTokensExceeded { value, limit });
+        }
+    }
     let model = app.catalog.resolve(meta.model.as_deref())?.id.clone();
     tracing::Span::current().record("model", model.as_str());
     let accounting = Accounting {

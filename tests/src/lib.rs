@@ -331,6 +331,12 @@ pub struct MlxdProcess {
 impl MlxdProcess {
     /// Starts `mlxd serve` with `args` added, and waits until `/health/live` answers.
     pub async fn start(args: &[&str]) -> Result<Self> {
+        Self::start_limited(args, None).await
+    }
+
+    /// Like [`start`](Self::start), with the open-file limit (soft and hard) set to
+    /// `open_files` in the child.
+    pub async fn start_limited(args: &[&str], open_files: Option<u64>) -> Result<Self> {
         let dir = tempfile::tempdir()?;
         let port = std::net::TcpListener::bind("127.0.0.1:0")?
             .local_addr()?
@@ -347,8 +353,7 @@ impl MlxdProcess {
         if !args.contains(&"--host") {
             cmd.args(["--host", "127.0.0.1"]);
         }
-        let child = cmd
-            .args(args)
+        cmd.args(args)
             .arg("--engine-bin")
             .arg(fake_engine())
             .args(["--grace-ms", "2000"])
@@ -356,8 +361,18 @@ impl MlxdProcess {
             .env("XDG_RUNTIME_DIR", dir.path())
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::null())
-            .stderr(std::fs::File::create(&log)?)
-            .spawn()?;
+            .stderr(std::fs::File::create(&log)?);
+        if let Some(n) = open_files {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: setrlimit is async-signal-safe; nothing else runs before exec.
+            unsafe {
+                cmd.pre_exec(move || {
+                    nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE, n, n)
+                        .map_err(std::io::Error::from)
+                });
+            }
+        }
+        let child = cmd.spawn()?;
         let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse()?;
         let me = Self {
             child,

@@ -192,7 +192,7 @@ async fn requests_wait_while_the_engine_loads() -> Result<()> {
 }
 
 #[tokio::test]
-async fn queue_timeout_and_queue_full_give_503_with_retry_after() -> Result<()> {
+async fn queue_timeout_gives_503_and_queue_full_429_with_retry_after() -> Result<()> {
     let mut p = Proxy::start_with(&[("ready_delay_ms", "5000")], |c| {
         c.server.queue_timeout_ms = 400;
         c.server.queue_capacity = 1;
@@ -207,11 +207,11 @@ async fn queue_timeout_and_queue_full_give_503_with_retry_after() -> Result<()> 
     });
     p.wait_engine("queued", T, |e| e["queued_requests"] == 1)
         .await?;
-    // Queue of one is full.
+    // Queue of one is full: 429.
     let (s, h, v) = p
         .post_json("/v1/completions", &json!({"prompt": "y"}))
         .await?;
-    assert_eq!(s, 503);
+    assert_eq!(s, 429);
     assert!(h.contains_key("retry-after"));
     assert_eq!(v["error"]["code"], "queue_full");
     // The queued one times out.
