@@ -169,10 +169,7 @@ pub fn spawn(
     #[cfg(target_os = "linux")]
     unsafe {
         cmd.pre_exec(|| {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
+            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(std::io::Error::from)
         });
     }
     // Read before the spawn: a kill during loading must show as a rise.

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{header, HeaderValue, Response, StatusCode};
-use serde::Serialize;
+use mlxd_protocol::error::{ErrorBody, ErrorType};
 
 use crate::exit::ExitReport;
 
@@ -129,31 +129,17 @@ impl ErrorShape {
     }
 }
 
-#[derive(Serialize)]
-struct ErrorBody<'a> {
-    error: ErrorDetail<'a>,
-}
-
-#[derive(Serialize)]
-struct ErrorDetail<'a> {
-    message: &'a str,
-    #[serde(rename = "type")]
-    kind: &'a str,
-    param: Option<&'a str>,
-    code: Option<&'a str>,
-}
-
-/// Serializes the OpenAI error object.
-pub fn error_json(message: &str, kind: &str, code: Option<&str>) -> String {
-    serde_json::to_string(&ErrorBody {
-        error: ErrorDetail {
-            message,
-            kind,
-            param: None,
-            code,
-        },
-    })
-    .unwrap_or_else(|_| String::from("{\"error\":{\"message\":\"unencodable error\",\"type\":\"internal_error\",\"param\":null,\"code\":null}}"))
+/// Serializes the OpenAI error object (`mlxd_protocol::error::ErrorBody`).
+pub fn error_json(
+    message: &str,
+    kind: ErrorType,
+    code: Option<&str>,
+    param: Option<&str>,
+) -> String {
+    let mut body = ErrorBody::typed(kind, message);
+    body.error.code = code.map(String::from);
+    body.error.param = param.map(String::from);
+    serde_json::to_string(&body).unwrap_or_else(|_| String::from("{\"error\":{\"message\":\"unencodable error\",\"type\":\"internal_error\",\"param\":null,\"code\":null}}"))
 }
 
 impl ProxyError {
@@ -182,35 +168,44 @@ impl ProxyError {
     }
 
     /// `(type, code)` of the OpenAI error object.
-    pub fn kind(&self) -> (&'static str, Option<&'static str>) {
+    pub fn kind(&self) -> (ErrorType, Option<&'static str>) {
         match self {
-            Self::BadRequest(_) => ("invalid_request_error", None),
-            Self::Unauthorized { .. } => ("authentication_error", Some("invalid_api_key")),
-            Self::Forbidden { code, .. } => ("permission_error", Some(code)),
-            Self::BodyTooLarge { .. } => ("invalid_request_error", Some("body_too_large")),
-            Self::NotFound(_) => ("not_found_error", None),
-            Self::ModelNotFound { .. } => ("invalid_request_error", Some("model_not_found")),
-            Self::InsufficientMemory { .. } => {
-                ("insufficient_resources", Some("insufficient_memory"))
+            Self::BadRequest(_) => (ErrorType::InvalidRequestError, None),
+            Self::Unauthorized { .. } => (ErrorType::AuthenticationError, Some("invalid_api_key")),
+            Self::Forbidden { code, .. } => (ErrorType::PermissionError, Some(code)),
+            Self::BodyTooLarge { .. } => (ErrorType::InvalidRequestError, Some("body_too_large")),
+            Self::NotFound(_) => (ErrorType::NotFoundError, None),
+            Self::ModelNotFound { .. } => (ErrorType::InvalidRequestError, Some("model_not_found")),
+            Self::InsufficientMemory { .. } => (
+                ErrorType::InsufficientResources,
+                Some("insufficient_memory"),
+            ),
+            Self::NoEngineAvailable { .. } => {
+                (ErrorType::EngineUnavailable, Some("no_engine_available"))
             }
-            Self::NoEngineAvailable { .. } => ("engine_unavailable", Some("no_engine_available")),
-            Self::Unavailable { .. } => ("engine_unavailable", Some("engine_starting")),
-            Self::QueueFull { .. } => ("rate_limit_error", Some("queue_full")),
-            Self::ExceedsKvBudget { .. } => ("invalid_request_error", Some("kv_budget_exceeded")),
+            Self::Unavailable { .. } => (ErrorType::EngineUnavailable, Some("engine_starting")),
+            Self::QueueFull { .. } => (ErrorType::RateLimitError, Some("queue_full")),
+            Self::ExceedsKvBudget { .. } => {
+                (ErrorType::InvalidRequestError, Some("kv_budget_exceeded"))
+            }
             Self::MaxTokensExceeded { .. } => {
-                ("invalid_request_error", Some("max_tokens_exceeded"))
+                (ErrorType::InvalidRequestError, Some("max_tokens_exceeded"))
             }
-            Self::RequestTimeout { .. } => ("invalid_request_error", Some("request_timeout")),
-            Self::TooManyInFlight { .. } => ("rate_limit_error", Some("too_many_requests")),
-            Self::LimitsReduced { .. } => ("engine_unavailable", Some("limits_reduced")),
-            Self::Failed { .. } => ("engine_failed", Some("engine_failed")),
+            Self::RequestTimeout { .. } => {
+                (ErrorType::InvalidRequestError, Some("request_timeout"))
+            }
+            Self::TooManyInFlight { .. } => (ErrorType::RateLimitError, Some("too_many_requests")),
+            Self::LimitsReduced { .. } => (ErrorType::EngineUnavailable, Some("limits_reduced")),
+            Self::Failed { .. } => (ErrorType::EngineFailed, Some("engine_failed")),
             Self::EngineCrashed { report, .. } if report.cause.is_requested() => {
-                ("engine_stopped", Some(report.cause.code()))
+                (ErrorType::EngineStopped, Some(report.cause.code()))
             }
-            Self::EngineCrashed { report, .. } => ("engine_crashed", Some(report.cause.code())),
-            Self::Upstream { .. } => ("upstream_error", None),
-            Self::ShuttingDown => ("engine_unavailable", Some("shutting_down")),
-            Self::Internal(_) => ("internal_error", None),
+            Self::EngineCrashed { report, .. } => {
+                (ErrorType::EngineCrashed, Some(report.cause.code()))
+            }
+            Self::Upstream { .. } => (ErrorType::UpstreamError, None),
+            Self::ShuttingDown => (ErrorType::EngineUnavailable, Some("shutting_down")),
+            Self::Internal(_) => (ErrorType::InternalError, None),
         }
     }
 
@@ -228,10 +223,19 @@ impl ProxyError {
         }
     }
 
+    /// The request field at fault, when one is.
+    pub fn param(&self) -> Option<&'static str> {
+        match self {
+            Self::MaxTokensExceeded { .. } | Self::ExceedsKvBudget { .. } => Some("max_tokens"),
+            Self::ModelNotFound { .. } => Some("model"),
+            _ => None,
+        }
+    }
+
     /// The body as a JSON error object.
     pub fn body_json(&self) -> String {
         let (kind, code) = self.kind();
-        error_json(&self.to_string(), kind, code)
+        error_json(&self.to_string(), kind, code, self.param())
     }
 
     /// The body in Anthropic's shape, `{"type":"error","error":{"type","message"}}`,

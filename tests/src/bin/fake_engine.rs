@@ -26,6 +26,7 @@ use mlxd_ipc::control::{
 };
 use mlxd_ipc::socket::bind_unix;
 use mlxd_protocol::control::{FatalKind, Ready, Stats, PROTOCOL_VERSION};
+use mlxd_protocol::error::{ErrorBody, ErrorType};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
@@ -274,8 +275,7 @@ fn die_oom() -> ! {
 }
 
 fn sigkill_self() -> ! {
-    // SAFETY: raising a signal on ourselves.
-    unsafe { libc::raise(libc::SIGKILL) };
+    let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
     unreachable!("SIGKILL returned")
 }
 
@@ -308,6 +308,18 @@ async fn perform(engine: &Engine, action: &str) {
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type Body = http_body_util::combinators::BoxBody<Bytes, BoxError>;
+
+/// An error in the shared shape and type vocabulary (`mlxd_protocol::error`).
+fn error_response(
+    status: StatusCode,
+    kind: ErrorType,
+    message: String,
+    code: Option<&str>,
+) -> Response<Body> {
+    let mut body = ErrorBody::typed(kind, message);
+    body.error.code = code.map(String::from);
+    json_response(status, &serde_json::to_value(&body).unwrap_or(Value::Null))
+}
 
 fn json_response(status: StatusCode, v: &Value) -> Response<Body> {
     Response::builder()
@@ -348,9 +360,11 @@ async fn handle(engine: Arc<Engine>, req: Request<Incoming>) -> Result<Response<
         }
         (Method::POST, "/v1/chat/completions" | "/v1/completions") => {
             if engine.draining.load(Ordering::Relaxed) {
-                return Ok(json_response(
+                return Ok(error_response(
                     StatusCode::SERVICE_UNAVAILABLE,
-                    &json!({"error": {"message": "draining", "type": "unavailable", "param": null, "code": "draining"}}),
+                    ErrorType::EngineUnavailable,
+                    "draining".into(),
+                    Some("draining"),
                 ));
             }
             let chat = path == "/v1/chat/completions";
@@ -360,15 +374,19 @@ async fn handle(engine: Arc<Engine>, req: Request<Incoming>) -> Result<Response<
             }
             match req.into_body().collect().await {
                 Ok(b) => generate(engine, chat, &b.to_bytes()).await,
-                Err(_) => json_response(
+                Err(_) => error_response(
                     StatusCode::BAD_REQUEST,
-                    &json!({"error": {"message": "body", "type": "invalid_request_error", "param": null, "code": null}}),
+                    ErrorType::InvalidRequestError,
+                    "body".into(),
+                    None,
                 ),
             }
         }
-        _ => json_response(
+        _ => error_response(
             StatusCode::NOT_FOUND,
-            &json!({"error": {"message": format!("no route {path}"), "type": "not_found", "param": null, "code": null}}),
+            ErrorType::NotFoundError,
+            format!("no route {path}"),
+            None,
         ),
     })
 }
@@ -387,9 +405,11 @@ async fn generate(engine: Arc<Engine>, chat: bool, body: &[u8]) -> Response<Body
     let req: Value = match serde_json::from_slice(body) {
         Ok(v) => v,
         Err(e) => {
-            return json_response(
+            return error_response(
                 StatusCode::BAD_REQUEST,
-                &json!({"error": {"message": format!("engine: bad JSON: {e}"), "type": "invalid_request_error", "param": null, "code": null}}),
+                ErrorType::InvalidRequestError,
+                format!("engine: bad JSON: {e}"),
+                None,
             )
         }
     };
@@ -419,9 +439,11 @@ async fn generate(engine: Arc<Engine>, chat: bool, body: &[u8]) -> Response<Body
         let tokens = (1 + max_tokens).min(u64::from(CONTEXT_LENGTH));
         let reserved = tokens * KV_BYTES_PER_TOKEN;
         if reserved > budget {
-            return json_response(
+            return error_response(
                 StatusCode::INTERNAL_SERVER_ERROR,
-                &json!({"error": {"message": format!("the request needs {reserved} bytes of KV cache (prompt 1 + max_tokens {max_tokens} tokens), more than the engine's KV budget of {budget} bytes"), "type": "server_error", "param": null, "code": null}}),
+                ErrorType::ServerError,
+                format!("the request needs {reserved} bytes of KV cache (prompt 1 + max_tokens {max_tokens} tokens), more than the engine's KV budget of {budget} bytes"),
+                None,
             );
         }
     }
