@@ -37,7 +37,6 @@
 
 use std::fs::File;
 use std::io::{self, Read, Write};
-use std::os::fd::FromRawFd;
 use std::sync::{Arc, Mutex};
 
 use mlxd_protocol::control::{
@@ -91,22 +90,11 @@ impl ChildChannel {
     /// stray `println!` anywhere in the engine lands in the log instead of corrupting
     /// the control stream.
     pub fn from_stdio() -> Result<Self, ControlError> {
-        // SAFETY: dup/dup2 on the process's own standard descriptors; the returned
-        // descriptors are owned by the `File`s created here and nowhere else.
-        let (input, output) = unsafe {
-            let control_out = libc::dup(1);
-            if control_out < 0 || libc::dup2(2, 1) < 0 {
-                return Err(io::Error::last_os_error().into());
-            }
-            let control_in = libc::dup(0);
-            if control_in < 0 {
-                return Err(io::Error::last_os_error().into());
-            }
-            (
-                File::from_raw_fd(control_in),
-                File::from_raw_fd(control_out),
-            )
-        };
+        use std::os::fd::AsFd;
+        let control_out = io::stdout().as_fd().try_clone_to_owned()?;
+        let control_in = io::stdin().as_fd().try_clone_to_owned()?;
+        nix::unistd::dup2(2, 1).map_err(io::Error::from)?;
+        let (input, output) = (File::from(control_in), File::from(control_out));
         Ok(Self::new(input, output))
     }
 
@@ -225,21 +213,14 @@ impl ControlSender {
 /// supervisor dies, then checks the supervisor did not die before that (the pid in
 /// [`SUPERVISOR_PID_ENV`], when set). Call first thing in `main`, from the main thread.
 pub fn set_parent_death_signal() -> Result<(), ControlError> {
-    // SAFETY: prctl with PR_SET_PDEATHSIG takes a signal number and touches no memory.
     // Linux only: elsewhere the engine relies on stdin reaching end of file.
     #[cfg(target_os = "linux")]
-    {
-        let rc = unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) };
-        if rc != 0 {
-            return Err(io::Error::last_os_error().into());
-        }
-    }
+    nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL).map_err(io::Error::from)?;
     if let Some(expected) = std::env::var(SUPERVISOR_PID_ENV)
         .ok()
         .and_then(|v| v.parse::<i32>().ok())
     {
-        // SAFETY: getppid has no preconditions.
-        if unsafe { libc::getppid() } != expected {
+        if nix::unistd::getppid().as_raw() != expected {
             return Err(ControlError::ParentGone { expected });
         }
     }

@@ -56,8 +56,14 @@ pub fn read_frame<T: DeserializeOwned, R: Read>(r: &mut R) -> Result<Option<T>, 
     if !read_exact_or_eof(r, &mut prefix)? {
         return Ok(None);
     }
-    let mut payload = vec![0u8; check_len(prefix)?];
-    r.read_exact(&mut payload).map_err(truncated)?;
+    let len = check_len(prefix)?;
+    // Grows with the bytes that actually arrive: a prefix that promises a megabyte
+    // and sends nothing allocates nothing.
+    let mut payload = Vec::new();
+    r.take(len as u64).read_to_end(&mut payload)?;
+    if payload.len() < len {
+        return Err(FrameError::Truncated);
+    }
     Ok(Some(bincode::deserialize(&payload)?))
 }
 
@@ -74,14 +80,6 @@ fn read_exact_or_eof<R: Read>(r: &mut R, buf: &mut [u8]) -> Result<bool, FrameEr
         }
     }
     Ok(true)
-}
-
-fn truncated(e: io::Error) -> FrameError {
-    if e.kind() == io::ErrorKind::UnexpectedEof {
-        FrameError::Truncated
-    } else {
-        FrameError::Io(e)
-    }
 }
 
 /// Async counterpart of [`write_frame`].
@@ -107,9 +105,78 @@ pub async fn read_frame_async<T: DeserializeOwned, R: AsyncRead + Unpin>(
             n => filled += n,
         }
     }
-    let mut payload = vec![0u8; check_len(prefix)?];
-    r.read_exact(&mut payload).await.map_err(truncated)?;
+    let len = check_len(prefix)?;
+    let mut payload = Vec::new();
+    (&mut *r).take(len as u64).read_to_end(&mut payload).await?;
+    if payload.len() < len {
+        return Err(FrameError::Truncated);
+    }
     Ok(Some(bincode::deserialize(&payload)?))
+}
+
+#[cfg(test)]
+mod proptests {
+    use super::*;
+    use mlxd_protocol::control::{ChildMsg, ParentMsg};
+    use proptest::prelude::*;
+
+    proptest! {
+        // Small enough for a 2-core CI: a few hundred cases in well under a second.
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// Arbitrary bytes never panic the decoder; it ends with a message, `None` or an
+        /// error, and never reads past what it was given.
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..2048)) {
+            let mut r = io::Cursor::new(&bytes[..]);
+            for _ in 0..64 {
+                match read_frame::<ChildMsg, _>(&mut r) {
+                    Ok(Some(_)) => continue,
+                    Ok(None) | Err(_) => break,
+                }
+            }
+            let mut r = io::Cursor::new(&bytes[..]);
+            let _ = read_frame::<ParentMsg, _>(&mut r);
+        }
+
+        /// Any length prefix: above the limit is refused before reading; within it, a
+        /// short payload is `Truncated` and the buffer never outgrows what arrived.
+        #[test]
+        fn length_prefixes_are_bounded(len in any::<u32>(), body in proptest::collection::vec(any::<u8>(), 0..64)) {
+            let mut bytes = len.to_be_bytes().to_vec();
+            bytes.extend_from_slice(&body);
+            let r = read_frame::<ChildMsg, _>(&mut io::Cursor::new(&bytes[..]));
+            if len > MAX_FRAME_BYTES {
+                prop_assert!(matches!(r, Err(FrameError::TooLarge { .. })), "{:?}", r);
+            } else if (len as usize) > body.len() {
+                prop_assert!(matches!(r, Err(FrameError::Truncated)), "{:?}", r);
+            }
+        }
+
+        /// Valid frames round-trip, whatever follows them.
+        #[test]
+        fn stats_round_trip(active in any::<u32>(), kv in any::<u64>(), tail in proptest::collection::vec(any::<u8>(), 0..32)) {
+            let msg = ChildMsg::Stats(mlxd_protocol::control::Stats { active, queued: 0, kv_bytes: kv, memory_bytes: kv });
+            let mut bytes = encode(&msg).unwrap();
+            bytes.extend_from_slice(&tail);
+            let back = read_frame::<ChildMsg, _>(&mut io::Cursor::new(&bytes[..])).unwrap();
+            prop_assert_eq!(back, Some(msg));
+        }
+    }
+
+    #[tokio::test]
+    async fn async_decoder_bounds_the_prefix_too() {
+        let mut huge = &[0xffu8, 0xff, 0xff, 0xff][..];
+        assert!(matches!(
+            read_frame_async::<ChildMsg, _>(&mut huge).await,
+            Err(FrameError::TooLarge { .. })
+        ));
+        let mut short = &[0u8, 0x10, 0, 0, 1, 2][..];
+        assert!(matches!(
+            read_frame_async::<ChildMsg, _>(&mut short).await,
+            Err(FrameError::Truncated)
+        ));
+    }
 }
 
 #[cfg(test)]

@@ -34,8 +34,7 @@ pub fn prepare_runtime_dir(dir: &Path) -> Result<(), SocketError> {
         .create(dir)
         .map_err(io_err(dir))?;
     let meta = fs::symlink_metadata(dir).map_err(io_err(dir))?;
-    // SAFETY: geteuid has no preconditions.
-    let me = unsafe { libc::geteuid() };
+    let me = nix::unistd::geteuid().as_raw();
     if meta.uid() != me {
         return Err(SocketError::NotOwned {
             path: dir.to_owned(),
@@ -53,8 +52,7 @@ pub fn default_runtime_dir() -> PathBuf {
     match std::env::var_os("XDG_RUNTIME_DIR") {
         Some(d) if !d.is_empty() => Path::new(&d).join(format!("mlxd-{pid}")),
         _ => {
-            // SAFETY: geteuid has no preconditions.
-            let uid = unsafe { libc::geteuid() };
+            let uid = nix::unistd::geteuid().as_raw();
             std::env::temp_dir().join(format!("mlxd-{uid}-{pid}"))
         }
     }

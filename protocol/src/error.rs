@@ -11,6 +11,69 @@ pub const SERVER_ERROR: &str = "server_error";
 /// `type` of a refusal because the service is busy or not ready (status 429, 503).
 pub const SERVICE_UNAVAILABLE_ERROR: &str = "service_unavailable_error";
 
+/// The one vocabulary of error `type`s, for the proxy, the engine and the fake engine.
+/// The first three are OpenAI's; the rest say which side failed and how, so clients and
+/// the proxy can act on the type instead of parsing messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorType {
+    /// The request is at fault (400, 404 for an unknown model, 408, 413, 422).
+    InvalidRequestError,
+    /// Our side failed (500, 502, 504).
+    ServerError,
+    /// Busy or not ready (503).
+    ServiceUnavailableError,
+    /// No or wrong API key (401).
+    AuthenticationError,
+    /// Not allowed whatever the key: foreign Host or Origin, admin-only route (403).
+    PermissionError,
+    /// No such route or resource (404).
+    NotFoundError,
+    /// A queue or in-flight limit is full (429).
+    RateLimitError,
+    /// The model's engine is starting, restarting, draining or queued for (503).
+    EngineUnavailable,
+    /// The model failed repeatedly and waits for a reset or cool-down (503).
+    EngineFailed,
+    /// The engine died during the request (502 or an SSE error event).
+    EngineCrashed,
+    /// The engine was stopped on purpose during the request.
+    EngineStopped,
+    /// Not enough memory or engine slots for the model (503).
+    InsufficientResources,
+    /// The engine connection failed, the engine still alive (502).
+    UpstreamError,
+    /// A bug: an invariant did not hold (500).
+    InternalError,
+}
+
+impl ErrorType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::InvalidRequestError => INVALID_REQUEST_ERROR,
+            Self::ServerError => SERVER_ERROR,
+            Self::ServiceUnavailableError => SERVICE_UNAVAILABLE_ERROR,
+            Self::AuthenticationError => "authentication_error",
+            Self::PermissionError => "permission_error",
+            Self::NotFoundError => "not_found_error",
+            Self::RateLimitError => "rate_limit_error",
+            Self::EngineUnavailable => "engine_unavailable",
+            Self::EngineFailed => "engine_failed",
+            Self::EngineCrashed => "engine_crashed",
+            Self::EngineStopped => "engine_stopped",
+            Self::InsufficientResources => "insufficient_resources",
+            Self::UpstreamError => "upstream_error",
+            Self::InternalError => "internal_error",
+        }
+    }
+}
+
+impl std::fmt::Display for ErrorType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// The whole error body.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ErrorBody {
@@ -43,6 +106,16 @@ impl ErrorBody {
                 code: None,
             },
         }
+    }
+
+    /// An error of one of the shared [`ErrorType`]s.
+    pub fn typed(kind: ErrorType, message: impl Into<String>) -> Self {
+        Self::new(kind.as_str(), message)
+    }
+
+    /// The [`ErrorType`] of `kind`, if it is one of the vocabulary.
+    pub fn error_type(&self) -> Option<ErrorType> {
+        serde_json::from_value(serde_json::Value::String(self.error.kind.clone())).ok()
     }
 
     /// A 4xx error caused by the request.
@@ -99,6 +172,31 @@ mod tests {
         let back: ErrorBody = serde_json::from_str(&text).unwrap();
         assert_eq!(back, body);
         assert_eq!(back.error.param.as_deref(), Some("messages"));
+    }
+
+    #[test]
+    fn the_type_vocabulary_round_trips_through_its_names() {
+        for t in [
+            ErrorType::InvalidRequestError,
+            ErrorType::ServerError,
+            ErrorType::ServiceUnavailableError,
+            ErrorType::AuthenticationError,
+            ErrorType::PermissionError,
+            ErrorType::NotFoundError,
+            ErrorType::RateLimitError,
+            ErrorType::EngineUnavailable,
+            ErrorType::EngineFailed,
+            ErrorType::EngineCrashed,
+            ErrorType::EngineStopped,
+            ErrorType::InsufficientResources,
+            ErrorType::UpstreamError,
+            ErrorType::InternalError,
+        ] {
+            assert_eq!(serde_json::to_value(t).unwrap(), json!(t.as_str()));
+            let body = ErrorBody::typed(t, "m");
+            assert_eq!(body.error_type(), Some(t));
+        }
+        assert_eq!(ErrorBody::new("something_else", "m").error_type(), None);
     }
 
     #[test]

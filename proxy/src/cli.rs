@@ -35,6 +35,9 @@ pub struct ClientArgs {
     /// The server to ask.
     #[arg(long, default_value = "http://127.0.0.1:8080", env = "MLXD_URL")]
     pub url: String,
+    /// The API key, if the server requires one.
+    #[arg(long, env = "MLXD_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Args)]
@@ -53,11 +56,13 @@ pub struct ServeArgs {
     #[arg(long)]
     pub max_engines: Option<usize>,
     /// Memory all engines may use, e.g. 24GiB [default: physical memory minus 2 GiB].
-    #[arg(long, value_parser = parse_bytes)]
-    pub memory_budget: Option<u64>,
+    // Sizes and durations are parsed in `into_config`, not by clap, so that a bad value
+    // exits 64 (EX_USAGE) naming the flag, like a bad config file.
+    #[arg(long)]
+    pub memory_budget: Option<String>,
     /// Idle time before an engine is stopped, e.g. 5m; 0 = never [default: 5m].
-    #[arg(long, value_parser = parse_duration)]
-    pub ttl: Option<std::time::Duration>,
+    #[arg(long)]
+    pub ttl: Option<String>,
     /// Address to bind [default: 127.0.0.1].
     #[arg(long)]
     pub host: Option<String>,
@@ -79,6 +84,44 @@ pub struct ServeArgs {
     /// Shutdown grace period in milliseconds [default: 10000].
     #[arg(long)]
     pub grace_ms: Option<u64>,
+    /// Client connections served at once [default: 1024, fewer under a low ulimit -n].
+    #[arg(long)]
+    pub max_connections: Option<usize>,
+    /// Time for a client to send its request headers, in ms [default: 30000].
+    #[arg(long)]
+    pub header_timeout_ms: Option<u64>,
+    /// Time for a client to send a JSON request body, in ms (408 after) [default: 30000].
+    #[arg(long)]
+    pub body_timeout_ms: Option<u64>,
+    /// Requests in flight per model; more get 429 [default: 256].
+    #[arg(long)]
+    pub max_in_flight_per_model: Option<u32>,
+    /// Largest max_tokens a request may ask for [default: 131072].
+    #[arg(long)]
+    pub max_tokens_limit: Option<u64>,
+    /// An API key clients must send (repeatable); `/health*` stays open.
+    #[arg(long = "api-key")]
+    pub api_keys: Vec<String>,
+    /// A file of API keys, one per line.
+    #[arg(long)]
+    pub api_key_file: Option<PathBuf>,
+    /// The key for /admin/* and /engines/reset.
+    #[arg(long)]
+    pub admin_api_key: Option<String>,
+    /// An origin allowed cross-origin (CORS), e.g. http://localhost:3000 (repeatable).
+    #[arg(long = "allowed-origin")]
+    pub allowed_origins: Vec<String>,
+    /// A host name accepted in the Host header besides loopback names (repeatable).
+    #[arg(long = "allowed-host")]
+    pub allowed_hosts: Vec<String>,
+}
+
+/// A bad flag value, named like a config field.
+fn flag(name: &str, message: String) -> ConfigError {
+    ConfigError::Setting {
+        field: name.to_string(),
+        message,
+    }
 }
 
 fn parse_kv(s: &str) -> Result<(String, String), String> {
@@ -121,11 +164,11 @@ impl ServeArgs {
         if let Some(n) = self.max_engines {
             c.pool.max_engines = n;
         }
-        if let Some(b) = self.memory_budget {
-            c.pool.memory_budget = Some(b);
+        if let Some(b) = &self.memory_budget {
+            c.pool.memory_budget = Some(parse_bytes(b).map_err(|m| flag("--memory-budget", m))?);
         }
-        if let Some(t) = self.ttl {
-            c.pool.ttl = t;
+        if let Some(t) = &self.ttl {
+            c.pool.ttl = parse_duration(t).map_err(|m| flag("--ttl", m))?;
         }
         if let Some(h) = self.host {
             c.server.host = h;
@@ -143,6 +186,33 @@ impl ServeArgs {
         if let Some(g) = self.grace_ms {
             c.server.grace_ms = g;
         }
+        if let Some(n) = self.max_connections {
+            c.server.max_connections = Some(n);
+        }
+        if let Some(t) = self.header_timeout_ms {
+            c.server.header_timeout_ms = t;
+        }
+        if let Some(t) = self.body_timeout_ms {
+            c.server.body_timeout_ms = t;
+        }
+        if let Some(n) = self.max_in_flight_per_model {
+            c.server.max_in_flight_per_model = n;
+        }
+        if let Some(n) = self.max_tokens_limit {
+            c.server.max_tokens_limit = Some(n);
+        }
+        c.server
+            .api_keys
+            .extend(self.api_keys.into_iter().map(crate::config::Secret));
+        if let Some(f) = self.api_key_file {
+            c.server.api_key_file = Some(f);
+        }
+        if let Some(k) = self.admin_api_key {
+            c.server.admin_api_key = Some(crate::config::Secret(k));
+        }
+        c.server.allowed_origins.extend(self.allowed_origins);
+        c.server.allowed_hosts.extend(self.allowed_hosts);
+        c.api_keys()?;
         c.validate(None)?;
         Ok(c)
     }
@@ -198,6 +268,16 @@ mod tests {
         assert_eq!(Catalog::from_config(&c).unwrap().default_model, "org/b");
         assert!(config(&["mlxd", "--model", "a", "--default-model", "zzz"]).is_err());
         assert!(config(&["mlxd", "--max-engines", "0"]).is_err());
+    }
+
+    #[test]
+    fn out_of_range_flags_are_config_errors_naming_the_flag() {
+        let e = config(&["mlxd", "--ttl", "99999999999999999999h"]).unwrap_err();
+        assert!(e.to_string().starts_with("--ttl: duration"), "{e}");
+        let e = config(&["mlxd", "--memory-budget", "99999999999999999999GiB"]).unwrap_err();
+        assert!(e.to_string().starts_with("--memory-budget: size"), "{e}");
+        let e = config(&["mlxd", "--grace-ms", "18446744073709551615"]).unwrap_err();
+        assert!(e.to_string().starts_with("server.grace_ms"), "{e}");
     }
 
     #[test]

@@ -41,7 +41,8 @@ fn authority(url: &str) -> Result<String, ClientError> {
 }
 
 /// `GET {url}{path}` as JSON.
-pub async fn get_json(url: &str, path: &str) -> Result<Value, ClientError> {
+/// `GET url+path` as JSON, with `api_key` as a bearer token when given.
+pub async fn get_json(url: &str, path: &str, api_key: Option<&str>) -> Result<Value, ClientError> {
     let auth = authority(url)?;
     let stream = tokio::net::TcpStream::connect(&auth)
         .await
@@ -59,10 +60,11 @@ pub async fn get_json(url: &str, path: &str) -> Result<Value, ClientError> {
     tokio::spawn(async move {
         let _ = conn.await;
     });
-    let req = http::Request::get(path)
-        .header(http::header::HOST, auth.as_str())
-        .body(Empty::<Bytes>::new())
-        .map_err(|e| http(&e))?;
+    let mut req = http::Request::get(path).header(http::header::HOST, auth.as_str());
+    if let Some(key) = api_key {
+        req = req.header(http::header::AUTHORIZATION, format!("Bearer {key}"));
+    }
+    let req = req.body(Empty::<Bytes>::new()).map_err(|e| http(&e))?;
     let resp = tx.send_request(req).await.map_err(|e| http(&e))?;
     let status = resp.status();
     let body = resp

@@ -96,13 +96,49 @@ pub struct ServerConfig {
     pub crash_window_ms: u64,
     /// A failed model is retried on the next request after this long.
     pub failed_cooldown_ms: u64,
+    /// Limits halved after out-of-memory exits return to the configured ones after this
+    /// long without another (default 10 minutes).
+    pub limits_recovery_ms: u64,
     /// Shutdown: time for in-flight requests, then for engines after `Shutdown`, then
     /// after SIGTERM (SIGKILL follows).
     pub grace_ms: u64,
-    /// Time to wait for the first request line and headers on a client connection.
+    /// Time to wait for the first request line and headers on a client connection
+    /// (the connection is closed after it).
     pub header_timeout_ms: u64,
+    /// Time to wait for a whole JSON request body once its headers are in (408 after).
+    pub body_timeout_ms: u64,
+    /// Client connections served at once; at the cap mlxd stops accepting (new clients
+    /// wait in the kernel's backlog). Default: 1024, fewer under a low open-file limit.
+    pub max_connections: Option<usize>,
+    /// Requests in flight to one model's engine at once; more get 429 with Retry-After.
+    pub max_in_flight_per_model: u32,
+    /// Largest `max_tokens` (or `max_completion_tokens`) a request may ask for (400 above).
+    pub max_tokens_limit: Option<u64>,
     /// An engine not ready this long after spawning is killed (a load failure).
     pub load_timeout_ms: u64,
+    /// API keys (any one opens every route but `/health*`, which is always open). Empty,
+    /// with no `api_key_file` and no `admin_api_key`: no authentication.
+    pub api_keys: Vec<Secret>,
+    /// A file with one API key per line (`#` comments and blank lines ignored).
+    pub api_key_file: Option<PathBuf>,
+    /// The key for `/admin/*` and `/engines/reset` (API keys do not open them when set).
+    pub admin_api_key: Option<Secret>,
+    /// Origins (`http://host:port`) allowed cross-origin (CORS); any other `Origin` is
+    /// refused with 403.
+    pub allowed_origins: Vec<String>,
+    /// Host names accepted in `Host` besides the loopback names and the bound address.
+    pub allowed_hosts: Vec<String>,
+}
+
+/// A credential: deserialized like a string, never printed by `Debug`.
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(pub String);
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(***)")
+    }
 }
 
 /// `[pool]`: which engines run, and for how long.
@@ -175,6 +211,24 @@ impl From<&LimitsConfig> for Limits {
     }
 }
 
+impl ServerConfig {
+    /// Every `*_ms` setting with its key, for range checks.
+    fn durations_ms(&self) -> [(&'static str, u64); 10] {
+        [
+            ("queue_timeout_ms", self.queue_timeout_ms),
+            ("backoff_initial_ms", self.backoff_initial_ms),
+            ("backoff_max_ms", self.backoff_max_ms),
+            ("crash_window_ms", self.crash_window_ms),
+            ("failed_cooldown_ms", self.failed_cooldown_ms),
+            ("limits_recovery_ms", self.limits_recovery_ms),
+            ("grace_ms", self.grace_ms),
+            ("header_timeout_ms", self.header_timeout_ms),
+            ("body_timeout_ms", self.body_timeout_ms),
+            ("load_timeout_ms", self.load_timeout_ms),
+        ]
+    }
+}
+
 impl Default for ServerConfig {
     fn default() -> Self {
         Self {
@@ -194,9 +248,19 @@ impl Default for ServerConfig {
             crash_limit: 5,
             crash_window_ms: 120_000,
             failed_cooldown_ms: 300_000,
+            limits_recovery_ms: 600_000,
             grace_ms: 10_000,
             header_timeout_ms: 30_000,
+            body_timeout_ms: 30_000,
+            max_connections: None,
+            max_in_flight_per_model: 256,
+            max_tokens_limit: Some(131_072),
             load_timeout_ms: 600_000,
+            api_keys: Vec::new(),
+            api_key_file: None,
+            admin_api_key: None,
+            allowed_origins: Vec::new(),
+            allowed_hosts: Vec::new(),
         }
     }
 }
@@ -316,6 +380,52 @@ impl Config {
                 None => ConfigError::Setting { field, message },
             })
         };
+        for (key, ms) in self.server.durations_ms() {
+            if Duration::from_millis(ms) > MAX_DURATION {
+                return fail(
+                    None,
+                    key,
+                    format!("server.{key}"),
+                    format!(
+                        "{ms} ms is out of range: at most {} ms (10 years)",
+                        MAX_DURATION.as_millis()
+                    ),
+                );
+            }
+        }
+        for (key, v) in [
+            (
+                "max_connections",
+                self.server.max_connections.map_or(1, |n| n as u64),
+            ),
+            (
+                "max_in_flight_per_model",
+                u64::from(self.server.max_in_flight_per_model),
+            ),
+            ("queue_capacity", self.server.queue_capacity as u64),
+        ] {
+            if v == 0 {
+                return fail(
+                    None,
+                    key,
+                    format!("server.{key}"),
+                    "must be at least 1, got 0".into(),
+                );
+            }
+        }
+        for (field, d) in [
+            ("pool.ttl", self.pool.ttl),
+            ("pool.capacity_wait", self.pool.capacity_wait),
+        ] {
+            if d > MAX_DURATION {
+                return fail(
+                    None,
+                    field.trim_start_matches("pool."),
+                    field.into(),
+                    out_of_range(&format!("{} s", d.as_secs())),
+                );
+            }
+        }
         if self.pool.max_engines == 0 {
             return fail(
                 None,
@@ -377,6 +487,43 @@ impl Config {
         Ok(())
     }
 
+    /// Every API key: `api_keys` plus the lines of `api_key_file`.
+    pub fn api_keys(&self) -> Result<Vec<String>, ConfigError> {
+        let mut keys: Vec<String> = self.server.api_keys.iter().map(|k| k.0.clone()).collect();
+        if let Some(path) = &self.server.api_key_file {
+            let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Setting {
+                field: "server.api_key_file".into(),
+                message: format!("reading {}: {e}", path.display()),
+            })?;
+            let from_file = parse_key_file(&text);
+            if from_file.is_empty() {
+                return Err(ConfigError::Setting {
+                    field: "server.api_key_file".into(),
+                    message: format!("{} holds no keys", path.display()),
+                });
+            }
+            keys.extend(from_file);
+        }
+        if let Some(i) = keys.iter().position(|k| k.trim().is_empty()) {
+            return Err(ConfigError::Setting {
+                field: format!("server.api_keys[{i}]"),
+                message: "an API key must not be empty".into(),
+            });
+        }
+        if self
+            .server
+            .admin_api_key
+            .as_ref()
+            .is_some_and(|k| k.0.trim().is_empty())
+        {
+            return Err(ConfigError::Setting {
+                field: "server.admin_api_key".into(),
+                message: "the admin API key must not be empty".into(),
+            });
+        }
+        Ok(keys)
+    }
+
     pub fn queue_timeout(&self) -> Duration {
         Duration::from_millis(self.server.queue_timeout_ms)
     }
@@ -395,6 +542,16 @@ impl Config {
             .and_then(|exe| exe.parent().map(|d| d.join("mlxd-engine")))
             .unwrap_or_else(|| PathBuf::from("mlxd-engine"))
     }
+}
+
+/// The keys of an API key file: one per line, trimmed; blank lines and `#` comments
+/// skipped.
+pub fn parse_key_file(text: &str) -> Vec<String> {
+    text.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(String::from)
+        .collect()
 }
 
 /// 1-based line and column of byte `offset`.
@@ -441,17 +598,29 @@ enum NumOrStr {
     Str(String),
 }
 
-/// `"512MiB"`, `"8GB"`, `"1.5GiB"`, or plain bytes.
-pub fn parse_bytes(s: &str) -> Result<u64, String> {
-    let s = s.trim();
+/// The longest duration any setting accepts: ten years. Far beyond any sensible TTL or
+/// timeout, and far enough below `Instant`'s range that deadline arithmetic cannot
+/// overflow; a larger value is a typo, refused rather than clamped.
+pub const MAX_DURATION: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
+
+/// Splits `"1.5GiB"` into `(1.5, "GiB")`; `what` names the kind of value in errors.
+fn number_and_unit<'a>(s: &'a str, example: &str) -> Result<(f64, &'a str), String> {
     let split = s
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
     let n: f64 = num
         .parse()
-        .map_err(|_| format!("expected a size like \"8GiB\" or a byte count, got {s:?}"))?;
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        .map_err(|_| format!("expected {example}, got {s:?}"))?;
+    Ok((n, unit.trim()))
+}
+
+/// `"512MiB"`, `"8GB"`, `"1.5GiB"`, or plain bytes. A size beyond `u64` bytes (16 EiB)
+/// is an error, never clamped.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (n, unit) = number_and_unit(s, "a size like \"8GiB\" or a byte count")?;
+    let mult: u64 = match unit.to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" => 1_000,
         "kib" => 1 << 10,
@@ -463,27 +632,49 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         "tib" => 1 << 40,
         other => return Err(format!("unknown size unit {other:?} in {s:?}")),
     };
-    Ok((n * mult as f64) as u64)
+    let bytes = n * mult as f64;
+    // `u64::MAX as f64` rounds up to 2^64, so `<` is the exact test.
+    if !bytes.is_finite() || bytes >= u64::MAX as f64 {
+        return Err(format!(
+            "size {s:?} is out of range: at most {} bytes (16 EiB)",
+            u64::MAX
+        ));
+    }
+    Ok(bytes as u64)
 }
 
-/// `"5m"`, `"300s"`, `"1h"`, `"250ms"`, `"0"`, or plain seconds.
+/// `"5m"`, `"300s"`, `"1h"`, `"250ms"`, `"0"`, or plain seconds; at most
+/// [`MAX_DURATION`].
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
-    let split = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("expected a duration like \"5m\" or seconds, got {s:?}"))?;
-    let secs = match unit.trim() {
+    let (n, unit) = number_and_unit(s, "a duration like \"5m\" or seconds")?;
+    let secs = match unit {
         "" | "s" => n,
         "ms" => n / 1000.0,
         "m" | "min" => n * 60.0,
         "h" => n * 3600.0,
         other => return Err(format!("unknown duration unit {other:?} in {s:?}")),
     };
-    Ok(Duration::from_secs_f64(secs))
+    match Duration::try_from_secs_f64(secs) {
+        Ok(d) if d <= MAX_DURATION => Ok(d),
+        _ => Err(out_of_range(s)),
+    }
+}
+
+fn out_of_range(value: &str) -> String {
+    format!(
+        "duration {value:?} is out of range: at most {} s (10 years)",
+        MAX_DURATION.as_secs()
+    )
+}
+
+/// Seconds as a duration, at most [`MAX_DURATION`].
+fn secs_duration(n: u64) -> Result<Duration, String> {
+    let d = Duration::from_secs(n);
+    if d > MAX_DURATION {
+        return Err(out_of_range(&format!("{n} s")));
+    }
+    Ok(d)
 }
 
 fn de_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
@@ -499,7 +690,7 @@ fn de_opt_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error
 
 fn de_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
     match NumOrStr::deserialize(d)? {
-        NumOrStr::Num(n) => Ok(Duration::from_secs(n)),
+        NumOrStr::Num(n) => secs_duration(n).map_err(de::Error::custom),
         NumOrStr::Str(s) => parse_duration(&s).map_err(de::Error::custom),
     }
 }
@@ -637,6 +828,58 @@ options = { chunks = "3" }
         assert_eq!(parse_duration("1h").unwrap(), Duration::from_secs(3600));
         assert_eq!(parse_duration("0").unwrap(), Duration::ZERO);
         assert!(parse_duration("5d").is_err());
+    }
+
+    #[test]
+    fn huge_durations_and_sizes_are_errors_naming_the_field() {
+        for bad in [
+            "99999999999999999999h",
+            "1e400",
+            "315360001",
+            "99999999999999999999",
+        ] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
+        }
+        assert_eq!(parse_duration("315360000").unwrap(), MAX_DURATION);
+        let e = parse_duration("99999999999999999999h").unwrap_err();
+        assert!(e.contains("out of range") && e.contains("315360000"), "{e}");
+        let e = parse_bytes("99999999999999999999GiB").unwrap_err();
+        assert!(
+            e.contains("out of range") && e.contains("18446744073709551615"),
+            "{e}"
+        );
+        assert!(parse_bytes("18446744073709551616").is_err());
+        assert_eq!(parse_bytes("16EiB").ok(), None);
+
+        let e = err("[pool]\nttl = \"99999999999999999999h\"\n");
+        assert!(
+            e.starts_with("mlxd.toml:2:") && e.contains("pool.ttl"),
+            "{e}"
+        );
+        let e = err("[pool]\ncapacity_wait = \"99999999999999999999h\"\n");
+        assert!(
+            e.contains("pool.capacity_wait") && e.contains("out of range"),
+            "{e}"
+        );
+        let e = err("[pool]\nmemory_budget = \"99999999999999999999GiB\"\n");
+        assert!(
+            e.contains("pool.memory_budget") && e.contains("out of range"),
+            "{e}"
+        );
+        let e = err("[[model]]\nid = \"a\"\nttl = \"99999999999999999999h\"\n");
+        assert!(
+            e.starts_with("mlxd.toml:3:") && e.contains("model[0].ttl"),
+            "{e}"
+        );
+        let e = err("[[model]]\nid = \"a\"\nttl = 9223372036854775807\n");
+        assert!(
+            e.contains("model[0].ttl") && e.contains("out of range"),
+            "{e}"
+        );
+        let e = err("[server]\ngrace_ms = 9223372036854775807\n");
+        assert!(e.starts_with("mlxd.toml:2:1: server.grace_ms"), "{e}");
+        let e = err("[server]\nlimits_recovery_ms = 9223372036854775807\n");
+        assert!(e.contains("server.limits_recovery_ms"), "{e}");
     }
 
     #[test]

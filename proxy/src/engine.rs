@@ -20,7 +20,7 @@ use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{error, info, warn, Instrument};
 
-use crate::exit::{classify, Evidence, ExitCause, ExitReport, RawExit};
+use crate::exit::{classify, read_oom_kills, Evidence, ExitCause, ExitReport, OomKills, RawExit};
 use crate::logs::ModelLog;
 
 /// Lines of stderr kept for the crash report.
@@ -169,12 +169,11 @@ pub fn spawn(
     #[cfg(target_os = "linux")]
     unsafe {
         cmd.pre_exec(|| {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
+            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(std::io::Error::from)
         });
     }
+    // Read before the spawn: a kill during loading must show as a rise.
+    let oom_kills_before = read_oom_kills();
     let child = cmd.spawn()?;
     let pid = child.id().unwrap_or(0);
     let (control_tx, control_rx) = mpsc::unbounded_channel();
@@ -193,6 +192,7 @@ pub fn spawn(
         generation,
         pid,
         events,
+        oom_kills_before,
     };
     tokio::spawn(
         sup.run(child, control_rx, stop_rx, death_tx)
@@ -222,6 +222,8 @@ struct Supervised {
     generation: u64,
     pid: u32,
     events: mpsc::UnboundedSender<EngineMsg>,
+    /// The cgroup's `oom_kill` counter when the engine was spawned.
+    oom_kills_before: Option<u64>,
 }
 
 #[derive(Default)]
@@ -343,6 +345,10 @@ impl Supervised {
             was_ready: outcome.ready,
             stop_requested,
             killed_for: killed_for.as_deref(),
+            kernel_oom: self
+                .oom_kills_before
+                .zip(read_oom_kills())
+                .map(|(before, after)| OomKills { before, after }),
         });
         if cause.is_requested() {
             info!(?raw, "engine stopped");

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{header, HeaderValue, Response, StatusCode};
-use serde::Serialize;
+use mlxd_protocol::error::{ErrorBody, ErrorType};
 
 use crate::exit::ExitReport;
 
@@ -51,6 +51,40 @@ pub enum ProxyError {
         capacity: usize,
         retry_after: Duration,
     },
+    /// The request's smallest KV reservation exceeds the configured KV budget: no engine
+    /// of this model can ever serve it (the client's fault).
+    #[error("max_tokens {max_tokens} needs at least {needed} bytes of KV cache for model {model}, more than its KV budget of {budget} bytes; ask for fewer tokens")]
+    ExceedsKvBudget {
+        model: String,
+        max_tokens: u64,
+        needed: u64,
+        budget: u64,
+    },
+    /// It would fit the configured KV budget, but out-of-memory exits halved the budget
+    /// for now; it comes back after a stable period.
+    #[error("model {model} runs with reduced limits after out-of-memory exits: the request needs at least {needed} bytes of KV cache, the reduced KV budget is {budget} bytes (configured: {}); retry in {}s", configured.map_or("unlimited".to_string(), |c| format!("{c} bytes")), retry_after.as_secs().max(1))]
+    LimitsReduced {
+        model: String,
+        needed: u64,
+        budget: u64,
+        configured: Option<u64>,
+        retry_after: Duration,
+    },
+    #[error("model {model} already has {limit} requests in flight, the limit of server.max_in_flight_per_model; retry in {}s", retry_after.as_secs().max(1))]
+    TooManyInFlight {
+        model: String,
+        limit: u32,
+        retry_after: Duration,
+    },
+    #[error("max_tokens {value} exceeds the limit of {limit} (server.max_tokens_limit)")]
+    MaxTokensExceeded { value: u64, limit: u64 },
+    /// The client did not send what it announced in time (408).
+    #[error("the {what} did not arrive within the limit of {limit_ms} ms (server.{setting})")]
+    RequestTimeout {
+        what: &'static str,
+        limit_ms: u64,
+        setting: &'static str,
+    },
     #[error("model {model} has failed after repeated crashes: {cause}")]
     Failed {
         model: String,
@@ -65,48 +99,67 @@ pub enum ProxyError {
     Upstream { model: String, detail: String },
     #[error("the server is shutting down")]
     ShuttingDown,
+    /// No key, or a key that is not valid (401).
+    #[error("{message}")]
+    Unauthorized { message: String },
+    /// Refused whatever the credentials: foreign Host or Origin, or an API key on an
+    /// admin route (403).
+    #[error("{message}")]
+    Forbidden { code: &'static str, message: String },
     #[error("internal error: {0}")]
     Internal(String),
 }
 
-#[derive(Serialize)]
-struct ErrorBody<'a> {
-    error: ErrorDetail<'a>,
+/// Which API's error body a route answers with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorShape {
+    /// `{"error":{"message","type","param","code"}}`.
+    OpenAi,
+    /// `{"type":"error","error":{"type","message"}}`, for `/v1/messages*`.
+    Anthropic,
 }
 
-#[derive(Serialize)]
-struct ErrorDetail<'a> {
-    message: &'a str,
-    #[serde(rename = "type")]
-    kind: &'a str,
-    param: Option<&'a str>,
-    code: Option<&'a str>,
+impl ErrorShape {
+    pub fn for_path(path: &str) -> Self {
+        if path == "/v1/messages" || path.starts_with("/v1/messages/") {
+            Self::Anthropic
+        } else {
+            Self::OpenAi
+        }
+    }
 }
 
-/// Serializes the OpenAI error object.
-pub fn error_json(message: &str, kind: &str, code: Option<&str>) -> String {
-    serde_json::to_string(&ErrorBody {
-        error: ErrorDetail {
-            message,
-            kind,
-            param: None,
-            code,
-        },
-    })
-    .unwrap_or_else(|_| String::from("{\"error\":{\"message\":\"unencodable error\",\"type\":\"internal_error\",\"param\":null,\"code\":null}}"))
+/// Serializes the OpenAI error object (`mlxd_protocol::error::ErrorBody`).
+pub fn error_json(
+    message: &str,
+    kind: ErrorType,
+    code: Option<&str>,
+    param: Option<&str>,
+) -> String {
+    let mut body = ErrorBody::typed(kind, message);
+    body.error.code = code.map(String::from);
+    body.error.param = param.map(String::from);
+    serde_json::to_string(&body).unwrap_or_else(|_| String::from("{\"error\":{\"message\":\"unencodable error\",\"type\":\"internal_error\",\"param\":null,\"code\":null}}"))
 }
 
 impl ProxyError {
     pub fn status(&self) -> StatusCode {
         match self {
             Self::BadRequest(_) => StatusCode::BAD_REQUEST,
+            Self::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
+            Self::Forbidden { .. } => StatusCode::FORBIDDEN,
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::NotFound(_) | Self::ModelNotFound { .. } => StatusCode::NOT_FOUND,
             Self::InsufficientMemory { .. } | Self::NoEngineAvailable { .. } => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
+            Self::ExceedsKvBudget { .. } | Self::MaxTokensExceeded { .. } => {
+                StatusCode::BAD_REQUEST
+            }
+            Self::RequestTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+            Self::QueueFull { .. } | Self::TooManyInFlight { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::Unavailable { .. }
-            | Self::QueueFull { .. }
+            | Self::LimitsReduced { .. }
             | Self::Failed { .. }
             | Self::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             Self::EngineCrashed { .. } | Self::Upstream { .. } => StatusCode::BAD_GATEWAY,
@@ -115,32 +168,52 @@ impl ProxyError {
     }
 
     /// `(type, code)` of the OpenAI error object.
-    pub fn kind(&self) -> (&'static str, Option<&'static str>) {
+    pub fn kind(&self) -> (ErrorType, Option<&'static str>) {
         match self {
-            Self::BadRequest(_) => ("invalid_request_error", None),
-            Self::BodyTooLarge { .. } => ("invalid_request_error", Some("body_too_large")),
-            Self::NotFound(_) => ("not_found_error", None),
-            Self::ModelNotFound { .. } => ("invalid_request_error", Some("model_not_found")),
-            Self::InsufficientMemory { .. } => {
-                ("insufficient_resources", Some("insufficient_memory"))
+            Self::BadRequest(_) => (ErrorType::InvalidRequestError, None),
+            Self::Unauthorized { .. } => (ErrorType::AuthenticationError, Some("invalid_api_key")),
+            Self::Forbidden { code, .. } => (ErrorType::PermissionError, Some(code)),
+            Self::BodyTooLarge { .. } => (ErrorType::InvalidRequestError, Some("body_too_large")),
+            Self::NotFound(_) => (ErrorType::NotFoundError, None),
+            Self::ModelNotFound { .. } => (ErrorType::InvalidRequestError, Some("model_not_found")),
+            Self::InsufficientMemory { .. } => (
+                ErrorType::InsufficientResources,
+                Some("insufficient_memory"),
+            ),
+            Self::NoEngineAvailable { .. } => {
+                (ErrorType::EngineUnavailable, Some("no_engine_available"))
             }
-            Self::NoEngineAvailable { .. } => ("engine_unavailable", Some("no_engine_available")),
-            Self::Unavailable { .. } => ("engine_unavailable", Some("engine_starting")),
-            Self::QueueFull { .. } => ("engine_unavailable", Some("queue_full")),
-            Self::Failed { .. } => ("engine_failed", Some("engine_failed")),
+            Self::Unavailable { .. } => (ErrorType::EngineUnavailable, Some("engine_starting")),
+            Self::QueueFull { .. } => (ErrorType::RateLimitError, Some("queue_full")),
+            Self::ExceedsKvBudget { .. } => {
+                (ErrorType::InvalidRequestError, Some("kv_budget_exceeded"))
+            }
+            Self::MaxTokensExceeded { .. } => {
+                (ErrorType::InvalidRequestError, Some("max_tokens_exceeded"))
+            }
+            Self::RequestTimeout { .. } => {
+                (ErrorType::InvalidRequestError, Some("request_timeout"))
+            }
+            Self::TooManyInFlight { .. } => (ErrorType::RateLimitError, Some("too_many_requests")),
+            Self::LimitsReduced { .. } => (ErrorType::EngineUnavailable, Some("limits_reduced")),
+            Self::Failed { .. } => (ErrorType::EngineFailed, Some("engine_failed")),
             Self::EngineCrashed { report, .. } if report.cause.is_requested() => {
-                ("engine_stopped", Some(report.cause.code()))
+                (ErrorType::EngineStopped, Some(report.cause.code()))
             }
-            Self::EngineCrashed { report, .. } => ("engine_crashed", Some(report.cause.code())),
-            Self::Upstream { .. } => ("upstream_error", None),
-            Self::ShuttingDown => ("engine_unavailable", Some("shutting_down")),
-            Self::Internal(_) => ("internal_error", None),
+            Self::EngineCrashed { report, .. } => {
+                (ErrorType::EngineCrashed, Some(report.cause.code()))
+            }
+            Self::Upstream { .. } => (ErrorType::UpstreamError, None),
+            Self::ShuttingDown => (ErrorType::EngineUnavailable, Some("shutting_down")),
+            Self::Internal(_) => (ErrorType::InternalError, None),
         }
     }
 
     fn retry_after(&self) -> Option<Duration> {
         match self {
             Self::Unavailable { retry_after, .. }
+            | Self::LimitsReduced { retry_after, .. }
+            | Self::TooManyInFlight { retry_after, .. }
             | Self::QueueFull { retry_after, .. }
             | Self::Failed { retry_after, .. } => Some(*retry_after),
             Self::ShuttingDown => Some(Duration::from_secs(5)),
@@ -150,21 +223,60 @@ impl ProxyError {
         }
     }
 
+    /// The request field at fault, when one is.
+    pub fn param(&self) -> Option<&'static str> {
+        match self {
+            Self::MaxTokensExceeded { .. } | Self::ExceedsKvBudget { .. } => Some("max_tokens"),
+            Self::ModelNotFound { .. } => Some("model"),
+            _ => None,
+        }
+    }
+
     /// The body as a JSON error object.
     pub fn body_json(&self) -> String {
         let (kind, code) = self.kind();
-        error_json(&self.to_string(), kind, code)
+        error_json(&self.to_string(), kind, code, self.param())
     }
 
-    /// The full HTTP response.
+    /// The body in Anthropic's shape, `{"type":"error","error":{"type","message"}}`,
+    /// with Anthropic's error types for the status.
+    pub fn anthropic_body_json(&self) -> String {
+        let kind = match self.status().as_u16() {
+            400 | 422 => "invalid_request_error",
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            408 | 504 => "timeout_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            503 => "overloaded_error",
+            _ => "api_error",
+        };
+        serde_json::json!({"type": "error", "error": {"type": kind, "message": self.to_string()}})
+            .to_string()
+    }
+
+    /// The full HTTP response, in the OpenAI shape.
     pub fn into_response<B: From<Bytes>>(self) -> Response<B> {
-        let mut resp = Response::new(B::from(Bytes::from(self.body_json())));
+        self.into_response_shaped(ErrorShape::OpenAi)
+    }
+
+    /// The full HTTP response, in the error shape of the route that failed.
+    pub fn into_response_shaped<B: From<Bytes>>(self, shape: ErrorShape) -> Response<B> {
+        let body = match shape {
+            ErrorShape::OpenAi => self.body_json(),
+            ErrorShape::Anthropic => self.anthropic_body_json(),
+        };
+        let mut resp = Response::new(B::from(Bytes::from(body)));
         *resp.status_mut() = self.status();
         let h = resp.headers_mut();
         h.insert(
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
+        if matches!(self, Self::Unauthorized { .. }) {
+            h.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
         if let Some(after) = self.retry_after() {
             // Whole seconds, rounded up, at least 1.
             let secs = after.as_millis().div_ceil(1000).max(1);
@@ -202,7 +314,7 @@ mod tests {
                     capacity: 1,
                     retry_after: Duration::from_millis(1500),
                 },
-                503,
+                429,
             ),
             (
                 ProxyError::EngineCrashed {

@@ -3,12 +3,17 @@
 use std::fmt;
 
 use mlxd_protocol::control::{Fatal, FatalKind};
+use nix::sys::signal::Signal;
+
+const SIGKILL: i32 = Signal::SIGKILL as i32;
 
 /// Why an engine process ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ExitCause {
-    /// `Fatal(OutOfMemory)`, MLX's allocation-failure text on stderr, or SIGKILL that we
-    /// did not send (the kernel's OOM killer).
+    /// `Fatal(OutOfMemory)`, MLX's allocation-failure text on stderr, or a SIGKILL that
+    /// the kernel's OOM killer recorded (the cgroup's `oom_kill` counter rose). A SIGKILL
+    /// with no such record is a [`Crash`](Self::Crash): someone else killed it, and
+    /// treating that as memory pressure would shrink the limits for nothing.
     OutOfMemory { detail: String },
     /// Died before `Ready` (any other reason).
     LoadFailed { detail: String },
@@ -52,15 +57,11 @@ impl fmt::Display for ExitCause {
     }
 }
 
-fn signal_name(s: i32) -> &'static str {
-    match s {
-        libc::SIGABRT => ", SIGABRT",
-        libc::SIGSEGV => ", SIGSEGV",
-        libc::SIGKILL => ", SIGKILL",
-        libc::SIGTERM => ", SIGTERM",
-        libc::SIGBUS => ", SIGBUS",
-        _ => "",
-    }
+/// `", SIGKILL"` and the like, for messages; empty for a number that is no signal.
+fn signal_name(s: i32) -> String {
+    Signal::try_from(s)
+        .map(|sig| format!(", {}", sig.as_str()))
+        .unwrap_or_default()
 }
 
 /// An exit with its evidence: the cause and the last stderr lines.
@@ -110,6 +111,69 @@ pub struct Evidence<'a> {
     pub stop_requested: bool,
     /// Set when mlxd itself killed the engine, with the reason (e.g. a load timeout).
     pub killed_for: Option<&'a str>,
+    /// The kernel OOM killer's record for our cgroup while the engine ran, if readable.
+    pub kernel_oom: Option<OomKills>,
+}
+
+/// The cgroup v2 `memory.events` `oom_kill` counter at spawn and at exit. Engines are
+/// children of mlxd and share its cgroup, so a rise while the engine ran, together
+/// with a SIGKILL nobody in mlxd sent, is the kernel OOM killer's evidence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OomKills {
+    pub before: u64,
+    pub after: u64,
+}
+
+/// The `oom_kill` counter of a cgroup v2 `memory.events` file.
+pub fn parse_oom_kill(memory_events: &str) -> Option<u64> {
+    memory_events.lines().find_map(|l| {
+        let (k, v) = l.split_once(' ')?;
+        (k == "oom_kill").then(|| v.trim().parse().ok()).flatten()
+    })
+}
+
+/// The file holding this process's cgroup `oom_kill` counter, from `/proc/self/cgroup`:
+/// cgroup v2 `memory.events` (`0::/path`), else cgroup v1 `memory.oom_control`
+/// (`N:memory:/path`, which has the counter since Linux 4.13).
+pub fn oom_counter_path(proc_self_cgroup: &str) -> Option<std::path::PathBuf> {
+    let join = |root: &str, rel: &str, file: &str| {
+        let mut p = std::path::PathBuf::from(root);
+        p.push(rel.trim().trim_start_matches('/'));
+        p.push(file);
+        p
+    };
+    let v1 = proc_self_cgroup.lines().find_map(|l| {
+        let (_, rest) = l.split_once(':')?;
+        let (controllers, rel) = rest.split_once(':')?;
+        controllers
+            .split(',')
+            .any(|c| c == "memory")
+            .then(|| join("/sys/fs/cgroup/memory", rel, "memory.oom_control"))
+    });
+    let v2 = proc_self_cgroup
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .map(|rel| join("/sys/fs/cgroup", rel, "memory.events"));
+    v1.or(v2)
+}
+
+/// Reads this process's cgroup `oom_kill` counter; `None` where none is readable
+/// (macOS, a kernel before 4.13, a container without the memory controller).
+pub fn read_oom_kills() -> Option<u64> {
+    let cgroup = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let path = oom_counter_path(&cgroup)?;
+    let text = std::fs::read_to_string(&path).ok().or_else(|| {
+        // Inside a cgroup namespace the listed path is relative to a root we do not see;
+        // the mount's top is then our own cgroup.
+        let file = path.file_name()?;
+        let root = if file == "memory.events" {
+            "/sys/fs/cgroup"
+        } else {
+            "/sys/fs/cgroup/memory"
+        };
+        std::fs::read_to_string(std::path::Path::new(root).join(file)).ok()
+    })?;
+    parse_oom_kill(&text)
 }
 
 /// Text MLX (Metal and CUDA back ends) and the C++ runtime print on allocation failure.
@@ -131,7 +195,8 @@ fn oom_line(tail: &[String]) -> Option<&String> {
 }
 
 /// Classifies an exit. Order matters: a requested stop wins; then the engine's own
-/// `Fatal`; then out-of-memory evidence; then "before Ready" means a load failure.
+/// `Fatal`; then out-of-memory evidence (MLX's text, the kernel's record); then "before
+/// Ready" means a load failure. Anything else after Ready is a crash.
 pub fn classify(ev: Evidence<'_>) -> ExitCause {
     if ev.stop_requested {
         return ExitCause::Requested;
@@ -170,10 +235,15 @@ pub fn classify(ev: Evidence<'_>) -> ExitCause {
             detail: truncate(line.trim(), 300).to_string(),
         };
     }
-    if ev.exit.signal == Some(libc::SIGKILL) {
-        return ExitCause::OutOfMemory {
-            detail: "killed by SIGKILL that mlxd did not send, likely the kernel OOM killer".into(),
-        };
+    if ev.exit.signal == Some(SIGKILL) {
+        if let Some(k) = ev.kernel_oom.filter(|k| k.after > k.before) {
+            return ExitCause::OutOfMemory {
+                detail: format!(
+                    "killed by the kernel OOM killer (cgroup oom_kill count {} -> {})",
+                    k.before, k.after
+                ),
+            };
+        }
     }
     if !ev.was_ready {
         let how = match (ev.exit.signal, ev.exit.code) {
@@ -201,6 +271,7 @@ mod tests {
             was_ready: true,
             stop_requested: false,
             killed_for: None,
+            kernel_oom: None,
         }
     }
 
@@ -257,11 +328,69 @@ mod tests {
     }
 
     #[test]
-    fn unexplained_sigkill_means_oom() {
-        assert!(matches!(
-            classify(ev(None, Some(libc::SIGKILL), &[])),
-            ExitCause::OutOfMemory { .. }
-        ));
+    fn an_unexplained_sigkill_is_a_crash_not_oom() {
+        let c = classify(ev(None, Some(libc::SIGKILL), &[]));
+        assert_eq!(
+            c,
+            ExitCause::Crash {
+                signal: Some(libc::SIGKILL),
+                code: None
+            }
+        );
+        assert_eq!(c.to_string(), "crashed (killed by signal 9, SIGKILL)");
+        // The counter was readable and did not move: still a crash.
+        let e = Evidence {
+            kernel_oom: Some(OomKills {
+                before: 2,
+                after: 2,
+            }),
+            ..ev(None, Some(libc::SIGKILL), &[])
+        };
+        assert!(matches!(classify(e), ExitCause::Crash { .. }));
+    }
+
+    #[test]
+    fn a_sigkill_the_kernel_oom_killer_recorded_is_oom() {
+        let e = Evidence {
+            kernel_oom: Some(OomKills {
+                before: 2,
+                after: 3,
+            }),
+            ..ev(None, Some(libc::SIGKILL), &[])
+        };
+        assert!(
+            matches!(classify(e), ExitCause::OutOfMemory { detail } if detail.contains("2 -> 3"))
+        );
+        // Another process's OOM kill does not explain an engine that exited by itself.
+        let e = Evidence {
+            kernel_oom: Some(OomKills {
+                before: 2,
+                after: 3,
+            }),
+            ..ev(Some(1), None, &[])
+        };
+        assert!(matches!(classify(e), ExitCause::Crash { .. }));
+    }
+
+    #[test]
+    fn cgroup_memory_events_parse() {
+        let events = "low 0\nhigh 0\nmax 12\noom 3\noom_kill 2\noom_group_kill 0\n";
+        assert_eq!(parse_oom_kill(events), Some(2));
+        assert_eq!(parse_oom_kill("oom 3\n"), None);
+        assert_eq!(parse_oom_kill("oom_kill x\n"), None);
+        assert_eq!(
+            oom_counter_path("0::/user.slice/mlxd.service\n"),
+            Some("/sys/fs/cgroup/user.slice/mlxd.service/memory.events".into())
+        );
+        assert_eq!(
+            oom_counter_path("0::/\n"),
+            Some("/sys/fs/cgroup/memory.events".into())
+        );
+        assert_eq!(
+            oom_counter_path("5:devices:/\n4:memory:/box/1\n0::/\n"),
+            Some("/sys/fs/cgroup/memory/box/1/memory.oom_control".into())
+        );
+        assert_eq!(oom_counter_path("12:cpu:/x\n"), None);
     }
 
     #[test]

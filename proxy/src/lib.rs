@@ -3,6 +3,8 @@
 //! [`serve`] binds nothing itself: it takes a bound listener, a [`Config`] and a
 //! shutdown future, so tests drive it in-process exactly as `main` does.
 
+pub mod accept;
+pub mod auth;
 pub mod catalog;
 pub mod cli;
 pub mod client;
@@ -11,6 +13,7 @@ pub mod engine;
 pub mod error;
 pub mod exit;
 pub mod forward;
+pub mod health;
 pub mod logs;
 pub mod metrics;
 pub mod placement;

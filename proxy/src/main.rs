@@ -19,15 +19,16 @@ fn main() -> anyhow::Result<()> {
         .build()?;
     match &cli.command {
         Some(Command::Ps(a)) => {
-            let engines = rt.block_on(client::get_json(&a.url, "/engines"))?;
+            let engines =
+                rt.block_on(client::get_json(&a.url, "/engines", a.api_key.as_deref()))?;
             print!("{}", client::ps_table(&engines));
             return Ok(());
         }
         Some(Command::Ls(a)) => {
             let (engines, models) = rt.block_on(async {
                 Ok::<_, client::ClientError>((
-                    client::get_json(&a.url, "/engines").await?,
-                    client::get_json(&a.url, "/v1/models").await?,
+                    client::get_json(&a.url, "/engines", a.api_key.as_deref()).await?,
+                    client::get_json(&a.url, "/v1/models", a.api_key.as_deref()).await?,
                 ))
             })?;
             print!("{}", client::ls_table(&engines, &models));
@@ -47,6 +48,7 @@ fn main() -> anyhow::Result<()> {
     let config = match args
         .into_config()
         .and_then(|c| Catalog::from_config(&c).map(|_| c))
+        .and_then(|c| c.api_keys().map(|_| c))
     {
         Ok(c) => c,
         Err(e) => {

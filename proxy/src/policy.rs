@@ -18,6 +18,9 @@ pub struct RestartPolicy {
     pub window: Duration,
     /// An engine that stayed ready this long resets the backoff.
     pub stable_after: Duration,
+    /// Limits halved after an out-of-memory exit return to the configured ones after
+    /// this long without another out-of-memory exit.
+    pub limits_recovery: Duration,
 }
 
 impl RestartPolicy {
@@ -28,6 +31,7 @@ impl RestartPolicy {
             crash_limit: c.server.crash_limit.max(1),
             window: Duration::from_millis(c.server.crash_window_ms),
             stable_after: Duration::from_secs(30),
+            limits_recovery: Duration::from_millis(c.server.limits_recovery_ms),
         }
     }
 
@@ -118,6 +122,134 @@ pub fn shrink_after_oom(l: &Limits) -> Option<Limits> {
     })
 }
 
+/// One model's engine limits: the configured ones, and the ones the next engine gets.
+/// Out-of-memory exits halve them; they come back after a stable period, on an admin
+/// reset, or on an admin load/unload — so a burst of memory pressure does not leave a
+/// model crippled for the life of the process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelLimits {
+    configured: Limits,
+    current: Limits,
+    last_oom: Option<Instant>,
+}
+
+impl ModelLimits {
+    pub fn new(configured: Limits) -> Self {
+        Self {
+            current: configured.clone(),
+            configured,
+            last_oom: None,
+        }
+    }
+
+    /// What the next engine is launched with.
+    pub fn current(&self) -> &Limits {
+        &self.current
+    }
+
+    pub fn configured(&self) -> &Limits {
+        &self.configured
+    }
+
+    pub fn reduced(&self) -> bool {
+        self.current != self.configured
+    }
+
+    /// Records an out-of-memory exit at `now`; returns the new limits if they shrank.
+    pub fn on_oom(&mut self, now: Instant) -> Option<&Limits> {
+        self.last_oom = Some(now);
+        let smaller = shrink_after_oom(&self.current)?;
+        self.current = smaller;
+        Some(&self.current)
+    }
+
+    /// When reduced limits recover if no out-of-memory exit comes first.
+    pub fn recovers_at(&self, policy: &RestartPolicy) -> Option<Instant> {
+        if !self.reduced() {
+            return None;
+        }
+        self.last_oom.map(|t| t + policy.limits_recovery)
+    }
+
+    /// Restores the configured limits if the stable period has passed; true if it did.
+    pub fn recover_if_stable(&mut self, policy: &RestartPolicy, now: Instant) -> bool {
+        match self.recovers_at(policy) {
+            Some(at) if now >= at => self.restore(),
+            _ => false,
+        }
+    }
+
+    /// Restores the configured limits now; true if they were reduced.
+    pub fn restore(&mut self) -> bool {
+        let was = self.reduced();
+        self.current = self.configured.clone();
+        self.last_oom = None;
+        was
+    }
+}
+
+/// What an engine can hold, for refusing a request it could never serve before it is
+/// sent (the engine would answer it with an error after tokenizing).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvCapacity {
+    pub kv_bytes_per_token: u64,
+    /// 0 when the engine did not say.
+    pub context_length: u32,
+    /// The running engine's KV budget.
+    pub budget: u64,
+    /// The configured KV budget (`None`: unlimited), larger when the budget was halved
+    /// after out-of-memory exits.
+    pub configured_budget: Option<u64>,
+    /// When the configured limits come back, if they are reduced.
+    pub recovers_in: Option<Duration>,
+}
+
+/// Why a request cannot be served by the engine as it is now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unservable {
+    /// Not even under the configured limits: the client must ask for less.
+    TooLarge { needed: u64, budget: u64 },
+    /// Only because the limits are reduced; it fits once they recover.
+    LimitsReduced {
+        needed: u64,
+        budget: u64,
+        configured: Option<u64>,
+        retry_after: Duration,
+    },
+}
+
+/// Checks a request's smallest possible KV reservation — `max_tokens` plus one prompt
+/// token, capped at the context length, the engine's own formula with the shortest
+/// prompt — against the engine's KV budget. Without `max_tokens` the engine picks the
+/// length, and nothing is known.
+pub fn check_kv(max_tokens: Option<u64>, cap: &KvCapacity) -> Result<(), Unservable> {
+    let Some(max_tokens) = max_tokens else {
+        return Ok(());
+    };
+    let mut tokens = max_tokens.saturating_add(1);
+    if cap.context_length > 0 {
+        tokens = tokens.min(u64::from(cap.context_length));
+    }
+    let needed = tokens.saturating_mul(cap.kv_bytes_per_token);
+    if needed <= cap.budget {
+        return Ok(());
+    }
+    match cap.recovers_in {
+        Some(retry_after) if cap.configured_budget.is_none_or(|c| needed <= c) => {
+            Err(Unservable::LimitsReduced {
+                needed,
+                budget: cap.budget,
+                configured: cap.configured_budget,
+                retry_after,
+            })
+        }
+        _ => Err(Unservable::TooLarge {
+            needed,
+            budget: cap.budget,
+        }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -200,5 +332,94 @@ mod tests {
             ..Limits::default()
         };
         assert_eq!(shrink_after_oom(&one), None);
+    }
+
+    fn limits(kv: u64, batch: u32) -> Limits {
+        Limits {
+            max_batch_size: Some(batch),
+            kv_budget_bytes: Some(kv),
+            context_length: None,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn reduced_limits_recover_after_a_stable_period() {
+        let p = RestartPolicy {
+            limits_recovery: Duration::from_secs(600),
+            ..policy()
+        };
+        let mut l = ModelLimits::new(limits(1 << 20, 8));
+        assert!(!l.reduced());
+        assert_eq!(l.recovers_at(&p), None);
+        l.on_oom(Instant::now());
+        l.on_oom(Instant::now());
+        assert_eq!(l.current(), &limits(1 << 18, 2));
+        tokio::time::advance(Duration::from_secs(599)).await;
+        assert!(!l.recover_if_stable(&p, Instant::now()));
+        // Another OOM restarts the clock.
+        l.on_oom(Instant::now());
+        tokio::time::advance(Duration::from_secs(599)).await;
+        assert!(!l.recover_if_stable(&p, Instant::now()));
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(l.recover_if_stable(&p, Instant::now()));
+        assert_eq!(l.current(), &limits(1 << 20, 8));
+        assert!(!l.reduced());
+    }
+
+    #[test]
+    fn restore_brings_back_the_configured_limits() {
+        let mut l = ModelLimits::new(limits(1024, 4));
+        assert!(!l.restore());
+        l.on_oom(Instant::now());
+        assert!(l.reduced());
+        assert!(l.restore());
+        assert_eq!(l.current(), l.configured());
+    }
+
+    #[test]
+    fn kv_check_tells_too_large_from_limits_reduced() {
+        let cap = KvCapacity {
+            kv_bytes_per_token: 10,
+            context_length: 2048,
+            budget: 1000,
+            configured_budget: Some(4000),
+            recovers_in: Some(Duration::from_secs(60)),
+        };
+        assert_eq!(check_kv(None, &cap), Ok(()));
+        assert_eq!(check_kv(Some(99), &cap), Ok(()));
+        assert_eq!(
+            check_kv(Some(100), &cap),
+            Err(Unservable::LimitsReduced {
+                needed: 1010,
+                budget: 1000,
+                configured: Some(4000),
+                retry_after: Duration::from_secs(60)
+            })
+        );
+        assert_eq!(
+            check_kv(Some(1000), &cap),
+            Err(Unservable::TooLarge {
+                needed: 10010,
+                budget: 1000
+            })
+        );
+        let full = KvCapacity {
+            recovers_in: None,
+            budget: 4000,
+            ..cap
+        };
+        assert_eq!(
+            check_kv(Some(1000), &full),
+            Err(Unservable::TooLarge {
+                needed: 10010,
+                budget: 4000
+            })
+        );
+        // The context length caps the reservation.
+        let big = KvCapacity {
+            budget: 20480,
+            ..full
+        };
+        assert_eq!(check_kv(Some(u64::MAX), &big), Ok(()));
     }
 }

@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use mlxd_protocol::control::{Limits, ParentMsg, Ready, Stats};
+use mlxd_protocol::control::{ParentMsg, Ready, Stats};
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
@@ -29,7 +29,7 @@ use crate::exit::{ExitCause, ExitReport};
 use crate::logs::{Logs, ModelLog};
 use crate::metrics::{EvictionLabels, Metrics};
 use crate::placement::{self, Budget, Plan, Resident, Shortfall};
-use crate::policy::{shrink_after_oom, CrashHistory, Decision, RestartPolicy};
+use crate::policy::{CrashHistory, Decision, KvCapacity, ModelLimits, RestartPolicy};
 
 /// Permission to send one request to one engine generation. The engine counts as busy
 /// until every clone of the lease is dropped.
@@ -40,6 +40,9 @@ pub struct Lease {
     pub generation: u64,
     /// Resolves with the exit report if this engine dies.
     pub death: DeathWatch,
+    /// What the engine can hold (known once it is ready and has a KV budget), so that a
+    /// request it could never serve is refused before it is sent.
+    pub kv: Option<KvCapacity>,
     _in_flight: Arc<InFlight>,
 }
 
@@ -239,11 +242,18 @@ pub struct StatsInfo {
     pub memory_bytes: u64,
 }
 
+/// The limits the next engine is launched with; `reduced` (with the configured ones and
+/// when they come back) after out-of-memory exits halved them.
 #[derive(Debug, Clone, Serialize)]
 pub struct LimitsInfo {
     pub max_batch_size: Option<u32>,
     pub kv_budget_bytes: Option<u64>,
     pub context_length: Option<u32>,
+    pub reduced: bool,
+    pub configured_max_batch_size: Option<u32>,
+    pub configured_kv_budget_bytes: Option<u64>,
+    /// Seconds until the configured limits return (absent when not reduced).
+    pub recovers_in_s: Option<f64>,
 }
 
 #[derive(Debug, Clone)]
@@ -301,7 +311,11 @@ struct Slot {
     generation: u64,
     restarts: u32,
     history: CrashHistory,
-    limits: Limits,
+    limits: ModelLimits,
+    /// The limits the running engine was launched with.
+    engine_limits: Option<mlxd_protocol::control::Limits>,
+    /// Restart the engine once idle: its limits are smaller than the model's now are.
+    recycle: bool,
     last_exit: Option<(Arc<ExitReport>, SystemTime)>,
     spawned_at: Option<Instant>,
     ready_at: Option<Instant>,
@@ -323,8 +337,34 @@ impl Slot {
         &self.entry.id
     }
 
+    /// What the running engine can hold, for [`crate::policy::check_kv`].
+    fn kv_capacity(&self, policy: &RestartPolicy, now: Instant) -> Option<KvCapacity> {
+        let ready = self.ready.as_ref()?;
+        let budget = self.engine_limits.as_ref()?.kv_budget_bytes?;
+        let configured = self.limits.configured().kv_budget_bytes;
+        Some(KvCapacity {
+            kv_bytes_per_token: ready.kv_bytes_per_token,
+            context_length: ready.context_length,
+            budget,
+            configured_budget: configured,
+            recovers_in: (configured != Some(budget)).then(|| {
+                self.limits
+                    .recovers_at(policy)
+                    .map_or(Duration::from_secs(1), |at| {
+                        at.saturating_duration_since(now)
+                    })
+                    .max(Duration::from_secs(1))
+            }),
+        })
+    }
+
     /// Hands out a lease and counts the request as in flight.
-    fn grant(&mut self, release: &mpsc::UnboundedSender<(String, u64)>) -> Option<Lease> {
+    fn grant(
+        &mut self,
+        release: &mpsc::UnboundedSender<(String, u64)>,
+        policy: &RestartPolicy,
+    ) -> Option<Lease> {
+        let kv = self.kv_capacity(policy, Instant::now());
         let e = self.engine.as_ref()?;
         self.in_flight += 1;
         self.last_used = Instant::now();
@@ -333,6 +373,7 @@ impl Slot {
             socket: self.socket.clone(),
             generation: e.generation,
             death: e.death(),
+            kv,
             _in_flight: Arc::new(InFlight {
                 model: self.entry.id.clone(),
                 generation: e.generation,
@@ -380,7 +421,7 @@ impl Slot {
         self.engine.is_some() || matches!(self.state, State::Restarting { .. })
     }
 
-    fn status(&self, now: Instant) -> EngineStatus {
+    fn status(&self, now: Instant, policy: &RestartPolicy) -> EngineStatus {
         let failure = match &self.state {
             State::Failed { cause, .. } => Some(cause.clone()),
             _ => None,
@@ -430,10 +471,20 @@ impl Slot {
                 kv_bytes: s.kv_bytes,
                 memory_bytes: s.memory_bytes,
             }),
-            limits: LimitsInfo {
-                max_batch_size: self.limits.max_batch_size,
-                kv_budget_bytes: self.limits.kv_budget_bytes,
-                context_length: self.limits.context_length,
+            limits: {
+                let (cur, conf) = (self.limits.current(), self.limits.configured());
+                LimitsInfo {
+                    max_batch_size: cur.max_batch_size,
+                    kv_budget_bytes: cur.kv_budget_bytes,
+                    context_length: cur.context_length,
+                    reduced: self.limits.reduced(),
+                    configured_max_batch_size: conf.max_batch_size,
+                    configured_kv_budget_bytes: conf.kv_budget_bytes,
+                    recovers_in_s: self
+                        .limits
+                        .recovers_at(policy)
+                        .map(|at| at.saturating_duration_since(now).as_secs_f64()),
+                }
             },
         }
     }
@@ -445,6 +496,7 @@ enum Timer {
     RestartDue { model: String, generation: u64 },
     LoadDeadline { model: String, generation: u64 },
     IdleCheck { model: String },
+    LimitsRecovery { model: String },
     CapacityDeadline { model: String, ticket: u64 },
 }
 
@@ -516,7 +568,9 @@ pub(crate) fn start_with(
                 generation: 0,
                 restarts: 0,
                 history: CrashHistory::default(),
-                limits: entry.limits.clone(),
+                limits: ModelLimits::new(entry.limits.clone()),
+                engine_limits: None,
+                recycle: false,
                 last_exit: None,
                 spawned_at: None,
                 ready_at: None,
@@ -607,6 +661,7 @@ impl Pool {
                     Timer::RestartDue { model, generation } => self.restart_due(&model, generation),
                     Timer::LoadDeadline { model, generation } => self.load_deadline(&model, generation),
                     Timer::IdleCheck { model } => self.idle_check(&model),
+                    Timer::LimitsRecovery { model } => self.limits_recovery(&model),
                     Timer::CapacityDeadline { model, ticket } => self.capacity_deadline(&model, ticket),
                 },
             }
@@ -631,21 +686,40 @@ impl Pool {
             Command::Unload { model, reply } => self.unload(&model, reply),
             Command::Status { reply } => {
                 let now = Instant::now();
-                let _ = reply.send(self.slots.values().map(|s| s.status(now)).collect());
+                let policy = self.policy;
+                let _ = reply.send(
+                    self.slots
+                        .values()
+                        .map(|s| s.status(now, &policy))
+                        .collect(),
+                );
             }
             Command::Reset { model, reply } => {
                 let mut reset = Vec::new();
+                let mut restored = Vec::new();
                 for slot in self.slots.values_mut() {
                     if model.as_ref().is_some_and(|m| m != slot.id()) {
                         continue;
                     }
                     slot.history.reset();
                     slot.restarts = 0;
-                    if matches!(slot.state, State::Failed { .. }) {
+                    let failed = matches!(slot.state, State::Failed { .. });
+                    if failed {
                         info!(model = %slot.id(), "failed state cleared by admin reset");
                         slot.state = State::Idle;
+                    }
+                    if slot.limits.restore() {
+                        info!(model = %slot.id(), limits = ?slot.limits.current(), "configured limits restored by admin reset");
+                        slot.log
+                            .push("[mlxd] configured limits restored (admin reset)");
+                        restored.push(slot.id().to_string());
+                    }
+                    if failed || restored.last().is_some_and(|r| r == slot.id()) {
                         reset.push(slot.id().to_string());
                     }
+                }
+                for key in restored {
+                    self.apply_limits(&key);
                 }
                 let _ = reply.send(reset);
             }
@@ -671,6 +745,7 @@ impl Pool {
         let now = Instant::now();
         let cooldown = Duration::from_millis(self.config.server.failed_cooldown_ms);
         let capacity = self.config.server.queue_capacity;
+        let max_in_flight = self.config.server.max_in_flight_per_model;
         let Some(slot) = self.slots.get_mut(key) else {
             let _ = reply.send(Err(ProxyError::NotFound(format!(
                 "model {key} is not configured"
@@ -682,8 +757,17 @@ impl Pool {
         let retry_after = match &slot.state {
             // Its exit is on the way: wait in the queue for the restart.
             State::Ready if known_dead => Duration::from_secs(1),
+            // The engine's own queue is bounded here, before it grows without limit.
+            State::Ready if slot.in_flight >= max_in_flight => {
+                let _ = reply.send(Err(ProxyError::TooManyInFlight {
+                    model: key.to_string(),
+                    limit: max_in_flight,
+                    retry_after: Duration::from_secs(1),
+                }));
+                return;
+            }
             State::Ready => {
-                let lease = slot.grant(&self.release_tx).ok_or_else(|| {
+                let lease = slot.grant(&self.release_tx, &self.policy).ok_or_else(|| {
                     ProxyError::Internal(format!("model {key} is ready without an engine"))
                 });
                 let _ = reply.send(lease);
@@ -952,11 +1036,50 @@ impl Pool {
                     e.stop();
                 }
             }
+            State::Ready if slot.recycle => self.evict(key, "limits_restored"),
             State::Ready => {
                 self.arm_idle_timer(key);
                 self.place();
             }
             _ => {}
+        }
+    }
+
+    /// The stable period after an out-of-memory exit is over: the configured limits
+    /// come back (for the next engine, and the running one is recycled once idle).
+    fn limits_recovery(&mut self, key: &str) {
+        let now = Instant::now();
+        let policy = self.policy;
+        let Some(slot) = self.slots.get_mut(key) else {
+            return;
+        };
+        if !slot.limits.recover_if_stable(&policy, now) {
+            // Not reduced any more, or a later OOM armed its own timer.
+            return;
+        }
+        info!(model = %key, limits = ?slot.limits.current(), stable_s = policy.limits_recovery.as_secs(), "no out-of-memory exit for the stable period: configured limits restored");
+        slot.log.push(format!(
+            "[mlxd] configured limits restored after {} s without an out-of-memory exit",
+            policy.limits_recovery.as_secs()
+        ));
+        self.apply_limits(key);
+    }
+
+    /// After the model's limits grew back: an engine running with smaller ones is
+    /// restarted as soon as it is idle (a busy one on its last release).
+    fn apply_limits(&mut self, key: &str) {
+        let Some(slot) = self.slots.get_mut(key) else {
+            return;
+        };
+        let outdated = slot.engine.is_some()
+            && slot.engine_limits.as_ref() != Some(slot.limits.current())
+            && !matches!(slot.state, State::Draining);
+        if !outdated {
+            return;
+        }
+        slot.recycle = true;
+        if matches!(slot.state, State::Ready) && slot.in_flight == 0 {
+            self.evict(key, "limits_restored");
         }
     }
 
@@ -1013,7 +1136,7 @@ impl Pool {
             args: c.engine_args.clone(),
             env: c.engine_env.clone(),
             socket_path: slot.socket.clone(),
-            limits: slot.limits.clone(),
+            limits: slot.limits.current().clone(),
             options: slot.entry.options.clone(),
             stop_timeout: self.config.grace(),
             restarts: slot.restarts,
@@ -1032,6 +1155,8 @@ impl Pool {
         slot.ready = None;
         slot.stats = None;
         slot.in_flight = 0;
+        slot.recycle = false;
+        slot.engine_limits = Some(spec.limits.clone());
         slot.spawned_at = Some(Instant::now());
         self.metrics.loads.get_or_create(&Metrics::label(key)).inc();
         match (self.spawner)(spec.clone(), slot.generation, self.engine_tx.clone()) {
@@ -1112,7 +1237,7 @@ impl Pool {
                     if w.is_closed() {
                         continue;
                     }
-                    if let Some(lease) = slot.grant(&self.release_tx) {
+                    if let Some(lease) = slot.grant(&self.release_tx, &self.policy) {
                         let _ = w.send(Ok(lease));
                     }
                 }
@@ -1137,8 +1262,10 @@ impl Pool {
             return;
         };
         slot.engine = None;
+        slot.engine_limits = None;
         slot.stats = None;
         slot.in_flight = 0;
+        let recycled = std::mem::take(&mut slot.recycle);
         slot.last_exit = Some((report.clone(), SystemTime::now()));
         slot.log
             .push(format!("[mlxd] engine exited: {}", report.cause));
@@ -1153,25 +1280,37 @@ impl Pool {
         }
         if report.cause.is_requested() {
             slot.state = State::Stopped;
-            // Requests that arrived while it drained get a fresh engine.
-            if slot.live_waiters() > 0 {
+            // Requests that arrived while it drained get a fresh engine; so does a
+            // pinned model recycled for its restored limits.
+            if slot.live_waiters() > 0 || (recycled && slot.entry.pinned) {
                 self.enqueue(key);
             }
             self.place();
             return;
         }
         if matches!(report.cause, ExitCause::OutOfMemory { .. }) {
-            if let Some(smaller) = shrink_after_oom(&slot.limits) {
+            let old = slot.limits.current().clone();
+            if let Some(smaller) = slot.limits.on_oom(now) {
                 warn!(
                     model = %key,
-                    old = ?slot.limits,
+                    ?old,
                     new = ?smaller,
+                    recovery_s = policy.limits_recovery.as_secs(),
                     "out of memory: restarting with smaller limits"
                 );
                 slot.log.push(format!(
-                    "[mlxd] out of memory: restarting with smaller limits {smaller:?}"
+                    "[mlxd] out of memory: restarting with smaller limits {smaller:?} (configured limits return after {} s without another)",
+                    policy.limits_recovery.as_secs()
                 ));
-                slot.limits = smaller;
+            }
+            if slot.limits.reduced() {
+                send_after(
+                    self.timer_tx.clone(),
+                    policy.limits_recovery,
+                    Timer::LimitsRecovery {
+                        model: key.to_string(),
+                    },
+                );
             }
         }
         match slot.history.on_crash(&policy, now, ready_for) {

@@ -21,7 +21,7 @@ use tracing::{debug, info, warn, Instrument};
 
 use crate::catalog::{self, Catalog};
 use crate::config::{Config, ConfigError};
-use crate::error::ProxyError;
+use crate::error::{ErrorShape, ProxyError};
 use crate::forward::{
     copy_head, forward, Accounting, BoxError, ForwardError, ProxyBody, ProxyRequestBody,
 };
@@ -57,6 +57,7 @@ struct App {
     pool: PoolHandle,
     metrics: Arc<Metrics>,
     logs: Logs,
+    guard: crate::auth::Guard,
     started: Instant,
     next_id: AtomicU64,
     /// Flips to true when shutdown begins (ends `/logs` followers).
@@ -90,6 +91,19 @@ pub async fn serve(
             memory_budget: catalog::memory_budget(&config),
         },
     )?;
+    let guard = crate::auth::Guard::new(crate::auth::GuardConfig {
+        api_keys: &config.api_keys()?,
+        admin_api_key: config.server.admin_api_key.as_ref().map(|k| k.0.as_str()),
+        bind_host: &config.server.host,
+        allowed_hosts: &config.server.allowed_hosts,
+        allowed_origins: &config.server.allowed_origins,
+    });
+    if !crate::auth::is_loopback_bind(&config.server.host) && !guard.keys_required() {
+        warn!(
+            host = %config.server.host,
+            "listening beyond loopback WITHOUT an API key: anyone who can reach this address can use and administer mlxd; set --api-key / server.api_keys"
+        );
+    }
     let (stopping_tx, stopping) = tokio::sync::watch::channel(false);
     let app = Arc::new(App {
         config: config.clone(),
@@ -97,6 +111,7 @@ pub async fn serve(
         pool: pool.clone(),
         metrics,
         logs,
+        guard,
         started: Instant::now(),
         next_id: AtomicU64::new(1),
         stopping,
@@ -115,15 +130,34 @@ pub async fn serve(
     builder
         .timer(TokioTimer::new())
         .header_read_timeout(Duration::from_millis(config.server.header_timeout_ms));
+    let max_connections = connection_cap(&config);
+    let slots = Arc::new(tokio::sync::Semaphore::new(max_connections));
+    let mut backoff = crate::accept::AcceptBackoff::default();
     tokio::pin!(shutdown);
     loop {
+        // Back-pressure: at the cap, stop accepting; clients wait in the kernel backlog.
+        let permit = tokio::select! {
+            p = slots.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => break, // never closed
+            },
+            _ = &mut shutdown => break,
+        };
         let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok(a) => a,
+                Ok(a) => {
+                    if let Some(n) = backoff.success() {
+                        info!(failures = n, "accepting connections again");
+                    }
+                    a
+                }
                 Err(e) => {
                     // Out of file descriptors and the like: back off, keep serving.
-                    warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    let f = backoff.failure(Instant::now());
+                    if let Some(n) = f.log {
+                        warn!(error = %e, failures = n, retry_in_ms = f.delay.as_millis() as u64, "accept failed; backing off");
+                    }
+                    tokio::time::sleep(f.delay).await;
                     continue;
                 }
             },
@@ -135,6 +169,7 @@ pub async fn serve(
         let conn = builder.serve_connection(TokioIo::new(stream), svc);
         let conn = graceful.watch(conn);
         tokio::spawn(async move {
+            let _permit = permit;
             if let Err(e) = conn.await {
                 debug!(%peer, error = %e, "client connection ended with an error");
             }
@@ -163,7 +198,7 @@ pub async fn serve(
 
 async fn handle(
     app: Arc<App>,
-    req: Request<Incoming>,
+    mut req: Request<Incoming>,
 ) -> Result<Response<ResponseBody>, Infallible> {
     let id = app.next_id.fetch_add(1, Ordering::Relaxed);
     let span = tracing::info_span!(
@@ -173,18 +208,80 @@ async fn handle(
         path = %req.uri().path(),
         model = tracing::field::Empty,
     );
-    let resp = route(&app, req, id).instrument(span.clone()).await;
-    let resp = resp.unwrap_or_else(|e| {
-        let _g = span.enter();
-        if e.status().is_server_error() {
-            warn!(status = e.status().as_u16(), error = %e, "request failed");
-        } else {
-            debug!(status = e.status().as_u16(), error = %e, "request rejected");
+    let shape = ErrorShape::for_path(req.uri().path());
+    let origin = match app
+        .guard
+        .check(req.method(), req.uri().path(), req.headers())
+    {
+        Err(e) => return Ok(error_response(&span, e, shape, None)),
+        Ok(Some(origin)) if req.method() == Method::OPTIONS => {
+            // A CORS preflight from an allowed origin.
+            let mut r = Response::new(
+                Full::new(Bytes::new())
+                    .map_err(|e| match e {})
+                    .boxed_unsync(),
+            );
+            *r.status_mut() = StatusCode::NO_CONTENT;
+            crate::auth::cors_headers(r.headers_mut(), origin, true);
+            return Ok(r);
         }
-        e.into_response::<Full<Bytes>>()
-            .map(|b| b.map_err(|e| match e {}).boxed_unsync())
-    });
+        Ok(origin) => origin,
+    };
+    app.guard.strip_credentials(req.headers_mut());
+    let mut resp = match route(&app, req, id).instrument(span.clone()).await {
+        Ok(r) => r,
+        Err(e) => return Ok(error_response(&span, e, shape, origin)),
+    };
+    if let Some(origin) = origin {
+        crate::auth::cors_headers(resp.headers_mut(), origin, false);
+    }
     Ok(resp)
+}
+
+/// The configured connection cap, or the default for this process's open-file limit;
+/// warns when a configured cap exceeds what the limit can hold.
+fn connection_cap(config: &Config) -> usize {
+    let open_files = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+        .map(|(soft, _)| soft)
+        .unwrap_or(1024);
+    let fitting = crate::accept::default_max_connections(open_files);
+    match config.server.max_connections {
+        Some(n) => {
+            if n > fitting {
+                warn!(
+                    max_connections = n,
+                    open_file_limit = open_files,
+                    fits = fitting,
+                    "max_connections exceeds what the open-file limit can hold; expect accept errors (raise ulimit -n)"
+                );
+            }
+            n
+        }
+        None => fitting,
+    }
+}
+
+/// Logs a failed request and renders its error in the route's shape (with CORS
+/// headers for an allowed cross-origin caller, so the browser lets it read the error).
+fn error_response(
+    span: &tracing::Span,
+    e: ProxyError,
+    shape: ErrorShape,
+    origin: Option<HeaderValue>,
+) -> Response<ResponseBody> {
+    let _g = span.enter();
+    if e.status().is_server_error() {
+        warn!(status = e.status().as_u16(), error = %e, "request failed");
+    } else {
+        debug!(status = e.status().as_u16(), error = %e, "request rejected");
+    }
+    let mut r = e
+        .into_response_shaped::<Full<Bytes>>(shape)
+        .map(|b| b.map_err(|e| match e {}).boxed_unsync());
+    if let Some(origin) = origin {
+        crate::auth::cors_headers(r.headers_mut(), origin, false);
+    }
+    r
 }
 
 fn json_response(status: StatusCode, v: &Value) -> Response<ResponseBody> {
@@ -208,7 +305,15 @@ async fn route(
 ) -> Result<Response<ResponseBody>, ProxyError> {
     let path = req.uri().path().to_string();
     match (req.method(), path.as_str()) {
-        (&Method::GET, "/health") => return Ok(health(app).await),
+        (&Method::GET, "/health") => return Ok(health(app, true).await),
+        (&Method::GET, "/health/ready") => return Ok(health(app, false).await),
+        // The process is up and its accept loop runs; nothing else is asked.
+        (&Method::GET, "/health/live") => {
+            return Ok(json_response(
+                StatusCode::OK,
+                &json!({ "status": "live", "pid": std::process::id() }),
+            ))
+        }
         (&Method::GET, "/v1/models") => return Ok(models(app).await),
         (&Method::GET, "/metrics") => {
             let mut r = Response::new(
@@ -273,9 +378,21 @@ async fn route(
         let resp = forward(lease, parts, body, id, max, None).await?;
         return Ok(resp.map(|b: ProxyBody| b.boxed_unsync()));
     }
-    let bytes = read_bounded(body, max).await?;
-    let requested = model_of(&bytes)?;
-    let model = app.catalog.resolve(requested.as_deref())?.id.clone();
+    let body_timeout = app.config.server.body_timeout_ms;
+    let bytes = tokio::time::timeout(Duration::from_millis(body_timeout), read_bounded(body, max))
+        .await
+        .map_err(|_| ProxyError::RequestTimeout {
+            what: "request body",
+            limit_ms: body_timeout,
+            setting: "body_timeout_ms",
+        })??;
+    let meta = request_meta(&bytes)?;
+    if let (Some(value), Some(limit)) = (meta.max_tokens, app.config.server.max_tokens_limit) {
+        if value > limit {
+            return Err(ProxyError::MaxTokensExceeded { value, limit });
+        }
+    }
+    let model = app.catalog.resolve(meta.model.as_deref())?.id.clone();
     tracing::Span::current().record("model", model.as_str());
     let accounting = Accounting {
         metrics: app.metrics.clone(),
@@ -290,6 +407,11 @@ async fn route(
             Err(e) => break Err(e),
         };
         let generation = lease.generation;
+        if let Some(cap) = &lease.kv {
+            if let Err(u) = crate::policy::check_kv(meta.max_tokens, cap) {
+                break Err(unservable(&model, meta.max_tokens.unwrap_or(0), u));
+            }
+        }
         let body: ProxyRequestBody = Full::new(bytes.clone()).map_err(|e| match e {}).boxed();
         match forward(
             lease,
@@ -325,6 +447,11 @@ async fn admin(app: &App, rest: &str) -> Result<Response<ResponseBody>, ProxyErr
         return Err(ProxyError::BadRequest("a model id is required".into()));
     }
     let id = app.catalog.resolve(Some(name))?.id.clone();
+    if matches!(action, "load" | "unload") {
+        // An explicit load or unload starts from the configuration: limits halved after
+        // out-of-memory exits, and a failed state, are cleared.
+        app.pool.reset(Some(id.clone())).await;
+    }
     match action {
         "load" => app.pool.load(&id).await?,
         "unload" => app.pool.unload(&id).await?,
@@ -427,15 +554,74 @@ async fn read_bounded(body: Incoming, max: usize) -> Result<Bytes, ProxyError> {
     }
 }
 
-/// Validates a JSON request body and returns its `model`, if any.
-fn model_of(body: &[u8]) -> Result<Option<String>, ProxyError> {
+/// The proxy's view of an engine's refusal-to-be, as the response it gets.
+fn unservable(model: &str, max_tokens: u64, u: crate::policy::Unservable) -> ProxyError {
+    use crate::policy::Unservable;
+    match u {
+        Unservable::TooLarge { needed, budget } => ProxyError::ExceedsKvBudget {
+            model: model.to_string(),
+            max_tokens,
+            needed,
+            budget,
+        },
+        Unservable::LimitsReduced {
+            needed,
+            budget,
+            configured,
+            retry_after,
+        } => ProxyError::LimitsReduced {
+            model: model.to_string(),
+            needed,
+            budget,
+            configured,
+            retry_after,
+        },
+    }
+}
+
+/// What the proxy reads from a JSON request body: where it goes and how long it may be.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct RequestMeta {
+    model: Option<String>,
+    /// `max_tokens`, or `max_completion_tokens` (the newer OpenAI chat name).
+    max_tokens: Option<u64>,
+}
+
+/// Validates a JSON request body and returns its `model` and `max_tokens`, if any.
+fn request_meta(body: &[u8]) -> Result<RequestMeta, ProxyError> {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| ProxyError::BadRequest(format!("request body is not valid JSON: {e}")))?;
-    let Value::Object(obj) = v else {
+    let Value::Object(obj) = &v else {
         return Err(ProxyError::BadRequest(
             "request body must be a JSON object".into(),
         ));
     };
+    let mut max_tokens = None;
+    for key in ["max_tokens", "max_completion_tokens"] {
+        match obj.get(key) {
+            None | Some(Value::Null) => {}
+            Some(Value::Number(n)) if n.as_u64().is_some() => {
+                max_tokens = max_tokens.or(n.as_u64());
+            }
+            Some(other) => {
+                return Err(ProxyError::BadRequest(format!(
+                    "\"{key}\" must be a non-negative integer, got {other}"
+                )))
+            }
+        }
+    }
+    Ok(RequestMeta {
+        model: model_of_object(obj)?,
+        max_tokens,
+    })
+}
+
+#[cfg(test)]
+fn model_of(body: &[u8]) -> Result<Option<String>, ProxyError> {
+    request_meta(body).map(|m| m.model)
+}
+
+fn model_of_object(obj: &serde_json::Map<String, Value>) -> Result<Option<String>, ProxyError> {
     match obj.get("model") {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(m)) => Ok(Some(m.clone())),
@@ -463,33 +649,54 @@ async fn engine_responds(socket: &std::path::Path) -> bool {
     )
 }
 
-async fn health(app: &App) -> Response<ResponseBody> {
+/// `GET /health` (and `/health/ready`, without the engine list): the verdict of
+/// [`crate::health::assess`] as 200 or 503, with the reasons in the body.
+async fn health(app: &App, detail: bool) -> Response<ResponseBody> {
     let engines = app.pool.status().await;
-    let all_failed = !engines.is_empty() && engines.iter().all(|e| e.state == "failed");
-    let mut list = Vec::with_capacity(engines.len());
+    let mut responding = Vec::with_capacity(engines.len());
     for e in &engines {
-        let responding = if e.state == "ready" {
+        responding.push(if e.state == "ready" {
             Some(engine_responds(&e.socket).await)
         } else {
             None
-        };
-        list.push(json!({
-            "model": e.model,
-            "state": e.state,
-            "pid": e.pid,
-            "responding": responding,
-            "last_exit": e.last_exit.as_ref().map(|x| &x.cause),
-        }));
+        });
     }
-    let unhealthy = all_failed || list.iter().any(|e| e["responding"] == json!(false));
-    json_response(
-        StatusCode::OK,
-        &json!({
-            "status": if unhealthy { "degraded" } else { "ok" },
-            "proxy": { "status": "ok", "uptime_s": app.started.elapsed().as_secs_f64(), "pid": std::process::id() },
-            "engines": list,
-        }),
-    )
+    let models: Vec<crate::health::ModelHealth<'_>> = engines
+        .iter()
+        .zip(&responding)
+        .map(|(e, r)| crate::health::ModelHealth {
+            model: &e.model,
+            state: e.state,
+            responding: *r,
+            failure: e.failure.as_deref(),
+        })
+        .collect();
+    let draining = *app.stopping.borrow();
+    let verdict = crate::health::assess(draining, &models);
+    let mut body = json!({
+        "status": verdict.status,
+        "reasons": verdict.reasons,
+        "models_serving": verdict.serving,
+        "models_loadable": verdict.loadable,
+        "proxy": { "status": if draining { "draining" } else { "ok" }, "uptime_s": app.started.elapsed().as_secs_f64(), "pid": std::process::id() },
+    });
+    if detail {
+        body["engines"] = engines
+            .iter()
+            .zip(&responding)
+            .map(|(e, r)| {
+                json!({
+                    "model": e.model,
+                    "state": e.state,
+                    "pid": e.pid,
+                    "responding": r,
+                    "failure": e.failure,
+                    "last_exit": e.last_exit.as_ref().map(|x| &x.cause),
+                })
+            })
+            .collect();
+    }
+    json_response(verdict.http_status(), &body)
 }
 
 /// Every configured model, with its pool state in extension fields: `state` (loaded,
@@ -527,5 +734,28 @@ mod tests {
         assert!(model_of(br#"{"model":1}"#).is_err());
         assert!(model_of(b"\xff\xfe{").is_err());
         assert!(model_of(b"{\"model\":\"a").is_err());
+    }
+
+    #[test]
+    fn max_tokens_extraction() {
+        let m = request_meta(br#"{"max_tokens":7}"#).unwrap();
+        assert_eq!(m.max_tokens, Some(7));
+        let m = request_meta(br#"{"max_completion_tokens":9,"model":"x"}"#).unwrap();
+        assert_eq!(
+            m,
+            RequestMeta {
+                model: Some("x".into()),
+                max_tokens: Some(9)
+            }
+        );
+        assert_eq!(request_meta(b"{}").unwrap().max_tokens, None);
+        for bad in [
+            &br#"{"max_tokens":-1}"#[..],
+            br#"{"max_tokens":1.5}"#,
+            br#"{"max_tokens":"10"}"#,
+        ] {
+            let e = request_meta(bad).unwrap_err().to_string();
+            assert!(e.contains("max_tokens"), "{e}");
+        }
     }
 }

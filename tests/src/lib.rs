@@ -32,19 +32,26 @@ pub fn fake_engine() -> PathBuf {
     target_bin("fake-engine")
 }
 
-/// The `mlxd` binary, built on demand if this test run did not build it.
+/// The `mlxd` binary, (re)built once per test process: `cargo test -p mlxd-tests` does
+/// not build other packages' binaries, and a stale `mlxd` would test old code.
 pub fn mlxd_bin() -> Result<PathBuf> {
+    static BUILT: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
     let bin = target_bin("mlxd");
-    if !bin.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = std::process::Command::new(cargo)
-            .args(["build", "-p", "mlxd-proxy", "--bin", "mlxd"])
-            .status()
-            .context("building mlxd")?;
-        if !status.success() {
-            bail!("cargo build -p mlxd-proxy failed");
-        }
-    }
+    BUILT
+        .get_or_init(|| {
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            let status = std::process::Command::new(cargo)
+                .args(["build", "-p", "mlxd-proxy", "--bin", "mlxd"])
+                .status()
+                .map_err(|e| format!("running cargo build -p mlxd-proxy: {e}"))?;
+            if status.success() {
+                Ok(())
+            } else {
+                Err(format!("cargo build -p mlxd-proxy failed: {status}"))
+            }
+        })
+        .clone()
+        .map_err(anyhow::Error::msg)?;
     Ok(bin)
 }
 
@@ -192,17 +199,33 @@ pub async fn send_typed(
     content_type: Option<&str>,
     body: Option<Bytes>,
 ) -> Result<Response<Incoming>> {
+    let headers: Vec<(&str, &str)> = content_type
+        .map(|ct| ("content-type", ct))
+        .into_iter()
+        .collect();
+    send_with(addr, method, path, &headers, body).await
+}
+
+/// Sends one request with extra headers on a fresh connection. `Host` is the address
+/// (`127.0.0.1:port`) unless `headers` sets one.
+pub async fn send_with(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<Bytes>,
+) -> Result<Response<Incoming>> {
     let stream = TcpStream::connect(addr).await?;
     let (mut tx, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
     tokio::spawn(async move {
         let _ = conn.await;
     });
-    let mut req = Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", "test");
-    if let Some(ct) = content_type {
-        req = req.header("content-type", ct);
+    let mut req = Request::builder().method(method).uri(path);
+    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
+        req = req.header("host", addr.to_string());
+    }
+    for (k, v) in headers {
+        req = req.header(*k, *v);
     }
     let req = req.body(Full::new(body.unwrap_or_default()))?;
     Ok(tx.send_request(req).await?)
@@ -293,4 +316,106 @@ pub async fn wait_gone(pid: i32, timeout: Duration) -> Result<Duration> {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     Ok(t.elapsed())
+}
+
+/// The `mlxd` binary as a child process serving `fake-model` with the fake engine on a
+/// free loopback port; killed on drop.
+pub struct MlxdProcess {
+    pub child: std::process::Child,
+    pub addr: std::net::SocketAddr,
+    /// Its stderr.
+    pub log: PathBuf,
+    pub dir: tempfile::TempDir,
+}
+
+impl MlxdProcess {
+    /// Starts `mlxd serve` with `args` added, and waits until `/health/live` answers.
+    pub async fn start(args: &[&str]) -> Result<Self> {
+        Self::start_limited(args, None).await
+    }
+
+    /// Like [`start`](Self::start), with the open-file limit (soft and hard) set to
+    /// `open_files` in the child.
+    pub async fn start_limited(args: &[&str], open_files: Option<u64>) -> Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let log = dir.path().join("mlxd.log");
+        let mut cmd = std::process::Command::new(mlxd_bin()?);
+        cmd.args([
+            "serve",
+            "--model",
+            "fake-model",
+            "--port",
+            &port.to_string(),
+        ]);
+        if !args.contains(&"--host") {
+            cmd.args(["--host", "127.0.0.1"]);
+        }
+        cmd.args(args)
+            .arg("--engine-bin")
+            .arg(fake_engine())
+            .args(["--grace-ms", "2000"])
+            .env("RUST_LOG", "info")
+            .env("XDG_RUNTIME_DIR", dir.path())
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log)?);
+        if let Some(n) = open_files {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: setrlimit is async-signal-safe; nothing else runs before exec.
+            unsafe {
+                cmd.pre_exec(move || {
+                    nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE, n, n)
+                        .map_err(std::io::Error::from)
+                });
+            }
+        }
+        let child = cmd.spawn()?;
+        let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse()?;
+        let me = Self {
+            child,
+            addr,
+            log,
+            dir,
+        };
+        let t = Instant::now();
+        loop {
+            if let Ok(r) = send(addr, "GET", "/health/live", None).await {
+                if r.status() == StatusCode::OK {
+                    return Ok(me);
+                }
+            }
+            if t.elapsed() > Duration::from_secs(20) {
+                bail!(
+                    "mlxd did not come up; its log:\n{}",
+                    std::fs::read_to_string(&me.log).unwrap_or_default()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for MlxdProcess {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

@@ -661,6 +661,45 @@ fn invalid_config_exits_64_naming_line_and_field() -> Result<()> {
     Ok(())
 }
 
+/// Issue 12, finding 4: these used to panic (exit 101) or be clamped silently.
+#[test]
+fn out_of_range_durations_and_sizes_exit_64_naming_the_field() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("mlxd.toml");
+    let cases = [
+        ("[pool]\nttl = \"99999999999999999999h\"\n", "pool.ttl"),
+        (
+            "[pool]\ncapacity_wait = \"99999999999999999999h\"\n",
+            "pool.capacity_wait",
+        ),
+        (
+            "[pool]\nmemory_budget = \"99999999999999999999GiB\"\n",
+            "pool.memory_budget",
+        ),
+        (
+            "[[model]]\nid = \"a\"\nttl = \"99999999999999999999h\"\n",
+            "model[0].ttl",
+        ),
+    ];
+    for (text, field) in cases {
+        std::fs::write(&path, text)?;
+        let out = run_mlxd(&["--config", path.to_str().unwrap()])?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(64), "{text}: {err}");
+        assert!(err.contains(field) && err.contains("out of range"), "{err}");
+    }
+    for (flag, value) in [
+        ("--ttl", "99999999999999999999h"),
+        ("--memory-budget", "99999999999999999999GiB"),
+    ] {
+        let out = run_mlxd(&[flag, value])?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(64), "{flag}: {err}");
+        assert!(err.contains(flag) && err.contains("out of range"), "{err}");
+    }
+    Ok(())
+}
+
 #[tokio::test]
 async fn models_dir_and_repo_ids_reach_the_engine_as_launch_model() -> Result<()> {
     let models = tempfile::tempdir()?;

@@ -132,7 +132,7 @@ async fn request_bodies_stream_and_hop_by_hop_headers_are_stripped() -> Result<(
     assert!(got[..] == big[..]);
 
     let req =
-        "GET /headers HTTP/1.1\r\nHost: x\r\nConnection: close, x-drop-me\r\nX-Drop-Me: 1\r\n\
+        "GET /headers HTTP/1.1\r\nHost: localhost\r\nConnection: close, x-drop-me\r\nX-Drop-Me: 1\r\n\
                Keep-Alive: timeout=5\r\nTE: trailers\r\nProxy-Authorization: secret\r\n\
                Authorization: Bearer ok\r\nX-Custom: kept\r\n\r\n";
     let out = String::from_utf8(raw_exchange(p.addr, req.as_bytes(), false).await?)?;
@@ -192,7 +192,7 @@ async fn requests_wait_while_the_engine_loads() -> Result<()> {
 }
 
 #[tokio::test]
-async fn queue_timeout_and_queue_full_give_503_with_retry_after() -> Result<()> {
+async fn queue_timeout_gives_503_and_queue_full_429_with_retry_after() -> Result<()> {
     let mut p = Proxy::start_with(&[("ready_delay_ms", "5000")], |c| {
         c.server.queue_timeout_ms = 400;
         c.server.queue_capacity = 1;
@@ -207,11 +207,11 @@ async fn queue_timeout_and_queue_full_give_503_with_retry_after() -> Result<()> 
     });
     p.wait_engine("queued", T, |e| e["queued_requests"] == 1)
         .await?;
-    // Queue of one is full.
+    // Queue of one is full: 429.
     let (s, h, v) = p
         .post_json("/v1/completions", &json!({"prompt": "y"}))
         .await?;
-    assert_eq!(s, 503);
+    assert_eq!(s, 429);
     assert!(h.contains_key("retry-after"));
     assert_eq!(v["error"]["code"], "queue_full");
     // The queued one times out.
@@ -280,7 +280,7 @@ async fn crash_during_non_streaming_request_gives_502_with_cause() -> Result<()>
 }
 
 #[tokio::test]
-async fn sigkill_and_mlx_oom_text_are_classified_out_of_memory() -> Result<()> {
+async fn mlx_oom_text_is_out_of_memory_and_an_unsent_sigkill_is_a_crash() -> Result<()> {
     let mut p = Proxy::start(&[]).await?;
     let events = stream_events(
         &p,
@@ -288,7 +288,15 @@ async fn sigkill_and_mlx_oom_text_are_classified_out_of_memory() -> Result<()> {
     )
     .await?;
     let err = event_json(&events.last().unwrap().1).unwrap();
-    assert_eq!(err["error"]["code"], "out_of_memory", "{err}");
+    // No OOM-killer record, no Fatal, no MLX text: somebody else's SIGKILL.
+    assert_eq!(err["error"]["code"], "crash", "{err}");
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("SIGKILL"),
+        "{err}"
+    );
 
     let (s, _, v) = p
         .post_json("/v1/chat/completions", &chat(json!({"then": "oom"}), false))
@@ -302,6 +310,112 @@ async fn sigkill_and_mlx_oom_text_are_classified_out_of_memory() -> Result<()> {
             .contains("[metal::malloc]"),
         "{v}"
     );
+    p.stop().await?;
+    Ok(())
+}
+
+/// Chat asking for `max_tokens` (the fake engine reserves (1 + max_tokens) · 10 bytes).
+fn chat_tokens(max_tokens: u64) -> Value {
+    json!({"model": "fake-model", "max_tokens": max_tokens, "messages": [{"role": "user", "content": "hi"}]})
+}
+
+/// Issue 12, finding 1: `kill -9` from outside, several times, used to count as
+/// out-of-memory and halve the KV budget each time until every request failed with a 500.
+#[tokio::test]
+async fn external_sigkills_are_crashes_and_leave_the_limits_alone() -> Result<()> {
+    let mut p = Proxy::start_with(&[], |c| {
+        c.server.limits.kv_budget_bytes = Some(4096);
+        c.server.limits.max_batch_size = Some(8);
+        c.server.crash_limit = 100;
+    })
+    .await?;
+    for round in 1..=4u64 {
+        let (s, _, v) = p.post_json("/v1/chat/completions", &chat_tokens(1)).await?;
+        assert_eq!(s, 200, "round {round}: {v}");
+        let e = p
+            .wait_engine("ready", T, |e| {
+                e["state"] == "ready" && e["generation"] == round
+            })
+            .await?;
+        let pid = e["pid"].as_i64().unwrap() as i32;
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        )?;
+        wait_gone(pid, T).await?;
+        p.wait_engine("restarted", T, |e| e["generation"] == round + 1)
+            .await?;
+    }
+    let e = p.engine().await?;
+    assert_eq!(e["last_exit"]["code"], "crash", "{e}");
+    assert_eq!(e["limits"]["kv_budget_bytes"], 4096);
+    assert_eq!(e["limits"]["max_batch_size"], 8);
+    assert_eq!(e["limits"]["reduced"], false);
+    // 201 tokens · 10 bytes: fits the configured 4096, not a budget halved twice.
+    let (s, _, v) = p
+        .post_json("/v1/chat/completions", &chat_tokens(200))
+        .await?;
+    assert_eq!(s, 200, "{v}");
+    p.stop().await?;
+    Ok(())
+}
+
+/// A real out-of-memory exit halves the limits; what no longer fits gets a 503 that says
+/// so (not the engine's 500), what never fits a 400; a reset restores the limits.
+#[tokio::test]
+async fn reduced_limits_refuse_with_503_and_reset_restores_them() -> Result<()> {
+    let mut p = Proxy::start_with(&[], |c| {
+        c.server.limits.kv_budget_bytes = Some(4096);
+    })
+    .await?;
+    let (s, _, v) = p
+        .post_json(
+            "/v1/chat/completions",
+            &chat(json!({"then": "fatal_oom"}), false),
+        )
+        .await?;
+    assert_eq!(s, 502, "{v}");
+    assert_eq!(v["error"]["code"], "out_of_memory");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("KV cache allocation"),
+        "{v}"
+    );
+
+    // 301 tokens · 10 bytes = 3010: more than 2048 now, within the configured 4096.
+    let (s, h, v) = p
+        .post_json("/v1/chat/completions", &chat_tokens(300))
+        .await?;
+    assert_eq!(s, 503, "{v}");
+    assert_eq!(v["error"]["code"], "limits_reduced");
+    assert!(h["retry-after"].to_str()?.parse::<u64>()? > 500, "{h:?}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("3010") && msg.contains("2048") && msg.contains("4096"),
+        "{msg}"
+    );
+    // More than even the configured budget: the client's fault.
+    let (s, _, v) = p
+        .post_json("/v1/chat/completions", &chat_tokens(1000))
+        .await?;
+    assert_eq!(s, 400, "{v}");
+    assert_eq!(v["error"]["code"], "kv_budget_exceeded");
+    let e = p.engine().await?;
+    assert_eq!(e["limits"]["reduced"], true);
+    assert_eq!(e["limits"]["kv_budget_bytes"], 2048);
+
+    let (s, _, v) = json_of(send(p.addr, "POST", "/engines/reset", None).await?).await?;
+    assert_eq!(s, 200);
+    assert_eq!(v["reset"][0], "fake-model");
+    let e = p.engine().await?;
+    assert_eq!(e["limits"]["reduced"], false, "{e}");
+    assert_eq!(e["limits"]["kv_budget_bytes"], 4096);
+    let (s, _, v) = p
+        .post_json("/v1/chat/completions", &chat_tokens(300))
+        .await?;
+    assert_eq!(s, 200, "{v}");
     p.stop().await?;
     Ok(())
 }
@@ -356,8 +470,10 @@ async fn crash_loop_marks_the_model_failed_until_reset() -> Result<()> {
         .as_str()
         .unwrap()
         .contains("weights file missing"));
-    let (_, _, h) = p.get("/health").await?;
-    assert_eq!(h["status"], "degraded");
+    // The only model failed: nothing can serve.
+    let (s, _, h) = p.get("/health").await?;
+    assert_eq!(s, 503, "{h}");
+    assert_eq!(h["status"], "unavailable");
 
     // Immediately again: no restart storm, same answer.
     let (s, _, _) = p
@@ -468,7 +584,7 @@ async fn bad_input_is_rejected_without_waking_an_engine() -> Result<()> {
     let mut p = Proxy::start_with(&[], |c| c.server.max_body_bytes = 1024).await?;
     let post = |path: &str, body: &[u8]| {
         let head = format!(
-            "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
             body.len()
         );
         [head.as_bytes(), body].concat()
@@ -500,7 +616,7 @@ async fn bad_input_is_rejected_without_waking_an_engine() -> Result<()> {
     let out = raw_exchange(p.addr, &post("/v1/chat/completions", &[b'x'; 2000]), false).await?;
     assert_eq!(status(&out), "413");
     let chunked = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n800\r\n{}\r\n0\r\n\r\n",
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n800\r\n{}\r\n0\r\n\r\n",
         "y".repeat(0x800)
     );
     let out = raw_exchange(p.addr, chunked.as_bytes(), false).await?;
@@ -601,6 +717,70 @@ async fn a_request_that_never_reached_a_dead_engine_is_retried_on_the_new_one() 
     let e = p.engine().await?;
     assert_eq!(e["generation"], 2);
     assert_eq!(e["last_exit"]["code"], "crash");
+    p.stop().await?;
+    Ok(())
+}
+
+/// Issue 12, finding 6: `/health` said 200 with the only model failed.
+#[tokio::test]
+async fn health_is_503_when_every_model_failed_and_says_why() -> Result<()> {
+    let mut p = Proxy::start_with(&[("exit_before_ready", "2")], |c| {
+        c.server.crash_limit = 1;
+    })
+    .await?;
+    // Not loaded yet, but loadable on demand: healthy.
+    let (s, _, h) = p.get("/health").await?;
+    assert_eq!(s, 200, "{h}");
+    assert_eq!(h["status"], "ok");
+    assert_eq!(h["models_loadable"], 1);
+
+    let (s, _, _) = p
+        .post_json("/v1/completions", &json!({"prompt": "x"}))
+        .await?;
+    assert_eq!(s, 503);
+    for path in ["/health", "/health/ready"] {
+        let (s, _, h) = p.get(path).await?;
+        assert_eq!(s, 503, "{path}: {h}");
+        assert_eq!(h["status"], "unavailable");
+        let why = h["reasons"][0].as_str().unwrap();
+        assert!(
+            why.contains("fake-model") && why.contains("exit code 2 before ready"),
+            "{why}"
+        );
+    }
+    let (s, _, h) = p.get("/health/live").await?;
+    assert_eq!(s, 200);
+    assert_eq!(h["status"], "live");
+    p.stop().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn health_is_degraded_but_200_while_one_model_still_serves() -> Result<()> {
+    let mut bad = mlxd_proxy::config::ModelConfig::new("bad");
+    bad.options.insert("exit_before_ready".into(), "2".into());
+    let good = mlxd_proxy::config::ModelConfig::new("good");
+    let mut p = Proxy::start_with(&[], |c| {
+        c.models = vec![bad, good];
+        c.server.crash_limit = 1;
+    })
+    .await?;
+    let (s, _, _) = p
+        .post_json("/v1/completions", &json!({"model": "bad", "prompt": "x"}))
+        .await?;
+    assert_eq!(s, 503);
+    let (s, _, _) = p
+        .post_json("/v1/completions", &json!({"model": "good", "prompt": "x"}))
+        .await?;
+    assert_eq!(s, 200);
+    let (s, _, h) = p.get("/health").await?;
+    assert_eq!(s, 200, "{h}");
+    assert_eq!(h["status"], "degraded");
+    assert_eq!(h["models_serving"], 1);
+    assert!(
+        h["reasons"][0].as_str().unwrap().contains("model bad"),
+        "{h}"
+    );
     p.stop().await?;
     Ok(())
 }

@@ -18,6 +18,10 @@ struct Sim {
     load_delay: Duration,
     memory: BTreeMap<String, u64>,
     spawns: Mutex<Vec<String>>,
+    /// The limits each spawn was launched with, in spawn order.
+    limits: Mutex<Vec<mlxd_protocol::control::Limits>>,
+    /// Models whose next engine exits out of memory once ready (one-shot each).
+    oom_next: Mutex<Vec<String>>,
     events: Mutex<Vec<String>>,
 }
 
@@ -36,7 +40,14 @@ impl Sim {
             let n = {
                 let mut s = sim.spawns.lock().unwrap();
                 s.push(spec.model.clone());
+                sim.limits.lock().unwrap().push(spec.limits.clone());
                 s.len() as u32
+            };
+            let oom = {
+                let mut o = sim.oom_next.lock().unwrap();
+                let hit = o.contains(&spec.model);
+                o.retain(|m| *m != spec.model);
+                hit
             };
             let (handle, mut ends) = EngineHandle::simulated(1000 + n, generation);
             let sim = sim.clone();
@@ -58,6 +69,18 @@ impl Sim {
                     context_length: 0,
                     capabilities: vec![],
                 }));
+                if oom {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    let report = Arc::new(ExitReport::new(
+                        ExitCause::OutOfMemory {
+                            detail: "simulated".into(),
+                        },
+                        vec![],
+                    ));
+                    let _ = ends.death.send(Some(report.clone()));
+                    emit(EngineEvent::Exited(report));
+                    return;
+                }
                 loop {
                     tokio::select! {
                         biased;
@@ -451,4 +474,73 @@ async fn failed_model_cools_down() {
     // The cool-down is over: a new round of attempts, failing again.
     let _ = pool.acquire("m").await.unwrap_err();
     assert_eq!(pool.status().await[0].generation, 10);
+}
+
+#[tokio::test(start_paused = true)]
+async fn oom_halves_the_limits_and_a_stable_period_restores_them() {
+    let mut m = ModelConfig::new("a");
+    m.kv_budget_bytes = Some(1 << 20);
+    m.max_batch_size = Some(8);
+    let (pool, sim) = pool(Setup {
+        models: vec![m],
+        ..Setup::default()
+    });
+    sim.oom_next.lock().unwrap().push("a".into());
+    use_model(&pool, "a").await;
+    // The first engine died out of memory; the second runs with halved limits.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    use_model(&pool, "a").await;
+    let kv: Vec<Option<u64>> = sim
+        .limits
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|l| l.kv_budget_bytes)
+        .collect();
+    assert_eq!(kv, [Some(1 << 20), Some(1 << 19)]);
+    let st = &pool.status().await[0];
+    assert!(st.limits.reduced);
+    assert_eq!(st.limits.kv_budget_bytes, Some(1 << 19));
+    assert_eq!(st.limits.configured_kv_budget_bytes, Some(1 << 20));
+    assert!(st.limits.recovers_in_s.unwrap() > 590.0);
+
+    // Ten minutes without another OOM: configured limits back; the idle engine that
+    // runs with the small ones is recycled, and the next one gets the full budget.
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    settle().await;
+    let st = &pool.status().await[0];
+    assert!(!st.limits.reduced, "{:?}", st.limits);
+    assert_eq!(st.limits.kv_budget_bytes, Some(1 << 20));
+    assert_eq!(st.state, "stopped");
+    use_model(&pool, "a").await;
+    let last = sim.limits.lock().unwrap().last().cloned().unwrap();
+    assert_eq!(last.kv_budget_bytes, Some(1 << 20));
+    assert_eq!(last.max_batch_size, Some(8));
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_admin_reset_restores_reduced_limits_at_once() {
+    let mut m = ModelConfig::new("a");
+    m.kv_budget_bytes = Some(1 << 20);
+    let (pool, sim) = pool(Setup {
+        models: vec![m],
+        ..Setup::default()
+    });
+    sim.oom_next.lock().unwrap().push("a".into());
+    use_model(&pool, "a").await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    use_model(&pool, "a").await;
+    assert!(pool.status().await[0].limits.reduced);
+    assert_eq!(pool.reset(Some("a".into())).await, vec!["a".to_string()]);
+    settle().await;
+    assert!(!pool.status().await[0].limits.reduced);
+    use_model(&pool, "a").await;
+    let kv: Vec<Option<u64>> = sim
+        .limits
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|l| l.kv_budget_bytes)
+        .collect();
+    assert_eq!(kv, [Some(1 << 20), Some(1 << 19), Some(1 << 20)]);
 }

@@ -26,6 +26,7 @@ use mlxd_ipc::control::{
 };
 use mlxd_ipc::socket::bind_unix;
 use mlxd_protocol::control::{FatalKind, Ready, Stats, PROTOCOL_VERSION};
+use mlxd_protocol::error::{ErrorBody, ErrorType};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
@@ -76,7 +77,13 @@ impl Script {
 }
 
 /// Per-request script: `"fake": {"chunks": 5, "interval_ms": 10, "delay_ms": 0,
-/// "then": "abort" | "exit:<code>" | "sigkill" | "oom" | "hang", "at": <chunk index>}`.
+/// "then": "abort" | "exit:<code>" | "sigkill" | "oom" | "fatal_oom" | "hang",
+/// "at": <chunk index>}`. `fatal_oom` sends `Fatal(OutOfMemory)` and exits 1, as the
+/// real engine does when it catches an allocation failure.
+///
+/// Like the real engine, a request whose KV reservation — (1 prompt token +
+/// `max_tokens`) · 10 bytes, capped at the 2048-token context — exceeds
+/// `Launch.limits.kv_budget_bytes` is answered with a 500 at once.
 /// `then` happens after `at` chunks when streaming (default: all), or before the
 /// response when not streaming.
 #[derive(Clone, Default)]
@@ -90,6 +97,8 @@ struct RequestScript {
 
 struct Engine {
     script: Script,
+    control: ControlSender,
+    kv_budget: Option<u64>,
     model: String,
     active: AtomicU32,
     draining: AtomicBool,
@@ -126,13 +135,22 @@ fn main() -> Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    rt.block_on(run(script, model_id, launch.socket_path, tx, parent_rx))
+    let kv_budget = launch.limits.kv_budget_bytes;
+    rt.block_on(run(
+        script,
+        model_id,
+        launch.socket_path,
+        kv_budget,
+        tx,
+        parent_rx,
+    ))
 }
 
 async fn run(
     script: Script,
     model: String,
     socket: PathBuf,
+    kv_budget: Option<u64>,
     tx: ControlSender,
     mut parent: mpsc::UnboundedReceiver<ParentEvent>,
 ) -> Result<()> {
@@ -168,6 +186,8 @@ async fn run(
     let listener = bind_unix(&socket).with_context(|| format!("binding {}", socket.display()))?;
     let engine = Arc::new(Engine {
         script: script.clone(),
+        control: tx.clone(),
+        kv_budget,
         model: model.clone(),
         active: AtomicU32::new(0),
         draining: AtomicBool::new(false),
@@ -178,8 +198,8 @@ async fn run(
         version: PROTOCOL_VERSION,
         model_id: model,
         weight_bytes: script.get("weight_bytes").unwrap_or(1000),
-        kv_bytes_per_token: 10,
-        context_length: 2048,
+        kv_bytes_per_token: KV_BYTES_PER_TOKEN,
+        context_length: CONTEXT_LENGTH,
         capabilities: vec!["chat".into(), "completions".into()],
     })?;
     script.event("ready");
@@ -255,14 +275,24 @@ fn die_oom() -> ! {
 }
 
 fn sigkill_self() -> ! {
-    // SAFETY: raising a signal on ourselves.
-    unsafe { libc::raise(libc::SIGKILL) };
+    let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
     unreachable!("SIGKILL returned")
 }
 
+const KV_BYTES_PER_TOKEN: u64 = 10;
+const CONTEXT_LENGTH: u32 = 2048;
+
 /// Performs a scripted fatal action; returns only for `hang` (never resolves).
-async fn perform(action: &str) {
+async fn perform(engine: &Engine, action: &str) {
     match action {
+        "fatal_oom" => {
+            eprintln!("fake-engine: KV cache allocation failed, as scripted");
+            let _ = engine.control.send_fatal(
+                FatalKind::OutOfMemory,
+                "KV cache allocation of 4096 bytes failed, as scripted",
+            );
+            std::process::exit(1);
+        }
         "abort" => std::process::abort(),
         "sigkill" => sigkill_self(),
         "oom" => die_oom(),
@@ -278,6 +308,18 @@ async fn perform(action: &str) {
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type Body = http_body_util::combinators::BoxBody<Bytes, BoxError>;
+
+/// An error in the shared shape and type vocabulary (`mlxd_protocol::error`).
+fn error_response(
+    status: StatusCode,
+    kind: ErrorType,
+    message: String,
+    code: Option<&str>,
+) -> Response<Body> {
+    let mut body = ErrorBody::typed(kind, message);
+    body.error.code = code.map(String::from);
+    json_response(status, &serde_json::to_value(&body).unwrap_or(Value::Null))
+}
 
 fn json_response(status: StatusCode, v: &Value) -> Response<Body> {
     Response::builder()
@@ -318,9 +360,11 @@ async fn handle(engine: Arc<Engine>, req: Request<Incoming>) -> Result<Response<
         }
         (Method::POST, "/v1/chat/completions" | "/v1/completions") => {
             if engine.draining.load(Ordering::Relaxed) {
-                return Ok(json_response(
+                return Ok(error_response(
                     StatusCode::SERVICE_UNAVAILABLE,
-                    &json!({"error": {"message": "draining", "type": "unavailable", "param": null, "code": "draining"}}),
+                    ErrorType::EngineUnavailable,
+                    "draining".into(),
+                    Some("draining"),
                 ));
             }
             let chat = path == "/v1/chat/completions";
@@ -330,15 +374,19 @@ async fn handle(engine: Arc<Engine>, req: Request<Incoming>) -> Result<Response<
             }
             match req.into_body().collect().await {
                 Ok(b) => generate(engine, chat, &b.to_bytes()).await,
-                Err(_) => json_response(
+                Err(_) => error_response(
                     StatusCode::BAD_REQUEST,
-                    &json!({"error": {"message": "body", "type": "invalid_request_error", "param": null, "code": null}}),
+                    ErrorType::InvalidRequestError,
+                    "body".into(),
+                    None,
                 ),
             }
         }
-        _ => json_response(
+        _ => error_response(
             StatusCode::NOT_FOUND,
-            &json!({"error": {"message": format!("no route {path}"), "type": "not_found", "param": null, "code": null}}),
+            ErrorType::NotFoundError,
+            format!("no route {path}"),
+            None,
         ),
     })
 }
@@ -357,9 +405,11 @@ async fn generate(engine: Arc<Engine>, chat: bool, body: &[u8]) -> Response<Body
     let req: Value = match serde_json::from_slice(body) {
         Ok(v) => v,
         Err(e) => {
-            return json_response(
+            return error_response(
                 StatusCode::BAD_REQUEST,
-                &json!({"error": {"message": format!("engine: bad JSON: {e}"), "type": "invalid_request_error", "param": null, "code": null}}),
+                ErrorType::InvalidRequestError,
+                format!("engine: bad JSON: {e}"),
+                None,
             )
         }
     };
@@ -382,12 +432,27 @@ async fn generate(engine: Arc<Engine>, chat: bool, body: &[u8]) -> Response<Body
         .unwrap_or("req")
         .to_string();
     let stream = req.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    if let (Some(budget), Some(max_tokens)) = (
+        engine.kv_budget,
+        req.get("max_tokens").and_then(Value::as_u64),
+    ) {
+        let tokens = (1 + max_tokens).min(u64::from(CONTEXT_LENGTH));
+        let reserved = tokens * KV_BYTES_PER_TOKEN;
+        if reserved > budget {
+            return error_response(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                ErrorType::ServerError,
+                format!("the request needs {reserved} bytes of KV cache (prompt 1 + max_tokens {max_tokens} tokens), more than the engine's KV budget of {budget} bytes"),
+                None,
+            );
+        }
+    }
     tokio::time::sleep(rs.delay).await;
 
     if !stream {
         if let Some(action) = &rs.then {
             engine.active.fetch_add(1, Ordering::Relaxed);
-            perform(action).await;
+            perform(&engine, action).await;
             engine.active.fetch_sub(1, Ordering::Relaxed);
         }
         let text: String = (0..rs.chunks).map(|i| format!("tok{i} ")).collect();
@@ -431,7 +496,7 @@ async fn stream_chunks(
     for i in 0..rs.chunks {
         if rs.at == Some(i) {
             if let Some(a) = &rs.then {
-                perform(a).await;
+                perform(engine, a).await;
             }
         }
         let last = i + 1 == rs.chunks;
@@ -460,7 +525,7 @@ async fn stream_chunks(
     }
     if rs.at.is_some_and(|a| a >= rs.chunks) {
         if let Some(a) = &rs.then {
-            perform(a).await;
+            perform(engine, a).await;
         }
     }
     tx.send(Bytes::from_static(mlxd_ipc::sse::DONE_EVENT))

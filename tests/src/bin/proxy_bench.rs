@@ -36,7 +36,7 @@ enum Target<'a> {
 
 async fn post(target: &Target<'_>, body: String) -> Result<Response<Incoming>> {
     let req = Request::post("/v1/chat/completions")
-        .header("host", "bench")
+        .header("host", "localhost")
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from(body)))?;
     match target {
