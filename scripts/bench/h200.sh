@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The H200 benchmark set behind BENCHMARKS.md, run on the device machine (see
+# ../shared/gpu/README.md) after `source .gpu/b/on-device.sh`, with the release binaries in
+# $MLXD_BIN_DIR. Every figure is mlxd against mlx-lm on the same MLX build, in one run.
+#
+#   scripts/bench/h200.sh models <tokenizer dir>   random-weight Llama shapes under $MODELS
+#   scripts/bench/h200.sh engine <out dir>         engine core against mlx-lm (1B shapes)
+#   scripts/bench/h200.sh engine8b <out dir>       the same for the 8B shapes
+#   scripts/bench/h200.sh serve <out dir>          mlxd against mlx_lm.server, prefix cache
+#
+# The tokenizer dir holds SmolLM2's tokenizer.json and tokenizer_config.json (vocabulary 49152,
+# which the shapes use), so that served streams are real text.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$root"
+export MODELS=${MODELS:-/tmp/models}
+export PYTHON=${PYTHON:-python3}
+bins=${MLXD_BIN_DIR:-$root/target/release}
+export BENCH_BIN=${BENCH_BIN:-$bins/bench_generate}
+
+gen() { # gen <shape> <name> [extra args]
+  local shape=$1 name=$2
+  shift 2
+  [[ -f $MODELS/$name/config.json ]] ||
+    "$PYTHON" scripts/gen_random_model.py --shape "$shape" --dtype bfloat16 --vocab 49152 \
+      --out "$MODELS/$name" "$@" >/dev/null
+  cp "$tok"/tokenizer.json "$tok"/tokenizer_config.json "$MODELS/$name/"
+}
+
+engine() { # engine <out> <model> <prompt> <new> <batch> <temperature>
+  local out=$1 model=$2
+  shift 2
+  echo "== engine $model $*" >&2
+  scripts/bench/engine.sh "$MODELS/$model" "$1" "$2" 3 "$3" "$4" |
+    "$PYTHON" -c 'import sys, json
+lines = [json.loads(l) for l in sys.stdin]
+print(json.dumps({"model": sys.argv[1], "ours": lines[0], "mlx_lm": lines[1], **lines[2]}))' "$model" |
+    tee -a "$out/engine.jsonl"
+}
+
+case ${1:-} in
+  models)
+    tok=$2
+    gen llama-1b llama-1b-bf16
+    gen llama-1b llama-1b-q4 --quantize 4
+    ;;
+  models8b)
+    tok=$2
+    gen llama-8b llama-8b-bf16
+    ;;
+  engine)
+    out=$2
+    mkdir -p "$out"
+    engine "$out" llama-1b-bf16 512 256 1 0
+    engine "$out" llama-1b-bf16 512 256 1 0.7
+    engine "$out" llama-1b-bf16 128 128 8 0
+    engine "$out" llama-1b-bf16 128 128 32 0
+    engine "$out" llama-1b-bf16 128 128 32 0.7
+    engine "$out" llama-1b-bf16 128 128 64 0
+    engine "$out" llama-1b-bf16 4096 16 1 0
+    engine "$out" llama-1b-q4 512 256 1 0
+    engine "$out" llama-1b-q4 128 128 32 0
+    ;;
+  engine8b)
+    out=$2
+    mkdir -p "$out"
+    engine "$out" llama-8b-bf16 512 128 1 0
+    engine "$out" llama-8b-bf16 4096 8 1 0
+    engine "$out" llama-8b-bf16 128 64 8 0
+    ;;
+  serve)
+    out=$2
+    mkdir -p "$out"
+    MLXD_BIN_DIR=$bins scripts/bench/serve_compare.sh "$MODELS/llama-1b-bf16" "$out/serve.jsonl" 1 8 32 64
+    port=$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+    rt=$(mktemp -d)
+    XDG_RUNTIME_DIR=$rt RUST_LOG=warn "$bins/mlxd" serve --model "$MODELS/llama-1b-bf16" --port "$port" &
+    pid=$!
+    for _ in $(seq 1 240); do curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null && break; sleep 0.5; done
+    "$PYTHON" scripts/bench/prefix_cache.py --url "http://127.0.0.1:$port" --out "$out/prefix.jsonl"
+    kill "$pid"
+    wait "$pid" 2>/dev/null || true
+    ;;
+  *)
+    sed -n '2,12p' "$0"
+    exit 64
+    ;;
+esac
