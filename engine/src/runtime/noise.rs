@@ -19,20 +19,41 @@ pub fn row_key(seed: u64, step: u64) -> [u32; 2] {
     [z as u32, (z >> 32) as u32]
 }
 
+type NoiseFn = Box<dyn FnMut(&[Array]) -> Result<Vec<Array>, Exception>>;
+
+thread_local! {
+    /// The noise graph, compiled once per thread (shapeless: any batch, any vocabulary), so
+    /// that its twenty-odd element-wise ops run as a few fused kernels.
+    static NOISE: std::cell::RefCell<Option<NoiseFn>> = const { std::cell::RefCell::new(None) };
+}
+
 /// Standard Gumbel noise `[B, vocab]` (float32) for rows with the given keys.
 pub fn gumbel(keys: &[[u32; 2]], vocab: i32) -> Result<Array, Exception> {
     let b = keys.len() as i32;
+    // Two columns rather than one `[B, 2]` array: a shapeless compiled graph cannot slice.
     let k0: Vec<u32> = keys.iter().map(|k| k[0]).collect();
     let k1: Vec<u32> = keys.iter().map(|k| k[1]).collect();
     let k0 = Array::from_slice(&k0, &[b, 1]);
     let k1 = Array::from_slice(&k1, &[b, 1]);
-    let mut x = Array::arange::<_, u32>(None, vocab as u32, None)?.reshape(&[1, vocab])?;
-    x = xor(&x, &k0)?;
+    let ids = Array::arange::<_, u32>(None, vocab as u32, None)?.reshape(&[1, vocab])?;
+    NOISE.with(|cell| {
+        let mut slot = cell.borrow_mut();
+        let f = slot.get_or_insert_with(|| {
+            Box::new(mlx_rs::transforms::compile::compile(noise_graph, true))
+        });
+        Ok(f(&[k0, k1, ids])?.remove(0))
+    })
+}
+
+/// The hash of `ids` `[1, vocab]` under each row's key (two `[B, 1]` halves), as Gumbel noise.
+fn noise_graph(args: &[Array]) -> Result<Vec<Array>, Exception> {
+    let (k0, k1, ids) = (&args[0], &args[1], &args[2]);
+    let mut x = xor(ids, k0)?;
     x = x.multiply(scalar(0x9E37_79B1))?;
     x = xor(&x, &shr(&x, 16)?)?;
     x = x.multiply(scalar(0x85EB_CA6B))?;
     x = xor(&x, &shr(&x, 13)?)?;
-    x = xor(&x, &k1)?;
+    x = xor(&x, k1)?;
     x = x.multiply(scalar(0xC2B2_AE35))?;
     x = xor(&x, &shr(&x, 16)?)?;
     // 24 high bits → a uniform in (0, 1), never 0 or 1.
@@ -40,7 +61,7 @@ pub fn gumbel(keys: &[[u32; 2]], vocab: i32) -> Result<Array, Exception> {
         .as_dtype(Dtype::Float32)?
         .add(Array::from_f32(0.5))?
         .multiply(Array::from_f32(1.0 / 16_777_216.0))?;
-    u.log()?.negative()?.log()?.negative()
+    Ok(vec![u.log()?.negative()?.log()?.negative()?])
 }
 
 fn scalar(v: u32) -> Array {
