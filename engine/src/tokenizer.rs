@@ -47,6 +47,9 @@ pub struct Tokenizer {
     stop_token_ids: Vec<u32>,
     special_ids: HashSet<u32>,
     chat_template: Option<ChatTemplate>,
+    /// Bytes of the longest token's text (its vocabulary entry, an upper bound on the input
+    /// bytes one token can cover), for refusing an impossible prompt before encoding it.
+    max_token_bytes: usize,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -95,6 +98,13 @@ impl Tokenizer {
             }
         }
 
+        let max_token_bytes = inner
+            .get_vocab(true)
+            .keys()
+            .map(String::len)
+            .max()
+            .unwrap_or(1)
+            .max(1);
         let special_ids = inner
             .get_added_tokens_decoder()
             .into_iter()
@@ -122,7 +132,15 @@ impl Tokenizer {
             stop_token_ids: stops.into_iter().collect(),
             special_ids,
             chat_template,
+            max_token_bytes,
         })
+    }
+
+    /// The fewest tokens `bytes` of text can encode to: each token covers at most the bytes of
+    /// the longest vocabulary entry. Lets a prompt far over the context be refused in
+    /// microseconds instead of after seconds of encoding and gigabytes of memory.
+    pub fn min_tokens_for(&self, bytes: usize) -> usize {
+        bytes / self.max_token_bytes
     }
 
     /// Token ids of `text`. With `add_special_tokens`, the post-processor of `tokenizer.json`

@@ -20,6 +20,18 @@ export PYTHON=${PYTHON:-python3}
 bins=${MLXD_BIN_DIR:-$root/target/release}
 export BENCH_BIN=${BENCH_BIN:-$bins/bench_generate}
 
+free_port() { "$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+# start_mlxd <model dir>: serves it on a free port; sets $port and $pid.
+start_mlxd() {
+  port=$(free_port)
+  XDG_RUNTIME_DIR=$(mktemp -d) RUST_LOG=warn "$bins/mlxd" serve --model "$1" --port "$port" &
+  pid=$!
+  for _ in $(seq 1 240); do curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null && return 0; sleep 0.5; done
+  echo "mlxd did not come up" >&2
+  return 1
+}
+
 gen() { # gen <shape> <name> [extra args]
   local shape=$1 name=$2
   shift 2
@@ -74,11 +86,7 @@ case ${1:-} in
     out=$2
     mkdir -p "$out"
     [[ $1 == prefix ]] || MLXD_BIN_DIR=$bins scripts/bench/serve_compare.sh "$MODELS/llama-1b-bf16" "$out/serve.jsonl" 1 8 32 64
-    port=$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-    rt=$(mktemp -d)
-    XDG_RUNTIME_DIR=$rt RUST_LOG=warn "$bins/mlxd" serve --model "$MODELS/llama-1b-bf16" --port "$port" &
-    pid=$!
-    for _ in $(seq 1 240); do curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null && break; sleep 0.5; done
+    start_mlxd "$MODELS/llama-1b-bf16"
     for words in ${PREFIX_WORDS:-1500 6000}; do
       "$PYTHON" scripts/bench/prefix_cache.py --url "http://127.0.0.1:$port" --history-words "$words" --out "$out/prefix.jsonl"
     done
@@ -92,11 +100,8 @@ case ${1:-} in
     sock=$(mktemp -u /tmp/mlxd-engine.XXXX.sock)
     RUST_LOG=warn "$bins/mlxd-engine" --model "$MODELS/llama-1b-bf16" --unix "$sock" &
     epid=$!
-    port=$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-    rt=$(mktemp -d)
-    XDG_RUNTIME_DIR=$rt RUST_LOG=warn "$bins/mlxd" serve --model "$MODELS/llama-1b-bf16" --port "$port" &
-    pid=$!
-    for _ in $(seq 1 240); do [[ -S $sock ]] && curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null && break; sleep 0.5; done
+    start_mlxd "$MODELS/llama-1b-bf16"
+    for _ in $(seq 1 240); do [[ -S $sock ]] && break; sleep 0.5; done
     for t in 0 0.7; do
       for n in 32 64; do
         for round in warm 1 2; do

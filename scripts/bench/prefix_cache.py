@@ -9,12 +9,15 @@ Prints one JSON object: median TTFT of hits and misses, their ratio, and the pro
 cached token counts the server reported.
 """
 import argparse
-import http.client
 import json
+import os
 import random
 import statistics
+import sys
 import time
-import urllib.parse
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sse_client import choice_tokens, connect, events  # noqa: E402
 
 WORDS = ("river stone lantern harbour meadow copper violet engine whisper orchard canyon "
          "glacier ember falcon market ribbon quartz thunder willow saddle").split()
@@ -26,8 +29,7 @@ def history(seed, words):
 
 
 def chat(url, messages, max_tokens):
-    u = urllib.parse.urlparse(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
+    conn = connect(url, timeout=600)
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     start = time.perf_counter()
@@ -35,25 +37,14 @@ def chat(url, messages, max_tokens):
                  {"content-type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200, resp.read()
-    first, text, usage, buf = None, "", None, b""
-    while True:
-        chunk = resp.read1(65536)
-        if not chunk:
-            break
-        buf += chunk
-        while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            data = event.strip()[5:].strip()
-            if not data or data == b"[DONE]":
-                continue
-            msg = json.loads(data)
-            if msg.get("usage"):
-                usage = msg["usage"]
-            for c in msg.get("choices") or []:
-                if first is None and ((c.get("mlxd") or {}).get("token_ids") or
-                                      (c.get("delta") or {}).get("content")):
-                    first = time.perf_counter()
-                text += (c.get("delta") or {}).get("content") or ""
+    first, text, usage = None, "", None
+    for msg in events(resp):
+        if msg.get("usage"):
+            usage = msg["usage"]
+        for c in msg.get("choices") or []:
+            if first is None and choice_tokens(c):
+                first = time.perf_counter()
+            text += (c.get("delta") or {}).get("content") or ""
     conn.close()
     return first - start, text, usage
 

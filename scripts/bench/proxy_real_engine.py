@@ -19,17 +19,10 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sse_client import UnixConnection, choice_tokens, events  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-class UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path):
-        super().__init__("engine")
-        self.path = path
-
-    def connect(self):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(self.path)
 
 
 def stream(conn, max_tokens):
@@ -39,20 +32,13 @@ def stream(conn, max_tokens):
     conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200, resp.read()
-    first, tokens, buf = None, 0, b""
-    while True:
-        chunk = resp.read1(65536)
-        if not chunk:
-            break
-        buf += chunk
-        while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            # Count generated tokens by their ids: random-weight models may emit ids whose
-            # text is empty.
-            if b'"token_ids":[' in event:
-                tokens += 1
-                if first is None:
-                    first = time.perf_counter()
+    first, tokens = None, 0
+    for msg in events(resp):
+        for choice in msg.get("choices") or []:
+            n = choice_tokens(choice)
+            tokens += n
+            if n and first is None:
+                first = time.perf_counter()
     end = time.perf_counter()
     conn.close()
     return first - start, (tokens - 1) / (end - first)

@@ -16,12 +16,14 @@ Completion tokens come from the final usage chunk; where a server sends none, fr
 of content chunks.
 """
 import argparse
-import http.client
 import json
-import socket
+import os
+import sys
 import threading
 import time
-import urllib.parse
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sse_client import choice_tokens, connect, events  # noqa: E402
 
 
 def pct(values, p):
@@ -29,26 +31,6 @@ def pct(values, p):
         return None
     values = sorted(values)
     return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
-
-
-class UnixConnection(http.client.HTTPConnection):
-    """HTTP over a unix socket (an engine's own socket, without mlxd in front)."""
-
-    def __init__(self, path, timeout):
-        super().__init__("engine", timeout=timeout)
-        self.unix_path = path
-
-    def connect(self):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(self.unix_path)
-
-
-def connect(url):
-    if url.startswith("unix:"):
-        return UnixConnection(url[len("unix:"):], 300)
-    u = urllib.parse.urlparse(url)
-    return http.client.HTTPConnection(u.hostname, u.port, timeout=300)
 
 
 def one_stream(url, model, index, max_tokens, temperature, result):
@@ -71,31 +53,14 @@ def one_stream(url, model, index, max_tokens, temperature, result):
         resp = conn.getresponse()
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
-        buf = b""
-        while True:
-            chunk = resp.read1(65536)
-            if not chunk:
-                break
-            buf += chunk
-            while b"\n\n" in buf:
-                event, buf = buf.split(b"\n\n", 1)
-                line = event.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    continue
-                msg = json.loads(data)
-                if "error" in msg:
-                    raise RuntimeError(f"error event: {msg['error']}")
-                if msg.get("usage"):
-                    usage = msg["usage"]
-                for choice in msg.get("choices") or []:
-                    ids = (choice.get("mlxd") or {}).get("token_ids")
-                    text = (choice.get("delta") or {}).get("content")
-                    n = len(ids) if ids is not None else (1 if text else 0)
-                    now = time.perf_counter()
-                    times.extend([now] * n)
+        for msg in events(resp):
+            if "error" in msg:
+                raise RuntimeError(f"error event: {msg['error']}")
+            if msg.get("usage"):
+                usage = msg["usage"]
+            now = time.perf_counter()
+            for choice in msg.get("choices") or []:
+                times.extend([now] * choice_tokens(choice))
         conn.close()
     except Exception as e:  # noqa: BLE001 - every failure is counted and reported
         error = str(e)

@@ -9,11 +9,11 @@
 //! With no padding at all (one row, or rows of equal length) the layout computes exactly what
 //! [`DenseKv`](super::DenseKv) does: an integer rotary offset and no mask array.
 use mlx_rs::error::Exception;
-use mlx_rs::ops::indexing::{Ellipsis, IndexOp, TryIndexMutOp};
+use mlx_rs::ops::indexing::{Ellipsis, IndexOp};
 use mlx_rs::ops::{concatenate, zeros_dtype};
 use mlx_rs::Array;
 
-use super::{Mask, STEP};
+use super::Mask;
 use crate::models::layers::Rope;
 
 #[derive(Debug, Default)]
@@ -85,45 +85,9 @@ impl BatchKv {
         values: &Array,
     ) -> Result<(Array, Array), Exception> {
         let prev = self.idx;
-        let l = keys.shape()[2];
-        let capacity = self.keys.as_ref().map_or(0, |k| k.shape()[2]);
-        if self.keys.is_none() || prev + l > capacity {
-            let ks = keys.shape();
-            let vs = values.shape();
-            let steps = (STEP + l - 1) / STEP;
-            let new_k = zeros_dtype(&[ks[0], ks[1], steps * STEP, ks[3]], keys.dtype())?;
-            let new_v = zeros_dtype(&[vs[0], vs[1], steps * STEP, vs[3]], values.dtype())?;
-            match (self.keys.take(), self.values.take()) {
-                (Some(mut k), Some(mut v)) => {
-                    if prev < capacity {
-                        k = k.index((Ellipsis, ..prev, ..));
-                        v = v.index((Ellipsis, ..prev, ..));
-                    }
-                    self.keys = Some(concatenate(&[k, new_k], 2)?);
-                    self.values = Some(concatenate(&[v, new_v], 2)?);
-                }
-                _ => {
-                    self.keys = Some(new_k);
-                    self.values = Some(new_v);
-                }
-            }
-        }
-        self.idx += l;
-        let end = self.idx;
-        let (k_buf, v_buf) = match (self.keys.as_mut(), self.values.as_mut()) {
-            (Some(k), Some(v)) => (k, v),
-            _ => unreachable!("buffers were allocated above"),
-        };
-        k_buf.try_index_mut((Ellipsis, prev..end, ..), keys)?;
-        v_buf.try_index_mut((Ellipsis, prev..end, ..), values)?;
-        if end < k_buf.shape()[2] {
-            Ok((
-                k_buf.index((Ellipsis, ..end, ..)),
-                v_buf.index((Ellipsis, ..end, ..)),
-            ))
-        } else {
-            Ok((k_buf.clone(), v_buf.clone()))
-        }
+        let fetched = super::write_positions(&mut self.keys, &mut self.values, prev, keys, values)?;
+        self.idx += keys.shape()[2];
+        Ok(fetched)
     }
 
     /// The mask for `queries` new positions (the last `queries` of `0..idx`): padding hidden,

@@ -30,6 +30,57 @@ use crate::models::layers::Rope;
 /// Positions a cache buffer grows by (mlx-lm's `KVCache.step`).
 pub(crate) const STEP: i32 = 256;
 
+/// Writes `keys`/`values` `[B, kv_heads, L, head_dim]` at positions `prev..prev + L` of the
+/// buffers, growing them by whole [`STEP`]s of positions as mlx-lm's caches do; returns the
+/// keys and values of positions `..prev + L`. Shared by the layouts that keep plain arrays.
+pub(crate) fn write_positions(
+    k_buf: &mut Option<Array>,
+    v_buf: &mut Option<Array>,
+    prev: i32,
+    keys: &Array,
+    values: &Array,
+) -> Result<(Array, Array), Exception> {
+    use mlx_rs::ops::indexing::{Ellipsis, IndexOp, TryIndexMutOp};
+    use mlx_rs::ops::{concatenate, zeros_dtype};
+    let l = keys.shape()[2];
+    let capacity = k_buf.as_ref().map_or(0, |k| k.shape()[2]);
+    if k_buf.is_none() || prev + l > capacity {
+        let ks = keys.shape();
+        let vs = values.shape();
+        let steps = (STEP + l - 1) / STEP;
+        let new_k = zeros_dtype(&[ks[0], ks[1], steps * STEP, ks[3]], keys.dtype())?;
+        let new_v = zeros_dtype(&[vs[0], vs[1], steps * STEP, vs[3]], values.dtype())?;
+        match (k_buf.take(), v_buf.take()) {
+            (Some(mut k), Some(mut v)) => {
+                if prev < capacity {
+                    k = k.index((Ellipsis, ..prev, ..));
+                    v = v.index((Ellipsis, ..prev, ..));
+                }
+                *k_buf = Some(concatenate(&[k, new_k], 2)?);
+                *v_buf = Some(concatenate(&[v, new_v], 2)?);
+            }
+            _ => {
+                *k_buf = Some(new_k);
+                *v_buf = Some(new_v);
+            }
+        }
+    }
+    let end = prev + l;
+    let (Some(k), Some(v)) = (k_buf.as_mut(), v_buf.as_mut()) else {
+        unreachable!("buffers were allocated above");
+    };
+    k.try_index_mut((Ellipsis, prev..end, ..), keys)?;
+    v.try_index_mut((Ellipsis, prev..end, ..), values)?;
+    if end < k.shape()[2] {
+        Ok((
+            k.index((Ellipsis, ..end, ..)),
+            v.index((Ellipsis, ..end, ..)),
+        ))
+    } else {
+        Ok((k.clone(), v.clone()))
+    }
+}
+
 /// The cache of one layer, in one of its layouts.
 #[derive(Debug)]
 pub enum LayerCache {

@@ -107,6 +107,13 @@ pub(super) async fn chat_completions(
         ));
     }
     let settings = validate(&req.params, &state.tokenizer)?;
+    let text_bytes: usize = req
+        .messages
+        .iter()
+        .filter_map(|m| m.content.as_ref())
+        .map(|c| c.to_text().len())
+        .sum();
+    refuse_impossible_prompt(&state, text_bytes, "messages")?;
     let tokenizer = state.tokenizer.clone();
     let prompt = blocking(move || {
         let (_, ids) = tokenizer.encode_chat(&req.messages, req.tools.as_deref(), true)?;
@@ -128,10 +135,35 @@ pub(super) async fn completions(
     OpenAiJson(req): OpenAiJson<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     let settings = validate(&req.params, &state.tokenizer)?;
+    if let mlxd_protocol::openai::Prompt::Text(text) = &req.prompt {
+        refuse_impossible_prompt(&state, text.len(), "prompt")?;
+    }
     let tokenizer = state.tokenizer.clone();
     let prompt = blocking(move || completion_prompt(&req.prompt, &tokenizer)).await?;
     let job = job(&state, prompt, settings, "prompt")?;
     respond::<CompletionFormat>(&state, job).await
+}
+
+/// Refuses, before encoding, a prompt whose `bytes` of text cannot fit the context whatever
+/// they encode to (the same error as a prompt found too long after encoding).
+fn refuse_impossible_prompt(
+    state: &ServerState,
+    bytes: usize,
+    param: &str,
+) -> Result<(), ApiError> {
+    let at_least = state.tokenizer.min_tokens_for(bytes);
+    if at_least + 1 > state.context_length {
+        return Err(ApiError::invalid(
+            param,
+            format!(
+                "the prompt is too long: {bytes} bytes of text are at least {at_least} tokens, \
+                 and the model's context length is {} tokens",
+                state.context_length
+            ),
+        )
+        .with_code("context_length_exceeded"));
+    }
+    Ok(())
 }
 
 /// Runs a job and answers with one JSON body or an SSE stream.

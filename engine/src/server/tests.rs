@@ -685,6 +685,28 @@ async fn bad_requests_are_400_naming_the_field_and_the_server_keeps_serving() {
         "{v}"
     );
     assert_eq!(v["error"]["code"], "context_length_exceeded");
+    // A prompt far over the context is refused from its size, without encoding 30 MB.
+    let huge = "word ".repeat(6_000_000);
+    let started = std::time::Instant::now();
+    for (path, body) in [
+        ("/v1/completions", json!({"prompt": huge})),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": huge}]}),
+        ),
+    ] {
+        let (status, v) = h.post(path, body).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+        assert_eq!(v["error"]["code"], "context_length_exceeded");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("30000000 bytes"),
+            "{v}"
+        );
+    }
+    eprintln!("two 30 MB prompts refused in {:?}", started.elapsed());
     // Nothing reached the worker, and it still serves.
     assert!(h.seen.lock().unwrap().is_empty());
     let (status, body) = h

@@ -1,0 +1,56 @@
+"""HTTP helpers shared by the serving benchmarks: a connection to a TCP URL or an engine's
+unix socket, and the SSE events of a streamed response as parsed JSON."""
+import http.client
+import json
+import socket
+import urllib.parse
+
+
+class UnixConnection(http.client.HTTPConnection):
+    """HTTP over a unix socket (an engine's own socket, without mlxd in front)."""
+
+    def __init__(self, path, timeout=300):
+        super().__init__("engine", timeout=timeout)
+        self.unix_path = path
+
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.unix_path)
+
+
+def connect(url, timeout=300):
+    """`http://host:port` or `unix:/path/to.sock`."""
+    if url.startswith("unix:"):
+        return UnixConnection(url[len("unix:"):], timeout)
+    u = urllib.parse.urlparse(url)
+    return http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+
+
+def events(resp):
+    """Yields each `data:` event of an SSE response as parsed JSON, as it arrives; `[DONE]`
+    ends the iteration."""
+    buf = b""
+    while True:
+        chunk = resp.read1(65536)
+        if not chunk:
+            return
+        buf += chunk
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            line = event.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return
+            yield json.loads(data)
+
+
+def choice_tokens(choice):
+    """Tokens a streamed choice carries: its `mlxd.token_ids` where present (random-weight
+    models may emit ids whose text is empty), else 1 for a non-empty content delta."""
+    ids = (choice.get("mlxd") or {}).get("token_ids")
+    if ids is not None:
+        return len(ids)
+    return 1 if (choice.get("delta") or {}).get("content") else 0
