@@ -147,6 +147,7 @@ pub fn run_supervised(home: &Path) -> anyhow::Result<()> {
         context_length: launch.limits.context_length.map(|n| n as usize),
         prompt_cache_bytes: defaults.prompt_cache_bytes,
         prefill_chunk: defaults.prefill_chunk,
+        kv_quant: defaults.kv_quant,
     };
     let oom_control = control.clone();
     let on_oom: OomHook = Box::new(move |message| {

@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 
 use clap::Parser;
+use mlxd_engine::cache::KvQuant;
 use mlxd_engine::runtime::{RuntimeLimits, DEFAULT_MAX_BATCH_SIZE};
 use mlxd_engine::{app, store};
 
@@ -41,6 +42,13 @@ struct Args {
     /// prefix (multi-turn chats, system prompts); 0 disables it.
     #[arg(long, default_value_t = 1.0, value_parser = parse_gib)]
     prompt_cache: f64,
+    /// Quantize the KV cache to 4 or 8 bits (attention then runs on MLX's quantized matmuls);
+    /// default: keep the model's dtype.
+    #[arg(long, value_parser = clap::value_parser!(i32).range(4..=8))]
+    kv_bits: Option<i32>,
+    /// Elements of a head that share one scale and bias when the KV cache is quantized.
+    #[arg(long, default_value_t = 64, requires = "kv_bits")]
+    kv_group_size: i32,
 }
 
 fn parse_gib(s: &str) -> Result<f64, String> {
@@ -69,6 +77,10 @@ fn main() -> anyhow::Result<()> {
         kv_budget_bytes: args.kv_budget_bytes,
         context_length: args.context_length,
         prompt_cache_bytes: (args.prompt_cache * (1u64 << 30) as f64) as u64,
+        kv_quant: args.kv_bits.map(|bits| KvQuant {
+            bits,
+            group_size: args.kv_group_size,
+        }),
         ..RuntimeLimits::default()
     };
     let engine = app::load(&args.model, &home, limits, None)?;

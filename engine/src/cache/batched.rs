@@ -10,17 +10,19 @@
 //! [`DenseKv`](super::DenseKv) does: an integer rotary offset and no mask array.
 use mlx_rs::error::Exception;
 use mlx_rs::ops::indexing::{Ellipsis, IndexOp};
-use mlx_rs::ops::{concatenate, zeros_dtype};
 use mlx_rs::Array;
 
+use super::stored::{write_positions, KvQuant, Stored};
 use super::Mask;
 use crate::models::layers::Rope;
 
 #[derive(Debug, Default)]
 pub struct BatchKv {
-    /// `[B, kv_heads, capacity, head_dim]`; `None` until the first write.
-    keys: Option<Array>,
-    values: Option<Array>,
+    /// `[B, kv_heads, capacity, head_dim]` (or its quantized form); `None` until written.
+    keys: Option<Stored>,
+    values: Option<Stored>,
+    /// How new keys and values are stored.
+    quant: Option<KvQuant>,
     /// Positions written in every row (the same for all).
     idx: i32,
     /// Padding positions at the start of each row; one entry per row.
@@ -30,21 +32,23 @@ pub struct BatchKv {
 impl BatchKv {
     /// An empty cache for rows that will be written with the given left padding (a prefill
     /// group whose prompts were padded on the left to one length).
-    pub fn with_padding(left_padding: Vec<i32>) -> Self {
+    pub fn with_padding(left_padding: Vec<i32>, quant: Option<KvQuant>) -> Self {
         Self {
             keys: None,
             values: None,
+            quant,
             idx: 0,
             left_padding,
         }
     }
 
     /// One row that holds `keys`/`values` `[1, kv_heads, n, head_dim]` (a prefix-cache hit).
-    pub fn from_row(keys: Array, values: Array) -> Self {
-        let n = keys.shape()[2];
+    pub fn from_row(keys: Stored, values: Stored, quant: Option<KvQuant>) -> Self {
+        let n = keys.positions();
         Self {
             keys: Some(keys),
             values: Some(values),
+            quant,
             idx: n,
             left_padding: vec![0],
         }
@@ -83,11 +87,12 @@ impl BatchKv {
         &mut self,
         keys: &Array,
         values: &Array,
-    ) -> Result<(Array, Array), Exception> {
+    ) -> Result<(Stored, Stored), Exception> {
         let prev = self.idx;
-        let fetched = super::write_positions(&mut self.keys, &mut self.values, prev, keys, values)?;
+        let k = write_positions(&mut self.keys, prev, &Stored::new(keys, self.quant)?)?;
+        let v = write_positions(&mut self.values, prev, &Stored::new(values, self.quant)?)?;
         self.idx += keys.shape()[2];
-        Ok(fetched)
+        Ok((k, v))
     }
 
     /// The mask for `queries` new positions (the last `queries` of `0..idx`): padding hidden,
@@ -125,21 +130,22 @@ impl BatchKv {
                 &keep.iter().map(|&r| r as i32).collect::<Vec<_>>(),
                 &[keep.len() as i32],
             );
-            self.keys = self.keys.take().map(|k| k.take_axis(&idx, 0)).transpose()?;
-            self.values = self
-                .values
-                .take()
-                .map(|v| v.take_axis(&idx, 0))
-                .transpose()?;
+            for side in [&mut self.keys, &mut self.values] {
+                *side = side
+                    .take()
+                    .map(|s| s.map(|a| a.take_axis(&idx, 0)))
+                    .transpose()?;
+            }
             self.left_padding = keep.iter().map(|&r| self.left_padding[r]).collect();
         }
         let shared = self.left_padding.iter().copied().min().unwrap_or(0);
         if shared > 0 {
-            self.keys = self.keys.take().map(|k| k.index((Ellipsis, shared.., ..)));
-            self.values = self
-                .values
-                .take()
-                .map(|v| v.index((Ellipsis, shared.., ..)));
+            for side in [&mut self.keys, &mut self.values] {
+                *side = side
+                    .take()
+                    .map(|s| s.map(|a| Ok(a.index((Ellipsis, shared.., ..)))))
+                    .transpose()?;
+            }
             self.idx -= shared;
             for p in &mut self.left_padding {
                 *p -= shared;
@@ -169,8 +175,8 @@ impl BatchKv {
         let end = self.idx.max(other.idx);
         let (k1, v1, p1) = self.aligned(end, &template)?;
         let (k2, v2, p2) = other.aligned(end, &template)?;
-        self.keys = Some(concatenate(&[k1, k2], 0)?);
-        self.values = Some(concatenate(&[v1, v2], 0)?);
+        self.keys = Some(Stored::concat(&[k1, k2], 0)?);
+        self.values = Some(Stored::concat(&[v1, v2], 0)?);
         self.left_padding = p1.into_iter().chain(p2).collect();
         self.idx = end;
         Ok(())
@@ -181,37 +187,36 @@ impl BatchKv {
     fn aligned(
         &self,
         end: i32,
-        template: &(Array, Array),
-    ) -> Result<(Array, Array, Vec<i32>), Exception> {
+        template: &(Stored, Stored),
+    ) -> Result<(Stored, Stored, Vec<i32>), Exception> {
         let pad = end - self.idx;
         let rows = self.rows() as i32;
         let padding = self.left_padding.iter().map(|p| p + pad).collect();
-        let zeros = |like: &Array, n: i32| {
-            let s = like.shape();
-            zeros_dtype(&[rows, s[1], n, s[3]], like.dtype())
-        };
         let (Some(k), Some(v)) = (&self.keys, &self.values) else {
-            return Ok((zeros(&template.0, end)?, zeros(&template.1, end)?, padding));
+            return Ok((
+                template.0.zeros(rows, end)?,
+                template.1.zeros(rows, end)?,
+                padding,
+            ));
         };
-        let mut k = k.index((Ellipsis, ..self.idx, ..));
-        let mut v = v.index((Ellipsis, ..self.idx, ..));
+        let mut k = k.prefix(self.idx)?;
+        let mut v = v.prefix(self.idx)?;
         if pad > 0 {
-            k = concatenate(&[zeros(&k, pad)?, k], 2)?;
-            v = concatenate(&[zeros(&v, pad)?, v], 2)?;
+            k = Stored::concat(&[k.zeros(rows, pad)?, k], 2)?;
+            v = Stored::concat(&[v.zeros(rows, pad)?, v], 2)?;
         }
         Ok((k, v, padding))
     }
 
     /// A copy of row `r`'s valid keys and values, `[1, kv_heads, row_len, head_dim]`, that
     /// holds no reference to the batch buffer (so the buffer can still be updated in place).
-    pub fn row_copy(&self, r: usize) -> Result<Option<(Array, Array)>, Exception> {
+    pub fn row_copy(&self, r: usize) -> Result<Option<(Stored, Stored)>, Exception> {
         let (Some(k), Some(v)) = (&self.keys, &self.values) else {
             return Ok(None);
         };
         let (r, start, end) = (r as i32, self.left_padding[r], self.idx);
-        let k = k.index((r..r + 1, .., start..end, ..)).contiguous()?;
-        let v = v.index((r..r + 1, .., start..end, ..)).contiguous()?;
-        Ok(Some((k, v)))
+        let copy = |a: &Array| a.index((r..r + 1, .., start..end, ..)).contiguous();
+        Ok(Some((k.map(copy)?, v.map(copy)?)))
     }
 
     /// Drops the last `n` positions of every row (speculative rollback).
@@ -222,10 +227,15 @@ impl BatchKv {
 
     /// Bytes held by the buffers (padding and spare capacity included).
     pub fn nbytes(&self) -> usize {
-        self.keys.as_ref().map_or(0, Array::nbytes) + self.values.as_ref().map_or(0, Array::nbytes)
+        self.keys.as_ref().map_or(0, Stored::nbytes)
+            + self.values.as_ref().map_or(0, Stored::nbytes)
     }
 
     pub fn state(&self) -> Vec<&Array> {
-        self.keys.iter().chain(self.values.iter()).collect()
+        self.keys
+            .iter()
+            .chain(self.values.iter())
+            .flat_map(Stored::arrays)
+            .collect()
     }
 }

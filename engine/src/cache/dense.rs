@@ -7,10 +7,12 @@
 use mlx_rs::error::Exception;
 use mlx_rs::Array;
 
+use super::stored::{write_positions, Stored};
+
 #[derive(Debug, Default)]
 pub struct DenseKv {
-    keys: Option<Array>,
-    values: Option<Array>,
+    keys: Option<Stored>,
+    values: Option<Stored>,
     offset: i32,
 }
 
@@ -26,7 +28,8 @@ impl DenseKv {
 
     /// Bytes held by the buffers (including the unfilled tail of the last step).
     pub fn nbytes(&self) -> usize {
-        self.keys.as_ref().map_or(0, Array::nbytes) + self.values.as_ref().map_or(0, Array::nbytes)
+        self.keys.as_ref().map_or(0, Stored::nbytes)
+            + self.values.as_ref().map_or(0, Stored::nbytes)
     }
 
     /// Appends `[B, kv_heads, L, head_dim]` keys and values; returns all keys and values so far.
@@ -34,11 +37,12 @@ impl DenseKv {
         &mut self,
         keys: &Array,
         values: &Array,
-    ) -> Result<(Array, Array), Exception> {
+    ) -> Result<(Stored, Stored), Exception> {
         let prev = self.offset;
-        let fetched = super::write_positions(&mut self.keys, &mut self.values, prev, keys, values)?;
+        let k = write_positions(&mut self.keys, prev, &Stored::Plain(keys.clone()))?;
+        let v = write_positions(&mut self.values, prev, &Stored::Plain(values.clone()))?;
         self.offset += keys.shape()[2];
-        Ok(fetched)
+        Ok((k, v))
     }
 
     /// Drops the last `n` positions (at most all of them).
@@ -48,6 +52,10 @@ impl DenseKv {
 
     /// The arrays to evaluate to materialise the cache (after a prefill chunk).
     pub fn state(&self) -> Vec<&Array> {
-        self.keys.iter().chain(self.values.iter()).collect()
+        self.keys
+            .iter()
+            .chain(self.values.iter())
+            .flat_map(Stored::arrays)
+            .collect()
     }
 }

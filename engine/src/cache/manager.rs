@@ -1,12 +1,10 @@
 //! The cache manager: the one owner of the KV budget and the prefix cache, on the MLX thread.
 use mlx_rs::error::Exception;
-use mlx_rs::ops::indexing::{Ellipsis, IndexOp};
-use mlx_rs::Array;
 
-use super::{BatchKv, KvBudget, PrefixCache, Reservation};
+use super::{BatchKv, KvBudget, KvQuant, PrefixCache, Reservation, Stored};
 
 /// One layer's keys and values `[1, kv_heads, n, head_dim]` for a cached prefix.
-type LayerKv = (Array, Array);
+type LayerKv = (Stored, Stored);
 
 /// A prompt's cached prefix, as fresh one-row caches ready to prefill the rest into.
 pub struct PrefixHit {
@@ -18,15 +16,27 @@ pub struct CacheManager {
     budget: KvBudget,
     prefix: PrefixCache<Vec<LayerKv>>,
     bytes_per_token: u64,
+    /// How the caches this manager hands out store keys and values.
+    quant: Option<KvQuant>,
 }
 
 impl CacheManager {
-    pub fn new(kv_budget: Option<u64>, prefix_budget: u64, bytes_per_token: usize) -> Self {
+    pub fn new(
+        kv_budget: Option<u64>,
+        prefix_budget: u64,
+        bytes_per_token: usize,
+        quant: Option<KvQuant>,
+    ) -> Self {
         Self {
             budget: KvBudget::new(kv_budget),
             prefix: PrefixCache::new(prefix_budget),
             bytes_per_token: bytes_per_token as u64,
+            quant,
         }
+    }
+
+    pub fn quant(&self) -> Option<KvQuant> {
+        self.quant
     }
 
     pub fn budget(&self) -> &KvBudget {
@@ -55,11 +65,14 @@ impl CacheManager {
     }
 
     /// The longest cached prefix of `prompt`, leaving at least its last token to run.
-    pub fn lookup(&mut self, prompt: &[u32]) -> Option<PrefixHit> {
+    pub fn lookup(&mut self, prompt: &[u32]) -> Result<Option<PrefixHit>, Exception> {
         if !self.prefix.enabled() || prompt.len() < 2 {
-            return None;
+            return Ok(None);
         }
-        let hit = self.prefix.lookup(prompt, prompt.len() - 1)?;
+        let quant = self.quant;
+        let Some(hit) = self.prefix.lookup(prompt, prompt.len() - 1) else {
+            return Ok(None);
+        };
         let n = hit.matched as i32;
         let whole = hit.matched == hit.entry_len;
         let layers = hit
@@ -67,16 +80,16 @@ impl CacheManager {
             .iter()
             .map(|(k, v)| {
                 if whole {
-                    BatchKv::from_row(k.clone(), v.clone())
+                    Ok(BatchKv::from_row(k.clone(), v.clone(), quant))
                 } else {
-                    BatchKv::from_row(k.index((Ellipsis, ..n, ..)), v.index((Ellipsis, ..n, ..)))
+                    Ok(BatchKv::from_row(k.prefix(n)?, v.prefix(n)?, quant))
                 }
             })
-            .collect();
-        Some(PrefixHit {
+            .collect::<Result<_, Exception>>()?;
+        Ok(Some(PrefixHit {
             tokens: hit.matched,
             layers,
-        })
+        }))
     }
 
     /// Keeps `layers` as the cache of `tokens` (evaluated now, so that they hold no reference
@@ -85,7 +98,11 @@ impl CacheManager {
         if !self.prefix.enabled() || tokens.is_empty() {
             return Ok(());
         }
-        mlx_rs::transforms::eval(layers.iter().flat_map(|(k, v)| [k, v]))?;
+        mlx_rs::transforms::eval(
+            layers
+                .iter()
+                .flat_map(|(k, v)| k.arrays().into_iter().chain(v.arrays())),
+        )?;
         let bytes = layers
             .iter()
             .map(|(k, v)| (k.nbytes() + v.nbytes()) as u64)

@@ -6,20 +6,21 @@
 //! Each layout answers them its own way:
 //! - [`DenseKv`]: one sequence, as mlx-lm's `KVCache` (the serial reference path);
 //! - [`BatchKv`]: many sequences in one buffer, left-padded, with per-row offsets and masks,
-//!   as mlx-lm's `BatchKVCache` (the runtime's decode batch and prefill groups).
-//!
-//! A quantized layout is not built yet (see docs/architecture.md).
+//!   as mlx-lm's `BatchKVCache` (the runtime's decode batch and prefill groups), holding its
+//!   keys and values plain or quantized ([`Stored`], `--kv-bits`).
 mod batched;
 mod budget;
 mod dense;
 mod manager;
 mod prefix;
+mod stored;
 
 pub use batched::BatchKv;
 pub use budget::{KvBudget, Reservation};
 pub use dense::DenseKv;
 pub use manager::{CacheManager, PrefixHit};
 pub use prefix::{PrefixCache, PrefixLookup};
+pub use stored::{KvQuant, Stored};
 
 use mlx_rs::error::Exception;
 use mlx_rs::fast::ScaledDotProductAttentionMask;
@@ -29,57 +30,6 @@ use crate::models::layers::Rope;
 
 /// Positions a cache buffer grows by (mlx-lm's `KVCache.step`).
 pub(crate) const STEP: i32 = 256;
-
-/// Writes `keys`/`values` `[B, kv_heads, L, head_dim]` at positions `prev..prev + L` of the
-/// buffers, growing them by whole [`STEP`]s of positions as mlx-lm's caches do; returns the
-/// keys and values of positions `..prev + L`. Shared by the layouts that keep plain arrays.
-pub(crate) fn write_positions(
-    k_buf: &mut Option<Array>,
-    v_buf: &mut Option<Array>,
-    prev: i32,
-    keys: &Array,
-    values: &Array,
-) -> Result<(Array, Array), Exception> {
-    use mlx_rs::ops::indexing::{Ellipsis, IndexOp, TryIndexMutOp};
-    use mlx_rs::ops::{concatenate, zeros_dtype};
-    let l = keys.shape()[2];
-    let capacity = k_buf.as_ref().map_or(0, |k| k.shape()[2]);
-    if k_buf.is_none() || prev + l > capacity {
-        let ks = keys.shape();
-        let vs = values.shape();
-        let steps = (STEP + l - 1) / STEP;
-        let new_k = zeros_dtype(&[ks[0], ks[1], steps * STEP, ks[3]], keys.dtype())?;
-        let new_v = zeros_dtype(&[vs[0], vs[1], steps * STEP, vs[3]], values.dtype())?;
-        match (k_buf.take(), v_buf.take()) {
-            (Some(mut k), Some(mut v)) => {
-                if prev < capacity {
-                    k = k.index((Ellipsis, ..prev, ..));
-                    v = v.index((Ellipsis, ..prev, ..));
-                }
-                *k_buf = Some(concatenate(&[k, new_k], 2)?);
-                *v_buf = Some(concatenate(&[v, new_v], 2)?);
-            }
-            _ => {
-                *k_buf = Some(new_k);
-                *v_buf = Some(new_v);
-            }
-        }
-    }
-    let end = prev + l;
-    let (Some(k), Some(v)) = (k_buf.as_mut(), v_buf.as_mut()) else {
-        unreachable!("buffers were allocated above");
-    };
-    k.try_index_mut((Ellipsis, prev..end, ..), keys)?;
-    v.try_index_mut((Ellipsis, prev..end, ..), values)?;
-    if end < k.shape()[2] {
-        Ok((
-            k.index((Ellipsis, ..end, ..)),
-            v.index((Ellipsis, ..end, ..)),
-        ))
-    } else {
-        Ok((k.clone(), v.clone()))
-    }
-}
 
 /// The cache of one layer, in one of its layouts.
 #[derive(Debug)]
@@ -118,12 +68,13 @@ impl LayerCache {
         }
     }
 
-    /// Appends `[B, kv_heads, L, head_dim]` keys and values; returns all held so far.
+    /// Appends `[B, kv_heads, L, head_dim]` keys and values; returns all held so far, as the
+    /// layout stores them.
     pub fn update_and_fetch(
         &mut self,
         keys: &Array,
         values: &Array,
-    ) -> Result<(Array, Array), Exception> {
+    ) -> Result<(Stored, Stored), Exception> {
         match self {
             LayerCache::Dense(c) => c.update_and_fetch(keys, values),
             LayerCache::Batched(c) => c.update_and_fetch(keys, values),

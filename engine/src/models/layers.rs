@@ -6,7 +6,7 @@ use mlx_rs::fast;
 use mlx_rs::ops::{dequantize, quantized_matmul};
 use mlx_rs::Array;
 
-use crate::cache::LayerCache;
+use crate::cache::{LayerCache, Mask, Stored};
 use crate::loader::{LoadError, Weights};
 
 pub type Result<T> = std::result::Result<T, Exception>;
@@ -203,11 +203,93 @@ pub fn attend(
     let keys = cache.rope(rope, keys)?;
     let (keys, values) = cache.update_and_fetch(&keys, values)?;
     let mask = cache.mask(queries.shape()[2])?;
-    let out =
-        fast::scaled_dot_product_attention(&queries, &keys, &values, scale, mask.as_sdpa(), None)?;
+    let out = match (&keys, &values) {
+        (Stored::Plain(k), Stored::Plain(v)) => {
+            fast::scaled_dot_product_attention(&queries, k, v, scale, mask.as_sdpa(), None)?
+        }
+        _ => quantized_attention(&queries, &keys, &values, scale, &mask)?,
+    };
     let shape = out.shape().to_vec();
     out.transpose_axes(&[0, 2, 1, 3])?
         .reshape(&[shape[0], shape[2], -1])
+}
+
+/// Attention over a quantized cache, as mlx-lm's `quantized_scaled_dot_product_attention`:
+/// scores and outputs by quantized matmuls against the packed keys and values, the query heads
+/// grouped over their shared KV head. `queries` `[B, heads, L, D]` → `[B, heads, L, D]`.
+fn quantized_attention(
+    queries: &Array,
+    keys: &Stored,
+    values: &Stored,
+    scale: f32,
+    mask: &Mask,
+) -> Result<Array> {
+    let (
+        Stored::Quantized {
+            weights: kw,
+            scales: ks,
+            biases: kb,
+            quant,
+        },
+        Stored::Quantized {
+            weights: vw,
+            scales: vs,
+            biases: vb,
+            ..
+        },
+    ) = (keys, values)
+    else {
+        return Err(Exception::custom(
+            "keys and values of one cache are stored differently",
+        ));
+    };
+    let q = queries.shape().to_vec();
+    let (b, heads, l, d) = (q[0], q[1], q[2], q[3]);
+    let kv_heads = kw.shape()[1];
+    let t = kw.shape()[2];
+    let repeats = heads / kv_heads;
+    // [B, kv_heads, repeats, L, D] against [B, kv_heads, 1, T, ·].
+    let q = queries
+        .multiply(Array::from_f32(scale).as_dtype(queries.dtype())?)?
+        .reshape(&[b, kv_heads, repeats, l, d])?;
+    let grouped = |a: &Array| a.expand_dims(2);
+    let scores = quantized_matmul(
+        &q,
+        grouped(kw)?,
+        grouped(ks)?,
+        &grouped(kb)?,
+        true,
+        quant.group_size,
+        quant.bits,
+    )?;
+    let allowed = match mask {
+        Mask::None => None,
+        Mask::Causal => {
+            let key_pos = Array::arange::<_, i32>(None, t, None)?.reshape(&[1, t])?;
+            let query_pos = Array::arange::<_, i32>(t - l, t, None)?.reshape(&[l, 1])?;
+            Some(key_pos.le(&query_pos)?)
+        }
+        // [B, 1, L, T] → [B, 1, 1, L, T]
+        Mask::Array(m) => Some(m.expand_dims(2)?),
+    };
+    let scores = match allowed {
+        Some(allowed) => {
+            let hidden = Array::from_f32(-1e9).as_dtype(scores.dtype())?;
+            mlx_rs::ops::select(&allowed, &scores, &hidden)?
+        }
+        None => scores,
+    };
+    let weights = mlx_rs::ops::softmax_axis(&scores, -1, true)?;
+    let out = quantized_matmul(
+        &weights,
+        grouped(vw)?,
+        grouped(vs)?,
+        &grouped(vb)?,
+        false,
+        quant.group_size,
+        quant.bits,
+    )?;
+    out.reshape(&[b, heads, l, d])
 }
 
 /// `[B, L, heads * head_dim]` → `[B, heads, L, head_dim]`.

@@ -267,6 +267,8 @@ pub(crate) fn build_decoder(
             * (c.kv_heads() * head_dim) as usize
             * dtype_bytes,
         eos_token_ids: eos_ids(config),
+        kv_dtype_bytes: dtype_bytes,
+        head_dim: head_dim as usize,
     };
     let mut model = Llama {
         embed_tokens,

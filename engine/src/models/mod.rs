@@ -26,8 +26,13 @@ pub struct ModelInfo {
     pub context_length: usize,
     /// Bytes of parameters held in memory.
     pub weight_bytes: usize,
-    /// KV cache bytes per token of one sequence.
+    /// KV cache bytes per token of one sequence (as the cache stores it: the runtime updates
+    /// this when the KV cache is quantized).
     pub kv_bytes_per_token: usize,
+    /// Bytes of one unquantized KV element (the model's activation dtype).
+    pub kv_dtype_bytes: usize,
+    /// Dimension of one attention head (what a KV quantization group must divide).
+    pub head_dim: usize,
     /// Token ids that end a generation, from config.json (`eos_token_id`, int or list).
     pub eos_token_ids: Vec<u32>,
 }

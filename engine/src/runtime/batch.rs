@@ -13,7 +13,7 @@ use mlx_rs::Array;
 use super::request::FinishReason;
 use super::sampler::{BatchSampler, RowSampling};
 use super::sequence::Sequence;
-use crate::cache::{BatchKv, LayerCache};
+use crate::cache::{BatchKv, LayerCache, Stored};
 use crate::models::CausalLm;
 
 /// Sequences whose prompt is in their cache, ready to join the batch.
@@ -24,7 +24,7 @@ pub struct Prefilled {
 }
 
 /// The tokens a row's KV holds and one copy of that KV per layer (keys, values).
-pub type RowKv = (Vec<u32>, Vec<(Array, Array)>);
+pub type RowKv = (Vec<u32>, Vec<(Stored, Stored)>);
 
 /// A sequence that left the batch, with a copy of its KV for the prefix cache.
 pub struct Departed {

@@ -18,7 +18,7 @@ use super::request::{GenerateRequest, GenerationError, TokenEvent};
 use super::scheduler::{self, Admission, PrefillView, PrefillWork, SchedulerLimits, WaitingView};
 use super::sequence::Sequence;
 use super::{OomHook, RuntimeStats};
-use crate::cache::{BatchKv, CacheManager, LayerCache};
+use crate::cache::{BatchKv, CacheManager, KvQuant, LayerCache};
 use crate::models::{CausalLm, ModelInfo};
 
 /// An admitted sequence whose prompt is not all in its cache yet.
@@ -114,7 +114,7 @@ impl<'m> Executor<'m> {
     fn iteration(&mut self) -> Result<(), Exception> {
         self.waiting.retain(|r| !r.events.is_closed());
         self.drop_cancelled_prefills();
-        self.admit();
+        self.admit()?;
         let joining = std::mem::take(&mut self.ready);
         let departed = self.batch.step(self.model, joining)?;
         self.settle(departed)?;
@@ -138,7 +138,7 @@ impl<'m> Executor<'m> {
         self.caches.bytes_for(tokens)
     }
 
-    fn admit(&mut self) {
+    fn admit(&mut self) -> Result<(), Exception> {
         let views: Vec<WaitingView> = self
             .waiting
             .iter()
@@ -173,7 +173,7 @@ impl<'m> Executor<'m> {
                     }
                     let mut seq = Sequence::new(req, self.info.context_length);
                     seq.reservation = Some(self.caches.reserve(needed));
-                    let hit = self.caches.lookup(seq.prompt());
+                    let hit = self.caches.lookup(seq.prompt())?;
                     let (layers, written) = match hit {
                         Some(hit) => {
                             seq.cached_tokens = hit.tokens;
@@ -190,6 +190,7 @@ impl<'m> Executor<'m> {
             }
         }
         self.promote_prefilled();
+        Ok(())
     }
 
     /// Token ids the model cannot embed or bias are refused before they reach MLX.
@@ -225,9 +226,9 @@ impl<'m> Executor<'m> {
                 still.push(p);
                 continue;
             }
-            let layers = p
-                .layers
-                .unwrap_or_else(|| fresh_layers(self.info.num_layers, vec![0]));
+            let layers = p.layers.unwrap_or_else(|| {
+                fresh_layers(self.info.num_layers, vec![0], self.caches.quant())
+            });
             self.ready.push(Prefilled {
                 seqs: vec![p.seq],
                 layers,
@@ -270,13 +271,14 @@ impl<'m> Executor<'m> {
     /// The next `n` prompt tokens of one sequence into its own cache.
     fn prefill_chunk(&mut self, index: usize, n: usize) -> Result<(), Exception> {
         let num_layers = self.info.num_layers;
+        let quant = self.caches.quant();
         let p = &mut self.prefilling[index];
         let chunk = &p.seq.tokens[p.written..p.written + n];
         let input = Array::from_slice(chunk, &[1, n as i32]);
         let layers = p
             .layers
             .take()
-            .unwrap_or_else(|| fresh_layers(num_layers, vec![0]));
+            .unwrap_or_else(|| fresh_layers(num_layers, vec![0], quant));
         let layers = run_prefill(self.model, &input, layers)?;
         let p = &mut self.prefilling[index];
         p.layers = Some(layers);
@@ -304,7 +306,7 @@ impl<'m> Executor<'m> {
         let layers = run_prefill(
             self.model,
             &input,
-            fresh_layers(self.info.num_layers, padding),
+            fresh_layers(self.info.num_layers, padding, self.caches.quant()),
         )?;
         let mut taken: Vec<Option<Prefilling>> = std::mem::take(&mut self.prefilling)
             .into_iter()
@@ -339,6 +341,7 @@ impl<'m> Executor<'m> {
             self.caches.budget().limit(),
             self.caches.prefix_budget(),
             self.info.kv_bytes_per_token,
+            self.caches.quant(),
         );
         if let GenerationError::OutOfMemory(message) = &error {
             for r in self.waiting.drain(..) {
@@ -372,9 +375,9 @@ impl<'m> Executor<'m> {
     }
 }
 
-fn fresh_layers(num_layers: usize, padding: Vec<i32>) -> Vec<BatchKv> {
+fn fresh_layers(num_layers: usize, padding: Vec<i32>, quant: Option<KvQuant>) -> Vec<BatchKv> {
     (0..num_layers)
-        .map(|_| BatchKv::with_padding(padding.clone()))
+        .map(|_| BatchKv::with_padding(padding.clone(), quant))
         .collect()
 }
 

@@ -28,7 +28,7 @@ use std::thread;
 
 use tokio::sync::mpsc;
 
-use crate::cache::CacheManager;
+use crate::cache::{CacheManager, KvQuant};
 use crate::loader::LoadError;
 use crate::models::{self, ModelInfo};
 use executor::Executor;
@@ -57,6 +57,8 @@ pub struct RuntimeLimits {
     pub prompt_cache_bytes: u64,
     /// Prompt tokens of one sequence per prefill forward pass.
     pub prefill_chunk: usize,
+    /// Quantize the KV cache (`--kv-bits`, `--kv-group-size`); `None` keeps the model's dtype.
+    pub kv_quant: Option<KvQuant>,
 }
 
 impl Default for RuntimeLimits {
@@ -67,6 +69,7 @@ impl Default for RuntimeLimits {
             context_length: None,
             prompt_cache_bytes: DEFAULT_PROMPT_CACHE_BYTES,
             prefill_chunk: PREFILL_CHUNK,
+            kv_quant: None,
         }
     }
 }
@@ -100,6 +103,15 @@ impl Runtime {
         limits: RuntimeLimits,
         on_oom: Option<OomHook>,
     ) -> Result<Runtime, LoadError> {
+        if let Some(q) = limits.kv_quant {
+            if ![4, 8].contains(&q.bits) || ![32, 64, 128].contains(&q.group_size) {
+                return Err(LoadError::Config(format!(
+                    "KV quantization of {} bits in groups of {} is not supported: bits must be 4 \
+                     or 8, the group size 32, 64 or 128",
+                    q.bits, q.group_size
+                )));
+            }
+        }
         let (ready_tx, ready_rx) = std_mpsc::channel();
         let (work, rx) = mpsc::unbounded_channel();
         let stats = Arc::new(RuntimeStats::default());
@@ -112,11 +124,26 @@ impl Runtime {
                     if let Some(cap) = limits.context_length {
                         info.context_length = info.context_length.min(cap);
                     }
+                    if let Some(q) = limits.kv_quant {
+                        if info.head_dim % q.group_size as usize != 0 {
+                            let _ = ready_tx.send(Err(LoadError::Config(format!(
+                                "--kv-group-size {} does not divide the model's head dimension {}",
+                                q.group_size, info.head_dim
+                            ))));
+                            return;
+                        }
+                        let plain = info.kv_dtype_bytes as f64;
+                        info.kv_bytes_per_token = (info.kv_bytes_per_token as f64
+                            * q.bytes_per_element(info.kv_dtype_bytes)
+                            / plain)
+                            .ceil() as usize;
+                    }
                     let _ = ready_tx.send(Ok(info.clone()));
                     let caches = CacheManager::new(
                         limits.kv_budget_bytes,
                         limits.prompt_cache_bytes,
                         info.kv_bytes_per_token,
+                        limits.kv_quant,
                     );
                     let scheduler = SchedulerLimits {
                         max_batch_size: limits.max_batch_size.max(1),

@@ -1,23 +1,14 @@
 //! Gumbel noise for sampling, counter-based: the noise for row `b`, vocabulary entry `v`,
-//! depends only on that row's key and `v`.
+//! depends only on that row's seed, the index of the token being generated, and `v`.
 //!
 //! MLX's random functions take one key per call, so a batch would need one call per row. Here
-//! a whole `[B, vocab]` block comes from a few integer ops: each row's key is a pair of u32
-//! derived on the host from (seed, index of the generated token), and each element hashes its
-//! vocabulary index with that key. So the draw for generated token i of a seeded request is
-//! the same alone, in any batch, and after a resume.
+//! a whole `[B, vocab]` block comes from one compiled graph of integer ops: each row's key is
+//! mixed on the device from its seed and step (kept as `[B, 1]` arrays that advance on the
+//! device, so a step uploads nothing), and each element hashes its vocabulary index with that
+//! key. So the draw for generated token i of a seeded request is the same alone, in any batch,
+//! and after a resume.
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype, Stream};
-
-/// The key of generated token `step` of a request seeded with `seed` (SplitMix64 finaliser).
-pub fn row_key(seed: u64, step: u64) -> [u32; 2] {
-    let mut z = seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^= z >> 31;
-    [z as u32, (z >> 32) as u32]
-}
 
 type NoiseFn = Box<dyn FnMut(&[Array]) -> Result<Vec<Array>, Exception>>;
 
@@ -27,35 +18,43 @@ thread_local! {
     static NOISE: std::cell::RefCell<Option<NoiseFn>> = const { std::cell::RefCell::new(None) };
 }
 
-/// Standard Gumbel noise `[B, vocab]` (float32) for rows with the given keys.
-pub fn gumbel(keys: &[[u32; 2]], vocab: i32) -> Result<Array, Exception> {
-    let b = keys.len() as i32;
-    // Two columns rather than one `[B, 2]` array: a shapeless compiled graph cannot slice.
-    let k0: Vec<u32> = keys.iter().map(|k| k[0]).collect();
-    let k1: Vec<u32> = keys.iter().map(|k| k[1]).collect();
-    let k0 = Array::from_slice(&k0, &[b, 1]);
-    let k1 = Array::from_slice(&k1, &[b, 1]);
+/// Standard Gumbel noise `[B, vocab]` (float32) for rows with the given seeds (`[B, 1]` u32
+/// low and high halves) at the given generated-token indices (`[B, 1]` u32), all on the device.
+pub fn gumbel(
+    seed_lo: &Array,
+    seed_hi: &Array,
+    steps: &Array,
+    vocab: i32,
+) -> Result<Array, Exception> {
     let ids = Array::arange::<_, u32>(None, vocab as u32, None)?.reshape(&[1, vocab])?;
     NOISE.with(|cell| {
         let mut slot = cell.borrow_mut();
         let f = slot.get_or_insert_with(|| {
             Box::new(mlx_rs::transforms::compile::compile(noise_graph, true))
         });
-        Ok(f(&[k0, k1, ids])?.remove(0))
+        let args = [seed_lo.clone(), seed_hi.clone(), steps.clone(), ids];
+        Ok(f(&args)?.remove(0))
     })
 }
 
-/// The hash of `ids` `[1, vocab]` under each row's key (two `[B, 1]` halves), as Gumbel noise.
-fn noise_graph(args: &[Array]) -> Result<Vec<Array>, Exception> {
-    let (k0, k1, ids) = (&args[0], &args[1], &args[2]);
-    let mut x = xor(ids, k0)?;
-    x = x.multiply(scalar(0x9E37_79B1))?;
-    x = xor(&x, &shr(&x, 16)?)?;
+/// The murmur3 finaliser: a bijective mix of 32 bits.
+fn fmix(x: &Array) -> Result<Array, Exception> {
+    let mut x = xor(x, &shr(x, 16)?)?;
     x = x.multiply(scalar(0x85EB_CA6B))?;
     x = xor(&x, &shr(&x, 13)?)?;
-    x = xor(&x, k1)?;
     x = x.multiply(scalar(0xC2B2_AE35))?;
-    x = xor(&x, &shr(&x, 16)?)?;
+    xor(&x, &shr(&x, 16)?)
+}
+
+/// Each row's key from (seed, step), then the hash of `ids` `[1, vocab]` under it, as Gumbel
+/// noise. Arguments: seed low half, seed high half, step (each `[B, 1]` u32), ids.
+fn noise_graph(args: &[Array]) -> Result<Vec<Array>, Exception> {
+    let (lo, hi, steps, ids) = (&args[0], &args[1], &args[2], &args[3]);
+    let k0 = fmix(&xor(lo, &steps.multiply(scalar(0x9E37_79B1))?)?)?;
+    let k1 = fmix(&xor(hi, &fmix(&steps.add(scalar(0x632B_E5AB))?)?)?)?;
+    let mut x = xor(ids, &k0)?;
+    x = x.multiply(scalar(0x9E37_79B1))?;
+    x = fmix(&xor(&fmix(&x)?, &k1)?)?;
     // 24 high bits → a uniform in (0, 1), never 0 or 1.
     let u = shr(&x, 8)?
         .as_dtype(Dtype::Float32)?
@@ -107,23 +106,41 @@ fn binary(a: &Array, b: &Array, op: BinaryOp, name: &str) -> Result<Array, Excep
 #[cfg(test)]
 mod tests {
     use super::*;
+    use mlx_rs::ops::indexing::IndexOp;
+
+    fn col(v: &[u32]) -> Array {
+        Array::from_slice(v, &[v.len() as i32, 1])
+    }
+
+    fn noise(rows: &[(u64, u32)], vocab: i32) -> Array {
+        let lo: Vec<u32> = rows.iter().map(|r| r.0 as u32).collect();
+        let hi: Vec<u32> = rows.iter().map(|r| (r.0 >> 32) as u32).collect();
+        let steps: Vec<u32> = rows.iter().map(|r| r.1).collect();
+        gumbel(&col(&lo), &col(&hi), &col(&steps), vocab).unwrap()
+    }
+
+    fn row(a: &Array, r: i32) -> Vec<f32> {
+        a.index(r).as_slice().to_vec()
+    }
 
     #[test]
-    fn a_row_depends_only_on_its_key() {
-        let a = gumbel(&[row_key(7, 3), row_key(1, 0)], 50).unwrap();
-        let b = gumbel(&[row_key(1, 0), row_key(9, 9), row_key(7, 3)], 50).unwrap();
-        use mlx_rs::ops::indexing::IndexOp;
-        let a0: Vec<f32> = a.index(0).as_slice().to_vec();
-        let b2: Vec<f32> = b.index(2).as_slice().to_vec();
-        assert_eq!(a0, b2);
-        let a1: Vec<f32> = a.index(1).as_slice().to_vec();
-        assert_ne!(a0, a1);
+    fn a_row_depends_only_on_its_seed_and_step() {
+        let a = noise(&[(7, 3), (1, 0)], 50);
+        let b = noise(&[(1, 0), (9, 9), (7, 3)], 50);
+        assert_eq!(row(&a, 0), row(&b, 2));
+        assert_eq!(row(&a, 1), row(&b, 0));
+        assert_ne!(row(&a, 0), row(&a, 1));
+        // Neighbouring seeds and steps, and the seed's high half, all change the draw.
+        let c = noise(&[(7, 4), (8, 3), (7 + (1 << 32), 3)], 50);
+        for r in 0..3 {
+            assert_ne!(row(&a, 0), row(&c, r));
+        }
     }
 
     #[test]
     fn noise_is_standard_gumbel() {
-        let keys: Vec<[u32; 2]> = (0..64).map(|i| row_key(42, i)).collect();
-        let g = gumbel(&keys, 1000).unwrap();
+        let rows: Vec<(u64, u32)> = (0..64).map(|i| (42, i)).collect();
+        let g = noise(&rows, 1000);
         let v: Vec<f32> = g.as_slice().to_vec();
         assert!(v.iter().all(|x| x.is_finite()));
         let mean = v.iter().sum::<f32>() / v.len() as f32;
@@ -131,12 +148,5 @@ mod tests {
         let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / v.len() as f32;
         assert!((mean - 0.5772).abs() < 0.02, "mean {mean}");
         assert!((var - 1.645).abs() < 0.05, "variance {var}");
-    }
-
-    #[test]
-    fn keys_differ_by_seed_and_step() {
-        assert_ne!(row_key(1, 0), row_key(2, 0));
-        assert_ne!(row_key(1, 0), row_key(1, 1));
-        assert_eq!(row_key(5, 5), row_key(5, 5));
     }
 }

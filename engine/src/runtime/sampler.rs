@@ -40,8 +40,6 @@ pub struct RowSampling<'a> {
 
 struct Row {
     params: SamplingParams,
-    seed: u64,
-    next_step: u64,
 }
 
 /// Rows' sampling state, in batch order.
@@ -56,6 +54,13 @@ pub struct BatchSampler {
     /// `[B, vocab]` generated-token counts; only while some row has a presence or frequency
     /// penalty.
     counts: Option<Array>,
+    /// `[B, 1]` u32 halves of each row's seed and the index of its next generated token, on
+    /// the device: the noise keys derive from them there, so a step uploads nothing.
+    seed_lo: Option<Array>,
+    seed_hi: Option<Array>,
+    steps: Option<Array>,
+    /// `[B, 1]` parameter columns, built once per batch membership.
+    columns: std::cell::RefCell<std::collections::HashMap<&'static str, Array>>,
 }
 
 impl BatchSampler {
@@ -66,6 +71,10 @@ impl BatchSampler {
             bias: None,
             seen: None,
             counts: None,
+            seed_lo: None,
+            seed_hi: None,
+            steps: None,
+            columns: Default::default(),
         }
     }
 
@@ -123,11 +132,26 @@ impl BatchSampler {
             let rows = vec![0.0f32; v * joining.len()];
             self.counts = Some(append_rows(self.counts.take(), old, self.vocab, &rows)?);
         }
+        let column = |f: &dyn Fn(&RowSampling<'_>) -> u32| {
+            let values: Vec<u32> = joining.iter().map(f).collect();
+            Array::from_slice(&values, &[values.len() as i32, 1])
+        };
+        let append = |old: Option<Array>, new: Array| -> Result<Array, Exception> {
+            match old {
+                Some(o) => concatenate(&[o, new], 0),
+                None => Ok(new),
+            }
+        };
+        self.seed_lo = Some(append(self.seed_lo.take(), column(&|r| r.seed as u32))?);
+        self.seed_hi = Some(append(
+            self.seed_hi.take(),
+            column(&|r| (r.seed >> 32) as u32),
+        )?);
+        self.steps = Some(append(self.steps.take(), column(&|r| r.next_step as u32))?);
         self.rows.extend(joining.iter().map(|r| Row {
             params: r.params.clone(),
-            seed: r.seed,
-            next_step: r.next_step,
         }));
+        self.columns.borrow_mut().clear();
         Ok(())
     }
 
@@ -140,9 +164,17 @@ impl BatchSampler {
             &keep.iter().map(|&r| r as i32).collect::<Vec<_>>(),
             &[keep.len() as i32],
         );
-        for state in [&mut self.bias, &mut self.seen, &mut self.counts] {
+        for state in [
+            &mut self.bias,
+            &mut self.seen,
+            &mut self.counts,
+            &mut self.seed_lo,
+            &mut self.seed_hi,
+            &mut self.steps,
+        ] {
             *state = state.take().map(|s| s.take_axis(&idx, 0)).transpose()?;
         }
+        self.columns.borrow_mut().clear();
         let mut rows: Vec<Option<Row>> = std::mem::take(&mut self.rows)
             .into_iter()
             .map(Some)
@@ -177,13 +209,13 @@ impl BatchSampler {
             x = x.add(bias)?;
         }
         if let Some(seen) = &self.seen {
-            let r = self.column(|p| p.repetition_penalty);
+            let r = self.column("repetition", |p| p.repetition_penalty);
             let penalised = select(&x.gt(Array::from_f32(0.0))?, x.divide(&r)?, x.multiply(&r)?)?;
             x = select(&seen.gt(Array::from_f32(0.0))?, &penalised, &x)?;
         }
         if let Some(counts) = &self.counts {
-            let presence = self.column(|p| p.presence_penalty);
-            let frequency = self.column(|p| p.frequency_penalty);
+            let presence = self.column("presence", |p| p.presence_penalty);
+            let frequency = self.column("frequency", |p| p.frequency_penalty);
             let present = counts.gt(Array::from_f32(0.0))?.as_dtype(Dtype::Float32)?;
             x = x
                 .subtract(presence.multiply(&present)?)?
@@ -194,15 +226,14 @@ impl BatchSampler {
             greedy
         } else {
             let sampled = self.draw(&x)?;
-            let is_greedy: Vec<bool> = self
-                .rows
-                .iter()
-                .map(|r| r.params.temperature == 0.0)
-                .collect();
-            select(Array::from_slice(&is_greedy, &[b]), &greedy, &sampled)?
+            let is_greedy = self
+                .column("greedy", |p| if p.temperature == 0.0 { 1.0 } else { 0.0 })
+                .reshape(&[b])?
+                .gt(Array::from_f32(0.5))?;
+            select(&is_greedy, &greedy, &sampled)?
         };
-        for row in &mut self.rows {
-            row.next_step += 1;
+        if let Some(steps) = &self.steps {
+            self.steps = Some(steps.add(Array::from_slice(&[1u32], &[1]))?);
         }
         if self.seen.is_some() || self.counts.is_some() {
             let one_hot = Array::arange::<_, u32>(None, self.vocab as u32, None)?
@@ -225,6 +256,7 @@ impl BatchSampler {
             .iter()
             .chain(self.seen.iter())
             .chain(self.counts.iter())
+            .chain(self.steps.iter())
             .collect()
     }
 
@@ -232,7 +264,7 @@ impl BatchSampler {
     /// draw is discarded).
     fn draw(&self, x: &Array) -> Result<Array, Exception> {
         let b = self.rows.len() as i32;
-        let temperature = self.column(|p| {
+        let temperature = self.column("temperature", |p| {
             if p.temperature == 0.0 {
                 1.0
             } else {
@@ -269,7 +301,7 @@ impl BatchSampler {
             if any_top_p {
                 let probs = mlx_rs::ops::softmax_axis(&sorted, -1, true)?;
                 let before = probs.cumsum(-1, None, None)?.subtract(&probs)?;
-                let top_p = self.column(|p| p.top_p);
+                let top_p = self.column("top_p", |p| p.top_p);
                 let kept = before
                     .lt(&top_p)?
                     .as_dtype(Dtype::Int32)?
@@ -283,7 +315,7 @@ impl BatchSampler {
             }
         }
         if self.rows.iter().any(|r| r.params.min_p > 0.0) {
-            let log_min_p = self.column(|p| {
+            let log_min_p = self.column("log_min_p", |p| {
                 if p.min_p > 0.0 {
                     p.min_p.ln()
                 } else {
@@ -300,19 +332,23 @@ impl BatchSampler {
             Some(t) => select(&z.ge(&t)?, &z, Array::from_f32(f32::NEG_INFINITY))?,
             None => z,
         };
-        let keys: Vec<[u32; 2]> = self
-            .rows
-            .iter()
-            .map(|r| noise::row_key(r.seed, r.next_step))
-            .collect();
-        let g = noise::gumbel(&keys, self.vocab)?;
+        let (Some(lo), Some(hi), Some(steps)) = (&self.seed_lo, &self.seed_hi, &self.steps) else {
+            return Err(Exception::custom("the sampler has rows but no seeds"));
+        };
+        let g = noise::gumbel(lo, hi, steps, self.vocab)?;
         argmax_axis(z.add(&g)?, -1, None)?.as_dtype(Dtype::Uint32)
     }
 
-    /// A `[B, 1]` float32 column of one parameter.
-    fn column(&self, f: impl Fn(&SamplingParams) -> f32) -> Array {
-        let values: Vec<f32> = self.rows.iter().map(|r| f(&r.params)).collect();
-        Array::from_slice(&values, &[values.len() as i32, 1])
+    /// A `[B, 1]` float32 column of one parameter, built once per batch membership.
+    fn column(&self, name: &'static str, f: impl Fn(&SamplingParams) -> f32) -> Array {
+        self.columns
+            .borrow_mut()
+            .entry(name)
+            .or_insert_with(|| {
+                let values: Vec<f32> = self.rows.iter().map(|r| f(&r.params)).collect();
+                Array::from_slice(&values, &[values.len() as i32, 1])
+            })
+            .clone()
     }
 }
 
@@ -387,7 +423,8 @@ mod tests {
         let row: &[f32] = &[0.0, 0.5, 2.0, 1.0];
         for step in 0..20 {
             let mut s = sampler(&rows, &[], 4);
-            s.rows.iter_mut().for_each(|r| r.next_step = step);
+            let b = s.rows.len() as i32;
+            s.steps = Some(Array::from_slice(&vec![step as u32; b as usize], &[b, 1]));
             assert_eq!(
                 tokens(&s.sample(&logits(&[row, row, row])).unwrap()),
                 [2, 2, 2]

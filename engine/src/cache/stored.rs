@@ -1,0 +1,206 @@
+//! Keys or values as a cache holds them: plain `[B, kv_heads, T, head_dim]` arrays, or quantized
+//! along `head_dim` with MLX's affine quantization (packed weights, scales and biases that
+//! share the leading `[B, kv_heads, T]` dimensions).
+//!
+//! The cache layouts move positions and rows around (grow, slice, pad, take rows, copy a row)
+//! without caring which of the two they hold: every such operation applies to each component
+//! alike along the same axes. Only attention reads them differently (see
+//! [`attention`](crate::models::layers::attend)).
+use mlx_rs::error::Exception;
+use mlx_rs::ops::indexing::{Ellipsis, IndexOp, TryIndexMutOp};
+use mlx_rs::ops::{concatenate, quantize, zeros_dtype};
+use mlx_rs::Array;
+
+/// Affine quantization of the KV cache (`--kv-bits`, `--kv-group-size`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvQuant {
+    pub bits: i32,
+    pub group_size: i32,
+}
+
+impl KvQuant {
+    /// KV bytes per element of `head_dim` next to `dtype_bytes` unquantized: packed bits plus
+    /// one scale and one bias (in the model's dtype) per group.
+    pub fn bytes_per_element(&self, dtype_bytes: usize) -> f64 {
+        self.bits as f64 / 8.0 + 2.0 * dtype_bytes as f64 / self.group_size as f64
+    }
+}
+
+#[derive(Debug, Clone)]
+pub enum Stored {
+    Plain(Array),
+    Quantized {
+        weights: Array,
+        scales: Array,
+        biases: Array,
+        quant: KvQuant,
+    },
+}
+
+impl Stored {
+    /// `x` `[B, kv_heads, L, head_dim]` as the cache keeps it.
+    pub fn new(x: &Array, quant: Option<KvQuant>) -> Result<Self, Exception> {
+        match quant {
+            None => Ok(Stored::Plain(x.clone())),
+            Some(quant) => {
+                let (weights, scales, biases) = quantize(x, quant.group_size, quant.bits)?;
+                Ok(Stored::Quantized {
+                    weights,
+                    scales,
+                    biases,
+                    quant,
+                })
+            }
+        }
+    }
+
+    /// Positions held (axis 2).
+    pub fn positions(&self) -> i32 {
+        self.first().shape()[2]
+    }
+
+    fn first(&self) -> &Array {
+        match self {
+            Stored::Plain(a) => a,
+            Stored::Quantized { weights, .. } => weights,
+        }
+    }
+
+    pub fn arrays(&self) -> Vec<&Array> {
+        match self {
+            Stored::Plain(a) => vec![a],
+            Stored::Quantized {
+                weights,
+                scales,
+                biases,
+                ..
+            } => vec![weights, scales, biases],
+        }
+    }
+
+    pub fn nbytes(&self) -> usize {
+        self.arrays().iter().map(|a| a.nbytes()).sum()
+    }
+
+    /// The same operation on every component.
+    pub fn map(&self, f: impl Fn(&Array) -> Result<Array, Exception>) -> Result<Self, Exception> {
+        Ok(match self {
+            Stored::Plain(a) => Stored::Plain(f(a)?),
+            Stored::Quantized {
+                weights,
+                scales,
+                biases,
+                quant,
+            } => Stored::Quantized {
+                weights: f(weights)?,
+                scales: f(scales)?,
+                biases: f(biases)?,
+                quant: *quant,
+            },
+        })
+    }
+
+    /// Positions `..n`.
+    pub fn prefix(&self, n: i32) -> Result<Self, Exception> {
+        self.map(|a| Ok(a.index((Ellipsis, ..n, ..))))
+    }
+
+    /// Zeros shaped like this, with `rows` rows and `positions` positions.
+    pub fn zeros(&self, rows: i32, positions: i32) -> Result<Self, Exception> {
+        self.map(|a| {
+            let s = a.shape();
+            zeros_dtype(&[rows, s[1], positions, s[3]], a.dtype())
+        })
+    }
+
+    /// `parts` (all of one kind) joined along `axis`.
+    pub fn concat(parts: &[Stored], axis: i32) -> Result<Self, Exception> {
+        let component = |i: usize| -> Result<Array, Exception> {
+            let arrays: Vec<Array> = parts.iter().map(|p| p.arrays()[i].clone()).collect();
+            concatenate(&arrays, axis)
+        };
+        match &parts[0] {
+            Stored::Plain(_) => Ok(Stored::Plain(component(0)?)),
+            Stored::Quantized { quant, .. } => {
+                if parts
+                    .iter()
+                    .any(|p| !matches!(p, Stored::Quantized { quant: q, .. } if q == quant))
+                {
+                    return Err(Exception::custom(
+                        "cannot join KV caches stored with different quantization",
+                    ));
+                }
+                Ok(Stored::Quantized {
+                    weights: component(0)?,
+                    scales: component(1)?,
+                    biases: component(2)?,
+                    quant: *quant,
+                })
+            }
+        }
+    }
+
+    /// Writes `new` at positions `start..start + new.positions()`.
+    fn write(&mut self, start: i32, new: &Stored) -> Result<(), Exception> {
+        let end = start + new.positions();
+        match (self, new) {
+            (Stored::Plain(a), Stored::Plain(n)) => a.try_index_mut((Ellipsis, start..end, ..), n),
+            (
+                Stored::Quantized {
+                    weights,
+                    scales,
+                    biases,
+                    ..
+                },
+                Stored::Quantized {
+                    weights: w,
+                    scales: s,
+                    biases: b,
+                    ..
+                },
+            ) => {
+                weights.try_index_mut((Ellipsis, start..end, ..), w)?;
+                scales.try_index_mut((Ellipsis, start..end, ..), s)?;
+                biases.try_index_mut((Ellipsis, start..end, ..), b)
+            }
+            _ => Err(Exception::custom(
+                "cannot write quantized and plain KV into one buffer",
+            )),
+        }
+    }
+}
+
+/// Writes `new` at positions `prev..prev + L` of `buf`, growing it by whole
+/// [`STEP`](super::STEP)s of positions as mlx-lm's caches do; returns positions `..prev + L`.
+/// The one write path of every layout.
+pub fn write_positions(
+    buf: &mut Option<Stored>,
+    prev: i32,
+    new: &Stored,
+) -> Result<Stored, Exception> {
+    let step = super::STEP;
+    let l = new.positions();
+    let capacity = buf.as_ref().map_or(0, Stored::positions);
+    if buf.is_none() || prev + l > capacity {
+        let grown = new.zeros(new.first().shape()[0], (step + l - 1) / step * step)?;
+        *buf = Some(match buf.take() {
+            Some(old) => {
+                let old = if prev < capacity {
+                    old.prefix(prev)?
+                } else {
+                    old
+                };
+                Stored::concat(&[old, grown], 2)?
+            }
+            None => grown,
+        });
+    }
+    let end = prev + l;
+    let held = buf.as_mut().expect("allocated above");
+    held.write(prev, new)?;
+    if end < held.positions() {
+        held.prefix(end)
+    } else {
+        Ok(held.clone())
+    }
+}
