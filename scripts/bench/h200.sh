@@ -5,7 +5,8 @@
 #
 #   scripts/bench/h200.sh models <tokenizer dir>   random-weight Llama shapes under $MODELS
 #   scripts/bench/h200.sh engine <out dir>         engine core against mlx-lm (1B shapes)
-#   scripts/bench/h200.sh engine8b <out dir>       the same for the 8B shapes
+#   scripts/bench/h200.sh engine8b <out dir>       the same for the 8B shape (models8b)
+#   scripts/bench/h200.sh engine8b-q4 <out dir>    the 8B shape in 4 bits (models8b-q4)
 #   scripts/bench/h200.sh serve <out dir>          mlxd against mlx_lm.server, prefix cache
 #   scripts/bench/h200.sh prefix <out dir>         the prefix-cache part alone
 #   scripts/bench/h200.sh proxy <out dir>          streams straight to an engine against through mlxd
@@ -62,6 +63,10 @@ case ${1:-} in
     tok=$2
     gen llama-8b llama-8b-bf16
     ;;
+  models8b-q4)
+    tok=$2
+    gen llama-8b llama-8b-q4 --quantize 4
+    ;;
   engine)
     out=$2
     mkdir -p "$out"
@@ -81,6 +86,11 @@ case ${1:-} in
     engine "$out" llama-8b-bf16 512 128 1 0
     engine "$out" llama-8b-bf16 4096 8 1 0
     engine "$out" llama-8b-bf16 128 64 8 0
+    ;;
+  engine8b-q4)
+    out=$2
+    mkdir -p "$out"
+    engine "$out" llama-8b-q4 512 128 1 0
     ;;
   serve | prefix)
     out=$2
