@@ -12,6 +12,7 @@ use mlxd_ipc::control::{ChildChannel, ControlSender, ParentEvent};
 use mlxd_protocol::control::{FatalKind, Launch, Ready, Stats, PROTOCOL_VERSION};
 use tokio::sync::Notify;
 
+use crate::cache::KvQuant;
 use crate::runtime::request::is_out_of_memory;
 use crate::runtime::{OomHook, Runtime, RuntimeLimits};
 use crate::server::{self, ApiError, ServerState};
@@ -35,6 +36,97 @@ pub enum StartError {
     },
     #[error("{0}")]
     Mlx(String),
+    #[error("engine option {key} = {value:?}: {reason}")]
+    Option {
+        key: String,
+        value: String,
+        reason: String,
+    },
+}
+
+/// The engine options `mlxd` passes in `Launch.options` (`[server.engine_options]` and a
+/// model's `options` in `mlxd.toml`), each with what it takes.
+pub const ENGINE_OPTIONS: &[(&str, &str)] = &[
+    (
+        "prompt_cache",
+        "GiB of prefix cache, a number >= 0 (0 disables it)",
+    ),
+    ("kv_bits", "4 or 8: store the KV cache quantized"),
+    ("kv_group_size", "32, 64 or 128 (with kv_bits)"),
+];
+
+/// The runtime limits for a supervised engine: `Launch.limits` and `Launch.options` over the
+/// defaults. An unknown option or a value out of its domain is an error, never ignored.
+pub fn runtime_limits(launch: &Launch) -> Result<RuntimeLimits, StartError> {
+    let defaults = RuntimeLimits::default();
+    let mut limits = RuntimeLimits {
+        max_batch_size: launch
+            .limits
+            .max_batch_size
+            .map_or(defaults.max_batch_size, |n| n as usize),
+        kv_budget_bytes: launch.limits.kv_budget_bytes,
+        context_length: launch.limits.context_length.map(|n| n as usize),
+        ..defaults
+    };
+    let mut kv_bits = None;
+    let mut kv_group_size = None;
+    for (key, value) in &launch.options {
+        let bad = |reason: &str| StartError::Option {
+            key: key.clone(),
+            value: value.clone(),
+            reason: reason.to_owned(),
+        };
+        match key.as_str() {
+            "prompt_cache" => {
+                let gib: f64 = value
+                    .parse()
+                    .ok()
+                    .filter(|g: &f64| g.is_finite() && (0.0..=1024.0 * 1024.0).contains(g))
+                    .ok_or_else(|| bad("expected GiB between 0 and 1048576"))?;
+                limits.prompt_cache_bytes = (gib * (1u64 << 30) as f64) as u64;
+            }
+            "kv_bits" => {
+                kv_bits = Some(
+                    value
+                        .parse::<i32>()
+                        .ok()
+                        .filter(|b| [4, 8].contains(b))
+                        .ok_or_else(|| bad("expected 4 or 8"))?,
+                )
+            }
+            "kv_group_size" => {
+                kv_group_size = Some(
+                    value
+                        .parse::<i32>()
+                        .ok()
+                        .filter(|g| [32, 64, 128].contains(g))
+                        .ok_or_else(|| bad("expected 32, 64 or 128"))?,
+                )
+            }
+            _ => {
+                let known: Vec<&str> = ENGINE_OPTIONS.iter().map(|(k, _)| *k).collect();
+                return Err(bad(&format!(
+                    "unknown option (known: {})",
+                    known.join(", ")
+                )));
+            }
+        }
+    }
+    limits.kv_quant = match (kv_bits, kv_group_size) {
+        (Some(bits), group) => Some(KvQuant {
+            bits,
+            group_size: group.unwrap_or(64),
+        }),
+        (None, Some(group)) => {
+            return Err(StartError::Option {
+                key: "kv_group_size".into(),
+                value: group.to_string(),
+                reason: "needs kv_bits".into(),
+            })
+        }
+        (None, None) => None,
+    };
+    Ok(limits)
 }
 
 impl StartError {
@@ -137,17 +229,13 @@ pub fn run_supervised(home: &Path) -> anyhow::Result<()> {
         });
     }
 
-    let defaults = RuntimeLimits::default();
-    let limits = RuntimeLimits {
-        max_batch_size: launch
-            .limits
-            .max_batch_size
-            .map_or(defaults.max_batch_size, |n| n as usize),
-        kv_budget_bytes: launch.limits.kv_budget_bytes,
-        context_length: launch.limits.context_length.map(|n| n as usize),
-        prompt_cache_bytes: defaults.prompt_cache_bytes,
-        prefill_chunk: defaults.prefill_chunk,
-        kv_quant: defaults.kv_quant,
+    let limits = match runtime_limits(&launch) {
+        Ok(limits) => limits,
+        Err(e) => {
+            tracing::error!(error = %e, "invalid engine options");
+            let _ = control.send_fatal(FatalKind::LoadFailed, e.to_string());
+            std::process::exit(2);
+        }
     };
     let oom_control = control.clone();
     let on_oom: OomHook = Box::new(move |message| {
@@ -241,4 +329,70 @@ async fn refuse_when_draining(
             .into_response();
     }
     next.run(request).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mlxd_protocol::control::Limits;
+
+    fn launch(options: &[(&str, &str)]) -> Launch {
+        Launch {
+            version: PROTOCOL_VERSION,
+            model: "m".into(),
+            socket_path: "/tmp/s".into(),
+            limits: Limits {
+                max_batch_size: Some(8),
+                kv_budget_bytes: Some(1 << 20),
+                context_length: None,
+            },
+            options: options
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn limits_and_options_become_runtime_limits() {
+        let l = runtime_limits(&launch(&[("prompt_cache", "0.5"), ("kv_bits", "8")])).unwrap();
+        assert_eq!(l.max_batch_size, 8);
+        assert_eq!(l.kv_budget_bytes, Some(1 << 20));
+        assert_eq!(l.prompt_cache_bytes, 1 << 29);
+        assert_eq!(
+            l.kv_quant,
+            Some(KvQuant {
+                bits: 8,
+                group_size: 64
+            })
+        );
+        let l = runtime_limits(&launch(&[])).unwrap();
+        assert_eq!(l.kv_quant, None);
+        assert_eq!(
+            l.prompt_cache_bytes,
+            RuntimeLimits::default().prompt_cache_bytes
+        );
+    }
+
+    #[test]
+    fn unknown_or_out_of_range_options_are_refused_with_the_reason() {
+        for (opts, needle) in [
+            (&[("kv_bits", "5")][..], "expected 4 or 8"),
+            (&[("prompt_cache", "-1")][..], "between 0 and"),
+            (&[("kv_group_size", "64")][..], "needs kv_bits"),
+            (
+                &[("kv_bits", "4"), ("kv_group_size", "48")][..],
+                "32, 64 or 128",
+            ),
+            (
+                &[("speculative", "yes")][..],
+                "unknown option (known: prompt_cache",
+            ),
+        ] {
+            let e = runtime_limits(&launch(opts))
+                .expect_err("refused")
+                .to_string();
+            assert!(e.contains(needle), "{opts:?}: {e}");
+        }
+    }
 }

@@ -98,6 +98,8 @@ impl Real {
         Proxy::start_with(&[], |c| {
             c.models = models;
             c.server.engine_bin = Some(self.engine.clone());
+            // The harness's options script the fake engine; the real one refuses unknown ones.
+            c.server.engine_options.clear();
             c.server.queue_timeout_ms = 180_000;
             c.server.grace_ms = 5_000;
             c.server
@@ -247,6 +249,43 @@ async fn real_engines_switch_under_one_engine_and_report_memory_and_limits() -> 
     assert!(
         text.contains("mlxd_completion_tokens_total{model=\"tiny-llama\"}"),
         "{text}"
+    );
+    p.stop().await?;
+    Ok(())
+}
+
+/// Engine options from `mlxd.toml` reach the real engine: a quantized KV cache and a prefix
+/// cache size serve; an unknown option fails the load with the reason instead of being ignored.
+#[tokio::test]
+async fn engine_options_configure_the_real_engine_and_unknown_ones_fail_the_load() -> Result<()> {
+    let r = real();
+    let mut quantized = r.model("tiny-qwen3");
+    quantized.id = "quantized".into();
+    for (k, v) in [
+        ("kv_bits", "8"),
+        ("kv_group_size", "32"),
+        ("prompt_cache", "0.25"),
+    ] {
+        quantized.options.insert(k.into(), v.into());
+    }
+    let mut bogus = r.model("tiny-llama");
+    bogus.id = "bogus".into();
+    bogus.options.insert("speculative".into(), "yes".into());
+    let mut p = r.start(vec![quantized, bogus], |_| {}).await?;
+    let v = chat(&p, "quantized", "Hello", 4).await?;
+    assert!(
+        v["usage"]["completion_tokens"].as_u64().unwrap() >= 1,
+        "{v}"
+    );
+    let e = row(&p, "quantized").await?;
+    // 8 bits plus an f32 scale and bias per 32 elements, against 4 bytes per element.
+    let per_token = e["ready"]["kv_bytes_per_token"].as_u64().unwrap();
+    let plain = 2 * 2 * 2 * 32 * 4; // K and V, 2 layers, 2 KV heads, head_dim 32, f32
+    assert_eq!(per_token, plain * 5 / 16, "{e}");
+    let err = chat(&p, "bogus", "Hello", 4).await.unwrap_err().to_string();
+    assert!(
+        err.contains("engine option speculative") && err.contains("unknown option"),
+        "{err}"
     );
     p.stop().await?;
     Ok(())
