@@ -145,9 +145,32 @@ impl Stop {
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "serde_json::Value")]
 pub struct StreamOptions {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub include_usage: Option<bool>,
+}
+
+impl TryFrom<serde_json::Value> for StreamOptions {
+    type Error = String;
+
+    /// Only a JSON object: serde's derived form would also read a sequence (`[]`, `[true]`)
+    /// as the struct, silently accepting a malformed request.
+    fn try_from(v: serde_json::Value) -> Result<Self, String> {
+        let serde_json::Value::Object(map) = v else {
+            return Err(format!("stream_options must be an object, got {v}"));
+        };
+        let include_usage = match map.get("include_usage") {
+            None | Some(serde_json::Value::Null) => None,
+            Some(serde_json::Value::Bool(b)) => Some(*b),
+            Some(other) => {
+                return Err(format!(
+                    "stream_options.include_usage must be a boolean, got {other}"
+                ))
+            }
+        };
+        Ok(StreamOptions { include_usage })
+    }
 }
 
 /// One message of a chat.
@@ -594,5 +617,17 @@ mod tests {
             json!({"object": "list", "data": [{"id": "smollm2", "object": "model", "created": 0,
                    "owned_by": "mlxd", "context_length": 8192}]})
         );
+    }
+
+    #[test]
+    fn stream_options_must_be_an_object() {
+        let ok: StreamOptions = serde_json::from_str(r#"{"include_usage": true}"#).unwrap();
+        assert_eq!(ok.include_usage, Some(true));
+        for bad in ["[]", "[true]", "5", r#"{"include_usage": "yes"}"#] {
+            assert!(
+                serde_json::from_str::<StreamOptions>(bad).is_err(),
+                "{bad} was accepted"
+            );
+        }
     }
 }

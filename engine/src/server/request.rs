@@ -145,10 +145,14 @@ pub fn validate(params: &GenerationParams, tokenizer: &Tokenizer) -> Result<Sett
 
     let mut sampling = SamplingParams::default();
     if let Some(t) = params.temperature {
-        if !(t >= 0.0 && t.is_finite()) {
+        // Checked as the f32 the sampler uses: 1e39 is a finite f64 but an infinite f32.
+        if !(t >= 0.0 && (t as f32).is_finite()) {
             return Err(ApiError::invalid(
                 "temperature",
-                format!("temperature must be at least 0, got {t}"),
+                format!(
+                    "temperature must be at least 0 and at most {:e}, got {t}",
+                    f32::MAX
+                ),
             ));
         }
         sampling.temperature = t as f32;
@@ -181,7 +185,7 @@ pub fn validate(params: &GenerationParams, tokenizer: &Tokenizer) -> Result<Sett
         sampling.min_p = p as f32;
     }
     if let Some(r) = params.repetition_penalty {
-        if !(r > 0.0 && r.is_finite()) {
+        if !(r > 0.0 && (r as f32).is_finite()) {
             return Err(ApiError::invalid(
                 "repetition_penalty",
                 format!("repetition_penalty must be greater than 0, got {r}"),
@@ -399,10 +403,17 @@ mod tests {
         );
         assert_eq!(param.as_deref(), Some("stop"));
         assert!(msg.contains("string or a list of strings"), "{msg}");
-        let (param, _) = err_of::<ChatCompletionRequest>(
+        let (param, msg) = err_of::<ChatCompletionRequest>(
             r#"{"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": 1}}"#,
         );
-        assert_eq!(param.as_deref(), Some("stream_options.include_usage"));
+        assert_eq!(param.as_deref(), Some("stream_options"));
+        assert!(msg.contains("include_usage must be a boolean"), "{msg}");
+        // A sequence is not an object, though serde's derived form would read it as one.
+        let (param, msg) = err_of::<ChatCompletionRequest>(
+            r#"{"messages": [{"role": "user", "content": "x"}], "stream_options": []}"#,
+        );
+        assert_eq!(param.as_deref(), Some("stream_options"));
+        assert!(msg.contains("must be an object"), "{msg}");
         let (param, msg) = err_of::<CompletionRequest>(r#"{"prompt": {"a": 1}}"#);
         assert_eq!(param.as_deref(), Some("prompt"));
         assert!(msg.contains("list of token ids"), "{msg}");
@@ -430,7 +441,12 @@ mod tests {
             (
                 r#"{"temperature": -0.5}"#,
                 "temperature",
-                "temperature must be at least 0, got -0.5",
+                "temperature must be at least 0 and at most 3.4028235e38, got -0.5",
+            ),
+            (
+                r#"{"temperature": 1e39}"#,
+                "temperature",
+                "temperature must be at least 0 and at most 3.4028235e38, got 1000000000000000000000000000000000000000",
             ),
             (r#"{"top_p": 0}"#, "top_p", "top_p must be in (0, 1], got 0"),
             (

@@ -604,7 +604,7 @@ async fn bad_requests_are_400_naming_the_field_and_the_server_keeps_serving() {
             "/v1/chat/completions",
             chat(json!({"temperature": -1})).to_string(),
             Some("temperature"),
-            "at least 0, got -1",
+            "at least 0 and at most 3.4028235e38, got -1",
         ),
         (
             "/v1/chat/completions",
