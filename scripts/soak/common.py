@@ -114,6 +114,8 @@ def proc_sample(pid):
             for line in f:
                 if line.startswith("VmRSS:"):
                     rss = int(line.split()[1])
+        if rss is None:
+            return None  # a zombie (killed, not yet reaped) has no VmRSS
         fds = len(os.listdir(f"/proc/{pid}/fd"))
         return {"rss_kib": rss, "fds": fds}
     except (FileNotFoundError, ProcessLookupError, PermissionError):
@@ -266,6 +268,12 @@ class Sampler(threading.Thread):
         self.stop_ev.set()
         self.join()
 
+    @staticmethod
+    def _pair(row):
+        if not row:
+            return [None, None]
+        return [round(row["rss_kib"] / 1024, 1), row["fds"]]
+
     def summary(self):
         def stats(rows):
             rows = [r for r in rows if r]
@@ -279,7 +287,12 @@ class Sampler(threading.Thread):
                 "fds": {"start": rows[0]["fds"], "end": rows[-1]["fds"],
                         "max": max(r["fds"] for r in rows)},
             }
-        out = {"mlxd": stats([s["mlxd"] for s in self.samples]), "engines": {}}
+        out = {"mlxd": stats([s["mlxd"] for s in self.samples]), "engines": {},
+               # [t s, mlxd RSS MiB, mlxd fds, engine RSS MiB, engine fds] per sample (the
+               # first engine listed; null while none runs)
+               "series": [[s["t"], *self._pair(s["mlxd"]),
+                           *self._pair(next(iter(s["engines"].values()), None))]
+                          for s in self.samples]}
         for pid in sorted(self.engine_pids):
             out["engines"][str(pid)] = stats([s["engines"].get(pid) for s in self.samples])
         return out
