@@ -63,10 +63,6 @@ impl BatchKv {
         (self.idx - self.left_padding[r]) as usize
     }
 
-    pub fn left_padding(&self) -> &[i32] {
-        &self.left_padding
-    }
-
     fn unpadded(&self) -> bool {
         self.left_padding.iter().all(|&p| p == 0)
     }

@@ -369,9 +369,6 @@ impl<'m> Executor<'m> {
             .sum();
         let kv = self.batch.kv_bytes() + prefill_bytes + self.caches.prefix_bytes() as usize;
         self.stats.kv_bytes.store(kv as u64, Ordering::Relaxed);
-        self.stats
-            .prefix_cache_bytes
-            .store(self.caches.prefix_bytes(), Ordering::Relaxed);
     }
 }
 

@@ -81,7 +81,6 @@ pub struct RuntimeStats {
     pub queued: AtomicU64,
     /// KV bytes held: the batch, prefills in progress and the prefix cache.
     pub kv_bytes: AtomicU64,
-    pub prefix_cache_bytes: AtomicU64,
 }
 
 /// Called once, on the MLX thread, when MLX runs out of memory: the process cannot trust its

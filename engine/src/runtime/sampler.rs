@@ -78,10 +78,6 @@ impl BatchSampler {
         }
     }
 
-    pub fn rows(&self) -> usize {
-        self.rows.len()
-    }
-
     pub fn vocab(&self) -> usize {
         self.vocab as usize
     }
