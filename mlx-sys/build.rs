@@ -148,15 +148,11 @@ fn find_mlx_c(workspace: &Path) -> PathBuf {
 /// Returns a copy of the sources with that call adapted, under `OUT_DIR`.
 fn adapted_mlx_c(src: &Path, mlx_version: &str) -> PathBuf {
     let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR")).join("mlx-c");
-    if out.exists() {
-        fs::remove_dir_all(&out)
-            .unwrap_or_else(|e| fail(&format!("cannot clear {}: {e}", out.display())));
-    }
     copy_tree(src, &out);
     if version_at_least(mlx_version, (0, 32, 3)) {
         let ops = out.join("mlx/c/ops.cpp");
-        let text = fs::read_to_string(&ops)
-            .unwrap_or_else(|e| fail(&format!("cannot read {}: {e}", ops.display())));
+        let text = fs::read_to_string(src.join("mlx/c/ops.cpp"))
+            .unwrap_or_else(|e| fail(&format!("cannot read mlx-c's ops.cpp: {e}")));
         let start = text
             .find("extern \"C\" int mlx_gather_qmm(")
             .unwrap_or_else(|| fail("mlx-c's ops.cpp has no mlx_gather_qmm"));
@@ -176,8 +172,7 @@ fn adapted_mlx_c(src: &Path, mlx_version: &str) -> PathBuf {
             body.replacen(old, new, 1),
             &text[end..]
         );
-        fs::write(&ops, patched)
-            .unwrap_or_else(|e| fail(&format!("cannot write {}: {e}", ops.display())));
+        write_if_changed(&ops, patched.as_bytes());
     }
     out
 }
@@ -204,10 +199,21 @@ fn copy_tree(from: &Path, to: &Path) {
         if path.is_dir() {
             copy_tree(&path, &dest);
         } else {
-            fs::copy(&path, &dest)
-                .unwrap_or_else(|e| fail(&format!("cannot copy {}: {e}", path.display())));
+            let bytes = fs::read(&path)
+                .unwrap_or_else(|e| fail(&format!("cannot read {}: {e}", path.display())));
+            write_if_changed(&dest, &bytes);
         }
     }
+}
+
+/// Writes `bytes` to `path` unless it already holds them: an unchanged copy keeps its old
+/// mtime, so the headers bindgen reports to cargo do not look newer than this script's output
+/// (which would rebuild mlx-sys and mlx-rs on every build).
+fn write_if_changed(path: &Path, bytes: &[u8]) {
+    if fs::read(path).is_ok_and(|held| held == bytes) {
+        return;
+    }
+    fs::write(path, bytes).unwrap_or_else(|e| fail(&format!("cannot write {}: {e}", path.display())));
 }
 
 fn generate_bindings(manifest: &Path, mlx_c: &Path) {
