@@ -1,7 +1,12 @@
 //! Engine-core benchmark: the runtime (scheduler, batched forward passes, on-device sampling)
 //! without HTTP, for `batch` concurrent sequences.
 //!
-//! `cargo run --release --example bench_generate -- <model dir> <prompt tokens> <new tokens> <runs> [batch] [temperature]`
+//! `cargo run --release --example bench_generate -- <model dir> <prompt tokens> <new tokens> <runs> [batch] [temperature] [--draft ngram|<draft model dir>] [--num-draft N] [--prompt-ids FILE]`
+//!
+//! With `--draft`, speculative decoding runs (n-gram prompt lookup or a draft model) and the
+//! line adds `drafted` and `accepted` totals. `--prompt-ids` reads the prompt (a JSON list of
+//! token ids, e.g. a templated input-grounded task) instead of the pseudo-random one; every row
+//! of the batch gets it.
 //!
 //! Prints one JSON object with the medians of `runs` timed runs after one warm-up run:
 //! `ttft_s` (submission to the first token of the first sequence), `prefill_tps` (prompt
@@ -12,6 +17,7 @@
 //! (`scripts/bench/engine.sh`). The prefix cache is off, so repeated runs do the same work.
 use std::time::Instant;
 
+use mlxd_engine::runtime::draft::{DraftSource, Speculation, DEFAULT_NGRAM, DEFAULT_NUM_DRAFT};
 use mlxd_engine::runtime::request::{GenerateRequest, TokenEvent};
 use mlxd_engine::runtime::sampling_params::SamplingParams;
 use mlxd_engine::runtime::{Runtime, RuntimeLimits};
@@ -31,6 +37,8 @@ struct Run {
     ttft: f64,
     prefill_tps: f64,
     decode_tps: f64,
+    drafted: usize,
+    accepted: usize,
 }
 
 fn run(
@@ -62,21 +70,25 @@ fn run(
         })
         .collect::<anyhow::Result<_>>()?;
     // One thread per sequence records when each of its tokens arrived.
-    let arrivals: Vec<Vec<Instant>> = std::thread::scope(|s| {
+    let results: Vec<(Vec<Instant>, (usize, usize))> = std::thread::scope(|s| {
         let handles: Vec<_> = receivers
             .into_iter()
             .map(|mut rx| {
                 s.spawn(move || {
                     let mut times = Vec::new();
+                    let mut drafts = (0, 0);
                     while let Some(event) = rx.blocking_recv() {
                         match event {
                             TokenEvent::Token(_) => times.push(Instant::now()),
                             TokenEvent::Finished(_) => break,
                             TokenEvent::Failed(e) => panic!("generation failed: {e}"),
+                            TokenEvent::Drafts { drafted, accepted } => {
+                                drafts = (drafted, accepted)
+                            }
                             TokenEvent::PromptDone { .. } => {}
                         }
                     }
-                    times
+                    (times, drafts)
                 })
             })
             .collect();
@@ -85,6 +97,9 @@ fn run(
             .map(|h| h.join().expect("reader"))
             .collect()
     });
+    let drafted = results.iter().map(|r| r.1 .0).sum();
+    let accepted = results.iter().map(|r| r.1 .1).sum();
+    let arrivals: Vec<Vec<Instant>> = results.into_iter().map(|r| r.0).collect();
     let first = arrivals.iter().map(|t| t[0]).min().expect("a sequence");
     let all_started = arrivals.iter().map(|t| t[0]).max().expect("a sequence");
     let end = arrivals.iter().map(|t| *t.last().unwrap()).max().unwrap();
@@ -97,6 +112,8 @@ fn run(
         ttft: (first - start).as_secs_f64(),
         prefill_tps: prompt_tokens as f64 / (all_started - start).as_secs_f64(),
         decode_tps: steady as f64 / (end - all_started).as_secs_f64(),
+        drafted,
+        accepted,
     })
 }
 
@@ -106,10 +123,24 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() -> anyhow::Result<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let mut option = |name: &str| -> anyhow::Result<Option<String>> {
+        match args.iter().position(|a| a == name) {
+            None => Ok(None),
+            Some(i) => {
+                anyhow::ensure!(i + 1 < args.len(), "{name} needs a value");
+                let value = args.remove(i + 1);
+                args.remove(i);
+                Ok(Some(value))
+            }
+        }
+    };
+    let draft = option("--draft")?;
+    let num_draft: usize = option("--num-draft")?.map_or(Ok(DEFAULT_NUM_DRAFT), |s| s.parse())?;
+    let prompt_ids = option("--prompt-ids")?;
     anyhow::ensure!(
         (4..=6).contains(&args.len()),
-        "usage: bench_generate <model dir> <prompt tokens> <new tokens> <runs> [batch] [temperature]"
+        "usage: bench_generate <model dir> <prompt tokens> <new tokens> <runs> [batch] [temperature] [--draft ngram|<dir>] [--num-draft N] [--prompt-ids FILE]"
     );
     let (dir, prompt_len, new_tokens, runs): (&str, usize, usize, usize) = (
         &args[0],
@@ -119,14 +150,29 @@ fn main() -> anyhow::Result<()> {
     );
     let batch: usize = args.get(4).map_or(Ok(1), |s| s.parse())?;
     let temperature: f32 = args.get(5).map_or(Ok(0.0), |s| s.parse())?;
+    let speculation = draft.as_deref().map(|d| Speculation {
+        source: match d {
+            "ngram" => DraftSource::Ngram(DEFAULT_NGRAM),
+            dir => DraftSource::Model(dir.into()),
+        },
+        num_draft,
+    });
     let limits = RuntimeLimits {
         max_batch_size: batch.max(1),
         prompt_cache_bytes: 0,
+        speculation,
         ..Default::default()
     };
     let runtime = Runtime::start(dir.into(), limits, None)?;
     let vocab = runtime.info.vocab_size;
-    let prompts: Vec<Vec<u32>> = (0..batch).map(|r| prompt(prompt_len, vocab, r)).collect();
+    let prompts: Vec<Vec<u32>> = match &prompt_ids {
+        Some(file) => {
+            let ids: Vec<u32> = serde_json::from_str(&std::fs::read_to_string(file)?)?;
+            vec![ids; batch]
+        }
+        None => (0..batch).map(|r| prompt(prompt_len, vocab, r)).collect(),
+    };
+    let prompt_len = prompts[0].len();
     run(&runtime, &prompts, 8.min(new_tokens), temperature)?;
     let runs: Vec<Run> = (0..runs)
         .map(|_| run(&runtime, &prompts, new_tokens, temperature))
@@ -134,8 +180,17 @@ fn main() -> anyhow::Result<()> {
     let ttft = median(runs.iter().map(|r| r.ttft).collect());
     let prefill = median(runs.iter().map(|r| r.prefill_tps).collect());
     let decode = median(runs.iter().map(|r| r.decode_tps).collect());
+    let drafted: usize = runs.iter().map(|r| r.drafted).sum();
+    let accepted: usize = runs.iter().map(|r| r.accepted).sum();
+    let draft = match &draft {
+        Some(d) => format!(
+            ",\"draft\":{:?},\"num_draft\":{num_draft},\"drafted\":{drafted},\"accepted\":{accepted}",
+            d
+        ),
+        None => String::new(),
+    };
     println!(
-        "{{\"impl\":\"mlxd\",\"batch\":{batch},\"temperature\":{temperature},\"prompt_tokens\":{prompt_len},\"new_tokens\":{new_tokens},\"ttft_s\":{ttft:.4},\"prefill_tps\":{prefill:.1},\"decode_tps\":{decode:.2}}}"
+        "{{\"impl\":\"mlxd\",\"batch\":{batch},\"temperature\":{temperature},\"prompt_tokens\":{prompt_len},\"new_tokens\":{new_tokens},\"ttft_s\":{ttft:.4},\"prefill_tps\":{prefill:.1},\"decode_tps\":{decode:.2}{draft}}}"
     );
     runtime.join();
     Ok(())

@@ -13,6 +13,9 @@ use mlxd_protocol::control::{FatalKind, Launch, Ready, Stats, PROTOCOL_VERSION};
 use tokio::sync::Notify;
 
 use crate::cache::KvQuant;
+use crate::runtime::draft::{
+    DraftSource, NgramSizes, Speculation, DEFAULT_NGRAM, DEFAULT_NUM_DRAFT, MAX_NUM_DRAFT,
+};
 use crate::runtime::request::is_out_of_memory;
 use crate::runtime::{OomHook, Runtime, RuntimeLimits};
 use crate::server::{self, ApiError, ServerState};
@@ -36,6 +39,12 @@ pub enum StartError {
     },
     #[error("{0}")]
     Mlx(String),
+    #[error("the draft model {draft} cannot draft for {model}: its tokenizer differs ({reason})")]
+    DraftTokenizer {
+        draft: String,
+        model: String,
+        reason: String,
+    },
     #[error("engine option {key} = {value:?}: {reason}")]
     Option {
         key: String,
@@ -53,11 +62,54 @@ pub const ENGINE_OPTIONS: &[(&str, &str)] = &[
     ),
     ("kv_bits", "4 or 8: store the KV cache quantized"),
     ("kv_group_size", "32, 64 or 128 (with kv_bits)"),
+    (
+        "draft",
+        "\"ngram\": speculative decoding with prompt-lookup drafts",
+    ),
+    (
+        "draft_model",
+        "a model (name, directory or GGUF) with the same tokenizer, to draft tokens",
+    ),
+    (
+        "num_draft_tokens",
+        "drafts per verification pass, 1 to 16 (default 3)",
+    ),
+    (
+        "ngram_min",
+        "shortest n-gram prompt lookup matches (default 2)",
+    ),
+    (
+        "ngram_max",
+        "longest n-gram prompt lookup matches (default 4)",
+    ),
 ];
 
-/// The runtime limits for a supervised engine: `Launch.limits` and `Launch.options` over the
-/// defaults. An unknown option or a value out of its domain is an error, never ignored.
-pub fn runtime_limits(launch: &Launch) -> Result<RuntimeLimits, StartError> {
+/// Where drafts should come from, before the draft model is resolved in the store.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DraftChoice {
+    Ngram(NgramSizes),
+    /// A model spec, as `--model` takes.
+    Model(String),
+}
+
+/// Speculative decoding as asked for (`--draft`/`--draft-model`, or `Launch.options`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DraftOptions {
+    pub choice: DraftChoice,
+    pub num_draft: usize,
+}
+
+/// What a supervised engine runs with: limits, and speculative decoding if asked for.
+#[derive(Debug, Clone)]
+pub struct LaunchOptions {
+    pub limits: RuntimeLimits,
+    pub draft: Option<DraftOptions>,
+}
+
+/// The options of a supervised engine: `Launch.limits` and `Launch.options` over the
+/// defaults. An unknown option, a value out of its domain or a combination that cannot work is
+/// an error, never ignored.
+pub fn launch_options(launch: &Launch) -> Result<LaunchOptions, StartError> {
     let defaults = RuntimeLimits::default();
     let mut limits = RuntimeLimits {
         max_batch_size: launch
@@ -70,6 +122,11 @@ pub fn runtime_limits(launch: &Launch) -> Result<RuntimeLimits, StartError> {
     };
     let mut kv_bits = None;
     let mut kv_group_size = None;
+    let mut ngram = false;
+    let mut draft_model = None;
+    let mut num_draft = None;
+    let mut ngram_min = None;
+    let mut ngram_max = None;
     for (key, value) in &launch.options {
         let bad = |reason: &str| StartError::Option {
             key: key.clone(),
@@ -103,6 +160,39 @@ pub fn runtime_limits(launch: &Launch) -> Result<RuntimeLimits, StartError> {
                         .ok_or_else(|| bad("expected 32, 64 or 128"))?,
                 )
             }
+            "draft" => {
+                if value != "ngram" {
+                    return Err(bad("expected \"ngram\" (a draft model is draft_model)"));
+                }
+                ngram = true;
+            }
+            "draft_model" => {
+                if value.trim().is_empty() {
+                    return Err(bad("expected a model name, directory or GGUF file"));
+                }
+                draft_model = Some(value.clone());
+            }
+            "num_draft_tokens" => {
+                num_draft = Some(
+                    value
+                        .parse::<usize>()
+                        .ok()
+                        .filter(|n| (1..=MAX_NUM_DRAFT).contains(n))
+                        .ok_or_else(|| bad(&format!("expected 1 to {MAX_NUM_DRAFT}")))?,
+                )
+            }
+            "ngram_min" | "ngram_max" => {
+                let n = value
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|n| (1..=64).contains(n))
+                    .ok_or_else(|| bad("expected 1 to 64"))?;
+                if key == "ngram_min" {
+                    ngram_min = Some(n);
+                } else {
+                    ngram_max = Some(n);
+                }
+            }
             _ => {
                 let known: Vec<&str> = ENGINE_OPTIONS.iter().map(|(k, _)| *k).collect();
                 return Err(bad(&format!(
@@ -126,7 +216,49 @@ pub fn runtime_limits(launch: &Launch) -> Result<RuntimeLimits, StartError> {
         }
         (None, None) => None,
     };
-    Ok(limits)
+    let refuse = |key: &str, reason: &str| StartError::Option {
+        key: key.into(),
+        value: launch.options.get(key).cloned().unwrap_or_default(),
+        reason: reason.into(),
+    };
+    if !ngram && (ngram_min.is_some() || ngram_max.is_some()) {
+        let key = if ngram_min.is_some() {
+            "ngram_min"
+        } else {
+            "ngram_max"
+        };
+        return Err(refuse(key, "needs draft = \"ngram\""));
+    }
+    let choice = match (ngram, draft_model) {
+        (true, Some(_)) => {
+            return Err(refuse(
+                "draft_model",
+                "draft = \"ngram\" and draft_model exclude each other",
+            ))
+        }
+        (true, None) => Some(DraftChoice::Ngram(
+            NgramSizes::new(
+                ngram_min.unwrap_or(DEFAULT_NGRAM.min),
+                ngram_max.unwrap_or(DEFAULT_NGRAM.max),
+            )
+            .map_err(|e| refuse("ngram_min", &e))?,
+        )),
+        (false, Some(spec)) => Some(DraftChoice::Model(spec)),
+        (false, None) => None,
+    };
+    if choice.is_none() && num_draft.is_some() {
+        return Err(refuse(
+            "num_draft_tokens",
+            "needs draft = \"ngram\" or a draft_model",
+        ));
+    }
+    Ok(LaunchOptions {
+        limits,
+        draft: choice.map(|choice| DraftOptions {
+            choice,
+            num_draft: num_draft.unwrap_or(DEFAULT_NUM_DRAFT),
+        }),
+    })
 }
 
 impl StartError {
@@ -147,11 +279,13 @@ pub struct Engine {
     pub tokenizer: Arc<Tokenizer>,
 }
 
-/// Resolves `spec` in the model store at `home`, then loads tokenizer and weights.
+/// Resolves `spec` (and a draft model) in the model store at `home`, then loads tokenizer and
+/// weights.
 pub fn load(
     spec: &str,
     home: &Path,
-    limits: RuntimeLimits,
+    mut limits: RuntimeLimits,
+    draft: Option<DraftOptions>,
     on_oom: Option<OomHook>,
 ) -> Result<Engine, StartError> {
     crate::mlx_runtime::check_mlx_version().map_err(StartError::Mlx)?;
@@ -161,6 +295,33 @@ pub fn load(
         dir: model.dir.clone(),
         source,
     })?;
+    limits.speculation = match draft {
+        None => None,
+        Some(DraftOptions { choice, num_draft }) => Some(Speculation {
+            num_draft,
+            source: match choice {
+                DraftChoice::Ngram(sizes) => DraftSource::Ngram(sizes),
+                DraftChoice::Model(draft_spec) => {
+                    let draft = store::resolve_model(&draft_spec, home)?;
+                    let draft_tokenizer = Tokenizer::from_dir(&draft.dir).map_err(|source| {
+                        StartError::Tokenizer {
+                            dir: draft.dir.clone(),
+                            source,
+                        }
+                    })?;
+                    if let Some(reason) = tokenizer.vocabulary_mismatch(&draft_tokenizer) {
+                        return Err(StartError::DraftTokenizer {
+                            draft: draft.id,
+                            model: model.id,
+                            reason,
+                        });
+                    }
+                    tracing::info!(draft = %draft.id, dir = %draft.dir.display(), "draft model");
+                    DraftSource::Model(draft.dir)
+                }
+            },
+        }),
+    };
     let runtime =
         Runtime::start(model.dir.clone(), limits, on_oom).map_err(|source| StartError::Load {
             dir: model.dir.clone(),
@@ -229,8 +390,8 @@ pub fn run_supervised(home: &Path) -> anyhow::Result<()> {
         });
     }
 
-    let limits = match runtime_limits(&launch) {
-        Ok(limits) => limits,
+    let options = match launch_options(&launch) {
+        Ok(options) => options,
         Err(e) => {
             tracing::error!(error = %e, "invalid engine options");
             let _ = control.send_fatal(FatalKind::LoadFailed, e.to_string());
@@ -244,7 +405,13 @@ pub fn run_supervised(home: &Path) -> anyhow::Result<()> {
         std::process::exit(3);
     });
     let _ = control.send_loading(0.0);
-    let engine = match load(&launch.model, home, limits, Some(on_oom)) {
+    let engine = match load(
+        &launch.model,
+        home,
+        options.limits,
+        options.draft,
+        Some(on_oom),
+    ) {
         Ok(engine) => engine,
         Err(e) => {
             tracing::error!(error = %e, "load failed");
@@ -355,7 +522,9 @@ mod tests {
 
     #[test]
     fn limits_and_options_become_runtime_limits() {
-        let l = runtime_limits(&launch(&[("prompt_cache", "0.5"), ("kv_bits", "8")])).unwrap();
+        let o = launch_options(&launch(&[("prompt_cache", "0.5"), ("kv_bits", "8")])).unwrap();
+        assert_eq!(o.draft, None);
+        let l = o.limits;
         assert_eq!(l.max_batch_size, 8);
         assert_eq!(l.kv_budget_bytes, Some(1 << 20));
         assert_eq!(l.prompt_cache_bytes, 1 << 29);
@@ -366,11 +535,35 @@ mod tests {
                 group_size: 64
             })
         );
-        let l = runtime_limits(&launch(&[])).unwrap();
+        let l = launch_options(&launch(&[])).unwrap().limits;
         assert_eq!(l.kv_quant, None);
         assert_eq!(
             l.prompt_cache_bytes,
             RuntimeLimits::default().prompt_cache_bytes
+        );
+    }
+
+    #[test]
+    fn draft_options_become_speculation() {
+        let o = launch_options(&launch(&[("draft", "ngram"), ("ngram_max", "6")])).unwrap();
+        assert_eq!(
+            o.draft,
+            Some(DraftOptions {
+                choice: DraftChoice::Ngram(NgramSizes { min: 2, max: 6 }),
+                num_draft: DEFAULT_NUM_DRAFT,
+            })
+        );
+        let o = launch_options(&launch(&[
+            ("draft_model", "tiny"),
+            ("num_draft_tokens", "5"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            o.draft,
+            Some(DraftOptions {
+                choice: DraftChoice::Model("tiny".into()),
+                num_draft: 5,
+            })
         );
     }
 
@@ -388,8 +581,23 @@ mod tests {
                 &[("speculative", "yes")][..],
                 "unknown option (known: prompt_cache",
             ),
+            (&[("draft", "eagle")][..], "expected \"ngram\""),
+            (
+                &[("draft", "ngram"), ("draft_model", "smollm2-135m")][..],
+                "exclude each other",
+            ),
+            (&[("ngram_max", "3")][..], "needs draft"),
+            (&[("num_draft_tokens", "3")][..], "needs draft"),
+            (
+                &[("draft", "ngram"), ("num_draft_tokens", "0")][..],
+                "1 to 16",
+            ),
+            (
+                &[("draft", "ngram"), ("ngram_min", "4"), ("ngram_max", "2")][..],
+                "ngram-min <= ngram-max",
+            ),
         ] {
-            let e = runtime_limits(&launch(opts))
+            let e = launch_options(&launch(opts))
                 .expect_err("refused")
                 .to_string();
             assert!(e.contains(needle), "{opts:?}: {e}");

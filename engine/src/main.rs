@@ -5,7 +5,9 @@
 use std::path::PathBuf;
 
 use clap::Parser;
+use mlxd_engine::app::{DraftChoice, DraftOptions};
 use mlxd_engine::cache::KvQuant;
+use mlxd_engine::runtime::draft::{NgramSizes, DEFAULT_NGRAM, DEFAULT_NUM_DRAFT, MAX_NUM_DRAFT};
 use mlxd_engine::runtime::{RuntimeLimits, DEFAULT_MAX_BATCH_SIZE};
 use mlxd_engine::{app, store};
 
@@ -49,6 +51,26 @@ struct Args {
     /// Elements of a head that share one scale and bias when the KV cache is quantized.
     #[arg(long, default_value_t = 64, requires = "kv_bits")]
     kv_group_size: i32,
+    /// Speculative decoding with prompt-lookup drafts: `ngram` proposes the tokens that
+    /// followed the text's own ending where it occurred before (prompt or output).
+    #[arg(long, value_parser = ["ngram"], conflicts_with = "draft_model")]
+    draft: Option<String>,
+    /// Speculative decoding with a smaller model (name, directory or GGUF) that has the same
+    /// tokenizer; refused when the tokenizers differ.
+    #[arg(long)]
+    draft_model: Option<String>,
+    /// Drafted tokens verified per forward pass of the model (default 3; with `--draft` or
+    /// `--draft-model`).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=MAX_NUM_DRAFT as u64))]
+    num_draft_tokens: Option<u64>,
+    /// Longest n-gram prompt lookup matches (with `--draft ngram`).
+    #[arg(long, default_value_t = DEFAULT_NGRAM.max as u64, requires = "draft",
+          value_parser = clap::value_parser!(u64).range(1..=64))]
+    ngram_max: u64,
+    /// Shortest n-gram prompt lookup matches (with `--draft ngram`).
+    #[arg(long, default_value_t = DEFAULT_NGRAM.min as u64, requires = "draft",
+          value_parser = clap::value_parser!(u64).range(1..=64))]
+    ngram_min: u64,
 }
 
 fn parse_gib(s: &str) -> Result<f64, String> {
@@ -83,7 +105,24 @@ fn main() -> anyhow::Result<()> {
         }),
         ..RuntimeLimits::default()
     };
-    let engine = app::load(&args.model, &home, limits, None)?;
+    let choice = match (args.draft, args.draft_model) {
+        (Some(_), _) => Some(DraftChoice::Ngram(
+            NgramSizes::new(args.ngram_min as usize, args.ngram_max as usize)
+                .map_err(anyhow::Error::msg)?,
+        )),
+        (None, Some(spec)) => Some(DraftChoice::Model(spec)),
+        (None, None) => None,
+    };
+    if choice.is_none() && args.num_draft_tokens.is_some() {
+        anyhow::bail!("--num-draft-tokens needs --draft ngram or --draft-model");
+    }
+    let draft = choice.map(|choice| DraftOptions {
+        choice,
+        num_draft: args
+            .num_draft_tokens
+            .map_or(DEFAULT_NUM_DRAFT, |n| n as usize),
+    });
+    let engine = app::load(&args.model, &home, limits, draft, None)?;
     let socket = args.unix.expect("clap requires --unix without --control");
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

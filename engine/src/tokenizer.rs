@@ -233,6 +233,35 @@ impl Tokenizer {
     pub fn is_special(&self, id: u32) -> bool {
         self.special_ids.contains(&id)
     }
+
+    /// Why token ids of `other` do not mean the same text as this tokenizer's (a draft model
+    /// must share the main model's vocabulary id for id); `None` when they do.
+    pub fn vocabulary_mismatch(&self, other: &Tokenizer) -> Option<String> {
+        let (a, b) = (self.inner.get_vocab(true), other.inner.get_vocab(true));
+        if a.len() != b.len() {
+            return Some(format!("{} tokens against {}", a.len(), b.len()));
+        }
+        let mut differing: Vec<(&String, &u32)> = a
+            .iter()
+            .filter(|(token, id)| b.get(*token) != Some(id))
+            .collect();
+        differing.sort_by_key(|(_, id)| **id);
+        if let Some((token, id)) = differing.first() {
+            return Some(format!(
+                "{} of {} tokens differ, the first {token:?} (id {id} against {})",
+                differing.len(),
+                a.len(),
+                b.get(*token).map_or("none".into(), |i| i.to_string())
+            ));
+        }
+        if self.stop_token_ids != other.stop_token_ids {
+            return Some(format!(
+                "end-of-sequence ids {:?} against {:?}",
+                self.stop_token_ids, other.stop_token_ids
+            ));
+        }
+        None
+    }
 }
 
 fn read_json_if_exists(path: &Path) -> Result<Option<Value>, TokenizerError> {

@@ -294,7 +294,7 @@ fn stop_tokens_and_cancellation_free_the_row() {
         match rx.blocking_recv().expect("events until the end") {
             TokenEvent::Token(t) => got.push(t),
             TokenEvent::Finished(r) => break r,
-            TokenEvent::PromptDone { .. } => {}
+            TokenEvent::PromptDone { .. } | TokenEvent::Drafts { .. } => {}
             TokenEvent::Failed(e) => panic!("{e}"),
         }
     };

@@ -134,6 +134,11 @@ impl BatchKv {
             }
             self.left_padding = keep.iter().map(|&r| self.left_padding[r]).collect();
         }
+        self.cut_shared_padding()
+    }
+
+    /// Cuts the padding positions that every row has at its start.
+    fn cut_shared_padding(&mut self) -> Result<(), Exception> {
         let shared = self.left_padding.iter().copied().min().unwrap_or(0);
         if shared > 0 {
             for side in [&mut self.keys, &mut self.values] {
@@ -215,10 +220,54 @@ impl BatchKv {
         Ok(Some((k.map(copy)?, v.map(copy)?)))
     }
 
-    /// Drops the last `n` positions of every row (speculative rollback).
+    /// Drops the last `n` positions of every row.
     pub fn trim(&mut self, n: usize) {
         let max = self.idx - self.left_padding.iter().copied().max().unwrap_or(0);
         self.idx -= (n as i32).min(max);
+    }
+
+    /// Drops the last `drop[r]` positions of each row `r` (speculative rollback: each row
+    /// rejected its own number of drafts). Rows must still end at one position, so a row that
+    /// drops fewer than the others is moved right by the difference (one gather over the
+    /// positions axis), its start becoming padding; with equal counts it is a plain trim.
+    pub fn rollback(&mut self, drop: &[usize]) -> Result<(), Exception> {
+        if drop.len() != self.rows() {
+            return Err(Exception::custom(format!(
+                "rollback of {} rows in a cache of {}",
+                drop.len(),
+                self.rows()
+            )));
+        }
+        for (r, &d) in drop.iter().enumerate() {
+            if d > self.row_len(r) {
+                return Err(Exception::custom(format!(
+                    "rollback of {d} positions in a row of {}",
+                    self.row_len(r)
+                )));
+            }
+        }
+        let least = drop.iter().copied().min().unwrap_or(0);
+        if drop.iter().all(|&d| d == least) {
+            self.trim(least);
+            return Ok(());
+        }
+        let end = self.idx - least as i32;
+        let shifts: Vec<i32> = drop.iter().map(|&d| (d - least) as i32).collect();
+        let b = self.rows() as i32;
+        let positions = Array::arange::<_, i32>(None, end, None)?.reshape(&[1, 1, end, 1])?;
+        let shift = Array::from_slice(&shifts, &[b, 1, 1, 1]);
+        let source = mlx_rs::ops::maximum(positions.subtract(&shift)?, Array::from_int(0))?;
+        for side in [&mut self.keys, &mut self.values] {
+            *side = side
+                .take()
+                .map(|s| s.prefix(end)?.map(|a| a.take_along_axis(&source, 2)))
+                .transpose()?;
+        }
+        for (p, s) in self.left_padding.iter_mut().zip(&shifts) {
+            *p += s;
+        }
+        self.idx = end;
+        self.cut_shared_padding()
     }
 
     /// Bytes held by the buffers (padding and spare capacity included).
@@ -233,5 +282,95 @@ impl BatchKv {
             .chain(self.values.iter())
             .flat_map(Stored::arrays)
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `[rows, 1, len, 32]` keys whose every element encodes (row, position, dimension).
+    fn positions(rows: i32, from: i32, len: i32) -> Array {
+        let v: Vec<f32> = (0..rows)
+            .flat_map(|r| {
+                (from..from + len)
+                    .flat_map(move |p| (0..32).map(move |d| (r * 100 + p) as f32 + d as f32 / 64.0))
+            })
+            .collect();
+        Array::from_slice(&v, &[rows, 1, len, 32])
+    }
+
+    fn row_values(s: &Stored) -> Vec<Vec<f32>> {
+        s.arrays()
+            .iter()
+            .map(|a| {
+                a.as_dtype(mlx_rs::Dtype::Float32)
+                    .unwrap()
+                    .as_slice::<f32>()
+                    .to_vec()
+            })
+            .collect()
+    }
+
+    /// Rolls a three-row cache back by a different count per row and checks each row holds
+    /// exactly what a cache that never saw the dropped positions holds, in both stored forms.
+    fn rollback_keeps_each_rows_prefix(quant: Option<KvQuant>) {
+        let mut cache = BatchKv::with_padding(vec![0, 0, 0], quant);
+        let k = positions(3, 0, 6);
+        cache.update_and_fetch(&k, &k).unwrap();
+        cache.rollback(&[0, 3, 1]).unwrap();
+        assert_eq!(
+            (cache.row_len(0), cache.row_len(1), cache.row_len(2)),
+            (6, 3, 5)
+        );
+        for (r, keep) in [(0usize, 6), (1, 3), (2, 5)] {
+            let mut fresh = BatchKv::with_padding(vec![0], quant);
+            let k = positions(3, 0, keep).index((r as i32..r as i32 + 1, .., .., ..));
+            fresh.update_and_fetch(&k, &k).unwrap();
+            let (got, _) = cache.row_copy(r).unwrap().unwrap();
+            let (want, _) = fresh.row_copy(0).unwrap().unwrap();
+            assert_eq!(row_values(&got), row_values(&want), "row {r}");
+        }
+        // Writing after the rollback appends at each row's own end.
+        let next = positions(3, 10, 1);
+        cache.update_and_fetch(&next, &next).unwrap();
+        let (row1, _) = cache.row_copy(1).unwrap().unwrap();
+        assert_eq!(row1.positions(), 4);
+        // Equal counts are a plain trim; more than a row holds is refused.
+        cache.rollback(&[1, 1, 1]).unwrap();
+        assert_eq!(cache.row_len(1), 3);
+        assert!(cache.rollback(&[0, 9, 0]).is_err());
+        assert!(cache.rollback(&[0, 0]).is_err());
+    }
+
+    #[test]
+    fn rollback_of_the_dense_layout_trims_its_one_row() {
+        let mut cache = super::super::LayerCache::Dense(super::super::DenseKv::new());
+        let k = positions(1, 0, 6);
+        cache.update_and_fetch(&k, &k).unwrap();
+        cache.rollback(&[2]).unwrap();
+        let (held, _) = cache
+            .update_and_fetch(&positions(1, 4, 1), &positions(1, 4, 1))
+            .unwrap();
+        assert_eq!(held.positions(), 5);
+        assert_eq!(
+            row_values(&held),
+            row_values(&Stored::Plain(positions(1, 0, 5)))
+        );
+        assert!(cache.rollback(&[1, 1]).is_err());
+        assert!(cache.rollback(&[9]).is_err());
+    }
+
+    #[test]
+    fn rollback_per_row_plain() {
+        rollback_keeps_each_rows_prefix(None);
+    }
+
+    #[test]
+    fn rollback_per_row_quantized() {
+        rollback_keeps_each_rows_prefix(Some(KvQuant {
+            bits: 8,
+            group_size: 32,
+        }));
     }
 }

@@ -90,6 +90,23 @@ impl LayerCache {
         }
     }
 
+    /// Drops the last `drop[r]` positions of each row `r` (speculative rollback).
+    pub fn rollback(&mut self, drop: &[usize]) -> Result<(), Exception> {
+        match self {
+            LayerCache::Dense(c) => match drop {
+                [n] if *n <= c.offset() => {
+                    c.trim(*n);
+                    Ok(())
+                }
+                _ => Err(Exception::custom(format!(
+                    "rollback of {drop:?} positions in a one-sequence cache of {}",
+                    c.offset()
+                ))),
+            },
+            LayerCache::Batched(c) => c.rollback(drop),
+        }
+    }
+
     /// Bytes held by the buffers.
     pub fn nbytes(&self) -> usize {
         match self {

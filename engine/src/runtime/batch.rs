@@ -10,6 +10,7 @@ use mlx_rs::ops::concatenate;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 
+use super::draft::{ngram, verify, DraftCounts, Drafter, Speculator};
 use super::request::FinishReason;
 use super::sampler::{BatchSampler, RowSampling};
 use super::sequence::Sequence;
@@ -26,6 +27,12 @@ pub struct Prefilled {
 /// The tokens a row's KV holds and one copy of that KV per layer (keys, values).
 pub type RowKv = (Vec<u32>, Vec<(Stored, Stored)>);
 
+/// A step's drafts: on the host (n-gram lookup) or still on the device (a draft model).
+enum Drafts {
+    Host(Vec<Vec<u32>>),
+    Device(Array),
+}
+
 /// A sequence that left the batch, with a copy of its KV for the prefix cache.
 pub struct Departed {
     pub seq: Sequence,
@@ -41,10 +48,14 @@ pub struct DecodeBatch {
     num_layers: usize,
     /// Copy each departing row's KV (the prefix cache is on).
     keep_kv: bool,
+    /// Speculative decoding: every step drafts and verifies (synchronously).
+    spec: Option<Speculator>,
+    /// Drafted and accepted tokens since the batch was made.
+    pub draft_counts: DraftCounts,
 }
 
 impl DecodeBatch {
-    pub fn new(num_layers: usize, vocab: usize, keep_kv: bool) -> Self {
+    pub fn new(num_layers: usize, vocab: usize, keep_kv: bool, spec: Option<Speculator>) -> Self {
         Self {
             rows: Vec::new(),
             caches: Vec::new(),
@@ -52,6 +63,8 @@ impl DecodeBatch {
             in_flight: None,
             num_layers,
             keep_kv,
+            spec,
+            draft_counts: DraftCounts::default(),
         }
     }
 
@@ -64,12 +77,16 @@ impl DecodeBatch {
     }
 
     pub fn kv_bytes(&self) -> usize {
-        self.caches.iter().map(LayerCache::nbytes).sum()
+        self.caches.iter().map(LayerCache::nbytes).sum::<usize>()
+            + self.spec.as_ref().map_or(0, Speculator::kv_bytes)
     }
 
     /// Removes every row (after a failure), in batch order.
     pub fn drain(&mut self) -> Vec<Sequence> {
         self.caches.clear();
+        if let Some(Drafter::Model(m)) = self.spec.as_mut().map(|s| &mut s.drafter) {
+            let _ = m.filter(&[]);
+        }
         self.in_flight = None;
         self.sampler = BatchSampler::new(self.sampler.vocab());
         std::mem::take(&mut self.rows)
@@ -82,6 +99,9 @@ impl DecodeBatch {
         model: &dyn CausalLm,
         joining: Vec<Prefilled>,
     ) -> Result<Vec<Departed>, Exception> {
+        if self.spec.is_some() {
+            return self.speculative_step(model, joining);
+        }
         let pending = self.in_flight.take();
         let mut keep = Vec::new();
         let mut kept = Vec::new();
@@ -166,6 +186,159 @@ impl DecodeBatch {
         Ok(departed)
     }
 
+    /// One speculative step: rows that are done leave, `joining` joins, every row gets up to
+    /// `num_draft` drafts, one forward pass of the model verifies them all, each row keeps its
+    /// accepted prefix plus the model's next token, and every cache drops what it rejected.
+    /// Synchronous: between steps every row's last token is read back and not yet in the KV.
+    fn speculative_step(
+        &mut self,
+        model: &dyn CausalLm,
+        joining: Vec<Prefilled>,
+    ) -> Result<Vec<Departed>, Exception> {
+        let mut keep = Vec::new();
+        let mut kept = Vec::new();
+        let mut departed = Vec::new();
+        for (i, mut seq) in std::mem::take(&mut self.rows).into_iter().enumerate() {
+            if seq.wants_more() {
+                keep.push(i);
+                kept.push(seq);
+                continue;
+            }
+            let kv = self.row_kv(i, &seq)?;
+            if !seq.finished {
+                seq.finish(FinishReason::Length);
+            }
+            departed.push(Departed { seq, kv });
+        }
+        self.filter(&keep)?;
+        self.rows = kept;
+        let first_joined = self.rows.len();
+        let mut unused = Vec::new();
+        for unit in joining {
+            self.join(unit, &mut unused)?;
+        }
+        if self.rows.is_empty() {
+            return Ok(departed);
+        }
+        let spec = self.spec.as_mut().expect("a speculative batch");
+        if let Drafter::Model(m) = &mut spec.drafter {
+            let contexts: Vec<&[u32]> = self.rows[first_joined..]
+                .iter()
+                .map(|s| &s.tokens[..s.tokens.len() - 1])
+                .collect();
+            if !contexts.is_empty() {
+                m.join(&contexts)?;
+            }
+        }
+
+        let b = self.rows.len();
+        let last: Vec<u32> = self.rows.iter().map(|s| s.last_token()).collect();
+        // Drafts a row may take: none with position-dependent sampling state, and never more
+        // than it can still emit (its accepted drafts plus one token).
+        let budget: Vec<usize> = self
+            .rows
+            .iter()
+            .enumerate()
+            .map(|(r, s)| {
+                if self.sampler.row_takes_drafts(r) {
+                    spec.num_draft.min(s.remaining() - 1)
+                } else {
+                    0
+                }
+            })
+            .collect();
+        let last_array = Array::from_slice(&last, &[b as i32]);
+        let (input, drafts): (Array, Drafts) = match &mut spec.drafter {
+            Drafter::Ngram(sizes) => {
+                let proposals: Vec<Vec<u32>> = self
+                    .rows
+                    .iter()
+                    .zip(&budget)
+                    .map(|(s, &k)| ngram::propose(&s.tokens, *sizes, k))
+                    .collect();
+                let q = proposals.iter().map(Vec::len).max().unwrap_or(0);
+                let mut tokens = Vec::with_capacity(b * (q + 1));
+                for (p, &t) in proposals.iter().zip(&last) {
+                    tokens.push(t);
+                    tokens.extend_from_slice(p);
+                    // Fillers past a row's own drafts are rejected and rolled back.
+                    tokens.extend(std::iter::repeat_n(t, q - p.len()));
+                }
+                let input = Array::from_slice(&tokens, &[b as i32, q as i32 + 1]);
+                (input, Drafts::Host(proposals))
+            }
+            Drafter::Model(m) => {
+                let q = budget.iter().copied().max().unwrap_or(0);
+                if q == 0 {
+                    (
+                        last_array.reshape(&[b as i32, 1])?,
+                        Drafts::Host(vec![Vec::new(); b]),
+                    )
+                } else {
+                    let proposed = m.propose(&last_array, q)?;
+                    let input =
+                        concatenate(&[last_array.reshape(&[b as i32, 1])?, proposed.clone()], 1)?;
+                    (input, Drafts::Device(proposed))
+                }
+            }
+        };
+        let l = input.shape()[1] as usize;
+        let logits = model.forward(&input, &mut self.caches)?;
+        let sampled = self.sampler.sample_positions(&logits)?;
+        let mut state: Vec<&Array> = vec![&sampled];
+        if let Drafts::Device(d) = &drafts {
+            state.push(d);
+        }
+        let spec = self.spec.as_ref().expect("a speculative batch");
+        if let Drafter::Model(m) = &spec.drafter {
+            state.extend(m.state());
+        }
+        mlx_rs::transforms::eval(state)?;
+        let sampled: &[u32] = sampled.as_slice();
+        let proposals: Vec<Vec<u32>> = match drafts {
+            Drafts::Host(p) => p,
+            Drafts::Device(d) => {
+                let q = d.shape()[1] as usize;
+                let all: &[u32] = d.as_slice();
+                (0..b)
+                    .map(|r| all[r * q..r * q + budget[r]].to_vec())
+                    .collect()
+            }
+        };
+
+        let mut drop = Vec::with_capacity(b);
+        let mut advanced = Vec::with_capacity(b);
+        let mut newest = Vec::with_capacity(b);
+        for (r, seq) in self.rows.iter_mut().enumerate() {
+            let v = verify::verdict(&proposals[r], &sampled[r * l..(r + 1) * l]);
+            seq.drafted += proposals[r].len();
+            seq.accepted += v.accepted;
+            self.draft_counts.drafted += proposals[r].len() as u64;
+            self.draft_counts.accepted += v.accepted as u64;
+            for &token in &v.emitted {
+                seq.sampled += 1;
+                let limit = seq.remaining() == 0;
+                seq.emit(token, limit);
+            }
+            drop.push(v.rollback);
+            advanced.push(v.emitted.len() as u32);
+            newest.push(
+                *v.emitted
+                    .last()
+                    .expect("a verdict emits at least one token"),
+            );
+        }
+        for cache in &mut self.caches {
+            cache.rollback(&drop)?;
+        }
+        if let Some(Drafter::Model(m)) = self.spec.as_mut().map(|s| &mut s.drafter) {
+            m.rollback(&drop)?;
+        }
+        self.sampler
+            .advance(&advanced, &Array::from_slice(&newest, &[b as i32]))?;
+        Ok(departed)
+    }
+
     /// A copy of row `r`'s KV and the tokens it holds, when the prefix cache wants it.
     fn row_kv(&self, r: usize, seq: &Sequence) -> Result<Option<RowKv>, Exception> {
         if !self.keep_kv {
@@ -192,6 +365,9 @@ impl DecodeBatch {
     }
 
     fn filter(&mut self, keep: &[usize]) -> Result<(), Exception> {
+        if let Some(Drafter::Model(m)) = self.spec.as_mut().map(|s| &mut s.drafter) {
+            m.filter(keep)?;
+        }
         if keep.is_empty() {
             self.caches.clear();
             self.sampler = BatchSampler::new(self.sampler.vocab());

@@ -14,6 +14,7 @@ use mlx_rs::Array;
 use tokio::sync::mpsc;
 
 use super::batch::{DecodeBatch, Departed, Prefilled};
+use super::draft::Speculator;
 use super::request::{GenerateRequest, GenerationError, TokenEvent};
 use super::scheduler::{self, Admission, PrefillView, PrefillWork, SchedulerLimits, WaitingView};
 use super::sequence::Sequence;
@@ -58,8 +59,14 @@ impl<'m> Executor<'m> {
         caches: CacheManager,
         stats: Arc<RuntimeStats>,
         on_oom: Option<OomHook>,
+        spec: Option<Speculator>,
     ) -> Self {
-        let batch = DecodeBatch::new(info.num_layers, info.vocab_size, caches.prefix_enabled());
+        let batch = DecodeBatch::new(
+            info.num_layers,
+            info.vocab_size,
+            caches.prefix_enabled(),
+            spec,
+        );
         Self {
             model,
             info,
@@ -369,6 +376,11 @@ impl<'m> Executor<'m> {
             .sum();
         let kv = self.batch.kv_bytes() + prefill_bytes + self.caches.prefix_bytes() as usize;
         self.stats.kv_bytes.store(kv as u64, Ordering::Relaxed);
+        let drafts = self.batch.draft_counts;
+        self.stats.drafted.store(drafts.drafted, Ordering::Relaxed);
+        self.stats
+            .accepted
+            .store(drafts.accepted, Ordering::Relaxed);
     }
 }
 

@@ -11,6 +11,7 @@
 //! - [`sequence`]: one request's state;
 //! - [`reference`]: the serial single-sequence path that mirrors mlx-lm's `generate_step`.
 pub mod batch;
+pub mod draft;
 pub mod executor;
 pub mod noise;
 pub mod reference;
@@ -30,7 +31,8 @@ use tokio::sync::mpsc;
 
 use crate::cache::{CacheManager, KvQuant};
 use crate::loader::LoadError;
-use crate::models::{self, ModelInfo};
+use crate::models::{self, CausalLm, ModelInfo};
+use draft::{DraftSource, Drafter, ModelDrafter, Speculation, Speculator};
 use executor::Executor;
 use request::WorkSender;
 use scheduler::SchedulerLimits;
@@ -59,6 +61,8 @@ pub struct RuntimeLimits {
     pub prefill_chunk: usize,
     /// Quantize the KV cache (`--kv-bits`, `--kv-group-size`); `None` keeps the model's dtype.
     pub kv_quant: Option<KvQuant>,
+    /// Speculative decoding (`--draft`, `--draft-model`, `--num-draft-tokens`).
+    pub speculation: Option<Speculation>,
 }
 
 impl Default for RuntimeLimits {
@@ -70,6 +74,7 @@ impl Default for RuntimeLimits {
             prompt_cache_bytes: DEFAULT_PROMPT_CACHE_BYTES,
             prefill_chunk: PREFILL_CHUNK,
             kv_quant: None,
+            speculation: None,
         }
     }
 }
@@ -81,6 +86,9 @@ pub struct RuntimeStats {
     pub queued: AtomicU64,
     /// KV bytes held: the batch, prefills in progress and the prefix cache.
     pub kv_bytes: AtomicU64,
+    /// Speculative drafts proposed and accepted since start.
+    pub drafted: AtomicU64,
+    pub accepted: AtomicU64,
 }
 
 /// Called once, on the MLX thread, when MLX runs out of memory: the process cannot trust its
@@ -137,6 +145,18 @@ impl Runtime {
                             / plain)
                             .ceil() as usize;
                     }
+                    let spec = match limits
+                        .speculation
+                        .as_ref()
+                        .map(|s| speculator(s, model.as_ref(), limits.prefill_chunk))
+                        .transpose()
+                    {
+                        Ok(spec) => spec,
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e));
+                            return;
+                        }
+                    };
                     let _ = ready_tx.send(Ok(info.clone()));
                     let caches = CacheManager::new(
                         limits.kv_budget_bytes,
@@ -156,6 +176,7 @@ impl Runtime {
                         caches,
                         thread_stats,
                         on_oom,
+                        spec,
                     )
                     .run(rx);
                 }
@@ -186,4 +207,30 @@ impl Runtime {
         drop(self.work);
         let _ = self.thread.join();
     }
+}
+
+/// The drafter for `spec`, loading a draft model on this (the MLX) thread.
+fn speculator(
+    spec: &Speculation,
+    main: &dyn CausalLm,
+    prefill_chunk: usize,
+) -> Result<Speculator, LoadError> {
+    let drafter = match &spec.source {
+        DraftSource::Ngram(sizes) => Drafter::Ngram(*sizes),
+        DraftSource::Model(dir) => {
+            let draft = models::load(dir)?;
+            let (d, m) = (draft.info().vocab_size, main.info().vocab_size);
+            if d > m {
+                return Err(LoadError::Config(format!(
+                    "the draft model {} scores {d} token ids, more than the {m} of the main model",
+                    dir.display()
+                )));
+            }
+            Drafter::Model(ModelDrafter::new(draft, prefill_chunk))
+        }
+    };
+    Ok(Speculator {
+        drafter,
+        num_draft: spec.num_draft,
+    })
 }

@@ -33,6 +33,8 @@ pub enum TokenEvent {
     PromptDone { prompt_tokens: usize, cached: usize },
     /// One generated token.
     Token(u32),
+    /// Speculative decoding's account of this request, just before `Finished`.
+    Drafts { drafted: usize, accepted: usize },
     /// Generation ended; no more events follow.
     Finished(FinishReason),
     /// Generation failed; no more events follow.

@@ -198,52 +198,106 @@ impl BatchSampler {
     /// Chooses one token per row from `logits` `[B, vocab]` (lazily: nothing is evaluated) and
     /// records it in the rows' penalty state.
     pub fn sample(&mut self, logits: &Array) -> Result<Array, Exception> {
-        let b = self.rows.len() as i32;
-        let logprobs = logits.subtract(logits.logsumexp_axis(-1, true)?)?;
-        let mut x = logprobs.as_dtype(Dtype::Float32)?;
-        if let Some(bias) = &self.bias {
-            x = x.add(bias)?;
-        }
-        if let Some(seen) = &self.seen {
-            let r = self.column("repetition", |p| p.repetition_penalty);
-            let penalised = select(&x.gt(Array::from_f32(0.0))?, x.divide(&r)?, x.multiply(&r)?)?;
-            x = select(&seen.gt(Array::from_f32(0.0))?, &penalised, &x)?;
-        }
-        if let Some(counts) = &self.counts {
-            let presence = self.column("presence", |p| p.presence_penalty);
-            let frequency = self.column("frequency", |p| p.frequency_penalty);
-            let present = counts.gt(Array::from_f32(0.0))?.as_dtype(Dtype::Float32)?;
-            x = x
-                .subtract(presence.multiply(&present)?)?
-                .subtract(frequency.multiply(counts)?)?;
-        }
-        let greedy = argmax_axis(&x, -1, None)?.as_dtype(Dtype::Uint32)?;
-        let tokens = if self.rows.iter().all(|r| r.params.temperature == 0.0) {
-            greedy
-        } else {
-            let sampled = self.draw(&x)?;
-            let is_greedy = self
-                .column("greedy", |p| if p.temperature == 0.0 { 1.0 } else { 0.0 })
-                .reshape(&[b])?
-                .gt(Array::from_f32(0.5))?;
-            select(&is_greedy, &greedy, &sampled)?
-        };
+        let tokens = self.pick(logits, 1)?;
         if let Some(steps) = &self.steps {
             self.steps = Some(steps.add(Array::from_slice(&[1u32], &[1]))?);
         }
-        if self.seen.is_some() || self.counts.is_some() {
-            let one_hot = Array::arange::<_, u32>(None, self.vocab as u32, None)?
-                .reshape(&[1, self.vocab])?
-                .eq(tokens.reshape(&[b, 1])?)?
-                .as_dtype(Dtype::Float32)?;
-            if let Some(seen) = &self.seen {
-                self.seen = Some(maximum(seen, &one_hot)?);
-            }
-            if let Some(counts) = &self.counts {
-                self.counts = Some(counts.add(&one_hot)?);
-            }
-        }
+        self.record(&tokens)?;
         Ok(tokens)
+    }
+
+    /// The token each row would take at each of `L` positions, from `logits` `[B, L, vocab]`:
+    /// `[B, L]`, position `i` of a row drawn as its generated token `next + i` (speculative
+    /// verification: position `i` counts only if the `i` drafts before it are accepted).
+    /// Nothing is recorded; [`Self::advance`] does once the accepted tokens are known. The
+    /// penalty state is the same at every position, so rows with penalties must be given no
+    /// drafts (only their position 0 counts).
+    pub fn sample_positions(&self, logits: &Array) -> Result<Array, Exception> {
+        let s = logits.shape();
+        let (b, l, v) = (s[0], s[1], s[2]);
+        let tokens = self.pick(&logits.reshape(&[b * l, v])?, l)?;
+        tokens.reshape(&[b, l])
+    }
+
+    /// After verification: row `r` generated `advanced[r]` tokens, the last of them `last[r]`
+    /// (`[B]` u32), which enters the penalty state (the only token of a row with penalties).
+    pub fn advance(&mut self, advanced: &[u32], last: &Array) -> Result<(), Exception> {
+        if let Some(steps) = &self.steps {
+            let by = Array::from_slice(advanced, &[advanced.len() as i32, 1]);
+            self.steps = Some(steps.add(&by)?);
+        }
+        self.record(last)
+    }
+
+    /// Whether row `r` may be given drafts: its sampling state is position-independent.
+    pub fn row_takes_drafts(&self, r: usize) -> bool {
+        let p = &self.rows[r].params;
+        p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0
+    }
+
+    /// Adds `tokens` (`[B]`, one per row) to the rows' seen tokens and counts.
+    fn record(&mut self, tokens: &Array) -> Result<(), Exception> {
+        if self.seen.is_none() && self.counts.is_none() {
+            return Ok(());
+        }
+        let b = self.rows.len() as i32;
+        let one_hot = Array::arange::<_, u32>(None, self.vocab as u32, None)?
+            .reshape(&[1, self.vocab])?
+            .eq(tokens.reshape(&[b, 1])?)?
+            .as_dtype(Dtype::Float32)?;
+        if let Some(seen) = &self.seen {
+            self.seen = Some(maximum(seen, &one_hot)?);
+        }
+        if let Some(counts) = &self.counts {
+            self.counts = Some(counts.add(&one_hot)?);
+        }
+        Ok(())
+    }
+
+    /// One token per row of `logits` `[B × l, vocab]`, where each batch row has `l`
+    /// consecutive rows (positions) and position `i` draws as generated token `next + i`.
+    fn pick(&self, logits: &Array, l: i32) -> Result<Array, Exception> {
+        let per_position = |a: &Array| -> Result<Array, Exception> {
+            if l == 1 {
+                Ok(a.clone())
+            } else {
+                Array::repeat_axis::<f32>(a.clone(), l, 0)
+            }
+        };
+        let n = self.rows.len() as i32 * l;
+        let logprobs = logits.subtract(logits.logsumexp_axis(-1, true)?)?;
+        let mut x = logprobs.as_dtype(Dtype::Float32)?;
+        if let Some(bias) = &self.bias {
+            x = x.add(per_position(bias)?)?;
+        }
+        if let Some(seen) = &self.seen {
+            let r = per_position(&self.column("repetition", |p| p.repetition_penalty))?;
+            let penalised = select(&x.gt(Array::from_f32(0.0))?, x.divide(&r)?, x.multiply(&r)?)?;
+            x = select(
+                &per_position(seen)?.gt(Array::from_f32(0.0))?,
+                &penalised,
+                &x,
+            )?;
+        }
+        if let Some(counts) = &self.counts {
+            let counts = per_position(counts)?;
+            let presence = per_position(&self.column("presence", |p| p.presence_penalty))?;
+            let frequency = per_position(&self.column("frequency", |p| p.frequency_penalty))?;
+            let present = counts.gt(Array::from_f32(0.0))?.as_dtype(Dtype::Float32)?;
+            x = x
+                .subtract(presence.multiply(&present)?)?
+                .subtract(frequency.multiply(&counts)?)?;
+        }
+        let greedy = argmax_axis(&x, -1, None)?.as_dtype(Dtype::Uint32)?;
+        if self.rows.iter().all(|r| r.params.temperature == 0.0) {
+            return Ok(greedy);
+        }
+        let sampled = self.draw(&x, l)?;
+        let is_greedy =
+            per_position(&self.column("greedy", |p| if p.temperature == 0.0 { 1.0 } else { 0.0 }))?
+                .reshape(&[n])?
+                .gt(Array::from_f32(0.5))?;
+        select(&is_greedy, &greedy, &sampled)
     }
 
     /// The arrays the next step reads besides the tokens (to evaluate with them).
@@ -258,15 +312,22 @@ impl BatchSampler {
 
     /// Temperature, truncation and a Gumbel-max draw for every row (greedy rows too; their
     /// draw is discarded).
-    fn draw(&self, x: &Array) -> Result<Array, Exception> {
-        let b = self.rows.len() as i32;
-        let temperature = self.column("temperature", |p| {
+    fn draw(&self, x: &Array, l: i32) -> Result<Array, Exception> {
+        let per_position = |a: Array| -> Result<Array, Exception> {
+            if l == 1 {
+                Ok(a)
+            } else {
+                Array::repeat_axis::<f32>(a, l, 0)
+            }
+        };
+        let b = self.rows.len() as i32 * l;
+        let temperature = per_position(self.column("temperature", |p| {
             if p.temperature == 0.0 {
                 1.0
             } else {
                 p.temperature
             }
-        });
+        }))?;
         let z = x.divide(&temperature)?;
         let mut threshold: Option<Array> = None;
         let any_top_k = self.rows.iter().any(|r| r.params.top_k > 0);
@@ -279,9 +340,12 @@ impl BatchSampler {
                 let last: Vec<i32> = self
                     .rows
                     .iter()
-                    .map(|r| match r.params.top_k {
-                        0 => v as i32 - 1,
-                        k => k.min(v) as i32 - 1,
+                    .flat_map(|r| {
+                        let last = match r.params.top_k {
+                            0 => v as i32 - 1,
+                            k => k.min(v) as i32 - 1,
+                        };
+                        std::iter::repeat_n(last, l as usize)
                     })
                     .collect();
                 let last = Array::from_slice(&last, &[b, 1]);
@@ -297,7 +361,7 @@ impl BatchSampler {
             if any_top_p {
                 let probs = mlx_rs::ops::softmax_axis(&sorted, -1, true)?;
                 let before = probs.cumsum(-1, None, None)?.subtract(&probs)?;
-                let top_p = self.column("top_p", |p| p.top_p);
+                let top_p = per_position(self.column("top_p", |p| p.top_p))?;
                 let kept = before
                     .lt(&top_p)?
                     .as_dtype(Dtype::Int32)?
@@ -311,13 +375,13 @@ impl BatchSampler {
             }
         }
         if self.rows.iter().any(|r| r.params.min_p > 0.0) {
-            let log_min_p = self.column("log_min_p", |p| {
+            let log_min_p = per_position(self.column("log_min_p", |p| {
                 if p.min_p > 0.0 {
                     p.min_p.ln()
                 } else {
                     f32::NEG_INFINITY
                 }
-            });
+            }))?;
             let t = z.max_axis(-1, true)?.add(&log_min_p)?;
             threshold = Some(match threshold {
                 Some(k) => maximum(&k, &t)?,
@@ -331,7 +395,16 @@ impl BatchSampler {
         let (Some(lo), Some(hi), Some(steps)) = (&self.seed_lo, &self.seed_hi, &self.steps) else {
             return Err(Exception::custom("the sampler has rows but no seeds"));
         };
-        let g = noise::gumbel(lo, hi, steps, self.vocab)?;
+        let g = if l == 1 {
+            noise::gumbel(lo, hi, steps, self.vocab)?
+        } else {
+            let rows = self.rows.len() as i32;
+            let offsets = Array::arange::<_, u32>(None, l as u32, None)?.reshape(&[1, l])?;
+            let steps = steps.add(&offsets)?.reshape(&[rows * l, 1])?;
+            let lo = per_position(lo.clone())?;
+            let hi = per_position(hi.clone())?;
+            noise::gumbel(&lo, &hi, &steps, self.vocab)?
+        };
         argmax_axis(z.add(&g)?, -1, None)?.as_dtype(Dtype::Uint32)
     }
 

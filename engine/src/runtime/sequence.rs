@@ -23,6 +23,9 @@ pub struct Sequence {
     /// Prompt tokens whose KV came from the prefix cache.
     pub cached_tokens: usize,
     pub reservation: Option<Reservation>,
+    /// Speculative drafts proposed for this sequence, and how many were accepted.
+    pub drafted: usize,
+    pub accepted: usize,
     events: mpsc::UnboundedSender<TokenEvent>,
     prompt_reported: bool,
     /// No more tokens wanted: a stop token came, the client left, or it failed.
@@ -44,6 +47,8 @@ impl Sequence {
             sampled: 0,
             cached_tokens: 0,
             reservation: None,
+            drafted: 0,
+            accepted: 0,
             events: request.events,
             prompt_reported: false,
             finished: false,
@@ -57,6 +62,20 @@ impl Sequence {
     /// The prompt's last token, which the first decode step runs.
     pub fn last_prompt_token(&self) -> u32 {
         self.tokens[self.prompt_len - 1]
+    }
+
+    /// The last token held: the newest generated one (or the prompt's last), which the next
+    /// decode step runs.
+    pub fn last_token(&self) -> u32 {
+        *self.tokens.last().expect("a sequence is never empty")
+    }
+
+    /// Tokens that may still be generated, by `max_tokens` and the context length.
+    pub fn remaining(&self) -> usize {
+        (self.max_tokens.saturating_sub(self.sampled)).min(
+            self.context_length
+                .saturating_sub(self.prompt_len + self.sampled),
+        )
     }
 
     /// True while the client still listens.
@@ -101,6 +120,12 @@ impl Sequence {
 
     pub fn finish(&mut self, reason: FinishReason) {
         self.finished = true;
+        if self.drafted > 0 {
+            let _ = self.events.send(TokenEvent::Drafts {
+                drafted: self.drafted,
+                accepted: self.accepted,
+            });
+        }
         let _ = self.events.send(TokenEvent::Finished(reason));
     }
 

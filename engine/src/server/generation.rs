@@ -50,6 +50,8 @@ pub struct Generation {
     cached_tokens: usize,
     completion_tokens: usize,
     resumed: usize,
+    /// Speculative drafts proposed and accepted for this request, once reported.
+    drafts: Option<(usize, usize)>,
     done: bool,
 }
 
@@ -78,6 +80,7 @@ impl Generation {
             cached_tokens: 0,
             completion_tokens: 0,
             resumed: resumed.len(),
+            drafts: None,
             done: false,
         })
     }
@@ -127,6 +130,9 @@ impl Generation {
                 } => {
                     self.prompt_tokens = prompt_tokens;
                     self.cached_tokens = cached;
+                }
+                TokenEvent::Drafts { drafted, accepted } => {
+                    self.drafts = Some((drafted, accepted));
                 }
                 TokenEvent::Token(id) => {
                     self.completion_tokens += 1;
@@ -183,6 +189,11 @@ impl Generation {
             (self.completion_tokens + self.resumed) as u64,
             self.cached_tokens.min(prompt) as u64,
         )
+    }
+
+    /// Drafted and accepted tokens, when speculative decoding ran for this request.
+    pub fn drafts(&self) -> Option<(usize, usize)> {
+        self.drafts
     }
 
     fn finish_now(&mut self, last: Delta, reason: FinishReason) -> Step {

@@ -197,7 +197,7 @@ async fn respond<F: Format>(state: &ServerState, job: Job) -> Result<Response, A
                     text.push_str(&last.text);
                     ids.extend(last.ids);
                     let usage = generation.usage();
-                    log_finish(&meta, reason, &usage);
+                    log_finish(&meta, reason, &usage, generation.drafts());
                     let body = F::whole(&meta, text, ids, reason, usage);
                     return Ok(Json(body).into_response());
                 }
@@ -212,15 +212,28 @@ async fn respond<F: Format>(state: &ServerState, job: Job) -> Result<Response, A
     }
 }
 
-fn log_finish(meta: &Meta, reason: FinishReason, usage: &Usage) {
-    tracing::info!(
-        request_id = %meta.id,
-        model = %meta.model,
-        finish_reason = reason.as_str(),
-        prompt_tokens = usage.prompt_tokens,
-        completion_tokens = usage.completion_tokens,
-        "request finished"
-    );
+fn log_finish(meta: &Meta, reason: FinishReason, usage: &Usage, drafts: Option<(usize, usize)>) {
+    match drafts {
+        Some((drafted, accepted)) => tracing::info!(
+            request_id = %meta.id,
+            model = %meta.model,
+            finish_reason = reason.as_str(),
+            prompt_tokens = usage.prompt_tokens,
+            completion_tokens = usage.completion_tokens,
+            drafted_tokens = drafted,
+            accepted_tokens = accepted,
+            acceptance = format!("{:.3}", accepted as f64 / drafted.max(1) as f64),
+            "request finished"
+        ),
+        None => tracing::info!(
+            request_id = %meta.id,
+            model = %meta.model,
+            finish_reason = reason.as_str(),
+            prompt_tokens = usage.prompt_tokens,
+            completion_tokens = usage.completion_tokens,
+            "request finished"
+        ),
+    }
 }
 
 /// The fields every response and chunk of one request shares.
@@ -442,7 +455,7 @@ fn sse_response<F: Format>(
                     s.queue
                         .push_back(sse_frame(&F::text(&s.meta, last, Some(reason))));
                     let usage = generation.usage();
-                    log_finish(&s.meta, reason, &usage);
+                    log_finish(&s.meta, reason, &usage, generation.drafts());
                     if s.include_usage {
                         s.queue.push_back(sse_frame(&F::usage(&s.meta, usage)));
                     }

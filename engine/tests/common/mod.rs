@@ -240,6 +240,8 @@ pub struct Output {
     pub tokens: Vec<u32>,
     pub cached: usize,
     pub finish: Option<mlxd_engine::runtime::request::FinishReason>,
+    /// Speculative drafts proposed and accepted, when drafting ran.
+    pub drafts: Option<(usize, usize)>,
 }
 
 /// Sends every request to a running runtime at once (so they share the batch) and collects
@@ -271,11 +273,15 @@ pub fn generate_together(runtime: &mlxd_engine::runtime::Runtime, gens: &[Gen]) 
                 tokens: vec![],
                 cached: 0,
                 finish: None,
+                drafts: None,
             };
             while let Some(event) = rx.blocking_recv() {
                 match event {
                     TokenEvent::PromptDone { cached, .. } => out.cached = cached,
                     TokenEvent::Token(t) => out.tokens.push(t),
+                    TokenEvent::Drafts { drafted, accepted } => {
+                        out.drafts = Some((drafted, accepted))
+                    }
                     TokenEvent::Finished(reason) => {
                         out.finish = Some(reason);
                         break;

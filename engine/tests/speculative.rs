@@ -1,0 +1,229 @@
+//! Speculative decoding inside the batch, on real MLX arrays with tiny random-weight models:
+//! drafting (n-gram lookup or a draft model) never changes greedy output, alone or in a batch;
+//! seeded sampling draws the same tokens with and without drafts; rows with penalties take no
+//! drafts; a draft model with another tokenizer is refused with the reason.
+mod common;
+
+use std::path::Path;
+
+use common::{generate_alone, generate_together, start_runtime, Gen, Output};
+use mlxd_engine::runtime::draft::{DraftSource, NgramSizes, Speculation};
+use mlxd_engine::runtime::sampling_params::SamplingParams;
+use mlxd_engine::runtime::{Runtime, RuntimeLimits};
+
+/// Prompts with repeated runs (so prompt lookup finds drafts) and without, of different
+/// lengths, so rows draft different numbers of tokens in one pass.
+fn prompts() -> Vec<Vec<u32>> {
+    let run: Vec<u32> = vec![31, 32, 33, 34, 35, 36, 37, 38];
+    let mut repeated = run.clone();
+    repeated.extend([5, 6]);
+    repeated.extend(&run);
+    repeated.extend(&run[..3]);
+    vec![
+        repeated,
+        vec![1],
+        vec![300, 2, 250, 250, 250, 13, 14],
+        (0..40).map(|i| (i * 7 + 3) % 390).collect(),
+        vec![11, 12, 11, 12, 11, 12],
+    ]
+}
+
+fn tokens(outputs: &[Output]) -> Vec<Vec<u32>> {
+    outputs.iter().map(|o| o.tokens.clone()).collect()
+}
+
+fn speculative(dir: &Path, source: DraftSource, num_draft: usize) -> Runtime {
+    Runtime::start(
+        dir.to_path_buf(),
+        RuntimeLimits {
+            prompt_cache_bytes: 0,
+            speculation: Some(Speculation { source, num_draft }),
+            ..Default::default()
+        },
+        None,
+    )
+    .expect("load with speculation")
+}
+
+fn ngram() -> DraftSource {
+    DraftSource::Ngram(NgramSizes::new(1, 3).unwrap())
+}
+
+/// Greedy tokens with drafting equal those without, alone and in a batch; returns the
+/// (drafted, accepted) totals.
+fn unchanged_greedy(shape: &str, source: DraftSource) -> (usize, usize) {
+    let dir = common::tiny_model(shape);
+    let plain = start_runtime(&dir, 0);
+    let spec = speculative(&dir, source, 3);
+    let gens: Vec<Gen> = prompts()
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Gen::greedy(p, 14 + 3 * i))
+        .collect();
+    let reference = tokens(&generate_alone(&plain, &gens));
+    let alone = generate_alone(&spec, &gens);
+    assert_eq!(
+        tokens(&alone),
+        reference,
+        "{shape}: drafting changed greedy tokens"
+    );
+    let together = generate_together(&spec, &gens);
+    assert_eq!(
+        tokens(&together),
+        reference,
+        "{shape}: drafting in a batch changed greedy tokens"
+    );
+    for (g, o) in gens.iter().zip(&together) {
+        assert_eq!(
+            o.tokens.len(),
+            g.max_tokens,
+            "{shape}: max_tokens not honoured"
+        );
+    }
+    plain.join();
+    spec.join();
+    alone
+        .iter()
+        .chain(&together)
+        .filter_map(|o| o.drafts)
+        .fold((0, 0), |(d, a), (dd, aa)| (d + dd, a + aa))
+}
+
+#[test]
+fn ngram_drafting_leaves_greedy_output_unchanged_f32() {
+    let (drafted, accepted) = unchanged_greedy("tiny-llama", ngram());
+    eprintln!("tiny-llama n-gram: {accepted} of {drafted} drafts accepted");
+    assert!(drafted > 0 && accepted > 0, "no drafts were verified");
+}
+
+#[test]
+fn ngram_drafting_leaves_greedy_output_unchanged_bf16_and_4bit() {
+    for shape in ["tiny-qwen3-bf16", "tiny-llama-q4"] {
+        let (drafted, _) = unchanged_greedy(shape, ngram());
+        assert!(drafted > 0, "{shape}: no drafts were verified");
+    }
+}
+
+#[test]
+fn a_draft_model_leaves_greedy_output_unchanged_and_rolls_back_rejections() {
+    // The 4-bit copy of tiny-llama drafts for it: same tokenizer, close but not equal logits,
+    // so most drafts are accepted and some are rejected (rollback in the main and draft caches).
+    let draft = common::tiny_model("tiny-llama-q4");
+    let (drafted, accepted) = unchanged_greedy("tiny-llama", DraftSource::Model(draft));
+    eprintln!("tiny-llama drafted by its 4-bit copy: {accepted} of {drafted} accepted");
+    assert!(accepted > 0, "no draft was accepted");
+    assert!(
+        accepted < drafted,
+        "no draft was rejected: rollback untested"
+    );
+}
+
+#[test]
+fn a_draft_model_that_is_the_model_itself_accepts_every_draft() {
+    let dir = common::tiny_model("tiny-llama");
+    let spec = speculative(&dir, DraftSource::Model(dir.clone()), 4);
+    let plain = start_runtime(&dir, 0);
+    let gens: Vec<Gen> = prompts().iter().map(|p| Gen::greedy(p, 13)).collect();
+    let out = generate_together(&spec, &gens);
+    assert_eq!(tokens(&out), tokens(&generate_alone(&plain, &gens)));
+    for o in &out {
+        let (drafted, accepted) = o.drafts.expect("drafts reported");
+        assert_eq!(drafted, accepted, "a draft equal to the model was rejected");
+    }
+    plain.join();
+    spec.join();
+}
+
+fn sampled(seed: u64) -> SamplingParams {
+    SamplingParams {
+        temperature: 0.8,
+        top_p: 0.95,
+        seed: Some(seed),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn seeded_sampling_draws_the_same_tokens_with_and_without_drafts() {
+    let dir = common::tiny_model("tiny-llama");
+    let plain = start_runtime(&dir, 0);
+    let spec = speculative(&dir, ngram(), 3);
+    let gens: Vec<Gen> = prompts()
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Gen {
+            prompt: p.clone(),
+            sampling: sampled(i as u64 + 7),
+            max_tokens: 16,
+        })
+        .collect();
+    let reference = tokens(&generate_alone(&plain, &gens));
+    let drafted = generate_together(&spec, &gens);
+    assert_eq!(tokens(&drafted), reference);
+    assert!(drafted.iter().any(|o| o.drafts.is_some_and(|(d, _)| d > 0)));
+    plain.join();
+    spec.join();
+}
+
+#[test]
+fn rows_with_penalties_take_no_drafts_and_keep_their_tokens() {
+    let dir = common::tiny_model("tiny-llama");
+    let plain = start_runtime(&dir, 0);
+    let spec = speculative(&dir, ngram(), 3);
+    let p = prompts();
+    let penalised = Gen {
+        prompt: p[0].clone(),
+        sampling: SamplingParams {
+            repetition_penalty: 1.3,
+            presence_penalty: 0.5,
+            ..Default::default()
+        },
+        max_tokens: 12,
+    };
+    let gens = vec![penalised, Gen::greedy(&p[0], 12), Gen::greedy(&p[4], 12)];
+    let reference = tokens(&generate_alone(&plain, &gens));
+    let out = generate_together(&spec, &gens);
+    assert_eq!(tokens(&out), reference);
+    assert_eq!(out[0].drafts, None, "a penalised row was given drafts");
+    plain.join();
+    spec.join();
+}
+
+#[test]
+fn a_draft_model_with_another_tokenizer_is_refused_with_the_reason() {
+    let home = tempfile::tempdir().unwrap();
+    let main = common::tiny_model("tiny-llama");
+    // A copy of the model whose vocabulary swaps the ids of two tokens.
+    let other = home.path().join("other");
+    std::fs::create_dir(&other).unwrap();
+    for entry in std::fs::read_dir(&main).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, other.join(path.file_name().unwrap())).unwrap();
+    }
+    let tokenizer = std::fs::read_to_string(other.join("tokenizer.json")).unwrap();
+    let mut json: serde_json::Value = serde_json::from_str(&tokenizer).unwrap();
+    let vocab = json["model"]["vocab"].as_object_mut().unwrap();
+    let (a, b) = (vocab["!"].clone(), vocab["\""].clone());
+    vocab.insert("!".into(), b);
+    vocab.insert("\"".into(), a);
+    std::fs::write(other.join("tokenizer.json"), json.to_string()).unwrap();
+    let draft = mlxd_engine::app::DraftOptions {
+        choice: mlxd_engine::app::DraftChoice::Model(other.display().to_string()),
+        num_draft: 3,
+    };
+    let e = mlxd_engine::app::load(
+        &main.display().to_string(),
+        home.path(),
+        RuntimeLimits::default(),
+        Some(draft),
+        None,
+    )
+    .err()
+    .expect("a draft with another tokenizer is refused")
+    .to_string();
+    assert!(e.contains("tokenizer differs"), "{e}");
+    assert!(
+        e.contains("\"!\""),
+        "the first differing token is named: {e}"
+    );
+}
