@@ -227,3 +227,42 @@ fn a_draft_model_with_another_tokenizer_is_refused_with_the_reason() {
         "the first differing token is named: {e}"
     );
 }
+
+/// The default model (real weights) on an input-grounded prompt: n-gram drafts are accepted
+/// and greedy tokens are those of the model without drafts, alone and beside another stream.
+#[test]
+fn ngram_drafting_on_the_default_model_keeps_greedy_tokens() {
+    let home = common::test_home();
+    let model = mlxd_engine::store::resolve_model("smollm2-135m", &home).expect("default model");
+    let grounded = common::hf_chat_tokens(
+        &model.dir,
+        "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the \
+         river bank, and the dog does not wake up.",
+    );
+    let other = common::hf_chat_tokens(&model.dir, "List three prime numbers.");
+    let gens = vec![Gen::greedy(&grounded, 28), Gen::greedy(&other, 8)];
+    let plain = start_runtime(&model.dir, 0);
+    let reference = tokens(&generate_alone(&plain, &gens));
+    plain.join();
+    let spec = speculative(
+        &model.dir,
+        DraftSource::Ngram(NgramSizes::new(2, 4).unwrap()),
+        3,
+    );
+    let together = generate_together(&spec, &gens);
+    let alone = generate_alone(&spec, &gens[..1]);
+    spec.join();
+    // Ends at the end-of-sequence token like the reference: compare up to it.
+    assert_eq!(
+        tokens(&together),
+        reference,
+        "drafting changed the default model's tokens"
+    );
+    assert_eq!(alone[0].tokens, reference[0]);
+    let (drafted, accepted) = alone[0].drafts.expect("drafts reported");
+    eprintln!("smollm2 grounded prompt: {accepted} of {drafted} n-gram drafts accepted");
+    assert!(
+        accepted > 0,
+        "no draft accepted on a copying task (of {drafted})"
+    );
+}
