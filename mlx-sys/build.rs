@@ -213,7 +213,8 @@ fn write_if_changed(path: &Path, bytes: &[u8]) {
     if fs::read(path).is_ok_and(|held| held == bytes) {
         return;
     }
-    fs::write(path, bytes).unwrap_or_else(|e| fail(&format!("cannot write {}: {e}", path.display())));
+    fs::write(path, bytes)
+        .unwrap_or_else(|e| fail(&format!("cannot write {}: {e}", path.display())));
 }
 
 fn generate_bindings(manifest: &Path, mlx_c: &Path) {

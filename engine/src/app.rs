@@ -463,6 +463,8 @@ async fn serve_supervised(
                 queued: stats.queued.load(Ordering::Relaxed) as u32,
                 kv_bytes: stats.kv_bytes.load(Ordering::Relaxed),
                 memory_bytes: mlx_rs::memory::active_memory().unwrap_or(0) as u64,
+                drafted_tokens: stats.drafted.load(Ordering::Relaxed),
+                accepted_tokens: stats.accepted.load(Ordering::Relaxed),
             };
             if stats_control.send_stats(message).is_err() {
                 return;

@@ -83,6 +83,10 @@ pub struct Stats {
     pub kv_bytes: u64,
     /// Total memory in use by the engine (device + host), in bytes.
     pub memory_bytes: u64,
+    /// Speculative drafts proposed and accepted since the engine started (0 without
+    /// speculative decoding).
+    pub drafted_tokens: u64,
+    pub accepted_tokens: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -5,6 +5,7 @@
 //! goes away), and tokens from the engine's `usage` (or, for streams without a usage
 //! chunk, one token per content chunk).
 
+use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -60,6 +61,9 @@ pub struct Metrics {
     pub memory: Family<ModelLabel, Gauge>,
     pub loaded: Family<ModelLabel, Gauge>,
     pub memory_budget: Gauge,
+    pub drafted: Family<ModelLabel, Counter>,
+    pub accepted: Family<ModelLabel, Counter>,
+    pub acceptance: Family<ModelLabel, Gauge<f64, AtomicU64>>,
 }
 
 impl Metrics {
@@ -81,6 +85,9 @@ impl Metrics {
             memory: Family::default(),
             loaded: Family::default(),
             memory_budget: Gauge::default(),
+            drafted: Family::default(),
+            accepted: Family::default(),
+            acceptance: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -149,7 +156,36 @@ impl Metrics {
             "Memory all engines together may use",
             m.memory_budget.clone(),
         );
+        registry.register(
+            "mlxd_draft_tokens",
+            "Speculative drafts proposed by the model's engines",
+            m.drafted.clone(),
+        );
+        registry.register(
+            "mlxd_draft_accepted_tokens",
+            "Speculative drafts the model accepted",
+            m.accepted.clone(),
+        );
+        registry.register(
+            "mlxd_draft_acceptance_ratio",
+            "Accepted over proposed speculative drafts, since mlxd started",
+            m.acceptance.clone(),
+        );
         Self { registry, ..m }
+    }
+
+    /// Adds an engine's new drafted and accepted tokens (deltas of its `Stats`).
+    pub fn record_drafts(&self, model: &str, drafted: u64, accepted: u64) {
+        if drafted == 0 && accepted == 0 {
+            return;
+        }
+        let l = Self::label(model);
+        let d = self.drafted.get_or_create(&l);
+        let a = self.accepted.get_or_create(&l);
+        d.inc_by(drafted);
+        a.inc_by(accepted);
+        let ratio = a.get() as f64 / d.get().max(1) as f64;
+        self.acceptance.get_or_create(&l).set(ratio);
     }
 
     /// The text exposition format.

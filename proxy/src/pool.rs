@@ -240,6 +240,9 @@ pub struct StatsInfo {
     pub queued: u32,
     pub kv_bytes: u64,
     pub memory_bytes: u64,
+    /// Speculative drafts proposed and accepted by the running engine.
+    pub drafted_tokens: u64,
+    pub accepted_tokens: u64,
 }
 
 /// The limits the next engine is launched with; `reduced` (with the configured ones and
@@ -470,6 +473,8 @@ impl Slot {
                 queued: s.queued,
                 kv_bytes: s.kv_bytes,
                 memory_bytes: s.memory_bytes,
+                drafted_tokens: s.drafted_tokens,
+                accepted_tokens: s.accepted_tokens,
             }),
             limits: {
                 let (cur, conf) = (self.limits.current(), self.limits.configured());
@@ -1194,6 +1199,16 @@ impl Pool {
         match msg.event {
             EngineEvent::Loading { progress } => slot.progress = Some(progress),
             EngineEvent::Stats(s) => {
+                // The engine's totals restart with the process (`stats` is cleared then).
+                let (drafted, accepted) = slot
+                    .stats
+                    .as_ref()
+                    .map_or((0, 0), |p| (p.drafted_tokens, p.accepted_tokens));
+                self.metrics.record_drafts(
+                    &msg.model,
+                    s.drafted_tokens.saturating_sub(drafted),
+                    s.accepted_tokens.saturating_sub(accepted),
+                );
                 slot.stats = Some(s);
                 if matches!(slot.state, State::Ready) {
                     slot.observed_bytes = slot.observed_bytes.max(slot.reported_bytes());

@@ -271,7 +271,21 @@ async fn engine_options_configure_the_real_engine_and_unknown_ones_fail_the_load
     let mut bogus = r.model("tiny-llama");
     bogus.id = "bogus".into();
     bogus.options.insert("speculative".into(), "yes".into());
-    let mut p = r.start(vec![quantized, bogus], |_| {}).await?;
+    let mut drafting = r.model("tiny-llama");
+    drafting.id = "drafting".into();
+    drafting.options.insert("draft".into(), "ngram".into());
+    drafting.options.insert("ngram_min".into(), "1".into());
+    let mut clash = r.model("tiny-llama");
+    clash.id = "clash".into();
+    clash.options.insert("draft".into(), "ngram".into());
+    clash
+        .options
+        .insert("draft_model".into(), "tiny-llama".into());
+    let mut p = r
+        .start(vec![quantized, bogus, drafting, clash], |c| {
+            c.pool.max_engines = 4;
+        })
+        .await?;
     let v = chat(&p, "quantized", "Hello", 4).await?;
     assert!(
         v["usage"]["completion_tokens"].as_u64().unwrap() >= 1,
@@ -287,6 +301,37 @@ async fn engine_options_configure_the_real_engine_and_unknown_ones_fail_the_load
         err.contains("engine option speculative") && err.contains("unknown option"),
         "{err}"
     );
+    // Speculative decoding from mlxd.toml: drafts are verified, and their acceptance reaches
+    // /engines and /metrics (from the engine's next Stats, once a second).
+    let v = chat(&p, "drafting", "Hello Hello Hello Hello", 24).await?;
+    assert_eq!(v["usage"]["completion_tokens"].as_u64(), Some(24), "{v}");
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    let drafted = loop {
+        let e = row(&p, "drafting").await?;
+        let drafted = e["stats"]["drafted_tokens"].as_u64().unwrap_or(0);
+        if drafted > 0 || tokio::time::Instant::now() > deadline {
+            break drafted;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    };
+    assert!(drafted > 0, "no drafts reported by the engine");
+    let resp = send(p.addr, "GET", "/metrics", None).await?;
+    let text = http_body_util::BodyExt::collect(resp.into_body())
+        .await?
+        .to_bytes();
+    let text = String::from_utf8(text.to_vec())?;
+    assert!(
+        text.contains(&format!(
+            "mlxd_draft_tokens_total{{model=\"drafting\"}} {drafted}"
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains("mlxd_draft_acceptance_ratio{model=\"drafting\"}"),
+        "{text}"
+    );
+    let err = chat(&p, "clash", "Hello", 4).await.unwrap_err().to_string();
+    assert!(err.contains("exclude each other"), "{err}");
     p.stop().await?;
     Ok(())
 }

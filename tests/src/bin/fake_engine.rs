@@ -238,6 +238,8 @@ async fn run(
                     queued: 0,
                     kv_bytes: u64::from(active) * 1000,
                     memory_bytes: memory,
+                    drafted_tokens: 0,
+                    accepted_tokens: 0,
                 });
                 if shutting_down && active == 0 {
                     script.event("shutdown complete");
