@@ -1,7 +1,7 @@
 //! Engine-core benchmark: the runtime (scheduler, batched forward passes, on-device sampling)
 //! without HTTP, for `batch` concurrent sequences.
 //!
-//! `cargo run --release --example bench_generate -- <model dir> <prompt tokens> <new tokens> <runs> [batch] [temperature] [--draft ngram|<draft model dir>] [--num-draft N] [--prompt-ids FILE]`
+//! `cargo run --release --example bench_generate -- <model dir> <prompt tokens> <new tokens> <runs> [batch] [temperature] [--draft ngram|<draft model dir>] [--num-draft N] [--prompt-ids FILE] [--kv-bits 4|8]`
 //!
 //! With `--draft`, speculative decoding runs (n-gram prompt lookup or a draft model) and the
 //! line adds `drafted` and `accepted` totals. `--prompt-ids` reads the prompt (a JSON list of
@@ -138,9 +138,10 @@ fn main() -> anyhow::Result<()> {
     let draft = option("--draft")?;
     let num_draft: usize = option("--num-draft")?.map_or(Ok(DEFAULT_NUM_DRAFT), |s| s.parse())?;
     let prompt_ids = option("--prompt-ids")?;
+    let kv_bits: Option<i32> = option("--kv-bits")?.map(|s| s.parse()).transpose()?;
     anyhow::ensure!(
         (4..=6).contains(&args.len()),
-        "usage: bench_generate <model dir> <prompt tokens> <new tokens> <runs> [batch] [temperature] [--draft ngram|<dir>] [--num-draft N] [--prompt-ids FILE]"
+        "usage: bench_generate <model dir> <prompt tokens> <new tokens> <runs> [batch] [temperature] [--draft ngram|<dir>] [--num-draft N] [--prompt-ids FILE] [--kv-bits 4|8]"
     );
     let (dir, prompt_len, new_tokens, runs): (&str, usize, usize, usize) = (
         &args[0],
@@ -161,6 +162,10 @@ fn main() -> anyhow::Result<()> {
         max_batch_size: batch.max(1),
         prompt_cache_bytes: 0,
         speculation,
+        kv_quant: kv_bits.map(|bits| mlxd_engine::cache::KvQuant {
+            bits,
+            group_size: 64,
+        }),
         ..Default::default()
     };
     let runtime = Runtime::start(dir.into(), limits, None)?;
@@ -182,6 +187,12 @@ fn main() -> anyhow::Result<()> {
     let decode = median(runs.iter().map(|r| r.decode_tps).collect());
     let drafted: usize = runs.iter().map(|r| r.drafted).sum();
     let accepted: usize = runs.iter().map(|r| r.accepted).sum();
+    let kv = kv_bits.map_or(String::new(), |b| {
+        format!(
+            ",\"kv_bits\":{b},\"kv_bytes_per_token\":{}",
+            runtime.info.kv_bytes_per_token
+        )
+    });
     let draft = match &draft {
         Some(d) => format!(
             ",\"draft\":{:?},\"num_draft\":{num_draft},\"drafted\":{drafted},\"accepted\":{accepted}",
@@ -190,7 +201,7 @@ fn main() -> anyhow::Result<()> {
         None => String::new(),
     };
     println!(
-        "{{\"impl\":\"mlxd\",\"batch\":{batch},\"temperature\":{temperature},\"prompt_tokens\":{prompt_len},\"new_tokens\":{new_tokens},\"ttft_s\":{ttft:.4},\"prefill_tps\":{prefill:.1},\"decode_tps\":{decode:.2}{draft}}}"
+        "{{\"impl\":\"mlxd\",\"batch\":{batch},\"temperature\":{temperature},\"prompt_tokens\":{prompt_len},\"new_tokens\":{new_tokens},\"ttft_s\":{ttft:.4},\"prefill_tps\":{prefill:.1},\"decode_tps\":{decode:.2}{draft}{kv}}}"
     );
     runtime.join();
     Ok(())

@@ -10,6 +10,10 @@
 #   scripts/bench/h200.sh serve <out dir>          mlxd against mlx_lm.server, prefix cache
 #   scripts/bench/h200.sh prefix <out dir>         the prefix-cache part alone
 #   scripts/bench/h200.sh proxy <out dir>          streams straight to an engine against through mlxd
+#   scripts/bench/h200.sh speculative <out dir> <gguf>  n-gram drafting on the default model (from
+#                                                  its GGUF) and 1B drafting for 8B (models, models8b)
+#   scripts/bench/h200.sh kvquant <out dir>        8B shape: decode at 4k/16k context, bf16 KV against
+#                                                  8- and 4-bit, and mlx-lm's quantized KV (models8b)
 #
 # The tokenizer dir holds SmolLM2's tokenizer.json and tokenizer_config.json (vocabulary 49152,
 # which the shapes use), so that served streams are real text.
@@ -125,8 +129,39 @@ case ${1:-} in
     kill "$pid" "$epid"
     wait 2>/dev/null || true
     ;;
+  speculative)
+    out=$2 gguf=$3
+    mkdir -p "$out"
+    tok=${TOK:-$root/.bench/tok}
+    # The default model, converted from its GGUF by the engine's own store.
+    export MLXD_HOME=${MLXD_HOME:-/tmp/mlxd-home} MLXD_SMOLLM2_GGUF=$gguf
+    sock=$(mktemp -u /tmp/mlxd-convert.XXXX.sock)
+    RUST_LOG=warn "$bins/mlxd-engine" --model smollm2-135m --unix "$sock" &
+    cpid=$!
+    for _ in $(seq 1 600); do [[ -S $sock ]] && break; sleep 0.5; done
+    kill "$cpid"; wait "$cpid" 2>/dev/null || true
+    smol=$MLXD_HOME/models/smollm2-135m
+    "$PYTHON" scripts/bench/grounded_prompt.py "$smol" "$out/grounded-smollm2.json"
+    PYTHON=$PYTHON scripts/bench/speculative.sh "$smol" "$out/grounded-smollm2.json" 256 3 "$out/speculative.jsonl" "" "1 8"
+    "$PYTHON" scripts/bench/grounded_prompt.py "$tok" "$out/grounded-llama.json"
+    PYTHON=$PYTHON scripts/bench/speculative.sh "$MODELS/llama-8b-bf16" "$out/grounded-llama.json" 128 3 "$out/speculative.jsonl" "$MODELS/llama-1b-bf16" "1 8"
+    ;;
+  kvquant)
+    out=$2
+    mkdir -p "$out"
+    for ctx in 4096 16384; do
+      for bits in none 8 4; do
+        kv=(); [[ $bits == none ]] || kv=(--kv-bits "$bits")
+        echo "== kv $bits ctx $ctx" >&2
+        "$BENCH_BIN" "$MODELS/llama-8b-bf16" "$ctx" 64 3 1 0 "${kv[@]}" |
+          "$PYTHON" -c 'import sys, json; print(json.dumps({"case": "mlxd kv " + sys.argv[1], **json.loads(sys.stdin.read())}))' "$bits" | tee -a "$out/kvquant.jsonl"
+        "$PYTHON" scripts/bench/mlx_lm_bench.py "$MODELS/llama-8b-bf16" "$ctx" 64 3 1 0 "${kv[@]}" |
+          "$PYTHON" -c 'import sys, json; print(json.dumps({"case": "mlx-lm kv " + sys.argv[1], **json.loads(sys.stdin.read())}))' "$bits" | tee -a "$out/kvquant.jsonl"
+      done
+    done
+    ;;
   *)
-    sed -n '2,14p' "$0"
+    sed -n '2,18p' "$0"
     exit 64
     ;;
 esac
