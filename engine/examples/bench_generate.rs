@@ -58,14 +58,18 @@ fn run(
                 seed: Some(i as u64),
                 ..Default::default()
             };
-            runtime.work.send(GenerateRequest {
-                prompt: p.clone(),
-                sampling,
-                max_tokens: new_tokens,
-                stop_token_ids: vec![],
-                sample_offset: 0,
-                events: tx,
-            })?;
+            runtime
+                .work
+                .send(GenerateRequest {
+                    prompt: p.clone(),
+                    sampling,
+                    max_tokens: new_tokens,
+                    stop_token_ids: vec![],
+                    sample_offset: 0,
+                    events: tx,
+                    constraint: None,
+                })
+                .map_err(|_| anyhow::anyhow!("the runtime stopped"))?;
             Ok(rx)
         })
         .collect::<anyhow::Result<_>>()?;

@@ -266,3 +266,47 @@ fn ngram_drafting_on_the_default_model_keeps_greedy_tokens() {
         "no draft accepted on a copying task (of {drafted})"
     );
 }
+
+#[test]
+fn a_constrained_row_takes_no_drafts_and_follows_its_mask_in_a_speculative_batch() {
+    use mlxd_engine::constraint::{ForcedTokens, TokenConstraint};
+    use mlxd_engine::runtime::request::{GenerateRequest, TokenEvent};
+    let dir = common::tiny_model("tiny-llama");
+    let plain = start_runtime(&dir, 0);
+    let spec = speculative(&dir, ngram(), 3);
+    let p = prompts();
+    let free = Gen::greedy(&p[0], 12);
+    let reference = tokens(&generate_alone(&plain, std::slice::from_ref(&free)));
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let forced = vec![7, 8, 9, 10, 7, 8];
+    spec.work
+        .send(GenerateRequest {
+            prompt: p[4].clone(),
+            sampling: Default::default(),
+            max_tokens: 12,
+            stop_token_ids: vec![],
+            sample_offset: 0,
+            events: tx,
+            constraint: Some(
+                Box::new(ForcedTokens::new(forced.clone())) as Box<dyn TokenConstraint>
+            ),
+        })
+        .unwrap();
+    let out = generate_together(&spec, std::slice::from_ref(&free));
+    let mut constrained = Vec::new();
+    let mut drafts = None;
+    while let Some(event) = rx.blocking_recv() {
+        match event {
+            TokenEvent::Token(t) => constrained.push(t),
+            TokenEvent::Drafts { drafted, accepted } => drafts = Some((drafted, accepted)),
+            TokenEvent::Finished(_) => break,
+            TokenEvent::Failed(e) => panic!("{e}"),
+            TokenEvent::PromptDone { .. } => {}
+        }
+    }
+    assert_eq!(constrained, forced);
+    assert_eq!(drafts, None, "a constrained row was given drafts");
+    assert_eq!(tokens(&out), reference);
+    plain.join();
+    spec.join();
+}

@@ -132,6 +132,14 @@ impl DecodeBatch {
                 );
                 Some(p.take_axis(&idx, 0)?)
             }
+            // The last step was synchronous: every kept row's last token is on the host.
+            None if !kept.is_empty() => {
+                let last: Vec<u32> = kept
+                    .iter()
+                    .map(|(s, _)| s.tokens[s.tokens.len() - 1])
+                    .collect();
+                Some(Array::from_slice(&last, &[last.len() as i32]))
+            }
             _ => None,
         };
         self.filter(&keep)?;
@@ -154,6 +162,9 @@ impl DecodeBatch {
             };
             let b = self.rows.len() as i32;
             let logits = model.forward(&input.reshape(&[b, 1])?, &mut self.caches)?;
+            if let Some(mask) = self.constraint_mask()? {
+                self.sampler.set_mask(mask);
+            }
             let next = self.sampler.sample(&logits.index((.., -1, ..)))?;
             let mut state: Vec<&Array> = vec![&next];
             state.extend(self.sampler.state());
@@ -182,6 +193,9 @@ impl DecodeBatch {
                     departed.push(Departed { seq, kv });
                 }
             }
+        }
+        if self.rows.iter().any(|s| s.constraint.is_some()) {
+            self.hand_out_now()?;
         }
         Ok(departed)
     }
@@ -240,7 +254,8 @@ impl DecodeBatch {
             .iter()
             .enumerate()
             .map(|(r, s)| {
-                if self.sampler.row_takes_drafts(r) {
+                // A constrained row's mask for position i + 1 depends on its token i.
+                if self.sampler.row_takes_drafts(r) && s.constraint.is_none() {
                     spec.num_draft.min(s.remaining() - 1)
                 } else {
                     0
@@ -284,6 +299,9 @@ impl DecodeBatch {
         };
         let l = input.shape()[1] as usize;
         let logits = model.forward(&input, &mut self.caches)?;
+        if let Some(mask) = self.constraint_mask()? {
+            self.sampler.set_mask(mask);
+        }
         let sampled = self.sampler.sample_positions(&logits)?;
         let mut state: Vec<&Array> = vec![&sampled];
         if let Drafts::Device(d) = &drafts {
@@ -337,6 +355,38 @@ impl DecodeBatch {
         self.sampler
             .advance(&advanced, &Array::from_slice(&newest, &[b as i32]))?;
         Ok(departed)
+    }
+
+    /// The `[B, vocab]` mask of the next token when some row is constrained: each constrained
+    /// row's allowed set, zeros for the others.
+    fn constraint_mask(&mut self) -> Result<Option<Array>, Exception> {
+        if self.rows.iter().all(|s| s.constraint.is_none()) {
+            return Ok(None);
+        }
+        let v = self.sampler.vocab();
+        let mut mask = vec![0.0f32; v * self.rows.len()];
+        for (seq, row) in self.rows.iter_mut().zip(mask.chunks_mut(v)) {
+            seq.write_mask(row);
+        }
+        Ok(Some(Array::from_slice(
+            &mask,
+            &[self.rows.len() as i32, v as i32],
+        )))
+    }
+
+    /// Reads this step's tokens back and hands them out at once (the synchronous step of a
+    /// batch with a constrained row), advancing each row's constraint.
+    fn hand_out_now(&mut self) -> Result<(), Exception> {
+        let Some(next) = self.in_flight.take() else {
+            return Ok(());
+        };
+        next.eval()?;
+        let tokens: &[u32] = next.as_slice();
+        for (seq, &token) in self.rows.iter_mut().zip(tokens) {
+            let last = seq.at_limit();
+            seq.emit(token, last);
+        }
+        Ok(())
     }
 
     /// A copy of row `r`'s KV and the tokens it holds, when the prefix cache wants it.

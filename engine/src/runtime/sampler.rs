@@ -59,6 +59,9 @@ pub struct BatchSampler {
     seed_lo: Option<Array>,
     seed_hi: Option<Array>,
     steps: Option<Array>,
+    /// `[B, vocab]` additive mask (0 allowed, −∞ not) for the next `sample` only, set by the
+    /// batch while some row is constrained.
+    mask: Option<Array>,
     /// `[B, 1]` parameter columns, built once per batch membership.
     columns: std::cell::RefCell<std::collections::HashMap<&'static str, Array>>,
 }
@@ -74,6 +77,7 @@ impl BatchSampler {
             seed_lo: None,
             seed_hi: None,
             steps: None,
+            mask: None,
             columns: Default::default(),
         }
     }
@@ -195,10 +199,17 @@ impl BatchSampler {
         Ok(())
     }
 
+    /// Restricts the next [`sample`](Self::sample) to the tokens `mask` (`[B, vocab]`, 0
+    /// allowed, −∞ not; rows without a constraint all 0) allows.
+    pub fn set_mask(&mut self, mask: Array) {
+        self.mask = Some(mask);
+    }
+
     /// Chooses one token per row from `logits` `[B, vocab]` (lazily: nothing is evaluated) and
     /// records it in the rows' penalty state.
     pub fn sample(&mut self, logits: &Array) -> Result<Array, Exception> {
-        let tokens = self.pick(logits, 1)?;
+        let mask = self.mask.take();
+        let tokens = self.pick(logits, 1, mask.as_ref())?;
         if let Some(steps) = &self.steps {
             self.steps = Some(steps.add(Array::from_slice(&[1u32], &[1]))?);
         }
@@ -212,10 +223,11 @@ impl BatchSampler {
     /// Nothing is recorded; [`Self::advance`] does once the accepted tokens are known. The
     /// penalty state is the same at every position, so rows with penalties must be given no
     /// drafts (only their position 0 counts).
-    pub fn sample_positions(&self, logits: &Array) -> Result<Array, Exception> {
+    pub fn sample_positions(&mut self, logits: &Array) -> Result<Array, Exception> {
         let s = logits.shape();
         let (b, l, v) = (s[0], s[1], s[2]);
-        let tokens = self.pick(&logits.reshape(&[b * l, v])?, l)?;
+        let mask = self.mask.take();
+        let tokens = self.pick(&logits.reshape(&[b * l, v])?, l, mask.as_ref())?;
         tokens.reshape(&[b, l])
     }
 
@@ -256,7 +268,8 @@ impl BatchSampler {
 
     /// One token per row of `logits` `[B × l, vocab]`, where each batch row has `l`
     /// consecutive rows (positions) and position `i` draws as generated token `next + i`.
-    fn pick(&self, logits: &Array, l: i32) -> Result<Array, Exception> {
+    /// `mask` (`[B, vocab]`, additive) applies to every position of its row.
+    fn pick(&self, logits: &Array, l: i32, mask: Option<&Array>) -> Result<Array, Exception> {
         let per_position = |a: &Array| -> Result<Array, Exception> {
             if l == 1 {
                 Ok(a.clone())
@@ -287,6 +300,9 @@ impl BatchSampler {
             x = x
                 .subtract(presence.multiply(&present)?)?
                 .subtract(frequency.multiply(&counts)?)?;
+        }
+        if let Some(mask) = mask {
+            x = x.add(per_position(mask)?)?;
         }
         let greedy = argmax_axis(&x, -1, None)?.as_dtype(Dtype::Uint32)?;
         if self.rows.iter().all(|r| r.params.temperature == 0.0) {

@@ -4,6 +4,7 @@ use tokio::sync::mpsc;
 use super::request::{FinishReason, GenerateRequest, GenerationError, TokenEvent};
 use super::sampling_params::SamplingParams;
 use crate::cache::Reservation;
+use crate::constraint::TokenConstraint;
 
 pub struct Sequence {
     /// Prompt, then every generated token read back so far.
@@ -26,6 +27,8 @@ pub struct Sequence {
     /// Speculative drafts proposed for this sequence, and how many were accepted.
     pub drafted: usize,
     pub accepted: usize,
+    /// Which tokens may come next; while any row has one, its batch steps synchronously.
+    pub constraint: Option<Box<dyn TokenConstraint>>,
     events: mpsc::UnboundedSender<TokenEvent>,
     prompt_reported: bool,
     /// No more tokens wanted: a stop token came, the client left, or it failed.
@@ -49,6 +52,7 @@ impl Sequence {
             reservation: None,
             drafted: 0,
             accepted: 0,
+            constraint: request.constraint,
             events: request.events,
             prompt_reported: false,
             finished: false,
@@ -91,6 +95,23 @@ impl Sequence {
             && self.prompt_len + self.sampled < self.context_length
     }
 
+    /// True when the tokens sampled so far reach `max_tokens` or the context's end.
+    pub fn at_limit(&self) -> bool {
+        self.sampled >= self.max_tokens || self.prompt_len + self.sampled >= self.context_length
+    }
+
+    /// Writes the mask row of this sequence's next token (left all zeros without a
+    /// constraint); a failing constraint fails the sequence, which then leaves the batch.
+    pub fn write_mask(&mut self, row: &mut [f32]) {
+        let Some(constraint) = self.constraint.as_mut() else {
+            return;
+        };
+        if let Err(e) = constraint.mask(row) {
+            row.fill(0.0);
+            self.fail(GenerationError::Constraint(e.to_string()));
+        }
+    }
+
     /// Hands one generated token to the client. `last` says no further token was sampled
     /// for it (a limit was reached), so the generation ends here either way.
     pub fn emit(&mut self, token: u32, last: bool) {
@@ -112,6 +133,13 @@ impl Sequence {
         if self.events.send(TokenEvent::Token(token)).is_err() {
             self.finished = true;
             return;
+        }
+        if let Some(constraint) = self.constraint.as_mut() {
+            match constraint.commit(token) {
+                Ok(false) => {}
+                Ok(true) => return self.finish(FinishReason::Stop),
+                Err(e) => return self.fail(GenerationError::Constraint(e.to_string())),
+            }
         }
         if last {
             self.finish(FinishReason::Length);
