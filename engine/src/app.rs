@@ -63,6 +63,10 @@ pub const ENGINE_OPTIONS: &[(&str, &str)] = &[
     ("kv_bits", "4 or 8: store the KV cache quantized"),
     ("kv_group_size", "32, 64 or 128 (with kv_bits)"),
     (
+        "quantized_kv_start",
+        "tokens kept unquantized before a sequence's KV converts (with kv_bits; default 0)",
+    ),
+    (
         "draft",
         "\"ngram\": speculative decoding with prompt-lookup drafts",
     ),
@@ -122,6 +126,7 @@ pub fn launch_options(launch: &Launch) -> Result<LaunchOptions, StartError> {
     };
     let mut kv_bits = None;
     let mut kv_group_size = None;
+    let mut quantized_kv_start = None;
     let mut ngram = false;
     let mut draft_model = None;
     let mut num_draft = None;
@@ -158,6 +163,15 @@ pub fn launch_options(launch: &Launch) -> Result<LaunchOptions, StartError> {
                         .ok()
                         .filter(|g| [32, 64, 128].contains(g))
                         .ok_or_else(|| bad("expected 32, 64 or 128"))?,
+                )
+            }
+            "quantized_kv_start" => {
+                quantized_kv_start = Some(
+                    value
+                        .parse::<usize>()
+                        .ok()
+                        .filter(|n| *n <= 1 << 24)
+                        .ok_or_else(|| bad("expected a number of tokens from 0 to 16777216"))?,
                 )
             }
             "draft" => {
@@ -216,6 +230,16 @@ pub fn launch_options(launch: &Launch) -> Result<LaunchOptions, StartError> {
         }
         (None, None) => None,
     };
+    if let Some(start) = quantized_kv_start {
+        if limits.kv_quant.is_none() {
+            return Err(StartError::Option {
+                key: "quantized_kv_start".into(),
+                value: start.to_string(),
+                reason: "needs kv_bits".into(),
+            });
+        }
+        limits.quantized_kv_start = start;
+    }
     let refuse = |key: &str, reason: &str| StartError::Option {
         key: key.into(),
         value: launch.options.get(key).cloned().unwrap_or_default(),
@@ -589,6 +613,11 @@ mod tests {
                 "exclude each other",
             ),
             (&[("ngram_max", "3")][..], "needs draft"),
+            (&[("quantized_kv_start", "256")][..], "needs kv_bits"),
+            (
+                &[("kv_bits", "8"), ("quantized_kv_start", "-1")][..],
+                "a number of tokens",
+            ),
             (&[("num_draft_tokens", "3")][..], "needs draft"),
             (
                 &[("draft", "ngram"), ("num_draft_tokens", "0")][..],

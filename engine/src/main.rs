@@ -51,6 +51,11 @@ struct Args {
     /// Elements of a head that share one scale and bias when the KV cache is quantized.
     #[arg(long, default_value_t = 64, requires = "kv_bits")]
     kv_group_size: i32,
+    /// With `--kv-bits`: a sequence's KV stays in the model's dtype until it holds more than
+    /// this many tokens, then converts (as mlx-lm's `--quantized-kv-start`); 0 quantizes from
+    /// the first token.
+    #[arg(long, default_value_t = 0, requires = "kv_bits")]
+    quantized_kv_start: usize,
     /// Speculative decoding with prompt-lookup drafts: `ngram` proposes the tokens that
     /// followed the text's own ending where it occurred before (prompt or output).
     #[arg(long, value_parser = ["ngram"], conflicts_with = "draft_model")]
@@ -103,6 +108,7 @@ fn main() -> anyhow::Result<()> {
             bits,
             group_size: args.kv_group_size,
         }),
+        quantized_kv_start: args.quantized_kv_start,
         ..RuntimeLimits::default()
     };
     let choice = match (args.draft, args.draft_model) {

@@ -310,3 +310,38 @@ fn a_constrained_row_takes_no_drafts_and_follows_its_mask_in_a_speculative_batch
     plain.join();
     spec.join();
 }
+
+#[test]
+fn drafting_over_a_quantized_kv_cache_keeps_its_greedy_tokens() {
+    let dir = common::tiny_model("tiny-qwen3");
+    let limits = |speculation| RuntimeLimits {
+        prompt_cache_bytes: 0,
+        kv_quant: Some(mlxd_engine::cache::KvQuant {
+            bits: 8,
+            group_size: 32,
+        }),
+        speculation,
+        ..Default::default()
+    };
+    let plain = Runtime::start(dir.clone(), limits(None), None).expect("load");
+    let spec = Runtime::start(
+        dir,
+        limits(Some(Speculation {
+            source: ngram(),
+            num_draft: 3,
+        })),
+        None,
+    )
+    .expect("load");
+    let gens: Vec<Gen> = prompts().iter().map(|p| Gen::greedy(p, 14)).collect();
+    let reference = tokens(&generate_alone(&plain, &gens));
+    let out = generate_together(&spec, &gens);
+    assert_eq!(
+        tokens(&out),
+        reference,
+        "drafting changed quantized-cache tokens"
+    );
+    assert!(out.iter().any(|o| o.drafts.is_some_and(|(d, _)| d > 0)));
+    plain.join();
+    spec.join();
+}

@@ -58,6 +58,33 @@ impl BatchKv {
         self.left_padding.len()
     }
 
+    /// How new keys and values are stored.
+    pub fn quant(&self) -> Option<KvQuant> {
+        self.quant
+    }
+
+    /// The longest row's valid positions.
+    pub fn longest_row(&self) -> usize {
+        (self.idx - self.left_padding.iter().copied().min().unwrap_or(0)).max(0) as usize
+    }
+
+    /// Stores everything held, and every later write, quantized with `quant`
+    /// (`--quantized-kv-start`: a cache converts when its longest row passes the start).
+    pub fn quantize(&mut self, quant: KvQuant) -> Result<(), Exception> {
+        if self.quant.is_some() {
+            return Ok(());
+        }
+        let idx = self.idx;
+        for side in [&mut self.keys, &mut self.values] {
+            *side = side
+                .take()
+                .map(|s| s.prefix(idx)?.quantized(quant))
+                .transpose()?;
+        }
+        self.quant = Some(quant);
+        Ok(())
+    }
+
     /// Valid positions held for row `r`.
     pub fn row_len(&self, r: usize) -> usize {
         (self.idx - self.left_padding[r]) as usize
@@ -160,6 +187,13 @@ impl BatchKv {
     pub fn extend(&mut self, other: BatchKv) -> Result<(), Exception> {
         if other.rows() == 0 {
             return Ok(());
+        }
+        let mut other = other;
+        // One buffer has one layout: a plain side joining a quantized one is quantized.
+        match (self.quant, other.quant) {
+            (Some(q), None) => other.quantize(q)?,
+            (None, Some(q)) if self.rows() > 0 => self.quantize(q)?,
+            _ => {}
         }
         if self.rows() == 0 {
             *self = other;
@@ -359,6 +393,35 @@ mod tests {
         );
         assert!(cache.rollback(&[1, 1]).is_err());
         assert!(cache.rollback(&[9]).is_err());
+    }
+
+    #[test]
+    fn a_plain_cache_quantizes_in_place_and_joins_a_quantized_one() {
+        let q = KvQuant {
+            bits: 8,
+            group_size: 32,
+        };
+        let mut plain = BatchKv::with_padding(vec![0, 0], None);
+        let k = positions(2, 0, 5);
+        plain.update_and_fetch(&k, &k).unwrap();
+        let mut quantized = BatchKv::with_padding(vec![0], Some(q));
+        let k1 = positions(1, 0, 3);
+        quantized.update_and_fetch(&k1, &k1).unwrap();
+        // A quantized row joining a plain batch converts the batch.
+        plain.extend(quantized).unwrap();
+        assert_eq!(plain.quant(), Some(q));
+        assert_eq!(plain.longest_row(), 5);
+        let (row0, _) = plain.row_copy(0).unwrap().unwrap();
+        let expected = Stored::new(&positions(2, 0, 5).index((0..1, .., .., ..)), Some(q)).unwrap();
+        assert_eq!(row_values(&row0), row_values(&expected));
+        // Later writes are quantized too, and a plain cache joining it is converted.
+        let next = positions(3, 5, 1);
+        let (all, _) = plain.update_and_fetch(&next, &next).unwrap();
+        assert!(all.is_quantized());
+        let mut late = BatchKv::with_padding(vec![0], None);
+        late.update_and_fetch(&k1, &k1).unwrap();
+        plain.extend(late).unwrap();
+        assert_eq!(plain.rows(), 4);
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! The cache manager: the one owner of the KV budget and the prefix cache, on the MLX thread.
 use mlx_rs::error::Exception;
 
-use super::{BatchKv, KvBudget, KvQuant, PrefixCache, Reservation, Stored};
+use super::{BatchKv, KvBudget, KvLayout, PrefixCache, Reservation, Stored};
 
 /// One layer's keys and values `[1, kv_heads, n, head_dim]` for a cached prefix.
 type LayerKv = (Stored, Stored);
@@ -15,28 +15,40 @@ pub struct PrefixHit {
 pub struct CacheManager {
     budget: KvBudget,
     prefix: PrefixCache<Vec<LayerKv>>,
+    /// KV bytes per token unquantized and as the layout quantizes them.
+    plain_bytes_per_token: u64,
     bytes_per_token: u64,
     /// How the caches this manager hands out store keys and values.
-    quant: Option<KvQuant>,
+    layout: KvLayout,
 }
 
 impl CacheManager {
     pub fn new(
         kv_budget: Option<u64>,
         prefix_budget: u64,
+        plain_bytes_per_token: usize,
         bytes_per_token: usize,
-        quant: Option<KvQuant>,
+        layout: KvLayout,
     ) -> Self {
         Self {
             budget: KvBudget::new(kv_budget),
             prefix: PrefixCache::new(prefix_budget),
+            plain_bytes_per_token: plain_bytes_per_token as u64,
             bytes_per_token: bytes_per_token as u64,
-            quant,
+            layout,
         }
     }
 
-    pub fn quant(&self) -> Option<KvQuant> {
-        self.quant
+    pub fn layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    /// KV bytes per token, unquantized and as stored when quantized.
+    pub fn bytes_per_token(&self) -> (usize, usize) {
+        (
+            self.plain_bytes_per_token as usize,
+            self.bytes_per_token as usize,
+        )
     }
 
     pub fn budget(&self) -> &KvBudget {
@@ -45,7 +57,8 @@ impl CacheManager {
 
     /// KV bytes a sequence of `tokens` positions may need.
     pub fn bytes_for(&self, tokens: usize) -> u64 {
-        tokens as u64 * self.bytes_per_token
+        self.layout
+            .bytes_for(tokens, self.plain_bytes_per_token, self.bytes_per_token)
     }
 
     pub fn reserve(&mut self, bytes: u64) -> Reservation {
@@ -69,7 +82,7 @@ impl CacheManager {
         if !self.prefix.enabled() || prompt.len() < 2 {
             return Ok(None);
         }
-        let quant = self.quant;
+        let layout = self.layout;
         let Some(hit) = self.prefix.lookup(prompt, prompt.len() - 1) else {
             return Ok(None);
         };
@@ -79,11 +92,21 @@ impl CacheManager {
             .payload
             .iter()
             .map(|(k, v)| {
-                if whole {
-                    Ok(BatchKv::from_row(k.clone(), v.clone(), quant))
+                let (k, v) = if whole {
+                    (k.clone(), v.clone())
                 } else {
-                    Ok(BatchKv::from_row(k.prefix(n)?, v.prefix(n)?, quant))
+                    (k.prefix(n)?, v.prefix(n)?)
+                };
+                // A quantized entry keeps writing quantized; a plain one follows the layout.
+                let quant = match &k {
+                    Stored::Quantized { quant, .. } => Some(*quant),
+                    Stored::Plain(_) => None,
+                };
+                let mut row = BatchKv::from_row(k, v, quant);
+                if let Some(q) = layout.at(hit.matched) {
+                    row.quantize(q)?;
                 }
+                Ok(row)
             })
             .collect::<Result<_, Exception>>()?;
         Ok(Some(PrefixHit {

@@ -20,7 +20,7 @@ pub use budget::{KvBudget, Reservation};
 pub use dense::DenseKv;
 pub use manager::{CacheManager, PrefixHit};
 pub use prefix::{PrefixCache, PrefixLookup};
-pub use stored::{KvQuant, Stored};
+pub use stored::{KvLayout, KvQuant, Stored};
 
 use mlx_rs::error::Exception;
 use mlx_rs::fast::ScaledDotProductAttentionMask;

@@ -26,6 +26,36 @@ impl KvQuant {
     }
 }
 
+/// How a sequence's KV is stored as it grows (`--kv-bits`, `--quantized-kv-start`): plain
+/// while its longest row holds at most `start` positions, quantized after that, as mlx-lm's
+/// `maybe_quantize_kv_cache` converts a cache once its offset passes the start. `start` 0
+/// quantizes from the first position.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct KvLayout {
+    pub quant: Option<KvQuant>,
+    pub start: usize,
+}
+
+impl KvLayout {
+    /// How a cache whose longest row holds `len` positions stores its keys and values.
+    pub fn at(&self, len: usize) -> Option<KvQuant> {
+        self.quant.filter(|_| self.start == 0 || len > self.start)
+    }
+
+    /// KV bytes a sequence of `tokens` positions may need, at `plain` and `quantized` bytes
+    /// per token: the positions before the start plain, the rest quantized (an upper bound,
+    /// since a batch quantizes every row once one row passes the start).
+    pub fn bytes_for(&self, tokens: usize, plain: u64, quantized: u64) -> u64 {
+        match self.quant {
+            None => tokens as u64 * plain,
+            Some(_) => {
+                let before = tokens.min(self.start) as u64;
+                before * plain + (tokens as u64 - before) * quantized
+            }
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub enum Stored {
     Plain(Array),
@@ -52,6 +82,18 @@ impl Stored {
                 })
             }
         }
+    }
+
+    /// This, stored quantized with `quant` (a plain copy is quantized; a quantized one kept).
+    pub fn quantized(&self, quant: KvQuant) -> Result<Self, Exception> {
+        match self {
+            Stored::Plain(a) => Stored::new(a, Some(quant)),
+            Stored::Quantized { .. } => Ok(self.clone()),
+        }
+    }
+
+    pub fn is_quantized(&self) -> bool {
+        matches!(self, Stored::Quantized { .. })
     }
 
     /// Positions held (axis 2).
@@ -202,5 +244,48 @@ pub fn write_positions(
         held.prefix(end)
     } else {
         Ok(held.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const Q8: KvQuant = KvQuant {
+        bits: 8,
+        group_size: 64,
+    };
+
+    #[test]
+    fn the_layout_quantizes_past_its_start() {
+        let plain = KvLayout::default();
+        assert_eq!(plain.at(1_000_000), None);
+        let from_zero = KvLayout {
+            quant: Some(Q8),
+            start: 0,
+        };
+        assert_eq!(from_zero.at(0), Some(Q8));
+        let later = KvLayout {
+            quant: Some(Q8),
+            start: 256,
+        };
+        assert_eq!(later.at(256), None);
+        assert_eq!(later.at(257), Some(Q8));
+    }
+
+    #[test]
+    fn reservations_count_plain_bytes_before_the_start() {
+        let layout = KvLayout {
+            quant: Some(Q8),
+            start: 100,
+        };
+        assert_eq!(layout.bytes_for(50, 10, 3), 500);
+        assert_eq!(layout.bytes_for(150, 10, 3), 1000 + 150);
+        assert_eq!(KvLayout::default().bytes_for(150, 10, 3), 1500);
+        let from_zero = KvLayout {
+            quant: Some(Q8),
+            start: 0,
+        };
+        assert_eq!(from_zero.bytes_for(150, 10, 3), 450);
     }
 }

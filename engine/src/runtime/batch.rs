@@ -14,7 +14,7 @@ use super::draft::{ngram, verify, DraftCounts, Drafter, Speculator};
 use super::request::FinishReason;
 use super::sampler::{BatchSampler, RowSampling};
 use super::sequence::Sequence;
-use crate::cache::{BatchKv, LayerCache, Stored};
+use crate::cache::{BatchKv, KvLayout, LayerCache, Stored};
 use crate::models::CausalLm;
 
 /// Sequences whose prompt is in their cache, ready to join the batch.
@@ -50,12 +50,20 @@ pub struct DecodeBatch {
     keep_kv: bool,
     /// Speculative decoding: every step drafts and verifies (synchronously).
     spec: Option<Speculator>,
+    /// When the batch's caches switch to quantized storage (`--quantized-kv-start`).
+    layout: KvLayout,
     /// Drafted and accepted tokens since the batch was made.
     pub draft_counts: DraftCounts,
 }
 
 impl DecodeBatch {
-    pub fn new(num_layers: usize, vocab: usize, keep_kv: bool, spec: Option<Speculator>) -> Self {
+    pub fn new(
+        num_layers: usize,
+        vocab: usize,
+        keep_kv: bool,
+        layout: KvLayout,
+        spec: Option<Speculator>,
+    ) -> Self {
         Self {
             rows: Vec::new(),
             caches: Vec::new(),
@@ -64,6 +72,7 @@ impl DecodeBatch {
             num_layers,
             keep_kv,
             spec,
+            layout,
             draft_counts: DraftCounts::default(),
         }
     }
@@ -99,9 +108,45 @@ impl DecodeBatch {
         model: &dyn CausalLm,
         joining: Vec<Prefilled>,
     ) -> Result<Vec<Departed>, Exception> {
-        if self.spec.is_some() {
-            return self.speculative_step(model, joining);
+        let departed = if self.spec.is_some() {
+            self.speculative_step(model, joining)?
+        } else {
+            self.pipelined_step(model, joining)?
+        };
+        self.quantize_past_start()?;
+        Ok(departed)
+    }
+
+    /// Switches the caches to quantized storage once the longest row passes the layout's
+    /// start (every row: a buffer has one layout).
+    fn quantize_past_start(&mut self) -> Result<(), Exception> {
+        let Some(q) = self.layout.quant else {
+            return Ok(());
+        };
+        let longest = self
+            .caches
+            .iter()
+            .filter_map(|c| match c {
+                LayerCache::Batched(b) if b.quant().is_none() => Some(b.longest_row()),
+                _ => None,
+            })
+            .max();
+        if longest.is_some_and(|len| self.layout.at(len).is_some()) {
+            for cache in &mut self.caches {
+                if let Some(c) = cache.as_batched_mut() {
+                    c.quantize(q)?;
+                }
+            }
         }
+        Ok(())
+    }
+
+    /// One decode step of the pipelined path (see the module comment).
+    fn pipelined_step(
+        &mut self,
+        model: &dyn CausalLm,
+        joining: Vec<Prefilled>,
+    ) -> Result<Vec<Departed>, Exception> {
         let pending = self.in_flight.take();
         let mut keep = Vec::new();
         let mut kept = Vec::new();

@@ -19,7 +19,7 @@ use super::request::{GenerateRequest, GenerationError, TokenEvent};
 use super::scheduler::{self, Admission, PrefillView, PrefillWork, SchedulerLimits, WaitingView};
 use super::sequence::Sequence;
 use super::{OomHook, RuntimeStats};
-use crate::cache::{BatchKv, CacheManager, KvQuant, LayerCache};
+use crate::cache::{BatchKv, CacheManager, KvLayout, KvQuant, LayerCache};
 use crate::models::{CausalLm, ModelInfo};
 
 /// An admitted sequence whose prompt is not all in its cache yet.
@@ -65,6 +65,7 @@ impl<'m> Executor<'m> {
             info.num_layers,
             info.vocab_size,
             caches.prefix_enabled(),
+            caches.layout(),
             spec,
         );
         Self {
@@ -234,7 +235,7 @@ impl<'m> Executor<'m> {
                 continue;
             }
             let layers = p.layers.unwrap_or_else(|| {
-                fresh_layers(self.info.num_layers, vec![0], self.caches.quant())
+                fresh_layers(self.info.num_layers, vec![0], self.caches.layout().at(1))
             });
             self.ready.push(Prefilled {
                 seqs: vec![p.seq],
@@ -278,7 +279,8 @@ impl<'m> Executor<'m> {
     /// The next `n` prompt tokens of one sequence into its own cache.
     fn prefill_chunk(&mut self, index: usize, n: usize) -> Result<(), Exception> {
         let num_layers = self.info.num_layers;
-        let quant = self.caches.quant();
+        let layout = self.caches.layout();
+        let quant = layout.at(0);
         let p = &mut self.prefilling[index];
         let chunk = &p.seq.tokens[p.written..p.written + n];
         let input = Array::from_slice(chunk, &[1, n as i32]);
@@ -286,10 +288,11 @@ impl<'m> Executor<'m> {
             .layers
             .take()
             .unwrap_or_else(|| fresh_layers(num_layers, vec![0], quant));
-        let layers = run_prefill(self.model, &input, layers)?;
+        let mut layers = run_prefill(self.model, &input, layers)?;
         let p = &mut self.prefilling[index];
-        p.layers = Some(layers);
         p.written += n;
+        quantize_past_start(&mut layers, layout, p.written)?;
+        p.layers = Some(layers);
         Ok(())
     }
 
@@ -310,11 +313,13 @@ impl<'m> Executor<'m> {
             padding.push(pad as i32);
         }
         let input = Array::from_slice(&tokens, &[indices.len() as i32, longest as i32]);
-        let layers = run_prefill(
+        let layout = self.caches.layout();
+        let mut layers = run_prefill(
             self.model,
             &input,
-            fresh_layers(self.info.num_layers, padding, self.caches.quant()),
+            fresh_layers(self.info.num_layers, padding, layout.at(0)),
         )?;
+        quantize_past_start(&mut layers, layout, longest)?;
         let mut taken: Vec<Option<Prefilling>> = std::mem::take(&mut self.prefilling)
             .into_iter()
             .map(Some)
@@ -344,11 +349,13 @@ impl<'m> Executor<'m> {
                 seq.fail(error.clone());
             }
         }
+        let (plain, stored) = self.caches.bytes_per_token();
         self.caches = CacheManager::new(
             self.caches.budget().limit(),
             self.caches.prefix_budget(),
-            self.info.kv_bytes_per_token,
-            self.caches.quant(),
+            plain,
+            stored,
+            self.caches.layout(),
         );
         if let GenerationError::OutOfMemory(message) = &error {
             for r in self.waiting.drain(..) {
@@ -388,6 +395,20 @@ fn fresh_layers(num_layers: usize, padding: Vec<i32>, quant: Option<KvQuant>) ->
     (0..num_layers)
         .map(|_| BatchKv::with_padding(padding.clone(), quant))
         .collect()
+}
+
+/// Converts prefill caches whose rows hold more than the layout's start to quantized storage.
+fn quantize_past_start(
+    layers: &mut [BatchKv],
+    layout: KvLayout,
+    written: usize,
+) -> Result<(), Exception> {
+    if let Some(q) = layout.at(written) {
+        for layer in layers {
+            layer.quantize(q)?;
+        }
+    }
+    Ok(())
 }
 
 /// Runs `input` `[B, L]` into `layers` and evaluates the caches (the logits are not needed).

@@ -29,7 +29,7 @@ use std::thread;
 
 use tokio::sync::mpsc;
 
-use crate::cache::{CacheManager, KvQuant};
+use crate::cache::{CacheManager, KvLayout, KvQuant};
 use crate::loader::LoadError;
 use crate::models::{self, CausalLm, ModelInfo};
 use draft::{DraftSource, Drafter, ModelDrafter, Speculation, Speculator};
@@ -61,6 +61,9 @@ pub struct RuntimeLimits {
     pub prefill_chunk: usize,
     /// Quantize the KV cache (`--kv-bits`, `--kv-group-size`); `None` keeps the model's dtype.
     pub kv_quant: Option<KvQuant>,
+    /// With `kv_quant`: a sequence's KV stays unquantized until it holds more than this many
+    /// positions (`--quantized-kv-start`); 0 quantizes from the start.
+    pub quantized_kv_start: usize,
     /// Speculative decoding (`--draft`, `--draft-model`, `--num-draft-tokens`).
     pub speculation: Option<Speculation>,
 }
@@ -74,6 +77,7 @@ impl Default for RuntimeLimits {
             prompt_cache_bytes: DEFAULT_PROMPT_CACHE_BYTES,
             prefill_chunk: PREFILL_CHUNK,
             kv_quant: None,
+            quantized_kv_start: 0,
             speculation: None,
         }
     }
@@ -119,6 +123,11 @@ impl Runtime {
                 )));
             }
         }
+        if limits.quantized_kv_start > 0 && limits.kv_quant.is_none() {
+            return Err(LoadError::Config(
+                "a quantized KV start needs a quantized KV cache (--kv-bits)".into(),
+            ));
+        }
         let (ready_tx, ready_rx) = std_mpsc::channel();
         let (work, rx) = mpsc::unbounded_channel();
         let stats = Arc::new(RuntimeStats::default());
@@ -131,6 +140,7 @@ impl Runtime {
                     if let Some(cap) = limits.context_length {
                         info.context_length = info.context_length.min(cap);
                     }
+                    let plain_bytes_per_token = info.kv_bytes_per_token;
                     if let Some(q) = limits.kv_quant {
                         if info.head_dim % q.group_size as usize != 0 {
                             let _ = ready_tx.send(Err(LoadError::Config(format!(
@@ -161,8 +171,12 @@ impl Runtime {
                     let caches = CacheManager::new(
                         limits.kv_budget_bytes,
                         limits.prompt_cache_bytes,
+                        plain_bytes_per_token,
                         info.kv_bytes_per_token,
-                        limits.kv_quant,
+                        KvLayout {
+                            quant: limits.kv_quant,
+                            start: limits.quantized_kv_start,
+                        },
                     );
                     let scheduler = SchedulerLimits {
                         max_batch_size: limits.max_batch_size.max(1),
