@@ -203,15 +203,44 @@ pub fn attend(
     let keys = cache.rope(rope, keys)?;
     let (keys, values) = cache.update_and_fetch(&keys, values)?;
     let mask = cache.mask(queries.shape()[2])?;
+    let l = queries.shape()[2];
     let out = match (&keys, &values) {
         (Stored::Plain(k), Stored::Plain(v)) => {
             fast::scaled_dot_product_attention(&queries, k, v, scale, mask.as_sdpa(), None)?
+        }
+        _ if l > QUANTIZED_ATTENTION_MAX_QUERIES => {
+            let (k, v) = (
+                dequantized(&keys, queries.dtype())?,
+                dequantized(&values, queries.dtype())?,
+            );
+            fast::scaled_dot_product_attention(&queries, &k, &v, scale, mask.as_sdpa(), None)?
         }
         _ => quantized_attention(&queries, &keys, &values, scale, &mask)?,
     };
     let shape = out.shape().to_vec();
     out.transpose_axes(&[0, 2, 1, 3])?
         .reshape(&[shape[0], shape[2], -1])
+}
+
+/// The most queries of one pass that attend over a quantized cache through quantized matmuls
+/// (a decode step, a speculative verification of up to 16 drafts). A prefill chunk over a
+/// quantized cache dequantizes it for the pass instead and runs the fused attention: MLX's
+/// CUDA backend has no quantized matmul for a prefill's shapes (seen on the H200 with 8-bit
+/// keys: "No implementation for problem shape 2047x4095x128"), and one dequantization per
+/// chunk costs less than the unfused attention would.
+const QUANTIZED_ATTENTION_MAX_QUERIES: i32 = 17;
+
+/// Keys or values in `dtype`, dequantized when stored quantized.
+fn dequantized(s: &Stored, dtype: mlx_rs::Dtype) -> Result<Array> {
+    match s {
+        Stored::Plain(a) => Ok(a.clone()),
+        Stored::Quantized {
+            weights,
+            scales,
+            biases,
+            quant,
+        } => dequantize(weights, scales, biases, quant.group_size, quant.bits)?.as_dtype(dtype),
+    }
 }
 
 /// Attention over a quantized cache, as mlx-lm's `quantized_scaled_dot_product_attention`:
