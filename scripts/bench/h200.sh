@@ -142,6 +142,8 @@ case ${1:-} in
     kill "$cpid"; wait "$cpid" 2>/dev/null || true
     smol=$MLXD_HOME/models/smollm2-135m
     "$PYTHON" scripts/bench/grounded_prompt.py "$smol" "$out/grounded-smollm2.json"
+    "$PYTHON" scripts/bench/chat_prompts.py "$smol" "$out/chat-smollm2.json"
+    "$bins/kv_agreement" "$smol" "$out/chat-smollm2.json" 256 | tee -a "$out/kv_agreement.jsonl"
     PYTHON=$PYTHON scripts/bench/speculative.sh "$smol" "$out/grounded-smollm2.json" 256 3 "$out/speculative.jsonl" "" "1 8"
     "$PYTHON" scripts/bench/grounded_prompt.py "$tok" "$out/grounded-llama.json"
     PYTHON=$PYTHON scripts/bench/speculative.sh "$MODELS/llama-8b-bf16" "$out/grounded-llama.json" 128 3 "$out/speculative.jsonl" "$MODELS/llama-1b-bf16" "1 8"
