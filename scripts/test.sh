@@ -31,6 +31,10 @@ echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets -q -- -D warnings
+# The client's in-process transport links the engine only with its feature.
+cargo clippy -p mlxd-client --features in-process --all-targets -q -- -D warnings
 echo "== cargo test"
 cargo build --workspace --bins -q
 cargo test --workspace --no-fail-fast 2>&1 | tee target/test-output.txt
+echo "== mlxd-client over every transport (feature in-process)"
+cargo test -p mlxd-client --features in-process --no-fail-fast 2>&1 | tee -a target/test-output.txt
