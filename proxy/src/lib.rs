@@ -13,6 +13,7 @@ pub mod engine;
 pub mod error;
 pub mod exit;
 pub mod forward;
+pub mod header_timeout;
 pub mod health;
 pub mod logs;
 pub mod metrics;

@@ -166,12 +166,17 @@ pub async fn serve(
         let _ = stream.set_nodelay(true);
         let app = app.clone();
         let svc = service_fn(move |req| handle(app.clone(), req));
+        let (stream, timeout_reply) = crate::header_timeout::share(stream);
         let conn = builder.serve_connection(TokioIo::new(stream), svc);
         let conn = graceful.watch(conn);
+        let header_timeout_ms = config.server.header_timeout_ms;
         tokio::spawn(async move {
             let _permit = permit;
             if let Err(e) = conn.await {
                 debug!(%peer, error = %e, "client connection ended with an error");
+                if e.is_timeout() {
+                    timeout_reply.header_timed_out(header_timeout_ms).await;
+                }
             }
         });
     }

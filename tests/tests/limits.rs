@@ -53,6 +53,47 @@ Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{";
     Ok(())
 }
 
+/// A client that stops halfway through its request headers gets a 408 naming the limit (hyper
+/// alone closes the connection without a word); one that sends nothing at all gets it too;
+/// an idle keep-alive connection after a complete exchange is closed without one.
+#[tokio::test]
+async fn stalled_headers_get_408_and_idle_keep_alive_closes_quietly() -> Result<()> {
+    let mut p = Proxy::start_with(&[], |c| c.server.header_timeout_ms = 500).await?;
+    let wait = Duration::from_secs(30);
+    let resp = stall(
+        p.addr,
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: loc",
+        wait,
+    )
+    .await?;
+    assert!(resp.starts_with("HTTP/1.1 408"), "{resp:?}");
+    let v = body_json(&resp);
+    assert_eq!(v["error"]["code"], "request_timeout", "{resp}");
+    assert_eq!(v["error"]["type"], "invalid_request_error", "{resp}");
+    let message = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("500 ms") && message.contains("header_timeout_ms"),
+        "{v}"
+    );
+
+    let resp = stall(p.addr, b"", wait).await?;
+    assert!(resp.starts_with("HTTP/1.1 408"), "{resp:?}");
+
+    let resp = stall(
+        p.addr,
+        b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n",
+        wait,
+    )
+    .await?;
+    assert!(resp.starts_with("HTTP/1.1 200"), "{resp:?}");
+    assert!(
+        !resp.contains("408"),
+        "an idle keep-alive got a 408: {resp:?}"
+    );
+    p.stop().await?;
+    Ok(())
+}
+
 /// 500 clients that stall mid-headers or mid-body do not stop `/health` or chat.
 #[tokio::test]
 async fn five_hundred_stalled_clients_do_not_stop_health_or_chat() -> Result<()> {

@@ -158,23 +158,24 @@ async fn alternating_models_under_one_engine_evict_each_time() -> Result<()> {
 #[tokio::test]
 async fn idle_engines_are_unloaded_after_the_ttl() -> Result<()> {
     let mut p = start(vec![model("a", &[]), model("b", &[])], |c| {
-        c.pool.ttl = Duration::from_millis(600);
+        c.pool.ttl = Duration::from_millis(1500);
         c.models[1].ttl = Some(Duration::ZERO);
     })
     .await?;
-    assert_eq!(complete(&p, "a").await?.0, 200);
     assert_eq!(complete(&p, "b").await?.0, 200);
-    let pid = row(&p, "a").await?["pid"].as_i64().unwrap() as i32;
+    // The TTL runs from a's last response: the clock starts just after it.
+    assert_eq!(complete(&p, "a").await?.0, 200);
     let t = Instant::now();
+    let pid = row(&p, "a").await?["pid"].as_i64().unwrap() as i32;
     wait_state(&p, "a", "unloaded", T).await?;
     assert!(
-        t.elapsed() >= Duration::from_millis(400),
+        t.elapsed() >= Duration::from_millis(1000),
         "{:?}",
         t.elapsed()
     );
     wait_gone(pid, T).await?;
     // ttl = 0: never unloaded.
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(row(&p, "b").await?["availability"], "loaded");
     let m = scrape(&p).await?;
     assert_eq!(
@@ -323,8 +324,8 @@ async fn a_busy_engine_is_not_evicted_the_request_waits_for_it() -> Result<()> {
         c.pool.max_engines = 1;
     })
     .await?;
-    // A stream on a, 600 ms long.
-    let body = json!({"model": "a", "stream": true, "prompt": "x", "fake": {"chunks": 6, "interval_ms": 100}});
+    // A stream on a, 2.4 s long.
+    let body = json!({"model": "a", "stream": true, "prompt": "x", "fake": {"chunks": 6, "interval_ms": 400}});
     let resp = send(
         p.addr,
         "POST",
@@ -337,7 +338,7 @@ async fn a_busy_engine_is_not_evicted_the_request_waits_for_it() -> Result<()> {
     let (s, v) = complete(&p, "b").await?;
     assert_eq!((s, v["model"].as_str()), (200, Some("b")));
     assert!(
-        t.elapsed() >= Duration::from_millis(400),
+        t.elapsed() >= Duration::from_millis(1200),
         "{:?}",
         t.elapsed()
     );
@@ -355,7 +356,8 @@ async fn a_busy_engine_is_not_evicted_the_request_waits_for_it() -> Result<()> {
 async fn models_list_states_and_admin_load_unload() -> Result<()> {
     let mut broken = model("broken", &[("fatal_before_ready", "weights are corrupt")]);
     broken.aliases = vec!["kaput".into()];
-    let slow = model("slow", &[("ready_delay_ms", "1500")]);
+    // Slow enough that `loading` is seen even on a loaded machine.
+    let slow = model("slow", &[("ready_delay_ms", "4000")]);
     let mut p = start(vec![model("a", &[]), broken, slow], |c| {
         c.server.crash_limit = 1;
     })

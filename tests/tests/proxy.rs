@@ -26,7 +26,7 @@ async fn stream_events(p: &Proxy, fake: Value) -> Result<Vec<(Instant, String)>>
 async fn sse_chunks_pass_through_as_they_arrive() -> Result<()> {
     let mut p = Proxy::start(&[]).await?;
     let t0 = Instant::now();
-    let events = stream_events(&p, json!({"chunks": 5, "interval_ms": 150})).await?;
+    let events = stream_events(&p, json!({"chunks": 5, "interval_ms": 300})).await?;
     assert_eq!(events.len(), 6, "{events:?}");
     assert_eq!(events[5].1, "data: [DONE]\n\n");
     for (i, (_, ev)) in events[..5].iter().enumerate() {
@@ -34,15 +34,15 @@ async fn sse_chunks_pass_through_as_they_arrive() -> Result<()> {
         assert_eq!(v["seq"], i);
         assert_eq!(v["choices"][0]["delta"]["content"], format!("tok{i} "));
     }
-    // Each chunk arrives on its own, about one interval after the previous one.
-    for w in events[..5].windows(2) {
-        let gap = w[1].0 - w[0].0;
-        assert!(
-            gap >= Duration::from_millis(100),
-            "chunks coalesced: gap {gap:?}"
-        );
-    }
-    assert!(events[0].0 - t0 < events[4].0 - t0 - Duration::from_millis(400));
+    // The engine sends the five 300 ms apart: buffered, they would arrive together. On a
+    // loaded machine one chunk may arrive late and the next on time, so only the spread from
+    // the first to the last (1 200 ms when sent) is asserted, at half of it.
+    let spread = events[4].0 - events[0].0;
+    assert!(
+        spread >= Duration::from_millis(600),
+        "chunks coalesced: first to last {spread:?}"
+    );
+    assert!(events[0].0 > t0);
     p.stop().await?;
     Ok(())
 }
@@ -171,7 +171,8 @@ async fn client_disconnect_cancels_the_generation() -> Result<()> {
 
 #[tokio::test]
 async fn requests_wait_while_the_engine_loads() -> Result<()> {
-    let mut p = Proxy::start(&[("ready_delay_ms", "800")]).await?;
+    // Long enough that the `starting` state is seen even on a loaded machine.
+    let mut p = Proxy::start(&[("ready_delay_ms", "2000")]).await?;
     let t = Instant::now();
     let req = tokio::spawn({
         let addr = p.addr;
@@ -186,15 +187,17 @@ async fn requests_wait_while_the_engine_loads() -> Result<()> {
     assert!(e["pid"].as_u64().is_some());
     let (s, _, _) = req.await??;
     assert_eq!(s, 200);
-    assert!(t.elapsed() >= Duration::from_millis(700));
+    assert!(t.elapsed() >= Duration::from_millis(1900));
     p.stop().await?;
     Ok(())
 }
 
 #[tokio::test]
 async fn queue_timeout_gives_503_and_queue_full_429_with_retry_after() -> Result<()> {
-    let mut p = Proxy::start_with(&[("ready_delay_ms", "5000")], |c| {
-        c.server.queue_timeout_ms = 400;
+    // The first request must still be queued when the second arrives (3 s is ample on a
+    // loaded machine), and the engine must still be loading when the first times out.
+    let mut p = Proxy::start_with(&[("ready_delay_ms", "20000")], |c| {
+        c.server.queue_timeout_ms = 3000;
         c.server.queue_capacity = 1;
     })
     .await?;
@@ -575,7 +578,7 @@ async fn shutdown_escalates_to_sigterm_then_sigkill() -> Result<()> {
     assert!(process_gone(pid));
     // Shutdown (300 ms) + SIGTERM (300 ms) + SIGKILL.
     assert!(took >= Duration::from_millis(550), "{took:?}");
-    assert!(took < Duration::from_secs(3), "{took:?}");
+    assert!(took < Duration::from_secs(10), "{took:?}");
     Ok(())
 }
 
