@@ -5,6 +5,7 @@ pub mod cache;
 pub mod chat_template;
 pub mod convert;
 pub mod detokenizer;
+pub mod fault;
 pub mod loader;
 pub mod mlx_runtime;
 pub mod models;

@@ -83,6 +83,15 @@ fn main() -> anyhow::Result<()> {
         }),
         ..RuntimeLimits::default()
     };
+    if let Some(spec) = mlxd_engine::fault::from_env().map_err(anyhow::Error::msg)? {
+        mlxd_engine::fault::arm(
+            spec,
+            Box::new(|message| {
+                tracing::error!(%message, "out of memory; exiting");
+                std::process::exit(3);
+            }),
+        );
+    }
     let engine = app::load(&args.model, &home, limits, None)?;
     let socket = args.unix.expect("clap requires --unix without --control");
     tokio::runtime::Builder::new_multi_thread()
