@@ -94,6 +94,7 @@ impl Sequence {
             self.finished = true;
             return;
         }
+        crate::fault::on_token();
         if last {
             self.finish(FinishReason::Length);
         }
