@@ -385,8 +385,11 @@ async fn injected_abort_and_hang_are_detected_restarted_and_resumed() -> Result<
 async fn crashes_past_the_budget_end_the_stream_with_a_clean_error_and_no_orphans() -> Result<()> {
     // Every engine aborts after its 4th token: the stream is resumed until the crash
     // budget (2 in the window) marks the model failed.
+    let tag = format!("MLXD_TEST_TAG=crash-budget-{}", std::process::id());
     let p = start(|c| {
         let s = &mut c.server;
+        let (k, v) = tag.split_once('=').expect("tag has =");
+        s.engine_env.insert(k.into(), v.into());
         s.crash_limit = 2;
         s.backoff_initial_ms = 50;
         s.engine_env.insert("MLXD_ALLOW_FAULTS".into(), "1".into());
@@ -417,27 +420,26 @@ async fn crashes_past_the_budget_end_the_stream_with_a_clean_error_and_no_orphan
     let e = p.engine().await?;
     ensure!(e["state"] == "failed", "no restart storm: {e}");
     ensure!(e["pid"].is_null(), "{e}");
-    // No engine process of this proxy is left.
-    let rt = p.dir.path().join("rt");
-    let me = std::process::id().to_string();
+    // No engine process of this proxy is left (its engines carry a tag in their
+    // environment; other tests' engines are children of this process too).
+    let mut survivors = Vec::new();
     for entry in std::fs::read_dir("/proc")? {
         let Ok(entry) = entry else { continue };
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+        let Ok(env) = std::fs::read(entry.path().join("environ")) else {
             continue;
         };
-        let fields: Vec<&str> = stat
+        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+        let zombie = stat
             .rsplit_once(") ")
-            .map(|(_, r)| r.split(' ').collect())
-            .unwrap_or_default();
-        let ppid = fields.get(1).copied().unwrap_or("");
-        let zombie = fields.first() == Some(&"Z");
-        if ppid == me && !zombie && stat.contains("(mlxd-engine)") {
-            bail!(
-                "an engine process outlived the failure: {stat} (runtime dir {})",
-                rt.display()
-            );
+            .is_some_and(|(_, rest)| rest.starts_with('Z'));
+        if !zombie && env.split(|&b| b == 0).any(|kv| kv == tag.as_bytes()) {
+            survivors.push(stat);
         }
     }
+    ensure!(
+        survivors.is_empty(),
+        "engine processes outlived the failure: {survivors:?}"
+    );
     Ok(())
 }
 
