@@ -3,6 +3,8 @@
 
     .venv/bin/python scripts/bench/resume.py [runs] [max tokens] [kill after] [model] [streams]
 
+`model` is a name (default smollm2-135m) or a model directory.
+
 Per run: `streams` greedy streams through mlxd; once the first has received `kill after`
 content chunks, the engine is killed with SIGKILL; mlxd restarts it and continues every
 stream on the new engine (transparent resumption). Measured per run:
@@ -10,7 +12,9 @@ stream on the new engine (transparent resumption). Measured per run:
 - pause: the longest gap between two content chunks of the first stream (the one across
   the kill);
 - extra: pause minus restart, what resuming costs on top of the restart (re-queueing,
-  the continuation's prefill of prompt + tokens already sent, the first new token).
+  the continuation's prefill of prompt + tokens already sent, the first new token);
+- ttft: for comparison, the time to first token of the same request uninterrupted on the
+  warm engine just before (the continuation is such a request, `kill after` tokens longer).
 Prints one JSON line per run and the medians. Uses `$MLXD_BIN_DIR` (default
 target/release) for `mlxd` and `mlxd-engine`.
 """
@@ -59,7 +63,15 @@ def stream(port, prompt, max_tokens, arrivals, on_chunk=None):
     conn.close()
 
 
+def ttft(port, prompt):
+    arrivals = []
+    start = time.perf_counter()
+    stream(port, prompt, 1, arrivals)
+    return arrivals[0] - start
+
+
 def one_run(port, max_tokens, kill_after, n_streams):
+    fresh = ttft(port, PROMPTS[0])
     old = engine_row(port)
     killed = {}
 
@@ -90,6 +102,7 @@ def one_run(port, max_tokens, kill_after, n_streams):
     restart = ready_at - killed["at"]
     return {"restart_ms": round(restart * 1e3, 1), "pause_ms": round(pause * 1e3, 1),
             "extra_ms": round((pause - restart) * 1e3, 1),
+            "ttft_ms": round(fresh * 1e3, 1),
             "median_gap_ms": round(statistics.median(gaps) * 1e3, 1), "chunks": len(a)}
 
 
@@ -110,8 +123,9 @@ def main():
     cfg = os.path.join(runtime, "mlxd.toml")
     with open(cfg, "w") as f:
         f.write(f'[server]\nport = {port}\nengine_bin = "{os.path.join(bins, "mlxd-engine")}"\n'
-                f'backoff_initial_ms = 50\n[server.engine_options]\nprompt_cache = "0"\n'
-                f'[[model]]\nid = "{model}"\n')
+                f'backoff_initial_ms = 50\ncrash_limit = 1000\n[server.engine_options]\nprompt_cache = "0"\n'
+                + (f'[[model]]\nid = "{os.path.basename(model.rstrip("/"))}"\npath = "{model}"\n'
+                   if os.path.isdir(model) else f'[[model]]\nid = "{model}"\n'))
     mlxd = subprocess.Popen([os.path.join(bins, "mlxd"), "serve", "--config", cfg, "--port", str(port)],
                             env=env, stdin=subprocess.DEVNULL)
     try:
@@ -129,7 +143,7 @@ def main():
             results.append(r)
             time.sleep(1)  # let the crash window see a stable engine
         print(json.dumps({k + "_median": statistics.median(r[k] for r in results)
-                          for k in ("restart_ms", "pause_ms", "extra_ms", "median_gap_ms")}
+                          for k in ("restart_ms", "pause_ms", "extra_ms", "ttft_ms", "median_gap_ms")}
                          | {"runs": runs, "max_tokens": max_tokens, "kill_after": kill_after,
                             "streams": n_streams, "model": model}))
     finally:
