@@ -424,6 +424,25 @@ pub fn run_supervised(home: &Path) -> anyhow::Result<()> {
             std::process::exit(2);
         }
     };
+    match crate::fault::from_env() {
+        Ok(Some(spec)) => {
+            let fault_control = control.clone();
+            crate::fault::arm(
+                spec,
+                Box::new(move |message| {
+                    tracing::error!(%message, "out of memory; exiting so the supervisor restarts the engine");
+                    let _ = fault_control.send_fatal(FatalKind::OutOfMemory, message);
+                    std::process::exit(3);
+                }),
+            );
+        }
+        Ok(None) => {}
+        Err(e) => {
+            tracing::error!(error = %e, "invalid fault switch");
+            let _ = control.send_fatal(FatalKind::LoadFailed, e);
+            std::process::exit(2);
+        }
+    }
     let oom_control = control.clone();
     let on_oom: OomHook = Box::new(move |message| {
         tracing::error!(%message, "out of memory; exiting so the supervisor restarts the engine");

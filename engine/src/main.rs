@@ -111,6 +111,15 @@ fn main() -> anyhow::Result<()> {
         quantized_kv_start: args.quantized_kv_start,
         ..RuntimeLimits::default()
     };
+    if let Some(spec) = mlxd_engine::fault::from_env().map_err(anyhow::Error::msg)? {
+        mlxd_engine::fault::arm(
+            spec,
+            Box::new(|message| {
+                tracing::error!(%message, "out of memory; exiting");
+                std::process::exit(3);
+            }),
+        );
+    }
     let choice = match (args.draft, args.draft_model) {
         (Some(_), _) => Some(DraftChoice::Ngram(
             NgramSizes::new(args.ngram_min as usize, args.ngram_max as usize)

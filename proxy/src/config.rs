@@ -116,6 +116,12 @@ pub struct ServerConfig {
     pub max_tokens_limit: Option<u64>,
     /// An engine not ready this long after spawning is killed (a load failure).
     pub load_timeout_ms: u64,
+    /// A ready engine that sends no `Stats` (it sends one a second) for this long is
+    /// hung: it is killed and treated as crashed. 0 disables the check.
+    pub hang_timeout_ms: u64,
+    /// How many times one generation request is continued on a restarted engine after
+    /// its engine died (transparent resumption); 0 disables resumption.
+    pub max_resumes: u32,
     /// API keys (any one opens every route but `/health*`, which is always open). Empty,
     /// with no `api_key_file` and no `admin_api_key`: no authentication.
     pub api_keys: Vec<Secret>,
@@ -213,7 +219,7 @@ impl From<&LimitsConfig> for Limits {
 
 impl ServerConfig {
     /// Every `*_ms` setting with its key, for range checks.
-    fn durations_ms(&self) -> [(&'static str, u64); 10] {
+    fn durations_ms(&self) -> [(&'static str, u64); 11] {
         [
             ("queue_timeout_ms", self.queue_timeout_ms),
             ("backoff_initial_ms", self.backoff_initial_ms),
@@ -225,6 +231,7 @@ impl ServerConfig {
             ("header_timeout_ms", self.header_timeout_ms),
             ("body_timeout_ms", self.body_timeout_ms),
             ("load_timeout_ms", self.load_timeout_ms),
+            ("hang_timeout_ms", self.hang_timeout_ms),
         ]
     }
 }
@@ -256,6 +263,8 @@ impl Default for ServerConfig {
             max_in_flight_per_model: 256,
             max_tokens_limit: Some(131_072),
             load_timeout_ms: 600_000,
+            hang_timeout_ms: 30_000,
+            max_resumes: 3,
             api_keys: Vec::new(),
             api_key_file: None,
             admin_api_key: None,

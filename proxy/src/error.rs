@@ -94,6 +94,14 @@ pub enum ProxyError {
     /// The engine exited while handling the request (upstream's fault, and we know why).
     #[error("engine for model {model} exited during the request: {}", report.summary())]
     EngineCrashed { model: String, report: ExitReport },
+    /// The engine died during the request and the request could not be continued on
+    /// its successor (transparent resumption, `resume.rs`).
+    #[error("engine for model {model} exited during the request ({crash}) and the request could not be resumed: {reason}")]
+    NotResumed {
+        model: String,
+        crash: String,
+        reason: String,
+    },
     /// The engine connection failed and the engine is still alive.
     #[error("engine for model {model} failed the request: {detail}")]
     Upstream { model: String, detail: String },
@@ -162,7 +170,9 @@ impl ProxyError {
             | Self::LimitsReduced { .. }
             | Self::Failed { .. }
             | Self::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
-            Self::EngineCrashed { .. } | Self::Upstream { .. } => StatusCode::BAD_GATEWAY,
+            Self::EngineCrashed { .. } | Self::NotResumed { .. } | Self::Upstream { .. } => {
+                StatusCode::BAD_GATEWAY
+            }
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -203,6 +213,7 @@ impl ProxyError {
             Self::EngineCrashed { report, .. } => {
                 (ErrorType::EngineCrashed, Some(report.cause.code()))
             }
+            Self::NotResumed { .. } => (ErrorType::EngineCrashed, Some("resume_failed")),
             Self::Upstream { .. } => (ErrorType::UpstreamError, None),
             Self::ShuttingDown => (ErrorType::EngineUnavailable, Some("shutting_down")),
             Self::Internal(_) => (ErrorType::InternalError, None),

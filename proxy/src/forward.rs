@@ -1,9 +1,11 @@
 //! Forwarding one request to an engine over its unix socket, streaming both ways.
 //!
-//! Response bodies pass through unchanged. For `text/event-stream` responses the
-//! proxy releases bytes on SSE event boundaries (each event as soon as it is complete),
-//! so it sees every event — the hook for splicing a resumed stream later — and, if the
-//! engine dies mid-stream, it can end the stream with one well-formed error event.
+//! Response bodies pass through unchanged, except those of the generation routes
+//! (`resume.rs`). For `text/event-stream` responses the proxy releases bytes on SSE event
+//! boundaries (each event as soon as it is complete), so it sees every event. A
+//! generation stream whose engine dies is continued on the restarted engine and spliced
+//! in; any other stream, or one that cannot be resumed, ends with one well-formed error
+//! event.
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -15,15 +17,17 @@ use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response};
 use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use mlxd_ipc::sse::SseSplitter;
 use mlxd_ipc::uds::Driver;
-use tracing::warn;
+use tracing::{info, warn};
 
 use crate::engine::DeathWatch;
 use crate::error::ProxyError;
 use crate::metrics::{Metrics, RequestTap};
-use crate::pool::Lease;
+use crate::pool::{Lease, PoolHandle};
+use crate::resume::{NotResumable, Resume, ResumeRecord};
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type ProxyRequestBody = http_body_util::combinators::BoxBody<Bytes, BoxError>;
@@ -80,6 +84,12 @@ pub async fn explain_failure(model: &str, mut death: DeathWatch, detail: String)
     }
 }
 
+/// True for an engine that died without being asked to: one whose successor the pool
+/// starts, so that its requests can be resumed there.
+pub fn is_crash(err: &ProxyError) -> bool {
+    matches!(err, ProxyError::EngineCrashed { report, .. } if !report.cause.is_requested())
+}
+
 /// True when `err` (or anything in its source chain) is the request-body length limit.
 fn is_body_limit(err: &(dyn std::error::Error + 'static)) -> bool {
     let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(err);
@@ -126,15 +136,95 @@ pub struct Accounting {
     pub started: tokio::time::Instant,
 }
 
-/// Sends `parts` + `body` to the leased engine and returns the client's response.
+/// What a generation request needs to be continued on a restarted engine if its engine
+/// dies: its record and how to send it again.
+pub struct Resumption {
+    pub record: ResumeRecord,
+    pub pool: PoolHandle,
+    /// The request head as the client sent it (credentials already stripped).
+    pub parts: http::request::Parts,
+    pub request_id: u64,
+    pub max_body: usize,
+    /// For the KV check against the new engine.
+    pub max_tokens: Option<u64>,
+}
+
+/// Sends `parts` + `body` to the leased engine and returns the client's response. With
+/// `resume`, the `mlxd` extension is stripped from what the client sees, and a stream
+/// whose engine dies is continued on the restarted engine.
 pub async fn forward(
     lease: Lease,
-    mut parts: http::request::Parts,
+    parts: http::request::Parts,
     body: ProxyRequestBody,
     request_id: u64,
     max_body: usize,
     accounting: Option<Accounting>,
+    resume: Option<Resumption>,
 ) -> Result<Response<ProxyBody>, ForwardError> {
+    let (resp, mut driver) = send(&lease, parts, body, request_id, max_body).await?;
+    let (mut parts, incoming) = resp.into_parts();
+    strip_hop_by_hop(&mut parts.headers);
+    let sse = is_sse(&parts.headers);
+    let tap = accounting.map(|a| {
+        RequestTap::new(
+            a.metrics,
+            &lease.model,
+            parts.status.as_u16(),
+            a.started,
+            sse,
+        )
+    });
+    if let Some(resume) = resume {
+        if !sse {
+            // A whole JSON response: read it (it comes at once, at the end of the
+            // generation), strip the extension, and answer with the rewritten bytes.
+            let raw = match collect(incoming, &mut driver).await {
+                Ok(b) => b,
+                Err(e) => {
+                    let err = explain_failure(&lease.model, lease.death.clone(), e).await;
+                    return Err(ForwardError::Failed(err));
+                }
+            };
+            let out = if parts.status.is_success() {
+                resume.record.client_body(raw)
+            } else {
+                raw
+            };
+            parts.headers.remove(header::CONTENT_LENGTH);
+            parts
+                .headers
+                .insert(header::CONTENT_LENGTH, HeaderValue::from(out.len()));
+            return Ok(Response::from_parts(
+                parts,
+                ProxyBody::whole(out, lease, tap),
+            ));
+        }
+        return Ok(Response::from_parts(
+            parts,
+            ProxyBody::new(incoming, driver, true, lease, tap, Some(resume)),
+        ));
+    }
+    Ok(Response::from_parts(
+        parts,
+        ProxyBody::new(incoming, driver, sse, lease, tap, None),
+    ))
+}
+
+fn is_sse(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().starts_with("text/event-stream"))
+}
+
+/// One request to the leased engine, up to its response head.
+async fn send(
+    lease: &Lease,
+    mut parts: http::request::Parts,
+    body: ProxyRequestBody,
+    request_id: u64,
+    max_body: usize,
+) -> Result<(Response<Incoming>, Driver<ProxyRequestBody>), ForwardError> {
     strip_hop_by_hop(&mut parts.headers);
     parts
         .headers
@@ -157,10 +247,16 @@ pub async fn forward(
         }
     };
     parts.version = http::Version::HTTP_11;
+    // A buffered body (possibly a continuation, longer than what the client sent)
+    // declares its own length.
+    if let Some(len) = body.size_hint().exact() {
+        parts
+            .headers
+            .insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+    }
     let req = Request::from_parts(parts, body);
-
-    let (resp, driver) = match mlxd_ipc::uds::send_driven(&lease.socket, req).await {
-        Ok(r) => r,
+    match mlxd_ipc::uds::send_driven(&lease.socket, req).await {
+        Ok(r) => Ok(r),
         Err(e) => {
             if let mlxd_ipc::uds::UdsError::Request(he) = &e {
                 if is_body_limit(he) {
@@ -171,48 +267,64 @@ pub async fn forward(
                 }
             }
             let not_delivered = matches!(e, mlxd_ipc::uds::UdsError::Connect { .. });
-            let err = explain_failure(&lease.model, lease.death, e.to_string()).await;
-            return Err(if not_delivered {
+            let err = explain_failure(&lease.model, lease.death.clone(), e.to_string()).await;
+            Err(if not_delivered {
                 ForwardError::NotDelivered(err)
             } else {
                 ForwardError::Failed(err)
-            });
+            })
         }
-    };
-    let (mut parts, incoming) = resp.into_parts();
-    strip_hop_by_hop(&mut parts.headers);
-    let sse = parts
-        .headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
-    let tap = accounting.map(|a| {
-        RequestTap::new(
-            a.metrics,
-            &lease.model,
-            parts.status.as_u16(),
-            a.started,
-            sse,
-        )
-    });
-    Ok(Response::from_parts(
-        parts,
-        ProxyBody::new(incoming, driver, sse, lease, tap),
-    ))
+    }
+}
+
+/// Reads a whole response body while driving its connection.
+async fn collect(
+    mut incoming: Incoming,
+    driver: &mut Driver<ProxyRequestBody>,
+) -> Result<Bytes, String> {
+    let mut out = bytes::BytesMut::new();
+    loop {
+        let frame = std::future::poll_fn(|cx| {
+            let _ = driver.poll_drive(cx);
+            Pin::new(&mut incoming).poll_frame(cx)
+        })
+        .await;
+        match frame {
+            None => return Ok(out.freeze()),
+            Some(Ok(f)) => {
+                if let Ok(d) = f.into_data() {
+                    out.extend_from_slice(&d);
+                }
+            }
+            Some(Err(e)) => return Err(e.to_string()),
+        }
+    }
 }
 
 type ErrorEventFuture = Pin<Box<dyn Future<Output = Bytes> + Send>>;
+type ReconnectFuture = Pin<Box<dyn Future<Output = (Resumption, Result<Upstream, Bytes>)> + Send>>;
+
+/// A live engine response: its body, the connection that feeds it, and the lease.
+struct Upstream {
+    incoming: Incoming,
+    /// The engine connection, polled from this body so no other task is involved.
+    driver: Driver<ProxyRequestBody>,
+    lease: Lease,
+}
 
 /// The client-facing response body.
 pub struct ProxyBody {
-    upstream: Incoming,
-    /// The engine connection, polled from this body so no other task is involved.
-    driver: Driver<ProxyRequestBody>,
+    upstream: Option<Upstream>,
     /// Present for SSE responses.
     sse: Option<SseSplitter>,
     queued: VecDeque<Bytes>,
     failing: Option<ErrorEventFuture>,
-    lease: Option<Lease>,
+    /// Present for resumable generation streams.
+    resume: Option<Resumption>,
+    /// The engine died; waiting for its successor to take the stream over.
+    reconnecting: Option<ReconnectFuture>,
+    /// A body read whole: holds its lease until the client has it.
+    _held: Option<Lease>,
     /// Metrics for this response, recorded when the body is dropped.
     tap: Option<RequestTap>,
     done: bool,
@@ -220,21 +332,184 @@ pub struct ProxyBody {
 
 impl ProxyBody {
     fn new(
-        upstream: Incoming,
+        incoming: Incoming,
         driver: Driver<ProxyRequestBody>,
         sse: bool,
         lease: Lease,
         tap: Option<RequestTap>,
+        resume: Option<Resumption>,
     ) -> Self {
         Self {
-            upstream,
-            driver,
+            upstream: Some(Upstream {
+                incoming,
+                driver,
+                lease,
+            }),
             sse: sse.then(SseSplitter::new),
             queued: VecDeque::new(),
             failing: None,
-            lease: Some(lease),
+            resume,
+            reconnecting: None,
+            _held: None,
             tap,
             done: false,
+        }
+    }
+
+    /// A body already read and rewritten.
+    fn whole(body: Bytes, lease: Lease, mut tap: Option<RequestTap>) -> Self {
+        if let Some(tap) = tap.as_mut() {
+            tap.data(&body);
+        }
+        Self {
+            upstream: None,
+            sse: None,
+            queued: VecDeque::from([body]),
+            failing: None,
+            resume: None,
+            reconnecting: None,
+            _held: Some(lease),
+            tap,
+            done: true,
+        }
+    }
+
+    /// One event from the engine on its way to the client.
+    fn pass_event(&mut self, ev: Bytes) {
+        let ev = match self.resume.as_mut() {
+            Some(r) => match r.record.client_event(ev) {
+                Some(ev) => ev,
+                None => return,
+            },
+            None => ev,
+        };
+        if let Some(tap) = self.tap.as_mut() {
+            tap.event(&ev);
+        }
+        self.queued.push_back(ev);
+    }
+
+    /// The engine connection broke mid-stream: continue elsewhere or end with an error.
+    fn broke(&mut self, upstream: Upstream, detail: String) {
+        let lease = upstream.lease;
+        warn!(model = %lease.model, error = %detail, "engine connection broke mid-response");
+        // Drop any half event: the client must only see whole events.
+        if let Some(s) = self.sse.as_mut() {
+            s.finish();
+        }
+        if let Some(resume) = self.resume.take() {
+            self.reconnecting = Some(Box::pin(reconnect(resume, lease, detail)));
+            return;
+        }
+        self.failing = Some(Box::pin(async move {
+            explain_failure(&lease.model, lease.death, detail)
+                .await
+                .sse_event()
+        }));
+    }
+}
+
+/// After the engine behind `lease` died mid-stream: waits for its exit report, takes a
+/// lease on its successor and sends the continuation. `Err` holds the bytes that end the
+/// client's stream (an error event, or the missing `[DONE]`).
+async fn reconnect(
+    mut resume: Resumption,
+    lease: Lease,
+    detail: String,
+) -> (Resumption, Result<Upstream, Bytes>) {
+    let model = lease.model.clone();
+    let mut dead = lease.generation;
+    let mut crash = explain_failure(&model, lease.death.clone(), detail).await;
+    drop(lease);
+    loop {
+        if !is_crash(&crash) {
+            // The engine lives (it dropped the request), or mlxd stopped it on purpose
+            // (shutdown, eviction): nothing restarts it for this request.
+            return (resume, Err(crash.sse_event()));
+        }
+        let body = match resume.record.resume() {
+            Resume::Continue(body) => body,
+            Resume::Finish(tail) => return (resume, Err(tail)),
+            // The engine never said which tokens it sent (one without the `mlxd`
+            // extension): the request was never resumable, and the crash is the error.
+            Resume::Impossible(NotResumable::UnknownEvent) => {
+                return (resume, Err(crash.sse_event()))
+            }
+            Resume::Impossible(why) => {
+                let err = ProxyError::NotResumed {
+                    model: model.clone(),
+                    crash: crash.to_string(),
+                    reason: why.to_string(),
+                };
+                return (resume, Err(err.sse_event()));
+            }
+        };
+        info!(
+            model = %model,
+            sent_tokens = resume.record.sent_ids().len(),
+            attempt = resume.record.resumes(),
+            "engine died mid-stream; resuming on its successor"
+        );
+        let not_resumed = |e: ProxyError| {
+            ProxyError::NotResumed {
+                model: model.clone(),
+                crash: crash.to_string(),
+                reason: e.to_string(),
+            }
+            .sse_event()
+        };
+        let lease = match resume.pool.acquire_avoiding(&model, Some(dead)).await {
+            Ok(l) => l,
+            Err(e) => return (resume, Err(not_resumed(e))),
+        };
+        if let Some(cap) = &lease.kv {
+            if crate::policy::check_kv(resume.max_tokens, cap).is_err() {
+                let e = ProxyError::Internal(
+                    "the restarted engine's KV budget is too small for the request".into(),
+                );
+                return (resume, Err(not_resumed(e)));
+            }
+        }
+        let body: ProxyRequestBody = http_body_util::Full::new(body)
+            .map_err(|e| match e {})
+            .boxed();
+        let sent = send(
+            &lease,
+            copy_head(&resume.parts),
+            body,
+            resume.request_id,
+            resume.max_body,
+        )
+        .await;
+        match sent {
+            Ok((resp, mut driver)) => {
+                let (parts, incoming) = resp.into_parts();
+                if parts.status.is_success() && is_sse(&parts.headers) {
+                    return (
+                        resume,
+                        Ok(Upstream {
+                            incoming,
+                            driver,
+                            lease,
+                        }),
+                    );
+                }
+                let body = collect(incoming, &mut driver).await.unwrap_or_default();
+                let e = ProxyError::Upstream {
+                    model: model.clone(),
+                    detail: format!(
+                        "the continuation was answered {}: {}",
+                        parts.status,
+                        String::from_utf8_lossy(&body)
+                    ),
+                };
+                return (resume, Err(not_resumed(e)));
+            }
+            Err(ForwardError::NotDelivered(e) | ForwardError::Failed(e)) => {
+                // Died again before answering: count it and go round.
+                dead = lease.generation;
+                crash = e;
+            }
         }
     }
 }
@@ -248,10 +523,12 @@ impl Body for ProxyBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
-        // Move bytes from the engine socket into `upstream` (Pending is fine: the
-        // connection has registered for wake-ups).
-        let _ = this.driver.poll_drive(cx);
         loop {
+            // Move bytes from the engine socket into `incoming` (Pending is fine: the
+            // connection has registered for wake-ups).
+            if let Some(up) = this.upstream.as_mut() {
+                let _ = up.driver.poll_drive(cx);
+            }
             if let Some(b) = this.queued.pop_front() {
                 return Poll::Ready(Some(Ok(Frame::data(b))));
             }
@@ -265,7 +542,29 @@ impl Body for ProxyBody {
                 this.queued.push_back(event);
                 continue;
             }
-            match ready!(Pin::new(&mut this.upstream).poll_frame(cx)) {
+            if let Some(f) = this.reconnecting.as_mut() {
+                let (resume, result) = ready!(f.as_mut().poll(cx));
+                this.reconnecting = None;
+                this.resume = Some(resume);
+                match result {
+                    Ok(up) => {
+                        this.sse = Some(SseSplitter::new());
+                        this.upstream = Some(up);
+                    }
+                    Err(tail) => {
+                        this.done = true;
+                        if !tail.is_empty() {
+                            this.queued.push_back(tail);
+                        }
+                    }
+                }
+                continue;
+            }
+            let Some(up) = this.upstream.as_mut() else {
+                this.done = true;
+                continue;
+            };
+            match ready!(Pin::new(&mut up.incoming).poll_frame(cx)) {
                 Some(Ok(frame)) => {
                     let data = match frame.into_data() {
                         Ok(d) => d,
@@ -274,10 +573,7 @@ impl Body for ProxyBody {
                     match this.sse.as_mut() {
                         Some(splitter) => {
                             for ev in splitter.push(&data) {
-                                if let Some(tap) = this.tap.as_mut() {
-                                    tap.event(&ev);
-                                }
-                                this.queued.push_back(ev);
+                                this.pass_event(ev);
                             }
                         }
                         None => {
@@ -289,28 +585,30 @@ impl Body for ProxyBody {
                     }
                 }
                 Some(Err(e)) => {
-                    let Some(lease) = this.lease.take() else {
+                    let Some(up) = this.upstream.take() else {
                         return Poll::Ready(Some(Err(e.into())));
                     };
-                    warn!(model = %lease.model, error = %e, "engine connection broke mid-response");
                     if this.sse.is_none() {
+                        warn!(model = %up.lease.model, error = %e, "engine connection broke mid-response");
                         return Poll::Ready(Some(Err(e.into())));
                     }
-                    // Drop any half event: the client must only see whole events.
-                    if let Some(s) = this.sse.as_mut() {
-                        s.finish();
-                    }
-                    let detail = e.to_string();
-                    this.failing = Some(Box::pin(async move {
-                        explain_failure(&lease.model, lease.death, detail)
-                            .await
-                            .sse_event()
-                    }));
+                    this.broke(up, e.to_string());
                 }
                 None => {
-                    this.done = true;
-                    if let Some(rest) = this.sse.as_mut().and_then(SseSplitter::finish) {
-                        this.queued.push_back(rest);
+                    let complete = this.resume.as_ref().is_none_or(|r| r.record.is_complete());
+                    let up = this.upstream.take();
+                    match up {
+                        // The engine closed a resumable stream before its end: treat it
+                        // as the break it is.
+                        Some(up) if !complete => {
+                            this.broke(up, "the engine ended the stream early".into());
+                        }
+                        _ => {
+                            this.done = true;
+                            if let Some(rest) = this.sse.as_mut().and_then(SseSplitter::finish) {
+                                this.pass_event(rest);
+                            }
+                        }
                     }
                 }
             }
@@ -318,14 +616,15 @@ impl Body for ProxyBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.done && self.queued.is_empty() && self.failing.is_none()
+        self.done && self.queued.is_empty() && self.failing.is_none() && self.reconnecting.is_none()
     }
 
     fn size_hint(&self) -> SizeHint {
-        if self.sse.is_none() && self.queued.is_empty() && !self.done {
-            self.upstream.size_hint()
-        } else {
-            SizeHint::default()
+        match &self.upstream {
+            Some(up) if self.sse.is_none() && self.queued.is_empty() && !self.done => {
+                up.incoming.size_hint()
+            }
+            _ => SizeHint::default(),
         }
     }
 }

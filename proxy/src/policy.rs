@@ -250,6 +250,30 @@ pub fn check_kv(max_tokens: Option<u64>, cap: &KvCapacity) -> Result<(), Unserva
     }
 }
 
+/// Whether a ready engine still shows signs of life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Liveness {
+    /// Look again after this long.
+    Alive { check_in: Duration },
+    /// Silent for `silent`, at least the hang timeout.
+    Hung { silent: Duration },
+}
+
+/// The hang rule: an engine whose last heartbeat (`Ready` or `Stats`) is `timeout` or
+/// more ago is hung. With no heartbeat at all it is judged from now.
+pub fn hang_verdict(heartbeat: Option<Instant>, now: Instant, timeout: Duration) -> Liveness {
+    let last = heartbeat.unwrap_or(now);
+    let silent = now.saturating_duration_since(last);
+    if silent >= timeout {
+        Liveness::Hung { silent }
+    } else {
+        // At least 10 ms, so a tiny timeout cannot spin the actor.
+        Liveness::Alive {
+            check_in: (timeout - silent).max(Duration::from_millis(10)),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -421,5 +445,33 @@ mod tests {
             ..full
         };
         assert_eq!(check_kv(Some(u64::MAX), &big), Ok(()));
+    }
+
+    #[test]
+    fn hang_verdict_counts_from_the_last_heartbeat() {
+        let t0 = Instant::now();
+        let timeout = Duration::from_secs(30);
+        assert_eq!(
+            hang_verdict(Some(t0), t0 + Duration::from_secs(10), timeout),
+            Liveness::Alive {
+                check_in: Duration::from_secs(20)
+            }
+        );
+        assert_eq!(
+            hang_verdict(Some(t0), t0 + Duration::from_secs(31), timeout),
+            Liveness::Hung {
+                silent: Duration::from_secs(31)
+            }
+        );
+        assert_eq!(
+            hang_verdict(None, t0, timeout),
+            Liveness::Alive { check_in: timeout }
+        );
+        assert_eq!(
+            hang_verdict(Some(t0), t0 + timeout - Duration::from_millis(1), timeout),
+            Liveness::Alive {
+                check_in: Duration::from_millis(10)
+            }
+        );
     }
 }

@@ -324,6 +324,8 @@ struct Slot {
     ready_at: Option<Instant>,
     ready: Option<Ready>,
     stats: Option<Stats>,
+    /// When the running engine last showed it was alive (`Ready`, then each `Stats`).
+    heartbeat: Option<Instant>,
     progress: Option<f32>,
     in_flight: u32,
     last_used: Instant,
@@ -503,6 +505,7 @@ enum Timer {
     IdleCheck { model: String },
     LimitsRecovery { model: String },
     CapacityDeadline { model: String, ticket: u64 },
+    HangCheck { model: String, generation: u64 },
 }
 
 /// What the actor needs besides the configuration.
@@ -581,6 +584,7 @@ pub(crate) fn start_with(
                 ready_at: None,
                 ready: None,
                 stats: None,
+                heartbeat: None,
                 progress: None,
                 in_flight: 0,
                 last_used: now,
@@ -668,6 +672,7 @@ impl Pool {
                     Timer::IdleCheck { model } => self.idle_check(&model),
                     Timer::LimitsRecovery { model } => self.limits_recovery(&model),
                     Timer::CapacityDeadline { model, ticket } => self.capacity_deadline(&model, ticket),
+                    Timer::HangCheck { model, generation } => self.hang_check(&model, generation),
                 },
             }
             self.refresh_gauges();
@@ -1159,6 +1164,7 @@ impl Pool {
         slot.progress = None;
         slot.ready = None;
         slot.stats = None;
+        slot.heartbeat = None;
         slot.in_flight = 0;
         slot.recycle = false;
         slot.engine_limits = Some(spec.limits.clone());
@@ -1210,6 +1216,7 @@ impl Pool {
                     s.accepted_tokens.saturating_sub(accepted),
                 );
                 slot.stats = Some(s);
+                slot.heartbeat = Some(Instant::now());
                 if matches!(slot.state, State::Ready) {
                     slot.observed_bytes = slot.observed_bytes.max(slot.reported_bytes());
                 }
@@ -1244,6 +1251,18 @@ impl Pool {
                 }
                 slot.state = State::Ready;
                 slot.ready_at = Some(now);
+                slot.heartbeat = Some(now);
+                let hang_timeout = self.config.server.hang_timeout_ms;
+                if hang_timeout > 0 {
+                    send_after(
+                        self.timer_tx.clone(),
+                        Duration::from_millis(hang_timeout),
+                        Timer::HangCheck {
+                            model: msg.model.clone(),
+                            generation: slot.generation,
+                        },
+                    );
+                }
                 slot.ready = Some(r);
                 slot.progress = Some(1.0);
                 slot.observed_bytes = slot.observed_bytes.max(slot.reported_bytes());
@@ -1390,6 +1409,44 @@ impl Pool {
             engine.kill(format!(
                 "not ready within the load timeout of {timeout_ms} ms"
             ));
+        }
+    }
+
+    /// A ready engine that has sent no `Stats` for `hang_timeout_ms` is hung (a frozen
+    /// process, a deadlocked runtime): it is killed, which the exit path treats as a
+    /// crash (restart, resumption of its requests). Re-arms itself while the engine lives.
+    fn hang_check(&mut self, key: &str, generation: u64) {
+        let timeout = Duration::from_millis(self.config.server.hang_timeout_ms);
+        let Some(slot) = self.slots.get(key) else {
+            return;
+        };
+        if slot.generation != generation
+            || !matches!(slot.state, State::Ready | State::Draining)
+            || slot.engine.is_none()
+        {
+            return;
+        }
+        let now = Instant::now();
+        match crate::policy::hang_verdict(slot.heartbeat, now, timeout) {
+            crate::policy::Liveness::Alive { check_in } => self.after(
+                check_in,
+                Timer::HangCheck {
+                    model: key.to_string(),
+                    generation,
+                },
+            ),
+            crate::policy::Liveness::Hung { silent } => {
+                let reason = format!(
+                    "hung: no Stats for {} ms (server.hang_timeout_ms = {})",
+                    silent.as_millis(),
+                    timeout.as_millis()
+                );
+                warn!(model = %key, generation, %reason, "killing hung engine");
+                slot.log.push(format!("[mlxd] engine {reason}; killing it"));
+                if let Some(engine) = &slot.engine {
+                    engine.kill(reason);
+                }
+            }
         }
     }
 

@@ -23,7 +23,7 @@ use crate::catalog::{self, Catalog};
 use crate::config::{Config, ConfigError};
 use crate::error::{ErrorShape, ProxyError};
 use crate::forward::{
-    copy_head, forward, Accounting, BoxError, ForwardError, ProxyBody, ProxyRequestBody,
+    copy_head, forward, Accounting, BoxError, ForwardError, ProxyBody, ProxyRequestBody, Resumption,
 };
 use crate::logs::Logs;
 use crate::metrics::Metrics;
@@ -380,7 +380,7 @@ async fn route(
         // default model.
         let body: ProxyRequestBody = Limited::new(body, max).boxed();
         let lease = app.pool.acquire(&app.catalog.default_model).await?;
-        let resp = forward(lease, parts, body, id, max, None).await?;
+        let resp = forward(lease, parts, body, id, max, None, None).await?;
         return Ok(resp.map(|b: ProxyBody| b.boxed_unsync()));
     }
     let body_timeout = app.config.server.body_timeout_ms;
@@ -403,9 +403,14 @@ async fn route(
         metrics: app.metrics.clone(),
         started,
     };
+    // A generation request is recorded so that it can be continued on a restarted
+    // engine if its engine dies (`resume.rs`).
+    let mut record = crate::resume::ResumeRecord::new(&path, &bytes, app.config.server.max_resumes);
     // A buffered body can be sent again if the first engine was unreachable (it died
     // between handing out the lease and our connect): the request never reached it.
     let mut dead_generation = None;
+    let mut retried_unreachable = false;
+    let mut body_bytes = bytes.clone();
     let result = loop {
         let lease = match app.pool.acquire_avoiding(&model, dead_generation).await {
             Ok(l) => l,
@@ -417,7 +422,17 @@ async fn route(
                 break Err(unservable(&model, meta.max_tokens.unwrap_or(0), u));
             }
         }
-        let body: ProxyRequestBody = Full::new(bytes.clone()).map_err(|e| match e {}).boxed();
+        let body: ProxyRequestBody = Full::new(body_bytes.clone())
+            .map_err(|e| match e {})
+            .boxed();
+        let resumption = record.clone().map(|record| Resumption {
+            record,
+            pool: app.pool.clone(),
+            parts: copy_head(&parts),
+            request_id: id,
+            max_body: max,
+            max_tokens: meta.max_tokens,
+        });
         match forward(
             lease,
             copy_head(&parts),
@@ -425,13 +440,37 @@ async fn route(
             id,
             max,
             Some(accounting.clone()),
+            resumption,
         )
         .await
         {
             Ok(resp) => break Ok(resp.map(|b: ProxyBody| b.boxed_unsync())),
-            Err(ForwardError::NotDelivered(e)) if dead_generation.is_none() => {
+            Err(ForwardError::NotDelivered(e)) if !retried_unreachable => {
                 warn!(error = %e, "engine unreachable before the request was sent; retrying once");
+                retried_unreachable = true;
                 dead_generation = Some(generation);
+            }
+            // The engine died before answering (a non-streaming request, or a stream
+            // still in its prompt): send it again to the restarted engine.
+            Err(ForwardError::Failed(crash)) if crate::forward::is_crash(&crash) => {
+                let Some(rec) = record.as_mut() else {
+                    break Err(crash);
+                };
+                match rec.resume() {
+                    crate::resume::Resume::Continue(b) => {
+                        warn!(error = %crash, attempt = rec.resumes(), "engine died before answering; resuming the request on its successor");
+                        body_bytes = b;
+                        dead_generation = Some(generation);
+                    }
+                    crate::resume::Resume::Impossible(why) => {
+                        break Err(ProxyError::NotResumed {
+                            model: model.clone(),
+                            crash: crash.to_string(),
+                            reason: why.to_string(),
+                        })
+                    }
+                    crate::resume::Resume::Finish(_) => break Err(crash),
+                }
             }
             Err(e) => break Err(e.into()),
         }

@@ -14,6 +14,7 @@
 #                                                  its GGUF) and 1B drafting for 8B (models, models8b)
 #   scripts/bench/h200.sh kvquant <out dir>        8B shape: decode at 4k/16k context, bf16 KV against
 #                                                  8- and 4-bit, and mlx-lm's quantized KV (models8b)
+#   scripts/bench/h200.sh resume <out dir>         a resumed stream's pause after kill -9 against the restart time
 #
 # The tokenizer dir holds SmolLM2's tokenizer.json and tokenizer_config.json (vocabulary 49152,
 # which the shapes use), so that served streams are real text.
@@ -106,6 +107,16 @@ case ${1:-} in
     done
     kill "$pid"
     wait "$pid" 2>/dev/null || true
+    ;;
+  resume)
+    # Transparent resumption: kill -9 of the engine mid-stream; the stream's pause against
+    # the engine's restart time (1 stream, then 8), 1B bf16, prefix cache off.
+    out=$2
+    mkdir -p "$out"
+    for streams in 1 8; do
+      MLXD_BIN_DIR=$bins "$PYTHON" scripts/bench/resume.py 5 128 32 "$MODELS/llama-1b-bf16" "$streams" |
+        tee "$out/resume-$streams.jsonl"
+    done
     ;;
   proxy)
     # The proxy's share: the same streams straight to one engine's socket and through mlxd.

@@ -284,7 +284,8 @@ async fn crash_during_non_streaming_request_gives_502_with_cause() -> Result<()>
 
 #[tokio::test]
 async fn mlx_oom_text_is_out_of_memory_and_an_unsent_sigkill_is_a_crash() -> Result<()> {
-    let mut p = Proxy::start(&[]).await?;
+    // The exit classification is under test: no resumption of the request on the restart.
+    let mut p = Proxy::start_with(&[], |c| c.server.max_resumes = 0).await?;
     let events = stream_events(
         &p,
         json!({"chunks": 10, "interval_ms": 10, "then": "sigkill", "at": 2}),
@@ -369,6 +370,8 @@ async fn external_sigkills_are_crashes_and_leave_the_limits_alone() -> Result<()
 async fn reduced_limits_refuse_with_503_and_reset_restores_them() -> Result<()> {
     let mut p = Proxy::start_with(&[], |c| {
         c.server.limits.kv_budget_bytes = Some(4096);
+        // The exit itself is under test: no resumption of the request on the restart.
+        c.server.max_resumes = 0;
     })
     .await?;
     let (s, _, v) = p
@@ -428,6 +431,8 @@ async fn oom_restart_shrinks_limits() -> Result<()> {
     let mut p = Proxy::start_with(&[], |c| {
         c.server.limits.kv_budget_bytes = Some(1 << 30);
         c.server.limits.max_batch_size = Some(8);
+        // One out-of-memory exit: no resumption of the request on the restart.
+        c.server.max_resumes = 0;
     })
     .await?;
     let (s, _, _) = p

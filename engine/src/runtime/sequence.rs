@@ -141,6 +141,7 @@ impl Sequence {
                 Err(e) => return self.fail(GenerationError::Constraint(e.to_string())),
             }
         }
+        crate::fault::on_token();
         if last {
             self.finish(FinishReason::Length);
         }

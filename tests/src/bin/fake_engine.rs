@@ -85,7 +85,12 @@ impl Script {
 /// `max_tokens`) · 10 bytes, capped at the 2048-token context — exceeds
 /// `Launch.limits.kv_budget_bytes` is answered with a 500 at once.
 /// `then` happens after `at` chunks when streaming (default: all), or before the
-/// response when not streaming.
+/// response when not streaming; with `"once": "<path>"` only if that file exists (it is
+/// removed), so a restarted engine serves the request cleanly.
+///
+/// With `"token_ids": true` the engine behaves as the real one for resumption: chunk i
+/// carries `"mlxd": {"token_ids": [i]}` (a whole response all of them), and a request
+/// with `"mlxd": {"resume_token_ids": [...]}` of n ids continues at chunk n.
 #[derive(Clone, Default)]
 struct RequestScript {
     chunks: u64,
@@ -93,6 +98,29 @@ struct RequestScript {
     delay: Duration,
     then: Option<String>,
     at: Option<u64>,
+    once: Option<PathBuf>,
+    token_ids: bool,
+    /// The first chunk to send (the number of resumed ids).
+    from: u64,
+}
+
+impl RequestScript {
+    /// The scripted action, if it should happen in this process.
+    fn action(&self) -> Option<&str> {
+        let a = self.then.as_deref()?;
+        match &self.once {
+            Some(path) => std::fs::remove_file(path).ok().map(|_| a),
+            None => Some(a),
+        }
+    }
+
+    /// Tags the first choice of `v` with the ids in `range`, when the script says so.
+    fn tag(&self, mut v: Value, range: std::ops::Range<u64>) -> Value {
+        if self.token_ids {
+            v["choices"][0]["mlxd"] = json!({"token_ids": range.collect::<Vec<_>>()});
+        }
+        v
+    }
 }
 
 struct Engine {
@@ -426,6 +454,13 @@ async fn generate(engine: Arc<Engine>, chat: bool, body: &[u8]) -> Response<Body
         delay: ms("delay_ms", 0),
         then: f.get("then").and_then(Value::as_str).map(String::from),
         at: f.get("at").and_then(Value::as_u64),
+        once: f.get("once").and_then(Value::as_str).map(PathBuf::from),
+        token_ids: f.get("token_ids").and_then(Value::as_bool).unwrap_or(false),
+        from: req
+            .get("mlxd")
+            .and_then(|m| m.get("resume_token_ids"))
+            .and_then(Value::as_array)
+            .map_or(0, |a| a.len() as u64),
     };
     let id = req
         .get("fake")
@@ -452,12 +487,12 @@ async fn generate(engine: Arc<Engine>, chat: bool, body: &[u8]) -> Response<Body
     tokio::time::sleep(rs.delay).await;
 
     if !stream {
-        if let Some(action) = &rs.then {
+        if let Some(action) = rs.action() {
             engine.active.fetch_add(1, Ordering::Relaxed);
             perform(&engine, action).await;
             engine.active.fetch_sub(1, Ordering::Relaxed);
         }
-        let text: String = (0..rs.chunks).map(|i| format!("tok{i} ")).collect();
+        let text: String = (rs.from..rs.chunks).map(|i| format!("tok{i} ")).collect();
         engine.script.event(&format!("completed {id}"));
         let v = if chat {
             json!({"id": "chatcmpl-fake", "object": "chat.completion", "created": 0, "model": engine.model,
@@ -468,7 +503,7 @@ async fn generate(engine: Arc<Engine>, chat: bool, body: &[u8]) -> Response<Body
                 "choices": [{"index": 0, "text": text, "finish_reason": "stop"}],
                 "usage": {"prompt_tokens": 1, "completion_tokens": rs.chunks, "total_tokens": rs.chunks + 1}})
         };
-        return json_response(StatusCode::OK, &v);
+        return json_response(StatusCode::OK, &rs.tag(v, rs.from..rs.chunks));
     }
 
     let (tx, rx) = mpsc::channel::<Bytes>(16);
@@ -495,9 +530,9 @@ async fn stream_chunks(
     rs: &RequestScript,
     tx: &mpsc::Sender<Bytes>,
 ) -> bool {
-    for i in 0..rs.chunks {
+    for i in rs.from..rs.chunks {
         if rs.at == Some(i) {
-            if let Some(a) = &rs.then {
+            if let Some(a) = rs.action() {
                 perform(engine, a).await;
             }
         }
@@ -512,7 +547,7 @@ async fn stream_chunks(
                 "choices": [{"index": 0, "text": format!("tok{i} "), "finish_reason": finish}],
                 "t_ns": monotonic_ns(), "seq": i})
         };
-        let ev = mlxd_ipc::sse::data_event(&v.to_string());
+        let ev = mlxd_ipc::sse::data_event(&rs.tag(v, i..i + 1).to_string());
         if tx.send(ev).await.is_err() {
             return false;
         }
@@ -526,7 +561,7 @@ async fn stream_chunks(
         }
     }
     if rs.at.is_some_and(|a| a >= rs.chunks) {
-        if let Some(a) = &rs.then {
+        if let Some(a) = rs.action() {
             perform(engine, a).await;
         }
     }

@@ -1,0 +1,180 @@
+//! A fault switch for tests: makes the engine abort, exit out of memory, or hang after it
+//! has generated N tokens, so that every recovery path of the supervisor can be tested
+//! deterministically.
+//!
+//! Honoured only when `MLXD_ALLOW_FAULTS=1` is in the environment (a production engine
+//! never has it; `MLXD_FAULT` alone is ignored with a warning):
+//!
+//! - `MLXD_FAULT=<kind>@<N>`: `abort` (SIGABRT, as a crashing native library would),
+//!   `oom` (sends `Fatal { OutOfMemory }` and exits, as MLX reporting an allocation
+//!   failure does), or `hang` (the whole process stops itself with SIGSTOP: no tokens, no
+//!   `Stats`), once this process has emitted N generated tokens, all requests together.
+//! - `MLXD_FAULT_ONCE=<path>` (optional): fire only if this file exists, and remove it when
+//!   firing, so that the restarted engine runs clean. Without it, every engine fires.
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+/// What the switch does when it fires.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultKind {
+    Abort,
+    OutOfMemory,
+    Hang,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FaultSpec {
+    pub kind: FaultKind,
+    /// Fires when this many tokens have been emitted (at least 1).
+    pub after_tokens: u64,
+    /// Fires only while this file exists (it is removed on firing).
+    pub once: Option<PathBuf>,
+}
+
+/// Reads `<kind>@<N>`.
+pub fn parse(spec: &str, once: Option<PathBuf>) -> Result<FaultSpec, String> {
+    let (kind, n) = spec
+        .split_once('@')
+        .ok_or_else(|| format!("MLXD_FAULT={spec:?}: expected <abort|oom|hang>@<tokens>"))?;
+    let kind = match kind.trim() {
+        "abort" => FaultKind::Abort,
+        "oom" => FaultKind::OutOfMemory,
+        "hang" => FaultKind::Hang,
+        other => {
+            return Err(format!(
+                "MLXD_FAULT={spec:?}: unknown fault {other:?}; expected abort, oom or hang"
+            ))
+        }
+    };
+    let after_tokens = n
+        .trim()
+        .parse::<u64>()
+        .ok()
+        .filter(|&n| n >= 1)
+        .ok_or_else(|| {
+            format!("MLXD_FAULT={spec:?}: the token count must be an integer >= 1, got {n:?}")
+        })?;
+    Ok(FaultSpec {
+        kind,
+        after_tokens,
+        once,
+    })
+}
+
+/// How the engine reports an out-of-memory exit (sends `Fatal` under `mlxd`, then exits).
+pub type OomExit = Box<dyn FnOnce(String) + Send>;
+
+struct Armed {
+    spec: FaultSpec,
+    emitted: AtomicU64,
+    on_oom: Mutex<Option<OomExit>>,
+}
+
+static ARMED: OnceLock<Armed> = OnceLock::new();
+
+/// Reads the switch from the environment. `Ok(None)` when no fault is asked for (or
+/// faults are not allowed); an error for a malformed spec, which the engine refuses to
+/// start with.
+pub fn from_env() -> Result<Option<FaultSpec>, String> {
+    let Some(spec) = std::env::var_os("MLXD_FAULT") else {
+        return Ok(None);
+    };
+    let spec = spec.to_string_lossy().into_owned();
+    if std::env::var("MLXD_ALLOW_FAULTS").as_deref() != Ok("1") {
+        tracing::warn!(fault = %spec, "MLXD_FAULT is ignored without MLXD_ALLOW_FAULTS=1");
+        return Ok(None);
+    }
+    let once = std::env::var_os("MLXD_FAULT_ONCE").map(PathBuf::from);
+    parse(&spec, once).map(Some)
+}
+
+/// Arms the switch for this process; `on_oom` is how an `oom` fault exits.
+pub fn arm(spec: FaultSpec, on_oom: OomExit) {
+    tracing::warn!(?spec, "fault switch armed (MLXD_ALLOW_FAULTS=1)");
+    let _ = ARMED.set(Armed {
+        spec,
+        emitted: AtomicU64::new(0),
+        on_oom: Mutex::new(Some(on_oom)),
+    });
+}
+
+/// Called once for each generated token handed to a client. Does nothing unless armed.
+pub fn on_token() {
+    let Some(armed) = ARMED.get() else {
+        return;
+    };
+    let n = armed.emitted.fetch_add(1, Ordering::Relaxed) + 1;
+    if n != armed.spec.after_tokens {
+        return;
+    }
+    if let Some(path) = &armed.spec.once {
+        // Only the engine that removes the file fires.
+        if std::fs::remove_file(path).is_err() {
+            return;
+        }
+    }
+    fire(armed, n);
+}
+
+fn fire(armed: &Armed, n: u64) {
+    let what = format!("injected fault after {n} generated tokens (MLXD_FAULT)");
+    match armed.spec.kind {
+        FaultKind::Abort => {
+            tracing::error!("{what}: aborting");
+            std::process::abort();
+        }
+        FaultKind::OutOfMemory => {
+            let message = format!("{what}: out of memory");
+            let hook = armed.on_oom.lock().ok().and_then(|mut h| h.take());
+            match hook {
+                Some(hook) => hook(message),
+                None => {
+                    tracing::error!("{message}");
+                    std::process::exit(3);
+                }
+            }
+        }
+        FaultKind::Hang => {
+            tracing::error!("{what}: stopping the process (SIGSTOP)");
+            // SAFETY: raise(3) with a valid signal number has no memory-safety preconditions.
+            unsafe {
+                libc::raise(libc::SIGSTOP);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_kinds_and_counts() {
+        assert_eq!(
+            parse("abort@3", None).unwrap(),
+            FaultSpec {
+                kind: FaultKind::Abort,
+                after_tokens: 3,
+                once: None
+            }
+        );
+        assert_eq!(parse("oom@1", None).unwrap().kind, FaultKind::OutOfMemory);
+        let hang = parse("hang@12", Some("/tmp/x".into())).unwrap();
+        assert_eq!(hang.kind, FaultKind::Hang);
+        assert_eq!(hang.once, Some(PathBuf::from("/tmp/x")));
+    }
+
+    #[test]
+    fn malformed_specs_say_what_is_wrong() {
+        for (bad, says) in [
+            ("abort", "expected"),
+            ("explode@3", "unknown fault"),
+            ("oom@0", ">= 1"),
+            ("oom@x", ">= 1"),
+        ] {
+            let e = parse(bad, None).unwrap_err();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+    }
+}

