@@ -57,6 +57,7 @@ fn run(
                 stop_token_ids: vec![],
                 sample_offset: 0,
                 events: tx,
+                constraint: None,
             })?;
             Ok(rx)
         })

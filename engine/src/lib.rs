@@ -3,6 +3,7 @@
 pub mod app;
 pub mod cache;
 pub mod chat_template;
+pub mod constraint;
 pub mod convert;
 pub mod detokenizer;
 pub mod loader;

@@ -235,6 +235,7 @@ fn a_request_larger_than_the_kv_budget_is_refused_and_others_still_run() {
             stop_token_ids: vec![],
             sample_offset: 0,
             events: tx,
+            constraint: None,
         })
         .unwrap();
     match rx.blocking_recv() {
@@ -287,6 +288,7 @@ fn stop_tokens_and_cancellation_free_the_row() {
             stop_token_ids: vec![stop],
             sample_offset: 0,
             events: tx,
+            constraint: None,
         })
         .unwrap();
     let mut got = vec![];
@@ -312,6 +314,7 @@ fn stop_tokens_and_cancellation_free_the_row() {
             stop_token_ids: vec![],
             sample_offset: 0,
             events: tx,
+            constraint: None,
         })
         .unwrap();
     drop(rx);

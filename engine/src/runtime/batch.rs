@@ -112,6 +112,14 @@ impl DecodeBatch {
                 );
                 Some(p.take_axis(&idx, 0)?)
             }
+            // The last step was synchronous: every kept row's last token is on the host.
+            None if !kept.is_empty() => {
+                let last: Vec<u32> = kept
+                    .iter()
+                    .map(|(s, _)| s.tokens[s.tokens.len() - 1])
+                    .collect();
+                Some(Array::from_slice(&last, &[last.len() as i32]))
+            }
             _ => None,
         };
         self.filter(&keep)?;
@@ -134,6 +142,9 @@ impl DecodeBatch {
             };
             let b = self.rows.len() as i32;
             let logits = model.forward(&input.reshape(&[b, 1])?, &mut self.caches)?;
+            if let Some(mask) = self.constraint_mask()? {
+                self.sampler.set_mask(mask);
+            }
             let next = self.sampler.sample(&logits.index((.., -1, ..)))?;
             let mut state: Vec<&Array> = vec![&next];
             state.extend(self.sampler.state());
@@ -163,7 +174,42 @@ impl DecodeBatch {
                 }
             }
         }
+        if self.rows.iter().any(|s| s.constraint.is_some()) {
+            self.hand_out_now()?;
+        }
         Ok(departed)
+    }
+
+    /// The `[B, vocab]` mask of the next token when some row is constrained: each constrained
+    /// row's allowed set, zeros for the others.
+    fn constraint_mask(&mut self) -> Result<Option<Array>, Exception> {
+        if self.rows.iter().all(|s| s.constraint.is_none()) {
+            return Ok(None);
+        }
+        let v = self.sampler.vocab();
+        let mut mask = vec![0.0f32; v * self.rows.len()];
+        for (seq, row) in self.rows.iter_mut().zip(mask.chunks_mut(v)) {
+            seq.write_mask(row);
+        }
+        Ok(Some(Array::from_slice(
+            &mask,
+            &[self.rows.len() as i32, v as i32],
+        )))
+    }
+
+    /// Reads this step's tokens back and hands them out at once (the synchronous step of a
+    /// batch with a constrained row), advancing each row's constraint.
+    fn hand_out_now(&mut self) -> Result<(), Exception> {
+        let Some(next) = self.in_flight.take() else {
+            return Ok(());
+        };
+        next.eval()?;
+        let tokens: &[u32] = next.as_slice();
+        for (seq, &token) in self.rows.iter_mut().zip(tokens) {
+            let last = seq.at_limit();
+            seq.emit(token, last);
+        }
+        Ok(())
     }
 
     /// A copy of row `r`'s KV and the tokens it holds, when the prefix cache wants it.

@@ -7,6 +7,7 @@
 use tokio::sync::mpsc;
 
 use super::sampling_params::{SamplingError, SamplingParams};
+use crate::constraint::TokenConstraint;
 
 /// One generation job for the MLX thread.
 #[derive(Debug)]
@@ -24,6 +25,10 @@ pub struct GenerateRequest {
     pub sample_offset: usize,
     /// Where generated tokens go, in order.
     pub events: mpsc::UnboundedSender<TokenEvent>,
+    /// Which tokens may come next (structured output, forced tool calls); `None` for free
+    /// generation. A constrained sequence gets no speculative drafts and makes its batch
+    /// step synchronously.
+    pub constraint: Option<Box<dyn TokenConstraint>>,
 }
 
 /// What the MLX thread reports for one request.
@@ -66,6 +71,9 @@ pub enum GenerationError {
     /// MLX could not allocate; the engine is about to restart with smaller limits.
     #[error("the engine ran out of memory: {0}")]
     OutOfMemory(String),
+    /// The constraint could not advance or build its mask (a grammar engine failure).
+    #[error("{0}")]
+    Constraint(String),
     /// Any other MLX failure.
     #[error("MLX failed: {0}")]
     Mlx(String),

@@ -59,6 +59,9 @@ pub struct BatchSampler {
     seed_lo: Option<Array>,
     seed_hi: Option<Array>,
     steps: Option<Array>,
+    /// `[B, vocab]` additive mask (0 allowed, −∞ not) for the next `sample` only, set by the
+    /// batch while some row is constrained.
+    mask: Option<Array>,
     /// `[B, 1]` parameter columns, built once per batch membership.
     columns: std::cell::RefCell<std::collections::HashMap<&'static str, Array>>,
 }
@@ -74,6 +77,7 @@ impl BatchSampler {
             seed_lo: None,
             seed_hi: None,
             steps: None,
+            mask: None,
             columns: Default::default(),
         }
     }
@@ -195,6 +199,12 @@ impl BatchSampler {
         Ok(())
     }
 
+    /// Restricts the next [`sample`](Self::sample) to the tokens `mask` (`[B, vocab]`, 0
+    /// allowed, −∞ not; rows without a constraint all 0) allows.
+    pub fn set_mask(&mut self, mask: Array) {
+        self.mask = Some(mask);
+    }
+
     /// Chooses one token per row from `logits` `[B, vocab]` (lazily: nothing is evaluated) and
     /// records it in the rows' penalty state.
     pub fn sample(&mut self, logits: &Array) -> Result<Array, Exception> {
@@ -216,6 +226,9 @@ impl BatchSampler {
             x = x
                 .subtract(presence.multiply(&present)?)?
                 .subtract(frequency.multiply(counts)?)?;
+        }
+        if let Some(mask) = self.mask.take() {
+            x = x.add(&mask)?;
         }
         let greedy = argmax_axis(&x, -1, None)?.as_dtype(Dtype::Uint32)?;
         let tokens = if self.rows.iter().all(|r| r.params.temperature == 0.0) {

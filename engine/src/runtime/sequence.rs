@@ -4,6 +4,7 @@ use tokio::sync::mpsc;
 use super::request::{FinishReason, GenerateRequest, GenerationError, TokenEvent};
 use super::sampling_params::SamplingParams;
 use crate::cache::Reservation;
+use crate::constraint::TokenConstraint;
 
 pub struct Sequence {
     /// Prompt, then every generated token read back so far.
@@ -23,6 +24,8 @@ pub struct Sequence {
     /// Prompt tokens whose KV came from the prefix cache.
     pub cached_tokens: usize,
     pub reservation: Option<Reservation>,
+    /// Which tokens may come next; while any row has one, its batch steps synchronously.
+    pub constraint: Option<Box<dyn TokenConstraint>>,
     events: mpsc::UnboundedSender<TokenEvent>,
     prompt_reported: bool,
     /// No more tokens wanted: a stop token came, the client left, or it failed.
@@ -44,6 +47,7 @@ impl Sequence {
             sampled: 0,
             cached_tokens: 0,
             reservation: None,
+            constraint: request.constraint,
             events: request.events,
             prompt_reported: false,
             finished: false,
@@ -72,6 +76,23 @@ impl Sequence {
             && self.prompt_len + self.sampled < self.context_length
     }
 
+    /// True when the tokens sampled so far reach `max_tokens` or the context's end.
+    pub fn at_limit(&self) -> bool {
+        self.sampled >= self.max_tokens || self.prompt_len + self.sampled >= self.context_length
+    }
+
+    /// Writes the mask row of this sequence's next token (left all zeros without a
+    /// constraint); a failing constraint fails the sequence, which then leaves the batch.
+    pub fn write_mask(&mut self, row: &mut [f32]) {
+        let Some(constraint) = self.constraint.as_mut() else {
+            return;
+        };
+        if let Err(e) = constraint.mask(row) {
+            row.fill(0.0);
+            self.fail(GenerationError::Constraint(e.to_string()));
+        }
+    }
+
     /// Hands one generated token to the client. `last` says no further token was sampled
     /// for it (a limit was reached), so the generation ends here either way.
     pub fn emit(&mut self, token: u32, last: bool) {
@@ -93,6 +114,13 @@ impl Sequence {
         if self.events.send(TokenEvent::Token(token)).is_err() {
             self.finished = true;
             return;
+        }
+        if let Some(constraint) = self.constraint.as_mut() {
+            match constraint.commit(token) {
+                Ok(false) => {}
+                Ok(true) => return self.finish(FinishReason::Stop),
+                Err(e) => return self.fail(GenerationError::Constraint(e.to_string())),
+            }
         }
         if last {
             self.finish(FinishReason::Length);

@@ -86,7 +86,9 @@ impl ApiError {
                 GenerationError::OutOfMemory(_) | GenerationError::Stopped => {
                     StatusCode::SERVICE_UNAVAILABLE
                 }
-                GenerationError::Mlx(_) => StatusCode::INTERNAL_SERVER_ERROR,
+                GenerationError::Mlx(_) | GenerationError::Constraint(_) => {
+                    StatusCode::INTERNAL_SERVER_ERROR
+                }
             },
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -133,6 +135,7 @@ impl ApiError {
                     GenerationError::OutOfMemory(_) => ("out_of_memory", None),
                     GenerationError::Stopped => ("engine_stopped", None),
                     GenerationError::Mlx(_) => ("mlx_error", None),
+                    GenerationError::Constraint(_) => ("constraint_error", None),
                 };
                 body.error.code = Some(code.into());
                 body.error.param = param.map(str::to_owned);

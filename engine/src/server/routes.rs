@@ -76,6 +76,7 @@ fn start(state: &ServerState, job: Job) -> Result<(Generation, Settings), ApiErr
         stop_token_ids: state.tokenizer.stop_token_ids().to_vec(),
         sample_offset: job.settings.resume.len(),
         events: events_tx,
+        constraint: None,
     };
     let submission = Submission {
         request,

@@ -259,6 +259,7 @@ pub fn generate_together(runtime: &mlxd_engine::runtime::Runtime, gens: &[Gen]) 
                     stop_token_ids: vec![],
                     sample_offset: 0,
                     events: tx,
+                    constraint: None,
                 })
                 .expect("runtime is running");
             rx
