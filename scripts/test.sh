@@ -32,3 +32,5 @@ cargo clippy --workspace --all-targets -q -- -D warnings
 echo "== cargo test"
 cargo build --workspace --bins -q
 cargo test --workspace --no-fail-fast 2>&1 | tee target/test-output.txt
+echo "== SDK conformance (openai, anthropic, openai npm) against a live mlxd"
+scripts/conformance/run.sh

@@ -187,6 +187,7 @@ impl Engine {
             self.runtime.info.context_length,
             self.runtime.work.clone(),
         )
+        .with_model_vocab(self.runtime.info.vocab_size)
     }
 }
 

@@ -10,6 +10,7 @@
 #   scripts/bench/h200.sh serve <out dir>          mlxd against mlx_lm.server, prefix cache
 #   scripts/bench/h200.sh prefix <out dir>         the prefix-cache part alone
 #   scripts/bench/h200.sh proxy <out dir>          streams straight to an engine against through mlxd
+#   scripts/bench/h200.sh constraint <out dir>     constrained decoding's cost per token (1B shape)
 #
 # The tokenizer dir holds SmolLM2's tokenizer.json and tokenizer_config.json (vocabulary 49152,
 # which the shapes use), so that served streams are real text.
@@ -20,6 +21,7 @@ export MODELS=${MODELS:-/tmp/models}
 export PYTHON=${PYTHON:-python3}
 bins=${MLXD_BIN_DIR:-$root/target/release}
 export BENCH_BIN=${BENCH_BIN:-$bins/bench_generate}
+export BENCH_CONSTRAINT_BIN=${BENCH_CONSTRAINT_BIN:-$bins/bench_constraint}
 
 free_port() { "$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
@@ -125,8 +127,15 @@ case ${1:-} in
     kill "$pid" "$epid"
     wait 2>/dev/null || true
     ;;
+  constraint)
+    out=$2
+    mkdir -p "$out"
+    for b in 1 8 32; do
+      scripts/bench/constraint.sh "$MODELS/llama-1b-bf16" "$b" 128 3 | tee -a "$out/constraint.jsonl"
+    done
+    ;;
   *)
-    sed -n '2,14p' "$0"
+    sed -n '2,15p' "$0"
     exit 64
     ;;
 esac

@@ -9,7 +9,7 @@
 //!
 //! [`grammar`] implements the trait with llguidance, compiled from a JSON schema or a Lark
 //! grammar (structured output, forced tool calls).
-
+pub mod grammar;
 
 /// A constraint failed to advance or to compute its mask: the grammar engine's own error, a
 /// bug on our side (the token was drawn from its mask).
