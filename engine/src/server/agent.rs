@@ -16,7 +16,6 @@ use super::ServerState;
 use crate::constraint::grammar::{Grammar, GrammarCompiler};
 use crate::constraint::TokenConstraint;
 use crate::runtime::request::FinishReason;
-use crate::tokenizer::Tokenizer;
 
 /// A chat request in the terms of the chat template.
 #[derive(Debug, Clone)]
@@ -369,11 +368,6 @@ impl AgentGeneration {
 pub fn call_id(prefix: &str) -> String {
     let id = uuid::Uuid::new_v4().simple().to_string();
     format!("{prefix}_{}", &id[..24])
-}
-
-/// Whether `tokenizer` has a chat template (both chat APIs need one).
-pub fn has_template(tokenizer: &Tokenizer) -> bool {
-    tokenizer.chat_template().is_some()
 }
 
 #[cfg(test)]

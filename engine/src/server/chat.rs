@@ -183,22 +183,23 @@ pub(super) async fn chat_completions(
         })
         .await?
     };
-    let mut generations = Vec::with_capacity(n);
-    let mut stream = false;
-    let mut include_usage = false;
-    let mut opening = true;
+    // Every choice goes to the MLX thread before any is awaited, so they share the batch.
+    let mut started = Vec::with_capacity(n);
     for (i, p) in prepared.into_iter().enumerate() {
         let mut s = settings.clone();
         // Seeded choices differ from one another and repeat across requests.
         s.sampling.seed = s.sampling.seed.map(|seed| seed.wrapping_add(i as u64));
         let job = job(&state, p.prompt, s, "messages")?;
-        let (mut generation, s) = start_with(&state, job, p.constraint, !p.keep_special)?;
-        generation.started().await?;
-        stream = s.stream;
-        include_usage = s.include_usage;
-        opening = s.resume.is_empty();
-        generations.push(AgentGeneration::new(generation, p.parser));
+        let (generation, _) = start_with(&state, job, p.constraint, !p.keep_special)?;
+        started.push((generation, p.parser));
     }
+    let mut generations = Vec::with_capacity(n);
+    for (mut generation, parser) in started {
+        generation.started().await?;
+        generations.push(AgentGeneration::new(generation, parser));
+    }
+    let (stream, include_usage) = (settings.stream, settings.include_usage);
+    let opening = settings.resume.is_empty();
     let meta = Meta {
         id: new_id("chatcmpl"),
         created: now_secs(),
