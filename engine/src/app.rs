@@ -374,6 +374,7 @@ impl Engine {
             self.runtime.info.context_length,
             self.runtime.work.clone(),
         )
+        .with_model_vocab(self.runtime.info.vocab_size)
     }
 }
 

@@ -42,6 +42,8 @@ pub enum ChatTemplateError {
 pub struct ChatTemplate {
     env: Environment<'static>,
     has_tool_use: bool,
+    /// Every template's text, joined: what the model family's formats are detected from.
+    source: String,
     special_tokens: BTreeMap<String, String>,
 }
 
@@ -93,6 +95,7 @@ impl ChatTemplate {
             return Err(ChatTemplateError::NoDefault(names.join(", ")));
         }
         let has_tool_use = templates.contains_key(TOOL_USE);
+        let source = templates.values().cloned().collect::<Vec<_>>().join("\n");
         for (name, text) in templates {
             let text = replace_generation_tags(&text);
             env.add_template_owned(name.clone(), text)
@@ -104,8 +107,20 @@ impl ChatTemplate {
         Ok(Self {
             env,
             has_tool_use,
+            source,
             special_tokens,
         })
+    }
+
+    /// The template text (all named templates, joined).
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// Whether the template renders `tools` at all (otherwise the server describes them in
+    /// a system message).
+    pub fn renders_tools(&self) -> bool {
+        self.has_tool_use || self.source.contains("tools")
     }
 
     /// Renders OpenAI chat messages. Array contents are flattened to their text (parts joined

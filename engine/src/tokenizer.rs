@@ -187,6 +187,11 @@ impl Tokenizer {
         Ok((text, ids))
     }
 
+    /// The underlying `tokenizers` tokenizer (for the grammar engine's token trie).
+    pub fn hf(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
     /// Text of `ids`; ids outside the vocabulary are left out.
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, TokenizerError> {
         self.inner

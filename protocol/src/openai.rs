@@ -29,11 +29,56 @@ pub struct ChatCompletionRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
     pub messages: Vec<ChatMessage>,
-    /// Tool definitions, passed to the chat template as they are.
+    /// Tool definitions (`{"type": "function", "function": {name, description,
+    /// parameters}}`), checked by the engine and passed to the chat template.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tools: Option<Vec<serde_json::Value>>,
+    /// `"auto"`, `"none"`, `"required"` or `{"type": "function", "function": {"name"}}`;
+    /// checked by the engine against `tools`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_choice: Option<serde_json::Value>,
+    /// Whether the model may call several tools in one turn (default true).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parallel_tool_calls: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response_format: Option<ResponseFormat>,
+    /// Extra variables for the chat template, e.g. Qwen3's `{"enable_thinking": false}`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    /// Return the chosen tokens' log-probabilities.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<bool>,
+    /// With `logprobs`: this many most likely alternatives per token (0–20).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_logprobs: Option<i64>,
     #[serde(flatten)]
     pub params: GenerationParams,
+}
+
+/// `response_format` of a chat request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ResponseFormat {
+    Text,
+    /// Any JSON object.
+    JsonObject,
+    /// JSON valid under `json_schema.schema`.
+    JsonSchema {
+        json_schema: JsonSchemaFormat,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JsonSchemaFormat {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// Absent: any JSON value.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schema: Option<serde_json::Value>,
+    /// Always enforced here (the output is constrained by the schema either way).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub strict: Option<bool>,
 }
 
 /// `POST /v1/completions`.
@@ -80,9 +125,15 @@ pub struct GenerationParams {
     pub stream: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream_options: Option<StreamOptions>,
-    /// Number of choices; only 1 is supported.
+    /// Number of choices, each generated as its own sequence.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub n: Option<i64>,
+    /// Accepted and logged; no effect on generation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    /// Accepted; there is one tier.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service_tier: Option<String>,
     /// mlxd extension (used by the proxy to resume a stream on a restarted engine).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mlxd: Option<RequestExtension>,
@@ -327,6 +378,46 @@ pub struct ChatChoice {
 pub struct AssistantMessage {
     pub role: Role,
     pub content: Option<String>,
+    /// The model's thinking, split from `content` (`<think>…</think>`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
+}
+
+/// A call the model made.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolCall {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: FunctionCall,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FunctionCall {
+    pub name: String,
+    /// JSON text of the arguments object.
+    pub arguments: String,
+}
+
+/// One tool call's part in a streaming delta: the first carries `id`, `type` and the name.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolCallDelta {
+    pub index: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    pub function: FunctionCallDelta,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FunctionCallDelta {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arguments: Option<String>,
 }
 
 /// One SSE chunk of a streaming `/v1/chat/completions` response.
@@ -360,6 +451,10 @@ pub struct ChatDelta {
     pub role: Option<Role>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
 }
 
 /// Non-streaming `/v1/completions` response; its SSE chunks have the same shape.
@@ -523,6 +618,8 @@ mod tests {
                 message: AssistantMessage {
                     role: Role::Assistant,
                     content: Some("hello".into()),
+                    reasoning_content: None,
+                    tool_calls: None,
                 },
                 finish_reason: Some("stop".into()),
                 logprobs: None,
@@ -559,6 +656,7 @@ mod tests {
                 delta: ChatDelta {
                     role: Some(Role::Assistant),
                     content: Some("".into()),
+                    ..Default::default()
                 },
                 finish_reason: None,
                 logprobs: None,

@@ -15,6 +15,7 @@
 #   scripts/bench/h200.sh kvquant <out dir>        8B shape: decode at 4k/16k context, bf16 KV against
 #                                                  8- and 4-bit, and mlx-lm's quantized KV (models8b)
 #   scripts/bench/h200.sh resume <out dir>         a resumed stream's pause after kill -9 against the restart time
+#   scripts/bench/h200.sh constraint <out dir>     constrained decoding's cost per token (1B shape)
 #
 # The tokenizer dir holds SmolLM2's tokenizer.json and tokenizer_config.json (vocabulary 49152,
 # which the shapes use), so that served streams are real text.
@@ -25,6 +26,7 @@ export MODELS=${MODELS:-/tmp/models}
 export PYTHON=${PYTHON:-python3}
 bins=${MLXD_BIN_DIR:-$root/target/release}
 export BENCH_BIN=${BENCH_BIN:-$bins/bench_generate}
+export BENCH_CONSTRAINT_BIN=${BENCH_CONSTRAINT_BIN:-$bins/bench_constraint}
 
 free_port() { "$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
@@ -173,8 +175,15 @@ case ${1:-} in
       done
     done
     ;;
+  constraint)
+    out=$2
+    mkdir -p "$out"
+    for b in 1 8 32; do
+      scripts/bench/constraint.sh "$MODELS/llama-1b-bf16" "$b" 128 3 | tee -a "$out/constraint.jsonl"
+    done
+    ;;
   *)
-    sed -n '2,18p' "$0"
+    sed -n '2,20p' "$0"
     exit 64
     ;;
 esac

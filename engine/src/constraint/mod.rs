@@ -9,6 +9,7 @@
 //!
 //! [`grammar`] implements the trait with llguidance, compiled from a JSON schema or a Lark
 //! grammar (structured output, forced tool calls).
+pub mod grammar;
 
 /// A constraint failed to advance or to compute its mask: the grammar engine's own error, a
 /// bug on our side (the token was drawn from its mask).
@@ -17,7 +18,7 @@
 pub struct ConstraintError(pub String);
 
 /// Which tokens one sequence may generate next.
-pub trait TokenConstraint: Send + std::fmt::Debug {
+pub trait TokenConstraint: Send + Sync + std::fmt::Debug {
     /// Writes the additive mask of the next token into `row` (one entry per vocabulary id of
     /// the model): `0.0` where the token is allowed, `f32::NEG_INFINITY` where it is not.
     /// `row` arrives filled with zeros.

@@ -38,6 +38,8 @@ pub struct Submission {
     /// Ids of an interrupted earlier generation that this one continues; their text was
     /// already sent and is not sent again, but they count as generated tokens.
     pub resumed: Vec<u32>,
+    /// Leave special tokens out of the text (not when a tool-call marker is one).
+    pub skip_special: bool,
 }
 
 pub struct Generation {
@@ -67,6 +69,7 @@ impl Generation {
             events,
             stops,
             resumed,
+            skip_special,
         } = submission;
         let prompt_tokens = request.prompt.len();
         work.send(request)
@@ -74,7 +77,7 @@ impl Generation {
         Ok(Self {
             events,
             peeked: None,
-            detok: Detokenizer::with_prior(tokenizer, true, &resumed),
+            detok: Detokenizer::with_prior(tokenizer, skip_special, &resumed),
             stops: StopMatcher::new(stops),
             prompt_tokens,
             cached_tokens: 0,
@@ -178,6 +181,11 @@ impl Generation {
             }
         }
         None
+    }
+
+    /// The stop string that ended the generation, if one did.
+    pub fn stop_sequence(&self) -> Option<&str> {
+        self.stops.matched()
     }
 
     /// Token counts so far (final once `next` has returned `Finished`). Resumed ids count as

@@ -6,28 +6,36 @@
 //! JSON or SSE responses. Routes:
 //!
 //! - `POST /v1/chat/completions`, `POST /v1/completions` (JSON or SSE with `"stream": true`)
+//! - `POST /v1/messages` (Anthropic Messages, JSON or SSE), `POST /v1/messages/count_tokens`
 //! - `GET /v1/models`, `GET /v1/models/{id}`
 //! - `GET /health`
 //!
-//! Everything else is a 404 (unknown route) or 405 (wrong method) in OpenAI's error shape.
+//! Everything else is a 404 (unknown route) or 405 (wrong method) in OpenAI's error shape;
+//! the `/v1/messages` routes answer errors in Anthropic's.
 use std::future::Future;
 use std::io;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use axum::Router;
 use tokio::net::UnixListener;
 
+use crate::constraint::grammar::GrammarCompiler;
 use crate::runtime::request::WorkSender;
 use crate::tokenizer::Tokenizer;
 
+pub mod agent;
+mod chat;
 pub mod error;
 pub mod generation;
+mod messages;
+pub mod reasoning;
 pub mod request;
 mod routes;
 pub mod stop;
+pub mod tools;
 
 pub use error::ApiError;
 
@@ -43,6 +51,11 @@ pub struct ServerState {
     pub work: WorkSender,
     /// Unix time reported as the model's `created`.
     pub created: u64,
+    /// Rows of the model's output layer: the length of a constraint's token mask.
+    pub model_vocab: usize,
+    /// The grammar engine over this model's vocabulary, built by the first constrained
+    /// request (structured output, forced tool calls).
+    pub grammar: Arc<OnceLock<Result<Arc<GrammarCompiler>, String>>>,
 }
 
 impl ServerState {
@@ -57,18 +70,28 @@ impl ServerState {
             .map_or(0, |d| d.as_secs());
         Self {
             model_id: model_id.into(),
+            model_vocab: tokenizer.vocab_size(),
             tokenizer,
             context_length,
             work,
             created,
+            grammar: Arc::new(OnceLock::new()),
         }
+    }
+
+    /// The model's output vocabulary when it differs from the tokenizer's.
+    pub fn with_model_vocab(mut self, vocab: usize) -> Self {
+        self.model_vocab = vocab;
+        self
     }
 }
 
 /// The API's routes, for [`serve`] or for driving in tests.
 pub fn router(state: ServerState) -> Router {
     Router::new()
-        .route("/v1/chat/completions", post(routes::chat_completions))
+        .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/messages", post(messages::messages))
+        .route("/v1/messages/count_tokens", post(messages::count_tokens))
         .route("/v1/completions", post(routes::completions))
         .route("/v1/models", get(routes::list_models))
         .route("/v1/models/{id}", get(routes::get_model))

@@ -14,6 +14,8 @@ use crate::tokenizer::Tokenizer;
 
 /// Largest request body accepted (long prompts are large).
 pub const MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
+/// Most choices (`n`) per chat request; each is its own sequence in the batch.
+pub const MAX_CHOICES: usize = 8;
 /// Most stop strings per request.
 pub const MAX_STOP_STRINGS: usize = 16;
 
@@ -115,15 +117,17 @@ pub struct Settings {
     pub include_usage: bool,
     /// Ids to continue from (the `mlxd.resume_token_ids` extension).
     pub resume: Vec<u32>,
+    /// Choices to generate (`n`).
+    pub n: usize,
 }
 
 /// Checks the shared parameters; every error names its field and the limit it broke.
 pub fn validate(params: &GenerationParams, tokenizer: &Tokenizer) -> Result<Settings, ApiError> {
     if let Some(n) = params.n {
-        if n != 1 {
+        if !(1..=MAX_CHOICES as i64).contains(&n) {
             return Err(ApiError::invalid(
                 "n",
-                format!("only n = 1 is supported, got n = {n}"),
+                format!("n must be between 1 and {MAX_CHOICES}, got n = {n}"),
             ));
         }
     }
@@ -258,6 +262,7 @@ pub fn validate(params: &GenerationParams, tokenizer: &Tokenizer) -> Result<Sett
         stream: params.is_stream(),
         include_usage: params.include_usage(),
         resume,
+        n: params.n.unwrap_or(1) as usize,
     })
 }
 
@@ -427,7 +432,7 @@ mod tests {
     fn validation_quotes_value_and_limit() {
         let tok = load_fixture("qwen3");
         let cases = [
-            (r#"{"n": 2}"#, "n", "only n = 1 is supported, got n = 2"),
+            (r#"{"n": 9}"#, "n", "n must be between 1 and 8, got n = 9"),
             (
                 r#"{"max_tokens": 0}"#,
                 "max_tokens",

@@ -1,4 +1,5 @@
-//! The OpenAI routes: chat completions, completions, models, health, and the fallbacks.
+//! The OpenAI routes: completions, models, health, and the fallbacks; the pieces every
+//! generating route shares (jobs, starting a generation, SSE frames).
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -9,10 +10,8 @@ use axum::http::{header, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use mlxd_protocol::openai::{
-    AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-    ChatCompletionResponse, ChatDelta, CompletionChoice, CompletionRequest, CompletionResponse,
-    ModelList, ModelObject, Role, TokenIds, Usage, OBJECT_CHAT_COMPLETION,
-    OBJECT_CHAT_COMPLETION_CHUNK, OBJECT_LIST, OBJECT_MODEL, OBJECT_TEXT_COMPLETION, SSE_DONE,
+    CompletionChoice, CompletionRequest, CompletionResponse, ModelList, ModelObject, TokenIds,
+    Usage, OBJECT_LIST, OBJECT_MODEL, OBJECT_TEXT_COMPLETION, SSE_DONE,
 };
 use serde::Serialize;
 use tokio::sync::mpsc;
@@ -24,29 +23,29 @@ use super::ServerState;
 use crate::detokenizer::Delta;
 use crate::runtime::request::{FinishReason, GenerateRequest};
 
-fn now_secs() -> u64 {
+pub(super) fn now_secs() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
 }
 
-fn new_id(prefix: &str) -> String {
+pub(super) fn new_id(prefix: &str) -> String {
     format!("{prefix}-{}", uuid::Uuid::new_v4().simple())
 }
 
-fn ids_ext(ids: Vec<u32>) -> Option<TokenIds> {
+pub(super) fn ids_ext(ids: Vec<u32>) -> Option<TokenIds> {
     (!ids.is_empty()).then_some(TokenIds { token_ids: ids })
 }
 
 /// Tokenized and validated: what both completion routes hand to [`respond`].
-struct Job {
+pub(super) struct Job {
     /// Ends with `settings.resume`.
-    prompt: Vec<u32>,
-    settings: Settings,
-    max_tokens: usize,
+    pub prompt: Vec<u32>,
+    pub settings: Settings,
+    pub max_tokens: usize,
 }
 
-fn job(
+pub(super) fn job(
     state: &ServerState,
     mut prompt: Vec<u32>,
     settings: Settings,
@@ -68,6 +67,17 @@ fn job(
 }
 
 fn start(state: &ServerState, job: Job) -> Result<(Generation, Settings), ApiError> {
+    start_with(state, job, None, true)
+}
+
+/// Sends a job to the MLX thread, with its constraint; `skip_special`: leave special tokens
+/// out of the text.
+pub(super) fn start_with(
+    state: &ServerState,
+    job: Job,
+    constraint: Option<Box<dyn crate::constraint::TokenConstraint>>,
+    skip_special: bool,
+) -> Result<(Generation, Settings), ApiError> {
     let (events_tx, events_rx) = mpsc::unbounded_channel();
     let request = GenerateRequest {
         prompt: job.prompt,
@@ -76,59 +86,26 @@ fn start(state: &ServerState, job: Job) -> Result<(Generation, Settings), ApiErr
         stop_token_ids: state.tokenizer.stop_token_ids().to_vec(),
         sample_offset: job.settings.resume.len(),
         events: events_tx,
-        constraint: None,
+        constraint,
     };
     let submission = Submission {
         request,
         events: events_rx,
         stops: job.settings.stops.clone(),
         resumed: job.settings.resume.clone(),
+        skip_special,
     };
     let generation = Generation::start(&state.work, state.tokenizer.clone(), submission)?;
     Ok((generation, job.settings))
 }
 
 /// Runs tokenizer work (which takes milliseconds on long prompts) off the async threads.
-async fn blocking<T: Send + 'static>(
+pub(super) async fn blocking<T: Send + 'static>(
     work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
 ) -> Result<T, ApiError> {
     tokio::task::spawn_blocking(work)
         .await
         .map_err(|e| ApiError::Internal(format!("tokenizer task failed: {e}")))?
-}
-
-pub(super) async fn chat_completions(
-    State(state): State<ServerState>,
-    OpenAiJson(req): OpenAiJson<ChatCompletionRequest>,
-) -> Result<Response, ApiError> {
-    if req.messages.is_empty() {
-        return Err(ApiError::invalid(
-            "messages",
-            "messages must contain at least one message",
-        ));
-    }
-    let settings = validate(&req.params, &state.tokenizer)?;
-    let text_bytes: usize = req
-        .messages
-        .iter()
-        .filter_map(|m| m.content.as_ref())
-        .map(|c| c.to_text().len())
-        .sum();
-    refuse_impossible_prompt(&state, text_bytes, "messages")?;
-    let tokenizer = state.tokenizer.clone();
-    let prompt = blocking(move || {
-        let (_, ids) = tokenizer.encode_chat(&req.messages, req.tools.as_deref(), true)?;
-        Ok(ids)
-    })
-    .await?;
-    if prompt.is_empty() {
-        return Err(ApiError::invalid(
-            "messages",
-            "the chat template rendered these messages as an empty prompt",
-        ));
-    }
-    let job = job(&state, prompt, settings, "messages")?;
-    respond::<ChatFormat>(&state, job).await
 }
 
 pub(super) async fn completions(
@@ -147,7 +124,7 @@ pub(super) async fn completions(
 
 /// Refuses, before encoding, a prompt whose `bytes` of text cannot fit the context whatever
 /// they encode to (the same error as a prompt found too long after encoding).
-fn refuse_impossible_prompt(
+pub(super) fn refuse_impossible_prompt(
     state: &ServerState,
     bytes: usize,
     param: &str,
@@ -213,7 +190,12 @@ async fn respond<F: Format>(state: &ServerState, job: Job) -> Result<Response, A
     }
 }
 
-fn log_finish(meta: &Meta, reason: FinishReason, usage: &Usage, drafts: Option<(usize, usize)>) {
+pub(super) fn log_finish(
+    meta: &Meta,
+    reason: FinishReason,
+    usage: &Usage,
+    drafts: Option<(usize, usize)>,
+) {
     match drafts {
         Some((drafted, accepted)) => tracing::info!(
             request_id = %meta.id,
@@ -238,10 +220,10 @@ fn log_finish(meta: &Meta, reason: FinishReason, usage: &Usage, drafts: Option<(
 }
 
 /// The fields every response and chunk of one request shares.
-struct Meta {
-    id: String,
-    created: u64,
-    model: String,
+pub(super) struct Meta {
+    pub id: String,
+    pub created: u64,
+    pub model: String,
 }
 
 /// How one endpoint shapes its responses.
@@ -260,89 +242,6 @@ trait Format: Send + 'static {
     fn opening(meta: &Meta) -> Option<Self::Chunk>;
     fn text(meta: &Meta, delta: Delta, finish: Option<FinishReason>) -> Self::Chunk;
     fn usage(meta: &Meta, usage: Usage) -> Self::Chunk;
-}
-
-struct ChatFormat;
-
-impl ChatFormat {
-    fn chunk(
-        meta: &Meta,
-        choices: Vec<ChatChunkChoice>,
-        usage: Option<Usage>,
-    ) -> ChatCompletionChunk {
-        ChatCompletionChunk {
-            id: meta.id.clone(),
-            object: OBJECT_CHAT_COMPLETION_CHUNK.into(),
-            created: meta.created,
-            model: meta.model.clone(),
-            choices,
-            usage,
-        }
-    }
-}
-
-impl Format for ChatFormat {
-    const ID_PREFIX: &'static str = "chatcmpl";
-    type Whole = ChatCompletionResponse;
-    type Chunk = ChatCompletionChunk;
-
-    fn whole(
-        meta: &Meta,
-        text: String,
-        ids: Vec<u32>,
-        reason: FinishReason,
-        usage: Usage,
-    ) -> ChatCompletionResponse {
-        ChatCompletionResponse {
-            id: meta.id.clone(),
-            object: OBJECT_CHAT_COMPLETION.into(),
-            created: meta.created,
-            model: meta.model.clone(),
-            choices: vec![ChatChoice {
-                index: 0,
-                message: AssistantMessage {
-                    role: Role::Assistant,
-                    content: Some(text),
-                },
-                finish_reason: Some(reason.as_str().into()),
-                logprobs: None,
-                mlxd: Some(TokenIds { token_ids: ids }),
-            }],
-            usage,
-        }
-    }
-
-    fn opening(meta: &Meta) -> Option<ChatCompletionChunk> {
-        let choice = ChatChunkChoice {
-            index: 0,
-            delta: ChatDelta {
-                role: Some(Role::Assistant),
-                content: Some(String::new()),
-            },
-            finish_reason: None,
-            logprobs: None,
-            mlxd: None,
-        };
-        Some(Self::chunk(meta, vec![choice], None))
-    }
-
-    fn text(meta: &Meta, delta: Delta, finish: Option<FinishReason>) -> ChatCompletionChunk {
-        let choice = ChatChunkChoice {
-            index: 0,
-            delta: ChatDelta {
-                role: None,
-                content: (!delta.text.is_empty()).then_some(delta.text),
-            },
-            finish_reason: finish.map(|r| r.as_str().into()),
-            logprobs: None,
-            mlxd: ids_ext(delta.ids),
-        };
-        Self::chunk(meta, vec![choice], None)
-    }
-
-    fn usage(meta: &Meta, usage: Usage) -> ChatCompletionChunk {
-        Self::chunk(meta, Vec::new(), Some(usage))
-    }
 }
 
 struct CompletionFormat;
@@ -407,7 +306,7 @@ impl Format for CompletionFormat {
 }
 
 /// One SSE event: `data: <json>\n\n`.
-fn sse_frame(json: &impl Serialize) -> Bytes {
+pub(super) fn sse_frame(json: &impl Serialize) -> Bytes {
     let mut out = b"data: ".to_vec();
     // Our response types always serialize.
     serde_json::to_writer(&mut out, json).unwrap_or_else(|e| {

@@ -18,6 +18,8 @@ pub struct StopOutcome {
 pub struct StopMatcher {
     stops: Vec<String>,
     held: Vec<Delta>,
+    /// The stop string that ended the text, once one has.
+    matched: Option<String>,
 }
 
 impl StopMatcher {
@@ -27,7 +29,13 @@ impl StopMatcher {
         Self {
             stops,
             held: Vec::new(),
+            matched: None,
         }
+    }
+
+    /// The stop string that ended the text (Anthropic's `stop_sequence`).
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.as_deref()
     }
 
     pub fn push(&mut self, delta: Delta) -> StopOutcome {
@@ -43,9 +51,10 @@ impl StopMatcher {
         let found = self
             .stops
             .iter()
-            .filter_map(|s| text.find(s.as_str()))
-            .min();
-        if let Some(pos) = found {
+            .filter_map(|s| text.find(s.as_str()).map(|pos| (pos, s)))
+            .min_by_key(|(pos, _)| *pos);
+        if let Some((pos, stop)) = found {
+            self.matched = Some(stop.clone());
             let ids = self.held.drain(..).flat_map(|d| d.ids).collect();
             return StopOutcome {
                 emit: Delta {

@@ -32,6 +32,8 @@ enum Script {
     FailAfter(usize, GenerationError),
     /// Emit a token every 10 ms until the receiver is gone, then report on `closed`.
     Endless,
+    /// Emit these ids, then EOS (a model that writes a given text).
+    Ids(Vec<u32>),
 }
 
 /// What the worker saw of a request.
@@ -176,11 +178,14 @@ fn parse_sse(text: &str) -> Vec<Value> {
 }
 
 async fn run_script(
-    req: GenerateRequest,
+    mut req: GenerateRequest,
     script: Script,
     canned: Vec<u32>,
     closed: mpsc::UnboundedSender<()>,
 ) {
+    if let Some(constraint) = req.constraint.take() {
+        return drive_constraint(req, constraint).await;
+    }
     let events = req.events;
     let _ = events.send(TokenEvent::PromptDone {
         prompt_tokens: req.prompt.len(),
@@ -229,7 +234,65 @@ async fn run_script(
             assert!(events.is_closed());
             let _ = closed.send(());
         }
+        Script::Ids(ids) => {
+            for (i, &id) in ids.iter().chain([EOS].iter()).enumerate() {
+                if i == req.max_tokens {
+                    let _ = events.send(TokenEvent::Finished(FinishReason::Length));
+                    return;
+                }
+                if events.send(TokenEvent::Token(id)).is_err() {
+                    return;
+                }
+            }
+            let _ = events.send(TokenEvent::Finished(FinishReason::Stop));
+        }
     }
+}
+
+/// A model under a constraint that always takes EOS when allowed, else the lowest allowed id
+/// (the worst case for a grammar: it must still end well-formed).
+async fn drive_constraint(
+    req: GenerateRequest,
+    mut constraint: Box<dyn crate::constraint::TokenConstraint>,
+) {
+    let events = req.events;
+    let _ = events.send(TokenEvent::PromptDone {
+        prompt_tokens: req.prompt.len(),
+        cached: 0,
+    });
+    let mut row = vec![0.0f32; 151669];
+    for _ in 0..req.max_tokens {
+        row.fill(0.0);
+        if let Err(e) = constraint.mask(&mut row) {
+            let _ = events.send(TokenEvent::Failed(GenerationError::Constraint(
+                e.to_string(),
+            )));
+            return;
+        }
+        if row[EOS as usize] == 0.0 {
+            let _ = events.send(TokenEvent::Finished(FinishReason::Stop));
+            return;
+        }
+        let id = row
+            .iter()
+            .position(|&x| x == 0.0)
+            .expect("something is allowed") as u32;
+        let _ = events.send(TokenEvent::Token(id));
+        match constraint.commit(id) {
+            Ok(true) => {
+                let _ = events.send(TokenEvent::Finished(FinishReason::Stop));
+                return;
+            }
+            Ok(false) => {}
+            Err(e) => {
+                let _ = events.send(TokenEvent::Failed(GenerationError::Constraint(
+                    e.to_string(),
+                )));
+                return;
+            }
+        }
+    }
+    let _ = events.send(TokenEvent::Finished(FinishReason::Length));
 }
 
 fn chat(extra: Value) -> Value {
@@ -596,9 +659,9 @@ async fn bad_requests_are_400_naming_the_field_and_the_server_keeps_serving() {
         ),
         (
             "/v1/chat/completions",
-            chat(json!({"n": 2})).to_string(),
+            chat(json!({"n": 9})).to_string(),
             Some("n"),
-            "n = 2",
+            "n = 9",
         ),
         (
             "/v1/chat/completions",
@@ -866,5 +929,392 @@ async fn a_resumed_stream_continues_where_the_ids_end() {
     bad["mlxd"] = json!({"resume_token_ids": [999999999]});
     let (status, _) = h.post("/v1/chat/completions", bad).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
+    h.stop().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Agents: Anthropic Messages, tool calls, structured output, reasoning
+// ---------------------------------------------------------------------------------------------
+
+/// `(event name, data)` of an Anthropic SSE body.
+fn parse_named_sse(text: &str) -> Vec<(String, Value)> {
+    text.split_terminator("\n\n")
+        .map(|event| {
+            let (name, data) = event.split_once('\n').expect("event and data lines");
+            let name = name
+                .strip_prefix("event: ")
+                .expect("an event line")
+                .to_owned();
+            let data = data.strip_prefix("data: ").expect("a data line");
+            (name, serde_json::from_str(data).unwrap())
+        })
+        .collect()
+}
+
+async fn raw_stream(h: &Harness, uri: &str, body: Value) -> String {
+    let resp = h.request("POST", uri, Some(body.to_string())).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    String::from_utf8(bytes.to_vec()).unwrap()
+}
+
+fn weather_tool() -> Value {
+    json!({"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+        "required": ["city"], "additionalProperties": false}}})
+}
+
+#[tokio::test]
+async fn anthropic_messages_whole_streamed_and_counted() {
+    let h = Harness::new(4096).await;
+    let body = json!({"model": "test-model", "max_tokens": 64, "system": "Be brief.",
+                      "messages": [{"role": "user", "content": "Hi!"}]});
+    let (status, v) = h.post("/v1/messages", body.clone()).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["type"], "message");
+    assert_eq!(v["role"], "assistant");
+    assert_eq!(v["content"], json!([{"type": "text", "text": CANNED}]));
+    assert_eq!(v["stop_reason"], "end_turn");
+    assert_eq!(v["usage"]["output_tokens"], h.canned.len() + 1);
+    let prompt = h.last_seen().prompt;
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let events = parse_named_sse(&raw_stream(&h, "/v1/messages", streamed).await);
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        &names[..3],
+        ["message_start", "ping", "content_block_start"]
+    );
+    assert_eq!(
+        &names[names.len() - 3..],
+        ["content_block_stop", "message_delta", "message_stop"]
+    );
+    let text: String = events
+        .iter()
+        .filter(|(n, _)| n == "content_block_delta")
+        .map(|(_, d)| d["delta"]["text"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(text, CANNED);
+    for (name, data) in &events {
+        assert_eq!(&data["type"], name);
+    }
+    let delta = &events[events.len() - 2].1;
+    assert_eq!(delta["delta"]["stop_reason"], "end_turn");
+
+    let (status, v) = h
+        .post(
+            "/v1/messages/count_tokens",
+            json!({"model": "test-model", "system": "Be brief.",
+               "messages": [{"role": "user", "content": "Hi!"}]}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(v["input_tokens"], prompt.len());
+
+    // stop_sequences end the text and are reported.
+    let mut stopped = body;
+    stopped["stop_sequences"] = json!(["!"]);
+    let (_, v) = h.post("/v1/messages", stopped).await;
+    assert_eq!(v["stop_reason"], "stop_sequence");
+    assert_eq!(v["stop_sequence"], "!");
+    assert_eq!(v["content"][0]["text"], "Hello there");
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn anthropic_errors_are_in_anthropic_shape_and_name_the_field() {
+    let h = Harness::new(4096).await;
+    let cases = [
+        (
+            json!({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}),
+            "messages[0].content[0]",
+        ),
+        (
+            json!({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "x", "content": "1"}]}]}),
+            "messages[0].content[0].tool_use_id",
+        ),
+        (
+            json!({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"name": "w", "input_schema": {"type": "object"}}], "tool_choice": {"type": "tool", "name": "v"}}),
+            "tool_choice",
+        ),
+        (
+            json!({"max_tokens": 0, "messages": [{"role": "user", "content": "x"}]}),
+            "max_tokens",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}]}),
+            "max_tokens",
+        ),
+        (
+            json!({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+                "output_config": {"format": {"type": "json_schema", "schema": {"type": "nonsense"}}}}),
+            "output_config.format.schema",
+        ),
+    ];
+    for (body, field) in cases {
+        let (status, v) = h.post("/v1/messages", body.clone()).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}: {v}");
+        assert_eq!(v["type"], "error", "{v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(message.contains(field), "{field} not in {message:?}");
+    }
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn tool_calls_in_the_output_become_structured_calls() {
+    // The qwen3 fixture's template writes <tool_call> blocks (the Hermes format).
+    let h = Harness::new(4096).await;
+    let output = "Checking.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>";
+    h.set_script(Script::Ids(h.tokenizer.encode(output, false).unwrap()));
+    let (status, v) = h
+        .post(
+            "/v1/chat/completions",
+            chat(json!({"tools": [weather_tool()], "max_tokens": 64})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls");
+    assert_eq!(choice["message"]["content"], "Checking.\n");
+    let call = &choice["message"]["tool_calls"][0];
+    assert_eq!(call["type"], "function");
+    assert_eq!(call["function"]["name"], "get_weather");
+    assert_eq!(
+        serde_json::from_str::<Value>(call["function"]["arguments"].as_str().unwrap()).unwrap(),
+        json!({"city": "Oslo"})
+    );
+    // The tools reached the template.
+    let prompt = h.tokenizer.decode(&h.last_seen().prompt, false).unwrap();
+    assert!(prompt.contains("get_weather"), "{prompt}");
+
+    let events = h
+        .stream(
+            "/v1/chat/completions",
+            chat(json!({"tools": [weather_tool()], "max_tokens": 64, "stream": true})),
+        )
+        .await;
+    let deltas: Vec<&Value> = events
+        .iter()
+        .filter_map(|e| e.get("choices"))
+        .filter_map(|c| c.get(0))
+        .map(|c| &c["delta"])
+        .collect();
+    let calls: Vec<&Value> = deltas.iter().filter_map(|d| d.get("tool_calls")).collect();
+    assert_eq!(calls.len(), 1, "{events:?}");
+    assert_eq!(calls[0][0]["function"]["name"], "get_weather");
+    assert_eq!(calls[0][0]["index"], 0);
+    let finish = events.iter().rev().find_map(|e| {
+        e["choices"]
+            .get(0)
+            .and_then(|c| c["finish_reason"].as_str())
+    });
+    assert_eq!(finish, Some("tool_calls"));
+
+    // Anthropic: a tool_use block, streamed as input_json_delta.
+    let body = json!({"max_tokens": 64, "messages": [{"role": "user", "content": "Weather?"}],
+                      "tools": [{"name": "get_weather", "input_schema": weather_tool()["function"]["parameters"]}]});
+    let (_, v) = h.post("/v1/messages", body.clone()).await;
+    assert_eq!(v["stop_reason"], "tool_use", "{v}");
+    assert_eq!(
+        v["content"][0],
+        json!({"type": "text", "text": "Checking.\n"})
+    );
+    assert_eq!(v["content"][1]["type"], "tool_use");
+    assert_eq!(v["content"][1]["input"], json!({"city": "Oslo"}));
+    assert!(v["content"][1]["id"]
+        .as_str()
+        .unwrap()
+        .starts_with("toolu_"));
+    let mut streamed = body;
+    streamed["stream"] = json!(true);
+    let events = parse_named_sse(&raw_stream(&h, "/v1/messages", streamed).await);
+    let json_delta = events
+        .iter()
+        .find(|(_, d)| d["delta"]["type"] == "input_json_delta")
+        .expect("an input_json_delta");
+    assert_eq!(
+        serde_json::from_str::<Value>(json_delta.1["delta"]["partial_json"].as_str().unwrap())
+            .unwrap(),
+        json!({"city": "Oslo"})
+    );
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn thinking_is_split_into_reasoning_content_and_thinking_blocks() {
+    let h = Harness::new(4096).await;
+    h.set_script(Script::Ids(
+        h.tokenizer
+            .encode("<think>\nTwo and two.\n</think>\n\nFour.", false)
+            .unwrap(),
+    ));
+    let (_, v) = h
+        .post(
+            "/v1/chat/completions",
+            chat(json!({"chat_template_kwargs": {"enable_thinking": true}})),
+        )
+        .await;
+    let message = &v["choices"][0]["message"];
+    assert_eq!(message["reasoning_content"], "\nTwo and two.\n");
+    assert_eq!(message["content"], "Four.");
+    let events = h
+        .stream("/v1/chat/completions", chat(json!({"stream": true})))
+        .await;
+    let reasoning: String = events
+        .iter()
+        .filter_map(|e| e["choices"].get(0))
+        .filter_map(|c| c["delta"]["reasoning_content"].as_str())
+        .collect();
+    assert_eq!(reasoning, "\nTwo and two.\n");
+    let (_, v) = h.post("/v1/messages", json!({"max_tokens": 64, "thinking": {"type": "enabled", "budget_tokens": 100},
+                                                 "messages": [{"role": "user", "content": "2+2?"}]})).await;
+    assert_eq!(v["content"][0]["type"], "thinking", "{v}");
+    assert_eq!(v["content"][1], json!({"type": "text", "text": "Four."}));
+
+    // enable_thinking = false reaches the template (Qwen3 then writes an empty think block).
+    let _ = h
+        .post(
+            "/v1/chat/completions",
+            chat(json!({"chat_template_kwargs": {"enable_thinking": false}})),
+        )
+        .await;
+    let prompt = h.tokenizer.decode(&h.last_seen().prompt, false).unwrap();
+    assert!(prompt.ends_with("<think>\n\n</think>\n\n"), "{prompt:?}");
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn forced_calls_and_schemas_are_constrained_to_valid_json() {
+    let h = Harness::new(4096).await;
+    let person = json!({"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 3, "maximum": 9},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 2}},
+        "required": ["name", "age", "tags"], "additionalProperties": false});
+    let (status, v) = h.post("/v1/chat/completions", chat(json!({"max_tokens": 200,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": person, "strict": true}}}))).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    let value: Value =
+        serde_json::from_str(v["choices"][0]["message"]["content"].as_str().unwrap()).unwrap();
+    let age = value["age"].as_i64().unwrap();
+    assert!((3..=9).contains(&age), "{value}");
+    assert!(
+        value["name"].as_str().unwrap().chars().count() <= 6,
+        "{value}"
+    );
+    assert!(!value["tags"].as_array().unwrap().is_empty(), "{value}");
+
+    for choice in [
+        json!("required"),
+        json!({"type": "function", "function": {"name": "get_weather"}}),
+    ] {
+        let (status, v) = h
+            .post(
+                "/v1/chat/completions",
+                chat(json!({"max_tokens": 200, "tools": [weather_tool()], "tool_choice": choice})),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{v}");
+        let c = &v["choices"][0];
+        assert_eq!(c["finish_reason"], "tool_calls", "{v}");
+        assert_eq!(
+            c["message"]["tool_calls"][0]["function"]["name"],
+            "get_weather"
+        );
+        let args: Value = serde_json::from_str(
+            c["message"]["tool_calls"][0]["function"]["arguments"]
+                .as_str()
+                .unwrap(),
+        )
+        .unwrap();
+        assert!(args["city"].is_string(), "{args}");
+    }
+
+    let bad = [
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "nonsense"}}}}),
+            "response_format.json_schema.schema",
+        ),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": 3}}}),
+            "response_format.json_schema.schema",
+        ),
+        (
+            json!({"response_format": {"type": "xml"}}),
+            "response_format",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "w", "parameters": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}], "tool_choice": "required"}),
+            "tools[0].function.parameters",
+        ),
+        (
+            json!({"tools": [weather_tool()], "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+            "tool_choice",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "c9", "content": "1"}]}),
+            "messages[1].tool_call_id",
+        ),
+    ];
+    for (extra, param) in bad {
+        let (status, v) = h.post("/v1/chat/completions", chat(extra.clone())).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{extra}: {v}");
+        assert!(
+            v["error"]["param"]
+                .as_str()
+                .unwrap_or_default()
+                .starts_with(param),
+            "{extra}: {v}"
+        );
+    }
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn n_choices_are_separate_sequences() {
+    let h = Harness::new(4096).await;
+    let (status, v) = h
+        .post("/v1/chat/completions", chat(json!({"n": 3, "seed": 5})))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(c["message"]["content"], CANNED);
+    }
+    assert_eq!(v["usage"]["completion_tokens"], 3 * (h.canned.len() + 1));
+    let seeds: Vec<Option<u64>> = h
+        .seen
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|s| s.sampling.seed)
+        .collect();
+    assert_eq!(seeds, vec![Some(5), Some(6), Some(7)]);
+    let events = h
+        .stream(
+            "/v1/chat/completions",
+            chat(json!({"n": 2, "stream": true, "stream_options": {"include_usage": true}})),
+        )
+        .await;
+    assert_eq!(events.last().unwrap(), &Value::from("[DONE]"));
+    for i in 0..2 {
+        let text: String = events
+            .iter()
+            .filter_map(|e| e["choices"].get(0))
+            .filter(|c| c["index"] == i)
+            .filter_map(|c| c["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(text, CANNED);
+    }
+    assert_eq!(
+        events[events.len() - 2]["usage"]["completion_tokens"],
+        2 * (h.canned.len() + 1)
+    );
     h.stop().await;
 }
