@@ -80,7 +80,7 @@ fn decode_tps(
                             TokenEvent::Token(_) => times.push(Instant::now()),
                             TokenEvent::Finished(_) => break,
                             TokenEvent::Failed(e) => panic!("generation failed: {e}"),
-                            TokenEvent::PromptDone { .. } => {}
+                            TokenEvent::PromptDone { .. } | TokenEvent::Drafts { .. } => {}
                         }
                     }
                     times
