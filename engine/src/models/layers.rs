@@ -208,7 +208,7 @@ pub fn attend(
         (Stored::Plain(k), Stored::Plain(v)) => {
             fast::scaled_dot_product_attention(&queries, k, v, scale, mask.as_sdpa(), None)?
         }
-        _ if l > QUANTIZED_ATTENTION_MAX_QUERIES => {
+        _ if l > QUANTIZED_ATTENTION_MAX_QUERIES || !quantized_attention_runs_here() => {
             let (k, v) = (
                 dequantized(&keys, queries.dtype())?,
                 dequantized(&values, queries.dtype())?,
@@ -229,6 +229,21 @@ pub fn attend(
 /// keys: "No implementation for problem shape 2047x4095x128"), and one dequantization per
 /// chunk costs less than the unfused attention would.
 const QUANTIZED_ATTENTION_MAX_QUERIES: i32 = 17;
+
+/// Whether attention over a quantized cache may use quantized matmuls on this machine: not
+/// on MLX's CUDA backend (Linux with the GPU as default device), whose 0.32.4
+/// `quantized_matmul` refused even a decode step's shape on the H200 ("No implementation for
+/// problem shape: 1x512x64x32"); there the cache stays quantized in memory and each pass
+/// dequantizes it for the fused attention.
+fn quantized_attention_runs_here() -> bool {
+    static ANSWER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ANSWER.get_or_init(|| {
+        let gpu = mlx_rs::Device::try_default()
+            .and_then(|d| d.get_type())
+            .is_ok_and(|t| matches!(t, mlx_rs::DeviceType::Gpu));
+        !(cfg!(target_os = "linux") && gpu)
+    })
+}
 
 /// Keys or values in `dtype`, dequantized when stored quantized.
 fn dequantized(s: &Stored, dtype: mlx_rs::Dtype) -> Result<Array> {
