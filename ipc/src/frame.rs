@@ -122,7 +122,7 @@ mod proptests {
 
     proptest! {
         // Small enough for a 2-core CI: a few hundred cases in well under a second.
-        #![proptest_config(ProptestConfig::with_cases(256))]
+        #![proptest_config(ProptestConfig::with_cases(std::env::var("MLXD_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(256)))]
 
         /// Arbitrary bytes never panic the decoder; it ends with a message, `None` or an
         /// error, and never reads past what it was given.

@@ -202,7 +202,7 @@ mod proptests {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig::with_cases(512))]
+        #![proptest_config(ProptestConfig::with_cases(std::env::var("MLXD_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(512)))]
 
         /// Nothing is lost, added or reordered; every released event ends with a
         /// terminator; and the events are the same however the input is chunked.

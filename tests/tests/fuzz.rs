@@ -51,7 +51,7 @@ fn json_value() -> impl Strategy<Value = Value> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(256))]
+    #![proptest_config(ProptestConfig::with_cases(std::env::var("MLXD_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(256)))]
 
     #[test]
     fn request_types_take_arbitrary_json(v in json_value()) {
