@@ -165,15 +165,17 @@ pub async fn forward(
     let (mut parts, incoming) = resp.into_parts();
     strip_hop_by_hop(&mut parts.headers);
     let sse = is_sse(&parts.headers);
-    let tap = accounting.map(|a| {
-        RequestTap::new(
-            a.metrics,
-            &lease.model,
-            parts.status.as_u16(),
-            a.started,
-            sse,
-        )
-    });
+    let tap = |parts: &http::response::Parts| {
+        accounting.map(|a| {
+            RequestTap::new(
+                a.metrics,
+                &lease.model,
+                parts.status.as_u16(),
+                a.started,
+                sse,
+            )
+        })
+    };
     if let Some(resume) = resume {
         if !sse {
             // A whole JSON response: read it (it comes at once, at the end of the
@@ -190,20 +192,23 @@ pub async fn forward(
             } else {
                 raw
             };
-            parts.headers.remove(header::CONTENT_LENGTH);
             parts
                 .headers
                 .insert(header::CONTENT_LENGTH, HeaderValue::from(out.len()));
+            // Counted only now: a response lost with its engine is sent again, once.
+            let tap = tap(&parts);
             return Ok(Response::from_parts(
                 parts,
                 ProxyBody::whole(out, lease, tap),
             ));
         }
+        let tap = tap(&parts);
         return Ok(Response::from_parts(
             parts,
             ProxyBody::new(incoming, driver, true, lease, tap, Some(resume)),
         ));
     }
+    let tap = tap(&parts);
     Ok(Response::from_parts(
         parts,
         ProxyBody::new(incoming, driver, sse, lease, tap, None),
