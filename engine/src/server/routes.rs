@@ -113,6 +113,15 @@ pub(super) async fn completions(
     OpenAiJson(req): OpenAiJson<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     let settings = validate(&req.params, &state.tokenizer)?;
+    if settings.n > 1 {
+        return Err(ApiError::invalid(
+            "n",
+            format!(
+                "n > 1 is supported on /v1/chat/completions only, got n = {}",
+                settings.n
+            ),
+        ));
+    }
     if let mlxd_protocol::openai::Prompt::Text(text) = &req.prompt {
         refuse_impossible_prompt(&state, text.len(), "prompt")?;
     }

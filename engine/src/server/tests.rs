@@ -664,6 +664,12 @@ async fn bad_requests_are_400_naming_the_field_and_the_server_keeps_serving() {
             "n = 9",
         ),
         (
+            "/v1/completions",
+            json!({"prompt": "x", "n": 2}).to_string(),
+            Some("n"),
+            "supported on /v1/chat/completions only, got n = 2",
+        ),
+        (
             "/v1/chat/completions",
             chat(json!({"temperature": -1})).to_string(),
             Some("temperature"),
