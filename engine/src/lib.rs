@@ -3,12 +3,10 @@
 pub mod app;
 pub mod cache;
 pub mod chat_template;
-pub mod convert;
 pub mod detokenizer;
 pub mod loader;
 pub mod mlx_runtime;
 pub mod models;
 pub mod runtime;
 pub mod server;
-pub mod store;
 pub mod tokenizer;

@@ -5,9 +5,10 @@
 use std::path::PathBuf;
 
 use clap::Parser;
+use mlxd_engine::app;
 use mlxd_engine::cache::KvQuant;
 use mlxd_engine::runtime::{RuntimeLimits, DEFAULT_MAX_BATCH_SIZE};
-use mlxd_engine::{app, store};
+use mlxd_store as store;
 
 #[derive(Parser)]
 #[command(
