@@ -58,7 +58,7 @@ impl HfRepoId {
     }
 
     /// The revision as one path component (`/` becomes `--`).
-    fn revision_key(&self) -> String {
+    pub(crate) fn revision_key(&self) -> String {
         self.revision.replace('/', "--")
     }
 }
@@ -80,7 +80,7 @@ fn has_safetensors(dir: &Path) -> bool {
 /// Whether every weight file of `dir` is there: those its `model.safetensors.index.json`
 /// names, or, without an index, at least one `*.safetensors`. Downloads fetch the weights
 /// last, so a snapshot cut short by an interrupted download never passes.
-fn weights_complete(dir: &Path) -> bool {
+pub(crate) fn weights_complete(dir: &Path) -> bool {
     let index = dir.join("model.safetensors.index.json");
     if !index.exists() {
         return has_safetensors(dir);
@@ -280,7 +280,7 @@ fn download_hf(repo: &HfRepoId, opts: &StoreOptions, cache: &Path) -> Result<Pat
     Ok(snapshot)
 }
 
-fn repo_root(repo: &HfRepoId, cache: &Path) -> PathBuf {
+pub(crate) fn repo_root(repo: &HfRepoId, cache: &Path) -> PathBuf {
     cache.join(format!("models--{}--{}", repo.org, repo.name))
 }
 

@@ -50,6 +50,7 @@ use sha2::{Digest, Sha256};
 
 pub mod convert;
 pub mod hf;
+pub mod inventory;
 
 pub use hf::HfRepoId;
 
@@ -194,6 +195,8 @@ pub enum StoreError {
          nowhere to keep the download"
     )]
     NoHfCache,
+    #[error("{0:?} is not in the store (`mlxd ls` lists what is)")]
+    NotStored(String),
     #[error("converting {gguf}: {source}")]
     Convert {
         gguf: PathBuf,
@@ -306,6 +309,29 @@ fn hf_cache_from_env() -> Option<PathBuf> {
         .or_else(|| var("HOME").map(|h| h.join(".cache").join("huggingface").join("hub")))
 }
 
+/// The id `spec` is served under, without fetching anything: a known name itself, a
+/// directory's name, a GGUF file's stem, a repo id without its revision; anything else as
+/// given (resolving it will say what is wrong).
+pub fn served_id(spec: &str) -> String {
+    let path = Path::new(spec);
+    if KNOWN_MODELS.iter().any(|k| k.name == spec) {
+        return spec.to_string();
+    }
+    if path.is_dir() {
+        let dir = fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+        if let Some(name) = dir.file_name() {
+            return name.to_string_lossy().into_owned();
+        }
+    } else if path.is_file() && path.extension().is_some_and(|e| e == "gguf") {
+        if let Some(stem) = path.file_stem() {
+            return stem.to_string_lossy().into_owned();
+        }
+    } else if let Some(repo) = HfRepoId::parse(spec) {
+        return repo.repo();
+    }
+    spec.to_string()
+}
+
 /// Resolves `spec` against the store at `home`, reading `MLXD_PYPI_URL` and
 /// `MLXD_SMOLLM2_GGUF` from the environment.
 pub fn resolve_model(spec: &str, home: &Path) -> Result<ResolvedModel, StoreError> {
@@ -328,12 +354,8 @@ pub fn resolve_model_with(spec: &str, opts: &StoreOptions) -> Result<ResolvedMod
             return Err(StoreError::MissingConfig(path.to_path_buf()));
         }
         let dir = fs::canonicalize(path).map_err(io(path))?;
-        let id = dir
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| spec.to_string());
         return Ok(ResolvedModel {
-            id,
+            id: served_id(spec),
             dir,
             source: ModelSource::Directory,
         });

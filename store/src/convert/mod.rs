@@ -75,9 +75,11 @@ impl Stamp {
         dir.join("config.json").is_file() && Self::read(dir) == Some(Self::current(opts))
     }
 
-    fn to_json(&self) -> Value {
+    /// The stamp's JSON; `source` (the GGUF converted, for `mlxd ls`) is informative only.
+    fn to_json(&self, source: &Path) -> Value {
         json!({
             "converter_version": self.converter_version,
+            "source": source.display().to_string(),
             "float_dtype": match self.float_dtype {
                 FloatDtype::F16 => "float16",
                 FloatDtype::F32 => "float32",
@@ -413,7 +415,7 @@ pub fn convert_gguf_with(
     )?;
     write_json(
         &staging.path.join(STAMP_FILE),
-        &Stamp::current(opts).to_json(),
+        &Stamp::current(opts).to_json(gguf_path),
     )?;
     let st_path = staging.path.join("model.safetensors");
     let metadata: HashMap<String, String> = [("format".to_string(), "mlx".to_string())].into();
