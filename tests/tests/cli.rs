@@ -238,3 +238,49 @@ async fn store_verbs_pull_list_and_remove() -> Result<()> {
     );
     Ok(())
 }
+
+/// One access-log line per model request, with its numbers; `--log-format json` makes every
+/// log line a JSON object.
+#[tokio::test]
+async fn access_log_lines_as_text_and_json() -> Result<()> {
+    for json in [false, true] {
+        let args: &[&str] = if json { &["--log-format", "json"] } else { &[] };
+        let server = MlxdProcess::start(args).await?;
+        let url = format!("http://{}", server.addr);
+        let o = mlxd(&["run", "fake-model", "hello", "--url", &url], &[], "").await?;
+        ensure!(o.status.success(), "{}", text(&o).1);
+        let o = mlxd(&["run", "absent", "hello", "--url", &url], &[], "").await?;
+        ensure!(!o.status.success());
+        // The line is written when the stream ends; give the server a moment.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let log = loop {
+            let log = server.stderr();
+            if log.matches("mlxd::access").count() >= 1 || std::time::Instant::now() > deadline {
+                break log;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let access: Vec<&str> = log.lines().filter(|l| l.contains("mlxd::access")).collect();
+        ensure!(access.len() == 1, "json={json}: {log}");
+        if json {
+            for line in log.lines().filter(|l| !l.trim().is_empty()) {
+                serde_json::from_str::<serde_json::Value>(line)
+                    .map_err(|e| anyhow::anyhow!("not JSON ({e}): {line}"))?;
+            }
+            let v: serde_json::Value = serde_json::from_str(access[0])?;
+            let f = &v["fields"];
+            ensure!(f["model"] == "fake-model" && f["status"] == 200, "{v}");
+            ensure!(f["completion_tokens"].as_u64() == Some(8), "{v}");
+            ensure!(f["ttft_ms"].is_number() && f["duration_ms"].is_number(), "{v}");
+        } else {
+            let l = access[0];
+            ensure!(
+                l.contains("model=\"fake-model\"") || l.contains("model=fake-model"),
+                "{l}"
+            );
+            ensure!(l.contains("status=200") && l.contains("completion_tokens=8"), "{l}");
+            ensure!(l.contains("ttft_ms=") && l.contains("tokens_per_s="), "{l}");
+        }
+    }
+    Ok(())
+}
