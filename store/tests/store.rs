@@ -36,6 +36,7 @@ fn options(home: &std::path::Path, gguf: Option<PathBuf>) -> StoreOptions {
         hf_token: None,
         hf_cache: None,
         hf_offline: false,
+        progress: Default::default(),
     }
 }
 
@@ -349,10 +350,34 @@ fn hf_download_lands_intact() {
     std::fs::write(src.join("generation_config.json"), b"{\"eos_token_id\": 2}").unwrap();
     let hub = FakeHub::start(hub_root);
     let home = tmp.path().join("home");
-    let opts = hf_options(&home, &hub.url);
+    let mut opts = hf_options(&home, &hub.url);
+    let events = Arc::new(Mutex::new(Vec::new()));
+    let sink = events.clone();
+    opts.progress = mlxd_store::Progress::new(move |e| sink.lock().unwrap().push(e.clone()));
     let cache = opts.hf_cache.clone().unwrap();
 
     let r = resolve_model_with("org/tiny@main", &opts).unwrap();
+    // Progress: the weights' bytes counted up to their size, then done.
+    let weights = std::fs::metadata(src.join("model.safetensors"))
+        .unwrap()
+        .len();
+    let events = events.lock().unwrap().clone();
+    let last = events
+        .iter()
+        .rev()
+        .filter_map(|e| match e {
+            mlxd_store::StoreEvent::Download { what, done, total }
+                if what == "model.safetensors" =>
+            {
+                Some((*done, *total))
+            }
+            _ => None,
+        })
+        .next();
+    assert_eq!(last, Some((weights, weights)), "{events:?}");
+    assert!(events.contains(&mlxd_store::StoreEvent::Downloaded {
+        what: "model.safetensors".into()
+    }));
     assert_eq!(r.id, "org/tiny");
     // In the standard Hugging Face cache layout, where mlx-lm and transformers look.
     let repo = cache.join("models--org--tiny");

@@ -271,16 +271,67 @@ async fn access_log_lines_as_text_and_json() -> Result<()> {
             let f = &v["fields"];
             ensure!(f["model"] == "fake-model" && f["status"] == 200, "{v}");
             ensure!(f["completion_tokens"].as_u64() == Some(8), "{v}");
-            ensure!(f["ttft_ms"].is_number() && f["duration_ms"].is_number(), "{v}");
+            ensure!(
+                f["ttft_ms"].is_number() && f["duration_ms"].is_number(),
+                "{v}"
+            );
         } else {
             let l = access[0];
             ensure!(
                 l.contains("model=\"fake-model\"") || l.contains("model=fake-model"),
                 "{l}"
             );
-            ensure!(l.contains("status=200") && l.contains("completion_tokens=8"), "{l}");
+            ensure!(
+                l.contains("status=200") && l.contains("completion_tokens=8"),
+                "{l}"
+            );
             ensure!(l.contains("ttft_ms=") && l.contains("tokens_per_s="), "{l}");
         }
     }
+    Ok(())
+}
+
+/// `mlxd serve` fetches and converts the default model into the store before it serves,
+/// printing progress and then the URL (plain lines, stderr not being a terminal).
+#[tokio::test]
+async fn serve_prepares_the_default_model_then_prints_the_url() -> Result<()> {
+    let gguf = smollm2_gguf()?;
+    let tmp = tempfile::tempdir()?;
+    let home = tmp.path().join("store");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let log = tmp.path().join("mlxd.log");
+    let mut child = Command::new(mlxd_bin()?)
+        .args(["serve", "--model", "smollm2-135m", "--host", "127.0.0.1"])
+        .args(["--port", &port.to_string()])
+        .arg("--engine-bin")
+        .arg(fake_engine())
+        .env("MLXD_HOME", &home)
+        .env("MLXD_SMOLLM2_GGUF", &gguf)
+        .env("XDG_RUNTIME_DIR", tmp.path())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log)?)
+        .spawn()?;
+    let url_line = format!("mlxd: serving on http://127.0.0.1:{port}/");
+    let deadline = std::time::Instant::now() + Duration::from_secs(180);
+    let text = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if text.contains(&url_line) || std::time::Instant::now() > deadline {
+            break text;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    let converting = text.find("mlxd: converting SmolLM2-135M-Instruct.Q4_1.gguf to MLX");
+    let converted = text.find("mlxd: converted in ");
+    let serving = text.find(&url_line);
+    ensure!(
+        matches!((converting, converted, serving), (Some(a), Some(b), Some(c)) if a < b && b < c),
+        "progress, then the URL, expected in order:\n{text}"
+    );
+    ensure!(home.join("models/smollm2-135m/config.json").is_file());
     Ok(())
 }
