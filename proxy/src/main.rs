@@ -32,6 +32,7 @@ fn main() -> anyhow::Result<()> {
         }
     }
     let args = cli.serve_args().context("serve arguments")?;
+    let json_logs = args.log_format == LogFormat::Json;
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     match args.log_format {
         LogFormat::Text => tracing_subscriber::fmt()
@@ -65,16 +66,19 @@ fn main() -> anyhow::Result<()> {
         // Bound first (a taken port fails at once); the default model is fetched and
         // converted before serving, with progress, so no engine load timeout can cut a
         // download short. Connections meanwhile wait in the backlog.
-        prepare_default_model(&config).await;
+        prepare_default_model(&config, json_logs).await;
         let local = listener.local_addr()?;
         let host = match local.ip() {
             ip if ip.is_unspecified() => "127.0.0.1".to_string(),
             std::net::IpAddr::V6(ip) => format!("[{ip}]"),
             ip => ip.to_string(),
         };
-        eprintln!(
-            "mlxd: serving on http://{host}:{}/ (chat page there, OpenAI API under /v1)",
-            local.port()
+        mlxd_proxy::progress::say(
+            json_logs,
+            &format!(
+                "serving on http://{host}:{}/ (chat page there, OpenAI API under /v1)",
+                local.port()
+            ),
         );
         let mut term = signal(SignalKind::terminate())?;
         let mut int = signal(SignalKind::interrupt())?;
@@ -93,7 +97,7 @@ fn main() -> anyhow::Result<()> {
 /// known name, a `.gguf` file or a Hugging Face repo id (a model directory needs nothing; any
 /// other name is the engine's to resolve). A failure is logged and serving goes on: the
 /// engine reports it again, per request, with the same reason.
-async fn prepare_default_model(config: &mlxd_proxy::Config) {
+async fn prepare_default_model(config: &mlxd_proxy::Config, json_logs: bool) {
     let Ok(catalog) = Catalog::from_config(config) else {
         return;
     };
@@ -116,7 +120,7 @@ async fn prepare_default_model(config: &mlxd_proxy::Config) {
         }
     };
     let mut opts = mlxd_store::StoreOptions::from_env(&home);
-    opts.progress = mlxd_proxy::progress::to_stderr();
+    opts.progress = mlxd_proxy::progress::to_stderr(json_logs);
     let start = Instant::now();
     let id = entry.id.clone();
     match tokio::task::spawn_blocking(move || mlxd_store::resolve_model_with(&spec, &opts)).await {
@@ -163,7 +167,7 @@ async fn run_verb(verb: &Command) -> anyhow::Result<()> {
         }
         Command::Pull(a) => {
             let mut opts = a.store.options()?;
-            opts.progress = mlxd_proxy::progress::to_stderr();
+            opts.progress = mlxd_proxy::progress::to_stderr(false);
             let spec = a.model.clone();
             eprintln!("mlxd: pulling {spec} (downloads and conversions can take minutes)");
             let start = Instant::now();

@@ -10,18 +10,29 @@ use mlxd_store::{Progress, StoreEvent};
 
 use crate::config::Bytes;
 
-/// A progress sink for the store that writes to stderr.
-pub fn to_stderr() -> Progress {
-    if std::io::stderr().is_terminal() {
+/// A progress sink for the store that writes to stderr: bars on a terminal, else plain
+/// lines; with `json_logs`, the lines go through the log as JSON objects instead.
+pub fn to_stderr(json_logs: bool) -> Progress {
+    if std::io::stderr().is_terminal() && !json_logs {
         bars()
     } else {
         let lines = Mutex::new(PlainLines::default());
         Progress::new(move |e| {
             let line = lines.lock().map(|mut l| l.line(e)).unwrap_or(None);
             if let Some(line) = line {
-                eprintln!("mlxd: {line}");
+                say(json_logs, &line);
             }
         })
+    }
+}
+
+/// One line for the person at the terminal: `mlxd: LINE` on stderr, or, when the log is
+/// JSON (`--log-format json`), an info event, so that every line stays a JSON object.
+pub fn say(json_logs: bool, line: &str) {
+    if json_logs {
+        tracing::info!("{line}");
+    } else {
+        eprintln!("mlxd: {line}");
     }
 }
 
