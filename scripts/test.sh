@@ -27,6 +27,9 @@ done
 [[ -f $MLXD_TEST_MODELS/tiny-qwen3-bf16/config.json ]] ||
   .venv/bin/python scripts/gen_random_model.py --shape tiny-qwen3 --dtype bfloat16 --out "$MLXD_TEST_MODELS/tiny-qwen3-bf16" >/dev/null
 
+echo "== setup's choice of MLX build (GPU detection)"
+scripts/test_mlx_build.sh
+
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy"

@@ -41,17 +41,16 @@ impl InProcessTransport {
     pub(crate) async fn start(model: &str, options: InProcessOptions) -> Result<Self, ClientError> {
         let home = match options.home {
             Some(home) => home,
-            None => {
-                mlxd_engine::store::default_home().map_err(|e| ClientError::Start(e.to_string()))?
-            }
+            None => mlxd_store::default_home().map_err(|e| ClientError::Start(e.to_string()))?,
         };
         let spec = model.to_owned();
         let limits = options.limits;
         // Resolving (perhaps converting) and loading the weights block: off the async threads.
-        let engine = tokio::task::spawn_blocking(move || app::load(&spec, &home, limits, None))
-            .await
-            .map_err(|e| ClientError::Start(format!("the loading thread failed: {e}")))?
-            .map_err(|e| ClientError::Start(e.to_string()))?;
+        let engine =
+            tokio::task::spawn_blocking(move || app::load(&spec, &home, limits, None, None))
+                .await
+                .map_err(|e| ClientError::Start(format!("the loading thread failed: {e}")))?
+                .map_err(|e| ClientError::Start(e.to_string()))?;
         let router = mlxd_engine::server::router(engine.state());
         let (active, drained) = mpsc::channel(1);
         Ok(Self {

@@ -19,8 +19,8 @@ use crate::runtime::draft::{
 use crate::runtime::request::is_out_of_memory;
 use crate::runtime::{OomHook, Runtime, RuntimeLimits};
 use crate::server::{self, ApiError, ServerState};
-use crate::store::{self, ResolvedModel};
 use crate::tokenizer::Tokenizer;
+use mlxd_store::{self as store, ResolvedModel};
 
 /// Why the engine could not start.
 #[derive(Debug, thiserror::Error)]

@@ -5,11 +5,11 @@
 use std::path::PathBuf;
 
 use clap::Parser;
-use mlxd_engine::app::{DraftChoice, DraftOptions};
+use mlxd_engine::app::{self, DraftChoice, DraftOptions};
 use mlxd_engine::cache::KvQuant;
 use mlxd_engine::runtime::draft::{NgramSizes, DEFAULT_NGRAM, DEFAULT_NUM_DRAFT, MAX_NUM_DRAFT};
 use mlxd_engine::runtime::{RuntimeLimits, DEFAULT_MAX_BATCH_SIZE};
-use mlxd_engine::{app, store};
+use mlxd_store as store;
 
 #[derive(Parser)]
 #[command(

@@ -4,8 +4,8 @@
 //! `MLXD_FUZZ_CASES` sets the number of cases (default 64; `scripts/fuzz.sh` runs more).
 use std::io::Write;
 
-use mlxd_engine::convert::gguf::GgufFile;
 use mlxd_engine::loader::Weights;
+use mlxd_store::convert::gguf::GgufFile;
 use proptest::prelude::*;
 
 fn cases() -> u32 {

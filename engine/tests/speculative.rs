@@ -233,7 +233,7 @@ fn a_draft_model_with_another_tokenizer_is_refused_with_the_reason() {
 #[test]
 fn ngram_drafting_on_the_default_model_keeps_greedy_tokens() {
     let home = common::test_home();
-    let model = mlxd_engine::store::resolve_model("smollm2-135m", &home).expect("default model");
+    let model = mlxd_store::resolve_model("smollm2-135m", &home).expect("default model");
     let grounded = common::hf_chat_tokens(
         &model.dir,
         "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the \

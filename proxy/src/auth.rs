@@ -6,7 +6,8 @@
 //!
 //! Order: the Host check (DNS rebinding: a foreign name resolving to 127.0.0.1), then the
 //! Origin check (cross-site requests, including "simple" form POSTs that need no
-//! preflight), then keys. `/health*` needs no key; everything else does once keys are
+//! preflight), then keys. `/health*` and the chat page's static files (`/`, `/chat.js`) need
+//! no key; everything else does once keys are
 //! configured. Keys are compared as SHA-256 digests in constant time, so neither their
 //! content nor their length leaks through timing.
 
@@ -39,6 +40,9 @@ pub enum Access {
 /// The access class of `path`.
 pub fn access(path: &str) -> Access {
     if path == "/health" || path.starts_with("/health/") {
+        Access::Open
+    } else if crate::chat_page::asset(path).is_some() {
+        // The chat page's static files hold no data; the API calls it makes need the key.
         Access::Open
     } else if path.starts_with("/admin/") || path == "/engines/reset" {
         Access::Admin
@@ -187,15 +191,27 @@ impl Guard {
                     .unwrap_or("")
                     .trim_end_matches('/')
                     .to_ascii_lowercase();
-                if !self.origins.contains(&o) {
+                // Same-origin (the chat page at `/` calling the API): the Origin names the
+                // Host the request came to, and that Host passed the check above. Without a
+                // Host check (a wildcard bind), a DNS-rebinding page could fake this, so it
+                // is only trusted with one.
+                let same_origin = self.hosts.is_some()
+                    && headers
+                        .get(header::HOST)
+                        .and_then(|v| v.to_str().ok())
+                        .is_some_and(|h| o == format!("http://{}", h.to_ascii_lowercase()));
+                if same_origin {
+                    None
+                } else if !self.origins.contains(&o) {
                     return Err(ProxyError::Forbidden {
                         code: "origin_not_allowed",
                         message: format!(
                             "cross-origin requests from {o:?} are not allowed; add the origin to server.allowed_origins (--allowed-origin) to allow it"
                         ),
                     });
+                } else {
+                    Some(v.clone())
                 }
-                Some(v.clone())
             }
         };
         // A preflight carries no credentials; the actual request will.
@@ -448,6 +464,43 @@ mod tests {
         assert_eq!(
             code(g.check(&Method::GET, "/health", &head(&[host, ("origin", "null")]))),
             "403 origin_not_allowed"
+        );
+    }
+
+    /// The chat page at `/` posts to the API with its own origin: allowed (no CORS headers
+    /// needed) when the Host was checked; a wildcard bind, which checks no Host, still asks
+    /// for the origin to be allowed, so a DNS-rebinding page cannot pass as same-origin.
+    #[test]
+    fn same_origin_requests_from_the_chat_page() {
+        let g = guard(&[], None, "127.0.0.1");
+        let post = |g: &Guard, host: &str, origin: &str| {
+            g.check(
+                &Method::POST,
+                "/v1/chat/completions",
+                &head(&[("host", host), ("origin", origin)]),
+            )
+        };
+        let r = post(&g, "127.0.0.1:8080", "http://127.0.0.1:8080");
+        assert_eq!(r.unwrap(), None);
+        assert_eq!(
+            code(post(&g, "127.0.0.1:8080", "http://127.0.0.1:9999")),
+            "403 origin_not_allowed"
+        );
+        assert_eq!(
+            code(post(&g, "127.0.0.1:8080", "https://127.0.0.1:8080")),
+            "403 origin_not_allowed"
+        );
+        let wild = Guard::new(GuardConfig {
+            bind_host: "0.0.0.0",
+            ..GuardConfig::default()
+        });
+        assert_eq!(
+            code(post(&wild, "evil.example:8080", "http://evil.example:8080")),
+            "403 origin_not_allowed"
+        );
+        assert_eq!(
+            code(g.check(&Method::GET, "/", &head(&[("host", "localhost")]))),
+            "ok"
         );
     }
 

@@ -1,16 +1,25 @@
-//! Command line: `mlxd [serve] [flags]`, `mlxd ps`, `mlxd ls`.
+//! Command line: `mlxd [serve] [flags]`; the store verbs `pull`, `ls`, `rm`, which work on
+//! the local model store without a server; and the client verbs `run`, `ps`, `stop`, `bench`
+//! (and `ls --server`), which talk to a running server.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 
 use crate::config::{parse_bytes, parse_duration, Config, ConfigError, ModelConfig};
 
+/// The port a server binds, and clients reach, when neither a flag nor `MLXD_PORT` says.
+pub const DEFAULT_PORT: u16 = 8080;
+
 #[derive(Debug, Parser)]
 #[command(
     name = "mlxd",
     version,
-    about = "Local LLM server: supervisor and proxy for MLX engines"
+    about = "Local LLM server: supervisor and proxy for MLX engines",
+    after_help = "`mlxd` alone is `mlxd serve`. Environment: MLXD_HOST, MLXD_PORT, MLXD_CONFIG \
+                  (serve and the client verbs), MLXD_HOME (the model store), MLXD_URL and \
+                  MLXD_API_KEY (client verbs)."
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -24,20 +33,165 @@ pub struct Cli {
 pub enum Command {
     /// Serve the OpenAI-compatible API (the default).
     Serve(Box<ServeArgs>),
-    /// Running engines of a running server: model, pid, state, memory, uptime, requests.
+    /// Chat with a model of a running server: answer PROMPT and exit, or without PROMPT an
+    /// interactive chat (an empty line or Ctrl-D ends it).
+    Run(RunArgs),
+    /// Fetch a model into the local store, without a server: a known name, a .gguf file to
+    /// convert, a model directory to check, or a Hugging Face repo id (org/name[@revision]).
+    Pull(PullArgs),
+    /// Models in the local store and the Hugging Face cache, with sizes and formats; with
+    /// --server (or --url), the configured models of a running server and their states.
+    Ls(LsArgs),
+    /// Delete a model from the local store or the Hugging Face cache.
+    Rm(RmArgs),
+    /// Running engines of a running server: model, pid, state, memory, uptime, requests,
+    /// restarts.
     Ps(ClientArgs),
-    /// Configured models of a running server and their states.
-    Ls(ClientArgs),
+    /// Stop (unload) a model's engine on a running server.
+    Stop(StopArgs),
+    /// Time to first token and decode speed of a model on a running server.
+    Bench(BenchArgs),
 }
 
 #[derive(Debug, Clone, Args)]
 pub struct ClientArgs {
-    /// The server to ask.
-    #[arg(long, default_value = "http://127.0.0.1:8080", env = "MLXD_URL")]
-    pub url: String,
+    /// The server to ask [default: http://127.0.0.1:$MLXD_PORT, else port 8080].
+    #[arg(long, env = "MLXD_URL")]
+    pub url: Option<String>,
     /// The API key, if the server requires one.
     #[arg(long, env = "MLXD_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    /// Seconds to wait for the server: to connect, for a whole answer, and between two
+    /// chunks of a stream.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=86400))]
+    pub timeout: u64,
+}
+
+impl ClientArgs {
+    /// The server's URL: `--url`/`MLXD_URL`, else built from `MLXD_HOST` and `MLXD_PORT` (a
+    /// wildcard host means this machine).
+    pub fn url(&self) -> String {
+        client_url(
+            self.url.as_deref(),
+            std::env::var("MLXD_HOST").ok().as_deref(),
+            std::env::var("MLXD_PORT").ok().as_deref(),
+        )
+    }
+
+    pub fn server(&self) -> crate::client::Server {
+        crate::client::Server {
+            url: self.url(),
+            api_key: self.api_key.clone(),
+            timeout: Duration::from_secs(self.timeout),
+        }
+    }
+}
+
+/// [`ClientArgs::url`] as a pure function of its inputs.
+pub fn client_url(url: Option<&str>, host: Option<&str>, port: Option<&str>) -> String {
+    if let Some(u) = url.filter(|u| !u.is_empty()) {
+        return u.to_string();
+    }
+    let host = match host.map(str::trim).filter(|h| !h.is_empty()) {
+        None | Some("0.0.0.0") => "127.0.0.1".to_string(),
+        Some("::") | Some("[::]") => "[::1]".to_string(),
+        Some(h) if h.contains(':') && !h.starts_with('[') => format!("[{h}]"),
+        Some(h) => h.to_string(),
+    };
+    let port = port
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .unwrap_or("8080");
+    format!("http://{host}:{port}")
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct StoreArgs {
+    /// The model store [default: $MLXD_HOME, else ~/.cache/mlxd].
+    #[arg(long, env = "MLXD_HOME")]
+    pub home: Option<PathBuf>,
+}
+
+impl StoreArgs {
+    pub fn options(&self) -> Result<mlxd_store::StoreOptions, mlxd_store::StoreError> {
+        let home = match &self.home {
+            Some(h) => h.clone(),
+            None => mlxd_store::default_home()?,
+        };
+        Ok(mlxd_store::StoreOptions::from_env(&home))
+    }
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct PullArgs {
+    /// A known name (smollm2-135m), a .gguf file, a model directory or a Hugging Face repo id.
+    pub model: String,
+    #[command(flatten)]
+    pub store: StoreArgs,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct LsArgs {
+    /// List the configured models of a running server instead of the local store.
+    #[arg(long)]
+    pub server: bool,
+    #[command(flatten)]
+    pub client: ClientArgs,
+    #[command(flatten)]
+    pub store: StoreArgs,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct RmArgs {
+    /// A name as `mlxd ls` shows it, a Hugging Face repo id, or a .gguf file whose
+    /// conversions to delete.
+    pub model: String,
+    #[command(flatten)]
+    pub store: StoreArgs,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    /// A model id or alias of the server (`mlxd ls --server` lists them).
+    pub model: String,
+    /// The question; without it, an interactive chat on the terminal.
+    pub prompt: Option<String>,
+    /// Most tokens per answer.
+    #[arg(long, default_value_t = 512)]
+    pub max_tokens: u32,
+    /// Sampling temperature (0 = greedy) [default: the server's].
+    #[arg(long)]
+    pub temperature: Option<f32>,
+    /// A system prompt.
+    #[arg(long)]
+    pub system: Option<String>,
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct StopArgs {
+    /// A model id or alias of the server.
+    pub model: String,
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct BenchArgs {
+    /// A model id or alias of the server.
+    pub model: String,
+    /// Requests to time, one after another (a first, untimed one warms the engine up).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub requests: u32,
+    /// Tokens to generate per request.
+    #[arg(long, default_value_t = 64)]
+    pub max_tokens: u32,
+    /// The prompt.
+    #[arg(long, default_value = "Write a short story about a lighthouse keeper.")]
+    pub prompt: String,
+    #[command(flatten)]
+    pub client: ClientArgs,
 }
 
 #[derive(Debug, Clone, Default, Args)]
@@ -64,14 +218,18 @@ pub struct ServeArgs {
     #[arg(long)]
     pub ttl: Option<String>,
     /// Address to bind [default: 127.0.0.1].
-    #[arg(long)]
+    #[arg(long, env = "MLXD_HOST")]
     pub host: Option<String>,
     /// Port to bind [default: 8080].
-    #[arg(long)]
+    #[arg(long, env = "MLXD_PORT")]
     pub port: Option<u16>,
-    /// TOML config file; flags override it.
-    #[arg(long)]
+    /// TOML config file; flags override it [default: $XDG_CONFIG_HOME/mlxd/mlxd.toml, else
+    /// ~/.config/mlxd/mlxd.toml, when it exists].
+    #[arg(long, env = "MLXD_CONFIG")]
     pub config: Option<PathBuf>,
+    /// Log lines as text, or one JSON object per line.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
     /// Engine binary [default: mlxd-engine beside mlxd].
     #[arg(long)]
     pub engine_bin: Option<PathBuf>,
@@ -116,6 +274,35 @@ pub struct ServeArgs {
     pub allowed_hosts: Vec<String>,
 }
 
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+/// The config file read when `--config` and `MLXD_CONFIG` name none: `mlxd/mlxd.toml` under
+/// `$XDG_CONFIG_HOME`, else under `$HOME/.config`; `None` when that file does not exist.
+pub fn default_config_path() -> Option<PathBuf> {
+    default_config_path_from(
+        std::env::var_os("XDG_CONFIG_HOME"),
+        std::env::var_os("HOME"),
+    )
+    .filter(|p| p.is_file())
+}
+
+/// [`default_config_path`] before the existence check, as a pure function.
+pub fn default_config_path_from(
+    xdg_config_home: Option<std::ffi::OsString>,
+    home: Option<std::ffi::OsString>,
+) -> Option<PathBuf> {
+    let base = match xdg_config_home.filter(|x| !x.is_empty()) {
+        Some(x) => PathBuf::from(x),
+        None => PathBuf::from(home.filter(|h| !h.is_empty())?).join(".config"),
+    };
+    Some(base.join("mlxd").join("mlxd.toml"))
+}
+
 /// A bad flag value, named like a config field.
 fn flag(name: &str, message: String) -> ConfigError {
     ConfigError::Setting {
@@ -145,8 +332,8 @@ impl Cli {
 impl ServeArgs {
     /// Defaults, then the config file, then these flags.
     pub fn into_config(self) -> Result<Config, ConfigError> {
-        let mut c = match &self.config {
-            Some(path) => Config::from_toml_file(path)?,
+        let mut c = match self.config.clone().or_else(default_config_path) {
+            Some(path) => Config::from_toml_file(&path)?,
             None => Config::default(),
         };
         for m in &self.model {
@@ -281,9 +468,86 @@ mod tests {
     }
 
     #[test]
+    fn client_urls_from_flags_and_environment() {
+        assert_eq!(
+            client_url(Some("http://h:1"), Some("x"), Some("2")),
+            "http://h:1"
+        );
+        assert_eq!(client_url(None, None, None), "http://127.0.0.1:8080");
+        assert_eq!(
+            client_url(None, Some("0.0.0.0"), Some("9000")),
+            "http://127.0.0.1:9000"
+        );
+        assert_eq!(client_url(None, Some("::"), None), "http://[::1]:8080");
+        assert_eq!(client_url(None, Some("::1"), Some("1")), "http://[::1]:1");
+        assert_eq!(
+            client_url(None, Some("box.lan"), None),
+            "http://box.lan:8080"
+        );
+        assert_eq!(
+            client_url(Some(""), Some(""), Some("")),
+            "http://127.0.0.1:8080"
+        );
+    }
+
+    #[test]
+    fn default_config_path_follows_xdg() {
+        let p = default_config_path_from(Some("/x".into()), Some("/home/u".into()));
+        assert_eq!(p, Some(PathBuf::from("/x/mlxd/mlxd.toml")));
+        let p = default_config_path_from(Some("".into()), Some("/home/u".into()));
+        assert_eq!(p, Some(PathBuf::from("/home/u/.config/mlxd/mlxd.toml")));
+        assert_eq!(default_config_path_from(None, None), None);
+    }
+
+    #[test]
+    fn every_verb_parses_and_every_flag_has_help() {
+        use clap::CommandFactory;
+        let cmd = Cli::command();
+        cmd.clone().debug_assert();
+        for sub in cmd.get_subcommands() {
+            assert!(sub.get_about().is_some(), "{} has no help", sub.get_name());
+            for arg in sub.get_arguments() {
+                assert!(
+                    arg.get_help().is_some() || arg.get_id() == "help",
+                    "mlxd {} {} has no help",
+                    sub.get_name(),
+                    arg.get_id()
+                );
+            }
+        }
+        let cli = Cli::parse_from(["mlxd", "run", "m", "hi there", "--max-tokens", "5"]);
+        assert!(
+            matches!(&cli.command, Some(Command::Run(r)) if r.prompt.as_deref() == Some("hi there") && r.max_tokens == 5)
+        );
+        assert!(matches!(
+            Cli::parse_from(["mlxd", "pull", "org/x"]).command,
+            Some(Command::Pull(p)) if p.model == "org/x"
+        ));
+        assert!(matches!(
+            Cli::parse_from(["mlxd", "stop", "m", "--timeout", "3"]).command,
+            Some(Command::Stop(s)) if s.client.timeout == 3
+        ));
+        assert!(Cli::try_parse_from(["mlxd", "ps", "--timeout", "0"]).is_err());
+        assert!(matches!(
+            Cli::parse_from(["mlxd", "bench", "m", "--requests", "2"]).command,
+            Some(Command::Bench(b)) if b.requests == 2
+        ));
+        assert!(matches!(
+            Cli::parse_from(["mlxd", "rm", "m"]).command,
+            Some(Command::Rm(_))
+        ));
+        assert!(matches!(
+            Cli::parse_from(["mlxd", "--log-format", "json"])
+                .serve
+                .log_format,
+            LogFormat::Json
+        ));
+    }
+
+    #[test]
     fn client_commands() {
         let cli = Cli::parse_from(["mlxd", "ps", "--url", "http://h:1"]);
-        assert!(matches!(&cli.command, Some(Command::Ps(a)) if a.url == "http://h:1"));
+        assert!(matches!(&cli.command, Some(Command::Ps(a)) if a.url() == "http://h:1"));
         assert!(cli.serve_args().is_none());
         assert!(matches!(
             Cli::parse_from(["mlxd", "ls"]).command,

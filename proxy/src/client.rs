@@ -1,10 +1,16 @@
-//! A minimal HTTP/1.1 client for `mlxd ps` and `mlxd ls`, which talk to a running
-//! server, and the tables they print.
+//! A minimal HTTP/1.1 client for the verbs that talk to a running server (`mlxd ps`, `ls
+//! --server`, `run`, `stop`, `bench`), and the tables they print. Every request has a
+//! deadline: connecting and a whole non-streaming exchange take at most the client's timeout,
+//! and a stream may be silent for at most that long between two chunks.
+
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Empty};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
-use serde_json::Value;
+use mlxd_ipc::sse::SseSplitter;
+use serde_json::{json, Value};
 
 use crate::config::Bytes as HumanBytes;
 
@@ -14,14 +20,37 @@ pub enum ClientError {
     Url(String),
     #[error("cannot reach mlxd at {url}: {detail} (is `mlxd serve` running?)")]
     Connect { url: String, detail: String },
-    #[error("GET {path} failed: {detail}")]
-    Http { path: String, detail: String },
-    #[error("GET {path} answered {status}: {body}")]
+    #[error("{method} {path} failed: {detail}")]
+    Http {
+        method: &'static str,
+        path: String,
+        detail: String,
+    },
+    #[error("{method} {path} answered {status}: {body}")]
     Status {
+        method: &'static str,
         path: String,
         status: u16,
         body: String,
     },
+    #[error(
+        "{method} {path}: no answer from {url} within {} s (raise --timeout if the server is \
+         busy)", timeout.as_secs_f64()
+    )]
+    Timeout {
+        method: &'static str,
+        url: String,
+        path: String,
+        timeout: Duration,
+    },
+}
+
+/// Where and how to reach a server.
+#[derive(Debug, Clone)]
+pub struct Server {
+    pub url: String,
+    pub api_key: Option<String>,
+    pub timeout: Duration,
 }
 
 /// `host:port` from `http://host:port[/]`.
@@ -40,47 +69,218 @@ fn authority(url: &str) -> Result<String, ClientError> {
     })
 }
 
-/// `GET {url}{path}` as JSON.
-/// `GET url+path` as JSON, with `api_key` as a bearer token when given.
-pub async fn get_json(url: &str, path: &str, api_key: Option<&str>) -> Result<Value, ClientError> {
-    let auth = authority(url)?;
-    let stream = tokio::net::TcpStream::connect(&auth)
-        .await
-        .map_err(|e| ClientError::Connect {
-            url: url.to_string(),
-            detail: e.to_string(),
-        })?;
-    let http = |e: &dyn std::fmt::Display| ClientError::Http {
-        path: path.to_string(),
-        detail: e.to_string(),
-    };
-    let (mut tx, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .map_err(|e| http(&e))?;
-    tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    let mut req = http::Request::get(path).header(http::header::HOST, auth.as_str());
-    if let Some(key) = api_key {
-        req = req.header(http::header::AUTHORIZATION, format!("Bearer {key}"));
-    }
-    let req = req.body(Empty::<Bytes>::new()).map_err(|e| http(&e))?;
-    let resp = tx.send_request(req).await.map_err(|e| http(&e))?;
-    let status = resp.status();
-    let body = resp
-        .into_body()
-        .collect()
-        .await
-        .map_err(|e| http(&e))?
-        .to_bytes();
-    if !status.is_success() {
-        return Err(ClientError::Status {
+/// An error body's message (`{"error": {"message"}}`), else the body as text.
+fn error_message(body: &[u8]) -> String {
+    serde_json::from_slice::<Value>(body)
+        .ok()
+        .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
+        .unwrap_or_else(|| String::from_utf8_lossy(body).into_owned())
+}
+
+impl Server {
+    fn timeout_error(&self, method: &'static str, path: &str) -> ClientError {
+        ClientError::Timeout {
+            method,
+            url: self.url.clone(),
             path: path.to_string(),
-            status: status.as_u16(),
-            body: String::from_utf8_lossy(&body).into_owned(),
-        });
+            timeout: self.timeout,
+        }
     }
-    serde_json::from_slice(&body).map_err(|e| http(&e))
+
+    /// Sends one request and returns the response head, once the status is 2xx; a non-2xx
+    /// answer becomes [`ClientError::Status`] with the error body's message.
+    async fn send(
+        &self,
+        method: &'static str,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<http::Response<Incoming>, ClientError> {
+        let auth = authority(&self.url)?;
+        let stream = tokio::time::timeout(self.timeout, tokio::net::TcpStream::connect(&auth))
+            .await
+            .map_err(|_| self.timeout_error(method, path))?
+            .map_err(|e| ClientError::Connect {
+                url: self.url.clone(),
+                detail: e.to_string(),
+            })?;
+        let http = |e: &dyn std::fmt::Display| ClientError::Http {
+            method,
+            path: path.to_string(),
+            detail: e.to_string(),
+        };
+        let (mut tx, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| http(&e))?;
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        let mut req = http::Request::builder()
+            .method(method)
+            .uri(path)
+            .header(http::header::HOST, auth.as_str());
+        if let Some(key) = &self.api_key {
+            req = req.header(http::header::AUTHORIZATION, format!("Bearer {key}"));
+        }
+        let bytes = match body {
+            Some(v) => {
+                req = req.header(http::header::CONTENT_TYPE, "application/json");
+                Bytes::from(v.to_string())
+            }
+            None => Bytes::new(),
+        };
+        let req = req.body(Full::new(bytes)).map_err(|e| http(&e))?;
+        let resp = tokio::time::timeout(self.timeout, tx.send_request(req))
+            .await
+            .map_err(|_| self.timeout_error(method, path))?
+            .map_err(|e| http(&e))?;
+        if !resp.status().is_success() {
+            let status = resp.status().as_u16();
+            let body = tokio::time::timeout(self.timeout, resp.into_body().collect())
+                .await
+                .map_err(|_| self.timeout_error(method, path))?
+                .map_err(|e| http(&e))?
+                .to_bytes();
+            return Err(ClientError::Status {
+                method,
+                path: path.to_string(),
+                status,
+                body: error_message(&body),
+            });
+        }
+        Ok(resp)
+    }
+
+    /// `method path` with an optional JSON body, answered with JSON.
+    pub async fn json(
+        &self,
+        method: &'static str,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<Value, ClientError> {
+        let resp = self.send(method, path, body).await?;
+        let body = tokio::time::timeout(self.timeout, resp.into_body().collect())
+            .await
+            .map_err(|_| self.timeout_error(method, path))?
+            .map_err(|e| ClientError::Http {
+                method,
+                path: path.to_string(),
+                detail: e.to_string(),
+            })?
+            .to_bytes();
+        serde_json::from_slice(&body).map_err(|e| ClientError::Http {
+            method,
+            path: path.to_string(),
+            detail: format!("the answer is not JSON: {e}"),
+        })
+    }
+
+    /// A streaming chat completion: calls `on_text` with each piece of the answer as it
+    /// arrives, and returns the whole answer with its timings.
+    pub async fn chat_stream(
+        &self,
+        body: &Value,
+        mut on_text: impl FnMut(&str),
+    ) -> Result<Streamed, ClientError> {
+        const PATH: &str = "/v1/chat/completions";
+        let start = Instant::now();
+        let mut body = body.clone();
+        body["stream"] = json!(true);
+        body["stream_options"] = json!({"include_usage": true});
+        let resp = self.send("POST", PATH, Some(&body)).await?;
+        let mut incoming = resp.into_body();
+        let mut splitter = SseSplitter::new();
+        let mut out = Streamed {
+            text: String::new(),
+            first_token: None,
+            elapsed: Duration::ZERO,
+            completion_tokens: None,
+            finish_reason: None,
+        };
+        let http = |detail: String| ClientError::Http {
+            method: "POST",
+            path: PATH.to_string(),
+            detail,
+        };
+        'frames: loop {
+            let frame = tokio::time::timeout(self.timeout, incoming.frame())
+                .await
+                .map_err(|_| self.timeout_error("POST", PATH))?;
+            let Some(frame) = frame else { break };
+            let frame = frame.map_err(|e| http(e.to_string()))?;
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
+            for event in splitter.push(&data) {
+                let text = String::from_utf8_lossy(&event);
+                for line in text.lines() {
+                    let Some(payload) = line.strip_prefix("data:").map(str::trim) else {
+                        continue;
+                    };
+                    if payload == "[DONE]" {
+                        break 'frames;
+                    }
+                    let v: Value = serde_json::from_str(payload)
+                        .map_err(|e| http(format!("a stream event is not JSON: {e}")))?;
+                    if let Some(message) = v["error"]["message"].as_str() {
+                        return Err(http(format!("the stream ended with an error: {message}")));
+                    }
+                    if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+                        out.completion_tokens = Some(n);
+                    }
+                    let choice = &v["choices"][0];
+                    if let Some(r) = choice["finish_reason"].as_str() {
+                        out.finish_reason = Some(r.to_string());
+                    }
+                    if let Some(piece) = choice["delta"]["content"].as_str() {
+                        if !piece.is_empty() {
+                            out.first_token.get_or_insert_with(|| start.elapsed());
+                            out.text.push_str(piece);
+                            on_text(piece);
+                        }
+                    }
+                }
+            }
+        }
+        out.elapsed = start.elapsed();
+        Ok(out)
+    }
+}
+
+/// A streamed answer.
+#[derive(Debug, Clone)]
+pub struct Streamed {
+    pub text: String,
+    /// Time to the first piece of text.
+    pub first_token: Option<Duration>,
+    pub elapsed: Duration,
+    /// From the final usage chunk.
+    pub completion_tokens: Option<u64>,
+    pub finish_reason: Option<String>,
+}
+
+impl Streamed {
+    /// Generated tokens per second after the first one.
+    pub fn decode_rate(&self) -> Option<f64> {
+        let n = self.completion_tokens? as f64;
+        let decode = (self.elapsed - self.first_token?).as_secs_f64();
+        (n > 1.0 && decode > 0.0).then(|| (n - 1.0) / decode)
+    }
+}
+
+/// `GET url+path` as JSON, with `api_key` as a bearer token when given, within `timeout`.
+pub async fn get_json(
+    url: &str,
+    path: &str,
+    api_key: Option<&str>,
+    timeout: Duration,
+) -> Result<Value, ClientError> {
+    Server {
+        url: url.to_string(),
+        api_key: api_key.map(str::to_string),
+        timeout,
+    }
+    .json("GET", path, None)
+    .await
 }
 
 /// Left-aligned columns separated by two spaces.
@@ -135,6 +335,12 @@ pub fn ps_table(engines: &Value) -> String {
                 e["uptime_s"].as_f64().map_or("-".into(), duration),
                 e["in_flight"].to_string(),
                 e["queued_requests"].to_string(),
+                e["restarts"].as_u64().map_or("-".into(), |n| n.to_string()),
+                e["device"]
+                    .as_str()
+                    .or_else(|| e["ready"]["device"].as_str())
+                    .unwrap_or("-")
+                    .to_string(),
             ]
         })
         .collect();
@@ -147,7 +353,75 @@ pub fn ps_table(engines: &Value) -> String {
             "UPTIME",
             "IN-FLIGHT",
             "QUEUED",
+            "RESTARTS",
+            "DEVICE",
         ],
+        &rows,
+    )
+}
+
+/// `mlxd ls`: the models on disk.
+pub fn store_table(models: &[mlxd_store::inventory::StoredModel]) -> String {
+    use mlxd_store::inventory::StoredKind;
+    let rows: Vec<Vec<String>> = models
+        .iter()
+        .map(|m| {
+            let from = match &m.kind {
+                StoredKind::Known => "known model".to_string(),
+                StoredKind::Gguf { source: Some(p) } => format!("gguf {}", p.display()),
+                StoredKind::Gguf { source: None } => "gguf".to_string(),
+                StoredKind::HuggingFace => "hugging face cache".to_string(),
+            };
+            vec![
+                m.name.clone(),
+                m.format.clone(),
+                HumanBytes(m.size_bytes).to_string(),
+                from,
+            ]
+        })
+        .collect();
+    table(&["NAME", "FORMAT", "SIZE", "FROM"], &rows)
+}
+
+/// `mlxd bench`: one line per timed request and the medians.
+pub fn bench_table(runs: &[Streamed]) -> String {
+    let ms =
+        |d: Option<Duration>| d.map_or("-".into(), |d| format!("{:.0}", d.as_secs_f64() * 1e3));
+    let rate = |r: Option<f64>| r.map_or("-".into(), |r| format!("{r:.1}"));
+    let mut rows: Vec<Vec<String>> = runs
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            vec![
+                (i + 1).to_string(),
+                ms(r.first_token),
+                ms(Some(r.elapsed)),
+                r.completion_tokens.map_or("-".into(), |n| n.to_string()),
+                rate(r.decode_rate()),
+            ]
+        })
+        .collect();
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        (!v.is_empty()).then(|| v[v.len() / 2])
+    };
+    let ttft = median(
+        runs.iter()
+            .filter_map(|r| r.first_token)
+            .map(|d| d.as_secs_f64())
+            .collect(),
+    );
+    let total = median(runs.iter().map(|r| r.elapsed.as_secs_f64()).collect());
+    let tps = median(runs.iter().filter_map(Streamed::decode_rate).collect());
+    rows.push(vec![
+        "median".into(),
+        ms(ttft.map(Duration::from_secs_f64)),
+        ms(total.map(Duration::from_secs_f64)),
+        String::new(),
+        rate(tps),
+    ]);
+    table(
+        &["RUN", "TTFT-MS", "TOTAL-MS", "TOKENS", "DECODE-TOK/S"],
         &rows,
     )
 }
@@ -211,6 +485,35 @@ mod tests {
     }
 
     #[test]
+    fn bench_rows_and_medians() {
+        let run = |ttft: u64, total: u64, n: u64| Streamed {
+            text: String::new(),
+            first_token: Some(Duration::from_millis(ttft)),
+            elapsed: Duration::from_millis(total),
+            completion_tokens: Some(n),
+            finish_reason: Some("length".into()),
+        };
+        let runs = [run(100, 1100, 11), run(300, 2300, 21), run(200, 700, 6)];
+        assert_eq!(runs[0].decode_rate(), Some(10.0));
+        assert_eq!(
+            bench_table(&runs),
+            "RUN     TTFT-MS  TOTAL-MS  TOKENS  DECODE-TOK/S\n\
+             1       100      1100      11      10.0\n\
+             2       300      2300      21      10.0\n\
+             3       200      700       6       10.0\n\
+             median  200      1100              10.0\n"
+        );
+    }
+
+    #[test]
+    fn error_bodies_show_their_message() {
+        let body =
+            br#"{"error": {"message": "model \"x\" not found", "type": "invalid_request_error"}}"#;
+        assert_eq!(error_message(body), "model \"x\" not found");
+        assert_eq!(error_message(b"plain"), "plain");
+    }
+
+    #[test]
     fn tables() {
         let engines = json!({"engines": [
             {"model": "a", "pid": 42, "state": "ready", "availability": "loaded", "memory_bytes": 3u64 << 30,
@@ -220,8 +523,8 @@ mod tests {
         ]});
         assert_eq!(
             ps_table(&engines),
-            "MODEL  PID  STATE  MEMORY   UPTIME  IN-FLIGHT  QUEUED\n\
-             a      42   ready  3.0 GiB  1m15s   2          0\n"
+            "MODEL  PID  STATE  MEMORY   UPTIME  IN-FLIGHT  QUEUED  RESTARTS  DEVICE\n\
+             a      42   ready  3.0 GiB  1m15s   2          0       -         -\n"
         );
         let models = json!({"data": [{"id": "bb", "default": true}]});
         assert_eq!(

@@ -27,7 +27,8 @@ use mlxd_protocol::control::Limits;
 use serde::de::{self, Deserializer};
 use serde::Deserialize;
 
-pub const DEFAULT_MODEL: &str = "smollm2-135m";
+/// The model served when none is configured; the store defines it (and knows how to fetch it).
+pub use mlxd_store::DEFAULT_MODEL;
 
 /// The exit code for an unusable configuration (`EX_USAGE`).
 pub const EXIT_CONFIG: i32 = 64;
@@ -301,16 +302,9 @@ impl ModelConfig {
     /// A model from a `--model` flag: a directory is named after itself, a `.gguf`
     /// file after its stem, anything else (a known name, a repo id) by what was given.
     pub fn from_flag(arg: &str) -> Self {
-        let p = Path::new(arg);
-        let id = if p.is_dir() {
-            p.file_name().map(|n| n.to_string_lossy().into_owned())
-        } else if p.extension().is_some_and(|e| e == "gguf") && p.is_file() {
-            p.file_stem().map(|n| n.to_string_lossy().into_owned())
-        } else {
-            None
-        };
         Self {
-            id: id.unwrap_or_else(|| arg.to_string()),
+            // The id the engine will serve it under, by the store's one rule.
+            id: mlxd_store::served_id(arg),
             path: Some(arg.to_string()),
             ..Self::default()
         }

@@ -6,6 +6,7 @@
 pub mod accept;
 pub mod auth;
 pub mod catalog;
+pub mod chat_page;
 pub mod cli;
 pub mod client;
 pub mod config;
@@ -20,6 +21,7 @@ pub mod metrics;
 pub mod placement;
 pub mod policy;
 pub mod pool;
+pub mod progress;
 pub mod resume;
 pub mod server;
 

@@ -1,14 +1,17 @@
-//! `mlxd`: parse flags, set up logging, bind, and run [`mlxd_proxy::serve`] until
-//! SIGINT or SIGTERM; or, for `mlxd ps` / `mlxd ls`, ask a running server.
+//! `mlxd`: parse flags, set up logging, bind, and run [`mlxd_proxy::serve`] until SIGINT or
+//! SIGTERM; or run one of the store verbs (`pull`, `ls`, `rm`) on the local store, or one of
+//! the client verbs (`run`, `ps`, `stop`, `bench`, `ls --server`) against a running server.
 
-use std::io::IsTerminal;
+use std::io::{BufRead, IsTerminal, Write};
+use std::time::Instant;
 
 use anyhow::Context;
 use clap::Parser;
 use mlxd_proxy::catalog::Catalog;
-use mlxd_proxy::cli::{Cli, Command};
+use mlxd_proxy::cli::{BenchArgs, Cli, Command, LogFormat, RunArgs};
 use mlxd_proxy::client;
 use mlxd_proxy::config::EXIT_CONFIG;
+use serde_json::{json, Value};
 use tokio::signal::unix::{signal, SignalKind};
 use tracing_subscriber::EnvFilter;
 
@@ -18,32 +21,31 @@ fn main() -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     match &cli.command {
-        Some(Command::Ps(a)) => {
-            let engines =
-                rt.block_on(client::get_json(&a.url, "/engines", a.api_key.as_deref()))?;
-            print!("{}", client::ps_table(&engines));
+        Some(Command::Serve(_)) | None => {}
+        Some(verb) => {
+            // One line that says what went wrong (and what to do), not a debug dump.
+            if let Err(e) = rt.block_on(run_verb(verb)) {
+                eprintln!("mlxd: {e:#}");
+                std::process::exit(1);
+            }
             return Ok(());
         }
-        Some(Command::Ls(a)) => {
-            let (engines, models) = rt.block_on(async {
-                Ok::<_, client::ClientError>((
-                    client::get_json(&a.url, "/engines", a.api_key.as_deref()).await?,
-                    client::get_json(&a.url, "/v1/models", a.api_key.as_deref()).await?,
-                ))
-            })?;
-            print!("{}", client::ls_table(&engines, &models));
-            return Ok(());
-        }
-        _ => {}
     }
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
     let args = cli.serve_args().context("serve arguments")?;
+    let json_logs = args.log_format == LogFormat::Json;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    match args.log_format {
+        LogFormat::Text => tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .with_ansi(std::io::stderr().is_terminal())
+            .init(),
+        LogFormat::Json => tracing_subscriber::fmt()
+            .json()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .init(),
+    }
     // An unusable configuration exits with EX_USAGE and says where the problem is.
     let config = match args
         .into_config()
@@ -61,6 +63,23 @@ fn main() -> anyhow::Result<()> {
         let listener = tokio::net::TcpListener::bind(&addr)
             .await
             .with_context(|| format!("binding {addr}"))?;
+        // Bound first (a taken port fails at once); the default model is fetched and
+        // converted before serving, with progress, so no engine load timeout can cut a
+        // download short. Connections meanwhile wait in the backlog.
+        prepare_default_model(&config, json_logs).await;
+        let local = listener.local_addr()?;
+        let host = match local.ip() {
+            ip if ip.is_unspecified() => "127.0.0.1".to_string(),
+            std::net::IpAddr::V6(ip) => format!("[{ip}]"),
+            ip => ip.to_string(),
+        };
+        mlxd_proxy::progress::say(
+            json_logs,
+            &format!(
+                "serving on http://{host}:{}/ (chat page there, OpenAI API under /v1)",
+                local.port()
+            ),
+        );
         let mut term = signal(SignalKind::terminate())?;
         let mut int = signal(SignalKind::interrupt())?;
         let shutdown = async move {
@@ -72,4 +91,205 @@ fn main() -> anyhow::Result<()> {
         mlxd_proxy::serve(listener, config, shutdown).await?;
         Ok(())
     })
+}
+
+/// Fetches and converts the default model into the store before serving, when it is a
+/// known name, a `.gguf` file or a Hugging Face repo id (a model directory needs nothing; any
+/// other name is the engine's to resolve). A failure is logged and serving goes on: the
+/// engine reports it again, per request, with the same reason.
+async fn prepare_default_model(config: &mlxd_proxy::Config, json_logs: bool) {
+    let Ok(catalog) = Catalog::from_config(config) else {
+        return;
+    };
+    let Ok(entry) = catalog.resolve(None) else {
+        return;
+    };
+    let spec = entry.source.clone();
+    let path = std::path::Path::new(&spec);
+    let fetchable = mlxd_store::KNOWN_MODELS.iter().any(|k| k.name == spec)
+        || (path.is_file() && path.extension().is_some_and(|e| e == "gguf"))
+        || (!path.exists() && mlxd_store::HfRepoId::parse(&spec).is_some());
+    if !fetchable {
+        return;
+    }
+    let home = match mlxd_store::default_home() {
+        Ok(h) => h,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot prepare the default model");
+            return;
+        }
+    };
+    let mut opts = mlxd_store::StoreOptions::from_env(&home);
+    opts.progress = mlxd_proxy::progress::to_stderr(json_logs);
+    let start = Instant::now();
+    let id = entry.id.clone();
+    match tokio::task::spawn_blocking(move || mlxd_store::resolve_model_with(&spec, &opts)).await {
+        Ok(Ok(resolved)) => tracing::info!(
+            model = %id,
+            dir = %resolved.dir.display(),
+            seconds = start.elapsed().as_secs_f64(),
+            "default model ready in the store"
+        ),
+        Ok(Err(e)) => {
+            tracing::warn!(model = %id, error = %e, "the default model could not be prepared")
+        }
+        Err(e) => tracing::warn!(model = %id, error = %e, "preparing the default model failed"),
+    }
+}
+
+/// Every verb but `serve`.
+async fn run_verb(verb: &Command) -> anyhow::Result<()> {
+    match verb {
+        Command::Serve(_) => anyhow::bail!("serve is not a client verb"),
+        Command::Ps(a) => {
+            let engines = a.server().json("GET", "/engines", None).await?;
+            print!("{}", client::ps_table(&engines));
+        }
+        Command::Ls(a) if a.server || a.client.url.is_some() => {
+            let server = a.client.server();
+            let engines = server.json("GET", "/engines", None).await?;
+            let models = server.json("GET", "/v1/models", None).await?;
+            print!("{}", client::ls_table(&engines, &models));
+        }
+        Command::Ls(a) => {
+            let opts = a.store.options()?;
+            let models = mlxd_store::inventory::list(&opts);
+            if models.is_empty() {
+                eprintln!(
+                    "mlxd: no models in {} or the Hugging Face cache; `mlxd pull {}` fetches \
+                     the default one",
+                    opts.home.display(),
+                    mlxd_store::DEFAULT_MODEL
+                );
+            } else {
+                print!("{}", client::store_table(&models));
+            }
+        }
+        Command::Pull(a) => {
+            let mut opts = a.store.options()?;
+            opts.progress = mlxd_proxy::progress::to_stderr(false);
+            let spec = a.model.clone();
+            eprintln!("mlxd: pulling {spec} (downloads and conversions can take minutes)");
+            let start = Instant::now();
+            // The store blocks (file locks, downloads, conversion): off the async threads.
+            let resolved =
+                tokio::task::spawn_blocking(move || mlxd_store::resolve_model_with(&spec, &opts))
+                    .await??;
+            println!(
+                "{} ready in {:.1} s: {} ({})",
+                resolved.id,
+                start.elapsed().as_secs_f64(),
+                resolved.dir.display(),
+                mlxd_store::inventory::format_of(&resolved.dir)
+            );
+        }
+        Command::Rm(a) => {
+            let opts = a.store.options()?;
+            let removed = mlxd_store::inventory::remove(&a.model, &opts)?;
+            for d in &removed.dirs {
+                println!("removed {}", d.display());
+            }
+            println!("freed {}", mlxd_proxy::config::Bytes(removed.bytes));
+        }
+        Command::Stop(a) => {
+            let path = format!("/admin/models/{}/unload", a.model);
+            let v = a.client.server().json("POST", &path, None).await?;
+            println!(
+                "{}: {}",
+                v["model"].as_str().unwrap_or(&a.model),
+                v["state"].as_str().unwrap_or("stopped")
+            );
+        }
+        Command::Run(a) => run_chat(a).await?,
+        Command::Bench(a) => bench(a).await?,
+    }
+    Ok(())
+}
+
+fn chat_body(a: &RunArgs, messages: &[Value]) -> Value {
+    let mut body = json!({
+        "model": a.model,
+        "messages": messages,
+        "max_tokens": a.max_tokens,
+    });
+    if let Some(t) = a.temperature {
+        body["temperature"] = json!(t);
+    }
+    body
+}
+
+/// `mlxd run`: one streamed answer, or a chat that keeps the conversation.
+async fn run_chat(a: &RunArgs) -> anyhow::Result<()> {
+    let server = a.client.server();
+    let mut messages: Vec<Value> = Vec::new();
+    if let Some(s) = &a.system {
+        messages.push(json!({"role": "system", "content": s}));
+    }
+    let print = |piece: &str| {
+        let mut out = std::io::stdout().lock();
+        let _ = out.write_all(piece.as_bytes());
+        let _ = out.flush();
+    };
+    if let Some(prompt) = &a.prompt {
+        messages.push(json!({"role": "user", "content": prompt}));
+        let answer = server.chat_stream(&chat_body(a, &messages), print).await?;
+        println!();
+        if answer.finish_reason.as_deref() == Some("length") {
+            eprintln!("mlxd: the answer reached --max-tokens {}", a.max_tokens);
+        }
+        return Ok(());
+    }
+    let interactive = std::io::stdin().is_terminal();
+    if interactive {
+        eprintln!(
+            "Chatting with {} at {}. An empty line or Ctrl-D ends the chat.",
+            a.model, server.url
+        );
+    }
+    let (lines_tx, mut lines) = tokio::sync::mpsc::channel::<std::io::Result<String>>(1);
+    // Stdin is read on its own thread; a line is only asked for after the previous answer.
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lock().lines() {
+            if lines_tx.blocking_send(line).is_err() {
+                break;
+            }
+        }
+    });
+    loop {
+        if interactive {
+            eprint!(">>> ");
+        }
+        let Some(line) = lines.recv().await else {
+            break;
+        };
+        let line = line.context("reading stdin")?;
+        if line.trim().is_empty() {
+            break;
+        }
+        messages.push(json!({"role": "user", "content": line}));
+        let answer = server.chat_stream(&chat_body(a, &messages), print).await?;
+        println!();
+        messages.push(json!({"role": "assistant", "content": answer.text}));
+    }
+    Ok(())
+}
+
+/// `mlxd bench`: a warm-up request, then `requests` timed streamed ones.
+async fn bench(a: &BenchArgs) -> anyhow::Result<()> {
+    let server = a.client.server();
+    let body = json!({
+        "model": a.model,
+        "messages": [{"role": "user", "content": a.prompt}],
+        "max_tokens": a.max_tokens,
+        "temperature": 0.0,
+    });
+    eprintln!("mlxd: warming up {} at {}", a.model, server.url);
+    server.chat_stream(&body, |_| {}).await?;
+    let mut runs = Vec::new();
+    for i in 0..a.requests {
+        eprintln!("mlxd: request {} of {}", i + 1, a.requests);
+        runs.push(server.chat_stream(&body, |_| {}).await?);
+    }
+    print!("{}", client::bench_table(&runs));
+    Ok(())
 }

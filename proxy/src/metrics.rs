@@ -213,7 +213,43 @@ impl Metrics {
         self.duration
             .get_or_create(&Self::label(model))
             .observe(started.elapsed().as_secs_f64());
+        access_log(model, status, started.elapsed(), None, None);
     }
+}
+
+/// Decode speed: tokens after the first, over the time after the first token.
+pub fn decode_rate(completion_tokens: u64, total: Duration, first: Duration) -> Option<f64> {
+    let decode = total.checked_sub(first)?.as_secs_f64();
+    (completion_tokens > 1 && decode > 0.0).then(|| (completion_tokens - 1) as f64 / decode)
+}
+
+/// The access log: one line per model request, at target `mlxd::access` (so
+/// `RUST_LOG=mlxd::access=off` silences it), with the model, status, token counts, time to
+/// first token and decode speed; `--log-format json` makes each line a JSON object.
+fn access_log(
+    model: &str,
+    status: u16,
+    duration: Duration,
+    first: Option<Duration>,
+    usage: Option<(u64, u64)>,
+) {
+    let ms = |d: Duration| (d.as_secs_f64() * 1e4).round() / 10.0;
+    let (prompt, completion) = usage.unzip();
+    let rate = match (completion, first) {
+        (Some(n), Some(f)) => decode_rate(n, duration, f).map(|r| (r * 10.0).round() / 10.0),
+        _ => None,
+    };
+    tracing::info!(
+        target: "mlxd::access",
+        model,
+        status,
+        prompt_tokens = prompt,
+        completion_tokens = completion,
+        ttft_ms = first.map(ms),
+        duration_ms = ms(duration),
+        tokens_per_s = rate,
+        "request"
+    );
 }
 
 impl Default for Metrics {
@@ -325,6 +361,13 @@ impl Drop for RequestTap {
             m.prompt_tokens.get_or_create(&label).inc_by(prompt);
             m.completion_tokens.get_or_create(&label).inc_by(completion);
         }
+        access_log(
+            &self.model,
+            self.status,
+            self.started.elapsed(),
+            self.first,
+            usage,
+        );
     }
 }
 
@@ -356,6 +399,15 @@ fn usage_of(v: &Value) -> Option<(u64, u64)> {
 mod tests {
     use super::*;
     use std::sync::Arc;
+
+    #[test]
+    fn decode_rates() {
+        let s = Duration::from_secs;
+        assert_eq!(decode_rate(11, s(3), s(1)), Some(5.0));
+        assert_eq!(decode_rate(1, s(3), s(1)), None);
+        assert_eq!(decode_rate(5, s(1), s(1)), None);
+        assert_eq!(decode_rate(5, s(1), s(2)), None);
+    }
 
     #[tokio::test]
     async fn taps_count_tokens_from_usage_or_chunks() {

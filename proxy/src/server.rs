@@ -320,6 +320,11 @@ async fn route(
             ))
         }
         (&Method::GET, "/v1/models") => return Ok(models(app).await),
+        (&Method::GET, p) if crate::chat_page::asset(p).is_some() => {
+            if let Some((body, content_type)) = crate::chat_page::asset(p) {
+                return Ok(crate::chat_page::response(body, content_type));
+            }
+        }
         (&Method::GET, "/metrics") => {
             let mut r = Response::new(
                 Full::new(Bytes::from(app.metrics.encode()))
@@ -756,6 +761,7 @@ async fn models(app: &App) -> Response<ResponseBody> {
                 "created": 0,
                 "owned_by": "mlxd",
                 "state": e.availability,
+                "loading_progress": e.loading_progress,
                 "failure": e.failure,
                 "aliases": e.aliases,
                 "pinned": e.pinned,

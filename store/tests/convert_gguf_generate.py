@@ -1,6 +1,6 @@
 """Greedy generation with mlx-lm on a directory made by `convert_gguf`.
 
-usage: .venv/bin/python engine/tests/convert_gguf_generate.py <converted_dir> [--f32]
+usage: .venv/bin/python store/tests/convert_gguf_generate.py <converted_dir> [--f32]
 
 Loads the directory with `mlx_lm.load` unchanged, applies its chat template, decodes greedily
 for 20 tokens and requires "Paris" in the answer. `--f32` casts the loaded parameters (scales,

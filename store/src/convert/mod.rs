@@ -5,6 +5,10 @@
 //! quantization (`<module>.weight` `u32`, `<module>.scales`/`.biases` `f16`, group size 32),
 //! everything else `f16`. The directory is assembled beside `out_dir` and renamed into place at
 //! the end, so `out_dir` either does not exist or is complete.
+//!
+//! Every directory also gets [`STAMP_FILE`], which records [`CONVERTER_VERSION`] and the
+//! options, so that the store converts again when a newer converter would write something
+//! different ([`Stamp::read`], [`Stamp::is_current`]).
 pub mod gguf;
 pub mod llama;
 pub mod quant;
@@ -22,6 +26,67 @@ use serde_json::{json, Value};
 use gguf::{GgmlType, GgufFile};
 use llama::{LlamaParams, SpecialIds};
 pub use quant::FloatDtype;
+
+/// The version of what [`convert_gguf_with`] writes. Bump it with every change that alters the
+/// output (a tensor's layout or dtype, a config or tokenizer field, a fix to any of them): the
+/// store then converts its existing directories again instead of serving stale ones. Version 1
+/// was every converter before the stamp, whose directories have no [`STAMP_FILE`].
+pub const CONVERTER_VERSION: u32 = 2;
+
+/// The file in a converted directory that says how it was made.
+pub const STAMP_FILE: &str = "mlxd-convert.json";
+
+/// The contents of [`STAMP_FILE`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stamp {
+    pub converter_version: u32,
+    pub float_dtype: FloatDtype,
+}
+
+impl Stamp {
+    /// The stamp this converter writes with `opts`.
+    pub fn current(opts: &ConvertOptions) -> Self {
+        Self {
+            converter_version: CONVERTER_VERSION,
+            float_dtype: opts.float_dtype,
+        }
+    }
+
+    /// The stamp of `dir`; `None` when it has none or one this code cannot read (a directory
+    /// from a converter older than the stamp, or a damaged file), both of which mean "convert
+    /// again".
+    pub fn read(dir: &Path) -> Option<Self> {
+        let v: Value = serde_json::from_slice(&fs::read(dir.join(STAMP_FILE)).ok()?).ok()?;
+        let converter_version = u32::try_from(v.get("converter_version")?.as_u64()?).ok()?;
+        let float_dtype = match v.get("float_dtype")?.as_str()? {
+            "float16" => FloatDtype::F16,
+            "float32" => FloatDtype::F32,
+            _ => return None,
+        };
+        Some(Self {
+            converter_version,
+            float_dtype,
+        })
+    }
+
+    /// Whether `dir` is a complete conversion that this converter, with `opts`, would write
+    /// again unchanged.
+    pub fn is_current(dir: &Path, opts: &ConvertOptions) -> bool {
+        dir.join("config.json").is_file() && Self::read(dir) == Some(Self::current(opts))
+    }
+
+    /// The stamp's JSON; `source` (the GGUF converted, for `mlxd ls`) is informative only.
+    fn to_json(&self, source: &Path) -> Value {
+        json!({
+            "converter_version": self.converter_version,
+            "source": source.display().to_string(),
+            "float_dtype": match self.float_dtype {
+                FloatDtype::F16 => "float16",
+                FloatDtype::F32 => "float32",
+            },
+        })
+    }
+}
 
 /// How to convert.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -348,6 +413,10 @@ pub fn convert_gguf_with(
         &staging.path.join("tokenizer_config.json"),
         &tok.tokenizer_config,
     )?;
+    write_json(
+        &staging.path.join(STAMP_FILE),
+        &Stamp::current(opts).to_json(gguf_path),
+    )?;
     let st_path = staging.path.join("model.safetensors");
     let metadata: HashMap<String, String> = [("format".to_string(), "mlx".to_string())].into();
     safetensors::serialize_to_file(weights.tensors.iter(), &Some(metadata), &st_path)
@@ -372,7 +441,7 @@ pub fn convert_gguf_with(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::gguf::tests::GgufBuilder;
     use super::*;
     use half::f16;
@@ -408,7 +477,7 @@ mod tests {
     }
 
     /// A one-layer llama with every supported tensor type somewhere.
-    fn tiny_llama(add_bos: bool, extra: Option<(&str, u32)>) -> GgufBuilder {
+    pub(crate) fn tiny_llama(add_bos: bool, extra: Option<(&str, u32)>) -> GgufBuilder {
         let mut b = GgufBuilder::default();
         b.kv_str("general.architecture", "llama")
             .kv_u32("llama.block_count", 1)

