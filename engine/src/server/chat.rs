@@ -2,9 +2,8 @@
 //! into `reasoning_content`, `n` choices (each its own sequence in the batch), JSON or SSE.
 use std::convert::Infallible;
 
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{header, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures::StreamExt;
@@ -517,14 +516,7 @@ fn sse(
             },
         ),
     );
-    let mut response = Response::new(Body::from_stream(body));
-    let headers = response.headers_mut();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream"),
-    );
-    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    response
+    super::routes::event_stream(body)
 }
 
 /// Where one choice's stream is.

@@ -7,7 +7,7 @@
 //! come back as `thinking`, `text` and `tool_use` blocks.
 use std::convert::Infallible;
 
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::{FromRequest, Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -628,12 +628,5 @@ fn sse(meta: Meta, g: AgentGeneration) -> Response {
         }
     });
     let stream = futures::stream::iter(opening.into_iter().map(Ok::<_, Infallible>)).chain(body);
-    let mut response = Response::new(Body::from_stream(stream));
-    let headers = response.headers_mut();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream"),
-    );
-    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    response
+    super::routes::event_stream(stream)
 }

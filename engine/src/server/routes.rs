@@ -381,6 +381,14 @@ fn sse_response<F: Format>(
             }
         }
     });
+    event_stream(stream)
+}
+
+/// An SSE response over `stream` (the one place the stream headers are set).
+pub(super) fn event_stream<S>(stream: S) -> Response
+where
+    S: futures::Stream<Item = Result<Bytes, Infallible>> + Send + 'static,
+{
     let mut response = Response::new(Body::from_stream(stream));
     let headers = response.headers_mut();
     headers.insert(
