@@ -24,6 +24,9 @@ done
   .venv/bin/python scripts/gen_random_model.py --shape tiny-llama --quantize 4 --out "$MLXD_TEST_MODELS/tiny-llama-q4" >/dev/null
 [[ -f $MLXD_TEST_MODELS/tiny-llama-f16/config.json ]] ||
   .venv/bin/python scripts/gen_random_model.py --shape tiny-llama --dtype float16 --out "$MLXD_TEST_MODELS/tiny-llama-f16" >/dev/null
+# Same shape and tokenizer as tiny-llama, other weights: a draft model that is mostly wrong.
+[[ -f $MLXD_TEST_MODELS/tiny-llama-other/config.json ]] ||
+  .venv/bin/python scripts/gen_random_model.py --shape tiny-llama --seed 7 --out "$MLXD_TEST_MODELS/tiny-llama-other" >/dev/null
 [[ -f $MLXD_TEST_MODELS/tiny-qwen3-bf16/config.json ]] ||
   .venv/bin/python scripts/gen_random_model.py --shape tiny-qwen3 --dtype bfloat16 --out "$MLXD_TEST_MODELS/tiny-qwen3-bf16" >/dev/null
 

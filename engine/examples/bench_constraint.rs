@@ -65,6 +65,7 @@ fn decode_tps(
                 events: tx,
                 constraint: (i < constrained)
                     .then(|| Box::new(AllowAll) as Box<dyn TokenConstraint>),
+                logprobs: None,
             })?;
             Ok(rx)
         })
@@ -80,7 +81,9 @@ fn decode_tps(
                             TokenEvent::Token(_) => times.push(Instant::now()),
                             TokenEvent::Finished(_) => break,
                             TokenEvent::Failed(e) => panic!("generation failed: {e}"),
-                            TokenEvent::PromptDone { .. } | TokenEvent::Drafts { .. } => {}
+                            TokenEvent::PromptDone { .. }
+                            | TokenEvent::Drafts { .. }
+                            | TokenEvent::Logprobs(_) => {}
                         }
                     }
                     times

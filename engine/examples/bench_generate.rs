@@ -68,6 +68,7 @@ fn run(
                     sample_offset: 0,
                     events: tx,
                     constraint: None,
+                    logprobs: None,
                 })
                 .map_err(|_| anyhow::anyhow!("the runtime stopped"))?;
             Ok(rx)
@@ -89,7 +90,7 @@ fn run(
                             TokenEvent::Drafts { drafted, accepted } => {
                                 drafts = (drafted, accepted)
                             }
-                            TokenEvent::PromptDone { .. } => {}
+                            TokenEvent::PromptDone { .. } | TokenEvent::Logprobs(_) => {}
                         }
                     }
                     (times, drafts)

@@ -23,6 +23,7 @@ fn greedy(runtime: &Runtime, prompt: &[u32], n: usize) -> anyhow::Result<Vec<u32
             sample_offset: 0,
             events: tx,
             constraint: None,
+            logprobs: None,
         })
         .map_err(|_| anyhow::anyhow!("the runtime stopped"))?;
     let mut out = Vec::new();
@@ -31,7 +32,8 @@ fn greedy(runtime: &Runtime, prompt: &[u32], n: usize) -> anyhow::Result<Vec<u32
             TokenEvent::Token(t) => out.push(t),
             TokenEvent::Finished(_) => break,
             TokenEvent::Failed(e) => anyhow::bail!("generation failed: {e}"),
-            TokenEvent::PromptDone { .. } | TokenEvent::Drafts { .. } => {}
+            TokenEvent::PromptDone { .. } | TokenEvent::Drafts { .. } | TokenEvent::Logprobs(_) => {
+            }
         }
     }
     Ok(out)

@@ -235,6 +235,21 @@ impl Tokenizer {
         self.inner.id_to_token(id)
     }
 
+    /// The bytes of token `id`'s text, for log-probability reports: its decoded text, or where
+    /// that is an incomplete UTF-8 sequence (a byte-level BPE token holding part of a
+    /// character, a SentencePiece byte-fallback token), the raw bytes its vocabulary entry
+    /// stands for.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let text = self.inner.decode(&[id], false).unwrap_or_default();
+        if !text.contains('\u{FFFD}') {
+            return text.into_bytes();
+        }
+        match self.inner.id_to_token(id) {
+            Some(entry) => vocabulary_entry_bytes(&entry).unwrap_or_else(|| text.into_bytes()),
+            None => text.into_bytes(),
+        }
+    }
+
     pub fn is_special(&self, id: u32) -> bool {
         self.special_ids.contains(&id)
     }
@@ -376,9 +391,50 @@ fn template_value(
     }
 }
 
+/// The bytes a vocabulary entry stands for: a byte-fallback entry `<0xNN>`, or an entry in
+/// GPT-2's byte-to-character alphabet (printable bytes as themselves, the others shifted to
+/// U+0100 and up); `None` for anything else.
+fn vocabulary_entry_bytes(entry: &str) -> Option<Vec<u8>> {
+    if let Some(hex) = entry.strip_prefix("<0x").and_then(|e| e.strip_suffix('>')) {
+        if hex.len() == 2 {
+            return u8::from_str_radix(hex, 16).ok().map(|b| vec![b]);
+        }
+    }
+    entry.chars().map(byte_level_byte).collect()
+}
+
+/// The byte that a character of GPT-2's byte-level alphabet encodes.
+fn byte_level_byte(c: char) -> Option<u8> {
+    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
+    let code = c as u32;
+    if code < 256 && printable(code) {
+        return Some(code as u8);
+    }
+    // The non-printable bytes, in order, are U+0100, U+0101, …
+    let n = code.checked_sub(256)?;
+    (0u32..256)
+        .filter(|&b| !printable(b))
+        .nth(n as usize)
+        .map(|b| b as u8)
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+
+    #[test]
+    fn vocabulary_entries_map_to_their_bytes() {
+        assert_eq!(vocabulary_entry_bytes("<0xE2>"), Some(vec![0xE2]));
+        assert_eq!(vocabulary_entry_bytes("Ġa"), Some(vec![b' ', b'a']));
+        assert_eq!(vocabulary_entry_bytes("Ċ"), Some(vec![b'\n']));
+        // "é" in byte-level form: its two UTF-8 bytes, each a printable Latin-1 character.
+        assert_eq!(vocabulary_entry_bytes("Ã©"), Some(vec![0xC3, 0xA9]));
+        // The last shifted characters: U+0142 is byte 0xA0, U+0143 byte 0xAD; U+0144 is none.
+        assert_eq!(vocabulary_entry_bytes("ł"), Some(vec![0xA0]));
+        assert_eq!(vocabulary_entry_bytes("Ń"), Some(vec![0xAD]));
+        assert_eq!(vocabulary_entry_bytes("ń"), None);
+        assert_eq!(vocabulary_entry_bytes("中"), None);
+    }
     use std::collections::HashMap;
     use std::io::Read;
     use std::sync::{Arc, Mutex, OnceLock};

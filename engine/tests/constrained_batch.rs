@@ -31,6 +31,7 @@ fn send(
             constraint: forced.map(|t| {
                 Box::new(ForcedTokens::new(t)) as Box<dyn mlxd_engine::constraint::TokenConstraint>
             }),
+            logprobs: None,
         })
         .expect("runtime is running");
     rx
@@ -40,7 +41,8 @@ fn collect(mut rx: mpsc::UnboundedReceiver<TokenEvent>) -> (Vec<u32>, Option<Fin
     let mut tokens = Vec::new();
     while let Some(event) = rx.blocking_recv() {
         match event {
-            TokenEvent::PromptDone { .. } | TokenEvent::Drafts { .. } => {}
+            TokenEvent::PromptDone { .. } | TokenEvent::Drafts { .. } | TokenEvent::Logprobs(_) => {
+            }
             TokenEvent::Token(t) => tokens.push(t),
             TokenEvent::Finished(reason) => return (tokens, Some(reason)),
             TokenEvent::Failed(e) => panic!("generation failed: {e}"),
@@ -65,6 +67,7 @@ fn constrained_rows_follow_their_mask_and_leave_the_others_unchanged() {
                 ..Default::default()
             },
             max_tokens: 12,
+            logprobs: None,
         },
     ];
     let alone: Vec<Vec<u32>> = generate_alone(&runtime, &free)

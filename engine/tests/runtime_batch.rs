@@ -76,6 +76,7 @@ fn seeded_sampling_is_the_same_alone_and_in_any_batch() {
         prompt: p[0].clone(),
         sampling: sampled(42),
         max_tokens: 20,
+        logprobs: None,
     };
     let alone = generate_alone(&runtime, std::slice::from_ref(&target));
     let mut mixed: Vec<Gen> = p
@@ -86,6 +87,7 @@ fn seeded_sampling_is_the_same_alone_and_in_any_batch() {
             prompt: prompt.clone(),
             sampling: sampled(i as u64),
             max_tokens: 10,
+            logprobs: None,
         })
         .collect();
     mixed.insert(2, target.clone());
@@ -132,6 +134,7 @@ fn every_sampling_option_runs_in_one_batch_without_changing_greedy_rows() {
         prompt: p[3].clone(),
         sampling: s.clone(),
         max_tokens: 16,
+        logprobs: None,
     }));
     let alone = generate_alone(&runtime, &gens[..1]);
     let together = generate_together(&runtime, &gens);
@@ -148,6 +151,49 @@ fn every_sampling_option_runs_in_one_batch_without_changing_greedy_rows() {
         "penalties did not spread the choice: {:?}",
         together[3].tokens
     );
+    runtime.join();
+}
+
+#[test]
+fn logprobs_change_no_token_and_report_the_models_distribution() {
+    let dir = common::tiny_model("tiny-llama");
+    let runtime = start_runtime(&dir, 0);
+    let p = prompts();
+    let plain = vec![
+        Gen::greedy(&p[0], 10),
+        Gen::greedy(&p[1], 10),
+        Gen {
+            prompt: p[2].clone(),
+            sampling: sampled(4),
+            max_tokens: 10,
+            logprobs: None,
+        },
+    ];
+    let mut asking = plain.clone();
+    asking[0].logprobs = Some(5);
+    asking[2].logprobs = Some(0);
+    let reference = generate_together(&runtime, &plain);
+    let out = generate_together(&runtime, &asking);
+    assert_eq!(tokens(&out), tokens(&reference));
+    assert!(
+        out[1].logprobs.is_empty(),
+        "a row that did not ask got logprobs"
+    );
+    assert_eq!(out[0].logprobs.len(), 10);
+    for (lp, &token) in out[0].logprobs.iter().zip(&out[0].tokens) {
+        // Greedy without bias or penalties: the chosen token is the likeliest.
+        assert_eq!(lp.top.len(), 5);
+        assert_eq!(lp.top[0].0, token);
+        assert!((lp.top[0].1 - lp.logprob).abs() < 1e-6);
+        assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1), "{lp:?}");
+        let mass: f32 = lp.top.iter().map(|t| t.1.exp()).sum();
+        assert!(lp.logprob <= 0.0 && mass <= 1.0 + 1e-4, "{lp:?}");
+    }
+    assert_eq!(out[2].logprobs.len(), 10);
+    assert!(out[2]
+        .logprobs
+        .iter()
+        .all(|lp| lp.top.is_empty() && lp.logprob <= 0.0 && lp.logprob.is_finite()));
     runtime.join();
 }
 
@@ -236,6 +282,7 @@ fn a_request_larger_than_the_kv_budget_is_refused_and_others_still_run() {
             sample_offset: 0,
             events: tx,
             constraint: None,
+            logprobs: None,
         })
         .unwrap();
     match rx.blocking_recv() {
@@ -289,6 +336,7 @@ fn stop_tokens_and_cancellation_free_the_row() {
             sample_offset: 0,
             events: tx,
             constraint: None,
+            logprobs: None,
         })
         .unwrap();
     let mut got = vec![];
@@ -296,7 +344,8 @@ fn stop_tokens_and_cancellation_free_the_row() {
         match rx.blocking_recv().expect("events until the end") {
             TokenEvent::Token(t) => got.push(t),
             TokenEvent::Finished(r) => break r,
-            TokenEvent::PromptDone { .. } | TokenEvent::Drafts { .. } => {}
+            TokenEvent::PromptDone { .. } | TokenEvent::Drafts { .. } | TokenEvent::Logprobs(_) => {
+            }
             TokenEvent::Failed(e) => panic!("{e}"),
         }
     };
@@ -315,6 +364,7 @@ fn stop_tokens_and_cancellation_free_the_row() {
             sample_offset: 0,
             events: tx,
             constraint: None,
+            logprobs: None,
         })
         .unwrap();
     drop(rx);

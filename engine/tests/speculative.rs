@@ -119,6 +119,30 @@ fn a_draft_model_leaves_greedy_output_unchanged_and_rolls_back_rejections() {
 }
 
 #[test]
+fn rows_whose_drafts_are_rejected_stop_drafting_and_keep_their_tokens() {
+    // Other random weights with the same tokenizer: drafts are nearly always wrong.
+    let dir = common::tiny_model("tiny-llama");
+    let draft = common::tiny_model("tiny-llama-other");
+    let spec = speculative(&dir, DraftSource::Model(draft), 3);
+    let plain = start_runtime(&dir, 0);
+    let p = prompts();
+    let gens: Vec<Gen> = [&p[0], &p[3]].iter().map(|p| Gen::greedy(p, 48)).collect();
+    let out = generate_together(&spec, &gens);
+    assert_eq!(tokens(&out), tokens(&generate_alone(&plain, &gens)));
+    for o in &out {
+        let (drafted, accepted) = o.drafts.unwrap_or((0, 0));
+        // Without the pause every pass would draft 3 (about 140 in all); with it, a trial of
+        // about 8 drafts, then one retry after the pause.
+        assert!(
+            drafted <= 40 && accepted * 3 < drafted.max(1) * 2,
+            "a mostly rejected row kept drafting: {accepted} of {drafted} accepted"
+        );
+    }
+    plain.join();
+    spec.join();
+}
+
+#[test]
 fn a_draft_model_that_is_the_model_itself_accepts_every_draft() {
     let dir = common::tiny_model("tiny-llama");
     let spec = speculative(&dir, DraftSource::Model(dir.clone()), 4);
@@ -155,6 +179,7 @@ fn seeded_sampling_draws_the_same_tokens_with_and_without_drafts() {
             prompt: p.clone(),
             sampling: sampled(i as u64 + 7),
             max_tokens: 16,
+            logprobs: None,
         })
         .collect();
     let reference = tokens(&generate_alone(&plain, &gens));
@@ -166,7 +191,7 @@ fn seeded_sampling_draws_the_same_tokens_with_and_without_drafts() {
 }
 
 #[test]
-fn rows_with_penalties_take_no_drafts_and_keep_their_tokens() {
+fn rows_with_penalties_or_logprobs_take_no_drafts_and_keep_their_tokens() {
     let dir = common::tiny_model("tiny-llama");
     let plain = start_runtime(&dir, 0);
     let spec = speculative(&dir, ngram(), 3);
@@ -179,12 +204,39 @@ fn rows_with_penalties_take_no_drafts_and_keep_their_tokens() {
             ..Default::default()
         },
         max_tokens: 12,
+        logprobs: None,
     };
-    let gens = vec![penalised, Gen::greedy(&p[0], 12), Gen::greedy(&p[4], 12)];
-    let reference = tokens(&generate_alone(&plain, &gens));
+    let reporting = Gen {
+        logprobs: Some(2),
+        ..Gen::greedy(&p[2], 12)
+    };
+    let gens = vec![
+        penalised,
+        Gen::greedy(&p[0], 12),
+        Gen::greedy(&p[4], 12),
+        reporting,
+    ];
+    let reference = generate_alone(&plain, &gens);
     let out = generate_together(&spec, &gens);
-    assert_eq!(tokens(&out), reference);
+    assert_eq!(tokens(&out), tokens(&reference));
     assert_eq!(out[0].drafts, None, "a penalised row was given drafts");
+    assert_eq!(
+        out[3].drafts, None,
+        "a row reporting logprobs was given drafts"
+    );
+    assert_eq!(out[3].logprobs.len(), 12);
+    for ((lp, plain), &token) in out[3]
+        .logprobs
+        .iter()
+        .zip(&reference[3].logprobs)
+        .zip(&out[3].tokens)
+    {
+        assert_eq!(lp.top[0].0, token);
+        assert!(
+            (lp.logprob - plain.logprob).abs() < 1e-3,
+            "{lp:?} against {plain:?}"
+        );
+    }
     plain.join();
     spec.join();
 }
@@ -290,6 +342,7 @@ fn a_constrained_row_takes_no_drafts_and_follows_its_mask_in_a_speculative_batch
             constraint: Some(
                 Box::new(ForcedTokens::new(forced.clone())) as Box<dyn TokenConstraint>
             ),
+            logprobs: None,
         })
         .unwrap();
     let out = generate_together(&spec, std::slice::from_ref(&free));
@@ -301,7 +354,7 @@ fn a_constrained_row_takes_no_drafts_and_follows_its_mask_in_a_speculative_batch
             TokenEvent::Drafts { drafted, accepted } => drafts = Some((drafted, accepted)),
             TokenEvent::Finished(_) => break,
             TokenEvent::Failed(e) => panic!("{e}"),
-            TokenEvent::PromptDone { .. } => {}
+            TokenEvent::PromptDone { .. } | TokenEvent::Logprobs(_) => {}
         }
     }
     assert_eq!(constrained, forced);

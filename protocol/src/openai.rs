@@ -87,6 +87,10 @@ pub struct CompletionRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
     pub prompt: Prompt,
+    /// Return each chosen token's log-probability and this many most likely alternatives
+    /// (0–20; the legacy API's integer form).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<i64>,
     #[serde(flatten)]
     pub params: GenerationParams,
 }
@@ -369,7 +373,7 @@ pub struct ChatChoice {
     pub message: AssistantMessage,
     pub finish_reason: Option<String>,
     #[serde(default)]
-    pub logprobs: Option<serde_json::Value>,
+    pub logprobs: Option<ChatLogprobs>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mlxd: Option<TokenIds>,
 }
@@ -439,7 +443,7 @@ pub struct ChatChunkChoice {
     pub delta: ChatDelta,
     pub finish_reason: Option<String>,
     #[serde(default)]
-    pub logprobs: Option<serde_json::Value>,
+    pub logprobs: Option<ChatLogprobs>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mlxd: Option<TokenIds>,
 }
@@ -475,9 +479,43 @@ pub struct CompletionChoice {
     pub text: String,
     pub finish_reason: Option<String>,
     #[serde(default)]
-    pub logprobs: Option<serde_json::Value>,
+    pub logprobs: Option<CompletionLogprobs>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mlxd: Option<TokenIds>,
+}
+
+/// Log-probabilities of a chat choice's tokens (or of one chunk's tokens), in order.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ChatLogprobs {
+    pub content: Vec<ChatTokenLogprob>,
+}
+
+/// One generated token: its text, UTF-8 bytes and log-probability under the model, with the
+/// most likely alternatives at its position (most likely first).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChatTokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Option<Vec<u8>>,
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Option<Vec<u8>>,
+}
+
+/// The legacy completions shape: parallel lists, one entry per generated token.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct CompletionLogprobs {
+    pub tokens: Vec<String>,
+    pub token_logprobs: Vec<f32>,
+    /// Alternatives by token text (tokens with the same text keep the likelier).
+    pub top_logprobs: Vec<std::collections::BTreeMap<String, f32>>,
+    /// Byte offset of each token's text in the choice's text.
+    pub text_offset: Vec<usize>,
 }
 
 /// `GET /v1/models`.

@@ -108,7 +108,8 @@ pub struct ResumeRecord {
 
 impl ResumeRecord {
     /// A record for a request to `path` with JSON `body`; `None` when the request is not
-    /// resumable (another route, a body that is not an object, resumption disabled).
+    /// resumable (another route, a body that is not an object, resumption disabled, or
+    /// several choices: `n` > 1 interleaves choices whose ids a record does not separate).
     pub fn new(path: &str, body: &[u8], max_resumes: u32) -> Option<Self> {
         let endpoint = Endpoint::for_path(path)?;
         if max_resumes == 0 {
@@ -117,6 +118,9 @@ impl ResumeRecord {
         let Ok(Value::Object(request)) = serde_json::from_slice::<Value>(body) else {
             return None;
         };
+        if request.get("n").and_then(Value::as_u64).unwrap_or(1) > 1 {
+            return None;
+        }
         let client_resume: Vec<u32> = request
             .get("mlxd")
             .and_then(|m| m.get("resume_token_ids"))
@@ -392,6 +396,8 @@ mod tests {
         assert!(ResumeRecord::new("/v1/completions", b"[1]", 3).is_none());
         assert!(ResumeRecord::new("/v1/completions", b"{}", 0).is_none());
         assert!(ResumeRecord::new("/v1/completions", b"{}", 1).is_some());
+        assert!(ResumeRecord::new("/v1/completions", br#"{"n": 1}"#, 1).is_some());
+        assert!(ResumeRecord::new("/v1/chat/completions", br#"{"n": 2}"#, 1).is_none());
     }
 
     #[test]

@@ -132,6 +132,46 @@ def _():
     return repr(text)
 
 
+@check("chat.completions logprobs and top_logprobs, whole and streamed")
+def _():
+    r = oa.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0,
+        logprobs=True, top_logprobs=3,
+    )
+    content = r.choices[0].logprobs.content
+    assert 1 <= len(content) <= r.usage.completion_tokens, content
+    for t in content:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 3, t
+        # Greedy: the chosen token is the likeliest.
+        assert t.top_logprobs[0].token == t.token, t
+    text = b"".join(bytes(t.bytes) for t in content).decode("utf-8", "replace")
+    assert text.strip() == r.choices[0].message.content.strip(), (text, r)
+    streamed = [
+        t
+        for c in oa.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0,
+            logprobs=True, stream=True,
+        )
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content
+    ]
+    assert [t.token for t in streamed] == [t.token for t in content], (streamed, content)
+    return f"{len(content)} tokens, first {content[0].token!r} {content[0].logprob:.3f}"
+
+
+@check("completions n=2 with logprobs")
+def _():
+    r = oa.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=4, n=2, temperature=0.8, seed=3, logprobs=2
+    )
+    assert [c.index for c in r.choices] == [0, 1], r.choices
+    for c in r.choices:
+        lp = c.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset), lp
+        assert all(len(alts) <= 2 for alts in lp.top_logprobs), lp
+    return repr([c.text for c in r.choices])
+
+
 def forced_call(stream):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     args = dict(

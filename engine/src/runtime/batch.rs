@@ -12,7 +12,7 @@ use mlx_rs::Array;
 
 use super::draft::{ngram, verify, DraftCounts, Drafter, Speculator};
 use super::request::FinishReason;
-use super::sampler::{BatchSampler, RowSampling};
+use super::sampler::{BatchSampler, PickedLogprobs, RowSampling};
 use super::sequence::Sequence;
 use crate::cache::{BatchKv, KvLayout, LayerCache, Stored};
 use crate::models::CausalLm;
@@ -108,13 +108,35 @@ impl DecodeBatch {
         model: &dyn CausalLm,
         joining: Vec<Prefilled>,
     ) -> Result<Vec<Departed>, Exception> {
-        let departed = if self.spec.is_some() {
+        for seq in &mut self.rows {
+            seq.acceptance.tick();
+        }
+        let departed = if self.drafts_this_step(&joining) {
+            // The speculative step starts with every row's last token on the host.
+            self.hand_out_now()?;
             self.speculative_step(model, joining)?
         } else {
             self.pipelined_step(model, joining)?
         };
         self.quantize_past_start()?;
         Ok(departed)
+    }
+
+    /// Whether this step drafts: speculation is on and some row may be given drafts. Rows
+    /// joining always go through the speculative step, which prefills them into a draft
+    /// model's cache, so that cache keeps a row for every batch row.
+    fn drafts_this_step(&self, joining: &[Prefilled]) -> bool {
+        self.spec.is_some()
+            && (!joining.is_empty()
+                || self.rows.iter().enumerate().any(|(r, s)| {
+                    s.wants_more() && s.acceptance.is_drafting() && self.row_may_draft(r, s)
+                }))
+    }
+
+    /// Whether row `r` can take drafts at all: its sampling is position-independent and no
+    /// constraint masks its tokens (a mask for position i + 1 depends on token i).
+    fn row_may_draft(&self, r: usize, s: &Sequence) -> bool {
+        self.sampler.row_takes_drafts(r) && s.constraint.is_none()
     }
 
     /// Switches the caches to quantized storage once the longest row passes the layout's
@@ -239,7 +261,7 @@ impl DecodeBatch {
                 }
             }
         }
-        if self.rows.iter().any(|s| s.constraint.is_some()) {
+        if self.rows.iter().any(|s| s.constraint.is_some()) || self.sampler.wants_logprobs() {
             self.hand_out_now()?;
         }
         Ok(departed)
@@ -299,8 +321,10 @@ impl DecodeBatch {
             .iter()
             .enumerate()
             .map(|(r, s)| {
-                // A constrained row's mask for position i + 1 depends on its token i.
-                if self.sampler.row_takes_drafts(r) && s.constraint.is_none() {
+                if s.acceptance.is_drafting()
+                    && self.sampler.row_takes_drafts(r)
+                    && s.constraint.is_none()
+                {
                     spec.num_draft.min(s.remaining() - 1)
                 } else {
                     0
@@ -348,7 +372,9 @@ impl DecodeBatch {
             self.sampler.set_mask(mask);
         }
         let sampled = self.sampler.sample_positions(&logits)?;
+        let logprobs = self.sampler.take_logprobs();
         let mut state: Vec<&Array> = vec![&sampled];
+        state.extend(logprobs.iter().flat_map(PickedLogprobs::arrays));
         if let Drafts::Device(d) = &drafts {
             state.push(d);
         }
@@ -374,8 +400,15 @@ impl DecodeBatch {
         let mut newest = Vec::with_capacity(b);
         for (r, seq) in self.rows.iter_mut().enumerate() {
             let v = verify::verdict(&proposals[r], &sampled[r * l..(r + 1) * l]);
+            if let (Some(want), Some(lp)) = (seq.logprobs, &logprobs) {
+                // Such a row has no drafts: its one token is position 0's.
+                seq.set_logprobs(lp.at(r * l, want)?);
+            }
             seq.drafted += proposals[r].len();
             seq.accepted += v.accepted;
+            if budget[r] > 0 {
+                seq.acceptance.record(proposals[r].len(), v.accepted);
+            }
             self.draft_counts.drafted += proposals[r].len() as u64;
             self.draft_counts.accepted += v.accepted as u64;
             for &token in &v.emitted {
@@ -420,14 +453,21 @@ impl DecodeBatch {
     }
 
     /// Reads this step's tokens back and hands them out at once (the synchronous step of a
-    /// batch with a constrained row), advancing each row's constraint.
+    /// batch with a constrained row or one that reports log-probabilities), advancing each
+    /// row's constraint.
     fn hand_out_now(&mut self) -> Result<(), Exception> {
         let Some(next) = self.in_flight.take() else {
             return Ok(());
         };
-        next.eval()?;
+        let logprobs = self.sampler.take_logprobs();
+        let mut arrays = vec![&next];
+        arrays.extend(logprobs.iter().flat_map(PickedLogprobs::arrays));
+        mlx_rs::transforms::eval(arrays)?;
         let tokens: &[u32] = next.as_slice();
-        for (seq, &token) in self.rows.iter_mut().zip(tokens) {
+        for (r, (seq, &token)) in self.rows.iter_mut().zip(tokens).enumerate() {
+            if let (Some(want), Some(lp)) = (seq.logprobs, &logprobs) {
+                seq.set_logprobs(lp.at(r, want)?);
+            }
             let last = seq.at_limit();
             seq.emit(token, last);
         }
@@ -495,6 +535,7 @@ impl DecodeBatch {
                 seed: s.seed,
                 prompt: s.prompt(),
                 next_step: (s.sample_offset + s.sampled) as u64,
+                logprobs: s.logprobs,
             })
             .collect();
         self.sampler.extend(&joining)?;

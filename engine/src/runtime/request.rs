@@ -29,6 +29,22 @@ pub struct GenerateRequest {
     /// generation. A constrained sequence gets no speculative drafts and makes its batch
     /// step synchronously.
     pub constraint: Option<Box<dyn TokenConstraint>>,
+    /// Report each generated token's log-probability and this many most likely alternatives
+    /// (`None`: none). A sequence that wants them gets no speculative drafts and makes its
+    /// batch step synchronously.
+    pub logprobs: Option<usize>,
+}
+
+/// Alternatives per token a request may ask for (OpenAI's `top_logprobs` limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// A generated token's log-probability under the model (the log-softmax of its logits, before
+/// bias, penalties, temperature or truncation, as mlx-lm and vLLM report it) and the most
+/// likely tokens at its position, most likely first.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
 }
 
 /// What the MLX thread reports for one request.
@@ -38,6 +54,8 @@ pub enum TokenEvent {
     PromptDone { prompt_tokens: usize, cached: usize },
     /// One generated token.
     Token(u32),
+    /// The log-probabilities of the next `Token` (only for requests that asked).
+    Logprobs(TokenLogprobs),
     /// Speculative decoding's account of this request, just before `Finished`.
     Drafts { drafted: usize, accepted: usize },
     /// Generation ended; no more events follow.

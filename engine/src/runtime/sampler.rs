@@ -22,7 +22,7 @@ use mlx_rs::error::Exception;
 #[cfg(test)]
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::ops::indexing::{argmax_axis, take_along_axis};
-use mlx_rs::ops::{concatenate, maximum, select, sort_axis, zeros_dtype};
+use mlx_rs::ops::{argpartition_axis, concatenate, maximum, select, sort_axis, zeros_dtype};
 use mlx_rs::{Array, Dtype};
 
 use super::noise;
@@ -36,10 +36,62 @@ pub struct RowSampling<'a> {
     pub prompt: &'a [u32],
     /// Index of this row's next generated token in its random stream.
     pub next_step: u64,
+    /// Alternatives to report with each token's log-probability (`None`: no log-probabilities).
+    pub logprobs: Option<usize>,
 }
 
 struct Row {
     params: SamplingParams,
+    logprobs: Option<usize>,
+}
+
+/// The log-probabilities of the tokens the last pick chose, on the device, for every position
+/// (rows that did not ask included; the batch reads the rows that did).
+pub struct PickedLogprobs {
+    /// `[N]` float32: each chosen token's log-probability.
+    pub chosen: Array,
+    /// `[N, k]` uint32 ids and float32 log-probabilities of the `k` most likely tokens, in no
+    /// particular order; `None` when no row asked for alternatives.
+    pub top: Option<(Array, Array)>,
+}
+
+impl PickedLogprobs {
+    pub fn arrays(&self) -> Vec<&Array> {
+        let mut all = vec![&self.chosen];
+        if let Some((ids, values)) = &self.top {
+            all.push(ids);
+            all.push(values);
+        }
+        all
+    }
+
+    /// Position `i`'s log-probabilities with its `want` best alternatives, most likely first,
+    /// once evaluated.
+    pub fn at(
+        &self,
+        i: usize,
+        want: usize,
+    ) -> Result<crate::runtime::request::TokenLogprobs, Exception> {
+        let read = |e| Exception::custom(format!("reading log-probabilities: {e:?}"));
+        let chosen: &[f32] = self.chosen.try_as_slice().map_err(read)?;
+        let mut top = Vec::new();
+        if let Some((ids, values)) = &self.top {
+            let k = ids.shape()[1] as usize;
+            let ids: &[u32] = ids.try_as_slice().map_err(read)?;
+            let values: &[f32] = values.try_as_slice().map_err(read)?;
+            top = ids[i * k..(i + 1) * k]
+                .iter()
+                .copied()
+                .zip(values[i * k..(i + 1) * k].iter().copied())
+                .collect();
+            top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            top.truncate(want);
+        }
+        Ok(crate::runtime::request::TokenLogprobs {
+            logprob: chosen[i],
+            top,
+        })
+    }
 }
 
 /// Rows' sampling state, in batch order.
@@ -64,6 +116,8 @@ pub struct BatchSampler {
     mask: Option<Array>,
     /// `[B, 1]` parameter columns, built once per batch membership.
     columns: std::cell::RefCell<std::collections::HashMap<&'static str, Array>>,
+    /// The last pick's log-probabilities, while some row wants them.
+    picked: Option<PickedLogprobs>,
 }
 
 impl BatchSampler {
@@ -79,6 +133,7 @@ impl BatchSampler {
             steps: None,
             mask: None,
             columns: Default::default(),
+            picked: None,
         }
     }
 
@@ -148,8 +203,10 @@ impl BatchSampler {
             column(&|r| (r.seed >> 32) as u32),
         )?);
         self.steps = Some(append(self.steps.take(), column(&|r| r.next_step as u32))?);
+        self.picked = None;
         self.rows.extend(joining.iter().map(|r| Row {
             params: r.params.clone(),
+            logprobs: r.logprobs,
         }));
         self.columns.borrow_mut().clear();
         Ok(())
@@ -175,6 +232,7 @@ impl BatchSampler {
             *state = state.take().map(|s| s.take_axis(&idx, 0)).transpose()?;
         }
         self.columns.borrow_mut().clear();
+        self.picked = None;
         let mut rows: Vec<Option<Row>> = std::mem::take(&mut self.rows)
             .into_iter()
             .map(Some)
@@ -241,10 +299,26 @@ impl BatchSampler {
         self.record(last)
     }
 
-    /// Whether row `r` may be given drafts: its sampling state is position-independent.
+    /// Whether row `r` may be given drafts: its sampling state is position-independent, and it
+    /// reports no log-probabilities (read at position 0 only).
     pub fn row_takes_drafts(&self, r: usize) -> bool {
-        let p = &self.rows[r].params;
-        p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0
+        let row = &self.rows[r];
+        let p = &row.params;
+        p.repetition_penalty == 1.0
+            && p.presence_penalty == 0.0
+            && p.frequency_penalty == 0.0
+            && row.logprobs.is_none()
+    }
+
+    /// Whether some row reports log-probabilities (its batch then steps synchronously).
+    pub fn wants_logprobs(&self) -> bool {
+        self.rows.iter().any(|r| r.logprobs.is_some())
+    }
+
+    /// The log-probabilities of the last [`sample`](Self::sample) or
+    /// [`sample_positions`](Self::sample_positions), lazily, when some row wants them.
+    pub fn take_logprobs(&mut self) -> Option<PickedLogprobs> {
+        self.picked.take()
     }
 
     /// Adds `tokens` (`[B]`, one per row) to the rows' seen tokens and counts.
@@ -269,7 +343,48 @@ impl BatchSampler {
     /// One token per row of `logits` `[B × l, vocab]`, where each batch row has `l`
     /// consecutive rows (positions) and position `i` draws as generated token `next + i`.
     /// `mask` (`[B, vocab]`, additive) applies to every position of its row.
-    fn pick(&self, logits: &Array, l: i32, mask: Option<&Array>) -> Result<Array, Exception> {
+    fn pick(&mut self, logits: &Array, l: i32, mask: Option<&Array>) -> Result<Array, Exception> {
+        let (tokens, raw) = self.choose(logits, l, mask)?;
+        self.picked = self.logprobs_of(&raw, &tokens)?;
+        Ok(tokens)
+    }
+
+    /// The chosen tokens' log-probabilities under `raw` (`[N, vocab]` float32) and the most
+    /// likely alternatives, when some row wants them.
+    fn logprobs_of(
+        &self,
+        raw: &Array,
+        tokens: &Array,
+    ) -> Result<Option<PickedLogprobs>, Exception> {
+        let Some(k) = self.rows.iter().filter_map(|r| r.logprobs).max() else {
+            return Ok(None);
+        };
+        let n = tokens.shape()[0];
+        let chosen = take_along_axis(raw, tokens.as_dtype(Dtype::Int32)?.reshape(&[n, 1])?, -1)?
+            .reshape(&[n])?
+            .contiguous()?;
+        let k = (k as i32).min(self.vocab);
+        let top = if k == 0 {
+            None
+        } else {
+            let order = argpartition_axis(raw.negative()?, k - 1, -1)?;
+            let ids = order
+                .take_axis(Array::arange::<_, i32>(None, k, None)?, -1)?
+                .contiguous()?;
+            let values = take_along_axis(raw, &ids, -1)?.contiguous()?;
+            Some((ids.as_dtype(Dtype::Uint32)?, values))
+        };
+        Ok(Some(PickedLogprobs { chosen, top }))
+    }
+
+    /// The tokens `pick` returns, and the float32 log-softmax they were chosen from (before
+    /// bias, penalties and masks).
+    fn choose(
+        &self,
+        logits: &Array,
+        l: i32,
+        mask: Option<&Array>,
+    ) -> Result<(Array, Array), Exception> {
         let per_position = |a: &Array| -> Result<Array, Exception> {
             if l == 1 {
                 Ok(a.clone())
@@ -279,7 +394,8 @@ impl BatchSampler {
         };
         let n = self.rows.len() as i32 * l;
         let logprobs = logits.subtract(logits.logsumexp_axis(-1, true)?)?;
-        let mut x = logprobs.as_dtype(Dtype::Float32)?;
+        let raw = logprobs.as_dtype(Dtype::Float32)?;
+        let mut x = raw.clone();
         if let Some(bias) = &self.bias {
             x = x.add(per_position(bias)?)?;
         }
@@ -306,14 +422,14 @@ impl BatchSampler {
         }
         let greedy = argmax_axis(&x, -1, None)?.as_dtype(Dtype::Uint32)?;
         if self.rows.iter().all(|r| r.params.temperature == 0.0) {
-            return Ok(greedy);
+            return Ok((greedy, raw));
         }
         let sampled = self.draw(&x, l)?;
         let is_greedy =
             per_position(&self.column("greedy", |p| if p.temperature == 0.0 { 1.0 } else { 0.0 }))?
                 .reshape(&[n])?
                 .gt(Array::from_f32(0.5))?;
-        select(&is_greedy, &greedy, &sampled)
+        Ok((select(&is_greedy, &greedy, &sampled)?, raw))
     }
 
     /// The arrays the next step reads besides the tokens (to evaluate with them).
@@ -473,6 +589,7 @@ mod tests {
                 seed: *seed,
                 prompt,
                 next_step: 0,
+                logprobs: None,
             })
             .collect();
         s.extend(&joining).unwrap();
@@ -577,5 +694,51 @@ mod tests {
         assert!(s.bias.is_none() && s.seen.is_none());
         let counts = row_values(s.counts.as_ref().unwrap(), 0);
         assert_eq!(counts, vec![0.0, 1.0, 1.0]);
+    }
+
+    #[test]
+    fn logprobs_are_the_models_before_bias_with_the_best_alternatives() {
+        // p = softmax([0, ln 3, ln 6]) = [0.1, 0.3, 0.6]; the bias moves the choice to 0, but
+        // the reported values stay the model's.
+        let biased = params(|p| {
+            p.logit_bias.insert(0, 50.0);
+        });
+        let mut s = BatchSampler::new(3);
+        let rows = [
+            (params(|_| {}), Some(2)),
+            (biased, Some(0)),
+            (params(|_| {}), None),
+        ];
+        let joining: Vec<RowSampling> = rows
+            .iter()
+            .map(|(p, lp)| RowSampling {
+                params: p,
+                seed: 0,
+                prompt: &[],
+                next_step: 0,
+                logprobs: *lp,
+            })
+            .collect();
+        s.extend(&joining).unwrap();
+        assert!(s.wants_logprobs() && !s.row_takes_drafts(0) && s.row_takes_drafts(2));
+        let row: &[f32] = &[0.0, 3f32.ln(), 6f32.ln()];
+        let t = tokens(&s.sample(&logits(&[row, row, row])).unwrap());
+        assert_eq!(t, vec![2, 0, 2]);
+        let lp = s.take_logprobs().expect("rows asked");
+        mlx_rs::transforms::eval(lp.arrays()).unwrap();
+        let greedy = lp.at(0, 2).unwrap();
+        assert!((greedy.logprob - 0.6f32.ln()).abs() < 1e-5, "{greedy:?}");
+        assert_eq!(
+            greedy.top.iter().map(|t| t.0).collect::<Vec<_>>(),
+            vec![2, 1]
+        );
+        assert!((greedy.top[1].1 - 0.3f32.ln()).abs() < 1e-5);
+        let forced = lp.at(1, 0).unwrap();
+        assert!((forced.logprob - 0.1f32.ln()).abs() < 1e-5, "{forced:?}");
+        assert!(forced.top.is_empty());
+        // Nothing is kept for the next step unless it asks again.
+        s.filter(&[2]).unwrap();
+        s.sample(&logits(&[row])).unwrap();
+        assert!(s.take_logprobs().is_none());
     }
 }

@@ -1,7 +1,7 @@
 //! One request's state on the MLX thread, from admission to its last token.
 use tokio::sync::mpsc;
 
-use super::request::{FinishReason, GenerateRequest, GenerationError, TokenEvent};
+use super::request::{FinishReason, GenerateRequest, GenerationError, TokenEvent, TokenLogprobs};
 use super::sampling_params::SamplingParams;
 use crate::cache::Reservation;
 use crate::constraint::TokenConstraint;
@@ -27,8 +27,14 @@ pub struct Sequence {
     /// Speculative drafts proposed for this sequence, and how many were accepted.
     pub drafted: usize,
     pub accepted: usize,
+    /// Recent acceptance, which decides whether the row is given drafts.
+    pub acceptance: super::draft::adaptive::Acceptance,
     /// Which tokens may come next; while any row has one, its batch steps synchronously.
     pub constraint: Option<Box<dyn TokenConstraint>>,
+    /// Alternatives to report per token when the request wants log-probabilities.
+    pub logprobs: Option<usize>,
+    /// The log-probabilities of the token about to be emitted.
+    pending_logprobs: Option<TokenLogprobs>,
     events: mpsc::UnboundedSender<TokenEvent>,
     prompt_reported: bool,
     /// No more tokens wanted: a stop token came, the client left, or it failed.
@@ -52,7 +58,10 @@ impl Sequence {
             reservation: None,
             drafted: 0,
             accepted: 0,
+            acceptance: Default::default(),
             constraint: request.constraint,
+            logprobs: request.logprobs,
+            pending_logprobs: None,
             events: request.events,
             prompt_reported: false,
             finished: false,
@@ -112,10 +121,16 @@ impl Sequence {
         }
     }
 
+    /// Sets the log-probabilities that go with the next [`emit`](Self::emit).
+    pub fn set_logprobs(&mut self, logprobs: TokenLogprobs) {
+        self.pending_logprobs = Some(logprobs);
+    }
+
     /// Hands one generated token to the client. `last` says no further token was sampled
     /// for it (a limit was reached), so the generation ends here either way.
     pub fn emit(&mut self, token: u32, last: bool) {
         self.tokens.push(token);
+        let logprobs = self.pending_logprobs.take();
         if self.finished {
             return;
         }
@@ -129,6 +144,9 @@ impl Sequence {
         if self.stop_ids.contains(&token) {
             self.finish(FinishReason::Stop);
             return;
+        }
+        if let Some(lp) = logprobs {
+            let _ = self.events.send(TokenEvent::Logprobs(lp));
         }
         if self.events.send(TokenEvent::Token(token)).is_err() {
             self.finished = true;

@@ -1,6 +1,6 @@
 //! `POST /v1/chat/completions`: tools and tool choice, structured output, thinking split
 //! into `reasoning_content`, `n` choices (each its own sequence in the batch), JSON or SSE.
-use std::convert::Infallible;
+use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -9,15 +9,17 @@ use axum::Json;
 use futures::StreamExt;
 use mlxd_protocol::openai::{
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-    ChatCompletionResponse, ChatDelta, ChatMessage, FunctionCall, FunctionCallDelta,
-    ResponseFormat, Role, ToolCall, ToolCallDelta, Usage, OBJECT_CHAT_COMPLETION,
-    OBJECT_CHAT_COMPLETION_CHUNK, SSE_DONE,
+    ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatMessage, ChatTokenLogprob, FunctionCall,
+    FunctionCallDelta, ResponseFormat, Role, ToolCall, ToolCallDelta, Usage,
+    OBJECT_CHAT_COMPLETION, OBJECT_CHAT_COMPLETION_CHUNK,
 };
 use serde_json::{json, Map, Value};
 
 use super::agent::{self, AgentGeneration, AgentStep, Conversation, Piece};
+use super::choices::{merged_sse, total_usage, ChoiceEvent};
 use super::error::ApiError;
-use super::request::{validate, OpenAiJson};
+use super::logprobs;
+use super::request::{chat_logprobs, validate, OpenAiJson};
 use super::routes::{
     blocking, ids_ext, job, log_finish, new_id, now_secs, refuse_impossible_prompt, sse_frame,
     start_with, Meta,
@@ -26,6 +28,7 @@ use super::tools::{self, ParsedCall};
 use super::ServerState;
 use crate::constraint::grammar::Grammar;
 use crate::runtime::request::FinishReason;
+use crate::tokenizer::Tokenizer;
 
 /// The request's messages as chat templates take them. Checks that every tool result
 /// answers a call made earlier in the conversation.
@@ -136,13 +139,8 @@ pub(super) async fn chat_completions(
             "messages must contain at least one message",
         ));
     }
-    let settings = validate(&req.params, &state.tokenizer)?;
-    if req.logprobs == Some(true) || req.top_logprobs.is_some_and(|k| k > 0) {
-        return Err(ApiError::invalid(
-            "logprobs",
-            "logprobs are not supported by this server yet",
-        ));
-    }
+    let mut settings = validate(&req.params, &state.tokenizer)?;
+    settings.logprobs = chat_logprobs(req.logprobs, req.top_logprobs)?;
     if settings.n > 1 && !settings.resume.is_empty() {
         return Err(ApiError::invalid(
             "n",
@@ -199,15 +197,16 @@ pub(super) async fn chat_completions(
     }
     let (stream, include_usage) = (settings.stream, settings.include_usage);
     let opening = settings.resume.is_empty();
+    let namer = settings.logprobs.map(|_| state.tokenizer.clone());
     let meta = Meta {
         id: new_id("chatcmpl"),
         created: now_secs(),
         model: state.model_id.clone(),
     };
     if stream {
-        Ok(sse(meta, generations, include_usage, opening))
+        Ok(sse(meta, generations, include_usage, opening, namer))
     } else {
-        whole(meta, generations).await
+        whole(meta, generations, namer).await
     }
 }
 
@@ -218,6 +217,7 @@ struct Collected {
     content: String,
     calls: Vec<ParsedCall>,
     ids: Vec<u32>,
+    logprobs: Vec<ChatTokenLogprob>,
 }
 
 impl Collected {
@@ -252,33 +252,40 @@ fn finish_reason(reason: FinishReason, called: bool) -> String {
     }
 }
 
-/// Usage over all choices: the prompt once, the completions summed.
-fn total_usage(generations: &[AgentGeneration]) -> Usage {
-    let mut usage = generations
-        .first()
-        .map(|g| g.generation.usage())
-        .unwrap_or_default();
-    usage.completion_tokens = generations
-        .iter()
-        .map(|g| g.generation.usage().completion_tokens)
-        .sum();
-    usage.total_tokens = usage.prompt_tokens + usage.completion_tokens;
-    usage
+/// The log-probabilities of a step's `ids`, when the request asked (`namer`).
+fn step_logprobs(
+    namer: Option<&Tokenizer>,
+    g: &mut AgentGeneration,
+    ids: &[u32],
+) -> Option<ChatLogprobs> {
+    namer.map(|t| logprobs::chat(t, &g.generation.take_logprobs(ids)))
 }
 
-async fn whole(meta: Meta, mut generations: Vec<AgentGeneration>) -> Result<Response, ApiError> {
+async fn whole(
+    meta: Meta,
+    mut generations: Vec<AgentGeneration>,
+    namer: Option<Arc<Tokenizer>>,
+) -> Result<Response, ApiError> {
     // Every choice is already in the batch; collecting them one after another loses nothing.
     let mut choices = Vec::with_capacity(generations.len());
     for (index, g) in generations.iter_mut().enumerate() {
         let mut c = Collected::default();
         let reason = loop {
             match g.next().await {
-                Some(AgentStep::Pieces(pieces, ids)) => c.add(pieces, ids),
+                Some(AgentStep::Pieces(pieces, ids)) => {
+                    if let Some(lp) = step_logprobs(namer.as_deref(), g, &ids) {
+                        c.logprobs.extend(lp.content);
+                    }
+                    c.add(pieces, ids)
+                }
                 Some(AgentStep::Finished {
                     pieces,
                     ids,
                     reason,
                 }) => {
+                    if let Some(lp) = step_logprobs(namer.as_deref(), g, &ids) {
+                        c.logprobs.extend(lp.content);
+                    }
                     c.add(pieces, ids);
                     break reason;
                 }
@@ -300,12 +307,15 @@ async fn whole(meta: Meta, mut generations: Vec<AgentGeneration>) -> Result<Resp
                 tool_calls: called.then(|| c.calls.iter().map(openai_call).collect()),
             },
             finish_reason: Some(finish_reason(reason, called)),
-            logprobs: None,
+            logprobs: namer.is_some().then(|| ChatLogprobs {
+                content: std::mem::take(&mut c.logprobs),
+            }),
             mlxd: Some(mlxd_protocol::openai::TokenIds { token_ids: c.ids }),
         });
         log_finish(&meta, reason, &g.generation.usage(), g.generation.drafts());
     }
-    let usage = total_usage(&generations);
+    let usages: Vec<Usage> = generations.iter().map(|g| g.generation.usage()).collect();
+    let usage = total_usage(&usages);
     Ok(Json(ChatCompletionResponse {
         id: meta.id,
         object: OBJECT_CHAT_COMPLETION.into(),
@@ -333,6 +343,8 @@ struct ChoiceStream {
     index: u32,
     generation: AgentGeneration,
     calls: u32,
+    /// Names the tokens of log-probability reports, when the request asked for them.
+    namer: Option<Arc<Tokenizer>>,
 }
 
 /// The frames of one step of one choice: a chunk per piece, the ids on the first.
@@ -343,6 +355,7 @@ fn step_frames(
     ids: Vec<u32>,
     finish: Option<FinishReason>,
 ) -> Vec<Bytes> {
+    let mut lp = step_logprobs(c.namer.clone().as_deref(), &mut c.generation, &ids);
     let mut ids = Some(ids);
     let mut frames = Vec::new();
     for piece in pieces {
@@ -370,7 +383,7 @@ fn step_frames(
                 index: c.index,
                 delta,
                 finish_reason: None,
-                logprobs: None,
+                logprobs: lp.take(),
                 mlxd: ids_ext(ids.take().unwrap_or_default()),
             },
         ));
@@ -382,7 +395,7 @@ fn step_frames(
                 index: c.index,
                 delta: ChatDelta::default(),
                 finish_reason: Some(finish_reason(reason, c.calls > 0)),
-                logprobs: None,
+                logprobs: lp.take(),
                 mlxd: ids_ext(ids.take().unwrap_or_default()),
             },
         ));
@@ -390,21 +403,14 @@ fn step_frames(
     frames
 }
 
-/// What one choice's stream yields: frames, its end (with its usage), or a failure.
-enum Event {
-    Frames(Vec<Bytes>),
-    Done(Usage),
-    Failed(Bytes),
-}
-
 fn sse(
     meta: Meta,
     generations: Vec<AgentGeneration>,
     include_usage: bool,
     opening: bool,
+    namer: Option<Arc<Tokenizer>>,
 ) -> Response {
-    let meta = std::sync::Arc::new(meta);
-    let n = generations.len();
+    let meta = Arc::new(meta);
     let mut first = Vec::new();
     let choice_streams = generations.into_iter().enumerate().map(|(index, generation)| {
         if opening {
@@ -427,6 +433,7 @@ fn sse(
             index: index as u32,
             generation,
             calls: 0,
+            namer: namer.clone(),
         };
         let meta = meta.clone();
         futures::stream::unfold(ChoiceState::Running(Box::new(c)), move |st| {
@@ -434,23 +441,23 @@ fn sse(
             async move {
                 let mut c = match st {
                     ChoiceState::Running(c) => c,
-                    ChoiceState::Ending(usage) => return Some((Event::Done(usage), ChoiceState::Over)),
+                    ChoiceState::Ending(usage) => return Some((ChoiceEvent::Done(usage), ChoiceState::Over)),
                     ChoiceState::Over => return None,
                 };
                 match c.generation.next().await {
                     Some(AgentStep::Pieces(pieces, ids)) => {
                         let frames = step_frames(&meta, &mut c, pieces, ids, None);
-                        Some((Event::Frames(frames), ChoiceState::Running(c)))
+                        Some((ChoiceEvent::Frames(frames), ChoiceState::Running(c)))
                     }
                     Some(AgentStep::Finished { pieces, ids, reason }) => {
                         let frames = step_frames(&meta, &mut c, pieces, ids, Some(reason));
                         let usage = c.generation.generation.usage();
                         log_finish(&meta, reason, &usage, c.generation.generation.drafts());
-                        Some((Event::Frames(frames), ChoiceState::Ending(usage)))
+                        Some((ChoiceEvent::Frames(frames), ChoiceState::Ending(usage)))
                     }
                     Some(AgentStep::Failed(e)) => {
                         tracing::warn!(request_id = %meta.id, error = %e, "generation failed mid-stream");
-                        Some((Event::Failed(sse_frame(&e.body())), ChoiceState::Over))
+                        Some((ChoiceEvent::Failed(sse_frame(&e.body())), ChoiceState::Over))
                     }
                     None => None,
                 }
@@ -458,65 +465,20 @@ fn sse(
         })
         .boxed()
     });
-    let merged = futures::stream::select_all(choice_streams);
-    // Frames of every choice as they come; after the last choice ends, usage and [DONE].
-    let body = futures::stream::iter(first.into_iter().map(Ok::<_, Infallible>)).chain(
-        futures::stream::unfold(
-            (merged, 0usize, Vec::<Usage>::new(), false),
-            move |(mut merged, mut done, mut usages, mut over)| {
-                let meta = meta.clone();
-                async move {
-                    if over {
-                        return None;
-                    }
-                    loop {
-                        match merged.next().await {
-                            Some(Event::Frames(frames)) => {
-                                let joined = Bytes::from(frames.concat());
-                                return Some((Ok(joined), (merged, done, usages, over)));
-                            }
-                            Some(Event::Done(usage)) => {
-                                done += 1;
-                                usages.push(usage);
-                                if done == n {
-                                    over = true;
-                                    let mut tail = Vec::new();
-                                    if include_usage {
-                                        let mut usage = usages[0];
-                                        usage.completion_tokens =
-                                            usages.iter().map(|u| u.completion_tokens).sum();
-                                        usage.total_tokens =
-                                            usage.prompt_tokens + usage.completion_tokens;
-                                        tail.extend_from_slice(&sse_frame(&ChatCompletionChunk {
-                                            id: meta.id.clone(),
-                                            object: OBJECT_CHAT_COMPLETION_CHUNK.into(),
-                                            created: meta.created,
-                                            model: meta.model.clone(),
-                                            choices: vec![],
-                                            usage: Some(usage),
-                                        }));
-                                    }
-                                    tail.extend_from_slice(
-                                        format!("data: {SSE_DONE}\n\n").as_bytes(),
-                                    );
-                                    return Some((
-                                        Ok(Bytes::from(tail)),
-                                        (merged, done, usages, over),
-                                    ));
-                                }
-                            }
-                            Some(Event::Failed(frame)) => {
-                                over = true;
-                                return Some((Ok(frame), (merged, done, usages, over)));
-                            }
-                            None => return None,
-                        }
-                    }
-                }
-            },
-        ),
-    );
-    super::routes::event_stream(body)
+    let choice_streams: Vec<_> = choice_streams.collect();
+    let usage_frame = include_usage.then(|| {
+        Box::new(move |usage: Usage| {
+            sse_frame(&ChatCompletionChunk {
+                id: meta.id.clone(),
+                object: OBJECT_CHAT_COMPLETION_CHUNK.into(),
+                created: meta.created,
+                model: meta.model.clone(),
+                choices: vec![],
+                usage: Some(usage),
+            })
+        }) as super::choices::UsageFrame
+    });
+    merged_sse(first, choice_streams, usage_frame)
 }
 
 /// Where one choice's stream is.

@@ -3,6 +3,7 @@
 //!
 //! Dropping a [`Generation`] drops the event receiver, which cancels the sequence in the MLX
 //! thread; a matched stop string closes the receiver at once for the same effect.
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use mlxd_protocol::openai::Usage;
@@ -12,7 +13,7 @@ use super::error::ApiError;
 use super::stop::StopMatcher;
 use crate::detokenizer::{Delta, Detokenizer};
 use crate::runtime::request::{
-    FinishReason, GenerateRequest, GenerationError, TokenEvent, WorkSender,
+    FinishReason, GenerateRequest, GenerationError, TokenEvent, TokenLogprobs, WorkSender,
 };
 use crate::tokenizer::Tokenizer;
 
@@ -54,6 +55,10 @@ pub struct Generation {
     resumed: usize,
     /// Speculative drafts proposed and accepted for this request, once reported.
     drafts: Option<(usize, usize)>,
+    /// Log-probabilities of the tokens received and not yet taken, in order (only when the
+    /// request asked for them), and those of the token about to arrive.
+    logprobs: VecDeque<TokenLogprobs>,
+    next_logprobs: Option<TokenLogprobs>,
     done: bool,
 }
 
@@ -84,6 +89,8 @@ impl Generation {
             completion_tokens: 0,
             resumed: resumed.len(),
             drafts: None,
+            logprobs: VecDeque::new(),
+            next_logprobs: None,
             done: false,
         })
     }
@@ -137,8 +144,12 @@ impl Generation {
                 TokenEvent::Drafts { drafted, accepted } => {
                     self.drafts = Some((drafted, accepted));
                 }
+                TokenEvent::Logprobs(lp) => self.next_logprobs = Some(lp),
                 TokenEvent::Token(id) => {
                     self.completion_tokens += 1;
+                    if let Some(lp) = self.next_logprobs.take() {
+                        self.logprobs.push_back(lp);
+                    }
                     let delta = match self.detok.push(id) {
                         Ok(delta) => delta,
                         Err(e) => {
@@ -197,6 +208,13 @@ impl Generation {
             (self.completion_tokens + self.resumed) as u64,
             self.cached_tokens.min(prompt) as u64,
         )
+    }
+
+    /// The log-probabilities of the tokens `ids` (the ids of the deltas handed out, in order),
+    /// paired with them; empty when the request asked for none.
+    pub fn take_logprobs(&mut self, ids: &[u32]) -> Vec<(u32, TokenLogprobs)> {
+        let n = ids.len().min(self.logprobs.len());
+        ids.iter().copied().zip(self.logprobs.drain(..n)).collect()
     }
 
     /// Drafted and accepted tokens, when speculative decoding ran for this request.

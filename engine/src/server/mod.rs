@@ -28,8 +28,11 @@ use crate::tokenizer::Tokenizer;
 
 pub mod agent;
 mod chat;
+mod choices;
+mod completions;
 pub mod error;
 pub mod generation;
+mod logprobs;
 mod messages;
 pub mod reasoning;
 pub mod request;
@@ -92,7 +95,7 @@ pub fn router(state: ServerState) -> Router {
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/messages", post(messages::messages))
         .route("/v1/messages/count_tokens", post(messages::count_tokens))
-        .route("/v1/completions", post(routes::completions))
+        .route("/v1/completions", post(completions::completions))
         .route("/v1/models", get(routes::list_models))
         .route("/v1/models/{id}", get(routes::get_model))
         .route("/health", get(routes::health))

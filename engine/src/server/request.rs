@@ -16,6 +16,7 @@ use crate::tokenizer::Tokenizer;
 pub const MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
 /// Most choices (`n`) per chat request; each is its own sequence in the batch.
 pub const MAX_CHOICES: usize = 8;
+pub use crate::runtime::request::MAX_TOP_LOGPROBS;
 /// Most stop strings per request.
 pub const MAX_STOP_STRINGS: usize = 16;
 
@@ -119,6 +120,42 @@ pub struct Settings {
     pub resume: Vec<u32>,
     /// Choices to generate (`n`).
     pub n: usize,
+    /// Report log-probabilities with this many alternatives per token (set by the route,
+    /// whose field names differ: [`chat_logprobs`], [`completion_logprobs`]).
+    pub logprobs: Option<usize>,
+}
+
+/// Chat's `logprobs` (bool) and `top_logprobs` (0–20, only with `logprobs`).
+pub fn chat_logprobs(logprobs: Option<bool>, top: Option<i64>) -> Result<Option<usize>, ApiError> {
+    let top = top
+        .map(|k| check_top_logprobs("top_logprobs", k))
+        .transpose()?;
+    match (logprobs.unwrap_or(false), top) {
+        (true, top) => Ok(Some(top.unwrap_or(0))),
+        (false, None) => Ok(None),
+        (false, Some(_)) => Err(ApiError::invalid(
+            "top_logprobs",
+            "top_logprobs needs logprobs set to true",
+        )),
+    }
+}
+
+/// Completions' `logprobs`: the number of alternatives (0–20).
+pub fn completion_logprobs(logprobs: Option<i64>) -> Result<Option<usize>, ApiError> {
+    logprobs
+        .map(|k| check_top_logprobs("logprobs", k))
+        .transpose()
+}
+
+fn check_top_logprobs(field: &str, k: i64) -> Result<usize, ApiError> {
+    if (0..=MAX_TOP_LOGPROBS as i64).contains(&k) {
+        Ok(k as usize)
+    } else {
+        Err(ApiError::invalid(
+            field,
+            format!("{field} must be between 0 and {MAX_TOP_LOGPROBS}, got {k}"),
+        ))
+    }
 }
 
 /// Checks the shared parameters; every error names its field and the limit it broke.
@@ -263,6 +300,7 @@ pub fn validate(params: &GenerationParams, tokenizer: &Tokenizer) -> Result<Sett
         include_usage: params.include_usage(),
         resume,
         n: params.n.unwrap_or(1) as usize,
+        logprobs: None,
     })
 }
 

@@ -1,6 +1,5 @@
 //! The OpenAI routes: completions, models, health, and the fallbacks; the pieces every
 //! generating route shares (jobs, starting a generation, SSE frames).
-use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -9,18 +8,14 @@ use axum::extract::{Path, State};
 use axum::http::{header, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use mlxd_protocol::openai::{
-    CompletionChoice, CompletionRequest, CompletionResponse, ModelList, ModelObject, TokenIds,
-    Usage, OBJECT_LIST, OBJECT_MODEL, OBJECT_TEXT_COMPLETION, SSE_DONE,
-};
+use mlxd_protocol::openai::{ModelList, ModelObject, TokenIds, Usage, OBJECT_LIST, OBJECT_MODEL};
 use serde::Serialize;
 use tokio::sync::mpsc;
 
 use super::error::ApiError;
-use super::generation::{Generation, Step, Submission};
-use super::request::{completion_prompt, token_budget, validate, OpenAiJson, Settings};
+use super::generation::{Generation, Submission};
+use super::request::{token_budget, Settings};
 use super::ServerState;
-use crate::detokenizer::Delta;
 use crate::runtime::request::{FinishReason, GenerateRequest};
 
 pub(super) fn now_secs() -> u64 {
@@ -66,7 +61,7 @@ pub(super) fn job(
     })
 }
 
-fn start(state: &ServerState, job: Job) -> Result<(Generation, Settings), ApiError> {
+pub(super) fn start(state: &ServerState, job: Job) -> Result<(Generation, Settings), ApiError> {
     start_with(state, job, None, true)
 }
 
@@ -87,6 +82,7 @@ pub(super) fn start_with(
         sample_offset: job.settings.resume.len(),
         events: events_tx,
         constraint,
+        logprobs: job.settings.logprobs,
     };
     let submission = Submission {
         request,
@@ -106,29 +102,6 @@ pub(super) async fn blocking<T: Send + 'static>(
     tokio::task::spawn_blocking(work)
         .await
         .map_err(|e| ApiError::Internal(format!("tokenizer task failed: {e}")))?
-}
-
-pub(super) async fn completions(
-    State(state): State<ServerState>,
-    OpenAiJson(req): OpenAiJson<CompletionRequest>,
-) -> Result<Response, ApiError> {
-    let settings = validate(&req.params, &state.tokenizer)?;
-    if settings.n > 1 {
-        return Err(ApiError::invalid(
-            "n",
-            format!(
-                "n > 1 is supported on /v1/chat/completions only, got n = {}",
-                settings.n
-            ),
-        ));
-    }
-    if let mlxd_protocol::openai::Prompt::Text(text) = &req.prompt {
-        refuse_impossible_prompt(&state, text.len(), "prompt")?;
-    }
-    let tokenizer = state.tokenizer.clone();
-    let prompt = blocking(move || completion_prompt(&req.prompt, &tokenizer)).await?;
-    let job = job(&state, prompt, settings, "prompt")?;
-    respond::<CompletionFormat>(&state, job).await
 }
 
 /// Refuses, before encoding, a prompt whose `bytes` of text cannot fit the context whatever
@@ -151,52 +124,6 @@ pub(super) fn refuse_impossible_prompt(
         .with_code("context_length_exceeded"));
     }
     Ok(())
-}
-
-/// Runs a job and answers with one JSON body or an SSE stream.
-async fn respond<F: Format>(state: &ServerState, job: Job) -> Result<Response, ApiError> {
-    let (mut generation, settings) = start(state, job)?;
-    let meta = Meta {
-        id: new_id(F::ID_PREFIX),
-        created: now_secs(),
-        model: state.model_id.clone(),
-    };
-    // A failure before any output still gets a proper error status.
-    generation.started().await?;
-    if settings.stream {
-        let opening = settings.resume.is_empty();
-        Ok(sse_response::<F>(
-            meta,
-            generation,
-            settings.include_usage,
-            opening,
-        ))
-    } else {
-        let mut text = String::new();
-        let mut ids = Vec::new();
-        loop {
-            match generation.next().await {
-                Some(Step::Text(delta)) => {
-                    text.push_str(&delta.text);
-                    ids.extend(delta.ids);
-                }
-                Some(Step::Finished { last, reason }) => {
-                    text.push_str(&last.text);
-                    ids.extend(last.ids);
-                    let usage = generation.usage();
-                    log_finish(&meta, reason, &usage, generation.drafts());
-                    let body = F::whole(&meta, text, ids, reason, usage);
-                    return Ok(Json(body).into_response());
-                }
-                Some(Step::Failed(error)) => return Err(error),
-                None => {
-                    return Err(ApiError::Internal(
-                        "the generation ended without a finish".into(),
-                    ))
-                }
-            }
-        }
-    }
 }
 
 pub(super) fn log_finish(
@@ -235,85 +162,6 @@ pub(super) struct Meta {
     pub model: String,
 }
 
-/// How one endpoint shapes its responses.
-trait Format: Send + 'static {
-    const ID_PREFIX: &'static str;
-    type Whole: Serialize;
-    type Chunk: Serialize;
-    fn whole(
-        meta: &Meta,
-        text: String,
-        ids: Vec<u32>,
-        reason: FinishReason,
-        usage: Usage,
-    ) -> Self::Whole;
-    /// The chunk sent before any text, if the endpoint has one.
-    fn opening(meta: &Meta) -> Option<Self::Chunk>;
-    fn text(meta: &Meta, delta: Delta, finish: Option<FinishReason>) -> Self::Chunk;
-    fn usage(meta: &Meta, usage: Usage) -> Self::Chunk;
-}
-
-struct CompletionFormat;
-
-impl CompletionFormat {
-    fn response(
-        meta: &Meta,
-        choices: Vec<CompletionChoice>,
-        usage: Option<Usage>,
-    ) -> CompletionResponse {
-        CompletionResponse {
-            id: meta.id.clone(),
-            object: OBJECT_TEXT_COMPLETION.into(),
-            created: meta.created,
-            model: meta.model.clone(),
-            choices,
-            usage,
-        }
-    }
-}
-
-impl Format for CompletionFormat {
-    const ID_PREFIX: &'static str = "cmpl";
-    type Whole = CompletionResponse;
-    type Chunk = CompletionResponse;
-
-    fn whole(
-        meta: &Meta,
-        text: String,
-        ids: Vec<u32>,
-        reason: FinishReason,
-        usage: Usage,
-    ) -> CompletionResponse {
-        let choice = CompletionChoice {
-            index: 0,
-            text,
-            finish_reason: Some(reason.as_str().into()),
-            logprobs: None,
-            mlxd: Some(TokenIds { token_ids: ids }),
-        };
-        Self::response(meta, vec![choice], Some(usage))
-    }
-
-    fn opening(_meta: &Meta) -> Option<CompletionResponse> {
-        None
-    }
-
-    fn text(meta: &Meta, delta: Delta, finish: Option<FinishReason>) -> CompletionResponse {
-        let choice = CompletionChoice {
-            index: 0,
-            text: delta.text,
-            finish_reason: finish.map(|r| r.as_str().into()),
-            logprobs: None,
-            mlxd: ids_ext(delta.ids),
-        };
-        Self::response(meta, vec![choice], None)
-    }
-
-    fn usage(meta: &Meta, usage: Usage) -> CompletionResponse {
-        Self::response(meta, Vec::new(), Some(usage))
-    }
-}
-
 /// One SSE event: `data: <json>\n\n`.
 pub(super) fn sse_frame(json: &impl Serialize) -> Bytes {
     let mut out = b"data: ".to_vec();
@@ -323,65 +171,6 @@ pub(super) fn sse_frame(json: &impl Serialize) -> Bytes {
     });
     out.extend_from_slice(b"\n\n");
     Bytes::from(out)
-}
-
-/// Streams the generation as SSE. Each step is written as soon as it is ready; dropping the
-/// body (the client went away) drops the [`Generation`] and so cancels the request.
-/// `opening`: send the endpoint's opening chunk (not when resuming a stream).
-fn sse_response<F: Format>(
-    meta: Meta,
-    generation: Generation,
-    include_usage: bool,
-    opening: bool,
-) -> Response {
-    struct Sse {
-        meta: Meta,
-        generation: Option<Generation>,
-        queue: VecDeque<Bytes>,
-        include_usage: bool,
-    }
-    let mut queue = VecDeque::new();
-    if let Some(chunk) = F::opening(&meta).filter(|_| opening) {
-        queue.push_back(sse_frame(&chunk));
-    }
-    let state = Sse {
-        meta,
-        generation: Some(generation),
-        queue,
-        include_usage,
-    };
-    let stream = futures::stream::unfold(state, |mut s| async move {
-        loop {
-            if let Some(frame) = s.queue.pop_front() {
-                return Some((Ok::<_, Infallible>(frame), s));
-            }
-            let generation = s.generation.as_mut()?;
-            match generation.next().await {
-                Some(Step::Text(delta)) => {
-                    s.queue.push_back(sse_frame(&F::text(&s.meta, delta, None)))
-                }
-                Some(Step::Finished { last, reason }) => {
-                    s.queue
-                        .push_back(sse_frame(&F::text(&s.meta, last, Some(reason))));
-                    let usage = generation.usage();
-                    log_finish(&s.meta, reason, &usage, generation.drafts());
-                    if s.include_usage {
-                        s.queue.push_back(sse_frame(&F::usage(&s.meta, usage)));
-                    }
-                    s.queue
-                        .push_back(Bytes::from(format!("data: {SSE_DONE}\n\n")));
-                    s.generation = None;
-                }
-                Some(Step::Failed(message)) => {
-                    tracing::warn!(request_id = %s.meta.id, error = %message, "generation failed mid-stream");
-                    s.queue.push_back(sse_frame(&message.body()));
-                    s.generation = None;
-                }
-                None => s.generation = None,
-            }
-        }
-    });
-    event_stream(stream)
 }
 
 /// An SSE response over `stream` (the one place the stream headers are set).

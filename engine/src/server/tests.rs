@@ -14,7 +14,9 @@ use tokio::net::UnixStream;
 use tokio::sync::{mpsc, oneshot};
 
 use super::*;
-use crate::runtime::request::{FinishReason, GenerateRequest, GenerationError, TokenEvent};
+use crate::runtime::request::{
+    FinishReason, GenerateRequest, GenerationError, TokenEvent, TokenLogprobs,
+};
 use crate::runtime::sampling_params::SamplingParams;
 use crate::tokenizer::tests::load_fixture;
 
@@ -186,6 +188,7 @@ async fn run_script(
     if let Some(constraint) = req.constraint.take() {
         return drive_constraint(req, constraint).await;
     }
+    let logprobs = req.logprobs;
     let events = req.events;
     let _ = events.send(TokenEvent::PromptDone {
         prompt_tokens: req.prompt.len(),
@@ -203,6 +206,11 @@ async fn run_script(
                 if i == req.max_tokens {
                     let _ = events.send(TokenEvent::Finished(FinishReason::Length));
                     return;
+                }
+                if let Some(k) = logprobs {
+                    // The token itself is the likeliest, then the ids after it.
+                    let top = (0..k as u32).map(|j| (id + j, -(j as f32))).collect();
+                    let _ = events.send(TokenEvent::Logprobs(TokenLogprobs { logprob: 0.0, top }));
                 }
                 if events.send(TokenEvent::Token(id)).is_err() {
                     return;
@@ -665,9 +673,9 @@ async fn bad_requests_are_400_naming_the_field_and_the_server_keeps_serving() {
         ),
         (
             "/v1/completions",
-            json!({"prompt": "x", "n": 2}).to_string(),
+            json!({"prompt": "x", "n": 0}).to_string(),
             Some("n"),
-            "supported on /v1/chat/completions only, got n = 2",
+            "n = 0",
         ),
         (
             "/v1/chat/completions",
@@ -1322,5 +1330,173 @@ async fn n_choices_are_separate_sequences() {
         events[events.len() - 2]["usage"]["completion_tokens"],
         2 * (h.canned.len() + 1)
     );
+    h.stop().await;
+}
+
+/// The bytes of a chat logprobs entry list, concatenated.
+fn logprob_bytes(entries: &Value) -> Vec<u8> {
+    entries
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|e| {
+            e["bytes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| b.as_u64().unwrap() as u8)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn chat_logprobs_whole_and_streamed() {
+    let h = Harness::new(4096).await;
+    let (status, v) = h
+        .post(
+            "/v1/chat/completions",
+            chat(json!({"logprobs": true, "top_logprobs": 2})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let choice = &v["choices"][0];
+    let entries = &choice["logprobs"]["content"];
+    let ids = ids_of(&choice["mlxd"]["token_ids"]);
+    assert_eq!(entries.as_array().unwrap().len(), ids.len(), "{entries}");
+    // The text the tokens spell (the emoji spans two byte-level tokens, so the bytes, not
+    // the lossy token strings, add up), then the end-of-turn token's.
+    let bytes = logprob_bytes(entries);
+    assert!(
+        bytes.starts_with(CANNED.as_bytes()),
+        "{:?}",
+        String::from_utf8_lossy(&bytes)
+    );
+    for (e, id) in entries.as_array().unwrap().iter().zip(&ids) {
+        assert_eq!(e["logprob"], 0.0);
+        let top = e["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 2);
+        assert_eq!(top[1]["logprob"], -1.0);
+        let first = h.tokenizer.token_bytes(*id);
+        assert_eq!(top[0]["bytes"], json!(first));
+    }
+    // Without logprobs: null.
+    let (_, v) = h.post("/v1/chat/completions", chat(json!({}))).await;
+    assert_eq!(v["choices"][0]["logprobs"], Value::Null);
+
+    let events = h
+        .stream(
+            "/v1/chat/completions",
+            chat(json!({"logprobs": true, "stream": true})),
+        )
+        .await;
+    let mut all = Vec::new();
+    let mut count = 0;
+    for e in &events[..events.len() - 1] {
+        let c = &e["choices"][0];
+        if let Some(entries) = c["logprobs"]["content"].as_array() {
+            count += entries.len();
+            for entry in entries {
+                assert_eq!(entry["top_logprobs"], json!([]));
+            }
+            all.extend(logprob_bytes(&c["logprobs"]["content"]));
+        }
+    }
+    assert_eq!(count, h.canned.len() + 1);
+    assert!(all.starts_with(CANNED.as_bytes()));
+
+    for (body, field) in [
+        (json!({"top_logprobs": 2}), "top_logprobs"),
+        (
+            json!({"logprobs": true, "top_logprobs": 21}),
+            "top_logprobs",
+        ),
+        (
+            json!({"logprobs": true, "top_logprobs": -1}),
+            "top_logprobs",
+        ),
+    ] {
+        let (status, v) = h.post("/v1/chat/completions", chat(body)).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+        assert_eq!(v["error"]["param"], field, "{v}");
+    }
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn completions_n_choices_and_logprobs() {
+    let h = Harness::new(4096).await;
+    let (status, v) = h
+        .post(
+            "/v1/completions",
+            json!({"prompt": "Once", "n": 2, "logprobs": 3, "seed": 9}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        assert!(c["text"].as_str().unwrap().starts_with(CANNED), "{c}");
+        let lp = &c["logprobs"];
+        let n = ids_of(&c["mlxd"]["token_ids"]).len();
+        assert_eq!(lp["tokens"].as_array().unwrap().len(), n);
+        assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), n);
+        let offsets: Vec<u64> = lp["text_offset"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|o| o.as_u64().unwrap())
+            .collect();
+        assert_eq!(offsets[0], 0);
+        assert!(offsets.windows(2).all(|w| w[0] <= w[1]), "{offsets:?}");
+        // Three alternatives, keyed by their text.
+        assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 3, "{lp}");
+    }
+    assert_eq!(v["usage"]["completion_tokens"], 2 * (h.canned.len() + 1));
+    let seeds: Vec<Option<u64>> = h
+        .seen
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|s| s.sampling.seed)
+        .collect();
+    assert_eq!(seeds, vec![Some(9), Some(10)]);
+
+    let events = h
+        .stream(
+            "/v1/completions",
+            json!({"prompt": "Once", "n": 2, "stream": true,
+                   "stream_options": {"include_usage": true}}),
+        )
+        .await;
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    for i in 0..2 {
+        let text: String = events
+            .iter()
+            .filter_map(|e| e["choices"].get(0))
+            .filter(|c| c["index"] == i)
+            .filter_map(|c| c["text"].as_str())
+            .collect();
+        assert!(text.starts_with(CANNED), "{text:?}");
+    }
+    assert_eq!(
+        events[events.len() - 2]["usage"]["completion_tokens"],
+        2 * (h.canned.len() + 1)
+    );
+
+    for body in [
+        json!({"prompt": "x", "logprobs": 21}),
+        json!({"prompt": "x", "logprobs": -2}),
+    ] {
+        let (status, v) = h.post("/v1/completions", body).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+        assert_eq!(v["error"]["param"], "logprobs", "{v}");
+    }
+    let (status, v) = h
+        .post("/v1/completions", json!({"prompt": "x", "n": 9}))
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(v["error"]["param"], "n");
     h.stop().await;
 }

@@ -222,6 +222,8 @@ pub struct Gen {
     pub prompt: Vec<u32>,
     pub sampling: mlxd_engine::runtime::sampling_params::SamplingParams,
     pub max_tokens: usize,
+    /// Ask for log-probabilities with this many alternatives.
+    pub logprobs: Option<usize>,
 }
 
 impl Gen {
@@ -230,6 +232,7 @@ impl Gen {
             prompt: prompt.to_vec(),
             sampling: Default::default(),
             max_tokens,
+            logprobs: None,
         }
     }
 }
@@ -242,6 +245,8 @@ pub struct Output {
     pub finish: Option<mlxd_engine::runtime::request::FinishReason>,
     /// Speculative drafts proposed and accepted, when drafting ran.
     pub drafts: Option<(usize, usize)>,
+    /// One entry per token, when the request asked for log-probabilities.
+    pub logprobs: Vec<mlxd_engine::runtime::request::TokenLogprobs>,
 }
 
 /// Sends every request to a running runtime at once (so they share the batch) and collects
@@ -262,6 +267,7 @@ pub fn generate_together(runtime: &mlxd_engine::runtime::Runtime, gens: &[Gen]) 
                     sample_offset: 0,
                     events: tx,
                     constraint: None,
+                    logprobs: g.logprobs,
                 })
                 .expect("runtime is running");
             rx
@@ -275,11 +281,13 @@ pub fn generate_together(runtime: &mlxd_engine::runtime::Runtime, gens: &[Gen]) 
                 cached: 0,
                 finish: None,
                 drafts: None,
+                logprobs: vec![],
             };
             while let Some(event) = rx.blocking_recv() {
                 match event {
                     TokenEvent::PromptDone { cached, .. } => out.cached = cached,
                     TokenEvent::Token(t) => out.tokens.push(t),
+                    TokenEvent::Logprobs(lp) => out.logprobs.push(lp),
                     TokenEvent::Drafts { drafted, accepted } => {
                         out.drafts = Some((drafted, accepted))
                     }
@@ -305,6 +313,7 @@ pub fn generate_alone(runtime: &mlxd_engine::runtime::Runtime, gens: &[Gen]) -> 
                     prompt: g.prompt.clone(),
                     sampling: g.sampling.clone(),
                     max_tokens: g.max_tokens,
+                    logprobs: g.logprobs,
                 }),
             )
             .remove(0)
