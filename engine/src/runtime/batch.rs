@@ -5,11 +5,14 @@
 //! the device never waits for the host. Rows join (prefilled sequences, their last prompt token
 //! as input) and leave (limit reached, stop token, client gone) between steps; the one token a
 //! finished row had in flight is discarded.
+use std::time::Instant;
+
 use mlx_rs::error::Exception;
 use mlx_rs::ops::concatenate;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 
+use super::draft::governor::StepKind;
 use super::draft::{ngram, verify, DraftCounts, Drafter, Speculator};
 use super::request::FinishReason;
 use super::sampler::{BatchSampler, PickedLogprobs, RowSampling};
@@ -111,22 +114,49 @@ impl DecodeBatch {
         for seq in &mut self.rows {
             seq.acceptance.tick();
         }
-        let departed = if self.drafts_this_step(&joining) {
+        let started = Instant::now();
+        let held: usize = self.rows.iter().map(|s| s.tokens.len()).sum::<usize>()
+            + joining
+                .iter()
+                .flat_map(|u| &u.seqs)
+                .map(|s| s.tokens.len())
+                .sum::<usize>();
+        let (kind, departed) = if self.drafts_this_step(&joining) {
             // The speculative step starts with every row's last token on the host.
             self.hand_out_now()?;
-            self.speculative_step(model, joining)?
+            (
+                StepKind::Speculative,
+                self.speculative_step(model, joining)?,
+            )
         } else {
-            self.pipelined_step(model, joining)?
+            (StepKind::Pipelined, self.pipelined_step(model, joining)?)
         };
+        if let Some(spec) = self.spec.as_mut() {
+            let now_held: usize = self.rows.iter().map(|s| s.tokens.len()).sum::<usize>()
+                + departed.iter().map(|d| d.seq.tokens.len()).sum::<usize>();
+            spec.governor
+                .record(kind, now_held.saturating_sub(held), started.elapsed());
+            if self.rows.is_empty() {
+                // The next rows are another workload: measure afresh.
+                spec.governor = Default::default();
+            }
+        }
         self.quantize_past_start()?;
         Ok(departed)
     }
 
-    /// Whether this step drafts: speculation is on and some row may be given drafts. Rows
-    /// joining always go through the speculative step, which prefills them into a draft
-    /// model's cache, so that cache keeps a row for every batch row.
+    /// Whether this step drafts: speculation is on, the governor finds drafting faster, and
+    /// some row may be given drafts. With a draft model, rows joining always go through the
+    /// speculative step, which prefills them into the draft model's cache, so that cache
+    /// keeps a row for every batch row.
     fn drafts_this_step(&self, joining: &[Prefilled]) -> bool {
-        self.spec.is_some()
+        let Some(spec) = &self.spec else {
+            return false;
+        };
+        if matches!(spec.drafter, Drafter::Model(_)) && !joining.is_empty() {
+            return true;
+        }
+        spec.governor.next_kind() == StepKind::Speculative
             && (!joining.is_empty()
                 || self.rows.iter().enumerate().any(|(r, s)| {
                     s.wants_more() && s.acceptance.is_drafting() && self.row_may_draft(r, s)

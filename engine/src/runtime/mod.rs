@@ -246,5 +246,6 @@ fn speculator(
     Ok(Speculator {
         drafter,
         num_draft: spec.num_draft,
+        governor: Default::default(),
     })
 }

@@ -4,13 +4,16 @@
 //! - [`ngram`]: prompt-lookup drafts from the row's own text (`--draft ngram`);
 //! - [`model`]: drafts from a smaller model with the same tokenizer (`--draft-model`);
 //! - [`verify`]: which drafts a pass accepts, and what is rolled back;
-//! - [`adaptive`]: which rows are worth drafting for, from their recent acceptance.
+//! - [`adaptive`]: which rows are worth drafting for, from their recent acceptance;
+//! - [`governor`]: whether the batch drafts at all, from the measured throughput of both
+//!   kinds of step.
 //!
 //! The batch's speculative step (`DecodeBatch::step` with a [`Speculator`]) runs
 //! synchronously: the drafts of step `t + 1` depend on the tokens accepted at step `t`. A
 //! batch in which no row drafts (all paused by [`adaptive`], or none able to) takes the
 //! pipelined step instead.
 pub mod adaptive;
+pub mod governor;
 pub mod model;
 pub mod ngram;
 pub mod verify;
@@ -59,6 +62,7 @@ pub struct DraftCounts {
 pub struct Speculator {
     pub drafter: Drafter,
     pub num_draft: usize,
+    pub governor: governor::DraftGovernor,
 }
 
 impl Speculator {
