@@ -12,7 +12,7 @@
 #   scripts/bench/h200.sh proxy <out dir>          streams straight to an engine against through mlxd
 #   scripts/bench/h200.sh speculative <out dir> <gguf>  n-gram drafting on the default model (from
 #                                                  its GGUF) and 1B drafting for 8B (models, models8b)
-#   scripts/bench/h200.sh kvquant <out dir>        8B shape: decode at 4k/16k context, bf16 KV against
+#   scripts/bench/h200.sh kvquant <out dir>        8B shape: decode at 4k/16k context (KV_CTX), bf16 KV against
 #                                                  8- and 4-bit, and mlx-lm's quantized KV (models8b)
 #   scripts/bench/h200.sh resume <out dir>         a resumed stream's pause after kill -9 against the restart time
 #   scripts/bench/h200.sh constraint <out dir>     constrained decoding's cost per token (1B shape)
@@ -164,7 +164,7 @@ case ${1:-} in
   kvquant)
     out=$2
     mkdir -p "$out"
-    for ctx in 4096 16384; do
+    for ctx in ${KV_CTX:-4096 16384}; do
       for bits in none 8 4; do
         kv=(); [[ $bits == none ]] || kv=(--kv-bits "$bits")
         echo "== kv $bits ctx $ctx" >&2

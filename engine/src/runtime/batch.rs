@@ -57,6 +57,8 @@ pub struct DecodeBatch {
     layout: KvLayout,
     /// Drafted and accepted tokens since the batch was made.
     pub draft_counts: DraftCounts,
+    /// The last step's kind, start and emitted tokens, for the draft governor.
+    last_step: Option<(StepKind, Instant, usize)>,
 }
 
 impl DecodeBatch {
@@ -77,6 +79,7 @@ impl DecodeBatch {
             spec,
             layout,
             draft_counts: DraftCounts::default(),
+            last_step: None,
         }
     }
 
@@ -115,6 +118,11 @@ impl DecodeBatch {
             seq.acceptance.tick();
         }
         let started = Instant::now();
+        if let (Some(spec), Some((kind, since, tokens))) = (self.spec.as_mut(), self.last_step) {
+            // A step's time runs to the start of the next: whatever the loop does between
+            // steps, and work a step left queued, count against it.
+            spec.governor.record(kind, tokens, started - since);
+        }
         let held: usize = self.rows.iter().map(|s| s.tokens.len()).sum::<usize>()
             + joining
                 .iter()
@@ -134,11 +142,11 @@ impl DecodeBatch {
         if let Some(spec) = self.spec.as_mut() {
             let now_held: usize = self.rows.iter().map(|s| s.tokens.len()).sum::<usize>()
                 + departed.iter().map(|d| d.seq.tokens.len()).sum::<usize>();
-            spec.governor
-                .record(kind, now_held.saturating_sub(held), started.elapsed());
+            self.last_step = Some((kind, started, now_held.saturating_sub(held)));
             if self.rows.is_empty() {
                 // The next rows are another workload: measure afresh.
                 spec.governor = Default::default();
+                self.last_step = None;
             }
         }
         self.quantize_past_start()?;
@@ -460,6 +468,9 @@ impl DecodeBatch {
         if let Some(Drafter::Model(m)) = self.spec.as_mut().map(|s| &mut s.drafter) {
             m.rollback(&drop)?;
         }
+        // The rollback (a gather when rows drop different counts) is this step's work: done
+        // here, it is timed with the step that caused it.
+        mlx_rs::transforms::eval(self.caches.iter().flat_map(LayerCache::state))?;
         self.sampler
             .advance(&advanced, &Array::from_slice(&newest, &[b as i32]))?;
         Ok(departed)
