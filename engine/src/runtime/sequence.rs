@@ -27,6 +27,8 @@ pub struct Sequence {
     /// Speculative drafts proposed for this sequence, and how many were accepted.
     pub drafted: usize,
     pub accepted: usize,
+    /// Generated tokens covered by the last generation checkpoint.
+    pub checkpointed: usize,
     /// Which tokens may come next; while any row has one, its batch steps synchronously.
     pub constraint: Option<Box<dyn TokenConstraint>>,
     events: mpsc::UnboundedSender<TokenEvent>,
@@ -52,6 +54,7 @@ impl Sequence {
             reservation: None,
             drafted: 0,
             accepted: 0,
+            checkpointed: 0,
             constraint: request.constraint,
             events: request.events,
             prompt_reported: false,
