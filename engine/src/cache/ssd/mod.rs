@@ -257,12 +257,16 @@ impl SsdTier {
         if tokens.is_empty() || self.covers(tokens) {
             return Ok(());
         }
-        let (descs, arrays, payload_len) = tensors::prepare(layers)?;
+        let tensors::Prepared {
+            layers,
+            arrays,
+            payload_len,
+        } = tensors::prepare(layers)?;
         let header = Header {
             identity: self.identity,
             kind,
             tokens: tokens.to_vec(),
-            layers: descs,
+            layers,
             payload_len,
         };
         let job = Job::Write {

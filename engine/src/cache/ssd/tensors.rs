@@ -32,10 +32,17 @@ fn dtype(code: DtypeCode) -> Dtype {
     }
 }
 
+/// What [`prepare`] makes of an entry's layers.
+pub struct Prepared {
+    /// Keys and values per layer, as the header describes them.
+    pub layers: Vec<(StoredDesc, StoredDesc)>,
+    /// The payload's arrays, row-contiguous and evaluated, in order.
+    pub arrays: Vec<Array>,
+    pub payload_len: u64,
+}
+
 /// Descriptors and row-contiguous, evaluated arrays (in payload order) for `layers`.
-pub fn prepare(
-    layers: &[(Stored, Stored)],
-) -> Result<(Vec<(StoredDesc, StoredDesc)>, Vec<Array>, u64), Exception> {
+pub fn prepare(layers: &[(Stored, Stored)]) -> Result<Prepared, Exception> {
     let mut arrays = Vec::new();
     let mut offset = 0u64;
     let mut describe = |s: &Stored| -> Result<StoredDesc, Exception> {
@@ -66,7 +73,11 @@ pub fn prepare(
         .map(|(k, v)| Ok((describe(k)?, describe(v)?)))
         .collect::<Result<Vec<_>, Exception>>()?;
     mlx_rs::transforms::eval(arrays.iter())?;
-    Ok((descs, arrays, offset))
+    Ok(Prepared {
+        layers: descs,
+        arrays,
+        payload_len: offset,
+    })
 }
 
 /// The bytes of an evaluated, row-contiguous array from [`prepare`].
