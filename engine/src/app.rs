@@ -587,21 +587,20 @@ const SPILL_WAIT: Duration = Duration::from_secs(10);
 /// Answers `Spill`: every prefix-cache entry is written behind as it is stored, so a spill
 /// waits (at most [`SPILL_WAIT`], on a thread of its own) for the writer's queue to empty.
 fn spill(ssd: Option<SsdHandle>, control: ControlSender) {
+    let Some(ssd) = ssd else {
+        let _ = control.send(&ChildMsg::Spilled(Spilled {
+            complete: true,
+            ..Spilled::default()
+        }));
+        return;
+    };
     let work = move || {
-        let report = ssd.map_or(
-            Spilled {
-                complete: true,
-                ..Spilled::default()
-            },
-            |h| {
-                let r = h.flush(SPILL_WAIT);
-                Spilled {
-                    files: r.files,
-                    bytes: r.bytes,
-                    complete: r.complete,
-                }
-            },
-        );
+        let r = ssd.flush(SPILL_WAIT);
+        let report = Spilled {
+            files: r.files,
+            bytes: r.bytes,
+            complete: r.complete,
+        };
         tracing::info!(
             files = report.files,
             bytes = report.bytes,

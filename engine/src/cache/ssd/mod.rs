@@ -61,6 +61,8 @@ pub struct SsdCounters {
     pub write_errors: AtomicU64,
     /// Prefix-cache entries moved out of memory for being idle.
     pub demoted: AtomicU64,
+    /// Generation checkpoints not written because the writer was behind.
+    pub skipped_checkpoints: AtomicU64,
 }
 
 /// What the MLX thread and the writer share.
@@ -142,6 +144,11 @@ impl std::fmt::Debug for SsdTier {
         f.debug_struct("SsdTier").field("dir", &self.dir).finish()
     }
 }
+
+/// Writes queued beyond which a generation checkpoint is skipped (each holds a copy of a
+/// sequence's KV until written; prefix entries are shared with the prefix cache and always
+/// queued).
+const MAX_PENDING_CHECKPOINT: u64 = 8;
 
 /// Waited for queued writes when the engine stops.
 pub const STOP_FLUSH: Duration = Duration::from_secs(20);
@@ -255,6 +262,15 @@ impl SsdTier {
         kind: EntryKind,
     ) -> Result<(), Exception> {
         if tokens.is_empty() || self.covers(tokens) {
+            return Ok(());
+        }
+        let pending = self.shared.pending.load(Ordering::Relaxed);
+        if matches!(kind, EntryKind::Checkpoint { .. }) && pending >= MAX_PENDING_CHECKPOINT {
+            // The disk is behind: the next checkpoint supersedes this one anyway.
+            self.shared
+                .counters
+                .skipped_checkpoints
+                .fetch_add(1, Ordering::Relaxed);
             return Ok(());
         }
         let tensors::Prepared {
