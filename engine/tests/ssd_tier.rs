@@ -33,7 +33,7 @@ fn config(dir: &Path, max_bytes: Option<u64>) -> SsdConfig {
 
 fn open(cache: &Path, model: &Path, max_bytes: Option<u64>) -> (SsdTier, Arc<SsdCounters>) {
     let counters = Arc::new(SsdCounters::default());
-    let tier = SsdTier::open(config(cache, max_bytes), model, counters.clone()).unwrap();
+    let tier = SsdTier::open(config(cache, max_bytes), model, None, counters.clone()).unwrap();
     (tier, counters)
 }
 

@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SENTENCE = "The station log records wind, tide and the ships that passed the harbour light. "
 
 
-def request(port, method, path, body=None, timeout=600):
+def request(port, method, path, body=None, timeout=3600):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     conn.request(method, path, json.dumps(body) if body is not None else None,
                  {"content-type": "application/json"})
@@ -47,7 +47,7 @@ def first_token(port, model, prompt):
     """Seconds to the first content chunk, and the usage's cached tokens."""
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0,
                        "stream": True, "stream_options": {"include_usage": True}})
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
     start = time.perf_counter()
     conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
     resp = conn.getresponse()

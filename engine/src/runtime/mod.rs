@@ -147,12 +147,12 @@ impl Runtime {
                 ))
             }
             Some(config) => Some(
-                SsdTier::open(config.clone(), &dir, stats.ssd.clone()).map_err(|source| {
-                    LoadError::Io {
+                SsdTier::open(config.clone(), &dir, limits.kv_quant, stats.ssd.clone()).map_err(
+                    |source| LoadError::Io {
                         path: config.dir.clone(),
                         source,
-                    }
-                })?,
+                    },
+                )?,
             ),
         };
         let ssd_handle = ssd.as_ref().map(SsdTier::handle);

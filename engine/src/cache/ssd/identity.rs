@@ -13,12 +13,17 @@ use super::format::Identity;
 /// without reading gigabytes at every start.
 const WEIGHT_SAMPLE: u64 = 1 << 20;
 
-/// The identity of the model in `dir`: SHA-256 over `config.json`, then each `*.safetensors`
-/// file (by name) with its size and its first and last MiB; and SHA-256 over
-/// `tokenizer.json` and `tokenizer_config.json`.
-pub fn of_model_dir(dir: &Path) -> std::io::Result<Identity> {
+/// The identity of the model in `dir` with its KV stored as `kv_format` says (`plain`, or
+/// the quantization's bits and group size): SHA-256 over that, `config.json`, then each
+/// `*.safetensors` file (by name) with its size and its first and last MiB; and SHA-256 over
+/// `tokenizer.json` and `tokenizer_config.json`. Engines of one model with different KV
+/// quantization keep separate entries (a quantized entry would turn a plain engine's batch
+/// quantized).
+pub fn of_model_dir(dir: &Path, kv_format: &str) -> std::io::Result<Identity> {
     let mut model = Sha256::new();
     model.update(b"mlxd-kv-model\0");
+    model.update(kv_format.as_bytes());
+    model.update(b"\0");
     model.update(std::fs::read(dir.join("config.json"))?);
     let mut weights: Vec<_> = std::fs::read_dir(dir)?
         .filter_map(Result::ok)

@@ -27,7 +27,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use mlx_rs::error::Exception;
 
-use super::Stored;
+use super::{KvQuant, Stored};
 use format::{EntryKind, Header, Identity, Invalid};
 use index::{Index, IndexEntry};
 use writer::{Job, TEMP_PREFIX};
@@ -154,15 +154,20 @@ const MAX_PENDING_CHECKPOINT: u64 = 8;
 pub const STOP_FLUSH: Duration = Duration::from_secs(20);
 
 impl SsdTier {
-    /// Opens the tier for the model in `model_dir`: its directory under `config.dir` is
-    /// created if needed and scanned; leftover temporary files and invalid entries are
+    /// Opens the tier for the model in `model_dir` whose KV is quantized as `kv_quant` says:
+    /// its directory under `config.dir` is created if needed and scanned; leftover temporary files and invalid entries are
     /// deleted.
     pub fn open(
         config: SsdConfig,
         model_dir: &Path,
+        kv_quant: Option<KvQuant>,
         counters: Arc<SsdCounters>,
     ) -> std::io::Result<Self> {
-        let identity = identity::of_model_dir(model_dir)?;
+        let kv_format = kv_quant.map_or_else(
+            || "plain".to_owned(),
+            |q| format!("q{}g{}", q.bits, q.group_size),
+        );
+        let identity = identity::of_model_dir(model_dir, &kv_format)?;
         let dir = config.dir.join(&identity::hex(&identity.model)[..16]);
         std::fs::create_dir_all(&dir).map_err(|e| {
             std::io::Error::new(
