@@ -4,14 +4,16 @@ KV tier against prefilled.
 
     .venv/bin/python scripts/bench/ssd_ttft.py [runs] [prefix tokens] [model]
 
-`model` is a name (default smollm2-135m) or a model directory. For each mode (`prefilled`:
-prefix cache on, no SSD tier; `ssd`: `ssd_cache` on a fresh temporary directory) one `mlxd`
-serves the model; a first request writes the shared prefix (about `prefix tokens` long, default
-2000) and a question. Then, per run: the engine is unloaded (`/admin/models/{id}/unload`: it
-spills and exits), loaded again (`/load`, a new process; its load time is `restart_ms`), and a
-streamed request of the same prefix with a new question is timed to its first token
-(`ttft_ms`); `cached` is the `cached_tokens` the engine reported (the restored prefix).
-Prints one JSON line per run and the medians per mode. Uses `$MLXD_BIN_DIR` (default
+`model` is a name (default smollm2-135m) or a model directory. One `mlxd` serves the model
+with `ssd_cache` on a fresh temporary directory. Per run, with a prefix of about `prefix
+tokens` (default 2000) that no earlier run used:
+- `prefilled`: the engine is unloaded and loaded again (a new process, nothing of the prefix
+  on disk), and a streamed request of prefix + a question is timed to its first token;
+- `restored`: the engine is unloaded (it spills) and loaded again, and a request of the same
+  prefix + another question is timed the same way: its prefix comes from the SSD tier.
+Both requests are the first of a freshly loaded engine, so both pay the same first-request
+costs. `restart_ms` is the load time; `cached` the `cached_tokens` the engine reported.
+Prints one JSON line per request and the medians. Uses `$MLXD_BIN_DIR` (default
 target/release) for `mlxd` and `mlxd-engine`.
 """
 import http.client
@@ -90,34 +92,11 @@ def serve(bins, model, options):
     return proc, port, model_id
 
 
-def run_mode(mode, bins, model, runs, prefix_tokens):
-    ssd_dir = tempfile.mkdtemp() if mode == "ssd" else None
-    options = {"ssd_cache": ssd_dir} if ssd_dir else {}
-    proc, port, model_id = serve(bins, model, options)
-    # About 17 tokens a sentence with SmolLM2's tokenizer.
-    prefix = SENTENCE * max(1, prefix_tokens // 17)
-    results = []
-    try:
-        first_token(port, model_id, prefix + "Question 0: what passed first?")
-        for i in range(1, runs + 1):
-            request(port, "POST", f"/admin/models/{model_id}/unload")
-            t = time.perf_counter()
-            request(port, "POST", f"/admin/models/{model_id}/load")
-            restart = time.perf_counter() - t
-            ttft, cached, prompt_tokens = first_token(port, model_id, prefix + f"Question {i}: what passed next?")
-            r = {"mode": mode, "ttft_ms": round(ttft * 1e3, 1), "restart_ms": round(restart * 1e3, 1),
-                 "cached": cached, "prompt_tokens": prompt_tokens}
-            print(json.dumps(r), flush=True)
-            results.append(r)
-        if ssd_dir:
-            row = request(port, "GET", "/engines")["engines"][0]
-            print(json.dumps({"mode": mode, "ssd": (row.get("stats") or {}).get("ssd")}), flush=True)
-    finally:
-        proc.terminate()
-        proc.wait()
-        if ssd_dir:
-            shutil.rmtree(ssd_dir, ignore_errors=True)
-    return results
+def restart(port, model_id):
+    request(port, "POST", f"/admin/models/{model_id}/unload")
+    t = time.perf_counter()
+    request(port, "POST", f"/admin/models/{model_id}/load")
+    return time.perf_counter() - t
 
 
 def main():
@@ -125,13 +104,35 @@ def main():
     prefix_tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 2000
     model = sys.argv[3] if len(sys.argv) > 3 else "smollm2-135m"
     bins = os.environ.get("MLXD_BIN_DIR", os.path.join(ROOT, "target", "release"))
-    summary = {"runs": runs, "prefix_tokens": prefix_tokens, "model": model}
-    for mode in ("prefilled", "ssd"):
-        results = run_mode(mode, bins, model, runs, prefix_tokens)
-        for k in ("ttft_ms", "restart_ms"):
-            summary[f"{mode}_{k}_median"] = statistics.median(r[k] for r in results)
-        summary[f"{mode}_cached"] = results[-1]["cached"]
-        summary["prompt_tokens"] = results[-1]["prompt_tokens"]
+    ssd_dir = tempfile.mkdtemp()
+    proc, port, model_id = serve(bins, model, {"ssd_cache": ssd_dir})
+    results = []
+    try:
+        request(port, "POST", f"/admin/models/{model_id}/load")
+        for run in range(runs):
+            # About 17 tokens a sentence with SmolLM2's tokenizer; each run its own prefix.
+            prefix = f"Log book {run}. " + SENTENCE * max(1, prefix_tokens // 17)
+            for mode, question in (("prefilled", "what passed first?"), ("restored", "what passed next?")):
+                load = restart(port, model_id)
+                ttft, cached, prompt_tokens = first_token(port, model_id, prefix + "Question: " + question)
+                r = {"mode": mode, "run": run, "ttft_ms": round(ttft * 1e3, 1),
+                     "restart_ms": round(load * 1e3, 1), "cached": cached,
+                     "prompt_tokens": prompt_tokens}
+                print(json.dumps(r), flush=True)
+                results.append(r)
+        row = request(port, "GET", "/engines")["engines"][0]
+        ssd = (row.get("stats") or {}).get("ssd")
+    finally:
+        proc.terminate()
+        proc.wait()
+        shutil.rmtree(ssd_dir, ignore_errors=True)
+    summary = {"runs": runs, "prefix_tokens": prefix_tokens, "model": model,
+               "prompt_tokens": results[-1]["prompt_tokens"], "ssd": ssd}
+    for mode in ("prefilled", "restored"):
+        rs = [r for r in results if r["mode"] == mode]
+        summary[f"{mode}_ttft_ms_median"] = statistics.median(r["ttft_ms"] for r in rs)
+        summary[f"{mode}_restart_ms_median"] = statistics.median(r["restart_ms"] for r in rs)
+        summary[f"{mode}_cached"] = rs[-1]["cached"]
     print(json.dumps(summary), flush=True)
 
 
