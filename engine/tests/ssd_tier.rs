@@ -231,3 +231,37 @@ fn the_size_cap_evicts_the_oldest_files() {
     assert!(tier.lookup(&[30, 31, 32, 33], 3).is_some());
     assert_eq!(kv_files(tier.dir()).len(), 2);
 }
+
+#[test]
+fn idle_prefixes_are_demoted_to_disk_and_restored_by_a_lookup() {
+    use mlxd_engine::cache::{CacheManager, KvLayout};
+    let root = tempfile::tempdir().unwrap();
+    let model = model_dir(root.path(), "m");
+    let counters = Arc::new(SsdCounters::default());
+    let mut config = config(&root.path().join("cache"), None);
+    config.demote_idle = Some(Duration::from_millis(1));
+    let tier = SsdTier::open(config, &model, None, counters.clone()).unwrap();
+    let handle = tier.handle();
+    let mut caches =
+        CacheManager::new(None, 1 << 30, 512, 512, KvLayout::default()).with_ssd(Some(tier));
+    let tokens: Vec<u32> = (1..=24).collect();
+    let kv = layers(24, false, 9);
+    caches.store(tokens.clone(), kv.clone()).unwrap();
+    assert!(caches.prefix_bytes() > 0);
+    std::thread::sleep(Duration::from_millis(20)); // idle for longer than 1 ms
+    caches.demote_idle().unwrap();
+    assert_eq!(caches.prefix_bytes(), 0, "the idle entry left memory");
+    assert_eq!(counters.demoted.load(Ordering::Relaxed), 1);
+    assert!(handle.flush(Duration::from_secs(60)).complete);
+    assert_eq!(counters.files.load(Ordering::Relaxed), 1);
+
+    let mut prompt = tokens[..20].to_vec();
+    prompt.push(99);
+    let hit = caches.lookup(&prompt).unwrap().expect("restored from disk");
+    assert_eq!(hit.tokens, 20);
+    assert_eq!(counters.hits.load(Ordering::Relaxed), 1);
+    assert!(
+        caches.prefix_bytes() > 0,
+        "the restored entry is back in memory"
+    );
+}

@@ -156,7 +156,9 @@ def main():
         print(json.dumps({k + "_median": statistics.median(r[k] for r in results)
                           for k in ("restart_ms", "pause_ms", "extra_ms", "ttft_ms", "median_gap_ms")}
                          | {"runs": runs, "max_tokens": max_tokens, "kill_after": kill_after,
-                            "streams": n_streams, "model": model, "checkpoint": checkpoint}))
+                            "streams": n_streams, "model": model, "checkpoint": checkpoint}
+                         | ({"ssd": (engine_row(port).get("stats") or {}).get("ssd")}
+                            if checkpoint > 0 else {})))
     finally:
         mlxd.terminate()
         mlxd.wait()

@@ -197,6 +197,15 @@ async fn a_new_engine_restores_a_long_prefix_from_ssd_and_answers_the_same() -> 
     )
     .await?;
     ensure!(resp.status() == 200, "unload: {}", resp.status());
+    let e = p.engine().await?;
+    let clean = e["last_exit"]["stderr_tail"].as_array().is_some_and(|t| {
+        t.iter()
+            .any(|l| l.as_str().is_some_and(|l| l.contains("shut down")))
+    });
+    ensure!(
+        clean,
+        "the engine did not stop by itself after the spill: {e}"
+    );
     let mdir = model_dir(ssd.path())?;
     ensure!(
         names(&mdir)?.iter().all(|n| n.ends_with(".kv")),

@@ -392,7 +392,11 @@ impl Drop for SsdTier {
         if !report.complete {
             tracing::warn!(pending, "the SSD writer did not finish its queue in time");
         }
-        self.jobs = None;
+        if let Some(jobs) = self.jobs.take() {
+            let _ = jobs.send(Job::Close);
+        }
+        // Only a writer that finished its queue is joined (it then stops at `Close`); one
+        // still writing is left to the process's exit.
         if report.complete {
             if let Some(w) = self.writer.take() {
                 let _ = w.join();

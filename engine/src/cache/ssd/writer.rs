@@ -27,6 +27,8 @@ pub enum Job {
     },
     /// Answered once every job queued before it is done.
     Flush(Sender<()>),
+    /// The tier is dropped: stop (handles may still hold senders).
+    Close,
 }
 
 pub fn run(dir: PathBuf, shared: Arc<Shared>, jobs: Receiver<Job>) {
@@ -76,6 +78,7 @@ pub fn run(dir: PathBuf, shared: Arc<Shared>, jobs: Receiver<Job>) {
             Job::Flush(reply) => {
                 let _ = reply.send(());
             }
+            Job::Close => return,
         }
     }
 }
