@@ -2,16 +2,19 @@
 //! serve HTTP on a unix socket, and (under `mlxd`) speak the control channel.
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::extract::{Request, State};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use mlxd_ipc::control::{ChildChannel, ControlSender, ParentEvent};
-use mlxd_protocol::control::{FatalKind, Launch, Ready, Stats, PROTOCOL_VERSION};
+use mlxd_protocol::control::{
+    ChildMsg, FatalKind, Launch, Ready, Spilled, SsdStats, Stats, PROTOCOL_VERSION,
+};
 use tokio::sync::Notify;
 
+use crate::cache::ssd::{SsdConfig, SsdCounters, SsdHandle};
 use crate::cache::KvQuant;
 use crate::runtime::draft::{
     DraftSource, NgramSizes, Speculation, DEFAULT_NGRAM, DEFAULT_NUM_DRAFT, MAX_NUM_DRAFT,
@@ -86,6 +89,22 @@ pub const ENGINE_OPTIONS: &[(&str, &str)] = &[
         "ngram_max",
         "longest n-gram prompt lookup matches (default 4)",
     ),
+    (
+        "ssd_cache",
+        "a directory: prefix-cache entries are written behind to it and restored by later engines",
+    ),
+    (
+        "ssd_cache_max",
+        "GiB the model's SSD cache files may take, a number >= 0 (0 = unlimited; with ssd_cache)",
+    ),
+    (
+        "ssd_demote_idle",
+        "seconds after which an unused prefix leaves memory for the SSD cache (with ssd_cache)",
+    ),
+    (
+        "generation_checkpoint",
+        "write a running request's KV to the SSD cache every N generated tokens (with ssd_cache)",
+    ),
 ];
 
 /// Where drafts should come from, before the draft model is resolved in the store.
@@ -132,6 +151,7 @@ pub fn launch_options(launch: &Launch) -> Result<LaunchOptions, StartError> {
     let mut num_draft = None;
     let mut ngram_min = None;
     let mut ngram_max = None;
+    let mut ssd = SsdOptions::default();
     for (key, value) in &launch.options {
         let bad = |reason: &str| StartError::Option {
             key: key.clone(),
@@ -207,6 +227,9 @@ pub fn launch_options(launch: &Launch) -> Result<LaunchOptions, StartError> {
                     ngram_max = Some(n);
                 }
             }
+            "ssd_cache" | "ssd_cache_max" | "ssd_demote_idle" | "generation_checkpoint" => {
+                ssd.set(key, value).map_err(|reason| bad(&reason))?
+            }
             _ => {
                 let known: Vec<&str> = ENGINE_OPTIONS.iter().map(|(k, _)| *k).collect();
                 return Err(bad(&format!(
@@ -245,6 +268,7 @@ pub fn launch_options(launch: &Launch) -> Result<LaunchOptions, StartError> {
         value: launch.options.get(key).cloned().unwrap_or_default(),
         reason: reason.into(),
     };
+    limits.ssd = ssd.config().map_err(|(key, reason)| refuse(key, &reason))?;
     if !ngram && (ngram_min.is_some() || ngram_max.is_some()) {
         let key = if ngram_min.is_some() {
             "ngram_min"
@@ -283,6 +307,85 @@ pub fn launch_options(launch: &Launch) -> Result<LaunchOptions, StartError> {
             num_draft: num_draft.unwrap_or(DEFAULT_NUM_DRAFT),
         }),
     })
+}
+
+/// The SSD tier's options as given (`Launch.options` or the flags), before they are checked
+/// together.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct SsdOptions {
+    pub dir: Option<PathBuf>,
+    /// GiB; 0 is unlimited.
+    pub max_gib: Option<f64>,
+    pub demote_idle_s: Option<f64>,
+    pub checkpoint_every: Option<usize>,
+}
+
+impl SsdOptions {
+    /// Parses one `Launch.options` value.
+    fn set(&mut self, key: &str, value: &str) -> Result<(), String> {
+        match key {
+            "ssd_cache" => {
+                if value.trim().is_empty() {
+                    return Err("expected a directory".into());
+                }
+                self.dir = Some(PathBuf::from(value));
+            }
+            "ssd_cache_max" => {
+                self.max_gib = Some(
+                    value
+                        .parse::<f64>()
+                        .ok()
+                        .filter(|g| g.is_finite() && (0.0..=1024.0 * 1024.0).contains(g))
+                        .ok_or("expected GiB between 0 and 1048576")?,
+                )
+            }
+            "ssd_demote_idle" => {
+                self.demote_idle_s = Some(
+                    value
+                        .parse::<f64>()
+                        .ok()
+                        .filter(|s| s.is_finite() && *s > 0.0 && *s <= 1e9)
+                        .ok_or("expected seconds > 0")?,
+                )
+            }
+            "generation_checkpoint" => {
+                self.checkpoint_every = Some(
+                    value
+                        .parse::<usize>()
+                        .ok()
+                        .filter(|n| (1..=1 << 24).contains(n))
+                        .ok_or("expected a number of tokens from 1 to 16777216")?,
+                )
+            }
+            _ => unreachable!("only SSD keys are passed here"),
+        }
+        Ok(())
+    }
+
+    /// The tier's configuration, or which option needs `ssd_cache` and why.
+    pub fn config(&self) -> Result<Option<SsdConfig>, (&'static str, String)> {
+        let Some(dir) = self.dir.clone() else {
+            for (key, set) in [
+                ("ssd_cache_max", self.max_gib.is_some()),
+                ("ssd_demote_idle", self.demote_idle_s.is_some()),
+                ("generation_checkpoint", self.checkpoint_every.is_some()),
+            ] {
+                if set {
+                    return Err((key, "needs ssd_cache (--ssd-cache)".into()));
+                }
+            }
+            return Ok(None);
+        };
+        Ok(Some(SsdConfig {
+            dir,
+            max_bytes: self
+                .max_gib
+                .filter(|g| *g > 0.0)
+                .map(|g| (g * (1u64 << 30) as f64) as u64),
+            demote_idle: self.demote_idle_s.map(Duration::from_secs_f64),
+            checkpoint_every: self.checkpoint_every,
+        }))
+    }
 }
 
 impl StartError {
@@ -404,10 +507,13 @@ pub fn run_supervised(home: &Path) -> anyhow::Result<()> {
 
     let draining = Arc::new(AtomicBool::new(false));
     let shutdown = Arc::new(Notify::new());
+    let ssd: Arc<Mutex<Option<SsdHandle>>> = Arc::default();
     {
         let (draining, shutdown) = (draining.clone(), shutdown.clone());
+        let (ssd, control) = (ssd.clone(), control.clone());
         channel.watch_parent(move |event| match event {
             ParentEvent::Drain => draining.store(true, Ordering::SeqCst),
+            ParentEvent::Spill => spill(ssd.lock().expect("ssd lock").clone(), control.clone()),
             ParentEvent::Shutdown => {
                 draining.store(true, Ordering::SeqCst);
                 shutdown.notify_one();
@@ -465,6 +571,7 @@ pub fn run_supervised(home: &Path) -> anyhow::Result<()> {
             std::process::exit(2);
         }
     };
+    *ssd.lock().expect("ssd lock") = engine.runtime.ssd.clone();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -472,6 +579,57 @@ pub fn run_supervised(home: &Path) -> anyhow::Result<()> {
     runtime.block_on(serve_supervised(
         engine, launch, control, draining, shutdown,
     ))
+}
+
+/// How long a `Spill` waits for the SSD writer before answering.
+const SPILL_WAIT: Duration = Duration::from_secs(10);
+
+/// Answers `Spill`: every prefix-cache entry is written behind as it is stored, so a spill
+/// waits (at most [`SPILL_WAIT`], on a thread of its own) for the writer's queue to empty.
+fn spill(ssd: Option<SsdHandle>, control: ControlSender) {
+    let Some(ssd) = ssd else {
+        let _ = control.send(&ChildMsg::Spilled(Spilled {
+            complete: true,
+            ..Spilled::default()
+        }));
+        return;
+    };
+    let work = move || {
+        let r = ssd.flush(SPILL_WAIT);
+        let report = Spilled {
+            files: r.files,
+            bytes: r.bytes,
+            complete: r.complete,
+        };
+        tracing::info!(
+            files = report.files,
+            bytes = report.bytes,
+            complete = report.complete,
+            "prefix cache spilled to the SSD tier"
+        );
+        let _ = control.send(&ChildMsg::Spilled(report));
+    };
+    if let Err(e) = std::thread::Builder::new()
+        .name("ssd-spill".into())
+        .spawn(work)
+    {
+        tracing::warn!(error = %e, "could not start the spill");
+    }
+}
+
+/// The SSD tier's counters as `Stats` reports them.
+fn ssd_stats(c: &SsdCounters) -> SsdStats {
+    let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    SsdStats {
+        files: get(&c.files),
+        bytes: get(&c.bytes),
+        hits: get(&c.hits),
+        restored_tokens: get(&c.restored_tokens),
+        writes: get(&c.writes),
+        checkpoints: get(&c.checkpoints),
+        invalid: get(&c.invalid),
+        write_errors: get(&c.write_errors),
+    }
 }
 
 async fn serve_supervised(
@@ -511,6 +669,7 @@ async fn serve_supervised(
                 memory_bytes: mlx_rs::memory::active_memory().unwrap_or(0) as u64,
                 drafted_tokens: stats.drafted.load(Ordering::Relaxed),
                 accepted_tokens: stats.accepted.load(Ordering::Relaxed),
+                ssd: ssd_stats(&stats.ssd),
             };
             if stats_control.send_stats(message).is_err() {
                 return;
@@ -592,6 +751,33 @@ mod tests {
     }
 
     #[test]
+    fn ssd_options_become_the_tier_config() {
+        let o = launch_options(&launch(&[
+            ("ssd_cache", "/var/cache/kv"),
+            ("ssd_cache_max", "2"),
+            ("ssd_demote_idle", "30"),
+            ("generation_checkpoint", "64"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            o.limits.ssd,
+            Some(SsdConfig {
+                dir: "/var/cache/kv".into(),
+                max_bytes: Some(2 << 30),
+                demote_idle: Some(Duration::from_secs(30)),
+                checkpoint_every: Some(64),
+            })
+        );
+        let unlimited = launch_options(&launch(&[("ssd_cache", "d"), ("ssd_cache_max", "0")]))
+            .unwrap()
+            .limits
+            .ssd
+            .unwrap();
+        assert_eq!(unlimited.max_bytes, None);
+        assert_eq!(launch_options(&launch(&[])).unwrap().limits.ssd, None);
+    }
+
+    #[test]
     fn draft_options_become_speculation() {
         let o = launch_options(&launch(&[("draft", "ngram"), ("ngram_max", "6")])).unwrap();
         assert_eq!(
@@ -641,6 +827,17 @@ mod tests {
                 "a number of tokens",
             ),
             (&[("num_draft_tokens", "3")][..], "needs draft"),
+            (&[("generation_checkpoint", "8")][..], "needs ssd_cache"),
+            (&[("ssd_cache_max", "1")][..], "needs ssd_cache"),
+            (
+                &[("ssd_cache", "/tmp/x"), ("generation_checkpoint", "0")][..],
+                "from 1 to",
+            ),
+            (
+                &[("ssd_cache", "/tmp/x"), ("ssd_demote_idle", "-3")][..],
+                "seconds > 0",
+            ),
+            (&[("ssd_cache", " ")][..], "expected a directory"),
             (
                 &[("draft", "ngram"), ("num_draft_tokens", "0")][..],
                 "1 to 16",

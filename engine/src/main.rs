@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use clap::Parser;
-use mlxd_engine::app::{self, DraftChoice, DraftOptions};
+use mlxd_engine::app::{self, DraftChoice, DraftOptions, SsdOptions};
 use mlxd_engine::cache::KvQuant;
 use mlxd_engine::runtime::draft::{NgramSizes, DEFAULT_NGRAM, DEFAULT_NUM_DRAFT, MAX_NUM_DRAFT};
 use mlxd_engine::runtime::{RuntimeLimits, DEFAULT_MAX_BATCH_SIZE};
@@ -76,6 +76,32 @@ struct Args {
     #[arg(long, default_value_t = DEFAULT_NGRAM.min as u64, requires = "draft",
           value_parser = clap::value_parser!(u64).range(1..=64))]
     ngram_min: u64,
+    /// Write prefix-cache entries behind to this directory (one subdirectory per model), so
+    /// that a restarted engine restores prefixes from disk instead of prefilling them.
+    #[arg(long)]
+    ssd_cache: Option<PathBuf>,
+    /// GiB the model's SSD cache files may take; the oldest are deleted past it (0 =
+    /// unlimited).
+    #[arg(long, requires = "ssd_cache", value_parser = parse_gib)]
+    ssd_cache_max: Option<f64>,
+    /// Seconds after which an unused prefix leaves memory; it stays on disk.
+    #[arg(long, requires = "ssd_cache", value_parser = parse_seconds)]
+    ssd_demote_idle: Option<f64>,
+    /// Every N generated tokens, write a running request's KV to the SSD cache, so a resume
+    /// after a crash restores instead of prefilling.
+    #[arg(long, requires = "ssd_cache", value_parser = clap::value_parser!(u64).range(1..=1 << 24))]
+    generation_checkpoint: Option<u64>,
+}
+
+fn parse_seconds(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .parse()
+        .map_err(|e| format!("{s:?} is not a number of seconds: {e}"))?;
+    if v.is_finite() && v > 0.0 && v <= 1e9 {
+        Ok(v)
+    } else {
+        Err(format!("{s} s is not a duration > 0"))
+    }
 }
 
 fn parse_gib(s: &str) -> Result<f64, String> {
@@ -109,6 +135,14 @@ fn main() -> anyhow::Result<()> {
             group_size: args.kv_group_size,
         }),
         quantized_kv_start: args.quantized_kv_start,
+        ssd: SsdOptions {
+            dir: args.ssd_cache,
+            max_gib: args.ssd_cache_max,
+            demote_idle_s: args.ssd_demote_idle,
+            checkpoint_every: args.generation_checkpoint.map(|n| n as usize),
+        }
+        .config()
+        .map_err(|(key, reason)| anyhow::anyhow!("{key}: {reason}"))?,
         ..RuntimeLimits::default()
     };
     if let Some(spec) = mlxd_engine::fault::from_env().map_err(anyhow::Error::msg)? {

@@ -73,6 +73,8 @@ pub enum ControlError {
 pub enum ParentEvent {
     Drain,
     Shutdown,
+    /// Write the prefix cache to the SSD tier and answer `Spilled`.
+    Spill,
     /// stdin reached end of file: the supervisor is gone or wants us gone. Exit now.
     Closed,
     /// The stream is corrupt; treat like `Closed`.
@@ -116,6 +118,7 @@ impl ChildChannel {
             Some(ParentMsg::Launch(l)) => l,
             Some(ParentMsg::Drain) => return Err(ControlError::NotLaunch("Drain")),
             Some(ParentMsg::Shutdown) => return Err(ControlError::NotLaunch("Shutdown")),
+            Some(ParentMsg::Spill) => return Err(ControlError::NotLaunch("Spill")),
         };
         if launch.version != PROTOCOL_VERSION {
             let err = ControlError::Version {
@@ -150,6 +153,7 @@ impl ChildChannel {
                 match read_frame::<ParentMsg, _>(&mut input) {
                     Ok(Some(ParentMsg::Drain)) => on_event(ParentEvent::Drain),
                     Ok(Some(ParentMsg::Shutdown)) => on_event(ParentEvent::Shutdown),
+                    Ok(Some(ParentMsg::Spill)) => on_event(ParentEvent::Spill),
                     Ok(Some(ParentMsg::Launch(_))) => {
                         on_event(ParentEvent::Broken(FrameError::Io(io::Error::new(
                             io::ErrorKind::InvalidData,

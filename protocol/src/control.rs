@@ -24,6 +24,10 @@ pub enum ParentMsg {
     Drain,
     /// Finish quickly and exit with code 0.
     Shutdown,
+    /// Write everything the prefix cache holds to the SSD tier now (before the pool evicts
+    /// or drains the engine), so a later engine of the model starts warm; answered by
+    /// [`ChildMsg::Spilled`].
+    Spill,
 }
 
 /// Everything an engine needs to start.
@@ -59,6 +63,35 @@ pub enum ChildMsg {
     Stats(Stats),
     /// Sent just before a controlled exit with a non-zero code.
     Fatal(Fatal),
+    /// The answer to [`ParentMsg::Spill`].
+    Spilled(Spilled),
+}
+
+/// What a spill left on disk.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Spilled {
+    /// The model's SSD files and their bytes after the spill (0 without an SSD tier).
+    pub files: u64,
+    pub bytes: u64,
+    /// False when the engine's bounded wait ran out with writes still queued.
+    pub complete: bool,
+}
+
+/// The SSD KV tier's figures in [`Stats`] (all 0 without one).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SsdStats {
+    /// Files and bytes the model's SSD directory holds now.
+    pub files: u64,
+    pub bytes: u64,
+    /// Prefix lookups restored from disk, and the prompt tokens they did not prefill.
+    pub hits: u64,
+    pub restored_tokens: u64,
+    /// Entries written (prefixes and generation checkpoints), checkpoints among them.
+    pub writes: u64,
+    pub checkpoints: u64,
+    /// Files found corrupt, truncated or foreign, and deleted.
+    pub invalid: u64,
+    pub write_errors: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -87,6 +120,8 @@ pub struct Stats {
     /// speculative decoding).
     pub drafted_tokens: u64,
     pub accepted_tokens: u64,
+    /// The SSD KV tier since the engine started.
+    pub ssd: SsdStats,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -422,6 +422,14 @@ async fn read_control(mut stdout: ChildStdout, emit: impl Fn(EngineEvent)) -> Re
                 emit(EngineEvent::Ready(r));
             }
             Ok(Some(ChildMsg::Stats(s))) => emit(EngineEvent::Stats(s)),
+            Ok(Some(ChildMsg::Spilled(s))) => {
+                info!(
+                    files = s.files,
+                    bytes = s.bytes,
+                    complete = s.complete,
+                    "engine spilled its prefix cache to the SSD tier"
+                );
+            }
             Ok(Some(ChildMsg::Fatal(f))) => {
                 error!(kind = ?f.kind, message = %f.message, "engine reported a fatal error");
                 out.fatal = Some(f);

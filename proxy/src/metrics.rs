@@ -9,6 +9,7 @@ use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use bytes::Bytes;
+use mlxd_protocol::control::SsdStats;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -64,6 +65,11 @@ pub struct Metrics {
     pub drafted: Family<ModelLabel, Counter>,
     pub accepted: Family<ModelLabel, Counter>,
     pub acceptance: Family<ModelLabel, Gauge<f64, AtomicU64>>,
+    pub ssd_hits: Family<ModelLabel, Counter>,
+    pub ssd_restored_tokens: Family<ModelLabel, Counter>,
+    pub ssd_writes: Family<ModelLabel, Counter>,
+    pub ssd_invalid: Family<ModelLabel, Counter>,
+    pub ssd_bytes: Family<ModelLabel, Gauge>,
 }
 
 impl Metrics {
@@ -88,6 +94,11 @@ impl Metrics {
             drafted: Family::default(),
             accepted: Family::default(),
             acceptance: Family::default(),
+            ssd_hits: Family::default(),
+            ssd_restored_tokens: Family::default(),
+            ssd_writes: Family::default(),
+            ssd_invalid: Family::default(),
+            ssd_bytes: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -171,7 +182,54 @@ impl Metrics {
             "Accepted over proposed speculative drafts, since mlxd started",
             m.acceptance.clone(),
         );
+        registry.register(
+            "mlxd_ssd_hits",
+            "Prefix lookups the engines restored from the SSD KV tier",
+            m.ssd_hits.clone(),
+        );
+        registry.register(
+            "mlxd_ssd_restored_tokens",
+            "Prompt tokens restored from the SSD KV tier instead of prefilled",
+            m.ssd_restored_tokens.clone(),
+        );
+        registry.register(
+            "mlxd_ssd_writes",
+            "Entries written to the SSD KV tier (prefixes and generation checkpoints)",
+            m.ssd_writes.clone(),
+        );
+        registry.register(
+            "mlxd_ssd_invalid_files",
+            "SSD KV files found corrupt, truncated or foreign, and deleted",
+            m.ssd_invalid.clone(),
+        );
+        registry.register(
+            "mlxd_ssd_bytes",
+            "Bytes of the model's SSD KV files, as its running engine reports",
+            m.ssd_bytes.clone(),
+        );
         Self { registry, ..m }
+    }
+
+    /// Adds the SSD tier's new counts (deltas between two `Stats` of one engine, whose
+    /// counters start at 0) and sets its size.
+    pub fn record_ssd(&self, model: &str, before: &SsdStats, now: &SsdStats) {
+        if now == &SsdStats::default() {
+            return;
+        }
+        let l = Self::label(model);
+        self.ssd_hits
+            .get_or_create(&l)
+            .inc_by(now.hits.saturating_sub(before.hits));
+        self.ssd_restored_tokens
+            .get_or_create(&l)
+            .inc_by(now.restored_tokens.saturating_sub(before.restored_tokens));
+        self.ssd_writes
+            .get_or_create(&l)
+            .inc_by(now.writes.saturating_sub(before.writes));
+        self.ssd_invalid
+            .get_or_create(&l)
+            .inc_by(now.invalid.saturating_sub(before.invalid));
+        self.ssd_bytes.get_or_create(&l).set(now.bytes as i64);
     }
 
     /// Adds an engine's new drafted and accepted tokens (deltas of its `Stats`).

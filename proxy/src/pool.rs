@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use mlxd_protocol::control::{ParentMsg, Ready, Stats};
+use mlxd_protocol::control::{ParentMsg, Ready, SsdStats, Stats};
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
@@ -243,6 +243,9 @@ pub struct StatsInfo {
     /// Speculative drafts proposed and accepted by the running engine.
     pub drafted_tokens: u64,
     pub accepted_tokens: u64,
+    /// The SSD KV tier of the running engine (absent without `ssd_cache`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ssd: Option<SsdStats>,
 }
 
 /// The limits the next engine is launched with; `reduced` (with the configured ones and
@@ -477,6 +480,7 @@ impl Slot {
                 memory_bytes: s.memory_bytes,
                 drafted_tokens: s.drafted_tokens,
                 accepted_tokens: s.accepted_tokens,
+                ssd: (s.ssd != SsdStats::default()).then_some(s.ssd),
             }),
             limits: {
                 let (cur, conf) = (self.limits.current(), self.limits.configured());
@@ -981,6 +985,9 @@ impl Pool {
         if matches!(slot.state, State::Draining) {
             return;
         }
+        // The engine writes its prefix cache to the SSD tier (a bounded wait of its own)
+        // while it drains, so a later engine of the model starts warm.
+        engine.send(ParentMsg::Spill);
         engine.send(ParentMsg::Drain);
         slot.state = State::Draining;
         slot.log.push(format!(
@@ -1215,6 +1222,11 @@ impl Pool {
                     s.drafted_tokens.saturating_sub(drafted),
                     s.accepted_tokens.saturating_sub(accepted),
                 );
+                let before = slot
+                    .stats
+                    .as_ref()
+                    .map_or_else(SsdStats::default, |p| p.ssd);
+                self.metrics.record_ssd(&msg.model, &before, &s.ssd);
                 slot.stats = Some(s);
                 slot.heartbeat = Some(Instant::now());
                 if matches!(slot.state, State::Ready) {

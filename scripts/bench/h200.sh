@@ -16,6 +16,9 @@
 #                                                  8- and 4-bit, and mlx-lm's quantized KV (models8b)
 #   scripts/bench/h200.sh resume <out dir>         a resumed stream's pause after kill -9 against the restart time
 #   scripts/bench/h200.sh constraint <out dir>     constrained decoding's cost per token (1B shape)
+#   scripts/bench/h200.sh ssd <out dir>            SSD KV tier: TTFT of a 2 000/8 000-token shared prefix after
+#                                                  an engine restart, restored against prefilled; the resume
+#                                                  pause with generation checkpoints (1B bf16)
 #
 # The tokenizer dir holds SmolLM2's tokenizer.json and tokenizer_config.json (vocabulary 49152,
 # which the shapes use), so that served streams are real text.
@@ -119,6 +122,21 @@ case ${1:-} in
       MLXD_BIN_DIR=$bins "$PYTHON" scripts/bench/resume.py 5 128 32 "$MODELS/llama-1b-bf16" "$streams" |
         tee "$out/resume-$streams.jsonl"
     done
+    ;;
+  ssd)
+    # The SSD KV tier: TTFT after an engine restart of a request whose long prefix is on disk,
+    # restored against prefilled; then the resume pause with generation checkpoints every 16
+    # tokens (against the `resume` mode's pause without them). 1B bf16.
+    out=$2
+    mkdir -p "$out"
+    for tokens in 2000 8000; do
+      MLXD_BIN_DIR=$bins "$PYTHON" scripts/bench/ssd_ttft.py 5 "$tokens" "$MODELS/llama-1b-bf16" |
+        tee "$out/ssd-ttft-$tokens.jsonl"
+    done
+    MLXD_BIN_DIR=$bins "$PYTHON" scripts/bench/resume.py 5 128 96 "$MODELS/llama-1b-bf16" 1 16 |
+      tee "$out/resume-checkpoint.jsonl"
+    MLXD_BIN_DIR=$bins "$PYTHON" scripts/bench/resume.py 5 128 96 "$MODELS/llama-1b-bf16" 1 |
+      tee "$out/resume-no-checkpoint.jsonl"
     ;;
   proxy)
     # The proxy's share: the same streams straight to one engine's socket and through mlxd.

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A resumed stream's pause against the engine's restart time.
 
-    .venv/bin/python scripts/bench/resume.py [runs] [max tokens] [kill after] [model] [streams]
+    .venv/bin/python scripts/bench/resume.py [runs] [max tokens] [kill after] [model] [streams] [checkpoint]
 
 `model` is a name (default smollm2-135m) or a model directory.
 
@@ -15,7 +15,11 @@ stream on the new engine (transparent resumption). Measured per run:
   the continuation's prefill of prompt + tokens already sent, the first new token);
 - ttft: for comparison, the time to first token of the same request uninterrupted on the
   warm engine just before (the continuation is such a request, `kill after` tokens longer).
-Prints one JSON line per run and the medians. Uses `$MLXD_BIN_DIR` (default
+With `checkpoint` N > 0 the engine runs with the SSD KV tier on a temporary directory and
+`generation_checkpoint = N` (and its prefix cache on): the continuation restores the KV of the
+last checkpoint instead of prefilling everything, and each run's prompts carry the run's
+number so that no earlier run's finished entry matches them. Prints one JSON line per run and
+the medians. Uses `$MLXD_BIN_DIR` (default
 target/release) for `mlxd` and `mlxd-engine`.
 """
 import http.client
@@ -70,8 +74,9 @@ def ttft(port, prompt):
     return arrivals[0] - start
 
 
-def one_run(port, max_tokens, kill_after, n_streams):
-    fresh = ttft(port, PROMPTS[0])
+def one_run(port, max_tokens, kill_after, n_streams, tag=""):
+    prompts = [p + tag for p in PROMPTS]
+    fresh = ttft(port, prompts[0])
     old = engine_row(port)
     killed = {}
 
@@ -81,7 +86,7 @@ def one_run(port, max_tokens, kill_after, n_streams):
             os.kill(old["pid"], signal.SIGKILL)
 
     arrivals = [[] for _ in range(n_streams)]
-    threads = [threading.Thread(target=stream, args=(port, PROMPTS[i % len(PROMPTS)], max_tokens,
+    threads = [threading.Thread(target=stream, args=(port, prompts[i % len(prompts)], max_tokens,
                                                      arrivals[i], maybe_kill if i == 0 else None))
                for i in range(n_streams)]
     for t in threads:
@@ -112,18 +117,23 @@ def main():
     kill_after = int(sys.argv[3]) if len(sys.argv) > 3 else 8
     model = sys.argv[4] if len(sys.argv) > 4 else "smollm2-135m"
     n_streams = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+    checkpoint = int(sys.argv[6]) if len(sys.argv) > 6 else 0
     bins = os.environ.get("MLXD_BIN_DIR", os.path.join(ROOT, "target", "release"))
     runtime = tempfile.mkdtemp()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, XDG_RUNTIME_DIR=runtime, RUST_LOG="warn")
-    # The prefix cache is off: each continuation prefills its prompt and the tokens
-    # already sent, the cost a restarted engine pays without a restored KV.
+    # Without checkpoints the prefix cache is off: each continuation prefills its prompt and
+    # the tokens already sent, the cost a restarted engine pays without a restored KV.
+    engine_options = 'prompt_cache = "0"\n'
+    if checkpoint > 0:
+        engine_options = (f'ssd_cache = "{os.path.join(runtime, "ssd")}"\n'
+                          f'generation_checkpoint = "{checkpoint}"\n')
     cfg = os.path.join(runtime, "mlxd.toml")
     with open(cfg, "w") as f:
         f.write(f'[server]\nport = {port}\nengine_bin = "{os.path.join(bins, "mlxd-engine")}"\n'
-                f'backoff_initial_ms = 50\ncrash_limit = 1000\n[server.engine_options]\nprompt_cache = "0"\n'
+                f'backoff_initial_ms = 50\ncrash_limit = 1000\n[server.engine_options]\n{engine_options}'
                 + (f'[[model]]\nid = "{os.path.basename(model.rstrip("/"))}"\npath = "{model}"\n'
                    if os.path.isdir(model) else f'[[model]]\nid = "{model}"\n'))
     mlxd = subprocess.Popen([os.path.join(bins, "mlxd"), "serve", "--config", cfg, "--port", str(port)],
@@ -137,15 +147,18 @@ def main():
                 time.sleep(0.05)
         stream(port, PROMPTS[0], 4, [])  # starts and warms the engine
         results = []
-        for _ in range(runs):
-            r = one_run(port, max_tokens, kill_after, n_streams)
+        for run in range(runs):
+            tag = f" (take {run})" if checkpoint > 0 else ""
+            r = one_run(port, max_tokens, kill_after, n_streams, tag)
             print(json.dumps(r), flush=True)
             results.append(r)
             time.sleep(1)  # let the crash window see a stable engine
         print(json.dumps({k + "_median": statistics.median(r[k] for r in results)
                           for k in ("restart_ms", "pause_ms", "extra_ms", "ttft_ms", "median_gap_ms")}
                          | {"runs": runs, "max_tokens": max_tokens, "kill_after": kill_after,
-                            "streams": n_streams, "model": model}))
+                            "streams": n_streams, "model": model, "checkpoint": checkpoint}
+                         | ({"ssd": (engine_row(port).get("stats") or {}).get("ssd")}
+                            if checkpoint > 0 else {})))
     finally:
         mlxd.terminate()
         mlxd.wait()

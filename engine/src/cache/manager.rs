@@ -1,6 +1,11 @@
 //! The cache manager: the one owner of the KV budget and the prefix cache, on the MLX thread.
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
 use mlx_rs::error::Exception;
 
+use super::ssd::format::EntryKind;
+use super::ssd::SsdTier;
 use super::{BatchKv, KvBudget, KvLayout, PrefixCache, Reservation, Stored};
 
 /// One layer's keys and values `[1, kv_heads, n, head_dim]` for a cached prefix.
@@ -20,6 +25,11 @@ pub struct CacheManager {
     bytes_per_token: u64,
     /// How the caches this manager hands out store keys and values.
     layout: KvLayout,
+    /// The SSD tier (`--ssd-cache`): every stored prefix is written behind to it, and a
+    /// lookup that it matches further than memory restores from it.
+    ssd: Option<SsdTier>,
+    /// When idle entries were last demoted to the SSD tier.
+    demoted_at: Option<Instant>,
 }
 
 impl CacheManager {
@@ -36,7 +46,77 @@ impl CacheManager {
             plain_bytes_per_token: plain_bytes_per_token as u64,
             bytes_per_token: bytes_per_token as u64,
             layout,
+            ssd: None,
+            demoted_at: None,
         }
+    }
+
+    /// This manager with the SSD tier `ssd`.
+    pub fn with_ssd(mut self, ssd: Option<SsdTier>) -> Self {
+        self.ssd = ssd;
+        self
+    }
+
+    /// Hands the SSD tier over (to the manager that replaces this one after a failure).
+    pub fn take_ssd(&mut self) -> Option<SsdTier> {
+        self.ssd.take()
+    }
+
+    /// Generated tokens between two checkpoints of a running sequence, when configured.
+    pub fn checkpoint_every(&self) -> Option<usize> {
+        self.ssd.as_ref()?.config().checkpoint_every
+    }
+
+    /// How long the MLX thread may sleep while idle before [`Self::demote_idle`] is due.
+    pub fn housekeeping_interval(&self) -> Option<Duration> {
+        let idle = self.ssd.as_ref()?.config().demote_idle?;
+        Some((idle / 2).clamp(Duration::from_millis(100), Duration::from_secs(1)))
+    }
+
+    /// Moves prefix-cache entries unused for `--ssd-demote-idle` out of memory (writing the
+    /// ones no file covers yet). Runs at most once per housekeeping interval.
+    pub fn demote_idle(&mut self) -> Result<(), Exception> {
+        let (Some(ssd), Some(every)) = (&self.ssd, self.housekeeping_interval()) else {
+            return Ok(());
+        };
+        let now = Instant::now();
+        if self
+            .demoted_at
+            .is_some_and(|t| now.duration_since(t) < every)
+        {
+            return Ok(());
+        }
+        self.demoted_at = Some(now);
+        let idle = ssd.config().demote_idle.expect("checked above");
+        let Some(cutoff) = now.checked_sub(idle) else {
+            return Ok(());
+        };
+        for (tokens, layers) in self.prefix.remove_unused_since(cutoff) {
+            ssd.queue(&tokens, &layers, EntryKind::Prefix)?;
+            ssd.counters().demoted.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(tokens = tokens.len(), "prefix demoted to the SSD tier");
+        }
+        Ok(())
+    }
+
+    /// Queues a running sequence's KV (the cache of `tokens`, `generated` of them past its
+    /// prompt) to the SSD tier, so that a resume after a crash restores it.
+    pub fn checkpoint(
+        &mut self,
+        tokens: &[u32],
+        layers: &[LayerKv],
+        generated: usize,
+    ) -> Result<(), Exception> {
+        let Some(ssd) = &self.ssd else {
+            return Ok(());
+        };
+        ssd.queue(
+            tokens,
+            layers,
+            EntryKind::Checkpoint {
+                generated: generated as u32,
+            },
+        )
     }
 
     pub fn layout(&self) -> KvLayout {
@@ -77,19 +157,55 @@ impl CacheManager {
         self.prefix.bytes()
     }
 
-    /// The longest cached prefix of `prompt`, leaving at least its last token to run.
+    /// The longest cached prefix of `prompt`, leaving at least its last token to run: from
+    /// memory, or restored from the SSD tier when a file there matches further.
     pub fn lookup(&mut self, prompt: &[u32]) -> Result<Option<PrefixHit>, Exception> {
         if !self.prefix.enabled() || prompt.len() < 2 {
             return Ok(None);
         }
+        let max = prompt.len() - 1;
+        let in_memory = self
+            .prefix
+            .lookup(prompt, max)
+            .map(|h| (h.matched, h.entry_len, h.payload.clone()));
+        let memory_matched = in_memory.as_ref().map_or(0, |m| m.0);
+        if let Some(ssd) = &self.ssd {
+            if let Some(m) = ssd
+                .lookup(prompt, max)
+                .filter(|m| m.matched > memory_matched)
+            {
+                if let Some(layers) = ssd.restore(&m)? {
+                    tracing::info!(
+                        tokens = m.matched,
+                        file = %m.name,
+                        "prefix restored from the SSD tier"
+                    );
+                    let bytes = layers
+                        .iter()
+                        .map(|(k, v)| (k.nbytes() + v.nbytes()) as u64)
+                        .sum();
+                    self.prefix.insert(m.tokens.clone(), layers.clone(), bytes);
+                    return self.hit(&layers, m.matched, m.entry_len).map(Some);
+                }
+            }
+        }
+        match in_memory {
+            Some((matched, entry_len, layers)) => self.hit(&layers, matched, entry_len).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// One-row caches holding the first `matched` of an entry's `entry_len` positions.
+    fn hit(
+        &self,
+        payload: &[LayerKv],
+        matched: usize,
+        entry_len: usize,
+    ) -> Result<PrefixHit, Exception> {
         let layout = self.layout;
-        let Some(hit) = self.prefix.lookup(prompt, prompt.len() - 1) else {
-            return Ok(None);
-        };
-        let n = hit.matched as i32;
-        let whole = hit.matched == hit.entry_len;
-        let layers = hit
-            .payload
+        let n = matched as i32;
+        let whole = matched == entry_len;
+        let layers = payload
             .iter()
             .map(|(k, v)| {
                 let (k, v) = if whole {
@@ -103,16 +219,16 @@ impl CacheManager {
                     Stored::Plain(_) => None,
                 };
                 let mut row = BatchKv::from_row(k, v, quant);
-                if let Some(q) = layout.at(hit.matched) {
+                if let Some(q) = layout.at(matched) {
                     row.quantize(q)?;
                 }
                 Ok(row)
             })
             .collect::<Result<_, Exception>>()?;
-        Ok(Some(PrefixHit {
-            tokens: hit.matched,
+        Ok(PrefixHit {
+            tokens: matched,
             layers,
-        }))
+        })
     }
 
     /// Keeps `layers` as the cache of `tokens` (evaluated now, so that they hold no reference
@@ -130,6 +246,9 @@ impl CacheManager {
             .iter()
             .map(|(k, v)| (k.nbytes() + v.nbytes()) as u64)
             .sum();
+        if let Some(ssd) = &self.ssd {
+            ssd.queue(&tokens, &layers, EntryKind::Prefix)?;
+        }
         self.prefix.insert(tokens, layers, bytes);
         Ok(())
     }

@@ -13,6 +13,7 @@ mod budget;
 mod dense;
 mod manager;
 mod prefix;
+pub mod ssd;
 mod stored;
 
 pub use batched::BatchKv;

@@ -6,6 +6,8 @@
 //! eviction under a byte budget, dropping entries made redundant by a longer one) is tested
 //! without MLX; the engine stores per-layer key/value arrays.
 
+use std::time::Instant;
+
 /// What a lookup found: the first `matched` tokens of the prompt are held by `payload`, whose
 /// entry covers `entry_len` tokens (`matched <= entry_len`).
 #[derive(Debug)]
@@ -21,6 +23,8 @@ struct Entry<T> {
     payload: T,
     bytes: u64,
     last_used: u64,
+    /// When it was stored or last matched (for demotion to the SSD tier).
+    used_at: Instant,
 }
 
 #[derive(Debug)]
@@ -75,6 +79,7 @@ impl<T> PrefixCache<T> {
         self.clock += 1;
         let entry = &mut self.entries[best];
         entry.last_used = self.clock;
+        entry.used_at = Instant::now();
         Some(PrefixLookup {
             matched,
             entry_len: entry.tokens.len(),
@@ -97,6 +102,7 @@ impl<T> PrefixCache<T> {
             .find(|e| e.tokens.len() >= tokens.len() && e.tokens.starts_with(&tokens))
         {
             cover.last_used = self.clock;
+            cover.used_at = Instant::now();
             return 0;
         }
         let before = self.entries.len();
@@ -106,6 +112,7 @@ impl<T> PrefixCache<T> {
             payload,
             bytes,
             last_used: self.clock,
+            used_at: Instant::now(),
         });
         self.recount();
         while self.bytes > self.budget {
@@ -120,6 +127,17 @@ impl<T> PrefixCache<T> {
             self.recount();
         }
         before + 1 - self.entries.len()
+    }
+
+    /// Removes the entries last used before `cutoff` and hands them back (demotion to the
+    /// SSD tier).
+    pub fn remove_unused_since(&mut self, cutoff: Instant) -> Vec<(Vec<u32>, T)> {
+        let (old, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.entries)
+            .into_iter()
+            .partition(|e| e.used_at < cutoff);
+        self.entries = kept;
+        self.recount();
+        old.into_iter().map(|e| (e.tokens, e.payload)).collect()
     }
 
     /// Drops every entry (after an out-of-memory error, say).
@@ -184,6 +202,20 @@ mod tests {
         assert!(c.lookup(&[2, 0], 1).is_none());
         assert!(c.lookup(&[1, 0], 1).is_some());
         assert_eq!(c.bytes(), 20);
+    }
+
+    #[test]
+    fn entries_unused_since_a_cutoff_are_handed_back() {
+        let mut c = PrefixCache::new(100);
+        let before = Instant::now();
+        c.insert(vec![1], "a", 10);
+        c.insert(vec![2], "b", 10);
+        assert!(c.remove_unused_since(before).is_empty());
+        let later = Instant::now() + std::time::Duration::from_secs(3600);
+        let mut gone = c.remove_unused_since(later);
+        gone.sort();
+        assert_eq!(gone, vec![(vec![1], "a"), (vec![2], "b")]);
+        assert_eq!((c.len(), c.bytes()), (0, 0));
     }
 
     #[test]

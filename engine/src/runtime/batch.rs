@@ -540,6 +540,25 @@ impl DecodeBatch {
         }
     }
 
+    /// Copies of the KV of running rows that generated `every` tokens or more since their
+    /// last checkpoint, with their generated counts (generation checkpoints).
+    pub fn checkpoints(&mut self, every: usize) -> Result<Vec<(RowKv, usize)>, Exception> {
+        let mut out = Vec::new();
+        for r in 0..self.rows.len() {
+            let seq = &self.rows[r];
+            let generated = seq.tokens.len() - seq.prompt_len;
+            if !seq.wants_more() || generated < seq.checkpointed + every {
+                continue;
+            }
+            if let Some(kv) = self.row_kv(r, seq)? {
+                let held = kv.0.len().saturating_sub(seq.prompt_len);
+                out.push((kv, held));
+            }
+            self.rows[r].checkpointed = generated;
+        }
+        Ok(out)
+    }
+
     fn filter(&mut self, keep: &[usize]) -> Result<(), Exception> {
         if let Some(Drafter::Model(m)) = self.spec.as_mut().map(|s| &mut s.drafter) {
             m.filter(keep)?;

@@ -49,6 +49,8 @@ pub(super) struct Executor<'m> {
     prefilling: Vec<Prefilling>,
     ready: Vec<Prefilled>,
     batch: DecodeBatch,
+    /// Waits for requests with a timeout while idle (SSD demotion is due even then).
+    timer: Option<tokio::runtime::Runtime>,
 }
 
 impl<'m> Executor<'m> {
@@ -79,6 +81,7 @@ impl<'m> Executor<'m> {
             prefilling: Vec::new(),
             ready: Vec::new(),
             batch,
+            timer: None,
         }
     }
 
@@ -97,7 +100,7 @@ impl<'m> Executor<'m> {
                 if !open {
                     return;
                 }
-                match rx.blocking_recv() {
+                match self.wait_for_request(&mut rx) {
                     Some(req) => self.waiting.push_back(req),
                     None => return,
                 }
@@ -126,7 +129,55 @@ impl<'m> Executor<'m> {
         let joining = std::mem::take(&mut self.ready);
         let departed = self.batch.step(self.model, joining)?;
         self.settle(departed)?;
-        self.prefill()
+        self.checkpoint()?;
+        self.prefill()?;
+        self.caches.demote_idle()
+    }
+
+    /// The next request, blocking while idle; with SSD demotion configured, the wait wakes
+    /// every housekeeping interval to demote idle prefix-cache entries.
+    fn wait_for_request(
+        &mut self,
+        rx: &mut mpsc::UnboundedReceiver<GenerateRequest>,
+    ) -> Option<GenerateRequest> {
+        let Some(every) = self.caches.housekeeping_interval() else {
+            return rx.blocking_recv();
+        };
+        if self.timer.is_none() {
+            match tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .build()
+            {
+                Ok(rt) => self.timer = Some(rt),
+                Err(e) => {
+                    tracing::warn!(error = %e, "no timer for SSD demotion while idle");
+                    return rx.blocking_recv();
+                }
+            }
+        }
+        loop {
+            let timer = self.timer.as_ref().expect("built above");
+            match timer.block_on(async { tokio::time::timeout(every, rx.recv()).await }) {
+                Ok(next) => return next,
+                Err(_) => {
+                    if let Err(e) = self.caches.demote_idle() {
+                        tracing::warn!(error = %e, "demoting idle prefixes failed");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Queues generation checkpoints of the running rows that are due
+    /// (`--generation-checkpoint`).
+    fn checkpoint(&mut self) -> Result<(), Exception> {
+        let Some(every) = self.caches.checkpoint_every() else {
+            return Ok(());
+        };
+        for ((tokens, layers), generated) in self.batch.checkpoints(every)? {
+            self.caches.checkpoint(&tokens, &layers, generated)?;
+        }
+        Ok(())
     }
 
     fn drop_cancelled_prefills(&mut self) {
@@ -350,13 +401,15 @@ impl<'m> Executor<'m> {
             }
         }
         let (plain, stored) = self.caches.bytes_per_token();
+        let ssd = self.caches.take_ssd();
         self.caches = CacheManager::new(
             self.caches.budget().limit(),
             self.caches.prefix_budget(),
             plain,
             stored,
             self.caches.layout(),
-        );
+        )
+        .with_ssd(ssd);
         if let GenerationError::OutOfMemory(message) = &error {
             for r in self.waiting.drain(..) {
                 let _ = r.events.send(TokenEvent::Failed(error.clone()));

@@ -29,6 +29,7 @@ use std::thread;
 
 use tokio::sync::mpsc;
 
+use crate::cache::ssd::{SsdConfig, SsdCounters, SsdHandle, SsdTier};
 use crate::cache::{CacheManager, KvLayout, KvQuant};
 use crate::loader::LoadError;
 use crate::models::{self, CausalLm, ModelInfo};
@@ -66,6 +67,8 @@ pub struct RuntimeLimits {
     pub quantized_kv_start: usize,
     /// Speculative decoding (`--draft`, `--draft-model`, `--num-draft-tokens`).
     pub speculation: Option<Speculation>,
+    /// The SSD KV tier and generation checkpoints (`--ssd-cache`, `--generation-checkpoint`).
+    pub ssd: Option<SsdConfig>,
 }
 
 impl Default for RuntimeLimits {
@@ -79,6 +82,7 @@ impl Default for RuntimeLimits {
             kv_quant: None,
             quantized_kv_start: 0,
             speculation: None,
+            ssd: None,
         }
     }
 }
@@ -93,6 +97,8 @@ pub struct RuntimeStats {
     /// Speculative drafts proposed and accepted since start.
     pub drafted: AtomicU64,
     pub accepted: AtomicU64,
+    /// The SSD tier's counters (all 0 without one).
+    pub ssd: Arc<SsdCounters>,
 }
 
 /// Called once, on the MLX thread, when MLX runs out of memory: the process cannot trust its
@@ -104,6 +110,8 @@ pub struct Runtime {
     pub work: WorkSender,
     pub info: ModelInfo,
     pub stats: Arc<RuntimeStats>,
+    /// Flushes the SSD tier's writes (the `Spill` control message).
+    pub ssd: Option<SsdHandle>,
     thread: thread::JoinHandle<()>,
 }
 
@@ -128,9 +136,28 @@ impl Runtime {
                 "a quantized KV start needs a quantized KV cache (--kv-bits)".into(),
             ));
         }
+        let stats = Arc::new(RuntimeStats::default());
+        let ssd = match &limits.ssd {
+            None => None,
+            Some(_) if limits.prompt_cache_bytes == 0 => {
+                return Err(LoadError::Config(
+                    "the SSD cache keeps prefix-cache entries: it needs a prompt cache \
+                     (--prompt-cache > 0)"
+                        .into(),
+                ))
+            }
+            Some(config) => Some(
+                SsdTier::open(config.clone(), &dir, limits.kv_quant, stats.ssd.clone()).map_err(
+                    |source| LoadError::Io {
+                        path: config.dir.clone(),
+                        source,
+                    },
+                )?,
+            ),
+        };
+        let ssd_handle = ssd.as_ref().map(SsdTier::handle);
         let (ready_tx, ready_rx) = std_mpsc::channel();
         let (work, rx) = mpsc::unbounded_channel();
-        let stats = Arc::new(RuntimeStats::default());
         let thread_stats = stats.clone();
         let thread = thread::Builder::new()
             .name("mlx".into())
@@ -177,7 +204,8 @@ impl Runtime {
                             quant: limits.kv_quant,
                             start: limits.quantized_kv_start,
                         },
-                    );
+                    )
+                    .with_ssd(ssd);
                     let scheduler = SchedulerLimits {
                         max_batch_size: limits.max_batch_size.max(1),
                         prefill_chunk: limits.prefill_chunk.max(1),
@@ -207,6 +235,7 @@ impl Runtime {
                 work,
                 info,
                 stats,
+                ssd: ssd_handle,
                 thread,
             }),
             Ok(Err(e)) => Err(e),

@@ -29,6 +29,8 @@ pub struct Sequence {
     pub accepted: usize,
     /// Recent acceptance, which decides whether the row is given drafts.
     pub acceptance: super::draft::adaptive::Acceptance,
+    /// Generated tokens covered by the last generation checkpoint.
+    pub checkpointed: usize,
     /// Which tokens may come next; while any row has one, its batch steps synchronously.
     pub constraint: Option<Box<dyn TokenConstraint>>,
     /// Alternatives to report per token when the request wants log-probabilities.
@@ -59,6 +61,7 @@ impl Sequence {
             drafted: 0,
             accepted: 0,
             acceptance: Default::default(),
+            checkpointed: 0,
             constraint: request.constraint,
             logprobs: request.logprobs,
             pending_logprobs: None,

@@ -193,12 +193,12 @@ async fn evicts_the_least_recently_used_idle_engine() {
     use_model(&pool, "c").await; // evicts b
     settle().await;
     assert_eq!(sim.spawns(), ["a", "b", "c"]);
-    assert_eq!(sim.events(), ["b Drain", "b stopped"]);
+    assert_eq!(sim.events(), ["b Spill", "b Drain", "b stopped"]);
     let st = states(&pool).await;
     assert_eq!((st["a"], st["b"], st["c"]), ("ready", "stopped", "ready"));
     use_model(&pool, "b").await; // evicts a (least recent now)
     settle().await;
-    assert_eq!(sim.events()[2..], ["a Drain", "a stopped"]);
+    assert_eq!(sim.events()[3..], ["a Spill", "a Drain", "a stopped"]);
 }
 
 #[tokio::test(start_paused = true)]
@@ -215,7 +215,7 @@ async fn evicts_for_memory_and_refuses_what_cannot_fit_with_numbers() {
     use_model(&pool, "a").await;
     use_model(&pool, "b").await;
     settle().await;
-    assert_eq!(sim.events(), ["a Drain", "a stopped"]);
+    assert_eq!(sim.events(), ["a Spill", "a Drain", "a stopped"]);
     match pool.acquire("huge").await {
         Err(ProxyError::InsufficientMemory {
             needed,
@@ -292,7 +292,7 @@ async fn idle_engines_unload_after_their_ttl() {
     assert_eq!(states(&pool).await["a"], "ready");
     tokio::time::sleep(Duration::from_secs(101)).await;
     assert_eq!(states(&pool).await["a"], "stopped");
-    assert_eq!(sim.events(), ["a Drain", "a stopped"]);
+    assert_eq!(sim.events(), ["a Spill", "a Drain", "a stopped"]);
     // The next request loads it again.
     use_model(&pool, "a").await;
     assert_eq!(sim.spawns(), ["a", "a"]);
@@ -368,7 +368,7 @@ async fn a_busy_engine_is_never_evicted_the_request_waits_then_gets_503() {
     drop(busy);
     waiting.await.unwrap().unwrap();
     assert_eq!(sim.spawns(), ["a", "b"]);
-    assert_eq!(sim.events(), ["a Drain", "a stopped"]);
+    assert_eq!(sim.events(), ["a Spill", "a Drain", "a stopped"]);
 }
 
 #[tokio::test(start_paused = true)]
@@ -380,11 +380,11 @@ async fn admin_unload_drains_after_in_flight_requests() {
         async move { pool.unload("a").await }
     });
     tokio::time::sleep(Duration::from_secs(1)).await;
-    assert_eq!(sim.events(), ["a Drain"]);
+    assert_eq!(sim.events(), ["a Spill", "a Drain"]);
     assert_eq!(states(&pool).await["a"], "draining");
     drop(lease);
     unload.await.unwrap().unwrap();
-    assert_eq!(sim.events(), ["a Drain", "a stopped"]);
+    assert_eq!(sim.events(), ["a Spill", "a Drain", "a stopped"]);
     let st = pool.status().await;
     assert_eq!(st[0].availability, "unloaded");
     // A request after the unload loads it again.

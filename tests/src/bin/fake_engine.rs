@@ -25,7 +25,7 @@ use mlxd_ipc::control::{
     set_parent_death_signal, ChildChannel, ControlSender, ParentEvent, CONTROL_FLAG,
 };
 use mlxd_ipc::socket::bind_unix;
-use mlxd_protocol::control::{FatalKind, Ready, Stats, PROTOCOL_VERSION};
+use mlxd_protocol::control::{ChildMsg, FatalKind, Ready, Stats, PROTOCOL_VERSION};
 use mlxd_protocol::error::{ErrorBody, ErrorType};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
@@ -268,6 +268,7 @@ async fn run(
                     memory_bytes: memory,
                     drafted_tokens: 0,
                     accepted_tokens: 0,
+                    ssd: Default::default(),
                 });
                 if shutting_down && active == 0 {
                     script.event("shutdown complete");
@@ -278,6 +279,10 @@ async fn run(
                 Some(ParentEvent::Drain) => {
                     script.event("drain");
                     engine.draining.store(true, Ordering::Relaxed);
+                }
+                // No SSD tier: nothing to write.
+                Some(ParentEvent::Spill) => {
+                    let _ = tx.send(&ChildMsg::Spilled(Default::default()));
                 }
                 Some(ParentEvent::Shutdown) => {
                     script.event("shutdown requested");

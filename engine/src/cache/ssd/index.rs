@@ -1,0 +1,192 @@
+//! What the SSD tier holds: one record per file (its tokens, size and when it was last
+//! used), the longest-prefix lookup over them, and the size cap's eviction, oldest first.
+//! Pure: the writer applies the deletions it returns.
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IndexEntry {
+    /// The file's name in the tier's directory.
+    pub name: String,
+    pub tokens: Vec<u32>,
+    pub bytes: u64,
+    /// Last written or restored, on the tier's clock (file modification times at start-up).
+    pub used: u64,
+}
+
+#[derive(Debug, Default)]
+pub struct Index {
+    entries: Vec<IndexEntry>,
+    /// Bytes the files may take; `None` is unlimited.
+    cap: Option<u64>,
+    bytes: u64,
+}
+
+impl Index {
+    pub fn new(cap: Option<u64>) -> Self {
+        Self {
+            entries: Vec::new(),
+            cap,
+            bytes: 0,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    pub fn entries(&self) -> &[IndexEntry] {
+        &self.entries
+    }
+
+    /// True when an entry already holds `tokens` (it or a longer sequence that starts with
+    /// them): writing them again would add nothing.
+    pub fn covers(&self, tokens: &[u32]) -> bool {
+        self.entries.iter().any(|e| e.tokens.starts_with(tokens))
+    }
+
+    /// The entry sharing the longest prefix with `tokens`, the match capped at `max_match`;
+    /// ties go to the shorter file (less to read).
+    pub fn lookup(&self, tokens: &[u32], max_match: usize) -> Option<(&IndexEntry, usize)> {
+        self.entries
+            .iter()
+            .map(|e| (e, common_prefix(&e.tokens, tokens).min(max_match)))
+            .filter(|&(_, m)| m > 0)
+            .max_by_key(|&(e, m)| (m, std::cmp::Reverse(e.tokens.len())))
+    }
+
+    /// Marks `name` used at `now` (a restore), so the cap evicts it later.
+    pub fn touch(&mut self, name: &str, now: u64) {
+        if let Some(e) = self.entries.iter_mut().find(|e| e.name == name) {
+            e.used = e.used.max(now);
+        }
+    }
+
+    /// Adds a written file. Entries whose tokens are a prefix of the new one are redundant,
+    /// and the oldest are evicted while the files exceed the cap (never the new one: a file
+    /// larger than the cap is evicted at once). Returns the names of the files to delete.
+    pub fn insert(&mut self, entry: IndexEntry) -> Vec<String> {
+        let mut removed = Vec::new();
+        self.entries.retain(|e| {
+            let redundant = e.name == entry.name || entry.tokens.starts_with(&e.tokens);
+            if redundant && e.name != entry.name {
+                removed.push(e.name.clone());
+            }
+            !redundant
+        });
+        let fits = self.cap.is_none_or(|cap| entry.bytes <= cap);
+        let name = entry.name.clone();
+        self.entries.push(entry);
+        if !fits {
+            self.remove(&name);
+            removed.push(name);
+        }
+        self.recount();
+        removed.extend(self.evict_over_cap());
+        removed
+    }
+
+    /// Forgets `name` (deleted, or found invalid).
+    pub fn remove(&mut self, name: &str) -> Option<IndexEntry> {
+        let i = self.entries.iter().position(|e| e.name == name)?;
+        let e = self.entries.swap_remove(i);
+        self.recount();
+        Some(e)
+    }
+
+    /// Oldest-first eviction down to the cap; returns the evicted names.
+    fn evict_over_cap(&mut self) -> Vec<String> {
+        let Some(cap) = self.cap else {
+            return Vec::new();
+        };
+        let mut evicted = Vec::new();
+        while self.bytes > cap {
+            let Some(oldest) = self
+                .entries
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, e)| e.used)
+                .map(|(i, _)| i)
+            else {
+                break;
+            };
+            evicted.push(self.entries.swap_remove(oldest).name);
+            self.recount();
+        }
+        evicted
+    }
+
+    fn recount(&mut self) {
+        self.bytes = self.entries.iter().map(|e| e.bytes).sum();
+    }
+}
+
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(name: &str, tokens: &[u32], bytes: u64, used: u64) -> IndexEntry {
+        IndexEntry {
+            name: name.into(),
+            tokens: tokens.to_vec(),
+            bytes,
+            used,
+        }
+    }
+
+    #[test]
+    fn finds_the_longest_prefix_capped() {
+        let mut ix = Index::new(None);
+        ix.insert(entry("a", &[1, 2, 3], 10, 1));
+        ix.insert(entry("b", &[1, 2, 9, 9], 10, 2));
+        let (e, m) = ix.lookup(&[1, 2, 3, 4], 3).unwrap();
+        assert_eq!((e.name.as_str(), m), ("a", 3));
+        let (e, m) = ix.lookup(&[1, 2, 3], 2).unwrap();
+        // Both match two tokens: the shorter file wins.
+        assert_eq!((e.name.as_str(), m), ("a", 2));
+        assert!(ix.lookup(&[5], 1).is_none());
+        assert!(ix.covers(&[1, 2]));
+        assert!(!ix.covers(&[1, 2, 3, 4]));
+    }
+
+    #[test]
+    fn a_longer_entry_makes_its_prefixes_redundant() {
+        let mut ix = Index::new(None);
+        ix.insert(entry("turn1", &[1, 2], 10, 1));
+        ix.insert(entry("other", &[5], 10, 2));
+        let removed = ix.insert(entry("turn2", &[1, 2, 3], 20, 3));
+        assert_eq!(removed, vec!["turn1".to_string()]);
+        assert_eq!((ix.len(), ix.bytes()), (2, 30));
+        // The same name again replaces the record without deleting the file.
+        assert!(ix.insert(entry("turn2", &[1, 2, 3], 25, 4)).is_empty());
+        assert_eq!((ix.len(), ix.bytes()), (2, 35));
+    }
+
+    #[test]
+    fn the_cap_evicts_the_oldest_first() {
+        let mut ix = Index::new(Some(30));
+        ix.insert(entry("old", &[1], 10, 1));
+        ix.insert(entry("mid", &[2], 10, 2));
+        ix.insert(entry("new", &[3], 10, 3));
+        ix.touch("old", 4); // restored: now the most recent
+        assert_eq!(ix.insert(entry("newest", &[4], 10, 5)), vec!["mid"]);
+        assert_eq!(
+            ix.insert(entry("big", &[5], 25, 6)),
+            vec!["new", "old", "newest"]
+        );
+        assert_eq!(ix.bytes(), 25);
+        // Larger than the cap: deleted at once, the rest kept.
+        assert_eq!(ix.insert(entry("huge", &[6], 31, 7)), vec!["huge"]);
+        assert_eq!(ix.len(), 1);
+    }
+}
