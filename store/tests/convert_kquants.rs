@@ -79,7 +79,11 @@ fn k_quants_convert_exactly_or_within_the_reported_error() {
                 out.to_str().unwrap(),
             ]);
             assert!(
-                stdout.contains("weights: 21 GGUF tensors checked"),
+                stdout.contains("weights: 22 GGUF tensors checked"),
+                "{stdout}"
+            );
+            assert!(
+                stdout.contains("rope_freqs: 32 factors reproduced"),
                 "{stdout}"
             );
         }
@@ -100,6 +104,10 @@ fn k_quants_convert_exactly_or_within_the_reported_error() {
     assert_eq!(bits("model.layers.1.self_attn.o_proj"), Some(5));
     assert_eq!(q["model.layers.1.self_attn.k_proj"], false);
     assert!(q.get("model.embed_tokens").is_none());
+    // llama.cpp's rope_freqs tensor (Llama 3.1) comes back as rope_scaling.
+    assert_eq!(config["rope_scaling"]["rope_type"], "llama3");
+    assert_eq!(config["rope_scaling"]["factor"], 8.0);
+    assert_eq!(config["rope_theta"], 500000.0);
     let stamp = read_json(tmp.path().join("Q4_K_M-f32/mlxd-convert.json"));
     assert_eq!(stamp["tensor_types"]["Q4_K"]["exact"], true);
     assert_eq!(stamp["tensor_types"]["Q6_K"]["exact"], false);

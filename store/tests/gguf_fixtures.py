@@ -182,6 +182,24 @@ def spm_vocab(w, reference, work):
     return len(tokens)
 
 
+def llama3_rope_factors(base, factor, low=1.0, high=4.0, old_len=8192):
+    """convert_hf_to_gguf.py's rope_freqs for Llama 3 rope scaling."""
+    import math
+
+    freqs = 1.0 / (base ** (np.arange(0, HEAD_DIM, 2, dtype=np.float32) / HEAD_DIM))
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_len / high:
+            out.append(1)
+        elif wavelen > old_len / low:
+            out.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
 def random_blocks(rng, qtype, rows, cols):
     """Valid random blocks of a type the `gguf` package cannot quantize."""
     import gguf
@@ -244,7 +262,10 @@ def write(out, mix, vocab_kind):
     w.add_feed_forward_length(FFN)
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
-    w.add_rope_freq_base(10000.0)
+    # The Llama 3 vocabulary comes with Llama 3.1's rope: theta 500000 and the rope_freqs
+    # factors convert_hf_to_gguf.py writes for rope_scaling factor 8.
+    base = 500000.0 if vocab_kind == "llama-bpe" else 10000.0
+    w.add_rope_freq_base(base)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M if mix == "Q4_K_M" else gguf.LlamaFileType.ALL_F32)
     reference = []
@@ -266,6 +287,8 @@ def write(out, mix, vocab_kind):
         w.add_tensor(name, (1.0 + rng.normal(0, 0.1, HIDDEN)).astype(np.float32))
 
     matrix("token_embd.weight", "token_embd", None, n_vocab, HIDDEN)
+    if vocab_kind == "llama-bpe":
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(base, 8.0))
     for l in range(LAYERS):
         norm(f"blk.{l}.attn_norm.weight")
         matrix(f"blk.{l}.attn_q.weight", "attn_q", l, HEADS * HEAD_DIM, HIDDEN)
@@ -312,6 +335,10 @@ def check_weights(gguf_path, out_dir):
     used = set()
     for t in reader.tensors:
         base = t.name[: -len(".weight")]
+        if base == "rope_freqs":
+            # Becomes config.json's rope_scaling: the same factors from mlx-lm's formula.
+            check_rope(t, config)
+            continue
         if base.startswith("blk."):
             _, layer, part = base.split(".")
             module = f"model.layers.{layer}.{NAMES[part]}"
@@ -347,6 +374,7 @@ def check_weights(gguf_path, out_dir):
         m["ref_sq"] += float((ref.astype(np.float64) ** 2).sum())
         m["n"] += err.size
     assert used == set(w.keys()), sorted(set(w.keys()) - used)
+    measured.pop("rope_freqs", None)
     assert set(measured) == set(stamp), (sorted(measured), sorted(stamp))
     for name, m in sorted(measured.items()):
         s = stamp[name]
@@ -362,6 +390,20 @@ def check_weights(gguf_path, out_dir):
             f"max abs error {m['max']:.3e}, RMS error {rms:.3e}, relative RMS {rel:.3e}")
         print(f"{name}: {m['n']} elements -> {s['output']}: {verdict} (mx.dequantize vs gguf.quants)")
     print(f"weights: {len(reader.tensors)} GGUF tensors checked")
+
+
+def check_rope(t, config):
+    from mlx_lm.models.rope_utils import initialize_rope
+
+    import mlx.core as mx
+
+    rs = config["rope_scaling"]
+    rope = initialize_rope(config["head_dim"], config["rope_theta"], False, rs,
+                           config["max_position_embeddings"])
+    base_freqs = config["rope_theta"] ** (np.arange(0, config["head_dim"], 2) / config["head_dim"])
+    factors = np.array(rope._freqs.astype(mx.float32)) / base_freqs
+    assert np.allclose(factors, np.array(t.data, dtype=np.float64), rtol=1e-4), (factors, t.data)
+    print(f"rope_freqs: {len(t.data)} factors reproduced by mlx-lm's llama3 rope ({rs})")
 
 
 def check_tokenizer(gguf_path, out_dir):

@@ -213,6 +213,10 @@ fn convert_tensors(
     }
 
     for info in &g.tensors {
+        if info.name == llama::ROPE_FREQS {
+            // Read into config.json's rope_scaling by `LlamaParams::from_gguf`.
+            continue;
+        }
         let role = llama::tensor_role(p, &info.name)?;
         let hf_shape: Vec<usize> = info.dims.iter().rev().map(|&d| d as usize).collect();
         if hf_shape != role.shape {
@@ -720,6 +724,32 @@ pub(crate) mod tests {
         assert_eq!(t32["model.norm.weight"].0, Dtype::F32);
         assert_eq!(t32["lm_head.scales"].0, Dtype::F32);
         assert_eq!(t32["lm_head.weight"].2, t["lm_head.weight"].2);
+    }
+
+    #[test]
+    fn rope_freqs_become_rope_scaling_or_a_clear_error() {
+        let tmp = tempfile::tempdir().unwrap();
+        let factors = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|f| f.to_le_bytes()).collect() };
+        // All ones: no scaling.
+        let mut b = tiny_llama(false, None);
+        b.tensor(llama::ROPE_FREQS, &[16], 0, factors(&[1.0; 16]));
+        let src = tmp.path().join("ones.gguf");
+        b.write(&src);
+        convert_gguf(&src, &tmp.path().join("ones")).unwrap();
+        let (config, _) = load(&tmp.path().join("ones"));
+        assert!(config.get("rope_scaling").is_none(), "{config}");
+        // Factors no Llama 3 scaling produces.
+        let mut b = tiny_llama(false, None);
+        b.tensor(llama::ROPE_FREQS, &[16], 0, factors(&[2.0; 16]));
+        let src = tmp.path().join("odd.gguf");
+        b.write(&src);
+        let e = convert_gguf(&src, &tmp.path().join("odd")).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("does not match Llama 3 rope scaling"),
+            "{e}"
+        );
+        assert!(!tmp.path().join("odd").exists());
     }
 
     #[test]

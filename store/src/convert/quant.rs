@@ -217,9 +217,12 @@ pub fn map_two_scales(
     let q = v.map(|x| ((4.0 * x as f32 / m).round() + 128.0).clamp(0.0, 255.0) as u8);
     let s = d * m / 4.0;
     candidates.push((q, s, -128.0 * s));
+    // hi > lo here: equal values make a one-point lattice, which the first candidate takes.
     let span = (hi - lo) as f32;
-    let q = v.map(|x| ((x - lo) as f32 * 255.0 / span).round().clamp(0.0, 255.0) as u8);
-    candidates.push((q, d * span / 255.0, d * lo as f32));
+    if span > 0.0 {
+        let q = v.map(|x| ((x - lo) as f32 * 255.0 / span).round().clamp(0.0, 255.0) as u8);
+        candidates.push((q, d * span / 255.0, d * lo as f32));
+    }
 
     let mut best: Option<(f32, AffineGroup)> = None;
     for (q, s, b) in candidates {

@@ -254,7 +254,8 @@ pub fn build(g: &GgufFile, model_max_length: usize) -> Result<TokenizerFiles, Co
                     "vocab": vocab,
                     "merges": merges
                 });
-                let class = if pre == "llama-bpe" || pre.starts_with("llama") {
+                // Meta's own tokenizer_config.json names the generic fast tokenizer.
+                let class = if ignore_merges {
                     "PreTrainedTokenizerFast"
                 } else {
                     "GPT2Tokenizer"
