@@ -1,5 +1,6 @@
 //! GGUF files that llama.cpp's own `gguf` Python package writes (`gguf_fixtures.py write`):
-//! tiny Llamas in Q4_K, Q5_K, Q6_K, Q8_0 and a Q4_K_M-style mix, with a Llama 3 (`llama-bpe`)
+//! tiny Llamas in Q4_K, Q5_K, Q6_K, Q8_0 and a Q4_K_M-style mix (which also holds Q5_0, Q5_1,
+//! Q4_0, Q4_1 and F16 tensors), with a Llama 3 (`llama-bpe`)
 //! or SentencePiece (Llama 2 style) vocabulary. Each is converted here and checked
 //! independently: every tensor against `gguf.quants.dequantize` through `mx.dequantize`
 //! (`gguf_fixtures.py check-weights`), and the tokenizer, through the Rust `tokenizers` crate
@@ -68,7 +69,12 @@ fn k_quants_convert_exactly_or_within_the_reported_error() {
                 // GGML's own f16 are. Q6_K adds well under 1% of the weights' RMS.
                 let exact = match float_dtype {
                     FloatDtype::F32 => ty != "Q6_K",
-                    FloatDtype::F16 => matches!(ty.as_str(), "Q8_0" | "Q5_0" | "F16"),
+                    FloatDtype::F16 => {
+                        matches!(
+                            ty.as_str(),
+                            "Q8_0" | "Q5_0" | "Q5_1" | "Q4_0" | "Q4_1" | "F16"
+                        )
+                    }
                 };
                 assert_eq!(t.error.is_exact(), exact, "{mix} {tag} {ty}: {t:?}");
                 assert!(t.error.relative_rms() < 5e-3, "{mix} {tag} {ty}: {t:?}");
@@ -102,6 +108,8 @@ fn k_quants_convert_exactly_or_within_the_reported_error() {
     assert_eq!(bits("model.layers.0.mlp.down_proj"), Some(8));
     assert_eq!(bits("model.layers.1.mlp.down_proj"), Some(5));
     assert_eq!(bits("model.layers.1.self_attn.o_proj"), Some(5));
+    assert_eq!(bits("model.layers.1.self_attn.q_proj"), Some(5));
+    assert!(q.get("model.layers.1.mlp.gate_proj").is_none());
     assert_eq!(q["model.layers.1.self_attn.k_proj"], false);
     assert!(q.get("model.embed_tokens").is_none());
     // llama.cpp's rope_freqs tensor (Llama 3.1) comes back as rope_scaling.

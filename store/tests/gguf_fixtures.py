@@ -7,8 +7,8 @@ usage:
   gguf_fixtures.py write <out.gguf> <mix> <vocab>
       A two-layer Llama (hidden 256, 4 heads, 2 KV heads, FFN 512) with random weights.
       <mix>: Q4_K, Q5_K, Q6_K, Q8_0 (every matrix that type) or Q4_K_M (llama.cpp's mix:
-      Q4_K with Q6_K, Q5_K, Q8_0, Q5_0 and F16 tensors). Q8_0 and Q5_0 blocks come from
-      `gguf.quants.quantize`; the package only dequantizes K-quants, so their blocks are random
+      Q4_K with Q6_K, Q5_K, Q8_0, Q5_0 and F16 tensors, plus Q5_1, Q4_0 and Q4_1 ones).
+      Blocks of the 32-weight types come from `gguf.quants.quantize`; the package only dequantizes K-quants, so their blocks are random
       bytes with realistic super-block scales (every bit pattern of the rest is a valid block).
       <vocab>: llama-bpe (a byte-level BPE trained here with Llama 3's pre-tokenizer) or spm
       (a SentencePiece BPE model with byte fallback trained here, Llama 2 style). Writes
@@ -245,6 +245,8 @@ def mix_types(mix):
         ("attn_v", 0): T.Q6_K, ("attn_v", 1): T.Q8_0,
         ("ffn_down", 0): T.Q6_K, ("ffn_down", 1): T.Q5_K,
         ("attn_k", 1): T.F16, ("attn_output", 1): T.Q5_0,
+        # The legacy 32-weight types, which older and fallback tensors still use.
+        ("attn_q", 1): T.Q5_1, ("ffn_gate", 1): T.Q4_0, ("ffn_up", 1): T.Q4_1,
     }
     return lambda part, layer: table.get((part, layer), T.Q4_K)
 

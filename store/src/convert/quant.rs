@@ -204,28 +204,28 @@ pub fn map_two_scales(
 ) -> Result<AffineGroup, ConvertError> {
     let v: [i32; GROUP] = std::array::from_fn(|i| sc[i / 16] as i32 * k[i] as i32);
     let (lo, hi) = (*v.iter().min().unwrap(), *v.iter().max().unwrap());
-    let mut candidates: Vec<AffineGroup> = Vec::with_capacity(3);
     let g = v.iter().fold(0, |g, &x| gcd(g, x.unsigned_abs()));
     if g == 0 {
         return Ok(([0; GROUP], 0.0, 0.0));
     }
+    let mut candidates: [Option<AffineGroup>; 3] = [None, None, None];
     if ((hi - lo) as u32) / g <= 255 {
         let q = v.map(|x| ((x - lo) as u32 / g) as u8);
-        candidates.push((q, d * g as f32, d * lo as f32));
+        candidates[0] = Some((q, d * g as f32, d * lo as f32));
     }
     let m = sc[0].unsigned_abs().max(sc[1].unsigned_abs()) as f32;
     let q = v.map(|x| ((4.0 * x as f32 / m).round() + 128.0).clamp(0.0, 255.0) as u8);
     let s = d * m / 4.0;
-    candidates.push((q, s, -128.0 * s));
-    // hi > lo here: equal values make a one-point lattice, which the first candidate takes.
+    candidates[1] = Some((q, s, -128.0 * s));
+    // Equal values make a one-point lattice, which the first candidate takes.
     let span = (hi - lo) as f32;
     if span > 0.0 {
         let q = v.map(|x| ((x - lo) as f32 * 255.0 / span).round().clamp(0.0, 255.0) as u8);
-        candidates.push((q, d * span / 255.0, d * lo as f32));
+        candidates[2] = Some((q, d * span / 255.0, d * lo as f32));
     }
 
     let mut best: Option<(f32, AffineGroup)> = None;
-    for (q, s, b) in candidates {
+    for (q, s, b) in candidates.into_iter().flatten() {
         let (s, b) = (
             stored(name, "scale", s, dtype)?,
             stored(name, "bias", b, dtype)?,
@@ -235,7 +235,9 @@ pub fn map_two_scales(
             best = Some((e, (q, s, b)));
         }
     }
-    Ok(best.expect("at least one candidate").1)
+    Ok(best
+        .expect("the larger sub-block's lattice is always a candidate")
+        .1)
 }
 
 /// Checks that `data` holds `rows` rows of `cols` elements of `ty`, and that `row_order` is a
