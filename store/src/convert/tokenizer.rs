@@ -71,7 +71,7 @@ const SPM_SPACE: &str = "\u{2581}";
 /// Which vocabulary a GGUF holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
-    /// Byte-level BPE; the pre-tokenizer JSON and whether whole-word hits skip the merges.
+    /// Byte-level BPE (`gpt2`).
     ByteLevel,
     /// SentencePiece BPE with scores.
     SentencePiece,
@@ -145,6 +145,223 @@ fn spm_merges(v: &Vocab, scores: &[f32]) -> Vec<String> {
     ranked.into_iter().map(|(_, _, _, m)| m).collect()
 }
 
+/// The parts of tokenizer.json and tokenizer_config.json that depend on the kind.
+struct Pipeline {
+    pre_tokenizer: Value,
+    normalizer: Value,
+    decoder: Value,
+    /// The `model` section (a BPE).
+    model: Value,
+    /// The post-processor's step before BOS/EOS are added, if any.
+    post_first: Option<Value>,
+    /// Whether BOS is added when `tokenizer.ggml.add_bos_token` does not say.
+    add_bos_default: bool,
+    class: &'static str,
+}
+
+/// GPT-2's byte-level step; `trim_offsets` in the pre-tokenizer and decoder, not in the
+/// post-processor.
+fn byte_level(trim_offsets: bool) -> Value {
+    json!({
+        "type": "ByteLevel",
+        "add_prefix_space": false,
+        "trim_offsets": trim_offsets,
+        "use_regex": true
+    })
+}
+
+/// Byte-level BPE with the pre-tokenizer `pre` and the file's merges.
+fn byte_level_pipeline(
+    g: &GgufFile,
+    pre: &str,
+    v: &Vocab,
+    vocab: Map<String, Value>,
+) -> Result<Pipeline, ConvertError> {
+    let (pre_tokenizer, ignore_merges) = match pre {
+        "smollm" => (
+            json!({
+                "type": "Sequence",
+                "pretokenizers": [
+                    {"type": "Digits", "individual_digits": true},
+                    byte_level(true)
+                ]
+            }),
+            false,
+        ),
+        "gpt-2" | "default" => (byte_level(true), false),
+        "llama-bpe" | "llama3" | "llama-v3" => (
+            json!({
+                "type": "Sequence",
+                "pretokenizers": [
+                    {
+                        "type": "Split",
+                        "pattern": {"Regex": LLAMA3_PATTERN},
+                        "behavior": "Isolated",
+                        "invert": false
+                    },
+                    {
+                        "type": "ByteLevel",
+                        "add_prefix_space": false,
+                        "trim_offsets": true,
+                        "use_regex": false
+                    }
+                ]
+            }),
+            true,
+        ),
+        other => {
+            return Err(err(format!(
+                "tokenizer.ggml.pre {other:?} is not supported for byte-level BPE (supported: \"llama-bpe\", \"smollm\", \"gpt-2\", \"default\")"
+            )))
+        }
+    };
+    let merges = strings(g, "tokenizer.ggml.merges")?;
+    for (i, m) in merges.iter().enumerate() {
+        let parts: Vec<&str> = m.split(' ').collect();
+        if parts.len() != 2 || parts.iter().any(|p| !v.seen.contains_key(p)) {
+            return Err(err(format!(
+                "tokenizer.ggml.merges[{i}] {m:?} is not two known tokens separated by one space"
+            )));
+        }
+        if !v
+            .seen
+            .contains_key(format!("{}{}", parts[0], parts[1]).as_str())
+        {
+            return Err(err(format!(
+                "tokenizer.ggml.merges[{i}] {m:?} merges into a token that is not in the vocabulary"
+            )));
+        }
+    }
+    let model = json!({
+        "type": "BPE",
+        "dropout": null,
+        "unk_token": null,
+        "continuing_subword_prefix": null,
+        "end_of_word_suffix": null,
+        "fuse_unk": false,
+        "byte_fallback": false,
+        "ignore_merges": ignore_merges,
+        "vocab": vocab,
+        "merges": merges
+    });
+    // Meta's own tokenizer_config.json names the generic fast tokenizer.
+    let class = if ignore_merges {
+        "PreTrainedTokenizerFast"
+    } else {
+        "GPT2Tokenizer"
+    };
+    Ok(Pipeline {
+        pre_tokenizer,
+        normalizer: Value::Null,
+        decoder: byte_level(true),
+        model,
+        post_first: Some(byte_level(false)),
+        // GGUF's default for byte-level BPE is no BOS.
+        add_bos_default: false,
+        class,
+    })
+}
+
+/// SentencePiece BPE from the pieces and their scores; sets `unk_id` from the token types
+/// when the file names none.
+fn sentencepiece_pipeline(
+    g: &GgufFile,
+    v: &Vocab,
+    vocab: Map<String, Value>,
+    unk_id: &mut Option<u32>,
+) -> Result<Pipeline, ConvertError> {
+    let (tokens, types, n) = (&v.tokens, &v.types, v.tokens.len());
+    if g.opt_bool("tokenizer.ggml.remove_extra_whitespaces")? == Some(true) {
+        return Err(err(
+            "tokenizer.ggml.remove_extra_whitespaces is true; collapsing whitespace as SentencePiece does is not supported".into(),
+        ));
+    }
+    if g.get("tokenizer.ggml.precompiled_charsmap").is_some() {
+        return Err(err(
+            "tokenizer.ggml.precompiled_charsmap is set; SentencePiece normalization rules are not supported".into(),
+        ));
+    }
+    let scores: Vec<f32> = g
+        .array("tokenizer.ggml.scores")?
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            s.as_f64().map(|s| s as f32).ok_or_else(|| {
+                err(format!(
+                    "tokenizer.ggml.scores[{i}] is a {}, expected a number",
+                    s.type_name()
+                ))
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    if scores.len() != n {
+        return Err(err(format!(
+            "tokenizer.ggml.scores has {} entries for {n} tokens",
+            scores.len()
+        )));
+    }
+    if unk_id.is_none() {
+        *unk_id = types
+            .iter()
+            .position(|&t| t == TYPE_UNKNOWN)
+            .map(|i| i as u32);
+    }
+    let byte_fallback = types.contains(&TYPE_BYTE);
+    if byte_fallback {
+        for b in 0..=255u8 {
+            let t = format!("<0x{b:02X}>");
+            if !v.seen.contains_key(t.as_str()) {
+                return Err(err(format!(
+                    "the vocabulary has byte tokens but not {t}, so byte fallback cannot be complete"
+                )));
+            }
+        }
+    }
+    let add_space_prefix = g
+        .opt_bool("tokenizer.ggml.add_space_prefix")?
+        .unwrap_or(true);
+    let replace_space =
+        json!({"type": "Replace", "pattern": {"String": " "}, "content": SPM_SPACE});
+    let normalizer = if add_space_prefix {
+        json!({"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": SPM_SPACE},
+            replace_space
+        ]})
+    } else {
+        replace_space
+    };
+    let mut steps = vec![
+        json!({"type": "Replace", "pattern": {"String": SPM_SPACE}, "content": " "}),
+        json!({"type": "ByteFallback"}),
+        json!({"type": "Fuse"}),
+    ];
+    if add_space_prefix {
+        steps.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+    }
+    let model = json!({
+        "type": "BPE",
+        "dropout": null,
+        "unk_token": unk_id.map(|i| tokens[i as usize]),
+        "continuing_subword_prefix": null,
+        "end_of_word_suffix": null,
+        "fuse_unk": true,
+        "byte_fallback": byte_fallback,
+        "ignore_merges": false,
+        "vocab": vocab,
+        "merges": spm_merges(v, &scores)
+    });
+    Ok(Pipeline {
+        pre_tokenizer: Value::Null,
+        normalizer,
+        decoder: json!({"type": "Sequence", "decoders": steps}),
+        model,
+        post_first: None,
+        // llama.cpp's default for SentencePiece is a BOS.
+        add_bos_default: true,
+        class: "PreTrainedTokenizerFast",
+    })
+}
+
 /// Builds both files. `model_max_length` is the model's context length.
 pub fn build(g: &GgufFile, model_max_length: usize) -> Result<TokenizerFiles, ConvertError> {
     let model = g.str("tokenizer.ggml.model")?;
@@ -161,12 +378,6 @@ pub fn build(g: &GgufFile, model_max_length: usize) -> Result<TokenizerFiles, Co
         None => "default",
         Some(_) => g.str("tokenizer.ggml.pre")?,
     };
-    let byte_level = json!({
-        "type": "ByteLevel",
-        "add_prefix_space": false,
-        "trim_offsets": true,
-        "use_regex": true
-    });
     let v = read_vocab(g)?;
     let n = v.tokens.len();
     let tokens = &v.tokens;
@@ -182,189 +393,10 @@ pub fn build(g: &GgufFile, model_max_length: usize) -> Result<TokenizerFiles, Co
     let mut unk_id = token_id(g, "tokenizer.ggml.unknown_token_id", n)?;
     let pad_id = token_id(g, "tokenizer.ggml.padding_token_id", n)?;
 
-    // (pre_tokenizer, normalizer, decoder, the BPE model, the post-processor's first step,
-    // add_bos default, tokenizer_class)
-    let (pre_tokenizer, normalizer, decoder, bpe_model, post_first, add_bos_default, class) =
-        match kind {
-            Kind::ByteLevel => {
-                let (pre_tokenizer, ignore_merges) = match pre {
-                    "smollm" => (
-                        json!({
-                            "type": "Sequence",
-                            "pretokenizers": [
-                                {"type": "Digits", "individual_digits": true},
-                                byte_level.clone()
-                            ]
-                        }),
-                        false,
-                    ),
-                    "gpt-2" | "default" => (byte_level.clone(), false),
-                    "llama-bpe" | "llama3" | "llama-v3" => (
-                        json!({
-                            "type": "Sequence",
-                            "pretokenizers": [
-                                {
-                                    "type": "Split",
-                                    "pattern": {"Regex": LLAMA3_PATTERN},
-                                    "behavior": "Isolated",
-                                    "invert": false
-                                },
-                                {
-                                    "type": "ByteLevel",
-                                    "add_prefix_space": false,
-                                    "trim_offsets": true,
-                                    "use_regex": false
-                                }
-                            ]
-                        }),
-                        true,
-                    ),
-                    other => {
-                        return Err(err(format!(
-                            "tokenizer.ggml.pre {other:?} is not supported for byte-level BPE (supported: \"llama-bpe\", \"smollm\", \"gpt-2\", \"default\")"
-                        )))
-                    }
-                };
-                let merges = strings(g, "tokenizer.ggml.merges")?;
-                for (i, m) in merges.iter().enumerate() {
-                    let parts: Vec<&str> = m.split(' ').collect();
-                    if parts.len() != 2 || parts.iter().any(|p| !v.seen.contains_key(p)) {
-                        return Err(err(format!(
-                            "tokenizer.ggml.merges[{i}] {m:?} is not two known tokens separated by one space"
-                        )));
-                    }
-                    if !v
-                        .seen
-                        .contains_key(format!("{}{}", parts[0], parts[1]).as_str())
-                    {
-                        return Err(err(format!(
-                            "tokenizer.ggml.merges[{i}] {m:?} merges into a token that is not in the vocabulary"
-                        )));
-                    }
-                }
-                let model = json!({
-                    "type": "BPE",
-                    "dropout": null,
-                    "unk_token": null,
-                    "continuing_subword_prefix": null,
-                    "end_of_word_suffix": null,
-                    "fuse_unk": false,
-                    "byte_fallback": false,
-                    "ignore_merges": ignore_merges,
-                    "vocab": vocab,
-                    "merges": merges
-                });
-                // Meta's own tokenizer_config.json names the generic fast tokenizer.
-                let class = if ignore_merges {
-                    "PreTrainedTokenizerFast"
-                } else {
-                    "GPT2Tokenizer"
-                };
-                (
-                    pre_tokenizer,
-                    Value::Null,
-                    byte_level.clone(),
-                    model,
-                    Some(
-                        json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": true}),
-                    ),
-                    // GGUF's default for byte-level BPE is no BOS.
-                    false,
-                    class,
-                )
-            }
-            Kind::SentencePiece => {
-                if g.opt_bool("tokenizer.ggml.remove_extra_whitespaces")? == Some(true) {
-                    return Err(err(
-                        "tokenizer.ggml.remove_extra_whitespaces is true; collapsing whitespace as SentencePiece does is not supported".into(),
-                    ));
-                }
-                if g.get("tokenizer.ggml.precompiled_charsmap").is_some() {
-                    return Err(err(
-                        "tokenizer.ggml.precompiled_charsmap is set; SentencePiece normalization rules are not supported".into(),
-                    ));
-                }
-                let scores: Vec<f32> = g
-                    .array("tokenizer.ggml.scores")?
-                    .iter()
-                    .enumerate()
-                    .map(|(i, s)| {
-                        s.as_f64().map(|s| s as f32).ok_or_else(|| {
-                            err(format!(
-                                "tokenizer.ggml.scores[{i}] is a {}, expected a number",
-                                s.type_name()
-                            ))
-                        })
-                    })
-                    .collect::<Result<_, _>>()?;
-                if scores.len() != n {
-                    return Err(err(format!(
-                        "tokenizer.ggml.scores has {} entries for {n} tokens",
-                        scores.len()
-                    )));
-                }
-                if unk_id.is_none() {
-                    unk_id = types
-                        .iter()
-                        .position(|&t| t == TYPE_UNKNOWN)
-                        .map(|i| i as u32);
-                }
-                let byte_fallback = types.contains(&TYPE_BYTE);
-                if byte_fallback {
-                    for b in 0..=255u8 {
-                        let t = format!("<0x{b:02X}>");
-                        if !v.seen.contains_key(t.as_str()) {
-                            return Err(err(format!(
-                                "the vocabulary has byte tokens but not {t}, so byte fallback cannot be complete"
-                            )));
-                        }
-                    }
-                }
-                let add_space_prefix = g
-                    .opt_bool("tokenizer.ggml.add_space_prefix")?
-                    .unwrap_or(true);
-                let replace_space =
-                    json!({"type": "Replace", "pattern": {"String": " "}, "content": SPM_SPACE});
-                let normalizer = if add_space_prefix {
-                    json!({"type": "Sequence", "normalizers": [
-                        {"type": "Prepend", "prepend": SPM_SPACE},
-                        replace_space
-                    ]})
-                } else {
-                    replace_space
-                };
-                let mut steps = vec![
-                    json!({"type": "Replace", "pattern": {"String": SPM_SPACE}, "content": " "}),
-                    json!({"type": "ByteFallback"}),
-                    json!({"type": "Fuse"}),
-                ];
-                if add_space_prefix {
-                    steps.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
-                }
-                let model = json!({
-                    "type": "BPE",
-                    "dropout": null,
-                    "unk_token": unk_id.map(|i| tokens[i as usize]),
-                    "continuing_subword_prefix": null,
-                    "end_of_word_suffix": null,
-                    "fuse_unk": true,
-                    "byte_fallback": byte_fallback,
-                    "ignore_merges": false,
-                    "vocab": vocab,
-                    "merges": spm_merges(&v, &scores)
-                });
-                (
-                    Value::Null,
-                    normalizer,
-                    json!({"type": "Sequence", "decoders": steps}),
-                    model,
-                    None,
-                    // llama.cpp's default for SentencePiece is a BOS.
-                    true,
-                    "PreTrainedTokenizerFast",
-                )
-            }
-        };
+    let p = match kind {
+        Kind::ByteLevel => byte_level_pipeline(g, pre, &v, vocab)?,
+        Kind::SentencePiece => sentencepiece_pipeline(g, &v, vocab, &mut unk_id)?,
+    };
 
     let mut added_tokens = Vec::new();
     let mut added_decoder = BTreeMap::new();
@@ -403,7 +435,7 @@ pub fn build(g: &GgufFile, model_max_length: usize) -> Result<TokenizerFiles, Co
 
     let add_bos = g
         .opt_bool("tokenizer.ggml.add_bos_token")?
-        .unwrap_or(add_bos_default);
+        .unwrap_or(p.add_bos_default);
     let add_eos = g.opt_bool("tokenizer.ggml.add_eos_token")?.unwrap_or(false);
     let tok_of = |id: Option<u32>| id.map(|i| tokens[i as usize]);
 
@@ -445,7 +477,7 @@ pub fn build(g: &GgufFile, model_max_length: usize) -> Result<TokenizerFiles, Co
     } else {
         None
     };
-    let post_processor = match (post_first, template) {
+    let post_processor = match (p.post_first, template) {
         (Some(first), Some(t)) => json!({"type": "Sequence", "processors": [first, t]}),
         (Some(first), None) => first,
         (None, Some(t)) => t,
@@ -457,11 +489,11 @@ pub fn build(g: &GgufFile, model_max_length: usize) -> Result<TokenizerFiles, Co
         "truncation": null,
         "padding": null,
         "added_tokens": added_tokens,
-        "normalizer": normalizer,
-        "pre_tokenizer": pre_tokenizer,
+        "normalizer": p.normalizer,
+        "pre_tokenizer": p.pre_tokenizer,
         "post_processor": post_processor,
-        "decoder": decoder,
-        "model": bpe_model
+        "decoder": p.decoder,
+        "model": p.model
     });
 
     let mut config = json!({
@@ -475,7 +507,7 @@ pub fn build(g: &GgufFile, model_max_length: usize) -> Result<TokenizerFiles, Co
         "pad_token": tok_of(pad_id),
         "clean_up_tokenization_spaces": false,
         "model_max_length": model_max_length,
-        "tokenizer_class": class
+        "tokenizer_class": p.class
     });
     if let Some(MetaValue::String(t)) = g.get("tokenizer.chat_template") {
         config
