@@ -1,6 +1,7 @@
 //! `cargo run -p mlxd-store --example convert_gguf -- <file.gguf> <out_dir> [f16|f32]`:
 //! converts a GGUF checkpoint into an MLX model directory (config.json, model.safetensors,
-//! tokenizer files). The optional last argument picks the float type (default f16).
+//! tokenizer files). The optional last argument picks the float type (default f16). Prints,
+//! per GGML tensor type, the MLX form it became and its error against GGML's dequantization.
 use std::path::PathBuf;
 
 use mlxd_store::convert::{convert_gguf_with, ConvertOptions, FloatDtype};
@@ -15,7 +16,10 @@ fn main() -> anyhow::Result<()> {
     };
     let start = std::time::Instant::now();
     let opts = ConvertOptions { float_dtype };
-    convert_gguf_with(&PathBuf::from(gguf), &PathBuf::from(out), &opts)?;
+    let report = convert_gguf_with(&PathBuf::from(gguf), &PathBuf::from(out), &opts)?;
     eprintln!("converted {gguf} into {out} in {:.1?}", start.elapsed());
+    for line in report.lines() {
+        eprintln!("  {line}");
+    }
     Ok(())
 }

@@ -2,8 +2,94 @@
 //! tensor names, and the Hugging Face / mlx-lm `config.json`.
 use serde_json::{json, Value};
 
-use super::gguf::GgufFile;
+use super::gguf::{GgmlType, GgufFile};
 use super::ConvertError;
+
+/// The tensor in which llama.cpp stores Llama 3.1+ rope scaling: one factor per rotary
+/// frequency. It becomes config.json's `rope_scaling`, not a weight.
+pub const ROPE_FREQS: &str = "rope_freqs.weight";
+
+/// Llama 3's rope scaling, as config.json writes it: `(factor, low_freq_factor,
+/// high_freq_factor, original_max_position_embeddings)`.
+type Llama3Rope = (f64, f64, f64, f64);
+
+/// llama.cpp's `rope_freqs` for Llama 3 rope scaling (convert_hf_to_gguf.py's formula).
+fn llama3_factors(
+    head_dim: usize,
+    base: f64,
+    (factor, low, high, old_len): Llama3Rope,
+) -> Vec<f64> {
+    let (low_wavelen, high_wavelen) = (old_len / low, old_len / high);
+    (0..head_dim / 2)
+        .map(|i| {
+            let freq = 1.0 / base.powf((2 * i) as f64 / head_dim as f64);
+            let wavelen = 2.0 * std::f64::consts::PI / freq;
+            if wavelen < high_wavelen {
+                1.0
+            } else if wavelen > low_wavelen {
+                factor
+            } else {
+                let smooth = (old_len / wavelen - low) / (high - low);
+                1.0 / ((1.0 - smooth) / factor + smooth)
+            }
+        })
+        .collect()
+}
+
+/// The `rope_scaling` that reproduces the GGUF's [`ROPE_FREQS`] tensor, if it has one. The
+/// factor is the tensor's largest entry; the other parameters are those of every Llama 3.1 /
+/// 3.2 release (low 1, high 4, original context 8192, which convert_hf_to_gguf.py also
+/// assumes). A tensor those do not reproduce is an error rather than a guess.
+fn rope_freqs_scaling(
+    g: &GgufFile,
+    head_dim: usize,
+    base: f64,
+) -> Result<Option<Value>, ConvertError> {
+    let Some(info) = g.tensors.iter().find(|t| t.name == ROPE_FREQS) else {
+        return Ok(None);
+    };
+    if info.ggml_type != GgmlType::F32 || info.dims != [head_dim as u64 / 2] {
+        return Err(ConvertError::Unsupported(format!(
+            "{ROPE_FREQS} is {:?} {:?}; expected F32 [{}] (one factor per rotary frequency)",
+            info.ggml_type,
+            info.dims,
+            head_dim / 2
+        )));
+    }
+    let got: Vec<f64> = g
+        .tensor_data(info)
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64)
+        .collect();
+    if let Some(bad) = got.iter().find(|f| !f.is_finite() || **f <= 0.0) {
+        return Err(ConvertError::Unsupported(format!(
+            "{ROPE_FREQS} holds {bad}; rope factors are positive numbers"
+        )));
+    }
+    let factor = got.iter().copied().fold(f64::MIN, f64::max);
+    let params = (factor, 1.0, 4.0, 8192.0);
+    let want = llama3_factors(head_dim, base, params);
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(g, w)| ((g - w) / w).abs())
+        .fold(0.0, f64::max);
+    if worst > 1e-5 {
+        return Err(ConvertError::Unsupported(format!(
+            "{ROPE_FREQS} does not match Llama 3 rope scaling with factor {factor}, low_freq_factor 1, high_freq_factor 4, original context 8192 (relative difference {worst:.2e})"
+        )));
+    }
+    if factor == 1.0 && got.iter().all(|&f| f == 1.0) {
+        return Ok(None);
+    }
+    Ok(Some(json!({
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": params.1,
+        "high_freq_factor": params.2,
+        "original_max_position_embeddings": params.3,
+    })))
+}
 
 /// Hyper-parameters read from `llama.*` metadata.
 #[derive(Debug, Clone, PartialEq)]
@@ -18,7 +104,8 @@ pub struct LlamaParams {
     pub rope_theta: f64,
     pub context_length: usize,
     pub vocab_size: usize,
-    /// `rope_scaling` for config.json, when the file asks for linear scaling.
+    /// `rope_scaling` for config.json: linear when the file asks for it, Llama 3 when it
+    /// carries [`ROPE_FREQS`].
     pub rope_scaling: Option<Value>,
 }
 
@@ -87,6 +174,14 @@ impl LlamaParams {
                     )))
                 }
             },
+        };
+        let rope_scaling = match (rope_scaling, rope_freqs_scaling(g, head_dim, rope_theta)?) {
+            (Some(_), Some(_)) => {
+                return Err(ConvertError::Unsupported(format!(
+                    "both llama.rope.scaling.type and {ROPE_FREQS} scale the rotary embeddings"
+                )))
+            }
+            (a, b) => a.or(b),
         };
         let tokens = g.array("tokenizer.ggml.tokens")?.len();
         let vocab_size = match g.opt_u64("llama.vocab_size")? {

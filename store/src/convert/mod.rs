@@ -9,9 +9,11 @@
 //! Every directory also gets [`STAMP_FILE`], which records [`CONVERTER_VERSION`] and the
 //! options, so that the store converts again when a newer converter would write something
 //! different ([`Stamp::read`], [`Stamp::is_current`]).
+pub mod blocks;
 pub mod gguf;
 pub mod llama;
 pub mod quant;
+pub mod report;
 pub mod tokenizer;
 
 use std::borrow::Cow;
@@ -26,12 +28,15 @@ use serde_json::{json, Value};
 use gguf::{GgmlType, GgufFile};
 use llama::{LlamaParams, SpecialIds};
 pub use quant::FloatDtype;
+pub use report::ConversionReport;
 
 /// The version of what [`convert_gguf_with`] writes. Bump it with every change that alters the
 /// output (a tensor's layout or dtype, a config or tokenizer field, a fix to any of them): the
 /// store then converts its existing directories again instead of serving stale ones. Version 1
-/// was every converter before the stamp, whose directories have no [`STAMP_FILE`].
-pub const CONVERTER_VERSION: u32 = 2;
+/// was every converter before the stamp, whose directories have no [`STAMP_FILE`]; version 3
+/// added the K-quants, Q5_0/Q5_1, the `llama-bpe` and SentencePiece tokenizers, and the
+/// conversion report in the stamp.
+pub const CONVERTER_VERSION: u32 = 3;
 
 /// The file in a converted directory that says how it was made.
 pub const STAMP_FILE: &str = "mlxd-convert.json";
@@ -75,11 +80,13 @@ impl Stamp {
         dir.join("config.json").is_file() && Self::read(dir) == Some(Self::current(opts))
     }
 
-    /// The stamp's JSON; `source` (the GGUF converted, for `mlxd ls`) is informative only.
-    fn to_json(&self, source: &Path) -> Value {
+    /// The stamp's JSON; `source` (the GGUF converted, for `mlxd ls`) and `tensor_types` (the
+    /// conversion report: each GGML type's MLX form and error) are informative only.
+    fn to_json(&self, source: &Path, report: &ConversionReport) -> Value {
         json!({
             "converter_version": self.converter_version,
             "source": source.display().to_string(),
+            "tensor_types": report.to_json(),
             "float_dtype": match self.float_dtype {
                 FloatDtype::F16 => "float16",
                 FloatDtype::F32 => "float32",
@@ -180,6 +187,7 @@ impl safetensors::View for &OutTensor {
 /// The converted weights and the `quantization` section of config.json.
 struct Weights {
     tensors: BTreeMap<String, OutTensor>,
+    report: ConversionReport,
     quantization: Option<Value>,
     tie_word_embeddings: bool,
 }
@@ -194,6 +202,7 @@ fn convert_tensors(
         FloatDtype::F32 => Dtype::F32,
     };
     let mut tensors = BTreeMap::new();
+    let mut report = ConversionReport::default();
     // module path → Some((bits, group size)) when quantized, None when a float matrix.
     let mut matrices: BTreeMap<String, Option<(u32, usize)>> = BTreeMap::new();
     let present: BTreeSet<&str> = g.tensors.iter().map(|t| t.name.as_str()).collect();
@@ -204,6 +213,10 @@ fn convert_tensors(
     }
 
     for info in &g.tensors {
+        if info.name == llama::ROPE_FREQS {
+            // Read into config.json's rope_scaling by `LlamaParams::from_gguf`.
+            continue;
+        }
         let role = llama::tensor_role(p, &info.name)?;
         let hf_shape: Vec<usize> = info.dims.iter().rev().map(|&d| d as usize).collect();
         if hf_shape != role.shape {
@@ -222,73 +235,76 @@ fn convert_tensors(
             None => (0..rows).collect(),
         };
         let data = g.tensor_data(info);
-        match info.ggml_type {
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => {
-                if hf_shape.len() != 2 {
-                    return Err(ConvertError::UnsupportedTensorType {
-                        name: info.name.clone(),
-                        ggml_type: format!(
-                            "{:?} on a 1-D tensor (only matrices may be quantized)",
-                            info.ggml_type
-                        ),
-                    });
-                }
-                let q = quant::repack(&info.name, info.ggml_type, data, rows, cols, &order)?;
-                let words = cols * q.bits as usize / 32;
-                let groups = cols / q.group_size;
-                tensors.insert(
-                    format!("{}.weight", role.module),
-                    OutTensor {
-                        dtype: Dtype::U32,
-                        shape: vec![rows, words],
-                        data: q.weight,
-                    },
-                );
-                for (suffix, bytes) in [("scales", q.scales), ("biases", q.biases)] {
-                    tensors.insert(
-                        format!("{}.{suffix}", role.module),
-                        OutTensor {
-                            dtype: float_st,
-                            shape: vec![rows, groups],
-                            data: quant::f16_bytes_as(float_dtype, bytes),
-                        },
-                    );
-                }
-                matrices.insert(role.module, Some((q.bits, q.group_size)));
-            }
-            GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => {
-                let bytes = quant::to_float(
-                    &info.name,
-                    info.ggml_type,
-                    data,
-                    rows,
-                    cols,
-                    &order,
-                    float_dtype,
-                )?;
-                if hf_shape.len() == 2 {
-                    matrices.insert(role.module.clone(), None);
-                }
-                tensors.insert(
-                    format!("{}.weight", role.module),
-                    OutTensor {
-                        dtype: float_st,
-                        shape: hf_shape,
-                        data: bytes,
-                    },
-                );
-            }
-            other => {
+        let ty = info.ggml_type;
+        if blocks::affine_bits(ty).is_some() {
+            if hf_shape.len() != 2 {
                 return Err(ConvertError::UnsupportedTensorType {
                     name: info.name.clone(),
-                    ggml_type: format!("{other:?} (supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0)"),
-                })
+                    ggml_type: format!("{ty:?} on a 1-D tensor (only matrices may be quantized)"),
+                });
             }
+            let q = quant::repack(&info.name, ty, data, rows, cols, &order, float_dtype)?;
+            let words = cols * q.bits as usize / 32;
+            let groups = cols / q.group_size;
+            report.add(
+                ty,
+                format!(
+                    "affine {}-bit, group {}, {} scales",
+                    q.bits,
+                    q.group_size,
+                    float_dtype.torch_name()
+                ),
+                &info.name,
+                q.error,
+            );
+            tensors.insert(
+                format!("{}.weight", role.module),
+                OutTensor {
+                    dtype: Dtype::U32,
+                    shape: vec![rows, words],
+                    data: q.weight,
+                },
+            );
+            for (suffix, values) in [("scales", &q.scales), ("biases", &q.biases)] {
+                tensors.insert(
+                    format!("{}.{suffix}", role.module),
+                    OutTensor {
+                        dtype: float_st,
+                        shape: vec![rows, groups],
+                        data: quant::float_bytes(float_dtype, values),
+                    },
+                );
+            }
+            matrices.insert(role.module, Some((q.bits, q.group_size)));
+        } else if matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16) {
+            let (bytes, error) =
+                quant::to_float(&info.name, ty, data, rows, cols, &order, float_dtype)?;
+            report.add(ty, float_dtype.torch_name().to_string(), &info.name, error);
+            if hf_shape.len() == 2 {
+                matrices.insert(role.module.clone(), None);
+            }
+            tensors.insert(
+                format!("{}.weight", role.module),
+                OutTensor {
+                    dtype: float_st,
+                    shape: hf_shape,
+                    data: bytes,
+                },
+            );
+        } else {
+            return Err(ConvertError::UnsupportedTensorType {
+                name: info.name.clone(),
+                ggml_type: format!(
+                    "{ty:?} (supported: F32, F16, BF16, {})",
+                    quant::QUANTIZED_TYPES
+                ),
+            });
         }
     }
 
     Ok(Weights {
         tensors,
+        report,
         quantization: quantization_config(&matrices),
         tie_word_embeddings: !present.contains("output.weight"),
     })
@@ -353,8 +369,9 @@ fn write_json(path: &Path, v: &Value) -> Result<(), ConvertError> {
 
 /// Converts the GGUF file at `gguf_path` into an MLX model directory at `out_dir`, which must
 /// not exist yet, with the default options (f16). On error nothing is left at `out_dir` or
-/// beside it.
-pub fn convert_gguf(gguf_path: &Path, out_dir: &Path) -> Result<(), ConvertError> {
+/// beside it. Returns what became of each tensor type and its error against GGML's own
+/// dequantization.
+pub fn convert_gguf(gguf_path: &Path, out_dir: &Path) -> Result<ConversionReport, ConvertError> {
     convert_gguf_with(gguf_path, out_dir, &ConvertOptions::default())
 }
 
@@ -363,7 +380,7 @@ pub fn convert_gguf_with(
     gguf_path: &Path,
     out_dir: &Path,
     opts: &ConvertOptions,
-) -> Result<(), ConvertError> {
+) -> Result<ConversionReport, ConvertError> {
     if out_dir.exists() {
         return Err(ConvertError::OutputExists(out_dir.to_path_buf()));
     }
@@ -415,7 +432,7 @@ pub fn convert_gguf_with(
     )?;
     write_json(
         &staging.path.join(STAMP_FILE),
-        &Stamp::current(opts).to_json(gguf_path),
+        &Stamp::current(opts).to_json(gguf_path, &weights.report),
     )?;
     let st_path = staging.path.join("model.safetensors");
     let metadata: HashMap<String, String> = [("format".to_string(), "mlx".to_string())].into();
@@ -437,7 +454,7 @@ pub fn convert_gguf_with(
     if let Ok(d) = fs::File::open(&parent) {
         let _ = d.sync_all();
     }
-    Ok(())
+    Ok(weights.report)
 }
 
 #[cfg(test)]
@@ -600,8 +617,16 @@ pub(crate) mod tests {
         let b = tiny_llama(true, None);
         b.write(&src);
         let out = tmp.path().join("out");
-        convert_gguf(&src, &out).unwrap();
+        let report = convert_gguf(&src, &out).unwrap();
         let (config, t) = load(&out);
+        // Q4_0, Q4_1 and Q8_0 keep GGML's f16 scales: exact. The f32 norms round to f16.
+        for ty in ["Q4_0", "Q4_1", "Q8_0", "F16"] {
+            assert!(report.types[ty].error.is_exact(), "{ty}: {report:?}");
+        }
+        assert_eq!(report.types["Q4_1"].tensors, 5);
+        let stamp: Value =
+            serde_json::from_slice(&fs::read(out.join(STAMP_FILE)).unwrap()).unwrap();
+        assert_eq!(stamp["tensor_types"]["Q8_0"]["exact"], true);
 
         assert_eq!(config["tie_word_embeddings"], false);
         assert_eq!(config["head_dim"], HEAD_DIM);
@@ -640,20 +665,25 @@ pub(crate) mod tests {
             rows,
             64,
             &identity,
+            FloatDtype::F16,
         )
         .unwrap()
         .dequantize();
-        let (_, shape, w) = &t["model.layers.0.self_attn.q_proj.weight"];
-        let got = quant::AffineQuant {
-            bits: 4,
-            group_size: 32,
-            rows: shape[0],
-            cols: 64,
-            weight: w.clone(),
-            scales: t["model.layers.0.self_attn.q_proj.scales"].2.clone(),
-            biases: t["model.layers.0.self_attn.q_proj.biases"].2.clone(),
-        }
-        .dequantize();
+        let (_, _, w) = &t["model.layers.0.self_attn.q_proj.weight"];
+        let f16s = |name: &str| -> Vec<f32> {
+            t[name]
+                .2
+                .chunks_exact(2)
+                .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect()
+        };
+        let got = quant::dequantize_affine(
+            4,
+            32,
+            w,
+            &f16s("model.layers.0.self_attn.q_proj.scales"),
+            &f16s("model.layers.0.self_attn.q_proj.biases"),
+        );
         let half = HEAD_DIM / 2;
         for h in 0..HEADS as usize {
             for j in 0..2 {
@@ -694,6 +724,32 @@ pub(crate) mod tests {
         assert_eq!(t32["model.norm.weight"].0, Dtype::F32);
         assert_eq!(t32["lm_head.scales"].0, Dtype::F32);
         assert_eq!(t32["lm_head.weight"].2, t["lm_head.weight"].2);
+    }
+
+    #[test]
+    fn rope_freqs_become_rope_scaling_or_a_clear_error() {
+        let tmp = tempfile::tempdir().unwrap();
+        let factors = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|f| f.to_le_bytes()).collect() };
+        // All ones: no scaling.
+        let mut b = tiny_llama(false, None);
+        b.tensor(llama::ROPE_FREQS, &[16], 0, factors(&[1.0; 16]));
+        let src = tmp.path().join("ones.gguf");
+        b.write(&src);
+        convert_gguf(&src, &tmp.path().join("ones")).unwrap();
+        let (config, _) = load(&tmp.path().join("ones"));
+        assert!(config.get("rope_scaling").is_none(), "{config}");
+        // Factors no Llama 3 scaling produces.
+        let mut b = tiny_llama(false, None);
+        b.tensor(llama::ROPE_FREQS, &[16], 0, factors(&[2.0; 16]));
+        let src = tmp.path().join("odd.gguf");
+        b.write(&src);
+        let e = convert_gguf(&src, &tmp.path().join("odd")).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("does not match Llama 3 rope scaling"),
+            "{e}"
+        );
+        assert!(!tmp.path().join("odd").exists());
     }
 
     #[test]
