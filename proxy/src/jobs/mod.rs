@@ -9,6 +9,7 @@
 //! before it answers, so no partial output stays in the store.
 pub mod admission;
 pub mod api;
+pub mod display;
 pub mod process;
 pub mod request;
 
