@@ -219,6 +219,31 @@ fn store_progress(event: &store::StoreEvent) -> JobProgress {
     }
 }
 
+/// Test switch (`MLXD_ALLOW_FAULTS=1` and `MLXD_JOB_FAULT=stall@N`, which `mlxd` passes to its
+/// jobs when it has them): a quantize job stops for good after N tensors, with partial output
+/// in its staging directory, so that cancelling and killing mid-way can be tested without
+/// racing a fast job.
+pub(crate) fn stall_after() -> Option<u64> {
+    if std::env::var("MLXD_ALLOW_FAULTS").as_deref() != Ok("1") {
+        return None;
+    }
+    let spec = std::env::var("MLXD_JOB_FAULT").ok()?;
+    let n = spec.strip_prefix("stall@")?.parse().ok();
+    if n.is_none() {
+        tracing::warn!(%spec, "MLXD_JOB_FAULT: expected stall@<tensors>; ignored");
+    }
+    n
+}
+
+/// Stops here until killed (the fault switch), after writing a partial file into `built`.
+pub(crate) fn stall(built: &Path) -> ! {
+    let _ = std::fs::write(built.join("partial.safetensors"), b"partial");
+    tracing::warn!("MLXD_JOB_FAULT: stalling until killed");
+    loop {
+        std::thread::sleep(std::time::Duration::from_secs(3600));
+    }
+}
+
 /// Renames the finished directory `built` (inside `staging`) to `out` and removes `staging`.
 /// `out` must not exist: a rename onto an existing directory would replace an empty one or
 /// fail on a full one, and neither is what the caller asked for.

@@ -135,6 +135,7 @@ pub fn quantize_dir(
     let mut written: Vec<(PathBuf, Vec<String>)> = Vec::new();
     let group = options.group_size as i32;
     let bits = options.bits as i32;
+    let stall = super::stall_after();
     for (i, name) in items.iter().enumerate() {
         reporter.progress(JobProgress {
             phase: "quantizing".into(),
@@ -143,6 +144,9 @@ pub fn quantize_dir(
             unit: "tensors".into(),
             detail: Some(name.clone()),
         })?;
+        if stall == Some(i as u64) {
+            super::stall(&built);
+        }
         let array = tensors
             .remove(name)
             .ok_or_else(|| JobError::Input(format!("tensor {name} vanished")))?;

@@ -85,6 +85,13 @@ pub fn spawn(
             cmd.env(key, v);
         }
     }
+    // The jobs' test switch (`mlxd_engine::job::stall_after`), passed only when both are set.
+    if std::env::var("MLXD_ALLOW_FAULTS").as_deref() == Ok("1") {
+        if let Some(fault) = std::env::var_os("MLXD_JOB_FAULT") {
+            cmd.env("MLXD_ALLOW_FAULTS", "1")
+                .env("MLXD_JOB_FAULT", fault);
+        }
+    }
     cmd.env(SUPERVISOR_PID_ENV, std::process::id().to_string());
     // SAFETY: runs between fork and exec and only calls prctl, which is async-signal-safe.
     #[cfg(target_os = "linux")]
