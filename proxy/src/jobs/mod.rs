@@ -191,14 +191,27 @@ pub fn start(bin: PathBuf, pool: PoolHandle, models_dir: Option<PathBuf>) -> Job
     JobsHandle { tx }
 }
 
-/// Removes `.<name>.mlxd-job-<id>` directories in `dir`.
+/// Removes the staging directories (`.<name>.mlxd-job-<pid>-<id>`) in `dir` whose `mlxd` is
+/// gone; another `mlxd` sharing the store keeps its own.
 fn sweep_staging(dir: &std::path::Path) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
-        if name.starts_with('.') && name.contains(request::STAGING_MARK) {
+        if !name.starts_with('.') {
+            continue;
+        }
+        let Some((_, rest)) = name.split_once(request::STAGING_MARK) else {
+            continue;
+        };
+        let owner_alive = rest
+            .split_once('-')
+            .and_then(|(pid, _)| pid.parse::<i32>().ok())
+            .is_some_and(|pid| {
+                nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok()
+            });
+        if !owner_alive {
             warn!(dir = %entry.path().display(), "removing a job's staging directory left by an earlier mlxd");
             let _ = std::fs::remove_dir_all(entry.path());
         }
@@ -603,6 +616,21 @@ mod tests {
             &p("downloading", total, total, "bytes")
         ));
         assert!(worth_sending(Some(&first), &p("converting", 0, 1, "files")));
+    }
+
+    #[test]
+    fn only_staging_directories_of_a_gone_mlxd_are_swept() {
+        let dir = tempfile::tempdir().unwrap();
+        let ours = format!(".m.mlxd-job-{}-job-1", std::process::id());
+        // Beyond the kernel's pid range: no such process.
+        let gone = ".m.mlxd-job-2147483646-job-1";
+        for name in [ours.as_str(), gone, "kept-model"] {
+            std::fs::create_dir(dir.path().join(name)).unwrap();
+        }
+        sweep_staging(dir.path());
+        assert!(dir.path().join(&ours).exists());
+        assert!(!dir.path().join(gone).exists());
+        assert!(dir.path().join("kept-model").exists());
     }
 
     #[test]

@@ -40,7 +40,8 @@ pub enum Work {
 }
 
 /// Marks a job's staging directory, beside its output (same filesystem, so the final rename is
-/// atomic): `.<out leaf>.mlxd-job-<id>`.
+/// atomic): `.<out leaf>.mlxd-job-<mlxd pid>-<id>`. The pid tells a later `mlxd` whether the
+/// directory's owner is gone (`jobs::sweep_staging`).
 pub const STAGING_MARK: &str = ".mlxd-job-";
 
 impl Work {
@@ -51,7 +52,7 @@ impl Work {
             Self::Fetch { .. } => return None,
         };
         let leaf = out.file_name()?.to_string_lossy();
-        Some(out.with_file_name(format!(".{leaf}{STAGING_MARK}{id}")))
+        Some(out.with_file_name(format!(".{leaf}{STAGING_MARK}{}-{id}", std::process::id())))
     }
 
     pub fn spec(&self, id: &str) -> JobSpec {
@@ -454,8 +455,10 @@ mod tests {
         let staging = job.work.staging("job-3").unwrap();
         assert_eq!(
             staging,
-            home.path()
-                .join("models/.src-model-8bit-g64.mlxd-job-job-3")
+            home.path().join(format!(
+                "models/.src-model-8bit-g64.mlxd-job-{}-job-3",
+                std::process::id()
+            ))
         );
         // An existing output is refused.
         std::fs::create_dir_all(out).unwrap();
