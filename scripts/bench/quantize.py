@@ -8,7 +8,9 @@ Each run quantizes the model twice into a fresh directory beside it (removed aft
 supervisor around it) and once with `python -m mlx_lm convert -q`, alternating which goes first
 so that drifting machine load (and the page cache) affects both alike. Wall time and the child's
 peak RSS (`wait4`) per run; prints one JSON line with the medians. `--compare` also checks that
-the two outputs hold the same tensors, bit for bit.
+the two outputs of the first run hold the same tensors, bit for bit, in a child process after
+the timed runs (Linux counts a parent's RSS at fork in its children's peak, so this process
+never loads tensors itself).
 """
 import json
 import os
@@ -68,6 +70,8 @@ def same(a, b):
 
 
 def main():
+    if sys.argv[1] == "--same":
+        sys.exit(0 if same(sys.argv[2], sys.argv[3]) else 1)
     engine, model, bits, group, runs = sys.argv[1], os.path.abspath(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     compare = "--compare" in sys.argv[6:]
     work = tempfile.mkdtemp(prefix=".quantize-bench-", dir=os.path.dirname(model))
@@ -83,10 +87,17 @@ def main():
                 results[who].append((t, rss))
                 outs[who] = out
                 print(f"run {i + 1} {who}: {t:.2f} s, peak RSS {rss / 2**30:.2f} GiB", file=sys.stderr)
-            if compare and identical is None:
-                identical = same(outs["ours"], outs["mlx_lm"])
+            if compare and i == 0:
+                kept = outs
+                continue
             for out in outs.values():
                 shutil.rmtree(out, ignore_errors=True)
+        if compare:
+            check = subprocess.run([sys.executable, __file__, "--same", kept["ours"], kept["mlx_lm"]],
+                                   capture_output=True, text=True)
+            if check.returncode not in (0, 1):
+                sys.exit(f"comparing the outputs failed:\n{check.stderr[-4000:]}")
+            identical = check.returncode == 0
     finally:
         shutil.rmtree(work, ignore_errors=True)
     med = lambda who, k: statistics.median(r[k] for r in results[who])
