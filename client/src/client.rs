@@ -149,6 +149,11 @@ impl Client {
         }
     }
 
+    /// Where the transport goes, for error messages.
+    pub(crate) fn target(&self) -> String {
+        self.inner.transport.target()
+    }
+
     fn timeout_error(&self, what: &'static str) -> ClientError {
         ClientError::Timeout {
             what,
@@ -158,7 +163,7 @@ impl Client {
 
     /// Sends one request and returns the response if its status is a success; otherwise the
     /// server's error body as [`ClientError::Api`].
-    async fn exchange(
+    pub(crate) async fn exchange(
         &self,
         method: Method,
         path: &str,
@@ -230,7 +235,7 @@ impl Client {
             .map_err(|_| self.timeout_error("reading the response body"))?
     }
 
-    async fn json<T: serde::de::DeserializeOwned>(
+    pub(crate) async fn json<T: serde::de::DeserializeOwned>(
         &self,
         method: Method,
         path: &str,

@@ -44,6 +44,10 @@ pub enum ClientError {
     /// The in-process engine could not start.
     #[error("starting the in-process engine: {0}")]
     Start(String),
+    /// A managed job ended without succeeding ([`crate::TaskClient::wait`]); the job says why
+    /// (`state`, `error`).
+    #[error("job {} {}: {}", .0.id, .0.state.as_str(), .0.error.as_deref().unwrap_or("no reason given"))]
+    Job(Box<mlxd_protocol::jobs::Job>),
     /// The client was closed (in-process: the engine has stopped).
     #[error("the client is closed")]
     Closed,

@@ -27,8 +27,11 @@
 //! # Ok(()) }
 //! ```
 //!
+//! Managed jobs on `mlxd` (quantize, convert a GGUF, fetch; progress, cancel) go through
+//! [`TaskClient`].
+//!
 //! Runnable examples: `cargo run -p mlxd-client --example http_chat`, `--example unix_chat`,
-//! and `--features in-process --example in_process_chat`.
+//! `--example quantize_job`, and `--features in-process --example in_process_chat`.
 use std::future::Future;
 use std::pin::Pin;
 
@@ -37,6 +40,7 @@ mod error;
 #[cfg(feature = "in-process")]
 mod in_process;
 mod sse;
+mod task;
 mod transport;
 
 pub use client::{Client, ClientBuilder};
@@ -44,10 +48,12 @@ pub use error::ClientError;
 #[cfg(feature = "in-process")]
 pub use in_process::{InProcessOptions, RuntimeLimits};
 pub use mlxd_protocol::error::{ErrorBody, ErrorType};
+pub use mlxd_protocol::jobs::{Job, JobKind, JobProgress, JobRequest, JobResult, JobState};
 pub use mlxd_protocol::openai::{
     ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatMessage,
     GenerationParams, ModelList, Role, Usage,
 };
+pub use task::{JobUpdate, JobUpdates, TaskClient};
 
 /// The chunks of one streaming answer, in order. It ends after the server's `[DONE]`; an
 /// error event, a timeout or a body cut short ends it with one `Err`, never silently.

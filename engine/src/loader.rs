@@ -87,7 +87,7 @@ pub fn read_json(path: &Path) -> Result<Value, LoadError> {
     })
 }
 
-fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, LoadError> {
+pub(crate) fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, LoadError> {
     let index = dir.join("model.safetensors.index.json");
     if index.is_file() {
         let value = read_json(&index)?;

@@ -1,7 +1,8 @@
 //! `mlxd-engine`: one model, served over HTTP on a unix socket.
 //!
 //! Standalone, for debugging and tests: `mlxd-engine --model <name|dir|file.gguf> --unix <path>`.
-//! Under `mlxd`: `mlxd-engine --control` (the model and socket come in the `Launch` message).
+//! Under `mlxd`: `mlxd-engine --control` (the model and socket come in the `Launch` message),
+//! and `mlxd-engine __job <spec>` for one managed job (`mlxd_engine::job`).
 use std::path::PathBuf;
 
 use clap::Parser;
@@ -116,6 +117,20 @@ fn parse_gib(s: &str) -> Result<f64, String> {
 }
 
 fn main() -> anyhow::Result<()> {
+    // The supervisor's private entry for managed jobs (`mlxd-engine __job <spec>`), kept out
+    // of the flags and the help: only `mlxd` starts it.
+    let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).map(String::as_str) == Some(mlxd_protocol::jobs::JOB_ENTRY) {
+        init_logging(true);
+        let Some(spec) = argv.get(2) else {
+            eprintln!(
+                "mlxd-engine: {} needs a job spec",
+                mlxd_protocol::jobs::JOB_ENTRY
+            );
+            std::process::exit(2);
+        };
+        std::process::exit(mlxd_engine::job::main(spec));
+    }
     let args = Args::parse();
     init_logging(args.control);
     let home = match args.home {

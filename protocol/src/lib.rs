@@ -2,4 +2,5 @@
 pub mod anthropic;
 pub mod control;
 pub mod error;
+pub mod jobs;
 pub mod openai;

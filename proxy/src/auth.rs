@@ -33,7 +33,8 @@ pub enum Access {
     Open,
     /// The API, `/v1/models`, `/engines`, `/logs`, `/metrics`: an API key (or the admin key).
     Api,
-    /// `/admin/*`, `/engines/reset`: the admin key if one is set, else an API key.
+    /// `/admin/*`, `/engines/reset`, `/v1/jobs*` (jobs write to the store and spend memory):
+    /// the admin key if one is set, else an API key.
     Admin,
 }
 
@@ -44,7 +45,11 @@ pub fn access(path: &str) -> Access {
     } else if crate::chat_page::asset(path).is_some() {
         // The chat page's static files hold no data; the API calls it makes need the key.
         Access::Open
-    } else if path.starts_with("/admin/") || path == "/engines/reset" {
+    } else if path.starts_with("/admin/")
+        || path == "/engines/reset"
+        || path == "/v1/jobs"
+        || path.starts_with("/v1/jobs/")
+    {
         Access::Admin
     } else {
         Access::Api

@@ -51,6 +51,51 @@ pub enum Command {
     Stop(StopArgs),
     /// Time to first token and decode speed of a model on a running server.
     Bench(BenchArgs),
+    /// Quantize a model to MLX affine 4- or 8-bit on a running server (a managed job: it runs
+    /// beside serving, shows its progress, and Ctrl-C cancels it).
+    Quantize(QuantizeArgs),
+    /// Managed jobs of a running server (quantize, convert, fetch); `mlxd jobs cancel ID`
+    /// cancels one.
+    Jobs(JobsArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct QuantizeArgs {
+    /// A model directory, a configured model id, a model in the store or a Hugging Face repo in
+    /// the cache (a path is made absolute here: the server reads it).
+    pub model: String,
+    /// Bits per weight: 4 or 8.
+    #[arg(long, default_value_t = mlxd_protocol::jobs::DEFAULT_BITS, value_parser = parse_bits)]
+    pub bits: u32,
+    /// Weights sharing one scale and bias: 32, 64 or 128.
+    #[arg(long, default_value_t = mlxd_protocol::jobs::DEFAULT_GROUP_SIZE, value_parser = parse_group_size)]
+    pub group_size: u32,
+    /// The new model directory [default: $MLXD_HOME/models/<name>-<bits>bit-g<group>]; it
+    /// must not exist.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Print the job's id and return at once instead of following it.
+    #[arg(long)]
+    pub detach: bool,
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct JobsArgs {
+    #[command(subcommand)]
+    pub action: Option<JobsAction>,
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub enum JobsAction {
+    /// Cancel a queued or running job: its processes are killed, its partial output removed.
+    Cancel {
+        /// The job's id, as `mlxd jobs` lists it.
+        id: String,
+    },
 }
 
 #[derive(Debug, Clone, Args)]
@@ -76,6 +121,17 @@ impl ClientArgs {
             std::env::var("MLXD_HOST").ok().as_deref(),
             std::env::var("MLXD_PORT").ok().as_deref(),
         )
+    }
+
+    /// An `mlxd-client` HTTP client of the server, with the key and the timeout.
+    pub fn client(&self) -> Result<mlxd_client::Client, mlxd_client::ClientError> {
+        let mut builder = mlxd_client::Client::builder()
+            .connect_timeout(Duration::from_secs(self.timeout))
+            .timeout(Duration::from_secs(self.timeout));
+        if let Some(key) = &self.api_key {
+            builder = builder.api_key(key.clone());
+        }
+        builder.http(&self.url())
     }
 
     pub fn server(&self) -> crate::client::Server {
@@ -309,6 +365,24 @@ fn flag(name: &str, message: String) -> ConfigError {
         field: name.to_string(),
         message,
     }
+}
+
+fn parse_choice(s: &str, allowed: &[u32]) -> Result<u32, String> {
+    s.parse::<u32>()
+        .ok()
+        .filter(|v| allowed.contains(v))
+        .ok_or_else(|| {
+            let list: Vec<String> = allowed.iter().map(u32::to_string).collect();
+            format!("expected one of {}, got {s:?}", list.join(", "))
+        })
+}
+
+fn parse_bits(s: &str) -> Result<u32, String> {
+    parse_choice(s, mlxd_protocol::jobs::BITS)
+}
+
+fn parse_group_size(s: &str) -> Result<u32, String> {
+    parse_choice(s, mlxd_protocol::jobs::GROUP_SIZES)
 }
 
 fn parse_kv(s: &str) -> Result<(String, String), String> {

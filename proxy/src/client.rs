@@ -1,16 +1,16 @@
-//! A minimal HTTP/1.1 client for the verbs that talk to a running server (`mlxd ps`, `ls
-//! --server`, `run`, `stop`, `bench`), and the tables they print. Every request has a
+//! A minimal HTTP/1.1 client for the verbs that read a running server's own endpoints (`mlxd
+//! ps`, `ls --server`, `stop`), and the tables the client verbs print (`run`, `bench`,
+//! `quantize` and `jobs` go through `mlxd-client`). Every request has a
 //! deadline: connecting and a whole non-streaming exchange take at most the client's timeout,
 //! and a stream may be silent for at most that long between two chunks.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
-use mlxd_ipc::sse::SseSplitter;
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use crate::config::Bytes as HumanBytes;
 
@@ -172,77 +172,6 @@ impl Server {
             path: path.to_string(),
             detail: format!("the answer is not JSON: {e}"),
         })
-    }
-
-    /// A streaming chat completion: calls `on_text` with each piece of the answer as it
-    /// arrives, and returns the whole answer with its timings.
-    pub async fn chat_stream(
-        &self,
-        body: &Value,
-        mut on_text: impl FnMut(&str),
-    ) -> Result<Streamed, ClientError> {
-        const PATH: &str = "/v1/chat/completions";
-        let start = Instant::now();
-        let mut body = body.clone();
-        body["stream"] = json!(true);
-        body["stream_options"] = json!({"include_usage": true});
-        let resp = self.send("POST", PATH, Some(&body)).await?;
-        let mut incoming = resp.into_body();
-        let mut splitter = SseSplitter::new();
-        let mut out = Streamed {
-            text: String::new(),
-            first_token: None,
-            elapsed: Duration::ZERO,
-            completion_tokens: None,
-            finish_reason: None,
-        };
-        let http = |detail: String| ClientError::Http {
-            method: "POST",
-            path: PATH.to_string(),
-            detail,
-        };
-        'frames: loop {
-            let frame = tokio::time::timeout(self.timeout, incoming.frame())
-                .await
-                .map_err(|_| self.timeout_error("POST", PATH))?;
-            let Some(frame) = frame else { break };
-            let frame = frame.map_err(|e| http(e.to_string()))?;
-            let Ok(data) = frame.into_data() else {
-                continue;
-            };
-            for event in splitter.push(&data) {
-                let text = String::from_utf8_lossy(&event);
-                for line in text.lines() {
-                    let Some(payload) = line.strip_prefix("data:").map(str::trim) else {
-                        continue;
-                    };
-                    if payload == "[DONE]" {
-                        break 'frames;
-                    }
-                    let v: Value = serde_json::from_str(payload)
-                        .map_err(|e| http(format!("a stream event is not JSON: {e}")))?;
-                    if let Some(message) = v["error"]["message"].as_str() {
-                        return Err(http(format!("the stream ended with an error: {message}")));
-                    }
-                    if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
-                        out.completion_tokens = Some(n);
-                    }
-                    let choice = &v["choices"][0];
-                    if let Some(r) = choice["finish_reason"].as_str() {
-                        out.finish_reason = Some(r.to_string());
-                    }
-                    if let Some(piece) = choice["delta"]["content"].as_str() {
-                        if !piece.is_empty() {
-                            out.first_token.get_or_insert_with(|| start.elapsed());
-                            out.text.push_str(piece);
-                            on_text(piece);
-                        }
-                    }
-                }
-            }
-        }
-        out.elapsed = start.elapsed();
-        Ok(out)
     }
 }
 

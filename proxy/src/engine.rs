@@ -30,7 +30,7 @@ pub const STDERR_TAIL_LINES: usize = 200;
 const STDERR_LINE_MAX: u64 = 16 * 1024;
 
 /// Variables passed through from our environment when set; everything else is dropped.
-const PASSTHROUGH_ENV: &[&str] = &[
+pub(crate) const PASSTHROUGH_ENV: &[&str] = &[
     "PATH",
     "HOME",
     "USER",

@@ -114,6 +114,24 @@ pub enum ProxyError {
     /// admin route (403).
     #[error("{message}")]
     Forbidden { code: &'static str, message: String },
+    /// A request field with a bad value (400, `param` names the field).
+    #[error("{field}: {message}")]
+    InvalidField {
+        field: &'static str,
+        message: String,
+    },
+    /// A managed job that cannot fit in the memory budget even with every unpinned engine
+    /// and every other job gone.
+    #[error("the {kind} job needs an estimated {needed} bytes of memory ({}) but at most {available} bytes ({}) can ever be free for it within the memory budget of {budget} bytes, beside pinned models", crate::config::Bytes(*needed), crate::config::Bytes(*available))]
+    JobTooLarge {
+        kind: &'static str,
+        needed: u64,
+        available: u64,
+        budget: u64,
+    },
+    /// A job that has already finished cannot be cancelled (409).
+    #[error("job {id} has already {state}; nothing to cancel")]
+    JobFinished { id: String, state: &'static str },
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -153,7 +171,9 @@ pub fn error_json(
 impl ProxyError {
     pub fn status(&self) -> StatusCode {
         match self {
-            Self::BadRequest(_) => StatusCode::BAD_REQUEST,
+            Self::BadRequest(_) | Self::InvalidField { .. } => StatusCode::BAD_REQUEST,
+            Self::JobTooLarge { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::JobFinished { .. } => StatusCode::CONFLICT,
             Self::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
             Self::Forbidden { .. } => StatusCode::FORBIDDEN,
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
@@ -181,6 +201,12 @@ impl ProxyError {
     pub fn kind(&self) -> (ErrorType, Option<&'static str>) {
         match self {
             Self::BadRequest(_) => (ErrorType::InvalidRequestError, None),
+            Self::InvalidField { .. } => (ErrorType::InvalidRequestError, Some("invalid_field")),
+            Self::JobTooLarge { .. } => (
+                ErrorType::InsufficientResources,
+                Some("insufficient_memory"),
+            ),
+            Self::JobFinished { .. } => (ErrorType::InvalidRequestError, Some("job_finished")),
             Self::Unauthorized { .. } => (ErrorType::AuthenticationError, Some("invalid_api_key")),
             Self::Forbidden { code, .. } => (ErrorType::PermissionError, Some(code)),
             Self::BodyTooLarge { .. } => (ErrorType::InvalidRequestError, Some("body_too_large")),
@@ -239,6 +265,7 @@ impl ProxyError {
         match self {
             Self::MaxTokensExceeded { .. } | Self::ExceedsKvBudget { .. } => Some("max_tokens"),
             Self::ModelNotFound { .. } => Some("model"),
+            Self::InvalidField { field, .. } => Some(field),
             _ => None,
         }
     }

@@ -16,6 +16,7 @@ pub mod exit;
 pub mod forward;
 pub mod header_timeout;
 pub mod health;
+pub mod jobs;
 pub mod logs;
 pub mod metrics;
 pub mod placement;

@@ -7,11 +7,12 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Parser;
+use futures::StreamExt;
+use mlxd_client::{ChatCompletionRequest, ChatMessage, CompletionClient, Role};
 use mlxd_proxy::catalog::Catalog;
-use mlxd_proxy::cli::{BenchArgs, Cli, Command, LogFormat, RunArgs};
+use mlxd_proxy::cli::{BenchArgs, Cli, Command, JobsAction, LogFormat, QuantizeArgs, RunArgs};
 use mlxd_proxy::client;
 use mlxd_proxy::config::EXIT_CONFIG;
-use serde_json::{json, Value};
 use tokio::signal::unix::{signal, SignalKind};
 use tracing_subscriber::EnvFilter;
 
@@ -202,28 +203,140 @@ async fn run_verb(verb: &Command) -> anyhow::Result<()> {
         }
         Command::Run(a) => run_chat(a).await?,
         Command::Bench(a) => bench(a).await?,
+        Command::Quantize(a) => quantize(a).await?,
+        Command::Jobs(a) => {
+            let tasks = mlxd_client::TaskClient::new(a.client.client()?);
+            match &a.action {
+                None => print!(
+                    "{}",
+                    mlxd_proxy::jobs::display::jobs_table(&tasks.list().await?)
+                ),
+                Some(JobsAction::Cancel { id }) => {
+                    let job = tasks.cancel(id).await?;
+                    println!("{} {}", job.id, job.state.as_str());
+                }
+            }
+        }
     }
     Ok(())
 }
 
-fn chat_body(a: &RunArgs, messages: &[Value]) -> Value {
-    let mut body = json!({
-        "model": a.model,
-        "messages": messages,
-        "max_tokens": a.max_tokens,
-    });
-    if let Some(t) = a.temperature {
-        body["temperature"] = json!(t);
+/// `mlxd quantize`: submits the job, follows it with a progress bar (plain lines when stderr
+/// is not a terminal), and cancels it on Ctrl-C.
+async fn quantize(a: &QuantizeArgs) -> anyhow::Result<()> {
+    let tasks = mlxd_client::TaskClient::new(a.client.client()?);
+    // The server resolves paths: send an existing local path absolute.
+    let model = match std::fs::canonicalize(&a.model) {
+        Ok(p) if p.is_dir() => p.display().to_string(),
+        _ => a.model.clone(),
+    };
+    let out = match &a.out {
+        Some(o) if o.is_relative() => Some(std::env::current_dir()?.join(o)),
+        o => o.clone(),
+    };
+    let job = tasks
+        .submit(&mlxd_client::JobRequest::Quantize {
+            model,
+            bits: Some(a.bits),
+            group_size: Some(a.group_size),
+            out: out.map(|o| o.display().to_string()),
+        })
+        .await?;
+    if a.detach {
+        println!("{}", job.id);
+        return Ok(());
     }
-    body
+    eprintln!(
+        "mlxd: {} {} (counted for {} of memory){}",
+        job.id,
+        job.state.as_str(),
+        mlxd_proxy::config::Bytes(job.memory_bytes),
+        job.waiting_for
+            .as_deref()
+            .map(|w| format!("; waiting for {w}"))
+            .unwrap_or_default()
+    );
+    let mut view = mlxd_proxy::jobs::display::ProgressView::for_stderr();
+    let outcome = tokio::select! {
+        done = tasks.wait(&job.id, |p| view.show(p)) => done,
+        _ = tokio::signal::ctrl_c() => {
+            view.finish();
+            let cancelled = tasks.cancel(&job.id).await?;
+            anyhow::bail!("{} {}: nothing was written", cancelled.id, cancelled.state.as_str());
+        }
+    };
+    view.finish();
+    let done = outcome?;
+    let result = done
+        .result
+        .context("the server reported success without a result")?;
+    println!(
+        "{} ready in {:.1} s: {} ({})",
+        result.model_id,
+        result.seconds,
+        result.dir.display(),
+        mlxd_proxy::config::Bytes(result.bytes)
+    );
+    Ok(())
+}
+
+/// A chat request of `mlxd run`'s flags for `messages`.
+fn chat_request(a: &RunArgs, messages: &[ChatMessage]) -> ChatCompletionRequest {
+    let mut request = ChatCompletionRequest {
+        model: Some(a.model.clone()),
+        messages: messages.to_vec(),
+        ..Default::default()
+    };
+    request.params.max_tokens = Some(i64::from(a.max_tokens));
+    request.params.temperature = a.temperature.map(f64::from);
+    request
+}
+
+/// Streams one answer through `mlxd-client`, calling `on_text` with each piece, and returns it
+/// with its timings (usage asked for, so the token count is the server's).
+async fn chat_stream(
+    client: &mlxd_client::Client,
+    mut request: ChatCompletionRequest,
+    mut on_text: impl FnMut(&str),
+) -> anyhow::Result<client::Streamed> {
+    request.params.stream_options = Some(mlxd_protocol::openai::StreamOptions {
+        include_usage: Some(true),
+    });
+    let start = Instant::now();
+    let mut out = client::Streamed {
+        text: String::new(),
+        first_token: None,
+        elapsed: std::time::Duration::ZERO,
+        completion_tokens: None,
+        finish_reason: None,
+    };
+    let mut chunks = client.stream(request).await?;
+    while let Some(chunk) = chunks.next().await {
+        let chunk = chunk?;
+        if let Some(usage) = &chunk.usage {
+            out.completion_tokens = Some(usage.completion_tokens);
+        }
+        for choice in chunk.choices {
+            if let Some(r) = choice.finish_reason {
+                out.finish_reason = Some(r);
+            }
+            if let Some(piece) = choice.delta.content.filter(|p| !p.is_empty()) {
+                out.first_token.get_or_insert_with(|| start.elapsed());
+                out.text.push_str(&piece);
+                on_text(&piece);
+            }
+        }
+    }
+    out.elapsed = start.elapsed();
+    Ok(out)
 }
 
 /// `mlxd run`: one streamed answer, or a chat that keeps the conversation.
 async fn run_chat(a: &RunArgs) -> anyhow::Result<()> {
-    let server = a.client.server();
-    let mut messages: Vec<Value> = Vec::new();
+    let client = a.client.client()?;
+    let mut messages: Vec<ChatMessage> = Vec::new();
     if let Some(s) = &a.system {
-        messages.push(json!({"role": "system", "content": s}));
+        messages.push(ChatMessage::new(Role::System, s.clone()));
     }
     let print = |piece: &str| {
         let mut out = std::io::stdout().lock();
@@ -231,8 +344,8 @@ async fn run_chat(a: &RunArgs) -> anyhow::Result<()> {
         let _ = out.flush();
     };
     if let Some(prompt) = &a.prompt {
-        messages.push(json!({"role": "user", "content": prompt}));
-        let answer = server.chat_stream(&chat_body(a, &messages), print).await?;
+        messages.push(ChatMessage::new(Role::User, prompt.clone()));
+        let answer = chat_stream(&client, chat_request(a, &messages), print).await?;
         println!();
         if answer.finish_reason.as_deref() == Some("length") {
             eprintln!("mlxd: the answer reached --max-tokens {}", a.max_tokens);
@@ -243,7 +356,8 @@ async fn run_chat(a: &RunArgs) -> anyhow::Result<()> {
     if interactive {
         eprintln!(
             "Chatting with {} at {}. An empty line or Ctrl-D ends the chat.",
-            a.model, server.url
+            a.model,
+            a.client.url()
         );
     }
     let (lines_tx, mut lines) = tokio::sync::mpsc::channel::<std::io::Result<String>>(1);
@@ -266,29 +380,30 @@ async fn run_chat(a: &RunArgs) -> anyhow::Result<()> {
         if line.trim().is_empty() {
             break;
         }
-        messages.push(json!({"role": "user", "content": line}));
-        let answer = server.chat_stream(&chat_body(a, &messages), print).await?;
+        messages.push(ChatMessage::new(Role::User, line));
+        let answer = chat_stream(&client, chat_request(a, &messages), print).await?;
         println!();
-        messages.push(json!({"role": "assistant", "content": answer.text}));
+        messages.push(ChatMessage::new(Role::Assistant, answer.text));
     }
     Ok(())
 }
 
 /// `mlxd bench`: a warm-up request, then `requests` timed streamed ones.
 async fn bench(a: &BenchArgs) -> anyhow::Result<()> {
-    let server = a.client.server();
-    let body = json!({
-        "model": a.model,
-        "messages": [{"role": "user", "content": a.prompt}],
-        "max_tokens": a.max_tokens,
-        "temperature": 0.0,
-    });
-    eprintln!("mlxd: warming up {} at {}", a.model, server.url);
-    server.chat_stream(&body, |_| {}).await?;
+    let client = a.client.client()?;
+    let mut request = ChatCompletionRequest {
+        model: Some(a.model.clone()),
+        messages: vec![ChatMessage::new(Role::User, a.prompt.clone())],
+        ..Default::default()
+    };
+    request.params.max_tokens = Some(i64::from(a.max_tokens));
+    request.params.temperature = Some(0.0);
+    eprintln!("mlxd: warming up {} at {}", a.model, a.client.url());
+    chat_stream(&client, request.clone(), |_| {}).await?;
     let mut runs = Vec::new();
     for i in 0..a.requests {
         eprintln!("mlxd: request {} of {}", i + 1, a.requests);
-        runs.push(server.chat_stream(&body, |_| {}).await?);
+        runs.push(chat_stream(&client, request.clone(), |_| {}).await?);
     }
     print!("{}", client::bench_table(&runs));
     Ok(())

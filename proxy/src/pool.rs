@@ -87,6 +87,15 @@ enum Command {
     Shutdown {
         reply: Reply<()>,
     },
+    /// Managed jobs (`crate::jobs`): count a job's memory against the budget, if it fits.
+    ReserveJob {
+        job: String,
+        bytes: u64,
+        reply: Reply<crate::jobs::admission::Admission>,
+    },
+    ReleaseJob {
+        job: String,
+    },
 }
 
 /// The HTTP side's handle on the pool.
@@ -174,6 +183,34 @@ impl PoolHandle {
             Some(rx) => rx.await.unwrap_or_default(),
             None => Vec::new(),
         }
+    }
+
+    /// Counts `bytes` for job `job` against the memory budget if the job's admission policy
+    /// ([`crate::jobs::admission::admit`]) says it fits beside the engines and other jobs.
+    pub async fn reserve_job(&self, job: &str, bytes: u64) -> crate::jobs::admission::Admission {
+        let rx = self
+            .ask(|reply| Command::ReserveJob {
+                job: job.to_string(),
+                bytes,
+                reply,
+            })
+            .await;
+        match rx {
+            Some(rx) => rx
+                .await
+                .unwrap_or(crate::jobs::admission::Admission::ShuttingDown),
+            None => crate::jobs::admission::Admission::ShuttingDown,
+        }
+    }
+
+    /// Gives back what [`reserve_job`](Self::reserve_job) counted for `job`.
+    pub async fn release_job(&self, job: &str) {
+        let _ = self
+            .tx
+            .send(Command::ReleaseJob {
+                job: job.to_string(),
+            })
+            .await;
     }
 
     /// Stops every engine (Shutdown → SIGTERM → SIGKILL) and waits for them to exit.
@@ -545,6 +582,8 @@ struct Pool {
     release_tx: mpsc::UnboundedSender<(String, u64)>,
     shutdown_replies: Vec<Reply<()>>,
     shutting_down: bool,
+    /// Memory counted for running managed jobs, by job id.
+    jobs: BTreeMap<String, u64>,
 }
 
 /// Starts the pool actor; pinned models start loading at once.
@@ -627,6 +666,7 @@ pub(crate) fn start_with(
         release_tx,
         shutdown_replies: Vec::new(),
         shutting_down: false,
+        jobs: BTreeMap::new(),
     };
     let pinned: Vec<String> = parts
         .catalog
@@ -743,6 +783,59 @@ impl Pool {
                     self.begin_shutdown();
                 }
             }
+            Command::ReserveJob { job, bytes, reply } => {
+                let _ = reply.send(self.reserve_job(job, bytes));
+            }
+            Command::ReleaseJob { job } => {
+                if self.jobs.remove(&job).is_some() {
+                    self.place();
+                }
+            }
+        }
+    }
+
+    /// Admits a job's memory against the budget beside the engines and the other jobs.
+    fn reserve_job(&mut self, job: String, bytes: u64) -> crate::jobs::admission::Admission {
+        use crate::jobs::admission::{admit, Admission, MemorySnapshot};
+        if self.shutting_down {
+            return Admission::ShuttingDown;
+        }
+        let residents = self.residents();
+        let snapshot = MemorySnapshot {
+            budget: self.budget.memory_bytes,
+            engines: residents.iter().map(|r| r.bytes).sum(),
+            pinned: residents
+                .iter()
+                .filter(|r| r.pinned && !r.leaving)
+                .map(|r| r.bytes)
+                .sum(),
+            jobs: self.jobs.values().sum(),
+        };
+        let admission = admit(bytes, &snapshot);
+        if admission == Admission::Start {
+            self.jobs.insert(job, bytes);
+        }
+        admission
+    }
+
+    /// The placement plan for an engine that needs `needed` bytes, with running jobs'
+    /// memory taken out of the budget. A model that would fit but for the jobs waits for
+    /// them rather than being refused.
+    fn plan_beside_jobs(&self, needed: u64) -> Plan {
+        let residents = self.residents();
+        let job_bytes: u64 = self.jobs.values().sum();
+        let budget = Budget {
+            memory_bytes: self.budget.memory_bytes.saturating_sub(job_bytes),
+            ..self.budget
+        };
+        match placement::plan(needed, &residents, budget) {
+            Plan::RefuseMemory { needed, available } if job_bytes > 0 => {
+                match placement::plan(needed, &residents, self.budget) {
+                    Plan::RefuseMemory { .. } => Plan::RefuseMemory { needed, available },
+                    _ => Plan::Wait(Shortfall::Memory { needed, available }),
+                }
+            }
+            plan => plan,
         }
     }
 
@@ -882,7 +975,7 @@ impl Pool {
                 continue;
             }
             let needed = slot.planned_bytes();
-            match placement::plan(needed, &self.residents(), self.budget) {
+            match self.plan_beside_jobs(needed) {
                 Plan::Start => {
                     self.queue.retain(|k| *k != key);
                     self.start(&key);
@@ -954,7 +1047,7 @@ impl Pool {
         }
         let needed = self.slots[key].planned_bytes();
         let retry_after = Some(Duration::from_secs(5));
-        let err = match placement::plan(needed, &self.residents(), self.budget) {
+        let err = match self.plan_beside_jobs(needed) {
             Plan::Wait(Shortfall::Memory { needed, available }) => ProxyError::InsufficientMemory {
                 model: key.to_string(),
                 needed,

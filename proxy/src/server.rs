@@ -62,6 +62,10 @@ struct App {
     next_id: AtomicU64,
     /// Flips to true when shutdown begins (ends `/logs` followers).
     stopping: tokio::sync::watch::Receiver<bool>,
+    /// Managed jobs (`/v1/jobs`).
+    jobs: crate::jobs::JobsHandle,
+    /// The model store jobs write into (`$MLXD_HOME`), or why there is none.
+    home: Result<std::path::PathBuf, String>,
 }
 
 /// Runs the proxy on `listener` until `shutdown` resolves, then: stops accepting, lets
@@ -105,6 +109,12 @@ pub async fn serve(
         );
     }
     let (stopping_tx, stopping) = tokio::sync::watch::channel(false);
+    let home = mlxd_store::default_home().map_err(|e| e.to_string());
+    let jobs = crate::jobs::start(
+        config.engine_bin(),
+        pool.clone(),
+        home.as_ref().ok().map(|h| h.join("models")),
+    );
     let app = Arc::new(App {
         config: config.clone(),
         catalog: catalog.clone(),
@@ -115,6 +125,8 @@ pub async fn serve(
         started: Instant::now(),
         next_id: AtomicU64::new(1),
         stopping,
+        jobs: jobs.clone(),
+        home,
     });
     info!(
         addr = ?listener.local_addr().ok(),
@@ -193,6 +205,7 @@ pub async fn serve(
     {
         warn!("grace period over with requests still in flight; stopping engines anyway");
     }
+    jobs.shutdown().await;
     pool.shutdown().await;
     if owned_dir {
         let _ = std::fs::remove_dir_all(&runtime_dir);
@@ -355,6 +368,7 @@ async fn route(
         (&Method::POST, p) if p.starts_with("/admin/models/") => {
             return admin(app, &p["/admin/models/".len()..]).await;
         }
+        (_, p) if crate::jobs::api::is_jobs_path(p) => return jobs_route(app, req).await,
         (&Method::GET, p) if p.starts_with("/logs/") => {
             let query = req.uri().query().unwrap_or("").to_string();
             return logs(app, &p["/logs/".len()..], &query);
@@ -485,6 +499,32 @@ async fn route(
             .record_failure(&model, e.status().as_u16(), started);
     }
     result
+}
+
+/// The `/v1/jobs` routes (`crate::jobs::api`), with the body read within the limits.
+async fn jobs_route(
+    app: &App,
+    req: Request<Incoming>,
+) -> Result<Response<ResponseBody>, ProxyError> {
+    let home = app
+        .home
+        .as_ref()
+        .map_err(|e| ProxyError::Internal(format!("jobs need a model store: {e}")))?;
+    let (method, path) = (req.method().clone(), req.uri().path().to_string());
+    let query = req.uri().query().unwrap_or("").to_string();
+    let max = app.config.server.max_body_bytes;
+    let body_timeout = app.config.server.body_timeout_ms;
+    let body = tokio::time::timeout(
+        Duration::from_millis(body_timeout),
+        read_bounded(req.into_body(), max),
+    )
+    .await
+    .map_err(|_| ProxyError::RequestTimeout {
+        what: "request body",
+        limit_ms: body_timeout,
+        setting: "body_timeout_ms",
+    })??;
+    crate::jobs::api::handle(&app.jobs, &app.catalog, home, &method, &path, &query, body).await
 }
 
 /// `POST /admin/models/{id}/load` and `/unload`.

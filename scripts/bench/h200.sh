@@ -19,6 +19,8 @@
 #   scripts/bench/h200.sh ssd <out dir>            SSD KV tier: TTFT of a 2 000/8 000-token shared prefix after
 #                                                  an engine restart, restored against prefilled; the resume
 #                                                  pause with generation checkpoints (1B bf16)
+#   scripts/bench/h200.sh quantize <out dir>       quantizing the 8B shape (bf16) to 4 and 8 bits:
+#                                                  mlxd's quantize job against mlx_lm.convert -q (models8b)
 #
 # The tokenizer dir holds SmolLM2's tokenizer.json and tokenizer_config.json (vocabulary 49152,
 # which the shapes use), so that served streams are real text.
@@ -205,8 +207,16 @@ case ${1:-} in
       scripts/bench/constraint.sh "$MODELS/llama-1b-bf16" "$b" 128 3 | tee -a "$out/constraint.jsonl"
     done
     ;;
+  quantize)
+    out=$2
+    mkdir -p "$out"
+    for bits in 4 8; do
+      echo "== quantize llama-8b-bf16 to $bits bits" >&2
+      PYTHON=$PYTHON ENGINE_BIN=$bins/mlxd-engine scripts/bench/quantize.sh "$MODELS/llama-8b-bf16" "$bits" 64 3 "$out/quantize.jsonl"
+    done
+    ;;
   *)
-    sed -n '2,20p' "$0"
+    sed -n '2,22p' "$0"
     exit 64
     ;;
 esac

