@@ -84,6 +84,8 @@ impl Display {
 /// retried on the next request).
 pub async fn run(pool: PoolHandle, model: String, url: String, json_logs: bool) {
     let mut display = Display::new(json_logs);
+    // Said at once: a fast load may end before the first report is read.
+    display.update(&model, "starting", 0.0);
     let load = {
         let (pool, model) = (pool.clone(), model.clone());
         tokio::spawn(async move { pool.load(&model).await })
