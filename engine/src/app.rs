@@ -10,12 +10,14 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use mlxd_ipc::control::{ChildChannel, ControlSender, ParentEvent};
 use mlxd_protocol::control::{
-    ChildMsg, FatalKind, Launch, Ready, Spilled, SsdStats, Stats, PROTOCOL_VERSION,
+    ChildMsg, Device, FatalKind, Launch, LoadPhase, Ready, Spilled, SsdStats, Stats,
+    PROTOCOL_VERSION,
 };
 use tokio::sync::Notify;
 
 use crate::cache::ssd::{SsdConfig, SsdCounters, SsdHandle};
 use crate::cache::KvQuant;
+use crate::loader::LoadReporter;
 use crate::runtime::draft::{
     DraftSource, NgramSizes, Speculation, DEFAULT_NGRAM, DEFAULT_NUM_DRAFT, MAX_NUM_DRAFT,
 };
@@ -42,6 +44,9 @@ pub enum StartError {
     },
     #[error("{0}")]
     Mlx(String),
+    /// `MLXD_DEVICE` names no device, or one this MLX build cannot use.
+    #[error("{0}")]
+    Device(String),
     #[error("the draft model {draft} cannot draft for {model}: its tokenizer differs ({reason})")]
     DraftTokenizer {
         draft: String,
@@ -404,6 +409,8 @@ pub struct Engine {
     pub model: ResolvedModel,
     pub runtime: Runtime,
     pub tokenizer: Arc<Tokenizer>,
+    /// Where it computes (`MLXD_DEVICE`, else the GPU when this MLX build has one).
+    pub device: Device,
 }
 
 /// Resolves `spec` (and a draft model) in the model store at `home`, then loads tokenizer and
@@ -411,12 +418,51 @@ pub struct Engine {
 pub fn load(
     spec: &str,
     home: &Path,
-    mut limits: RuntimeLimits,
+    limits: RuntimeLimits,
     draft: Option<DraftOptions>,
     on_oom: Option<OomHook>,
 ) -> Result<Engine, StartError> {
+    load_reporting(spec, home, limits, draft, on_oom, None)
+}
+
+/// What a store event means for the load's progress: downloads and a GGUF conversion are
+/// phases of their own.
+pub fn store_event_progress(event: &store::StoreEvent) -> Option<(LoadPhase, f32)> {
+    match event {
+        store::StoreEvent::Download { done, total, .. } if *total > 0 => Some((
+            LoadPhase::Downloading,
+            (*done as f64 / *total as f64).clamp(0.0, 1.0) as f32,
+        )),
+        store::StoreEvent::Download { .. } => None,
+        store::StoreEvent::Downloaded { .. } => Some((LoadPhase::Downloading, 1.0)),
+        store::StoreEvent::Converting { .. } => Some((LoadPhase::Converting, 0.0)),
+        store::StoreEvent::Converted { .. } => Some((LoadPhase::Converting, 1.0)),
+    }
+}
+
+/// [`load`], on the device `MLXD_DEVICE` selects, telling `reporter` how far it has got:
+/// downloads and a GGUF conversion in the store, then the weights read.
+pub fn load_reporting(
+    spec: &str,
+    home: &Path,
+    mut limits: RuntimeLimits,
+    draft: Option<DraftOptions>,
+    on_oom: Option<OomHook>,
+    reporter: Option<LoadReporter>,
+) -> Result<Engine, StartError> {
     crate::mlx_runtime::check_mlx_version().map_err(StartError::Mlx)?;
-    let model = store::resolve_model(spec, home)?;
+    let request = crate::mlx_runtime::device_request_from_env().map_err(StartError::Device)?;
+    let device = crate::mlx_runtime::select_device(request).map_err(StartError::Device)?;
+    tracing::info!(device = %device, "device selected");
+    let mut opts = store::StoreOptions::from_env(home);
+    if let Some(report) = reporter.clone() {
+        opts.progress = store::Progress::new(move |event| {
+            if let Some((phase, fraction)) = store_event_progress(event) {
+                report(phase, fraction);
+            }
+        });
+    }
+    let model = store::resolve_model_with(spec, &opts)?;
     tracing::info!(model = %model.id, dir = %model.dir.display(), "loading");
     let tokenizer = Tokenizer::from_dir(&model.dir).map_err(|source| StartError::Tokenizer {
         dir: model.dir.clone(),
@@ -449,21 +495,24 @@ pub fn load(
             },
         }),
     };
-    let runtime =
-        Runtime::start(model.dir.clone(), limits, on_oom).map_err(|source| StartError::Load {
+    let runtime = Runtime::start_reporting(model.dir.clone(), limits, on_oom, reporter).map_err(
+        |source| StartError::Load {
             dir: model.dir.clone(),
             source,
-        })?;
+        },
+    )?;
     tracing::info!(
         model = %model.id,
         weight_bytes = runtime.info.weight_bytes,
         context_length = runtime.info.context_length,
+        device = %device,
         "loaded"
     );
     Ok(Engine {
         model,
         runtime,
         tokenizer: Arc::new(tokenizer),
+        device,
     })
 }
 
@@ -556,13 +605,21 @@ pub fn run_supervised(home: &Path) -> anyhow::Result<()> {
         let _ = oom_control.send_fatal(FatalKind::OutOfMemory, message);
         std::process::exit(3);
     });
-    let _ = control.send_loading(0.0);
-    let engine = match load(
+    let _ = control.send_loading(LoadPhase::Starting, 0.0);
+    if let Some(delay) = crate::fault::load_delay() {
+        tracing::warn!(
+            delay_ms = delay.as_millis() as u64,
+            "slowing the load down (MLXD_FAULT)"
+        );
+        std::thread::sleep(delay);
+    }
+    let engine = match load_reporting(
         &launch.model,
         home,
         options.limits,
         options.draft,
         Some(on_oom),
+        Some(loading_reporter(control.clone())),
     ) {
         Ok(engine) => engine,
         Err(e) => {
@@ -632,6 +689,30 @@ fn ssd_stats(c: &SsdCounters) -> SsdStats {
     }
 }
 
+/// Sends the load's progress to the supervisor as `Loading` frames: each new phase, and
+/// within a phase each step of at least a hundredth (a download reports every chunk).
+fn loading_reporter(control: ControlSender) -> LoadReporter {
+    let last = std::sync::Mutex::new(None::<(LoadPhase, f32)>);
+    Arc::new(move |phase, fraction| {
+        let mut last = last.lock().unwrap_or_else(|p| p.into_inner());
+        if worth_reporting(*last, (phase, fraction)) {
+            *last = Some((phase, fraction));
+            // A broken channel ends the engine through the parent watch; nothing to do here.
+            let _ = control.send_loading(phase, fraction);
+        }
+    })
+}
+
+/// Whether a progress step is worth a frame after `last`: a new phase, the phase's end, or
+/// a hundredth more of it.
+pub fn worth_reporting(last: Option<(LoadPhase, f32)>, next: (LoadPhase, f32)) -> bool {
+    match last {
+        None => true,
+        Some((phase, _)) if phase != next.0 => true,
+        Some((_, done)) => next.1 >= done + 0.01 || (next.1 >= 1.0 && done < 1.0),
+    }
+}
+
 async fn serve_supervised(
     engine: Engine,
     launch: Launch,
@@ -653,8 +734,9 @@ async fn serve_supervised(
             "stream".into(),
             "token_ids".into(),
         ],
+        device: engine.device.clone(),
     })?;
-    tracing::info!(socket = %launch.socket_path.display(), "ready");
+    tracing::info!(socket = %launch.socket_path.display(), device = %engine.device, "ready");
 
     let stats = engine.runtime.stats.clone();
     let stats_control = control.clone();
@@ -725,6 +807,51 @@ mod tests {
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
         }
+    }
+
+    #[test]
+    fn store_events_become_load_phases() {
+        use store::StoreEvent;
+        let dl = |done, total| StoreEvent::Download {
+            what: "w".into(),
+            done,
+            total,
+        };
+        assert_eq!(
+            store_event_progress(&dl(25, 100)),
+            Some((LoadPhase::Downloading, 0.25))
+        );
+        assert_eq!(store_event_progress(&dl(25, 0)), None);
+        assert_eq!(
+            store_event_progress(&StoreEvent::Converting {
+                source: "/a.gguf".into()
+            }),
+            Some((LoadPhase::Converting, 0.0))
+        );
+        assert_eq!(
+            store_event_progress(&StoreEvent::Converted {
+                dir: "/d".into(),
+                seconds: 1.0
+            }),
+            Some((LoadPhase::Converting, 1.0))
+        );
+    }
+
+    #[test]
+    fn progress_frames_for_new_phases_ends_and_hundredths() {
+        use LoadPhase::*;
+        assert!(worth_reporting(None, (Starting, 0.0)));
+        assert!(worth_reporting(Some((Starting, 0.0)), (Weights, 0.0)));
+        assert!(!worth_reporting(
+            Some((Downloading, 0.5)),
+            (Downloading, 0.505)
+        ));
+        assert!(worth_reporting(
+            Some((Downloading, 0.5)),
+            (Downloading, 0.52)
+        ));
+        assert!(worth_reporting(Some((Weights, 0.995)), (Weights, 1.0)));
+        assert!(!worth_reporting(Some((Weights, 1.0)), (Weights, 1.0)));
     }
 
     #[test]

@@ -9,6 +9,8 @@
 //!   `oom` (sends `Fatal { OutOfMemory }` and exits, as MLX reporting an allocation
 //!   failure does), or `hang` (the whole process stops itself with SIGSTOP: no tokens, no
 //!   `Stats`), once this process has emitted N generated tokens, all requests together.
+//! - `MLXD_FAULT=slow_load@<ms>`: a supervised engine waits that many milliseconds before it
+//!   loads the model (a slow download or disk, to test waiting for a load).
 //! - `MLXD_FAULT_ONCE=<path>` (optional): fire only if this file exists, and remove it when
 //!   firing, so that the restarted engine runs clean. Without it, every engine fires.
 use std::path::PathBuf;
@@ -21,12 +23,15 @@ pub enum FaultKind {
     Abort,
     OutOfMemory,
     Hang,
+    /// Delays the load instead of firing on a token.
+    SlowLoad,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FaultSpec {
     pub kind: FaultKind,
-    /// Fires when this many tokens have been emitted (at least 1).
+    /// Fires when this many tokens have been emitted (at least 1); for
+    /// [`FaultKind::SlowLoad`], the milliseconds the load waits.
     pub after_tokens: u64,
     /// Fires only while this file exists (it is removed on firing).
     pub once: Option<PathBuf>,
@@ -34,17 +39,19 @@ pub struct FaultSpec {
 
 /// Reads `<kind>@<N>`.
 pub fn parse(spec: &str, once: Option<PathBuf>) -> Result<FaultSpec, String> {
-    let (kind, n) = spec
-        .split_once('@')
-        .ok_or_else(|| format!("MLXD_FAULT={spec:?}: expected <abort|oom|hang>@<tokens>"))?;
+    let (kind, n) = spec.split_once('@').ok_or_else(|| {
+        format!("MLXD_FAULT={spec:?}: expected <abort|oom|hang>@<tokens> or slow_load@<ms>")
+    })?;
     let kind = match kind.trim() {
         "abort" => FaultKind::Abort,
         "oom" => FaultKind::OutOfMemory,
         "hang" => FaultKind::Hang,
+        "slow_load" => FaultKind::SlowLoad,
         other => {
+            let known = "abort, oom, hang or slow_load";
             return Err(format!(
-                "MLXD_FAULT={spec:?}: unknown fault {other:?}; expected abort, oom or hang"
-            ))
+                "MLXD_FAULT={spec:?}: unknown fault {other:?}; expected {known}"
+            ));
         }
     };
     let after_tokens = n
@@ -53,7 +60,7 @@ pub fn parse(spec: &str, once: Option<PathBuf>) -> Result<FaultSpec, String> {
         .ok()
         .filter(|&n| n >= 1)
         .ok_or_else(|| {
-            format!("MLXD_FAULT={spec:?}: the token count must be an integer >= 1, got {n:?}")
+            format!("MLXD_FAULT={spec:?}: the count must be an integer >= 1, got {n:?}")
         })?;
     Ok(FaultSpec {
         kind,
@@ -99,11 +106,21 @@ pub fn arm(spec: FaultSpec, on_oom: OomExit) {
     });
 }
 
+/// How long the load waits first, when a `slow_load` fault is armed.
+pub fn load_delay() -> Option<std::time::Duration> {
+    let armed = ARMED.get()?;
+    (armed.spec.kind == FaultKind::SlowLoad)
+        .then(|| std::time::Duration::from_millis(armed.spec.after_tokens))
+}
+
 /// Called once for each generated token handed to a client. Does nothing unless armed.
 pub fn on_token() {
     let Some(armed) = ARMED.get() else {
         return;
     };
+    if armed.spec.kind == FaultKind::SlowLoad {
+        return;
+    }
     let n = armed.emitted.fetch_add(1, Ordering::Relaxed) + 1;
     if n != armed.spec.after_tokens {
         return;
@@ -135,6 +152,8 @@ fn fire(armed: &Armed, n: u64) {
                 }
             }
         }
+        // Never fires on a token (see `load_delay`).
+        FaultKind::SlowLoad => {}
         FaultKind::Hang => {
             tracing::error!("{what}: stopping the process (SIGSTOP)");
             // SAFETY: raise(3) with a valid signal number has no memory-safety preconditions.
@@ -163,6 +182,8 @@ mod tests {
         let hang = parse("hang@12", Some("/tmp/x".into())).unwrap();
         assert_eq!(hang.kind, FaultKind::Hang);
         assert_eq!(hang.once, Some(PathBuf::from("/tmp/x")));
+        let slow = parse("slow_load@1500", None).unwrap();
+        assert_eq!((slow.kind, slow.after_tokens), (FaultKind::SlowLoad, 1500));
     }
 
     #[test]

@@ -7,9 +7,15 @@
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use mlx_rs::{Array, Dtype};
+use mlxd_protocol::control::LoadPhase;
 use serde_json::Value;
+
+/// Where a load reports how far it has got: a phase and the fraction of it done (`0.0..=1.0`).
+/// Under `mlxd` it sends `Loading` frames; tests collect the calls.
+pub type LoadReporter = Arc<dyn Fn(LoadPhase, f32) + Send + Sync>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -69,6 +75,8 @@ pub struct Weights {
     quant_default: Option<QuantSpec>,
     quant_overrides: HashMap<String, Option<QuantSpec>>,
     taken_bytes: usize,
+    /// Told how many weight bytes have been read while the model materializes them.
+    reporter: Option<LoadReporter>,
 }
 
 /// Reads `config.json` from a model directory.
@@ -182,7 +190,20 @@ impl Weights {
             quant_default,
             quant_overrides,
             taken_bytes: 0,
+            reporter: None,
         })
+    }
+
+    /// Reports the weights read ([`LoadPhase::Weights`]) to `reporter` while the model
+    /// materializes them.
+    pub fn with_reporter(mut self, reporter: Option<LoadReporter>) -> Self {
+        self.reporter = reporter;
+        self
+    }
+
+    /// The reporter the model's materialization reports to.
+    pub fn reporter(&self) -> Option<&LoadReporter> {
+        self.reporter.as_ref()
     }
 
     /// How the layer at `prefix` is quantized, if its checkpoint tensors are quantized.
@@ -254,4 +275,38 @@ pub fn expect_shape(name: &str, a: &Array, expected: &[i32]) -> Result<(), LoadE
         });
     }
     Ok(())
+}
+
+/// Evaluates `params` (reading them from disk now) in steps of about a twentieth of their
+/// bytes, telling `reporter` the fraction read after each; returns the bytes held. One step
+/// per tensor would be as exact but costs a graph evaluation per tensor.
+pub fn materialize(params: &[&Array], reporter: Option<&LoadReporter>) -> Result<usize, LoadError> {
+    let total: usize = params.iter().map(|a| a.nbytes()).sum();
+    let Some(report) = reporter else {
+        mlx_rs::transforms::eval(params.iter().copied())?;
+        return Ok(total);
+    };
+    report(LoadPhase::Weights, 0.0);
+    let step = (total / 20).max(1);
+    let (mut done, mut pending, mut start) = (0usize, 0usize, 0usize);
+    for (i, a) in params.iter().enumerate() {
+        pending += a.nbytes();
+        if pending >= step || i + 1 == params.len() {
+            mlx_rs::transforms::eval(params[start..=i].iter().copied())?;
+            done += pending;
+            pending = 0;
+            start = i + 1;
+            report(LoadPhase::Weights, weights_fraction(done, total));
+        }
+    }
+    Ok(total)
+}
+
+/// `done` of `total` bytes as a fraction in `0.0..=1.0` (1 for nothing to read).
+pub fn weights_fraction(done: usize, total: usize) -> f32 {
+    if total == 0 {
+        1.0
+    } else {
+        (done as f64 / total as f64).clamp(0.0, 1.0) as f32
+    }
 }

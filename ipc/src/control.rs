@@ -15,7 +15,7 @@
 //! let launch = chan.read_launch()?;        // blocks for the Launch frame
 //! let tx = chan.sender();                  // Clone + Send: Loading/Ready/Stats/Fatal
 //! chan.watch_parent(|ev| ...);             // thread: Drain, Shutdown, Closed (stdin EOF)
-//! tx.send_loading(0.5)?;                   // optional progress while loading
+//! tx.send_loading(LoadPhase::Weights, 0.5)?;  // optional progress while loading
 //! let listener = socket::bind_unix(&launch.socket_path)?;  // stale file removed, 0600
 //! tx.send_ready(ready)?;                   // only once the socket accepts connections
 //! // every ~1 s: tx.send_stats(stats)?;
@@ -40,7 +40,7 @@ use std::io::{self, Read, Write};
 use std::sync::{Arc, Mutex};
 
 use mlxd_protocol::control::{
-    ChildMsg, Fatal, FatalKind, Launch, ParentMsg, Ready, Stats, PROTOCOL_VERSION,
+    ChildMsg, Fatal, FatalKind, Launch, LoadPhase, ParentMsg, Ready, Stats, PROTOCOL_VERSION,
 };
 
 use crate::frame::{read_frame, write_frame, FrameError};
@@ -189,8 +189,8 @@ impl ControlSender {
         write_frame(&mut *out, msg)
     }
 
-    pub fn send_loading(&self, progress: f32) -> Result<(), FrameError> {
-        self.send(&ChildMsg::Loading { progress })
+    pub fn send_loading(&self, phase: LoadPhase, progress: f32) -> Result<(), FrameError> {
+        self.send(&ChildMsg::Loading { phase, progress })
     }
 
     pub fn send_ready(&self, ready: Ready) -> Result<(), FrameError> {
@@ -269,7 +269,7 @@ mod tests {
         let out = Shared::default();
         let mut chan = ChildChannel::new(io::Cursor::new(input), out.clone());
         assert_eq!(chan.read_launch().unwrap().model, "m");
-        chan.sender().send_loading(0.5).unwrap();
+        chan.sender().send_loading(LoadPhase::Weights, 0.5).unwrap();
         let (tx, rx) = mpsc::channel();
         chan.watch_parent(move |e| tx.send(format!("{e:?}")).unwrap())
             .join()
@@ -278,7 +278,13 @@ mod tests {
         assert_eq!(events, ["Drain", "Shutdown", "Closed"]);
         let bytes = out.0.lock().unwrap().clone();
         let msg: ChildMsg = read_frame(&mut bytes.as_slice()).unwrap().unwrap();
-        assert_eq!(msg, ChildMsg::Loading { progress: 0.5 });
+        assert_eq!(
+            msg,
+            ChildMsg::Loading {
+                phase: LoadPhase::Weights,
+                progress: 0.5
+            }
+        );
     }
 
     #[test]

@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 /// Bumped on any incompatible change to the types in this module.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Messages from the supervisor to an engine.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -55,8 +55,9 @@ pub struct Limits {
 /// Messages from an engine to the supervisor.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ChildMsg {
-    /// Loading progress in `0.0..=1.0`.
-    Loading { progress: f32 },
+    /// Loading progress: `progress` in `0.0..=1.0` through `phase` (each phase runs from 0
+    /// to 1 on its own, so a bar never has to guess how long the next phase takes).
+    Loading { phase: LoadPhase, progress: f32 },
     /// The socket is bound and the model is loaded: requests may be sent.
     Ready(Ready),
     /// Periodic load and memory figures.
@@ -105,6 +106,86 @@ pub struct Ready {
     pub context_length: u32,
     /// e.g. `chat`, `completions`, `tools`.
     pub capabilities: Vec<String>,
+    /// Where the model runs.
+    pub device: Device,
+}
+
+/// What an engine is doing while it loads, in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LoadPhase {
+    /// Launched; the model is being looked up in the store.
+    Starting,
+    /// Downloading the model's files (progress: bytes of the current file).
+    Downloading,
+    /// Converting a GGUF file into the store's MLX format.
+    Converting,
+    /// Reading the weights into memory (progress: bytes read of all weights).
+    Weights,
+}
+
+impl LoadPhase {
+    /// The phase's name as `/engines` and the chat page show it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Starting => "starting",
+            Self::Downloading => "downloading",
+            Self::Converting => "converting",
+            Self::Weights => "weights",
+        }
+    }
+}
+
+/// The device an engine computes on: the kind MLX was asked for and the backend that runs it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Device {
+    pub kind: DeviceKind,
+    pub backend: Backend,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeviceKind {
+    Cpu,
+    Gpu,
+}
+
+/// MLX's backend for the device: its CPU backend, CUDA (Linux, NVIDIA) or Metal (macOS).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Backend {
+    Cpu,
+    Cuda,
+    Metal,
+}
+
+impl DeviceKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Cpu => "cpu",
+            Self::Gpu => "gpu",
+        }
+    }
+}
+
+impl Backend {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Cpu => "cpu",
+            Self::Cuda => "cuda",
+            Self::Metal => "metal",
+        }
+    }
+}
+
+impl std::fmt::Display for Device {
+    /// `gpu (cuda)`, `gpu (metal)`, `cpu`: what the start-up line and `mlxd ps` print.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.kind {
+            DeviceKind::Cpu => f.write_str("cpu"),
+            DeviceKind::Gpu => write!(f, "gpu ({})", self.backend.name()),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

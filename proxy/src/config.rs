@@ -66,7 +66,7 @@ pub struct Config {
 }
 
 /// `[server]`: the listener, the engine binary and the supervisor's timing.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ServerConfig {
     pub host: String,
@@ -199,7 +199,7 @@ pub struct ModelConfig {
     pub options: BTreeMap<String, String>,
 }
 
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct LimitsConfig {
     pub max_batch_size: Option<u32>,

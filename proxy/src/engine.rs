@@ -11,7 +11,7 @@ use std::time::Duration;
 use mlxd_ipc::control::{CONTROL_FLAG, SUPERVISOR_PID_ENV};
 use mlxd_ipc::frame::{read_frame_async, write_frame_async};
 use mlxd_protocol::control::{
-    ChildMsg, Fatal, Launch, Limits, ParentMsg, Ready, Stats, PROTOCOL_VERSION,
+    ChildMsg, Fatal, Launch, Limits, LoadPhase, ParentMsg, Ready, Stats, PROTOCOL_VERSION,
 };
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
@@ -50,6 +50,7 @@ pub(crate) const PASSTHROUGH_ENV: &[&str] = &[
     "MLXD_HOME",
     "MLXD_PYPI_URL",
     "MLXD_SMOLLM2_GGUF",
+    "MLXD_DEVICE",
 ];
 
 /// What to run and how.
@@ -77,7 +78,7 @@ pub struct EngineSpec {
 /// What an engine reports to the pool.
 #[derive(Debug)]
 pub enum EngineEvent {
-    Loading { progress: f32 },
+    Loading { phase: LoadPhase, progress: f32 },
     Ready(Ready),
     Stats(Stats),
     Exited(Arc<ExitReport>),
@@ -409,7 +410,9 @@ async fn read_control(mut stdout: ChildStdout, emit: impl Fn(EngineEvent)) -> Re
     let mut out = ReaderOutcome::default();
     loop {
         match read_frame_async::<ChildMsg, _>(&mut stdout).await {
-            Ok(Some(ChildMsg::Loading { progress })) => emit(EngineEvent::Loading { progress }),
+            Ok(Some(ChildMsg::Loading { phase, progress })) => {
+                emit(EngineEvent::Loading { phase, progress })
+            }
             Ok(Some(ChildMsg::Ready(r))) => {
                 if r.version != PROTOCOL_VERSION {
                     warn!(

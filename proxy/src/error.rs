@@ -91,6 +91,14 @@ pub enum ProxyError {
         cause: String,
         retry_after: Duration,
     },
+    /// The engine the request waited for exited before it was ready; the pool retries the
+    /// load after `retry_after` (until the crash limit marks the model failed).
+    #[error("model {model} failed to load: {cause}")]
+    LoadFailed {
+        model: String,
+        cause: String,
+        retry_after: Duration,
+    },
     /// The engine exited while handling the request (upstream's fault, and we know why).
     #[error("engine for model {model} exited during the request: {}", report.summary())]
     EngineCrashed { model: String, report: ExitReport },
@@ -189,6 +197,7 @@ impl ProxyError {
             Self::Unavailable { .. }
             | Self::LimitsReduced { .. }
             | Self::Failed { .. }
+            | Self::LoadFailed { .. }
             | Self::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             Self::EngineCrashed { .. } | Self::NotResumed { .. } | Self::Upstream { .. } => {
                 StatusCode::BAD_GATEWAY
@@ -233,6 +242,7 @@ impl ProxyError {
             Self::TooManyInFlight { .. } => (ErrorType::RateLimitError, Some("too_many_requests")),
             Self::LimitsReduced { .. } => (ErrorType::EngineUnavailable, Some("limits_reduced")),
             Self::Failed { .. } => (ErrorType::EngineFailed, Some("engine_failed")),
+            Self::LoadFailed { .. } => (ErrorType::EngineFailed, Some("load_failed")),
             Self::EngineCrashed { report, .. } if report.cause.is_requested() => {
                 (ErrorType::EngineStopped, Some(report.cause.code()))
             }
@@ -252,7 +262,8 @@ impl ProxyError {
             | Self::LimitsReduced { retry_after, .. }
             | Self::TooManyInFlight { retry_after, .. }
             | Self::QueueFull { retry_after, .. }
-            | Self::Failed { retry_after, .. } => Some(*retry_after),
+            | Self::Failed { retry_after, .. }
+            | Self::LoadFailed { retry_after, .. } => Some(*retry_after),
             Self::ShuttingDown => Some(Duration::from_secs(5)),
             Self::InsufficientMemory { retry_after, .. }
             | Self::NoEngineAvailable { retry_after, .. } => *retry_after,

@@ -22,9 +22,11 @@ pub mod metrics;
 pub mod placement;
 pub mod policy;
 pub mod pool;
+pub mod preload;
 pub mod progress;
+pub mod reload;
 pub mod resume;
 pub mod server;
 
 pub use config::Config;
-pub use server::serve;
+pub use server::{serve, serve_with, Preload, ServeOptions};

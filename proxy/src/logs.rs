@@ -2,7 +2,7 @@
 //! notes — for `GET /logs/{model}`, with live followers (`?follow=1`).
 
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 
 use tokio::sync::broadcast;
 
@@ -55,21 +55,30 @@ impl ModelLog {
     }
 }
 
-/// Every configured model's log, fixed at start.
+/// Every configured model's log: those configured at start, and those a configuration
+/// reload adds.
 #[derive(Debug, Default, Clone)]
-pub struct Logs(Arc<BTreeMap<String, Arc<ModelLog>>>);
+pub struct Logs(Arc<RwLock<BTreeMap<String, Arc<ModelLog>>>>);
 
 impl Logs {
     pub fn new<'a>(ids: impl IntoIterator<Item = &'a str>) -> Self {
-        Self(Arc::new(
+        Self(Arc::new(RwLock::new(
             ids.into_iter()
                 .map(|id| (id.to_string(), Arc::default()))
                 .collect(),
-        ))
+        )))
     }
 
     pub fn get(&self, id: &str) -> Option<Arc<ModelLog>> {
-        self.0.get(id).cloned()
+        // A poisoned lock only means a panic mid-insert; the map is still usable.
+        let map = self.0.read().unwrap_or_else(|p| p.into_inner());
+        map.get(id).cloned()
+    }
+
+    /// The log of `id`, made empty if it has none yet.
+    pub fn get_or_create(&self, id: &str) -> Arc<ModelLog> {
+        let mut map = self.0.write().unwrap_or_else(|p| p.into_inner());
+        map.entry(id.to_string()).or_default().clone()
     }
 }
 

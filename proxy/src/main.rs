@@ -33,6 +33,8 @@ fn main() -> anyhow::Result<()> {
         }
     }
     let args = cli.serve_args().context("serve arguments")?;
+    // Kept to read the configuration again on SIGHUP (flags still override the file).
+    let reload_args = args.clone();
     let json_logs = args.log_format == LogFormat::Json;
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     match args.log_format {
@@ -66,21 +68,28 @@ fn main() -> anyhow::Result<()> {
             .with_context(|| format!("binding {addr}"))?;
         // Bound first (a taken port fails at once); the default model is fetched and
         // converted before serving, with progress, so no engine load timeout can cut a
-        // download short. Connections meanwhile wait in the backlog.
+        // download short. Connections meanwhile wait in the backlog. Then its engine loads
+        // (with progress) while requests are served, and the URL line follows.
+        // SIGHUP's default action ends the process: take it over before anything slow.
+        let mut hup = signal(SignalKind::hangup())?;
         prepare_default_model(&config, json_logs).await;
-        let local = listener.local_addr()?;
-        let host = match local.ip() {
-            ip if ip.is_unspecified() => "127.0.0.1".to_string(),
-            std::net::IpAddr::V6(ip) => format!("[{ip}]"),
-            ip => ip.to_string(),
-        };
-        mlxd_proxy::progress::say(
-            json_logs,
-            &format!(
-                "serving on http://{host}:{}/ (chat page there, OpenAI API under /v1)",
-                local.port()
-            ),
-        );
+        let (reload_tx, reloads) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while hup.recv().await.is_some() {
+                tracing::info!("SIGHUP received: reading the configuration again");
+                match reload_args.clone().into_config() {
+                    Ok(c) => {
+                        if reload_tx.send(c).is_err() {
+                            return;
+                        }
+                    }
+                    Err(e) => tracing::warn!(
+                        error = %e,
+                        "configuration reload refused; the running configuration stays"
+                    ),
+                }
+            }
+        });
         let mut term = signal(SignalKind::terminate())?;
         let mut int = signal(SignalKind::interrupt())?;
         let shutdown = async move {
@@ -89,7 +98,11 @@ fn main() -> anyhow::Result<()> {
                 _ = int.recv() => tracing::info!("SIGINT received"),
             }
         };
-        mlxd_proxy::serve(listener, config, shutdown).await?;
+        let options = mlxd_proxy::ServeOptions {
+            reloads: Some(reloads),
+            preload: Some(mlxd_proxy::Preload { json_logs }),
+        };
+        mlxd_proxy::serve_with(listener, config, shutdown, options).await?;
         Ok(())
     })
 }

@@ -232,6 +232,17 @@ impl Metrics {
         self.ssd_bytes.get_or_create(&l).set(now.bytes as i64);
     }
 
+    /// Drops the gauges of a model a configuration reload removed (its counters stay: they
+    /// are history).
+    pub fn forget_model(&self, model: &str) {
+        let l = Self::label(model);
+        self.queue_depth.remove(&l);
+        self.in_flight.remove(&l);
+        self.memory.remove(&l);
+        self.loaded.remove(&l);
+        self.acceptance.remove(&l);
+    }
+
     /// Adds an engine's new drafted and accepted tokens (deltas of its `Stats`).
     pub fn record_drafts(&self, model: &str, drafted: u64, accepted: u64) {
         if drafted == 0 && accepted == 0 {

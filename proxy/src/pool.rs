@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use mlxd_protocol::control::{ParentMsg, Ready, SsdStats, Stats};
+use mlxd_protocol::control::{LoadPhase, ParentMsg, Ready, SsdStats, Stats};
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
@@ -30,6 +30,7 @@ use crate::logs::{Logs, ModelLog};
 use crate::metrics::{EvictionLabels, Metrics};
 use crate::placement::{self, Budget, Plan, Resident, Shortfall};
 use crate::policy::{CrashHistory, Decision, KvCapacity, ModelLimits, RestartPolicy};
+use crate::reload::ReloadPlan;
 
 /// Permission to send one request to one engine generation. The engine counts as busy
 /// until every clone of the lease is dropped.
@@ -96,6 +97,13 @@ enum Command {
     ReleaseJob {
         job: String,
     },
+    /// Apply a reloaded configuration (SIGHUP).
+    Reload {
+        catalog: Arc<Catalog>,
+        config: Arc<Config>,
+        memory_budget: u64,
+        reply: Reply<ReloadPlan>,
+    },
 }
 
 /// The HTTP side's handle on the pool.
@@ -103,6 +111,10 @@ enum Command {
 pub struct PoolHandle {
     tx: mpsc::Sender<Command>,
     queue_timeout: Duration,
+    /// How long an acquire may wait at most: the pool answers every waiter itself (after
+    /// the queue timeout, or when the load it waits for ends), so this only guards against
+    /// a pool that stopped answering.
+    acquire_backstop: Duration,
 }
 
 impl PoolHandle {
@@ -112,7 +124,9 @@ impl PoolHandle {
         Some(rx)
     }
 
-    /// A lease on a ready engine for model `id`, waiting (bounded) while it starts.
+    /// A lease on a ready engine for model `id`, waiting while it starts: up to the queue
+    /// timeout for room or a restart, and for a load in progress until it ends (bounded by
+    /// the load timeout), answered with the load's error if it fails.
     pub async fn acquire(&self, id: &str) -> Result<Lease, ProxyError> {
         self.acquire_avoiding(id, None).await
     }
@@ -132,7 +146,7 @@ impl PoolHandle {
             })
             .await
             .ok_or(ProxyError::ShuttingDown)?;
-        match tokio::time::timeout(self.queue_timeout, rx).await {
+        match tokio::time::timeout(self.acquire_backstop, rx).await {
             Ok(Ok(result)) => result,
             Ok(Err(_)) => Err(ProxyError::ShuttingDown),
             Err(_) => Err(ProxyError::Unavailable {
@@ -213,6 +227,26 @@ impl PoolHandle {
             .await;
     }
 
+    /// Applies a reloaded configuration: added models become servable (pinned ones start),
+    /// removed ones drain and go, changed ones take their new settings at the next load.
+    /// Returns what changed; `None` once the pool has stopped.
+    pub async fn reload(
+        &self,
+        catalog: Arc<Catalog>,
+        config: Arc<Config>,
+        memory_budget: u64,
+    ) -> Option<ReloadPlan> {
+        let rx = self
+            .ask(|reply| Command::Reload {
+                catalog,
+                config,
+                memory_budget,
+                reply,
+            })
+            .await?;
+        rx.await.ok()
+    }
+
     /// Stops every engine (Shutdown → SIGTERM → SIGKILL) and waits for them to exit.
     pub async fn shutdown(&self) {
         if let Some(rx) = self.ask(|reply| Command::Shutdown { reply }).await {
@@ -242,6 +276,13 @@ pub struct EngineStatus {
     pub idle_s: Option<f64>,
     pub ttl_s: Option<f64>,
     pub loading_progress: Option<f32>,
+    /// What the load is doing (`starting`, `downloading`, `converting`, `weights`) while
+    /// `loading_progress` runs through it.
+    pub loading_phase: Option<&'static str>,
+    /// The running engine's device, as `mlxd ps` shows it: `cpu`, `gpu (cuda)`.
+    pub device: Option<String>,
+    /// False once a configuration reload removed the model: it drains, then disappears.
+    pub configured: bool,
     pub in_flight: u32,
     pub queued_requests: usize,
     /// Counted against the budget now (reported once ready, planned before).
@@ -269,6 +310,8 @@ pub struct ReadyInfo {
     pub kv_bytes_per_token: u64,
     pub context_length: u32,
     pub capabilities: Vec<String>,
+    /// Where the engine computes: `{"kind": "gpu", "backend": "cuda"}`.
+    pub device: mlxd_protocol::control::Device,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -367,17 +410,70 @@ struct Slot {
     /// When the running engine last showed it was alive (`Ready`, then each `Stats`).
     heartbeat: Option<Instant>,
     progress: Option<f32>,
+    phase: Option<LoadPhase>,
+    /// A reload removed the model: no new requests; the slot goes once its engine is gone.
+    removed: bool,
     in_flight: u32,
     last_used: Instant,
     /// The largest footprint an engine of this model has reported.
     observed_bytes: u64,
     /// An idle check is pending (one timer per slot, re-armed while the engine is used).
     idle_timer: bool,
-    waiters: VecDeque<Reply<Result<Lease, ProxyError>>>,
+    waiters: VecDeque<Waiter>,
     unload_replies: Vec<Reply<Result<(), ProxyError>>>,
 }
 
+/// A request waiting for its model's engine.
+#[derive(Debug)]
+struct Waiter {
+    /// Names its queue-timeout timer.
+    id: u64,
+    reply: Reply<Result<Lease, ProxyError>>,
+}
+
+impl Waiter {
+    fn is_closed(&self) -> bool {
+        self.reply.is_closed()
+    }
+
+    /// Answers the request; a waiter that gave up meanwhile is simply gone.
+    fn send(self, result: Result<Lease, ProxyError>) {
+        let _ = self.reply.send(result);
+    }
+}
+
 impl Slot {
+    fn new(entry: ModelEntry, log: Arc<ModelLog>, socket: PathBuf, now: Instant) -> Self {
+        Self {
+            limits: ModelLimits::new(entry.limits.clone()),
+            entry,
+            log,
+            socket,
+            state: State::Idle,
+            engine: None,
+            generation: 0,
+            restarts: 0,
+            history: CrashHistory::default(),
+            engine_limits: None,
+            recycle: false,
+            last_exit: None,
+            spawned_at: None,
+            ready_at: None,
+            ready: None,
+            stats: None,
+            heartbeat: None,
+            progress: None,
+            phase: None,
+            removed: false,
+            in_flight: 0,
+            last_used: now,
+            observed_bytes: 0,
+            idle_timer: false,
+            waiters: VecDeque::new(),
+            unload_replies: Vec::new(),
+        }
+    }
+
     fn id(&self) -> &str {
         &self.entry.id
     }
@@ -434,7 +530,7 @@ impl Slot {
 
     fn fail_waiters(&mut self, err: &ProxyError) {
         for w in self.waiters.drain(..) {
-            let _ = w.send(Err(err.clone()));
+            w.send(Err(err.clone()));
         }
     }
 
@@ -490,6 +586,9 @@ impl Slot {
             ttl_s: (!self.entry.ttl.is_zero() && !self.entry.pinned)
                 .then_some(self.entry.ttl.as_secs_f64()),
             loading_progress: self.progress,
+            loading_phase: self.phase.map(LoadPhase::name),
+            device: self.ready.as_ref().map(|r| r.device.to_string()),
+            configured: !self.removed,
             in_flight: self.in_flight,
             queued_requests: self.waiters.iter().filter(|w| !w.is_closed()).count(),
             memory_bytes: if self.resident() { self.footprint() } else { 0 },
@@ -509,6 +608,7 @@ impl Slot {
                 kv_bytes_per_token: r.kv_bytes_per_token,
                 context_length: r.context_length,
                 capabilities: r.capabilities.clone(),
+                device: r.device.clone(),
             }),
             stats: self.stats.as_ref().map(|s| StatsInfo {
                 active: s.active,
@@ -541,12 +641,33 @@ impl Slot {
 /// Deadlines the actor set for itself, delivered back to it by timer tasks.
 #[derive(Debug)]
 enum Timer {
-    RestartDue { model: String, generation: u64 },
-    LoadDeadline { model: String, generation: u64 },
-    IdleCheck { model: String },
-    LimitsRecovery { model: String },
-    CapacityDeadline { model: String, ticket: u64 },
-    HangCheck { model: String, generation: u64 },
+    RestartDue {
+        model: String,
+        generation: u64,
+    },
+    LoadDeadline {
+        model: String,
+        generation: u64,
+    },
+    IdleCheck {
+        model: String,
+    },
+    LimitsRecovery {
+        model: String,
+    },
+    CapacityDeadline {
+        model: String,
+        ticket: u64,
+    },
+    HangCheck {
+        model: String,
+        generation: u64,
+    },
+    /// A waiter's queue timeout is over.
+    WaiterDeadline {
+        model: String,
+        waiter: u64,
+    },
 }
 
 /// What the actor needs besides the configuration.
@@ -584,6 +705,16 @@ struct Pool {
     shutting_down: bool,
     /// Memory counted for running managed jobs, by job id.
     jobs: BTreeMap<String, u64>,
+    /// The catalog the slots were made from (a reload is diffed against it).
+    catalog: Arc<Catalog>,
+    runtime_dir: PathBuf,
+    logs: Logs,
+    /// The socket index the next added model gets.
+    next_socket: usize,
+    next_waiter: u64,
+    /// The last engine generation of models removed by a reload: a model added again
+    /// continues from it, so no timer or lease of its old engines matches the new ones.
+    retired_generations: BTreeMap<String, u64>,
 }
 
 /// Starts the pool actor; pinned models start loading at once.
@@ -607,36 +738,8 @@ pub(crate) fn start_with(
     let now = Instant::now();
     for (i, entry) in parts.catalog.models.iter().enumerate() {
         let socket = mlxd_ipc::socket::engine_socket_path(&parts.runtime_dir, i)?;
-        let log = parts.logs.get(&entry.id).unwrap_or_default();
-        slots.insert(
-            entry.id.clone(),
-            Slot {
-                entry: entry.clone(),
-                log,
-                socket,
-                state: State::Idle,
-                engine: None,
-                generation: 0,
-                restarts: 0,
-                history: CrashHistory::default(),
-                limits: ModelLimits::new(entry.limits.clone()),
-                engine_limits: None,
-                recycle: false,
-                last_exit: None,
-                spawned_at: None,
-                ready_at: None,
-                ready: None,
-                stats: None,
-                heartbeat: None,
-                progress: None,
-                in_flight: 0,
-                last_used: now,
-                observed_bytes: 0,
-                idle_timer: false,
-                waiters: VecDeque::new(),
-                unload_replies: Vec::new(),
-            },
-        );
+        let log = parts.logs.get_or_create(&entry.id);
+        slots.insert(entry.id.clone(), Slot::new(entry.clone(), log, socket, now));
     }
     parts
         .metrics
@@ -667,6 +770,12 @@ pub(crate) fn start_with(
         shutdown_replies: Vec::new(),
         shutting_down: false,
         jobs: BTreeMap::new(),
+        next_socket: parts.catalog.models.len(),
+        catalog: parts.catalog.clone(),
+        runtime_dir: parts.runtime_dir.clone(),
+        logs: parts.logs.clone(),
+        next_waiter: 0,
+        retired_generations: BTreeMap::new(),
     };
     let pinned: Vec<String> = parts
         .catalog
@@ -684,6 +793,9 @@ pub(crate) fn start_with(
     Ok(PoolHandle {
         tx,
         queue_timeout: config.queue_timeout(),
+        acquire_backstop: config.queue_timeout()
+            + Duration::from_millis(config.server.load_timeout_ms)
+            + Duration::from_secs(60),
     })
 }
 
@@ -717,6 +829,7 @@ impl Pool {
                     Timer::LimitsRecovery { model } => self.limits_recovery(&model),
                     Timer::CapacityDeadline { model, ticket } => self.capacity_deadline(&model, ticket),
                     Timer::HangCheck { model, generation } => self.hang_check(&model, generation),
+                    Timer::WaiterDeadline { model, waiter } => self.waiter_deadline(&model, waiter),
                 },
             }
             self.refresh_gauges();
@@ -791,6 +904,15 @@ impl Pool {
                     self.place();
                 }
             }
+            Command::Reload {
+                catalog,
+                config,
+                memory_budget,
+                reply,
+            } => {
+                let plan = self.reload(catalog, config, memory_budget);
+                let _ = reply.send(plan);
+            }
         }
     }
 
@@ -859,6 +981,12 @@ impl Pool {
             ))));
             return;
         };
+        if slot.removed {
+            let _ = reply.send(Err(ProxyError::NotFound(format!(
+                "model {key} was removed from the configuration"
+            ))));
+            return;
+        }
         let known_dead = not_generation.is_some()
             && not_generation == slot.engine.as_ref().map(|e| e.generation);
         let retry_after = match &slot.state {
@@ -910,9 +1038,47 @@ impl Pool {
             }));
             return;
         }
-        slot.waiters.push_back(reply);
-        if matches!(slot.state, State::Idle | State::Stopped) {
+        let id = self.next_waiter;
+        self.next_waiter += 1;
+        slot.waiters.push_back(Waiter { id, reply });
+        let cold = matches!(slot.state, State::Idle | State::Stopped);
+        self.after(
+            self.config.queue_timeout(),
+            Timer::WaiterDeadline {
+                model: key.to_string(),
+                waiter: id,
+            },
+        );
+        if cold {
             self.enqueue(key);
+        }
+    }
+
+    /// A waiter's queue timeout is over. Waiting for room, a restart or a drain ends here
+    /// with a 503; waiting for a load in progress goes on: the load timeout bounds it, and
+    /// its end (ready, or the load's error) answers the waiter.
+    fn waiter_deadline(&mut self, key: &str, waiter: u64) {
+        let Some(slot) = self.slots.get_mut(key) else {
+            return;
+        };
+        if matches!(slot.state, State::Starting) {
+            return;
+        }
+        let Some(at) = slot.waiters.iter().position(|w| w.id == waiter) else {
+            return;
+        };
+        let state = match slot.state {
+            State::Queued { .. } => "waiting for room (engine slots or memory)",
+            State::Restarting { .. } => "restarting",
+            State::Draining => "draining",
+            _ => "still starting",
+        };
+        if let Some(w) = slot.waiters.remove(at) {
+            w.send(Err(ProxyError::Unavailable {
+                model: key.to_string(),
+                state,
+                retry_after: Duration::from_secs(2),
+            }));
         }
     }
 
@@ -1262,6 +1428,7 @@ impl Pool {
         let slot = self.slots.get_mut(key).expect("slot checked above");
         slot.generation += 1;
         slot.progress = None;
+        slot.phase = None;
         slot.ready = None;
         slot.stats = None;
         slot.heartbeat = None;
@@ -1303,7 +1470,10 @@ impl Pool {
             return;
         }
         match msg.event {
-            EngineEvent::Loading { progress } => slot.progress = Some(progress),
+            EngineEvent::Loading { phase, progress } => {
+                slot.phase = Some(phase);
+                slot.progress = Some(progress);
+            }
             EngineEvent::Stats(s) => {
                 // The engine's totals restart with the process (`stats` is cleared then).
                 let (drafted, accepted) = slot
@@ -1370,6 +1540,7 @@ impl Pool {
                 }
                 slot.ready = Some(r);
                 slot.progress = Some(1.0);
+                slot.phase = None;
                 slot.observed_bytes = slot.observed_bytes.max(slot.reported_bytes());
                 let waiters: Vec<_> = slot.waiters.drain(..).collect();
                 for w in waiters {
@@ -1377,7 +1548,7 @@ impl Pool {
                         continue;
                     }
                     if let Some(lease) = slot.grant(&self.release_tx, &self.policy) {
-                        let _ = w.send(Ok(lease));
+                        w.send(Ok(lease));
                     }
                 }
                 // Loaded with nobody using it (pinned preload, admin load): idle clock.
@@ -1417,6 +1588,14 @@ impl Pool {
             slot.fail_waiters(&ProxyError::ShuttingDown);
             return;
         }
+        if slot.removed {
+            // Drained after a reload removed it: the model goes.
+            self.forget(key);
+            self.place();
+            return;
+        }
+        // It exited before it was ready: its load failed.
+        let load_failed = ready_for.is_none() && !report.cause.is_requested();
         if report.cause.is_requested() {
             slot.state = State::Stopped;
             // Requests that arrived while it drained get a fresh engine; so does a
@@ -1475,6 +1654,15 @@ impl Pool {
                         generation: slot.generation,
                     },
                 );
+                if load_failed {
+                    // Those waiting for this load get its error, not a wait through the
+                    // backoff (the next request waits for the retry).
+                    slot.fail_waiters(&ProxyError::LoadFailed {
+                        model: key.to_string(),
+                        cause: report.summary(),
+                        retry_after: delay.max(Duration::from_secs(1)),
+                    });
+                }
             }
             Decision::Fail { crashes } => {
                 let cause = report.summary();
@@ -1578,6 +1766,124 @@ impl Pool {
             m.loaded
                 .get_or_create(&l)
                 .set(i64::from(matches!(s.state, State::Ready)));
+        }
+    }
+
+    /// Applies a reloaded configuration; see [`PoolHandle::reload`].
+    fn reload(
+        &mut self,
+        catalog: Arc<Catalog>,
+        config: Arc<Config>,
+        memory_budget: u64,
+    ) -> ReloadPlan {
+        let plan = crate::reload::plan(&self.catalog, &catalog);
+        let now = Instant::now();
+        for id in &plan.removed {
+            self.remove_model(id);
+        }
+        for id in &plan.added {
+            let Some(entry) = catalog.get(id).cloned() else {
+                continue;
+            };
+            if let Some(slot) = self.slots.get_mut(id) {
+                // Removed by an earlier reload and still draining: configured again.
+                slot.removed = false;
+                slot.limits = ModelLimits::new(entry.limits.clone());
+                slot.entry = entry.clone();
+                slot.log.push("[mlxd] configured again by a reload");
+            } else {
+                let socket = match mlxd_ipc::socket::engine_socket_path(
+                    &self.runtime_dir,
+                    self.next_socket,
+                ) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        error!(model = %id, error = %e, "no socket path for an added model; it is not served");
+                        continue;
+                    }
+                };
+                self.next_socket += 1;
+                let log = self.logs.get_or_create(id);
+                log.push("[mlxd] added by a configuration reload");
+                let mut slot = Slot::new(entry.clone(), log, socket, now);
+                slot.generation = self.retired_generations.remove(id).unwrap_or(0);
+                self.slots.insert(id.clone(), slot);
+            }
+            info!(model = %id, source = %entry.source, "model added by a configuration reload");
+            if entry.pinned {
+                self.enqueue(id);
+            }
+        }
+        for change in &plan.changed {
+            let (Some(entry), Some(slot)) =
+                (catalog.get(&change.id), self.slots.get_mut(&change.id))
+            else {
+                continue;
+            };
+            let was_pinned = slot.entry.pinned;
+            if change.fields.contains(&"limits") {
+                slot.limits = ModelLimits::new(entry.limits.clone());
+            }
+            slot.entry = entry.clone();
+            let fields = change.fields.join(", ");
+            info!(model = %change.id, changed = %fields, "model settings changed by a configuration reload; they apply at its next load");
+            slot.log.push(format!(
+                "[mlxd] configuration reloaded: {fields} changed (applies at the next load)"
+            ));
+            if entry.pinned && !was_pinned {
+                self.enqueue(&change.id);
+            } else if !entry.pinned {
+                self.arm_idle_timer(&change.id);
+            }
+        }
+        self.budget = Budget {
+            max_engines: config.pool.max_engines,
+            memory_bytes: memory_budget,
+        };
+        self.metrics
+            .memory_budget
+            .set(i64::try_from(memory_budget).unwrap_or(i64::MAX));
+        self.policy = RestartPolicy::from_config(&config);
+        self.config = config;
+        self.catalog = catalog;
+        self.place();
+        plan
+    }
+
+    /// A reload removed `key`: its waiters get 404, its engine drains (in-flight requests
+    /// finish) and stops, and then the slot goes ([`Self::exited`]); without an engine it
+    /// goes now.
+    fn remove_model(&mut self, key: &str) {
+        let Some(slot) = self.slots.get_mut(key) else {
+            return;
+        };
+        slot.removed = true;
+        slot.fail_waiters(&ProxyError::NotFound(format!(
+            "model {key} was removed from the configuration"
+        )));
+        self.queue.retain(|k| k != key);
+        info!(model = %key, in_flight = slot.in_flight, "model removed by a configuration reload");
+        if slot.engine.is_some() {
+            slot.log
+                .push("[mlxd] removed from the configuration: draining, then stopping");
+            self.evict(key, "removed");
+        } else {
+            self.forget(key);
+        }
+    }
+
+    /// Drops a removed model's slot (its engine is gone) and its gauges.
+    fn forget(&mut self, key: &str) {
+        if let Some(mut slot) = self.slots.remove(key) {
+            for r in slot.unload_replies.drain(..) {
+                let _ = r.send(Ok(()));
+            }
+            slot.fail_waiters(&ProxyError::NotFound(format!(
+                "model {key} was removed from the configuration"
+            )));
+            self.retired_generations
+                .insert(key.to_string(), slot.generation);
+            self.metrics.forget_model(key);
         }
     }
 

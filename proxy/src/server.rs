@@ -53,7 +53,8 @@ const JSON_ROUTES: &[&str] = &[
 
 struct App {
     config: Arc<Config>,
-    catalog: Arc<Catalog>,
+    /// Replaced by a configuration reload (after the pool has applied it).
+    catalog: std::sync::RwLock<Arc<Catalog>>,
     pool: PoolHandle,
     metrics: Arc<Metrics>,
     logs: Logs,
@@ -68,6 +69,33 @@ struct App {
     home: Result<std::path::PathBuf, String>,
 }
 
+impl App {
+    /// The catalog requests are routed by now.
+    fn catalog(&self) -> Arc<Catalog> {
+        // A poisoned lock only means a panic mid-swap of an `Arc`; the value is whole.
+        self.catalog
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
+/// What `mlxd serve` adds to [`serve`].
+#[derive(Debug, Default)]
+pub struct ServeOptions {
+    /// Configurations to switch to (read again on `SIGHUP`): each is merged with the running
+    /// one ([`crate::reload::merge`]), applied by the pool, and then routed by.
+    pub reloads: Option<tokio::sync::mpsc::UnboundedReceiver<Config>>,
+    /// Load the default model at start, show its progress, then print the URL line
+    /// ([`crate::preload`]); the flag says whether log lines are JSON.
+    pub preload: Option<Preload>,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Preload {
+    pub json_logs: bool,
+}
+
 /// Runs the proxy on `listener` until `shutdown` resolves, then: stops accepting, lets
 /// in-flight requests finish within the grace period, and stops every engine
 /// (Shutdown, SIGTERM, SIGKILL). Returns once all engines have exited.
@@ -75,6 +103,16 @@ pub async fn serve(
     listener: TcpListener,
     config: Config,
     shutdown: impl Future<Output = ()>,
+) -> Result<(), ServeError> {
+    serve_with(listener, config, shutdown, ServeOptions::default()).await
+}
+
+/// [`serve`], with configuration reloads and the default model's preload.
+pub async fn serve_with(
+    listener: TcpListener,
+    config: Config,
+    shutdown: impl Future<Output = ()>,
+    options: ServeOptions,
 ) -> Result<(), ServeError> {
     let (runtime_dir, owned_dir) = match &config.server.runtime_dir {
         Some(d) => (d.clone(), false),
@@ -117,7 +155,7 @@ pub async fn serve(
     );
     let app = Arc::new(App {
         config: config.clone(),
-        catalog: catalog.clone(),
+        catalog: std::sync::RwLock::new(catalog.clone()),
         pool: pool.clone(),
         metrics,
         logs,
@@ -136,6 +174,23 @@ pub async fn serve(
         runtime_dir = %runtime_dir.display(),
         "mlxd listening"
     );
+    if let Some(reloads) = options.reloads {
+        tokio::spawn(apply_reloads(app.clone(), reloads));
+    }
+    if let Some(preload) = options.preload {
+        let local = listener.local_addr().map_err(ServeError::Accept)?;
+        let host = match local.ip() {
+            ip if ip.is_unspecified() => "127.0.0.1".to_string(),
+            std::net::IpAddr::V6(ip) => format!("[{ip}]"),
+            ip => ip.to_string(),
+        };
+        tokio::spawn(crate::preload::run(
+            pool.clone(),
+            catalog.default_model.clone(),
+            format!("http://{host}:{}/", local.port()),
+            preload.json_logs,
+        ));
+    }
 
     let graceful = GracefulShutdown::new();
     let mut builder = http1::Builder::new();
@@ -398,7 +453,7 @@ async fn route(
         // Streamed through as it arrives; not replayable, so one attempt. Goes to the
         // default model.
         let body: ProxyRequestBody = Limited::new(body, max).boxed();
-        let lease = app.pool.acquire(&app.catalog.default_model).await?;
+        let lease = app.pool.acquire(&app.catalog().default_model).await?;
         let resp = forward(lease, parts, body, id, max, None, None).await?;
         return Ok(resp.map(|b: ProxyBody| b.boxed_unsync()));
     }
@@ -416,7 +471,7 @@ async fn route(
             return Err(ProxyError::MaxTokensExceeded { value, limit });
         }
     }
-    let model = app.catalog.resolve(meta.model.as_deref())?.id.clone();
+    let model = app.catalog().resolve(meta.model.as_deref())?.id.clone();
     tracing::Span::current().record("model", model.as_str());
     let accounting = Accounting {
         metrics: app.metrics.clone(),
@@ -524,7 +579,54 @@ async fn jobs_route(
         limit_ms: body_timeout,
         setting: "body_timeout_ms",
     })??;
-    crate::jobs::api::handle(&app.jobs, &app.catalog, home, &method, &path, &query, body).await
+    crate::jobs::api::handle(&app.jobs, &app.catalog(), home, &method, &path, &query, body).await
+}
+
+/// Applies each reloaded configuration in turn: keeps the `[server]` settings that need a
+/// restart (naming them in the log), builds the catalog (a failure refuses the reload with
+/// the reason and the running configuration stays), lets the pool apply it, then routes by
+/// it.
+async fn apply_reloads(app: Arc<App>, mut reloads: tokio::sync::mpsc::UnboundedReceiver<Config>) {
+    let mut running = app.config.clone();
+    while let Some(reloaded) = reloads.recv().await {
+        let (config, kept) = crate::reload::merge(&running, reloaded);
+        let catalog = match Catalog::from_config(&config) {
+            Ok(c) => Arc::new(c),
+            Err(e) => {
+                warn!(error = %e, "configuration reload refused; the running configuration stays");
+                continue;
+            }
+        };
+        for setting in &kept {
+            warn!(
+                setting = %format!("server.{setting}"),
+                "changed in the configuration file, but it takes effect only when mlxd restarts; the running value stays"
+            );
+        }
+        let config = Arc::new(config);
+        let budget = catalog::memory_budget(&config);
+        let Some(plan) = app
+            .pool
+            .reload(catalog.clone(), config.clone(), budget)
+            .await
+        else {
+            return;
+        };
+        *app.catalog.write().unwrap_or_else(|p| p.into_inner()) = catalog;
+        running = config;
+        let changed: Vec<String> = plan
+            .changed
+            .iter()
+            .map(|c| format!("{} ({})", c.id, c.fields.join(", ")))
+            .collect();
+        info!(
+            added = ?plan.added,
+            removed = ?plan.removed,
+            changed = ?changed,
+            default_model = ?plan.default_model.as_ref().map(|(_, new)| new),
+            "configuration reloaded"
+        );
+    }
 }
 
 /// `POST /admin/models/{id}/load` and `/unload`.
@@ -535,7 +637,7 @@ async fn admin(app: &App, rest: &str) -> Result<Response<ResponseBody>, ProxyErr
     if name.is_empty() {
         return Err(ProxyError::BadRequest("a model id is required".into()));
     }
-    let id = app.catalog.resolve(Some(name))?.id.clone();
+    let id = app.catalog().resolve(Some(name))?.id.clone();
     if matches!(action, "load" | "unload") {
         // An explicit load or unload starts from the configuration: limits halved after
         // out-of-memory exits, and a failed state, are cleared.
@@ -565,7 +667,7 @@ async fn admin(app: &App, rest: &str) -> Result<Response<ResponseBody>, ProxyErr
 /// `GET /logs/{model}`: recent lines as text; `?follow=1` streams them as SSE
 /// (`lines=N` sets how many recent lines come first, default 200).
 fn logs(app: &App, name: &str, query: &str) -> Result<Response<ResponseBody>, ProxyError> {
-    let id = app.catalog.resolve(Some(name))?.id.clone();
+    let id = app.catalog().resolve(Some(name))?.id.clone();
     let log = app
         .logs
         .get(&id)
@@ -792,8 +894,11 @@ async fn health(app: &App, detail: bool) -> Response<ResponseBody> {
 /// loading, unloaded, failed), `failure` (the reason, when failed), `aliases`, `pinned`.
 async fn models(app: &App) -> Response<ResponseBody> {
     let engines = app.pool.status().await;
+    let default_model = app.catalog().default_model.clone();
     let data: Vec<Value> = engines
         .iter()
+        // A model a reload removed drains out of sight (`/engines` still shows it).
+        .filter(|e| e.configured)
         .map(|e| {
             json!({
                 "id": e.model,
@@ -802,10 +907,11 @@ async fn models(app: &App) -> Response<ResponseBody> {
                 "owned_by": "mlxd",
                 "state": e.availability,
                 "loading_progress": e.loading_progress,
+                "loading_phase": e.loading_phase,
                 "failure": e.failure,
                 "aliases": e.aliases,
                 "pinned": e.pinned,
-                "default": e.model == app.catalog.default_model,
+                "default": e.model == default_model,
             })
         })
         .collect();

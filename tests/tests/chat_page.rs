@@ -137,3 +137,50 @@ async fn chat_page_streams_an_answer_in_headless_chromium() -> Result<()> {
     ensure!(png.starts_with(b"\x89PNG"), "the screenshot is not a PNG");
     Ok(())
 }
+
+/// While a model loads, the page says so with the load's phase and progress (the fake engine
+/// here, loading for 8 s in four reported steps, preloaded by `mlxd serve`), and the notice
+/// clears once it is loaded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_page_shows_a_load_in_progress() -> Result<()> {
+    let root = workspace_root();
+    let node_modules = root.join(".deps/node/node_modules");
+    ensure!(
+        node_modules.join("playwright-core").is_dir(),
+        "{} has no playwright-core: run scripts/setup.sh --test",
+        node_modules.display()
+    );
+    let chromium = std::env::var_os("CHROMIUM")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/usr/bin/chromium"));
+    ensure!(
+        chromium.is_file(),
+        "{} is absent: run scripts/setup.sh --test (it installs Debian's chromium) or set CHROMIUM",
+        chromium.display()
+    );
+    let server = MlxdProcess::start(&["--engine-opt", "ready_delay_ms=8000"]).await?;
+    let script = root.join("scripts/chat_page_loading_test.cjs");
+    let url = format!("http://{}/", server.addr);
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new("node")
+            .arg(&script)
+            .arg(&url)
+            .arg("fake-model")
+            .env("NODE_PATH", &node_modules)
+            .env("CHROMIUM", &chromium)
+            .output()
+    })
+    .await?
+    .context("running node (install Node.js 18 or newer)")?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{stdout}");
+    ensure!(
+        out.status.success(),
+        "the browser test failed ({}):\n{stdout}\n{stderr}\nmlxd's log:\n{}",
+        out.status,
+        server.stderr()
+    );
+    ensure!(stdout.contains("reading weights"), "{stdout}");
+    Ok(())
+}

@@ -291,8 +291,9 @@ async fn access_log_lines_as_text_and_json() -> Result<()> {
     Ok(())
 }
 
-/// `mlxd serve` fetches and converts the default model into the store before it serves,
-/// printing progress and then the URL (plain lines, stderr not being a terminal).
+/// `mlxd serve` fetches and converts the default model into the store, loads its engine
+/// (the fake one here), printing progress for both, and then the URL with the device (plain
+/// lines, stderr not being a terminal).
 #[tokio::test]
 async fn serve_prepares_the_default_model_then_prints_the_url() -> Result<()> {
     let gguf = smollm2_gguf()?;
@@ -323,15 +324,34 @@ async fn serve_prepares_the_default_model_then_prints_the_url() -> Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
+    // The default model's engine was loaded at start, before the URL line, and no request
+    // was needed for it.
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse()?;
+    let engines = match send(addr, "GET", "/engines", None).await {
+        Ok(r) => json_of(r).await?.2,
+        Err(e) => serde_json::json!({ "error": e.to_string() }),
+    };
     let _ = child.kill();
     let _ = child.wait();
     let converting = text.find("mlxd: converting SmolLM2-135M-Instruct.Q4_1.gguf to MLX");
     let converted = text.find("mlxd: converted in ");
+    let loading = text.find("mlxd: loading smollm2-135m: ");
     let serving = text.find(&url_line);
     ensure!(
-        matches!((converting, converted, serving), (Some(a), Some(b), Some(c)) if a < b && b < c),
-        "progress, then the URL, expected in order:\n{text}"
+        matches!((converting, converted, loading, serving), (Some(a), Some(b), Some(c), Some(d)) if a < b && b < c && c < d),
+        "store progress, load progress, then the URL, expected in order:\n{text}"
     );
+    let url_text = &text[serving.unwrap_or(0)..];
+    ensure!(
+        url_text
+            .lines()
+            .next()
+            .is_some_and(|l| l.contains("(smollm2-135m loaded on cpu;")),
+        "the URL line names the model and its device:\n{text}"
+    );
+    let row = &engines["engines"][0];
+    ensure!(row["state"] == "ready", "not preloaded: {engines}");
+    ensure!(row["in_flight"] == 0, "{engines}");
     ensure!(home.join("models/smollm2-135m/config.json").is_file());
     Ok(())
 }

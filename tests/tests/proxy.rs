@@ -194,25 +194,51 @@ async fn requests_wait_while_the_engine_loads() -> Result<()> {
 
 #[tokio::test]
 async fn queue_timeout_gives_503_and_queue_full_429_with_retry_after() -> Result<()> {
-    // The first request must still be queued when the second arrives (3 s is ample on a
-    // loaded machine), and the engine must still be loading when the first times out.
-    let mut p = Proxy::start_with(&[("ready_delay_ms", "20000")], |c| {
+    // Model b waits for room (one engine, held by a busy fake-model) longer than the queue
+    // timeout; the capacity wait (20 s) would answer later. The first request must still be
+    // queued when the second arrives (3 s is ample on a loaded machine). A load in progress
+    // is waited for past the queue timeout instead (`appliance.rs`).
+    let mut p = Proxy::start_with(&[], |c| {
         c.server.queue_timeout_ms = 3000;
         c.server.queue_capacity = 1;
+        c.pool.max_engines = 1;
+        c.models.push(mlxd_proxy::config::ModelConfig::new("b"));
     })
     .await?;
+    let busy = send(
+        p.addr,
+        "POST",
+        "/v1/chat/completions",
+        Some(
+            chat(json!({"chunks": 100, "interval_ms": 100}), true)
+                .to_string()
+                .into(),
+        ),
+    )
+    .await?;
+    assert_eq!(busy.status(), 200);
     let waiting = tokio::spawn({
         let addr = p.addr;
         async move {
-            let body = json!({"prompt": "x"}).to_string();
+            let body = json!({"model": "b", "prompt": "x"}).to_string();
             json_of(send(addr, "POST", "/v1/completions", Some(body.into())).await?).await
         }
     });
-    p.wait_engine("queued", T, |e| e["queued_requests"] == 1)
-        .await?;
+    let deadline = Instant::now() + T;
+    loop {
+        let (_, _, e) = p.get("/engines").await?;
+        let b = e["engines"]
+            .as_array()
+            .and_then(|a| a.iter().find(|r| r["model"] == "b").cloned());
+        if b.is_some_and(|b| b["queued_requests"] == 1) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "b never queued: {e}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     // Queue of one is full: 429.
     let (s, h, v) = p
-        .post_json("/v1/completions", &json!({"prompt": "y"}))
+        .post_json("/v1/completions", &json!({"model": "b", "prompt": "y"}))
         .await?;
     assert_eq!(s, 429);
     assert!(h.contains_key("retry-after"));
@@ -222,6 +248,14 @@ async fn queue_timeout_gives_503_and_queue_full_429_with_retry_after() -> Result
     assert_eq!(s, 503);
     assert!(h["retry-after"].to_str()?.parse::<u64>()? >= 1);
     assert_eq!(v["error"]["type"], "engine_unavailable");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("waiting for room"),
+        "{v}"
+    );
+    drop(busy);
     p.stop().await?;
     Ok(())
 }
@@ -466,11 +500,13 @@ async fn crash_loop_marks_the_model_failed_until_reset() -> Result<()> {
             .contains("weights file missing"),
         "{v}"
     );
-    // Backoff 20 ms, 40 ms before the third failure.
+    assert_eq!(v["error"]["code"], "load_failed", "{v}");
+    // The waiting request got the first load's error; the pool retries (backoff 20 ms,
+    // 40 ms) until the third failure marks the model failed.
+    let e = p
+        .wait_engine("failed", T, |e| e["state"] == "failed")
+        .await?;
     assert!(t.elapsed() >= Duration::from_millis(60));
-
-    let e = p.engine().await?;
-    assert_eq!(e["state"], "failed");
     assert_eq!(e["restarts"], 2);
     assert_eq!(e["last_exit"]["code"], "load_failed");
     let (_, _, m) = p.get("/v1/models").await?;
@@ -533,15 +569,25 @@ async fn failed_model_is_retried_after_the_cool_down() -> Result<()> {
     Ok(())
 }
 
+/// A load that fails answers the request waiting for it with the load's error (waiting
+/// through every retry of a slow failing load could take many minutes); the pool restarts
+/// the engine, and the next request is served by it.
 #[tokio::test]
-async fn a_queued_request_survives_a_load_failure_and_restart() -> Result<()> {
+async fn a_load_failure_answers_the_queued_request_and_the_restart_serves_the_next() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let marker = dir.path().join("crashed-once");
     let mut p = Proxy::start(&[("crash_once_marker", marker.to_str().unwrap())]).await?;
-    let (s, _, _) = p
+    let (s, h, v) = p
         .post_json("/v1/completions", &json!({"prompt": "x"}))
         .await?;
-    assert_eq!(s, 200);
+    assert_eq!(s, 503, "{v}");
+    assert_eq!(v["error"]["code"], "load_failed", "{v}");
+    assert!(h.contains_key("retry-after"));
+    p.wait_engine("ready", T, |e| e["state"] == "ready").await?;
+    let (s, _, v) = p
+        .post_json("/v1/completions", &json!({"prompt": "x"}))
+        .await?;
+    assert_eq!(s, 200, "{v}");
     let e = p.engine().await?;
     assert_eq!(e["restarts"], 1);
     assert_eq!(e["last_exit"]["code"], "load_failed");

@@ -278,7 +278,7 @@ pub(crate) fn build_decoder(
         rope,
         info,
     };
-    model.info.weight_bytes = model.materialize()?;
+    model.info.weight_bytes = model.materialize(w.reporter())?;
     Ok(Box::new(model))
 }
 
@@ -341,11 +341,13 @@ impl Llama {
         out
     }
 
-    /// Evaluates every parameter (reading it from disk now); returns the bytes held.
-    fn materialize(&self) -> Result<usize, Exception> {
-        let params = self.parameters();
-        mlx_rs::transforms::eval(params.iter().copied())?;
-        Ok(params.iter().map(|a| a.nbytes()).sum())
+    /// Evaluates every parameter (reading it from disk now), reporting the bytes read;
+    /// returns the bytes held.
+    fn materialize(
+        &self,
+        reporter: Option<&crate::loader::LoadReporter>,
+    ) -> Result<usize, LoadError> {
+        crate::loader::materialize(&self.parameters(), reporter)
     }
 }
 

@@ -63,6 +63,14 @@ const REGISTRY: &[(&str, Builder)] = &[
 
 /// Loads the model in `dir`, with every weight evaluated and accounted for.
 pub fn load(dir: &Path) -> Result<Box<dyn CausalLm>, LoadError> {
+    load_reporting(dir, None)
+}
+
+/// [`load`], reporting the weights read to `reporter` ([`crate::loader::LoadReporter`]).
+pub fn load_reporting(
+    dir: &Path,
+    reporter: Option<crate::loader::LoadReporter>,
+) -> Result<Box<dyn CausalLm>, LoadError> {
     let config = loader::read_config(dir)?;
     let arch = config
         .get("architectures")
@@ -77,7 +85,7 @@ pub fn load(dir: &Path) -> Result<Box<dyn CausalLm>, LoadError> {
             let known: Vec<&str> = REGISTRY.iter().map(|(n, _)| *n).collect();
             LoadError::Architecture(arch.to_owned(), known.join(", "))
         })?;
-    let mut weights = Weights::open(dir, &config)?;
+    let mut weights = Weights::open(dir, &config)?.with_reporter(reporter);
     let model = build(&config, &mut weights)?;
     weights.finish()?;
     Ok(model)

@@ -122,6 +122,16 @@ impl Runtime {
         limits: RuntimeLimits,
         on_oom: Option<OomHook>,
     ) -> Result<Runtime, LoadError> {
+        Self::start_reporting(dir, limits, on_oom, None)
+    }
+
+    /// [`start`](Self::start), reporting the weights read to `reporter` while the model loads.
+    pub fn start_reporting(
+        dir: PathBuf,
+        limits: RuntimeLimits,
+        on_oom: Option<OomHook>,
+        reporter: Option<crate::loader::LoadReporter>,
+    ) -> Result<Runtime, LoadError> {
         if let Some(q) = limits.kv_quant {
             if ![4, 8].contains(&q.bits) || ![32, 64, 128].contains(&q.group_size) {
                 return Err(LoadError::Config(format!(
@@ -161,7 +171,7 @@ impl Runtime {
         let thread_stats = stats.clone();
         let thread = thread::Builder::new()
             .name("mlx".into())
-            .spawn(move || match models::load(&dir) {
+            .spawn(move || match models::load_reporting(&dir, reporter) {
                 Ok(model) => {
                     let mut info = model.info().clone();
                     if let Some(cap) = limits.context_length {

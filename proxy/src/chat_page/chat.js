@@ -72,12 +72,28 @@ function showState() {
   }
   $("state").textContent = m.state;
   if (m.state === "loading") {
-    const p = typeof m.loading_progress === "number" ? " " + Math.round(m.loading_progress * 100) + "%" : "";
-    notice("Loading " + m.id + "…" + p + " The first answer starts when it is ready.");
+    notice("Loading " + m.id + "… " + loadingStep(m) + " The first answer starts when it is ready.");
   } else if (m.state === "failed") {
     notice(m.id + " failed: " + (m.failure || "see mlxd's log") + ".", true);
   } else if (!controller) {
     notice("");
+  }
+}
+
+// What the engine is doing while it loads: "reading weights 40%", "converting…".
+function loadingStep(m) {
+  const pct = typeof m.loading_progress === "number" ? " " + Math.round(m.loading_progress * 100) + "%" : "";
+  switch (m.loading_phase) {
+    case "starting":
+      return "(starting the engine)";
+    case "downloading":
+      return "(downloading" + pct + ")";
+    case "converting":
+      return "(converting to MLX" + pct + ")";
+    case "weights":
+      return "(reading weights" + pct + ")";
+    default:
+      return pct ? "(" + pct.trim() + ")" : "";
   }
 }
 

@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
-use mlxd_protocol::control::PROTOCOL_VERSION;
+use mlxd_protocol::control::{Backend, Device, DeviceKind, PROTOCOL_VERSION};
 
 use super::*;
 use crate::config::ModelConfig;
@@ -68,6 +68,10 @@ impl Sim {
                     kv_bytes_per_token: 0,
                     context_length: 0,
                     capabilities: vec![],
+                    device: Device {
+                        kind: DeviceKind::Gpu,
+                        backend: Backend::Metal,
+                    },
                 }));
                 if oom {
                     tokio::time::sleep(Duration::from_millis(10)).await;
@@ -110,6 +114,7 @@ struct Setup {
     budget: u64,
     ttl: Duration,
     load_delay: Duration,
+    queue_timeout: Duration,
 }
 
 impl Default for Setup {
@@ -120,6 +125,7 @@ impl Default for Setup {
             budget: 100 * GB,
             ttl: Duration::ZERO,
             load_delay: Duration::from_millis(100),
+            queue_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -140,7 +146,7 @@ fn pool(setup: Setup) -> (PoolHandle, Arc<Sim>) {
     config.pool.max_engines = setup.max_engines;
     config.pool.ttl = setup.ttl;
     config.pool.capacity_wait = Duration::from_secs(10);
-    config.server.queue_timeout_ms = 60_000;
+    config.server.queue_timeout_ms = setup.queue_timeout.as_millis() as u64;
     let catalog = Arc::new(Catalog::from_config(&config).unwrap());
     let sim = Arc::new(Sim {
         load_delay: setup.load_delay,
@@ -431,17 +437,20 @@ fn pool_with_missing_engine() -> PoolHandle {
 async fn failures_back_off_then_mark_the_model_failed() {
     let pool = pool_with_missing_engine();
     let t = Instant::now();
-    let err = pool.acquire("m").await.unwrap_err();
-    // Five failures, with 250 + 500 + 1000 + 2000 ms of backoff between them.
-    let waited = t.elapsed();
-    assert!(
-        waited >= Duration::from_millis(3750) && waited < Duration::from_millis(3800),
-        "{waited:?}"
-    );
-    match &err {
-        ProxyError::Failed { cause, .. } => assert!(cause.contains("cannot start"), "{cause}"),
+    // The request waiting for the load gets the load's error at once, not a wait through
+    // the retries.
+    match pool.acquire("m").await.unwrap_err() {
+        ProxyError::LoadFailed {
+            cause, retry_after, ..
+        } => {
+            assert!(cause.contains("cannot start"), "{cause}");
+            assert_eq!(retry_after, Duration::from_secs(1));
+        }
         other => panic!("{other:?}"),
     }
+    assert!(t.elapsed() < Duration::from_millis(50), "{:?}", t.elapsed());
+    // The pool retries: five failures, with 250 + 500 + 1000 + 2000 ms of backoff between.
+    tokio::time::sleep(Duration::from_millis(3760)).await;
     let st = pool.status().await;
     assert_eq!(st[0].state, "failed");
     assert_eq!(st[0].availability, "failed");
@@ -467,13 +476,17 @@ async fn failures_back_off_then_mark_the_model_failed() {
 async fn failed_model_cools_down() {
     let pool = pool_with_missing_engine();
     let _ = pool.acquire("m").await.unwrap_err();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(pool.status().await[0].state, "failed");
     tokio::time::advance(Duration::from_millis(
         crate::config::ServerConfig::default().failed_cooldown_ms,
     ))
     .await;
     // The cool-down is over: a new round of attempts, failing again.
     let _ = pool.acquire("m").await.unwrap_err();
+    tokio::time::sleep(Duration::from_secs(4)).await;
     assert_eq!(pool.status().await[0].generation, 10);
+    assert_eq!(pool.status().await[0].state, "failed");
 }
 
 #[tokio::test(start_paused = true)]
@@ -543,4 +556,110 @@ async fn an_admin_reset_restores_reduced_limits_at_once() {
         .map(|l| l.kv_budget_bytes)
         .collect();
     assert_eq!(kv, [Some(1 << 20), Some(1 << 19), Some(1 << 20)]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_waits_for_a_load_longer_than_the_queue_timeout() {
+    let (pool, sim) = pool(Setup {
+        load_delay: Duration::from_secs(45),
+        queue_timeout: Duration::from_secs(30),
+        ..Setup::default()
+    });
+    let t = Instant::now();
+    let waiting = tokio::spawn({
+        let pool = pool.clone();
+        async move { pool.acquire("a").await.map(|l| l.generation) }
+    });
+    tokio::time::sleep(Duration::from_secs(35)).await;
+    assert_eq!(states(&pool).await["a"], "starting");
+    assert_eq!(waiting.await.unwrap().unwrap(), 1);
+    assert!(t.elapsed() >= Duration::from_secs(45));
+    assert_eq!(sim.spawns(), ["a"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn waiting_for_room_still_ends_at_the_queue_timeout() {
+    let (pool, _sim) = pool(Setup {
+        max_engines: 1,
+        queue_timeout: Duration::from_secs(5),
+        ..Setup::default()
+    });
+    let _busy = pool.acquire("a").await.unwrap();
+    // b cannot start while a is busy; the capacity wait (10 s) is longer than the queue
+    // timeout, so the queue timeout answers.
+    match pool.acquire("b").await {
+        Err(ProxyError::Unavailable { state, .. }) => {
+            assert_eq!(state, "waiting for room (engine slots or memory)")
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+fn reloaded(models: Vec<ModelConfig>) -> (Arc<Catalog>, Arc<Config>) {
+    let mut config = Config {
+        models,
+        ..Config::default()
+    };
+    config.pool.ttl = Duration::ZERO;
+    (
+        Arc::new(Catalog::from_config(&config).unwrap()),
+        Arc::new(config),
+    )
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_reload_adds_removes_and_changes_models() {
+    let (pool, sim) = pool(Setup::default());
+    let lease = pool.acquire("a").await.unwrap();
+    use_model(&pool, "b").await;
+    // a (busy) and c are removed, d is added pinned, b gets a context length.
+    let (catalog, config) = reloaded(vec![
+        ModelConfig {
+            context_length: Some(512),
+            ..ModelConfig::new("b")
+        },
+        model("d", GB, true),
+    ]);
+    let plan = pool.reload(catalog, config, 100 * GB).await.unwrap();
+    assert_eq!(plan.added, ["d"]);
+    assert_eq!(plan.removed, ["a", "c"]);
+    assert_eq!(plan.changed.len(), 1);
+    assert_eq!(plan.changed[0].fields, ["limits"]);
+    settle().await;
+    let rows = pool.status().await;
+    let ids: Vec<(&str, bool, &str)> = rows
+        .iter()
+        .map(|r| (r.model.as_str(), r.configured, r.state))
+        .collect();
+    // a drains while its request runs; c (never started) is gone; d (pinned) is starting.
+    assert_eq!(
+        ids,
+        [
+            ("a", false, "draining"),
+            ("b", true, "ready"),
+            ("d", true, "starting")
+        ]
+    );
+    match pool.acquire("a").await {
+        Err(ProxyError::NotFound(m)) => assert!(m.contains("removed"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    drop(lease);
+    settle().await;
+    let ids: Vec<String> = pool.status().await.into_iter().map(|r| r.model).collect();
+    assert_eq!(ids, ["b", "d"]);
+    assert_eq!(sim.events(), ["a Drain", "a stopped"]);
+    // b runs on; its next engine gets the new limit.
+    pool.unload("b").await.unwrap();
+    use_model(&pool, "b").await;
+    let limits = sim.limits.lock().unwrap().clone();
+    assert_eq!(limits.last().unwrap().context_length, Some(512));
+    // a comes back under its old generation count (no stale timer or lease matches).
+    let (catalog, config) = reloaded(vec![ModelConfig::new("a"), ModelConfig::new("b")]);
+    let plan = pool.reload(catalog, config, 100 * GB).await.unwrap();
+    assert_eq!(
+        (plan.added.as_slice(), plan.removed.as_slice()),
+        (&["a".to_string()][..], &["d".to_string()][..])
+    );
+    assert_eq!(pool.acquire("a").await.unwrap().generation, 2);
 }

@@ -25,7 +25,9 @@ use mlxd_ipc::control::{
     set_parent_death_signal, ChildChannel, ControlSender, ParentEvent, CONTROL_FLAG,
 };
 use mlxd_ipc::socket::bind_unix;
-use mlxd_protocol::control::{ChildMsg, FatalKind, Ready, Stats, PROTOCOL_VERSION};
+use mlxd_protocol::control::{
+    Backend, ChildMsg, Device, DeviceKind, FatalKind, LoadPhase, Ready, Stats, PROTOCOL_VERSION,
+};
 use mlxd_protocol::error::{ErrorBody, ErrorType};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
@@ -186,7 +188,7 @@ async fn run(
     let delay = Duration::from_millis(script.get("ready_delay_ms").unwrap_or(0));
     for step in 1..=4u8 {
         tokio::time::sleep(delay / 4).await;
-        tx.send_loading(f32::from(step) / 4.0)?;
+        tx.send_loading(LoadPhase::Weights, f32::from(step) / 4.0)?;
     }
     if let Some(code) = script.get::<i32>("exit_before_ready") {
         eprintln!("fake-engine: exiting with {code} before ready, as scripted");
@@ -229,6 +231,10 @@ async fn run(
         kv_bytes_per_token: KV_BYTES_PER_TOKEN,
         context_length: CONTEXT_LENGTH,
         capabilities: vec!["chat".into(), "completions".into()],
+        device: Device {
+            kind: DeviceKind::Cpu,
+            backend: Backend::Cpu,
+        },
     })?;
     script.event("ready");
     eprintln!("{{\"level\":\"info\",\"msg\":\"fake engine ready\"}}");

