@@ -26,6 +26,14 @@ fn main() -> anyhow::Result<()> {
         Some(verb) => {
             // One line that says what went wrong (and what to do), not a debug dump.
             if let Err(e) = rt.block_on(run_verb(verb)) {
+                // The client crate's connect error, in the words of the other client verbs.
+                if let Some(mlxd_client::ClientError::Connect { target, detail }) = e.downcast_ref()
+                {
+                    eprintln!(
+                        "mlxd: cannot reach mlxd at {target}: {detail} (is `mlxd serve` running?)"
+                    );
+                    std::process::exit(1);
+                }
                 eprintln!("mlxd: {e:#}");
                 std::process::exit(1);
             }
