@@ -579,7 +579,16 @@ async fn jobs_route(
         limit_ms: body_timeout,
         setting: "body_timeout_ms",
     })??;
-    crate::jobs::api::handle(&app.jobs, &app.catalog(), home, &method, &path, &query, body).await
+    crate::jobs::api::handle(
+        &app.jobs,
+        &app.catalog(),
+        home,
+        &method,
+        &path,
+        &query,
+        body,
+    )
+    .await
 }
 
 /// Applies each reloaded configuration in turn: keeps the `[server]` settings that need a
