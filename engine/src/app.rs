@@ -567,8 +567,12 @@ pub fn run_supervised(home: &Path) -> anyhow::Result<()> {
                 draining.store(true, Ordering::SeqCst);
                 shutdown.notify_one();
             }
-            // The supervisor is gone: nobody can reach us any more.
-            ParentEvent::Closed | ParentEvent::Broken(_) => std::process::exit(0),
+            // The supervisor is gone: nobody can reach us any more. If a fatal report is on
+            // its way out, its exit status stands (the supervisor may close our stdin as soon
+            // as it has read the report).
+            ParentEvent::Closed | ParentEvent::Broken(_) => {
+                std::process::exit(FATAL_EXIT.load(Ordering::SeqCst))
+            }
         });
     }
 
@@ -576,8 +580,7 @@ pub fn run_supervised(home: &Path) -> anyhow::Result<()> {
         Ok(options) => options,
         Err(e) => {
             tracing::error!(error = %e, "invalid engine options");
-            let _ = control.send_fatal(FatalKind::LoadFailed, e.to_string());
-            std::process::exit(2);
+            fatal_exit(&control, FatalKind::LoadFailed, e.to_string(), 2);
         }
     };
     match crate::fault::from_env() {
@@ -587,23 +590,20 @@ pub fn run_supervised(home: &Path) -> anyhow::Result<()> {
                 spec,
                 Box::new(move |message| {
                     tracing::error!(%message, "out of memory; exiting so the supervisor restarts the engine");
-                    let _ = fault_control.send_fatal(FatalKind::OutOfMemory, message);
-                    std::process::exit(3);
+                    fatal_exit(&fault_control, FatalKind::OutOfMemory, message, 3);
                 }),
             );
         }
         Ok(None) => {}
         Err(e) => {
             tracing::error!(error = %e, "invalid fault switch");
-            let _ = control.send_fatal(FatalKind::LoadFailed, e);
-            std::process::exit(2);
+            fatal_exit(&control, FatalKind::LoadFailed, e, 2);
         }
     }
     let oom_control = control.clone();
     let on_oom: OomHook = Box::new(move |message| {
         tracing::error!(%message, "out of memory; exiting so the supervisor restarts the engine");
-        let _ = oom_control.send_fatal(FatalKind::OutOfMemory, message);
-        std::process::exit(3);
+        fatal_exit(&oom_control, FatalKind::OutOfMemory, message, 3);
     });
     let _ = control.send_loading(LoadPhase::Starting, 0.0);
     if let Some(delay) = crate::fault::load_delay() {
@@ -624,8 +624,7 @@ pub fn run_supervised(home: &Path) -> anyhow::Result<()> {
         Ok(engine) => engine,
         Err(e) => {
             tracing::error!(error = %e, "load failed");
-            let _ = control.send_fatal(e.fatal_kind(), e.to_string());
-            std::process::exit(2);
+            fatal_exit(&control, e.fatal_kind(), e.to_string(), 2);
         }
     };
     *ssd.lock().expect("ssd lock") = engine.runtime.ssd.clone();
@@ -711,6 +710,18 @@ pub fn worth_reporting(last: Option<(LoadPhase, f32)>, next: (LoadPhase, f32)) -
         Some((phase, _)) if phase != next.0 => true,
         Some((_, done)) => next.1 >= done + 0.01 || (next.1 >= 1.0 && done < 1.0),
     }
+}
+
+/// The exit status of a fatal report in progress (0 while there is none), for the parent
+/// watch: a supervisor that closes our stdin after reading the report must not turn a failed
+/// load into a clean exit.
+static FATAL_EXIT: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+/// Reports `kind` to the supervisor and exits with `code`.
+fn fatal_exit(control: &ControlSender, kind: FatalKind, message: String, code: i32) -> ! {
+    FATAL_EXIT.store(code, Ordering::SeqCst);
+    let _ = control.send_fatal(kind, message);
+    std::process::exit(code)
 }
 
 async fn serve_supervised(

@@ -648,7 +648,7 @@ async fn a_reload_adds_removes_and_changes_models() {
     settle().await;
     let ids: Vec<String> = pool.status().await.into_iter().map(|r| r.model).collect();
     assert_eq!(ids, ["b", "d"]);
-    assert_eq!(sim.events(), ["a Drain", "a stopped"]);
+    assert_eq!(sim.events(), ["a Spill", "a Drain", "a stopped"]);
     // b runs on; its next engine gets the new limit.
     pool.unload("b").await.unwrap();
     use_model(&pool, "b").await;
