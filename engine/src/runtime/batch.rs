@@ -42,6 +42,13 @@ pub struct Departed {
     pub kv: Option<RowKv>,
 }
 
+/// Whether row `r` (sequence `s`) is given drafts: its recent drafts paid
+/// ([`Acceptance`](super::draft::adaptive::Acceptance)), its sampling is position-independent,
+/// and no constraint masks its tokens (a mask for position i + 1 depends on token i).
+fn row_drafts(sampler: &BatchSampler, r: usize, s: &Sequence) -> bool {
+    s.acceptance.is_drafting() && sampler.row_takes_drafts(r) && s.constraint.is_none()
+}
+
 pub struct DecodeBatch {
     rows: Vec<Sequence>,
     caches: Vec<LayerCache>,
@@ -166,15 +173,11 @@ impl DecodeBatch {
         }
         spec.governor.next_kind() == StepKind::Speculative
             && (!joining.is_empty()
-                || self.rows.iter().enumerate().any(|(r, s)| {
-                    s.wants_more() && s.acceptance.is_drafting() && self.row_may_draft(r, s)
-                }))
-    }
-
-    /// Whether row `r` can take drafts at all: its sampling is position-independent and no
-    /// constraint masks its tokens (a mask for position i + 1 depends on token i).
-    fn row_may_draft(&self, r: usize, s: &Sequence) -> bool {
-        self.sampler.row_takes_drafts(r) && s.constraint.is_none()
+                || self
+                    .rows
+                    .iter()
+                    .enumerate()
+                    .any(|(r, s)| s.wants_more() && row_drafts(&self.sampler, r, s)))
     }
 
     /// Switches the caches to quantized storage once the longest row passes the layout's
@@ -359,10 +362,7 @@ impl DecodeBatch {
             .iter()
             .enumerate()
             .map(|(r, s)| {
-                if s.acceptance.is_drafting()
-                    && self.sampler.row_takes_drafts(r)
-                    && s.constraint.is_none()
-                {
+                if row_drafts(&self.sampler, r, s) {
                     spec.num_draft.min(s.remaining() - 1)
                 } else {
                     0
