@@ -128,6 +128,13 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() -> anyhow::Result<()> {
+    // `RUST_LOG=mlxd_engine::step=trace` shows each decode step's kind and time on stderr.
+    if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_default_env() {
+        tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .init();
+    }
     let mut args: Vec<String> = std::env::args().skip(1).collect();
     let mut option = |name: &str| -> anyhow::Result<Option<String>> {
         match args.iter().position(|a| a == name) {

@@ -204,44 +204,53 @@ pub fn attend(
     let (keys, values) = cache.update_and_fetch(&keys, values)?;
     let mask = cache.mask(queries.shape()[2])?;
     let l = queries.shape()[2];
-    let out = match (&keys, &values) {
-        (Stored::Plain(k), Stored::Plain(v)) => {
-            fast::scaled_dot_product_attention(&queries, k, v, scale, mask.as_sdpa(), None)?
-        }
-        _ if l > QUANTIZED_ATTENTION_MAX_QUERIES || !quantized_attention_runs_here() => {
-            let (k, v) = (
-                dequantized(&keys, queries.dtype())?,
-                dequantized(&values, queries.dtype())?,
-            );
+    let short = l <= SHORT_PASS_MAX_QUERIES;
+    let out = if keys.is_quantized() && short && !cuda_backend() {
+        quantized_attention(&queries, &keys, &values, scale, &mask)?
+    } else {
+        let (k, v) = (
+            dequantized(&keys, queries.dtype())?,
+            dequantized(&values, queries.dtype())?,
+        );
+        if l > 1 && short && cuda_backend() {
+            grouped_attention(&queries, &k, &v, scale, &mask)?
+        } else {
             fast::scaled_dot_product_attention(&queries, &k, &v, scale, mask.as_sdpa(), None)?
         }
-        _ => quantized_attention(&queries, &keys, &values, scale, &mask)?,
     };
     let shape = out.shape().to_vec();
     out.transpose_axes(&[0, 2, 1, 3])?
         .reshape(&[shape[0], shape[2], -1])
 }
 
-/// The most queries of one pass that attend over a quantized cache through quantized matmuls
-/// (a decode step, a speculative verification of up to 16 drafts). A prefill chunk over a
-/// quantized cache dequantizes it for the pass instead and runs the fused attention: MLX's
-/// CUDA backend has no quantized matmul for a prefill's shapes (seen on the H200 with 8-bit
-/// keys: "No implementation for problem shape 2047x4095x128"), and one dequantization per
-/// chunk costs less than the unfused attention would.
-const QUANTIZED_ATTENTION_MAX_QUERIES: i32 = 17;
+/// The most queries of a short pass: a decode step, or a speculative verification of up to
+/// [`MAX_NUM_DRAFT`](crate::runtime::draft::MAX_NUM_DRAFT) drafts. Short passes over a
+/// quantized cache attend through quantized matmuls (not on CUDA, below); longer ones (prefill
+/// chunks) dequantize the cache once per chunk for the fused attention, which costs less than
+/// unfused attention would and which MLX's CUDA backend needs (its `quantized_matmul` has no
+/// kernel for a prefill chunk's shapes).
+const SHORT_PASS_MAX_QUERIES: i32 = 17;
 
-/// Whether attention over a quantized cache may use quantized matmuls on this machine: not
-/// on MLX's CUDA backend (Linux with the GPU as default device), whose 0.32.4
-/// `quantized_matmul` refused even a decode step's shape on the H200 ("No implementation for
-/// problem shape: 1x512x64x32"); there the cache stays quantized in memory and each pass
-/// dequantizes it for the fused attention.
-fn quantized_attention_runs_here() -> bool {
+/// Whether MLX runs on its CUDA backend (Linux with the GPU as default device), which changes
+/// two choices of [`attend`]:
+///
+/// - **Short multi-query passes attend unfused** ([`grouped_attention`]). MLX's CUDA fused
+///   attention sends every pass of more than one query to cuDNN, which builds and caches an
+///   execution plan per exact shape, and a verification pass's key length grows every step:
+///   on the H200 (8B shape, batch 8, 2-wide passes) each new length cost 60–90 ms of plan
+///   building against a 15 ms decode step, more than doubling the step.
+/// - **A quantized cache is dequantized for the fused attention** instead of entering
+///   quantized matmuls. MLX 0.32.4's CUDA `quantized_matmul` refuses the cache's views (a
+///   prefix of a buffer with spare capacity is not contiguous: "No implementation for problem
+///   shape"), and any 64-wide head at group size 64; copying each view contiguous first costs
+///   what it saves (`scripts/bench/cuda_qmm_probe.py`).
+fn cuda_backend() -> bool {
     static ANSWER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ANSWER.get_or_init(|| {
         let gpu = mlx_rs::Device::try_default()
             .and_then(|d| d.get_type())
             .is_ok_and(|t| matches!(t, mlx_rs::DeviceType::Gpu));
-        !(cfg!(target_os = "linux") && gpu)
+        cfg!(target_os = "linux") && gpu
     })
 }
 
@@ -256,6 +265,56 @@ fn dequantized(s: &Stored, dtype: mlx_rs::Dtype) -> Result<Array> {
             quant,
         } => dequantize(weights, scales, biases, quant.group_size, quant.bits)?.as_dtype(dtype),
     }
+}
+
+/// `scores` `[B, kv_heads, repeats, L, T]` with the positions `mask` hides set to a large
+/// negative value, so that the softmax gives them no weight.
+fn hide_masked(scores: Array, mask: &Mask) -> Result<Array> {
+    let s = scores.shape().to_vec();
+    let (l, t) = (s[3], s[4]);
+    let allowed = match mask {
+        Mask::None => return Ok(scores),
+        Mask::Causal => {
+            let key_pos = Array::arange::<_, i32>(None, t, None)?.reshape(&[1, t])?;
+            let query_pos = Array::arange::<_, i32>(t - l, t, None)?.reshape(&[l, 1])?;
+            key_pos.le(&query_pos)?
+        }
+        // [B, 1, L, T] → [B, 1, 1, L, T]
+        Mask::Array(m) => m.expand_dims(2)?,
+    };
+    let hidden = Array::from_f32(-1e9).as_dtype(scores.dtype())?;
+    mlx_rs::ops::select(&allowed, &scores, &hidden)
+}
+
+/// Unfused attention for a short pass, with the query heads of each KV head stacked into one
+/// matrix: two batched matmuls over `[B, kv_heads]` and a float32-accurate softmax, the
+/// shapes of which need no per-length plan. `queries` `[B, heads, L, D]`, `keys` and `values`
+/// `[B, kv_heads, T, D]` → `[B, heads, L, D]`.
+fn grouped_attention(
+    queries: &Array,
+    keys: &Array,
+    values: &Array,
+    scale: f32,
+    mask: &Mask,
+) -> Result<Array> {
+    let q = queries.shape().to_vec();
+    let (b, heads, l, d) = (q[0], q[1], q[2], q[3]);
+    let kv_heads = keys.shape()[1];
+    let t = keys.shape()[2];
+    let repeats = heads / kv_heads;
+    let q = queries
+        .multiply(Array::from_f32(scale).as_dtype(queries.dtype())?)?
+        .reshape(&[b, kv_heads, repeats * l, d])?;
+    let scores = q
+        .matmul(&keys.swap_axes(-1, -2)?)?
+        .reshape(&[b, kv_heads, repeats, l, t])?;
+    let weights = mlx_rs::ops::softmax_axis(&hide_masked(scores, mask)?, -1, true)?.reshape(&[
+        b,
+        kv_heads,
+        repeats * l,
+        t,
+    ])?;
+    weights.matmul(values)?.reshape(&[b, heads, l, d])
 }
 
 /// Attention over a quantized cache, as mlx-lm's `quantized_scaled_dot_product_attention`:
@@ -290,7 +349,6 @@ fn quantized_attention(
     let q = queries.shape().to_vec();
     let (b, heads, l, d) = (q[0], q[1], q[2], q[3]);
     let kv_heads = kw.shape()[1];
-    let t = kw.shape()[2];
     let repeats = heads / kv_heads;
     // [B, kv_heads, repeats, L, D] against [B, kv_heads, 1, T, ·].
     let q = queries
@@ -306,24 +364,7 @@ fn quantized_attention(
         quant.group_size,
         quant.bits,
     )?;
-    let allowed = match mask {
-        Mask::None => None,
-        Mask::Causal => {
-            let key_pos = Array::arange::<_, i32>(None, t, None)?.reshape(&[1, t])?;
-            let query_pos = Array::arange::<_, i32>(t - l, t, None)?.reshape(&[l, 1])?;
-            Some(key_pos.le(&query_pos)?)
-        }
-        // [B, 1, L, T] → [B, 1, 1, L, T]
-        Mask::Array(m) => Some(m.expand_dims(2)?),
-    };
-    let scores = match allowed {
-        Some(allowed) => {
-            let hidden = Array::from_f32(-1e9).as_dtype(scores.dtype())?;
-            mlx_rs::ops::select(&allowed, &scores, &hidden)?
-        }
-        None => scores,
-    };
-    let weights = mlx_rs::ops::softmax_axis(&scores, -1, true)?;
+    let weights = mlx_rs::ops::softmax_axis(&hide_masked(scores, mask)?, -1, true)?;
     let out = quantized_matmul(
         &weights,
         grouped(vw)?,
@@ -341,4 +382,83 @@ pub fn split_heads(x: &Array, heads: i32) -> Result<Array> {
     let s = x.shape();
     x.reshape(&[s[0], s[1], heads, -1])?
         .transpose_axes(&[0, 2, 1, 3])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::KvQuant;
+
+    fn normal(shape: &[i32], seed: u64) -> Array {
+        let key = mlx_rs::random::key(seed).unwrap();
+        mlx_rs::random::normal::<f32>(shape, None, None, Some(&key)).unwrap()
+    }
+
+    fn max_abs_diff(a: &Array, b: &Array) -> f32 {
+        let d = a.subtract(b).unwrap().abs().unwrap().max(None).unwrap();
+        d.item_exact::<f32>()
+    }
+
+    /// 8 query heads over 2 KV heads, 3 queries over 40 positions; two rows, the second with
+    /// 5 positions of left padding.
+    fn case() -> (Array, Array, Array, Vec<Mask>) {
+        let (q, k, v) = (
+            normal(&[2, 8, 3, 64], 1),
+            normal(&[2, 2, 40, 64], 2),
+            normal(&[2, 2, 40, 64], 3),
+        );
+        let keys = Array::arange::<_, i32>(None, 40, None)
+            .unwrap()
+            .reshape(&[1, 1, 1, 40])
+            .unwrap();
+        let query_pos = Array::arange::<_, i32>(37, 40, None)
+            .unwrap()
+            .reshape(&[1, 1, 3, 1])
+            .unwrap();
+        let padding = Array::from_slice(&[0, 5], &[2, 1, 1, 1]);
+        let padded = keys
+            .ge(&padding)
+            .unwrap()
+            .logical_and(keys.le(&query_pos).unwrap())
+            .unwrap();
+        (q, k, v, vec![Mask::Causal, Mask::Array(padded)])
+    }
+
+    #[test]
+    fn grouped_attention_matches_the_fused_kernel() {
+        let (q, k, v, masks) = case();
+        for mask in &masks {
+            let fused = fast::scaled_dot_product_attention(&q, &k, &v, 0.125, mask.as_sdpa(), None)
+                .unwrap();
+            let unfused = grouped_attention(&q, &k, &v, 0.125, mask).unwrap();
+            assert_eq!(unfused.shape(), fused.shape());
+            let diff = max_abs_diff(&unfused, &fused);
+            assert!(diff < 1e-4, "max difference {diff}");
+        }
+    }
+
+    #[test]
+    fn quantized_attention_matches_fused_attention_over_the_dequantized_cache() {
+        let (q, k, v, masks) = case();
+        let quant = KvQuant {
+            bits: 8,
+            group_size: 64,
+        };
+        let (kq, vq) = (
+            Stored::new(&k, Some(quant)).unwrap(),
+            Stored::new(&v, Some(quant)).unwrap(),
+        );
+        let (kd, vd) = (
+            dequantized(&kq, q.dtype()).unwrap(),
+            dequantized(&vq, q.dtype()).unwrap(),
+        );
+        for mask in &masks {
+            let fused =
+                fast::scaled_dot_product_attention(&q, &kd, &vd, 0.125, mask.as_sdpa(), None)
+                    .unwrap();
+            let packed = quantized_attention(&q, &kq, &vq, 0.125, mask).unwrap();
+            let diff = max_abs_diff(&packed, &fused);
+            assert!(diff < 1e-3, "max difference {diff}");
+        }
+    }
 }

@@ -129,6 +129,13 @@ impl DecodeBatch {
             // A step's time runs to the start of the next: whatever the loop does between
             // steps, and work a step left queued, count against it.
             spec.governor.record(kind, tokens, started - since);
+            tracing::trace!(
+                target: "mlxd_engine::step",
+                ?kind,
+                tokens,
+                micros = (started - since).as_micros() as u64,
+                "step timed"
+            );
         }
         let held: usize = self.rows.iter().map(|s| s.tokens.len()).sum::<usize>()
             + joining
@@ -405,6 +412,13 @@ impl DecodeBatch {
             }
         };
         let l = input.shape()[1] as usize;
+        tracing::trace!(
+            target: "mlxd_engine::step",
+            rows = b,
+            width = l,
+            drafting = budget.iter().filter(|&&k| k > 0).count(),
+            "speculative pass"
+        );
         let logits = model.forward(&input, &mut self.caches)?;
         if let Some(mask) = self.constraint_mask()? {
             self.sampler.set_mask(mask);

@@ -3,7 +3,10 @@
 //! one), and only accepted drafts pay back. A row whose recent drafts are mostly rejected —
 //! or whose n-gram lookup keeps finding nothing — gets none for a while, and a batch in which
 //! no row drafts takes the pipelined step. After a pause the row tries again, since a text can
-//! move into a part that repeats its input.
+//! move into a part that repeats its input. A retry is on probation: one rejected pass pauses
+//! the row again, for twice as long (up to [`MAX_PAUSE_STEPS`]), so a row whose drafts never
+//! pay costs ever fewer passes; a pass that accepts half its drafts or more restores the
+//! first pause length.
 //!
 //! Pure bookkeeping over counts; the batch asks [`Acceptance::is_drafting`] for each row.
 
@@ -16,16 +19,31 @@ pub const MIN_TRIAL: f32 = 8.0;
 /// Past this many drafts in the record, old counts weigh half: the record follows the
 /// recent text.
 pub const WINDOW: f32 = 32.0;
-/// Steps a row that stopped drafting waits before it tries again.
+/// Steps a row that stopped drafting waits before it first tries again.
 pub const PAUSE_STEPS: u32 = 32;
+/// The longest pause.
+pub const MAX_PAUSE_STEPS: u32 = 1024;
 
 /// One row's recent drafting record.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Acceptance {
     drafted: f32,
     accepted: f32,
     /// Steps since the row stopped drafting.
     paused: u32,
+    /// The length of the row's next pause.
+    pause: u32,
+}
+
+impl Default for Acceptance {
+    fn default() -> Self {
+        Self {
+            drafted: 0.0,
+            accepted: 0.0,
+            paused: 0,
+            pause: PAUSE_STEPS,
+        }
+    }
 }
 
 impl Acceptance {
@@ -40,8 +58,12 @@ impl Acceptance {
             return;
         }
         self.paused += 1;
-        if self.paused >= PAUSE_STEPS {
-            *self = Self::default();
+        if self.paused >= self.pause {
+            // Probation: one trial short of judged, at the threshold.
+            self.drafted = MIN_TRIAL - 1.0;
+            self.accepted = MIN_ACCEPTANCE * self.drafted;
+            self.paused = 0;
+            self.pause = (self.pause * 2).min(MAX_PAUSE_STEPS);
         }
     }
 
@@ -50,6 +72,9 @@ impl Acceptance {
     pub fn record(&mut self, drafted: usize, accepted: usize) {
         self.drafted += drafted.max(1) as f32;
         self.accepted += accepted as f32;
+        if drafted > 0 && 2 * accepted >= drafted {
+            self.pause = PAUSE_STEPS;
+        }
         if self.drafted > WINDOW {
             self.drafted /= 2.0;
             self.accepted /= 2.0;
@@ -110,7 +135,40 @@ mod tests {
         }
         a.tick();
         assert!(a.is_drafting());
-        assert_eq!(a, Acceptance::default());
+    }
+
+    /// Steps until a paused row drafts again.
+    fn pause_length(a: &mut Acceptance) -> u32 {
+        let mut steps = 0;
+        while !a.is_drafting() {
+            a.tick();
+            steps += 1;
+        }
+        steps
+    }
+
+    #[test]
+    fn each_failed_retry_doubles_the_pause_and_a_good_pass_restores_it() {
+        let mut a = Acceptance::default();
+        for _ in 0..3 {
+            a.record(3, 0);
+        }
+        let mut pauses = Vec::new();
+        for _ in 0..7 {
+            pauses.push(pause_length(&mut a));
+            // One rejected pass on probation pauses again.
+            a.record(3, 0);
+            assert!(!a.is_drafting());
+        }
+        assert_eq!(pauses, [32, 64, 128, 256, 512, 1024, 1024]);
+        pause_length(&mut a);
+        // A retry that pays keeps drafting, and the next pause is the first length again.
+        a.record(3, 3);
+        assert!(a.is_drafting());
+        for _ in 0..4 {
+            a.record(3, 0);
+        }
+        assert_eq!(pause_length(&mut a), PAUSE_STEPS);
     }
 
     #[test]

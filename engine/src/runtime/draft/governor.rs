@@ -5,6 +5,11 @@
 //! the faster for a while, and measures again. Each time the same way wins again, the next
 //! measurement waits twice as long, so a steady loser costs less and less.
 //!
+//! While drafting is held, its rate is still watched, window by window: a held way can turn
+//! slower than its measurement said (longer contexts, the text leaving a repetitive part, or
+//! per-shape work on the device that the probe's steps did not meet), and a window slower
+//! than the measured pipelined rate ends the hold at once.
+//!
 //! Pure: the batch reports each step's emitted tokens and time.
 use std::time::Duration;
 
@@ -48,6 +53,9 @@ pub struct DraftGovernor {
     measured: [Rate; 2],
     hold: u32,
     last_winner: Option<StepKind>,
+    /// The current window of a drafting hold, and its steps.
+    window: Rate,
+    window_steps: u32,
 }
 
 impl Default for DraftGovernor {
@@ -61,6 +69,8 @@ impl Default for DraftGovernor {
             measured: [Rate::default(); 2],
             hold: FIRST_HOLD_STEPS,
             last_winner: None,
+            window: Rate::default(),
+            window_steps: 0,
         }
     }
 }
@@ -105,9 +115,13 @@ impl DraftGovernor {
                     StepKind::Pipelined => self.settle(),
                 }
             }
-            Phase::Holding { left, .. } => {
+            Phase::Holding { kind, left } => {
                 *left = left.saturating_sub(1);
-                if *left == 0 {
+                let (kind, left) = (*kind, *left);
+                if kind == StepKind::Speculative && self.watch(tokens, time) {
+                    return;
+                }
+                if left == 0 {
                     self.measured = [Rate::default(); 2];
                     self.phase = Phase::Probing {
                         kind: StepKind::Speculative,
@@ -116,6 +130,30 @@ impl DraftGovernor {
                 }
             }
         }
+    }
+
+    /// Adds a held drafting step to the window; at the window's end, a rate below the measured
+    /// pipelined one switches to pipelined steps (returns true).
+    fn watch(&mut self, tokens: usize, time: Duration) -> bool {
+        self.window.tokens += tokens as u64;
+        self.window.time += time;
+        self.window_steps += 1;
+        if self.window_steps < PROBE_STEPS {
+            return false;
+        }
+        let slower =
+            self.window.per_second() < self.measured[slot(StepKind::Pipelined)].per_second();
+        self.window = Rate::default();
+        self.window_steps = 0;
+        if slower {
+            self.hold = FIRST_HOLD_STEPS;
+            self.last_winner = Some(StepKind::Pipelined);
+            self.phase = Phase::Holding {
+                kind: StepKind::Pipelined,
+                left: self.hold,
+            };
+        }
+        slower
     }
 
     /// Both measured: hold the faster (drafting only when strictly faster).
@@ -132,6 +170,8 @@ impl DraftGovernor {
             self.hold = FIRST_HOLD_STEPS;
         }
         self.last_winner = Some(winner);
+        self.window = Rate::default();
+        self.window_steps = 0;
         self.phase = Phase::Holding {
             kind: winner,
             left: self.hold,
@@ -190,6 +230,18 @@ mod tests {
         // The text turns repetitive: drafting now pays; the next probe finds it.
         run(&mut g, 600, 4, 12);
         assert_eq!(g.next_kind(), StepKind::Speculative);
+    }
+
+    #[test]
+    fn a_held_drafting_that_turns_slow_is_dropped_within_a_window() {
+        let mut g = DraftGovernor::default();
+        // Probes: drafting 3 tokens per 20 ms beats 1 per 10 ms.
+        run(&mut g, 2 * PROBE_STEPS, 3, 20);
+        assert_eq!(g.next_kind(), StepKind::Speculative);
+        // Held drafting now takes 100 ms a step: one window later the batch pipelines.
+        let spec = run(&mut g, 50, 3, 100);
+        assert_eq!(spec, PROBE_STEPS, "{spec} slow drafting steps");
+        assert_eq!(g.next_kind(), StepKind::Pipelined);
     }
 
     #[test]
