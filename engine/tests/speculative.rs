@@ -398,3 +398,55 @@ fn drafting_over_a_quantized_kv_cache_keeps_its_greedy_tokens() {
     plain.join();
     spec.join();
 }
+
+/// Rows of one batch that reject different numbers of drafts leave holes in its cache (the
+/// rejected positions stay, masked); a departing row's copy for the prefix cache holds its
+/// valid positions only, so a follow-up prompt that hits it continues exactly as a runtime
+/// without drafts or cache does.
+#[test]
+fn rows_with_rollback_holes_leave_prefix_entries_that_continue_exactly() {
+    let dir = common::tiny_model("tiny-llama");
+    let plain = start_runtime(&dir, 0);
+    let spec = Runtime::start(
+        dir.clone(),
+        RuntimeLimits {
+            prompt_cache_bytes: 64 << 20,
+            speculation: Some(Speculation {
+                source: ngram(),
+                num_draft: 3,
+            }),
+            ..Default::default()
+        },
+        None,
+    )
+    .expect("load with speculation and a prefix cache");
+    let gens: Vec<Gen> = prompts().iter().map(|p| Gen::greedy(p, 20)).collect();
+    let first = generate_together(&spec, &gens);
+    assert_eq!(tokens(&first), tokens(&generate_alone(&plain, &gens)));
+    let drafts: Vec<(usize, usize)> = first.iter().filter_map(|o| o.drafts).collect();
+    assert!(
+        drafts.iter().any(|&(d, a)| d > a) && drafts.iter().any(|&(_, a)| a > 0),
+        "the batch needs rows that reject and rows that accept: {drafts:?}"
+    );
+    let follow: Vec<Gen> = prompts()
+        .iter()
+        .zip(&first)
+        .map(|(p, o)| {
+            let mut prompt = p.clone();
+            prompt.extend(&o.tokens[..12]);
+            Gen::greedy(&prompt, 6)
+        })
+        .collect();
+    let again = generate_alone(&spec, &follow);
+    for (g, o) in follow.iter().zip(&again) {
+        assert!(
+            o.cached > g.prompt.len() / 2,
+            "{} of {} prompt tokens came from the cache",
+            o.cached,
+            g.prompt.len()
+        );
+    }
+    assert_eq!(tokens(&again), tokens(&generate_alone(&plain, &follow)));
+    plain.join();
+    spec.join();
+}
