@@ -128,7 +128,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() -> anyhow::Result<()> {
-    // `RUST_LOG=mlxd_engine::step=trace` shows each decode step's kind and time on stderr.
+    // With drafting, `RUST_LOG=mlxd_engine::step=trace` shows each decode step's kind, pass
+    // width and time on stderr.
     if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_default_env() {
         tracing_subscriber::fmt()
             .with_env_filter(filter)
