@@ -1,5 +1,6 @@
 //! Helpers shared by the integration tests: an in-process proxy on a free port with the
-//! fake engine, a small HTTP client, raw-socket helpers, and process checks.
+//! fake engine (or the real one on the default model), a small HTTP client, raw-socket
+//! helpers, and process checks.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -52,6 +53,85 @@ pub fn smollm2_gguf() -> Result<PathBuf> {
         }
     }
     bail!("the SmolLM2 GGUF is missing: run scripts/setup.sh --test or set MLXD_SMOLLM2_GGUF")
+}
+
+/// The default model's GGUF when one is at hand, `None` otherwise: for tests that can also
+/// start from the model the store already converted into the test home.
+pub fn smollm2_gguf_if_present() -> Option<PathBuf> {
+    smollm2_gguf().ok()
+}
+
+/// The model store home the tests share: `MLXD_TEST_HOME`, else `target/mlxd-test-home`.
+pub fn test_home() -> PathBuf {
+    std::env::var_os("MLXD_TEST_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target/mlxd-test-home"))
+}
+
+/// The real engine binary: `MLXD_ENGINE_BIN`, else the one built into this target directory;
+/// an error that says how to build it when it is absent.
+pub fn engine_bin() -> Result<PathBuf> {
+    let bin = std::env::var_os("MLXD_ENGINE_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| target_bin("mlxd-engine"));
+    anyhow::ensure!(
+        bin.is_file(),
+        "{} is absent (cargo build -p mlxd-engine, or set MLXD_ENGINE_BIN)",
+        bin.display()
+    );
+    Ok(bin)
+}
+
+/// The real engine binary of this target directory, built with cargo first when absent (for
+/// running one test file on its own).
+pub fn built_engine_bin() -> Result<PathBuf> {
+    let bin = target_bin("mlxd-engine");
+    if !bin.exists() {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let ok = std::process::Command::new(cargo)
+            .args(["build", "-p", "mlxd-engine", "--bin", "mlxd-engine"])
+            .status()?
+            .success();
+        anyhow::ensure!(ok, "cargo build -p mlxd-engine failed");
+    }
+    Ok(bin)
+}
+
+/// A proxy in this process serving the default model with the real engine and `options` as
+/// its engine options, queue and grace long enough for this machine's CPU; `tweak` edits the
+/// configuration last. The GGUF is optional where the test home holds the converted model.
+pub async fn default_model_proxy(
+    options: &[(&str, &str)],
+    tweak: impl FnOnce(&mut Config),
+) -> Result<Proxy> {
+    let engine = engine_bin()?;
+    let home = test_home();
+    let gguf = smollm2_gguf_if_present();
+    anyhow::ensure!(
+        gguf.is_some() || home.join("models/smollm2-135m/config.json").is_file(),
+        "the default model is not available offline: set MLXD_SMOLLM2_GGUF or run scripts/setup.sh --test"
+    );
+    std::fs::create_dir_all(&home)?;
+    Proxy::start_with(&[], |c| {
+        c.models = vec![mlxd_proxy::config::ModelConfig::new("smollm2-135m")];
+        let s = &mut c.server;
+        s.engine_bin = Some(engine);
+        s.engine_options.clear();
+        for (k, v) in options {
+            s.engine_options.insert(k.to_string(), v.to_string());
+        }
+        s.queue_timeout_ms = 180_000;
+        s.grace_ms = 60_000;
+        s.engine_env
+            .insert("MLXD_HOME".into(), home.display().to_string());
+        if let Some(g) = &gguf {
+            s.engine_env
+                .insert("MLXD_SMOLLM2_GGUF".into(), g.display().to_string());
+        }
+        s.engine_env.insert("RUST_LOG".into(), "info".into());
+        tweak(c);
+    })
+    .await
 }
 
 /// The fake engine binary (built with this crate).

@@ -23,18 +23,6 @@ use mlxd_protocol::control::{
 use mlxd_tests::*;
 use serde_json::{json, Value};
 
-fn engine_bin() -> Result<PathBuf> {
-    let bin = std::env::var_os("MLXD_ENGINE_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| target_bin("mlxd-engine"));
-    ensure!(
-        bin.is_file(),
-        "{} is absent: cargo build -p mlxd-engine (or set MLXD_ENGINE_BIN)",
-        bin.display()
-    );
-    Ok(bin)
-}
-
 fn tiny_model() -> Result<PathBuf> {
     let dir = std::env::var_os("MLXD_TEST_MODELS")
         .map(PathBuf::from)

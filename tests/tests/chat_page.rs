@@ -52,9 +52,7 @@ async fn chat_page_streams_an_answer_in_headless_chromium() -> Result<()> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port();
-    let home = std::env::var_os("MLXD_TEST_HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root.join("target/mlxd-test-home"));
+    let home = test_home();
     let log = dir.path().join("mlxd.log");
     let child = Command::new(mlxd_bin()?)
         .args(["serve", "--model", "smollm2-135m", "--host", "127.0.0.1"])

