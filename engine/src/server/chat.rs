@@ -6,7 +6,6 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use futures::StreamExt;
 use mlxd_protocol::openai::{
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatMessage, ChatTokenLogprob, FunctionCall,
@@ -16,7 +15,9 @@ use mlxd_protocol::openai::{
 use serde_json::{json, Map, Value};
 
 use super::agent::{self, AgentGeneration, AgentStep, Conversation, Piece};
-use super::choices::{merged_sse, total_usage, ChoiceEvent};
+use super::choices::{
+    choice_events, merged_sse, total_usage, ChoiceEvent, ChoiceState, UsageFrame,
+};
 use super::error::ApiError;
 use super::logprobs;
 use super::request::{chat_logprobs, validate, OpenAiJson};
@@ -436,14 +437,9 @@ fn sse(
             namer: namer.clone(),
         };
         let meta = meta.clone();
-        futures::stream::unfold(ChoiceState::Running(Box::new(c)), move |st| {
+        choice_events(c, move |mut c| {
             let meta = meta.clone();
             async move {
-                let mut c = match st {
-                    ChoiceState::Running(c) => c,
-                    ChoiceState::Ending(usage) => return Some((ChoiceEvent::Done(usage), ChoiceState::Over)),
-                    ChoiceState::Over => return None,
-                };
                 match c.generation.next().await {
                     Some(AgentStep::Pieces(pieces, ids)) => {
                         let frames = step_frames(&meta, &mut c, pieces, ids, None);
@@ -463,7 +459,6 @@ fn sse(
                 }
             }
         })
-        .boxed()
     });
     let choice_streams: Vec<_> = choice_streams.collect();
     let usage_frame = include_usage.then(|| {
@@ -476,15 +471,7 @@ fn sse(
                 choices: vec![],
                 usage: Some(usage),
             })
-        }) as super::choices::UsageFrame
+        }) as UsageFrame
     });
     merged_sse(first, choice_streams, usage_frame)
-}
-
-/// Where one choice's stream is.
-enum ChoiceState {
-    Running(Box<ChoiceStream>),
-    /// Its last frames are out; its usage follows.
-    Ending(Usage),
-    Over,
 }

@@ -2,6 +2,7 @@
 //! batch: every choice's frames as they come, then, after the last choice ends, the usage
 //! chunk (when asked) and `[DONE]`. A failing choice ends the body with its error frame.
 use std::convert::Infallible;
+use std::future::Future;
 
 use axum::body::Bytes;
 use axum::response::Response;
@@ -14,6 +15,34 @@ pub enum ChoiceEvent {
     Frames(Vec<Bytes>),
     Done(Usage),
     Failed(Bytes),
+}
+
+/// Where one choice's stream is.
+pub enum ChoiceState<C> {
+    Running(Box<C>),
+    /// Its last frames are out; its usage follows.
+    Ending(Usage),
+    Over,
+}
+
+/// One choice's events: `step` takes a running choice to its next event and state; a choice
+/// that ended then yields its usage, and after that nothing.
+pub fn choice_events<C, F, Fut>(choice: C, step: F) -> BoxStream<'static, ChoiceEvent>
+where
+    C: Send + 'static,
+    F: FnMut(Box<C>) -> Fut + Send + 'static,
+    Fut: Future<Output = Option<(ChoiceEvent, ChoiceState<C>)>> + Send + 'static,
+{
+    let start = (ChoiceState::Running(Box::new(choice)), step);
+    futures::stream::unfold(start, |(state, mut step)| async move {
+        let (event, next) = match state {
+            ChoiceState::Running(c) => step(c).await?,
+            ChoiceState::Ending(usage) => (ChoiceEvent::Done(usage), ChoiceState::Over),
+            ChoiceState::Over => return None,
+        };
+        Some((event, (next, step)))
+    })
+    .boxed()
 }
 
 /// Usage over all choices: the prompt once, the completions summed.

@@ -6,13 +6,14 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use futures::StreamExt;
 use mlxd_protocol::openai::{
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, TokenIds, Usage,
     OBJECT_TEXT_COMPLETION,
 };
 
-use super::choices::{merged_sse, total_usage, ChoiceEvent, UsageFrame};
+use super::choices::{
+    choice_events, merged_sse, total_usage, ChoiceEvent, ChoiceState, UsageFrame,
+};
 use super::error::ApiError;
 use super::generation::{Generation, Step};
 use super::logprobs::{self, CompletionLogprobsBuilder};
@@ -176,14 +177,6 @@ async fn whole(
     Ok(Json(response(&meta, choices, Some(usage))).into_response())
 }
 
-/// Where one choice's stream is.
-enum ChoiceState {
-    Running(Box<ChoiceText>),
-    /// Its last frame is out; its usage follows.
-    Ending(Usage),
-    Over,
-}
-
 /// Streams every choice as SSE. Each step is written as soon as it is ready; dropping the
 /// body (the client went away) drops the generations and so cancels them.
 fn sse(
@@ -197,16 +190,9 @@ fn sse(
         .into_iter()
         .map(|c| {
             let meta = meta.clone();
-            futures::stream::unfold(ChoiceState::Running(Box::new(c)), move |st| {
+            choice_events(c, move |mut c| {
                 let meta = meta.clone();
                 async move {
-                    let mut c = match st {
-                        ChoiceState::Running(c) => c,
-                        ChoiceState::Ending(usage) => {
-                            return Some((ChoiceEvent::Done(usage), ChoiceState::Over))
-                        }
-                        ChoiceState::Over => return None,
-                    };
                     match c.generation.next().await? {
                         Step::Text(delta) => {
                             let frame = c.chunk(&meta, delta, None);
@@ -225,7 +211,6 @@ fn sse(
                     }
                 }
             })
-            .boxed()
         })
         .collect();
     let usage_frame = include_usage.then(|| {
