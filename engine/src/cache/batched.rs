@@ -112,12 +112,12 @@ impl BatchKv {
 
     /// Rotary embedding at each row's own offset; an integer offset when all rows agree.
     pub fn rope(&self, rope: &Rope, x: &Array) -> Result<Array, Exception> {
-        let offsets: Vec<i32> = (0..self.rows()).map(|r| self.row_len(r) as i32).collect();
-        match offsets.first() {
-            Some(&first) if offsets.iter().all(|&o| o == first) => rope.forward(x, first),
-            None => rope.forward(x, 0),
-            _ => rope.forward_per_row(x, &Array::from_slice(&offsets, &[offsets.len() as i32])),
+        let first = if self.rows() == 0 { 0 } else { self.row_len(0) };
+        if (1..self.rows()).all(|r| self.row_len(r) == first) {
+            return rope.forward(x, first as i32);
         }
+        let offsets: Vec<i32> = (0..self.rows()).map(|r| self.row_len(r) as i32).collect();
+        rope.forward_per_row(x, &Array::from_slice(&offsets, &[offsets.len() as i32]))
     }
 
     /// Appends `[B, kv_heads, L, head_dim]` at position `idx` of every row; returns the keys and

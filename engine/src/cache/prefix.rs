@@ -151,7 +151,8 @@ impl<T> PrefixCache<T> {
     }
 }
 
-fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+/// How many tokens `a` and `b` share from the start (also the SSD index's match).
+pub(crate) fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 

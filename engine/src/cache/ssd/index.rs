@@ -2,6 +2,8 @@
 //! used), the longest-prefix lookup over them, and the size cap's eviction, oldest first.
 //! Pure: the writer applies the deletions it returns.
 
+use crate::cache::prefix::common_prefix;
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IndexEntry {
     /// The file's name in the tier's directory.
@@ -125,10 +127,6 @@ impl Index {
     fn recount(&mut self) {
         self.bytes = self.entries.iter().map(|e| e.bytes).sum();
     }
-}
-
-fn common_prefix(a: &[u32], b: &[u32]) -> usize {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 #[cfg(test)]
