@@ -247,7 +247,7 @@ impl Proxy {
         path: &str,
         body: &Value,
     ) -> Result<(StatusCode, HeaderMap, Value)> {
-        json_of(send(self.addr, "POST", path, Some(body.to_string().into())).await?).await
+        post_json(self.addr, path, body).await
     }
 
     /// The first engine row of `GET /engines`.
@@ -336,6 +336,15 @@ pub async fn send_with(
     }
     let req = req.body(Full::new(body.unwrap_or_default()))?;
     Ok(tx.send_request(req).await?)
+}
+
+/// `POST`s `body` as JSON to `path` and reads the answer as JSON.
+pub async fn post_json(
+    addr: std::net::SocketAddr,
+    path: &str,
+    body: &Value,
+) -> Result<(StatusCode, HeaderMap, Value)> {
+    json_of(send(addr, "POST", path, Some(body.to_string().into())).await?).await
 }
 
 pub async fn json_of(resp: Response<Incoming>) -> Result<(StatusCode, HeaderMap, Value)> {
@@ -511,18 +520,23 @@ impl MlxdProcess {
 
 impl Drop for MlxdProcess {
     fn drop(&mut self) {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.child.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        );
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        stop_child(&mut self.child, Duration::from_secs(5));
     }
+}
+
+/// Stops a child process as a user would: SIGTERM, up to `grace` to exit, then SIGKILL.
+pub fn stop_child(child: &mut std::process::Child, grace: Duration) {
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    );
+    let deadline = Instant::now() + grace;
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
 }

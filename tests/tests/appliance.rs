@@ -281,16 +281,7 @@ async fn a_request_waits_for_a_slow_load_past_the_queue_timeout() -> Result<()> 
         async move {
             let body = json!({"model": id, "max_tokens": 2,
                 "messages": [{"role": "user", "content": "hi"}]});
-            json_of(
-                send(
-                    addr,
-                    "POST",
-                    "/v1/chat/completions",
-                    Some(body.to_string().into()),
-                )
-                .await?,
-            )
-            .await
+            post_json(addr, "/v1/chat/completions", &body).await
         }
     });
     // Past the queue timeout, the model is still loading and the request still waits.

@@ -65,19 +65,7 @@ struct Mlxd {
 
 impl Drop for Mlxd {
     fn drop(&mut self) {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.child.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        );
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        stop_child(&mut self.child, Duration::from_secs(10));
     }
 }
 
@@ -131,9 +119,7 @@ impl Mlxd {
     }
 
     async fn post_job(&self, body: Value) -> Result<(u16, Value)> {
-        let (status, _, v) =
-            json_of(send(self.addr, "POST", "/v1/jobs", Some(body.to_string().into())).await?)
-                .await?;
+        let (status, _, v) = post_json(self.addr, "/v1/jobs", &body).await?;
         Ok((status.as_u16(), v))
     }
 
@@ -162,16 +148,7 @@ impl Mlxd {
     async fn chat(&self, model: &str, prompt: &str, max_tokens: u32) -> Result<(u16, Value)> {
         let body = json!({"model": model, "messages": [{"role": "user", "content": prompt}],
                           "max_tokens": max_tokens, "temperature": 0});
-        let (status, _, v) = json_of(
-            send(
-                self.addr,
-                "POST",
-                "/v1/chat/completions",
-                Some(body.to_string().into()),
-            )
-            .await?,
-        )
-        .await?;
+        let (status, _, v) = post_json(self.addr, "/v1/chat/completions", &body).await?;
         Ok((status.as_u16(), v))
     }
 }

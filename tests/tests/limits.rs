@@ -115,16 +115,7 @@ async fn five_hundred_stalled_clients_do_not_stop_health_or_chat() -> Result<()>
     let (s, _, v) = json_of(send(m.addr, "GET", "/health", None).await?).await?;
     assert_eq!(s, 200, "{v}");
     let body = json!({"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]});
-    let (s, _, _) = json_of(
-        send(
-            m.addr,
-            "POST",
-            "/v1/chat/completions",
-            Some(body.to_string().into()),
-        )
-        .await?,
-    )
-    .await?;
+    let (s, _, _) = post_json(m.addr, "/v1/chat/completions", &body).await?;
     assert_eq!(s, 200);
     assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
     drop(stalled);

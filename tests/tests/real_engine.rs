@@ -70,16 +70,7 @@ async fn start_mlxd() -> Result<Mlxd> {
 async fn chat(addr: std::net::SocketAddr, max_tokens: u32) -> Result<(hyper::StatusCode, Value)> {
     let body = json!({"messages": [{"role": "user", "content": "What is the capital of France?"}],
                       "max_tokens": max_tokens, "temperature": 0});
-    let (status, _, v) = json_of(
-        send(
-            addr,
-            "POST",
-            "/v1/chat/completions",
-            Some(body.to_string().into()),
-        )
-        .await?,
-    )
-    .await?;
+    let (status, _, v) = post_json(addr, "/v1/chat/completions", &body).await?;
     Ok((status, v))
 }
 

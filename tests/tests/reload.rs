@@ -84,16 +84,7 @@ async fn wait_log(p: &MlxdProcess, needle: &str, after: usize) -> Result<String>
 
 async fn chat(p: &MlxdProcess, model: &str) -> Result<(hyper::StatusCode, Value)> {
     let body = json!({"model": model, "messages": [{"role": "user", "content": "hi"}]});
-    let (status, _, v) = json_of(
-        send(
-            p.addr,
-            "POST",
-            "/v1/chat/completions",
-            Some(body.to_string().into()),
-        )
-        .await?,
-    )
-    .await?;
+    let (status, _, v) = post_json(p.addr, "/v1/chat/completions", &body).await?;
     Ok((status, v))
 }
 
