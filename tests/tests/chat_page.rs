@@ -24,23 +24,68 @@ impl Drop for Mlxd {
     }
 }
 
+/// Headless Chromium and playwright-core, as `scripts/setup.sh --test` installs them.
+struct Browser {
+    node_modules: PathBuf,
+    chromium: PathBuf,
+}
+
+impl Browser {
+    /// Both, or an error that says how to install what is missing.
+    fn find() -> Result<Self> {
+        let node_modules = workspace_root().join(".deps/node/node_modules");
+        ensure!(
+            node_modules.join("playwright-core").is_dir(),
+            "{} has no playwright-core: run scripts/setup.sh --test",
+            node_modules.display()
+        );
+        let chromium = std::env::var_os("CHROMIUM")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("/usr/bin/chromium"));
+        ensure!(
+            chromium.is_file(),
+            "{} is absent: run scripts/setup.sh --test (it installs Debian's chromium) or set CHROMIUM",
+            chromium.display()
+        );
+        Ok(Self {
+            node_modules,
+            chromium,
+        })
+    }
+
+    /// Runs `scripts/<script>` with `args` in node; its stdout when it succeeds, else an
+    /// error with its output and `server_log()`.
+    async fn run(
+        &self,
+        script: &str,
+        args: &[&str],
+        server_log: impl FnOnce() -> String,
+    ) -> Result<String> {
+        let mut cmd = Command::new("node");
+        cmd.arg(workspace_root().join("scripts").join(script))
+            .args(args)
+            .env("NODE_PATH", &self.node_modules)
+            .env("CHROMIUM", &self.chromium);
+        let out = tokio::task::spawn_blocking(move || cmd.output())
+            .await?
+            .context("running node (install Node.js 18 or newer)")?;
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        eprintln!("{stdout}");
+        ensure!(
+            out.status.success(),
+            "the browser test failed ({}):\n{stdout}\n{stderr}\nmlxd's log:\n{}",
+            out.status,
+            server_log()
+        );
+        Ok(stdout)
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_page_streams_an_answer_in_headless_chromium() -> Result<()> {
     let root = workspace_root();
-    let node_modules = root.join(".deps/node/node_modules");
-    ensure!(
-        node_modules.join("playwright-core").is_dir(),
-        "{} has no playwright-core: run scripts/setup.sh --test",
-        node_modules.display()
-    );
-    let chromium = std::env::var_os("CHROMIUM")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/usr/bin/chromium"));
-    ensure!(
-        chromium.is_file(),
-        "{} is absent: run scripts/setup.sh --test (it installs Debian's chromium) or set CHROMIUM",
-        chromium.display()
-    );
+    let browser = Browser::find()?;
     let engine = target_bin("mlxd-engine");
     ensure!(
         engine.is_file(),
@@ -83,29 +128,15 @@ async fn chat_page_streams_an_answer_in_headless_chromium() -> Result<()> {
 
     let shot = root.join("target/chat-page.png");
     let _ = std::fs::remove_file(&shot);
-    let script = root.join("scripts/chat_page_test.cjs");
     let url = format!("http://{addr}/");
-    let out = tokio::task::spawn_blocking(move || {
-        Command::new("node")
-            .arg(&script)
-            .arg(&url)
-            .arg("smollm2-135m")
-            .arg(&shot)
-            .env("NODE_PATH", &node_modules)
-            .env("CHROMIUM", &chromium)
-            .output()
-    })
-    .await?
-    .context("running node (install Node.js 18 or newer)")?;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    eprintln!("{stdout}");
-    ensure!(
-        out.status.success(),
-        "the browser test failed ({}):\n{stdout}\n{stderr}\nmlxd's log:\n{}",
-        out.status,
-        std::fs::read_to_string(&mlxd.log).unwrap_or_default()
-    );
+    let shot_arg = shot.display().to_string();
+    let stdout = browser
+        .run(
+            "chat_page_test.cjs",
+            &[&url, "smollm2-135m", &shot_arg],
+            || std::fs::read_to_string(&mlxd.log).unwrap_or_default(),
+        )
+        .await?;
     ensure!(stdout.contains("streamed answer"), "{stdout}");
     let png = std::fs::read(root.join("target/chat-page.png"))?;
     ensure!(png.starts_with(b"\x89PNG"), "the screenshot is not a PNG");
@@ -117,44 +148,14 @@ async fn chat_page_streams_an_answer_in_headless_chromium() -> Result<()> {
 /// clears once it is loaded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_page_shows_a_load_in_progress() -> Result<()> {
-    let root = workspace_root();
-    let node_modules = root.join(".deps/node/node_modules");
-    ensure!(
-        node_modules.join("playwright-core").is_dir(),
-        "{} has no playwright-core: run scripts/setup.sh --test",
-        node_modules.display()
-    );
-    let chromium = std::env::var_os("CHROMIUM")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/usr/bin/chromium"));
-    ensure!(
-        chromium.is_file(),
-        "{} is absent: run scripts/setup.sh --test (it installs Debian's chromium) or set CHROMIUM",
-        chromium.display()
-    );
+    let browser = Browser::find()?;
     let server = MlxdProcess::start(&["--engine-opt", "ready_delay_ms=8000"]).await?;
-    let script = root.join("scripts/chat_page_loading_test.cjs");
     let url = format!("http://{}/", server.addr);
-    let out = tokio::task::spawn_blocking(move || {
-        Command::new("node")
-            .arg(&script)
-            .arg(&url)
-            .arg("fake-model")
-            .env("NODE_PATH", &node_modules)
-            .env("CHROMIUM", &chromium)
-            .output()
-    })
-    .await?
-    .context("running node (install Node.js 18 or newer)")?;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    eprintln!("{stdout}");
-    ensure!(
-        out.status.success(),
-        "the browser test failed ({}):\n{stdout}\n{stderr}\nmlxd's log:\n{}",
-        out.status,
-        server.stderr()
-    );
+    let stdout = browser
+        .run("chat_page_loading_test.cjs", &[&url, "fake-model"], || {
+            server.stderr()
+        })
+        .await?;
     ensure!(stdout.contains("reading weights"), "{stdout}");
     Ok(())
 }
