@@ -24,15 +24,22 @@ impl Drop for Mlxd {
     }
 }
 
-/// Headless Chromium and playwright-core, as `scripts/setup.sh --test` installs them.
+/// Headless Chromium and playwright-core, as `scripts/setup.sh --test` installs them, for
+/// one browser test at a time.
 struct Browser {
     node_modules: PathBuf,
     chromium: PathBuf,
+    _turn: tokio::sync::MutexGuard<'static, ()>,
 }
 
+/// The browser tests take turns: on two cores, one test's Chromium and real engine slowed the
+/// other's Chromium so much that its page first looked after the load it was to watch.
+static BROWSER_TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 impl Browser {
-    /// Both, or an error that says how to install what is missing.
-    fn find() -> Result<Self> {
+    /// Both, once no other browser test runs, or an error that says how to install what is
+    /// missing.
+    async fn find() -> Result<Self> {
         let node_modules = workspace_root().join(".deps/node/node_modules");
         ensure!(
             node_modules.join("playwright-core").is_dir(),
@@ -50,6 +57,7 @@ impl Browser {
         Ok(Self {
             node_modules,
             chromium,
+            _turn: BROWSER_TURN.lock().await,
         })
     }
 
@@ -85,7 +93,7 @@ impl Browser {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_page_streams_an_answer_in_headless_chromium() -> Result<()> {
     let root = workspace_root();
-    let browser = Browser::find()?;
+    let browser = Browser::find().await?;
     let engine = target_bin("mlxd-engine");
     ensure!(
         engine.is_file(),
@@ -144,12 +152,13 @@ async fn chat_page_streams_an_answer_in_headless_chromium() -> Result<()> {
 }
 
 /// While a model loads, the page says so with the load's phase and progress (the fake engine
-/// here, loading for 8 s in four reported steps, preloaded by `mlxd serve`), and the notice
+/// here, loading for 20 s in four reported steps, preloaded by `mlxd serve`), and the notice
 /// clears once it is loaded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_page_shows_a_load_in_progress() -> Result<()> {
-    let browser = Browser::find()?;
-    let server = MlxdProcess::start(&["--engine-opt", "ready_delay_ms=8000"]).await?;
+    let browser = Browser::find().await?;
+    // The load must outlast Chromium's start on a busy machine.
+    let server = MlxdProcess::start(&["--engine-opt", "ready_delay_ms=20000"]).await?;
     let url = format!("http://{}/", server.addr);
     let stdout = browser
         .run("chat_page_loading_test.cjs", &[&url, "fake-model"], || {
