@@ -1,16 +1,18 @@
 // Opens the chat page of a running mlxd whose model is loading and checks that the page says
 // so with the load's phase and progress, then that the notice clears once the model is loaded.
+// The load waits for <gate-file>: this script creates it once the page has shown the load.
 // Exits non-zero with the reason on any failure.
 //
-// usage: node scripts/chat_page_loading_test.cjs <mlxd-url> <model>
+// usage: node scripts/chat_page_loading_test.cjs <mlxd-url> <model> <gate-file>
 // Needs playwright-core (NODE_PATH=.deps/node/node_modules) and Chromium (CHROMIUM, default
 // /usr/bin/chromium); scripts/setup.sh --test installs both.
 "use strict";
+const fs = require("fs");
 const { chromium } = require("playwright-core");
 
-const [url, model] = process.argv.slice(2);
-if (!url || !model) {
-  console.error("usage: chat_page_loading_test.cjs <mlxd-url> <model>");
+const [url, model, gate] = process.argv.slice(2);
+if (!url || !model || !gate) {
+  console.error("usage: chat_page_loading_test.cjs <mlxd-url> <model> <gate-file>");
   process.exit(2);
 }
 
@@ -26,13 +28,15 @@ if (!url || !model) {
     page.on("pageerror", (e) => problems.push("page error: " + e.message));
     await page.goto(url, { waitUntil: "domcontentloaded" });
     await page.waitForSelector(`#model option[value="${model}"]`, { state: "attached", timeout: 30000 });
-    // The page polls /v1/models every 2 s; the load reports its weights in quarters.
+    // The page polls /v1/models every 2 s; the load reports its weights in quarters and
+    // holds at the first until the gate opens.
     await page.waitForFunction(
       () => /Loading .*\(reading weights \d+%\)/.test(document.getElementById("notice").textContent),
       null,
-      { timeout: 30000 },
+      { timeout: 60000 },
     );
     const loading = (await page.textContent("#notice")).trim();
+    fs.writeFileSync(gate, "seen\n");
     await page.waitForFunction(
       () => document.getElementById("state").textContent === "loaded" &&
         document.getElementById("notice").textContent.trim() === "",

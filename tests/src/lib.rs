@@ -87,14 +87,46 @@ pub fn engine_bin() -> Result<PathBuf> {
 pub fn built_engine_bin() -> Result<PathBuf> {
     let bin = target_bin("mlxd-engine");
     if !bin.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let ok = std::process::Command::new(cargo)
-            .args(["build", "-p", "mlxd-engine", "--bin", "mlxd-engine"])
-            .status()?
-            .success();
-        anyhow::ensure!(ok, "cargo build -p mlxd-engine failed");
+        cargo_build(&["-p", "mlxd-engine", "--bin", "mlxd-engine"]).map_err(anyhow::Error::msg)?;
     }
     Ok(bin)
+}
+
+/// Runs `cargo build <args>` from a test. The variables cargo sets for the test process
+/// (`CARGO_MANIFEST_DIR`, `CARGO_PKG_*`…) are removed first: build scripts of dependencies
+/// (ring's, rustls') track some of them, and seeing them changed made every such build
+/// recompile those crates and what depends on them, then the next outer build again.
+fn cargo_build(args: &[&str]) -> Result<(), String> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut cmd = std::process::Command::new(cargo);
+    cmd.arg("build").args(args);
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        let set_for_the_test = name.starts_with("CARGO_PKG_")
+            || name.starts_with("CARGO_BIN_EXE_")
+            || matches!(
+                &*name,
+                "CARGO_MANIFEST_DIR"
+                    | "CARGO_MANIFEST_PATH"
+                    | "CARGO_MANIFEST_LINKS"
+                    | "CARGO_CRATE_NAME"
+                    | "CARGO_BIN_NAME"
+                    | "CARGO_PRIMARY_PACKAGE"
+                    | "CARGO_TARGET_TMPDIR"
+                    | "OUT_DIR"
+            );
+        if set_for_the_test {
+            cmd.env_remove(&*name);
+        }
+    }
+    let status = cmd
+        .status()
+        .map_err(|e| format!("running cargo build {}: {e}", args.join(" ")))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("cargo build {} failed: {status}", args.join(" ")))
+    }
 }
 
 /// A proxy in this process serving the default model with the real engine and `options` as
@@ -145,18 +177,7 @@ pub fn mlxd_bin() -> Result<PathBuf> {
     static BUILT: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
     let bin = target_bin("mlxd");
     BUILT
-        .get_or_init(|| {
-            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-            let status = std::process::Command::new(cargo)
-                .args(["build", "-p", "mlxd-proxy", "--bin", "mlxd"])
-                .status()
-                .map_err(|e| format!("running cargo build -p mlxd-proxy: {e}"))?;
-            if status.success() {
-                Ok(())
-            } else {
-                Err(format!("cargo build -p mlxd-proxy failed: {status}"))
-            }
-        })
+        .get_or_init(|| cargo_build(&["-p", "mlxd-proxy", "--bin", "mlxd"]))
         .clone()
         .map_err(anyhow::Error::msg)?;
     Ok(bin)

@@ -152,19 +152,33 @@ async fn chat_page_streams_an_answer_in_headless_chromium() -> Result<()> {
 }
 
 /// While a model loads, the page says so with the load's phase and progress (the fake engine
-/// here, loading for 20 s in four reported steps, preloaded by `mlxd serve`), and the notice
-/// clears once it is loaded.
+/// here, preloaded by `mlxd serve`, holding its load at a quarter of the weights until the
+/// page has shown it), and the notice clears once it is loaded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_page_shows_a_load_in_progress() -> Result<()> {
     let browser = Browser::find().await?;
-    // The load must outlast Chromium's start on a busy machine.
-    let server = MlxdProcess::start(&["--engine-opt", "ready_delay_ms=20000"]).await?;
+    // The script opens the gate once it has seen the load: on a busy machine Chromium's
+    // start alone outlasted a load of fixed length.
+    let dir = tempfile::tempdir()?;
+    let gate = dir.path().join("load-gate");
+    let gate_opt = format!("load_gate={}", gate.display());
+    let server = MlxdProcess::start(&[
+        "--engine-opt",
+        "ready_delay_ms=2000",
+        "--engine-opt",
+        &gate_opt,
+    ])
+    .await?;
     let url = format!("http://{}/", server.addr);
+    let gate_arg = gate.display().to_string();
     let stdout = browser
-        .run("chat_page_loading_test.cjs", &[&url, "fake-model"], || {
-            server.stderr()
-        })
+        .run(
+            "chat_page_loading_test.cjs",
+            &[&url, "fake-model", &gate_arg],
+            || server.stderr(),
+        )
         .await?;
     ensure!(stdout.contains("reading weights"), "{stdout}");
+    ensure!(gate.exists(), "the script never opened the load gate");
     Ok(())
 }

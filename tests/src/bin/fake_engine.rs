@@ -38,6 +38,8 @@ const OOM_TEXT: &str = "libc++abi: terminating due to uncaught exception of type
 
 /// Start-up script, from `Launch.options`:
 /// - `ready_delay_ms`: time spent "loading" (with `Loading` frames) before `Ready`;
+/// - `load_gate=<path>`: after the first `Loading` frame, wait until that file exists (a
+///   test that watches a load opens the gate once it has seen it, whatever its speed);
 /// - `exit_before_ready=<code>`: exit with that code instead of becoming ready;
 /// - `fatal_before_ready=<message>`: send `Fatal(LoadFailed)` then exit 1;
 /// - `oom_before_ready=1`: print MLX's allocation-failure text and abort;
@@ -189,6 +191,13 @@ async fn run(
     for step in 1..=4u8 {
         tokio::time::sleep(delay / 4).await;
         tx.send_loading(LoadPhase::Weights, f32::from(step) / 4.0)?;
+        if step == 1 {
+            if let Some(gate) = script.opts.get("load_gate") {
+                while std::fs::metadata(gate).is_err() {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
     }
     if let Some(code) = script.get::<i32>("exit_before_ready") {
         eprintln!("fake-engine: exiting with {code} before ready, as scripted");
