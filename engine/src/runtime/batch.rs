@@ -12,7 +12,9 @@ use mlx_rs::ops::concatenate;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 
+use super::draft::adaptive::{Acceptance, Trial};
 use super::draft::governor::StepKind;
+use super::draft::ngram::ShadowLookup;
 use super::draft::{ngram, verify, DraftCounts, Drafter, Speculator};
 use super::request::FinishReason;
 use super::sampler::{BatchSampler, PickedLogprobs, RowSampling};
@@ -163,6 +165,7 @@ impl DecodeBatch {
                 self.last_step = None;
             }
         }
+        self.replay_lookups();
         self.quantize_past_start()?;
         Ok(departed)
     }
@@ -178,13 +181,40 @@ impl DecodeBatch {
         if matches!(spec.drafter, Drafter::Model(_)) && !joining.is_empty() {
             return true;
         }
+        // Joining rows never draft at once (a draft model's are handled above; a shadowed
+        // row has no record yet). A prompt-lookup row drafts only when its lookup finds
+        // something (on the text read back so far: a pipelined step's tokens are still in
+        // flight).
+        let finds = |s: &Sequence| match &spec.drafter {
+            Drafter::Ngram(sizes) => !ngram::propose(&s.tokens, *sizes, 1).is_empty(),
+            Drafter::Model(_) => true,
+        };
         spec.governor.next_kind() == StepKind::Speculative
-            && (!joining.is_empty()
-                || self
-                    .rows
-                    .iter()
-                    .enumerate()
-                    .any(|(r, s)| s.wants_more() && row_drafts(&self.sampler, r, s)))
+            && self
+                .rows
+                .iter()
+                .enumerate()
+                .any(|(r, s)| s.wants_more() && row_drafts(&self.sampler, r, s) && finds(s))
+    }
+
+    /// Settles each shadowed row's replayed lookups against the tokens it has emitted
+    /// without drafts, into its acceptance record.
+    fn replay_lookups(&mut self) {
+        let Some(Speculator {
+            drafter: Drafter::Ngram(sizes),
+            num_draft,
+            ..
+        }) = &self.spec
+        else {
+            return;
+        };
+        for seq in &mut self.rows {
+            if let Some(shadow) = &mut seq.shadow {
+                for (drafted, accepted) in shadow.observe(&seq.tokens, *sizes, *num_draft) {
+                    seq.acceptance.record(drafted, accepted);
+                }
+            }
+        }
     }
 
     /// Switches the caches to quantized storage once the longest row passes the layout's
@@ -458,7 +488,9 @@ impl DecodeBatch {
             }
             seq.drafted += proposals[r].len();
             seq.accepted += v.accepted;
-            if budget[r] > 0 {
+            // A row whose lookup found nothing took its one token like a row without drafts.
+            let drafted_for_real = !proposals[r].is_empty();
+            if drafted_for_real {
                 seq.acceptance.record(proposals[r].len(), v.accepted);
             }
             self.draft_counts.drafted += proposals[r].len() as u64;
@@ -467,6 +499,10 @@ impl DecodeBatch {
                 seq.sampled += 1;
                 let limit = seq.remaining() == 0;
                 seq.emit(token, limit);
+            }
+            if let (true, Some(shadow)) = (drafted_for_real, &mut seq.shadow) {
+                // The pass's verdict is in the record; replaying resumes after its tokens.
+                shadow.restart(seq.tokens.len());
             }
             drop.push(v.rollback);
             advanced.push(v.emitted.len() as u32);
@@ -614,7 +650,20 @@ impl DecodeBatch {
             .collect();
         self.sampler.extend(&joining)?;
         join_tokens.extend(seqs.iter().map(Sequence::last_prompt_token));
-        self.rows.extend(seqs);
+        let shadowed = matches!(
+            self.spec,
+            Some(Speculator {
+                drafter: Drafter::Ngram(_),
+                ..
+            })
+        );
+        self.rows.extend(seqs.into_iter().map(|mut seq| {
+            if shadowed {
+                seq.acceptance = Acceptance::new(Trial::Shadow);
+                seq.shadow = Some(ShadowLookup::new(seq.tokens.len()));
+            }
+            seq
+        }));
         Ok(())
     }
 }

@@ -8,14 +8,24 @@
 //! pay costs ever fewer passes; a pass that accepts half its drafts or more restores the
 //! first pause length.
 //!
+//! Prompt lookup needs no retries: its drafts can be judged without drafting, by replaying
+//! lookups over the tokens the row emits anyway ([`ShadowLookup`](super::ngram::ShadowLookup)).
+//! Such a row's record is kept from those replays while it does not draft, and it drafts only
+//! once the record is judged and good ([`Trial::Shadow`]), and only at steps where its lookup
+//! finds something.
+//!
 //! Pure bookkeeping over counts; the batch asks [`Acceptance::is_drafting`] for each row.
 
 /// Below this share of accepted drafts a row stops drafting. With `q` = 3 drafts a pass
 /// yields `(1 - a⁴) / (1 - a)` tokens at acceptance `a`: about 1.4 at 0.3, roughly what a
 /// draft model and the lost pipelining cost.
 pub const MIN_ACCEPTANCE: f32 = 0.3;
-/// Drafts (or empty lookups) a row is judged on at the least.
+/// Drafts a row is judged on at the least.
 pub const MIN_TRIAL: f32 = 8.0;
+/// Replayed drafts a shadowed row is judged on at the least: one full lookup. Replays cost
+/// nothing and real passes soon correct a lucky start, while a copied span that waits for
+/// eight drafts is half over before drafting begins.
+pub const MIN_SHADOW_TRIAL: f32 = 3.0;
 /// Past this many drafts in the record, old counts weigh half: the record follows the
 /// recent text.
 pub const WINDOW: f32 = 32.0;
@@ -24,9 +34,21 @@ pub const PAUSE_STEPS: u32 = 32;
 /// The longest pause.
 pub const MAX_PAUSE_STEPS: u32 = 1024;
 
+/// How a row's record is first made and, once drafting stopped, renewed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Trial {
+    /// By drafting (a draft model, whose drafts cost its passes to know): a new row drafts
+    /// until judged, and a paused one tries again on probation.
+    Retry,
+    /// By replayed lookups while the row does not draft: it drafts only while its record is
+    /// judged and good.
+    Shadow,
+}
+
 /// One row's recent drafting record.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Acceptance {
+    trial: Trial,
     drafted: f32,
     accepted: f32,
     /// Steps since the row stopped drafting.
@@ -37,24 +59,33 @@ pub struct Acceptance {
 
 impl Default for Acceptance {
     fn default() -> Self {
+        Self::new(Trial::Retry)
+    }
+}
+
+impl Acceptance {
+    pub fn new(trial: Trial) -> Self {
         Self {
+            trial,
             drafted: 0.0,
             accepted: 0.0,
             paused: 0,
             pause: PAUSE_STEPS,
         }
     }
-}
 
-impl Acceptance {
     /// Whether the row should be given drafts this step.
     pub fn is_drafting(&self) -> bool {
-        self.drafted < MIN_TRIAL || self.accepted >= MIN_ACCEPTANCE * self.drafted
+        let good = self.accepted >= MIN_ACCEPTANCE * self.drafted;
+        match self.trial {
+            Trial::Retry => self.drafted < MIN_TRIAL || good,
+            Trial::Shadow => self.drafted >= MIN_SHADOW_TRIAL && good,
+        }
     }
 
     /// One decode step passed (whatever the batch ran): a paused row counts towards its retry.
     pub fn tick(&mut self) {
-        if self.is_drafting() {
+        if self.trial == Trial::Shadow || self.is_drafting() {
             return;
         }
         self.paused += 1;
@@ -67,10 +98,10 @@ impl Acceptance {
         }
     }
 
-    /// A verification of `drafted` drafts accepted `accepted` of them. A lookup that found
-    /// nothing counts as one rejected draft: it cost the pipelined step and brought nothing.
+    /// A verification of `drafted` drafts accepted `accepted` of them, or would have (a
+    /// replayed lookup).
     pub fn record(&mut self, drafted: usize, accepted: usize) {
-        self.drafted += drafted.max(1) as f32;
+        self.drafted += drafted as f32;
         self.accepted += accepted as f32;
         if drafted > 0 && 2 * accepted >= drafted {
             self.pause = PAUSE_STEPS;
@@ -111,15 +142,6 @@ mod tests {
             steps += 1;
             assert!(steps < 20, "still drafting after {steps} rejected passes");
         }
-    }
-
-    #[test]
-    fn empty_lookups_count_as_misses() {
-        let mut a = Acceptance::default();
-        for _ in 0..8 {
-            a.record(0, 0);
-        }
-        assert!(!a.is_drafting());
     }
 
     #[test]
@@ -178,5 +200,39 @@ mod tests {
             a.record(10, 3);
         }
         assert!(a.is_drafting(), "{a:?}");
+    }
+
+    #[test]
+    fn a_shadowed_row_drafts_only_once_its_replayed_record_is_judged_good() {
+        let mut a = Acceptance::new(Trial::Shadow);
+        assert!(
+            !a.is_drafting(),
+            "a new shadowed row drafts before any record"
+        );
+        a.record(2, 2);
+        assert!(!a.is_drafting(), "judged on 2 drafts");
+        a.record(3, 0);
+        assert!(a.is_drafting(), "2 of 5 is above the threshold");
+        a.record(3, 0);
+        assert!(!a.is_drafting(), "2 of 8 is below it");
+        a.record(3, 3);
+        // A bad stretch stops it, and no pause ends: only a better record restarts it.
+        for _ in 0..12 {
+            a.record(3, 0);
+        }
+        assert!(!a.is_drafting());
+        for _ in 0..4 * MAX_PAUSE_STEPS {
+            a.tick();
+        }
+        assert!(!a.is_drafting(), "a shadowed row was retried after a pause");
+        let mut passes = 0;
+        while !a.is_drafting() {
+            a.record(3, 3);
+            passes += 1;
+            assert!(
+                passes < 20,
+                "a good replayed record never restarted drafting"
+            );
+        }
     }
 }
