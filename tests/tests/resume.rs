@@ -38,7 +38,7 @@ struct Case {
 impl Case {
     fn chat(content: &str, extra: Value) -> Self {
         let mut body = json!({"messages": [{"role": "user", "content": content}],
-                              "max_tokens": 24, "temperature": 0});
+                              "max_tokens": 16, "temperature": 0});
         merge(&mut body, extra);
         Self {
             path: "/v1/chat/completions",
@@ -47,7 +47,7 @@ impl Case {
     }
 
     fn completion(prompt: &str, extra: Value) -> Self {
-        let mut body = json!({"prompt": prompt, "max_tokens": 24, "temperature": 0});
+        let mut body = json!({"prompt": prompt, "max_tokens": 16, "temperature": 0});
         merge(&mut body, extra);
         Self {
             path: "/v1/completions",
@@ -162,18 +162,14 @@ async fn ready_pid(p: &Proxy) -> Result<i32> {
     Ok(e["pid"].as_i64().context("no pid")? as i32)
 }
 
-/// Eight greedy streams (chat and completions, with and without usage), two seeded
-/// streams and two non-streaming requests.
+/// Four greedy streams (chat and completions, with and without usage), two seeded streams
+/// and two non-streaming requests.
 fn mixed_cases() -> Vec<Case> {
     let usage = json!({"stream": true, "stream_options": {"include_usage": true}});
     let stream = json!({"stream": true});
     vec![
         Case::chat("What is the capital of France?", usage.clone()),
         Case::chat("Name three colors.", stream.clone()),
-        Case::chat("Write a haiku about rain.", usage.clone()),
-        Case::chat("What is 2+2?", stream.clone()),
-        Case::chat("Describe a cat in one sentence.", usage.clone()),
-        Case::chat("Say hello in Spanish.", stream.clone()),
         Case::completion("The quick brown fox", usage.clone()),
         Case::completion("Once upon a time", stream.clone()),
         Case::chat(
