@@ -12,9 +12,8 @@ use mlx_rs::ops::concatenate;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 
-use super::draft::adaptive::{Acceptance, Trial};
+use super::draft::adaptive::Acceptance;
 use super::draft::governor::StepKind;
-use super::draft::ngram::ShadowLookup;
 use super::draft::{ngram, verify, DraftCounts, Drafter, Speculator};
 use super::request::FinishReason;
 use super::sampler::{BatchSampler, PickedLogprobs, RowSampling};
@@ -209,11 +208,7 @@ impl DecodeBatch {
             return;
         };
         for seq in &mut self.rows {
-            if let Some(shadow) = &mut seq.shadow {
-                for (drafted, accepted) in shadow.observe(&seq.tokens, *sizes, *num_draft) {
-                    seq.acceptance.record(drafted, accepted);
-                }
-            }
+            seq.acceptance.replay(&seq.tokens, *sizes, *num_draft);
         }
     }
 
@@ -488,11 +483,6 @@ impl DecodeBatch {
             }
             seq.drafted += proposals[r].len();
             seq.accepted += v.accepted;
-            // A row whose lookup found nothing took its one token like a row without drafts.
-            let drafted_for_real = !proposals[r].is_empty();
-            if drafted_for_real {
-                seq.acceptance.record(proposals[r].len(), v.accepted);
-            }
             self.draft_counts.drafted += proposals[r].len() as u64;
             self.draft_counts.accepted += v.accepted as u64;
             for &token in &v.emitted {
@@ -500,9 +490,10 @@ impl DecodeBatch {
                 let limit = seq.remaining() == 0;
                 seq.emit(token, limit);
             }
-            if let (true, Some(shadow)) = (drafted_for_real, &mut seq.shadow) {
-                // The pass's verdict is in the record; replaying resumes after its tokens.
-                shadow.restart(seq.tokens.len());
+            // A row whose lookup found nothing took its one token like a row without drafts.
+            if !proposals[r].is_empty() {
+                let at = seq.tokens.len();
+                seq.acceptance.verified(proposals[r].len(), v.accepted, at);
             }
             drop.push(v.rollback);
             advanced.push(v.emitted.len() as u32);
@@ -659,8 +650,7 @@ impl DecodeBatch {
         );
         self.rows.extend(seqs.into_iter().map(|mut seq| {
             if shadowed {
-                seq.acceptance = Acceptance::new(Trial::Shadow);
-                seq.shadow = Some(ShadowLookup::new(seq.tokens.len()));
+                seq.acceptance = Acceptance::shadowed(seq.tokens.len());
             }
             seq
         }));

@@ -29,9 +29,6 @@ pub struct Sequence {
     pub accepted: usize,
     /// Recent acceptance, which decides whether the row is given drafts.
     pub acceptance: super::draft::adaptive::Acceptance,
-    /// Prompt lookups replayed over the tokens the row emits without drafts (n-gram
-    /// drafting), which keep `acceptance` without drafting.
-    pub shadow: Option<super::draft::ngram::ShadowLookup>,
     /// Generated tokens covered by the last generation checkpoint.
     pub checkpointed: usize,
     /// Which tokens may come next; while any row has one, its batch steps synchronously.
@@ -64,7 +61,6 @@ impl Sequence {
             drafted: 0,
             accepted: 0,
             acceptance: Default::default(),
-            shadow: None,
             checkpointed: 0,
             constraint: request.constraint,
             logprobs: request.logprobs,

@@ -16,6 +16,8 @@
 //!
 //! Pure bookkeeping over counts; the batch asks [`Acceptance::is_drafting`] for each row.
 
+use super::ngram::{NgramSizes, ShadowLookup};
+
 /// Below this share of accepted drafts a row stops drafting. With `q` = 3 drafts a pass
 /// yields `(1 - a⁴) / (1 - a)` tokens at acceptance `a`: about 1.4 at 0.3, roughly what a
 /// draft model and the lost pipelining cost.
@@ -35,14 +37,14 @@ pub const PAUSE_STEPS: u32 = 32;
 pub const MAX_PAUSE_STEPS: u32 = 1024;
 
 /// How a row's record is first made and, once drafting stopped, renewed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Trial {
+#[derive(Debug, Clone, PartialEq)]
+enum Trial {
     /// By drafting (a draft model, whose drafts cost its passes to know): a new row drafts
     /// until judged, and a paused one tries again on probation.
     Retry,
     /// By replayed lookups while the row does not draft: it drafts only while its record is
     /// judged and good.
-    Shadow,
+    Shadow(ShadowLookup),
 }
 
 /// One row's recent drafting record.
@@ -64,7 +66,13 @@ impl Default for Acceptance {
 }
 
 impl Acceptance {
-    pub fn new(trial: Trial) -> Self {
+    /// The record of a prompt-lookup row whose text is `at` tokens long, kept by replayed
+    /// lookups while it does not draft.
+    pub fn shadowed(at: usize) -> Self {
+        Self::new(Trial::Shadow(ShadowLookup::new(at)))
+    }
+
+    fn new(trial: Trial) -> Self {
         Self {
             trial,
             drafted: 0.0,
@@ -79,13 +87,13 @@ impl Acceptance {
         let good = self.accepted >= MIN_ACCEPTANCE * self.drafted;
         match self.trial {
             Trial::Retry => self.drafted < MIN_TRIAL || good,
-            Trial::Shadow => self.drafted >= MIN_SHADOW_TRIAL && good,
+            Trial::Shadow(_) => self.drafted >= MIN_SHADOW_TRIAL && good,
         }
     }
 
     /// One decode step passed (whatever the batch ran): a paused row counts towards its retry.
     pub fn tick(&mut self) {
-        if self.trial == Trial::Shadow || self.is_drafting() {
+        if matches!(self.trial, Trial::Shadow(_)) || self.is_drafting() {
             return;
         }
         self.paused += 1;
@@ -98,9 +106,29 @@ impl Acceptance {
         }
     }
 
-    /// A verification of `drafted` drafts accepted `accepted` of them, or would have (a
-    /// replayed lookup).
-    pub fn record(&mut self, drafted: usize, accepted: usize) {
+    /// A verification pass of `drafted` drafts accepted `accepted` of them, and left the
+    /// row's text `at` tokens long: a shadowed row's replaying resumes there.
+    pub fn verified(&mut self, drafted: usize, accepted: usize, at: usize) {
+        self.record(drafted, accepted);
+        if let Trial::Shadow(shadow) = &mut self.trial {
+            shadow.restart(at);
+        }
+    }
+
+    /// Settles a shadowed row's replayed lookups of `k` drafts against its text `tokens`,
+    /// into the record.
+    pub fn replay(&mut self, tokens: &[u32], sizes: NgramSizes, k: usize) {
+        let verdicts = match &mut self.trial {
+            Trial::Shadow(shadow) => shadow.observe(tokens, sizes, k),
+            Trial::Retry => return,
+        };
+        for (drafted, accepted) in verdicts {
+            self.record(drafted, accepted);
+        }
+    }
+
+    /// `drafted` drafts were, or would have been, accepted `accepted` times.
+    fn record(&mut self, drafted: usize, accepted: usize) {
         self.drafted += drafted as f32;
         self.accepted += accepted as f32;
         if drafted > 0 && 2 * accepted >= drafted {
@@ -204,7 +232,7 @@ mod tests {
 
     #[test]
     fn a_shadowed_row_drafts_only_once_its_replayed_record_is_judged_good() {
-        let mut a = Acceptance::new(Trial::Shadow);
+        let mut a = Acceptance::shadowed(0);
         assert!(
             !a.is_drafting(),
             "a new shadowed row drafts before any record"
