@@ -82,9 +82,13 @@ fn unchanged_greedy(shape: &str, source: DraftSource) -> (usize, usize) {
     }
     plain.join();
     spec.join();
-    alone
-        .iter()
-        .chain(&together)
+    draft_totals(alone.iter().chain(&together))
+}
+
+/// The (drafted, accepted) totals of `outputs`.
+fn draft_totals<'a>(outputs: impl IntoIterator<Item = &'a Output>) -> (usize, usize) {
+    outputs
+        .into_iter()
         .filter_map(|o| o.drafts)
         .fold((0, 0), |(d, a), (dd, aa)| (d + dd, a + aa))
 }
@@ -192,10 +196,7 @@ fn seeded_tokens_unchanged(source: DraftSource, temperature: f32) -> (usize, usi
     );
     plain.join();
     spec.join();
-    drafted
-        .iter()
-        .filter_map(|o| o.drafts)
-        .fold((0, 0), |(d, a), (dd, aa)| (d + dd, a + aa))
+    draft_totals(&drafted)
 }
 
 #[test]
