@@ -13,6 +13,8 @@ use mlx_rs::{Array, Dtype};
 use mlxd_protocol::control::LoadPhase;
 use serde_json::Value;
 
+use crate::models::quant::QuantMode;
+
 /// Where a load reports how far it has got: a phase and the fraction of it done (`0.0..=1.0`).
 /// Under `mlxd` it sends `Loading` frames; tests collect the calls.
 pub type LoadReporter = Arc<dyn Fn(LoadPhase, f32) + Send + Sync>;
@@ -66,6 +68,7 @@ pub enum LoadError {
 pub struct QuantSpec {
     pub group_size: i32,
     pub bits: i32,
+    pub mode: QuantMode,
 }
 
 /// The tensors of a checkpoint, handed out by name exactly once.
@@ -129,11 +132,25 @@ pub(crate) fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, LoadError> {
     Ok(files)
 }
 
-fn parse_spec(v: &Value) -> Option<QuantSpec> {
-    Some(QuantSpec {
-        group_size: v.get("group_size")?.as_i64()? as i32,
-        bits: v.get("bits")?.as_i64()? as i32,
-    })
+/// One layer's quantization entry (`{"group_size", "bits", "mode"}`); `Ok(None)` when the
+/// entry has no group size or bits. An unknown mode is an error: a wrong guess would load
+/// garbage.
+fn parse_spec(v: &Value) -> Result<Option<QuantSpec>, LoadError> {
+    let mode = match v.get("mode").and_then(Value::as_str) {
+        None => QuantMode::Affine,
+        Some(name) => QuantMode::parse(name).map_err(LoadError::Config)?,
+    };
+    let (Some(group_size), Some(bits)) = (
+        v.get("group_size").and_then(Value::as_i64),
+        v.get("bits").and_then(Value::as_i64),
+    ) else {
+        return Ok(None);
+    };
+    Ok(Some(QuantSpec {
+        group_size: group_size as i32,
+        bits: bits as i32,
+        mode,
+    }))
 }
 
 impl Weights {
@@ -169,13 +186,13 @@ impl Weights {
         let quant = config
             .get("quantization")
             .or_else(|| config.get("quantization_config"));
-        let quant_default = quant.and_then(parse_spec);
+        let quant_default = quant.map(parse_spec).transpose()?.flatten();
         let mut quant_overrides = HashMap::new();
         if let Some(Value::Object(map)) = quant {
             for (key, value) in map {
                 match value {
                     Value::Object(_) => {
-                        quant_overrides.insert(key.clone(), parse_spec(value));
+                        quant_overrides.insert(key.clone(), parse_spec(value)?);
                     }
                     Value::Bool(false) => {
                         quant_overrides.insert(key.clone(), None);
@@ -222,7 +239,31 @@ impl Weights {
         spec.or(Some(QuantSpec {
             group_size: 64,
             bits: 4,
+            mode: QuantMode::Affine,
         }))
+    }
+
+    /// The names of the tensors not taken yet (for a family's `sanitize` step).
+    pub fn names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.tensors.keys().cloned().collect();
+        names.sort();
+        names
+    }
+
+    /// Whether the checkpoint holds `name` (not taken yet).
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// Removes a tensor to transform it (a `sanitize` step, such as stacking per-expert
+    /// matrices); what is made of it goes back with [`Self::insert`]. Not counted as loaded.
+    pub fn remove_raw(&mut self, name: &str) -> Option<Array> {
+        self.tensors.remove(name)
+    }
+
+    /// Adds a tensor that a `sanitize` step made, under the name the model takes it by.
+    pub fn insert(&mut self, name: String, array: Array) {
+        self.tensors.insert(name, array);
     }
 
     /// Takes a required tensor. A missing one is recorded and reported by [`Weights::finish`],

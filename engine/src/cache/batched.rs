@@ -135,34 +135,71 @@ impl BatchKv {
     }
 
     /// The mask for `queries` new positions (the last `queries` of `0..idx`): padding hidden,
-    /// causal among the new positions. No array when nothing needs hiding.
-    pub fn mask(&self, queries: i32) -> Result<Mask, Exception> {
-        if self.unpadded() {
+    /// causal among the new positions, and with a `window` each query sees at most that many
+    /// keys, itself included (a sliding-window layer). No array when nothing needs hiding.
+    pub fn mask(&self, queries: i32, window: Option<usize>) -> Result<Mask, Exception> {
+        let t = self.idx;
+        let window = window.map(|w| w as i32).filter(|&w| w < t);
+        let has_holes = self.holes.iter().any(|h| !h.is_empty());
+        if self.unpadded() && window.is_none() {
             return Ok(if queries > 1 {
                 Mask::Causal
             } else {
                 Mask::None
             });
         }
-        let t = self.idx;
+        if let (Some(w), true) = (window, has_holes) {
+            return Ok(Mask::Array(self.windowed_over_holes(queries, w)));
+        }
         let b = self.rows() as i32;
         let keys = Array::arange::<_, i32>(None, t, None)?.reshape(&[1, 1, 1, t])?;
-        let mut mask = if self.holes.iter().all(Vec::is_empty) {
+        let mut mask = if !has_holes {
             keys.ge(Array::from_slice(&self.left_padding, &[b, 1, 1, 1]))?
         } else {
             Array::from_slice(&self.visible(), &[b, 1, 1, t])
         };
+        let first = t - queries;
+        let query_pos = Array::arange::<_, i32>(first, t, None)?.reshape(&[1, 1, queries, 1])?;
         if queries > 1 {
             // A padding query (in a prefill group) sees itself, so that no row of the mask is
             // empty: an all-masked softmax would give NaN, and NaN times a zero weight is NaN.
-            let first = t - queries;
-            let query_pos =
-                Array::arange::<_, i32>(first, t, None)?.reshape(&[1, 1, queries, 1])?;
             mask = mask
                 .logical_or(&keys.eq(&query_pos)?)?
                 .logical_and(&keys.le(&query_pos)?)?;
         }
+        if let Some(w) = window {
+            // Without holes a row's buffer positions and logical positions differ by its
+            // padding alone, so the distance between a query and a key is the same in both.
+            mask = mask.logical_and(&query_pos.subtract(&keys)?.lt(Array::from_int(w))?)?;
+        }
         Ok(Mask::Array(mask))
+    }
+
+    /// The windowed mask of a cache with holes, built on the host: the window counts a row's
+    /// valid positions only (its logical positions), which holes make differ from buffer
+    /// positions row by row.
+    fn windowed_over_holes(&self, queries: i32, window: i32) -> Array {
+        let t = self.idx as usize;
+        let l = queries as usize;
+        let visible = self.visible();
+        let mut mask = vec![false; self.rows() * l * t];
+        for (r, row_visible) in visible.chunks(t).enumerate() {
+            // Logical position of each buffer position (meaningful where visible).
+            let mut logical = Vec::with_capacity(t);
+            let mut n = 0i32;
+            for &v in row_visible {
+                logical.push(n);
+                n += i32::from(v);
+            }
+            for i in 0..l {
+                let q = t - l + i;
+                let row = &mut mask[(r * l + i) * t..(r * l + i + 1) * t];
+                for (p, cell) in row.iter_mut().enumerate().take(q + 1) {
+                    *cell = (row_visible[p] && logical[q] - logical[p] < window) || p == q;
+                }
+            }
+        }
+        Array::from_slice(&mask, &[self.rows() as i32, 1, queries, t as i32])
     }
 
     /// Row by row, whether each position `0..idx` is attended to: not padding, not a hole.
@@ -534,7 +571,7 @@ mod tests {
         row1[4] = false;
         row1[5] = false;
         assert_eq!(
-            mask_rows(&cache.mask(1).unwrap()),
+            mask_rows(&cache.mask(1, None).unwrap()),
             vec![t.to_vec(), row1.to_vec()]
         );
         // Row 1's next token is its fifth: logical length 5, not the buffer's 7.

@@ -59,6 +59,24 @@ impl Mask {
     }
 }
 
+/// The mask of `queries` new positions at the end of one sequence's `keys` positions.
+fn dense_mask(keys: i32, queries: i32, window: Option<usize>) -> Result<Mask, Exception> {
+    match window.map(|w| w as i32).filter(|&w| w < keys) {
+        None if queries > 1 => Ok(Mask::Causal),
+        None => Ok(Mask::None),
+        Some(w) => {
+            let k = Array::arange::<_, i32>(None, keys, None)?.reshape(&[1, 1, 1, keys])?;
+            let q = Array::arange::<_, i32>(keys - queries, keys, None)?
+                .reshape(&[1, 1, queries, 1])?;
+            let distance = q.subtract(&k)?;
+            let mask = distance
+                .ge(Array::from_int(0))?
+                .logical_and(&distance.lt(Array::from_int(w))?)?;
+            Ok(Mask::Array(mask))
+        }
+    }
+}
+
 impl LayerCache {
     /// Applies the rotary embedding to `[B, heads, L, head_dim]` at the positions the new
     /// tokens will take (per row for a batch).
@@ -82,12 +100,13 @@ impl LayerCache {
         }
     }
 
-    /// The mask for `queries` new positions, called after [`Self::update_and_fetch`].
-    pub fn mask(&self, queries: i32) -> Result<Mask, Exception> {
+    /// The mask for `queries` new positions, called after [`Self::update_and_fetch`]; with a
+    /// `window`, each query sees at most that many keys, itself included (mlx-lm's
+    /// `RotatingKVCache` with `max_size = window`, and its windowed causal mask).
+    pub fn mask(&self, queries: i32, window: Option<usize>) -> Result<Mask, Exception> {
         match self {
-            LayerCache::Dense(_) if queries > 1 => Ok(Mask::Causal),
-            LayerCache::Dense(_) => Ok(Mask::None),
-            LayerCache::Batched(c) => c.mask(queries),
+            LayerCache::Dense(c) => dense_mask(c.offset() as i32, queries, window),
+            LayerCache::Batched(c) => c.mask(queries, window),
         }
     }
 

@@ -6,6 +6,7 @@ use mlx_rs::fast;
 use mlx_rs::ops::{dequantize, quantized_matmul};
 use mlx_rs::Array;
 
+use super::quant::{self, Packed, QuantMode};
 use crate::cache::{LayerCache, Mask, Stored};
 use crate::loader::{LoadError, Weights};
 
@@ -21,6 +22,7 @@ pub enum Matrix {
         biases: Option<Array>,
         group_size: i32,
         bits: i32,
+        mode: QuantMode,
     },
 }
 
@@ -34,8 +36,31 @@ impl Matrix {
                 biases: w.take_optional(&format!("{prefix}.biases")),
                 group_size: q.group_size,
                 bits: q.bits,
+                mode: q.mode,
             }),
             None => Ok(Matrix::Dense(w.take(&format!("{prefix}.weight"))?)),
+        }
+    }
+
+    /// The packed parts of a quantized matrix (for ops such as `gather_qmm`); `None` when dense.
+    pub fn quantized_parts(&self) -> Option<Packed<'_>> {
+        match self {
+            Matrix::Dense(_) => None,
+            Matrix::Quantized {
+                weight,
+                scales,
+                biases,
+                group_size,
+                bits,
+                mode,
+            } => Some(Packed {
+                weight,
+                scales,
+                biases: biases.as_ref(),
+                group_size: *group_size,
+                bits: *bits,
+                mode: *mode,
+            }),
         }
     }
 
@@ -49,7 +74,13 @@ impl Matrix {
                 biases,
                 group_size,
                 bits,
+                mode: QuantMode::Affine,
             } => quantized_matmul(x, weight, scales, biases.as_ref(), true, *group_size, *bits),
+            Matrix::Quantized { .. } => quant::quantized_matmul(
+                x,
+                self.quantized_parts().expect("a quantized matrix"),
+                true,
+            ),
         }
     }
 
@@ -63,15 +94,21 @@ impl Matrix {
                 biases,
                 group_size,
                 bits,
+                mode,
             } => {
                 let b = biases.as_ref().map(|b| b.take_axis(ids, 0)).transpose()?;
-                dequantize(
-                    weight.take_axis(ids, 0)?,
-                    scales.take_axis(ids, 0)?,
-                    b.as_ref(),
-                    *group_size,
-                    *bits,
-                )
+                let (w, s) = (weight.take_axis(ids, 0)?, scales.take_axis(ids, 0)?);
+                match mode {
+                    QuantMode::Affine => dequantize(w, s, b.as_ref(), *group_size, *bits),
+                    _ => quant::dequantize(Packed {
+                        weight: &w,
+                        scales: &s,
+                        biases: b.as_ref(),
+                        group_size: *group_size,
+                        bits: *bits,
+                        mode: *mode,
+                    }),
+                }
             }
         }
     }
@@ -187,6 +224,34 @@ pub fn swiglu(gate: &Array, up: &Array) -> Result<Array> {
     mlx_rs::nn::silu(gate)?.multiply(up)
 }
 
+/// What distinguishes one attention layer's core beyond its projections.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnOpts<'a> {
+    /// The rotary embedding; `None` for layers without positional embedding (NoPE).
+    pub rope: Option<&'a Rope>,
+    pub scale: f32,
+    /// Sliding window: a query sees at most this many keys, itself included.
+    pub window: Option<usize>,
+    /// Attention sinks: one learned logit per query head `[heads]` that takes a share of the
+    /// softmax without contributing a value (gpt-oss).
+    pub sinks: Option<&'a Array>,
+    /// Attention-logit soft-capping, `tanh(s / c) * c` before the mask (Gemma 2).
+    pub softcap: Option<f32>,
+}
+
+impl<'a> AttnOpts<'a> {
+    /// Plain rotary attention: no window, sinks or capping.
+    pub fn rotary(rope: &'a Rope, scale: f32) -> Self {
+        Self {
+            rope: Some(rope),
+            scale,
+            window: None,
+            sinks: None,
+            softcap: None,
+        }
+    }
+}
+
 /// The attention core shared by the architectures: RoPE on queries and keys at the cache's
 /// offsets, append to the cache, scaled dot-product attention under the mask the cache layout
 /// gives (causal for several queries, padding hidden in a batch).
@@ -199,28 +264,119 @@ pub fn attend(
     scale: f32,
     cache: &mut LayerCache,
 ) -> Result<Array> {
-    let queries = cache.rope(rope, queries)?;
-    let keys = cache.rope(rope, keys)?;
+    attend_with(queries, keys, values, &AttnOpts::rotary(rope, scale), cache)
+}
+
+/// [`attend`] with the variations of [`AttnOpts`]: no RoPE, a sliding window (a mask over
+/// the positional cache), sinks (the fused kernel's), soft-capping (unfused, as mlx-lm's
+/// Gemma 2 computes it).
+pub fn attend_with(
+    queries: &Array,
+    keys: &Array,
+    values: &Array,
+    opts: &AttnOpts<'_>,
+    cache: &mut LayerCache,
+) -> Result<Array> {
+    let (queries, keys) = match opts.rope {
+        Some(rope) => (cache.rope(rope, queries)?, cache.rope(rope, keys)?),
+        None => (queries.clone(), keys.clone()),
+    };
     let (keys, values) = cache.update_and_fetch(&keys, values)?;
-    let mask = cache.mask(queries.shape()[2])?;
     let l = queries.shape()[2];
+    let mask = cache.mask(l, opts.window)?;
+    let scale = opts.scale;
     let short = l <= SHORT_PASS_MAX_QUERIES;
-    let out = if keys.is_quantized() && short && !cuda_backend() {
+    let plain = opts.sinks.is_none() && opts.softcap.is_none();
+    let out = if plain && keys.is_quantized() && short && !cuda_backend() {
         quantized_attention(&queries, &keys, &values, scale, &mask)?
     } else {
         let (k, v) = (
             dequantized(&keys, queries.dtype())?,
             dequantized(&values, queries.dtype())?,
         );
-        if l > 1 && short && cuda_backend() {
+        if let Some(cap) = opts.softcap {
+            softcapped_attention(&queries, &k, &v, scale, cap, &mask)?
+        } else if plain && l > 1 && short && cuda_backend() {
             grouped_attention(&queries, &k, &v, scale, &mask)?
         } else {
-            fast::scaled_dot_product_attention(&queries, &k, &v, scale, mask.as_sdpa(), None)?
+            fast::scaled_dot_product_attention(&queries, &k, &v, scale, mask.as_sdpa(), opts.sinks)?
         }
     };
     let shape = out.shape().to_vec();
     out.transpose_axes(&[0, 2, 1, 3])?
         .reshape(&[shape[0], shape[2], -1])
+}
+
+/// Unfused attention with soft-capped logits, op for op as mlx-lm's Gemma 2: scaled queries
+/// grouped over their KV head, `tanh(s / cap) * cap`, the mask, a float32-accurate softmax.
+/// `queries` `[B, heads, L, D]`, `keys`/`values` `[B, kv_heads, T, D]` → `[B, heads, L, D]`.
+fn softcapped_attention(
+    queries: &Array,
+    keys: &Array,
+    values: &Array,
+    scale: f32,
+    cap: f32,
+    mask: &Mask,
+) -> Result<Array> {
+    let q = queries.shape().to_vec();
+    let (b, heads, l, d) = (q[0], q[1], q[2], q[3]);
+    let kv_heads = keys.shape()[1];
+    let repeats = heads / kv_heads;
+    let dtype = queries.dtype();
+    let q = queries
+        .multiply(Array::from_f32(scale).as_dtype(dtype)?)?
+        .reshape(&[b, kv_heads, repeats, l, d])?;
+    let scores = q.matmul(&keys.expand_dims(2)?.swap_axes(-1, -2)?)?;
+    let cap_arr = Array::from_f32(cap).as_dtype(dtype)?;
+    let scores = mlx_rs::ops::tanh(&scores.divide(&cap_arr)?)?.multiply(&cap_arr)?;
+    let scores = hide_masked(scores, mask)?;
+    let weights = mlx_rs::ops::softmax_axis(&scores, -1, true)?;
+    weights
+        .matmul(&values.expand_dims(2)?)?
+        .reshape(&[b, heads, l, d])
+}
+
+/// `nn.LayerNorm`, with an optional scale and bias.
+#[derive(Debug)]
+pub struct LayerNorm {
+    pub weight: Option<Array>,
+    pub bias: Option<Array>,
+    pub eps: f32,
+}
+
+impl LayerNorm {
+    /// Loads `<prefix>.weight` and, with `bias`, `<prefix>.bias`.
+    pub fn load(
+        w: &mut Weights,
+        prefix: &str,
+        eps: f32,
+        bias: bool,
+    ) -> std::result::Result<Self, LoadError> {
+        Ok(Self {
+            weight: Some(w.take(&format!("{prefix}.weight"))?),
+            bias: bias.then(|| w.take(&format!("{prefix}.bias"))).transpose()?,
+            eps,
+        })
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        fast::layer_norm(x, self.weight.as_ref(), self.bias.as_ref(), self.eps)
+    }
+
+    /// The parameters, for materialization.
+    pub fn parameters(&self) -> Vec<&Array> {
+        self.weight.iter().chain(self.bias.iter()).collect()
+    }
+}
+
+/// `nn.gelu_approx`: the tanh approximation of GELU.
+pub fn gelu_approx(x: &Array) -> Result<Array> {
+    mlx_rs::nn::gelu_approximate(x)
+}
+
+/// `nn.gelu`: the exact GELU.
+pub fn gelu(x: &Array) -> Result<Array> {
+    mlx_rs::nn::gelu(x)
 }
 
 /// The most queries of a short pass: a decode step, or a speculative verification of up to

@@ -5,6 +5,7 @@
 //! in, so one loaded model serves any number of sequences.
 pub mod layers;
 pub mod llama;
+pub mod quant;
 pub mod qwen3;
 
 use std::path::Path;
@@ -43,11 +44,41 @@ pub trait CausalLm: Send {
     /// per layer, in any layout, with `B` rows.
     fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception>;
     fn info(&self) -> &ModelInfo;
+    /// Why this model cannot serve `feature` exactly, naming the family and the option; `None`
+    /// when it can. The engine refuses a refused option at load instead of serving wrong
+    /// tokens.
+    fn refuses(&self, feature: Feature) -> Option<String> {
+        let _ = feature;
+        None
+    }
     /// Fresh dense per-layer caches for one sequence (the serial reference path).
     fn new_dense_caches(&self) -> Vec<LayerCache> {
         (0..self.info().num_layers)
             .map(|_| LayerCache::Dense(DenseKv::new()))
             .collect()
+    }
+}
+
+/// A runtime option that a family may be unable to serve exactly (see [`CausalLm::refuses`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Feature {
+    /// A quantized KV cache (`kv_bits`).
+    KvQuantization,
+    /// Speculative decoding with rollback (`draft`).
+    Speculation,
+    /// The prefix cache, and with it the SSD tier and generation checkpoints
+    /// (`prompt_cache`, `ssd_cache`).
+    PrefixCache,
+}
+
+impl Feature {
+    /// The option's name as users set it.
+    pub fn option(self) -> &'static str {
+        match self {
+            Feature::KvQuantization => "kv_bits",
+            Feature::Speculation => "draft",
+            Feature::PrefixCache => "prompt_cache",
+        }
     }
 }
 

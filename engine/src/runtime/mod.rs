@@ -173,6 +173,10 @@ impl Runtime {
             .name("mlx".into())
             .spawn(move || match models::load_reporting(&dir, reporter) {
                 Ok(model) => {
+                    if let Some(reason) = refused_option(model.as_ref(), &limits) {
+                        let _ = ready_tx.send(Err(LoadError::Config(reason)));
+                        return;
+                    }
                     let mut info = model.info().clone();
                     if let Some(cap) = limits.context_length {
                         info.context_length = info.context_length.min(cap);
@@ -260,6 +264,27 @@ impl Runtime {
         drop(self.work);
         let _ = self.thread.join();
     }
+}
+
+/// The first option in `limits` that the model's family refuses, with its reason.
+fn refused_option(model: &dyn models::CausalLm, limits: &RuntimeLimits) -> Option<String> {
+    let asked = [
+        (limits.kv_quant.is_some(), models::Feature::KvQuantization),
+        (limits.speculation.is_some(), models::Feature::Speculation),
+        (limits.prompt_cache_bytes > 0, models::Feature::PrefixCache),
+    ];
+    asked
+        .into_iter()
+        .filter(|(on, _)| *on)
+        .find_map(|(_, feature)| {
+            model.refuses(feature).map(|reason| {
+                format!(
+                    "{} cannot be served with `{}`: {reason}",
+                    model.info().architecture,
+                    feature.option()
+                )
+            })
+        })
 }
 
 /// The drafter for `spec`, loading a draft model on this (the MLX) thread.

@@ -1,0 +1,201 @@
+//! Every architecture family against mlx-lm, on tiny random-weight models built with
+//! mlx-lm's own classes (`scripts/gen_family_models.py`, fixtures in
+//! `scripts/fixtures/families/`). For each family, greedy tokens equal mlx-lm's `generate_step`:
+//! - through the serial reference path (one-sequence caches);
+//! - through the batched runtime alone, and in a batch of 4 prompts of different lengths;
+//! - on a prefix-cache hit (the batch's last prompt shares 32 tokens with the first request);
+//! - restored from the SSD tier by a new runtime;
+//! - with n-gram drafts (speculative decoding with rollback), or the family's documented
+//!   refusal of the option;
+//! - with 4-bit weights (mlx-lm's own quantization) against mlx-lm on the same directory.
+//!
+//! One test per family, each loading its model a few times (tiny: milliseconds).
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::{generate_alone, generate_together, Gen, Output};
+use mlxd_engine::cache::ssd::SsdConfig;
+use mlxd_engine::models;
+use mlxd_engine::runtime::draft::{DraftSource, NgramSizes, Speculation};
+use mlxd_engine::runtime::reference::greedy;
+use mlxd_engine::runtime::{Runtime, RuntimeLimits};
+
+/// One prompt and mlx-lm's greedy tokens for it.
+struct Case {
+    prompt: Vec<u32>,
+    greedy: Vec<u32>,
+}
+
+/// `reference.json` of a generated family model.
+fn reference(dir: &Path) -> (usize, Vec<Case>) {
+    let text = std::fs::read_to_string(dir.join("reference.json")).expect("reference.json");
+    let v: serde_json::Value = serde_json::from_str(&text).expect("reference JSON");
+    let ids = |a: &serde_json::Value| -> Vec<u32> {
+        a.as_array()
+            .expect("ids")
+            .iter()
+            .map(|t| t.as_u64().expect("id") as u32)
+            .collect()
+    };
+    let cases = v["cases"]
+        .as_array()
+        .expect("cases")
+        .iter()
+        .map(|c| Case {
+            prompt: ids(&c["prompt"]),
+            greedy: ids(&c["greedy"]),
+        })
+        .collect();
+    (v["max_tokens"].as_u64().expect("max_tokens") as usize, cases)
+}
+
+fn family_dir(name: &str) -> PathBuf {
+    common::tiny_model(&format!("family-{name}"))
+}
+
+fn limits(prompt_cache_bytes: u64) -> RuntimeLimits {
+    RuntimeLimits {
+        prompt_cache_bytes,
+        ..Default::default()
+    }
+}
+
+fn start(dir: &Path, limits: RuntimeLimits) -> Runtime {
+    Runtime::start(dir.to_path_buf(), limits, None)
+        .unwrap_or_else(|e| panic!("{} does not load: {e}", dir.display()))
+}
+
+fn assert_matches(family: &str, what: &str, out: &Output, case: &Case) {
+    assert_eq!(
+        out.tokens,
+        case.greedy,
+        "{family}, {what}: greedy tokens differ from mlx-lm for a prompt of {} tokens",
+        case.prompt.len()
+    );
+}
+
+/// Every check of the module comment for the family whose fixture is `name`.
+fn check_family(name: &str) {
+    let dir = family_dir(name);
+    let (max_tokens, cases) = reference(&dir);
+    let gen = |c: &Case| Gen::greedy(&c.prompt, max_tokens);
+
+    // The serial reference path, on the long prompt (it crosses the fixtures' windows).
+    let model = models::load(&dir).expect("load");
+    let serial = greedy(model.as_ref(), &cases[0].prompt, max_tokens, &[]).expect("generate");
+    assert_eq!(
+        serial, cases[0].greedy,
+        "{name}: the serial reference path differs from mlx-lm"
+    );
+    drop(model);
+
+    // The batched runtime with the prefix cache and the SSD tier: the long prompt alone, then
+    // four prompts of other lengths together, the last of which shares 32 tokens with it.
+    let ssd = tempfile::tempdir().expect("tempdir");
+    let with_ssd = RuntimeLimits {
+        ssd: Some(SsdConfig {
+            dir: ssd.path().to_path_buf(),
+            max_bytes: None,
+            demote_idle: None,
+            checkpoint_every: None,
+        }),
+        ..limits(64 << 20)
+    };
+    let runtime = start(&dir, with_ssd.clone());
+    let alone = generate_alone(&runtime, &[gen(&cases[0])]);
+    assert_matches(name, "alone", &alone[0], &cases[0]);
+    let batch: Vec<Gen> = cases[1..5].iter().map(gen).collect();
+    let together = generate_together(&runtime, &batch);
+    for (out, case) in together.iter().zip(&cases[1..5]) {
+        assert_matches(name, "in a batch of 4", out, case);
+    }
+    assert!(
+        together[3].cached > 0,
+        "{name}: the prompt sharing 32 tokens found nothing in the prefix cache"
+    );
+    let report = runtime
+        .ssd
+        .as_ref()
+        .expect("an SSD tier")
+        .flush(Duration::from_secs(60));
+    assert!(report.complete && report.files > 0, "{name}: {report:?}");
+    runtime.join();
+
+    // A new runtime restores the shared prefix from the SSD tier and answers the same.
+    let restored = start(&dir, with_ssd);
+    let out = generate_alone(&restored, &[gen(&cases[4])]);
+    assert!(
+        out[0].cached > 0,
+        "{name}: a new runtime restored nothing from the SSD tier"
+    );
+    assert_matches(name, "restored from the SSD tier", &out[0], &cases[4]);
+    restored.join();
+
+    // N-gram drafts with rollback leave greedy output unchanged, or are refused by name.
+    let speculation = RuntimeLimits {
+        speculation: Some(Speculation {
+            source: DraftSource::Ngram(NgramSizes::new(1, 3).expect("sizes")),
+            num_draft: 3,
+        }),
+        ..limits(0)
+    };
+    match Runtime::start(dir.clone(), speculation, None) {
+        Ok(spec) => {
+            let gens: Vec<Gen> = [&cases[0], &cases[2], &cases[3]]
+                .into_iter()
+                .map(gen)
+                .collect();
+            let out = generate_together(&spec, &gens);
+            for (o, case) in out.iter().zip([&cases[0], &cases[2], &cases[3]]) {
+                assert_matches(name, "with n-gram drafts", o, case);
+            }
+            spec.join();
+        }
+        Err(e) => assert!(
+            e.to_string().contains("draft"),
+            "{name}: speculation failed without naming the option: {e}"
+        ),
+    }
+
+    // 4-bit weights, quantized by mlx-lm, against mlx-lm on the same directory.
+    let q4 = common::tiny_model(&format!("family-{name}-q4"));
+    let (q_max, q_cases) = reference(&q4);
+    let runtime = start(&q4, limits(0));
+    let gens: Vec<Gen> = q_cases[..4]
+        .iter()
+        .map(|c| Gen::greedy(&c.prompt, q_max))
+        .collect();
+    let out = generate_alone(&runtime, &gens[..1]);
+    assert_matches(name, "4-bit alone", &out[0], &q_cases[0]);
+    let out = generate_together(&runtime, &gens);
+    for (o, case) in out.iter().zip(&q_cases) {
+        assert_matches(name, "4-bit in a batch", o, case);
+    }
+    runtime.join();
+}
+
+macro_rules! family {
+    ($test:ident, $name:literal) => {
+        #[test]
+        fn $test() {
+            check_family($name);
+        }
+    };
+}
+
+family!(llama_control, "llama");
+family!(phi3_matches_mlx_lm, "phi3");
+family!(phi3_longrope_matches_mlx_lm, "phi3_longrope");
+family!(granite_matches_mlx_lm, "granite");
+family!(olmo2_matches_mlx_lm, "olmo2");
+family!(smollm3_matches_mlx_lm, "smollm3");
+family!(starcoder2_matches_mlx_lm, "starcoder2");
+family!(glm4_matches_mlx_lm, "glm4");
+family!(exaone4_matches_mlx_lm, "exaone4");
+family!(cohere2_matches_mlx_lm, "cohere2");
+family!(ministral3_matches_mlx_lm, "ministral3");
+family!(mistral3_matches_mlx_lm, "mistral3");
+family!(deepseek_v3_matches_mlx_lm, "deepseek_v3");
+family!(deepseek_v2_matches_mlx_lm, "deepseek_v2");
