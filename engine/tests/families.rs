@@ -186,6 +186,12 @@ macro_rules! family {
 }
 
 family!(llama_control, "llama");
+family!(qwen2_moe_matches_mlx_lm, "qwen2_moe");
+family!(qwen3_moe_matches_mlx_lm, "qwen3_moe");
+family!(mixtral_matches_mlx_lm, "mixtral");
+family!(olmoe_matches_mlx_lm, "olmoe");
+family!(granitemoe_matches_mlx_lm, "granitemoe");
+family!(glm4_moe_matches_mlx_lm, "glm4_moe");
 family!(phi3_matches_mlx_lm, "phi3");
 family!(phi3_longrope_matches_mlx_lm, "phi3_longrope");
 family!(granite_matches_mlx_lm, "granite");
@@ -197,5 +203,12 @@ family!(exaone4_matches_mlx_lm, "exaone4");
 family!(cohere2_matches_mlx_lm, "cohere2");
 family!(ministral3_matches_mlx_lm, "ministral3");
 family!(mistral3_matches_mlx_lm, "mistral3");
+family!(cohere_matches_mlx_lm, "cohere");
 family!(deepseek_v3_matches_mlx_lm, "deepseek_v3");
 family!(deepseek_v2_matches_mlx_lm, "deepseek_v2");
+family!(kimi_k2_matches_mlx_lm, "kimi_k2");
+family!(gemma2_matches_mlx_lm, "gemma2");
+family!(gemma3_text_matches_mlx_lm, "gemma3_text");
+family!(gemma3_matches_mlx_lm, "gemma3");
+family!(gpt_oss_matches_mlx_lm, "gpt_oss");
+family!(gpt_oss_mxfp4_matches_mlx_lm, "gpt_oss_mxfp4");

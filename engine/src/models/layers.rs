@@ -369,14 +369,25 @@ impl LayerNorm {
     }
 }
 
-/// `nn.gelu_approx`: the tanh approximation of GELU.
-pub fn gelu_approx(x: &Array) -> Result<Array> {
-    mlx_rs::nn::gelu_approximate(x)
+/// A scalar in `x`'s dtype: Python's float scalars are weakly typed in MLX, so mlx-lm's
+/// `0.5 * x` stays in `x`'s dtype (a float32 array would promote bf16 activations).
+fn weak(x: &Array, v: f32) -> Result<Array> {
+    Array::from_f32(v).as_dtype(x.dtype())
 }
 
-/// `nn.gelu`: the exact GELU.
+/// `nn.gelu_approx`: the tanh approximation of GELU, op for op in `x`'s dtype.
+pub fn gelu_approx(x: &Array) -> Result<Array> {
+    let cubic = x.add(&weak(x, 0.044715)?.multiply(&x.power(&weak(x, 3.0)?)?)?)?;
+    let inner = weak(x, (2.0 / std::f32::consts::PI).sqrt())?.multiply(&cubic)?;
+    let gate = weak(x, 1.0)?.add(&mlx_rs::ops::tanh(&inner)?)?;
+    weak(x, 0.5)?.multiply(x)?.multiply(&gate)
+}
+
+/// `nn.gelu`: the exact GELU, `x * (1 + erf(x / sqrt(2))) / 2` in `x`'s dtype.
 pub fn gelu(x: &Array) -> Result<Array> {
-    mlx_rs::nn::gelu(x)
+    let erf = mlx_rs::ops::erf(x.divide(&weak(x, std::f32::consts::SQRT_2)?)?)?;
+    x.multiply(&weak(x, 1.0)?.add(&erf)?)?
+        .divide(&weak(x, 2.0)?)
 }
 
 /// The most queries of a short pass: a decode step, or a speculative verification of up to

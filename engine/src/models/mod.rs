@@ -3,10 +3,36 @@
 //!
 //! A model is a config plus `forward(tokens, caches)`: caches are owned per sequence and passed
 //! in, so one loaded model serves any number of sequences.
+pub mod gemma2;
+pub mod gemma3;
+pub mod gpt_oss;
+pub mod cohere;
+pub mod cohere2;
+pub mod dense2_blocks;
+pub mod exaone4;
+pub mod glm4;
+pub mod ministral3;
+pub mod deepseek_v2;
+pub mod deepseek_v3;
+pub mod mla;
 pub mod layers;
 pub mod llama;
+pub mod dense_parts;
+pub mod granite;
+pub mod olmo2;
+pub mod phi3;
+pub mod smollm3;
+pub mod starcoder2;
 pub mod quant;
 pub mod qwen3;
+pub mod switch;
+pub mod moe_decoder;
+pub mod qwen3_moe;
+pub mod qwen2_moe;
+pub mod mixtral;
+pub mod olmoe;
+pub mod granitemoe;
+pub mod glm4_moe;
 
 use std::path::Path;
 
@@ -51,6 +77,12 @@ pub trait CausalLm: Send {
         let _ = feature;
         None
     }
+    /// Each layer's sliding window (the most keys one query sees, itself included), `None`
+    /// for layers that attend over the whole context. The runtime keeps a windowed layer's
+    /// cache bounded by its window.
+    fn layer_windows(&self) -> Vec<Option<usize>> {
+        vec![None; self.info().num_layers]
+    }
     /// Fresh dense per-layer caches for one sequence (the serial reference path).
     fn new_dense_caches(&self) -> Vec<LayerCache> {
         (0..self.info().num_layers)
@@ -86,10 +118,33 @@ type Builder = fn(&Value, &mut Weights) -> Result<Box<dyn CausalLm>, LoadError>;
 
 /// `architectures[0]` → builder. Qwen2 and Mistral share the Llama file, as in mlx-lm.
 const REGISTRY: &[(&str, Builder)] = &[
+    ("Gemma2ForCausalLM", gemma2::build),
+    ("Gemma3ForCausalLM", gemma3::build),
+    ("Gemma3ForConditionalGeneration", gemma3::build_conditional),
+    ("GptOssForCausalLM", gpt_oss::build),
+    ("CohereForCausalLM", cohere::build),
+    ("Cohere2ForCausalLM", cohere2::build),
+    ("Exaone4ForCausalLM", exaone4::build),
+    ("Glm4ForCausalLM", glm4::build),
+    ("Ministral3ForCausalLM", ministral3::build),
+    ("Mistral3ForConditionalGeneration", ministral3::build_conditional),
     ("LlamaForCausalLM", llama::build),
     ("MistralForCausalLM", llama::build),
     ("Qwen2ForCausalLM", llama::build),
     ("Qwen3ForCausalLM", qwen3::build),
+    ("Qwen3MoeForCausalLM", qwen3_moe::build),
+    ("Qwen2MoeForCausalLM", qwen2_moe::build),
+    ("MixtralForCausalLM", mixtral::build),
+    ("OlmoeForCausalLM", olmoe::build),
+    ("GraniteMoeForCausalLM", granitemoe::build),
+    ("Glm4MoeForCausalLM", glm4_moe::build),
+    ("DeepseekV2ForCausalLM", deepseek_v2::build),
+    ("DeepseekV3ForCausalLM", deepseek_v3::build),
+    ("GraniteForCausalLM", granite::build),
+    ("Olmo2ForCausalLM", olmo2::build),
+    ("Phi3ForCausalLM", phi3::build),
+    ("SmolLM3ForCausalLM", smollm3::build),
+    ("Starcoder2ForCausalLM", starcoder2::build),
 ];
 
 /// Loads the model in `dir`, with every weight evaluated and accounted for.

@@ -1,0 +1,392 @@
+//! Gemma 3's text decoder: `Gemma3ForCausalLM` (model_type `gemma3_text`) and the text half
+//! of `Gemma3ForConditionalGeneration` (model_type `gemma3`, weights under `language_model.`,
+//! the vision tower and projector dropped as mlx-lm drops them).
+//!
+//! As mlx-lm 0.32.2's `gemma3_text.py`: Gemma 2's sandwich-normed blocks without soft-capping,
+//! RMS-normalised query and key heads, and layers that attend locally (a sliding window, RoPE
+//! base `rope_local_base_freq`) except every `sliding_window_pattern`-th, which attends
+//! globally (RoPE base `rope_theta` with the config's scaling).
+use mlx_rs::error::Exception;
+use mlx_rs::{Array, Dtype};
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::gemma2::{check_activation, full_kv_bytes_per_token, GeluMlp, GemmaNorm, Projections};
+use super::layers::{attend_with, split_heads, AttnOpts, Matrix, Rope};
+use super::llama::{kv_dtype_bytes, rope_from_config};
+use super::switch::matrix_parameters;
+use super::{eos_ids, CausalLm, ModelInfo};
+use crate::cache::LayerCache;
+use crate::loader::{LoadError, Weights};
+
+/// mlx-lm's `gemma3_text.ModelArgs`, with its defaults (a multimodal checkpoint's
+/// `text_config` often lists only what differs from them).
+#[derive(Debug, Clone, Deserialize)]
+struct Config {
+    #[serde(default = "defaults::hidden_size")]
+    hidden_size: i32,
+    #[serde(default = "defaults::num_hidden_layers")]
+    num_hidden_layers: usize,
+    #[serde(default = "defaults::num_attention_heads")]
+    num_attention_heads: i32,
+    #[serde(default = "defaults::head_dim")]
+    head_dim: i32,
+    #[serde(default = "defaults::rms_norm_eps")]
+    rms_norm_eps: f32,
+    #[serde(default = "defaults::vocab_size")]
+    vocab_size: usize,
+    #[serde(default = "defaults::num_key_value_heads")]
+    num_key_value_heads: i32,
+    #[serde(default = "defaults::rope_theta")]
+    rope_theta: f32,
+    #[serde(default = "defaults::rope_local_base_freq")]
+    rope_local_base_freq: f32,
+    #[serde(default = "defaults::query_pre_attn_scalar")]
+    query_pre_attn_scalar: f32,
+    #[serde(default = "defaults::sliding_window")]
+    sliding_window: usize,
+    #[serde(default = "defaults::sliding_window_pattern")]
+    sliding_window_pattern: usize,
+    #[serde(default = "defaults::max_position_embeddings")]
+    max_position_embeddings: usize,
+    rope_scaling: Option<Value>,
+}
+
+/// The defaults of mlx-lm's `gemma3_text.ModelArgs`.
+mod defaults {
+    pub fn hidden_size() -> i32 {
+        1152
+    }
+    pub fn num_hidden_layers() -> usize {
+        26
+    }
+    pub fn num_attention_heads() -> i32 {
+        4
+    }
+    pub fn head_dim() -> i32 {
+        256
+    }
+    pub fn rms_norm_eps() -> f32 {
+        1.0e-6
+    }
+    pub fn vocab_size() -> usize {
+        262144
+    }
+    pub fn num_key_value_heads() -> i32 {
+        1
+    }
+    pub fn rope_theta() -> f32 {
+        1_000_000.0
+    }
+    pub fn rope_local_base_freq() -> f32 {
+        10_000.0
+    }
+    pub fn query_pre_attn_scalar() -> f32 {
+        256.0
+    }
+    pub fn sliding_window() -> usize {
+        512
+    }
+    pub fn sliding_window_pattern() -> usize {
+        6
+    }
+    pub fn max_position_embeddings() -> usize {
+        32768
+    }
+}
+
+impl Config {
+    fn from_json(text: &Value) -> Result<Self, LoadError> {
+        let c: Config =
+            serde_json::from_value(text.clone()).map_err(|e| LoadError::Config(e.to_string()))?;
+        if c.sliding_window_pattern == 0 {
+            return Err(LoadError::Config(
+                "Gemma 3: sliding_window_pattern must be at least 1".into(),
+            ));
+        }
+        for key in ["attn_logit_softcapping", "final_logit_softcapping"] {
+            if text.get(key).is_some_and(|v| !v.is_null()) {
+                return Err(LoadError::Config(format!(
+                    "Gemma 3: {key} is not supported (mlx-lm's Gemma 3 applies none)"
+                )));
+            }
+        }
+        // A transformers v5 config keeps the RoPE settings only under `rope_parameters`, which
+        // mlx-lm 0.32.2 does not read (it would fall back to its defaults).
+        if text.get("rope_parameters").is_some() && text.get("rope_theta").is_none() {
+            return Err(LoadError::Config(
+                "Gemma 3: rope_parameters without rope_theta is not supported".into(),
+            ));
+        }
+        c.check_layer_types(text)?;
+        Ok(c)
+    }
+
+    /// Whether layer `i` attends within the sliding window (mlx-lm's pattern rule).
+    fn is_sliding(&self, i: usize) -> bool {
+        !(i + 1).is_multiple_of(self.sliding_window_pattern)
+    }
+
+    /// mlx-lm places the global layers by `sliding_window_pattern` alone; a `layer_types`
+    /// list that says otherwise is refused rather than silently overridden.
+    fn check_layer_types(&self, text: &Value) -> Result<(), LoadError> {
+        let Some(types) = text.get("layer_types").and_then(Value::as_array) else {
+            return Ok(());
+        };
+        let expected = (0..self.num_hidden_layers).map(|i| {
+            if self.is_sliding(i) {
+                "sliding_attention"
+            } else {
+                "full_attention"
+            }
+        });
+        let agrees = types.len() == self.num_hidden_layers
+            && types
+                .iter()
+                .zip(expected)
+                .all(|(t, e)| t.as_str() == Some(e));
+        if agrees {
+            Ok(())
+        } else {
+            Err(LoadError::Config(format!(
+                "Gemma 3: layer_types disagree with sliding_window_pattern {}",
+                self.sliding_window_pattern
+            )))
+        }
+    }
+}
+
+struct Block {
+    proj: Projections,
+    q_norm: GemmaNorm,
+    k_norm: GemmaNorm,
+    /// `Some(sliding_window)` on local layers.
+    window: Option<usize>,
+    /// Index into [`Gemma3::ropes`]: local or global RoPE.
+    rope: usize,
+    mlp: GeluMlp,
+    input_layernorm: GemmaNorm,
+    post_attention_layernorm: GemmaNorm,
+    pre_feedforward_layernorm: GemmaNorm,
+    post_feedforward_layernorm: GemmaNorm,
+}
+
+pub struct Gemma3 {
+    embed_tokens: Matrix,
+    layers: Vec<Block>,
+    norm: GemmaNorm,
+    /// `None` when the output projection is tied to the embedding.
+    lm_head: Option<Matrix>,
+    /// `[local, global]`.
+    ropes: [Rope; 2],
+    heads: i32,
+    kv_heads: i32,
+    /// `query_pre_attn_scalar^-0.5`.
+    scale: f32,
+    /// `sqrt(hidden_size)` as a bfloat16 scalar, as mlx-lm rounds it.
+    embed_scale: Array,
+    info: ModelInfo,
+}
+
+const LOCAL: usize = 0;
+const GLOBAL: usize = 1;
+
+/// `Gemma3ForCausalLM`: the text model on its own.
+pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadError> {
+    check_activation(config)?;
+    let c = Config::from_json(config)?;
+    build_text(config, &c, w, "")
+}
+
+/// `Gemma3ForConditionalGeneration`: the text model of a multimodal checkpoint, configured by
+/// its `text_config` (with mlx-lm's `gemma3.ModelArgs` overrides) and weighted by the tensors
+/// under `language_model.`; the vision tower and the projector are dropped unused.
+pub fn build_conditional(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadError> {
+    let mut text = config
+        .get("text_config")
+        .filter(|t| t.is_object())
+        .cloned()
+        .ok_or_else(|| LoadError::Config("Gemma 3: missing text_config object".into()))?;
+    // mlx-lm's wrapper sets the text vocabulary from the top level and its own head counts.
+    text["vocab_size"] = config
+        .get("vocab_size")
+        .cloned()
+        .unwrap_or_else(|| Value::from(262_208));
+    for (key, default) in [("num_attention_heads", 8), ("num_key_value_heads", 4)] {
+        if text.get(key).is_none() {
+            text[key] = Value::from(default);
+        }
+    }
+    check_activation(&text)?;
+    let c = Config::from_json(&text)?;
+    for name in w.names() {
+        if name.starts_with("vision_tower.") || name.starts_with("multi_modal_projector.") {
+            w.discard(&name);
+        }
+    }
+    build_text(config, &c, w, "language_model.")
+}
+
+fn build_text(
+    config: &Value,
+    c: &Config,
+    w: &mut Weights,
+    prefix: &str,
+) -> Result<Box<dyn CausalLm>, LoadError> {
+    let eps = c.rms_norm_eps;
+    let mut layers = Vec::with_capacity(c.num_hidden_layers);
+    for i in 0..c.num_hidden_layers {
+        let p = format!("{prefix}model.layers.{i}");
+        let norm = |w: &mut Weights, name: &str| GemmaNorm::load(w, &format!("{p}.{name}"), eps);
+        let sliding = c.is_sliding(i);
+        layers.push(Block {
+            proj: Projections::load(w, &format!("{p}.self_attn"))?,
+            q_norm: norm(w, "self_attn.q_norm")?,
+            k_norm: norm(w, "self_attn.k_norm")?,
+            window: sliding.then_some(c.sliding_window),
+            rope: if sliding { LOCAL } else { GLOBAL },
+            mlp: GeluMlp::load(w, &format!("{p}.mlp"))?,
+            input_layernorm: norm(w, "input_layernorm")?,
+            post_attention_layernorm: norm(w, "post_attention_layernorm")?,
+            pre_feedforward_layernorm: norm(w, "pre_feedforward_layernorm")?,
+            post_feedforward_layernorm: norm(w, "post_feedforward_layernorm")?,
+        });
+    }
+    let embed_tokens = Matrix::load(w, &format!("{prefix}model.embed_tokens"))?;
+    let norm = GemmaNorm::load(w, &format!("{prefix}model.norm"), eps)?;
+    // mlx-lm ties the output projection exactly when the checkpoint has no lm_head.
+    let head = format!("{prefix}lm_head");
+    let lm_head = if w.contains(&format!("{head}.weight")) {
+        Some(Matrix::load(w, &head)?)
+    } else {
+        None
+    };
+    let ropes = [
+        Rope {
+            dims: c.head_dim,
+            traditional: false,
+            base: c.rope_local_base_freq,
+            scale: 1.0,
+            freqs: None,
+        },
+        rope_from_config(c.head_dim, c.rope_theta, false, c.rope_scaling.as_ref())?,
+    ];
+    let dtype_bytes = kv_dtype_bytes(&embed_tokens);
+    let info = ModelInfo {
+        architecture: config["architectures"][0]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned(),
+        vocab_size: c.vocab_size,
+        num_layers: c.num_hidden_layers,
+        context_length: c.max_position_embeddings,
+        weight_bytes: 0,
+        // Local layers keep every position too (the window is a mask over them), so that
+        // rollback and prefix reuse work as on global layers.
+        kv_bytes_per_token: full_kv_bytes_per_token(
+            c.num_hidden_layers,
+            c.num_key_value_heads,
+            c.head_dim,
+            dtype_bytes,
+        ),
+        kv_dtype_bytes: dtype_bytes,
+        head_dim: c.head_dim as usize,
+        eos_token_ids: eos_ids(config),
+    };
+    let embed_scale =
+        Array::from_f32(f64::from(c.hidden_size).sqrt() as f32).as_dtype(Dtype::Bfloat16)?;
+    let mut model = Gemma3 {
+        embed_tokens,
+        layers,
+        norm,
+        lm_head,
+        ropes,
+        heads: c.num_attention_heads,
+        kv_heads: c.num_key_value_heads,
+        scale: (1.0 / f64::from(c.query_pre_attn_scalar).sqrt()) as f32,
+        embed_scale,
+        info,
+    };
+    model.info.weight_bytes = crate::loader::materialize(&model.parameters(), w.reporter())?;
+    Ok(Box::new(model))
+}
+
+/// The largest finite float16.
+const F16_MAX: f32 = 65504.0;
+
+/// `x + y`; in float16, summed in float32 and clipped to float16's range first (mlx-lm's
+/// `clip_residual`, which keeps Gemma 3's large activations finite).
+fn clip_residual(x: &Array, y: &Array) -> Result<Array, Exception> {
+    if x.dtype() != Dtype::Float16 {
+        return x.add(y);
+    }
+    let bound = F16_MAX;
+    let sum = x
+        .as_dtype(Dtype::Float32)?
+        .add(&y.as_dtype(Dtype::Float32)?)?;
+    mlx_rs::ops::clip(&sum, (&Array::from_f32(-bound), &Array::from_f32(bound)))?
+        .as_dtype(Dtype::Float16)
+}
+
+impl Gemma3 {
+    fn parameters(&self) -> Vec<&Array> {
+        let mut out = matrix_parameters(&self.embed_tokens);
+        for b in &self.layers {
+            out.extend(b.proj.parameters());
+            out.extend(b.mlp.parameters());
+            for n in [
+                &b.q_norm,
+                &b.k_norm,
+                &b.input_layernorm,
+                &b.post_attention_layernorm,
+                &b.pre_feedforward_layernorm,
+                &b.post_feedforward_layernorm,
+            ] {
+                out.extend(n.parameters());
+            }
+        }
+        out.extend(self.norm.parameters());
+        if let Some(head) = &self.lm_head {
+            out.extend(matrix_parameters(head));
+        }
+        out
+    }
+
+    fn attention(&self, b: &Block, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
+        let p = &b.proj;
+        let q = b
+            .q_norm
+            .forward(&split_heads(&p.q_proj.forward(x)?, self.heads)?)?;
+        let k = b
+            .k_norm
+            .forward(&split_heads(&p.k_proj.forward(x)?, self.kv_heads)?)?;
+        let v = split_heads(&p.v_proj.forward(x)?, self.kv_heads)?;
+        let opts = AttnOpts {
+            window: b.window,
+            ..AttnOpts::rotary(&self.ropes[b.rope], self.scale)
+        };
+        p.o_proj.forward(&attend_with(&q, &k, &v, &opts, cache)?)
+    }
+}
+
+impl CausalLm for Gemma3 {
+    fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
+        let h = self.embed_tokens.rows(tokens)?;
+        let mut h = h.multiply(&self.embed_scale.as_dtype(h.dtype())?)?;
+        for (b, cache) in self.layers.iter().zip(caches.iter_mut()) {
+            let r = self.attention(b, &b.input_layernorm.forward(&h)?, cache)?;
+            let mid = clip_residual(&h, &b.post_attention_layernorm.forward(&r)?)?;
+            let r = b.mlp.forward(&b.pre_feedforward_layernorm.forward(&mid)?)?;
+            h = clip_residual(&mid, &b.post_feedforward_layernorm.forward(&r)?)?;
+        }
+        let h = self.norm.forward(&h)?;
+        match &self.lm_head {
+            Some(head) => head.matmul_t(&h),
+            None => self.embed_tokens.matmul_t(&h),
+        }
+    }
+
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+}

@@ -1,0 +1,444 @@
+//! Mixture-of-experts building blocks shared by the MoE families: mlx-lm's `SwitchLinear`
+//! (dense or quantized stacks of expert matrices), `SwitchGLU`, the routers' top-k selection
+//! and the sanitize step that stacks Hugging Face per-expert tensors.
+//!
+//! Performance: routing stays on the device (top-k by `argpartition` + `take_along_axis`, no
+//! host sync), and each projection is one `gather_mm`/`gather_qmm` over all selected experts of
+//! all tokens per step, never a loop over experts. With many routed tokens (a prefill chunk:
+//! `indices.size >= 64`) the tokens are first sorted by expert, as mlx-lm does, so that each
+//! expert's matrix is read once per chunk rather than once per token.
+use mlx_rs::error::Exception;
+use mlx_rs::ops::indexing::{Ellipsis, IndexOp};
+use mlx_rs::ops::{argpartition_axis, argsort_axis, flatten, gather_mm, unflatten};
+use mlx_rs::{Array, Dtype};
+
+use super::layers::{swiglu, Matrix};
+use super::quant;
+use crate::loader::{LoadError, Weights};
+
+pub type Result<T> = std::result::Result<T, Exception>;
+
+/// mlx-lm's `SwitchLinear` / `QuantizedSwitchLinear`: one `[out, in]` matrix per expert,
+/// stacked `[E, out, in]`, with an optional bias `[E, out]`.
+#[derive(Debug)]
+pub struct SwitchLinear {
+    pub weight: Matrix,
+    pub bias: Option<Array>,
+}
+
+impl SwitchLinear {
+    /// Loads `<prefix>.weight` (and `.scales`/`.biases` when quantized, with the layer's own
+    /// quantization settings), and `<prefix>.bias` when `bias`.
+    pub fn load(w: &mut Weights, prefix: &str, bias: bool) -> std::result::Result<Self, LoadError> {
+        let weight = Matrix::load(w, prefix)?;
+        let bias = if bias {
+            Some(w.take(&format!("{prefix}.bias"))?)
+        } else {
+            None
+        };
+        Ok(Self { weight, bias })
+    }
+
+    /// `x` `[..., 1, in]` against the experts `indices` `[...]` selects → `[..., 1, out]`.
+    /// `sorted` says the indices are sorted (lets MLX read each expert once).
+    pub fn forward(&self, x: &Array, indices: &Array, sorted: bool) -> Result<Array> {
+        let y = match &self.weight {
+            Matrix::Dense(w) => gather_mm(x, w.swap_axes(-1, -2)?, None, indices, sorted)?,
+            Matrix::Quantized { .. } => {
+                let packed = self
+                    .weight
+                    .quantized_parts()
+                    .ok_or_else(|| Exception::custom("quantized expert stack without parts"))?;
+                quant::gather_qmm(x, packed, indices, true, sorted)?
+            }
+        };
+        match &self.bias {
+            Some(b) => y.add(b.take_axis(indices, 0)?.expand_dims(-2)?),
+            None => Ok(y),
+        }
+    }
+
+    /// The parameters, for materialization.
+    pub fn parameters(&self) -> Vec<&Array> {
+        let mut out = matrix_parameters(&self.weight);
+        out.extend(self.bias.iter());
+        out
+    }
+}
+
+/// The arrays a [`Matrix`] holds.
+pub fn matrix_parameters(m: &Matrix) -> Vec<&Array> {
+    match m {
+        Matrix::Dense(w) => vec![w],
+        Matrix::Quantized {
+            weight,
+            scales,
+            biases,
+            ..
+        } => {
+            let mut out = vec![weight, scales];
+            out.extend(biases.iter());
+            out
+        }
+    }
+}
+
+/// The gated activation between the up/gate projections and the down projection.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum SwitchActivation {
+    /// `silu(gate) * up` (mlx-lm's `SwiGLU`).
+    SwiGlu,
+    /// gpt-oss's clamped variant (mlx-lm's `SwigluOAI`):
+    /// `(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)` with `g = min(gate, limit)`.
+    ClampedSwiGlu { alpha: f32, limit: f32 },
+}
+
+impl SwitchActivation {
+    fn apply(self, up: &Array, gate: &Array) -> Result<Array> {
+        match self {
+            SwitchActivation::SwiGlu => swiglu(gate, up),
+            SwitchActivation::ClampedSwiGlu { alpha, limit } => {
+                let dtype = gate.dtype();
+                let scalar = |v: f32| Array::from_f32(v).as_dtype(dtype);
+                let g = mlx_rs::ops::minimum(gate, scalar(limit)?)?;
+                let u = mlx_rs::ops::clip(up, (&scalar(-limit)?, &scalar(limit)?))?;
+                let glu = g.multiply(mlx_rs::ops::sigmoid(g.multiply(scalar(alpha)?)?)?)?;
+                u.add(scalar(1.0)?)?.multiply(glu)
+            }
+        }
+    }
+}
+
+/// mlx-lm's `SwitchGLU`: per token, the selected experts' `down(act(up(x), gate(x)))`.
+#[derive(Debug)]
+pub struct SwitchGlu {
+    pub gate_proj: SwitchLinear,
+    pub up_proj: SwitchLinear,
+    pub down_proj: SwitchLinear,
+    pub activation: SwitchActivation,
+}
+
+/// mlx-lm sorts the routed tokens by expert from this many `(token, expert)` pairs on.
+const SORT_FROM_PAIRS: usize = 64;
+
+impl SwitchGlu {
+    /// Loads `<prefix>.{gate,up,down}_proj`.
+    pub fn load(
+        w: &mut Weights,
+        prefix: &str,
+        bias: bool,
+        activation: SwitchActivation,
+    ) -> std::result::Result<Self, LoadError> {
+        Ok(Self {
+            gate_proj: SwitchLinear::load(w, &format!("{prefix}.gate_proj"), bias)?,
+            up_proj: SwitchLinear::load(w, &format!("{prefix}.up_proj"), bias)?,
+            down_proj: SwitchLinear::load(w, &format!("{prefix}.down_proj"), bias)?,
+            activation,
+        })
+    }
+
+    /// `x` `[..., D]`, `indices` `[..., k]` (uint32 expert ids) → `[..., k, D]`.
+    pub fn forward(&self, x: &Array, indices: &Array) -> Result<Array> {
+        let x = x.expand_dims_axes(&[-2, -3])?;
+        if indices.size() >= SORT_FROM_PAIRS {
+            let (x, idx, inv_order) = gather_sort(&x, indices)?;
+            let y = self.project(&x, &idx, true)?;
+            scatter_unsort(&y, &inv_order, indices.shape())?.squeeze_axes(&[-2])
+        } else {
+            self.project(&x, indices, false)?.squeeze_axes(&[-2])
+        }
+    }
+
+    fn project(&self, x: &Array, idx: &Array, sorted: bool) -> Result<Array> {
+        let up = self.up_proj.forward(x, idx, sorted)?;
+        let gate = self.gate_proj.forward(x, idx, sorted)?;
+        self.down_proj
+            .forward(&self.activation.apply(&up, &gate)?, idx, sorted)
+    }
+
+    /// The parameters, for materialization.
+    pub fn parameters(&self) -> Vec<&Array> {
+        [&self.gate_proj, &self.up_proj, &self.down_proj]
+            .into_iter()
+            .flat_map(SwitchLinear::parameters)
+            .collect()
+    }
+}
+
+/// mlx-lm's `_gather_sort`: one row of `x` per `(token, expert)` pair, ordered by expert.
+/// `x` `[..., 1, 1, D]`, `indices` `[..., k]` → (`[N, 1, D]`, sorted ids `[N]`, inverse order).
+fn gather_sort(x: &Array, indices: &Array) -> Result<(Array, Array, Array)> {
+    let k = *indices.shape().last().unwrap_or(&1);
+    let flat = indices.flatten(None, None)?;
+    let order = argsort_axis(&flat, -1)?;
+    let inv_order = argsort_axis(&order, -1)?;
+    let token_of_pair = order.floor_divide(Array::from_int(k).as_dtype(order.dtype())?)?;
+    let rows = flatten(x, 0, -3)?.take_axis(&token_of_pair, 0)?;
+    Ok((rows, flat.take_axis(&order, 0)?, inv_order))
+}
+
+/// mlx-lm's `_scatter_unsort`: rows back in token order, reshaped to `[..., k, 1, D]`.
+fn scatter_unsort(x: &Array, inv_order: &Array, shape: &[i32]) -> Result<Array> {
+    unflatten(x.take_axis(inv_order, 0)?, 0, shape)
+}
+
+/// The `k` largest of `scores` along the last axis as mlx-lm's routers mostly write it,
+/// `argpartition(-scores, kth=k-1)[..., :k]`. The order of the `k` ids (which fixes the
+/// order of the weighted sum over experts) depends on the formula, so each family uses the
+/// one its mlx-lm file uses.
+pub fn top_k_of_negated(scores: &Array, k: i32) -> Result<Array> {
+    Ok(argpartition_axis(scores.negative()?, k - 1, -1)?.index((Ellipsis, ..k)))
+}
+
+/// The `k` largest of `scores` as `argpartition(scores, kth=-k)[..., -k:]` (Qwen3-MoE,
+/// Granite-MoE).
+pub fn top_k_tail(scores: &Array, k: i32) -> Result<Array> {
+    let n = *scores.shape().last().unwrap_or(&0);
+    Ok(argpartition_axis(scores, n - k, -1)?.index((Ellipsis, (n - k)..)))
+}
+
+/// `(y * scores[..., None]).sum(axis=-2)`: the experts' outputs `[..., k, D]` weighted by their
+/// router scores `[..., k]`, in the dtype the product promotes to.
+pub fn weighted_sum(y: &Array, scores: &Array) -> Result<Array> {
+    y.multiply(scores.expand_dims(-1)?)?.sum_axis(-2, None)
+}
+
+/// `x * v` with the Python float `v` taking `x`'s dtype, as MLX's weakly typed scalars do.
+pub fn scale_by(x: &Array, v: f32) -> Result<Array> {
+    x.multiply(Array::from_f32(v).as_dtype(x.dtype())?)
+}
+
+/// The dtype MLX's router ids carry (`argpartition` returns uint32).
+pub const INDEX_DTYPE: Dtype = Dtype::Uint32;
+
+/// Hugging Face names of the per-expert projections → mlx-lm's `switch_mlp` names.
+pub const HF_EXPERT_PROJECTIONS: [(&str, &str); 3] = [
+    ("gate_proj", "gate_proj"),
+    ("up_proj", "up_proj"),
+    ("down_proj", "down_proj"),
+];
+
+/// Mixtral's per-expert names (`w1` gate, `w2` down, `w3` up).
+pub const MIXTRAL_EXPERT_PROJECTIONS: [(&str, &str); 3] =
+    [("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")];
+
+/// The sanitize step of mlx-lm's MoE families: when a checkpoint holds one tensor per expert
+/// (`<moe>.experts.{e}.<hf>.{weight,scales,biases}`, as Hugging Face ships them), stacks them
+/// into `<moe>.switch_mlp.<mlx>.<suffix>` `[E, ...]`. Checkpoints converted by mlx-lm (all of
+/// mlx-community's) already hold the stacked form and are left alone. A partial set of
+/// experts is reported as missing tensors.
+pub fn stack_experts(
+    w: &mut Weights,
+    moe: &str,
+    num_experts: usize,
+    projections: &[(&str, &str)],
+) -> std::result::Result<(), LoadError> {
+    for (hf, mlx) in projections {
+        for suffix in ["weight", "scales", "biases"] {
+            if !w.contains(&format!("{moe}.experts.0.{hf}.{suffix}")) {
+                continue;
+            }
+            let names: Vec<String> = (0..num_experts)
+                .map(|e| format!("{moe}.experts.{e}.{hf}.{suffix}"))
+                .collect();
+            let absent: Vec<String> = names.iter().filter(|n| !w.contains(n)).cloned().collect();
+            if !absent.is_empty() {
+                return Err(LoadError::MissingTensors(absent));
+            }
+            let parts: Vec<Array> = names.iter().filter_map(|n| w.remove_raw(n)).collect();
+            let stacked = mlx_rs::ops::stack(&parts, 0)?;
+            w.insert(format!("{moe}.switch_mlp.{mlx}.{suffix}"), stacked);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn normal(shape: &[i32], seed: u64) -> Array {
+        let key = mlx_rs::random::key(seed).unwrap();
+        mlx_rs::random::normal::<f32>(shape, None, None, Some(&key)).unwrap()
+    }
+
+    fn max_abs_diff(a: &Array, b: &Array) -> f32 {
+        a.subtract(b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max(None)
+            .unwrap()
+            .item_exact::<f32>()
+    }
+
+    const EXPERTS: i32 = 4;
+    const DIM: i32 = 64;
+    const HIDDEN: i32 = 32;
+
+    fn dense_glu(seed: u64) -> SwitchGlu {
+        let linear = |out: i32, inp: i32, s: u64| SwitchLinear {
+            weight: Matrix::Dense(normal(&[EXPERTS, out, inp], s)),
+            bias: None,
+        };
+        SwitchGlu {
+            gate_proj: linear(HIDDEN, DIM, seed),
+            up_proj: linear(HIDDEN, DIM, seed + 1),
+            down_proj: linear(DIM, HIDDEN, seed + 2),
+            activation: SwitchActivation::SwiGlu,
+        }
+    }
+
+    fn dense(l: &SwitchLinear) -> &Array {
+        match &l.weight {
+            Matrix::Dense(w) => w,
+            Matrix::Quantized { .. } => panic!("dense expected"),
+        }
+    }
+
+    /// Token by token and expert by expert, with plain matmuls.
+    fn per_expert_loop(glu: &SwitchGlu, x: &Array, ids: &[u32], k: usize) -> Vec<Array> {
+        let d = *x.shape().last().unwrap();
+        let rows = x.reshape(&[-1, d]).unwrap();
+        let mut out = Vec::new();
+        for (pair, &e) in ids.iter().enumerate() {
+            let xr = rows.index(((pair / k) as i32)..((pair / k) as i32 + 1));
+            let pick = |l: &SwitchLinear| dense(l).index(e as i32);
+            let up = xr.matmul(pick(&glu.up_proj).t()).unwrap();
+            let gate = xr.matmul(pick(&glu.gate_proj).t()).unwrap();
+            let h = swiglu(&gate, &up).unwrap();
+            out.push(h.matmul(pick(&glu.down_proj).t()).unwrap());
+        }
+        out
+    }
+
+    fn check_against_loop(tokens: i32, k: i32) {
+        let glu = dense_glu(10);
+        let x = normal(&[1, tokens, DIM], 20);
+        let ids: Vec<u32> = (0..tokens * k)
+            .map(|i| ((i * 7 + i / k) % EXPERTS) as u32)
+            .collect();
+        let indices = Array::from_slice(&ids, &[1, tokens, k]);
+        let y = glu.forward(&x, &indices).unwrap();
+        assert_eq!(y.shape(), &[1, tokens, k, DIM]);
+        let flat = y.reshape(&[-1, DIM]).unwrap();
+        for (pair, expected) in per_expert_loop(&glu, &x, &ids, k as usize)
+            .iter()
+            .enumerate()
+        {
+            let got = flat.index((pair as i32)..(pair as i32 + 1));
+            let diff = max_abs_diff(&got, expected);
+            assert!(diff < 1e-4, "pair {pair}: max difference {diff}");
+        }
+    }
+
+    #[test]
+    fn switch_glu_matches_a_loop_over_experts_unsorted() {
+        // 3 tokens × top-2: below the sorting threshold.
+        check_against_loop(3, 2);
+    }
+
+    #[test]
+    fn switch_glu_matches_a_loop_over_experts_sorted() {
+        // 40 tokens × top-2 = 80 pairs: sorted by expert, then unsorted back.
+        check_against_loop(40, 2);
+    }
+
+    #[test]
+    fn quantized_experts_match_their_dequantized_stack() {
+        let w = normal(&[EXPERTS, HIDDEN, DIM], 30);
+        let (wq, scales, biases) = mlx_rs::ops::quantize(&w, 64, 4).unwrap();
+        let back = mlx_rs::ops::dequantize(&wq, &scales, &biases, 64, 4).unwrap();
+        let quantized = SwitchLinear {
+            weight: Matrix::Quantized {
+                weight: wq,
+                scales,
+                biases: Some(biases),
+                group_size: 64,
+                bits: 4,
+                mode: quant::QuantMode::Affine,
+            },
+            bias: Some(normal(&[EXPERTS, HIDDEN], 31)),
+        };
+        let dense = SwitchLinear {
+            weight: Matrix::Dense(back),
+            bias: quantized.bias.clone(),
+        };
+        let x = normal(&[5, 1, 1, DIM], 32);
+        let ids = Array::from_slice(&[0u32, 3, 1, 2, 2, 0, 3, 1, 1, 1], &[5, 2]);
+        let a = quantized.forward(&x, &ids, false).unwrap();
+        let b = dense.forward(&x, &ids, false).unwrap();
+        assert_eq!(a.shape(), &[5, 2, 1, HIDDEN]);
+        assert!(max_abs_diff(&a, &b) < 1e-3);
+    }
+
+    #[test]
+    fn top_k_selections_pick_the_largest() {
+        let scores = Array::from_slice(&[0.1f32, 0.7, 0.05, 0.15, 0.3, 0.2, 0.4, 0.1], &[2, 4]);
+        for ids in [
+            top_k_of_negated(&scores, 2).unwrap(),
+            top_k_tail(&scores, 2).unwrap(),
+        ] {
+            // Flattening copies the strided slice into contiguous memory.
+            let flat = ids.flatten(None, None).unwrap();
+            let mut rows: Vec<Vec<u32>> = flat
+                .as_slice::<u32>()
+                .chunks(2)
+                .map(|r| r.to_vec())
+                .collect();
+            rows.iter_mut().for_each(|r| r.sort());
+            assert_eq!(rows, vec![vec![1, 3], vec![0, 2]]);
+        }
+    }
+
+    fn write(dir: &std::path::Path, tensors: &[(String, Array)]) {
+        Array::save_safetensors(
+            tensors.iter().map(|(n, a)| (n.as_str(), a)),
+            None,
+            dir.join("model.safetensors"),
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn per_expert_tensors_are_stacked_into_the_switch_form() {
+        let dir = tempfile::tempdir().unwrap();
+        let experts: Vec<Array> = (0..EXPERTS as u64)
+            .map(|e| normal(&[HIDDEN, DIM], 40 + e))
+            .collect();
+        let moe = "model.layers.0.block_sparse_moe";
+        let tensors: Vec<(String, Array)> = experts
+            .iter()
+            .enumerate()
+            .map(|(e, a)| (format!("{moe}.experts.{e}.w1.weight"), a.clone()))
+            .collect();
+        write(dir.path(), &tensors);
+        let mut w = Weights::open(dir.path(), &serde_json::json!({})).unwrap();
+        stack_experts(&mut w, moe, EXPERTS as usize, &MIXTRAL_EXPERT_PROJECTIONS).unwrap();
+        let stacked = w
+            .take(&format!("{moe}.switch_mlp.gate_proj.weight"))
+            .unwrap();
+        assert_eq!(stacked.shape(), &[EXPERTS, HIDDEN, DIM]);
+        for (e, a) in experts.iter().enumerate() {
+            assert_eq!(max_abs_diff(&stacked.index(e as i32), a), 0.0);
+        }
+        w.finish().unwrap();
+    }
+
+    #[test]
+    fn a_partial_set_of_experts_is_reported_missing() {
+        let dir = tempfile::tempdir().unwrap();
+        let moe = "model.layers.0.mlp";
+        let tensors = vec![(
+            format!("{moe}.experts.0.up_proj.weight"),
+            normal(&[HIDDEN, DIM], 50),
+        )];
+        write(dir.path(), &tensors);
+        let mut w = Weights::open(dir.path(), &serde_json::json!({})).unwrap();
+        let err = stack_experts(&mut w, moe, 2, &HF_EXPERT_PROJECTIONS).unwrap_err();
+        assert!(
+            err.to_string().contains("experts.1.up_proj.weight"),
+            "{err}"
+        );
+    }
+}
