@@ -125,3 +125,27 @@ fn sharded_checkpoints_load() {
     let model = models::load(dir.path()).expect("sharded load");
     assert_eq!(model.info().num_layers, 2);
 }
+
+/// A quantization mode this build cannot read is refused at load with its name and the
+/// supported ones, never read as affine.
+#[test]
+fn an_unknown_quantization_mode_is_refused_with_the_reason() {
+    let dir = copy_model("tiny-llama-q4");
+    let path = dir.path().join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(&path).expect("read")).expect("json");
+    for key in ["quantization", "quantization_config"] {
+        if let Some(q) = config.get_mut(key) {
+            q["mode"] = "nvfp4".into();
+        }
+    }
+    fs::write(&path, config.to_string()).expect("write");
+    let err = models::load(dir.path())
+        .err()
+        .expect("must fail")
+        .to_string();
+    assert!(
+        err.contains("nvfp4") && err.contains("mxfp4") && err.contains("affine"),
+        "{err}"
+    );
+}

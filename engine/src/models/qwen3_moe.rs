@@ -44,7 +44,7 @@ impl Config {
     fn is_sparse(&self, layer: usize) -> bool {
         !self.mlp_only_layers.contains(&layer)
             && self.num_experts > 0
-            && (layer + 1) % self.decoder_sparse_step == 0
+            && (layer + 1).is_multiple_of(self.decoder_sparse_step)
     }
 }
 

@@ -10,7 +10,7 @@
 use mlx_rs::error::Exception;
 use mlx_rs::ops::indexing::{Ellipsis, IndexOp};
 use mlx_rs::ops::{argpartition_axis, argsort_axis, flatten, gather_mm, unflatten};
-use mlx_rs::{Array, Dtype};
+use mlx_rs::Array;
 
 use super::layers::{swiglu, Matrix};
 use super::quant;
@@ -207,9 +207,6 @@ pub fn weighted_sum(y: &Array, scores: &Array) -> Result<Array> {
 pub fn scale_by(x: &Array, v: f32) -> Result<Array> {
     x.multiply(Array::from_f32(v).as_dtype(x.dtype())?)
 }
-
-/// The dtype MLX's router ids carry (`argpartition` returns uint32).
-pub const INDEX_DTYPE: Dtype = Dtype::Uint32;
 
 /// Hugging Face names of the per-expert projections → mlx-lm's `switch_mlp` names.
 pub const HF_EXPERT_PROJECTIONS: [(&str, &str); 3] = [

@@ -9,10 +9,13 @@ use std::sync::Arc;
 use serde_json::{Map, Value};
 
 use super::error::ApiError;
+use super::formats::{self, CallIdStyle, ChatFormat, ReasoningFormat};
 use super::generation::{Generation, Step};
-use super::reasoning::{Part, ReasoningSplit, THINK_OPEN};
+use super::harmony::HarmonyStream;
+use super::reasoning::{Part, ReasoningSplit};
 use super::tools::{self, ParsedCall, ToolChoice, ToolFormat, ToolPiece, ToolSpec, ToolStream};
 use super::ServerState;
+use crate::chat_template::ChatTemplateError;
 use crate::constraint::grammar::{Grammar, GrammarCompiler};
 use crate::constraint::TokenConstraint;
 use crate::runtime::request::FinishReason;
@@ -59,23 +62,37 @@ pub fn prepare(state: &ServerState, conv: Conversation) -> Result<Prepared, ApiE
         .unwrap_or_else(|| tools::default_choice(&conv.tools));
     let offered = !conv.tools.is_empty() && choice != ToolChoice::None;
     let renders_tools = template.renders_tools();
+    let chat_format = ChatFormat::detect(template.source());
     // Templates that do not render tools get them described in a system message and calls
     // in the Llama 3.x JSON form, which the forced grammar and the parser then use.
     let format = if renders_tools {
-        ToolFormat::detect(template.source())
+        chat_format.tools
     } else {
         ToolFormat::Llama3Json
     };
-    let messages = if renders_tools {
+    let mut messages = if renders_tools {
         conv.messages.clone()
     } else {
         describe_tools_inline(&conv.messages, offered.then_some(conv.tools.as_slice()))
     };
+    formats::normalize_call_ids(&mut messages, chat_format.call_ids);
+    formats::null_contents_as_empty(&mut messages);
     let tool_json: Vec<Value> = conv.tools.iter().map(ToolSpec::template_json).collect();
     let tools_arg = (offered && renders_tools).then_some(tool_json.as_slice());
-    let text = template
-        .render_json(&messages, tools_arg, true, &conv.template_vars)
-        .map_err(|e| ApiError::from(crate::tokenizer::TokenizerError::Template(e)))?;
+    let render =
+        |messages: &[Value]| template.render_json(messages, tools_arg, true, &conv.template_vars);
+    let text = match render(&messages) {
+        // A template without a system role (Gemma 1 and 2) refuses system messages: they go
+        // into the first user turn instead.
+        Err(ChatTemplateError::Raised(why)) if formats::refuses_a_role(&why) => {
+            match formats::fold_system_into_first_user(&messages) {
+                Some(folded) => render(&folded),
+                None => Err(ChatTemplateError::Raised(why)),
+            }
+        }
+        rendered => rendered,
+    }
+    .map_err(|e| ApiError::from(crate::tokenizer::TokenizerError::Template(e)))?;
     let prompt = tokenizer.encode(&text, false)?;
     if prompt.is_empty() {
         return Err(ApiError::invalid(
@@ -114,12 +131,20 @@ pub fn prepare(state: &ServerState, conv: Conversation) -> Result<Prepared, ApiE
         }
         (None, None) => None,
     };
-    let thinking = template.source().contains(THINK_OPEN);
+    let harmony = chat_format.reasoning == ReasoningFormat::Harmony;
+    let thinking = chat_format.reasoning == ReasoningFormat::ThinkTags;
     let parser = OutputParser {
         reasoning: thinking.then(|| ReasoningSplit::new(&text)),
-        tools: offered.then(|| ToolStream::new(format)),
+        tools: (offered && !harmony).then(|| ToolStream::with_tools(format, conv.tools.clone())),
+        harmony: harmony.then(|| HarmonyStream::new(offered)),
+        call_ids: chat_format.call_ids,
     };
-    let keep_special = offered && format == ToolFormat::Mistral;
+    let is_special = |marker: &str| {
+        tokenizer
+            .token_to_id(marker)
+            .is_some_and(|id| tokenizer.is_special(id))
+    };
+    let keep_special = chat_format.keeps_special_tokens(offered, &is_special);
     Ok(Prepared {
         prompt,
         constraint,
@@ -253,15 +278,22 @@ pub enum Piece {
     Call(ParsedCall),
 }
 
-/// Reasoning split, then tool-call parsing, over the streamed text.
+/// Reasoning split, then tool-call parsing, over the streamed text (or harmony's channels,
+/// which carry both).
 #[derive(Debug)]
 pub struct OutputParser {
     reasoning: Option<ReasoningSplit>,
     tools: Option<ToolStream>,
+    harmony: Option<HarmonyStream>,
+    /// The shape of the ids given to the calls.
+    call_ids: CallIdStyle,
 }
 
 impl OutputParser {
     pub fn push(&mut self, text: &str) -> Vec<Piece> {
+        if let Some(harmony) = &mut self.harmony {
+            return harmony.push(text);
+        }
         let parts = match &mut self.reasoning {
             Some(r) => r.push(text),
             None => vec![Part::Answer(text.to_owned())],
@@ -270,6 +302,9 @@ impl OutputParser {
     }
 
     pub fn finish(&mut self) -> Vec<Piece> {
+        if let Some(harmony) = &mut self.harmony {
+            return harmony.finish();
+        }
         let parts = match &mut self.reasoning {
             Some(r) => r.finish(),
             None => Vec::new(),
@@ -335,6 +370,12 @@ impl AgentGeneration {
         }
     }
 
+    /// A fresh id for a call of this output, in the shape the model's template accepts back
+    /// (`prefix`: `call` for OpenAI, `toolu` for Anthropic, where the shape has one).
+    pub fn call_id(&self, prefix: &str) -> String {
+        formats::new_call_id(self.parser.call_ids, prefix)
+    }
+
     pub async fn next(&mut self) -> Option<AgentStep> {
         loop {
             match self.generation.next().await? {
@@ -362,12 +403,6 @@ impl AgentGeneration {
             }
         }
     }
-}
-
-/// A fresh call id with `prefix` (`call` for OpenAI, `toolu` for Anthropic).
-pub fn call_id(prefix: &str) -> String {
-    let id = uuid::Uuid::new_v4().simple().to_string();
-    format!("{prefix}_{}", &id[..24])
 }
 
 #[cfg(test)]
@@ -413,6 +448,8 @@ mod tests {
         let mut p = OutputParser {
             reasoning: Some(ReasoningSplit::new("")),
             tools: Some(ToolStream::new(ToolFormat::Hermes)),
+            harmony: None,
+            call_ids: CallIdStyle::Prefixed,
         };
         let mut pieces = p.push("<think>hm</think>\n\nok <tool_call>\n{\"name\": \"w\", \"arguments\": {}}\n</tool_call>");
         pieces.extend(p.finish());

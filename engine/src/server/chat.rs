@@ -234,9 +234,10 @@ impl Collected {
     }
 }
 
-fn openai_call(c: &ParsedCall) -> ToolCall {
+/// A call as OpenAI reports it, with a fresh `id`.
+fn openai_call(c: &ParsedCall, id: String) -> ToolCall {
     ToolCall {
-        id: agent::call_id("call"),
+        id,
         kind: "function".into(),
         function: FunctionCall {
             name: c.name.clone(),
@@ -305,7 +306,12 @@ async fn whole(
                 role: Role::Assistant,
                 content: (!(called && c.content.trim().is_empty())).then_some(c.content),
                 reasoning_content: (!c.reasoning.is_empty()).then_some(c.reasoning),
-                tool_calls: called.then(|| c.calls.iter().map(openai_call).collect()),
+                tool_calls: called.then(|| {
+                    c.calls
+                        .iter()
+                        .map(|call| openai_call(call, g.call_id("call")))
+                        .collect()
+                }),
             },
             finish_reason: Some(finish_reason(reason, called)),
             logprobs: namer.is_some().then(|| ChatLogprobs {
@@ -365,7 +371,7 @@ fn step_frames(
             Piece::Reasoning(t) => delta.reasoning_content = Some(t),
             Piece::Content(t) => delta.content = Some(t),
             Piece::Call(call) => {
-                let full = openai_call(&call);
+                let full = openai_call(&call, c.generation.call_id("call"));
                 delta.tool_calls = Some(vec![ToolCallDelta {
                     index: c.calls,
                     id: Some(full.id),

@@ -395,9 +395,10 @@ fn usage(g: &AgentGeneration) -> MessagesUsage {
     }
 }
 
-fn tool_use(call: &tools::ParsedCall) -> ContentBlock {
+/// A call as a `tool_use` block, with a fresh id in the shape `g`'s template accepts back.
+fn tool_use(call: &tools::ParsedCall, g: &AgentGeneration) -> ContentBlock {
     ContentBlock::ToolUse {
-        id: agent::call_id("toolu"),
+        id: g.call_id("toolu"),
         name: call.name.clone(),
         input: call.arguments.clone(),
     }
@@ -405,7 +406,7 @@ fn tool_use(call: &tools::ParsedCall) -> ContentBlock {
 
 async fn whole(meta: Meta, mut g: AgentGeneration) -> Result<Response, AnthropicError> {
     let mut content: Vec<ContentBlock> = Vec::new();
-    let add = |pieces: Vec<Piece>, content: &mut Vec<ContentBlock>| {
+    let add = |pieces: Vec<Piece>, content: &mut Vec<ContentBlock>, g: &AgentGeneration| {
         for p in pieces {
             match (content.last_mut(), p) {
                 (Some(ContentBlock::Thinking { thinking, .. }), Piece::Reasoning(t)) => {
@@ -417,15 +418,15 @@ async fn whole(meta: Meta, mut g: AgentGeneration) -> Result<Response, Anthropic
                     signature: String::new(),
                 }),
                 (_, Piece::Content(t)) => content.push(ContentBlock::Text { text: t }),
-                (_, Piece::Call(c)) => content.push(tool_use(&c)),
+                (_, Piece::Call(c)) => content.push(tool_use(&c, g)),
             }
         }
     };
     let reason = loop {
         match g.next().await {
-            Some(AgentStep::Pieces(pieces, _)) => add(pieces, &mut content),
+            Some(AgentStep::Pieces(pieces, _)) => add(pieces, &mut content, &g),
             Some(AgentStep::Finished { pieces, reason, .. }) => {
-                add(pieces, &mut content);
+                add(pieces, &mut content, &g);
                 break reason;
             }
             Some(AgentStep::Failed(e)) => return Err(e.into()),
@@ -500,7 +501,7 @@ impl Blocks {
         }
     }
 
-    fn pieces(&mut self, pieces: Vec<Piece>) -> Vec<Bytes> {
+    fn pieces(&mut self, pieces: Vec<Piece>, g: &AgentGeneration) -> Vec<Bytes> {
         let mut out = Vec::new();
         for p in pieces {
             match p {
@@ -537,7 +538,7 @@ impl Blocks {
                 }
                 Piece::Call(c) => {
                     self.close(&mut out);
-                    let ContentBlock::ToolUse { id, name, input } = tool_use(&c) else {
+                    let ContentBlock::ToolUse { id, name, input } = tool_use(&c, g) else {
                         continue;
                     };
                     out.push(event(&StreamEvent::ContentBlockStart {
@@ -591,14 +592,14 @@ fn sse(meta: Meta, g: AgentGeneration) -> Response {
         let (mut g, mut blocks, meta) = st?;
         match g.next().await {
             Some(AgentStep::Pieces(pieces, _)) => {
-                let out = blocks.pieces(pieces);
+                let out = blocks.pieces(pieces, &g);
                 Some((
                     Ok::<_, Infallible>(Bytes::from(out.concat())),
                     Some((g, blocks, meta)),
                 ))
             }
             Some(AgentStep::Finished { pieces, reason, .. }) => {
-                let mut out = blocks.pieces(pieces);
+                let mut out = blocks.pieces(pieces, &g);
                 blocks.close(&mut out);
                 let stop_sequence = g.generation.stop_sequence().map(str::to_owned);
                 log_finish(&meta, reason, &g.generation.usage(), g.generation.drafts());

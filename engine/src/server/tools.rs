@@ -4,6 +4,10 @@
 //!
 //! Formats, detected from the chat template's text:
 //! - [`ToolFormat::Hermes`] (Qwen2.5, Qwen3): `<tool_call>\n{"name": …, "arguments": {…}}\n</tool_call>`;
+//! - [`ToolFormat::QwenXml`] (Qwen3-Coder) and [`ToolFormat::Glm`] (GLM-4.5): markup inside
+//!   `<tool_call>` … `</tool_call>`, read by [`super::markup_calls`];
+//! - [`ToolFormat::Harmony`] (gpt-oss): messages `to=functions.NAME`, read with the reasoning
+//!   by [`super::harmony`];
 //! - [`ToolFormat::Mistral`]: `[TOOL_CALLS][{"name": …, "arguments": {…}}]`, or
 //!   `[TOOL_CALLS]name[ARGS]{…}` (newer templates);
 //! - [`ToolFormat::Llama3Json`] (Llama 3.x, and every template that names none of the
@@ -11,6 +15,10 @@
 use serde_json::{json, Map, Value};
 
 use super::error::ApiError;
+use super::harmony;
+use super::markup_calls::{
+    self, Markup, ARG_KEY_CLOSE, ARG_KEY_OPEN, ARG_VALUE_CLOSE, ARG_VALUE_OPEN,
+};
 use crate::constraint::grammar::{compact_json_options, Grammar};
 
 /// One offered function.
@@ -53,7 +61,10 @@ pub enum ToolChoice {
 pub enum ToolFormat {
     Llama3Json,
     Hermes,
+    QwenXml,
+    Glm,
     Mistral,
+    Harmony,
 }
 
 const HERMES_OPEN: &str = "<tool_call>";
@@ -61,11 +72,22 @@ const HERMES_CLOSE: &str = "</tool_call>";
 const MISTRAL_CALLS: &str = "[TOOL_CALLS]";
 const MISTRAL_ARGS: &str = "[ARGS]";
 const PYTHON_TAG: &str = "<|python_tag|>";
+/// Qwen3-Coder's templates write calls as `<function=NAME>`.
+const QWEN_XML_FUNCTION: &str = "<function=";
+/// Harmony's channel marker (gpt-oss).
+const HARMONY_CHANNEL: &str = "<|channel|>";
 
 impl ToolFormat {
     /// The format a chat template's text asks for.
     pub fn detect(template_source: &str) -> Self {
-        if template_source.contains(HERMES_OPEN) {
+        let has = |marker: &str| template_source.contains(marker);
+        if has(HARMONY_CHANNEL) {
+            ToolFormat::Harmony
+        } else if has(HERMES_OPEN) && has(ARG_KEY_OPEN) {
+            ToolFormat::Glm
+        } else if has(HERMES_OPEN) && has(QWEN_XML_FUNCTION) {
+            ToolFormat::QwenXml
+        } else if has(HERMES_OPEN) {
             ToolFormat::Hermes
         } else if template_source.contains(MISTRAL_CALLS) {
             ToolFormat::Mistral
@@ -74,12 +96,38 @@ impl ToolFormat {
         }
     }
 
-    /// The key the format puts the arguments under.
+    /// The key the format puts the arguments under (JSON formats).
     fn arguments_key(self) -> &'static str {
         match self {
             ToolFormat::Llama3Json => "parameters",
-            ToolFormat::Hermes | ToolFormat::Mistral => "arguments",
+            _ => "arguments",
         }
+    }
+
+    /// The markers a call in this format is written with (which the text must keep).
+    pub fn markers(self) -> &'static [&'static str] {
+        match self {
+            ToolFormat::Llama3Json => &[PYTHON_TAG],
+            ToolFormat::Hermes | ToolFormat::QwenXml => &[HERMES_OPEN, HERMES_CLOSE],
+            ToolFormat::Glm => &[
+                HERMES_OPEN,
+                HERMES_CLOSE,
+                ARG_KEY_OPEN,
+                ARG_KEY_CLOSE,
+                ARG_VALUE_OPEN,
+                ARG_VALUE_CLOSE,
+            ],
+            ToolFormat::Mistral => &[MISTRAL_CALLS, MISTRAL_ARGS],
+            ToolFormat::Harmony => &harmony::MARKERS,
+        }
+    }
+
+    /// Whether calls are `<tool_call>` … `</tool_call>` blocks.
+    fn has_blocks(self) -> bool {
+        matches!(
+            self,
+            ToolFormat::Hermes | ToolFormat::QwenXml | ToolFormat::Glm
+        )
     }
 }
 
@@ -173,7 +221,7 @@ pub fn tool_spec(
     })
 }
 
-fn valid_name(name: &str) -> bool {
+pub(super) fn valid_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 64
         && name
@@ -297,6 +345,22 @@ pub fn forced_grammar(
     });
     let grammar = match format {
         ToolFormat::Llama3Json => format!("start: call\ncall: %json {call}\n"),
+        ToolFormat::QwenXml | ToolFormat::Glm => {
+            let markup = if format == ToolFormat::Glm {
+                Markup::Glm
+            } else {
+                Markup::QwenXml
+            };
+            let (rules, calls) = markup_calls::call_rules(markup, &chosen, special_id);
+            let open = literal(HERMES_OPEN, special_id);
+            let close = literal(HERMES_CLOSE, special_id);
+            let repeat = if parallel { "(\"\\n\" one)*" } else { "" };
+            format!(
+                "start: one {repeat}\none: {open} ({}) {close}\n{rules}",
+                calls.join(" | ")
+            )
+        }
+        ToolFormat::Harmony => harmony::forced_grammar(&chosen, special_id),
         ToolFormat::Hermes => {
             let open = literal(HERMES_OPEN, special_id);
             let close = literal(HERMES_CLOSE, special_id);
@@ -318,7 +382,7 @@ pub fn forced_grammar(
 
 /// A marker as a Lark terminal: the special token by id where the vocabulary has it as one
 /// (llguidance matches special tokens only by id), else the string.
-fn literal(marker: &str, special_id: &dyn Fn(&str) -> Option<u32>) -> String {
+pub(super) fn literal(marker: &str, special_id: &dyn Fn(&str) -> Option<u32>) -> String {
     match special_id(marker) {
         Some(id) => format!("<[{id}]>"),
         None => serde_json::to_string(marker).unwrap_or_default(),
@@ -398,14 +462,37 @@ pub struct ToolStream {
     format: ToolFormat,
     state: StreamState,
     buf: String,
+    /// The offered tools, whose schemas type the arguments of markup calls.
+    tools: Vec<ToolSpec>,
 }
 
 impl ToolStream {
     pub fn new(format: ToolFormat) -> Self {
+        Self::with_tools(format, Vec::new())
+    }
+
+    /// A parser that reads markup arguments as the offered `tools`' schemas type them.
+    pub fn with_tools(format: ToolFormat, tools: Vec<ToolSpec>) -> Self {
+        // Harmony's calls are read with its channels (super::harmony), never here.
+        let state = if format == ToolFormat::Harmony {
+            StreamState::PlainOnly
+        } else {
+            StreamState::Start
+        };
         Self {
             format,
-            state: StreamState::Start,
+            state,
             buf: String::new(),
+            tools,
+        }
+    }
+
+    /// The calls in the text between `<tool_call>` and `</tool_call>`.
+    fn block_calls(&self, inner: &str) -> Option<Vec<ParsedCall>> {
+        match self.format {
+            ToolFormat::QwenXml => markup_calls::qwen_xml_call(inner, &self.tools).map(|c| vec![c]),
+            ToolFormat::Glm => markup_calls::glm_call(inner, &self.tools).map(|c| vec![c]),
+            _ => calls_in_json(inner),
         }
     }
 
@@ -461,22 +548,22 @@ impl ToolStream {
                         }
                     }
                 }
-                StreamState::Call => match self.format {
-                    // The rest of the output is the call(s): wait for the end.
-                    ToolFormat::Llama3Json | ToolFormat::Mistral => return out,
-                    ToolFormat::Hermes => {
-                        let Some(end) = self.buf.find(HERMES_CLOSE) else {
-                            return out;
-                        };
-                        let block: String = self.buf.drain(..end + HERMES_CLOSE.len()).collect();
-                        let inner = &block[HERMES_OPEN.len()..end];
-                        match calls_in_json(inner) {
-                            Some(calls) => out.extend(calls.into_iter().map(ToolPiece::Call)),
-                            None => out.push(ToolPiece::Text(block)),
-                        }
-                        self.state = StreamState::Text;
+                StreamState::Call => {
+                    // Other formats: the rest of the output is the call(s); wait for the end.
+                    if !self.format.has_blocks() {
+                        return out;
                     }
-                },
+                    let Some(end) = self.buf.find(HERMES_CLOSE) else {
+                        return out;
+                    };
+                    let block: String = self.buf.drain(..end + HERMES_CLOSE.len()).collect();
+                    let inner = &block[HERMES_OPEN.len()..end];
+                    match self.block_calls(inner) {
+                        Some(calls) => out.extend(calls.into_iter().map(ToolPiece::Call)),
+                        None => out.push(ToolPiece::Text(block)),
+                    }
+                    self.state = StreamState::Text;
+                }
             }
         }
     }
@@ -505,9 +592,10 @@ impl ToolStream {
 
     fn open_marker(&self) -> &'static str {
         match self.format {
-            ToolFormat::Hermes => HERMES_OPEN,
+            ToolFormat::Hermes | ToolFormat::QwenXml | ToolFormat::Glm => HERMES_OPEN,
             ToolFormat::Mistral => MISTRAL_CALLS,
-            ToolFormat::Llama3Json => PYTHON_TAG,
+            // Never reached for harmony (its stream is plain text here).
+            ToolFormat::Llama3Json | ToolFormat::Harmony => PYTHON_TAG,
         }
     }
 }
@@ -579,9 +667,14 @@ mod tests {
     /// Feeds `text` in pieces of every size from 1 to its length and checks the pieces
     /// always add up to `want` (streaming gives the same result as a whole output).
     fn stream_equals(format: ToolFormat, text: &str, want: &[ToolPiece]) {
+        stream_equals_with(format, &[], text, want)
+    }
+
+    /// [`stream_equals`] for a request that offers `tools`.
+    fn stream_equals_with(format: ToolFormat, tools: &[ToolSpec], text: &str, want: &[ToolPiece]) {
         let chars: Vec<char> = text.chars().collect();
         for size in 1..=chars.len().max(1) {
-            let mut p = ToolStream::new(format);
+            let mut p = ToolStream::with_tools(format, tools.to_vec());
             let mut got = Vec::new();
             for chunk in chars.chunks(size) {
                 got.extend(p.push(&chunk.iter().collect::<String>()));
@@ -665,6 +758,45 @@ mod tests {
     }
 
     #[test]
+    fn markup_calls_between_text() {
+        let tools = [ToolSpec {
+            name: "w".into(),
+            description: None,
+            parameters: json!({"type": "object", "properties": {"days": {"type": "integer"}}}),
+        }];
+        stream_equals_with(
+            ToolFormat::QwenXml,
+            &tools,
+            "Sure.\n<tool_call>\n<function=w>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+            &[ToolPiece::Text("Sure.\n".into()), call("w", json!({"days": 3}))],
+        );
+        stream_equals_with(
+            ToolFormat::Glm,
+            &tools,
+            "<tool_call>w\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>\n<tool_call>w\n</tool_call>",
+            &[
+                call("w", json!({"days": 3})),
+                ToolPiece::Text("\n".into()),
+                call("w", json!({})),
+            ],
+        );
+        // A block that is not the format's markup stays text, markup and all.
+        let bad = "<tool_call>\n{\"name\": \"w\"}\n</tool_call>";
+        stream_equals_with(
+            ToolFormat::QwenXml,
+            &tools,
+            bad,
+            &[ToolPiece::Text(bad.into())],
+        );
+        // Harmony's calls are never read here.
+        stream_equals(
+            ToolFormat::Harmony,
+            "<|channel|>x<tool_call>",
+            &[ToolPiece::Text("<|channel|>x<tool_call>".into())],
+        );
+    }
+
+    #[test]
     fn formats_are_detected_from_the_template() {
         assert_eq!(
             ToolFormat::detect("{{ '<tool_call>' }}"),
@@ -677,6 +809,18 @@ mod tests {
         assert_eq!(
             ToolFormat::detect("<|start_header_id|>"),
             ToolFormat::Llama3Json
+        );
+        assert_eq!(
+            ToolFormat::detect("<tool_call>\n<function={{ name }}>"),
+            ToolFormat::QwenXml
+        );
+        assert_eq!(
+            ToolFormat::detect("<tool_call>{{ name }}<arg_key>"),
+            ToolFormat::Glm
+        );
+        assert_eq!(
+            ToolFormat::detect("<|start|>assistant<|channel|>final"),
+            ToolFormat::Harmony
         );
     }
 

@@ -1,0 +1,161 @@
+//! The MoE families load Hugging Face's checkpoint layouts as mlx-lm's `sanitize` does: one
+//! tensor per expert (`experts.{e}.{gate,up,down}_proj`, Mixtral's `w1/w2/w3`), Granite-MoE's
+//! fused `input_linear`/`output_linear`, and GLM-4.5's multi-token-prediction layer (dropped).
+//! Each test rewrites a family's tiny model (`scripts/gen_family_models.py`, already in mlx-lm's
+//! stacked form) into the Hugging Face layout and checks greedy tokens against mlx-lm's.
+mod common;
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::Array;
+use mlxd_engine::models;
+use mlxd_engine::runtime::reference::greedy;
+
+/// How a family names its per-expert tensors.
+enum Layout {
+    /// `<moe>.experts.{e}.<name>.weight`, with mlx-lm's projection → the checkpoint's name.
+    PerExpert(&'static [(&'static str, &'static str)]),
+    /// Granite-MoE: `input_linear` = gate and up stacked along the output axis,
+    /// `output_linear` = down.
+    Fused,
+}
+
+const HF: &[(&str, &str)] = &[
+    ("gate_proj", "gate_proj"),
+    ("up_proj", "up_proj"),
+    ("down_proj", "down_proj"),
+];
+const MIXTRAL: &[(&str, &str)] = &[("gate_proj", "w1"), ("down_proj", "w2"), ("up_proj", "w3")];
+
+/// The tensors of `dir` with every `switch_mlp` stack rewritten in `layout`.
+fn rewrite(dir: &Path, layout: &Layout) -> HashMap<String, Array> {
+    let stacked = Array::load_safetensors(dir.join("model.safetensors")).expect("safetensors");
+    let mut out = HashMap::new();
+    for (name, array) in stacked {
+        let Some((moe, rest)) = name.split_once(".switch_mlp.") else {
+            out.insert(name, array);
+            continue;
+        };
+        let proj = rest.trim_end_matches(".weight");
+        match layout {
+            Layout::PerExpert(names) => {
+                let hf = names
+                    .iter()
+                    .find(|(m, _)| *m == proj)
+                    .map(|(_, h)| *h)
+                    .expect("a known projection");
+                for e in 0..array.shape()[0] {
+                    out.insert(format!("{moe}.experts.{e}.{hf}.weight"), array.index(e));
+                }
+            }
+            Layout::Fused => match proj {
+                "down_proj" => {
+                    out.insert(format!("{moe}.output_linear.weight"), array);
+                }
+                // Joined when both halves are seen (below).
+                _ => {
+                    out.insert(name, array);
+                }
+            },
+        }
+    }
+    if matches!(layout, Layout::Fused) {
+        let gates: Vec<String> = out
+            .keys()
+            .filter(|k| k.ends_with(".switch_mlp.gate_proj.weight"))
+            .cloned()
+            .collect();
+        for gate_name in gates {
+            let moe = gate_name.trim_end_matches(".switch_mlp.gate_proj.weight");
+            let gate = out.remove(&gate_name).expect("gate");
+            let up = out
+                .remove(&format!("{moe}.switch_mlp.up_proj.weight"))
+                .expect("up");
+            let fused = mlx_rs::ops::concatenate(&[gate, up], 1).expect("concatenate");
+            out.insert(format!("{moe}.input_linear.weight"), fused);
+        }
+    }
+    out
+}
+
+/// Writes the rewritten checkpoint (plus `extra` tensors) next to the family's config and
+/// checks that the engine's greedy tokens still equal mlx-lm's.
+fn check(family: &str, layout: Layout, extra: &[(&str, Array)]) {
+    let dir = common::tiny_model(&format!("family-{family}"));
+    let mut tensors = rewrite(&dir, &layout);
+    for (name, a) in extra {
+        tensors.insert((*name).to_owned(), a.clone());
+    }
+    assert!(
+        tensors.keys().all(|k| !k.contains("switch_mlp")),
+        "{family}: some expert stack was left in mlx-lm's form"
+    );
+    let hf = tempfile::tempdir().expect("tempdir");
+    std::fs::copy(dir.join("config.json"), hf.path().join("config.json")).expect("config");
+    Array::save_safetensors(
+        tensors.iter().map(|(n, a)| (n.as_str(), a)),
+        None,
+        hf.path().join("model.safetensors"),
+    )
+    .expect("save");
+    let text = std::fs::read_to_string(dir.join("reference.json")).expect("reference");
+    let reference: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+    let case = &reference["cases"][0];
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .expect("ids")
+            .iter()
+            .map(|t| t.as_u64().expect("id") as u32)
+            .collect()
+    };
+    let max_tokens = reference["max_tokens"].as_u64().expect("max_tokens") as usize;
+    let model = models::load(hf.path())
+        .unwrap_or_else(|e| panic!("{family} in the Hugging Face layout does not load: {e}"));
+    let tokens = greedy(model.as_ref(), &ids(&case["prompt"]), max_tokens, &[]).expect("greedy");
+    assert_eq!(
+        tokens,
+        ids(&case["greedy"]),
+        "{family}: greedy tokens differ"
+    );
+}
+
+#[test]
+fn qwen3_moe_per_expert_checkpoint() {
+    check("qwen3_moe", Layout::PerExpert(HF), &[]);
+}
+
+#[test]
+fn qwen2_moe_per_expert_checkpoint() {
+    check("qwen2_moe", Layout::PerExpert(HF), &[]);
+}
+
+#[test]
+fn mixtral_per_expert_checkpoint() {
+    check("mixtral", Layout::PerExpert(MIXTRAL), &[]);
+}
+
+#[test]
+fn olmoe_per_expert_checkpoint() {
+    check("olmoe", Layout::PerExpert(HF), &[]);
+}
+
+#[test]
+fn granitemoe_fused_checkpoint() {
+    check("granitemoe", Layout::Fused, &[]);
+}
+
+#[test]
+fn glm4_moe_per_expert_checkpoint_with_an_mtp_layer() {
+    // The fixture has 3 decoder layers; layer 3 is the multi-token-prediction head.
+    let mtp = Array::from_slice(&[1.0f32; 4], &[4]);
+    check(
+        "glm4_moe",
+        Layout::PerExpert(HF),
+        &[
+            ("model.layers.3.eh_proj.weight", mtp.clone()),
+            ("model.layers.3.mlp.experts.0.up_proj.weight", mtp),
+        ],
+    );
+}
