@@ -132,11 +132,14 @@ def main():
     args = ap.parse_args()
     if args.all:
         for fixture in sorted(FIXTURES.glob("*.json")):
+            # `"quantize": {"mode": "mxfp4"}` names the mode of the fixture's 4-bit twin.
+            spec = json.loads(fixture.read_text()).get("quantize", True)
+            mode = spec.get("mode", "affine") if isinstance(spec, dict) else "affine"
             for suffix, quantize in (("", False), ("-q4", True)):
                 out = os.path.join(args.all, f"family-{fixture.stem}{suffix}")
                 if stale(fixture, out):
                     print(f"generating {out}", flush=True)
-                    generate(fixture.stem, out, quantize=quantize)
+                    generate(fixture.stem, out, quantize=quantize, mode=mode)
         return
     if not (args.family and args.out):
         ap.error("give --family and --out, or --all")

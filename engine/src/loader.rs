@@ -53,7 +53,7 @@ pub enum LoadError {
         found: Vec<i32>,
         expected: Vec<i32>,
     },
-    #[error("tensor {name} has dtype {found:?}; supported: float32, float16, bfloat16 and quantized uint32")]
+    #[error("tensor {name} has dtype {found:?}; supported: float32, float16, bfloat16, and quantized uint32 with uint8 mxfp4 scales")]
     Dtype { name: String, found: Dtype },
     #[error("{name} is quantized but config.json has no `quantization` entry for it")]
     Quantization { name: String },
@@ -176,7 +176,12 @@ impl Weights {
                     });
                 }
                 match array.dtype() {
-                    Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16 | Dtype::Uint32 => {}
+                    // uint8: the shared exponents of `mxfp4` groups (their scales).
+                    Dtype::Float32
+                    | Dtype::Float16
+                    | Dtype::Bfloat16
+                    | Dtype::Uint32
+                    | Dtype::Uint8 => {}
                     found => return Err(LoadError::Dtype { name, found }),
                 }
                 source_of.insert(name.clone(), file_name.clone());

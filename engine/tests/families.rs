@@ -210,5 +210,7 @@ family!(kimi_k2_matches_mlx_lm, "kimi_k2");
 family!(gemma2_matches_mlx_lm, "gemma2");
 family!(gemma3_text_matches_mlx_lm, "gemma3_text");
 family!(gemma3_matches_mlx_lm, "gemma3");
+family!(gemma4_text_matches_mlx_lm, "gemma4_text");
+family!(gemma4_moe_matches_mlx_lm, "gemma4_moe");
 family!(gpt_oss_matches_mlx_lm, "gpt_oss");
 family!(gpt_oss_mxfp4_matches_mlx_lm, "gpt_oss_mxfp4");

@@ -5,6 +5,7 @@
 //! in, so one loaded model serves any number of sequences.
 pub mod gemma2;
 pub mod gemma3;
+pub mod gemma4;
 pub mod gpt_oss;
 pub mod cohere;
 pub mod cohere2;
@@ -121,6 +122,8 @@ const REGISTRY: &[(&str, Builder)] = &[
     ("Gemma2ForCausalLM", gemma2::build),
     ("Gemma3ForCausalLM", gemma3::build),
     ("Gemma3ForConditionalGeneration", gemma3::build_conditional),
+    ("Gemma4ForCausalLM", gemma4::build),
+    ("Gemma4ForConditionalGeneration", gemma4::build_conditional),
     ("GptOssForCausalLM", gpt_oss::build),
     ("CohereForCausalLM", cohere::build),
     ("Cohere2ForCausalLM", cohere2::build),
