@@ -2,6 +2,8 @@
 //! tensor names, and the Hugging Face / mlx-lm `config.json`.
 use serde_json::{json, Value};
 
+pub use super::arch::TensorRole;
+use super::arch::{Param, TensorMap};
 use super::gguf::{GgmlType, GgufFile};
 use super::ConvertError;
 
@@ -234,21 +236,12 @@ impl LlamaParams {
     }
 }
 
-/// What a GGUF tensor becomes.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TensorRole {
-    /// Hugging Face module path, e.g. `model.layers.3.self_attn.q_proj`; the tensor is
-    /// `<module>.weight` (and `.scales`/`.biases` when quantized).
-    pub module: String,
-    /// Expected shape in Hugging Face order (`[out, in]` for matrices, `[n]` for norms).
-    pub shape: Vec<usize>,
-    /// Heads whose rows to un-permute (Q and K projections).
-    pub unpermute_heads: Option<usize>,
-}
-
 /// Maps a GGUF tensor name onto its Hugging Face module, or errors naming the tensor.
 pub fn tensor_role(p: &LlamaParams, name: &str) -> Result<TensorRole, ConvertError> {
-    let unknown = || ConvertError::UnknownTensor(name.to_string());
+    let unknown = || ConvertError::UnknownTensor {
+        name: name.to_string(),
+        arch: "llama".into(),
+    };
     let base = name.strip_suffix(".weight").ok_or_else(unknown)?;
     let (h, v, q_rows, kv_rows) = (
         p.hidden_size,
@@ -257,9 +250,8 @@ pub fn tensor_role(p: &LlamaParams, name: &str) -> Result<TensorRole, ConvertErr
         p.n_kv_heads * p.head_dim,
     );
     let role = |module: String, shape: Vec<usize>, unpermute_heads: Option<usize>| TensorRole {
-        module,
-        shape,
         unpermute_heads,
+        ..TensorRole::plain(module, Param::Weight, shape)
     };
     Ok(match base {
         "token_embd" => role("model.embed_tokens".into(), vec![v, h], None),
@@ -287,6 +279,20 @@ pub fn tensor_role(p: &LlamaParams, name: &str) -> Result<TensorRole, ConvertErr
             }
         }
     })
+}
+
+impl TensorMap for LlamaParams {
+    fn role(&self, name: &str) -> Result<Option<TensorRole>, ConvertError> {
+        if name == ROPE_FREQS {
+            // Read into config.json's rope_scaling by `LlamaParams::from_gguf`.
+            return Ok(None);
+        }
+        tensor_role(self, name).map(Some)
+    }
+
+    fn required(&self) -> Vec<String> {
+        self.required_tensors()
+    }
 }
 
 /// Token ids that config.json repeats.

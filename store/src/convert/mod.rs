@@ -6,13 +6,22 @@
 //! everything else `f16`. The directory is assembled beside `out_dir` and renamed into place at
 //! the end, so `out_dir` either does not exist or is complete.
 //!
+//! Architectures (`general.architecture`): `llama` ([`llama`]), `qwen2`, `qwen3` and `qwen3moe`
+//! ([`qwen`]), `gemma3` ([`gemma3`]) and `phi3` ([`phi3`]), each mapped onto the Hugging Face
+//! architecture mlx-lm loads, inverting what llama.cpp's converter did to names, layouts and
+//! values; a file that does not map exactly is refused with the key or tensor at fault.
+//!
 //! Every directory also gets [`STAMP_FILE`], which records [`CONVERTER_VERSION`] and the
 //! options, so that the store converts again when a newer converter would write something
 //! different ([`Stamp::read`], [`Stamp::is_current`]).
+pub mod arch;
 pub mod blocks;
+pub mod gemma3;
 pub mod gguf;
 pub mod llama;
+pub mod phi3;
 pub mod quant;
+pub mod qwen;
 pub mod report;
 pub mod tokenizer;
 
@@ -25,6 +34,7 @@ use std::path::{Path, PathBuf};
 use safetensors::Dtype;
 use serde_json::{json, Value};
 
+use arch::{ArchPlan, TensorMap};
 use gguf::{GgmlType, GgufFile};
 use llama::{LlamaParams, SpecialIds};
 pub use quant::FloatDtype;
@@ -102,6 +112,10 @@ pub struct ConvertOptions {
     pub float_dtype: FloatDtype,
 }
 
+/// The `general.architecture` values converted, for messages.
+pub const SUPPORTED_ARCHITECTURES: &str =
+    "\"llama\", \"qwen2\", \"qwen3\", \"qwen3moe\", \"gemma3\", \"phi3\"";
+
 /// Why a conversion failed. Messages name the file, key, tensor or value at fault.
 #[derive(Debug, thiserror::Error)]
 pub enum ConvertError {
@@ -123,14 +137,14 @@ pub enum ConvertError {
         expected: &'static str,
         found: &'static str,
     },
-    #[error("architecture {0:?} is not supported (supported: \"llama\")")]
+    #[error("architecture {0:?} is not supported (supported: {SUPPORTED_ARCHITECTURES})")]
     UnsupportedArchitecture(String),
     #[error("unsupported model: {0}")]
     Unsupported(String),
     #[error("tensor {name:?} has type {ggml_type}, which cannot be converted")]
     UnsupportedTensorType { name: String, ggml_type: String },
-    #[error("tensor {0:?} is not part of the llama architecture as converted here")]
-    UnknownTensor(String),
+    #[error("tensor {name:?} is not part of the {arch} architecture as converted here")]
+    UnknownTensor { name: String, arch: String },
     #[error("tensor {0:?} is missing from the GGUF file")]
     MissingTensor(String),
     #[error("tensor shape: {0}")]
@@ -194,7 +208,7 @@ struct Weights {
 
 fn convert_tensors(
     g: &GgufFile,
-    p: &LlamaParams,
+    map: &dyn TensorMap,
     float_dtype: FloatDtype,
 ) -> Result<Weights, ConvertError> {
     let float_st = match float_dtype {
@@ -206,41 +220,53 @@ fn convert_tensors(
     // module path → Some((bits, group size)) when quantized, None when a float matrix.
     let mut matrices: BTreeMap<String, Option<(u32, usize)>> = BTreeMap::new();
     let present: BTreeSet<&str> = g.tensors.iter().map(|t| t.name.as_str()).collect();
-    for name in p.required_tensors() {
+    // A tensor the architecture does not have (a fused or shared-expert variant, say) is
+    // named before any tensor it replaces is reported missing.
+    let roles = g
+        .tensors
+        .iter()
+        .map(|info| map.role(&info.name))
+        .collect::<Result<Vec<_>, _>>()?;
+    for name in map.required() {
         if !present.contains(name.as_str()) {
             return Err(ConvertError::MissingTensor(name));
         }
     }
 
-    for info in &g.tensors {
-        if info.name == llama::ROPE_FREQS {
-            // Read into config.json's rope_scaling by `LlamaParams::from_gguf`.
+    for (info, role) in g.tensors.iter().zip(roles) {
+        let Some(role) = role else {
+            // Read into config.json by the architecture's hyper-parameters.
             continue;
-        }
-        let role = llama::tensor_role(p, &info.name)?;
+        };
         let hf_shape: Vec<usize> = info.dims.iter().rev().map(|&d| d as usize).collect();
         if hf_shape != role.shape {
             return Err(ConvertError::Shape(format!(
                 "{}: shape {:?} (GGUF dims {:?}), expected {:?} for {}",
-                info.name, hf_shape, info.dims, role.shape, role.module
+                info.name,
+                hf_shape,
+                info.dims,
+                role.shape,
+                role.output_name()
             )));
         }
-        let (rows, cols) = match hf_shape.as_slice() {
-            [n] => (1, *n),
-            [r, c] => (*r, *c),
-            _ => unreachable!("roles have one or two dimensions"),
-        };
+        // Every dimension but the last is a row: stacked experts are `experts x out` rows.
+        let (outer, cols) = hf_shape.split_at(hf_shape.len() - 1);
+        let (rows, cols) = (outer.iter().product::<usize>(), cols[0]);
         let order = match role.unpermute_heads {
             Some(heads) => quant::unpermute_qk_rows(&info.name, rows, heads)?,
             None => (0..rows).collect(),
         };
         let data = g.tensor_data(info);
         let ty = info.ggml_type;
+        let is_matrix = hf_shape.len() >= 2 && role.param == arch::Param::Weight;
         if blocks::affine_bits(ty).is_some() {
-            if hf_shape.len() != 2 {
+            if !is_matrix || role.shift != 0.0 {
                 return Err(ConvertError::UnsupportedTensorType {
                     name: info.name.clone(),
-                    ggml_type: format!("{ty:?} on a 1-D tensor (only matrices may be quantized)"),
+                    ggml_type: format!(
+                        "{ty:?} on {} (only matrices may be quantized)",
+                        role.output_name()
+                    ),
                 });
             }
             let q = quant::repack(&info.name, ty, data, rows, cols, &order, float_dtype)?;
@@ -257,11 +283,12 @@ fn convert_tensors(
                 &info.name,
                 q.error,
             );
+            let with_last = |last: usize| [outer, &[last]].concat();
             tensors.insert(
                 format!("{}.weight", role.module),
                 OutTensor {
                     dtype: Dtype::U32,
-                    shape: vec![rows, words],
+                    shape: with_last(words),
                     data: q.weight,
                 },
             );
@@ -270,21 +297,28 @@ fn convert_tensors(
                     format!("{}.{suffix}", role.module),
                     OutTensor {
                         dtype: float_st,
-                        shape: vec![rows, groups],
+                        shape: with_last(groups),
                         data: quant::float_bytes(float_dtype, values),
                     },
                 );
             }
             matrices.insert(role.module, Some((q.bits, q.group_size)));
         } else if matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16) {
-            let (bytes, error) =
-                quant::to_float(&info.name, ty, data, rows, cols, &order, float_dtype)?;
+            let (bytes, error) = quant::to_float_shifted(
+                &info.name,
+                ty,
+                data,
+                (rows, cols),
+                &order,
+                role.shift,
+                float_dtype,
+            )?;
             report.add(ty, float_dtype.torch_name().to_string(), &info.name, error);
-            if hf_shape.len() == 2 {
+            if is_matrix {
                 matrices.insert(role.module.clone(), None);
             }
             tensors.insert(
-                format!("{}.weight", role.module),
+                role.output_name(),
                 OutTensor {
                     dtype: float_st,
                     shape: hf_shape,
@@ -341,6 +375,74 @@ fn quantization_config(matrices: &BTreeMap<String, Option<(u32, usize)>>) -> Opt
     Some(q)
 }
 
+/// The weights, config.json and tokenizer files of `g`, by its architecture.
+fn convert_model(
+    g: &GgufFile,
+    float_dtype: FloatDtype,
+) -> Result<(Weights, Value, tokenizer::TokenizerFiles), ConvertError> {
+    let arch = g.str("general.architecture")?;
+    let plan = match arch {
+        "llama" => {
+            let params = LlamaParams::from_gguf(g)?;
+            let tok = tokenizer::build(g, params.context_length)?;
+            let weights = convert_tensors(g, &params, float_dtype)?;
+            let config = llama::config_json(
+                &params,
+                weights.tie_word_embeddings,
+                SpecialIds {
+                    bos: tok.bos_id,
+                    eos: tok.eos_id,
+                },
+                weights.quantization.clone(),
+                float_dtype,
+            );
+            return Ok((weights, config, tok));
+        }
+        "qwen2" | "qwen3" | "qwen3moe" => {
+            let variant = qwen::Variant::from_arch(arch).expect("matched above");
+            qwen::plan(g, variant)?
+        }
+        "gemma3" => gemma3::plan(g)?,
+        "phi3" => phi3::plan(g)?,
+        other => return Err(ConvertError::UnsupportedArchitecture(other.to_string())),
+    };
+    let tok = tokenizer::build(g, plan.context_length)?;
+    let weights = convert_tensors(g, &plan.tensors, float_dtype)?;
+    let config = finish_config(g, plan, &weights, &tok, float_dtype)?;
+    Ok((weights, config, tok))
+}
+
+/// An [`ArchPlan`]'s config.json with what the tensors and the tokenizer decide: the tied
+/// embedding, the token ids (every token that ends a generation as `eos_token_id`), the dtype
+/// and the quantization.
+fn finish_config(
+    g: &GgufFile,
+    plan: ArchPlan,
+    weights: &Weights,
+    tok: &tokenizer::TokenizerFiles,
+    float_dtype: FloatDtype,
+) -> Result<Value, ConvertError> {
+    let mut c = plan.config;
+    c.insert(
+        "tie_word_embeddings".into(),
+        json!(weights.tie_word_embeddings),
+    );
+    c.insert("torch_dtype".into(), json!(float_dtype.torch_name()));
+    c.insert("bos_token_id".into(), json!(tok.bos_id));
+    let extra = arch::extra_stop_ids(g, tok.eos_id)?;
+    let eos = match (tok.eos_id, extra.is_empty()) {
+        (eos, true) => json!(eos),
+        (eos, false) => json!(eos.into_iter().chain(extra).collect::<Vec<_>>()),
+    };
+    c.insert("eos_token_id".into(), eos);
+    if let Some(q) = &weights.quantization {
+        c.insert("quantization".into(), q.clone());
+        // mlx-lm writes both keys; transformers-style readers look for the second.
+        c.insert("quantization_config".into(), q.clone());
+    }
+    Ok(Value::Object(c))
+}
+
 /// Removes the staging directory unless the conversion finished.
 struct Staging {
     path: PathBuf,
@@ -385,23 +487,7 @@ pub fn convert_gguf_with(
         return Err(ConvertError::OutputExists(out_dir.to_path_buf()));
     }
     let g = GgufFile::open(gguf_path)?;
-    let arch = g.str("general.architecture")?;
-    if arch != "llama" {
-        return Err(ConvertError::UnsupportedArchitecture(arch.to_string()));
-    }
-    let params = LlamaParams::from_gguf(&g)?;
-    let tok = tokenizer::build(&g, params.context_length)?;
-    let weights = convert_tensors(&g, &params, opts.float_dtype)?;
-    let config = llama::config_json(
-        &params,
-        weights.tie_word_embeddings,
-        SpecialIds {
-            bos: tok.bos_id,
-            eos: tok.eos_id,
-        },
-        weights.quantization.clone(),
-        opts.float_dtype,
-    );
+    let (weights, config, tok) = convert_model(&g, opts.float_dtype)?;
 
     let parent = match out_dir.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),

@@ -400,6 +400,21 @@ pub fn to_float(
     row_order: &[usize],
     dtype: FloatDtype,
 ) -> Result<(Vec<u8>, ErrorStats), ConvertError> {
+    to_float_shifted(name, ty, data, (rows, cols), row_order, 0.0, dtype)
+}
+
+/// [`to_float`] of `value - shift` (computed in f32) for every value: Gemma's norms, which
+/// llama.cpp stores as `1 + w`. The error is measured against `value - shift`; a shift of 0
+/// leaves every value, its sign included, as it is.
+pub fn to_float_shifted(
+    name: &str,
+    ty: GgmlType,
+    data: &[u8],
+    (rows, cols): (usize, usize),
+    row_order: &[usize],
+    shift: f32,
+    dtype: FloatDtype,
+) -> Result<(Vec<u8>, ErrorStats), ConvertError> {
     if !matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16) {
         return Err(ConvertError::UnsupportedTensorType {
             name: name.to_string(),
@@ -410,6 +425,7 @@ pub fn to_float(
     let mut out = Vec::with_capacity(rows * cols * dtype.bytes());
     let mut error = ErrorStats::default();
     let mut push = |v: f32| -> Result<(), ConvertError> {
+        let v = if shift == 0.0 { v } else { v - shift };
         let s = stored(name, "value", v, dtype)?;
         error.add(s, v);
         match dtype {

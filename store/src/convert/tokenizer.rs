@@ -3,7 +3,8 @@
 //! - byte-level BPE (`tokenizer.ggml.model` = `gpt2`) with the pre-tokenizers `smollm` (every
 //!   digit split on its own, then the GPT-2 byte-level regex), `gpt-2`/`default` (the GPT-2
 //!   regex) and `llama-bpe` (Llama 3's regex, with whole-word vocabulary hits before merges,
-//!   as llama.cpp and Meta's tokenizer.json do);
+//!   as llama.cpp and Meta's tokenizer.json do) and `qwen2` (Qwen2/Qwen3: Llama 3's regex with
+//!   single digits, after Qwen's NFC normalization);
 //! - SentencePiece BPE (`tokenizer.ggml.model` = `llama`, Llama 2 / Mistral): the pieces and
 //!   their scores become a BPE whose merges rank by the merged piece's score, which is the
 //!   order SentencePiece merges in; `<0xXX>` byte tokens give byte fallback; `▁` stands for a
@@ -64,6 +65,10 @@ fn token_id(g: &GgufFile, key: &str, n_tokens: usize) -> Result<Option<u32>, Con
 /// Llama 3's pre-tokenizer regex (llama.cpp's `LLAMA_VOCAB_PRE_TYPE_LLAMA3`, the pattern of
 /// Meta's tokenizer.json).
 const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Qwen2's pre-tokenizer regex (llama.cpp's `LLAMA_VOCAB_PRE_TYPE_QWEN2`, the pattern of
+/// Qwen's tokenizer.json): Llama 3's with every digit on its own.
+const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// SentencePiece's visible space.
 const SPM_SPACE: &str = "\u{2581}";
@@ -177,7 +182,27 @@ fn byte_level_pipeline(
     v: &Vocab,
     vocab: Map<String, Value>,
 ) -> Result<Pipeline, ConvertError> {
-    let (pre_tokenizer, ignore_merges) = match pre {
+    let split_then_bytes = |pattern: &str| {
+        json!({
+            "type": "Sequence",
+            "pretokenizers": [
+                {
+                    "type": "Split",
+                    "pattern": {"Regex": pattern},
+                    "behavior": "Isolated",
+                    "invert": false
+                },
+                {
+                    "type": "ByteLevel",
+                    "add_prefix_space": false,
+                    "trim_offsets": true,
+                    "use_regex": false
+                }
+            ]
+        })
+    };
+    // (pre-tokenizer, whether whole-word vocabulary hits skip the merges, normalizer)
+    let (pre_tokenizer, ignore_merges, normalizer) = match pre {
         "smollm" => (
             json!({
                 "type": "Sequence",
@@ -187,31 +212,22 @@ fn byte_level_pipeline(
                 ]
             }),
             false,
+            Value::Null,
         ),
-        "gpt-2" | "default" => (byte_level(true), false),
-        "llama-bpe" | "llama3" | "llama-v3" => (
-            json!({
-                "type": "Sequence",
-                "pretokenizers": [
-                    {
-                        "type": "Split",
-                        "pattern": {"Regex": LLAMA3_PATTERN},
-                        "behavior": "Isolated",
-                        "invert": false
-                    },
-                    {
-                        "type": "ByteLevel",
-                        "add_prefix_space": false,
-                        "trim_offsets": true,
-                        "use_regex": false
-                    }
-                ]
-            }),
-            true,
+        "gpt-2" | "default" => (byte_level(true), false, Value::Null),
+        "llama-bpe" | "llama3" | "llama-v3" => {
+            (split_then_bytes(LLAMA3_PATTERN), true, Value::Null)
+        }
+        // Qwen's tokenizer.json normalizes to NFC first; llama.cpp does not, which only
+        // matters for text that is not already NFC.
+        "qwen2" => (
+            split_then_bytes(QWEN2_PATTERN),
+            false,
+            json!({"type": "NFC"}),
         ),
         other => {
             return Err(err(format!(
-                "tokenizer.ggml.pre {other:?} is not supported for byte-level BPE (supported: \"llama-bpe\", \"smollm\", \"gpt-2\", \"default\")"
+                "tokenizer.ggml.pre {other:?} is not supported for byte-level BPE (supported: \"llama-bpe\", \"qwen2\", \"smollm\", \"gpt-2\", \"default\")"
             )))
         }
     };
@@ -244,15 +260,15 @@ fn byte_level_pipeline(
         "vocab": vocab,
         "merges": merges
     });
-    // Meta's own tokenizer_config.json names the generic fast tokenizer.
-    let class = if ignore_merges {
-        "PreTrainedTokenizerFast"
-    } else {
-        "GPT2Tokenizer"
+    // Meta's own tokenizer_config.json names the generic fast tokenizer; Qwen's names its own.
+    let class = match pre {
+        _ if ignore_merges => "PreTrainedTokenizerFast",
+        "qwen2" => "Qwen2Tokenizer",
+        _ => "GPT2Tokenizer",
     };
     Ok(Pipeline {
         pre_tokenizer,
-        normalizer: Value::Null,
+        normalizer,
         decoder: byte_level(true),
         model,
         post_first: Some(byte_level(false)),
