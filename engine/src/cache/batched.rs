@@ -16,6 +16,23 @@
 //!
 //! With no padding and no holes (one row, or rows of equal length) the layout computes exactly
 //! what [`DenseKv`](super::DenseKv) does: an integer rotary offset and no mask array.
+//!
+//! A layer that attends within a sliding window (`window`) keeps its memory bounded: positions
+//! its queries can no longer reach are cut from the front of the buffer, and each row counts
+//! the valid positions it lost (`evicted`), so that its logical length (its rotary offset) is
+//! `evicted` plus the valid positions held. The window mask works in logical positions, which
+//! a cut does not change (it shifts every buffer position of a row alike). A row always keeps
+//! its last `window +` [`WINDOW_SLACK`] valid positions: a speculative rollback may drop up to
+//! `MAX_NUM_DRAFT + 1` of them (a draft model's cache writes that many before it rolls back)
+//! and the queries that follow must still see a whole window. Cuts are amortised: a cut
+//! happens before a write only once every row can lose at least `window + WINDOW_SLACK`
+//! positions (so the buffer holds between one and two such spans), and copies what stays into
+//! a buffer sized for the next span, so a step pays no slicing most of the time and the memory
+//! of the cut positions is freed at once. A cut keeps holes below the kept span where a row
+//! needs them rather than compacting first (no gather): a row with holes simply keeps a few
+//! more buffer positions, bounded by [`MAX_HOLES`]. mlx-lm's `RotatingKVCache` rotates in
+//! place instead; the positional layout keeps rows aligned, the prefix cache's row copies in
+//! order, and rollback a matter of offsets.
 use mlx_rs::error::Exception;
 use mlx_rs::ops::indexing::{Ellipsis, IndexOp};
 use mlx_rs::Array;
@@ -23,6 +40,7 @@ use mlx_rs::Array;
 use super::stored::{write_positions, KvQuant, Stored};
 use super::Mask;
 use crate::models::layers::Rope;
+use crate::runtime::draft::MAX_NUM_DRAFT;
 
 #[derive(Debug, Default)]
 pub struct BatchKv {
@@ -38,10 +56,21 @@ pub struct BatchKv {
     /// Positions below `idx` that each row rejected in a speculative rollback, ascending; one
     /// entry per row.
     holes: Vec<Vec<i32>>,
+    /// The sliding window of the layer (the most keys one query sees): positions beyond its
+    /// reach are cut (see the module comment). `None` keeps every position.
+    window: Option<usize>,
+    /// Valid positions each row lost to window cuts, before its first held one; one entry
+    /// per row.
+    evicted: Vec<usize>,
 }
 
 /// Holes one row may collect before the cache compacts it (see the module comment).
 pub const MAX_HOLES: usize = 64;
+
+/// Valid positions a windowed row keeps beyond its window: what one speculative rollback may
+/// drop (a draft model's cache writes its last token and up to `MAX_NUM_DRAFT` drafts before
+/// rolling back).
+pub const WINDOW_SLACK: usize = MAX_NUM_DRAFT + 1;
 
 impl BatchKv {
     /// An empty cache for rows that will be written with the given left padding (a prefill
@@ -53,12 +82,15 @@ impl BatchKv {
             quant,
             idx: 0,
             holes: vec![Vec::new(); left_padding.len()],
+            evicted: vec![0; left_padding.len()],
             left_padding,
+            window: None,
         }
     }
 
-    /// One row that holds `keys`/`values` `[1, kv_heads, n, head_dim]` (a prefix-cache hit).
-    pub fn from_row(keys: Stored, values: Stored, quant: Option<KvQuant>) -> Self {
+    /// One row that holds `keys`/`values` `[1, kv_heads, n, head_dim]` at logical positions
+    /// `start..start + n` (a prefix-cache hit; `start` > 0 for a windowed layer that evicted).
+    pub fn from_row(keys: Stored, values: Stored, start: usize, quant: Option<KvQuant>) -> Self {
         let n = keys.positions();
         Self {
             keys: Some(keys),
@@ -67,7 +99,21 @@ impl BatchKv {
             idx: n,
             left_padding: vec![0],
             holes: vec![Vec::new()],
+            window: None,
+            evicted: vec![start],
         }
+    }
+
+    /// This cache for a layer that attends within `window` keys (`None`: every key), which
+    /// it then keeps bounded (see the module comment).
+    pub fn windowed(mut self, window: Option<usize>) -> Self {
+        self.window = window;
+        self
+    }
+
+    /// The sliding window this cache is bounded by.
+    pub fn window(&self) -> Option<usize> {
+        self.window
     }
 
     pub fn rows(&self) -> usize {
@@ -101,9 +147,21 @@ impl BatchKv {
         Ok(())
     }
 
-    /// Valid positions held for row `r` (its logical length).
+    /// Row `r`'s logical length: the valid positions it held, evicted ones included (its
+    /// rotary offset, and how many of its tokens the cache stands for).
     pub fn row_len(&self, r: usize) -> usize {
+        self.evicted[r] + self.held(r)
+    }
+
+    /// Valid positions row `r` holds in the buffer.
+    fn held(&self, r: usize) -> usize {
         (self.idx - self.left_padding[r]) as usize - self.holes[r].len()
+    }
+
+    /// The logical position of row `r`'s first held position (what [`Self::row_copy`]
+    /// starts at): 0 unless a window cut evicted positions.
+    pub fn row_start(&self, r: usize) -> usize {
+        self.evicted[r]
     }
 
     fn unpadded(&self) -> bool {
@@ -127,6 +185,8 @@ impl BatchKv {
         keys: &Array,
         values: &Array,
     ) -> Result<(Stored, Stored), Exception> {
+        // Before the write, so that the new queries still see the window before them.
+        self.evict_outside_window()?;
         let prev = self.idx;
         let k = write_positions(&mut self.keys, prev, &Stored::new(keys, self.quant)?)?;
         let v = write_positions(&mut self.values, prev, &Stored::new(values, self.quant)?)?;
@@ -138,6 +198,15 @@ impl BatchKv {
     /// causal among the new positions, and with a `window` each query sees at most that many
     /// keys, itself included (a sliding-window layer). No array when nothing needs hiding.
     pub fn mask(&self, queries: i32, window: Option<usize>) -> Result<Mask, Exception> {
+        if let Some(kept) = self.window {
+            if window.is_none_or(|w| w > kept) {
+                return Err(Exception::custom(format!(
+                    "a layer attending over {} reads a cache bounded by a window of {kept}: the \
+                     model's layer windows disagree with its attention",
+                    window.map_or("every key".to_owned(), |w| format!("{w} keys"))
+                )));
+            }
+        }
         let t = self.idx;
         let window = window.map(|w| w as i32).filter(|&w| w < t);
         let has_holes = self.holes.iter().any(|h| !h.is_empty());
@@ -230,6 +299,7 @@ impl BatchKv {
             }
             self.left_padding = keep.iter().map(|&r| self.left_padding[r]).collect();
             self.holes = keep.iter().map(|&r| self.holes[r].clone()).collect();
+            self.evicted = keep.iter().map(|&r| self.evicted[r]).collect();
         }
         self.cut_shared_padding()
     }
@@ -261,6 +331,12 @@ impl BatchKv {
         if other.rows() == 0 {
             return Ok(());
         }
+        if self.rows() > 0 && self.window != other.window {
+            return Err(Exception::custom(format!(
+                "cannot join KV caches bounded by different windows ({:?} and {:?})",
+                self.window, other.window
+            )));
+        }
         let mut other = other;
         // One buffer has one layout: a plain side joining a quantized one is quantized.
         match (self.quant, other.quant) {
@@ -278,6 +354,7 @@ impl BatchKv {
                 // Nothing written on either side yet (one-token prompts): positions agree at 0.
                 self.left_padding.extend(other.left_padding);
                 self.holes.extend(other.holes);
+                self.evicted.extend(other.evicted);
                 return Ok(());
             }
         };
@@ -288,6 +365,7 @@ impl BatchKv {
         self.values = Some(Stored::concat(&[v1, v2], 0)?);
         self.left_padding = p1.into_iter().chain(p2).collect();
         self.holes = h1.into_iter().chain(h2).collect();
+        self.evicted.extend(other.evicted);
         self.idx = end;
         Ok(())
     }
@@ -333,8 +411,10 @@ impl BatchKv {
             .collect()
     }
 
-    /// A copy of row `r`'s valid keys and values, `[1, kv_heads, row_len, head_dim]`, that
-    /// holds no reference to the batch buffer (so the buffer can still be updated in place).
+    /// A copy of row `r`'s valid keys and values, `[1, kv_heads, held, head_dim]`, that holds
+    /// no reference to the batch buffer (so the buffer can still be updated in place). They
+    /// stand for logical positions [`Self::row_start`]`..`[`Self::row_len`]: a windowed
+    /// layer's copy holds what its window may still read, and a little more.
     pub fn row_copy(&self, r: usize) -> Result<Option<(Stored, Stored)>, Exception> {
         let (Some(k), Some(v)) = (&self.keys, &self.values) else {
             return Ok(None);
@@ -349,6 +429,72 @@ impl BatchKv {
         let (r, start, end) = (r as i32, self.left_padding[r], self.idx);
         let copy = |a: &Array| a.index((r..r + 1, .., start..end, ..)).contiguous();
         Ok(Some((k.map(copy)?, v.map(copy)?)))
+    }
+
+    /// Cuts the positions no query can reach any more from the front of a windowed cache,
+    /// once every row can lose at least `window + WINDOW_SLACK` of them, and copies what
+    /// stays into a buffer with room for that many more (see the module comment). Runs before
+    /// every write, and after each prefill chunk so that a prompt's cache is bounded while it
+    /// waits to join the batch.
+    pub fn evict_outside_window(&mut self) -> Result<(), Exception> {
+        let Some(window) = self.window else {
+            return Ok(());
+        };
+        let keep = (window + WINDOW_SLACK) as i32;
+        if self.idx < 2 * keep || self.keys.is_none() {
+            return Ok(());
+        }
+        let cut = (0..self.rows())
+            .map(|r| self.first_kept(r, keep))
+            .min()
+            .unwrap_or(0);
+        if cut < keep {
+            return Ok(());
+        }
+        self.cut_front(cut, keep)
+    }
+
+    /// The buffer position from which row `r` holds its last `keep` valid positions, or its
+    /// first position past its padding when it holds fewer.
+    fn first_kept(&self, r: usize, keep: i32) -> i32 {
+        let mut from = self.idx - keep;
+        // Each hole inside the span pushes its start one position further back.
+        for &hole in self.holes[r].iter().rev() {
+            if hole < from {
+                break;
+            }
+            from -= 1;
+        }
+        from.max(self.left_padding[r])
+    }
+
+    /// Cuts buffer positions `..cut` of every row, counting the valid ones among them as
+    /// evicted, and copies the rest into a new buffer with room for `spare` more positions
+    /// (a copy, not a view, so the cut positions' memory is freed).
+    fn cut_front(&mut self, cut: i32, spare: i32) -> Result<(), Exception> {
+        for r in 0..self.rows() {
+            let holes_cut = self.holes[r].partition_point(|&h| h < cut);
+            let past_padding = (cut - self.left_padding[r]).max(0) as usize;
+            self.evicted[r] += past_padding - holes_cut;
+            self.left_padding[r] = (self.left_padding[r] - cut).max(0);
+            self.holes[r].drain(..holes_cut);
+            for h in &mut self.holes[r] {
+                *h -= cut;
+            }
+        }
+        let (end, rows) = (self.idx, self.rows() as i32);
+        for side in [&mut self.keys, &mut self.values] {
+            *side = side
+                .take()
+                .map(|s| {
+                    let kept = s.map(|a| Ok(a.index((Ellipsis, cut..end, ..))))?;
+                    let room = kept.zeros(rows, spare)?;
+                    Stored::concat(&[kept, room], 2)
+                })
+                .transpose()?;
+        }
+        self.idx = end - cut;
+        Ok(())
     }
 
     /// Drops the last `n` positions of every row.
@@ -375,10 +521,10 @@ impl BatchKv {
             )));
         }
         for (r, &d) in drop.iter().enumerate() {
-            if d > self.row_len(r) {
+            if d > self.held(r) {
                 return Err(Exception::custom(format!(
-                    "rollback of {d} positions in a row of {}",
-                    self.row_len(r)
+                    "rollback of {d} positions in a row that holds {}",
+                    self.held(r)
                 )));
             }
         }
@@ -612,6 +758,272 @@ mod tests {
         let (row0, _) = cache.row_copy(0).unwrap().unwrap();
         let all0 = positions(2, 0, 2 + 2 * (MAX_HOLES as i32 + 1)).index((0..1, .., .., ..));
         assert_eq!(row_values(&row0), row_values(&Stored::Plain(all0)));
+    }
+
+    /// A windowed cache driven with known contents: each row's history is the value of the
+    /// key at each of its logical positions (`id * 10_000 + position`, exact in f32), and
+    /// every write checks what each new query sees against the history alone.
+    struct Driven {
+        cache: BatchKv,
+        window: usize,
+        ids: Vec<usize>,
+        history: Vec<Vec<f32>>,
+    }
+
+    fn code(id: usize, position: usize) -> f32 {
+        (id * 10_000 + position) as f32
+    }
+
+    impl Driven {
+        /// A prefill group: row `r` is padded by `padding[r]` to `len` positions.
+        fn prefill(ids: Vec<usize>, padding: Vec<i32>, len: usize, window: usize) -> Self {
+            let mut d = Self {
+                cache: BatchKv::with_padding(padding.clone(), None).windowed(Some(window)),
+                window,
+                history: vec![Vec::new(); ids.len()],
+                ids,
+            };
+            let queries: Vec<usize> = padding.iter().map(|&p| len - p as usize).collect();
+            d.write(len, &queries);
+            d
+        }
+
+        /// Writes `l` new positions in every row.
+        fn step(&mut self, l: usize) {
+            self.write(l, &vec![l; self.ids.len()]);
+        }
+
+        /// Writes `l` positions per row, the last `valid[r]` of them valid (padding before).
+        fn write(&mut self, l: usize, valid: &[usize]) {
+            let rows = self.ids.len();
+            let mut data = Vec::with_capacity(rows * l * 32);
+            let mut before = Vec::with_capacity(rows);
+            for ((history, &id), &valid) in self.history.iter_mut().zip(&self.ids).zip(valid) {
+                let len = history.len();
+                before.push(len);
+                let pad = l - valid;
+                for i in 0..l {
+                    let v = if i < pad {
+                        -1.0
+                    } else {
+                        code(id, len + i - pad)
+                    };
+                    if i >= pad {
+                        history.push(v);
+                    }
+                    data.extend(std::iter::repeat_n(v, 32));
+                }
+            }
+            let k = Array::from_slice(&data, &[rows as i32, 1, l as i32, 32]);
+            let (keys, _) = self.cache.update_and_fetch(&k, &k).unwrap();
+            let mask = self.cache.mask(l as i32, Some(self.window)).unwrap();
+            self.check_visible(&keys, &mask, l, valid, &before);
+            self.check_copies();
+        }
+
+        /// What each valid query attends to equals the last `window` positions of its row's
+        /// history up to itself.
+        fn check_visible(
+            &self,
+            keys: &Stored,
+            mask: &Mask,
+            l: usize,
+            valid: &[usize],
+            before: &[usize],
+        ) {
+            let Stored::Plain(keys) = keys else {
+                panic!("plain keys")
+            };
+            let t = keys.shape()[2] as usize;
+            // A fresh array (the fetch is a view of the buffer).
+            let values: Vec<f32> = keys
+                .add(Array::from_f32(0.0))
+                .unwrap()
+                .as_slice::<f32>()
+                .to_vec();
+            let mask: Option<Vec<bool>> = match mask {
+                Mask::Array(m) => {
+                    let shape = m.shape().to_vec();
+                    let m = mlx_rs::ops::broadcast_to(
+                        m,
+                        &[self.ids.len() as i32, 1, shape[2], shape[3]],
+                    )
+                    .unwrap()
+                    .logical_and(Array::from_bool(true))
+                    .unwrap();
+                    Some(m.as_slice::<bool>().to_vec())
+                }
+                _ => None,
+            };
+            for r in 0..self.ids.len() {
+                for i in l - valid[r]..l {
+                    let p = before[r] + i - (l - valid[r]);
+                    let from = (p + 1).saturating_sub(self.window);
+                    let want = &self.history[r][from..=p];
+                    let seen: Vec<f32> = (0..t)
+                        .filter(|&j| match &mask {
+                            Some(m) => m[(r * l + i) * t + j],
+                            None => j + l <= t + i,
+                        })
+                        .map(|j| values[(r * t + j) * 32])
+                        .collect();
+                    assert_eq!(seen, want, "row {r}, query at {p}");
+                }
+            }
+        }
+
+        /// Each row's copy is its history from its start; its logical length is the history's.
+        fn check_copies(&self) {
+            for r in 0..self.ids.len() {
+                assert_eq!(self.cache.row_len(r), self.history[r].len(), "row {r}");
+                let start = self.cache.row_start(r);
+                let (copy, _) = self.cache.row_copy(r).unwrap().unwrap();
+                let got: Vec<f32> = row_values(&copy)[0].iter().step_by(32).copied().collect();
+                assert_eq!(got, self.history[r][start..], "row {r} from {start}");
+                assert!(
+                    self.history[r].len() - start >= self.window.min(self.history[r].len()),
+                    "row {r} holds less than its window"
+                );
+            }
+        }
+
+        fn rollback(&mut self, drop: &[usize]) {
+            self.cache.rollback(drop).unwrap();
+            for (h, &d) in self.history.iter_mut().zip(drop) {
+                h.truncate(h.len() - d);
+            }
+            self.check_copies();
+        }
+
+        fn filter(&mut self, keep: &[usize]) {
+            self.cache.filter(keep).unwrap();
+            self.ids = keep.iter().map(|&r| self.ids[r]).collect();
+            self.history = keep.iter().map(|&r| self.history[r].clone()).collect();
+            self.check_copies();
+        }
+
+        fn extend(&mut self, other: Driven) {
+            self.cache.extend(other.cache).unwrap();
+            self.ids.extend(other.ids);
+            self.history.extend(other.history);
+            self.check_copies();
+        }
+    }
+
+    #[test]
+    fn a_window_cut_keeps_each_rows_last_span_and_offsets_with_padding() {
+        let window = 4;
+        let keep = window + WINDOW_SLACK;
+        let mut d = Driven::prefill(vec![0, 1, 2], vec![0, 3, 7], 10, window);
+        for step in 0..6 * keep {
+            d.step(1);
+            assert!(
+                d.cache.idx as usize <= 2 * keep,
+                "step {step}: {} positions",
+                d.cache.idx
+            );
+        }
+        assert!(d.cache.row_start(2) > 0, "positions were evicted");
+        // The buffer stays one size once cuts begin: two spans of positions.
+        let bytes = d.cache.nbytes();
+        assert_eq!(bytes, 2 * 3 * 2 * keep * 32 * 4);
+        for _ in 0..3 * keep {
+            d.step(1);
+            assert_eq!(d.cache.nbytes(), bytes);
+        }
+    }
+
+    #[test]
+    fn a_window_cut_keeps_holes_and_a_rollback_after_it_leaves_what_the_row_kept() {
+        let window = 4;
+        let keep = window + WINDOW_SLACK;
+        let mut d = Driven::prefill(vec![0, 1, 2], vec![0, 0, 0], 3, window);
+        let drops = [[0, 3, 1], [2, 0, 3], [1, 1, 1], [3, 2, 0]];
+        for round in 0..8 * keep {
+            // Four queries at once (a verification pass), then each row rejects its own
+            // count: holes, cuts and compactions interleave.
+            d.step(4);
+            d.rollback(&drops[round % drops.len()]);
+            assert!((d.cache.idx as usize) < 2 * keep + 4 + MAX_HOLES);
+        }
+        assert!(d.cache.row_start(1) > 0, "positions were evicted");
+        // A rollback of a whole pass right after a cut still leaves the window.
+        d.step(MAX_NUM_DRAFT + 1);
+        d.rollback(&[MAX_NUM_DRAFT + 1, MAX_NUM_DRAFT, 0]);
+        d.step(1);
+        // A draft model's cache: one position per pass, up to `MAX_NUM_DRAFT + 1` of them
+        // (cuts between them), then a rollback of all of them.
+        for round in 0..4 * keep {
+            for _ in 0..=MAX_NUM_DRAFT {
+                d.step(1);
+            }
+            let drop = MAX_NUM_DRAFT + 1 - round % 3;
+            d.rollback(&[drop, MAX_NUM_DRAFT + 1, round % 5]);
+        }
+    }
+
+    #[test]
+    fn extend_and_filter_carry_each_rows_evicted_positions() {
+        let window = 3;
+        let keep = window + WINDOW_SLACK;
+        let mut long = Driven::prefill(vec![0], vec![0], 5, window);
+        for _ in 0..3 * keep {
+            long.step(1);
+        }
+        assert!(long.cache.row_start(0) > 0);
+        // A short row joins a long one (padded on the left), then a long one joins them.
+        long.extend(Driven::prefill(vec![1], vec![0], 4, window));
+        for _ in 0..keep {
+            long.step(1);
+        }
+        let mut other = Driven::prefill(vec![2, 3], vec![2, 0], 6, window);
+        for _ in 0..5 * keep {
+            other.step(1);
+        }
+        long.extend(other);
+        long.step(1);
+        long.filter(&[3, 1]);
+        for _ in 0..3 * keep {
+            long.step(1);
+        }
+        long.filter(&[1]);
+        long.step(2);
+    }
+
+    #[test]
+    fn a_hit_row_continues_from_its_start() {
+        let window = 4;
+        let mut d = Driven::prefill(vec![7], vec![0], 60, window);
+        d.cache.evict_outside_window().unwrap();
+        let start = d.cache.row_start(0);
+        assert!(start > 0);
+        let (k, v) = d.cache.row_copy(0).unwrap().unwrap();
+        let history = d.history[0].clone();
+        let mut hit = Driven {
+            cache: BatchKv::from_row(k, v, start, None).windowed(Some(window)),
+            window,
+            ids: vec![7],
+            history: vec![history],
+        };
+        hit.check_copies();
+        for _ in 0..40 {
+            hit.step(1);
+        }
+    }
+
+    #[test]
+    fn a_windowed_cache_refuses_a_wider_attention() {
+        let mut cache = BatchKv::with_padding(vec![0], None).windowed(Some(4));
+        let k = positions(1, 0, 2);
+        cache.update_and_fetch(&k, &k).unwrap();
+        assert!(cache.mask(1, Some(4)).is_ok());
+        assert!(cache.mask(1, Some(3)).is_ok());
+        assert!(cache.mask(1, Some(5)).is_err());
+        assert!(cache.mask(1, None).is_err());
+        let other = BatchKv::with_padding(vec![0], None);
+        let mut other = other;
+        other.update_and_fetch(&k, &k).unwrap();
+        assert!(cache.extend(other).is_err());
     }
 
     #[test]

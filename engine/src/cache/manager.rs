@@ -6,10 +6,7 @@ use mlx_rs::error::Exception;
 
 use super::ssd::format::EntryKind;
 use super::ssd::SsdTier;
-use super::{BatchKv, KvBudget, KvLayout, PrefixCache, Reservation, Stored};
-
-/// One layer's keys and values `[1, kv_heads, n, head_dim]` for a cached prefix.
-type LayerKv = (Stored, Stored);
+use super::{BatchKv, KvBudget, KvLayout, PrefixCache, Reservation, SeqKv, Stored};
 
 /// A prompt's cached prefix, as fresh one-row caches ready to prefill the rest into.
 pub struct PrefixHit {
@@ -19,7 +16,10 @@ pub struct PrefixHit {
 
 pub struct CacheManager {
     budget: KvBudget,
-    prefix: PrefixCache<Vec<LayerKv>>,
+    prefix: PrefixCache<SeqKv>,
+    /// Each layer's sliding window (`None`: global), which decides what a windowed entry can
+    /// restore and bounds the caches of a hit.
+    windows: Vec<Option<usize>>,
     /// KV bytes per token unquantized and as the layout quantizes them.
     plain_bytes_per_token: u64,
     bytes_per_token: u64,
@@ -43,12 +43,20 @@ impl CacheManager {
         Self {
             budget: KvBudget::new(kv_budget),
             prefix: PrefixCache::new(prefix_budget),
+            windows: Vec::new(),
             plain_bytes_per_token: plain_bytes_per_token as u64,
             bytes_per_token: bytes_per_token as u64,
             layout,
             ssd: None,
             demoted_at: None,
         }
+    }
+
+    /// This manager for a model whose layers attend within `windows` (one per layer, `None`
+    /// for a global layer; a manager without them treats every layer as global).
+    pub fn with_windows(mut self, windows: Vec<Option<usize>>) -> Self {
+        self.windows = windows;
+        self
     }
 
     /// This manager with the SSD tier `ssd`.
@@ -91,8 +99,8 @@ impl CacheManager {
         let Some(cutoff) = now.checked_sub(idle) else {
             return Ok(());
         };
-        for (tokens, layers) in self.prefix.remove_unused_since(cutoff) {
-            ssd.queue(&tokens, &layers, EntryKind::Prefix)?;
+        for (tokens, kv) in self.prefix.remove_unused_since(cutoff) {
+            ssd.queue_kv(&tokens, &kv, EntryKind::Prefix)?;
             ssd.counters().demoted.fetch_add(1, Ordering::Relaxed);
             tracing::debug!(tokens = tokens.len(), "prefix demoted to the SSD tier");
         }
@@ -104,15 +112,15 @@ impl CacheManager {
     pub fn checkpoint(
         &mut self,
         tokens: &[u32],
-        layers: &[LayerKv],
+        kv: &SeqKv,
         generated: usize,
     ) -> Result<(), Exception> {
         let Some(ssd) = &self.ssd else {
             return Ok(());
         };
-        ssd.queue(
+        ssd.queue_kv(
             tokens,
-            layers,
+            kv,
             EntryKind::Checkpoint {
                 generated: generated as u32,
             },
@@ -136,6 +144,11 @@ impl CacheManager {
     }
 
     /// KV bytes a sequence of `tokens` positions may need.
+    ///
+    /// Conservative for a model with sliding-window layers: a windowed layer's cache holds at
+    /// most about `2 × (window + WINDOW_SLACK)` positions however long the sequence, but the
+    /// model's bytes per token count every layer at every position, so the reservation
+    /// covers the windowed layers as if they were global.
     pub fn bytes_for(&self, tokens: usize) -> u64 {
         self.layout
             .bytes_for(tokens, self.plain_bytes_per_token, self.bytes_per_token)
@@ -157,57 +170,64 @@ impl CacheManager {
         self.prefix.bytes()
     }
 
-    /// The longest cached prefix of `prompt`, leaving at least its last token to run: from
-    /// memory, or restored from the SSD tier when a file there matches further.
+    /// The longest cached prefix of `prompt` that an entry can restore, leaving at least its
+    /// last token to run: from memory, or restored from the SSD tier when a file there
+    /// matches further. An entry whose windowed layers evicted positions the prompt's next
+    /// query reads is a miss for this prompt (the next best entry may serve).
     pub fn lookup(&mut self, prompt: &[u32]) -> Result<Option<PrefixHit>, Exception> {
         if !self.prefix.enabled() || prompt.len() < 2 {
             return Ok(None);
         }
         let max = prompt.len() - 1;
+        let windows = &self.windows;
         let in_memory = self
             .prefix
-            .lookup(prompt, max)
+            .lookup_where(prompt, max, |kv, n| kv.serves(n, windows))
             .map(|h| (h.matched, h.entry_len, h.payload.clone()));
         let memory_matched = in_memory.as_ref().map_or(0, |m| m.0);
         if let Some(ssd) = &self.ssd {
             if let Some(m) = ssd
-                .lookup(prompt, max)
+                .lookup_where(prompt, max, |starts, n| {
+                    super::seq_kv::serves(starts, windows, n)
+                })
                 .filter(|m| m.matched > memory_matched)
             {
-                if let Some(layers) = ssd.restore(&m)? {
+                // The file read may have replaced the one indexed (same tokens, other
+                // starts): it must still serve the match.
+                if let Some(kv) = ssd
+                    .restore_kv(&m)?
+                    .filter(|kv| kv.serves(m.matched, windows))
+                {
                     tracing::info!(
                         tokens = m.matched,
                         file = %m.name,
                         "prefix restored from the SSD tier"
                     );
-                    let bytes = layers
-                        .iter()
-                        .map(|(k, v)| (k.nbytes() + v.nbytes()) as u64)
-                        .sum();
-                    self.prefix.insert(m.tokens.clone(), layers.clone(), bytes);
-                    return self.hit(&layers, m.matched, m.entry_len).map(Some);
+                    let bytes = kv.nbytes();
+                    self.prefix
+                        .insert_with(m.tokens.clone(), kv.clone(), bytes, SeqKv::dominates);
+                    return self.hit(&kv, m.matched, m.entry_len).map(Some);
                 }
             }
         }
         match in_memory {
-            Some((matched, entry_len, layers)) => self.hit(&layers, matched, entry_len).map(Some),
+            Some((matched, entry_len, kv)) => self.hit(&kv, matched, entry_len).map(Some),
             None => Ok(None),
         }
     }
 
-    /// One-row caches holding the first `matched` of an entry's `entry_len` positions.
-    fn hit(
-        &self,
-        payload: &[LayerKv],
-        matched: usize,
-        entry_len: usize,
-    ) -> Result<PrefixHit, Exception> {
+    /// One-row caches holding the first `matched` of an entry's `entry_len` positions: a
+    /// layer that starts at `start` gives positions `start..matched`.
+    fn hit(&self, entry: &SeqKv, matched: usize, entry_len: usize) -> Result<PrefixHit, Exception> {
         let layout = self.layout;
-        let n = matched as i32;
         let whole = matched == entry_len;
-        let layers = payload
+        let layers = entry
+            .layers
             .iter()
-            .map(|(k, v)| {
+            .zip(&entry.starts)
+            .enumerate()
+            .map(|(layer, ((k, v), &start))| {
+                let n = (matched - start) as i32;
                 let (k, v) = if whole {
                     (k.clone(), v.clone())
                 } else {
@@ -218,7 +238,8 @@ impl CacheManager {
                     Stored::Quantized { quant, .. } => Some(*quant),
                     Stored::Plain(_) => None,
                 };
-                let mut row = BatchKv::from_row(k, v, quant);
+                let window = self.windows.get(layer).copied().flatten();
+                let mut row = BatchKv::from_row(k, v, start, quant).windowed(window);
                 if let Some(q) = layout.at(matched) {
                     row.quantize(q)?;
                 }
@@ -231,25 +252,19 @@ impl CacheManager {
         })
     }
 
-    /// Keeps `layers` as the cache of `tokens` (evaluated now, so that they hold no reference
-    /// to the batch buffers they were copied from).
-    pub fn store(&mut self, tokens: Vec<u32>, layers: Vec<LayerKv>) -> Result<(), Exception> {
+    /// Keeps `kv` as the cache of `tokens` (evaluated now, so that it holds no reference to
+    /// the batch buffers it was copied from).
+    pub fn store(&mut self, tokens: Vec<u32>, kv: impl Into<SeqKv>) -> Result<(), Exception> {
         if !self.prefix.enabled() || tokens.is_empty() {
             return Ok(());
         }
-        mlx_rs::transforms::eval(
-            layers
-                .iter()
-                .flat_map(|(k, v)| k.arrays().into_iter().chain(v.arrays())),
-        )?;
-        let bytes = layers
-            .iter()
-            .map(|(k, v)| (k.nbytes() + v.nbytes()) as u64)
-            .sum();
+        let kv = kv.into();
+        mlx_rs::transforms::eval(kv.arrays())?;
+        let bytes = kv.nbytes();
         if let Some(ssd) = &self.ssd {
-            ssd.queue(&tokens, &layers, EntryKind::Prefix)?;
+            ssd.queue_kv(&tokens, &kv, EntryKind::Prefix)?;
         }
-        self.prefix.insert(tokens, layers, bytes);
+        self.prefix.insert_with(tokens, kv, bytes, SeqKv::dominates);
         Ok(())
     }
 

@@ -7,20 +7,25 @@
 //! - [`DenseKv`]: one sequence, as mlx-lm's `KVCache` (the serial reference path);
 //! - [`BatchKv`]: many sequences in one buffer, left-padded, with per-row offsets and masks,
 //!   as mlx-lm's `BatchKVCache` (the runtime's decode batch and prefill groups), holding its
-//!   keys and values plain or quantized ([`Stored`], `--kv-bits`).
+//!   keys and values plain or quantized ([`Stored`], `--kv-bits`), and bounded by the window
+//!   for a sliding-window layer.
+//!
+//! A sequence's KV outside the batch (prefix cache, SSD tier, checkpoints) is a [`SeqKv`].
 mod batched;
 mod budget;
 mod dense;
 mod manager;
 mod prefix;
+mod seq_kv;
 pub mod ssd;
 mod stored;
 
-pub use batched::BatchKv;
+pub use batched::{BatchKv, WINDOW_SLACK};
 pub use budget::{KvBudget, Reservation};
 pub use dense::DenseKv;
 pub use manager::{CacheManager, PrefixHit};
 pub use prefix::{PrefixCache, PrefixLookup};
+pub use seq_kv::SeqKv;
 pub use stored::{KvLayout, KvQuant, Stored};
 
 use mlx_rs::error::Exception;

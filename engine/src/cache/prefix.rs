@@ -69,12 +69,24 @@ impl<T> PrefixCache<T> {
     /// The entry sharing the longest prefix with `tokens`, the match capped at `max_match`
     /// (a prompt's last token must still be run to produce logits). Marks it recently used.
     pub fn lookup(&mut self, tokens: &[u32], max_match: usize) -> Option<PrefixLookup<'_, T>> {
+        self.lookup_where(tokens, max_match, |_, _| true)
+    }
+
+    /// [`Self::lookup`] among the entries whose payload can restore the matched tokens
+    /// (`usable(payload, matched)`; a windowed entry cannot restore a prefix that ends before
+    /// its window's span).
+    pub fn lookup_where(
+        &mut self,
+        tokens: &[u32],
+        max_match: usize,
+        usable: impl Fn(&T, usize) -> bool,
+    ) -> Option<PrefixLookup<'_, T>> {
         let (best, matched) = self
             .entries
             .iter()
             .enumerate()
             .map(|(i, e)| (i, common_prefix(&e.tokens, tokens).min(max_match)))
-            .filter(|&(_, m)| m > 0)
+            .filter(|&(i, m)| m > 0 && usable(&self.entries[i].payload, m))
             .max_by_key(|&(i, m)| (m, std::cmp::Reverse(self.entries[i].tokens.len())))?;
         self.clock += 1;
         let entry = &mut self.entries[best];
@@ -92,21 +104,35 @@ impl<T> PrefixCache<T> {
     /// least recently used entries are evicted to stay within the budget. Returns how many
     /// entries were removed.
     pub fn insert(&mut self, tokens: Vec<u32>, payload: T, bytes: u64) -> usize {
+        self.insert_with(tokens, payload, bytes, |_, _| true)
+    }
+
+    /// [`Self::insert`] where a longer entry makes a shorter one redundant only if
+    /// `dominates(longer, shorter)`: it can restore every prefix the shorter one can (a
+    /// windowed entry evicted positions that a prompt branching early still needs).
+    pub fn insert_with(
+        &mut self,
+        tokens: Vec<u32>,
+        payload: T,
+        bytes: u64,
+        dominates: impl Fn(&T, &T) -> bool,
+    ) -> usize {
         if !self.enabled() || tokens.is_empty() || bytes > self.budget {
             return 0;
         }
         self.clock += 1;
-        if let Some(cover) = self
-            .entries
-            .iter_mut()
-            .find(|e| e.tokens.len() >= tokens.len() && e.tokens.starts_with(&tokens))
-        {
+        if let Some(cover) = self.entries.iter_mut().find(|e| {
+            e.tokens.len() >= tokens.len()
+                && e.tokens.starts_with(&tokens)
+                && dominates(&e.payload, &payload)
+        }) {
             cover.last_used = self.clock;
             cover.used_at = Instant::now();
             return 0;
         }
         let before = self.entries.len();
-        self.entries.retain(|e| !tokens.starts_with(&e.tokens));
+        self.entries
+            .retain(|e| !(tokens.starts_with(&e.tokens) && dominates(&payload, &e.payload)));
         self.entries.push(Entry {
             tokens,
             payload,
@@ -203,6 +229,29 @@ mod tests {
         assert!(c.lookup(&[2, 0], 1).is_none());
         assert!(c.lookup(&[1, 0], 1).is_some());
         assert_eq!(c.bytes(), 20);
+    }
+
+    #[test]
+    fn a_longer_entry_that_does_not_dominate_keeps_its_prefix() {
+        // Payloads are the start of a windowed layer; an entry serves a match of at least
+        // its start.
+        let dominates = |a: &usize, b: &usize| a <= b;
+        let mut c = PrefixCache::new(1000);
+        c.insert_with(vec![1, 2, 3], 1, 10, dominates);
+        c.insert_with(vec![1, 2, 3, 4, 5, 6], 5, 10, dominates);
+        assert_eq!(c.len(), 2, "the longer entry starts later: both kept");
+        let usable = |start: &usize, m: usize| *start <= m;
+        let hit = c.lookup_where(&[1, 2, 3, 9], 3, usable).unwrap();
+        assert_eq!((hit.matched, *hit.payload), (3, 1));
+        let hit = c.lookup_where(&[1, 2, 3, 4, 5, 9], 5, usable).unwrap();
+        assert_eq!((hit.matched, *hit.payload), (5, 5));
+        assert!(c.lookup_where(&[1, 2, 9], 2, |s, m| *s + 2 <= m).is_none());
+        // One that starts no later replaces both.
+        c.insert_with(vec![1, 2, 3, 4, 5, 6, 7], 0, 10, dominates);
+        assert_eq!(c.len(), 1);
+        // And a shorter entry it dominates adds nothing.
+        assert_eq!(c.insert_with(vec![1, 2], 1, 10, dominates), 0);
+        assert_eq!(c.len(), 1);
     }
 
     #[test]

@@ -281,8 +281,8 @@ fn build_text(
         num_layers: c.num_hidden_layers,
         context_length: c.max_position_embeddings,
         weight_bytes: 0,
-        // Local layers keep every position too (the window is a mask over them), so that
-        // rollback and prefix reuse work as on global layers.
+        // Counted as if local layers kept every position: an upper bound (the batch keeps a
+        // local layer's last window and a little more), so admission never over-commits.
         kv_bytes_per_token: full_kv_bytes_per_token(
             c.num_hidden_layers,
             c.num_key_value_heads,
@@ -384,6 +384,10 @@ impl CausalLm for Gemma3 {
             Some(head) => head.matmul_t(&h),
             None => self.embed_tokens.matmul_t(&h),
         }
+    }
+
+    fn layer_windows(&self) -> Vec<Option<usize>> {
+        self.layers.iter().map(|b| b.window).collect()
     }
 
     fn info(&self) -> &ModelInfo {

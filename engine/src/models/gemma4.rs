@@ -958,6 +958,13 @@ impl CausalLm for Gemma4 {
         }
     }
 
+    fn layer_windows(&self) -> Vec<Option<usize>> {
+        self.layers
+            .iter()
+            .map(|l| l.shape.sliding.then_some(self.window))
+            .collect()
+    }
+
     fn info(&self) -> &ModelInfo {
         &self.info
     }

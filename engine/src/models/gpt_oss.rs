@@ -378,7 +378,8 @@ pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadE
         num_layers: c.num_hidden_layers,
         context_length: c.max_position_embeddings.unwrap_or(131072),
         weight_bytes: 0,
-        // Sliding layers keep every position too (the window is a mask over them).
+        // Counted as if sliding layers kept every position: an upper bound (the batch keeps a
+        // sliding layer's last window and a little more), so admission never over-commits.
         kv_bytes_per_token: full_kv_bytes_per_token(
             c.num_hidden_layers,
             c.num_key_value_heads,
@@ -472,6 +473,10 @@ impl CausalLm for GptOss {
             h = mid.add(&r)?;
         }
         self.lm_head.matmul_t(&self.norm.forward(&h)?)
+    }
+
+    fn layer_windows(&self) -> Vec<Option<usize>> {
+        self.layers.iter().map(|b| b.attn.window).collect()
     }
 
     fn info(&self) -> &ModelInfo {

@@ -18,7 +18,7 @@ use super::draft::{ngram, verify, DraftCounts, Drafter, Speculator};
 use super::request::FinishReason;
 use super::sampler::{BatchSampler, PickedLogprobs, RowSampling};
 use super::sequence::Sequence;
-use crate::cache::{BatchKv, KvLayout, LayerCache, Stored};
+use crate::cache::{BatchKv, KvLayout, LayerCache, SeqKv};
 use crate::models::CausalLm;
 
 /// Sequences whose prompt is in their cache, ready to join the batch.
@@ -28,8 +28,9 @@ pub struct Prefilled {
     pub layers: Vec<BatchKv>,
 }
 
-/// The tokens a row's KV holds and one copy of that KV per layer (keys, values).
-pub type RowKv = (Vec<u32>, Vec<(Stored, Stored)>);
+/// The tokens a row's KV stands for and a copy of that KV (per layer: keys, values and the
+/// position they start at).
+pub type RowKv = (Vec<u32>, SeqKv);
 
 /// A step's drafts: on the host (n-gram lookup) or still on the device (a draft model).
 enum Drafts {
@@ -56,7 +57,8 @@ pub struct DecodeBatch {
     sampler: BatchSampler,
     /// Tokens sampled for `rows` in the last step, not yet read back.
     in_flight: Option<Array>,
-    num_layers: usize,
+    /// Each layer's sliding window (one entry per layer), bounding its cache.
+    windows: Vec<Option<usize>>,
     /// Copy each departing row's KV (the prefix cache is on).
     keep_kv: bool,
     /// Speculative decoding: every step drafts and verifies (synchronously).
@@ -70,8 +72,10 @@ pub struct DecodeBatch {
 }
 
 impl DecodeBatch {
+    /// A batch for a model whose layers attend within `windows` (one per layer, `None` for a
+    /// global layer).
     pub fn new(
-        num_layers: usize,
+        windows: Vec<Option<usize>>,
         vocab: usize,
         keep_kv: bool,
         layout: KvLayout,
@@ -82,7 +86,7 @@ impl DecodeBatch {
             caches: Vec::new(),
             sampler: BatchSampler::new(vocab),
             in_flight: None,
-            num_layers,
+            windows,
             keep_kv,
             spec,
             layout,
@@ -562,6 +566,7 @@ impl DecodeBatch {
             return Ok(None);
         }
         let mut layers = Vec::with_capacity(self.caches.len());
+        let mut starts = Vec::with_capacity(self.caches.len());
         let mut len = None;
         for cache in &self.caches {
             let LayerCache::Batched(c) = cache else {
@@ -572,10 +577,11 @@ impl DecodeBatch {
                 Some(kv) => layers.push(kv),
                 None => return Ok(None),
             }
+            starts.push(c.row_start(r));
         }
         match len {
             Some(n) if n > 0 && n <= seq.tokens.len() => {
-                Ok(Some((seq.tokens[..n].to_vec(), layers)))
+                Ok(Some((seq.tokens[..n].to_vec(), SeqKv::new(layers, starts))))
             }
             _ => Ok(None),
         }
@@ -620,8 +626,10 @@ impl DecodeBatch {
     fn join(&mut self, unit: Prefilled, join_tokens: &mut Vec<u32>) -> Result<(), Exception> {
         let Prefilled { seqs, layers } = unit;
         if self.caches.is_empty() {
-            self.caches = (0..self.num_layers)
-                .map(|_| LayerCache::Batched(BatchKv::default()))
+            self.caches = self
+                .windows
+                .iter()
+                .map(|&w| LayerCache::Batched(BatchKv::default().windowed(w)))
                 .collect();
         }
         for (cache, layer) in self.caches.iter_mut().zip(layers) {

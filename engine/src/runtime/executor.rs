@@ -43,6 +43,8 @@ pub(super) struct Executor<'m> {
     pub info: ModelInfo,
     pub limits: SchedulerLimits,
     pub caches: CacheManager,
+    /// Each layer's sliding window (`None`: global), bounding its caches.
+    windows: Vec<Option<usize>>,
     pub stats: Arc<RuntimeStats>,
     pub on_oom: Option<OomHook>,
     waiting: VecDeque<GenerateRequest>,
@@ -63,8 +65,10 @@ impl<'m> Executor<'m> {
         on_oom: Option<OomHook>,
         spec: Option<Speculator>,
     ) -> Self {
+        let windows = model.layer_windows();
+        let caches = caches.with_windows(windows.clone());
         let batch = DecodeBatch::new(
-            info.num_layers,
+            windows.clone(),
             info.vocab_size,
             caches.prefix_enabled(),
             caches.layout(),
@@ -75,6 +79,7 @@ impl<'m> Executor<'m> {
             info,
             limits,
             caches,
+            windows,
             stats,
             on_oom,
             waiting: VecDeque::new(),
@@ -174,8 +179,8 @@ impl<'m> Executor<'m> {
         let Some(every) = self.caches.checkpoint_every() else {
             return Ok(());
         };
-        for ((tokens, layers), generated) in self.batch.checkpoints(every)? {
-            self.caches.checkpoint(&tokens, &layers, generated)?;
+        for ((tokens, kv), generated) in self.batch.checkpoints(every)? {
+            self.caches.checkpoint(&tokens, &kv, generated)?;
         }
         Ok(())
     }
@@ -286,7 +291,7 @@ impl<'m> Executor<'m> {
                 continue;
             }
             let layers = p.layers.unwrap_or_else(|| {
-                fresh_layers(self.info.num_layers, vec![0], self.caches.layout().at(1))
+                fresh_layers(&self.windows, vec![0], self.caches.layout().at(1))
             });
             self.ready.push(Prefilled {
                 seqs: vec![p.seq],
@@ -329,7 +334,6 @@ impl<'m> Executor<'m> {
 
     /// The next `n` prompt tokens of one sequence into its own cache.
     fn prefill_chunk(&mut self, index: usize, n: usize) -> Result<(), Exception> {
-        let num_layers = self.info.num_layers;
         let layout = self.caches.layout();
         let quant = layout.at(0);
         let p = &mut self.prefilling[index];
@@ -338,7 +342,7 @@ impl<'m> Executor<'m> {
         let layers = p
             .layers
             .take()
-            .unwrap_or_else(|| fresh_layers(num_layers, vec![0], quant));
+            .unwrap_or_else(|| fresh_layers(&self.windows, vec![0], quant));
         let mut layers = run_prefill(self.model, &input, layers)?;
         let p = &mut self.prefilling[index];
         p.written += n;
@@ -368,7 +372,7 @@ impl<'m> Executor<'m> {
         let mut layers = run_prefill(
             self.model,
             &input,
-            fresh_layers(self.info.num_layers, padding, layout.at(0)),
+            fresh_layers(&self.windows, padding, layout.at(0)),
         )?;
         quantize_past_start(&mut layers, layout, longest)?;
         let mut taken: Vec<Option<Prefilling>> = std::mem::take(&mut self.prefilling)
@@ -409,6 +413,7 @@ impl<'m> Executor<'m> {
             stored,
             self.caches.layout(),
         )
+        .with_windows(self.windows.clone())
         .with_ssd(ssd);
         if let GenerationError::OutOfMemory(message) = &error {
             for r in self.waiting.drain(..) {
@@ -444,9 +449,15 @@ impl<'m> Executor<'m> {
     }
 }
 
-fn fresh_layers(num_layers: usize, padding: Vec<i32>, quant: Option<KvQuant>) -> Vec<BatchKv> {
-    (0..num_layers)
-        .map(|_| BatchKv::with_padding(padding.clone(), quant))
+/// Empty caches, one per layer (bounded by its window), for rows with `padding`.
+fn fresh_layers(
+    windows: &[Option<usize>],
+    padding: Vec<i32>,
+    quant: Option<KvQuant>,
+) -> Vec<BatchKv> {
+    windows
+        .iter()
+        .map(|&w| BatchKv::with_padding(padding.clone(), quant).windowed(w))
         .collect()
 }
 
@@ -464,7 +475,9 @@ fn quantize_past_start(
     Ok(())
 }
 
-/// Runs `input` `[B, L]` into `layers` and evaluates the caches (the logits are not needed).
+/// Runs `input` `[B, L]` into `layers` and evaluates the caches (the logits are not needed);
+/// windowed layers drop what their windows no longer reach, so that a prompt waiting to join
+/// the batch holds a bounded cache.
 fn run_prefill(
     model: &dyn CausalLm,
     input: &Array,
@@ -472,6 +485,11 @@ fn run_prefill(
 ) -> Result<Vec<BatchKv>, Exception> {
     let mut caches: Vec<LayerCache> = layers.into_iter().map(LayerCache::Batched).collect();
     let _ = model.forward(input, &mut caches)?;
+    for cache in &mut caches {
+        if let Some(c) = cache.as_batched_mut() {
+            c.evict_outside_window()?;
+        }
+    }
     mlx_rs::transforms::eval(caches.iter().flat_map(LayerCache::state))?;
     Ok(caches
         .into_iter()

@@ -21,7 +21,7 @@ pub mod sampling_params;
 pub mod scheduler;
 pub mod sequence;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
 use std::sync::mpsc as std_mpsc;
 use std::sync::Arc;
@@ -105,6 +105,9 @@ pub struct RuntimeStats {
 /// allocator any more and should report and exit (the supervisor restarts it smaller).
 pub type OomHook = Box<dyn FnOnce(String) + Send>;
 
+/// Builds the model from its directory, on the MLX thread.
+pub type ModelLoader = Box<dyn FnOnce(&Path) -> Result<Box<dyn CausalLm>, LoadError> + Send>;
+
 /// A running model thread.
 pub struct Runtime {
     pub work: WorkSender,
@@ -131,6 +134,19 @@ impl Runtime {
         limits: RuntimeLimits,
         on_oom: Option<OomHook>,
         reporter: Option<crate::loader::LoadReporter>,
+    ) -> Result<Runtime, LoadError> {
+        let load: ModelLoader = Box::new(move |dir| models::load_reporting(dir, reporter));
+        Self::start_with_loader(dir, limits, on_oom, load)
+    }
+
+    /// [`start`](Self::start) with the model built by `load` (on the MLX thread) instead of
+    /// the registry's loader: a model that wraps a family (tests change what it reports).
+    /// `dir` still names the model for the SSD tier's fingerprint.
+    pub fn start_with_loader(
+        dir: PathBuf,
+        limits: RuntimeLimits,
+        on_oom: Option<OomHook>,
+        load: ModelLoader,
     ) -> Result<Runtime, LoadError> {
         if let Some(q) = limits.kv_quant {
             if ![4, 8].contains(&q.bits) || ![32, 64, 128].contains(&q.group_size) {
@@ -171,10 +187,14 @@ impl Runtime {
         let thread_stats = stats.clone();
         let thread = thread::Builder::new()
             .name("mlx".into())
-            .spawn(move || match models::load_reporting(&dir, reporter) {
+            .spawn(move || match load(&dir) {
                 Ok(model) => {
                     if let Some(reason) = refused_option(model.as_ref(), &limits) {
                         let _ = ready_tx.send(Err(LoadError::Config(reason)));
+                        return;
+                    }
+                    if let Err(e) = check_windows(model.as_ref()) {
+                        let _ = ready_tx.send(Err(e));
                         return;
                     }
                     let mut info = model.info().clone();
@@ -287,6 +307,28 @@ fn refused_option(model: &dyn models::CausalLm, limits: &RuntimeLimits) -> Optio
         })
 }
 
+/// A model's layer windows must be one per layer, each at least one key: the caches are
+/// bounded by them.
+fn check_windows(model: &dyn CausalLm) -> Result<(), LoadError> {
+    let windows = model.layer_windows();
+    let info = model.info();
+    if windows.len() != info.num_layers {
+        return Err(LoadError::Config(format!(
+            "{} reports {} layer windows for {} layers",
+            info.architecture,
+            windows.len(),
+            info.num_layers
+        )));
+    }
+    if windows.contains(&Some(0)) {
+        return Err(LoadError::Config(format!(
+            "{} reports a sliding window of 0 keys",
+            info.architecture
+        )));
+    }
+    Ok(())
+}
+
 /// The drafter for `spec`, loading a draft model on this (the MLX) thread.
 fn speculator(
     spec: &Speculation,
@@ -297,6 +339,7 @@ fn speculator(
         DraftSource::Ngram(sizes) => Drafter::Ngram(*sizes),
         DraftSource::Model(dir) => {
             let draft = models::load(dir)?;
+            check_windows(draft.as_ref())?;
             let (d, m) = (draft.info().vocab_size, main.info().vocab_size);
             if d > m {
                 return Err(LoadError::Config(format!(

@@ -4,17 +4,20 @@
 //! ```text
 //! magic "MLXDKV\0\0" | version u32 | header_len u32 | header | header_crc u32 | payload | payload_crc u32
 //! header: model fingerprint [32] | tokenizer hash [32] | kind u8 | generated u32
-//!         | n_tokens u32 | tokens [u32] | n_layers u32 | per layer: keys, values as
-//!         quant_bits u8 (0 = plain) | group_size u32 | n_arrays u8
+//!         | n_tokens u32 | tokens [u32] | n_layers u32 | per layer: start u32, then keys,
+//!         values as quant_bits u8 (0 = plain) | group_size u32 | n_arrays u8
 //!         | per array: dtype u8 | ndim u8 | shape [u32] | offset u64 | len u64
 //!         | payload_len u64
 //! ```
+//! A layer's `start` is the logical position of its first held position (nonzero for a
+//! sliding-window layer that evicted positions): its arrays hold `n_tokens - start` positions.
 //! All integers are little-endian. `header_crc` is the CRC-32 of every byte before it (so a
 //! scan at start-up validates an entry from its header alone); `payload_crc` that of the
 //! payload, checked when the entry is restored.
 
 /// Bumped on any change to the layout above; a file of another version is foreign.
-pub const FORMAT_VERSION: u32 = 1;
+/// Version 2 added each layer's start.
+pub const FORMAT_VERSION: u32 = 2;
 pub const MAGIC: &[u8; 8] = b"MLXDKV\0\0";
 /// Bytes before the header: magic, version, header length.
 const PREFIX: usize = 16;
@@ -89,6 +92,8 @@ pub struct Header {
     pub tokens: Vec<u32>,
     /// Keys and values per layer.
     pub layers: Vec<(StoredDesc, StoredDesc)>,
+    /// Per layer, the logical position of its first held position (see the module comment).
+    pub starts: Vec<u32>,
     pub payload_len: u64,
 }
 
@@ -130,7 +135,8 @@ impl Header {
             h.extend_from_slice(&t.to_le_bytes());
         }
         h.extend_from_slice(&(self.layers.len() as u32).to_le_bytes());
-        for (k, v) in &self.layers {
+        for ((k, v), start) in self.layers.iter().zip(&self.starts) {
+            h.extend_from_slice(&start.to_le_bytes());
             for s in [k, v] {
                 let (bits, group) = s.quant.unwrap_or((0, 0));
                 h.push(bits);
@@ -291,8 +297,16 @@ fn parse(bytes: &[u8]) -> Result<Header, Invalid> {
         return Err(Invalid::Malformed(format!("{n_layers} layers")));
     }
     let mut layers = Vec::with_capacity(n_layers);
+    let mut starts = Vec::with_capacity(n_layers);
     let mut arrays_end = Vec::new();
     for _ in 0..n_layers {
+        let start = r.u32()?;
+        if start as usize >= n {
+            return Err(Invalid::Malformed(format!(
+                "a layer starts at {start} of {n} tokens"
+            )));
+        }
+        starts.push(start);
         let k = stored(&mut r, &mut arrays_end)?;
         let v = stored(&mut r, &mut arrays_end)?;
         layers.push((k, v));
@@ -311,6 +325,7 @@ fn parse(bytes: &[u8]) -> Result<Header, Invalid> {
         kind,
         tokens,
         layers,
+        starts,
         payload_len,
     })
 }
@@ -408,6 +423,7 @@ pub(crate) mod tests {
             identity,
             kind: EntryKind::Checkpoint { generated: 3 },
             tokens,
+            starts: vec![0; layers.len()],
             layers,
             payload_len: payload.len() as u64,
         };
@@ -428,6 +444,24 @@ pub(crate) mod tests {
         let (header, file) = sample_file(ME, vec![1, 2, 3, 4, 5]);
         assert_eq!(decode(&file).unwrap(), header);
         assert_eq!(header.file_len(), file.len() as u64);
+    }
+
+    #[test]
+    fn layer_starts_round_trip_and_stay_below_the_tokens() {
+        let (mut header, file) = sample_file(ME, vec![1, 2, 3]);
+        let payload_and_crc = file[header.encode().len()..].to_vec();
+        let with_starts = |header: &Header| {
+            let mut f = header.encode();
+            f.extend_from_slice(&payload_and_crc);
+            f
+        };
+        header.starts = vec![0, 2];
+        assert_eq!(decode(&with_starts(&header)).unwrap().starts, vec![0, 2]);
+        header.starts = vec![0, 3];
+        assert!(matches!(
+            decode(&with_starts(&header)),
+            Err(Invalid::Malformed(_))
+        ));
     }
 
     #[test]
@@ -478,8 +512,12 @@ pub(crate) mod tests {
     #[test]
     fn another_version_or_no_magic_is_foreign() {
         let (_, mut file) = sample_file(ME, vec![1, 2]);
-        file[8..12].copy_from_slice(&2u32.to_le_bytes());
-        assert_eq!(decode(&file), Err(Invalid::Version(2)));
+        file[8..12].copy_from_slice(&(FORMAT_VERSION + 1).to_le_bytes());
+        assert_eq!(decode(&file), Err(Invalid::Version(FORMAT_VERSION + 1)));
+        // Version 1 (no layer starts) is foreign too.
+        let (_, mut file) = sample_file(ME, vec![1, 2]);
+        file[8..12].copy_from_slice(&1u32.to_le_bytes());
+        assert_eq!(decode(&file), Err(Invalid::Version(1)));
         let (_, mut file) = sample_file(ME, vec![1, 2]);
         file[0] = b'X';
         assert_eq!(decode(&file), Err(Invalid::Magic));

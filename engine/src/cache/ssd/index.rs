@@ -3,12 +3,16 @@
 //! Pure: the writer applies the deletions it returns.
 
 use crate::cache::prefix::common_prefix;
+use crate::cache::seq_kv::dominates;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IndexEntry {
     /// The file's name in the tier's directory.
     pub name: String,
     pub tokens: Vec<u32>,
+    /// Per layer, the logical position of its first held position (see
+    /// [`SeqKv`](crate::cache::SeqKv)).
+    pub starts: Vec<usize>,
     pub bytes: u64,
     /// Last written or restored, on the tier's clock (file modification times at start-up).
     pub used: u64,
@@ -47,20 +51,34 @@ impl Index {
         &self.entries
     }
 
-    /// True when an entry already holds `tokens` (it or a longer sequence that starts with
-    /// them): writing them again would add nothing.
-    pub fn covers(&self, tokens: &[u32]) -> bool {
-        self.entries.iter().any(|e| e.tokens.starts_with(tokens))
+    /// True when an entry already holds `tokens` with layers starting at `starts` (it or a
+    /// longer sequence that starts with them, and whose layers start no later): writing them
+    /// again would add nothing.
+    pub fn covers(&self, tokens: &[u32], starts: &[usize]) -> bool {
+        self.entries
+            .iter()
+            .any(|e| e.tokens.starts_with(tokens) && dominates(&e.starts, starts))
     }
 
-    /// The entry sharing the longest prefix with `tokens`, the match capped at `max_match`;
-    /// ties go to the shorter file (less to read).
-    pub fn lookup(&self, tokens: &[u32], max_match: usize) -> Option<(&IndexEntry, usize)> {
+    /// The entry sharing the longest prefix with `tokens`, the match capped at `max_match`,
+    /// among those that can restore it (`usable(starts, matched)`); ties go to the shorter
+    /// file (less to read).
+    pub fn lookup_where(
+        &self,
+        tokens: &[u32],
+        max_match: usize,
+        usable: impl Fn(&[usize], usize) -> bool,
+    ) -> Option<(&IndexEntry, usize)> {
         self.entries
             .iter()
             .map(|e| (e, common_prefix(&e.tokens, tokens).min(max_match)))
-            .filter(|&(_, m)| m > 0)
+            .filter(|&(e, m)| m > 0 && usable(&e.starts, m))
             .max_by_key(|&(e, m)| (m, std::cmp::Reverse(e.tokens.len())))
+    }
+
+    /// [`Self::lookup_where`] over every entry.
+    pub fn lookup(&self, tokens: &[u32], max_match: usize) -> Option<(&IndexEntry, usize)> {
+        self.lookup_where(tokens, max_match, |_, _| true)
     }
 
     /// Marks `name` used at `now` (a restore), so the cap evicts it later.
@@ -70,13 +88,16 @@ impl Index {
         }
     }
 
-    /// Adds a written file. Entries whose tokens are a prefix of the new one are redundant,
-    /// and the oldest are evicted while the files exceed the cap (never the new one: a file
-    /// larger than the cap is evicted at once). Returns the names of the files to delete.
+    /// Adds a written file. Entries whose tokens are a prefix of the new one are redundant
+    /// when the new one's layers start no later (a windowed entry that evicted more cannot
+    /// replace them), and the oldest are evicted while the files exceed the cap (never the
+    /// new one: a file larger than the cap is evicted at once). Returns the names of the
+    /// files to delete.
     pub fn insert(&mut self, entry: IndexEntry) -> Vec<String> {
         let mut removed = Vec::new();
         self.entries.retain(|e| {
-            let redundant = e.name == entry.name || entry.tokens.starts_with(&e.tokens);
+            let redundant = e.name == entry.name
+                || (entry.tokens.starts_with(&e.tokens) && dominates(&entry.starts, &e.starts));
             if redundant && e.name != entry.name {
                 removed.push(e.name.clone());
             }
@@ -134,12 +155,48 @@ mod tests {
     use super::*;
 
     fn entry(name: &str, tokens: &[u32], bytes: u64, used: u64) -> IndexEntry {
+        windowed(name, tokens, 0, bytes, used)
+    }
+
+    /// An entry of one global layer and one windowed layer that starts at `start`.
+    fn windowed(name: &str, tokens: &[u32], start: usize, bytes: u64, used: u64) -> IndexEntry {
         IndexEntry {
             name: name.into(),
             tokens: tokens.to_vec(),
+            starts: vec![0, start],
             bytes,
             used,
         }
+    }
+
+    #[test]
+    fn a_windowed_entry_replaces_and_covers_only_what_it_can_restore() {
+        let mut ix = Index::new(None);
+        let long: Vec<u32> = (0..40).collect();
+        ix.insert(windowed("short", &long[..12], 2, 10, 1));
+        // The longer entry evicted more: the shorter one still serves early branches.
+        assert!(ix.insert(windowed("long", &long, 30, 10, 2)).is_empty());
+        assert_eq!(ix.len(), 2);
+        assert!(!ix.covers(&long[..20], &[0, 5]));
+        assert!(ix.covers(&long[..20], &[0, 30]));
+        // Usable from start + window - 1 (window 8 here).
+        let usable = |starts: &[usize], m: usize| starts[1] == 0 || starts[1] + 8 <= m + 1;
+        let mut prompt = long[..12].to_vec();
+        prompt.push(99);
+        let (e, m) = ix.lookup_where(&prompt, 12, usable).unwrap();
+        assert_eq!((e.name.as_str(), m), ("short", 12));
+        let (e, m) = ix.lookup_where(&long, 39, usable).unwrap();
+        assert_eq!((e.name.as_str(), m), ("long", 39));
+        let mut branch = long[..35].to_vec();
+        branch.push(99);
+        assert_eq!(
+            ix.lookup_where(&branch, 35, usable).unwrap().0.name,
+            "short",
+            "the long entry cannot restore 35 positions"
+        );
+        // One that starts no later replaces both.
+        let removed = ix.insert(windowed("whole", &long, 0, 10, 3));
+        assert_eq!(removed.len(), 2);
     }
 
     #[test]
@@ -153,8 +210,8 @@ mod tests {
         // Both match two tokens: the shorter file wins.
         assert_eq!((e.name.as_str(), m), ("a", 2));
         assert!(ix.lookup(&[5], 1).is_none());
-        assert!(ix.covers(&[1, 2]));
-        assert!(!ix.covers(&[1, 2, 3, 4]));
+        assert!(ix.covers(&[1, 2], &[0, 0]));
+        assert!(!ix.covers(&[1, 2, 3, 4], &[0, 0]));
     }
 
     #[test]

@@ -27,7 +27,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use mlx_rs::error::Exception;
 
-use super::{KvQuant, Stored};
+use super::{KvQuant, SeqKv, Stored};
 use format::{EntryKind, Header, Identity, Invalid};
 use index::{Index, IndexEntry};
 use writer::{Job, TEMP_PREFIX};
@@ -127,6 +127,8 @@ pub struct SsdMatch {
     pub tokens: Vec<u32>,
     pub matched: usize,
     pub entry_len: usize,
+    /// Per layer, the logical position of its first held position.
+    pub starts: Vec<usize>,
 }
 
 /// The tier as the cache manager (on the MLX thread) sees it.
@@ -195,6 +197,7 @@ impl SsdTier {
                     removed.extend(index.insert(IndexEntry {
                         name,
                         tokens: header.tokens,
+                        starts: header.starts.iter().map(|&s| s as usize).collect(),
                         bytes,
                         used,
                     }));
@@ -253,20 +256,31 @@ impl SsdTier {
         &self.shared.counters
     }
 
-    /// True when a file already holds `tokens` (or a longer sequence starting with them).
-    pub fn covers(&self, tokens: &[u32]) -> bool {
-        self.shared.index.lock().expect("index lock").covers(tokens)
+    /// True when a file already holds `tokens` with layers starting at `starts` (or a longer
+    /// sequence starting with them, whose layers start no later).
+    pub fn covers(&self, tokens: &[u32], starts: &[usize]) -> bool {
+        self.shared
+            .index
+            .lock()
+            .expect("index lock")
+            .covers(tokens, starts)
     }
 
-    /// Queues `layers` (the KV of `tokens`) for writing; returns at once. Nothing is queued
-    /// when a file already covers the tokens.
+    /// Queues `layers` (the KV of `tokens`, every layer from position 0) for writing; returns
+    /// at once. Nothing is queued when a file already covers the tokens.
     pub fn queue(
         &self,
         tokens: &[u32],
         layers: &[(Stored, Stored)],
         kind: EntryKind,
     ) -> Result<(), Exception> {
-        if tokens.is_empty() || self.covers(tokens) {
+        self.queue_kv(tokens, &SeqKv::from(layers.to_vec()), kind)
+    }
+
+    /// Queues `kv` (the KV of `tokens`) for writing; returns at once. Nothing is queued when
+    /// a file already covers it.
+    pub fn queue_kv(&self, tokens: &[u32], kv: &SeqKv, kind: EntryKind) -> Result<(), Exception> {
+        if tokens.is_empty() || self.covers(tokens, &kv.starts) {
             return Ok(());
         }
         let pending = self.shared.pending.load(Ordering::Relaxed);
@@ -282,12 +296,13 @@ impl SsdTier {
             layers,
             arrays,
             payload_len,
-        } = tensors::prepare(layers)?;
+        } = tensors::prepare(&kv.layers)?;
         let header = Header {
             identity: self.identity,
             kind,
             tokens: tokens.to_vec(),
             layers,
+            starts: kv.starts.iter().map(|&s| s as u32).collect(),
             payload_len,
         };
         let job = Job::Write {
@@ -308,41 +323,65 @@ impl SsdTier {
 
     /// The file sharing the longest prefix with `prompt`, the match capped at `max_match`.
     pub fn lookup(&self, prompt: &[u32], max_match: usize) -> Option<SsdMatch> {
+        self.lookup_where(prompt, max_match, |_, _| true)
+    }
+
+    /// [`Self::lookup`] among the files that can restore the match
+    /// (`usable(starts, matched)`: a windowed entry cannot restore a prefix ending before its
+    /// window's span).
+    pub fn lookup_where(
+        &self,
+        prompt: &[u32],
+        max_match: usize,
+        usable: impl Fn(&[usize], usize) -> bool,
+    ) -> Option<SsdMatch> {
         let index = self.shared.index.lock().expect("index lock");
         index
-            .lookup(prompt, max_match)
+            .lookup_where(prompt, max_match, usable)
             .map(|(e, matched)| SsdMatch {
                 name: e.name.clone(),
                 tokens: e.tokens.clone(),
                 matched,
                 entry_len: e.tokens.len(),
+                starts: e.starts.clone(),
             })
     }
 
-    /// Reads the entry `m` found (memory-mapped, checksums verified) as MLX arrays. An
-    /// invalid file is deleted and forgotten, and the lookup becomes a miss (`Ok(None)`);
-    /// only MLX failing is an error.
+    /// Reads the entry `m` found (memory-mapped, checksums verified) as MLX arrays, every
+    /// layer's keys and values. An invalid file is deleted and forgotten, and the lookup
+    /// becomes a miss (`Ok(None)`); only MLX failing is an error.
     pub fn restore(&self, m: &SsdMatch) -> Result<Option<Vec<(Stored, Stored)>>, Exception> {
+        Ok(self.restore_kv(m)?.map(|kv| kv.layers))
+    }
+
+    /// [`Self::restore`] with each layer's start.
+    pub fn restore_kv(&self, m: &SsdMatch) -> Result<Option<SeqKv>, Exception> {
         let path = self.dir.join(&m.name);
-        let read = (|| -> Result<Result<Vec<(Stored, Stored)>, Exception>, RestoreError> {
+        let read = (|| -> Result<Result<SeqKv, Exception>, RestoreError> {
             let file = std::fs::File::open(&path)?;
             // SAFETY: the tier's files are only ever replaced by rename, never written in
             // place, so the mapping's bytes do not change while it lives.
             let map = unsafe { memmap2::Mmap::map(&file)? };
             let (header, start) = format::decode_header(&map, map.len() as u64, &self.identity)?;
             let payload = format::checked_payload(&map, &header, start)?;
-            let positions = header.tokens.len() as u32;
-            if header.layers.iter().any(|(k, v)| {
-                k.arrays
-                    .iter()
-                    .chain(&v.arrays)
-                    .any(|a| a.shape[2] != positions)
-            }) {
+            let tokens = header.tokens.len() as u32;
+            if header
+                .layers
+                .iter()
+                .zip(&header.starts)
+                .any(|((k, v), start)| {
+                    k.arrays
+                        .iter()
+                        .chain(&v.arrays)
+                        .any(|a| a.shape[2] != tokens - start)
+                })
+            {
                 return Err(
                     Invalid::Malformed("arrays and tokens disagree in length".into()).into(),
                 );
             }
-            Ok(tensors::restore(&header.layers, payload))
+            let starts = header.starts.iter().map(|&s| s as usize).collect();
+            Ok(tensors::restore(&header.layers, payload).map(|layers| SeqKv::new(layers, starts)))
         })();
         match read {
             Ok(Ok(layers)) => {

@@ -42,6 +42,7 @@ pub fn run(dir: PathBuf, shared: Arc<Shared>, jobs: Receiver<Job>) {
             } => {
                 shared.pending.fetch_sub(1, Ordering::Relaxed);
                 let tokens = header.tokens.clone();
+                let starts = header.starts.iter().map(|&s| s as usize).collect();
                 match write_atomically(&dir, &name, &header, &arrays) {
                     Ok(bytes) => {
                         drop(arrays);
@@ -50,6 +51,7 @@ pub fn run(dir: PathBuf, shared: Arc<Shared>, jobs: Receiver<Job>) {
                             let removed = index.insert(IndexEntry {
                                 name: name.clone(),
                                 tokens,
+                                starts,
                                 bytes,
                                 used: now_ms(),
                             });

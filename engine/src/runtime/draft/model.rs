@@ -55,19 +55,26 @@ impl ModelDrafter {
     /// Rows join after the current ones: each one's `context` (everything but its last token)
     /// is prefilled into a new row of the draft cache.
     pub fn join(&mut self, contexts: &[&[u32]]) -> Result<(), Exception> {
-        let num_layers = self.model.info().num_layers;
+        let windows = self.model.layer_windows();
         if self.caches.is_empty() {
-            self.caches = (0..num_layers)
-                .map(|_| LayerCache::Batched(BatchKv::default()))
+            self.caches = windows
+                .iter()
+                .map(|&w| LayerCache::Batched(BatchKv::default().windowed(w)))
                 .collect();
         }
         for context in contexts {
-            let mut row: Vec<LayerCache> = (0..num_layers)
-                .map(|_| LayerCache::Batched(BatchKv::with_padding(vec![0], None)))
+            let mut row: Vec<LayerCache> = windows
+                .iter()
+                .map(|&w| LayerCache::Batched(BatchKv::with_padding(vec![0], None).windowed(w)))
                 .collect();
             for chunk in context.chunks(self.prefill_chunk) {
                 let input = Array::from_slice(chunk, &[1, chunk.len() as i32]);
                 let _ = self.model.forward(&input, &mut row)?;
+                for cache in &mut row {
+                    if let Some(c) = cache.as_batched_mut() {
+                        c.evict_outside_window()?;
+                    }
+                }
                 mlx_rs::transforms::eval(row.iter().flat_map(LayerCache::state))?;
             }
             for (cache, layer) in self.caches.iter_mut().zip(row) {
