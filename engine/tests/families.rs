@@ -48,7 +48,10 @@ fn reference(dir: &Path) -> (usize, Vec<Case>) {
             greedy: ids(&c["greedy"]),
         })
         .collect();
-    (v["max_tokens"].as_u64().expect("max_tokens") as usize, cases)
+    (
+        v["max_tokens"].as_u64().expect("max_tokens") as usize,
+        cases,
+    )
 }
 
 fn family_dir(name: &str) -> PathBuf {

@@ -164,6 +164,19 @@ impl BatchKv {
         self.evicted[r]
     }
 
+    /// Whether every row's last `window` positions are all valid (no padding, no holes):
+    /// then a one-query pass may attend to exactly those, with no mask, as mlx-lm's rotating
+    /// cache does once full.
+    pub fn whole_window(&self, window: usize) -> bool {
+        let start = self.idx - window as i32;
+        start >= 0
+            && self.left_padding.iter().all(|&p| p <= start)
+            && self
+                .holes
+                .iter()
+                .all(|h| h.last().is_none_or(|&last| last < start))
+    }
+
     fn unpadded(&self) -> bool {
         self.left_padding.iter().all(|&p| p == 0) && self.holes.iter().all(Vec::is_empty)
     }

@@ -115,6 +115,15 @@ impl LayerCache {
         }
     }
 
+    /// Whether the last `window` positions held are valid for every row (see
+    /// [`BatchKv::whole_window`]); for one sequence, whether it holds that many.
+    pub fn whole_window(&self, window: usize) -> bool {
+        match self {
+            LayerCache::Dense(c) => c.offset() >= window,
+            LayerCache::Batched(c) => c.whole_window(window),
+        }
+    }
+
     /// Drops the last `drop[r]` positions of each row `r` (speculative rollback).
     pub fn rollback(&mut self, drop: &[usize]) -> Result<(), Exception> {
         match self {

@@ -5,8 +5,9 @@
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::cohere2::{load_layers, traditional_rope, Cohere, Reach, Shape};
-use super::dense2_blocks::{decoder_info, parse_config};
+use super::attention::Reach;
+use super::cohere2::{build_decoder, Shape};
+use super::config::{implied_head_dim, parse_config};
 use super::CausalLm;
 use crate::loader::{LoadError, Weights};
 
@@ -64,41 +65,26 @@ mod defaults {
 
 pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadError> {
     let c: Config = parse_config("Cohere", config)?;
-    if c.num_attention_heads <= 0 || c.hidden_size % c.num_attention_heads != 0 {
-        return Err(LoadError::Config(format!(
-            "Cohere hidden_size {} is not a multiple of num_attention_heads {}",
-            c.hidden_size, c.num_attention_heads
-        )));
-    }
-    let head_dim = c.hidden_size / c.num_attention_heads;
+    let head_dim = implied_head_dim(c.hidden_size, c.num_attention_heads)?;
     let shape = Shape {
         heads: c.num_attention_heads,
         kv_heads: c.num_key_value_heads,
+        head_dim,
+        rope_theta: c.rope_theta,
         attention_bias: c.attention_bias,
         layer_norm_eps: c.layer_norm_eps,
         layer_norm_bias: c.layer_norm_bias,
         qk_norm: c.use_qk_norm,
+        f16_attention_in_f32: false,
+        logit_scale: c.logit_scale,
     };
     let reach = vec![Reach::GlobalRope; c.num_hidden_layers];
-    let (layers, embed_tokens, norm) = load_layers(w, &shape, &reach)?;
-    let info = decoder_info(
+    build_decoder(
         config,
+        w,
+        &shape,
+        &reach,
         c.vocab_size,
-        c.num_hidden_layers,
         c.max_position_embeddings.unwrap_or(4096),
-        c.num_key_value_heads,
-        head_dim,
-        &embed_tokens,
-    );
-    Cohere {
-        embed_tokens,
-        layers,
-        norm,
-        rope: traditional_rope(head_dim, c.rope_theta),
-        scale: (head_dim as f32).powf(-0.5),
-        logit_scale: c.logit_scale,
-        f16_attention_in_f32: false,
-        info,
-    }
-    .finish(w)
+    )
 }

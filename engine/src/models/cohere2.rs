@@ -11,11 +11,15 @@ use mlx_rs::{Array, Dtype};
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::dense2_blocks::{
-    decoder_info, parse_config, scale_by, AttnProjections, GatedMlp, Params,
-};
-use super::layers::{attend_with, AttnOpts, LayerNorm, Matrix, Rope};
-use super::{CausalLm, ModelInfo};
+use super::attention::{AttnProjections, Reach};
+use super::config::parse_config;
+use super::decoder::{Decoder, DecoderLayer, EndScalars, Head, NormKind, Sizes, Trunk};
+use super::info::KvShape;
+use super::layers::{attend_with, AttnOpts, LayerNorm, Rope};
+use super::mlp::{FeedForward, GatedMlp};
+use super::params::{Parameters, Params};
+use super::rope::plain_rope;
+use super::CausalLm;
 use crate::cache::LayerCache;
 use crate::loader::{LoadError, Weights};
 
@@ -87,17 +91,6 @@ mod defaults {
     }
 }
 
-/// How one layer attends.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) enum Reach {
-    /// Within the last `window` positions, with RoPE.
-    Local(usize),
-    /// Everything, without positional embedding.
-    GlobalNoPe,
-    /// Everything, with RoPE (Cohere 1).
-    GlobalRope,
-}
-
 /// Cohere 1's per-head LayerNorm of queries or keys: `weight [heads, head_dim]` times a
 /// LayerNorm without affine parameters.
 pub(crate) struct HeadNorm {
@@ -115,61 +108,59 @@ impl HeadNorm {
     }
 }
 
+impl Parameters for HeadNorm {
+    fn push_params<'a>(&'a self, p: &mut Params<'a>) {
+        p.add(&self.weight);
+    }
+}
+
+/// One Cohere layer: a single LayerNorm feeds attention and the MLP in parallel, and both
+/// add to the residual.
 pub(crate) struct Block {
-    pub reach: Reach,
-    pub attn: AttnProjections,
-    pub q_norm: Option<HeadNorm>,
-    pub k_norm: Option<HeadNorm>,
-    pub mlp: GatedMlp,
-    pub input_layernorm: LayerNorm,
-}
-
-/// The Cohere decoder: parallel attention and MLP, tied and scaled logits.
-pub(crate) struct Cohere {
-    pub embed_tokens: Matrix,
-    pub layers: Vec<Block>,
-    pub norm: LayerNorm,
-    pub rope: Rope,
-    pub scale: f32,
-    pub logit_scale: f32,
+    attn: AttnProjections,
+    q_norm: Option<HeadNorm>,
+    k_norm: Option<HeadNorm>,
+    mlp: GatedMlp,
+    input_layernorm: LayerNorm,
+    /// `nn.RoPE(head_dim, traditional=True, base)`, `None` for a layer without positional
+    /// embedding.
+    rope: Option<Rope>,
+    window: Option<usize>,
+    scale: f32,
     /// Cohere 2 attends in float32 when activations are float16.
-    pub f16_attention_in_f32: bool,
-    pub info: ModelInfo,
+    f16_attention_in_f32: bool,
 }
 
-/// What the Cohere generations share at load: the shapes and the per-layer reach.
+/// What the Cohere generations share at load: the shapes and the attention settings.
 pub(crate) struct Shape {
     pub heads: i32,
     pub kv_heads: i32,
+    pub head_dim: i32,
+    pub rope_theta: f32,
     pub attention_bias: bool,
     pub layer_norm_eps: f32,
     pub layer_norm_bias: bool,
     pub qk_norm: bool,
+    pub f16_attention_in_f32: bool,
+    pub logit_scale: f32,
 }
 
-/// Loads the layers at `model.layers.{i}` with the given reaches, and the embedding and norm.
-pub(crate) fn load_layers(
-    w: &mut Weights,
-    shape: &Shape,
-    reach: &[Reach],
-) -> Result<(Vec<Block>, Matrix, LayerNorm), LoadError> {
-    let mut layers = Vec::with_capacity(reach.len());
-    for (i, &reach) in reach.iter().enumerate() {
-        let p = format!("model.layers.{i}");
+impl Block {
+    /// Loads the layer at `prefix` with the given reach.
+    fn load(w: &mut Weights, prefix: &str, shape: &Shape, reach: Reach) -> Result<Self, LoadError> {
         let head_norm = |w: &mut Weights, name: &str| -> Result<Option<HeadNorm>, LoadError> {
             if !shape.qk_norm {
                 return Ok(None);
             }
             Ok(Some(HeadNorm {
-                weight: w.take(&format!("{p}.self_attn.{name}.weight"))?,
+                weight: w.take(&format!("{prefix}.self_attn.{name}.weight"))?,
                 eps: shape.layer_norm_eps,
             }))
         };
-        layers.push(Block {
-            reach,
+        Ok(Self {
             attn: AttnProjections::load(
                 w,
-                &format!("{p}.self_attn"),
+                &format!("{prefix}.self_attn"),
                 shape.heads,
                 shape.kv_heads,
                 shape.attention_bias,
@@ -177,18 +168,109 @@ pub(crate) fn load_layers(
             )?,
             q_norm: head_norm(w, "q_norm")?,
             k_norm: head_norm(w, "k_norm")?,
-            mlp: GatedMlp::load(w, &format!("{p}.mlp"), false)?,
+            mlp: GatedMlp::load(w, &format!("{prefix}.mlp"), false)?,
             input_layernorm: LayerNorm::load(
                 w,
-                &format!("{p}.input_layernorm"),
+                &format!("{prefix}.input_layernorm"),
                 shape.layer_norm_eps,
                 shape.layer_norm_bias,
             )?,
-        });
+            rope: reach
+                .rotary()
+                .then(|| plain_rope(shape.head_dim, shape.rope_theta, true)),
+            window: reach.window(),
+            scale: (shape.head_dim as f32).powf(-0.5),
+            f16_attention_in_f32: shape.f16_attention_in_f32,
+        })
     }
-    let embed_tokens = Matrix::load(w, "model.embed_tokens")?;
-    let norm = LayerNorm::load(w, "model.norm", shape.layer_norm_eps, shape.layer_norm_bias)?;
-    Ok((layers, embed_tokens, norm))
+
+    fn attention(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
+        let (mut q, mut k, v) = self.attn.project(x)?;
+        if let Some(n) = &self.q_norm {
+            q = n.forward(&q)?;
+        }
+        if let Some(n) = &self.k_norm {
+            k = n.forward(&k)?;
+        }
+        if let Some(rope) = &self.rope {
+            // Rotated here rather than inside the attention: a float16 model rotates in
+            // float16 and only then moves the queries to float32.
+            q = cache.rope(rope, &q)?;
+            k = cache.rope(rope, &k)?;
+        }
+        let dtype = q.dtype();
+        let in_f32 = self.f16_attention_in_f32 && dtype == Dtype::Float16;
+        if in_f32 {
+            q = q.as_dtype(Dtype::Float32)?;
+        }
+        let opts = AttnOpts {
+            rope: None,
+            scale: self.scale,
+            window: self.window,
+            sinks: None,
+            softcap: None,
+        };
+        let mut out = attend_with(&q, &k, &v, &opts, cache)?;
+        if in_f32 {
+            out = out.as_dtype(dtype)?;
+        }
+        self.attn.o_proj.forward(&out)
+    }
+}
+
+impl DecoderLayer for Block {
+    fn window(&self) -> Option<usize> {
+        self.window
+    }
+
+    fn forward(&self, h: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
+        let normed = self.input_layernorm.forward(h)?;
+        let attended = self.attention(&normed, cache)?;
+        let mlp = self.mlp.forward(&normed)?;
+        attended.add(&mlp)?.add(h)
+    }
+}
+
+impl Parameters for Block {
+    fn push_params<'a>(&'a self, p: &mut Params<'a>) {
+        p.add(&self.attn)
+            .add(&self.q_norm)
+            .add(&self.k_norm)
+            .add(&self.mlp)
+            .add(&self.input_layernorm);
+    }
+}
+
+/// Builds the Cohere decoder: layers at `model.layers.{i}` with the given reaches, the tied
+/// embedding, the final LayerNorm, logits scaled by `logit_scale`.
+pub(crate) fn build_decoder(
+    config: &Value,
+    w: &mut Weights,
+    shape: &Shape,
+    reach: &[Reach],
+    vocab_size: usize,
+    context_length: usize,
+) -> Result<Box<dyn CausalLm>, LoadError> {
+    let layers = reach
+        .iter()
+        .enumerate()
+        .map(|(i, &reach)| Block::load(w, &format!("model.layers.{i}"), shape, reach))
+        .collect::<Result<Vec<_>, _>>()?;
+    let norm = NormKind::Layer {
+        eps: shape.layer_norm_eps,
+        bias: shape.layer_norm_bias,
+    };
+    // The logits come from the embedding; mlx-lm's Cohere files drop no `lm_head`.
+    let trunk = Trunk::load(w, "", norm, Head::TiedStrict)?.with_scalars(EndScalars {
+        logits_scale: Some(shape.logit_scale),
+        ..EndScalars::default()
+    });
+    let sizes = Sizes {
+        vocab_size,
+        context_length,
+        kv: KvShape::heads(reach.len(), shape.kv_heads, shape.head_dim),
+    };
+    Decoder::new(config, trunk, layers, sizes).finish(w)
 }
 
 pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadError> {
@@ -217,119 +299,21 @@ pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadE
     let shape = Shape {
         heads: c.num_attention_heads,
         kv_heads: c.num_key_value_heads,
+        head_dim: c.head_dim,
+        rope_theta: c.rope_theta,
         attention_bias: c.attention_bias,
         layer_norm_eps: c.layer_norm_eps,
         layer_norm_bias: c.layer_norm_bias,
         qk_norm: false,
-    };
-    let (layers, embed_tokens, norm) = load_layers(w, &shape, &reach)?;
-    let info = decoder_info(
-        config,
-        c.vocab_size,
-        c.num_hidden_layers,
-        c.max_position_embeddings.unwrap_or(4096),
-        c.num_key_value_heads,
-        c.head_dim,
-        &embed_tokens,
-    );
-    let model = Cohere {
-        embed_tokens,
-        layers,
-        norm,
-        rope: traditional_rope(c.head_dim, c.rope_theta),
-        scale: (c.head_dim as f32).powf(-0.5),
-        logit_scale: c.logit_scale,
         f16_attention_in_f32: true,
-        info,
+        logit_scale: c.logit_scale,
     };
-    model.finish(w)
-}
-
-/// `nn.RoPE(head_dim, traditional=True, base)`.
-pub(crate) fn traditional_rope(head_dim: i32, base: f32) -> Rope {
-    Rope {
-        dims: head_dim,
-        traditional: true,
-        base,
-        scale: 1.0,
-        freqs: None,
-    }
-}
-
-impl Cohere {
-    /// Materializes the parameters and boxes the model.
-    pub(crate) fn finish(mut self, w: &Weights) -> Result<Box<dyn CausalLm>, LoadError> {
-        self.info.weight_bytes = self.params().materialize(w.reporter())?;
-        Ok(Box::new(self))
-    }
-
-    fn params(&self) -> Params<'_> {
-        let mut p = Params::default();
-        p.matrix(&self.embed_tokens);
-        for b in &self.layers {
-            p.attention(&b.attn);
-            for n in b.q_norm.iter().chain(b.k_norm.iter()) {
-                p.array(&n.weight);
-            }
-            p.gated_mlp(&b.mlp);
-            p.layer_norm(&b.input_layernorm);
-        }
-        p.layer_norm(&self.norm);
-        p
-    }
-
-    fn attention(&self, b: &Block, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
-        let (mut q, mut k, v) = b.attn.project(x)?;
-        if let Some(n) = &b.q_norm {
-            q = n.forward(&q)?;
-        }
-        if let Some(n) = &b.k_norm {
-            k = n.forward(&k)?;
-        }
-        let window = match b.reach {
-            Reach::Local(window) => Some(window),
-            Reach::GlobalNoPe | Reach::GlobalRope => None,
-        };
-        if b.reach != Reach::GlobalNoPe {
-            // Rotated here rather than inside the attention: a float16 model rotates in
-            // float16 and only then moves the queries to float32.
-            q = cache.rope(&self.rope, &q)?;
-            k = cache.rope(&self.rope, &k)?;
-        }
-        let dtype = q.dtype();
-        let in_f32 = self.f16_attention_in_f32 && dtype == Dtype::Float16;
-        if in_f32 {
-            q = q.as_dtype(Dtype::Float32)?;
-        }
-        let opts = AttnOpts {
-            rope: None,
-            scale: self.scale,
-            window,
-            sinks: None,
-            softcap: None,
-        };
-        let mut out = attend_with(&q, &k, &v, &opts, cache)?;
-        if in_f32 {
-            out = out.as_dtype(dtype)?;
-        }
-        b.attn.o_proj.forward(&out)
-    }
-}
-
-impl CausalLm for Cohere {
-    fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
-        let mut h = self.embed_tokens.rows(tokens)?;
-        for (b, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            let normed = b.input_layernorm.forward(&h)?;
-            let attended = self.attention(b, &normed, cache)?;
-            let mlp = b.mlp.forward(&normed)?;
-            h = attended.add(&mlp)?.add(&h)?;
-        }
-        let logits = self.embed_tokens.matmul_t(&self.norm.forward(&h)?)?;
-        scale_by(&logits, self.logit_scale)
-    }
-
-    fn info(&self) -> &ModelInfo {
-        &self.info
-    }
+    build_decoder(
+        config,
+        w,
+        &shape,
+        &reach,
+        c.vocab_size,
+        c.max_position_embeddings.unwrap_or(4096),
+    )
 }

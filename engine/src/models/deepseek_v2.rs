@@ -6,15 +6,19 @@ use mlx_rs::error::Exception;
 use mlx_rs::{fast, Array};
 use serde_json::Value;
 
-use super::dense_parts::Params;
+use super::attention::SelfAttention;
 use super::layers::Linear;
 use super::mla::{
-    drop_unused, lowest_groups, rope_kind, stack_experts, top_experts, Deepseek, DeepseekAttention,
-    DeepseekConfig, DeepseekRope, FamilyParts, LatentProjections, Router,
+    build_deepseek, drop_unused, stack_experts, unquantized, DeepseekConfig, FamilyParts,
+    LatentProjections,
 };
-use super::switch::scale_by;
+use super::moe::{lowest_groups, Router};
+use super::params::{Parameters, Params};
+use super::rope::{rope_kind, yarn, ScaledRope};
+use super::scalar::{scale_by, weak_scalar};
+use super::switch::top_k_of_negated;
 use super::{CausalLm, Feature};
-use crate::cache::{LayerCache, Stored};
+use crate::cache::LayerCache;
 use crate::loader::{LoadError, Weights};
 
 pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadError> {
@@ -30,7 +34,7 @@ pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadE
         ExpandedAttention::load(w, &format!("model.layers.{i}.self_attn"), &c, scale)
     };
     let router = |w: &mut Weights, i: usize| {
-        SoftmaxRouter::load(w, &format!("model.layers.{i}.mlp.gate"), &c, topk)
+        MoeGate::load(w, &format!("model.layers.{i}.mlp.gate"), &c, topk)
     };
     let key_dim = c.q_head_dim();
     let refusals = vec![(
@@ -41,13 +45,14 @@ pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadE
             c.v_head_dim
         ),
     )];
-    Deepseek::build(
+    build_deepseek(
         config,
         &c,
         w,
         FamilyParts {
             attention: &attention,
             router: &router,
+            cast_back: false,
             kv_elements_per_token_per_layer: (c.num_attention_heads * (key_dim + c.v_head_dim))
                 as usize,
             head_dim: c.v_head_dim,
@@ -58,7 +63,7 @@ pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadE
 
 /// mlx-lm builds DeepSeek-V2's YaRN rotary embedding from `rope_scaling` whatever its type
 /// says, so a config needs one; a type other than YaRN is refused rather than reinterpreted.
-fn rope_from_config(c: &DeepseekConfig) -> Result<DeepseekRope, LoadError> {
+fn rope_from_config(c: &DeepseekConfig) -> Result<ScaledRope, LoadError> {
     let scaling = c
         .rope_scaling
         .as_ref()
@@ -68,7 +73,7 @@ fn rope_from_config(c: &DeepseekConfig) -> Result<DeepseekRope, LoadError> {
         })?;
     match rope_kind(scaling) {
         "yarn" | "deepseek_yarn" | "default" => {
-            DeepseekRope::yarn(c.qk_rope_head_dim, c.rope_theta, scaling)
+            yarn(c.qk_rope_head_dim, c.rope_theta, true, scaling)
         }
         other => Err(LoadError::Config(format!(
             "DeepSeek-V2: unsupported rope_scaling type {other:?} (supported: yarn)"
@@ -83,7 +88,7 @@ struct ExpandedAttention {
     inputs: LatentProjections,
     kv_b_proj: Linear,
     o_proj: Linear,
-    rope: DeepseekRope,
+    rope: ScaledRope,
     scale: f32,
 }
 
@@ -104,7 +109,7 @@ impl ExpandedAttention {
     }
 }
 
-impl DeepseekAttention for ExpandedAttention {
+impl SelfAttention for ExpandedAttention {
     fn forward(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
         let (b, l) = (x.shape()[0], x.shape()[1]);
         let heads = self.inputs.heads;
@@ -127,7 +132,10 @@ impl DeepseekAttention for ExpandedAttention {
         let k_pe = Array::repeat_axis::<f32>(k_pe, heads, 1)?;
         let keys = mlx_rs::ops::concatenate(&[k_nope, k_pe], -1)?;
         let (keys, values) = cache.update_and_fetch(&keys, &values)?;
-        let (keys, values) = (plain(keys)?, plain(values)?);
+        let (keys, values) = (
+            unquantized(keys, "DeepSeek-V2")?,
+            unquantized(values, "DeepSeek-V2")?,
+        );
         let queries = mlx_rs::ops::concatenate(&[inputs.q_nope, q_pe], -1)?;
         let mask = cache.mask(l, None)?;
         let out = fast::scaled_dot_product_attention(
@@ -141,21 +149,11 @@ impl DeepseekAttention for ExpandedAttention {
         let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?;
         self.o_proj.forward(&out)
     }
-
-    fn push_params<'a>(&'a self, p: &mut Params<'a>) {
-        self.inputs.push_params(p);
-        p.linear(&self.kv_b_proj);
-        p.linear(&self.o_proj);
-    }
 }
 
-/// The cache side as a plain array: this family refuses KV quantization at load.
-fn plain(s: Stored) -> Result<Array, Exception> {
-    match s {
-        Stored::Plain(a) => Ok(a),
-        _ => Err(Exception::custom(
-            "DeepSeek-V2's cache cannot be stored quantized",
-        )),
+impl Parameters for ExpandedAttention {
+    fn push_params<'a>(&'a self, p: &mut Params<'a>) {
+        p.add(&self.inputs).add(&self.kv_b_proj).add(&self.o_proj);
     }
 }
 
@@ -223,14 +221,14 @@ fn check_scoring(c: &DeepseekConfig) -> Result<(), LoadError> {
 /// mlx-lm's DeepSeek-V2 `MoEGate`: a precise softmax over the experts in the activations'
 /// dtype, optionally zeroing all but the best groups, the `k` best experts, their scores times
 /// `routed_scaling_factor`.
-struct SoftmaxRouter {
+struct MoeGate {
     weight: Array,
     top_k: i32,
     method: TopkMethod,
     routed_scaling_factor: f32,
 }
 
-impl SoftmaxRouter {
+impl MoeGate {
     fn load(
         w: &mut Weights,
         prefix: &str,
@@ -257,13 +255,13 @@ fn limit_groups(scores: &Array, n_group: i32, topk_group: i32) -> Result<Array, 
     }
     let group_scores = grouped.max_axis(-1, true)?;
     let group_idx = lowest_groups(&group_scores, dropped)?;
-    let zero = Array::from_f32(0.0).as_dtype(scores.dtype())?;
+    let zero = weak_scalar(scores, 0.0)?;
     grouped
         .put_along_axis(&group_idx, &zero, -2)?
         .reshape(&[b, l, -1])
 }
 
-impl Router for SoftmaxRouter {
+impl Router for MoeGate {
     fn route(&self, x: &Array) -> Result<(Array, Array), Exception> {
         let gates = x.matmul(self.weight.t())?;
         let mut scores = mlx_rs::ops::softmax_axis(&gates, -1, true)?;
@@ -274,16 +272,14 @@ impl Router for SoftmaxRouter {
         {
             scores = limit_groups(&scores, n_group, topk_group)?;
         }
-        let inds = top_experts(&scores, self.top_k)?;
+        let inds = top_k_of_negated(&scores, self.top_k)?;
         let weights = scores.take_along_axis(&inds, -1)?;
         Ok((inds, scale_by(&weights, self.routed_scaling_factor)?))
     }
+}
 
+impl Parameters for MoeGate {
     fn push_params<'a>(&'a self, p: &mut Params<'a>) {
-        p.array(&self.weight);
-    }
-
-    fn cast_back(&self) -> bool {
-        false
+        p.add(&self.weight);
     }
 }

@@ -11,19 +11,21 @@
 //! from the latent.
 use mlx_rs::error::Exception;
 use mlx_rs::ops::indexing::IndexOp;
-use mlx_rs::{fast, Array, Dtype};
+use mlx_rs::{fast, Array};
 use serde_json::Value;
 
-use super::dense_parts::Params;
+use super::attention::SelfAttention;
 use super::layers::{Linear, Matrix};
 use super::mla::{
-    drop_unused, lowest_groups, mask_array, rope_kind, stack_experts, top_experts, Deepseek,
-    DeepseekAttention, DeepseekConfig, DeepseekRope, FamilyParts, LatentProjections, MultiLinear,
-    Router,
+    build_deepseek, drop_unused, mask_array, plain_deepseek_rope, stack_experts, unquantized,
+    DeepseekConfig, FamilyParts, LatentProjections, MultiLinear,
 };
-use super::switch::scale_by;
+use super::moe::{GroupSelection, SigmoidRouter};
+use super::params::{Parameters, Params};
+use super::rope::{rope_kind, yarn, ScaledRope};
+use super::scalar::scale_by;
 use super::{CausalLm, Feature};
-use crate::cache::{LayerCache, Stored};
+use crate::cache::LayerCache;
 use crate::loader::{LoadError, Weights};
 
 pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadError> {
@@ -36,7 +38,11 @@ pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadE
         LatentAttention::load(w, &format!("model.layers.{i}.self_attn"), &c, scale)
     };
     let router = |w: &mut Weights, i: usize| {
-        SigmoidRouter::load(w, &format!("model.layers.{i}.mlp.gate"), &c)
+        SigmoidRouter::load(
+            w,
+            &format!("model.layers.{i}.mlp.gate"),
+            group_selection(&c)?,
+        )
     };
     let refusals = vec![(
         Feature::KvQuantization,
@@ -44,13 +50,14 @@ pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadE
          to with plain matmuls; a quantized latent cache is not supported"
             .to_owned(),
     )];
-    Deepseek::build(
+    build_deepseek(
         config,
         &c,
         w,
         FamilyParts {
             attention: &attention,
             router: &router,
+            cast_back: true,
             kv_elements_per_token_per_layer: (c.kv_lora_rank + c.qk_rope_head_dim) as usize,
             head_dim: c.kv_lora_rank,
             refusals,
@@ -61,21 +68,21 @@ pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadE
 /// The rotary embedding of the `qk_rope_head_dim` features: plain, linear, or DeepSeek's YaRN,
 /// as mlx-lm's `initialize_rope` gives DeepSeek-V3 (always the traditional layout). Other
 /// scaling kinds are refused.
-fn rope_from_config(c: &DeepseekConfig) -> Result<DeepseekRope, LoadError> {
+fn rope_from_config(c: &DeepseekConfig) -> Result<ScaledRope, LoadError> {
     let dims = c.qk_rope_head_dim;
     let Some(scaling) = c.rope_scaling.as_ref().filter(|s| !s.is_null()) else {
-        return Ok(DeepseekRope::plain(dims, c.rope_theta, 1.0));
+        return Ok(plain_deepseek_rope(dims, c.rope_theta, 1.0));
     };
     let rope = match rope_kind(scaling) {
-        "default" => DeepseekRope::plain(dims, c.rope_theta, 1.0),
+        "default" => plain_deepseek_rope(dims, c.rope_theta, 1.0),
         "linear" => {
             let factor = scaling
                 .get("factor")
                 .and_then(Value::as_f64)
                 .ok_or_else(|| LoadError::Config("linear rope_scaling has no factor".into()))?;
-            DeepseekRope::plain(dims, c.rope_theta, (1.0 / factor) as f32)
+            plain_deepseek_rope(dims, c.rope_theta, (1.0 / factor) as f32)
         }
-        "yarn" | "deepseek_yarn" => DeepseekRope::yarn(dims, c.rope_theta, scaling)?,
+        "yarn" | "deepseek_yarn" => yarn(dims, c.rope_theta, true, scaling)?,
         other => {
             return Err(LoadError::Config(format!(
                 "DeepSeek-V3: unsupported rope_scaling type {other:?} (supported: default, \
@@ -95,7 +102,7 @@ struct LatentAttention {
     /// Per head `[v_head_dim, kv_lora_rank]`: values from the latent.
     unembed_out: MultiLinear,
     o_proj: Linear,
-    rope: DeepseekRope,
+    rope: ScaledRope,
     scale: f32,
 }
 
@@ -125,7 +132,7 @@ impl LatentAttention {
     }
 }
 
-impl DeepseekAttention for LatentAttention {
+impl SelfAttention for LatentAttention {
     fn forward(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
         let (b, l) = (x.shape()[0], x.shape()[1]);
         let inputs = self.inputs.forward(x)?;
@@ -137,7 +144,10 @@ impl DeepseekAttention for LatentAttention {
         let q_pe = self.rope.apply(cache, &inputs.q_pe)?;
         let k_pe = self.rope.apply(cache, &inputs.k_pe)?;
         let (kv_latent, k_pe) = cache.update_and_fetch(&kv_latent, &k_pe)?;
-        let (kv_latent, k_pe) = (plain(kv_latent)?, plain(k_pe)?);
+        let (kv_latent, k_pe) = (
+            unquantized(kv_latent, "DeepSeek-V3")?,
+            unquantized(k_pe, "DeepSeek-V3")?,
+        );
         let t = kv_latent.shape()[2];
         let mask = mask_array(cache.mask(l, None)?, l, t)?;
         let pe_scores = rotary_scores(&q_pe, &k_pe, self.scale, mask.as_ref())?;
@@ -162,23 +172,14 @@ impl DeepseekAttention for LatentAttention {
         let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?;
         self.o_proj.forward(&out)
     }
-
-    fn push_params<'a>(&'a self, p: &mut Params<'a>) {
-        self.inputs.push_params(p);
-        p.matrix(&self.embed_q.weight);
-        p.matrix(&self.unembed_out.weight);
-        p.linear(&self.o_proj);
-    }
 }
 
-/// The cache side as a plain array: this family never stores its cache quantized (it refuses
-/// KV quantization at load).
-fn plain(s: Stored) -> Result<Array, Exception> {
-    match s {
-        Stored::Plain(a) => Ok(a),
-        _ => Err(Exception::custom(
-            "DeepSeek-V3's latent cache cannot be stored quantized",
-        )),
+impl Parameters for LatentAttention {
+    fn push_params<'a>(&'a self, p: &mut Params<'a>) {
+        p.add(&self.inputs)
+            .add(&self.embed_q)
+            .add(&self.unembed_out)
+            .add(&self.o_proj);
     }
 }
 
@@ -310,84 +311,30 @@ fn check_router_config(c: &DeepseekConfig) -> Result<(), LoadError> {
     Ok(())
 }
 
-/// mlx-lm's DeepSeek-V3 `MoEGate` (`group_expert_select`): sigmoid scores in float32; the
-/// selection adds the correction bias and, with several groups, keeps the `topk_group` groups
-/// whose two best experts score highest; the weights are the uncorrected scores of the chosen
-/// experts, normalised when asked, times `routed_scaling_factor`.
-struct SigmoidRouter {
-    weight: Array,
-    e_score_correction_bias: Array,
-    top_k: i32,
-    n_group: i32,
-    topk_group: i32,
-    routed_scaling_factor: f32,
-    norm_topk_prob: bool,
-}
-
-impl SigmoidRouter {
-    fn load(w: &mut Weights, prefix: &str, c: &DeepseekConfig) -> Result<Self, LoadError> {
-        let experts = c.n_routed_experts.unwrap_or(0);
-        let n_group = c.n_group.unwrap_or(1);
-        let topk_group = c.topk_group.unwrap_or(1);
-        if n_group < 1 || experts % n_group != 0 || !(1..=n_group).contains(&topk_group) {
-            return Err(LoadError::Config(format!(
-                "DeepSeek-V3: n_group {n_group} and topk_group {topk_group} do not split \
-                 {experts} experts"
-            )));
-        }
-        if n_group > 1 && experts / n_group < 2 {
-            return Err(LoadError::Config(format!(
-                "DeepSeek-V3: groups of {} experts; group scores take each group's best two",
-                experts / n_group
-            )));
-        }
-        Ok(Self {
-            weight: w.take(&format!("{prefix}.weight"))?,
-            e_score_correction_bias: w.take(&format!("{prefix}.e_score_correction_bias"))?,
-            top_k: c.experts_per_token(Some(1))?,
-            n_group,
-            topk_group,
-            routed_scaling_factor: c.routed_scaling_factor,
-            norm_topk_prob: c.norm_topk_prob.unwrap_or(true),
-        })
+/// The selection settings of DeepSeek-V3's router (mlx-lm's `MoEGate`, see
+/// [`SigmoidRouter`]), refused when the groups do not split the experts evenly or are too
+/// small for its group scores (each group's best two).
+fn group_selection(c: &DeepseekConfig) -> Result<GroupSelection, LoadError> {
+    let experts = c.n_routed_experts.unwrap_or(0);
+    let n_group = c.n_group.unwrap_or(1);
+    let topk_group = c.topk_group.unwrap_or(1);
+    if n_group < 1 || experts % n_group != 0 || !(1..=n_group).contains(&topk_group) {
+        return Err(LoadError::Config(format!(
+            "DeepSeek-V3: n_group {n_group} and topk_group {topk_group} do not split \
+             {experts} experts"
+        )));
     }
-
-    /// Zeroes the corrected scores of every group outside the best `topk_group`.
-    fn limit_groups(&self, scores: &Array) -> Result<Array, Exception> {
-        let grouped = mlx_rs::ops::unflatten(scores, -1, &[self.n_group, -1])?;
-        let group_scores = mlx_rs::ops::indexing::topk_axis(&grouped, 2, -1)?.sum_axis(-1, true)?;
-        let dropped = self.n_group - self.topk_group;
-        if dropped == 0 {
-            return mlx_rs::ops::flatten(&grouped, -2, -1);
-        }
-        let group_idx = lowest_groups(&group_scores, dropped)?;
-        let zeroed = grouped.put_along_axis(&group_idx, Array::from_f32(0.0), -2)?;
-        mlx_rs::ops::flatten(&zeroed, -2, -1)
+    if n_group > 1 && experts / n_group < 2 {
+        return Err(LoadError::Config(format!(
+            "DeepSeek-V3: groups of {} experts; group scores take each group's best two",
+            experts / n_group
+        )));
     }
-}
-
-impl Router for SigmoidRouter {
-    fn route(&self, x: &Array) -> Result<(Array, Array), Exception> {
-        let gates = x.matmul(self.weight.t())?;
-        let scores = mlx_rs::ops::sigmoid(gates.as_dtype(Dtype::Float32)?)?;
-        let mut corrected = scores.add(&self.e_score_correction_bias)?;
-        if self.n_group > 1 {
-            corrected = self.limit_groups(&corrected)?;
-        }
-        let inds = top_experts(&corrected, self.top_k)?;
-        let mut weights = scores.take_along_axis(&inds, -1)?;
-        if self.top_k > 1 && self.norm_topk_prob {
-            weights = weights.divide(weights.sum_axis(-1, true)?)?;
-        }
-        Ok((inds, scale_by(&weights, self.routed_scaling_factor)?))
-    }
-
-    fn push_params<'a>(&'a self, p: &mut Params<'a>) {
-        p.array(&self.weight);
-        p.array(&self.e_score_correction_bias);
-    }
-
-    fn cast_back(&self) -> bool {
-        true
-    }
+    Ok(GroupSelection {
+        top_k: c.experts_per_token(Some(1))?,
+        n_group,
+        topk_group,
+        routed_scaling_factor: c.routed_scaling_factor,
+        norm_topk_prob: c.norm_topk_prob.unwrap_or(true),
+    })
 }

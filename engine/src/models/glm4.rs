@@ -2,15 +2,16 @@
 //! projection, "sandwich" norms (each sub-layer's output is normalised again before the
 //! residual add), biased q/k/v, and rotary embedding on only part of each head (traditional
 //! pairing by default), as mlx-lm's `glm4.py`.
-use mlx_rs::error::Exception;
-use mlx_rs::Array;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::dense2_blocks::{decoder_info, parse_config, AttnProjections, Params};
-use super::layers::{attend_with, swiglu, AttnOpts, Linear, Matrix, RmsNorm, Rope};
-use super::{CausalLm, ModelInfo};
-use crate::cache::LayerCache;
+use super::attention::AttentionShape;
+use super::config::{default_true, parse_config};
+use super::decoder::{Head, NormKind, NormPlacement, Stack};
+use super::llama::LlamaShaped;
+use super::mlp::FusedGatedMlp;
+use super::rope::ScaledRope;
+use super::CausalLm;
 use crate::loader::{LoadError, Weights};
 
 /// The fields mlx-lm's `glm4.ModelArgs` reads, with its defaults.
@@ -31,44 +32,8 @@ struct Config {
     max_position_embeddings: usize,
 }
 
-fn default_true() -> bool {
-    true
-}
-
 fn default_context() -> usize {
     32768
-}
-
-/// `down(swiglu(gate, up))` where gate and up are the two halves of one matrix's output.
-struct FusedMlp {
-    gate_up_proj: Linear,
-    down_proj: Linear,
-}
-
-impl FusedMlp {
-    fn forward(&self, x: &Array) -> Result<Array, Exception> {
-        let halves = self.gate_up_proj.forward(x)?.split_equal(2, -1)?;
-        self.down_proj.forward(&swiglu(&halves[0], &halves[1])?)
-    }
-}
-
-struct Block {
-    attn: AttnProjections,
-    mlp: FusedMlp,
-    input_layernorm: RmsNorm,
-    post_self_attn_layernorm: RmsNorm,
-    post_attention_layernorm: RmsNorm,
-    post_mlp_layernorm: RmsNorm,
-}
-
-pub struct Glm4 {
-    embed_tokens: Matrix,
-    layers: Vec<Block>,
-    norm: RmsNorm,
-    lm_head: Matrix,
-    rope: Rope,
-    scale: f32,
-    info: ModelInfo,
 }
 
 pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadError> {
@@ -81,112 +46,33 @@ pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadE
             c.partial_rotary_factor, c.head_dim
         )));
     }
-    let eps = c.rms_norm_eps;
-    let mut layers = Vec::with_capacity(c.num_hidden_layers);
-    for i in 0..c.num_hidden_layers {
-        let p = format!("model.layers.{i}");
-        let norm = |w: &mut Weights, name: &str| RmsNorm::load(w, &format!("{p}.{name}"), eps);
-        layers.push(Block {
-            attn: AttnProjections::load(
-                w,
-                &format!("{p}.self_attn"),
+    LlamaShaped {
+        config,
+        // Norms before and after each branch; mlx-lm's GLM-4 always has its own output matrix.
+        stack: Stack {
+            placement: NormPlacement::Sandwich,
+            ..Stack::pre_norm(
+                c.num_hidden_layers,
+                NormKind::Rms {
+                    eps: c.rms_norm_eps,
+                },
+                Head::Own,
+            )
+        },
+        attention: AttentionShape {
+            qkv_bias: c.attention_bias,
+            ..AttentionShape::new(
                 c.num_attention_heads,
                 c.num_key_value_heads,
-                c.attention_bias,
-                false,
-            )?,
-            mlp: FusedMlp {
-                gate_up_proj: Linear::load(w, &format!("{p}.mlp.gate_up_proj"), false)?,
-                down_proj: Linear::load(w, &format!("{p}.mlp.down_proj"), false)?,
-            },
-            input_layernorm: norm(w, "input_layernorm")?,
-            post_self_attn_layernorm: norm(w, "post_self_attn_layernorm")?,
-            post_attention_layernorm: norm(w, "post_attention_layernorm")?,
-            post_mlp_layernorm: norm(w, "post_mlp_layernorm")?,
-        });
-    }
-    let embed_tokens = Matrix::load(w, "model.embed_tokens")?;
-    let norm = RmsNorm::load(w, "model.norm", eps)?;
-    // mlx-lm's GLM-4 always has its own output matrix.
-    let lm_head = Matrix::load(w, "lm_head")?;
-    let info = decoder_info(
-        config,
-        c.vocab_size,
-        c.num_hidden_layers,
-        c.max_position_embeddings,
-        c.num_key_value_heads,
-        c.head_dim,
-        &embed_tokens,
-    );
-    let mut model = Glm4 {
-        embed_tokens,
-        layers,
-        norm,
-        lm_head,
-        rope: Rope {
-            dims: rotary_dims,
-            traditional: c.rope_traditional,
-            base: c.rope_theta,
-            scale: 1.0,
-            freqs: None,
+                c.head_dim,
+                c.rms_norm_eps,
+            )
         },
-        scale: (c.head_dim as f32).powf(-0.5),
-        info,
-    };
-    model.info.weight_bytes = model.params().materialize(w.reporter())?;
-    Ok(Box::new(model))
-}
-
-impl Glm4 {
-    fn params(&self) -> Params<'_> {
-        let mut p = Params::default();
-        p.matrix(&self.embed_tokens);
-        for b in &self.layers {
-            p.attention(&b.attn);
-            p.linear(&b.mlp.gate_up_proj);
-            p.linear(&b.mlp.down_proj);
-            for n in [
-                &b.input_layernorm,
-                &b.post_self_attn_layernorm,
-                &b.post_attention_layernorm,
-                &b.post_mlp_layernorm,
-            ] {
-                p.rms(n);
-            }
-        }
-        p.rms(&self.norm);
-        p.matrix(&self.lm_head);
-        p
+        rope: ScaledRope::plain(rotary_dims, c.rope_theta, c.rope_traditional),
+        reach: None,
+        head_dim: c.head_dim,
+        vocab_size: c.vocab_size,
+        context_length: c.max_position_embeddings,
     }
-
-    fn attention(&self, b: &Block, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
-        let (q, k, v) = b.attn.project(x)?;
-        let opts = AttnOpts {
-            rope: Some(&self.rope),
-            scale: self.scale,
-            window: None,
-            sinks: None,
-            softcap: None,
-        };
-        b.attn
-            .o_proj
-            .forward(&attend_with(&q, &k, &v, &opts, cache)?)
-    }
-}
-
-impl CausalLm for Glm4 {
-    fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
-        let mut h = self.embed_tokens.rows(tokens)?;
-        for (b, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            let attended = self.attention(b, &b.input_layernorm.forward(&h)?, cache)?;
-            h = h.add(&b.post_self_attn_layernorm.forward(&attended)?)?;
-            let mlp = b.mlp.forward(&b.post_attention_layernorm.forward(&h)?)?;
-            h = b.post_mlp_layernorm.forward(&mlp)?.add(&h)?;
-        }
-        self.lm_head.matmul_t(&self.norm.forward(&h)?)
-    }
-
-    fn info(&self) -> &ModelInfo {
-        &self.info
-    }
+    .build(w, |w, _, p| FusedGatedMlp::load(w, &format!("{p}.mlp")))
 }

@@ -4,22 +4,17 @@
 //! per-expert `e_score_correction_bias` that steers the choice but not the weights, top-k
 //! within the best `topk_group` of `n_group` groups, weights renormalised and scaled by
 //! `routed_scaling_factor`).
-use mlx_rs::error::Exception;
-use mlx_rs::ops::indexing::{topk_axis, Ellipsis, IndexOp};
-use mlx_rs::ops::{argpartition_axis, flatten, sigmoid, unflatten};
-use mlx_rs::{Array, Dtype};
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::layers::Rope;
-use super::moe_decoder::{
-    self, parse_config, refuse_rope_scaling, AttentionSpec, DecoderSpec, FeedForward, Mlp,
-    Multipliers, QkNorm,
-};
-use super::switch::{
-    stack_experts, top_k_of_negated, weighted_sum, SwitchActivation, SwitchGlu,
-    HF_EXPERT_PROJECTIONS,
-};
+use super::attention::{AttentionShape, QkNorm};
+use super::config::parse_config;
+use super::decoder::{Head, Stack};
+use super::llama::LlamaShaped;
+use super::mlp::{FeedForward, GatedMlp};
+use super::moe::{GroupSelection, RoutedExperts, SharedExperts, SigmoidRouter};
+use super::rope::{refuse_rope_scaling, ScaledRope};
+use super::switch::{stack_experts, HF_EXPERT_PROJECTIONS};
 use super::CausalLm;
 use crate::loader::{LoadError, Weights};
 
@@ -105,103 +100,26 @@ impl Config {
     }
 }
 
-/// The router (`MoEGate`): a plain weight `[E, D]` (never quantized by mlx-lm) and the score
-/// correction bias `[E]` (kept in float32).
-struct Router {
-    weight: Array,
-    e_score_correction_bias: Array,
-    top_k: i32,
-    n_group: i32,
-    topk_group: i32,
-    routed_scaling_factor: f32,
-    norm_topk_prob: bool,
-}
-
-impl Router {
-    /// Expert ids `[..., k]` and their weights `[..., k]` (float32), as mlx-lm's
-    /// `group_expert_select`.
-    fn select(&self, x: &Array) -> Result<(Array, Array), Exception> {
-        let gates = x.matmul(self.weight.t())?;
-        let probs = sigmoid(gates.as_dtype(Dtype::Float32)?)?;
-        let mut biased = probs.add(&self.e_score_correction_bias)?;
-        if self.n_group > 1 {
-            biased = self.keep_best_groups(&biased)?;
-        }
-        let inds = top_k_of_negated(&biased, self.top_k)?;
-        let mut scores = probs.take_along_axis(&inds, -1)?;
-        if self.top_k > 1 && self.norm_topk_prob {
-            scores = scores.divide(scores.sum_axis(-1, true)?)?;
-        }
-        let factor = Array::from_f32(self.routed_scaling_factor).as_dtype(scores.dtype())?;
-        Ok((inds, scores.multiply(factor)?))
-    }
-
-    /// Zeroes the scores of all but the `topk_group` groups whose two best experts score
-    /// highest.
-    fn keep_best_groups(&self, scores: &Array) -> Result<Array, Exception> {
-        let grouped = unflatten(scores, -1, &[self.n_group, -1])?;
-        let group_scores = topk_axis(&grouped, 2, -1)?.sum_axis(-1, true)?;
-        let dropped = self.n_group - self.topk_group;
-        let worst =
-            argpartition_axis(&group_scores, dropped - 1, -2)?.index((Ellipsis, ..dropped, ..));
-        let zero = Array::from_f32(0.0).as_dtype(grouped.dtype())?;
-        flatten(grouped.put_along_axis(&worst, &zero, -2)?, -2, -1)
-    }
-}
-
-/// A MoE layer: routed experts plus the always-on shared experts.
-struct Moe {
-    gate: Router,
-    switch_mlp: SwitchGlu,
-    shared_experts: Option<Mlp>,
-}
-
-impl FeedForward for Moe {
-    fn forward(&self, x: &Array) -> Result<Array, Exception> {
-        let (inds, scores) = self.gate.select(x)?;
-        let y = self.switch_mlp.forward(x, &inds)?;
-        let dtype = y.dtype();
-        let y = weighted_sum(&y, &scores)?.as_dtype(dtype)?;
-        match &self.shared_experts {
-            Some(shared) => y.add(shared.forward(x)?),
-            None => Ok(y),
-        }
-    }
-
-    fn parameters(&self) -> Vec<&Array> {
-        let mut out = vec![&self.gate.weight, &self.gate.e_score_correction_bias];
-        out.extend(self.switch_mlp.parameters());
-        if let Some(shared) = &self.shared_experts {
-            out.extend(shared.parameters());
-        }
-        out
-    }
-}
-
-fn load_moe(w: &mut Weights, c: &Config, mlp: &str) -> Result<Moe, LoadError> {
-    let gate = Router {
-        weight: w.take(&format!("{mlp}.gate.weight"))?,
-        e_score_correction_bias: w.take(&format!("{mlp}.gate.e_score_correction_bias"))?,
+/// A MoE layer: DeepSeek-V3's router (`MoEGate`: sigmoid scores, correction bias, grouped
+/// top-k) over the routed experts, the weighted sum cast back to the experts' dtype, plus the
+/// always-on shared experts.
+fn load_moe(w: &mut Weights, c: &Config, mlp: &str) -> Result<Box<dyn FeedForward>, LoadError> {
+    let selection = GroupSelection {
         top_k: c.num_experts_per_tok,
         n_group: c.n_group,
         topk_group: c.topk_group,
         routed_scaling_factor: c.routed_scaling_factor,
         norm_topk_prob: c.norm_topk_prob,
     };
-    let shared_experts = c
-        .n_shared_experts
-        .map(|_| Mlp::load(w, &format!("{mlp}.shared_experts")))
-        .transpose()?;
-    Ok(Moe {
-        gate,
-        switch_mlp: SwitchGlu::load(
-            w,
-            &format!("{mlp}.switch_mlp"),
-            false,
-            SwitchActivation::SwiGlu,
-        )?,
-        shared_experts,
-    })
+    let router = SigmoidRouter::load(w, &format!("{mlp}.gate"), selection)?;
+    let shared = match c.n_shared_experts {
+        Some(_) => {
+            SharedExperts::Plain(GatedMlp::load(w, &format!("{mlp}.shared_experts"), false)?)
+        }
+        None => SharedExperts::None,
+    };
+    let moe = RoutedExperts::load(w, mlp, router, false)?;
+    Ok(Box::new(moe.with_shared(shared).cast_back()))
 }
 
 /// mlx-lm's sanitize: per-expert tensors stacked, and the multi-token-prediction layer(s)
@@ -228,42 +146,35 @@ pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadE
     refuse_rope_scaling(FAMILY, config)?;
     sanitize(w, &c)?;
     let rotary_dims = (c.head_dim as f64 * c.partial_rotary_factor) as i32;
-    let spec = DecoderSpec {
+    LlamaShaped {
         config,
-        vocab_size: c.vocab_size,
-        num_layers: c.num_hidden_layers,
-        context_length: c.max_position_embeddings,
-        eps: c.rms_norm_eps,
         // mlx-lm's GLM-4.5 always has its own lm_head.
-        tied_embeddings: false,
-        rope: Rope {
-            dims: rotary_dims,
-            traditional: false,
-            base: c.rope_theta,
-            scale: 1.0,
-            freqs: None,
-        },
-        attention: AttentionSpec {
-            heads: c.num_attention_heads,
-            kv_heads: c.num_key_value_heads,
-            head_dim: c.head_dim,
+        stack: Stack::llama_like(c.num_hidden_layers, c.rms_norm_eps, Head::Own),
+        attention: AttentionShape {
             qkv_bias: c.attention_bias,
-            o_bias: false,
             qk_norm: if c.use_qk_norm {
                 QkNorm::PerHead
             } else {
                 QkNorm::None
             },
-            scale: (c.head_dim as f32).powf(-0.5),
-            eps: c.rms_norm_eps,
+            ..AttentionShape::new(
+                c.num_attention_heads,
+                c.num_key_value_heads,
+                c.head_dim,
+                c.rms_norm_eps,
+            )
         },
-        multipliers: Multipliers::default(),
-    };
-    moe_decoder::build(w, spec, |w, layer, p| {
+        rope: ScaledRope::plain(rotary_dims, c.rope_theta, false),
+        reach: None,
+        head_dim: c.head_dim,
+        vocab_size: c.vocab_size,
+        context_length: c.max_position_embeddings,
+    }
+    .build(w, |w, layer, p| {
         let mlp = format!("{p}.mlp");
-        Ok(match c.routed_experts(layer) {
-            Some(_) => Box::new(load_moe(w, &c, &mlp)?) as Box<dyn FeedForward>,
-            None => Box::new(Mlp::load(w, &mlp)?),
-        })
+        match c.routed_experts(layer) {
+            Some(_) => load_moe(w, &c, &mlp),
+            None => Ok(Box::new(GatedMlp::load(w, &mlp, false)?)),
+        }
     })
 }

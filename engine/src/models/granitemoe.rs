@@ -7,68 +7,45 @@ use mlx_rs::{Array, Dtype};
 use serde::Deserialize;
 use serde_json::Value;
 
+use super::config::parse_config;
+use super::granite::GraniteArgs;
 use super::layers::Linear;
-use super::llama::rope_from_config;
-use super::moe_decoder::{
-    self, linear_parameters, parse_config, AttentionSpec, DecoderSpec, FeedForward, Multipliers,
-    QkNorm,
-};
-use super::switch::{top_k_tail, weighted_sum, SwitchActivation, SwitchGlu};
+use super::moe::{RoutedExperts, Router};
+use super::params::{Parameters, Params};
+use super::switch::top_k_tail;
 use super::CausalLm;
 use crate::loader::{LoadError, Weights};
 
 const FAMILY: &str = "Granite-MoE";
 
+/// Granite's fields and the experts'.
 #[derive(Debug, Deserialize)]
 struct Config {
-    hidden_size: i32,
-    num_hidden_layers: usize,
-    num_attention_heads: i32,
-    rms_norm_eps: f32,
-    vocab_size: usize,
-    logits_scaling: f32,
-    attention_multiplier: f32,
-    embedding_multiplier: f32,
-    residual_multiplier: f32,
-    max_position_embeddings: usize,
-    num_key_value_heads: i32,
-    attention_bias: bool,
-    rope_theta: f32,
+    #[serde(flatten)]
+    granite: GraniteArgs,
     num_experts_per_tok: i32,
-    rope_scaling: Option<Value>,
-    #[serde(default = "default_true")]
-    tie_word_embeddings: bool,
 }
 
-fn default_true() -> bool {
-    true
-}
-
-/// The sparse block: top-k router logits, softmaxed in float32; the weighted sum is cast back
-/// to the activations' dtype.
-struct SparseMoe {
-    router: Linear,
-    switch_mlp: SwitchGlu,
+/// The router: the top-k logits (`argpartition(l, -k)[..., -k:]`), softmaxed in float32.
+struct TopKSoftmaxF32 {
+    layer: Linear,
     top_k: i32,
 }
 
-impl FeedForward for SparseMoe {
-    fn forward(&self, x: &Array) -> Result<Array, Exception> {
-        let logits = self.router.forward(x)?;
+impl Router for TopKSoftmaxF32 {
+    fn route(&self, x: &Array) -> Result<(Array, Array), Exception> {
+        let logits = self.layer.forward(x)?;
         let inds = top_k_tail(&logits, self.top_k)?;
         let top = logits
             .take_along_axis(&inds, -1)?
             .as_dtype(Dtype::Float32)?;
-        let gates = softmax_axis(top, -1, None)?;
-        let y = self.switch_mlp.forward(x, &inds)?;
-        let dtype = y.dtype();
-        weighted_sum(&y, &gates)?.as_dtype(dtype)
+        Ok((inds, softmax_axis(top, -1, None)?))
     }
+}
 
-    fn parameters(&self) -> Vec<&Array> {
-        let mut out = linear_parameters(&self.router);
-        out.extend(self.switch_mlp.parameters());
-        out
+impl Parameters for TopKSoftmaxF32 {
+    fn push_params<'a>(&'a self, p: &mut Params<'a>) {
+        p.add(&self.layer);
     }
 }
 
@@ -95,44 +72,14 @@ fn split_fused_experts(w: &mut Weights, layers: usize) -> Result<(), LoadError> 
 
 pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadError> {
     let c: Config = parse_config(FAMILY, config)?;
-    split_fused_experts(w, c.num_hidden_layers)?;
-    let head_dim = c.hidden_size / c.num_attention_heads;
-    let rope = rope_from_config(head_dim, c.rope_theta, false, c.rope_scaling.as_ref())?;
-    let spec = DecoderSpec {
-        config,
-        vocab_size: c.vocab_size,
-        num_layers: c.num_hidden_layers,
-        context_length: c.max_position_embeddings,
-        eps: c.rms_norm_eps,
-        tied_embeddings: c.tie_word_embeddings,
-        rope,
-        attention: AttentionSpec {
-            heads: c.num_attention_heads,
-            kv_heads: c.num_key_value_heads,
-            head_dim,
-            qkv_bias: c.attention_bias,
-            o_bias: c.attention_bias,
-            qk_norm: QkNorm::None,
-            scale: c.attention_multiplier,
-            eps: c.rms_norm_eps,
-        },
-        multipliers: Multipliers {
-            embedding: Some(c.embedding_multiplier),
-            residual: Some(c.residual_multiplier),
-            logits_divisor: Some(c.logits_scaling),
-        },
-    };
-    moe_decoder::build(w, spec, |w, _, p| {
+    split_fused_experts(w, c.granite.num_hidden_layers)?;
+    c.granite.shaped(config)?.build(w, |w, _, p| {
         let moe = format!("{p}.block_sparse_moe");
-        Ok(Box::new(SparseMoe {
-            router: Linear::load(w, &format!("{moe}.router.layer"), false)?,
-            switch_mlp: SwitchGlu::load(
-                w,
-                &format!("{moe}.switch_mlp"),
-                false,
-                SwitchActivation::SwiGlu,
-            )?,
+        let router = TopKSoftmaxF32 {
+            layer: Linear::load(w, &format!("{moe}.router.layer"), false)?,
             top_k: c.num_experts_per_tok,
-        }) as Box<dyn FeedForward>)
+        };
+        // The weighted sum is cast back to the activations' dtype.
+        Ok(RoutedExperts::load(w, &moe, router, false)?.cast_back())
     })
 }

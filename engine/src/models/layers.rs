@@ -3,6 +3,7 @@
 //! matching `mlx.nn` layer does, op for op, so greedy outputs match mlx-lm token for token.
 use mlx_rs::error::Exception;
 use mlx_rs::fast;
+use mlx_rs::ops::indexing::{Ellipsis, IndexOp};
 use mlx_rs::ops::{dequantize, quantized_matmul};
 use mlx_rs::Array;
 
@@ -283,7 +284,20 @@ pub fn attend_with(
     };
     let (keys, values) = cache.update_and_fetch(&keys, values)?;
     let l = queries.shape()[2];
-    let mask = cache.mask(l, opts.window)?;
+    let (keys, values, mask) = match opts.window {
+        // A decode step whose window is all valid keys attends to exactly those, with no mask
+        // (as mlx-lm's full rotating cache does): a masked pass over the whole buffer costs a
+        // mask array and up to twice the keys.
+        Some(w) if l == 1 && cache.whole_window(w) => {
+            let t = keys.positions();
+            let last = |s: &Stored| s.map(|a| Ok(a.index((Ellipsis, t - w as i32.., ..))));
+            (last(&keys)?, last(&values)?, Mask::None)
+        }
+        _ => {
+            let mask = cache.mask(l, opts.window)?;
+            (keys, values, mask)
+        }
+    };
     let scale = opts.scale;
     let short = l <= SHORT_PASS_MAX_QUERIES;
     let plain = opts.sinks.is_none() && opts.softcap.is_none();
@@ -354,7 +368,9 @@ impl LayerNorm {
     ) -> std::result::Result<Self, LoadError> {
         Ok(Self {
             weight: Some(w.take(&format!("{prefix}.weight"))?),
-            bias: bias.then(|| w.take(&format!("{prefix}.bias"))).transpose()?,
+            bias: bias
+                .then(|| w.take(&format!("{prefix}.bias")))
+                .transpose()?,
             eps,
         })
     }
@@ -375,19 +391,33 @@ fn weak(x: &Array, v: f32) -> Result<Array> {
     Array::from_f32(v).as_dtype(x.dtype())
 }
 
-/// `nn.gelu_approx`: the tanh approximation of GELU, op for op in `x`'s dtype.
+/// `nn.gelu_approx`: the tanh approximation of GELU, op for op in `x`'s dtype, compiled into
+/// one kernel as mlx-lm's (shapeless `mx.compile`).
 pub fn gelu_approx(x: &Array) -> Result<Array> {
-    let cubic = x.add(&weak(x, 0.044715)?.multiply(&x.power(&weak(x, 3.0)?)?)?)?;
-    let inner = weak(x, (2.0 / std::f32::consts::PI).sqrt())?.multiply(&cubic)?;
-    let gate = weak(x, 1.0)?.add(&mlx_rs::ops::tanh(&inner)?)?;
-    weak(x, 0.5)?.multiply(x)?.multiply(&gate)
+    let mut fused = mlx_rs::transforms::compile::compile(
+        |x: &Array| {
+            let cubic = x.add(&weak(x, 0.044715)?.multiply(&x.power(&weak(x, 3.0)?)?)?)?;
+            let inner = weak(x, (2.0 / std::f32::consts::PI).sqrt())?.multiply(&cubic)?;
+            let gate = weak(x, 1.0)?.add(&mlx_rs::ops::tanh(&inner)?)?;
+            weak(x, 0.5)?.multiply(x)?.multiply(&gate)
+        },
+        true,
+    );
+    fused(x)
 }
 
-/// `nn.gelu`: the exact GELU, `x * (1 + erf(x / sqrt(2))) / 2` in `x`'s dtype.
+/// `nn.gelu`: the exact GELU, `x * (1 + erf(x / sqrt(2))) / 2` in `x`'s dtype, compiled into
+/// one kernel as mlx-lm's.
 pub fn gelu(x: &Array) -> Result<Array> {
-    let erf = mlx_rs::ops::erf(x.divide(&weak(x, std::f32::consts::SQRT_2)?)?)?;
-    x.multiply(&weak(x, 1.0)?.add(&erf)?)?
-        .divide(&weak(x, 2.0)?)
+    let mut fused = mlx_rs::transforms::compile::compile(
+        |x: &Array| {
+            let erf = mlx_rs::ops::erf(x.divide(&weak(x, std::f32::consts::SQRT_2)?)?)?;
+            x.multiply(&weak(x, 1.0)?.add(&erf)?)?
+                .divide(&weak(x, 2.0)?)
+        },
+        true,
+    );
+    fused(x)
 }
 
 /// The most queries of a short pass: a decode step, or a speculative verification of up to

@@ -16,10 +16,14 @@ use mlx_rs::Array;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::dense2_blocks::{
-    decoder_info, initialize_rope, parse_config, AttnProjections, GatedMlp, Params, ScaledRope,
-};
-use super::layers::{attend_with, AttnOpts, Matrix, RmsNorm};
+use super::attention::AttnProjections;
+use super::config::{default_rope_theta, default_true, parse_config};
+use super::decoder::{load_stack, Block, Head, NormKind, Stack, Trunk};
+use super::info::{model_info, KvShape};
+use super::layers::{attend_with, AttnOpts};
+use super::mlp::GatedMlp;
+use super::params::{Parameters, Params};
+use super::rope::{initialize_rope, ScaledRope};
 use super::{CausalLm, ModelInfo};
 use crate::cache::LayerCache;
 use crate::loader::{LoadError, Weights};
@@ -53,14 +57,6 @@ struct Config {
     attention_bias: bool,
     #[serde(default)]
     mlp_bias: bool,
-}
-
-fn default_true() -> bool {
-    true
-}
-
-fn default_rope_theta() -> f32 {
-    10000.0
 }
 
 impl Config {
@@ -172,21 +168,52 @@ fn row_offsets(cache: &LayerCache) -> Vec<i32> {
     }
 }
 
-struct Block {
-    window: Option<usize>,
-    attn: AttnProjections,
-    mlp: GatedMlp,
-    input_layernorm: RmsNorm,
-    post_attention_layernorm: RmsNorm,
-}
-
-pub struct Ministral3 {
-    embed_tokens: Matrix,
-    layers: Vec<Block>,
-    norm: RmsNorm,
-    lm_head: Option<Matrix>,
+/// The attention of one layer: RoPE (after YaRN's prescaling) applied here, then queries
+/// multiplied by the pass's temperature, then attention within the layer's window.
+struct TemperedAttention {
+    proj: AttnProjections,
     rope: ScaledRope,
     scale: f32,
+    window: Option<usize>,
+}
+
+impl TemperedAttention {
+    fn forward(
+        &self,
+        x: &Array,
+        temperature: Option<&Array>,
+        cache: &mut LayerCache,
+    ) -> Result<Array, Exception> {
+        let (q, k, v) = self.proj.project(x)?;
+        let mut q = self.rope.apply(cache, &q)?;
+        let k = self.rope.apply(cache, &k)?;
+        if let Some(t) = temperature {
+            q = q.multiply(t)?;
+        }
+        let opts = AttnOpts {
+            rope: None,
+            scale: self.scale,
+            window: self.window,
+            sinks: None,
+            softcap: None,
+        };
+        self.proj
+            .o_proj
+            .forward(&attend_with(&q, &k, &v, &opts, cache)?)
+    }
+}
+
+impl Parameters for TemperedAttention {
+    fn push_params<'a>(&'a self, p: &mut Params<'a>) {
+        p.add(&self.proj);
+    }
+}
+
+/// The decoder with its own loop: the temperature depends on the pass's positions, computed
+/// once and shared by every layer (as mlx-lm computes it from the first layer's cache).
+pub struct Ministral3 {
+    trunk: Trunk,
+    layers: Vec<Block<TemperedAttention, GatedMlp>>,
     temperature: Option<Temperature>,
     info: ModelInfo,
 }
@@ -343,105 +370,63 @@ fn build_text(
         TextModel::Llama => (c.attention_bias, c.mlp_bias),
         TextModel::Ministral3 => (false, false),
     };
-    let eps = c.rms_norm_eps;
-    let mut layers = Vec::with_capacity(c.num_hidden_layers);
-    for (i, window) in windows.into_iter().enumerate() {
-        let p = format!("{prefix}model.layers.{i}");
-        layers.push(Block {
-            window,
-            attn: AttnProjections::load(
-                w,
-                &format!("{p}.self_attn"),
-                c.num_attention_heads,
-                c.kv_heads(),
-                attention_bias,
-                attention_bias,
-            )?,
-            mlp: GatedMlp::load(w, &format!("{p}.mlp"), mlp_bias)?,
-            input_layernorm: RmsNorm::load(w, &format!("{p}.input_layernorm"), eps)?,
-            post_attention_layernorm: RmsNorm::load(
-                w,
-                &format!("{p}.post_attention_layernorm"),
-                eps,
-            )?,
-        });
-    }
-    let embed_tokens = Matrix::load(w, &format!("{prefix}model.embed_tokens"))?;
-    let norm = RmsNorm::load(w, &format!("{prefix}model.norm"), eps)?;
-    let lm_head = if c.tie_word_embeddings {
-        None
+    // A tied head's copy is gone with the sanitize above; anything left would be unused.
+    let head = if c.tie_word_embeddings {
+        Head::TiedStrict
     } else {
-        Some(Matrix::load(w, &format!("{prefix}lm_head"))?)
+        Head::Own
     };
-    let info = decoder_info(
+    let stack = Stack {
+        prefix,
+        ..Stack::pre_norm(
+            c.num_hidden_layers,
+            NormKind::Rms {
+                eps: c.rms_norm_eps,
+            },
+            head,
+        )
+    };
+    let (trunk, layers) = load_stack(
+        w,
+        &stack,
+        |w, i, p| {
+            Ok(TemperedAttention {
+                proj: AttnProjections::load(
+                    w,
+                    &format!("{p}.self_attn"),
+                    c.num_attention_heads,
+                    c.kv_heads(),
+                    attention_bias,
+                    attention_bias,
+                )?,
+                rope: rope.clone(),
+                scale: (head_dim as f32).powf(-0.5),
+                window: windows[i],
+            })
+        },
+        |w, _, p| GatedMlp::load(w, &format!("{p}.mlp"), mlp_bias),
+    )?;
+    let mut info = model_info(
         config,
         c.vocab_size,
-        c.num_hidden_layers,
         c.max_position_embeddings.unwrap_or(4096),
-        c.kv_heads(),
-        head_dim,
-        &embed_tokens,
+        KvShape::heads(c.num_hidden_layers, c.kv_heads(), head_dim),
+        &trunk.embed_tokens,
     );
-    let mut model = Ministral3 {
-        embed_tokens,
+    let mut p = Params::default();
+    trunk.push_params_around(&layers, &mut p);
+    info.weight_bytes = p.materialize(w.reporter())?;
+    Ok(Box::new(Ministral3 {
+        trunk,
         layers,
-        norm,
-        lm_head,
-        rope,
-        scale: (head_dim as f32).powf(-0.5),
         temperature,
         info,
-    };
-    model.info.weight_bytes = model.params().materialize(w.reporter())?;
-    Ok(Box::new(model))
-}
-
-impl Ministral3 {
-    fn params(&self) -> Params<'_> {
-        let mut p = Params::default();
-        p.matrix(&self.embed_tokens);
-        for b in &self.layers {
-            p.attention(&b.attn);
-            p.gated_mlp(&b.mlp);
-            p.rms(&b.input_layernorm);
-            p.rms(&b.post_attention_layernorm);
-        }
-        p.rms(&self.norm);
-        if let Some(h) = &self.lm_head {
-            p.matrix(h);
-        }
-        p
-    }
-
-    fn attention(
-        &self,
-        b: &Block,
-        x: &Array,
-        temperature: Option<&Array>,
-        cache: &mut LayerCache,
-    ) -> Result<Array, Exception> {
-        let (q, k, v) = b.attn.project(x)?;
-        let mut q = cache.rope(&self.rope.rope, &self.rope.prescale(&q)?)?;
-        let k = cache.rope(&self.rope.rope, &self.rope.prescale(&k)?)?;
-        if let Some(t) = temperature {
-            q = q.multiply(t)?;
-        }
-        let opts = AttnOpts {
-            rope: None,
-            scale: self.scale,
-            window: b.window,
-            sinks: None,
-            softcap: None,
-        };
-        b.attn
-            .o_proj
-            .forward(&attend_with(&q, &k, &v, &opts, cache)?)
-    }
+    }))
 }
 
 impl CausalLm for Ministral3 {
     fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
-        let mut h = self.embed_tokens.rows(tokens)?;
+        let mut h = self.trunk.embed(tokens)?;
         let temperature = match (&self.temperature, caches.first()) {
             (Some(t), Some(cache)) => {
                 Some(t.scales(&row_offsets(cache), tokens.shape()[1], h.dtype())?)
@@ -449,21 +434,15 @@ impl CausalLm for Ministral3 {
             _ => None,
         };
         for (b, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            let attended = self.attention(
-                b,
-                &b.input_layernorm.forward(&h)?,
-                temperature.as_ref(),
-                cache,
-            )?;
-            let hh = h.add(&attended)?;
-            let mlp = b.mlp.forward(&b.post_attention_layernorm.forward(&hh)?)?;
-            h = hh.add(&mlp)?;
+            h = b.forward_with(&h, cache, |attn, x, cache| {
+                attn.forward(x, temperature.as_ref(), cache)
+            })?;
         }
-        let h = self.norm.forward(&h)?;
-        match &self.lm_head {
-            Some(head) => head.matmul_t(&h),
-            None => self.embed_tokens.matmul_t(&h),
-        }
+        self.trunk.logits(&h)
+    }
+
+    fn layer_windows(&self) -> Vec<Option<usize>> {
+        self.layers.iter().map(|b| b.attn.window).collect()
     }
 
     fn info(&self) -> &ModelInfo {

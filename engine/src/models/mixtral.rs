@@ -6,15 +6,15 @@ use mlx_rs::Array;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::layers::{Linear, Rope};
-use super::moe_decoder::{
-    self, linear_parameters, parse_config, refuse_rope_scaling, AttentionSpec, DecoderSpec,
-    FeedForward, Multipliers, QkNorm,
-};
-use super::switch::{
-    stack_experts, top_k_of_negated, weighted_sum, SwitchActivation, SwitchGlu,
-    MIXTRAL_EXPERT_PROJECTIONS,
-};
+use super::attention::AttentionShape;
+use super::config::{floored_head_dim, parse_config};
+use super::decoder::{Head, Stack};
+use super::layers::Linear;
+use super::llama::LlamaShaped;
+use super::moe::{RoutedExperts, Router};
+use super::params::{Parameters, Params};
+use super::rope::{refuse_rope_scaling, ScaledRope};
+use super::switch::{stack_experts, top_k_of_negated, MIXTRAL_EXPERT_PROJECTIONS};
 use super::CausalLm;
 use crate::loader::{LoadError, Weights};
 
@@ -57,34 +57,30 @@ impl Default for Config {
     }
 }
 
-/// The sparse block: the k largest router logits, softmaxed among themselves.
-struct SparseMoe {
+/// The router: the k largest logits, softmaxed among themselves.
+struct TopKSoftmax {
     gate: Linear,
-    switch_mlp: SwitchGlu,
     top_k: i32,
 }
 
-impl FeedForward for SparseMoe {
-    fn forward(&self, x: &Array) -> Result<Array, Exception> {
+impl Router for TopKSoftmax {
+    fn route(&self, x: &Array) -> Result<(Array, Array), Exception> {
         let gates = self.gate.forward(x)?;
         let inds = top_k_of_negated(&gates, self.top_k)?;
         let scores = softmax_axis(gates.take_along_axis(&inds, -1)?, -1, true)?;
-        weighted_sum(&self.switch_mlp.forward(x, &inds)?, &scores)
+        Ok((inds, scores))
     }
+}
 
-    fn parameters(&self) -> Vec<&Array> {
-        let mut out = linear_parameters(&self.gate);
-        out.extend(self.switch_mlp.parameters());
-        out
+impl Parameters for TopKSoftmax {
+    fn push_params<'a>(&'a self, p: &mut Params<'a>) {
+        p.add(&self.gate);
     }
 }
 
 pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadError> {
     let c: Config = parse_config(FAMILY, config)?;
     refuse_rope_scaling(FAMILY, config)?;
-    if c.tie_word_embeddings {
-        w.discard("lm_head.weight");
-    }
     for layer in 0..c.num_hidden_layers {
         stack_experts(
             w,
@@ -94,44 +90,32 @@ pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadE
         )?;
     }
     // mlx-lm derives the head size from the hidden size, whatever `head_dim` says.
-    let head_dim = c.hidden_size / c.num_attention_heads;
-    let spec = DecoderSpec {
+    let head_dim = floored_head_dim(c.hidden_size, c.num_attention_heads)?;
+    LlamaShaped {
         config,
-        vocab_size: c.vocab_size,
-        num_layers: c.num_hidden_layers,
-        context_length: c.max_position_embeddings.unwrap_or(32768),
-        eps: c.rms_norm_eps,
-        tied_embeddings: c.tie_word_embeddings,
-        rope: Rope {
-            dims: head_dim,
-            traditional: c.rope_traditional,
-            base: c.rope_theta,
-            scale: 1.0,
-            freqs: None,
-        },
-        attention: AttentionSpec {
-            heads: c.num_attention_heads,
-            kv_heads: c.num_key_value_heads.unwrap_or(c.num_attention_heads),
+        stack: Stack::llama_like(
+            c.num_hidden_layers,
+            c.rms_norm_eps,
+            Head::tied_if(c.tie_word_embeddings),
+        ),
+        attention: AttentionShape::new(
+            c.num_attention_heads,
+            c.num_key_value_heads.unwrap_or(c.num_attention_heads),
             head_dim,
-            qkv_bias: false,
-            o_bias: false,
-            qk_norm: QkNorm::None,
-            scale: (head_dim as f32).powf(-0.5),
-            eps: c.rms_norm_eps,
-        },
-        multipliers: Multipliers::default(),
-    };
-    moe_decoder::build(w, spec, |w, _, p| {
+            c.rms_norm_eps,
+        ),
+        rope: ScaledRope::plain(head_dim, c.rope_theta, c.rope_traditional),
+        reach: None,
+        head_dim,
+        vocab_size: c.vocab_size,
+        context_length: c.max_position_embeddings.unwrap_or(32768),
+    }
+    .build(w, |w, _, p| {
         let moe = format!("{p}.block_sparse_moe");
-        Ok(Box::new(SparseMoe {
+        let router = TopKSoftmax {
             gate: Linear::load(w, &format!("{moe}.gate"), false)?,
-            switch_mlp: SwitchGlu::load(
-                w,
-                &format!("{moe}.switch_mlp"),
-                false,
-                SwitchActivation::SwiGlu,
-            )?,
             top_k: c.num_experts_per_tok,
-        }) as Box<dyn FeedForward>)
+        };
+        RoutedExperts::load(w, &moe, router, false)
     })
 }

@@ -1,22 +1,27 @@
 //! What DeepSeek-V2 and DeepSeek-V3 (and Kimi K2, which is DeepSeek-V3) share: the config,
-//! the low-rank query projection, DeepSeek's YaRN rotary embedding, the per-head matrices of
-//! the absorbed multi-head latent attention (mlx-lm's `MultiLinear`), the MoE block with shared
-//! experts, the checkpoint clean-up (`sanitize`) and the decoder around a family's attention
-//! and router. Each family file supplies its attention and its router; everything here follows
-//! mlx-lm 0.32.2's `deepseek_v2.py` / `deepseek_v3.py` / `mla.py` op for op.
+//! the low-rank query projection, the per-head matrices of the absorbed multi-head latent
+//! attention (mlx-lm's `MultiLinear`), the checkpoint clean-up (`sanitize`) and the decoder
+//! around a family's attention and router (routed plus shared experts). Each family file
+//! supplies its attention and its router; everything here follows mlx-lm 0.32.2's
+//! `deepseek_v2.py` / `deepseek_v3.py` / `mla.py` op for op (YaRN is [`super::rope::yarn`]).
 use mlx_rs::error::Exception;
-use mlx_rs::ops::argpartition_axis;
-use mlx_rs::ops::indexing::{Ellipsis, IndexOp};
 use mlx_rs::Array;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::dense_parts::{self, scaled, GatedMlp, KvShape, Params};
+use super::attention::SelfAttention;
+use super::config::parse_config;
+use super::decoder::{load_stack, Decoder, Head, NormKind, Sizes, Stack};
+use super::info::KvShape;
 use super::layers::{Linear, Matrix, RmsNorm, Rope};
+use super::mlp::{FeedForward, GatedMlp};
+use super::moe::{RoutedExperts, Router, SharedExperts};
+use super::params::{Parameters, Params};
 use super::quant;
-use super::switch::{top_k_of_negated, weighted_sum, SwitchActivation, SwitchGlu};
-use super::{CausalLm, Feature, ModelInfo};
-use crate::cache::{LayerCache, Mask};
+use super::rope::{scaling_number, yarn_mscale, ScaledRope};
+use super::switch::HF_EXPERT_PROJECTIONS;
+use super::{CausalLm, Feature};
+use crate::cache::{Mask, Stored};
 use crate::loader::{LoadError, Weights};
 
 /// The config fields both DeepSeek generations read, with mlx-lm's defaults where it has them.
@@ -96,7 +101,7 @@ const LATENT_NORM_EPS: f32 = 1e-6;
 
 impl DeepseekConfig {
     pub fn from_json(config: &Value) -> Result<Self, LoadError> {
-        let mut c: Self = dense_parts::parse_config(config)?;
+        let mut c: Self = parse_config("DeepSeek", config)?;
         c.q_lora_rank = q_lora_rank(config)?;
         c.validate()?;
         Ok(c)
@@ -173,11 +178,11 @@ impl DeepseekConfig {
         let Some(scaling) = self.rope_scaling.as_ref().filter(|s| !s.is_null()) else {
             return Ok(scale);
         };
-        let mscale_all_dim = number(scaling, "mscale_all_dim")?.unwrap_or(0.0);
+        let mscale_all_dim = scaling_number(scaling, "mscale_all_dim")?.unwrap_or(0.0);
         if mscale_all_dim == 0.0 {
             return Ok(scale);
         }
-        let factor = number(scaling, "factor")?
+        let factor = scaling_number(scaling, "factor")?
             .ok_or_else(|| LoadError::Config("rope_scaling has no factor".into()))?;
         let s = yarn_mscale(factor, mscale_all_dim);
         Ok(scale * s * s)
@@ -197,119 +202,16 @@ fn q_lora_rank(config: &Value) -> Result<Option<i32>, LoadError> {
     }
 }
 
-/// A numeric field of `rope_scaling`; a non-number is refused.
-fn number(scaling: &Value, key: &str) -> Result<Option<f64>, LoadError> {
-    match scaling.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => v
-            .as_f64()
-            .map(Some)
-            .ok_or_else(|| LoadError::Config(format!("rope_scaling.{key} {v} is not a number"))),
-    }
-}
-
-/// YaRN's attention-magnitude correction `0.1 * m * ln(scale) + 1` (1 without stretching).
-fn yarn_mscale(scale: f64, m: f64) -> f64 {
-    if scale <= 1.0 {
-        1.0
-    } else {
-        0.1 * m * scale.ln() + 1.0
-    }
-}
-
-/// A rotary embedding, with DeepSeek's YaRN input scaling: the rotated features are first
-/// multiplied by `mscale / mscale_all_dim`'s correction ratio when it is not 1.
-#[derive(Debug)]
-pub(crate) struct DeepseekRope {
-    rope: Rope,
-    input_scale: Option<f32>,
-}
-
-impl DeepseekRope {
-    /// Plain (or linearly scaled) rotary embedding of `dims` features, in the traditional
-    /// (interleaved) layout DeepSeek uses.
-    pub fn plain(dims: i32, base: f64, scale: f32) -> Self {
-        Self {
-            rope: Rope {
-                dims,
-                traditional: true,
-                base: base as f32,
-                scale,
-                freqs: None,
-            },
-            input_scale: None,
-        }
-    }
-
-    /// DeepSeek's YaRN (mlx-lm's `YarnRoPE` / `DeepseekV2YarnRotaryEmbedding`, which compute the
-    /// same): the frequencies blend interpolated and original ones over a ramp between the
-    /// correction dimensions of `beta_fast` and `beta_slow`. Computed with MLX ops in float32,
-    /// as mlx-lm does, so the frequencies are bit-identical.
-    pub fn yarn(dims: i32, base: f64, scaling: &Value) -> Result<Self, LoadError> {
-        let get = |key: &str, default: f64| number(scaling, key).map(|v| v.unwrap_or(default));
-        let factor = number(scaling, "factor")?
-            .ok_or_else(|| LoadError::Config("YaRN rope_scaling has no factor".into()))?;
-        let original_len = get("original_max_position_embeddings", 4096.0)?;
-        let beta_fast = get("beta_fast", 32.0)?;
-        let beta_slow = get("beta_slow", 1.0)?;
-        let mscale = get("mscale", 1.0)?;
-        let mscale_all_dim = get("mscale_all_dim", 0.0)?;
-        let correction_dim = |rotations: f64| {
-            (dims as f64 * (original_len / (rotations * 2.0 * std::f64::consts::PI)).ln())
-                / (2.0 * base.ln())
-        };
-        let low = correction_dim(beta_fast).floor().max(0.0);
-        let high = correction_dim(beta_slow).ceil().min((dims - 1) as f64);
-        let freqs = yarn_freqs(dims, base, factor, low, high)?;
-        let ratio = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim);
-        Ok(Self {
-            rope: Rope {
-                dims,
-                traditional: true,
-                base: base as f32,
-                scale: 1.0,
-                freqs: Some(freqs),
-            },
-            input_scale: (ratio != 1.0).then_some(ratio as f32),
-        })
-    }
-
-    /// Rotates `x` `[B, heads, L, dims]` at the positions the cache gives the new tokens.
-    pub fn apply(&self, cache: &LayerCache, x: &Array) -> Result<Array, Exception> {
-        match self.input_scale {
-            Some(s) => cache.rope(&self.rope, &scaled(x, s)?),
-            None => cache.rope(&self.rope, x),
-        }
-    }
-}
-
-/// YaRN's blended frequencies over `dims / 2` rotation pairs, op for op as mlx-lm.
-fn yarn_freqs(dims: i32, base: f64, factor: f64, low: f64, high: f64) -> Result<Array, LoadError> {
-    let f32_scalar = |v: f64| Array::from_f32(v as f32);
-    let exponents = Array::arange::<_, f32>(0, dims, 2)?.divide(f32_scalar(dims as f64))?;
-    let freq_extra = mlx_rs::ops::power(f32_scalar(base), &exponents)?;
-    let freq_inter = f32_scalar(factor).multiply(&freq_extra)?;
-    let high = if low == high { high + 0.001 } else { high };
-    let ramp = Array::arange::<_, f32>(None, dims / 2, None)?
-        .subtract(f32_scalar(low))?
-        .divide(f32_scalar(high - low))?;
-    let ramp = mlx_rs::ops::clip(&ramp, (&f32_scalar(0.0), &f32_scalar(1.0)))?;
-    let freq_mask = f32_scalar(1.0).subtract(&ramp)?;
-    let numerator = freq_inter.multiply(&freq_extra)?;
-    let denominator = freq_inter
-        .multiply(&freq_mask)?
-        .add(freq_extra.multiply(f32_scalar(1.0).subtract(&freq_mask)?)?)?;
-    Ok(numerator.divide(&denominator)?)
-}
-
-/// The rope scaling kind a config names (`type`, else `rope_type`, else `default`).
-pub(crate) fn rope_kind(scaling: &Value) -> &str {
-    scaling
-        .get("type")
-        .and_then(Value::as_str)
-        .filter(|s| !s.is_empty())
-        .or_else(|| scaling.get("rope_type").and_then(Value::as_str))
-        .unwrap_or("default")
+/// DeepSeek's plain (or linearly scaled) rotary embedding of `dims` features, in the
+/// traditional (interleaved) layout DeepSeek uses.
+pub(crate) fn plain_deepseek_rope(dims: i32, base: f64, scale: f32) -> ScaledRope {
+    ScaledRope::unscaled(Rope {
+        dims,
+        traditional: true,
+        base: base as f32,
+        scale,
+        freqs: None,
+    })
 }
 
 /// The query projection: at full rank (`q_proj`), or through a normalised low-rank bottleneck
@@ -350,20 +252,18 @@ impl QueryProjection {
             } => q_b_proj.forward(&q_a_layernorm.forward(&q_a_proj.forward(x)?)?),
         }
     }
+}
 
-    pub fn push_params<'a>(&'a self, p: &mut Params<'a>) {
+impl Parameters for QueryProjection {
+    fn push_params<'a>(&'a self, p: &mut Params<'a>) {
         match self {
-            QueryProjection::Full(q) => p.linear(q),
+            QueryProjection::Full(q) => p.add(q),
             QueryProjection::LowRank {
                 q_a_proj,
                 q_a_layernorm,
                 q_b_proj,
-            } => {
-                p.linear(q_a_proj);
-                p.array(&q_a_layernorm.weight);
-                p.linear(q_b_proj);
-            }
-        }
+            } => p.add(q_a_proj).add(q_a_layernorm).add(q_b_proj),
+        };
     }
 }
 
@@ -437,11 +337,13 @@ impl LatentProjections {
             k_pe,
         })
     }
+}
 
-    pub fn push_params<'a>(&'a self, p: &mut Params<'a>) {
-        self.q.push_params(p);
-        p.linear(&self.kv_a_proj_with_mqa);
-        p.array(&self.kv_a_layernorm.weight);
+impl Parameters for LatentProjections {
+    fn push_params<'a>(&'a self, p: &mut Params<'a>) {
+        p.add(&self.q)
+            .add(&self.kv_a_proj_with_mqa)
+            .add(&self.kv_a_layernorm);
     }
 }
 
@@ -474,117 +376,19 @@ impl MultiLinear {
     }
 }
 
-/// The attention of one DeepSeek generation: from normalised hidden states to the output
-/// projection, through the layer's cache.
-pub(crate) trait DeepseekAttention: Send {
-    fn forward(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception>;
-    fn push_params<'a>(&'a self, p: &mut Params<'a>);
-}
-
-/// The router of one DeepSeek generation: hidden states `[B, L, hidden]` → expert ids
-/// `[B, L, k]` (uint32) and their weights `[B, L, k]`.
-pub(crate) trait Router: Send {
-    fn route(&self, x: &Array) -> Result<(Array, Array), Exception>;
-    fn push_params<'a>(&'a self, p: &mut Params<'a>);
-    /// Whether the weighted sum over experts is cast back to the experts' dtype (V3 routes in
-    /// float32 and casts back; V2 leaves the promotion).
-    fn cast_back(&self) -> bool;
-}
-
-/// Routed experts plus optional always-on shared experts.
-pub(crate) struct Moe<R> {
-    gate: R,
-    switch_mlp: SwitchGlu,
-    shared_experts: Option<GatedMlp>,
-}
-
-impl<R: Router> Moe<R> {
-    pub fn load(
-        w: &mut Weights,
-        prefix: &str,
-        c: &DeepseekConfig,
-        gate: R,
-    ) -> Result<Self, LoadError> {
-        Ok(Self {
-            gate,
-            switch_mlp: SwitchGlu::load(
-                w,
-                &format!("{prefix}.switch_mlp"),
-                false,
-                SwitchActivation::SwiGlu,
-            )?,
-            shared_experts: c
-                .n_shared_experts
-                .map(|_| GatedMlp::load(w, &format!("{prefix}.shared_experts"), false))
-                .transpose()?,
-        })
-    }
-
-    fn forward(&self, x: &Array) -> Result<Array, Exception> {
-        let (inds, scores) = self.gate.route(x)?;
-        let y = self.switch_mlp.forward(x, &inds)?;
-        let mut out = weighted_sum(&y, &scores)?;
-        if self.gate.cast_back() {
-            out = out.as_dtype(y.dtype())?;
-        }
-        match &self.shared_experts {
-            Some(shared) => out.add(shared.forward(x)?),
-            None => Ok(out),
-        }
-    }
-
+impl Parameters for MultiLinear {
     fn push_params<'a>(&'a self, p: &mut Params<'a>) {
-        self.gate.push_params(p);
-        for a in self.switch_mlp.parameters() {
-            p.array(a);
-        }
-        if let Some(shared) = &self.shared_experts {
-            p.mlp(shared);
-        }
+        p.add(&self.weight);
     }
-}
-
-/// `argpartition(x, kth, axis)[..., :n, :]` along the second-to-last axis: the ids of the `n`
-/// groups with the lowest scores (`x` `[..., groups, 1]`), the ones a group-limited router
-/// zeroes.
-pub(crate) fn lowest_groups(group_scores: &Array, n: i32) -> Result<Array, Exception> {
-    Ok(argpartition_axis(group_scores, n - 1, -2)?.index((Ellipsis, ..n, ..)))
-}
-
-/// Ids of the `k` experts with the highest scores, as mlx-lm's DeepSeek routers take them.
-pub(crate) fn top_experts(scores: &Array, k: i32) -> Result<Array, Exception> {
-    top_k_of_negated(scores, k)
-}
-
-/// The feed-forward half of a block: a SwiGLU MLP or a mixture of experts.
-enum FeedForward<R> {
-    Dense(GatedMlp),
-    Moe(Box<Moe<R>>),
-}
-
-struct Block<A, R> {
-    attn: A,
-    mlp: FeedForward<R>,
-    input_layernorm: RmsNorm,
-    post_attention_layernorm: RmsNorm,
-}
-
-/// A DeepSeek decoder: embedding, pre-norm blocks of the family's attention and MLP or MoE,
-/// final norm and an untied output head.
-pub(crate) struct Deepseek<A, R> {
-    embed_tokens: Matrix,
-    layers: Vec<Block<A, R>>,
-    norm: RmsNorm,
-    lm_head: Matrix,
-    info: ModelInfo,
-    /// The family's reasons to refuse a feature.
-    refusals: Vec<(Feature, String)>,
 }
 
 /// How a family builds the parts that differ: attention and router of layer `i`.
 pub(crate) struct FamilyParts<'f, A, R> {
     pub attention: &'f dyn Fn(&mut Weights, usize) -> Result<A, LoadError>,
     pub router: &'f dyn Fn(&mut Weights, usize) -> Result<R, LoadError>,
+    /// Whether the weighted sum over experts is cast back to the experts' dtype (V3 routes in
+    /// float32 and casts back; V2 leaves the promotion).
+    pub cast_back: bool,
     /// Elements one layer caches per token (the activation dtype's size and the layer count
     /// multiply it into `kv_bytes_per_token`).
     pub kv_elements_per_token_per_layer: usize,
@@ -593,108 +397,62 @@ pub(crate) struct FamilyParts<'f, A, R> {
     pub refusals: Vec<(Feature, String)>,
 }
 
-impl<A: DeepseekAttention + 'static, R: Router + 'static> Deepseek<A, R> {
-    /// Builds the decoder from the (sanitized) checkpoint.
-    pub fn build(
-        config: &Value,
-        c: &DeepseekConfig,
-        w: &mut Weights,
-        parts: FamilyParts<'_, A, R>,
-    ) -> Result<Box<dyn CausalLm>, LoadError> {
-        let mut layers = Vec::with_capacity(c.num_hidden_layers);
-        for i in 0..c.num_hidden_layers {
-            let p = format!("model.layers.{i}");
-            let mlp = if c.is_moe_layer(i) {
-                let gate = (parts.router)(w, i)?;
-                FeedForward::Moe(Box::new(Moe::load(w, &format!("{p}.mlp"), c, gate)?))
-            } else {
-                FeedForward::Dense(GatedMlp::load(w, &format!("{p}.mlp"), false)?)
-            };
-            layers.push(Block {
-                attn: (parts.attention)(w, i)?,
-                mlp,
-                input_layernorm: RmsNorm::load(w, &format!("{p}.input_layernorm"), c.rms_norm_eps)?,
-                post_attention_layernorm: RmsNorm::load(
-                    w,
-                    &format!("{p}.post_attention_layernorm"),
-                    c.rms_norm_eps,
-                )?,
-            });
-        }
-        let embed_tokens = Matrix::load(w, "model.embed_tokens")?;
-        let norm = RmsNorm::load(w, "model.norm", c.rms_norm_eps)?;
-        let lm_head = Matrix::load(w, "lm_head")?;
-        let mut info = dense_parts::model_info(
-            config,
-            c.vocab_size,
-            c.max_position_embeddings,
-            KvShape {
-                layers: c.num_hidden_layers,
-                kv_heads: 1,
-                head_dim: parts.head_dim,
-            },
-            &embed_tokens,
-        );
-        info.kv_bytes_per_token =
-            c.num_hidden_layers * parts.kv_elements_per_token_per_layer * info.kv_dtype_bytes;
-        let mut model = Self {
-            embed_tokens,
-            layers,
-            norm,
-            lm_head,
-            info,
-            refusals: parts.refusals,
-        };
-        model.info.weight_bytes = model.params().materialize(w.reporter())?;
-        Ok(Box::new(model))
-    }
-
-    fn params(&self) -> Params<'_> {
-        let mut p = Params::default();
-        p.matrix(&self.embed_tokens);
-        for b in &self.layers {
-            b.attn.push_params(&mut p);
-            match &b.mlp {
-                FeedForward::Dense(m) => p.mlp(m),
-                FeedForward::Moe(m) => m.push_params(&mut p),
+/// Builds a DeepSeek decoder from the (sanitized) checkpoint: embedding, pre-norm blocks of
+/// the family's attention and a SwiGLU MLP or (mlx-lm's rule, [`DeepseekConfig::is_moe_layer`])
+/// routed experts plus shared experts, final norm and an untied output head.
+pub(crate) fn build_deepseek<A, R>(
+    config: &Value,
+    c: &DeepseekConfig,
+    w: &mut Weights,
+    parts: FamilyParts<'_, A, R>,
+) -> Result<Box<dyn CausalLm>, LoadError>
+where
+    A: SelfAttention + 'static,
+    R: Router + 'static,
+{
+    let stack = Stack::pre_norm(
+        c.num_hidden_layers,
+        NormKind::Rms {
+            eps: c.rms_norm_eps,
+        },
+        Head::Own,
+    );
+    let (trunk, layers) = load_stack(
+        w,
+        &stack,
+        |w, i, _| (parts.attention)(w, i),
+        |w, i, p| -> Result<Box<dyn FeedForward>, LoadError> {
+            let mlp = format!("{p}.mlp");
+            if !c.is_moe_layer(i) {
+                return Ok(Box::new(GatedMlp::load(w, &mlp, false)?));
             }
-            p.array(&b.input_layernorm.weight);
-            p.array(&b.post_attention_layernorm.weight);
-        }
-        p.array(&self.norm.weight);
-        p.matrix(&self.lm_head);
-        p
-    }
-}
-
-impl<A: DeepseekAttention, R: Router> CausalLm for Deepseek<A, R> {
-    fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
-        let mut h = self.embed_tokens.rows(tokens)?;
-        for (block, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            let r = block
-                .attn
-                .forward(&block.input_layernorm.forward(&h)?, cache)?;
-            let hh = h.add(&r)?;
-            let normed = block.post_attention_layernorm.forward(&hh)?;
-            let r = match &block.mlp {
-                FeedForward::Dense(m) => m.forward(&normed)?,
-                FeedForward::Moe(m) => m.forward(&normed)?,
-            };
-            h = hh.add(&r)?;
-        }
-        self.lm_head.matmul_t(&self.norm.forward(&h)?)
-    }
-
-    fn info(&self) -> &ModelInfo {
-        &self.info
-    }
-
-    fn refuses(&self, feature: Feature) -> Option<String> {
-        self.refusals
-            .iter()
-            .find(|(f, _)| *f == feature)
-            .map(|(_, reason)| reason.clone())
-    }
+            let router = (parts.router)(w, i)?;
+            let mut moe = RoutedExperts::load(w, &mlp, router, false)?;
+            if c.n_shared_experts.is_some() {
+                let shared = GatedMlp::load(w, &format!("{mlp}.shared_experts"), false)?;
+                moe = moe.with_shared(SharedExperts::Plain(shared));
+            }
+            if parts.cast_back {
+                moe = moe.cast_back();
+            }
+            Ok(Box::new(moe))
+        },
+    )?;
+    let sizes = Sizes {
+        vocab_size: c.vocab_size,
+        context_length: c.max_position_embeddings,
+        kv: KvShape {
+            layers: c.num_hidden_layers,
+            elements_per_layer: parts.kv_elements_per_token_per_layer,
+            head_dim: parts.head_dim,
+        },
+    };
+    let decoder = Decoder::new(config, trunk, layers, sizes);
+    parts
+        .refusals
+        .into_iter()
+        .fold(decoder, |d, (feature, reason)| d.refusing(feature, reason))
+        .finish(w)
 }
 
 /// Stacks Hugging Face's per-expert matrices (`mlp.experts.{e}.{gate,up,down}_proj`) into
@@ -703,29 +461,15 @@ pub(crate) fn stack_experts(w: &mut Weights, c: &DeepseekConfig) -> Result<(), L
     let Some(experts) = c.n_routed_experts else {
         return Ok(());
     };
+    let experts = usize::try_from(experts)
+        .map_err(|_| LoadError::Config(format!("n_routed_experts {experts} is negative")))?;
     for l in 0..c.num_hidden_layers {
-        let prefix = format!("model.layers.{l}.mlp");
-        for proj in ["gate_proj", "down_proj", "up_proj"] {
-            for part in ["weight", "scales", "biases"] {
-                if !w.contains(&format!("{prefix}.experts.0.{proj}.{part}")) {
-                    continue;
-                }
-                let mut missing = Vec::new();
-                let mut stack = Vec::with_capacity(experts as usize);
-                for e in 0..experts {
-                    let name = format!("{prefix}.experts.{e}.{proj}.{part}");
-                    match w.remove_raw(&name) {
-                        Some(a) => stack.push(a),
-                        None => missing.push(name),
-                    }
-                }
-                if !missing.is_empty() {
-                    return Err(LoadError::MissingTensors(missing));
-                }
-                let stacked = mlx_rs::ops::stack(&stack, 0)?;
-                w.insert(format!("{prefix}.switch_mlp.{proj}.{part}"), stacked);
-            }
-        }
+        super::switch::stack_experts(
+            w,
+            &format!("model.layers.{l}.mlp"),
+            experts,
+            &HF_EXPERT_PROJECTIONS,
+        )?;
     }
     Ok(())
 }
@@ -759,5 +503,16 @@ pub(crate) fn mask_array(mask: Mask, queries: i32, keys: i32) -> Result<Option<A
         Mask::None => Ok(None),
         Mask::Causal => causal_mask_array(queries, keys).map(Some),
         Mask::Array(a) => Ok(Some(a)),
+    }
+}
+
+/// One side of the cache as a plain array: both families refuse KV quantization at load, so
+/// a quantized side is an error naming `family`.
+pub(crate) fn unquantized(s: Stored, family: &str) -> Result<Array, Exception> {
+    match s {
+        Stored::Plain(a) => Ok(a),
+        _ => Err(Exception::custom(format!(
+            "{family}'s cache cannot be stored quantized"
+        ))),
     }
 }

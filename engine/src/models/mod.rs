@@ -3,37 +3,43 @@
 //!
 //! A model is a config plus `forward(tokens, caches)`: caches are owned per sequence and passed
 //! in, so one loaded model serves any number of sequences.
+pub mod attention;
+pub mod cohere;
+pub mod cohere2;
+pub mod config;
+pub mod decoder;
+pub mod deepseek_v2;
+pub mod deepseek_v3;
+pub mod exaone4;
 pub mod gemma2;
 pub mod gemma3;
 pub mod gemma4;
-pub mod gpt_oss;
-pub mod cohere;
-pub mod cohere2;
-pub mod dense2_blocks;
-pub mod exaone4;
 pub mod glm4;
-pub mod ministral3;
-pub mod deepseek_v2;
-pub mod deepseek_v3;
-pub mod mla;
+pub mod glm4_moe;
+pub mod gpt_oss;
+pub mod granite;
+pub mod granitemoe;
+pub mod info;
 pub mod layers;
 pub mod llama;
-pub mod dense_parts;
-pub mod granite;
+pub mod ministral3;
+pub mod mixtral;
+pub mod mla;
+pub mod mlp;
+pub mod moe;
 pub mod olmo2;
+pub mod olmoe;
+pub mod params;
 pub mod phi3;
+pub mod quant;
+pub mod qwen2_moe;
+pub mod qwen3;
+pub mod qwen3_moe;
+pub mod rope;
+pub mod scalar;
 pub mod smollm3;
 pub mod starcoder2;
-pub mod quant;
-pub mod qwen3;
 pub mod switch;
-pub mod moe_decoder;
-pub mod qwen3_moe;
-pub mod qwen2_moe;
-pub mod mixtral;
-pub mod olmoe;
-pub mod granitemoe;
-pub mod glm4_moe;
 
 use std::path::Path;
 
@@ -130,7 +136,10 @@ const REGISTRY: &[(&str, Builder)] = &[
     ("Exaone4ForCausalLM", exaone4::build),
     ("Glm4ForCausalLM", glm4::build),
     ("Ministral3ForCausalLM", ministral3::build),
-    ("Mistral3ForConditionalGeneration", ministral3::build_conditional),
+    (
+        "Mistral3ForConditionalGeneration",
+        ministral3::build_conditional,
+    ),
     ("LlamaForCausalLM", llama::build),
     ("MistralForCausalLM", llama::build),
     ("Qwen2ForCausalLM", llama::build),

@@ -2,92 +2,58 @@
 //! projection (before the split into heads), and in every layer a softmax router over the
 //! experts, optionally renormalising the top-k weights.
 use mlx_rs::error::Exception;
-use mlx_rs::ops::softmax_axis;
 use mlx_rs::Array;
 use serde::Deserialize;
 use serde_json::Value;
 
+use super::attention::QkNorm;
+use super::config::parse_config;
 use super::layers::Linear;
-use super::llama::rope_from_config;
-use super::moe_decoder::{
-    self, linear_parameters, parse_config, AttentionSpec, DecoderSpec, FeedForward, Multipliers,
-    QkNorm,
-};
-use super::switch::{
-    stack_experts, top_k_of_negated, weighted_sum, SwitchActivation, SwitchGlu,
-    HF_EXPERT_PROJECTIONS,
-};
+use super::llama;
+use super::mlp::FeedForward;
+use super::moe::{RoutedExperts, SoftmaxRouter};
+use super::params::{Parameters, Params};
+use super::switch::{stack_experts, top_k_of_negated, HF_EXPERT_PROJECTIONS};
 use super::CausalLm;
 use crate::loader::{LoadError, Weights};
 
 const FAMILY: &str = "OLMoE";
 
+/// The fields of config.json that mlx-lm's `olmoe.ModelArgs` reads: Llama's and the
+/// experts'.
 #[derive(Debug, Deserialize)]
 struct Config {
-    hidden_size: i32,
-    num_hidden_layers: usize,
-    num_attention_heads: i32,
-    rms_norm_eps: f32,
-    vocab_size: usize,
+    #[serde(flatten)]
+    llama: llama::Config,
     num_experts: usize,
     num_experts_per_tok: i32,
     #[serde(default)]
     norm_topk_prob: bool,
-    head_dim: Option<i32>,
-    max_position_embeddings: Option<usize>,
-    num_key_value_heads: Option<i32>,
-    #[serde(default)]
-    attention_bias: bool,
-    #[serde(default)]
-    mlp_bias: bool,
-    #[serde(default = "default_rope_theta")]
-    rope_theta: f32,
-    #[serde(default)]
-    rope_traditional: bool,
-    rope_scaling: Option<Value>,
-    #[serde(default = "default_true")]
-    tie_word_embeddings: bool,
 }
 
-fn default_rope_theta() -> f32 {
-    10000.0
-}
+/// The sparse block (a softmax router, top-k ids as `argpartition(-p, k-1)[..., :k]`,
+/// weights optionally renormalised), run over the tokens flattened to `[N, D]` as mlx-lm
+/// computes it.
+struct TokenRows(RoutedExperts<SoftmaxRouter>);
 
-fn default_true() -> bool {
-    true
-}
-
-/// The sparse block, over the tokens flattened to `[N, D]` as mlx-lm computes it.
-struct SparseMoe {
-    gate: Linear,
-    switch_mlp: SwitchGlu,
-    top_k: i32,
-    norm_topk_prob: bool,
-}
-
-impl FeedForward for SparseMoe {
+impl FeedForward for TokenRows {
     fn forward(&self, x: &Array) -> Result<Array, Exception> {
         let shape = x.shape().to_vec();
-        let x_flat = x.reshape(&[-1, shape[shape.len() - 1]])?;
-        let probs = softmax_axis(self.gate.forward(&x_flat)?, 1, true)?;
-        let inds = top_k_of_negated(&probs, self.top_k)?;
-        let mut scores = probs.take_along_axis(&inds, -1)?;
-        if self.norm_topk_prob {
-            scores = scores.divide(scores.sum_axis(-1, true)?)?;
-        }
-        weighted_sum(&self.switch_mlp.forward(&x_flat, &inds)?, &scores)?.reshape(&shape)
+        let rows = x.reshape(&[-1, shape[shape.len() - 1]])?;
+        self.0.forward(&rows)?.reshape(&shape)
     }
+}
 
-    fn parameters(&self) -> Vec<&Array> {
-        let mut out = linear_parameters(&self.gate);
-        out.extend(self.switch_mlp.parameters());
-        out
+impl Parameters for TokenRows {
+    fn push_params<'a>(&'a self, p: &mut Params<'a>) {
+        p.add(&self.0);
     }
 }
 
 pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadError> {
     let c: Config = parse_config(FAMILY, config)?;
-    for layer in 0..c.num_hidden_layers {
+    let l = &c.llama;
+    for layer in 0..l.num_hidden_layers {
         stack_experts(
             w,
             &format!("model.layers.{layer}.mlp"),
@@ -95,45 +61,15 @@ pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadE
             &HF_EXPERT_PROJECTIONS,
         )?;
     }
-    let head_dim = c.head_dim.unwrap_or(c.hidden_size / c.num_attention_heads);
-    let rope = rope_from_config(
-        head_dim,
-        c.rope_theta,
-        c.rope_traditional,
-        c.rope_scaling.as_ref(),
-    )?;
-    let spec = DecoderSpec {
-        config,
-        vocab_size: c.vocab_size,
-        num_layers: c.num_hidden_layers,
-        context_length: c.max_position_embeddings.unwrap_or(4096),
-        eps: c.rms_norm_eps,
-        tied_embeddings: c.tie_word_embeddings,
-        rope,
-        attention: AttentionSpec {
-            heads: c.num_attention_heads,
-            kv_heads: c.num_key_value_heads.unwrap_or(c.num_attention_heads),
-            head_dim,
-            qkv_bias: c.attention_bias,
-            o_bias: c.attention_bias,
-            qk_norm: QkNorm::Full,
-            scale: (head_dim as f32).powf(-0.5),
-            eps: c.rms_norm_eps,
-        },
-        multipliers: Multipliers::default(),
-    };
-    moe_decoder::build(w, spec, |w, _, p| {
-        let mlp = format!("{p}.mlp");
-        Ok(Box::new(SparseMoe {
-            gate: Linear::load(w, &format!("{mlp}.gate"), false)?,
-            switch_mlp: SwitchGlu::load(
-                w,
-                &format!("{mlp}.switch_mlp"),
-                c.mlp_bias,
-                SwitchActivation::SwiGlu,
-            )?,
-            top_k: c.num_experts_per_tok,
-            norm_topk_prob: c.norm_topk_prob,
-        }) as Box<dyn FeedForward>)
-    })
+    l.shaped(config, l.attention_bias, QkNorm::Whole)?
+        .build(w, |w, _, p| {
+            let mlp = format!("{p}.mlp");
+            let router = SoftmaxRouter {
+                gate: Linear::load(w, &format!("{mlp}.gate"), false)?,
+                top_k: c.num_experts_per_tok,
+                select: top_k_of_negated,
+                renormalize: c.norm_topk_prob,
+            };
+            Ok(TokenRows(RoutedExperts::load(w, &mlp, router, l.mlp_bias)?))
+        })
 }

@@ -182,8 +182,7 @@ mod tests {
             mode: QuantMode::Affine,
         };
         let ours = quantized_matmul(&x, p, true).unwrap();
-        let theirs =
-            mlx_rs::ops::quantized_matmul(&x, &wq, &scales, &biases, true, 64, 4).unwrap();
+        let theirs = mlx_rs::ops::quantized_matmul(&x, &wq, &scales, &biases, true, 64, 4).unwrap();
         assert_eq!(max_abs_diff(&ours, &theirs), 0.0);
         let back = dequantize(p).unwrap();
         assert_eq!(back.shape(), &[64, 128]);

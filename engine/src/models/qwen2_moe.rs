@@ -2,21 +2,18 @@
 //! every layer a softmax router over the experts plus a shared expert whose output is gated by
 //! `sigmoid(shared_expert_gate(x))`. As in mlx-lm, every layer is sparse and the model always
 //! has its own `lm_head`.
-use mlx_rs::error::Exception;
-use mlx_rs::ops::{sigmoid, softmax_axis};
-use mlx_rs::Array;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::layers::{Linear, Rope};
-use super::moe_decoder::{
-    self, linear_parameters, parse_config, refuse_rope_scaling, AttentionSpec, DecoderSpec,
-    FeedForward, Mlp, Multipliers, QkNorm,
-};
-use super::switch::{
-    stack_experts, top_k_of_negated, weighted_sum, SwitchActivation, SwitchGlu,
-    HF_EXPERT_PROJECTIONS,
-};
+use super::attention::AttentionShape;
+use super::config::{floored_head_dim, parse_config};
+use super::decoder::{Head, Stack};
+use super::layers::Linear;
+use super::llama::LlamaShaped;
+use super::mlp::GatedMlp;
+use super::moe::{RoutedExperts, SharedExperts, SoftmaxRouter};
+use super::rope::{refuse_rope_scaling, ScaledRope};
+use super::switch::{stack_experts, top_k_of_negated, HF_EXPERT_PROJECTIONS};
 use super::CausalLm;
 use crate::loader::{LoadError, Weights};
 
@@ -37,60 +34,52 @@ struct Config {
     #[serde(default)]
     rope_traditional: bool,
     max_position_embeddings: Option<usize>,
+    #[serde(default = "one")]
+    decoder_sparse_step: usize,
+    #[serde(default)]
+    mlp_only_layers: Vec<usize>,
+}
+
+fn one() -> usize {
+    1
 }
 
 fn default_rope_theta() -> f32 {
     1_000_000.0
 }
 
-/// The sparse block: softmax router, top-k experts with their (unnormalised) probabilities,
-/// plus the sigmoid-gated shared expert.
-struct SparseMoe {
-    gate: Linear,
-    switch_mlp: SwitchGlu,
-    shared_expert: Mlp,
-    shared_expert_gate: Linear,
+/// The sparse block: a softmax router (top-k ids as `argpartition(-g, k-1)[..., :k]`, their
+/// unnormalised probabilities) plus the shared expert, gated by
+/// `sigmoid(shared_expert_gate(x))`.
+fn load_sparse(
+    w: &mut Weights,
+    mlp: &str,
     top_k: i32,
-}
-
-impl FeedForward for SparseMoe {
-    fn forward(&self, x: &Array) -> Result<Array, Exception> {
-        let gates = softmax_axis(self.gate.forward(x)?, -1, true)?;
-        let inds = top_k_of_negated(&gates, self.top_k)?;
-        let scores = gates.take_along_axis(&inds, -1)?;
-        let y = weighted_sum(&self.switch_mlp.forward(x, &inds)?, &scores)?;
-        let shared = self.shared_expert.forward(x)?;
-        let shared = sigmoid(self.shared_expert_gate.forward(x)?)?.multiply(shared)?;
-        y.add(shared)
-    }
-
-    fn parameters(&self) -> Vec<&Array> {
-        let mut out = linear_parameters(&self.gate);
-        out.extend(self.switch_mlp.parameters());
-        out.extend(self.shared_expert.parameters());
-        out.extend(linear_parameters(&self.shared_expert_gate));
-        out
-    }
-}
-
-fn load_sparse(w: &mut Weights, mlp: &str, top_k: i32) -> Result<SparseMoe, LoadError> {
-    Ok(SparseMoe {
+) -> Result<RoutedExperts<SoftmaxRouter>, LoadError> {
+    let router = SoftmaxRouter {
         gate: Linear::load(w, &format!("{mlp}.gate"), false)?,
-        switch_mlp: SwitchGlu::load(
-            w,
-            &format!("{mlp}.switch_mlp"),
-            false,
-            SwitchActivation::SwiGlu,
-        )?,
-        shared_expert: Mlp::load(w, &format!("{mlp}.shared_expert"))?,
-        shared_expert_gate: Linear::load(w, &format!("{mlp}.shared_expert_gate"), false)?,
         top_k,
-    })
+        select: top_k_of_negated,
+        renormalize: false,
+    };
+    let shared = SharedExperts::Gated {
+        mlp: GatedMlp::load(w, &format!("{mlp}.shared_expert"), false)?,
+        gate: Linear::load(w, &format!("{mlp}.shared_expert_gate"), false)?,
+    };
+    Ok(RoutedExperts::load(w, mlp, router, false)?.with_shared(shared))
 }
 
 pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadError> {
     let c: Config = parse_config(FAMILY, config)?;
     refuse_rope_scaling(FAMILY, config)?;
+    // mlx-lm makes every layer sparse; a checkpoint with dense layers would not load there.
+    if c.decoder_sparse_step != 1 || !c.mlp_only_layers.is_empty() {
+        return Err(LoadError::Config(format!(
+            "{FAMILY}: dense layers (decoder_sparse_step {}, mlp_only_layers {:?}) are not \
+             supported",
+            c.decoder_sparse_step, c.mlp_only_layers
+        )));
+    }
     for layer in 0..c.num_hidden_layers {
         stack_experts(
             w,
@@ -99,37 +88,26 @@ pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadE
             &HF_EXPERT_PROJECTIONS,
         )?;
     }
-    let head_dim = c.hidden_size / c.num_attention_heads;
-    let spec = DecoderSpec {
+    let head_dim = floored_head_dim(c.hidden_size, c.num_attention_heads)?;
+    LlamaShaped {
         config,
-        vocab_size: c.vocab_size,
-        num_layers: c.num_hidden_layers,
-        context_length: c.max_position_embeddings.unwrap_or(4096),
-        eps: c.rms_norm_eps,
-        tied_embeddings: false,
-        rope: Rope {
-            dims: head_dim,
-            traditional: c.rope_traditional,
-            base: c.rope_theta,
-            scale: 1.0,
-            freqs: None,
-        },
-        attention: AttentionSpec {
-            heads: c.num_attention_heads,
-            kv_heads: c.num_key_value_heads.unwrap_or(c.num_attention_heads),
-            head_dim,
+        stack: Stack::llama_like(c.num_hidden_layers, c.rms_norm_eps, Head::Own),
+        attention: AttentionShape {
             qkv_bias: true,
-            o_bias: false,
-            qk_norm: QkNorm::None,
-            scale: (head_dim as f32).powf(-0.5),
-            eps: c.rms_norm_eps,
+            ..AttentionShape::new(
+                c.num_attention_heads,
+                c.num_key_value_heads.unwrap_or(c.num_attention_heads),
+                head_dim,
+                c.rms_norm_eps,
+            )
         },
-        multipliers: Multipliers::default(),
-    };
-    moe_decoder::build(w, spec, |w, _, p| {
-        Ok(
-            Box::new(load_sparse(w, &format!("{p}.mlp"), c.num_experts_per_tok)?)
-                as Box<dyn FeedForward>,
-        )
+        rope: ScaledRope::plain(head_dim, c.rope_theta, c.rope_traditional),
+        reach: None,
+        head_dim,
+        vocab_size: c.vocab_size,
+        context_length: c.max_position_embeddings.unwrap_or(4096),
+    }
+    .build(w, |w, _, p| {
+        load_sparse(w, &format!("{p}.mlp"), c.num_experts_per_tok)
     })
 }

@@ -2,7 +2,10 @@
 //! `head_dim`, and `rope_theta` possibly nested under `rope_parameters` (transformers ≥ 5).
 use serde_json::Value;
 
-use super::llama::{build_decoder, Config, Variant};
+use super::attention::QkNorm;
+use super::config::parse_config;
+use super::llama::Config;
+use super::mlp::GatedMlp;
 use super::CausalLm;
 use crate::loader::{LoadError, Weights};
 
@@ -21,17 +24,12 @@ pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadE
     if config.get("rope_theta").is_none() {
         return Err(LoadError::Config("Qwen3 config has no rope_theta".into()));
     }
-    let c = Config::from_json(&config)?;
+    let c: Config = parse_config("Qwen3", &config)?;
     if c.head_dim.is_none() {
         return Err(LoadError::Config("Qwen3 config has no head_dim".into()));
     }
-    build_decoder(
-        &config,
-        &c,
-        w,
-        Variant {
-            qkv_bias: c.attention_bias,
-            qk_norm: true,
-        },
-    )
+    c.shaped(&config, c.attention_bias, QkNorm::PerHead)?
+        .build(w, |w, _, p| {
+            GatedMlp::load(w, &format!("{p}.mlp"), c.mlp_bias)
+        })
 }

@@ -2,20 +2,18 @@
 //! keys) with a softmax router over the experts, optionally renormalising the top-k weights
 //! (`norm_topk_prob`). Layers listed in `mlp_only_layers`, or off the `decoder_sparse_step`
 //! stride, keep a dense MLP.
-use mlx_rs::error::Exception;
-use mlx_rs::ops::softmax_axis;
-use mlx_rs::Array;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::layers::{Linear, Rope};
-use super::moe_decoder::{
-    self, linear_parameters, parse_config, refuse_rope_scaling, AttentionSpec, DecoderSpec,
-    FeedForward, Mlp, Multipliers, QkNorm,
-};
-use super::switch::{
-    stack_experts, top_k_tail, SwitchActivation, SwitchGlu, HF_EXPERT_PROJECTIONS,
-};
+use super::attention::{AttentionShape, QkNorm};
+use super::config::parse_config;
+use super::decoder::{Head, Stack};
+use super::layers::Linear;
+use super::llama::LlamaShaped;
+use super::mlp::{FeedForward, GatedMlp};
+use super::moe::{RoutedExperts, SoftmaxRouter};
+use super::rope::{refuse_rope_scaling, ScaledRope};
+use super::switch::{stack_experts, top_k_tail, HF_EXPERT_PROJECTIONS};
 use super::CausalLm;
 use crate::loader::{LoadError, Weights};
 
@@ -48,35 +46,19 @@ impl Config {
     }
 }
 
-/// The sparse block: softmax router, top-k experts (ids as `argpartition(g, -k)[..., -k:]`),
-/// weights optionally renormalised over the k.
-struct SparseMoe {
-    gate: Linear,
-    switch_mlp: SwitchGlu,
-    top_k: i32,
-    norm_topk_prob: bool,
-}
-
-impl FeedForward for SparseMoe {
-    fn forward(&self, x: &Array) -> Result<Array, Exception> {
-        let gates = softmax_axis(self.gate.forward(x)?, -1, true)?;
-        let inds = top_k_tail(&gates, self.top_k)?;
-        let mut scores = gates.take_along_axis(&inds, -1)?;
-        if self.norm_topk_prob {
-            scores = scores.divide(scores.sum_axis(-1, true)?)?;
-        }
-        let y = self.switch_mlp.forward(x, &inds)?;
-        let dtype = y.dtype();
-        y.multiply(scores.expand_dims(-1)?)?
-            .sum_axis(-2, None)?
-            .as_dtype(dtype)
-    }
-
-    fn parameters(&self) -> Vec<&Array> {
-        let mut out = linear_parameters(&self.gate);
-        out.extend(self.switch_mlp.parameters());
-        out
-    }
+/// The sparse block: a softmax router whose top-k ids are `argpartition(g, -k)[..., -k:]`,
+/// weights optionally renormalised over the k; the weighted sum is cast back to the experts'
+/// dtype.
+fn load_sparse(w: &mut Weights, c: &Config, mlp: &str) -> Result<Box<dyn FeedForward>, LoadError> {
+    let router = SoftmaxRouter {
+        gate: Linear::load(w, &format!("{mlp}.gate"), false)?,
+        top_k: c.num_experts_per_tok,
+        select: top_k_tail,
+        renormalize: c.norm_topk_prob,
+    };
+    Ok(Box::new(
+        RoutedExperts::load(w, mlp, router, false)?.cast_back(),
+    ))
 }
 
 pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadError> {
@@ -87,9 +69,6 @@ pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadE
             "{FAMILY}: decoder_sparse_step must be at least 1"
         )));
     }
-    if c.tie_word_embeddings {
-        w.discard("lm_head.weight");
-    }
     for layer in (0..c.num_hidden_layers).filter(|&l| c.is_sparse(l)) {
         stack_experts(
             w,
@@ -98,48 +77,34 @@ pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadE
             &HF_EXPERT_PROJECTIONS,
         )?;
     }
-    let spec = DecoderSpec {
+    LlamaShaped {
         config,
-        vocab_size: c.vocab_size,
-        num_layers: c.num_hidden_layers,
-        context_length: c.max_position_embeddings,
-        eps: c.rms_norm_eps,
-        tied_embeddings: c.tie_word_embeddings,
-        rope: Rope {
-            dims: c.head_dim,
-            traditional: false,
-            base: c.rope_theta,
-            scale: 1.0,
-            freqs: None,
-        },
-        attention: AttentionSpec {
-            heads: c.num_attention_heads,
-            kv_heads: c.num_key_value_heads,
-            head_dim: c.head_dim,
-            qkv_bias: false,
-            o_bias: false,
+        stack: Stack::llama_like(
+            c.num_hidden_layers,
+            c.rms_norm_eps,
+            Head::tied_if(c.tie_word_embeddings),
+        ),
+        attention: AttentionShape {
             qk_norm: QkNorm::PerHead,
-            scale: (c.head_dim as f32).powf(-0.5),
-            eps: c.rms_norm_eps,
+            ..AttentionShape::new(
+                c.num_attention_heads,
+                c.num_key_value_heads,
+                c.head_dim,
+                c.rms_norm_eps,
+            )
         },
-        multipliers: Multipliers::default(),
-    };
-    moe_decoder::build(w, spec, |w, layer, p| {
+        rope: ScaledRope::plain(c.head_dim, c.rope_theta, false),
+        reach: None,
+        head_dim: c.head_dim,
+        vocab_size: c.vocab_size,
+        context_length: c.max_position_embeddings,
+    }
+    .build(w, |w, layer, p| {
         let mlp = format!("{p}.mlp");
-        Ok(if c.is_sparse(layer) {
-            Box::new(SparseMoe {
-                gate: Linear::load(w, &format!("{mlp}.gate"), false)?,
-                switch_mlp: SwitchGlu::load(
-                    w,
-                    &format!("{mlp}.switch_mlp"),
-                    false,
-                    SwitchActivation::SwiGlu,
-                )?,
-                top_k: c.num_experts_per_tok,
-                norm_topk_prob: c.norm_topk_prob,
-            }) as Box<dyn FeedForward>
+        if c.is_sparse(layer) {
+            load_sparse(w, &c, &mlp)
         } else {
-            Box::new(Mlp::load(w, &mlp)?)
-        })
+            Ok(Box::new(GatedMlp::load(w, &mlp, false)?))
+        }
     })
 }

@@ -10,13 +10,15 @@ use mlx_rs::Array;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::dense_parts::{
-    check_heads, gelu_exact, implied_head_dim, load_lm_head, logits, model_info, parse_config,
-    KvShape, Params, Projections,
-};
-use super::layers::{attend_with, split_heads, AttnOpts, LayerNorm, Linear, Matrix, Rope};
-use super::{CausalLm, ModelInfo};
-use crate::cache::LayerCache;
+use super::attention::AttentionShape;
+use super::config::{check_heads, default_true, implied_head_dim, parse_config};
+use super::decoder::{Head, NormKind, Stack};
+use super::layers::{gelu, Linear};
+use super::llama::LlamaShaped;
+use super::mlp::FeedForward;
+use super::params::{Parameters, Params};
+use super::rope::ScaledRope;
+use super::CausalLm;
 use crate::loader::{LoadError, Weights};
 
 /// The fields of config.json that mlx-lm's `starcoder2.ModelArgs` reads, plus those checked
@@ -54,10 +56,6 @@ fn default_rope_theta() -> f32 {
     100000.0
 }
 
-fn default_true() -> bool {
-    true
-}
-
 impl Config {
     fn check_supported(&self) -> Result<(), LoadError> {
         if !self.use_bias {
@@ -75,162 +73,64 @@ impl Config {
     }
 }
 
-struct Mlp {
+/// `c_proj(gelu(c_fc(x)))`, both biased.
+struct GeluMlp {
     c_fc: Linear,
     c_proj: Linear,
 }
 
-impl Mlp {
-    fn forward(&self, x: &Array) -> Result<Array, Exception> {
-        self.c_proj.forward(&gelu_exact(&self.c_fc.forward(x)?)?)
-    }
-}
-
-struct Block {
-    attn: Projections,
-    mlp: Mlp,
-    input_layernorm: LayerNorm,
-    post_attention_layernorm: LayerNorm,
-}
-
-impl Block {
-    fn load(w: &mut Weights, i: usize, eps: f32) -> Result<Self, LoadError> {
-        let p = format!("model.layers.{i}");
+impl GeluMlp {
+    fn load(w: &mut Weights, prefix: &str) -> Result<Self, LoadError> {
         Ok(Self {
-            attn: Projections::load(w, &format!("{p}.self_attn"), true, true)?,
-            mlp: Mlp {
-                c_fc: Linear::load(w, &format!("{p}.mlp.c_fc"), true)?,
-                c_proj: Linear::load(w, &format!("{p}.mlp.c_proj"), true)?,
-            },
-            input_layernorm: LayerNorm::load(w, &format!("{p}.input_layernorm"), eps, true)?,
-            post_attention_layernorm: LayerNorm::load(
-                w,
-                &format!("{p}.post_attention_layernorm"),
-                eps,
-                true,
-            )?,
+            c_fc: Linear::load(w, &format!("{prefix}.c_fc"), true)?,
+            c_proj: Linear::load(w, &format!("{prefix}.c_proj"), true)?,
         })
     }
 }
 
-pub struct Starcoder2 {
-    embed_tokens: Matrix,
-    layers: Vec<Block>,
-    norm: LayerNorm,
-    lm_head: Option<Matrix>,
-    rope: Rope,
-    heads: i32,
-    kv_heads: i32,
-    scale: f32,
-    info: ModelInfo,
+impl FeedForward for GeluMlp {
+    fn forward(&self, x: &Array) -> Result<Array, Exception> {
+        self.c_proj.forward(&gelu(&self.c_fc.forward(x)?)?)
+    }
+}
+
+impl Parameters for GeluMlp {
+    fn push_params<'a>(&'a self, p: &mut Params<'a>) {
+        p.add(&self.c_fc).add(&self.c_proj);
+    }
 }
 
 pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadError> {
-    let c: Config = parse_config(config)?;
+    let c: Config = parse_config("StarCoder2", config)?;
     c.check_supported()?;
     check_heads(c.num_attention_heads, c.num_key_value_heads)?;
     let head_dim = implied_head_dim(c.hidden_size, c.num_attention_heads)?;
-    let rope = Rope {
-        dims: head_dim,
-        traditional: false,
-        base: c.rope_theta,
-        scale: 1.0,
-        freqs: None,
+    let norm = NormKind::Layer {
+        eps: c.norm_epsilon,
+        bias: true,
     };
-    let layers = (0..c.num_hidden_layers)
-        .map(|i| Block::load(w, i, c.norm_epsilon))
-        .collect::<Result<Vec<_>, _>>()?;
-    let embed_tokens = Matrix::load(w, "model.embed_tokens")?;
-    let norm = LayerNorm::load(w, "model.norm", c.norm_epsilon, true)?;
-    let lm_head = load_lm_head(w, c.tie_word_embeddings)?;
-    let info = model_info(
+    LlamaShaped {
         config,
-        c.vocab_size,
-        c.max_position_embeddings.unwrap_or(4096),
-        KvShape {
-            layers: c.num_hidden_layers,
-            kv_heads: c.num_key_value_heads,
-            head_dim,
+        stack: Stack::pre_norm(
+            c.num_hidden_layers,
+            norm,
+            Head::tied_if(c.tie_word_embeddings),
+        ),
+        attention: AttentionShape {
+            qkv_bias: true,
+            o_bias: true,
+            ..AttentionShape::new(
+                c.num_attention_heads,
+                c.num_key_value_heads,
+                head_dim,
+                c.norm_epsilon,
+            )
         },
-        &embed_tokens,
-    );
-    let mut model = Starcoder2 {
-        embed_tokens,
-        layers,
-        norm,
-        lm_head,
-        rope,
-        heads: c.num_attention_heads,
-        kv_heads: c.num_key_value_heads,
-        scale: (head_dim as f32).powf(-0.5),
-        info,
-    };
-    model.info.weight_bytes = model.params().materialize(w.reporter())?;
-    Ok(Box::new(model))
-}
-
-/// The weight and bias of a LayerNorm.
-fn push_layer_norm<'a>(p: &mut Params<'a>, n: &'a LayerNorm) {
-    if let Some(weight) = &n.weight {
-        p.array(weight);
+        rope: ScaledRope::plain(head_dim, c.rope_theta, false),
+        reach: None,
+        head_dim,
+        vocab_size: c.vocab_size,
+        context_length: c.max_position_embeddings.unwrap_or(4096),
     }
-    if let Some(bias) = &n.bias {
-        p.array(bias);
-    }
-}
-
-impl Starcoder2 {
-    fn params(&self) -> Params<'_> {
-        let mut p = Params::default();
-        p.matrix(&self.embed_tokens);
-        for b in &self.layers {
-            p.projections(&b.attn);
-            p.linear(&b.mlp.c_fc);
-            p.linear(&b.mlp.c_proj);
-            push_layer_norm(&mut p, &b.input_layernorm);
-            push_layer_norm(&mut p, &b.post_attention_layernorm);
-        }
-        push_layer_norm(&mut p, &self.norm);
-        if let Some(h) = &self.lm_head {
-            p.matrix(h);
-        }
-        p
-    }
-
-    fn attention(&self, b: &Block, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
-        let (q, k, v) = b.attn.qkv(x)?;
-        let opts = AttnOpts {
-            rope: Some(&self.rope),
-            scale: self.scale,
-            window: None,
-            sinks: None,
-            softcap: None,
-        };
-        let out = attend_with(
-            &split_heads(&q, self.heads)?,
-            &split_heads(&k, self.kv_heads)?,
-            &split_heads(&v, self.kv_heads)?,
-            &opts,
-            cache,
-        )?;
-        b.attn.o_proj.forward(&out)
-    }
-}
-
-impl CausalLm for Starcoder2 {
-    fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
-        let mut h = self.embed_tokens.rows(tokens)?;
-        for (b, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            let r = self.attention(b, &b.input_layernorm.forward(&h)?, cache)?;
-            let hh = h.add(&r)?;
-            let r = b.mlp.forward(&b.post_attention_layernorm.forward(&hh)?)?;
-            h = hh.add(&r)?;
-        }
-        let h = self.norm.forward(&h)?;
-        logits(&h, self.lm_head.as_ref(), &self.embed_tokens)
-    }
-
-    fn info(&self) -> &ModelInfo {
-        &self.info
-    }
+    .build(w, |w, _, p| GeluMlp::load(w, &format!("{p}.mlp")))
 }

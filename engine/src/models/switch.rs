@@ -12,8 +12,10 @@ use mlx_rs::ops::indexing::{Ellipsis, IndexOp};
 use mlx_rs::ops::{argpartition_axis, argsort_axis, flatten, gather_mm, unflatten};
 use mlx_rs::Array;
 
-use super::layers::{swiglu, Matrix};
+use super::layers::{swiglu, Linear, Matrix};
+use super::params::{parameters_of, Parameters, Params};
 use super::quant;
+use super::scalar::weak_scalar;
 use crate::loader::{LoadError, Weights};
 
 pub type Result<T> = std::result::Result<T, Exception>;
@@ -30,13 +32,11 @@ impl SwitchLinear {
     /// Loads `<prefix>.weight` (and `.scales`/`.biases` when quantized, with the layer's own
     /// quantization settings), and `<prefix>.bias` when `bias`.
     pub fn load(w: &mut Weights, prefix: &str, bias: bool) -> std::result::Result<Self, LoadError> {
-        let weight = Matrix::load(w, prefix)?;
-        let bias = if bias {
-            Some(w.take(&format!("{prefix}.bias"))?)
-        } else {
-            None
-        };
-        Ok(Self { weight, bias })
+        let Linear { matrix, bias } = Linear::load(w, prefix, bias)?;
+        Ok(Self {
+            weight: matrix,
+            bias,
+        })
     }
 
     /// `x` `[..., 1, in]` against the experts `indices` `[...]` selects → `[..., 1, out]`.
@@ -60,27 +60,19 @@ impl SwitchLinear {
 
     /// The parameters, for materialization.
     pub fn parameters(&self) -> Vec<&Array> {
-        let mut out = matrix_parameters(&self.weight);
-        out.extend(self.bias.iter());
-        out
+        parameters_of(self)
+    }
+}
+
+impl Parameters for SwitchLinear {
+    fn push_params<'a>(&'a self, p: &mut Params<'a>) {
+        p.add(&self.weight).add(&self.bias);
     }
 }
 
 /// The arrays a [`Matrix`] holds.
 pub fn matrix_parameters(m: &Matrix) -> Vec<&Array> {
-    match m {
-        Matrix::Dense(w) => vec![w],
-        Matrix::Quantized {
-            weight,
-            scales,
-            biases,
-            ..
-        } => {
-            let mut out = vec![weight, scales];
-            out.extend(biases.iter());
-            out
-        }
-    }
+    parameters_of(m)
 }
 
 /// The gated activation between the up/gate projections and the down projection.
@@ -97,16 +89,38 @@ impl SwitchActivation {
     fn apply(self, up: &Array, gate: &Array) -> Result<Array> {
         match self {
             SwitchActivation::SwiGlu => swiglu(gate, up),
+            SwitchActivation::ClampedSwiGlu { alpha, limit }
+                if (alpha, limit) == (GPT_OSS_ALPHA, GPT_OSS_LIMIT) =>
+            {
+                // One fused kernel, as mlx-lm compiles its `swiglu`: the eight element-wise
+                // ops cost a launch each per layer per step otherwise. The constants live in
+                // the compiled function (compiled graphs are cached per function).
+                let mut fused = mlx_rs::transforms::compile::compile(
+                    |(up, gate): (&Array, &Array)| {
+                        clamped_swiglu(up, gate, GPT_OSS_ALPHA, GPT_OSS_LIMIT)
+                    },
+                    true,
+                );
+                fused((up, gate))
+            }
             SwitchActivation::ClampedSwiGlu { alpha, limit } => {
-                let dtype = gate.dtype();
-                let scalar = |v: f32| Array::from_f32(v).as_dtype(dtype);
-                let g = mlx_rs::ops::minimum(gate, scalar(limit)?)?;
-                let u = mlx_rs::ops::clip(up, (&scalar(-limit)?, &scalar(limit)?))?;
-                let glu = g.multiply(mlx_rs::ops::sigmoid(g.multiply(scalar(alpha)?)?)?)?;
-                u.add(scalar(1.0)?)?.multiply(glu)
+                clamped_swiglu(up, gate, alpha, limit)
             }
         }
     }
+}
+
+/// gpt-oss's `alpha` and `limit` (mlx-lm's `SwigluOAI` defaults).
+const GPT_OSS_ALPHA: f32 = 1.702;
+const GPT_OSS_LIMIT: f32 = 7.0;
+
+/// `(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)` with `g = min(gate, limit)`.
+fn clamped_swiglu(up: &Array, gate: &Array, alpha: f32, limit: f32) -> Result<Array> {
+    let scalar = |v: f32| weak_scalar(gate, v);
+    let g = mlx_rs::ops::minimum(gate, scalar(limit)?)?;
+    let u = mlx_rs::ops::clip(up, (&scalar(-limit)?, &scalar(limit)?))?;
+    let glu = g.multiply(mlx_rs::ops::sigmoid(g.multiply(scalar(alpha)?)?)?)?;
+    u.add(scalar(1.0)?)?.multiply(glu)
 }
 
 /// mlx-lm's `SwitchGLU`: per token, the selected experts' `down(act(up(x), gate(x)))`.
@@ -158,10 +172,15 @@ impl SwitchGlu {
 
     /// The parameters, for materialization.
     pub fn parameters(&self) -> Vec<&Array> {
-        [&self.gate_proj, &self.up_proj, &self.down_proj]
-            .into_iter()
-            .flat_map(SwitchLinear::parameters)
-            .collect()
+        parameters_of(self)
+    }
+}
+
+impl Parameters for SwitchGlu {
+    fn push_params<'a>(&'a self, p: &mut Params<'a>) {
+        p.add(&self.gate_proj)
+            .add(&self.up_proj)
+            .add(&self.down_proj);
     }
 }
 
@@ -201,11 +220,6 @@ pub fn top_k_tail(scores: &Array, k: i32) -> Result<Array> {
 /// router scores `[..., k]`, in the dtype the product promotes to.
 pub fn weighted_sum(y: &Array, scores: &Array) -> Result<Array> {
     y.multiply(scores.expand_dims(-1)?)?.sum_axis(-2, None)
-}
-
-/// `x * v` with the Python float `v` taking `x`'s dtype, as MLX's weakly typed scalars do.
-pub fn scale_by(x: &Array, v: f32) -> Result<Array> {
-    x.multiply(Array::from_f32(v).as_dtype(x.dtype())?)
 }
 
 /// Hugging Face names of the per-expert projections → mlx-lm's `switch_mlp` names.

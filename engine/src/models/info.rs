@@ -1,0 +1,70 @@
+//! The [`ModelInfo`] every family reports, built one way: the config's architecture and
+//! end-of-sequence ids, the sizes the family reads, and the KV bytes from what its cache
+//! really stores per token.
+use mlx_rs::Dtype;
+use serde_json::Value;
+
+use super::layers::Matrix;
+use super::{eos_ids, ModelInfo};
+
+/// What one sequence's cache holds per token.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct KvShape {
+    pub layers: usize,
+    /// Elements one layer caches per token, keys and values together.
+    pub elements_per_layer: usize,
+    /// The head size a KV quantization group must divide.
+    pub head_dim: i32,
+}
+
+impl KvShape {
+    /// Every layer caches keys and values of `kv_heads` heads of `head_dim`. Windowed layers
+    /// count as global ones: an upper bound, since the batch keeps only their last window
+    /// (and a little more), so admission never over-commits.
+    pub fn heads(layers: usize, kv_heads: i32, head_dim: i32) -> Self {
+        Self {
+            layers,
+            elements_per_layer: 2 * (kv_heads * head_dim) as usize,
+            head_dim,
+        }
+    }
+}
+
+/// Bytes per element of activations (and so of the KV cache): the embedding's dtype, or its
+/// scales' when it is quantized.
+pub fn kv_dtype_bytes(embed: &Matrix) -> usize {
+    let dtype = match embed {
+        Matrix::Dense(w) => w.dtype(),
+        Matrix::Quantized { scales, .. } => scales.dtype(),
+    };
+    match dtype {
+        Dtype::Float32 => 4,
+        _ => 2,
+    }
+}
+
+/// The [`ModelInfo`] of a model whose activations have the dtype of `embed_tokens`;
+/// `weight_bytes` is filled after materializing.
+pub(crate) fn model_info(
+    config: &Value,
+    vocab_size: usize,
+    context_length: usize,
+    kv: KvShape,
+    embed_tokens: &Matrix,
+) -> ModelInfo {
+    let dtype_bytes = kv_dtype_bytes(embed_tokens);
+    ModelInfo {
+        architecture: config["architectures"][0]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned(),
+        vocab_size,
+        num_layers: kv.layers,
+        context_length,
+        weight_bytes: 0,
+        kv_bytes_per_token: kv.layers * kv.elements_per_layer * dtype_bytes,
+        kv_dtype_bytes: dtype_bytes,
+        head_dim: kv.head_dim as usize,
+        eos_token_ids: eos_ids(config),
+    }
+}

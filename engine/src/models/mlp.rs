@@ -1,0 +1,83 @@
+//! The feed-forward half of a decoder block: the trait a block's MLP or mixture of experts
+//! implements, and the SwiGLU MLP of the Llama lineage (`down(silu(gate(x)) * up(x))`) with
+//! separate gate and up projections or one fused `gate_up_proj` (Phi-3, GLM-4).
+use mlx_rs::error::Exception;
+use mlx_rs::Array;
+
+use super::layers::{swiglu, Linear};
+use super::params::{Parameters, Params};
+use crate::loader::{LoadError, Weights};
+
+/// A block's feed-forward part: `x` `[B, L, D]` → `[B, L, D]`.
+pub(crate) trait FeedForward: Parameters + Send {
+    fn forward(&self, x: &Array) -> Result<Array, Exception>;
+}
+
+impl<T: FeedForward + ?Sized> FeedForward for Box<T> {
+    fn forward(&self, x: &Array) -> Result<Array, Exception> {
+        (**self).forward(x)
+    }
+}
+
+/// The SwiGLU MLP with separate gate and up projections (`<prefix>.{gate,up,down}_proj`).
+pub(crate) struct GatedMlp {
+    pub gate_proj: Linear,
+    pub up_proj: Linear,
+    pub down_proj: Linear,
+}
+
+impl GatedMlp {
+    pub fn load(w: &mut Weights, prefix: &str, bias: bool) -> Result<Self, LoadError> {
+        Ok(Self {
+            gate_proj: Linear::load(w, &format!("{prefix}.gate_proj"), bias)?,
+            up_proj: Linear::load(w, &format!("{prefix}.up_proj"), bias)?,
+            down_proj: Linear::load(w, &format!("{prefix}.down_proj"), bias)?,
+        })
+    }
+}
+
+impl FeedForward for GatedMlp {
+    fn forward(&self, x: &Array) -> Result<Array, Exception> {
+        self.down_proj.forward(&swiglu(
+            &self.gate_proj.forward(x)?,
+            &self.up_proj.forward(x)?,
+        )?)
+    }
+}
+
+impl Parameters for GatedMlp {
+    fn push_params<'a>(&'a self, p: &mut Params<'a>) {
+        p.add(&self.gate_proj)
+            .add(&self.up_proj)
+            .add(&self.down_proj);
+    }
+}
+
+/// The SwiGLU MLP with gate and up in one matrix (`<prefix>.gate_up_proj`, gate first) and
+/// `<prefix>.down_proj`, neither biased.
+pub(crate) struct FusedGatedMlp {
+    gate_up_proj: Linear,
+    down_proj: Linear,
+}
+
+impl FusedGatedMlp {
+    pub fn load(w: &mut Weights, prefix: &str) -> Result<Self, LoadError> {
+        Ok(Self {
+            gate_up_proj: Linear::load(w, &format!("{prefix}.gate_up_proj"), false)?,
+            down_proj: Linear::load(w, &format!("{prefix}.down_proj"), false)?,
+        })
+    }
+}
+
+impl FeedForward for FusedGatedMlp {
+    fn forward(&self, x: &Array) -> Result<Array, Exception> {
+        let halves = self.gate_up_proj.forward(x)?.split_equal(2, -1)?;
+        self.down_proj.forward(&swiglu(&halves[0], &halves[1])?)
+    }
+}
+
+impl Parameters for FusedGatedMlp {
+    fn push_params<'a>(&'a self, p: &mut Params<'a>) {
+        p.add(&self.gate_up_proj).add(&self.down_proj);
+    }
+}
