@@ -1,7 +1,7 @@
 //! Gemma 2, Gemma 3 and gpt-oss beyond the shared family checks (`families.rs`): a quantized
 //! KV cache through soft-capped, windowed and sink attention, and the config values these
 //! families refuse by name. Uses the tiny models of `scripts/gen_family_models.py`.
-mod common;
+use crate::common;
 
 use std::path::Path;
 

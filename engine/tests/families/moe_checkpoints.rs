@@ -3,7 +3,7 @@
 //! fused `input_linear`/`output_linear`, and GLM-4.5's multi-token-prediction layer (dropped).
 //! Each test rewrites a family's tiny model (`scripts/gen_family_models.py`, already in mlx-lm's
 //! stacked form) into the Hugging Face layout and checks greedy tokens against mlx-lm's.
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::path::Path;

@@ -8,7 +8,7 @@
 //! - the engine's chat-template ids equal transformers', and its stop tokens are config.json's.
 //!
 //! The conversion itself is checked tensor by tensor in store/tests/convert_families.rs.
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -7,7 +7,7 @@
 //!
 //! The model is wrapped so that the test decides which layer windows the runtime sees:
 //! those of `config.json` (bounded), or none (every position kept, the window a mask only).
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;

@@ -3,7 +3,7 @@
 //! quantized, which mlx-lm dequantizes, splits and quantizes again), its rotary `inv_freq`
 //! tensors and multi-token-prediction layer. `scripts/deepseek_hf_layout.py` makes each layout
 //! from the family model `scripts/gen_family_models.py` generated.
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Command;

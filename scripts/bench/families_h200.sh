@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The model-family rows of BENCHMARKS.md, run on the device machine (../shared/gpu/README.md)
+# after `source .gpu/b/on-device.sh`, release binaries in $MLXD_BIN_DIR. Every figure is mlxd
+# against mlx-lm on the same MLX build, in one run, on random weights at real shapes
+# (scripts/bench/gen_family_shape.py; vocabulary 49152 so SmolLM2's tokenizer reads the
+# served text).
+#
+#   scripts/bench/families_h200.sh <out dir> <tokenizer dir> qwen3moe   Qwen3-30B-A3B 4-bit, batch 1/8/32
+#   scripts/bench/families_h200.sh <out dir> <tokenizer dir> gptoss     gpt-oss-20b mxfp4, batch 1/8/32
+#   scripts/bench/families_h200.sh <out dir> <tokenizer dir> gemma3     Gemma-3-12B bf16, batch 1, 8k prompt
+#   scripts/bench/families_h200.sh <out dir> <tokenizer dir> serve      Qwen3-30B-A3B through mlxd against
+#                                                                       mlx_lm.server, 32 streams
+# RUNS (default 2) timed runs after one warm-up; BATCHES (default "1 8 32").
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$root"
+out=$1
+tok=$2
+shift 2
+export MODELS=${MODELS:-/tmp/models}
+export PYTHON=${PYTHON:-python3}
+bins=${MLXD_BIN_DIR:-$root/target/release}
+export BENCH_BIN=${BENCH_BIN:-$bins/bench_generate}
+[[ -x $BENCH_BIN ]] || { echo "no bench_generate at $BENCH_BIN" >&2; exit 1; }
+runs=${RUNS:-2}
+read -r -a batches <<<"${BATCHES:-1 8 32}"
+mkdir -p "$out" "$MODELS"
+
+gen() { # gen <shape> <name> [args]
+  local shape=$1 name=$2
+  shift 2
+  [[ -f $MODELS/$name/config.json ]] ||
+    "$PYTHON" scripts/bench/gen_family_shape.py --shape "$shape" --vocab 49152 --tokenizer "$tok" \
+      --out "$MODELS/$name" "$@" >&2
+}
+
+engine() { # engine <model> <prompt> <new> <batch>
+  local model=$1
+  echo "== engine $model prompt $2 new $3 batch $4" >&2
+  scripts/bench/engine.sh "$MODELS/$model" "$2" "$3" "$runs" "$4" 0 |
+    "$PYTHON" -c 'import sys, json
+lines = [json.loads(l) for l in sys.stdin]
+print(json.dumps({"model": sys.argv[1], "ours": lines[0], "mlx_lm": lines[1], **lines[2]}))' "$model" |
+    tee -a "$out/families.jsonl"
+}
+
+for what in "$@"; do
+  case $what in
+    qwen3moe)
+      gen qwen3-30b-a3b qwen3-30b-a3b-q4 --quantize 4
+      for b in "${batches[@]}"; do engine qwen3-30b-a3b-q4 512 64 "$b"; done
+      ;;
+    gptoss)
+      gen gpt-oss-20b gpt-oss-20b-mxfp4 --mode mxfp4
+      for b in "${batches[@]}"; do engine gpt-oss-20b-mxfp4 512 64 "$b"; done
+      ;;
+    gemma3)
+      gen gemma-3-12b gemma-3-12b-bf16
+      engine gemma-3-12b-bf16 8192 64 1
+      ;;
+    serve)
+      gen qwen3-30b-a3b qwen3-30b-a3b-q4 --quantize 4
+      MAX_TOKENS=${MAX_TOKENS:-128} TEMPS=0 MLXD_BIN_DIR=$bins \
+        scripts/bench/serve_compare.sh "$MODELS/qwen3-30b-a3b-q4" "$out/serve.jsonl" 32
+      ;;
+    *)
+      echo "unknown part $what" >&2
+      exit 2
+      ;;
+  esac
+done
