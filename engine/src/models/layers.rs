@@ -585,16 +585,7 @@ pub fn split_heads(x: &Array, heads: i32) -> Result<Array> {
 mod tests {
     use super::*;
     use crate::cache::KvQuant;
-
-    fn normal(shape: &[i32], seed: u64) -> Array {
-        let key = mlx_rs::random::key(seed).unwrap();
-        mlx_rs::random::normal::<f32>(shape, None, None, Some(&key)).unwrap()
-    }
-
-    fn max_abs_diff(a: &Array, b: &Array) -> f32 {
-        let d = a.subtract(b).unwrap().abs().unwrap().max(None).unwrap();
-        d.item_exact::<f32>()
-    }
+    use crate::models::test_arrays::{max_abs_diff, normal};
 
     /// 8 query heads over 2 KV heads, 3 queries over 40 positions; two rows, the second with
     /// 5 positions of left padding.

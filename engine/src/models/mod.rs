@@ -40,6 +40,8 @@ pub mod scalar;
 pub mod smollm3;
 pub mod starcoder2;
 pub mod switch;
+#[cfg(test)]
+mod test_arrays;
 
 use std::path::Path;
 

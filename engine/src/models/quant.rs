@@ -152,21 +152,7 @@ pub fn gather_qmm(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn normal(shape: &[i32], seed: u64) -> Array {
-        let key = mlx_rs::random::key(seed).unwrap();
-        mlx_rs::random::normal::<f32>(shape, None, None, Some(&key)).unwrap()
-    }
-
-    fn max_abs_diff(a: &Array, b: &Array) -> f32 {
-        a.subtract(b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max(None)
-            .unwrap()
-            .item_exact::<f32>()
-    }
+    use crate::models::test_arrays::{max_abs_diff, normal};
 
     #[test]
     fn affine_mode_agrees_with_mlx_rs() {

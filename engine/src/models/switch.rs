@@ -267,21 +267,7 @@ pub fn stack_experts(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn normal(shape: &[i32], seed: u64) -> Array {
-        let key = mlx_rs::random::key(seed).unwrap();
-        mlx_rs::random::normal::<f32>(shape, None, None, Some(&key)).unwrap()
-    }
-
-    fn max_abs_diff(a: &Array, b: &Array) -> f32 {
-        a.subtract(b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max(None)
-            .unwrap()
-            .item_exact::<f32>()
-    }
+    use crate::models::test_arrays::{max_abs_diff, normal};
 
     const EXPERTS: i32 = 4;
     const DIM: i32 = 64;
