@@ -22,6 +22,18 @@ pub(crate) trait SelfAttention: Parameters + Send {
     }
 }
 
+/// Options for attention over queries and keys already rotated (or never rotated): the
+/// softmax scale and the layer's window, no sinks or capping.
+pub(crate) fn prerotated_opts(scale: f32, window: Option<usize>) -> AttnOpts<'static> {
+    AttnOpts {
+        rope: None,
+        scale,
+        window,
+        sinks: None,
+        softcap: None,
+    }
+}
+
 /// Query, key, value and output projections (`<prefix>.{q,k,v,o}_proj`).
 pub(crate) struct AttnProjections {
     pub q_proj: Linear,
@@ -233,10 +245,7 @@ impl SelfAttention for Attention {
         }
         let opts = AttnOpts {
             rope: self.rope.as_ref().map(|r| &r.rope),
-            scale: self.scale,
-            window: self.window,
-            sinks: None,
-            softcap: None,
+            ..prerotated_opts(self.scale, self.window)
         };
         self.proj
             .o_proj

@@ -11,11 +11,11 @@ use mlx_rs::{Array, Dtype};
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::attention::{AttnProjections, Reach};
+use super::attention::{prerotated_opts, AttnProjections, Reach};
 use super::config::parse_config;
 use super::decoder::{Decoder, DecoderLayer, EndScalars, Head, NormKind, Sizes, Trunk};
 use super::info::KvShape;
-use super::layers::{attend_with, AttnOpts, LayerNorm, Rope};
+use super::layers::{attend_with, LayerNorm, Rope};
 use super::mlp::{FeedForward, GatedMlp};
 use super::params::{Parameters, Params};
 use super::rope::plain_rope;
@@ -203,13 +203,7 @@ impl Block {
         if in_f32 {
             q = q.as_dtype(Dtype::Float32)?;
         }
-        let opts = AttnOpts {
-            rope: None,
-            scale: self.scale,
-            window: self.window,
-            sinks: None,
-            softcap: None,
-        };
+        let opts = prerotated_opts(self.scale, self.window);
         let mut out = attend_with(&q, &k, &v, &opts, cache)?;
         if in_f32 {
             out = out.as_dtype(dtype)?;

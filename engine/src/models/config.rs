@@ -57,3 +57,29 @@ pub(crate) fn floored_head_dim(hidden: i32, heads: i32) -> Result<i32, LoadError
     }
     Ok(hidden / heads)
 }
+
+/// Per layer, whether it attends within the sliding window, from a `layer_types` list of
+/// `sliding_attention` and `full_attention`. mlx-lm pairs layers with the list by `zip`, so a
+/// list of another length is refused (it would silently drop layers), as is any other type.
+pub(crate) fn sliding_layers(
+    family: &str,
+    types: &[String],
+    num_layers: usize,
+) -> Result<Vec<bool>, LoadError> {
+    if types.len() != num_layers {
+        return Err(LoadError::Config(format!(
+            "{family}: {} layer_types for {num_layers} layers",
+            types.len()
+        )));
+    }
+    types
+        .iter()
+        .map(|t| match t.as_str() {
+            "sliding_attention" => Ok(true),
+            "full_attention" => Ok(false),
+            other => Err(LoadError::Config(format!(
+                "{family}: unsupported layer type {other:?}"
+            ))),
+        })
+        .collect()
+}

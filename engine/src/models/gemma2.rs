@@ -13,27 +13,17 @@ use mlx_rs::Array;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::layers::{attend_with, split_heads, AttnOpts, Linear, Matrix, Rope};
-use super::llama::kv_dtype_bytes;
-use super::switch::matrix_parameters;
-use super::{eos_ids, CausalLm, ModelInfo};
+use super::attention::AttnProjections;
+use super::config::{default_rope_theta, parse_config};
+use super::info::{model_info, KvShape};
+use super::layers::{attend_with, AttnOpts, Matrix, Rope};
+use super::mlp::{FeedForward, GatedMlp};
+use super::params::{Parameters, Params};
+use super::scalar::{scale_by, weak_scalar};
+use super::switch::SwitchActivation;
+use super::{CausalLm, ModelInfo};
 use crate::cache::LayerCache;
 use crate::loader::{LoadError, Weights};
-
-/// The Python float `v` as a scalar of `x`'s dtype: how MLX types a weak scalar operand.
-pub(crate) fn scalar_like(x: &Array, v: f32) -> Result<Array, Exception> {
-    Array::from_f32(v).as_dtype(x.dtype())
-}
-
-/// `nn.gelu_approx` op for op, every constant in `x`'s dtype (mlx-rs's own version promotes a
-/// bfloat16 input to float32 through its float32 constants, which mlx-lm never does).
-pub(crate) fn gelu_approx(x: &Array) -> Result<Array, Exception> {
-    let s = |v: f32| scalar_like(x, v);
-    let cubic = s(0.044715)?.multiply(x.power(&s(3.0)?)?)?;
-    let inner = s((2.0 / std::f64::consts::PI).sqrt() as f32)?.multiply(x.add(&cubic)?)?;
-    let gate = s(1.0)?.add(&tanh(&inner)?)?;
-    s(0.5)?.multiply(x)?.multiply(&gate)
-}
 
 /// Refuses an activation other than the tanh-approximated GELU that mlx-lm's Gemma files
 /// hard-code (the configs name it under `hidden_activation` or `hidden_act`).
@@ -52,6 +42,29 @@ pub(crate) fn check_activation(config: &Value) -> Result<(), LoadError> {
     Ok(())
 }
 
+/// Completes a multimodal checkpoint's `text_config` as mlx-lm's wrapper `ModelArgs` does:
+/// the vocabulary comes from the top level (`default_vocab` without one), and the head counts
+/// the text config leaves out take the wrapper's defaults (8 query heads, `default_kv_heads`).
+pub(crate) fn complete_text_config(
+    config: &Value,
+    text: &mut Value,
+    default_vocab: u64,
+    default_kv_heads: u64,
+) {
+    text["vocab_size"] = config
+        .get("vocab_size")
+        .cloned()
+        .unwrap_or_else(|| Value::from(default_vocab));
+    for (key, default) in [
+        ("num_attention_heads", 8),
+        ("num_key_value_heads", default_kv_heads),
+    ] {
+        if text.get(key).is_none() {
+            text[key] = Value::from(default);
+        }
+    }
+}
+
 /// Gemma's RMS norm: `rms_norm(x, 1 + weight)`. The shifted scale is computed once at load,
 /// in the weight's dtype, exactly as mlx-lm computes it on every call.
 #[derive(Debug)]
@@ -63,92 +76,86 @@ pub(crate) struct GemmaNorm {
 impl GemmaNorm {
     pub(crate) fn load(w: &mut Weights, prefix: &str, eps: f32) -> Result<Self, LoadError> {
         let weight = w.take(&format!("{prefix}.weight"))?;
-        let scale = weight.add(&scalar_like(&weight, 1.0)?)?;
+        let scale = weight.add(&weak_scalar(&weight, 1.0)?)?;
         Ok(Self { scale, eps })
     }
 
     pub(crate) fn forward(&self, x: &Array) -> Result<Array, Exception> {
         mlx_rs::fast::rms_norm(x, Some(&self.scale), self.eps)
     }
+}
 
-    pub(crate) fn parameters(&self) -> Vec<&Array> {
-        vec![&self.scale]
+impl Parameters for GemmaNorm {
+    fn push_params<'a>(&'a self, p: &mut Params<'a>) {
+        p.add(&self.scale);
     }
 }
 
-/// `down(gelu_approx(gate(x)) * up(x))`, no biases.
-#[derive(Debug)]
-pub(crate) struct GeluMlp {
-    gate_proj: Linear,
-    up_proj: Linear,
-    down_proj: Linear,
+/// The rest of a Gemma block around its attention: the GELU MLP and the four norms that
+/// sandwich both branches.
+pub(crate) struct Sandwich {
+    mlp: GatedMlp,
+    input_layernorm: GemmaNorm,
+    post_attention_layernorm: GemmaNorm,
+    pre_feedforward_layernorm: GemmaNorm,
+    post_feedforward_layernorm: GemmaNorm,
 }
 
-impl GeluMlp {
-    pub(crate) fn load(w: &mut Weights, prefix: &str) -> Result<Self, LoadError> {
+impl Sandwich {
+    /// Loads `<prefix>.mlp` and the norms `<prefix>.{input,post_attention,pre_feedforward,
+    /// post_feedforward}_layernorm`.
+    pub(crate) fn load(w: &mut Weights, prefix: &str, eps: f32) -> Result<Self, LoadError> {
+        let mut norm = |name: &str| GemmaNorm::load(w, &format!("{prefix}.{name}"), eps);
         Ok(Self {
-            gate_proj: Linear::load(w, &format!("{prefix}.gate_proj"), false)?,
-            up_proj: Linear::load(w, &format!("{prefix}.up_proj"), false)?,
-            down_proj: Linear::load(w, &format!("{prefix}.down_proj"), false)?,
+            input_layernorm: norm("input_layernorm")?,
+            post_attention_layernorm: norm("post_attention_layernorm")?,
+            pre_feedforward_layernorm: norm("pre_feedforward_layernorm")?,
+            post_feedforward_layernorm: norm("post_feedforward_layernorm")?,
+            mlp: GatedMlp::load_with(
+                w,
+                &format!("{prefix}.mlp"),
+                false,
+                SwitchActivation::GeluGlu,
+            )?,
         })
     }
 
-    pub(crate) fn forward(&self, x: &Array) -> Result<Array, Exception> {
-        let gated = gelu_approx(&self.gate_proj.forward(x)?)?.multiply(self.up_proj.forward(x)?)?;
-        self.down_proj.forward(&gated)
-    }
-
-    pub(crate) fn parameters(&self) -> Vec<&Array> {
-        [&self.gate_proj, &self.up_proj, &self.down_proj]
-            .into_iter()
-            .flat_map(linear_parameters)
-            .collect()
-    }
-}
-
-/// The arrays a [`Linear`] holds.
-pub(crate) fn linear_parameters(l: &Linear) -> Vec<&Array> {
-    let mut out = matrix_parameters(&l.matrix);
-    out.extend(l.bias.iter());
-    out
-}
-
-/// The four projections of a Gemma attention layer (no biases).
-#[derive(Debug)]
-pub(crate) struct Projections {
-    pub(crate) q_proj: Linear,
-    pub(crate) k_proj: Linear,
-    pub(crate) v_proj: Linear,
-    pub(crate) o_proj: Linear,
-}
-
-impl Projections {
-    pub(crate) fn load(w: &mut Weights, prefix: &str) -> Result<Self, LoadError> {
-        let mut load = |name: &str| Linear::load(w, &format!("{prefix}.{name}"), false);
-        Ok(Self {
-            q_proj: load("q_proj")?,
-            k_proj: load("k_proj")?,
-            v_proj: load("v_proj")?,
-            o_proj: load("o_proj")?,
-        })
-    }
-
-    pub(crate) fn parameters(&self) -> Vec<&Array> {
-        [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj]
-            .into_iter()
-            .flat_map(linear_parameters)
-            .collect()
+    /// The block on `h`: `attend` on the normed input, its normed output added to `h`, then
+    /// the MLP on that, normed before and after, added; `residual` is the family's add
+    /// (Gemma 3 clips float16 sums).
+    pub(crate) fn forward(
+        &self,
+        h: &Array,
+        attend: impl FnOnce(&Array) -> Result<Array, Exception>,
+        residual: impl Fn(&Array, &Array) -> Result<Array, Exception>,
+    ) -> Result<Array, Exception> {
+        let r = attend(&self.input_layernorm.forward(h)?)?;
+        let mid = residual(h, &self.post_attention_layernorm.forward(&r)?)?;
+        let r = self
+            .mlp
+            .forward(&self.pre_feedforward_layernorm.forward(&mid)?)?;
+        residual(&mid, &self.post_feedforward_layernorm.forward(&r)?)
     }
 }
 
-/// Bytes per token of a cache that keeps every position of every layer, keys and values.
-pub(crate) fn full_kv_bytes_per_token(
-    layers: usize,
+impl Parameters for Sandwich {
+    fn push_params<'a>(&'a self, p: &mut Params<'a>) {
+        p.add(&self.mlp)
+            .add(&self.input_layernorm)
+            .add(&self.post_attention_layernorm)
+            .add(&self.pre_feedforward_layernorm)
+            .add(&self.post_feedforward_layernorm);
+    }
+}
+
+/// The four projections of a Gemma attention layer, none biased.
+pub(crate) fn load_projections(
+    w: &mut Weights,
+    prefix: &str,
+    heads: i32,
     kv_heads: i32,
-    head_dim: i32,
-    dtype_bytes: usize,
-) -> usize {
-    2 * layers * (kv_heads * head_dim) as usize * dtype_bytes
+) -> Result<AttnProjections, LoadError> {
+    AttnProjections::load(w, prefix, heads, kv_heads, false, false)
 }
 
 /// mlx-lm's `ModelArgs` for Gemma 2, with its defaults.
@@ -175,10 +182,6 @@ struct Config {
     max_position_embeddings: Option<usize>,
 }
 
-fn default_rope_theta() -> f32 {
-    10000.0
-}
-
 fn default_attn_softcap() -> f32 {
     50.0
 }
@@ -192,12 +195,8 @@ fn default_query_pre_attn_scalar() -> f32 {
 }
 
 struct Block {
-    proj: Projections,
-    mlp: GeluMlp,
-    input_layernorm: GemmaNorm,
-    post_attention_layernorm: GemmaNorm,
-    pre_feedforward_layernorm: GemmaNorm,
-    post_feedforward_layernorm: GemmaNorm,
+    proj: AttnProjections,
+    sandwich: Sandwich,
 }
 
 pub struct Gemma2 {
@@ -205,8 +204,6 @@ pub struct Gemma2 {
     layers: Vec<Block>,
     norm: GemmaNorm,
     rope: Rope,
-    heads: i32,
-    kv_heads: i32,
     /// `query_pre_attn_scalar^-0.5`.
     scale: f32,
     attn_softcap: f32,
@@ -217,8 +214,7 @@ pub struct Gemma2 {
 }
 
 pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadError> {
-    let c: Config =
-        serde_json::from_value(config.clone()).map_err(|e| LoadError::Config(e.to_string()))?;
+    let c: Config = parse_config("Gemma 2", config)?;
     check_activation(config)?;
     if c.rope_scaling.as_ref().is_some_and(|s| !s.is_null()) {
         return Err(LoadError::Config(
@@ -228,40 +224,25 @@ pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadE
     let mut layers = Vec::with_capacity(c.num_hidden_layers);
     for i in 0..c.num_hidden_layers {
         let p = format!("model.layers.{i}");
-        let norm = |w: &mut Weights, name: &str| {
-            GemmaNorm::load(w, &format!("{p}.{name}"), c.rms_norm_eps)
-        };
         layers.push(Block {
-            proj: Projections::load(w, &format!("{p}.self_attn"))?,
-            mlp: GeluMlp::load(w, &format!("{p}.mlp"))?,
-            input_layernorm: norm(w, "input_layernorm")?,
-            post_attention_layernorm: norm(w, "post_attention_layernorm")?,
-            pre_feedforward_layernorm: norm(w, "pre_feedforward_layernorm")?,
-            post_feedforward_layernorm: norm(w, "post_feedforward_layernorm")?,
+            proj: load_projections(
+                w,
+                &format!("{p}.self_attn"),
+                c.num_attention_heads,
+                c.num_key_value_heads,
+            )?,
+            sandwich: Sandwich::load(w, &p, c.rms_norm_eps)?,
         });
     }
     let embed_tokens = Matrix::load(w, "model.embed_tokens")?;
     let norm = GemmaNorm::load(w, "model.norm", c.rms_norm_eps)?;
-    let dtype_bytes = kv_dtype_bytes(&embed_tokens);
-    let info = ModelInfo {
-        architecture: config["architectures"][0]
-            .as_str()
-            .unwrap_or_default()
-            .to_owned(),
-        vocab_size: c.vocab_size,
-        num_layers: c.num_hidden_layers,
-        context_length: c.max_position_embeddings.unwrap_or(8192),
-        weight_bytes: 0,
-        kv_bytes_per_token: full_kv_bytes_per_token(
-            c.num_hidden_layers,
-            c.num_key_value_heads,
-            c.head_dim,
-            dtype_bytes,
-        ),
-        kv_dtype_bytes: dtype_bytes,
-        head_dim: c.head_dim as usize,
-        eos_token_ids: eos_ids(config),
-    };
+    let info = model_info(
+        config,
+        c.vocab_size,
+        c.max_position_embeddings.unwrap_or(8192),
+        KvShape::heads(c.num_hidden_layers, c.num_key_value_heads, c.head_dim),
+        &embed_tokens,
+    );
     let mut model = Gemma2 {
         embed_tokens,
         layers,
@@ -273,48 +254,34 @@ pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadE
             scale: 1.0,
             freqs: None,
         },
-        heads: c.num_attention_heads,
-        kv_heads: c.num_key_value_heads,
         scale: (1.0 / f64::from(c.query_pre_attn_scalar).sqrt()) as f32,
         attn_softcap: c.attn_logit_softcapping,
         final_softcap: c.final_logit_softcapping,
         embed_scale: f64::from(c.hidden_size).sqrt() as f32,
         info,
     };
-    let params = model.parameters();
-    let bytes = crate::loader::materialize(&params, w.reporter())?;
-    model.info.weight_bytes = bytes;
+    model.info.weight_bytes = Params::default().add(&model).materialize(w.reporter())?;
     Ok(Box::new(model))
 }
 
-impl Gemma2 {
-    fn parameters(&self) -> Vec<&Array> {
-        let mut out = matrix_parameters(&self.embed_tokens);
+impl Parameters for Gemma2 {
+    fn push_params<'a>(&'a self, p: &mut Params<'a>) {
+        p.add(&self.embed_tokens);
         for b in &self.layers {
-            out.extend(b.proj.parameters());
-            out.extend(b.mlp.parameters());
-            for n in [
-                &b.input_layernorm,
-                &b.post_attention_layernorm,
-                &b.pre_feedforward_layernorm,
-                &b.post_feedforward_layernorm,
-            ] {
-                out.extend(n.parameters());
-            }
+            p.add(&b.proj).add(&b.sandwich);
         }
-        out.extend(self.norm.parameters());
-        out
+        p.add(&self.norm);
     }
+}
 
+impl Gemma2 {
     fn attention(
         &self,
-        p: &Projections,
+        p: &AttnProjections,
         x: &Array,
         cache: &mut LayerCache,
     ) -> Result<Array, Exception> {
-        let q = split_heads(&p.q_proj.forward(x)?, self.heads)?;
-        let k = split_heads(&p.k_proj.forward(x)?, self.kv_heads)?;
-        let v = split_heads(&p.v_proj.forward(x)?, self.kv_heads)?;
+        let (q, k, v) = p.project(x)?;
         let opts = AttnOpts {
             softcap: Some(self.attn_softcap),
             ..AttnOpts::rotary(&self.rope, self.scale)
@@ -325,19 +292,18 @@ impl Gemma2 {
 
 /// `tanh(x / cap) * cap`, the constant in `x`'s dtype.
 pub(crate) fn softcap(x: &Array, cap: f32) -> Result<Array, Exception> {
-    let c = scalar_like(x, cap)?;
+    let c = weak_scalar(x, cap)?;
     tanh(&x.divide(&c)?)?.multiply(&c)
 }
 
 impl CausalLm for Gemma2 {
     fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
         let h = self.embed_tokens.rows(tokens)?;
-        let mut h = h.multiply(&scalar_like(&h, self.embed_scale)?)?;
+        let mut h = scale_by(&h, self.embed_scale)?;
         for (b, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            let r = self.attention(&b.proj, &b.input_layernorm.forward(&h)?, cache)?;
-            let mid = h.add(&b.post_attention_layernorm.forward(&r)?)?;
-            let r = b.mlp.forward(&b.pre_feedforward_layernorm.forward(&mid)?)?;
-            h = mid.add(&b.post_feedforward_layernorm.forward(&r)?)?;
+            h = b
+                .sandwich
+                .forward(&h, |x| self.attention(&b.proj, x, cache), |x, r| x.add(r))?;
         }
         let logits = self.embed_tokens.matmul_t(&self.norm.forward(&h)?)?;
         softcap(&logits, self.final_softcap)

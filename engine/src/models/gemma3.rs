@@ -11,11 +11,16 @@ use mlx_rs::{Array, Dtype};
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::gemma2::{check_activation, full_kv_bytes_per_token, GeluMlp, GemmaNorm, Projections};
-use super::layers::{attend_with, split_heads, AttnOpts, Matrix, Rope};
-use super::llama::{kv_dtype_bytes, rope_from_config};
-use super::switch::matrix_parameters;
-use super::{eos_ids, CausalLm, ModelInfo};
+use super::attention::AttnProjections;
+use super::config::parse_config;
+use super::gemma2::{
+    check_activation, complete_text_config, load_projections, GemmaNorm, Sandwich,
+};
+use super::info::{model_info, KvShape};
+use super::layers::{attend_with, AttnOpts, Matrix, Rope};
+use super::llama::rope_from_config;
+use super::params::{Parameters, Params};
+use super::{CausalLm, ModelInfo};
 use crate::cache::LayerCache;
 use crate::loader::{LoadError, Weights};
 
@@ -97,8 +102,7 @@ mod defaults {
 
 impl Config {
     fn from_json(text: &Value) -> Result<Self, LoadError> {
-        let c: Config =
-            serde_json::from_value(text.clone()).map_err(|e| LoadError::Config(e.to_string()))?;
+        let c: Config = parse_config("Gemma 3", text)?;
         if c.sliding_window_pattern == 0 {
             return Err(LoadError::Config(
                 "Gemma 3: sliding_window_pattern must be at least 1".into(),
@@ -157,18 +161,14 @@ impl Config {
 }
 
 struct Block {
-    proj: Projections,
+    proj: AttnProjections,
     q_norm: GemmaNorm,
     k_norm: GemmaNorm,
     /// `Some(sliding_window)` on local layers.
     window: Option<usize>,
     /// Index into [`Gemma3::ropes`]: local or global RoPE.
     rope: usize,
-    mlp: GeluMlp,
-    input_layernorm: GemmaNorm,
-    post_attention_layernorm: GemmaNorm,
-    pre_feedforward_layernorm: GemmaNorm,
-    post_feedforward_layernorm: GemmaNorm,
+    sandwich: Sandwich,
 }
 
 pub struct Gemma3 {
@@ -179,8 +179,6 @@ pub struct Gemma3 {
     lm_head: Option<Matrix>,
     /// `[local, global]`.
     ropes: [Rope; 2],
-    heads: i32,
-    kv_heads: i32,
     /// `query_pre_attn_scalar^-0.5`.
     scale: f32,
     /// `sqrt(hidden_size)` as a bfloat16 scalar, as mlx-lm rounds it.
@@ -207,16 +205,7 @@ pub fn build_conditional(config: &Value, w: &mut Weights) -> Result<Box<dyn Caus
         .filter(|t| t.is_object())
         .cloned()
         .ok_or_else(|| LoadError::Config("Gemma 3: missing text_config object".into()))?;
-    // mlx-lm's wrapper sets the text vocabulary from the top level and its own head counts.
-    text["vocab_size"] = config
-        .get("vocab_size")
-        .cloned()
-        .unwrap_or_else(|| Value::from(262_208));
-    for (key, default) in [("num_attention_heads", 8), ("num_key_value_heads", 4)] {
-        if text.get(key).is_none() {
-            text[key] = Value::from(default);
-        }
-    }
+    complete_text_config(config, &mut text, 262_208, 4);
     check_activation(&text)?;
     let c = Config::from_json(&text)?;
     for name in w.names() {
@@ -240,16 +229,17 @@ fn build_text(
         let norm = |w: &mut Weights, name: &str| GemmaNorm::load(w, &format!("{p}.{name}"), eps);
         let sliding = c.is_sliding(i);
         layers.push(Block {
-            proj: Projections::load(w, &format!("{p}.self_attn"))?,
+            proj: load_projections(
+                w,
+                &format!("{p}.self_attn"),
+                c.num_attention_heads,
+                c.num_key_value_heads,
+            )?,
             q_norm: norm(w, "self_attn.q_norm")?,
             k_norm: norm(w, "self_attn.k_norm")?,
             window: sliding.then_some(c.sliding_window),
             rope: if sliding { LOCAL } else { GLOBAL },
-            mlp: GeluMlp::load(w, &format!("{p}.mlp"))?,
-            input_layernorm: norm(w, "input_layernorm")?,
-            post_attention_layernorm: norm(w, "post_attention_layernorm")?,
-            pre_feedforward_layernorm: norm(w, "pre_feedforward_layernorm")?,
-            post_feedforward_layernorm: norm(w, "post_feedforward_layernorm")?,
+            sandwich: Sandwich::load(w, &p, eps)?,
         });
     }
     let embed_tokens = Matrix::load(w, &format!("{prefix}model.embed_tokens"))?;
@@ -271,28 +261,13 @@ fn build_text(
         },
         rope_from_config(c.head_dim, c.rope_theta, false, c.rope_scaling.as_ref())?,
     ];
-    let dtype_bytes = kv_dtype_bytes(&embed_tokens);
-    let info = ModelInfo {
-        architecture: config["architectures"][0]
-            .as_str()
-            .unwrap_or_default()
-            .to_owned(),
-        vocab_size: c.vocab_size,
-        num_layers: c.num_hidden_layers,
-        context_length: c.max_position_embeddings,
-        weight_bytes: 0,
-        // Counted as if local layers kept every position: an upper bound (the batch keeps a
-        // local layer's last window and a little more), so admission never over-commits.
-        kv_bytes_per_token: full_kv_bytes_per_token(
-            c.num_hidden_layers,
-            c.num_key_value_heads,
-            c.head_dim,
-            dtype_bytes,
-        ),
-        kv_dtype_bytes: dtype_bytes,
-        head_dim: c.head_dim as usize,
-        eos_token_ids: eos_ids(config),
-    };
+    let info = model_info(
+        config,
+        c.vocab_size,
+        c.max_position_embeddings,
+        KvShape::heads(c.num_hidden_layers, c.num_key_value_heads, c.head_dim),
+        &embed_tokens,
+    );
     let embed_scale =
         Array::from_f32(f64::from(c.hidden_size).sqrt() as f32).as_dtype(Dtype::Bfloat16)?;
     let mut model = Gemma3 {
@@ -301,13 +276,11 @@ fn build_text(
         norm,
         lm_head,
         ropes,
-        heads: c.num_attention_heads,
-        kv_heads: c.num_key_value_heads,
         scale: (1.0 / f64::from(c.query_pre_attn_scalar).sqrt()) as f32,
         embed_scale,
         info,
     };
-    model.info.weight_bytes = crate::loader::materialize(&model.parameters(), w.reporter())?;
+    model.info.weight_bytes = Params::default().add(&model).materialize(w.reporter())?;
     Ok(Box::new(model))
 }
 
@@ -328,39 +301,24 @@ fn clip_residual(x: &Array, y: &Array) -> Result<Array, Exception> {
         .as_dtype(Dtype::Float16)
 }
 
-impl Gemma3 {
-    fn parameters(&self) -> Vec<&Array> {
-        let mut out = matrix_parameters(&self.embed_tokens);
+impl Parameters for Gemma3 {
+    fn push_params<'a>(&'a self, p: &mut Params<'a>) {
+        p.add(&self.embed_tokens);
         for b in &self.layers {
-            out.extend(b.proj.parameters());
-            out.extend(b.mlp.parameters());
-            for n in [
-                &b.q_norm,
-                &b.k_norm,
-                &b.input_layernorm,
-                &b.post_attention_layernorm,
-                &b.pre_feedforward_layernorm,
-                &b.post_feedforward_layernorm,
-            ] {
-                out.extend(n.parameters());
-            }
+            p.add(&b.proj)
+                .add(&b.q_norm)
+                .add(&b.k_norm)
+                .add(&b.sandwich);
         }
-        out.extend(self.norm.parameters());
-        if let Some(head) = &self.lm_head {
-            out.extend(matrix_parameters(head));
-        }
-        out
+        p.add(&self.norm).add(&self.lm_head);
     }
+}
 
+impl Gemma3 {
     fn attention(&self, b: &Block, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
         let p = &b.proj;
-        let q = b
-            .q_norm
-            .forward(&split_heads(&p.q_proj.forward(x)?, self.heads)?)?;
-        let k = b
-            .k_norm
-            .forward(&split_heads(&p.k_proj.forward(x)?, self.kv_heads)?)?;
-        let v = split_heads(&p.v_proj.forward(x)?, self.kv_heads)?;
+        let (q, k, v) = p.project(x)?;
+        let (q, k) = (b.q_norm.forward(&q)?, b.k_norm.forward(&k)?);
         let opts = AttnOpts {
             window: b.window,
             ..AttnOpts::rotary(&self.ropes[b.rope], self.scale)
@@ -374,10 +332,9 @@ impl CausalLm for Gemma3 {
         let h = self.embed_tokens.rows(tokens)?;
         let mut h = h.multiply(&self.embed_scale.as_dtype(h.dtype())?)?;
         for (b, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            let r = self.attention(b, &b.input_layernorm.forward(&h)?, cache)?;
-            let mid = clip_residual(&h, &b.post_attention_layernorm.forward(&r)?)?;
-            let r = b.mlp.forward(&b.pre_feedforward_layernorm.forward(&mid)?)?;
-            h = clip_residual(&mid, &b.post_feedforward_layernorm.forward(&r)?)?;
+            h = b
+                .sandwich
+                .forward(&h, |x| self.attention(b, x, cache), clip_residual)?;
         }
         let h = self.norm.forward(&h)?;
         match &self.lm_head {

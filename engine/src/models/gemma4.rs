@@ -17,16 +17,22 @@
 //! at the cost of storing the shared layers' KV twice (counted in `kv_bytes_per_token`).
 use mlx_rs::error::Exception;
 use mlx_rs::ops::indexing::take_along_axis;
-use mlx_rs::ops::{argsort_axis, concatenate, softmax_axis, unflatten};
+use mlx_rs::ops::{concatenate, softmax_axis, unflatten};
 use mlx_rs::Array;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::gemma2::{check_activation, gelu_approx, linear_parameters, scalar_like, softcap};
-use super::layers::{attend_with, AttnOpts, Linear, Matrix, RmsNorm, Rope};
-use super::llama::kv_dtype_bytes;
-use super::switch::{matrix_parameters, top_k_tail, weighted_sum, SwitchLinear};
-use super::{eos_ids, CausalLm, ModelInfo};
+use super::attention::prerotated_opts;
+use super::config::{parse_config, sliding_layers};
+use super::gemma2::{check_activation, complete_text_config, softcap};
+use super::info::{model_info, KvShape};
+use super::layers::gelu_approx;
+use super::layers::{attend_with, Linear, Matrix, RmsNorm, Rope};
+use super::mlp::{FeedForward, GatedMlp};
+use super::params::{Parameters, Params};
+use super::scalar::scale_by;
+use super::switch::{top_k_tail, weighted_sum, SwitchActivation, SwitchGlu};
+use super::{CausalLm, ModelInfo};
 use crate::cache::LayerCache;
 use crate::loader::{LoadError, Weights};
 
@@ -170,8 +176,7 @@ struct LayerShape {
 impl Config {
     fn from_json(text: &Value) -> Result<Self, LoadError> {
         check_activation(text)?;
-        let c: Config =
-            serde_json::from_value(text.clone()).map_err(|e| LoadError::Config(e.to_string()))?;
+        let c: Config = parse_config("Gemma 4", text)?;
         if c.sliding_window_pattern == 0 {
             return Err(LoadError::Config(
                 "Gemma 4: sliding_window_pattern must be at least 1".into(),
@@ -201,23 +206,7 @@ impl Config {
                 })
                 .collect(),
         };
-        if types.len() != self.num_hidden_layers {
-            return Err(LoadError::Config(format!(
-                "Gemma 4: {} layer_types for {} layers",
-                types.len(),
-                self.num_hidden_layers
-            )));
-        }
-        types
-            .iter()
-            .map(|t| match t.as_str() {
-                "sliding_attention" => Ok(true),
-                "full_attention" => Ok(false),
-                other => Err(LoadError::Config(format!(
-                    "Gemma 4: unsupported layer type {other:?}"
-                ))),
-            })
-            .collect()
+        sliding_layers("Gemma 4", &types, self.num_hidden_layers)
     }
 
     fn layer_shapes(&self) -> Result<Vec<LayerShape>, LoadError> {
@@ -341,64 +330,13 @@ impl Router {
     }
 }
 
-/// mlx-lm's `SwitchGLU` with Gemma's GELU gate: per token and selected expert,
-/// `down(gelu_approx(gate(x)) * up(x))`.
-struct GeluExperts {
-    gate_proj: SwitchLinear,
-    up_proj: SwitchLinear,
-    down_proj: SwitchLinear,
-}
-
-/// mlx-lm sorts routed tokens by expert from this many `(token, expert)` pairs on.
-const SORT_FROM_PAIRS: usize = 64;
-
-impl GeluExperts {
-    /// `x` `[..., D]`, `indices` `[..., k]` → `[..., k, D]`.
-    fn forward(&self, x: &Array, indices: &Array) -> Result<Array, Exception> {
-        let x = x.expand_dims_axes(&[-2, -3])?;
-        if indices.size() < SORT_FROM_PAIRS {
-            return self.project(&x, indices, false)?.squeeze_axes(&[-2]);
-        }
-        // One row per (token, expert) pair, ordered by expert, then back in token order.
-        let k = *indices.shape().last().unwrap_or(&1);
-        let flat = indices.flatten(None, None)?;
-        let order = argsort_axis(&flat, -1)?;
-        let inverse = argsort_axis(&order, -1)?;
-        let token_of_pair = order.floor_divide(Array::from_int(k).as_dtype(order.dtype())?)?;
-        let rows = x.flatten(0, -3)?.take_axis(&token_of_pair, 0)?;
-        let y = self.project(&rows, &flat.take_axis(&order, 0)?, true)?;
-        unflatten(y.take_axis(&inverse, 0)?, 0, indices.shape())?.squeeze_axes(&[-2])
-    }
-
-    fn project(&self, x: &Array, indices: &Array, sorted: bool) -> Result<Array, Exception> {
-        let up = self.up_proj.forward(x, indices, sorted)?;
-        let gate = self.gate_proj.forward(x, indices, sorted)?;
-        let hidden = gelu_approx(&gate)?.multiply(&up)?;
-        self.down_proj.forward(&hidden, indices, sorted)
-    }
-}
-
 /// The mixture-of-experts branch beside the dense MLP, with its own norms.
 struct MoeBranch {
     router: Router,
-    experts: GeluExperts,
+    experts: SwitchGlu,
     pre_feedforward_layernorm_2: RmsNorm,
     post_feedforward_layernorm_1: RmsNorm,
     post_feedforward_layernorm_2: RmsNorm,
-}
-
-/// `down(gelu_approx(gate(x)) * up(x))`.
-struct Mlp {
-    gate_proj: Linear,
-    up_proj: Linear,
-    down_proj: Linear,
-}
-
-impl Mlp {
-    fn forward(&self, x: &Array) -> Result<Array, Exception> {
-        let gated = gelu_approx(&self.gate_proj.forward(x)?)?.multiply(self.up_proj.forward(x)?)?;
-        self.down_proj.forward(&gated)
-    }
 }
 
 /// The per-layer input gate: `norm(projection(gelu_approx(gate(h)) * input))` added to `h`.
@@ -427,7 +365,7 @@ struct Layer {
     o_proj: Linear,
     q_norm: RmsNorm,
     k_norm: Option<RmsNorm>,
-    mlp: Mlp,
+    mlp: GatedMlp,
     moe: Option<MoeBranch>,
     per_layer: Option<PerLayerGate>,
     input_layernorm: RmsNorm,
@@ -470,15 +408,7 @@ pub fn build_conditional(config: &Value, w: &mut Weights) -> Result<Box<dyn Caus
         .filter(|t| t.is_object())
         .cloned()
         .unwrap_or_else(|| serde_json::json!({}));
-    text["vocab_size"] = config
-        .get("vocab_size")
-        .cloned()
-        .unwrap_or_else(|| Value::from(262_144));
-    for (key, default) in [("num_attention_heads", 8), ("num_key_value_heads", 1)] {
-        if text.get(key).is_none() {
-            text[key] = Value::from(default);
-        }
-    }
+    complete_text_config(config, &mut text, 262_144, 1);
     let c = Config::from_json(&text)?;
     sanitize_multimodal(w);
     sanitize_text(&c, w);
@@ -617,25 +547,13 @@ fn build_text(
             is_kv_source[j] = true;
         }
     }
-    let dtype_bytes = kv_dtype_bytes(&embed_tokens);
-    let info = ModelInfo {
-        architecture: config["architectures"][0]
-            .as_str()
-            .unwrap_or_default()
-            .to_owned(),
-        vocab_size: c.vocab_size,
-        num_layers: c.num_hidden_layers,
-        context_length: c.max_position_embeddings,
-        weight_bytes: 0,
-        kv_bytes_per_token: shapes
-            .iter()
-            .map(|s| 2 * (s.kv_heads * s.head_dim) as usize * dtype_bytes)
-            .sum(),
-        kv_dtype_bytes: dtype_bytes,
-        // A KV quantization group must divide every layer's head width.
-        head_dim: shapes.iter().map(|s| s.head_dim as usize).fold(0, gcd),
-        eos_token_ids: eos_ids(config),
-    };
+    let info = model_info(
+        config,
+        c.vocab_size,
+        c.max_position_embeddings,
+        KvShape::per_layer(shapes.iter().map(|s| (s.kv_heads, s.head_dim))),
+        &embed_tokens,
+    );
     let mut model = Gemma4 {
         embed_tokens,
         per_layer_inputs,
@@ -651,16 +569,8 @@ fn build_text(
         is_kv_source,
         info,
     };
-    model.info.weight_bytes = crate::loader::materialize(&model.parameters(), w.reporter())?;
+    model.info.weight_bytes = Params::default().add(&model).materialize(w.reporter())?;
     Ok(Box::new(model))
-}
-
-fn gcd(a: usize, b: usize) -> usize {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
-    }
 }
 
 fn load_layer(c: &Config, w: &mut Weights, p: &str, shape: LayerShape) -> Result<Layer, LoadError> {
@@ -691,10 +601,11 @@ fn load_layer(c: &Config, w: &mut Weights, p: &str, shape: LayerShape) -> Result
         o_proj: linear(w, "self_attn.o_proj")?,
         q_norm: norm(w, "self_attn.q_norm")?,
         k_norm: owns_kv.then(|| norm(w, "self_attn.k_norm")).transpose()?,
-        mlp: Mlp {
+        mlp: GatedMlp {
             gate_proj: with_rows(linear(w, "mlp.gate_proj")?, shape.mlp_width, p)?,
             up_proj: with_rows(linear(w, "mlp.up_proj")?, shape.mlp_width, p)?,
             down_proj: linear(w, "mlp.down_proj")?,
+            activation: SwitchActivation::GeluGlu,
         },
         moe,
         per_layer,
@@ -716,10 +627,7 @@ fn load_moe(c: &Config, w: &mut Weights, p: &str) -> Result<MoeBranch, LoadError
     };
     let scale = w.take(&format!("{p}.router.scale"))?;
     let root = (1.0 / f64::from(c.hidden_size).sqrt()) as f32;
-    let norm_scale = scale.multiply(&scalar_like(&scale, root)?)?;
-    let experts = |w: &mut Weights, name: &str| {
-        SwitchLinear::load(w, &format!("{p}.experts.switch_glu.{name}"), false)
-    };
+    let norm_scale = scale_by(&scale, root)?;
     let norm =
         |w: &mut Weights, name: &str| RmsNorm::load(w, &format!("{p}.{name}"), c.rms_norm_eps);
     Ok(MoeBranch {
@@ -730,11 +638,12 @@ fn load_moe(c: &Config, w: &mut Weights, p: &str) -> Result<MoeBranch, LoadError
             per_expert_scale: w.take(&format!("{p}.router.per_expert_scale"))?,
             top_k,
         },
-        experts: GeluExperts {
-            gate_proj: experts(w, "gate_proj")?,
-            up_proj: experts(w, "up_proj")?,
-            down_proj: experts(w, "down_proj")?,
-        },
+        experts: SwitchGlu::load(
+            w,
+            &format!("{p}.experts.switch_glu"),
+            false,
+            SwitchActivation::GeluGlu,
+        )?,
         pre_feedforward_layernorm_2: norm(w, "pre_feedforward_layernorm_2")?,
         post_feedforward_layernorm_1: norm(w, "post_feedforward_layernorm_1")?,
         post_feedforward_layernorm_2: norm(w, "post_feedforward_layernorm_2")?,
@@ -772,67 +681,45 @@ fn heads_last(x: &Array, heads: i32, d: i32) -> Result<Array, Exception> {
     x.reshape(&[s[0], s[1], heads, d])
 }
 
-impl Gemma4 {
-    fn parameters(&self) -> Vec<&Array> {
-        let mut out = matrix_parameters(&self.embed_tokens);
-        if let Some(p) = &self.per_layer_inputs {
-            out.extend(matrix_parameters(&p.embed));
-            out.extend(linear_parameters(&p.projection));
-            out.push(&p.norm.weight);
+impl Parameters for Gemma4 {
+    fn push_params<'a>(&'a self, p: &mut Params<'a>) {
+        p.add(&self.embed_tokens);
+        if let Some(inputs) = &self.per_layer_inputs {
+            p.add(&inputs.embed)
+                .add(&inputs.projection)
+                .add(&inputs.norm);
         }
         for l in &self.layers {
-            let linears = [
-                Some(&l.q_proj),
-                l.k_proj.as_ref(),
-                l.v_proj.as_ref(),
-                Some(&l.o_proj),
-                Some(&l.mlp.gate_proj),
-                Some(&l.mlp.up_proj),
-                Some(&l.mlp.down_proj),
-            ];
-            for lin in linears.into_iter().flatten() {
-                out.extend(linear_parameters(lin));
-            }
-            let mut norms = vec![
-                &l.q_norm,
-                &l.input_layernorm,
-                &l.post_attention_layernorm,
-                &l.pre_feedforward_layernorm,
-                &l.post_feedforward_layernorm,
-            ];
-            norms.extend(l.k_norm.iter());
+            p.add(&l.q_proj)
+                .add(&l.k_proj)
+                .add(&l.v_proj)
+                .add(&l.o_proj)
+                .add(&l.mlp)
+                .add(&l.q_norm)
+                .add(&l.input_layernorm)
+                .add(&l.post_attention_layernorm)
+                .add(&l.pre_feedforward_layernorm)
+                .add(&l.post_feedforward_layernorm)
+                .add(&l.k_norm);
             if let Some(m) = &l.moe {
-                out.push(&m.router.norm_scale);
-                out.extend(linear_parameters(&m.router.proj));
-                out.push(&m.router.per_expert_scale);
-                for e in [
-                    &m.experts.gate_proj,
-                    &m.experts.up_proj,
-                    &m.experts.down_proj,
-                ] {
-                    out.extend(e.parameters());
-                }
-                norms.extend([
-                    &m.pre_feedforward_layernorm_2,
-                    &m.post_feedforward_layernorm_1,
-                    &m.post_feedforward_layernorm_2,
-                ]);
+                p.add(&m.router.norm_scale)
+                    .add(&m.router.proj)
+                    .add(&m.router.per_expert_scale)
+                    .add(&m.experts)
+                    .add(&m.pre_feedforward_layernorm_2)
+                    .add(&m.post_feedforward_layernorm_1)
+                    .add(&m.post_feedforward_layernorm_2);
             }
             if let Some(g) = &l.per_layer {
-                out.extend(linear_parameters(&g.gate));
-                out.extend(linear_parameters(&g.projection));
-                norms.push(&g.norm);
+                p.add(&g.gate).add(&g.projection).add(&g.norm);
             }
-            out.extend(norms.into_iter().map(|n| &n.weight));
-            out.push(&l.layer_scalar);
+            p.add(&l.layer_scalar);
         }
-        out.push(&self.norm.weight);
-        if let Some(h) = &self.lm_head {
-            out.extend(matrix_parameters(h));
-        }
-        out
+        p.add(&self.norm).add(&self.lm_head);
     }
+}
 
+impl Gemma4 {
     /// Each layer's per-layer input `[B, L, width]`: its slice of the per-layer embedding of
     /// `tokens`, mixed with a projection of the scaled embedding `h`.
     fn per_layer_inputs(&self, tokens: &Array, h: &Array) -> Result<Vec<Option<Array>>, Exception> {
@@ -842,15 +729,13 @@ impl Gemma4 {
         let n = self.layers.len() as i32;
         let split = |x: Array| unflatten(x, -1, &[n, p.width]);
         let embedded = p.embed.rows(tokens)?;
-        let embedded = split(
-            embedded.multiply(&scalar_like(&embedded, (f64::from(p.width)).sqrt() as f32)?)?,
-        )?;
+        let embedded = split(scale_by(&embedded, (f64::from(p.width)).sqrt() as f32)?)?;
         let projected = p.projection.forward(h)?;
         let root = (1.0 / f64::from(self.hidden_size).sqrt()) as f32;
-        let projected = split(projected.multiply(&scalar_like(&projected, root)?)?)?;
+        let projected = split(scale_by(&projected, root)?)?;
         let projected = p.norm.forward(&projected)?;
         let mixed = projected.add(&embedded)?;
-        let mixed = mixed.multiply(&scalar_like(&mixed, std::f32::consts::FRAC_1_SQRT_2)?)?;
+        let mixed = scale_by(&mixed, std::f32::consts::FRAC_1_SQRT_2)?;
         (0..n)
             .map(|i| mixed.take_axis(Array::from_int(i), 2).map(Some))
             .collect()
@@ -891,13 +776,7 @@ impl Gemma4 {
             }
         };
         let q = cache.rope(rope, &q.transpose_axes(&[0, 2, 1, 3])?)?;
-        let opts = AttnOpts {
-            rope: None,
-            scale: 1.0,
-            window: s.sliding.then_some(self.window),
-            sinks: None,
-            softcap: None,
-        };
+        let opts = prerotated_opts(1.0, s.sliding.then_some(self.window));
         let out = l.o_proj.forward(&attend_with(&q, &k, &v, &opts, cache)?)?;
         Ok((out, own.then_some((k, v))))
     }
@@ -923,7 +802,7 @@ impl CausalLm for Gemma4 {
     fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
         let h = self.embed_tokens.rows(tokens)?;
         let root = (f64::from(self.hidden_size)).sqrt() as f32;
-        let mut h = h.multiply(&scalar_like(&h, root)?)?;
+        let mut h = scale_by(&h, root)?;
         let per_layer = self.per_layer_inputs(tokens, &h)?;
         let mut kv: Vec<Option<(Array, Array)>> = vec![None; self.layers.len()];
         for (i, ((l, cache), input)) in self

@@ -11,22 +11,52 @@ use super::{eos_ids, ModelInfo};
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct KvShape {
     pub layers: usize,
-    /// Elements one layer caches per token, keys and values together.
-    pub elements_per_layer: usize,
+    /// Elements all layers together cache per token, keys and values.
+    pub elements_per_token: usize,
     /// The head size a KV quantization group must divide.
     pub head_dim: i32,
 }
 
 impl KvShape {
+    /// `layers` layers that each cache `elements_per_layer` per token.
+    pub fn uniform(layers: usize, elements_per_layer: usize, head_dim: i32) -> Self {
+        Self {
+            layers,
+            elements_per_token: layers * elements_per_layer,
+            head_dim,
+        }
+    }
+
+    /// Layers of their own `(kv_heads, head_dim)` each, caching keys and values. A KV
+    /// quantization group must divide every layer's head width, so the head size reported is
+    /// their greatest common divisor.
+    pub fn per_layer(shapes: impl IntoIterator<Item = (i32, i32)>) -> Self {
+        let (mut layers, mut elements_per_token, mut head_dim) = (0, 0, 0);
+        for (kv_heads, dim) in shapes {
+            layers += 1;
+            elements_per_token += 2 * (kv_heads * dim) as usize;
+            head_dim = gcd(head_dim, dim);
+        }
+        Self {
+            layers,
+            elements_per_token,
+            head_dim,
+        }
+    }
+
     /// Every layer caches keys and values of `kv_heads` heads of `head_dim`. Windowed layers
     /// count as global ones: an upper bound, since the batch keeps only their last window
     /// (and a little more), so admission never over-commits.
     pub fn heads(layers: usize, kv_heads: i32, head_dim: i32) -> Self {
-        Self {
-            layers,
-            elements_per_layer: 2 * (kv_heads * head_dim) as usize,
-            head_dim,
-        }
+        Self::uniform(layers, 2 * (kv_heads * head_dim) as usize, head_dim)
+    }
+}
+
+fn gcd(a: i32, b: i32) -> i32 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
     }
 }
 
@@ -62,7 +92,7 @@ pub(crate) fn model_info(
         num_layers: kv.layers,
         context_length,
         weight_bytes: 0,
-        kv_bytes_per_token: kv.layers * kv.elements_per_layer * dtype_bytes,
+        kv_bytes_per_token: kv.elements_per_token * dtype_bytes,
         kv_dtype_bytes: dtype_bytes,
         head_dim: kv.head_dim as usize,
         eos_token_ids: eos_ids(config),

@@ -391,13 +391,15 @@ fn weak(x: &Array, v: f32) -> Result<Array> {
     Array::from_f32(v).as_dtype(x.dtype())
 }
 
-/// `nn.gelu_approx`: the tanh approximation of GELU, op for op in `x`'s dtype, compiled into
-/// one kernel as mlx-lm's (shapeless `mx.compile`).
+/// `nn.gelu_approx`: the tanh approximation of GELU, op for op with every constant in `x`'s
+/// dtype (mlx-rs's own version promotes a bfloat16 input through float32 constants, which
+/// mlx-lm never does), compiled into one kernel as mlx-lm's (shapeless `mx.compile`).
 pub fn gelu_approx(x: &Array) -> Result<Array> {
     let mut fused = mlx_rs::transforms::compile::compile(
         |x: &Array| {
-            let cubic = x.add(&weak(x, 0.044715)?.multiply(&x.power(&weak(x, 3.0)?)?)?)?;
-            let inner = weak(x, (2.0 / std::f32::consts::PI).sqrt())?.multiply(&cubic)?;
+            let cubic = weak(x, 0.044715)?.multiply(x.power(&weak(x, 3.0)?)?)?;
+            let root = (2.0 / std::f64::consts::PI).sqrt() as f32;
+            let inner = weak(x, root)?.multiply(x.add(&cubic)?)?;
             let gate = weak(x, 1.0)?.add(&mlx_rs::ops::tanh(&inner)?)?;
             weak(x, 0.5)?.multiply(x)?.multiply(&gate)
         },

@@ -15,7 +15,6 @@ use super::rope::ScaledRope;
 use super::CausalLm;
 use crate::loader::{LoadError, Weights};
 
-pub use super::info::kv_dtype_bytes;
 pub use super::rope::rope_from_config;
 
 /// The fields of config.json that mlx-lm's `llama.ModelArgs` reads (OLMo 2's, OLMoE's and

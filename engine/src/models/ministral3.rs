@@ -16,11 +16,11 @@ use mlx_rs::Array;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::attention::AttnProjections;
-use super::config::{default_rope_theta, default_true, parse_config};
+use super::attention::{prerotated_opts, AttnProjections};
+use super::config::{default_rope_theta, default_true, parse_config, sliding_layers};
 use super::decoder::{load_stack, Block, Head, NormKind, Stack, Trunk};
 use super::info::{model_info, KvShape};
-use super::layers::{attend_with, AttnOpts};
+use super::layers::attend_with;
 use super::mlp::GatedMlp;
 use super::params::{Parameters, Params};
 use super::rope::{initialize_rope, ScaledRope};
@@ -74,36 +74,23 @@ impl Config {
         let Some(types) = &self.layer_types else {
             return Ok(vec![None; self.num_hidden_layers]);
         };
-        if types.len() != self.num_hidden_layers {
-            return Err(LoadError::Config(format!(
-                "layer_types names {} layers, num_hidden_layers is {}",
-                types.len(),
-                self.num_hidden_layers
-            )));
-        }
+        let sliding = sliding_layers("Ministral 3", types, self.num_hidden_layers)?;
         // mlx-lm builds the full-attention mask from the first full layer: there must be one.
-        if !types.iter().any(|t| t == "full_attention") {
+        if sliding.iter().all(|&s| s) {
             return Err(LoadError::Config(
                 "layer_types has no full_attention layer".into(),
             ));
         }
-        types
-            .iter()
-            .map(|t| match t.as_str() {
-                "full_attention" => Ok(None),
-                "sliding_attention" => {
-                    self.sliding_window
-                        .filter(|&w| w > 0)
-                        .map(Some)
-                        .ok_or_else(|| {
-                            LoadError::Config(
-                                "layer_types has sliding_attention layers but no sliding_window"
-                                    .into(),
-                            )
-                        })
-                }
-                other => Err(LoadError::Config(format!("unknown layer type {other:?}"))),
+        let window = || {
+            self.sliding_window.filter(|&w| w > 0).ok_or_else(|| {
+                LoadError::Config(
+                    "layer_types has sliding_attention layers but no sliding_window".into(),
+                )
             })
+        };
+        sliding
+            .into_iter()
+            .map(|s| if s { window().map(Some) } else { Ok(None) })
             .collect()
     }
 }
@@ -190,13 +177,7 @@ impl TemperedAttention {
         if let Some(t) = temperature {
             q = q.multiply(t)?;
         }
-        let opts = AttnOpts {
-            rope: None,
-            scale: self.scale,
-            window: self.window,
-            sinks: None,
-            softcap: None,
-        };
+        let opts = prerotated_opts(self.scale, self.window);
         self.proj
             .o_proj
             .forward(&attend_with(&q, &k, &v, &opts, cache)?)

@@ -441,11 +441,11 @@ where
     let sizes = Sizes {
         vocab_size: c.vocab_size,
         context_length: c.max_position_embeddings,
-        kv: KvShape {
-            layers: c.num_hidden_layers,
-            elements_per_layer: parts.kv_elements_per_token_per_layer,
-            head_dim: parts.head_dim,
-        },
+        kv: KvShape::uniform(
+            c.num_hidden_layers,
+            parts.kv_elements_per_token_per_layer,
+            parts.head_dim,
+        ),
     };
     let decoder = Decoder::new(config, trunk, layers, sizes);
     parts

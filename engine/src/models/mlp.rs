@@ -6,6 +6,7 @@ use mlx_rs::Array;
 
 use super::layers::{swiglu, Linear};
 use super::params::{Parameters, Params};
+use super::switch::SwitchActivation;
 use crate::loader::{LoadError, Weights};
 
 /// A block's feed-forward part: `x` `[B, L, D]` → `[B, L, D]`.
@@ -19,29 +20,44 @@ impl<T: FeedForward + ?Sized> FeedForward for Box<T> {
     }
 }
 
-/// The SwiGLU MLP with separate gate and up projections (`<prefix>.{gate,up,down}_proj`).
+/// The gated MLP with separate gate and up projections (`<prefix>.{gate,up,down}_proj`):
+/// `down(act(up(x), gate(x)))`, SwiGLU unless a family gates otherwise (Gemma's GELU), with
+/// the activations the routed experts use.
 pub(crate) struct GatedMlp {
     pub gate_proj: Linear,
     pub up_proj: Linear,
     pub down_proj: Linear,
+    pub activation: SwitchActivation,
 }
 
 impl GatedMlp {
+    /// The SwiGLU MLP under `prefix`.
     pub fn load(w: &mut Weights, prefix: &str, bias: bool) -> Result<Self, LoadError> {
+        Self::load_with(w, prefix, bias, SwitchActivation::SwiGlu)
+    }
+
+    /// The MLP under `prefix` gated by `activation`.
+    pub fn load_with(
+        w: &mut Weights,
+        prefix: &str,
+        bias: bool,
+        activation: SwitchActivation,
+    ) -> Result<Self, LoadError> {
         Ok(Self {
             gate_proj: Linear::load(w, &format!("{prefix}.gate_proj"), bias)?,
             up_proj: Linear::load(w, &format!("{prefix}.up_proj"), bias)?,
             down_proj: Linear::load(w, &format!("{prefix}.down_proj"), bias)?,
+            activation,
         })
     }
 }
 
 impl FeedForward for GatedMlp {
     fn forward(&self, x: &Array) -> Result<Array, Exception> {
-        self.down_proj.forward(&swiglu(
-            &self.gate_proj.forward(x)?,
-            &self.up_proj.forward(x)?,
-        )?)
+        let gated = self
+            .activation
+            .apply(&self.up_proj.forward(x)?, &self.gate_proj.forward(x)?)?;
+        self.down_proj.forward(&gated)
     }
 }
 

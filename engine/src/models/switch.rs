@@ -12,6 +12,7 @@ use mlx_rs::ops::indexing::{Ellipsis, IndexOp};
 use mlx_rs::ops::{argpartition_axis, argsort_axis, flatten, gather_mm, unflatten};
 use mlx_rs::Array;
 
+use super::layers::gelu_approx;
 use super::layers::{swiglu, Linear, Matrix};
 use super::params::{parameters_of, Parameters, Params};
 use super::quant;
@@ -83,10 +84,13 @@ pub enum SwitchActivation {
     /// gpt-oss's clamped variant (mlx-lm's `SwigluOAI`):
     /// `(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)` with `g = min(gate, limit)`.
     ClampedSwiGlu { alpha: f32, limit: f32 },
+    /// `gelu_approx(gate) * up` (Gemma 4's experts).
+    GeluGlu,
 }
 
 impl SwitchActivation {
-    fn apply(self, up: &Array, gate: &Array) -> Result<Array> {
+    /// The gated activation of `up` and `gate` (each `[..., hidden]`).
+    pub(crate) fn apply(self, up: &Array, gate: &Array) -> Result<Array> {
         match self {
             SwitchActivation::SwiGlu => swiglu(gate, up),
             SwitchActivation::ClampedSwiGlu { alpha, limit }
@@ -106,6 +110,7 @@ impl SwitchActivation {
             SwitchActivation::ClampedSwiGlu { alpha, limit } => {
                 clamped_swiglu(up, gate, alpha, limit)
             }
+            SwitchActivation::GeluGlu => gelu_approx(gate)?.multiply(up),
         }
     }
 }
