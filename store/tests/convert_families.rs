@@ -57,43 +57,6 @@ fn tensor_shapes(dir: &Path) -> HashMap<String, (Dtype, Vec<usize>)> {
         .collect()
 }
 
-/// The Rust `tokenizers` crate on the converted tokenizer.json gives the reference ids and
-/// decodings of every string the fixture recorded.
-fn check_reference_tokens(gguf: &Path, dir: &Path) -> usize {
-    let tok = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
-    let reference: Vec<Value> = serde_json::from_slice(
-        &std::fs::read(format!("{}.reference.json", gguf.display())).unwrap(),
-    )
-    .unwrap();
-    let ids = |v: &Value| -> Vec<u32> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|i| i.as_u64().unwrap() as u32)
-            .collect()
-    };
-    for case in &reference {
-        let text = case["text"].as_str().unwrap();
-        let want = ids(&case["ids"]);
-        assert_eq!(
-            tok.encode(text, false).unwrap().get_ids(),
-            want,
-            "ids of {text:?}"
-        );
-        assert_eq!(
-            tok.encode(text, true).unwrap().get_ids(),
-            ids(&case["ids_with_bos"]),
-            "ids with BOS of {text:?}"
-        );
-        assert_eq!(
-            tok.decode(&want, false).unwrap(),
-            case["decoded"].as_str().unwrap(),
-            "decoding of {text:?}"
-        );
-    }
-    reference.len()
-}
-
 /// The converted directories of one architecture, by `<mix>-<f32|f16>`.
 struct Family {
     _tmp: tempfile::TempDir,
@@ -161,7 +124,13 @@ fn convert_and_check(arch: &'static str) -> Family {
         1,
         "{stdout}"
     );
-    assert!(check_reference_tokens(&family.gguf("Q8_0"), &family.dir("Q8_0", "f32")) >= 17);
+    assert!(
+        common::check_reference_tokens(
+            &family.gguf("Q8_0"),
+            &tokenizers::Tokenizer::from_file(family.dir("Q8_0", "f32").join("tokenizer.json"))
+                .unwrap(),
+        ) >= 17
+    );
     family
 }
 

@@ -127,40 +127,6 @@ fn k_quants_convert_exactly_or_within_the_reported_error() {
     );
 }
 
-/// The Rust `tokenizers` crate on the converted tokenizer.json gives the reference ids and
-/// decodings of every string `gguf_fixtures.py` recorded.
-fn check_reference(gguf: &Path, tok: &tokenizers::Tokenizer) -> usize {
-    let reference: Vec<Value> = serde_json::from_slice(
-        &std::fs::read(format!("{}.reference.json", gguf.display())).unwrap(),
-    )
-    .unwrap();
-    let ids = |v: &Value| -> Vec<u32> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|i| i.as_u64().unwrap() as u32)
-            .collect()
-    };
-    for case in &reference {
-        let text = case["text"].as_str().unwrap();
-        let want = ids(&case["ids"]);
-        let got = tok.encode(text, false).unwrap();
-        assert_eq!(got.get_ids(), want.as_slice(), "ids of {text:?}");
-        let got = tok.encode(text, true).unwrap();
-        assert_eq!(
-            got.get_ids(),
-            ids(&case["ids_with_bos"]).as_slice(),
-            "ids with BOS of {text:?}"
-        );
-        assert_eq!(
-            tok.decode(&want, false).unwrap(),
-            case["decoded"].as_str().unwrap(),
-            "decoding of {text:?}"
-        );
-    }
-    reference.len()
-}
-
 #[test]
 fn llama_bpe_tokenizer_matches_the_tokenizer_it_came_from() {
     let tmp = tempfile::tempdir().unwrap();
@@ -168,7 +134,7 @@ fn llama_bpe_tokenizer_matches_the_tokenizer_it_came_from() {
     let out = tmp.path().join("out");
     convert(&gguf, &out, FloatDtype::F32);
     let tok = tokenizers::Tokenizer::from_file(out.join("tokenizer.json")).unwrap();
-    assert!(check_reference(&gguf, &tok) >= 18);
+    assert!(common::check_reference_tokens(&gguf, &tok) >= 18);
     // The special tokens are single ids; BOS is added; decoding can skip them.
     let bos = tok.token_to_id("<|begin_of_text|>").unwrap();
     let eot = tok.token_to_id("<|eot_id|>").unwrap();
@@ -210,7 +176,7 @@ fn sentencepiece_tokenizer_matches_sentencepiece() {
     let out = tmp.path().join("out");
     convert(&gguf, &out, FloatDtype::F32);
     let tok = tokenizers::Tokenizer::from_file(out.join("tokenizer.json")).unwrap();
-    assert!(check_reference(&gguf, &tok) >= 17);
+    assert!(common::check_reference_tokens(&gguf, &tok) >= 17);
     // Characters outside the vocabulary fall back to their UTF-8 bytes, and decode back.
     let ids = tok.encode("☃", false).unwrap().get_ids().to_vec();
     let pieces: Vec<String> = ids.iter().map(|&i| tok.id_to_token(i).unwrap()).collect();

@@ -64,3 +64,38 @@ pub fn python() -> PathBuf {
     );
     path
 }
+
+/// The Rust `tokenizers` crate on the converted tokenizer.json gives the reference ids and
+/// decodings of every string the GGUF fixture writer recorded beside `gguf`
+/// (`<gguf>.reference.json`: ids without and with BOS, and the decoding); returns how many.
+pub fn check_reference_tokens(gguf: &Path, tok: &tokenizers::Tokenizer) -> usize {
+    let reference: Vec<serde_json::Value> = serde_json::from_slice(
+        &std::fs::read(format!("{}.reference.json", gguf.display())).unwrap(),
+    )
+    .unwrap();
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i.as_u64().unwrap() as u32)
+            .collect()
+    };
+    for case in &reference {
+        let text = case["text"].as_str().unwrap();
+        let want = ids(&case["ids"]);
+        let got = tok.encode(text, false).unwrap();
+        assert_eq!(got.get_ids(), want.as_slice(), "ids of {text:?}");
+        let got = tok.encode(text, true).unwrap();
+        assert_eq!(
+            got.get_ids(),
+            ids(&case["ids_with_bos"]).as_slice(),
+            "ids with BOS of {text:?}"
+        );
+        assert_eq!(
+            tok.decode(&want, false).unwrap(),
+            case["decoded"].as_str().unwrap(),
+            "decoding of {text:?}"
+        );
+    }
+    reference.len()
+}
