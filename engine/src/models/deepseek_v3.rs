@@ -15,7 +15,7 @@ use mlx_rs::{fast, Array};
 use serde_json::Value;
 
 use super::attention::SelfAttention;
-use super::layers::{Linear, Matrix};
+use super::layers::{Linear, Matrix, QuantizedMatrix};
 use super::mla::{
     build_deepseek, drop_unused, mask_array, plain_deepseek_rope, stack_experts, unquantized,
     DeepseekConfig, FamilyParts, LatentProjections, MultiLinear,
@@ -250,14 +250,14 @@ fn absorbed_from_kv_b(
             None => Ok(Matrix::Dense(m)),
             Some((_, bits, group_size)) => {
                 let (weight, scales, biases) = mlx_rs::ops::quantize(&m, *group_size, *bits)?;
-                Ok(Matrix::Quantized {
+                Ok(Matrix::Quantized(QuantizedMatrix {
                     weight,
                     scales,
                     biases: Some(biases),
                     group_size: *group_size,
                     bits: *bits,
                     mode: super::quant::QuantMode::Affine,
-                })
+                }))
             }
         }
     };

@@ -654,15 +654,11 @@ fn load_moe(c: &Config, w: &mut Weights, p: &str) -> Result<MoeBranch, LoadError
 /// otherwise a shape error, as mlx-lm's strict load gives (double-wide MLPs of KV-shared
 /// layers, the per-layer embedding's vocabulary).
 fn matrix_with_rows(m: Matrix, rows: i32, at: &str) -> Result<Matrix, LoadError> {
-    let weight = match &m {
-        Matrix::Dense(w) => w,
-        Matrix::Quantized { weight, .. } => weight,
-    };
-    match weight.shape().first() {
+    match m.weight().shape().first() {
         Some(&r) if r == rows => Ok(m),
         _ => Err(LoadError::Shape {
             name: format!("{at} (rows)"),
-            found: weight.shape().to_vec(),
+            found: m.weight().shape().to_vec(),
             expected: vec![rows, -1],
         }),
     }

@@ -65,7 +65,7 @@ fn gcd(a: i32, b: i32) -> i32 {
 pub fn kv_dtype_bytes(embed: &Matrix) -> usize {
     let dtype = match embed {
         Matrix::Dense(w) => w.dtype(),
-        Matrix::Quantized { scales, .. } => scales.dtype(),
+        Matrix::Quantized(q) => q.scales.dtype(),
     };
     match dtype {
         Dtype::Float32 => 4,

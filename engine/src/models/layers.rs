@@ -13,32 +13,51 @@ use crate::loader::{LoadError, Weights};
 
 pub type Result<T> = std::result::Result<T, Exception>;
 
-/// A weight matrix `[out, in]`, dense or quantized as MLX's affine quantization stores it.
+/// A weight matrix `[out, in]`, dense or quantized as MLX stores it.
 #[derive(Debug)]
 pub enum Matrix {
     Dense(Array),
-    Quantized {
-        weight: Array,
-        scales: Array,
-        biases: Option<Array>,
-        group_size: i32,
-        bits: i32,
-        mode: QuantMode,
-    },
+    Quantized(QuantizedMatrix),
+}
+
+/// A matrix packed by MLX's quantization: the packed weight, its scales, its biases (the
+/// affine mode only) and how it was packed.
+#[derive(Debug)]
+pub struct QuantizedMatrix {
+    pub weight: Array,
+    pub scales: Array,
+    pub biases: Option<Array>,
+    pub group_size: i32,
+    pub bits: i32,
+    pub mode: QuantMode,
+}
+
+impl QuantizedMatrix {
+    /// The borrowed view the quantized ops take.
+    pub fn packed(&self) -> Packed<'_> {
+        Packed {
+            weight: &self.weight,
+            scales: &self.scales,
+            biases: self.biases.as_ref(),
+            group_size: self.group_size,
+            bits: self.bits,
+            mode: self.mode,
+        }
+    }
 }
 
 impl Matrix {
     /// Loads `<prefix>.weight`, and `.scales`/`.biases` when the checkpoint quantized it.
     pub fn load(w: &mut Weights, prefix: &str) -> std::result::Result<Self, LoadError> {
         match w.quantization_for(prefix) {
-            Some(q) => Ok(Matrix::Quantized {
+            Some(q) => Ok(Matrix::Quantized(QuantizedMatrix {
                 weight: w.take(&format!("{prefix}.weight"))?,
                 scales: w.take(&format!("{prefix}.scales"))?,
                 biases: w.take_optional(&format!("{prefix}.biases")),
                 group_size: q.group_size,
                 bits: q.bits,
                 mode: q.mode,
-            }),
+            })),
             None => Ok(Matrix::Dense(w.take(&format!("{prefix}.weight"))?)),
         }
     }
@@ -47,21 +66,15 @@ impl Matrix {
     pub fn quantized_parts(&self) -> Option<Packed<'_>> {
         match self {
             Matrix::Dense(_) => None,
-            Matrix::Quantized {
-                weight,
-                scales,
-                biases,
-                group_size,
-                bits,
-                mode,
-            } => Some(Packed {
-                weight,
-                scales,
-                biases: biases.as_ref(),
-                group_size: *group_size,
-                bits: *bits,
-                mode: *mode,
-            }),
+            Matrix::Quantized(q) => Some(q.packed()),
+        }
+    }
+
+    /// The stored weight: the matrix itself, or its packed form.
+    pub fn weight(&self) -> &Array {
+        match self {
+            Matrix::Dense(w) => w,
+            Matrix::Quantized(q) => &q.weight,
         }
     }
 
@@ -69,19 +82,7 @@ impl Matrix {
     pub fn matmul_t(&self, x: &Array) -> Result<Array> {
         match self {
             Matrix::Dense(w) => x.matmul(w.t()),
-            Matrix::Quantized {
-                weight,
-                scales,
-                biases,
-                group_size,
-                bits,
-                mode: QuantMode::Affine,
-            } => quantized_matmul(x, weight, scales, biases.as_ref(), true, *group_size, *bits),
-            Matrix::Quantized { .. } => quant::quantized_matmul(
-                x,
-                self.quantized_parts().expect("a quantized matrix"),
-                true,
-            ),
+            Matrix::Quantized(q) => quant::quantized_matmul(x, q.packed(), true),
         }
     }
 
@@ -89,27 +90,15 @@ impl Matrix {
     pub fn rows(&self, ids: &Array) -> Result<Array> {
         match self {
             Matrix::Dense(w) => w.take_axis(ids, 0),
-            Matrix::Quantized {
-                weight,
-                scales,
-                biases,
-                group_size,
-                bits,
-                mode,
-            } => {
-                let b = biases.as_ref().map(|b| b.take_axis(ids, 0)).transpose()?;
-                let (w, s) = (weight.take_axis(ids, 0)?, scales.take_axis(ids, 0)?);
-                match mode {
-                    QuantMode::Affine => dequantize(w, s, b.as_ref(), *group_size, *bits),
-                    _ => quant::dequantize(Packed {
-                        weight: &w,
-                        scales: &s,
-                        biases: b.as_ref(),
-                        group_size: *group_size,
-                        bits: *bits,
-                        mode: *mode,
-                    }),
-                }
+            Matrix::Quantized(q) => {
+                let biases = q.biases.as_ref().map(|b| b.take_axis(ids, 0)).transpose()?;
+                let (weight, scales) = (q.weight.take_axis(ids, 0)?, q.scales.take_axis(ids, 0)?);
+                quant::dequantize(Packed {
+                    weight: &weight,
+                    scales: &scales,
+                    biases: biases.as_ref(),
+                    ..q.packed()
+                })
             }
         }
     }
@@ -118,12 +107,9 @@ impl Matrix {
     pub fn nbytes(&self) -> usize {
         match self {
             Matrix::Dense(w) => w.nbytes(),
-            Matrix::Quantized {
-                weight,
-                scales,
-                biases,
-                ..
-            } => weight.nbytes() + scales.nbytes() + biases.as_ref().map_or(0, Array::nbytes),
+            Matrix::Quantized(q) => {
+                q.weight.nbytes() + q.scales.nbytes() + q.biases.as_ref().map_or(0, Array::nbytes)
+            }
         }
     }
 }

@@ -47,12 +47,7 @@ impl Parameters for Matrix {
     fn push_params<'a>(&'a self, p: &mut Params<'a>) {
         match self {
             Matrix::Dense(w) => p.add(w),
-            Matrix::Quantized {
-                weight,
-                scales,
-                biases,
-                ..
-            } => p.add(weight).add(scales).add(biases),
+            Matrix::Quantized(q) => p.add(&q.weight).add(&q.scales).add(&q.biases),
         };
     }
 }

@@ -82,8 +82,20 @@ fn biases_ptr(b: Option<&Array>) -> mlx_sys::mlx_array {
     b.map_or_else(|| unsafe { mlx_sys::mlx_array_new() }, Array::as_ptr)
 }
 
-/// `x @ W.T` (or `x @ W` without `transpose`) against a packed matrix.
+/// `x @ W.T` (or `x @ W` without `transpose`) against a packed matrix. The affine mode goes
+/// through mlx-rs, whose errors carry MLX's message.
 pub fn quantized_matmul(x: &Array, p: Packed<'_>, transpose: bool) -> Result<Array, Exception> {
+    if p.mode == QuantMode::Affine {
+        return mlx_rs::ops::quantized_matmul(
+            x,
+            p.weight,
+            p.scales,
+            p.biases,
+            transpose,
+            p.group_size,
+            p.bits,
+        );
+    }
     run("quantized_matmul", |res, s| unsafe {
         mlx_sys::mlx_quantized_matmul(
             res,
@@ -100,8 +112,12 @@ pub fn quantized_matmul(x: &Array, p: Packed<'_>, transpose: bool) -> Result<Arr
     })
 }
 
-/// The packed matrix unpacked to floats (the scales' dtype).
+/// The packed matrix unpacked to floats (the scales' dtype). The affine mode goes through
+/// mlx-rs.
 pub fn dequantize(p: Packed<'_>) -> Result<Array, Exception> {
+    if p.mode == QuantMode::Affine {
+        return mlx_rs::ops::dequantize(p.weight, p.scales, p.biases, p.group_size, p.bits);
+    }
     run("dequantize", |res, s| unsafe {
         mlx_sys::mlx_dequantize(
             res,

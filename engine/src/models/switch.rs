@@ -45,13 +45,7 @@ impl SwitchLinear {
     pub fn forward(&self, x: &Array, indices: &Array, sorted: bool) -> Result<Array> {
         let y = match &self.weight {
             Matrix::Dense(w) => gather_mm(x, w.swap_axes(-1, -2)?, None, indices, sorted)?,
-            Matrix::Quantized { .. } => {
-                let packed = self
-                    .weight
-                    .quantized_parts()
-                    .ok_or_else(|| Exception::custom("quantized expert stack without parts"))?;
-                quant::gather_qmm(x, packed, indices, true, sorted)?
-            }
+            Matrix::Quantized(q) => quant::gather_qmm(x, q.packed(), indices, true, sorted)?,
         };
         match &self.bias {
             Some(b) => y.add(b.take_axis(indices, 0)?.expand_dims(-2)?),
@@ -272,6 +266,7 @@ pub fn stack_experts(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::models::layers::QuantizedMatrix;
     use crate::models::test_arrays::{max_abs_diff, normal};
 
     const EXPERTS: i32 = 4;
@@ -352,14 +347,14 @@ mod tests {
         let (wq, scales, biases) = mlx_rs::ops::quantize(&w, 64, 4).unwrap();
         let back = mlx_rs::ops::dequantize(&wq, &scales, &biases, 64, 4).unwrap();
         let quantized = SwitchLinear {
-            weight: Matrix::Quantized {
+            weight: Matrix::Quantized(QuantizedMatrix {
                 weight: wq,
                 scales,
                 biases: Some(biases),
                 group_size: 64,
                 bits: 4,
                 mode: quant::QuantMode::Affine,
-            },
+            }),
             bias: Some(normal(&[EXPERTS, HIDDEN], 31)),
         };
         let dense = SwitchLinear {
