@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 /// Bumped on any incompatible change to the types in this module.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Messages from the supervisor to an engine.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -214,6 +214,12 @@ pub struct Fatal {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum FatalKind {
     OutOfMemory,
+    /// The load failed in a way another attempt may not repeat (an I/O error, a download
+    /// cut short): the supervisor retries it with backoff, as a crash.
     LoadFailed,
     Internal,
+    /// The load cannot succeed as asked — no such model or path, a refused option, a
+    /// download impossible offline — so a restart would fail the same way: the supervisor
+    /// fails the load once, with the message (which says what to do), and does not retry.
+    CannotLoad,
 }

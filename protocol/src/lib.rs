@@ -4,3 +4,4 @@ pub mod control;
 pub mod error;
 pub mod jobs;
 pub mod openai;
+pub mod request;

@@ -100,7 +100,8 @@ pub struct CompletionRequest {
 pub struct GenerationParams {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_tokens: Option<i64>,
-    /// The newer name of `max_tokens`; wins when both are given.
+    /// The newer name of `max_tokens`; wins when both are given (the rule lives in
+    /// [`GenerationParams::max_tokens`], `request.rs`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_completion_tokens: Option<i64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -156,11 +157,6 @@ pub struct RequestExtension {
 }
 
 impl GenerationParams {
-    /// `max_completion_tokens` if given, else `max_tokens`.
-    pub fn requested_max_tokens(&self) -> Option<i64> {
-        self.max_completion_tokens.or(self.max_tokens)
-    }
-
     pub fn is_stream(&self) -> bool {
         self.stream.unwrap_or(false)
     }
@@ -575,7 +571,7 @@ mod tests {
         assert_eq!(req.messages[2].content, None);
         assert_eq!(req.messages[3].role, Role::Tool);
         let p = &req.params;
-        assert_eq!(p.requested_max_tokens(), Some(5));
+        assert_eq!(p.max_tokens().unwrap().map(|l| l.value), Some(5));
         assert_eq!(p.temperature, Some(0.5));
         assert_eq!(p.top_k, Some(40));
         assert_eq!(p.logit_bias.as_ref().unwrap()["42"], -100.0);
@@ -590,9 +586,10 @@ mod tests {
     fn max_completion_tokens_wins_and_negative_numbers_survive() {
         let p: GenerationParams =
             serde_json::from_value(json!({"max_tokens": -1, "max_completion_tokens": 9})).unwrap();
-        assert_eq!(p.requested_max_tokens(), Some(9));
+        assert_eq!(p.max_tokens().unwrap().map(|l| l.value), Some(9));
         let p: GenerationParams = serde_json::from_value(json!({"max_tokens": -1})).unwrap();
-        assert_eq!(p.requested_max_tokens(), Some(-1));
+        assert_eq!(p.max_tokens, Some(-1));
+        assert!(p.max_tokens().is_err());
         assert!(!p.is_stream());
         assert!(!p.include_usage());
     }
