@@ -11,7 +11,8 @@
 #     llama.cpp's `gguf` Python package (the independent check of the GGUF conversion), for
 #     the SDK conformance suite the openai, anthropic and jsonschema Python packages and the
 #     openai npm package (scripts/conformance/package-lock.json), and, for the chat page's
-#     browser test, Debian's chromium (apt) and playwright-core (npm, into .deps/node)
+#     browser test, Debian's chromium (apt) and playwright-core (npm, into .deps/node), and
+#     tmux (apt) for the terminal chat's tests
 #   - .deps/mlx-sys-<v>: the mlx-c sources, from the published mlx-sys crate package on crates.io
 # Safe to run again; it only adds what is missing.
 set -euo pipefail
@@ -37,6 +38,7 @@ install_system_packages() {
   python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
   if ((with_test_deps)); then
     command -v chromium >/dev/null || missing+=(chromium)
+    command -v tmux >/dev/null || missing+=(tmux)
     command -v node >/dev/null || missing+=(nodejs)
     command -v npm >/dev/null || missing+=(npm)
   fi
