@@ -6,20 +6,25 @@ use mlx_rs::error::Exception;
 
 use super::ssd::format::EntryKind;
 use super::ssd::SsdTier;
-use super::{BatchKv, KvBudget, KvLayout, PrefixCache, Reservation, SeqKv, Stored};
+use super::{
+    BatchKv, KvBudget, KvLayout, LayerCache, LayerKind, PrefixCache, Reservation, SeqKv, SeqLayer,
+    StateCache, Stored,
+};
 
 /// A prompt's cached prefix, as fresh one-row caches ready to prefill the rest into.
 pub struct PrefixHit {
     pub tokens: usize,
-    pub layers: Vec<BatchKv>,
+    pub layers: Vec<LayerCache>,
 }
 
 pub struct CacheManager {
     budget: KvBudget,
     prefix: PrefixCache<SeqKv>,
-    /// Each layer's sliding window (`None`: global), which decides what a windowed entry can
+    /// Each layer's kind (sliding window, recurrent state), which decides what an entry can
     /// restore and bounds the caches of a hit.
-    windows: Vec<Option<usize>>,
+    kinds: Vec<LayerKind>,
+    /// Bytes of the recurrent states of one sequence, whatever its length.
+    state_bytes: u64,
     /// KV bytes per token unquantized and as the layout quantizes them.
     plain_bytes_per_token: u64,
     bytes_per_token: u64,
@@ -43,7 +48,8 @@ impl CacheManager {
         Self {
             budget: KvBudget::new(kv_budget),
             prefix: PrefixCache::new(prefix_budget),
-            windows: Vec::new(),
+            kinds: Vec::new(),
+            state_bytes: 0,
             plain_bytes_per_token: plain_bytes_per_token as u64,
             bytes_per_token: bytes_per_token as u64,
             layout,
@@ -52,11 +58,22 @@ impl CacheManager {
         }
     }
 
-    /// This manager for a model whose layers attend within `windows` (one per layer, `None`
-    /// for a global layer; a manager without them treats every layer as global).
-    pub fn with_windows(mut self, windows: Vec<Option<usize>>) -> Self {
-        self.windows = windows;
+    /// This manager for a model whose layers are `kinds` (a manager without them treats every
+    /// layer as global attention), whose recurrent layers hold `state_bytes` per sequence.
+    pub fn with_layers(mut self, kinds: Vec<LayerKind>, state_bytes: usize) -> Self {
+        self.kinds = kinds;
+        self.state_bytes = state_bytes as u64;
         self
+    }
+
+    /// The layer kinds this manager was made for.
+    pub fn kinds(&self) -> &[LayerKind] {
+        &self.kinds
+    }
+
+    /// Bytes of the recurrent states of one sequence.
+    pub fn state_bytes(&self) -> u64 {
+        self.state_bytes
     }
 
     /// This manager with the SSD tier `ssd`.
@@ -143,15 +160,18 @@ impl CacheManager {
         &self.budget
     }
 
-    /// KV bytes a sequence of `tokens` positions may need.
+    /// Cache bytes a sequence of `tokens` positions may need: its recurrent states (a fixed
+    /// part) and its attention layers' keys and values.
     ///
     /// Conservative for a model with sliding-window layers: a windowed layer's cache holds at
     /// most about `2 × (window + WINDOW_SLACK)` positions however long the sequence, but the
     /// model's bytes per token count every layer at every position, so the reservation
     /// covers the windowed layers as if they were global.
     pub fn bytes_for(&self, tokens: usize) -> u64 {
-        self.layout
-            .bytes_for(tokens, self.plain_bytes_per_token, self.bytes_per_token)
+        self.state_bytes
+            + self
+                .layout
+                .bytes_for(tokens, self.plain_bytes_per_token, self.bytes_per_token)
     }
 
     pub fn reserve(&mut self, bytes: u64) -> Reservation {
@@ -179,25 +199,22 @@ impl CacheManager {
             return Ok(None);
         }
         let max = prompt.len() - 1;
-        let windows = &self.windows;
+        let kinds = &self.kinds;
         let in_memory = self
             .prefix
-            .lookup_where(prompt, max, |kv, n| kv.serves(n, windows))
+            .lookup_where(prompt, max, |kv, n| kv.serves(n, kinds))
             .map(|h| (h.matched, h.entry_len, h.payload.clone()));
         let memory_matched = in_memory.as_ref().map_or(0, |m| m.0);
         if let Some(ssd) = &self.ssd {
             if let Some(m) = ssd
                 .lookup_where(prompt, max, |starts, n| {
-                    super::seq_kv::serves(starts, windows, n)
+                    super::seq_kv::serves(starts, kinds, n)
                 })
                 .filter(|m| m.matched > memory_matched)
             {
                 // The file read may have replaced the one indexed (same tokens, other
                 // starts): it must still serve the match.
-                if let Some(kv) = ssd
-                    .restore_kv(&m)?
-                    .filter(|kv| kv.serves(m.matched, windows))
-                {
+                if let Some(kv) = ssd.restore_kv(&m)?.filter(|kv| kv.serves(m.matched, kinds)) {
                     tracing::info!(
                         tokens = m.matched,
                         file = %m.name,
@@ -226,7 +243,17 @@ impl CacheManager {
             .iter()
             .zip(&entry.starts)
             .enumerate()
-            .map(|(layer, ((k, v), &start))| {
+            .map(|(layer, (seq_layer, &start))| {
+                let (k, v) = match seq_layer {
+                    SeqLayer::Kv(k, v) => (k, v),
+                    // `serves` held: a state stands for exactly the matched tokens.
+                    SeqLayer::State(arrays) => {
+                        return Ok(LayerCache::State(StateCache::from_row(
+                            arrays.clone(),
+                            matched,
+                        )))
+                    }
+                };
                 let n = (matched - start) as i32;
                 let (k, v) = if whole {
                     (k.clone(), v.clone())
@@ -238,12 +265,12 @@ impl CacheManager {
                     Stored::Quantized { quant, .. } => Some(*quant),
                     Stored::Plain(_) => None,
                 };
-                let window = self.windows.get(layer).copied().flatten();
+                let window = self.kinds.get(layer).and_then(|k| k.window());
                 let mut row = BatchKv::from_row(k, v, start, quant).windowed(window);
                 if let Some(q) = layout.at(matched) {
                     row.quantize(q)?;
                 }
-                Ok(row)
+                Ok(LayerCache::Batched(row))
             })
             .collect::<Result<_, Exception>>()?;
         Ok(PrefixHit {

@@ -10,6 +10,11 @@
 //!   keys and values plain or quantized ([`Stored`], `--kv-bits`), and bounded by the window
 //!   for a sliding-window layer.
 //!
+//! - [`StateCache`]: a recurrent layer's fixed-size state per sequence (convolution window,
+//!   linear-attention or SSM state), as mlx-lm's `ArraysCache`, in either path.
+//!
+//! Which one a layer needs is its [`LayerKind`], reported by the model.
+//!
 //! A sequence's KV outside the batch (prefix cache, SSD tier, checkpoints) is a [`SeqKv`].
 mod batched;
 mod budget;
@@ -18,6 +23,7 @@ mod manager;
 mod prefix;
 mod seq_kv;
 pub mod ssd;
+mod state;
 mod stored;
 
 pub use batched::{BatchKv, WINDOW_SLACK};
@@ -25,7 +31,8 @@ pub use budget::{KvBudget, Reservation};
 pub use dense::DenseKv;
 pub use manager::{CacheManager, PrefixHit};
 pub use prefix::{PrefixCache, PrefixLookup};
-pub use seq_kv::SeqKv;
+pub use seq_kv::{SeqKv, SeqLayer};
+pub use state::StateCache;
 pub use stored::{KvLayout, KvQuant, Stored};
 
 use mlx_rs::error::Exception;
@@ -37,11 +44,51 @@ use crate::models::layers::Rope;
 /// Positions a cache buffer grows by (mlx-lm's `KVCache.step`).
 pub(crate) const STEP: i32 = 256;
 
+/// What one layer of a model keeps between forward passes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerKind {
+    /// Keys and values per position; with a window, a query reads at most that many keys
+    /// (itself included) and the cache keeps only what the window can still reach.
+    Attention { window: Option<usize> },
+    /// A fixed-size recurrent state per sequence, of `slots` arrays.
+    State { slots: usize },
+}
+
+impl LayerKind {
+    /// The sliding window of an attention layer.
+    pub fn window(self) -> Option<usize> {
+        match self {
+            LayerKind::Attention { window } => window,
+            LayerKind::State { .. } => None,
+        }
+    }
+
+    pub fn is_state(self) -> bool {
+        matches!(self, LayerKind::State { .. })
+    }
+
+    /// An empty batched cache of this kind for rows written with `padding` on the left.
+    pub fn fresh(self, padding: Vec<i32>, quant: Option<KvQuant>) -> LayerCache {
+        match self {
+            LayerKind::Attention { window } => {
+                LayerCache::Batched(BatchKv::with_padding(padding, quant).windowed(window))
+            }
+            LayerKind::State { slots } => LayerCache::State(StateCache::new(slots, padding)),
+        }
+    }
+}
+
 /// The cache of one layer, in one of its layouts.
 #[derive(Debug)]
 pub enum LayerCache {
     Dense(DenseKv),
     Batched(BatchKv),
+    State(StateCache),
+}
+
+/// The error of a cache operation asked of a layer of the other kind (a model bug).
+fn wrong_kind(what: &str) -> Exception {
+    Exception::custom(format!("{what} asked of a layer cache of the other kind"))
 }
 
 /// An attention mask that a layout computed for the queries of one forward pass.
@@ -89,6 +136,7 @@ impl LayerCache {
         match self {
             LayerCache::Dense(c) => rope.forward(x, c.offset() as i32),
             LayerCache::Batched(c) => c.rope(rope, x),
+            LayerCache::State(_) => Err(wrong_kind("a rotary offset")),
         }
     }
 
@@ -102,6 +150,7 @@ impl LayerCache {
         match self {
             LayerCache::Dense(c) => c.update_and_fetch(keys, values),
             LayerCache::Batched(c) => c.update_and_fetch(keys, values),
+            LayerCache::State(_) => Err(wrong_kind("keys and values")),
         }
     }
 
@@ -112,6 +161,7 @@ impl LayerCache {
         match self {
             LayerCache::Dense(c) => dense_mask(c.offset() as i32, queries, window),
             LayerCache::Batched(c) => c.mask(queries, window),
+            LayerCache::State(_) => Err(wrong_kind("an attention mask")),
         }
     }
 
@@ -121,6 +171,7 @@ impl LayerCache {
         match self {
             LayerCache::Dense(c) => c.offset() >= window,
             LayerCache::Batched(c) => c.whole_window(window),
+            LayerCache::State(_) => false,
         }
     }
 
@@ -138,6 +189,10 @@ impl LayerCache {
                 ))),
             },
             LayerCache::Batched(c) => c.rollback(drop),
+            LayerCache::State(_) if drop.iter().all(|&n| n == 0) => Ok(()),
+            LayerCache::State(_) => Err(Exception::custom(
+                "a recurrent state cannot be rolled back to an earlier position",
+            )),
         }
     }
 
@@ -146,6 +201,7 @@ impl LayerCache {
         match self {
             LayerCache::Dense(c) => c.nbytes(),
             LayerCache::Batched(c) => c.nbytes(),
+            LayerCache::State(c) => c.nbytes(),
         }
     }
 
@@ -154,20 +210,79 @@ impl LayerCache {
         match self {
             LayerCache::Dense(c) => c.state(),
             LayerCache::Batched(c) => c.state(),
+            LayerCache::State(c) => c.arrays(),
         }
     }
 
     pub fn into_batched(self) -> Option<BatchKv> {
         match self {
             LayerCache::Batched(c) => Some(c),
-            LayerCache::Dense(_) => None,
+            LayerCache::Dense(_) | LayerCache::State(_) => None,
         }
     }
 
     pub fn as_batched_mut(&mut self) -> Option<&mut BatchKv> {
         match self {
             LayerCache::Batched(c) => Some(c),
-            LayerCache::Dense(_) => None,
+            LayerCache::Dense(_) | LayerCache::State(_) => None,
+        }
+    }
+
+    /// The recurrent state of a state layer (what its forward pass reads and replaces).
+    pub fn as_state_mut(&mut self) -> Result<&mut StateCache, Exception> {
+        match self {
+            LayerCache::State(c) => Ok(c),
+            LayerCache::Dense(_) | LayerCache::Batched(_) => Err(wrong_kind("a recurrent state")),
+        }
+    }
+
+    /// Keeps rows `keep` of a batched layout, in that order.
+    pub fn filter(&mut self, keep: &[usize]) -> Result<(), Exception> {
+        match self {
+            LayerCache::Batched(c) => c.filter(keep),
+            LayerCache::State(c) => c.filter(keep),
+            LayerCache::Dense(_) => Err(wrong_kind("a row filter")),
+        }
+    }
+
+    /// Appends the rows of `other`, a cache of the same kind.
+    pub fn extend(&mut self, other: LayerCache) -> Result<(), Exception> {
+        match (self, other) {
+            (LayerCache::Batched(a), LayerCache::Batched(b)) => a.extend(b),
+            (LayerCache::State(a), LayerCache::State(b)) => a.extend(b),
+            _ => Err(wrong_kind("joining rows")),
+        }
+    }
+
+    /// Positions (tokens) row `r` holds.
+    pub fn row_len(&self, r: usize) -> usize {
+        match self {
+            LayerCache::Dense(c) => c.offset(),
+            LayerCache::Batched(c) => c.row_len(r),
+            LayerCache::State(c) => c.row_len(r),
+        }
+    }
+
+    /// A copy of row `r` for the prefix cache and the logical position it starts at (a state
+    /// starts where it ends, see [`SeqKv`]); `None` before anything was written.
+    pub fn row_copy(&self, r: usize) -> Result<Option<(SeqLayer, usize)>, Exception> {
+        match self {
+            LayerCache::Batched(c) => Ok(c
+                .row_copy(r)?
+                .map(|(k, v)| (SeqLayer::Kv(k, v), c.row_start(r)))),
+            LayerCache::State(c) => Ok(c
+                .row_copy(r)?
+                .map(|arrays| (SeqLayer::State(arrays), c.row_len(r)))),
+            LayerCache::Dense(_) => Err(wrong_kind("a row copy")),
+        }
+    }
+
+    /// Cuts what a windowed attention layer's window no longer reaches (nothing for other
+    /// kinds).
+    pub fn evict_outside_window(&mut self) -> Result<(), Exception> {
+        match self {
+            LayerCache::Batched(c) => c.evict_outside_window(),
+            LayerCache::Dense(_) | LayerCache::State(_) => Ok(()),
         }
     }
 }

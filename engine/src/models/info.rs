@@ -95,6 +95,7 @@ pub(crate) fn model_info(
         kv_bytes_per_token: kv.elements_per_token * dtype_bytes,
         kv_dtype_bytes: dtype_bytes,
         head_dim: kv.head_dim as usize,
+        state_bytes_per_sequence: 0,
         eos_token_ids: eos_ids(config),
     }
 }

@@ -152,6 +152,8 @@ fn row_offsets(cache: &LayerCache) -> Vec<i32> {
                 _ => rows,
             }
         }
+        // Never asked: every Ministral 3 layer attends.
+        LayerCache::State(c) => (0..c.rows()).map(|r| c.row_len(r) as i32).collect(),
     }
 }
 

@@ -49,7 +49,7 @@ use mlx_rs::error::Exception;
 use mlx_rs::Array;
 use serde_json::Value;
 
-use crate::cache::{DenseKv, LayerCache};
+use crate::cache::{DenseKv, LayerCache, LayerKind};
 use crate::loader::{self, LoadError, Weights};
 
 /// Facts about a loaded model that the server and the supervisor need.
@@ -69,6 +69,9 @@ pub struct ModelInfo {
     pub kv_dtype_bytes: usize,
     /// Dimension of one attention head (what a KV quantization group must divide).
     pub head_dim: usize,
+    /// Bytes of the recurrent layers' states of one sequence, whatever its length (0 for a
+    /// model that only attends).
+    pub state_bytes_per_sequence: usize,
     /// Token ids that end a generation, from config.json (`eos_token_id`, int or list).
     pub eos_token_ids: Vec<u32>,
 }
@@ -92,10 +95,23 @@ pub trait CausalLm: Send {
     fn layer_windows(&self) -> Vec<Option<usize>> {
         vec![None; self.info().num_layers]
     }
-    /// Fresh dense per-layer caches for one sequence (the serial reference path).
+    /// What each layer keeps between forward passes: keys and values (within its window,
+    /// from [`Self::layer_windows`]) unless the family has recurrent layers.
+    fn layer_kinds(&self) -> Vec<LayerKind> {
+        self.layer_windows()
+            .into_iter()
+            .map(|window| LayerKind::Attention { window })
+            .collect()
+    }
+    /// Fresh per-layer caches for one sequence (the serial reference path): dense KV for
+    /// attention layers, a one-row state for recurrent ones.
     fn new_dense_caches(&self) -> Vec<LayerCache> {
-        (0..self.info().num_layers)
-            .map(|_| LayerCache::Dense(DenseKv::new()))
+        self.layer_kinds()
+            .into_iter()
+            .map(|kind| match kind {
+                LayerKind::Attention { .. } => LayerCache::Dense(DenseKv::new()),
+                LayerKind::State { .. } => kind.fresh(vec![0], None),
+            })
             .collect()
     }
 }

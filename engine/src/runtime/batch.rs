@@ -18,18 +18,18 @@ use super::draft::{ngram, verify, DraftCounts, Drafter, Speculator};
 use super::request::FinishReason;
 use super::sampler::{BatchSampler, PickedLogprobs, RowSampling};
 use super::sequence::Sequence;
-use crate::cache::{BatchKv, KvLayout, LayerCache, SeqKv};
+use crate::cache::{KvLayout, LayerCache, LayerKind, SeqKv};
 use crate::models::CausalLm;
 
 /// Sequences whose prompt is in their cache, ready to join the batch.
 pub struct Prefilled {
     pub seqs: Vec<Sequence>,
     /// One cache per layer, with one row per sequence, in order.
-    pub layers: Vec<BatchKv>,
+    pub layers: Vec<LayerCache>,
 }
 
-/// The tokens a row's KV stands for and a copy of that KV (per layer: keys, values and the
-/// position they start at).
+/// The tokens a row's cache stands for and a copy of it (per layer: keys and values or a
+/// recurrent state, and the position they start at).
 pub type RowKv = (Vec<u32>, SeqKv);
 
 /// A step's drafts: on the host (n-gram lookup) or still on the device (a draft model).
@@ -57,8 +57,8 @@ pub struct DecodeBatch {
     sampler: BatchSampler,
     /// Tokens sampled for `rows` in the last step, not yet read back.
     in_flight: Option<Array>,
-    /// Each layer's sliding window (one entry per layer), bounding its cache.
-    windows: Vec<Option<usize>>,
+    /// Each layer's kind (one entry per layer): attention within its window, or a state.
+    kinds: Vec<LayerKind>,
     /// Copy each departing row's KV (the prefix cache is on).
     keep_kv: bool,
     /// Speculative decoding: every step drafts and verifies (synchronously).
@@ -72,10 +72,9 @@ pub struct DecodeBatch {
 }
 
 impl DecodeBatch {
-    /// A batch for a model whose layers attend within `windows` (one per layer, `None` for a
-    /// global layer).
+    /// A batch for a model whose layers are `kinds`.
     pub fn new(
-        windows: Vec<Option<usize>>,
+        kinds: Vec<LayerKind>,
         vocab: usize,
         keep_kv: bool,
         layout: KvLayout,
@@ -86,7 +85,7 @@ impl DecodeBatch {
             caches: Vec::new(),
             sampler: BatchSampler::new(vocab),
             in_flight: None,
-            windows,
+            kinds,
             keep_kv,
             spec,
             layout,
@@ -569,15 +568,19 @@ impl DecodeBatch {
         let mut starts = Vec::with_capacity(self.caches.len());
         let mut len = None;
         for cache in &self.caches {
-            let LayerCache::Batched(c) = cache else {
+            let n = cache.row_len(r);
+            if len.is_some_and(|l| l != n) {
+                // Layers disagree on what the row holds: nothing exact to keep.
                 return Ok(None);
-            };
-            len = Some(c.row_len(r));
-            match c.row_copy(r)? {
-                Some(kv) => layers.push(kv),
+            }
+            len = Some(n);
+            match cache.row_copy(r)? {
+                Some((layer, start)) => {
+                    layers.push(layer);
+                    starts.push(start);
+                }
                 None => return Ok(None),
             }
-            starts.push(c.row_start(r));
         }
         match len {
             Some(n) if n > 0 && n <= seq.tokens.len() => {
@@ -616,9 +619,7 @@ impl DecodeBatch {
             return Ok(());
         }
         for cache in &mut self.caches {
-            if let Some(c) = cache.as_batched_mut() {
-                c.filter(keep)?;
-            }
+            cache.filter(keep)?;
         }
         self.sampler.filter(keep)
     }
@@ -627,15 +628,13 @@ impl DecodeBatch {
         let Prefilled { seqs, layers } = unit;
         if self.caches.is_empty() {
             self.caches = self
-                .windows
+                .kinds
                 .iter()
-                .map(|&w| LayerCache::Batched(BatchKv::default().windowed(w)))
+                .map(|&kind| kind.fresh(Vec::new(), None))
                 .collect();
         }
         for (cache, layer) in self.caches.iter_mut().zip(layers) {
-            if let Some(c) = cache.as_batched_mut() {
-                c.extend(layer)?;
-            }
+            cache.extend(layer)?;
         }
         let joining: Vec<RowSampling> = seqs
             .iter()

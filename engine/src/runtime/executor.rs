@@ -19,14 +19,14 @@ use super::request::{GenerateRequest, GenerationError, TokenEvent};
 use super::scheduler::{self, Admission, PrefillView, PrefillWork, SchedulerLimits, WaitingView};
 use super::sequence::Sequence;
 use super::{OomHook, RuntimeStats};
-use crate::cache::{BatchKv, CacheManager, KvLayout, KvQuant, LayerCache};
+use crate::cache::{CacheManager, KvLayout, KvQuant, LayerCache, LayerKind, SeqKv};
 use crate::models::{CausalLm, ModelInfo};
 
 /// An admitted sequence whose prompt is not all in its cache yet.
 struct Prefilling {
     seq: Sequence,
     /// One-row caches, `None` until something is written (or a prefix-cache hit).
-    layers: Option<Vec<BatchKv>>,
+    layers: Option<Vec<LayerCache>>,
     /// Prompt positions in `layers`.
     written: usize,
 }
@@ -43,8 +43,11 @@ pub(super) struct Executor<'m> {
     pub info: ModelInfo,
     pub limits: SchedulerLimits,
     pub caches: CacheManager,
-    /// Each layer's sliding window (`None`: global), bounding its caches.
-    windows: Vec<Option<usize>>,
+    /// Each layer's kind: attention (its window bounding its caches) or recurrent state.
+    kinds: Vec<LayerKind>,
+    /// Whether some layers hold a recurrent state, which the prefix cache can only take
+    /// whole: such sequences leave snapshots of their prompts as they prefill.
+    stateful: bool,
     pub stats: Arc<RuntimeStats>,
     pub on_oom: Option<OomHook>,
     waiting: VecDeque<GenerateRequest>,
@@ -65,10 +68,11 @@ impl<'m> Executor<'m> {
         on_oom: Option<OomHook>,
         spec: Option<Speculator>,
     ) -> Self {
-        let windows = model.layer_windows();
-        let caches = caches.with_windows(windows.clone());
+        let kinds = model.layer_kinds();
+        let stateful = kinds.iter().any(|k| k.is_state());
+        let caches = caches.with_layers(kinds.clone(), info.state_bytes_per_sequence);
         let batch = DecodeBatch::new(
-            windows.clone(),
+            kinds.clone(),
             info.vocab_size,
             caches.prefix_enabled(),
             caches.layout(),
@@ -79,7 +83,8 @@ impl<'m> Executor<'m> {
             info,
             limits,
             caches,
-            windows,
+            kinds,
+            stateful,
             stats,
             on_oom,
             waiting: VecDeque::new(),
@@ -198,8 +203,13 @@ impl<'m> Executor<'m> {
     }
 
     fn reservation(&self, req: &GenerateRequest) -> u64 {
-        let tokens = (req.prompt.len() + req.max_tokens).min(self.info.context_length);
-        self.caches.bytes_for(tokens)
+        // The formula the proxy's KV pre-check uses too.
+        let tokens = mlxd_protocol::request::kv_reservation_tokens(
+            req.prompt.len() as u64,
+            Some(req.max_tokens as u64),
+            self.info.context_length as u64,
+        );
+        self.caches.bytes_for(tokens as usize)
     }
 
     fn admit(&mut self) -> Result<(), Exception> {
@@ -290,9 +300,9 @@ impl<'m> Executor<'m> {
                 still.push(p);
                 continue;
             }
-            let layers = p.layers.unwrap_or_else(|| {
-                fresh_layers(&self.windows, vec![0], self.caches.layout().at(1))
-            });
+            let layers = p
+                .layers
+                .unwrap_or_else(|| fresh_layers(&self.kinds, vec![0], self.caches.layout().at(1)));
             self.ready.push(Prefilled {
                 seqs: vec![p.seq],
                 layers,
@@ -342,12 +352,19 @@ impl<'m> Executor<'m> {
         let layers = p
             .layers
             .take()
-            .unwrap_or_else(|| fresh_layers(&self.windows, vec![0], quant));
+            .unwrap_or_else(|| fresh_layers(&self.kinds, vec![0], quant));
         let mut layers = run_prefill(self.model, &input, layers)?;
         let p = &mut self.prefilling[index];
+        let before = p.written;
         p.written += n;
         quantize_past_start(&mut layers, layout, p.written)?;
-        p.layers = Some(layers);
+        let written = p.written;
+        let every = self.limits.state_snapshot_every.max(1);
+        if self.stateful && (written == p.seq.prompt_len - 1 || written / every > before / every) {
+            let tokens = p.seq.tokens[..written].to_vec();
+            self.snapshot(tokens, &layers)?;
+        }
+        self.prefilling[index].layers = Some(layers);
         Ok(())
     }
 
@@ -372,9 +389,16 @@ impl<'m> Executor<'m> {
         let mut layers = run_prefill(
             self.model,
             &input,
-            fresh_layers(&self.windows, padding, layout.at(0)),
+            fresh_layers(&self.kinds, padding, layout.at(0)),
         )?;
         quantize_past_start(&mut layers, layout, longest)?;
+        if self.stateful {
+            for (row, &i) in indices.iter().enumerate() {
+                let len = lens[row];
+                let tokens = self.prefilling[i].seq.tokens[..len].to_vec();
+                self.snapshot_row(tokens, &layers, row)?;
+            }
+        }
         let mut taken: Vec<Option<Prefilling>> = std::mem::take(&mut self.prefilling)
             .into_iter()
             .map(Some)
@@ -385,6 +409,29 @@ impl<'m> Executor<'m> {
             .collect();
         self.prefilling = taken.into_iter().flatten().collect();
         self.ready.push(Prefilled { seqs, layers });
+        Ok(())
+    }
+
+    /// Keeps a prompt's recurrent state in the prefix cache as the cache of `tokens` (one
+    /// row): a state cannot be cut to a shorter prefix later, so a model with recurrent layers
+    /// leaves snapshots at the end of each prompt and every `state_snapshot_every` tokens of a
+    /// long one (see [`SeqKv`]).
+    fn snapshot(&mut self, tokens: Vec<u32>, layers: &[LayerCache]) -> Result<(), Exception> {
+        self.snapshot_row(tokens, layers, 0)
+    }
+
+    fn snapshot_row(
+        &mut self,
+        tokens: Vec<u32>,
+        layers: &[LayerCache],
+        row: usize,
+    ) -> Result<(), Exception> {
+        if !self.caches.prefix_enabled() || tokens.is_empty() {
+            return Ok(());
+        }
+        if let Some(kv) = row_snapshot(layers, row, tokens.len())? {
+            self.caches.store(tokens, kv)?;
+        }
         Ok(())
     }
 
@@ -413,7 +460,7 @@ impl<'m> Executor<'m> {
             stored,
             self.caches.layout(),
         )
-        .with_windows(self.windows.clone())
+        .with_layers(self.kinds.clone(), self.info.state_bytes_per_sequence)
         .with_ssd(ssd);
         if let GenerationError::OutOfMemory(message) = &error {
             for r in self.waiting.drain(..) {
@@ -437,7 +484,7 @@ impl<'m> Executor<'m> {
             .prefilling
             .iter()
             .flat_map(|p| p.layers.iter().flatten())
-            .map(BatchKv::nbytes)
+            .map(LayerCache::nbytes)
             .sum();
         let kv = self.batch.kv_bytes() + prefill_bytes + self.caches.prefix_bytes() as usize;
         self.stats.kv_bytes.store(kv as u64, Ordering::Relaxed);
@@ -449,30 +496,52 @@ impl<'m> Executor<'m> {
     }
 }
 
-/// Empty caches, one per layer (bounded by its window), for rows with `padding`.
-fn fresh_layers(
-    windows: &[Option<usize>],
-    padding: Vec<i32>,
-    quant: Option<KvQuant>,
-) -> Vec<BatchKv> {
-    windows
+/// Empty caches, one per layer (an attention layer's bounded by its window), for rows with
+/// `padding`.
+fn fresh_layers(kinds: &[LayerKind], padding: Vec<i32>, quant: Option<KvQuant>) -> Vec<LayerCache> {
+    kinds
         .iter()
-        .map(|&w| BatchKv::with_padding(padding.clone(), quant).windowed(w))
+        .map(|&kind| kind.fresh(padding.clone(), quant))
         .collect()
 }
 
-/// Converts prefill caches whose rows hold more than the layout's start to quantized storage.
+/// Converts prefill caches whose rows hold more than the layout's start to quantized storage
+/// (keys and values; a recurrent state stays as it is).
 fn quantize_past_start(
-    layers: &mut [BatchKv],
+    layers: &mut [LayerCache],
     layout: KvLayout,
     written: usize,
 ) -> Result<(), Exception> {
     if let Some(q) = layout.at(written) {
-        for layer in layers {
+        for layer in layers.iter_mut().filter_map(LayerCache::as_batched_mut) {
             layer.quantize(q)?;
         }
     }
     Ok(())
+}
+
+/// A copy of row `row` of `layers` as the cache of `tokens`, when every layer holds exactly
+/// them (a padded group's rows hold their own prompt lengths).
+fn row_snapshot(
+    layers: &[LayerCache],
+    row: usize,
+    tokens: usize,
+) -> Result<Option<SeqKv>, Exception> {
+    let mut copies = Vec::with_capacity(layers.len());
+    let mut starts = Vec::with_capacity(layers.len());
+    for layer in layers {
+        if layer.row_len(row) != tokens {
+            return Ok(None);
+        }
+        match layer.row_copy(row)? {
+            Some((copy, start)) => {
+                copies.push(copy);
+                starts.push(start);
+            }
+            None => return Ok(None),
+        }
+    }
+    Ok(Some(SeqKv::new(copies, starts)))
 }
 
 /// Runs `input` `[B, L]` into `layers` and evaluates the caches (the logits are not needed);
@@ -481,18 +550,12 @@ fn quantize_past_start(
 fn run_prefill(
     model: &dyn CausalLm,
     input: &Array,
-    layers: Vec<BatchKv>,
-) -> Result<Vec<BatchKv>, Exception> {
-    let mut caches: Vec<LayerCache> = layers.into_iter().map(LayerCache::Batched).collect();
+    mut caches: Vec<LayerCache>,
+) -> Result<Vec<LayerCache>, Exception> {
     let _ = model.forward(input, &mut caches)?;
     for cache in &mut caches {
-        if let Some(c) = cache.as_batched_mut() {
-            c.evict_outside_window()?;
-        }
+        cache.evict_outside_window()?;
     }
     mlx_rs::transforms::eval(caches.iter().flat_map(LayerCache::state))?;
-    Ok(caches
-        .into_iter()
-        .map(|c| c.into_batched().expect("built batched above"))
-        .collect())
+    Ok(caches)
 }

@@ -46,6 +46,8 @@ pub const PREFILL_CHUNK: usize = 2048;
 pub const PREFILL_GROUP_TOKENS: usize = 4096;
 /// Prefix-cache bytes when no size is given (`--prompt-cache`).
 pub const DEFAULT_PROMPT_CACHE_BYTES: u64 = 1 << 30;
+/// Default [`RuntimeLimits::state_snapshot_every`].
+pub const STATE_SNAPSHOT_EVERY: usize = 4096;
 
 /// Limits the supervisor may impose (smaller after an out-of-memory restart).
 #[derive(Debug, Clone)]
@@ -69,6 +71,10 @@ pub struct RuntimeLimits {
     pub speculation: Option<Speculation>,
     /// The SSD KV tier and generation checkpoints (`--ssd-cache`, `--generation-checkpoint`).
     pub ssd: Option<SsdConfig>,
+    /// For a model with recurrent layers: prompt tokens between two snapshots of a long
+    /// prompt's state kept in the prefix cache (`--state-snapshot-every`); a state cannot be
+    /// cut to a shorter prefix, so a later prompt can only reuse a snapshot it fully extends.
+    pub state_snapshot_every: usize,
 }
 
 impl Default for RuntimeLimits {
@@ -83,6 +89,7 @@ impl Default for RuntimeLimits {
             quantized_kv_start: 0,
             speculation: None,
             ssd: None,
+            state_snapshot_every: STATE_SNAPSHOT_EVERY,
         }
     }
 }
@@ -193,7 +200,7 @@ impl Runtime {
                         let _ = ready_tx.send(Err(LoadError::Config(reason)));
                         return;
                     }
-                    if let Err(e) = check_windows(model.as_ref()) {
+                    if let Err(e) = check_layers(model.as_ref()) {
                         let _ = ready_tx.send(Err(e));
                         return;
                     }
@@ -244,6 +251,7 @@ impl Runtime {
                         max_batch_size: limits.max_batch_size.max(1),
                         prefill_chunk: limits.prefill_chunk.max(1),
                         prefill_group_tokens: PREFILL_GROUP_TOKENS.max(limits.prefill_chunk),
+                        state_snapshot_every: limits.state_snapshot_every.max(1),
                     };
                     Executor::new(
                         model.as_ref(),
@@ -286,8 +294,25 @@ impl Runtime {
     }
 }
 
-/// The first option in `limits` that the model's family refuses, with its reason.
+/// The first option in `limits` that the model's family refuses, with its reason. A model
+/// with recurrent layers refuses what needs a cache cut back to an earlier position or
+/// written as keys and values.
 fn refused_option(model: &dyn models::CausalLm, limits: &RuntimeLimits) -> Option<String> {
+    let architecture = &model.info().architecture;
+    if model.layer_kinds().iter().any(|k| k.is_state()) {
+        if limits.speculation.is_some() {
+            return Some(format!(
+                "{architecture} cannot be served with `draft`: its recurrent layers' state cannot \
+                 be rolled back to reject drafted tokens"
+            ));
+        }
+        if limits.ssd.is_some() {
+            return Some(format!(
+                "{architecture} cannot be served with `ssd_cache`: the SSD tier does not store \
+                 recurrent states yet (the in-memory prefix cache does)"
+            ));
+        }
+    }
     let asked = [
         (limits.kv_quant.is_some(), models::Feature::KvQuantization),
         (limits.speculation.is_some(), models::Feature::Speculation),
@@ -307,20 +332,20 @@ fn refused_option(model: &dyn models::CausalLm, limits: &RuntimeLimits) -> Optio
         })
 }
 
-/// A model's layer windows must be one per layer, each at least one key: the caches are
+/// A model's layer kinds must be one per layer, each window at least one key: the caches are
 /// bounded by them.
-fn check_windows(model: &dyn CausalLm) -> Result<(), LoadError> {
-    let windows = model.layer_windows();
+fn check_layers(model: &dyn CausalLm) -> Result<(), LoadError> {
+    let kinds = model.layer_kinds();
     let info = model.info();
-    if windows.len() != info.num_layers {
+    if kinds.len() != info.num_layers {
         return Err(LoadError::Config(format!(
-            "{} reports {} layer windows for {} layers",
+            "{} reports {} layer kinds for {} layers",
             info.architecture,
-            windows.len(),
+            kinds.len(),
             info.num_layers
         )));
     }
-    if windows.contains(&Some(0)) {
+    if kinds.iter().any(|k| k.window() == Some(0)) {
         return Err(LoadError::Config(format!(
             "{} reports a sliding window of 0 keys",
             info.architecture
@@ -339,7 +364,15 @@ fn speculator(
         DraftSource::Ngram(sizes) => Drafter::Ngram(*sizes),
         DraftSource::Model(dir) => {
             let draft = models::load(dir)?;
-            check_windows(draft.as_ref())?;
+            check_layers(draft.as_ref())?;
+            if draft.layer_kinds().iter().any(|k| k.is_state()) {
+                return Err(LoadError::Config(format!(
+                    "the draft model {} ({}) has recurrent layers, whose state cannot be rolled \
+                     back to reject drafted tokens",
+                    dir.display(),
+                    draft.info().architecture
+                )));
+            }
             let (d, m) = (draft.info().vocab_size, main.info().vocab_size);
             if d > m {
                 return Err(LoadError::Config(format!(

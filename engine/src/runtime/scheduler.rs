@@ -20,6 +20,9 @@ pub struct SchedulerLimits {
     pub prefill_chunk: usize,
     /// Most tokens (rows × padded length) of a grouped prefill forward pass.
     pub prefill_group_tokens: usize,
+    /// Prompt tokens between two snapshots of a recurrent state (see
+    /// [`RuntimeLimits::state_snapshot_every`](super::RuntimeLimits::state_snapshot_every)).
+    pub state_snapshot_every: usize,
 }
 
 /// A request waiting for admission.
@@ -126,6 +129,7 @@ mod tests {
             max_batch_size: 3,
             prefill_chunk: 100,
             prefill_group_tokens: 300,
+            state_snapshot_every: 4096,
         }
     }
 

@@ -27,7 +27,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use mlx_rs::error::Exception;
 
-use super::{KvQuant, SeqKv, Stored};
+use super::{KvQuant, SeqKv, SeqLayer, Stored};
 use format::{EntryKind, Header, Identity, Invalid};
 use index::{Index, IndexEntry};
 use writer::{Job, TEMP_PREFIX};
@@ -292,11 +292,22 @@ impl SsdTier {
                 .fetch_add(1, Ordering::Relaxed);
             return Ok(());
         }
+        let kv_layers = kv
+            .layers
+            .iter()
+            .map(|l| l.kv().map(|(k, v)| (k.clone(), v.clone())))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| {
+                Exception::custom(
+                    "the SSD tier stores keys and values only, not a recurrent state \
+                     (the runtime refuses `ssd_cache` for such models)",
+                )
+            })?;
         let tensors::Prepared {
             layers,
             arrays,
             payload_len,
-        } = tensors::prepare(&kv.layers)?;
+        } = tensors::prepare(&kv_layers)?;
         let header = Header {
             identity: self.identity,
             kind,
@@ -351,7 +362,15 @@ impl SsdTier {
     /// layer's keys and values. An invalid file is deleted and forgotten, and the lookup
     /// becomes a miss (`Ok(None)`); only MLX failing is an error.
     pub fn restore(&self, m: &SsdMatch) -> Result<Option<Vec<(Stored, Stored)>>, Exception> {
-        Ok(self.restore_kv(m)?.map(|kv| kv.layers))
+        Ok(self.restore_kv(m)?.map(|kv| {
+            kv.layers
+                .into_iter()
+                .filter_map(|l| match l {
+                    SeqLayer::Kv(k, v) => Some((k, v)),
+                    SeqLayer::State(_) => None,
+                })
+                .collect()
+        }))
     }
 
     /// [`Self::restore`] with each layer's start.
@@ -381,7 +400,13 @@ impl SsdTier {
                 );
             }
             let starts = header.starts.iter().map(|&s| s as usize).collect();
-            Ok(tensors::restore(&header.layers, payload).map(|layers| SeqKv::new(layers, starts)))
+            Ok(tensors::restore(&header.layers, payload).map(|layers| {
+                let layers = layers
+                    .into_iter()
+                    .map(|(k, v)| SeqLayer::Kv(k, v))
+                    .collect();
+                SeqKv::new(layers, starts)
+            }))
         })();
         match read {
             Ok(Ok(layers)) => {
