@@ -297,6 +297,7 @@ pub fn store_table(models: &[mlxd_store::inventory::StoredModel]) -> String {
         .map(|m| {
             let from = match &m.kind {
                 StoredKind::Known => "known model".to_string(),
+                StoredKind::Local => "store".to_string(),
                 StoredKind::Gguf { source: Some(p) } => format!("gguf {}", p.display()),
                 StoredKind::Gguf { source: None } => "gguf".to_string(),
                 StoredKind::HuggingFace => "hugging face cache".to_string(),

@@ -1,6 +1,7 @@
-//! What the store holds (`mlxd ls`) and removing it (`mlxd rm`): the known models and GGUF
-//! conversions under `<home>/models/`, and the complete model snapshots in the Hugging Face
-//! cache.
+//! What the store holds (`mlxd ls`, and the models a server serves by name without a config
+//! entry) and removing it (`mlxd rm`): the known models, the models jobs built (quantized,
+//! fused, converted) and the GGUF conversions under `<home>/models/`, and the complete model
+//! snapshots in the Hugging Face cache.
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -15,6 +16,9 @@ use crate::{io, is_model_dir, with_lock, StoreError, StoreOptions, KNOWN_MODELS}
 pub enum StoredKind {
     /// A known name, under `<home>/models/<name>`.
     Known,
+    /// Any other model directory under `<home>/models/<name>`: the output of a job
+    /// (`mlxd quantize`, a fuse or a conversion) or a directory put there by hand.
+    Local,
     /// A GGUF file converted under `<home>/models/gguf/<key>`; the GGUF it came from, if the
     /// directory records it.
     Gguf { source: Option<PathBuf> },
@@ -56,7 +60,8 @@ pub fn format_of(dir: &Path) -> String {
         .to_string()
 }
 
-fn dir_size(dir: &Path) -> u64 {
+/// Bytes of the files under `dir`, symlinks followed.
+pub(crate) fn dir_size(dir: &Path) -> u64 {
     fs::read_dir(dir)
         .into_iter()
         .flatten()
@@ -104,21 +109,63 @@ fn entry(name: String, kind: StoredKind, dir: PathBuf) -> StoredModel {
     }
 }
 
-/// Every complete model in the store and the Hugging Face cache, known names first.
-pub fn list(opts: &StoreOptions) -> Vec<StoredModel> {
+/// A model the store holds, found without reading its files: its name, kind and directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Found {
+    /// The name `mlxd ls` shows and a server serves it under.
+    pub name: String,
+    pub kind: StoredKind,
+    pub dir: PathBuf,
+}
+
+impl Found {
+    /// What an engine is asked to load for it (`Launch.model`): a known name or a Hugging
+    /// Face repo id as such (the engine's store checks and, if need be, refreshes them), any
+    /// other model by its directory.
+    pub fn spec(&self) -> String {
+        match self.kind {
+            StoredKind::Known | StoredKind::HuggingFace => self.name.clone(),
+            StoredKind::Local | StoredKind::Gguf { .. } => self.dir.display().to_string(),
+        }
+    }
+}
+
+/// Every complete model in the store and the Hugging Face cache, known names first, then the
+/// other directories of `<home>/models/`, the GGUF conversions and the Hugging Face snapshots;
+/// each name once (the first wins). Cheap: reads directory listings and refs, no weights.
+pub fn scan(opts: &StoreOptions) -> Vec<Found> {
     let models = opts.home.join("models");
     let mut out = Vec::new();
-    for dir in sorted_dirs(&models) {
+    let store_dirs = sorted_dirs(&models);
+    for dir in &store_dirs {
         let name = dir.file_name().unwrap_or_default().to_string_lossy();
-        if KNOWN_MODELS.iter().any(|k| k.name == name) && is_model_dir(&dir) {
-            out.push(entry(name.into_owned(), StoredKind::Known, dir));
+        if KNOWN_MODELS.iter().any(|k| k.name == name) && is_model_dir(dir) {
+            out.push(Found {
+                name: name.into_owned(),
+                kind: StoredKind::Known,
+                dir: dir.clone(),
+            });
+        }
+    }
+    for dir in &store_dirs {
+        let name = dir.file_name().unwrap_or_default().to_string_lossy();
+        if !KNOWN_MODELS.iter().any(|k| k.name == name) && is_model_dir(dir) {
+            out.push(Found {
+                name: name.into_owned(),
+                kind: StoredKind::Local,
+                dir: dir.clone(),
+            });
         }
     }
     for dir in sorted_dirs(&models.join("gguf")) {
         if is_model_dir(&dir) {
             let name = dir.file_name().unwrap_or_default().to_string_lossy();
             let source = gguf_source(&dir);
-            out.push(entry(name.into_owned(), StoredKind::Gguf { source }, dir));
+            out.push(Found {
+                name: name.into_owned(),
+                kind: StoredKind::Gguf { source },
+                dir,
+            });
         }
     }
     if let Some(cache) = &opts.hf_cache {
@@ -143,11 +190,31 @@ pub fn list(opts: &StoreOptions) -> Vec<StoredModel> {
                         None => format!("{org}/{name}@{hash}"),
                     },
                 };
-                out.push(entry(name, StoredKind::HuggingFace, snapshot));
+                out.push(Found {
+                    name,
+                    kind: StoredKind::HuggingFace,
+                    dir: snapshot,
+                });
             }
         }
     }
+    let mut seen = std::collections::BTreeSet::new();
+    out.retain(|f| seen.insert(f.name.clone()));
     out
+}
+
+/// Every complete model in the store and the Hugging Face cache, in [`scan`]'s order, with
+/// its format and size.
+pub fn list(opts: &StoreOptions) -> Vec<StoredModel> {
+    scan(opts)
+        .into_iter()
+        .map(|f| entry(f.name, f.kind, f.dir))
+        .collect()
+}
+
+/// The stored model listed as `name`, if any.
+pub fn find(name: &str, opts: &StoreOptions) -> Option<Found> {
+    scan(opts).into_iter().find(|f| f.name == name)
 }
 
 /// The refs of a Hugging Face cache repo that point at commit `hash` (`main`, `v1.0`, …).
@@ -175,7 +242,13 @@ pub struct Removed {
     pub bytes: u64,
 }
 
-/// Removes `spec` from disk: a known name's directory; a GGUF conversion by its listed name,
+/// A name that is one directory leaf: no separator, not `.` or `..`, not hidden.
+pub fn is_plain_name(name: &str) -> bool {
+    !name.is_empty() && !name.starts_with('.') && !name.contains(['/', '\\'])
+}
+
+/// Removes `spec` from disk: a known name's directory; a model a job built, by its name; a
+/// GGUF conversion by its listed name,
 /// or every conversion of a GGUF file given by path; a Hugging Face repo id's whole cache
 /// entry (`models--{org}--{name}`, every revision, since revisions share blobs). Each removal
 /// holds the model's lock, so it never races a conversion or download of the same model.
@@ -191,7 +264,10 @@ pub fn remove(spec: &str, opts: &StoreOptions) -> Result<Removed, StoreError> {
         }
     } else {
         let by_name = models.join("gguf").join(spec);
-        if !spec.contains('/') && is_model_dir(&by_name) {
+        let local = models.join(spec);
+        if is_plain_name(spec) && is_model_dir(&local) {
+            targets.push((format!("local-{spec}"), local));
+        } else if is_plain_name(spec) && is_model_dir(&by_name) {
             targets.push((format!("gguf-{spec}"), by_name));
         } else if let Ok(path) = fs::canonicalize(spec) {
             for dir in sorted_dirs(&models.join("gguf")) {
@@ -260,6 +336,13 @@ mod tests {
         fs::create_dir_all(repo.join("refs")).unwrap();
         fs::write(repo.join("refs/main"), &sha).unwrap();
         fs::write(repo.join("refs/v1"), "b0\n").unwrap();
+        // What a quantize job leaves under `<home>/models/`, and its staging directory.
+        let q8 = opts.home.join("models/smol-q8");
+        fs::create_dir_all(&q8).unwrap();
+        fs::write(q8.join("config.json"), br#"{"quantization": {"bits": 8}}"#).unwrap();
+        let staging = opts.home.join("models/.smol-q4.mlxd-job-1-job-1");
+        fs::create_dir_all(&staging).unwrap();
+        fs::write(staging.join("config.json"), "{}").unwrap();
 
         let listed = list(&opts);
         let rows: Vec<(&str, &str)> = listed
@@ -276,26 +359,39 @@ mod tests {
             rows,
             [
                 (DEFAULT_MODEL, "mlx 4-bit"),
+                ("smol-q8", "mlx 8-bit"),
                 (key.as_str(), "mlx 4-bit"),
                 ("org/m", "bfloat16"),
                 ("org/m@v1", "bfloat16"),
             ]
         );
         assert_eq!(listed[0].kind, StoredKind::Known);
+        assert_eq!(listed[1].kind, StoredKind::Local);
+        let found = find("smol-q8", &opts).unwrap();
         assert_eq!(
-            listed[1].kind,
+            (found.dir.as_path(), found.spec()),
+            (q8.as_path(), q8.display().to_string())
+        );
+        assert_eq!(find(DEFAULT_MODEL, &opts).unwrap().spec(), DEFAULT_MODEL);
+        assert_eq!(find("org/m@v1", &opts).unwrap().spec(), "org/m@v1");
+        assert!(find("smol-q4", &opts).is_none());
+        assert!(find("nothing", &opts).is_none());
+        assert_eq!(
+            listed[2].kind,
             StoredKind::Gguf {
                 source: Some(fs::canonicalize(&gguf).unwrap())
             }
         );
-        assert!(listed[1].size_bytes > 1000);
-        assert!(listed[2].size_bytes >= 1000);
+        assert!(listed[2].size_bytes > 1000);
+        assert!(listed[3].size_bytes >= 1000);
 
         // A GGUF conversion is removed by the GGUF's path; the rest by their names.
         let r = remove(gguf.to_str().unwrap(), &opts).unwrap();
         assert_eq!(r.dirs, std::slice::from_ref(&converted.dir));
         assert!(r.bytes > 0);
         remove(DEFAULT_MODEL, &opts).unwrap();
+        assert_eq!(remove("smol-q8", &opts).unwrap().dirs, std::slice::from_ref(&q8));
+        assert!(!q8.exists());
         remove("org/m", &opts).unwrap();
         assert!(!repo.exists());
         assert!(list(&opts).is_empty());

