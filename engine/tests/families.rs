@@ -76,9 +76,12 @@ fn family_dir(name: &str) -> PathBuf {
     common::tiny_model(&format!("family-{name}"))
 }
 
+/// Snapshots of a recurrent state every 16 prompt tokens, so that the prompt sharing 32
+/// tokens with the long one finds one (attention-only families ignore it).
 fn limits(prompt_cache_bytes: u64) -> RuntimeLimits {
     RuntimeLimits {
         prompt_cache_bytes,
+        state_snapshot_every: 16,
         ..Default::default()
     }
 }
@@ -110,7 +113,12 @@ fn check_family(name: &str) {
         serial, cases[0].greedy,
         "{name}: the serial reference path differs from mlx-lm"
     );
+    let stateful = model.layer_kinds().iter().any(|k| k.is_state());
     drop(model);
+    if stateful {
+        check_stateful(name, &dir, max_tokens, &cases);
+        return;
+    }
 
     // The batched runtime with the prefix cache and the SSD tier: the long prompt alone, then
     // four prompts of other lengths together, the last of which shares 32 tokens with it.
@@ -197,6 +205,72 @@ fn check_family(name: &str) {
     runtime.join();
 }
 
+/// The checks of a family with recurrent layers, whose state the SSD tier does not store and
+/// drafts cannot roll back: both refused by name; the prefix cache serves a snapshot of the
+/// state taken at a multiple of 16 prompt tokens.
+fn check_stateful(name: &str, dir: &Path, max_tokens: usize, cases: &[Case]) {
+    let gen = |c: &Case| Gen::greedy(&c.prompt, max_tokens);
+    let runtime = start(dir, limits(64 << 20));
+    let alone = generate_alone(&runtime, &[gen(&cases[0])]);
+    assert_matches(name, "alone", &alone[0], &cases[0]);
+    let batch: Vec<Gen> = cases[1..5].iter().map(gen).collect();
+    let together = generate_together(&runtime, &batch);
+    for (out, case) in together.iter().zip(&cases[1..5]) {
+        assert_matches(name, "in a batch of 4", out, case);
+    }
+    assert_eq!(
+        together[3].cached, 32,
+        "{name}: the prompt sharing 32 tokens did not resume from the state snapshot at 32"
+    );
+    // The hit again, alone: a snapshot shorter than the prompt gives the miss's tokens.
+    let again = generate_alone(&runtime, &[gen(&cases[4])]);
+    assert!(again[0].cached >= 32, "{name}: {} cached", again[0].cached);
+    assert_matches(name, "from a state snapshot", &again[0], &cases[4]);
+    runtime.join();
+
+    let ssd = tempfile::tempdir().expect("tempdir");
+    let with_ssd = RuntimeLimits {
+        ssd: Some(SsdConfig {
+            dir: ssd.path().to_path_buf(),
+            max_bytes: None,
+            demote_idle: None,
+            checkpoint_every: None,
+        }),
+        ..limits(64 << 20)
+    };
+    let refused = Runtime::start(dir.to_path_buf(), with_ssd, None)
+        .err()
+        .unwrap_or_else(|| panic!("{name}: ssd_cache was not refused"));
+    assert!(
+        refused.to_string().contains("ssd_cache"),
+        "{name}: {refused}"
+    );
+    let speculation = RuntimeLimits {
+        speculation: Some(Speculation {
+            source: DraftSource::Ngram(NgramSizes::new(1, 3).expect("sizes")),
+            num_draft: 3,
+        }),
+        ..limits(0)
+    };
+    let refused = Runtime::start(dir.to_path_buf(), speculation, None)
+        .err()
+        .unwrap_or_else(|| panic!("{name}: draft was not refused"));
+    assert!(refused.to_string().contains("draft"), "{name}: {refused}");
+
+    let q4 = common::tiny_model(&format!("family-{name}-q4"));
+    let (q_max, q_cases) = reference(&q4);
+    let runtime = start(&q4, limits(0));
+    let gens: Vec<Gen> = q_cases[..4]
+        .iter()
+        .map(|c| Gen::greedy(&c.prompt, q_max))
+        .collect();
+    let out = generate_together(&runtime, &gens);
+    for (o, case) in out.iter().zip(&q_cases) {
+        assert_matches(name, "4-bit in a batch", o, case);
+    }
+    runtime.join();
+}
+
 macro_rules! family {
     ($test:ident, $name:literal) => {
         #[test]
@@ -235,3 +309,4 @@ family!(gemma4_text_matches_mlx_lm, "gemma4_text");
 family!(gemma4_moe_matches_mlx_lm, "gemma4_moe");
 family!(gpt_oss_matches_mlx_lm, "gpt_oss");
 family!(gpt_oss_mxfp4_matches_mlx_lm, "gpt_oss_mxfp4");
+family!(lfm2_matches_mlx_lm, "lfm2");

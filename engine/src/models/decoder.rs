@@ -14,7 +14,7 @@ use super::mlp::FeedForward;
 use super::params::{Parameters, Params};
 use super::scalar::{divide_by, scale_by};
 use super::{CausalLm, Feature, ModelInfo};
-use crate::cache::LayerCache;
+use crate::cache::{LayerCache, LayerKind};
 use crate::loader::{LoadError, Weights};
 
 /// A norm of the residual stream: `nn.RMSNorm` or `nn.LayerNorm`.
@@ -70,6 +70,13 @@ pub(crate) trait DecoderLayer: Parameters + Send {
     /// The layer's sliding window ([`CausalLm::layer_windows`]), `None` for a global layer.
     fn window(&self) -> Option<usize> {
         None
+    }
+    /// What the layer keeps between forward passes ([`CausalLm::layer_kinds`]): keys and
+    /// values within its window, unless it is a recurrent layer.
+    fn kind(&self) -> LayerKind {
+        LayerKind::Attention {
+            window: self.window(),
+        }
     }
 }
 
@@ -247,6 +254,18 @@ impl Trunk {
         norm: NormKind,
         head: Head,
     ) -> Result<Self, LoadError> {
+        Self::load_with_norm(w, prefix, "norm", norm, head)
+    }
+
+    /// [`Self::load`] with the final norm named `<prefix>model.<norm_name>` (LFM2's
+    /// `embedding_norm`).
+    pub fn load_with_norm(
+        w: &mut Weights,
+        prefix: &str,
+        norm_name: &str,
+        norm: NormKind,
+        head: Head,
+    ) -> Result<Self, LoadError> {
         let lm_head = match head {
             Head::Own => Some(Matrix::load(w, &format!("{prefix}lm_head"))?),
             Head::Tied => {
@@ -259,7 +278,7 @@ impl Trunk {
         };
         Ok(Self {
             embed_tokens: Matrix::load(w, &format!("{prefix}model.embed_tokens"))?,
-            norm: norm.load(w, &format!("{prefix}model.norm"))?,
+            norm: norm.load(w, &format!("{prefix}model.{norm_name}"))?,
             lm_head,
             scalars: EndScalars::default(),
         })
@@ -413,6 +432,13 @@ impl<L: DecoderLayer + 'static> Decoder<L> {
         }
     }
 
+    /// A decoder whose recurrent layers hold `bytes` of state per sequence
+    /// ([`ModelInfo::state_bytes_per_sequence`]).
+    pub fn with_state_bytes(mut self, bytes: usize) -> Self {
+        self.info.state_bytes_per_sequence = bytes;
+        self
+    }
+
     /// Refuses `feature` with `reason` (see [`CausalLm::refuses`]).
     pub fn refusing(mut self, feature: Feature, reason: String) -> Self {
         self.refusals.push((feature, reason));
@@ -444,6 +470,10 @@ impl<L: DecoderLayer> CausalLm for Decoder<L> {
 
     fn layer_windows(&self) -> Vec<Option<usize>> {
         self.layers.iter().map(DecoderLayer::window).collect()
+    }
+
+    fn layer_kinds(&self) -> Vec<LayerKind> {
+        self.layers.iter().map(DecoderLayer::kind).collect()
     }
 
     fn refuses(&self, feature: Feature) -> Option<String> {

@@ -21,6 +21,7 @@ pub mod granite;
 pub mod granitemoe;
 pub mod info;
 pub mod layers;
+pub mod lfm2;
 pub mod llama;
 pub mod ministral3;
 pub mod mixtral;
@@ -149,6 +150,7 @@ const REGISTRY: &[(&str, Builder)] = &[
     ("Gemma4ForCausalLM", gemma4::build),
     ("Gemma4ForConditionalGeneration", gemma4::build_conditional),
     ("GptOssForCausalLM", gpt_oss::build),
+    ("Lfm2ForCausalLM", lfm2::build),
     ("CohereForCausalLM", cohere::build),
     ("Cohere2ForCausalLM", cohere2::build),
     ("Exaone4ForCausalLM", exaone4::build),

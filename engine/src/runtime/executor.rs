@@ -70,6 +70,13 @@ impl<'m> Executor<'m> {
     ) -> Self {
         let kinds = model.layer_kinds();
         let stateful = kinds.iter().any(|k| k.is_state());
+        let mut limits = limits;
+        if stateful {
+            // Chunks no longer than the snapshot interval, so that a long prompt leaves a
+            // snapshot every `state_snapshot_every` tokens (a state is only copied between
+            // forward passes).
+            limits.prefill_chunk = limits.prefill_chunk.min(limits.state_snapshot_every);
+        }
         let caches = caches.with_layers(kinds.clone(), info.state_bytes_per_sequence);
         let batch = DecodeBatch::new(
             kinds.clone(),
