@@ -165,6 +165,18 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// A request that breaks the shared request contract (`mlxd_protocol::request`): a 400
+/// naming the field, worded as the proxy words it.
+impl From<mlxd_protocol::request::FieldError> for ApiError {
+    fn from(e: mlxd_protocol::request::FieldError) -> Self {
+        ApiError::Invalid {
+            message: e.message,
+            param: e.param,
+            code: None,
+        }
+    }
+}
+
 impl From<TokenizerError> for ApiError {
     fn from(e: TokenizerError) -> Self {
         match e {

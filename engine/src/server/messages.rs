@@ -305,14 +305,13 @@ pub(super) async fn messages(
     State(state): State<ServerState>,
     AnthropicJson(req): AnthropicJson<MessagesRequest>,
 ) -> Result<Response, AnthropicError> {
+    // The contract's fields as the proxy read them (`messages_params`), then sampling.
     let params = GenerationParams {
-        max_tokens: Some(req.max_tokens),
         temperature: req.temperature,
         top_p: req.top_p,
         top_k: req.top_k,
         stop: req.stop_sequences.clone().map(Stop::Many),
-        stream: req.stream,
-        ..Default::default()
+        ..mlxd_protocol::request::messages_params(req.max_tokens, req.stream)
     };
     let settings = validate(&params, &state.tokenizer).map_err(|e| match e {
         ApiError::Invalid {

@@ -5,8 +5,8 @@ use std::collections::HashMap;
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
 use mlxd_protocol::openai::{GenerationParams, Prompt};
+use mlxd_protocol::request::{decode, parse_object};
 use serde::de::DeserializeOwned;
-use serde_json::Value;
 
 use super::error::ApiError;
 use crate::runtime::sampling_params::SamplingParams;
@@ -14,8 +14,6 @@ use crate::tokenizer::Tokenizer;
 
 /// Largest request body accepted (long prompts are large).
 pub const MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
-/// Most choices (`n`) per chat request; each is its own sequence in the batch.
-pub const MAX_CHOICES: usize = 8;
 pub use crate::runtime::request::MAX_TOP_LOGPROBS;
 /// Most stop strings per request.
 pub const MAX_STOP_STRINGS: usize = 16;
@@ -41,70 +39,13 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for OpenAiJson<T> {
     }
 }
 
-/// Parses a request body: first as JSON (syntax errors), then the shared generation fields
-/// (so their errors name the field even though the request type flattens them), then `T`.
+/// Parses a request body by the request contract (`mlxd_protocol::request`, the rules the
+/// proxy applies too): first as a JSON object, then the shared generation fields (so their
+/// errors name the field even though the request type flattens them), then `T`.
 pub fn parse_body<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
-    if bytes.is_empty() {
-        return Err(ApiError::invalid_body(
-            "the request body is empty; expected a JSON object",
-        ));
-    }
-    let value: Value = serde_json::from_slice(bytes)
-        .map_err(|e| ApiError::invalid_body(format!("the request body is not valid JSON: {e}")))?;
-    if !value.is_object() {
-        return Err(ApiError::invalid_body(format!(
-            "the request body must be a JSON object, not {}",
-            json_kind(&value)
-        )));
-    }
-    let _: GenerationParams = typed(&value)?;
-    typed(&value)
-}
-
-fn typed<T: DeserializeOwned>(value: &Value) -> Result<T, ApiError> {
-    serde_path_to_error::deserialize(value).map_err(|e| {
-        let path = e.path().to_string();
-        let inner = e.into_inner().to_string();
-        if path == "." || path.is_empty() {
-            // Missing fields are reported at the parent: "missing field `messages`".
-            let param = inner
-                .strip_prefix("missing field `")
-                .and_then(|rest| rest.strip_suffix('`'))
-                .map(str::to_owned);
-            match param {
-                Some(param) => ApiError::invalid(param.clone(), format!("`{param}` is required")),
-                None => ApiError::invalid_body(format!("invalid request: {inner}")),
-            }
-        } else {
-            let last = path.rsplit('.').next().unwrap_or(&path);
-            let field = last.split('[').next().unwrap_or(last);
-            let hint = match field {
-                "prompt" => "must be a string, a list of one string, or a list of token ids",
-                "stop" => "must be a string or a list of strings",
-                "content" => {
-                    "must be a string, null, or a list of {\"type\": \"text\", \"text\": ...} parts"
-                }
-                _ => "",
-            };
-            let message = if hint.is_empty() || !inner.contains("untagged") {
-                format!("invalid `{path}`: {inner}")
-            } else {
-                format!("invalid `{path}`: {hint}")
-            };
-            ApiError::invalid(path, message)
-        }
-    })
-}
-
-fn json_kind(value: &Value) -> &'static str {
-    match value {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
+    let value = parse_object(bytes)?;
+    let _: GenerationParams = decode(&value)?;
+    Ok(decode(&value)?)
 }
 
 /// The validated generation settings of a request.
@@ -160,29 +101,11 @@ fn check_top_logprobs(field: &str, k: i64) -> Result<usize, ApiError> {
 
 /// Checks the shared parameters; every error names its field and the limit it broke.
 pub fn validate(params: &GenerationParams, tokenizer: &Tokenizer) -> Result<Settings, ApiError> {
-    if let Some(n) = params.n {
-        if !(1..=MAX_CHOICES as i64).contains(&n) {
-            return Err(ApiError::invalid(
-                "n",
-                format!("n must be between 1 and {MAX_CHOICES}, got n = {n}"),
-            ));
-        }
-    }
-    let max_tokens = match (params.max_completion_tokens, params.max_tokens) {
-        (Some(v), _) => Some(("max_completion_tokens", v)),
-        (None, Some(v)) => Some(("max_tokens", v)),
-        (None, None) => None,
-    };
-    let max_tokens = match max_tokens {
-        Some((field, v)) if v < 1 => {
-            return Err(ApiError::invalid(
-                field,
-                format!("{field} must be at least 1, got {v}"),
-            ))
-        }
-        Some((_, v)) => Some(usize::try_from(v).unwrap_or(usize::MAX)),
-        None => None,
-    };
+    // The contract's fields first, by the rules the proxy applied to the same body.
+    let facts = params.facts()?;
+    let max_tokens = facts
+        .max_tokens
+        .map(|l| usize::try_from(l.value).unwrap_or(usize::MAX));
 
     let mut sampling = SamplingParams::default();
     if let Some(t) = params.temperature {
@@ -271,7 +194,7 @@ pub fn validate(params: &GenerationParams, tokenizer: &Tokenizer) -> Result<Sett
             ),
         ));
     }
-    let resume = params.resume_token_ids().to_vec();
+    let resume = facts.resume_token_ids;
     if let Some(bad) = resume.iter().find(|&&id| !tokenizer.contains_id(id)) {
         return Err(ApiError::invalid(
             "mlxd.resume_token_ids",
@@ -281,25 +204,14 @@ pub fn validate(params: &GenerationParams, tokenizer: &Tokenizer) -> Result<Sett
             ),
         ));
     }
-    if let Some(max) = max_tokens {
-        if resume.len() >= max {
-            return Err(ApiError::invalid(
-                "mlxd.resume_token_ids",
-                format!(
-                    "{} resumed tokens leave nothing to generate within max_tokens = {max}",
-                    resume.len()
-                ),
-            ));
-        }
-    }
     Ok(Settings {
         sampling,
         max_tokens,
         stops,
-        stream: params.is_stream(),
-        include_usage: params.include_usage(),
+        stream: facts.stream,
+        include_usage: facts.include_usage,
         resume,
-        n: params.n.unwrap_or(1) as usize,
+        n: facts.n as usize,
         logprobs: None,
     })
 }
@@ -595,5 +507,174 @@ mod tests {
             "{}",
             body.error.message
         );
+    }
+
+    /// The proxy (`RequestFacts::read`, on the bytes it received) and the engine (its
+    /// extractor and `validate`) agree on every request: both accept it with the same model,
+    /// token limit, stream, `n` and resume ids, or both refuse it naming the same field with
+    /// the same message. Token fields come in both orders, with values of every kind.
+    mod contract {
+        use super::*;
+        use mlxd_protocol::anthropic::MessagesRequest;
+        use mlxd_protocol::request::{messages_params, RequestFacts, Route};
+        use proptest::prelude::*;
+        use serde_json::{json, Value};
+
+        fn number_field() -> impl Strategy<Value = Option<Value>> {
+            prop_oneof![
+                3 => Just(None),
+                1 => Just(Some(Value::Null)),
+                4 => (-2i64..600).prop_map(|n| Some(json!(n))),
+                1 => Just(Some(json!(u64::MAX))),
+                1 => Just(Some(json!(i64::MIN))),
+                1 => Just(Some(json!("10"))),
+                1 => Just(Some(json!(1.5))),
+                1 => Just(Some(json!(true))),
+            ]
+        }
+
+        fn flag_field() -> impl Strategy<Value = Option<Value>> {
+            prop_oneof![
+                Just(None),
+                Just(Some(Value::Null)),
+                any::<bool>().prop_map(|b| Some(json!(b))),
+                Just(Some(json!("yes"))),
+            ]
+        }
+
+        #[derive(Debug, Clone)]
+        struct Body {
+            route: Route,
+            /// The fields in the order they are written.
+            fields: Vec<(&'static str, Value)>,
+        }
+
+        impl Body {
+            fn bytes(&self) -> Vec<u8> {
+                let fields: Vec<String> = self
+                    .fields
+                    .iter()
+                    .map(|(k, v)| format!("{}: {v}", json!(k)))
+                    .collect();
+                format!("{{{}}}", fields.join(", ")).into_bytes()
+            }
+        }
+
+        fn body() -> impl Strategy<Value = Body> {
+            let route = prop_oneof![
+                Just(Route::ChatCompletions),
+                Just(Route::Completions),
+                Just(Route::Messages)
+            ];
+            let model = prop_oneof![
+                Just(None),
+                Just(Some(json!("m"))),
+                Just(Some(json!(7))),
+                Just(Some(Value::Null))
+            ];
+            let resume = prop_oneof![
+                Just(None),
+                proptest::collection::vec(1u32..100, 0..4)
+                    .prop_map(|v| Some(json!({"resume_token_ids": v}))),
+            ];
+            let include_usage = prop_oneof![
+                Just(None),
+                any::<bool>().prop_map(|b| Some(json!({"include_usage": b}))),
+            ];
+            (
+                route,
+                model,
+                number_field(),
+                number_field(),
+                number_field(),
+                flag_field(),
+                include_usage,
+                resume,
+                any::<bool>(),
+            )
+                .prop_map(
+                    |(route, model, max_tokens, max_completion, n, stream, usage, resume, swap)| {
+                        let mut fields = vec![match route {
+                            Route::Completions => ("prompt", json!("Hello")),
+                            _ => ("messages", json!([{"role": "user", "content": "hi"}])),
+                        }];
+                        let mut tokens = vec![
+                            ("max_tokens", max_tokens),
+                            ("max_completion_tokens", max_completion),
+                        ];
+                        if swap {
+                            tokens.reverse();
+                        }
+                        let rest = [
+                            ("model", model),
+                            ("n", n),
+                            ("stream", stream),
+                            ("stream_options", usage),
+                            ("mlxd", resume),
+                        ];
+                        for (k, v) in tokens.into_iter().chain(rest) {
+                            if let Some(v) = v {
+                                fields.push((k, v));
+                            }
+                        }
+                        Body { route, fields }
+                    },
+                )
+        }
+
+        /// What the engine makes of `bytes` on `route`: the model and the settings, or the
+        /// error's (param, message).
+        fn engine(
+            route: Route,
+            bytes: &[u8],
+            tok: &Tokenizer,
+        ) -> Result<(Option<String>, Settings), (Option<String>, String)> {
+            let failed = |e: ApiError| {
+                let b = e.body();
+                (b.error.param, b.error.message)
+            };
+            match route {
+                Route::ChatCompletions => {
+                    let r: ChatCompletionRequest = parse_body(bytes).map_err(failed)?;
+                    Ok((r.model, validate(&r.params, tok).map_err(failed)?))
+                }
+                Route::Completions => {
+                    let r: CompletionRequest = parse_body(bytes).map_err(failed)?;
+                    Ok((r.model, validate(&r.params, tok).map_err(failed)?))
+                }
+                _ => {
+                    let r: MessagesRequest = parse_body(bytes).map_err(failed)?;
+                    let params = messages_params(r.max_tokens, r.stream);
+                    Ok((r.model, validate(&params, tok).map_err(failed)?))
+                }
+            }
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(512))]
+            #[test]
+            fn proxy_and_engine_agree_on_every_request(body in body()) {
+                let tok = load_fixture("qwen3");
+                let bytes = body.bytes();
+                let proxy = mlxd_protocol::request::parse_object(&bytes)
+                    .and_then(|v| RequestFacts::read(body.route, &v))
+                    .map_err(|e| (e.param, e.message));
+                let engine = engine(body.route, &bytes, &tok);
+                let text = String::from_utf8_lossy(&bytes).into_owned();
+                match (proxy, engine) {
+                    (Ok(facts), Ok((model, s))) => {
+                        let g = &facts.generation;
+                        prop_assert_eq!(facts.model, model, "{}", text);
+                        prop_assert_eq!(g.max_tokens.map(|l| l.value as usize), s.max_tokens, "{}", text);
+                        prop_assert_eq!(g.stream, s.stream, "{}", text);
+                        prop_assert_eq!(g.include_usage, s.include_usage, "{}", text);
+                        prop_assert_eq!(g.n as usize, s.n, "{}", text);
+                        prop_assert_eq!(&g.resume_token_ids, &s.resume, "{}", text);
+                    }
+                    (Err(p), Err(e)) => prop_assert_eq!(p, e, "{}", text),
+                    (p, e) => prop_assert!(false, "{text}: proxy {p:?}, engine {e:?}"),
+                }
+            }
+        }
     }
 }
