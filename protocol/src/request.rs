@@ -243,34 +243,42 @@ struct ModelField {
     model: Option<String>,
 }
 
-/// The fields of an Anthropic request the contract reads; the engine builds the same
-/// [`GenerationParams`] from them.
+/// The fields of an Anthropic request the contract reads, in one struct so that their
+/// errors come in the order the engine's `MessagesRequest` reports them.
 #[derive(Deserialize)]
 struct MessagesFields {
+    #[serde(default)]
+    model: Option<String>,
     max_tokens: i64,
     #[serde(default)]
     stream: Option<bool>,
 }
 
 impl RequestFacts {
-    /// Reads and checks a parsed body ([`parse_object`]) of `route`, as the engine will.
+    /// Reads and checks a parsed body ([`parse_object`]) of `route` in the engine's order:
+    /// the shared generation fields' types, the route's own fields, then the rules.
     pub fn read(route: Route, body: &Value) -> Result<Self, FieldError> {
-        let generation = match route {
-            Route::Other => GenerationFacts {
-                n: 1,
-                ..GenerationFacts::default()
-            },
+        let (model, generation) = match route {
+            Route::Other => {
+                let ModelField { model } = decode(body)?;
+                let generation = GenerationFacts {
+                    n: 1,
+                    ..GenerationFacts::default()
+                };
+                (model, generation)
+            }
             Route::ChatCompletions | Route::Completions => {
-                decode::<GenerationParams>(body)?.facts()?
+                let params: GenerationParams = decode(body)?;
+                let ModelField { model } = decode(body)?;
+                (model, params.facts()?)
             }
             Route::Messages => {
-                // The engine reads the shared fields first, whatever the route.
                 decode::<GenerationParams>(body)?;
                 let fields: MessagesFields = decode(body)?;
-                messages_params(fields.max_tokens, fields.stream).facts()?
+                let generation = messages_params(fields.max_tokens, fields.stream).facts()?;
+                (fields.model, generation)
             }
         };
-        let ModelField { model } = decode(body)?;
         Ok(Self {
             route,
             model,

@@ -76,8 +76,13 @@ pub enum ProxyError {
         limit: u32,
         retry_after: Duration,
     },
-    #[error("max_tokens {value} exceeds the limit of {limit} (server.max_tokens_limit)")]
-    MaxTokensExceeded { value: u64, limit: u64 },
+    /// The request's token limit is above `server.max_tokens_limit`.
+    #[error(transparent)]
+    MaxTokensExceeded(mlxd_protocol::request::LimitExceeded),
+    /// The body breaks the request contract (`mlxd_protocol::request`), worded as the
+    /// engine words it (400, `param` the field's path).
+    #[error(transparent)]
+    InvalidRequest(mlxd_protocol::request::FieldError),
     /// The client did not send what it announced in time (408).
     #[error("the {what} did not arrive within the limit of {limit_ms} ms (server.{setting})")]
     RequestTimeout {
@@ -179,7 +184,9 @@ pub fn error_json(
 impl ProxyError {
     pub fn status(&self) -> StatusCode {
         match self {
-            Self::BadRequest(_) | Self::InvalidField { .. } => StatusCode::BAD_REQUEST,
+            Self::BadRequest(_) | Self::InvalidField { .. } | Self::InvalidRequest(_) => {
+                StatusCode::BAD_REQUEST
+            }
             Self::JobTooLarge { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Self::JobFinished { .. } => StatusCode::CONFLICT,
             Self::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
@@ -209,7 +216,7 @@ impl ProxyError {
     /// `(type, code)` of the OpenAI error object.
     pub fn kind(&self) -> (ErrorType, Option<&'static str>) {
         match self {
-            Self::BadRequest(_) => (ErrorType::InvalidRequestError, None),
+            Self::BadRequest(_) | Self::InvalidRequest(_) => (ErrorType::InvalidRequestError, None),
             Self::InvalidField { .. } => (ErrorType::InvalidRequestError, Some("invalid_field")),
             Self::JobTooLarge { .. } => (
                 ErrorType::InsufficientResources,
@@ -274,7 +281,8 @@ impl ProxyError {
     /// The request field at fault, when one is.
     pub fn param(&self) -> Option<&'static str> {
         match self {
-            Self::MaxTokensExceeded { .. } | Self::ExceedsKvBudget { .. } => Some("max_tokens"),
+            Self::MaxTokensExceeded(e) => Some(e.field),
+            Self::ExceedsKvBudget { .. } => Some("max_tokens"),
             Self::ModelNotFound { .. } => Some("model"),
             Self::InvalidField { field, .. } => Some(field),
             _ => None,
@@ -284,7 +292,12 @@ impl ProxyError {
     /// The body as a JSON error object.
     pub fn body_json(&self) -> String {
         let (kind, code) = self.kind();
-        error_json(&self.to_string(), kind, code, self.param())
+        let param = match self {
+            // A path such as `messages[0].role`, not a static name.
+            Self::InvalidRequest(e) => e.param.as_deref(),
+            other => other.param(),
+        };
+        error_json(&self.to_string(), kind, code, param)
     }
 
     /// The body in Anthropic's shape, `{"type":"error","error":{"type","message"}}`,

@@ -25,6 +25,7 @@ pub mod pool;
 pub mod preload;
 pub mod progress;
 pub mod reload;
+pub mod request;
 pub mod resume;
 pub mod server;
 

@@ -218,18 +218,18 @@ pub enum Unservable {
     },
 }
 
-/// Checks a request's smallest possible KV reservation — `max_tokens` plus one prompt
-/// token, capped at the context length, the engine's own formula with the shortest
-/// prompt — against the engine's KV budget. Without `max_tokens` the engine picks the
-/// length, and nothing is known.
+/// Checks a request's smallest possible KV reservation — the engine's own formula
+/// (`mlxd_protocol::request::kv_reservation_tokens`) with the shortest prompt, one token —
+/// against the engine's KV budget. `max_tokens` is the effective limit (`None`: to the end
+/// of the context, which the engine then reserves whole); with neither it nor the context
+/// length known, nothing is.
 pub fn check_kv(max_tokens: Option<u64>, cap: &KvCapacity) -> Result<(), Unservable> {
-    let Some(max_tokens) = max_tokens else {
-        return Ok(());
+    let context = match cap.context_length {
+        0 if max_tokens.is_none() => return Ok(()),
+        0 => u64::MAX,
+        n => u64::from(n),
     };
-    let mut tokens = max_tokens.saturating_add(1);
-    if cap.context_length > 0 {
-        tokens = tokens.min(u64::from(cap.context_length));
-    }
+    let tokens = mlxd_protocol::request::kv_reservation_tokens(1, max_tokens, context);
     let needed = tokens.saturating_mul(cap.kv_bytes_per_token);
     if needed <= cap.budget {
         return Ok(());
@@ -409,7 +409,6 @@ mod tests {
             configured_budget: Some(4000),
             recovers_in: Some(Duration::from_secs(60)),
         };
-        assert_eq!(check_kv(None, &cap), Ok(()));
         assert_eq!(check_kv(Some(99), &cap), Ok(()));
         assert_eq!(
             check_kv(Some(100), &cap),
@@ -445,6 +444,20 @@ mod tests {
             ..full
         };
         assert_eq!(check_kv(Some(u64::MAX), &big), Ok(()));
+        // Without a limit the engine reserves the whole context.
+        assert_eq!(check_kv(None, &big), Ok(()));
+        assert_eq!(
+            check_kv(None, &full),
+            Err(Unservable::TooLarge {
+                needed: 20480,
+                budget: 4000
+            })
+        );
+        let unknown = KvCapacity {
+            context_length: 0,
+            ..full
+        };
+        assert_eq!(check_kv(None, &unknown), Ok(()));
     }
 
     #[test]

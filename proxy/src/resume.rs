@@ -19,6 +19,7 @@ use bytes::Bytes;
 use mlxd_protocol::openai::{
     ChatCompletionChunk, ChatCompletionResponse, CompletionResponse, TokenIds, SSE_DONE,
 };
+use mlxd_protocol::request::{RequestFacts, Route};
 use serde_json::Value;
 
 /// The generation routes whose requests can be resumed.
@@ -26,16 +27,6 @@ use serde_json::Value;
 pub enum Endpoint {
     Chat,
     Completion,
-}
-
-impl Endpoint {
-    pub fn for_path(path: &str) -> Option<Self> {
-        match path {
-            "/v1/chat/completions" => Some(Self::Chat),
-            "/v1/completions" => Some(Self::Completion),
-            _ => None,
-        }
-    }
 }
 
 /// Why a request cannot be continued after its engine died.
@@ -107,44 +98,29 @@ pub struct ResumeRecord {
 }
 
 impl ResumeRecord {
-    /// A record for a request to `path` with JSON `body`; `None` when the request is not
-    /// resumable (another route, a body that is not an object, resumption disabled, or
-    /// several choices: `n` > 1 interleaves choices whose ids a record does not separate).
-    pub fn new(path: &str, body: &[u8], max_resumes: u32) -> Option<Self> {
-        let endpoint = Endpoint::for_path(path)?;
-        if max_resumes == 0 {
-            return None;
-        }
-        let Ok(Value::Object(request)) = serde_json::from_slice::<Value>(body) else {
-            return None;
+    /// A record for a request with `facts` and the request object the engine gets; `None`
+    /// when the request is not resumable (another route, several choices, or resumption
+    /// disabled).
+    pub fn new(
+        facts: &RequestFacts,
+        request: serde_json::Map<String, Value>,
+        max_resumes: u32,
+    ) -> Option<Self> {
+        let endpoint = match facts.route {
+            _ if !facts.resumable() || max_resumes == 0 => return None,
+            Route::ChatCompletions => Endpoint::Chat,
+            Route::Completions => Endpoint::Completion,
+            Route::Messages | Route::Other => return None,
         };
-        if request.get("n").and_then(Value::as_u64).unwrap_or(1) > 1 {
-            return None;
-        }
-        let client_resume: Vec<u32> = request
-            .get("mlxd")
-            .and_then(|m| m.get("resume_token_ids"))
-            .and_then(Value::as_array)
-            .map(|a| {
-                a.iter()
-                    .filter_map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok()))
-                    .collect()
-            })
-            .unwrap_or_default();
-        let stream = request.get("stream").and_then(Value::as_bool) == Some(true);
-        let include_usage = request
-            .get("stream_options")
-            .and_then(|o| o.get("include_usage"))
-            .and_then(Value::as_bool)
-            == Some(true);
+        let g = &facts.generation;
         Some(Self {
             endpoint,
             request,
             // A client continuing its own generation already has the opening chunk.
-            opened: !client_resume.is_empty(),
-            client_resume,
-            stream,
-            include_usage,
+            opened: !g.resume_token_ids.is_empty(),
+            client_resume: g.resume_token_ids.clone(),
+            stream: g.stream,
+            include_usage: g.include_usage,
             sent: Vec::new(),
             identity: None,
             finished: false,
@@ -361,6 +337,16 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    /// A record as the proxy makes one, from the request's bytes.
+    fn new_record(path: &str, body: &[u8], max_resumes: u32) -> Option<ResumeRecord> {
+        let value = mlxd_protocol::request::parse_object(body).ok()?;
+        let facts = RequestFacts::read(Route::for_path(path), &value).ok()?;
+        let Value::Object(request) = value else {
+            return None;
+        };
+        ResumeRecord::new(&facts, request, max_resumes)
+    }
+
     fn ev(v: Value) -> Bytes {
         mlxd_ipc::sse::data_event(&v.to_string())
     }
@@ -383,7 +369,7 @@ mod tests {
     }
 
     fn record(body: Value) -> ResumeRecord {
-        ResumeRecord::new("/v1/chat/completions", body.to_string().as_bytes(), 3).unwrap()
+        new_record("/v1/chat/completions", body.to_string().as_bytes(), 3).unwrap()
     }
 
     fn data(b: &Bytes) -> Value {
@@ -392,12 +378,12 @@ mod tests {
 
     #[test]
     fn only_generation_routes_with_object_bodies_are_resumable() {
-        assert!(ResumeRecord::new("/v1/embeddings", b"{}", 3).is_none());
-        assert!(ResumeRecord::new("/v1/completions", b"[1]", 3).is_none());
-        assert!(ResumeRecord::new("/v1/completions", b"{}", 0).is_none());
-        assert!(ResumeRecord::new("/v1/completions", b"{}", 1).is_some());
-        assert!(ResumeRecord::new("/v1/completions", br#"{"n": 1}"#, 1).is_some());
-        assert!(ResumeRecord::new("/v1/chat/completions", br#"{"n": 2}"#, 1).is_none());
+        assert!(new_record("/v1/embeddings", b"{}", 3).is_none());
+        assert!(new_record("/v1/completions", b"[1]", 3).is_none());
+        assert!(new_record("/v1/completions", b"{}", 0).is_none());
+        assert!(new_record("/v1/completions", b"{}", 1).is_some());
+        assert!(new_record("/v1/completions", br#"{"n": 1}"#, 1).is_some());
+        assert!(new_record("/v1/chat/completions", br#"{"n": 2}"#, 1).is_none());
     }
 
     #[test]
@@ -495,19 +481,19 @@ mod tests {
 
     #[test]
     fn resume_budget_and_unknown_events() {
-        let mut r = ResumeRecord::new("/v1/completions", br#"{"prompt":"p"}"#, 2).unwrap();
+        let mut r = new_record("/v1/completions", br#"{"prompt":"p"}"#, 2).unwrap();
         assert!(matches!(r.resume(), Resume::Continue(_)));
         assert!(matches!(r.resume(), Resume::Continue(_)));
         assert_eq!(
             r.resume(),
             Resume::Impossible(NotResumable::TooManyResumes { limit: 2 })
         );
-        let mut r = ResumeRecord::new("/v1/completions", br#"{"prompt":"p"}"#, 2).unwrap();
+        let mut r = new_record("/v1/completions", br#"{"prompt":"p"}"#, 2).unwrap();
         let odd = Bytes::from_static(b"data: {\"something\":1}\n\n");
         assert_eq!(r.client_event(odd.clone()), Some(odd));
         assert_eq!(r.resume(), Resume::Impossible(NotResumable::UnknownEvent));
         // Text without token ids: what the client has is unknown.
-        let mut r = ResumeRecord::new("/v1/completions", br#"{"prompt":"p"}"#, 2).unwrap();
+        let mut r = new_record("/v1/completions", br#"{"prompt":"p"}"#, 2).unwrap();
         let bare = Bytes::from(
             json!({"id": "c", "object": "text_completion", "created": 1, "model": "m",
                    "choices": [{"index": 0, "text": "t", "finish_reason": null, "logprobs": null}]})
@@ -517,7 +503,7 @@ mod tests {
         assert_eq!(r.client_event(bare.clone()), Some(bare), "passed unchanged");
         assert_eq!(r.resume(), Resume::Impossible(NotResumable::UnknownEvent));
         // An engine error event passes unchanged and leaves the record sure.
-        let mut r = ResumeRecord::new("/v1/completions", br#"{"prompt":"p"}"#, 2).unwrap();
+        let mut r = new_record("/v1/completions", br#"{"prompt":"p"}"#, 2).unwrap();
         let err = Bytes::from_static(b"data: {\"error\":{\"message\":\"x\"}}\n\n");
         assert_eq!(r.client_event(err.clone()), Some(err));
         assert!(r.is_complete());
@@ -529,8 +515,7 @@ mod tests {
 
     #[test]
     fn completion_chunks_and_whole_bodies() {
-        let mut r =
-            ResumeRecord::new("/v1/completions", br#"{"prompt":"p","stream":true}"#, 1).unwrap();
+        let mut r = new_record("/v1/completions", br#"{"prompt":"p","stream":true}"#, 1).unwrap();
         let chunk = json!({"id": "c1", "object": "text_completion", "created": 1, "model": "m",
                            "choices": [{"index": 0, "text": "t", "finish_reason": null, "logprobs": null, "mlxd": {"token_ids": [4]}}]});
         let out = data(&r.client_event(ev(chunk)).unwrap());

@@ -465,13 +465,16 @@ async fn route(
             limit_ms: body_timeout,
             setting: "body_timeout_ms",
         })??;
-    let meta = request_meta(&bytes)?;
-    if let (Some(value), Some(limit)) = (meta.max_tokens, app.config.server.max_tokens_limit) {
-        if value > limit {
-            return Err(ProxyError::MaxTokensExceeded { value, limit });
-        }
-    }
-    let model = app.catalog().resolve(meta.model.as_deref())?.id.clone();
+    // Read once, by the contract the engine applies too; the server's token ceiling
+    // applies to the effective limit and is the default.
+    let request =
+        crate::request::ClientRequest::read(&path, bytes, app.config.server.max_tokens_limit)?;
+    let max_tokens = request.max_tokens;
+    let model = app
+        .catalog()
+        .resolve(request.facts.model.as_deref())?
+        .id
+        .clone();
     tracing::Span::current().record("model", model.as_str());
     let accounting = Accounting {
         metrics: app.metrics.clone(),
@@ -479,12 +482,16 @@ async fn route(
     };
     // A generation request is recorded so that it can be continued on a restarted
     // engine if its engine dies (`resume.rs`).
-    let mut record = crate::resume::ResumeRecord::new(&path, &bytes, app.config.server.max_resumes);
+    let mut record = crate::resume::ResumeRecord::new(
+        &request.facts,
+        request.object,
+        app.config.server.max_resumes,
+    );
     // A buffered body can be sent again if the first engine was unreachable (it died
     // between handing out the lease and our connect): the request never reached it.
     let mut dead_generation = None;
     let mut retried_unreachable = false;
-    let mut body_bytes = bytes.clone();
+    let mut body_bytes = request.body;
     let result = loop {
         let lease = match app.pool.acquire_avoiding(&model, dead_generation).await {
             Ok(l) => l,
@@ -492,8 +499,8 @@ async fn route(
         };
         let generation = lease.generation;
         if let Some(cap) = &lease.kv {
-            if let Err(u) = crate::policy::check_kv(meta.max_tokens, cap) {
-                break Err(unservable(&model, meta.max_tokens.unwrap_or(0), u));
+            if let Err(u) = crate::policy::check_kv(max_tokens, cap) {
+                break Err(unservable(&model, max_tokens.unwrap_or(0), u));
             }
         }
         let body: ProxyRequestBody = Full::new(body_bytes.clone())
@@ -505,7 +512,7 @@ async fn route(
             parts: copy_head(&parts),
             request_id: id,
             max_body: max,
-            max_tokens: meta.max_tokens,
+            max_tokens,
         });
         match forward(
             lease,
@@ -779,64 +786,6 @@ fn unservable(model: &str, max_tokens: u64, u: crate::policy::Unservable) -> Pro
     }
 }
 
-/// What the proxy reads from a JSON request body: where it goes and how long it may be.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-struct RequestMeta {
-    model: Option<String>,
-    /// `max_tokens`, or `max_completion_tokens` (the newer OpenAI chat name).
-    max_tokens: Option<u64>,
-}
-
-/// Validates a JSON request body and returns its `model` and `max_tokens`, if any.
-fn request_meta(body: &[u8]) -> Result<RequestMeta, ProxyError> {
-    let v: Value = serde_json::from_slice(body)
-        .map_err(|e| ProxyError::BadRequest(format!("request body is not valid JSON: {e}")))?;
-    let Value::Object(obj) = &v else {
-        return Err(ProxyError::BadRequest(
-            "request body must be a JSON object".into(),
-        ));
-    };
-    let mut max_tokens = None;
-    for key in ["max_tokens", "max_completion_tokens"] {
-        match obj.get(key) {
-            None | Some(Value::Null) => {}
-            Some(Value::Number(n)) if n.as_u64().is_some() => {
-                max_tokens = max_tokens.or(n.as_u64());
-            }
-            Some(other) => {
-                return Err(ProxyError::BadRequest(format!(
-                    "\"{key}\" must be a non-negative integer, got {other}"
-                )))
-            }
-        }
-    }
-    Ok(RequestMeta {
-        model: model_of_object(obj)?,
-        max_tokens,
-    })
-}
-
-#[cfg(test)]
-fn model_of(body: &[u8]) -> Result<Option<String>, ProxyError> {
-    request_meta(body).map(|m| m.model)
-}
-
-fn model_of_object(obj: &serde_json::Map<String, Value>) -> Result<Option<String>, ProxyError> {
-    match obj.get("model") {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(m)) => Ok(Some(m.clone())),
-        Some(other) => Err(ProxyError::BadRequest(format!(
-            "\"model\" must be a string, got {}",
-            match other {
-                Value::Bool(_) => "a boolean",
-                Value::Number(_) => "a number",
-                Value::Array(_) => "an array",
-                _ => "an object",
-            }
-        ))),
-    }
-}
-
 /// Asks a ready engine's own `/health` (1 s budget).
 async fn engine_responds(socket: &std::path::Path) -> bool {
     let req = Request::get("/health")
@@ -925,42 +874,4 @@ async fn models(app: &App) -> Response<ResponseBody> {
         })
         .collect();
     json_response(StatusCode::OK, &json!({ "object": "list", "data": data }))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn model_extraction() {
-        assert_eq!(model_of(br#"{"model":"x"}"#).unwrap(), Some("x".into()));
-        assert_eq!(model_of(br#"{"messages":[]}"#).unwrap(), None);
-        assert!(model_of(b"[1]").is_err());
-        assert!(model_of(br#"{"model":1}"#).is_err());
-        assert!(model_of(b"\xff\xfe{").is_err());
-        assert!(model_of(b"{\"model\":\"a").is_err());
-    }
-
-    #[test]
-    fn max_tokens_extraction() {
-        let m = request_meta(br#"{"max_tokens":7}"#).unwrap();
-        assert_eq!(m.max_tokens, Some(7));
-        let m = request_meta(br#"{"max_completion_tokens":9,"model":"x"}"#).unwrap();
-        assert_eq!(
-            m,
-            RequestMeta {
-                model: Some("x".into()),
-                max_tokens: Some(9)
-            }
-        );
-        assert_eq!(request_meta(b"{}").unwrap().max_tokens, None);
-        for bad in [
-            &br#"{"max_tokens":-1}"#[..],
-            br#"{"max_tokens":1.5}"#,
-            br#"{"max_tokens":"10"}"#,
-        ] {
-            let e = request_meta(bad).unwrap_err().to_string();
-            assert!(e.contains("max_tokens"), "{e}");
-        }
-    }
 }
