@@ -19,6 +19,7 @@ pub mod health;
 pub mod jobs;
 pub mod logs;
 pub mod metrics;
+pub mod ollama;
 pub mod placement;
 pub mod policy;
 pub mod pool;

@@ -424,6 +424,9 @@ async fn route(
             return admin(app, &p["/admin/models/".len()..]).await;
         }
         (_, p) if crate::jobs::api::is_jobs_path(p) => return jobs_route(app, req).await,
+        (_, p) if crate::ollama::is_ollama_path(p) => {
+            return Ok(crate::ollama::route(app, req, id).await)
+        }
         (&Method::GET, p) if p.starts_with("/logs/") => {
             let query = req.uri().query().unwrap_or("").to_string();
             return logs(app, &p["/logs/".len()..], &query);
@@ -465,10 +468,25 @@ async fn route(
             limit_ms: body_timeout,
             setting: "body_timeout_ms",
         })??;
+    dispatch(app, parts, &path, bytes, id, started).await
+}
+
+/// Sends a JSON request body to the engine route `path`: validation, routing by `model`,
+/// limits, the KV check, retries and resumption, metrics. The OpenAI and Anthropic routes
+/// come here, and the Ollama routes with their translated bodies (`crate::ollama`).
+async fn dispatch(
+    app: &App,
+    parts: http::request::Parts,
+    path: &str,
+    bytes: Bytes,
+    id: u64,
+    started: Instant,
+) -> Result<Response<ResponseBody>, ProxyError> {
+    let max = app.config.server.max_body_bytes;
     // Read once, by the contract the engine applies too; the server's token ceiling
     // applies to the effective limit and is the default.
     let request =
-        crate::request::ClientRequest::read(&path, bytes, app.config.server.max_tokens_limit)?;
+        crate::request::ClientRequest::read(path, bytes, app.config.server.max_tokens_limit)?;
     let max_tokens = request.max_tokens;
     let model = app
         .catalog()
@@ -750,7 +768,7 @@ fn content_length(req: &Request<Incoming>) -> Option<u64> {
 }
 
 /// Reads the whole body, refusing more than `max` bytes.
-async fn read_bounded(body: Incoming, max: usize) -> Result<Bytes, ProxyError> {
+pub(crate) async fn read_bounded(body: Incoming, max: usize) -> Result<Bytes, ProxyError> {
     match Limited::new(body, max).collect().await {
         Ok(c) => Ok(c.to_bytes()),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ProxyError::BodyTooLarge {
@@ -783,6 +801,32 @@ fn unservable(model: &str, max_tokens: u64, u: crate::policy::Unservable) -> Pro
             configured,
             retry_after,
         },
+    }
+}
+
+/// The Ollama routes' view of the server (`crate::ollama`).
+impl crate::ollama::Backend for App {
+    fn catalog(&self) -> Arc<Catalog> {
+        App::catalog(self)
+    }
+    fn pool(&self) -> &PoolHandle {
+        &self.pool
+    }
+    fn config(&self) -> &Config {
+        &self.config
+    }
+    fn home(&self) -> Result<&std::path::Path, &str> {
+        self.home.as_deref().map_err(String::as_str)
+    }
+    fn dispatch<'a>(
+        &'a self,
+        parts: http::request::Parts,
+        path: &'static str,
+        body: Bytes,
+        id: u64,
+        arrived: Instant,
+    ) -> futures::future::BoxFuture<'a, Result<Response<ResponseBody>, ProxyError>> {
+        Box::pin(dispatch(self, parts, path, body, id, arrived))
     }
 }
 
