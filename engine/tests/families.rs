@@ -310,3 +310,5 @@ family!(gemma4_moe_matches_mlx_lm, "gemma4_moe");
 family!(gpt_oss_matches_mlx_lm, "gpt_oss");
 family!(gpt_oss_mxfp4_matches_mlx_lm, "gpt_oss_mxfp4");
 family!(lfm2_matches_mlx_lm, "lfm2");
+family!(mamba2_matches_mlx_lm, "mamba2");
+family!(nemotron_h_matches_mlx_lm, "nemotron_h");

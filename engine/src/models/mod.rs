@@ -23,9 +23,11 @@ pub mod info;
 pub mod layers;
 pub mod lfm2;
 pub mod llama;
+pub mod mamba2;
 pub mod ministral3;
 pub mod mixtral;
 pub mod mla;
+pub mod nemotron_h;
 pub mod mlp;
 pub mod moe;
 pub mod olmo2;
@@ -151,6 +153,8 @@ const REGISTRY: &[(&str, Builder)] = &[
     ("Gemma4ForConditionalGeneration", gemma4::build_conditional),
     ("GptOssForCausalLM", gpt_oss::build),
     ("Lfm2ForCausalLM", lfm2::build),
+    ("Mamba2ForCausalLM", mamba2::build),
+    ("NemotronHForCausalLM", nemotron_h::build),
     ("CohereForCausalLM", cohere::build),
     ("Cohere2ForCausalLM", cohere2::build),
     ("Exaone4ForCausalLM", exaone4::build),
