@@ -9,7 +9,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
+use mlxd_proxy::config::ModelConfig;
 use mlxd_tests::*;
+use serde_json::json;
 
 struct Mlxd {
     child: Child,
@@ -180,5 +182,76 @@ async fn chat_page_shows_a_load_in_progress() -> Result<()> {
         .await?;
     ensure!(stdout.contains("reading weights"), "{stdout}");
     ensure!(gate.exists(), "the script never opened the load gate");
+    Ok(())
+}
+
+/// What a person does with the page, against fake engines behind an in-process `mlxd`
+/// (`scripts/chat_page_features_test.cjs`): the welcome and its example prompts, markdown
+/// with a highlighted code block and its copy button, reasoning collapsed, a tool call, no
+/// script injection from the model's output, settings checked and present in the request
+/// body, conversations kept across a reload (rename, delete), regenerate, edit, stop (which
+/// reaches the engine), and a failed model's reason in words. Screenshots are saved under
+/// `target/`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_page_features_in_headless_chromium() -> Result<()> {
+    let browser = Browser::find().await?;
+    let proxy = Proxy::start_with(&[("interval_ms", "20")], |c| {
+        // One crash marks a model failed, so broken-model fails at once below.
+        c.server.crash_limit = 1;
+        let mut slow = ModelConfig::new("slow-model");
+        slow.options.insert("chunks".into(), "3000".into());
+        slow.options.insert("interval_ms".into(), "40".into());
+        c.models.push(slow);
+        c.models.push(ModelConfig::new("broken-model"));
+    })
+    .await?;
+    // broken-model's engine is killed mid-request; its last log line is its JSON
+    // "ready" line, the raw text the page must not show.
+    let _ = proxy
+        .post_json(
+            "/v1/chat/completions",
+            &json!({"model": "broken-model", "messages": [{"role": "user", "content": "hi"}],
+                    "fake": {"then": "sigkill"}}),
+        )
+        .await?;
+    let t = Instant::now();
+    let failure = loop {
+        let (_, _, v) = proxy.get("/v1/models").await?;
+        let row = v["data"]
+            .as_array()
+            .and_then(|d| d.iter().find(|m| m["id"] == "broken-model").cloned())
+            .context("broken-model is not listed")?;
+        if row["state"] == "failed" {
+            break row["failure"].as_str().unwrap_or_default().to_string();
+        }
+        ensure!(
+            t.elapsed() < Duration::from_secs(30),
+            "broken-model never failed: {row}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    eprintln!("broken-model's failure as mlxd reports it: {failure}");
+
+    let shots = workspace_root().join("target");
+    let url = format!("http://{}/", proxy.addr);
+    let events = proxy.events_file();
+    let stdout = browser
+        .run(
+            "chat_page_features_test.cjs",
+            &[&url, &shots.display().to_string()],
+            || std::fs::read_to_string(&events).unwrap_or_default(),
+        )
+        .await?;
+    ensure!(stdout.contains("chat page features:"), "{stdout}");
+    // Stop reached the engine: it saw its client go away mid-answer.
+    wait_event(&events, "cancelled", Duration::from_secs(10)).await?;
+    for name in [
+        "chat-page-markdown.png",
+        "chat-page-settings.png",
+        "chat-page-failed.png",
+    ] {
+        let png = std::fs::read(shots.join(name)).with_context(|| name.to_string())?;
+        ensure!(png.starts_with(b"\x89PNG"), "{name} is not a PNG");
+    }
     Ok(())
 }
