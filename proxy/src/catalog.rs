@@ -1,6 +1,6 @@
-//! The configured models, fixed at start: `[[model]]` entries, the `models_dir` scan
-//! and `--model` flags, resolved into [`ModelEntry`]s; and routing a request's `model`
-//! (id or alias) to one of them.
+//! The servable models: `[[model]]` entries, the `models_dir` scan and `--model` flags,
+//! then the models of the store that none of them names (`pool.store_models`), resolved into
+//! [`ModelEntry`]s; and routing a request's `model` (id or alias) to one of them.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -27,6 +27,8 @@ pub struct ModelEntry {
     /// Memory to plan for before the engine reports its own: the configured `memory`,
     /// else the weights on disk (0 when unknown: a known name or a repo id).
     pub planned_bytes: u64,
+    /// Found in the model store, not configured.
+    pub stored: bool,
 }
 
 /// All models and the routing rules.
@@ -81,6 +83,7 @@ impl Catalog {
                 limits: m.limits(&config.server.limits),
                 options,
                 planned_bytes: m.memory.unwrap_or_else(|| weights_on_disk(m.source())),
+                stored: false,
             });
         }
         let default_model = match &config.pool.default_model {
@@ -93,6 +96,45 @@ impl Catalog {
             route_unknown_to_default: config.pool.route_unknown_to_default,
             names,
         })
+    }
+
+    /// [`Self::from_config`], then each model of the store (`stored`, in
+    /// [`mlxd_store::inventory::scan`]'s order) whose name is not an id or alias already and
+    /// whose source no configured model loads: a configured model wins over a stored one of
+    /// the same name. A stored model gets the `[pool]` and `[server]` defaults.
+    pub fn from_config_and_store(
+        config: &Config,
+        stored: &[mlxd_store::inventory::Found],
+    ) -> Result<Self, ConfigError> {
+        let mut catalog = Self::from_config(config)?;
+        for found in stored {
+            let source = found.spec();
+            let taken = catalog.names.contains_key(&found.name)
+                || catalog.models.iter().any(|m| m.source == source);
+            if taken {
+                continue;
+            }
+            catalog
+                .names
+                .insert(found.name.clone(), catalog.models.len());
+            catalog.models.push(ModelEntry {
+                id: found.name.clone(),
+                planned_bytes: weights_on_disk(&found.dir.display().to_string()),
+                source,
+                aliases: Vec::new(),
+                pinned: false,
+                ttl: config.pool.ttl,
+                limits: Limits::from(&config.server.limits),
+                options: config.server.engine_options.clone(),
+                stored: true,
+            });
+        }
+        Ok(catalog)
+    }
+
+    /// Whether `name` is an id or alias here (no default routing).
+    pub fn knows(&self, name: &str) -> bool {
+        self.names.contains_key(name)
     }
 
     /// The model a request names: missing or empty → the default; an id or alias →
@@ -310,6 +352,46 @@ mod tests {
             300
         );
         assert!(scan_models_dir(&dir.path().join("missing")).is_err());
+    }
+
+    #[test]
+    fn store_models_after_the_configured_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let found = |name: &str, kind| mlxd_store::inventory::Found {
+            name: name.into(),
+            kind,
+            dir: dir.path().join(name),
+        };
+        use mlxd_store::inventory::StoredKind;
+        let stored = [
+            found(DEFAULT_MODEL, StoredKind::Known),
+            found("smol-q8", StoredKind::Local),
+            // Named like a configured alias: the configured model wins.
+            found("fast", StoredKind::Local),
+            found("org/m", StoredKind::HuggingFace),
+        ];
+        let config = Config::from_toml_str(
+            "[pool]\nttl = \"1m\"\n[server.engine_options]\nx = \"1\"\n[[model]]\nid = \"small\"\npath = \"smollm2-135m\"\naliases = [\"fast\"]\n",
+            "t.toml",
+        )
+        .unwrap();
+        let c = Catalog::from_config_and_store(&config, &stored).unwrap();
+        // smollm2-135m is what `small` loads already.
+        assert_eq!(c.ids(), ["small", "smol-q8", "org/m"]);
+        let q8 = c.resolve(Some("smol-q8")).unwrap();
+        assert!(q8.stored && !c.get("small").unwrap().stored);
+        assert_eq!(q8.source, dir.path().join("smol-q8").display().to_string());
+        assert_eq!(
+            (q8.ttl, q8.options["x"].as_str()),
+            (Duration::from_secs(60), "1")
+        );
+        assert_eq!(c.get("org/m").unwrap().source, "org/m");
+        assert_eq!(c.resolve(Some("fast")).unwrap().id, "small");
+        assert_eq!(c.default_model, "small");
+        assert!(c.knows("smol-q8") && !c.knows("zzz"));
+        // Nothing configured: the default model first, then the store's.
+        let c = Catalog::from_config_and_store(&Config::default(), &stored[1..2]).unwrap();
+        assert_eq!(c.ids(), [DEFAULT_MODEL, "smol-q8"]);
     }
 
     #[test]

@@ -70,8 +70,8 @@ pub struct QuantizeArgs {
     /// Weights sharing one scale and bias: 32, 64 or 128.
     #[arg(long, default_value_t = mlxd_protocol::jobs::DEFAULT_GROUP_SIZE, value_parser = parse_group_size)]
     pub group_size: u32,
-    /// The new model directory [default: $MLXD_HOME/models/<name>-<bits>bit-g<group>]; it
-    /// must not exist.
+    /// The new model: a name (a model in the store, served by that name at once) or a
+    /// directory path [default: the name <model>-<bits>bit-g<group>]; it must not exist.
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// Print the job's id and return at once instead of following it.

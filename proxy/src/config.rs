@@ -10,6 +10,7 @@
 //! memory_budget = "24GiB"       # default: physical memory minus memory_reserve
 //! ttl = "5m"                    # idle unload; 0 = never
 //! models_dir = "/srv/models"    # every subdirectory with config.json, every *.gguf
+//! store_models = true           # serve the store's models (`mlxd ls`) by name
 //! [[model]]
 //! id = "small"
 //! path = "/srv/models/SmolLM2"  # directory, .gguf, known name or Hugging Face repo id
@@ -172,6 +173,10 @@ pub struct PoolConfig {
     pub capacity_wait: Duration,
     /// Scanned at start: each subdirectory with a `config.json`, and each `*.gguf`.
     pub models_dir: Option<PathBuf>,
+    /// Serve the models of the store (`mlxd ls`: pulled, quantized, converted, the Hugging
+    /// Face cache) by name without a `[[model]]` entry; a configured model of the same name
+    /// wins.
+    pub store_models: bool,
 }
 
 /// One `[[model]]` entry.
@@ -286,6 +291,7 @@ impl Default for PoolConfig {
             ttl: Duration::from_secs(300),
             capacity_wait: Duration::from_secs(20),
             models_dir: None,
+            store_models: true,
         }
     }
 }

@@ -28,6 +28,7 @@ pub mod progress;
 pub mod reload;
 pub mod request;
 pub mod resume;
+pub mod routing;
 pub mod server;
 
 pub use config::Config;

@@ -251,7 +251,10 @@ async fn quantize(a: &QuantizeArgs) -> anyhow::Result<()> {
         Ok(p) if p.is_dir() => p.display().to_string(),
         _ => a.model.clone(),
     };
+    // A plain name is a model in the server's store; any other relative path is made
+    // absolute here.
     let out = match &a.out {
+        Some(o) if o.to_str().is_some_and(mlxd_store::inventory::is_plain_name) => Some(o.clone()),
         Some(o) if o.is_relative() => Some(std::env::current_dir()?.join(o)),
         o => o.clone(),
     };

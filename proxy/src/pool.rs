@@ -1804,12 +1804,22 @@ impl Pool {
                 };
                 self.next_socket += 1;
                 let log = self.logs.get_or_create(id);
-                log.push("[mlxd] added by a configuration reload");
+                log.push(match entry.stored {
+                    true => "[mlxd] found in the model store",
+                    false => "[mlxd] added by a configuration reload",
+                });
                 let mut slot = Slot::new(entry.clone(), log, socket, now);
                 slot.generation = self.retired_generations.remove(id).unwrap_or(0);
                 self.slots.insert(id.clone(), slot);
             }
-            info!(model = %id, source = %entry.source, "model added by a configuration reload");
+            match entry.stored {
+                true => {
+                    info!(model = %id, source = %entry.source, "model found in the store: served by name")
+                }
+                false => {
+                    info!(model = %id, source = %entry.source, "model added by a configuration reload")
+                }
+            }
             if entry.pinned {
                 self.enqueue(id);
             }

@@ -53,8 +53,9 @@ const JSON_ROUTES: &[&str] = &[
 
 struct App {
     config: Arc<Config>,
-    /// Replaced by a configuration reload (after the pool has applied it).
-    catalog: std::sync::RwLock<Arc<Catalog>>,
+    /// The catalog requests are routed by, replaced by a configuration reload or a model
+    /// found in the store.
+    routing: crate::routing::Routing,
     pool: PoolHandle,
     metrics: Arc<Metrics>,
     logs: Logs,
@@ -72,11 +73,7 @@ struct App {
 impl App {
     /// The catalog requests are routed by now.
     fn catalog(&self) -> Arc<Catalog> {
-        // A poisoned lock only means a panic mid-swap of an `Arc`; the value is whole.
-        self.catalog
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.routing.catalog()
     }
 }
 
@@ -118,7 +115,7 @@ pub async fn serve_with(
         Some(d) => (d.clone(), false),
         None => (mlxd_ipc::socket::default_runtime_dir(), true),
     };
-    let catalog = Arc::new(Catalog::from_config(&config)?);
+    let catalog = Arc::new(crate::routing::build_catalog(&config)?);
     mlxd_ipc::socket::prepare_runtime_dir(&runtime_dir)?;
     let config = Arc::new(config);
     let metrics = Arc::new(Metrics::new());
@@ -155,7 +152,7 @@ pub async fn serve_with(
     );
     let app = Arc::new(App {
         config: config.clone(),
-        catalog: std::sync::RwLock::new(catalog.clone()),
+        routing: crate::routing::Routing::new(catalog.clone(), config.clone(), pool.clone()),
         pool: pool.clone(),
         metrics,
         logs,
@@ -408,6 +405,7 @@ async fn route(
             return Ok(r);
         }
         (&Method::GET, "/engines") => {
+            app.routing.refresh(None).await;
             let status = app.pool.status().await;
             return Ok(json_response(StatusCode::OK, &json!({ "engines": status })));
         }
@@ -488,11 +486,7 @@ async fn dispatch(
     let request =
         crate::request::ClientRequest::read(path, bytes, app.config.server.max_tokens_limit)?;
     let max_tokens = request.max_tokens;
-    let model = app
-        .catalog()
-        .resolve(request.facts.model.as_deref())?
-        .id
-        .clone();
+    let model = app.routing.resolve(request.facts.model.as_deref()).await?;
     tracing::Span::current().record("model", model.as_str());
     let accounting = Accounting {
         metrics: app.metrics.clone(),
@@ -616,50 +610,10 @@ async fn jobs_route(
     .await
 }
 
-/// Applies each reloaded configuration in turn: keeps the `[server]` settings that need a
-/// restart (naming them in the log), builds the catalog (a failure refuses the reload with
-/// the reason and the running configuration stays), lets the pool apply it, then routes by
-/// it.
+/// Applies each reloaded configuration in turn ([`crate::routing::Routing::reload`]).
 async fn apply_reloads(app: Arc<App>, mut reloads: tokio::sync::mpsc::UnboundedReceiver<Config>) {
-    let mut running = app.config.clone();
     while let Some(reloaded) = reloads.recv().await {
-        let (config, kept) = crate::reload::merge(&running, reloaded);
-        let catalog = match Catalog::from_config(&config) {
-            Ok(c) => Arc::new(c),
-            Err(e) => {
-                warn!(error = %e, "configuration reload refused; the running configuration stays");
-                continue;
-            }
-        };
-        for setting in &kept {
-            warn!(
-                setting = %format!("server.{setting}"),
-                "changed in the configuration file, but it takes effect only when mlxd restarts; the running value stays"
-            );
-        }
-        let config = Arc::new(config);
-        let budget = catalog::memory_budget(&config);
-        let Some(plan) = app
-            .pool
-            .reload(catalog.clone(), config.clone(), budget)
-            .await
-        else {
-            return;
-        };
-        *app.catalog.write().unwrap_or_else(|p| p.into_inner()) = catalog;
-        running = config;
-        let changed: Vec<String> = plan
-            .changed
-            .iter()
-            .map(|c| format!("{} ({})", c.id, c.fields.join(", ")))
-            .collect();
-        info!(
-            added = ?plan.added,
-            removed = ?plan.removed,
-            changed = ?changed,
-            default_model = ?plan.default_model.as_ref().map(|(_, new)| new),
-            "configuration reloaded"
-        );
+        app.routing.reload(reloaded).await;
     }
 }
 
@@ -671,7 +625,7 @@ async fn admin(app: &App, rest: &str) -> Result<Response<ResponseBody>, ProxyErr
     if name.is_empty() {
         return Err(ProxyError::BadRequest("a model id is required".into()));
     }
-    let id = app.catalog().resolve(Some(name))?.id.clone();
+    let id = app.routing.resolve(Some(name)).await?;
     if matches!(action, "load" | "unload") {
         // An explicit load or unload starts from the configuration: limits halved after
         // out-of-memory exits, and a failed state, are cleared.
@@ -895,6 +849,8 @@ async fn health(app: &App, detail: bool) -> Response<ResponseBody> {
 /// Every configured model, with its pool state in extension fields: `state` (loaded,
 /// loading, unloaded, failed), `failure` (the reason, when failed), `aliases`, `pinned`.
 async fn models(app: &App) -> Response<ResponseBody> {
+    // Models quantized, converted or pulled since the last look are listed too.
+    app.routing.refresh(None).await;
     let engines = app.pool.status().await;
     let default_model = app.catalog().default_model.clone();
     let data: Vec<Value> = engines

@@ -390,7 +390,10 @@ mod tests {
         assert_eq!(r.dirs, std::slice::from_ref(&converted.dir));
         assert!(r.bytes > 0);
         remove(DEFAULT_MODEL, &opts).unwrap();
-        assert_eq!(remove("smol-q8", &opts).unwrap().dirs, std::slice::from_ref(&q8));
+        assert_eq!(
+            remove("smol-q8", &opts).unwrap().dirs,
+            std::slice::from_ref(&q8)
+        );
         assert!(!q8.exists());
         remove("org/m", &opts).unwrap();
         assert!(!repo.exists());

@@ -583,14 +583,37 @@ async fn mlxd_quantize_and_mlxd_jobs_on_the_command_line() -> Result<()> {
         .args(["quantize"])
         .arg(&tiny)
         .args(["--bits", "8", "--group-size", "32", "--url", &mlxd.url()])
+        .args(["--out", "tiny-q8"])
         .output()?;
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stdout}\n{stderr}");
-    assert!(stdout.contains("tiny-llama-8bit-g32 ready in"), "{stdout}");
+    assert!(stdout.contains("tiny-q8 ready in"), "{stdout}");
     assert!(
         stderr.contains("quantizing"),
         "plain progress lines: {stderr}"
+    );
+    assert!(mlxd.home.join("models/tiny-q8/config.json").is_file());
+    // The new model is in the store: the running server lists it and serves it by name,
+    // with no config entry and no restart.
+    let client = |args: &[&str]| -> Result<(bool, String, String)> {
+        let out = Command::new(mlxd_bin()?)
+            .args(args)
+            .args(["--url", &mlxd.url()])
+            .output()?;
+        Ok((
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        ))
+    };
+    let (ok, listed, err) = client(&["ls", "--server"])?;
+    assert!(ok && listed.contains("tiny-q8"), "{listed}\n{err}");
+    let (ok, answer, err) = client(&["run", "tiny-q8", "Hello", "--max-tokens", "3"])?;
+    assert!(
+        ok && !answer.trim().is_empty(),
+        "{answer}\n{err}\n{}",
+        mlxd.log()
     );
     let list = Command::new(mlxd_bin()?)
         .args(["jobs", "--url", &mlxd.url()])

@@ -122,14 +122,21 @@ fn choice_field(
     }
 }
 
-fn out_field(obj: &Map<String, Value>, default: PathBuf) -> Result<PathBuf, ProxyError> {
+/// `out`: an absolute path, or a plain name for `<home>/models/<name>` (a model in the store,
+/// served by that name), else `default`.
+fn out_field(
+    obj: &Map<String, Value>,
+    home: &Path,
+    default: PathBuf,
+) -> Result<PathBuf, ProxyError> {
     let out = match string_field(obj, "out")? {
+        Some(o) if mlxd_store::inventory::is_plain_name(&o) => home.join("models").join(o),
         Some(o) => {
             let p = PathBuf::from(&o);
             if !p.is_absolute() {
                 return Err(bad(
                     "out",
-                    format!("must be an absolute path (the server's working directory is not yours), got {o:?}"),
+                    format!("must be a name (a model in the store) or an absolute path (the server's working directory is not yours), got {o:?}"),
                 ));
             }
             if p.file_name().is_none() {
@@ -218,7 +225,7 @@ fn prepare_quantize(
     let default_out = home
         .join("models")
         .join(format!("{}-{bits}bit-g{group_size}", leaf_name(&id)));
-    let out = out_field(obj, default_out)?;
+    let out = out_field(obj, home, default_out)?;
     Ok(PreparedJob {
         request: JobRequest::Quantize {
             model,
@@ -317,7 +324,7 @@ fn prepare_convert(obj: &Map<String, Value>, home: &Path) -> Result<PreparedJob,
         .file_stem()
         .map(|s| leaf_name(&s.to_string_lossy()))
         .unwrap_or_else(|| "model".into());
-    let out = out_field(obj, home.join("models").join(stem))?;
+    let out = out_field(obj, home, home.join("models").join(stem))?;
     Ok(PreparedJob {
         request: JobRequest::Convert {
             gguf,
@@ -460,6 +467,17 @@ mod tests {
                 std::process::id()
             ))
         );
+        // A plain name is a model in the store; a relative path is refused.
+        let named = body.replace("\"bits\":8", "\"bits\":8,\"out\":\"smol-q8\"");
+        let job = prepare(named.as_bytes(), &catalog(), home.path()).unwrap();
+        let Work::Quantize { out: named_out, .. } = &job.work else {
+            panic!("{job:?}")
+        };
+        assert_eq!(named_out, &home.path().join("models/smol-q8"));
+        let relative = body.replace("\"bits\":8", "\"bits\":8,\"out\":\"x/smol-q8\"");
+        let e = prepare(relative.as_bytes(), &catalog(), home.path()).unwrap_err();
+        assert_eq!(e.param(), Some("out"));
+        assert!(e.to_string().contains("a name"), "{e}");
         // An existing output is refused.
         std::fs::create_dir_all(out).unwrap();
         let e = prepare(body.as_bytes(), &catalog(), home.path()).unwrap_err();
