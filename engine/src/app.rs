@@ -21,45 +21,12 @@ use crate::loader::LoadReporter;
 use crate::runtime::draft::{
     DraftSource, NgramSizes, Speculation, DEFAULT_NGRAM, DEFAULT_NUM_DRAFT, MAX_NUM_DRAFT,
 };
-use crate::runtime::request::is_out_of_memory;
 use crate::runtime::{OomHook, Runtime, RuntimeLimits};
 use crate::server::{self, ApiError, ServerState};
 use crate::tokenizer::Tokenizer;
 use mlxd_store::{self as store, ResolvedModel};
 
-/// Why the engine could not start.
-#[derive(Debug, thiserror::Error)]
-pub enum StartError {
-    #[error(transparent)]
-    Store(#[from] store::StoreError),
-    #[error("loading the tokenizer of {dir}: {source}")]
-    Tokenizer {
-        dir: PathBuf,
-        source: crate::tokenizer::TokenizerError,
-    },
-    #[error("loading the model in {dir}: {source}")]
-    Load {
-        dir: PathBuf,
-        source: crate::loader::LoadError,
-    },
-    #[error("{0}")]
-    Mlx(String),
-    /// `MLXD_DEVICE` names no device, or one this MLX build cannot use.
-    #[error("{0}")]
-    Device(String),
-    #[error("the draft model {draft} cannot draft for {model}: its tokenizer differs ({reason})")]
-    DraftTokenizer {
-        draft: String,
-        model: String,
-        reason: String,
-    },
-    #[error("engine option {key} = {value:?}: {reason}")]
-    Option {
-        key: String,
-        value: String,
-        reason: String,
-    },
-}
+pub use crate::start_error::StartError;
 
 /// The engine options `mlxd` passes in `Launch.options` (`[server.engine_options]` and a
 /// model's `options` in `mlxd.toml`), each with what it takes.
@@ -393,17 +360,6 @@ impl SsdOptions {
     }
 }
 
-impl StartError {
-    /// How the supervisor should classify this failure.
-    pub fn fatal_kind(&self) -> FatalKind {
-        if is_out_of_memory(&self.to_string()) {
-            FatalKind::OutOfMemory
-        } else {
-            FatalKind::LoadFailed
-        }
-    }
-}
-
 /// A model loaded and ready to serve.
 pub struct Engine {
     pub model: ResolvedModel,
@@ -580,7 +536,8 @@ pub fn run_supervised(home: &Path) -> anyhow::Result<()> {
         Ok(options) => options,
         Err(e) => {
             tracing::error!(error = %e, "invalid engine options");
-            fatal_exit(&control, FatalKind::LoadFailed, e.to_string(), 2);
+            let (kind, message) = e.report(&launch.model, home);
+            fatal_exit(&control, kind, message, 2);
         }
     };
     match crate::fault::from_env() {
@@ -624,7 +581,8 @@ pub fn run_supervised(home: &Path) -> anyhow::Result<()> {
         Ok(engine) => engine,
         Err(e) => {
             tracing::error!(error = %e, "load failed");
-            fatal_exit(&control, e.fatal_kind(), e.to_string(), 2);
+            let (kind, message) = e.report(&launch.model, home);
+            fatal_exit(&control, kind, message, 2);
         }
     };
     *ssd.lock().expect("ssd lock") = engine.runtime.ssd.clone();

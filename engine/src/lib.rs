@@ -12,4 +12,5 @@ pub mod mlx_runtime;
 pub mod models;
 pub mod runtime;
 pub mod server;
+pub mod start_error;
 pub mod tokenizer;

@@ -27,8 +27,9 @@
 //! - `Shutdown`: stop admitting, finish in-flight work, exit 0. `mlxd` waits its grace
 //!   period, then sends SIGTERM to the group, then SIGKILL.
 //! - Before any controlled non-zero exit, send `Fatal` with the right [`FatalKind`]
-//!   (`OutOfMemory` lets `mlxd` restart with smaller limits; `LoadFailed` before
-//!   `Ready`). Never print to stdout by hand: [`ChildChannel::from_stdio`] points fd 1
+//!   (`OutOfMemory` lets `mlxd` restart with smaller limits; `CannotLoad` before `Ready`
+//!   when a restart would fail the same way — no such model, a refused option, offline —
+//!   so `mlxd` does not retry; `LoadFailed` for a load another attempt may get through). Never print to stdout by hand: [`ChildChannel::from_stdio`] points fd 1
 //!   at stderr so stray prints cannot corrupt the channel.
 //! - A client that disconnects closes its connection on the unix socket: cancel the
 //!   sequence.
@@ -111,7 +112,8 @@ impl ChildChannel {
     }
 
     /// Blocks for the first frame, which must be a `Launch` of our protocol version.
-    /// On a version mismatch a `Fatal(LoadFailed)` is sent before returning the error.
+    /// On a version mismatch a `Fatal(CannotLoad)` is sent before returning the error (a
+    /// restart would meet the same version).
     pub fn read_launch(&mut self) -> Result<Launch, ControlError> {
         let launch = match read_frame::<ParentMsg, _>(&mut self.input)? {
             None => return Err(ControlError::ClosedBeforeLaunch),
@@ -128,7 +130,7 @@ impl ChildChannel {
             // Best effort: the parent may already be unable to read.
             let _ = self
                 .sender
-                .send_fatal(FatalKind::LoadFailed, err.to_string());
+                .send_fatal(FatalKind::CannotLoad, err.to_string());
             return Err(err);
         }
         Ok(launch)
@@ -301,7 +303,7 @@ mod tests {
         assert!(matches!(
             msg,
             ChildMsg::Fatal(Fatal {
-                kind: FatalKind::LoadFailed,
+                kind: FatalKind::CannotLoad,
                 ..
             })
         ));

@@ -11,14 +11,15 @@ use std::time::Duration;
 use mlxd_ipc::control::{CONTROL_FLAG, SUPERVISOR_PID_ENV};
 use mlxd_ipc::frame::{read_frame_async, write_frame_async};
 use mlxd_protocol::control::{
-    ChildMsg, Fatal, Launch, Limits, LoadPhase, ParentMsg, Ready, Stats, PROTOCOL_VERSION,
+    ChildMsg, Fatal, FatalKind, Launch, Limits, LoadPhase, ParentMsg, Ready, Stats,
+    PROTOCOL_VERSION,
 };
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 use tokio::sync::{mpsc, oneshot, watch};
-use tracing::{error, info, warn, Instrument};
+use tracing::{debug, error, info, warn, Instrument};
 
 use crate::exit::{classify, read_oom_kills, Evidence, ExitCause, ExitReport, OomKills, RawExit};
 use crate::logs::ModelLog;
@@ -353,6 +354,10 @@ impl Supervised {
         });
         if cause.is_requested() {
             info!(?raw, "engine stopped");
+        } else if cause.is_permanent() {
+            // The pool reports it once, with the engine's own explanation; the stderr tail
+            // would only repeat it.
+            debug!(cause = %cause, ?raw, stderr_tail = %tail.join("\n"), "engine exited");
         } else {
             error!(
                 cause = %cause,
@@ -434,7 +439,11 @@ async fn read_control(mut stdout: ChildStdout, emit: impl Fn(EngineEvent)) -> Re
                 );
             }
             Ok(Some(ChildMsg::Fatal(f))) => {
-                error!(kind = ?f.kind, message = %f.message, "engine reported a fatal error");
+                if f.kind == FatalKind::CannotLoad {
+                    debug!(message = %f.message, "engine cannot load its model");
+                } else {
+                    error!(kind = ?f.kind, message = %f.message, "engine reported a fatal error");
+                }
                 out.fatal = Some(f);
             }
             Ok(None) => return out,

@@ -104,6 +104,15 @@ pub enum ProxyError {
         cause: String,
         retry_after: Duration,
     },
+    /// The engine said the load cannot succeed as asked (no such model, a refused option,
+    /// a download impossible offline); `cause` says why and what to do. Not retried: the
+    /// next attempt comes after the failed cool-down, an admin reset or a reload.
+    #[error("model {model} cannot be loaded: {cause}")]
+    CannotLoad {
+        model: String,
+        cause: String,
+        retry_after: Duration,
+    },
     /// The engine exited while handling the request (upstream's fault, and we know why).
     #[error("engine for model {model} exited during the request: {}", report.summary())]
     EngineCrashed { model: String, report: ExitReport },
@@ -205,6 +214,7 @@ impl ProxyError {
             | Self::LimitsReduced { .. }
             | Self::Failed { .. }
             | Self::LoadFailed { .. }
+            | Self::CannotLoad { .. }
             | Self::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             Self::EngineCrashed { .. } | Self::NotResumed { .. } | Self::Upstream { .. } => {
                 StatusCode::BAD_GATEWAY
@@ -249,7 +259,9 @@ impl ProxyError {
             Self::TooManyInFlight { .. } => (ErrorType::RateLimitError, Some("too_many_requests")),
             Self::LimitsReduced { .. } => (ErrorType::EngineUnavailable, Some("limits_reduced")),
             Self::Failed { .. } => (ErrorType::EngineFailed, Some("engine_failed")),
-            Self::LoadFailed { .. } => (ErrorType::EngineFailed, Some("load_failed")),
+            Self::LoadFailed { .. } | Self::CannotLoad { .. } => {
+                (ErrorType::EngineFailed, Some("load_failed"))
+            }
             Self::EngineCrashed { report, .. } if report.cause.is_requested() => {
                 (ErrorType::EngineStopped, Some(report.cause.code()))
             }
@@ -270,7 +282,8 @@ impl ProxyError {
             | Self::TooManyInFlight { retry_after, .. }
             | Self::QueueFull { retry_after, .. }
             | Self::Failed { retry_after, .. }
-            | Self::LoadFailed { retry_after, .. } => Some(*retry_after),
+            | Self::LoadFailed { retry_after, .. }
+            | Self::CannotLoad { retry_after, .. } => Some(*retry_after),
             Self::ShuttingDown => Some(Duration::from_secs(5)),
             Self::InsufficientMemory { retry_after, .. }
             | Self::NoEngineAvailable { retry_after, .. } => *retry_after,

@@ -17,6 +17,10 @@ pub enum ExitCause {
     OutOfMemory { detail: String },
     /// Died before `Ready` (any other reason).
     LoadFailed { detail: String },
+    /// The engine reported (`Fatal(CannotLoad)`) that the load cannot succeed as asked:
+    /// no such model, a refused option, a download impossible offline. The detail says
+    /// why and what to do; restarting would fail the same way.
+    CannotLoad { detail: String },
     /// Killed by a signal or exited with a code, after `Ready`.
     Crash {
         signal: Option<i32>,
@@ -31,7 +35,8 @@ impl ExitCause {
     pub fn code(&self) -> &'static str {
         match self {
             Self::OutOfMemory { .. } => "out_of_memory",
-            Self::LoadFailed { .. } => "load_failed",
+            // Still a failed load for clients; the pool tells the two apart.
+            Self::LoadFailed { .. } | Self::CannotLoad { .. } => "load_failed",
             Self::Crash { .. } => "crash",
             Self::Requested => "stopped",
         }
@@ -40,6 +45,11 @@ impl ExitCause {
     pub fn is_requested(&self) -> bool {
         matches!(self, Self::Requested)
     }
+
+    /// Whether restarting the engine cannot help.
+    pub fn is_permanent(&self) -> bool {
+        matches!(self, Self::CannotLoad { .. })
+    }
 }
 
 impl fmt::Display for ExitCause {
@@ -47,6 +57,7 @@ impl fmt::Display for ExitCause {
         match self {
             Self::OutOfMemory { detail } => write!(f, "out of memory ({detail})"),
             Self::LoadFailed { detail } => write!(f, "load failed ({detail})"),
+            Self::CannotLoad { detail } => write!(f, "cannot load: {detail}"),
             Self::Crash {
                 signal: Some(s), ..
             } => write!(f, "crashed (killed by signal {s}{})", signal_name(*s)),
@@ -79,7 +90,13 @@ impl ExitReport {
     /// The cause plus the last stderr line, for error messages sent to clients.
     pub fn summary(&self) -> String {
         match self.stderr_tail.iter().rev().find(|l| !l.trim().is_empty()) {
-            Some(line) if !matches!(self.cause, ExitCause::OutOfMemory { .. }) => {
+            // The engine's own message is complete for these; its log line repeats it.
+            Some(line)
+                if !matches!(
+                    self.cause,
+                    ExitCause::OutOfMemory { .. } | ExitCause::CannotLoad { .. }
+                ) =>
+            {
                 format!("{}; last log line: {}", self.cause, truncate(line, 300))
             }
             _ => self.cause.to_string(),
@@ -224,7 +241,10 @@ pub fn classify(ev: Evidence<'_>) -> ExitCause {
             FatalKind::Internal if !ev.was_ready => ExitCause::LoadFailed {
                 detail: f.message.clone(),
             },
-            FatalKind::Internal => ExitCause::Crash {
+            FatalKind::CannotLoad if !ev.was_ready => ExitCause::CannotLoad {
+                detail: f.message.clone(),
+            },
+            FatalKind::Internal | FatalKind::CannotLoad => ExitCause::Crash {
                 signal: ev.exit.signal,
                 code: ev.exit.code,
             },
@@ -312,6 +332,45 @@ mod tests {
         assert!(
             matches!(classify(e), ExitCause::OutOfMemory { detail } if detail.contains("4 GiB"))
         );
+    }
+
+    #[test]
+    fn a_load_that_cannot_succeed_is_permanent_and_says_only_why() {
+        let f = Fatal {
+            kind: FatalKind::CannotLoad,
+            message: "\"smolm2-135m\" is not a known model; did you mean smollm2-135m?".into(),
+        };
+        let tail = vec![r#"{"level":"ERROR","message":"load failed"}"#.to_string()];
+        let e = Evidence {
+            fatal: Some(&f),
+            was_ready: false,
+            ..ev(Some(2), None, &tail)
+        };
+        let cause = classify(e);
+        assert!(cause.is_permanent(), "{cause:?}");
+        assert_eq!(cause.code(), "load_failed");
+        let summary = ExitReport::new(cause, tail).summary();
+        assert_eq!(
+            summary,
+            "cannot load: \"smolm2-135m\" is not a known model; did you mean smollm2-135m?"
+        );
+        // Sent after Ready it is nonsense from the engine: a crash, retried.
+        let e = Evidence {
+            fatal: Some(&f),
+            ..ev(Some(2), None, &[])
+        };
+        assert!(matches!(classify(e), ExitCause::Crash { .. }));
+        // An ordinary load failure stays retryable.
+        let f = Fatal {
+            kind: FatalKind::LoadFailed,
+            message: "disk hiccup".into(),
+        };
+        let e = Evidence {
+            fatal: Some(&f),
+            was_ready: false,
+            ..ev(Some(2), None, &[])
+        };
+        assert!(!classify(e).is_permanent());
     }
 
     #[test]

@@ -8,6 +8,7 @@ use mlxd_protocol::control::Limits;
 use tokio::time::Instant;
 
 use crate::config::Config;
+use crate::exit::ExitCause;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RestartPolicy {
@@ -54,6 +55,9 @@ pub enum Decision {
     Fail {
         crashes: usize,
     },
+    /// The exit says a restart would fail the same way (the model cannot be found, an
+    /// option is refused, a download is impossible offline): fail the load now, once.
+    DoNotRetry,
 }
 
 /// Recent crashes of one model.
@@ -64,6 +68,21 @@ pub struct CrashHistory {
 }
 
 impl CrashHistory {
+    /// Decides about an unrequested exit with `cause` at `now`: a permanent cause is not
+    /// retried (nor counted as a crash); anything else goes through [`Self::on_crash`].
+    pub fn on_exit(
+        &mut self,
+        policy: &RestartPolicy,
+        cause: &ExitCause,
+        now: Instant,
+        ready_for: Option<Duration>,
+    ) -> Decision {
+        if cause.is_permanent() {
+            return Decision::DoNotRetry;
+        }
+        self.on_crash(policy, now, ready_for)
+    }
+
     /// Records an unrequested exit at `now`; `ready_for` is how long the engine had
     /// been ready (None if it never was).
     pub fn on_crash(
@@ -306,6 +325,32 @@ mod tests {
         assert_eq!(
             h.on_crash(&p, Instant::now(), None),
             Decision::Fail { crashes: 5 }
+        );
+    }
+
+    #[test]
+    fn a_load_that_cannot_succeed_is_not_retried_nor_counted() {
+        let p = policy();
+        let mut h = CrashHistory::default();
+        let cannot = ExitCause::CannotLoad {
+            detail: "no such model".into(),
+        };
+        for _ in 0..10 {
+            assert_eq!(
+                h.on_exit(&p, &cannot, Instant::now(), None),
+                Decision::DoNotRetry
+            );
+        }
+        assert_eq!(h.recent(), 0);
+        let failed = ExitCause::LoadFailed {
+            detail: "exit code 2 before ready".into(),
+        };
+        assert_eq!(
+            h.on_exit(&p, &failed, Instant::now(), None),
+            Decision::Restart {
+                delay: Duration::from_millis(250),
+                attempt: 0
+            }
         );
     }
 

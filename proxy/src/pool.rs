@@ -360,6 +360,8 @@ enum State {
     Failed {
         cause: String,
         since: Instant,
+        /// The engine said the load cannot succeed as asked (not a crash loop).
+        cannot_load: bool,
     },
     Stopped,
 }
@@ -1008,13 +1010,27 @@ impl Pool {
                 let _ = reply.send(lease);
                 return;
             }
-            State::Failed { cause, since } => {
+            State::Failed {
+                cause,
+                since,
+                cannot_load,
+            } => {
                 let elapsed = now.duration_since(*since);
                 if elapsed < cooldown {
-                    let _ = reply.send(Err(ProxyError::Failed {
-                        model: key.to_string(),
-                        cause: cause.clone(),
-                        retry_after: cooldown - elapsed,
+                    let (model, cause, retry_after) =
+                        (key.to_string(), cause.clone(), cooldown - elapsed);
+                    let _ = reply.send(Err(if *cannot_load {
+                        ProxyError::CannotLoad {
+                            model,
+                            cause,
+                            retry_after,
+                        }
+                    } else {
+                        ProxyError::Failed {
+                            model,
+                            cause,
+                            retry_after,
+                        }
                     }));
                     return;
                 }
@@ -1631,7 +1647,7 @@ impl Pool {
                 );
             }
         }
-        match slot.history.on_crash(&policy, now, ready_for) {
+        match slot.history.on_exit(&policy, &report.cause, now, ready_for) {
             Decision::Restart { delay, attempt } => {
                 slot.restarts += 1;
                 slot.state = State::Restarting { at: now + delay };
@@ -1678,7 +1694,31 @@ impl Pool {
                     cause: cause.clone(),
                     retry_after: Duration::from_millis(self.config.server.failed_cooldown_ms),
                 };
-                slot.state = State::Failed { cause, since: now };
+                slot.state = State::Failed {
+                    cause,
+                    since: now,
+                    cannot_load: false,
+                };
+                slot.fail_waiters(&err);
+            }
+            Decision::DoNotRetry => {
+                let cause = match &report.cause {
+                    ExitCause::CannotLoad { detail } => detail.clone(),
+                    other => other.to_string(),
+                };
+                error!(model = %key, "cannot load the model: {cause}");
+                slot.log
+                    .push(format!("[mlxd] cannot load the model: {cause}"));
+                let err = ProxyError::CannotLoad {
+                    model: key.to_string(),
+                    cause: cause.clone(),
+                    retry_after: Duration::from_millis(self.config.server.failed_cooldown_ms),
+                };
+                slot.state = State::Failed {
+                    cause,
+                    since: now,
+                    cannot_load: true,
+                };
                 slot.fail_waiters(&err);
             }
         }
@@ -1813,12 +1853,8 @@ impl Pool {
                 self.slots.insert(id.clone(), slot);
             }
             match entry.stored {
-                true => {
-                    info!(model = %id, source = %entry.source, "model found in the store: served by name")
-                }
-                false => {
-                    info!(model = %id, source = %entry.source, "model added by a configuration reload")
-                }
+                true => info!(model = %id, source = %entry.source, "model found in the store: served by name"),
+                false => info!(model = %id, source = %entry.source, "model added by a configuration reload"),
             }
             if entry.pinned {
                 self.enqueue(id);
@@ -1831,6 +1867,12 @@ impl Pool {
                 continue;
             };
             let was_pinned = slot.entry.pinned;
+            // New settings may be what the failed load lacked: try them at once.
+            let was_failed = matches!(slot.state, State::Failed { .. });
+            if was_failed {
+                slot.state = State::Idle;
+                slot.history.reset();
+            }
             if change.fields.contains(&"limits") {
                 slot.limits = ModelLimits::new(entry.limits.clone());
             }
@@ -1840,7 +1882,7 @@ impl Pool {
             slot.log.push(format!(
                 "[mlxd] configuration reloaded: {fields} changed (applies at the next load)"
             ));
-            if entry.pinned && !was_pinned {
+            if entry.pinned && (!was_pinned || was_failed) {
                 self.enqueue(&change.id);
             } else if !entry.pinned {
                 self.arm_idle_timer(&change.id);

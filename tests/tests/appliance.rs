@@ -183,7 +183,7 @@ async fn mlxd_device_gpu_on_a_cpu_build_fails_the_load_saying_why() -> Result<()
         let (frames, child) = engine.until_ready_or_fatal().await?;
         match frames.last() {
             Some(ChildMsg::Fatal(f)) => {
-                assert_eq!(f.kind, FatalKind::LoadFailed);
+                assert_eq!(f.kind, FatalKind::CannotLoad);
                 assert!(f.message.contains(says), "{value}: {}", f.message);
             }
             other => panic!("{value}: expected Fatal, got {other:?}"),

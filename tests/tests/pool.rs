@@ -746,3 +746,65 @@ async fn models_dir_and_repo_ids_reach_the_engine_as_launch_model() -> Result<()
     p.stop().await?;
     Ok(())
 }
+
+/// A load the engine says cannot succeed (`Fatal(CannotLoad)`: a typo'd model name, a bad
+/// path, a refused option, offline) fails once with the engine's explanation, and the
+/// pool does not restart into the same error: one start, the model failed at once, later
+/// requests answered from the failed state until an admin reset lets one try again.
+#[tokio::test]
+async fn a_load_that_cannot_succeed_fails_once_and_is_not_retried() -> Result<()> {
+    let why = "\"smolm2-135m\" is not a known model; did you mean smollm2-135m?";
+    let p = Proxy::start_with(&[("cannot_load", why)], |c| {
+        c.server.failed_cooldown_ms = 120_000;
+        for m in &mut c.models {
+            // As `mlxd serve --model smolm2-135m` preloads it.
+            m.pinned = true;
+        }
+    })
+    .await?;
+    let e = p
+        .wait_engine("failed", T, |e| e["state"] == "failed")
+        .await?;
+    assert_eq!(e["generation"], 1, "restarted: {e}");
+    assert_eq!(e["restarts"], 0, "{e}");
+    assert_eq!(e["crashes_in_window"], 0, "{e}");
+    assert_eq!(e["failure"], why, "{e}");
+    assert_eq!(e["last_exit"]["code"], "load_failed", "{e}");
+    for _ in 0..2 {
+        let (s, h, v) = p
+            .post_json("/v1/completions", &json!({"prompt": "x"}))
+            .await?;
+        assert_eq!(s, 503, "{v}");
+        assert_eq!(v["error"]["code"], "load_failed", "{v}");
+        assert_eq!(
+            v["error"]["message"],
+            format!("model fake-model cannot be loaded: {why}"),
+            "{v}"
+        );
+        let retry: u64 = h["retry-after"].to_str()?.parse()?;
+        assert!((100..=120).contains(&retry), "{h:?}");
+    }
+    assert_eq!(count_lines(&p.events_file(), " start model="), 1);
+    assert_eq!(p.engine().await?["generation"], 1);
+
+    // An admin reset lets the next request try again: one more start, the same answer.
+    let (s, _, v) = send(p.addr, "POST", "/engines/reset", None)
+        .await
+        .map(json_of)?
+        .await?;
+    assert_eq!(s, 200, "{v}");
+    let (s, _, v) = p
+        .post_json("/v1/completions", &json!({"prompt": "x"}))
+        .await?;
+    assert_eq!(s, 503, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .ends_with("did you mean smollm2-135m?"),
+        "{v}"
+    );
+    assert_eq!(p.engine().await?["generation"], 2);
+    assert_eq!(count_lines(&p.events_file(), " start model="), 2);
+    Ok(())
+}

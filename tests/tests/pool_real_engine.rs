@@ -309,3 +309,44 @@ async fn engine_options_configure_the_real_engine_and_unknown_ones_fail_the_load
     p.stop().await?;
     Ok(())
 }
+
+/// A typo in a model name (`--model smolm2-135m`) fails the load once, with the real
+/// engine's explanation and the nearest known name; the pool does not restart it.
+#[tokio::test]
+async fn a_typo_in_a_model_name_fails_once_with_the_nearest_name() -> Result<()> {
+    let r = real();
+    let mut p = r
+        .start(vec![ModelConfig::new("smolm2-135m")], |_| {})
+        .await?;
+    let (s, _, v) = p
+        .post_json(
+            "/v1/chat/completions",
+            &json!({"model": "smolm2-135m", "max_tokens": 1,
+                    "messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .await?;
+    assert_eq!(s, 503, "{v}");
+    assert_eq!(v["error"]["code"], "load_failed", "{v}");
+    let message = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.starts_with(
+            "model smolm2-135m cannot be loaded: \"smolm2-135m\" is not a known model"
+        ) && message.ends_with("did you mean smollm2-135m?"),
+        "{message}"
+    );
+    let e = row(&p, "smolm2-135m").await?;
+    assert_eq!(e["state"], "failed", "{e}");
+    assert_eq!(e["generation"], 1, "{e}");
+    assert_eq!(e["restarts"], 0, "{e}");
+    // The next request is answered from the failed state: no second engine.
+    let (s, _, _) = p
+        .post_json(
+            "/v1/completions",
+            &json!({"model": "smolm2-135m", "prompt": "x", "max_tokens": 1}),
+        )
+        .await?;
+    assert_eq!(s, 503);
+    assert_eq!(row(&p, "smolm2-135m").await?["generation"], 1);
+    p.stop().await?;
+    Ok(())
+}

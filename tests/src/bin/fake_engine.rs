@@ -42,6 +42,8 @@ const OOM_TEXT: &str = "libc++abi: terminating due to uncaught exception of type
 ///   test that watches a load opens the gate once it has seen it, whatever its speed);
 /// - `exit_before_ready=<code>`: exit with that code instead of becoming ready;
 /// - `fatal_before_ready=<message>`: send `Fatal(LoadFailed)` then exit 1;
+/// - `cannot_load=<message>`: send `Fatal(CannotLoad)` (a load no restart can fix) then
+///   exit 2;
 /// - `oom_before_ready=1`: print MLX's allocation-failure text and abort;
 /// - `sigkill_before_ready=1`: SIGKILL itself while loading;
 /// - `crash_once_marker=<path>`: if the file is absent, create it and exit 3 before ready;
@@ -207,6 +209,11 @@ async fn run(
         eprintln!("fake-engine: load failed: {msg}");
         tx.send_fatal(FatalKind::LoadFailed, msg.clone())?;
         std::process::exit(1);
+    }
+    if let Some(msg) = script.opts.get("cannot_load") {
+        eprintln!("fake-engine: cannot load: {msg}");
+        tx.send_fatal(FatalKind::CannotLoad, msg.clone())?;
+        std::process::exit(2);
     }
     if let Some(marker) = script.opts.get("crash_once_marker") {
         if std::fs::metadata(marker).is_err() {
