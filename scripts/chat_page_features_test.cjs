@@ -126,7 +126,11 @@ run("chat page features test", async () => {
     const shown = await a.locator(".body").innerText();
     check(shown.includes("<script>window.__xss = 1</script>") && shown.includes("<iframe"), "the model's HTML is not shown as text");
     check((await page.locator(".msg.user .body").first().innerText()).includes("<img src=x onerror="), "the question's HTML is not shown as text");
+    // Tall enough to show the question and the whole answer.
+    await page.setViewportSize({ width: 1100, height: 1080 });
+    await page.locator(".msg.user").first().scrollIntoViewIfNeeded();
     await page.screenshot({ path: path.join(shots, "chat-page-markdown.png") });
+    await page.setViewportSize({ width: 1100, height: 760 });
 
     // 3. Settings: refused out of range, then sent with the request.
     await page.click("#new");

@@ -81,7 +81,8 @@ async function refreshModels() {
   }
   for (const o of select.options) {
     const m = models.find((x) => x.id === o.value);
-    const label = m && m.state && m.state !== "loaded" ? o.value + " (" + m.state + ")" : o.value;
+    // Only states that need attention: an unloaded model loads on its first question.
+    const label = m && (m.state === "loading" || m.state === "failed") ? o.value + " (" + m.state + ")" : o.value;
     if (o.textContent !== label) o.textContent = label;
   }
   showState();
@@ -99,7 +100,7 @@ function showState() {
     notice(models.length ? "" : "This server has no models: add one to mlxd.toml or start mlxd with --model.", true);
     return;
   }
-  $("state").textContent = m.state;
+  $("state").textContent = m.state === "unloaded" ? "loads on the first question" : m.state;
   if (m.state === "loading") {
     notice("Loading " + m.id + "… " + loadingStep(m) + " The first answer starts when it is ready.");
   } else if (m.state === "failed") {
