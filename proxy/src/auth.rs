@@ -33,8 +33,9 @@ pub enum Access {
     Open,
     /// The API, `/v1/models`, `/engines`, `/logs`, `/metrics`: an API key (or the admin key).
     Api,
-    /// `/admin/*`, `/engines/reset`, `/v1/jobs*` (jobs write to the store and spend memory):
-    /// the admin key if one is set, else an API key.
+    /// `/admin/*`, `/engines/reset`, `/v1/jobs*` (jobs write to the store and spend memory),
+    /// `/api/pull` (Ollama's pull writes to the store): the admin key if one is set, else an
+    /// API key.
     Admin,
 }
 
@@ -49,6 +50,7 @@ pub fn access(path: &str) -> Access {
         || path == "/engines/reset"
         || path == "/v1/jobs"
         || path.starts_with("/v1/jobs/")
+        || path == "/api/pull"
     {
         Access::Admin
     } else {
@@ -354,6 +356,8 @@ mod tests {
         assert_eq!(access("/health"), Access::Open);
         assert_eq!(access("/health/ready"), Access::Open);
         assert_eq!(access("/healthz"), Access::Api);
+        assert_eq!(access("/api/pull"), Access::Admin);
+        assert_eq!(access("/api/chat"), Access::Api);
         assert_eq!(access("/metrics"), Access::Api);
         assert_eq!(access("/logs/x"), Access::Api);
         assert_eq!(access("/engines"), Access::Api);
