@@ -231,3 +231,157 @@ async fn max_tokens_above_the_ceiling_is_400_naming_the_limit() -> Result<()> {
     p.stop().await?;
     Ok(())
 }
+
+/// POSTs `body` exactly as written (field order kept) and reads the JSON answer.
+async fn post_raw(p: &Proxy, path: &str, body: &str) -> Result<(u16, Value)> {
+    let (s, _, v) =
+        json_of(send(p.addr, "POST", path, Some(body.to_owned().into())).await?).await?;
+    Ok((s.as_u16(), v))
+}
+
+/// Issues 22 and 23.1: with both token fields, `max_completion_tokens` is the request's limit
+/// (as OpenAI and the engine read it), whichever comes first in the body. The proxy used to
+/// read `max_tokens` first: `1` passed the limit and the engine generated up to 400.
+#[tokio::test]
+async fn both_token_fields_are_judged_by_max_completion_tokens_in_either_order() -> Result<()> {
+    let mut p = Proxy::start_with(&[], |c| c.server.max_tokens_limit = Some(8)).await?;
+    for body in [
+        r#"{"model": "fake-model", "messages": [], "max_tokens": 1, "max_completion_tokens": 400}"#,
+        r#"{"model": "fake-model", "messages": [], "max_completion_tokens": 400, "max_tokens": 1}"#,
+    ] {
+        let (s, v) = post_raw(&p, "/v1/chat/completions", body).await?;
+        assert_eq!(s, 400, "{body}: {v}");
+        assert_eq!(v["error"]["code"], "max_tokens_exceeded", "{v}");
+        assert_eq!(v["error"]["param"], "max_completion_tokens", "{v}");
+        assert_eq!(
+            v["error"]["message"],
+            "max_completion_tokens 400 exceeds the limit of 8 (server.max_tokens_limit)"
+        );
+    }
+    assert_eq!(
+        p.engine().await?["state"],
+        "idle",
+        "refused before any engine woke"
+    );
+    for body in [
+        r#"{"model": "fake-model", "messages": [], "max_tokens": 400, "max_completion_tokens": 1}"#,
+        r#"{"model": "fake-model", "messages": [], "max_completion_tokens": 1, "max_tokens": 400}"#,
+    ] {
+        let (s, v) = post_raw(&p, "/v1/chat/completions", body).await?;
+        assert_eq!(s, 200, "{body}: {v}");
+    }
+    // A bad value is refused as the engine refuses it: the field and the rule.
+    let (s, v) = post_raw(
+        &p,
+        "/v1/completions",
+        r#"{"prompt": "p", "max_tokens": 5, "max_completion_tokens": 0}"#,
+    )
+    .await?;
+    assert_eq!(s, 400, "{v}");
+    assert_eq!(v["error"]["param"], "max_completion_tokens");
+    assert_eq!(
+        v["error"]["message"],
+        "max_completion_tokens must be at least 1, got 0"
+    );
+    // Anthropic's route: its required `max_tokens`, in its error shape.
+    let (s, v) = post_raw(&p, "/v1/messages", r#"{"messages": [], "max_tokens": 9}"#).await?;
+    assert_eq!(s, 400, "{v}");
+    assert_eq!(v["type"], "error");
+    assert_eq!(
+        v["error"]["message"],
+        "max_tokens 9 exceeds the limit of 8 (server.max_tokens_limit)"
+    );
+    let (s, v) = post_raw(&p, "/v1/messages", r#"{"messages": []}"#).await?;
+    assert_eq!(s, 400, "{v}");
+    assert_eq!(v["error"]["message"], "`max_tokens` is required");
+    p.stop().await?;
+    Ok(())
+}
+
+/// Issue 23.1: the KV pre-check admits on the effective limit: `max_completion_tokens` over
+/// `max_tokens`, and `max_tokens_limit` for a request without either (the engine reserves
+/// the prompt plus that many tokens). It used to count `max_tokens`, or nothing.
+#[tokio::test]
+async fn the_kv_pre_check_counts_the_effective_token_limit() -> Result<()> {
+    // The fake engine's KV is 10 bytes a token: 1000 bytes hold a 1-token prompt and 99 more.
+    let mut p = Proxy::start_with(&[], |c| {
+        c.server.limits.kv_budget_bytes = Some(1000);
+        c.server.max_tokens_limit = Some(500);
+    })
+    .await?;
+    let (s, v) = post_raw(
+        &p,
+        "/v1/chat/completions",
+        r#"{"messages": [], "max_tokens": 5}"#,
+    )
+    .await?;
+    assert_eq!(s, 200, "{v}");
+    for body in [
+        r#"{"messages": [], "max_tokens": 1, "max_completion_tokens": 300}"#,
+        r#"{"messages": []}"#,
+    ] {
+        let (s, v) = post_raw(&p, "/v1/chat/completions", body).await?;
+        assert_eq!(s, 400, "{body}: {v}");
+        assert_eq!(v["error"]["code"], "kv_budget_exceeded", "{v}");
+    }
+    let (s, v) = post_raw(
+        &p,
+        "/v1/chat/completions",
+        r#"{"messages": [], "max_completion_tokens": 99}"#,
+    )
+    .await?;
+    assert_eq!(s, 200, "{v}");
+    p.stop().await?;
+    Ok(())
+}
+
+/// Issue 23.1 with the real engine: a request without a token field gets at most
+/// `max_tokens_limit` tokens (it used to run to the end of the context), on the chat and
+/// completions routes, whole and streamed; Anthropic's route keeps its own `max_tokens`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_without_a_token_field_gets_at_most_the_limit() -> Result<()> {
+    let mut p = default_model_proxy(&[("prompt_cache", "0")], |c| {
+        c.server.max_tokens_limit = Some(3)
+    })
+    .await?;
+    let ask = json!([{"role": "user", "content": "Count from 1 to 100, separated by commas."}]);
+    let (s, _, v) = p
+        .post_json("/v1/chat/completions", &json!({"messages": ask}))
+        .await?;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 3, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+    let (s, _, v) = p
+        .post_json("/v1/completions", &json!({"prompt": "1, 2, 3, 4, 5,"}))
+        .await?;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 3, "{v}");
+    let resp = send(
+        p.addr,
+        "POST",
+        "/v1/chat/completions",
+        Some(
+            json!({"messages": ask, "stream": true, "stream_options": {"include_usage": true}})
+                .to_string()
+                .into(),
+        ),
+    )
+    .await?;
+    let events = read_events(resp).await?;
+    let usage = events
+        .iter()
+        .filter_map(|(_, e)| event_json(e))
+        .find_map(|v| v.get("usage").filter(|u| !u.is_null()).cloned());
+    assert_eq!(
+        usage.map(|u| u["completion_tokens"].clone()),
+        Some(json!(3))
+    );
+    let (s, _, v) = p
+        .post_json("/v1/messages", &json!({"messages": ask, "max_tokens": 2}))
+        .await?;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["usage"]["output_tokens"], 2, "{v}");
+    assert_eq!(v["stop_reason"], "max_tokens", "{v}");
+    p.stop().await?;
+    Ok(())
+}

@@ -408,12 +408,11 @@ async fn reduced_limits_refuse_with_503_and_reset_restores_them() -> Result<()> 
         c.server.max_resumes = 0;
     })
     .await?;
-    let (s, _, v) = p
-        .post_json(
-            "/v1/chat/completions",
-            &chat(json!({"then": "fatal_oom"}), false),
-        )
-        .await?;
+    // With a token limit: without one the engine would reserve the whole context (20480
+    // bytes), which the pre-check refuses.
+    let mut oom = chat(json!({"then": "fatal_oom"}), false);
+    oom["max_tokens"] = json!(100);
+    let (s, _, v) = p.post_json("/v1/chat/completions", &oom).await?;
     assert_eq!(s, 502, "{v}");
     assert_eq!(v["error"]["code"], "out_of_memory");
     assert!(
