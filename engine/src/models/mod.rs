@@ -11,6 +11,8 @@ pub mod decoder;
 pub mod deepseek_v2;
 pub mod deepseek_v3;
 pub mod exaone4;
+pub mod falcon_h1;
+pub mod gated_delta;
 pub mod gemma2;
 pub mod gemma3;
 pub mod gemma4;
@@ -37,7 +39,9 @@ pub mod phi3;
 pub mod quant;
 pub mod qwen2_moe;
 pub mod qwen3;
+pub mod qwen3_5;
 pub mod qwen3_moe;
+pub mod qwen3_next;
 pub mod rope;
 pub mod scalar;
 pub mod smollm3;
@@ -152,6 +156,7 @@ const REGISTRY: &[(&str, Builder)] = &[
     ("Gemma4ForCausalLM", gemma4::build),
     ("Gemma4ForConditionalGeneration", gemma4::build_conditional),
     ("GptOssForCausalLM", gpt_oss::build),
+    ("FalconH1ForCausalLM", falcon_h1::build),
     ("Lfm2ForCausalLM", lfm2::build),
     ("Mamba2ForCausalLM", mamba2::build),
     ("NemotronHForCausalLM", nemotron_h::build),
@@ -169,6 +174,11 @@ const REGISTRY: &[(&str, Builder)] = &[
     ("Qwen2ForCausalLM", llama::build),
     ("Qwen3ForCausalLM", qwen3::build),
     ("Qwen3MoeForCausalLM", qwen3_moe::build),
+    ("Qwen3NextForCausalLM", qwen3_next::build),
+    ("Qwen3_5ForCausalLM", qwen3_5::build),
+    ("Qwen3_5ForConditionalGeneration", qwen3_5::build),
+    ("Qwen3_5MoeForCausalLM", qwen3_5::build),
+    ("Qwen3_5MoeForConditionalGeneration", qwen3_5::build),
     ("Qwen2MoeForCausalLM", qwen2_moe::build),
     ("MixtralForCausalLM", mixtral::build),
     ("OlmoeForCausalLM", olmoe::build),
