@@ -11,7 +11,6 @@ pub mod decoder;
 pub mod deepseek_v2;
 pub mod deepseek_v3;
 pub mod exaone4;
-pub mod falcon_h1;
 pub mod gated_delta;
 pub mod gemma2;
 pub mod gemma3;
@@ -156,7 +155,6 @@ const REGISTRY: &[(&str, Builder)] = &[
     ("Gemma4ForCausalLM", gemma4::build),
     ("Gemma4ForConditionalGeneration", gemma4::build_conditional),
     ("GptOssForCausalLM", gpt_oss::build),
-    ("FalconH1ForCausalLM", falcon_h1::build),
     ("Lfm2ForCausalLM", lfm2::build),
     ("Mamba2ForCausalLM", mamba2::build),
     ("NemotronHForCausalLM", nemotron_h::build),
