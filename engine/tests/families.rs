@@ -313,6 +313,7 @@ family!(lfm2_matches_mlx_lm, "lfm2");
 family!(mamba2_matches_mlx_lm, "mamba2");
 family!(nemotron_h_matches_mlx_lm, "nemotron_h");
 family!(falcon_h1_matches_mlx_lm, "falcon_h1");
+family!(falcon_h1_matches_mlx_lm, "falcon_h1");
 family!(qwen3_next_matches_mlx_lm, "qwen3_next");
 family!(qwen3_5_matches_mlx_lm, "qwen3_5");
 family!(qwen3_5_moe_matches_mlx_lm, "qwen3_5_moe");

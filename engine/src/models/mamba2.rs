@@ -40,13 +40,26 @@ pub(crate) struct MixerShape {
     /// `(min, max)` of the time step after softplus.
     pub time_step_limit: (f32, f32),
     pub norm_eps: f32,
-    /// Features per group of the gated output norm (`heads * head_dim` normalises the whole
-    /// output, as Mamba-2's; Nemotron-H normalises each of `groups` groups).
-    pub norm_group_size: i32,
+    /// How the SSM output is gated and normalised.
+    pub norm: MixerNorm,
     /// Casts `D` to the activations' dtype before the skip connection (Nemotron-H).
     pub cast_d: bool,
-    pub proj_bias: bool,
+    pub in_proj_bias: bool,
+    pub out_proj_bias: bool,
     pub conv_bias: bool,
+}
+
+/// How a mixer gates its SSM output `y` by `silu(gate)` and normalises it (RMS norm with the
+/// mixer's `norm.weight`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum MixerNorm {
+    /// Gate, then normalise each group of `group_size` features (the whole output when it is
+    /// `heads * head_dim`: Mamba-2; each of `n_groups` groups: Nemotron-H).
+    GateThenNorm { group_size: i32 },
+    /// Normalise the whole output, then gate (Falcon-H1's `mamba_norm_before_gate`).
+    NormThenGate,
+    /// Gate only, no norm (Falcon-H1 without `mamba_rms_norm`).
+    GateOnly,
 }
 
 impl MixerShape {
@@ -79,12 +92,13 @@ impl MixerShape {
                 self.conv_kernel
             )));
         }
-        if self.norm_group_size <= 0 || self.inner() % self.norm_group_size != 0 {
-            return Err(LoadError::Config(format!(
-                "{family}: the gated norm's groups of {} do not divide {} features",
-                self.norm_group_size,
-                self.inner()
-            )));
+        if let MixerNorm::GateThenNorm { group_size } = self.norm {
+            if group_size <= 0 || self.inner() % group_size != 0 {
+                return Err(LoadError::Config(format!(
+                    "{family}: the gated norm's groups of {group_size} do not divide {} features",
+                    self.inner()
+                )));
+            }
         }
         Ok(())
     }
@@ -100,7 +114,8 @@ pub(crate) struct Mamba2Mixer {
     dt_bias: Array,
     a_log: Array,
     d: Array,
-    norm_weight: Array,
+    /// `None` for [`MixerNorm::GateOnly`].
+    norm_weight: Option<Array>,
     out_proj: Linear,
     shape: MixerShape,
 }
@@ -131,14 +146,17 @@ impl Mamba2Mixer {
             None
         };
         Ok(Self {
-            in_proj: Linear::load(w, &format!("{prefix}.in_proj"), shape.proj_bias)?,
+            in_proj: Linear::load(w, &format!("{prefix}.in_proj"), shape.in_proj_bias)?,
             conv_weight,
             conv_bias,
             dt_bias: w.take(&format!("{prefix}.dt_bias"))?,
             a_log: w.take(&format!("{prefix}.A_log"))?,
             d: w.take(&format!("{prefix}.D"))?,
-            norm_weight: w.take(&format!("{prefix}.norm.weight"))?,
-            out_proj: Linear::load(w, &format!("{prefix}.out_proj"), shape.proj_bias)?,
+            norm_weight: match shape.norm {
+                MixerNorm::GateOnly => None,
+                _ => Some(w.take(&format!("{prefix}.norm.weight"))?),
+            },
+            out_proj: Linear::load(w, &format!("{prefix}.out_proj"), shape.out_proj_bias)?,
             shape,
         })
     }
@@ -200,17 +218,29 @@ impl Mamba2Mixer {
         self.out_proj.forward(&self.gated_norm(&y, &gate)?)
     }
 
-    /// `rms_norm(silu(gate) * y)` over groups of `norm_group_size` features, then the norm's
-    /// weight.
+    /// `y` gated by `silu(gate)` and normalised as the shape's [`MixerNorm`] says.
     fn gated_norm(&self, y: &Array, gate: &Array) -> Result<Array, Exception> {
         let s = &self.shape;
-        let y = silu(gate)?.multiply(y)?;
-        if s.norm_group_size == s.inner() {
-            return mlx_rs::fast::rms_norm(&y, Some(&self.norm_weight), s.norm_eps);
+        let weight = self.norm_weight.as_ref();
+        match s.norm {
+            MixerNorm::GateOnly => silu(gate)?.multiply(y),
+            MixerNorm::NormThenGate => {
+                silu(gate)?.multiply(mlx_rs::fast::rms_norm(y, weight, s.norm_eps)?)
+            }
+            MixerNorm::GateThenNorm { group_size } => {
+                let y = silu(gate)?.multiply(y)?;
+                if group_size == s.inner() {
+                    return mlx_rs::fast::rms_norm(&y, weight, s.norm_eps);
+                }
+                let grouped = unflatten(&y, -1, &[-1, group_size])?;
+                let normed =
+                    mlx_rs::fast::rms_norm(&grouped, None, s.norm_eps)?.flatten(-2, None)?;
+                match weight {
+                    Some(w) => w.multiply(normed),
+                    None => Ok(normed),
+                }
+            }
         }
-        let grouped = unflatten(&y, -1, &[-1, s.norm_group_size])?;
-        let normed = mlx_rs::fast::rms_norm(&grouped, None, s.norm_eps)?;
-        self.norm_weight.multiply(normed.flatten(-2, None)?)
     }
 }
 
@@ -533,9 +563,12 @@ pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadE
         conv_kernel: c.conv_kernel,
         time_step_limit: c.time_step_limit,
         norm_eps: c.layer_norm_epsilon,
-        norm_group_size: c.num_heads * c.head_dim,
+        norm: MixerNorm::GateThenNorm {
+            group_size: c.num_heads * c.head_dim,
+        },
         cast_d: false,
-        proj_bias: c.use_bias,
+        in_proj_bias: c.use_bias,
+        out_proj_bias: c.use_bias,
         conv_bias: c.use_conv_bias,
     };
     let mut blocks: Vec<Box<dyn BackboneBlock>> = Vec::with_capacity(c.num_hidden_layers);

@@ -11,6 +11,7 @@ pub mod decoder;
 pub mod deepseek_v2;
 pub mod deepseek_v3;
 pub mod exaone4;
+pub mod falcon_h1;
 pub mod gated_delta;
 pub mod gemma2;
 pub mod gemma3;
@@ -155,6 +156,7 @@ const REGISTRY: &[(&str, Builder)] = &[
     ("Gemma4ForCausalLM", gemma4::build),
     ("Gemma4ForConditionalGeneration", gemma4::build_conditional),
     ("GptOssForCausalLM", gpt_oss::build),
+    ("FalconH1ForCausalLM", falcon_h1::build),
     ("Lfm2ForCausalLM", lfm2::build),
     ("Mamba2ForCausalLM", mamba2::build),
     ("NemotronHForCausalLM", nemotron_h::build),

@@ -15,7 +15,8 @@ use super::attention::{prerotated_opts, AttnProjections};
 use super::config::{check_heads, parse_config};
 use super::layers::{attend_with, Linear, RmsNorm};
 use super::mamba2::{
-    missing_cache, Backbone, BackboneBlock, BackboneSizes, Mamba2Mixer, MixerBlock, MixerShape,
+    missing_cache, Backbone, BackboneBlock, BackboneSizes, Mamba2Mixer, MixerBlock, MixerNorm,
+    MixerShape,
 };
 use super::params::{Parameters, Params};
 use super::CausalLm;
@@ -187,13 +188,16 @@ pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadE
         conv_kernel: c.conv_kernel,
         time_step_limit: c.time_step_limit.unwrap_or((0.0, f32::INFINITY)),
         norm_eps: c.layer_norm_epsilon,
-        norm_group_size: if c.n_groups > 0 {
-            inner / c.n_groups
-        } else {
-            0
+        norm: MixerNorm::GateThenNorm {
+            group_size: if c.n_groups > 0 {
+                inner / c.n_groups
+            } else {
+                0
+            },
         },
         cast_d: true,
-        proj_bias: c.mamba_proj_bias,
+        in_proj_bias: c.mamba_proj_bias,
+        out_proj_bias: c.mamba_proj_bias,
         conv_bias: c.use_conv_bias,
     };
     let mut built: Vec<Box<dyn BackboneBlock>> = Vec::with_capacity(blocks.len());
