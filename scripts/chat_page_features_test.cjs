@@ -10,7 +10,9 @@
 //  4. conversations, their settings and rendering kept across a reload; rename and delete;
 //  5. regenerate and edit of the last question (each a new request with the right messages);
 //  6. an example prompt asked of a slow model, then stopped mid-answer;
-//  7. a failed model's reason as a sentence, in the banner and in an answer's error.
+//  7. a failed model's reason as a sentence, in the banner and in an answer's error;
+//  8. the page's wording of mlxd's failure reasons (engine JSON log lines, whole or cut);
+//  9. stored conversations that cannot be read: set aside and said so.
 // Screenshots go to <shot-dir>: chat-page-markdown.png, chat-page-settings.png,
 // chat-page-failed.png.
 //
@@ -245,6 +247,37 @@ run("chat page features test", async () => {
     const err = (await page.locator(".msg.assistant .error").last().textContent()).trim();
     check(/broken-model/.test(err) && !/[{}]/.test(err) && /\.$/.test(err), "error in the answer: " + err);
     await page.screenshot({ path: path.join(shots, "chat-page-failed.png") });
+
+    // 8. The reasons mlxd gives, as the page words them: an engine's JSON log line (whole,
+    // or cut at the stderr line limit) is reduced to its message.
+    const reasons = await page.evaluate(async () => {
+      const api = await import("/api.js");
+      const json = '{"timestamp":"t","level":"ERROR","fields":{"message":"load failed","error":"no config.json in /m"},"target":"mlxd_engine::app"}';
+      return [
+        api.readableReason("load failed (exit code 1); last log line: " + json),
+        api.readableReason("crashed (exit code 3); last log line: " + json.slice(0, 70)),
+        api.readableReason("crashed (exit code 3); last log line: plain words"),
+        api.readableReason("model m failed to load: exit code 1 " + json),
+        api.failedModelNotice({ id: "m", failure: "load failed (exit code 1); last log line: " + json }),
+      ];
+    });
+    const want = [
+      "Load failed (exit code 1). Its last log line: “load failed: no config.json in /m”.",
+      "Crashed (exit code 3). Its last log line: “load failed”.",
+      "Crashed (exit code 3). Its last log line: “plain words”.",
+      "Model m failed to load: exit code 1: load failed: no config.json in /m.",
+      "m is not available: it failed to load (exit code 1). Its last log line: “load failed: no config.json in /m”. Pick another model, or fix it and restart mlxd.",
+    ];
+    for (let i = 0; i < want.length; i++) check(reasons[i] === want[i], "reason " + i + ": " + JSON.stringify(reasons[i]));
+
+    // 9. Stored conversations that cannot be read are set aside with a sentence, not lost.
+    await page.evaluate(() => localStorage.setItem("mlxd-chat-conversations-v1", "{not json"));
+    await page.reload({ waitUntil: "domcontentloaded" });
+    await page.waitForSelector("#problem.show");
+    const unreadable = await page.textContent("#problem");
+    check(/could not be read .*mlxd-chat-conversations-v1-unreadable/.test(unreadable), "unreadable storage: " + unreadable);
+    check((await page.evaluate(() => localStorage.getItem("mlxd-chat-conversations-v1-unreadable"))) === "{not json",
+      "the unreadable value was not kept");
 
     if (problems.length) throw new Error(problems.join("; "));
     console.log("chat page features: welcome, markdown+code+copy, reasoning, tool call, no script injection, " +
