@@ -242,6 +242,7 @@ run("chat page features test", async () => {
     const banner = (await page.textContent("#notice")).trim();
     check(/^broken-model is not available: its engine crashed/.test(banner), "failed-model banner: " + banner);
     check(!/[{}]|"level"|; last log line:/.test(banner), "raw log line in the banner: " + banner);
+    check((await page.textContent(".welcome h2")) === "broken-model is not available", "the welcome offers a failed model");
     await send("Are you there?");
     await done(1);
     const err = (await page.locator(".msg.assistant .error").last().textContent()).trim();

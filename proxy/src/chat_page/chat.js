@@ -86,7 +86,7 @@ async function refreshModels() {
     if (o.textContent !== label) o.textContent = label;
   }
   showState();
-  if (active && !active.messages.length && welcomeFor !== select.value) renderConversation();
+  if (active && !active.messages.length && welcomeFor !== welcomeKey()) renderConversation();
 }
 
 function selectedModel() {
@@ -246,10 +246,21 @@ function renderConversation() {
   box.scrollTop = box.scrollHeight;
 }
 
+/// What the welcome depends on: the model picked and whether it failed.
+function welcomeKey() {
+  const m = selectedModel();
+  return $("model").value + (m && m.state === "failed" ? " failed" : "");
+}
+
 function welcome() {
   const w = el("div", "welcome");
   const m = $("model").value;
-  welcomeFor = m;
+  welcomeFor = welcomeKey();
+  if (welcomeFor.endsWith(" failed")) {
+    w.append(el("h2", "", m + " is not available"));
+    w.append(el("p", "", "The banner above says why. Pick another model to start."));
+    return w;
+  }
   w.append(el("h2", "", m ? "Ask " + m + " anything" : "Pick a model to start"));
   w.append(el("p", "", "Answers stream in as the model writes them. Conversations stay in this browser; " +
     "Settings holds a system prompt and sampling for each conversation."));
