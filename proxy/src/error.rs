@@ -165,12 +165,16 @@ pub enum ErrorShape {
     OpenAi,
     /// `{"type":"error","error":{"type","message"}}`, for `/v1/messages*`.
     Anthropic,
+    /// `{"error": "message"}`, for Ollama's `/api/*` (`crate::ollama`).
+    Ollama,
 }
 
 impl ErrorShape {
     pub fn for_path(path: &str) -> Self {
         if path == "/v1/messages" || path.starts_with("/v1/messages/") {
             Self::Anthropic
+        } else if path.starts_with("/api/") {
+            Self::Ollama
         } else {
             Self::OpenAi
         }
@@ -341,6 +345,7 @@ impl ProxyError {
         let body = match shape {
             ErrorShape::OpenAi => self.body_json(),
             ErrorShape::Anthropic => self.anthropic_body_json(),
+            ErrorShape::Ollama => serde_json::json!({ "error": self.to_string() }).to_string(),
         };
         let mut resp = Response::new(B::from(Bytes::from(body)));
         *resp.status_mut() = self.status();
@@ -439,6 +444,25 @@ mod tests {
         }
         .into_response();
         assert_eq!(resp.headers()["retry-after"], "2");
+    }
+
+    #[test]
+    fn ollama_shape() {
+        assert_eq!(ErrorShape::for_path("/api/chat"), ErrorShape::Ollama);
+        assert_eq!(
+            ErrorShape::for_path("/v1/chat/completions"),
+            ErrorShape::OpenAi
+        );
+        let e = ProxyError::QueueFull {
+            model: "m".into(),
+            capacity: 1,
+            retry_after: Duration::from_millis(1500),
+        };
+        let resp: Response<Bytes> = e.clone().into_response_shaped(ErrorShape::Ollama);
+        assert_eq!(resp.status().as_u16(), 429);
+        assert_eq!(resp.headers()["retry-after"], "2");
+        let v: serde_json::Value = serde_json::from_slice(resp.body()).unwrap();
+        assert_eq!(v, serde_json::json!({ "error": e.to_string() }));
     }
 
     #[test]

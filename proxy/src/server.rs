@@ -760,8 +760,14 @@ fn unservable(model: &str, max_tokens: u64, u: crate::policy::Unservable) -> Pro
 
 /// The Ollama routes' view of the server (`crate::ollama`).
 impl crate::ollama::Backend for App {
-    fn catalog(&self) -> Arc<Catalog> {
-        App::catalog(self)
+    fn resolve<'a>(
+        &'a self,
+        name: &'a str,
+    ) -> futures::future::BoxFuture<'a, Result<String, ProxyError>> {
+        Box::pin(self.routing.resolve(Some(name)))
+    }
+    fn refresh(&self) -> futures::future::BoxFuture<'_, ()> {
+        Box::pin(self.routing.refresh(None))
     }
     fn pool(&self) -> &PoolHandle {
         &self.pool

@@ -15,7 +15,6 @@ pub mod request;
 pub mod stream;
 
 use std::path::Path;
-use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
@@ -28,9 +27,8 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use crate::catalog::Catalog;
 use crate::config::Config;
-use crate::error::ProxyError;
+use crate::error::{ErrorShape, ProxyError};
 use crate::forward::BoxError;
 use crate::pool::PoolHandle;
 use crate::server::ResponseBody;
@@ -40,8 +38,11 @@ use stream::{Step, Timing, Translator};
 
 /// What the Ollama routes need from the server.
 pub trait Backend: Send + Sync {
-    /// The catalog requests are routed by now.
-    fn catalog(&self) -> Arc<Catalog>;
+    /// The catalog id of the model a request names, as the OpenAI routes resolve it (a
+    /// name only the store knows is added to the catalog).
+    fn resolve<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<String, ProxyError>>;
+    /// Reads the store again, so that models pulled or built since are listed.
+    fn refresh(&self) -> BoxFuture<'_, ()>;
     fn pool(&self) -> &PoolHandle;
     fn config(&self) -> &Config;
     /// The model store (`$MLXD_HOME`), or why there is none.
@@ -138,14 +139,11 @@ async fn read_body(config: &Config, body: Incoming) -> Result<Bytes, ProxyError>
 }
 
 /// The catalog id for an Ollama model name; `name:latest` is `name` (Ollama's default tag).
-fn resolve(catalog: &Catalog, name: &str) -> Result<String, ProxyError> {
-    match catalog.resolve(Some(name)) {
-        Ok(entry) => Ok(entry.id.clone()),
+async fn resolve<B: Backend>(b: &B, name: &str) -> Result<String, ProxyError> {
+    match b.resolve(name).await {
+        Ok(id) => Ok(id),
         Err(e) => match name.strip_suffix(":latest") {
-            Some(bare) => catalog
-                .resolve(Some(bare))
-                .map(|m| m.id.clone())
-                .map_err(|_| e),
+            Some(bare) => b.resolve(bare).await.map_err(|_| e),
             None => Err(e),
         },
     }
@@ -158,7 +156,7 @@ async fn generation<B: Backend>(
     id: u64,
     arrived: Instant,
 ) -> Result<Response<ResponseBody>, ProxyError> {
-    let model = resolve(&b.catalog(), &t.model)?;
+    let model = resolve(b, &t.model).await?;
     tracing::Span::current().record("model", model.as_str());
     t.body["model"] = Value::String(model.clone());
     let translator = Translator::new(t.route, model.clone(), t.thinking);
@@ -329,20 +327,15 @@ fn error_reply(status: StatusCode, message: &str) -> Response<ResponseBody> {
     json_reply(status, &json!({ "error": message }))
 }
 
-/// A proxy error in Ollama's shape, keeping its status and `Retry-After`.
+/// A proxy error in Ollama's shape (with its status and `Retry-After`).
 fn proxy_error(e: ProxyError) -> Response<ResponseBody> {
     if e.status().is_server_error() {
         tracing::warn!(status = e.status().as_u16(), error = %e, "request failed");
     } else {
         tracing::debug!(status = e.status().as_u16(), error = %e, "request rejected");
     }
-    let message = e.to_string();
-    let (parts, _) = e.into_response::<Bytes>().into_parts();
-    let mut r = error_reply(parts.status, &message);
-    if let Some(after) = parts.headers.get(header::RETRY_AFTER) {
-        r.headers_mut().insert(header::RETRY_AFTER, after.clone());
-    }
-    r
+    e.into_response_shaped::<Full<Bytes>>(ErrorShape::Ollama)
+        .map(|b| b.map_err(|e| match e {}).boxed_unsync())
 }
 
 /// The engine's (or the dispatch's) error response, OpenAI-shaped, in Ollama's shape.
@@ -396,8 +389,9 @@ async fn facts_of(
 }
 
 /// `GET /api/tags`: the models this server serves (its catalog: configured, `--model`
-/// and `models_dir` models).
+/// and `models_dir` models, and those in the store).
 async fn tags<B: Backend>(b: &B) -> Response<ResponseBody> {
+    b.refresh().await;
     let rows: Vec<_> = b
         .pool()
         .status()
@@ -473,7 +467,7 @@ fn named_model(body: &[u8]) -> Result<(String, Value), ProxyError> {
 /// `POST /api/show`.
 async fn show<B: Backend>(b: &B, body: &[u8]) -> Result<Response<ResponseBody>, ProxyError> {
     let (name, _) = named_model(body)?;
-    let id = resolve(&b.catalog(), &name)?;
+    let id = resolve(b, &name).await?;
     let status = b
         .pool()
         .status()
