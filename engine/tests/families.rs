@@ -25,6 +25,8 @@ mod deepseek_layouts;
 mod gemma_gptoss;
 #[path = "families/gguf_families.rs"]
 mod gguf_families;
+#[path = "families/hybrid_checkpoints.rs"]
+mod hybrid_checkpoints;
 #[path = "families/moe_checkpoints.rs"]
 mod moe_checkpoints;
 #[path = "families/window_cache.rs"]
