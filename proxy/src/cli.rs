@@ -44,6 +44,9 @@ pub enum Command {
     Ls(LsArgs),
     /// Delete a model from the local store or the Hugging Face cache.
     Rm(RmArgs),
+    /// What a model in the local store is: architecture, parameters, quantization, context
+    /// length, chat template, license and where it lives (without a server).
+    Show(ShowArgs),
     /// Running engines of a running server: model, pid, state, memory, uptime, requests,
     /// restarts.
     Ps(ClientArgs),
@@ -193,6 +196,18 @@ pub struct LsArgs {
     pub server: bool,
     #[command(flatten)]
     pub client: ClientArgs,
+    #[command(flatten)]
+    pub store: StoreArgs,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ShowArgs {
+    /// A name as `mlxd ls` shows it, a model directory, a converted .gguf file or a Hugging
+    /// Face repo id in the cache.
+    pub model: String,
+    /// Print the chat template itself too.
+    #[arg(long)]
+    pub template: bool,
     #[command(flatten)]
     pub store: StoreArgs,
 }

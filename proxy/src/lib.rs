@@ -30,6 +30,7 @@ pub mod request;
 pub mod resume;
 pub mod routing;
 pub mod server;
+pub mod show;
 
 pub use config::Config;
 pub use server::{serve, serve_with, Preload, ServeOptions};

@@ -213,6 +213,11 @@ async fn run_verb(verb: &Command) -> anyhow::Result<()> {
             }
             println!("freed {}", mlxd_proxy::config::Bytes(removed.bytes));
         }
+        Command::Show(a) => {
+            let opts = a.store.options()?;
+            let facts = mlxd_store::facts::show(&a.model, &opts)?;
+            print!("{}", mlxd_proxy::show::render(&a.model, &facts, a.template));
+        }
         Command::Stop(a) => {
             let path = format!("/admin/models/{}/unload", a.model);
             let v = a.client.server().json("POST", &path, None).await?;

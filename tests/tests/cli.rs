@@ -199,6 +199,35 @@ async fn store_verbs_pull_list_and_remove() -> Result<()> {
     );
     ensure!(rows[1][5..] == ["known", "model"], "{out}");
 
+    // What the model is, from its files alone.
+    let o = mlxd(&["show", "smollm2-135m"], &env, "").await?;
+    let (out, err) = text(&o);
+    ensure!(o.status.success(), "{err}");
+    for line in [
+        "model             smollm2-135m",
+        "architecture      LlamaForCausalLM (llama)",
+        "parameters        134.5M",
+        "quantization      mlx 4-bit",
+        "context length    8192",
+        "template          chatml chat format",
+        "license           Apache-2.0",
+    ] {
+        ensure!(out.lines().any(|l| l == line), "{line:?} missing:\n{out}");
+    }
+    let location = format!(
+        "location          {}",
+        home.join("models/smollm2-135m").display()
+    );
+    ensure!(out.lines().any(|l| l == location), "{out}");
+    let o = mlxd(&["show", "smollm2-135m", "--template"], &env, "").await?;
+    ensure!(text(&o).0.contains("<|im_start|>"), "{}", text(&o).0);
+    let o = mlxd(&["show", "absent"], &env, "").await?;
+    let (_, err) = text(&o);
+    ensure!(
+        !o.status.success() && err.contains("not in the store") && err.contains("mlxd ls"),
+        "{err}"
+    );
+
     let o = mlxd(&["rm", "smollm2-135m"], &env, "").await?;
     let (out, err) = text(&o);
     ensure!(o.status.success(), "{err}");
