@@ -295,8 +295,7 @@ impl Runtime {
 }
 
 /// The first option in `limits` that the model's family refuses, with its reason. A model
-/// with recurrent layers refuses what needs a cache cut back to an earlier position or
-/// written as keys and values.
+/// with recurrent layers refuses drafts, which need a cache cut back to an earlier position.
 fn refused_option(model: &dyn models::CausalLm, limits: &RuntimeLimits) -> Option<String> {
     let architecture = &model.info().architecture;
     if model.layer_kinds().iter().any(|k| k.is_state()) {
@@ -304,12 +303,6 @@ fn refused_option(model: &dyn models::CausalLm, limits: &RuntimeLimits) -> Optio
             return Some(format!(
                 "{architecture} cannot be served with `draft`: its recurrent layers' state cannot \
                  be rolled back to reject drafted tokens"
-            ));
-        }
-        if limits.ssd.is_some() {
-            return Some(format!(
-                "{architecture} cannot be served with `ssd_cache`: the SSD tier does not store \
-                 recurrent states yet (the in-memory prefix cache does)"
             ));
         }
     }

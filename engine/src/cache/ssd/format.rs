@@ -4,20 +4,25 @@
 //! ```text
 //! magic "MLXDKV\0\0" | version u32 | header_len u32 | header | header_crc u32 | payload | payload_crc u32
 //! header: model fingerprint [32] | tokenizer hash [32] | kind u8 | generated u32
-//!         | n_tokens u32 | tokens [u32] | n_layers u32 | per layer: start u32, then keys,
-//!         values as quant_bits u8 (0 = plain) | group_size u32 | n_arrays u8
-//!         | per array: dtype u8 | ndim u8 | shape [u32] | offset u64 | len u64
+//!         | n_tokens u32 | tokens [u32] | n_layers u32 | per layer: start u32, kind u8,
+//!           kind 0 (keys and values): keys, values as quant_bits u8 (0 = plain)
+//!             | group_size u32 | n_arrays u8 | per array: <array>
+//!           kind 1 (a recurrent state): n_arrays u8 | per array: <array>
 //!         | payload_len u64
+//! array:  dtype u8 | ndim u8 | shape [u32] | offset u64 | len u64
 //! ```
-//! A layer's `start` is the logical position of its first held position (nonzero for a
+//! A KV layer's `start` is the logical position of its first held position (nonzero for a
 //! sliding-window layer that evicted positions): its arrays hold `n_tokens - start` positions.
+//! A state layer stands for all `n_tokens` and starts there (see `SeqKv`).
 //! All integers are little-endian. `header_crc` is the CRC-32 of every byte before it (so a
 //! scan at start-up validates an entry from its header alone); `payload_crc` that of the
 //! payload, checked when the entry is restored.
 
-/// Bumped on any change to the layout above; a file of another version is foreign.
-/// Version 2 added each layer's start.
-pub const FORMAT_VERSION: u32 = 2;
+/// Bumped on any change to the layout above; a file of another version is foreign (a miss,
+/// deleted). Version 2 added each layer's start, version 3 each layer's kind.
+pub const FORMAT_VERSION: u32 = 3;
+/// Arrays one recurrent layer's state may have.
+const MAX_STATE_ARRAYS: u8 = 16;
 pub const MAGIC: &[u8; 8] = b"MLXDKV\0\0";
 /// Bytes before the header: magic, version, header length.
 const PREFIX: usize = 16;
@@ -85,13 +90,31 @@ pub struct StoredDesc {
     pub arrays: Vec<TensorDesc>,
 }
 
+/// One layer of an entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LayerDesc {
+    /// Keys and values.
+    Kv(StoredDesc, StoredDesc),
+    /// A recurrent layer's state arrays (any shape).
+    State(Vec<TensorDesc>),
+}
+
+impl LayerDesc {
+    /// Every array of the layer, in payload order.
+    pub fn arrays(&self) -> Vec<&TensorDesc> {
+        match self {
+            LayerDesc::Kv(k, v) => k.arrays.iter().chain(&v.arrays).collect(),
+            LayerDesc::State(a) => a.iter().collect(),
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Header {
     pub identity: Identity,
     pub kind: EntryKind,
     pub tokens: Vec<u32>,
-    /// Keys and values per layer.
-    pub layers: Vec<(StoredDesc, StoredDesc)>,
+    pub layers: Vec<LayerDesc>,
     /// Per layer, the logical position of its first held position (see the module comment).
     pub starts: Vec<u32>,
     pub payload_len: u64,
@@ -135,21 +158,36 @@ impl Header {
             h.extend_from_slice(&t.to_le_bytes());
         }
         h.extend_from_slice(&(self.layers.len() as u32).to_le_bytes());
-        for ((k, v), start) in self.layers.iter().zip(&self.starts) {
+        let array = |h: &mut Vec<u8>, a: &TensorDesc| {
+            h.push(a.dtype as u8);
+            h.push(a.shape.len() as u8);
+            for d in &a.shape {
+                h.extend_from_slice(&d.to_le_bytes());
+            }
+            h.extend_from_slice(&a.offset.to_le_bytes());
+            h.extend_from_slice(&a.len.to_le_bytes());
+        };
+        for (layer, start) in self.layers.iter().zip(&self.starts) {
             h.extend_from_slice(&start.to_le_bytes());
-            for s in [k, v] {
-                let (bits, group) = s.quant.unwrap_or((0, 0));
-                h.push(bits);
-                h.extend_from_slice(&group.to_le_bytes());
-                h.push(s.arrays.len() as u8);
-                for a in &s.arrays {
-                    h.push(a.dtype as u8);
-                    h.push(a.shape.len() as u8);
-                    for d in &a.shape {
-                        h.extend_from_slice(&d.to_le_bytes());
+            match layer {
+                LayerDesc::Kv(k, v) => {
+                    h.push(0);
+                    for s in [k, v] {
+                        let (bits, group) = s.quant.unwrap_or((0, 0));
+                        h.push(bits);
+                        h.extend_from_slice(&group.to_le_bytes());
+                        h.push(s.arrays.len() as u8);
+                        for a in &s.arrays {
+                            array(&mut h, a);
+                        }
                     }
-                    h.extend_from_slice(&a.offset.to_le_bytes());
-                    h.extend_from_slice(&a.len.to_le_bytes());
+                }
+                LayerDesc::State(arrays) => {
+                    h.push(1);
+                    h.push(arrays.len() as u8);
+                    for a in arrays {
+                        array(&mut h, a);
+                    }
                 }
             }
         }
@@ -301,15 +339,31 @@ fn parse(bytes: &[u8]) -> Result<Header, Invalid> {
     let mut arrays_end = Vec::new();
     for _ in 0..n_layers {
         let start = r.u32()?;
-        if start as usize >= n {
-            return Err(Invalid::Malformed(format!(
-                "a layer starts at {start} of {n} tokens"
-            )));
-        }
+        let layer = match r.u8()? {
+            0 if (start as usize) < n => {
+                let k = stored(&mut r, &mut arrays_end)?;
+                let v = stored(&mut r, &mut arrays_end)?;
+                LayerDesc::Kv(k, v)
+            }
+            1 if start as usize == n => {
+                let count = r.u8()?;
+                if count == 0 || count > MAX_STATE_ARRAYS {
+                    return Err(Invalid::Malformed(format!("a state of {count} arrays")));
+                }
+                let arrays = (0..count)
+                    .map(|_| tensor(&mut r, &mut arrays_end, None))
+                    .collect::<Result<Vec<_>, _>>()?;
+                LayerDesc::State(arrays)
+            }
+            0 | 1 => {
+                return Err(Invalid::Malformed(format!(
+                    "a layer starts at {start} of {n} tokens"
+                )))
+            }
+            k => return Err(Invalid::Malformed(format!("layer kind {k}"))),
+        };
         starts.push(start);
-        let k = stored(&mut r, &mut arrays_end)?;
-        let v = stored(&mut r, &mut arrays_end)?;
-        layers.push((k, v));
+        layers.push(layer);
     }
     let payload_len = r.u64()?;
     if r.at != bytes.len() {
@@ -345,38 +399,50 @@ fn stored(r: &mut Reader<'_>, ends: &mut Vec<u64>) -> Result<StoredDesc, Invalid
             "{count} arrays where {want} belong"
         )));
     }
-    let mut arrays = Vec::with_capacity(count as usize);
-    for _ in 0..count {
-        let code = r.u8()?;
-        let dtype = DtypeCode::from_u8(code)
-            .ok_or_else(|| Invalid::Malformed(format!("dtype code {code}")))?;
-        let ndim = r.u8()? as usize;
-        if ndim != 4 {
-            return Err(Invalid::Malformed(format!("{ndim} dimensions")));
-        }
-        let shape = (0..ndim).map(|_| r.u32()).collect::<Result<Vec<_>, _>>()?;
-        let offset = r.u64()?;
-        let len = r.u64()?;
-        let elements = shape
-            .iter()
-            .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64));
-        if elements.and_then(|e| e.checked_mul(dtype.size())) != Some(len) {
-            return Err(Invalid::Malformed(format!(
-                "{len} bytes for shape {shape:?}"
-            )));
-        }
-        let end = offset
-            .checked_add(len)
-            .ok_or_else(|| Invalid::Malformed("an array's range overflows".into()))?;
-        ends.push(end);
-        arrays.push(TensorDesc {
-            dtype,
-            shape,
-            offset,
-            len,
-        });
-    }
+    let arrays = (0..count)
+        .map(|_| tensor(r, ends, Some(4)))
+        .collect::<Result<Vec<_>, _>>()?;
     Ok(StoredDesc { quant, arrays })
+}
+
+/// One array's descriptor; keys and values are 4-D (`ndim`), a state's arrays 1-D to 8-D.
+fn tensor(
+    r: &mut Reader<'_>,
+    ends: &mut Vec<u64>,
+    ndim_wanted: Option<usize>,
+) -> Result<TensorDesc, Invalid> {
+    let code = r.u8()?;
+    let dtype =
+        DtypeCode::from_u8(code).ok_or_else(|| Invalid::Malformed(format!("dtype code {code}")))?;
+    let ndim = r.u8()? as usize;
+    let fits = match ndim_wanted {
+        Some(want) => ndim == want,
+        None => (1..=8).contains(&ndim),
+    };
+    if !fits {
+        return Err(Invalid::Malformed(format!("{ndim} dimensions")));
+    }
+    let shape = (0..ndim).map(|_| r.u32()).collect::<Result<Vec<_>, _>>()?;
+    let offset = r.u64()?;
+    let len = r.u64()?;
+    let elements = shape
+        .iter()
+        .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64));
+    if elements.and_then(|e| e.checked_mul(dtype.size())) != Some(len) {
+        return Err(Invalid::Malformed(format!(
+            "{len} bytes for shape {shape:?}"
+        )));
+    }
+    let end = offset
+        .checked_add(len)
+        .ok_or_else(|| Invalid::Malformed("an array's range overflows".into()))?;
+    ends.push(end);
+    Ok(TensorDesc {
+        dtype,
+        shape,
+        offset,
+        len,
+    })
 }
 
 #[cfg(test)]
@@ -417,7 +483,7 @@ pub(crate) mod tests {
                     add(DtypeCode::Bf16, vec![1, 2, n, 1], &mut payload),
                 ],
             };
-            layers.push((k, v));
+            layers.push(LayerDesc::Kv(k, v));
         }
         let header = Header {
             identity,
@@ -437,6 +503,45 @@ pub(crate) mod tests {
         let (h, start) = decode_header(file, file.len() as u64, &ME)?;
         checked_payload(file, &h, start)?;
         Ok(h)
+    }
+
+    /// A file of one KV layer and one recurrent layer (a conv window and an f32 state) whose
+    /// state layer starts at `state_start`.
+    fn hybrid_file(state_start: u32) -> (Header, Vec<u8>) {
+        let (mut header, _) = sample_file(ME, vec![1, 2, 3]);
+        header.layers.truncate(1);
+        header.starts.truncate(1);
+        let mut offset = header.payload_len;
+        let mut state = Vec::new();
+        for (dtype, shape) in [
+            (DtypeCode::Bf16, vec![1, 3, 16]),
+            (DtypeCode::F32, vec![1, 4, 8, 8]),
+        ] {
+            let len = shape.iter().map(|&d| d as u64).product::<u64>() * dtype.size();
+            state.push(TensorDesc {
+                dtype,
+                shape,
+                offset,
+                len,
+            });
+            offset += len;
+        }
+        header.layers.push(LayerDesc::State(state));
+        header.starts.push(state_start);
+        header.payload_len = offset;
+        let payload: Vec<u8> = (0..offset).map(|i| (i % 251) as u8).collect();
+        let mut file = header.encode();
+        file.extend_from_slice(&payload);
+        file.extend_from_slice(&crc32fast::hash(&payload).to_le_bytes());
+        (header, file)
+    }
+
+    #[test]
+    fn a_recurrent_state_layer_round_trips_and_starts_where_the_entry_ends() {
+        let (header, file) = hybrid_file(3);
+        assert_eq!(decode(&file), Ok(header));
+        let (_, early) = hybrid_file(2);
+        assert!(matches!(decode(&early), Err(Invalid::Malformed(_))));
     }
 
     #[test]

@@ -28,7 +28,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use mlx_rs::error::Exception;
 
 use super::{KvQuant, SeqKv, SeqLayer, Stored};
-use format::{EntryKind, Header, Identity, Invalid};
+use format::{EntryKind, Header, Identity, Invalid, LayerDesc};
 use index::{Index, IndexEntry};
 use writer::{Job, TEMP_PREFIX};
 
@@ -292,22 +292,11 @@ impl SsdTier {
                 .fetch_add(1, Ordering::Relaxed);
             return Ok(());
         }
-        let kv_layers = kv
-            .layers
-            .iter()
-            .map(|l| l.kv().map(|(k, v)| (k.clone(), v.clone())))
-            .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| {
-                Exception::custom(
-                    "the SSD tier stores keys and values only, not a recurrent state \
-                     (the runtime refuses `ssd_cache` for such models)",
-                )
-            })?;
         let tensors::Prepared {
             layers,
             arrays,
             payload_len,
-        } = tensors::prepare(&kv_layers)?;
+        } = tensors::prepare(&kv.layers)?;
         let header = Header {
             identity: self.identity,
             kind,
@@ -384,15 +373,18 @@ impl SsdTier {
             let (header, start) = format::decode_header(&map, map.len() as u64, &self.identity)?;
             let payload = format::checked_payload(&map, &header, start)?;
             let tokens = header.tokens.len() as u32;
+            // A KV layer's arrays hold its positions from its start (a state has no positions).
             if header
                 .layers
                 .iter()
                 .zip(&header.starts)
-                .any(|((k, v), start)| {
-                    k.arrays
+                .any(|(layer, start)| match layer {
+                    LayerDesc::Kv(k, v) => k
+                        .arrays
                         .iter()
                         .chain(&v.arrays)
-                        .any(|a| a.shape[2] != tokens - start)
+                        .any(|a| a.shape[2] != tokens - start),
+                    LayerDesc::State(_) => false,
                 })
             {
                 return Err(
@@ -400,13 +392,7 @@ impl SsdTier {
                 );
             }
             let starts = header.starts.iter().map(|&s| s as usize).collect();
-            Ok(tensors::restore(&header.layers, payload).map(|layers| {
-                let layers = layers
-                    .into_iter()
-                    .map(|(k, v)| SeqLayer::Kv(k, v))
-                    .collect();
-                SeqKv::new(layers, starts)
-            }))
+            Ok(tensors::restore(&header.layers, payload).map(|layers| SeqKv::new(layers, starts)))
         })();
         match read {
             Ok(Ok(layers)) => {

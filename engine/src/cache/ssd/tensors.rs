@@ -1,13 +1,13 @@
 //! Between MLX arrays and the file format (on the MLX thread): the descriptors and arrays to
-//! write for an entry's keys and values, the bytes of an evaluated array, and arrays built
-//! back from a payload.
+//! write for an entry's layers (keys and values, or a recurrent state), the bytes of an
+//! evaluated array, and arrays built back from a payload.
 use std::ffi::c_void;
 
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
 
-use super::format::{DtypeCode, StoredDesc, TensorDesc};
-use crate::cache::{KvQuant, Stored};
+use super::format::{DtypeCode, LayerDesc, StoredDesc, TensorDesc};
+use crate::cache::{KvQuant, SeqLayer, Stored};
 
 fn code(dtype: Dtype) -> Result<DtypeCode, Exception> {
     Ok(match dtype {
@@ -34,43 +34,55 @@ fn dtype(code: DtypeCode) -> Dtype {
 
 /// What [`prepare`] makes of an entry's layers.
 pub struct Prepared {
-    /// Keys and values per layer, as the header describes them.
-    pub layers: Vec<(StoredDesc, StoredDesc)>,
+    /// Each layer, as the header describes it.
+    pub layers: Vec<LayerDesc>,
     /// The payload's arrays, row-contiguous and evaluated, in order.
     pub arrays: Vec<Array>,
     pub payload_len: u64,
 }
 
 /// Descriptors and row-contiguous, evaluated arrays (in payload order) for `layers`.
-pub fn prepare(layers: &[(Stored, Stored)]) -> Result<Prepared, Exception> {
+pub fn prepare(layers: &[SeqLayer]) -> Result<Prepared, Exception> {
     let mut arrays = Vec::new();
     let mut offset = 0u64;
-    let mut describe = |s: &Stored| -> Result<StoredDesc, Exception> {
-        let quant = match s {
-            Stored::Plain(_) => None,
-            Stored::Quantized { quant, .. } => Some((quant.bits as u8, quant.group_size as u32)),
+    let mut place = |a: &Array| -> Result<TensorDesc, Exception> {
+        let a = a.contiguous()?;
+        let len = a.nbytes() as u64;
+        let desc = TensorDesc {
+            dtype: code(a.dtype())?,
+            shape: a.shape().iter().map(|&d| d as u32).collect(),
+            offset,
+            len,
         };
-        let mut descs = Vec::new();
-        for a in s.arrays() {
-            let a = a.contiguous()?;
-            let len = a.nbytes() as u64;
-            descs.push(TensorDesc {
-                dtype: code(a.dtype())?,
-                shape: a.shape().iter().map(|&d| d as u32).collect(),
-                offset,
-                len,
-            });
-            offset += len;
-            arrays.push(a);
-        }
-        Ok(StoredDesc {
-            quant,
-            arrays: descs,
+        offset += len;
+        arrays.push(a);
+        Ok(desc)
+    };
+    let mut describe = |layer: &SeqLayer| -> Result<LayerDesc, Exception> {
+        let mut stored = |s: &Stored| -> Result<StoredDesc, Exception> {
+            let quant = match s {
+                Stored::Plain(_) => None,
+                Stored::Quantized { quant, .. } => {
+                    Some((quant.bits as u8, quant.group_size as u32))
+                }
+            };
+            let arrays = s
+                .arrays()
+                .into_iter()
+                .map(&mut place)
+                .collect::<Result<_, _>>()?;
+            Ok(StoredDesc { quant, arrays })
+        };
+        Ok(match layer {
+            SeqLayer::Kv(k, v) => LayerDesc::Kv(stored(k)?, stored(v)?),
+            SeqLayer::State(state) => {
+                LayerDesc::State(state.iter().map(&mut place).collect::<Result<_, _>>()?)
+            }
         })
     };
     let descs = layers
         .iter()
-        .map(|(k, v)| Ok((describe(k)?, describe(v)?)))
+        .map(&mut describe)
         .collect::<Result<Vec<_>, Exception>>()?;
     mlx_rs::transforms::eval(arrays.iter())?;
     Ok(Prepared {
@@ -116,10 +128,7 @@ pub fn bytes(a: &Array) -> Result<&[u8], Exception> {
 }
 
 /// The layers of a checked payload, as MLX arrays (copied out of the mapping).
-pub fn restore(
-    layers: &[(StoredDesc, StoredDesc)],
-    payload: &[u8],
-) -> Result<Vec<(Stored, Stored)>, Exception> {
+pub fn restore(layers: &[LayerDesc], payload: &[u8]) -> Result<Vec<SeqLayer>, Exception> {
     let array = |t: &TensorDesc| -> Array {
         let bytes = &payload[t.offset as usize..(t.offset + t.len) as usize];
         let shape: Vec<i32> = t.shape.iter().map(|&d| d as i32).collect();
@@ -141,10 +150,13 @@ pub fn restore(
             },
         }
     };
-    let out: Vec<(Stored, Stored)> = layers.iter().map(|(k, v)| (stored(k), stored(v))).collect();
-    mlx_rs::transforms::eval(
-        out.iter()
-            .flat_map(|(k, v)| k.arrays().into_iter().chain(v.arrays())),
-    )?;
+    let out: Vec<SeqLayer> = layers
+        .iter()
+        .map(|layer| match layer {
+            LayerDesc::Kv(k, v) => SeqLayer::Kv(stored(k), stored(v)),
+            LayerDesc::State(arrays) => SeqLayer::State(arrays.iter().map(array).collect()),
+        })
+        .collect();
+    mlx_rs::transforms::eval(out.iter().flat_map(SeqLayer::arrays))?;
     Ok(out)
 }
