@@ -1,13 +1,21 @@
 //! The pool actor as a state machine: simulated engines (no processes), paused time.
 
 use std::collections::BTreeMap;
-use std::sync::Mutex;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use mlxd_protocol::control::{Backend, Device, DeviceKind, PROTOCOL_VERSION};
+use mlxd_protocol::control::{Backend, Device, DeviceKind, Ready, PROTOCOL_VERSION};
+use tokio::time::Instant;
 
 use super::*;
-use crate::config::ModelConfig;
-use crate::engine::RunnerCmd;
+use crate::catalog::Catalog;
+use crate::config::{Config, ModelConfig};
+use crate::engine::{EngineEvent, EngineHandle, EngineMsg, EngineSpec, RunnerCmd};
+use crate::error::ProxyError;
+use crate::exit::{ExitCause, ExitReport};
+use crate::logs::Logs;
+use crate::metrics::Metrics;
 
 const GB: u64 = 1 << 30;
 

@@ -1,0 +1,1157 @@
+//! The pool actor: one task owns the table `model id → slot` and all pool policy. It
+//! answers [`Command`]s, hears engine events, timers and released leases, decides with the
+//! pure parts ([`crate::placement`], [`crate::policy`], [`super::lifecycle`]) and carries
+//! out the effects those decisions return.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tracing::{error, info, warn};
+
+use super::handle::{Command, Lease, PoolHandle, Reply};
+use super::lifecycle::{self, Effect, PoolMood, Timing};
+use super::slot::{Slot, State, Waiter};
+use crate::catalog::Catalog;
+use crate::config::Config;
+use crate::engine::{self, EngineEvent, EngineHandle, EngineMsg, EngineSpec};
+use crate::error::ProxyError;
+use crate::exit::ExitReport;
+use crate::logs::Logs;
+use crate::metrics::{EvictionLabels, Metrics};
+use crate::placement::{self, Budget, Plan, Resident, Shortfall};
+use crate::policy::{ModelLimits, RestartPolicy};
+use crate::reload::ReloadPlan;
+
+/// Deadlines the actor set for itself, delivered back to it by timer tasks.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Timer {
+    RestartDue {
+        model: String,
+        generation: u64,
+    },
+    LoadDeadline {
+        model: String,
+        generation: u64,
+    },
+    IdleCheck {
+        model: String,
+    },
+    LimitsRecovery {
+        model: String,
+    },
+    CapacityDeadline {
+        model: String,
+        ticket: u64,
+    },
+    HangCheck {
+        model: String,
+        generation: u64,
+    },
+    /// A waiter's queue timeout is over.
+    WaiterDeadline {
+        model: String,
+        waiter: u64,
+    },
+}
+
+/// What the actor needs besides the configuration.
+pub struct PoolParts {
+    pub catalog: Arc<Catalog>,
+    pub runtime_dir: PathBuf,
+    pub metrics: Arc<Metrics>,
+    pub logs: Logs,
+    /// Memory all engines together may use.
+    pub memory_budget: u64,
+}
+
+/// Starts an engine process (a simulated one in unit tests).
+pub(crate) type Spawner = Arc<
+    dyn Fn(EngineSpec, u64, mpsc::UnboundedSender<EngineMsg>) -> std::io::Result<EngineHandle>
+        + Send
+        + Sync,
+>;
+
+/// The actor's state.
+struct Pool {
+    config: Arc<Config>,
+    spawner: Spawner,
+    policy: RestartPolicy,
+    budget: Budget,
+    metrics: Arc<Metrics>,
+    slots: BTreeMap<String, Slot>,
+    /// Models waiting for room, first come first served.
+    queue: VecDeque<String>,
+    next_ticket: u64,
+    engine_tx: mpsc::UnboundedSender<EngineMsg>,
+    timer_tx: mpsc::UnboundedSender<Timer>,
+    release_tx: mpsc::UnboundedSender<(String, u64)>,
+    shutdown_replies: Vec<Reply<()>>,
+    shutting_down: bool,
+    /// Memory counted for running managed jobs, by job id.
+    jobs: BTreeMap<String, u64>,
+    /// The catalog the slots were made from (a reload is diffed against it).
+    catalog: Arc<Catalog>,
+    runtime_dir: PathBuf,
+    logs: Logs,
+    /// The socket index the next added model gets.
+    next_socket: usize,
+    next_waiter: u64,
+    /// The last engine generation of models removed by a reload: a model added again
+    /// continues from it, so no timer or lease of its old engines matches the new ones.
+    retired_generations: BTreeMap<String, u64>,
+}
+
+/// Starts the pool actor; pinned models start loading at once.
+pub fn start(
+    config: Arc<Config>,
+    parts: PoolParts,
+) -> Result<PoolHandle, mlxd_ipc::socket::SocketError> {
+    start_with(config, parts, Arc::new(engine::spawn))
+}
+
+pub(crate) fn start_with(
+    config: Arc<Config>,
+    parts: PoolParts,
+    spawner: Spawner,
+) -> Result<PoolHandle, mlxd_ipc::socket::SocketError> {
+    let (tx, rx) = mpsc::channel(1024);
+    let (engine_tx, engine_rx) = mpsc::unbounded_channel();
+    let (timer_tx, timer_rx) = mpsc::unbounded_channel();
+    let (release_tx, release_rx) = mpsc::unbounded_channel();
+    let mut slots = BTreeMap::new();
+    let now = Instant::now();
+    for (i, entry) in parts.catalog.models.iter().enumerate() {
+        let socket = mlxd_ipc::socket::engine_socket_path(&parts.runtime_dir, i)?;
+        let log = parts.logs.get_or_create(&entry.id);
+        slots.insert(entry.id.clone(), Slot::new(entry.clone(), log, socket, now));
+    }
+    parts
+        .metrics
+        .memory_budget
+        .set(i64::try_from(parts.memory_budget).unwrap_or(i64::MAX));
+    info!(
+        models = ?parts.catalog.ids(),
+        default = %parts.catalog.default_model,
+        max_engines = config.pool.max_engines,
+        memory_budget = parts.memory_budget,
+        "model pool"
+    );
+    let mut pool = Pool {
+        spawner,
+        policy: RestartPolicy::from_config(&config),
+        budget: Budget {
+            max_engines: config.pool.max_engines,
+            memory_bytes: parts.memory_budget,
+        },
+        metrics: parts.metrics,
+        config: config.clone(),
+        slots,
+        queue: VecDeque::new(),
+        next_ticket: 0,
+        engine_tx,
+        timer_tx,
+        release_tx,
+        shutdown_replies: Vec::new(),
+        shutting_down: false,
+        jobs: BTreeMap::new(),
+        next_socket: parts.catalog.models.len(),
+        catalog: parts.catalog.clone(),
+        runtime_dir: parts.runtime_dir.clone(),
+        logs: parts.logs.clone(),
+        next_waiter: 0,
+        retired_generations: BTreeMap::new(),
+    };
+    let pinned: Vec<String> = parts
+        .catalog
+        .models
+        .iter()
+        .filter(|m| m.pinned)
+        .map(|m| m.id.clone())
+        .collect();
+    tokio::spawn(async move {
+        for id in pinned {
+            pool.enqueue(&id);
+        }
+        pool.run(rx, engine_rx, timer_rx, release_rx).await
+    });
+    Ok(PoolHandle {
+        tx,
+        queue_timeout: config.queue_timeout(),
+        acquire_backstop: config.queue_timeout()
+            + Duration::from_millis(config.server.load_timeout_ms)
+            + Duration::from_secs(60),
+    })
+}
+
+impl Pool {
+    async fn run(
+        mut self,
+        mut commands: mpsc::Receiver<Command>,
+        mut engines: mpsc::UnboundedReceiver<EngineMsg>,
+        mut timers: mpsc::UnboundedReceiver<Timer>,
+        mut releases: mpsc::UnboundedReceiver<(String, u64)>,
+    ) {
+        let mut handles_gone = false;
+        loop {
+            tokio::select! {
+                cmd = commands.recv(), if !handles_gone => match cmd {
+                    Some(cmd) => self.command(cmd),
+                    // Every handle is gone: stop the engines and finish.
+                    None => {
+                        handles_gone = true;
+                        if !self.shutting_down {
+                            self.begin_shutdown();
+                        }
+                    }
+                },
+                Some(msg) = engines.recv() => self.engine_event(msg),
+                Some((model, generation)) = releases.recv() => self.release(&model, generation),
+                Some(timer) = timers.recv() => match timer {
+                    Timer::RestartDue { model, generation } => self.restart_due(&model, generation),
+                    Timer::LoadDeadline { model, generation } => self.load_deadline(&model, generation),
+                    Timer::IdleCheck { model } => self.idle_check(&model),
+                    Timer::LimitsRecovery { model } => self.limits_recovery(&model),
+                    Timer::CapacityDeadline { model, ticket } => self.capacity_deadline(&model, ticket),
+                    Timer::HangCheck { model, generation } => self.hang_check(&model, generation),
+                    Timer::WaiterDeadline { model, waiter } => self.waiter_deadline(&model, waiter),
+                },
+            }
+            self.refresh_gauges();
+            if self.shutting_down && self.slots.values().all(|s| s.state.engine().is_none()) {
+                for r in self.shutdown_replies.drain(..) {
+                    let _ = r.send(());
+                }
+                info!("all engines stopped");
+                return;
+            }
+        }
+    }
+
+    fn command(&mut self, cmd: Command) {
+        match cmd {
+            Command::Acquire {
+                model,
+                not_generation,
+                reply,
+            } => self.acquire(&model, not_generation, reply),
+            Command::Unload { model, reply } => self.unload(&model, reply),
+            Command::Status { reply } => {
+                let now = Instant::now();
+                let policy = self.policy;
+                let _ = reply.send(
+                    self.slots
+                        .values()
+                        .map(|s| s.status(now, &policy))
+                        .collect(),
+                );
+            }
+            Command::Reset { model, reply } => {
+                let mut reset = Vec::new();
+                let mut restored = Vec::new();
+                for slot in self.slots.values_mut() {
+                    if model.as_ref().is_some_and(|m| m != slot.id()) {
+                        continue;
+                    }
+                    slot.history.reset();
+                    slot.restarts = 0;
+                    let failed = matches!(slot.state, State::Failed { .. });
+                    if failed {
+                        info!(model = %slot.id(), "failed state cleared by admin reset");
+                        slot.state = State::Idle;
+                    }
+                    if slot.limits.restore() {
+                        info!(model = %slot.id(), limits = ?slot.limits.current(), "configured limits restored by admin reset");
+                        slot.log
+                            .push("[mlxd] configured limits restored (admin reset)");
+                        restored.push(slot.id().to_string());
+                    }
+                    if failed || restored.last().is_some_and(|r| r == slot.id()) {
+                        reset.push(slot.id().to_string());
+                    }
+                }
+                for key in restored {
+                    self.apply_limits(&key);
+                }
+                let _ = reply.send(reset);
+            }
+            Command::Shutdown { reply } => {
+                self.shutdown_replies.push(reply);
+                if !self.shutting_down {
+                    self.begin_shutdown();
+                }
+            }
+            Command::ReserveJob { job, bytes, reply } => {
+                let _ = reply.send(self.reserve_job(job, bytes));
+            }
+            Command::ReleaseJob { job } => {
+                if self.jobs.remove(&job).is_some() {
+                    self.place();
+                }
+            }
+            Command::Reload {
+                catalog,
+                config,
+                memory_budget,
+                reply,
+            } => {
+                let plan = self.reload(catalog, config, memory_budget);
+                let _ = reply.send(plan);
+            }
+        }
+    }
+
+    /// Admits a job's memory against the budget beside the engines and the other jobs.
+    fn reserve_job(&mut self, job: String, bytes: u64) -> crate::jobs::admission::Admission {
+        use crate::jobs::admission::{admit, Admission, MemorySnapshot};
+        if self.shutting_down {
+            return Admission::ShuttingDown;
+        }
+        let residents = self.residents();
+        let snapshot = MemorySnapshot {
+            budget: self.budget.memory_bytes,
+            engines: residents.iter().map(|r| r.bytes).sum(),
+            pinned: residents
+                .iter()
+                .filter(|r| r.pinned && !r.leaving)
+                .map(|r| r.bytes)
+                .sum(),
+            jobs: self.jobs.values().sum(),
+        };
+        let admission = admit(bytes, &snapshot);
+        if admission == Admission::Start {
+            self.jobs.insert(job, bytes);
+        }
+        admission
+    }
+
+    /// The placement plan for an engine that needs `needed` bytes, with running jobs'
+    /// memory taken out of the budget. A model that would fit but for the jobs waits for
+    /// them rather than being refused.
+    fn plan_beside_jobs(&self, needed: u64) -> Plan {
+        let residents = self.residents();
+        let job_bytes: u64 = self.jobs.values().sum();
+        let budget = Budget {
+            memory_bytes: self.budget.memory_bytes.saturating_sub(job_bytes),
+            ..self.budget
+        };
+        match placement::plan(needed, &residents, budget) {
+            Plan::RefuseMemory { needed, available } if job_bytes > 0 => {
+                match placement::plan(needed, &residents, self.budget) {
+                    Plan::RefuseMemory { .. } => Plan::RefuseMemory { needed, available },
+                    _ => Plan::Wait(Shortfall::Memory { needed, available }),
+                }
+            }
+            plan => plan,
+        }
+    }
+
+    fn acquire(
+        &mut self,
+        key: &str,
+        not_generation: Option<u64>,
+        reply: Reply<Result<Lease, ProxyError>>,
+    ) {
+        if self.shutting_down {
+            let _ = reply.send(Err(ProxyError::ShuttingDown));
+            return;
+        }
+        let now = Instant::now();
+        let cooldown = Duration::from_millis(self.config.server.failed_cooldown_ms);
+        let capacity = self.config.server.queue_capacity;
+        let max_in_flight = self.config.server.max_in_flight_per_model;
+        let Some(slot) = self.slots.get_mut(key) else {
+            let _ = reply.send(Err(ProxyError::NotFound(format!(
+                "model {key} is not configured"
+            ))));
+            return;
+        };
+        if slot.removed {
+            let _ = reply.send(Err(ProxyError::NotFound(format!(
+                "model {key} was removed from the configuration"
+            ))));
+            return;
+        }
+        let known_dead = not_generation.is_some()
+            && not_generation == slot.state.engine().map(|e| e.handle.generation);
+        let in_flight = slot.in_flight();
+        let retry_after = match &slot.state {
+            // Its exit is on the way: wait in the queue for the restart.
+            State::Ready { .. } if known_dead => Duration::from_secs(1),
+            // The engine's own queue is bounded here, before it grows without limit.
+            State::Ready { .. } if in_flight >= max_in_flight => {
+                let _ = reply.send(Err(ProxyError::TooManyInFlight {
+                    model: key.to_string(),
+                    limit: max_in_flight,
+                    retry_after: Duration::from_secs(1),
+                }));
+                return;
+            }
+            State::Ready { .. } => {
+                if let Some(lease) = slot.grant(&self.release_tx, &self.policy, now) {
+                    let _ = reply.send(Ok(lease));
+                }
+                return;
+            }
+            State::Failed {
+                cause,
+                since,
+                cannot_load,
+            } => {
+                let elapsed = now.duration_since(*since);
+                if elapsed < cooldown {
+                    let (model, cause, retry_after) =
+                        (key.to_string(), cause.clone(), cooldown - elapsed);
+                    let _ = reply.send(Err(if *cannot_load {
+                        ProxyError::CannotLoad {
+                            model,
+                            cause,
+                            retry_after,
+                        }
+                    } else {
+                        ProxyError::Failed {
+                            model,
+                            cause,
+                            retry_after,
+                        }
+                    }));
+                    return;
+                }
+                info!(model = %key, "failed cool-down over; starting again");
+                slot.history.reset();
+                slot.state = State::Idle;
+                Duration::from_secs(1)
+            }
+            State::Restarting { at } => at.saturating_duration_since(now) + Duration::from_secs(1),
+            State::Idle
+            | State::Stopped
+            | State::Starting { .. }
+            | State::Queued { .. }
+            | State::Draining { .. } => Duration::from_secs(1),
+        };
+        if slot.live_waiters() >= capacity {
+            let _ = reply.send(Err(ProxyError::QueueFull {
+                model: key.to_string(),
+                capacity,
+                retry_after,
+            }));
+            return;
+        }
+        let id = self.next_waiter;
+        self.next_waiter += 1;
+        slot.waiters.push_back(Waiter { id, reply });
+        let cold = slot.state.is_cold();
+        self.after(
+            self.config.queue_timeout(),
+            Timer::WaiterDeadline {
+                model: key.to_string(),
+                waiter: id,
+            },
+        );
+        if cold {
+            self.enqueue(key);
+        }
+    }
+
+    /// A waiter's queue timeout is over. Waiting for room, a restart or a drain ends here
+    /// with a 503; waiting for a load in progress goes on: the load timeout bounds it, and
+    /// its end (ready, or the load's error) answers the waiter.
+    fn waiter_deadline(&mut self, key: &str, waiter: u64) {
+        let Some(slot) = self.slots.get_mut(key) else {
+            return;
+        };
+        if matches!(slot.state, State::Starting { .. }) {
+            return;
+        }
+        let Some(at) = slot.waiters.iter().position(|w| w.id == waiter) else {
+            return;
+        };
+        let state = match slot.state {
+            State::Queued { .. } => "waiting for room (engine slots or memory)",
+            State::Restarting { .. } => "restarting",
+            State::Draining { .. } => "draining",
+            _ => "still starting",
+        };
+        if let Some(w) = slot.waiters.remove(at) {
+            w.send(Err(ProxyError::Unavailable {
+                model: key.to_string(),
+                state,
+                retry_after: Duration::from_secs(2),
+            }));
+        }
+    }
+
+    /// Marks `key` as wanting an engine and tries to place it.
+    fn enqueue(&mut self, key: &str) {
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
+        let Some(slot) = self.slots.get_mut(key) else {
+            return;
+        };
+        if !slot.state.is_cold() {
+            return;
+        }
+        slot.state = State::Queued { ticket };
+        self.queue.push_back(key.to_string());
+        self.after(
+            self.config.pool.capacity_wait,
+            Timer::CapacityDeadline {
+                model: key.to_string(),
+                ticket,
+            },
+        );
+        self.place();
+    }
+
+    /// The engines that hold resources, as the placement policy sees them.
+    fn residents(&self) -> Vec<Resident> {
+        self.slots
+            .values()
+            .filter(|s| s.resident())
+            .map(|s| Resident {
+                id: s.entry.id.clone(),
+                pinned: s.entry.pinned,
+                in_flight: s.in_flight(),
+                last_used: s.last_used,
+                bytes: s.footprint(),
+                ready: s.state.is_ready(),
+                leaving: s.state.is_draining(),
+            })
+            .collect()
+    }
+
+    /// Starts, evicts for, or refuses queued models, in arrival order. Once one has to
+    /// wait, those behind it may only start if they fit without evicting anything.
+    fn place(&mut self) {
+        let mut blocked = false;
+        let queue: Vec<String> = self.queue.iter().cloned().collect();
+        for key in queue {
+            let Some(slot) = self.slots.get_mut(&key) else {
+                continue;
+            };
+            if !matches!(slot.state, State::Queued { .. }) {
+                self.queue.retain(|k| *k != key);
+                continue;
+            }
+            if slot.live_waiters() == 0 && !slot.entry.pinned {
+                // Everyone gave up: no start.
+                slot.state = State::Idle;
+                self.queue.retain(|k| *k != key);
+                continue;
+            }
+            let needed = slot.planned_bytes();
+            match self.plan_beside_jobs(needed) {
+                Plan::Start => {
+                    self.queue.retain(|k| *k != key);
+                    self.start(&key);
+                }
+                Plan::Evict(victims) if !blocked => {
+                    blocked = true;
+                    for v in victims {
+                        info!(model = %v, for_model = %key, "evicting least recently used idle engine");
+                        self.evict(&v, "lru");
+                    }
+                }
+                Plan::Evict(_) | Plan::Wait(_) => blocked = true,
+                Plan::RefuseMemory { needed, available } => {
+                    let err = ProxyError::InsufficientMemory {
+                        model: key.clone(),
+                        needed,
+                        available,
+                        budget: self.budget.memory_bytes,
+                        retry_after: None,
+                    };
+                    self.refuse(&key, err);
+                }
+                Plan::RefuseEngines {
+                    max_engines,
+                    pinned,
+                } => {
+                    let err = ProxyError::NoEngineAvailable {
+                        model: key.clone(),
+                        max_engines,
+                        why: if pinned >= max_engines {
+                            "held by pinned models"
+                        } else {
+                            "busy"
+                        },
+                        retry_after: None,
+                    };
+                    self.refuse(&key, err);
+                }
+            }
+        }
+    }
+
+    fn refuse(&mut self, key: &str, err: ProxyError) {
+        self.queue.retain(|k| k != key);
+        if let Some(slot) = self.slots.get_mut(key) {
+            warn!(model = %key, error = %err, "model cannot be loaded");
+            slot.log.push(format!("[mlxd] cannot load: {err}"));
+            slot.state = State::Idle;
+            slot.fail_waiters(&err);
+        }
+    }
+
+    /// Stops waiting for room: the request times out with what was missing.
+    fn capacity_deadline(&mut self, key: &str, ticket: u64) {
+        let still = self
+            .slots
+            .get(key)
+            .is_some_and(|s| matches!(s.state, State::Queued { ticket: t } if t == ticket));
+        if !still {
+            return;
+        }
+        if self.slots.values().any(|s| s.state.is_draining()) {
+            // Room is being made: keep waiting; the caller's queue timeout bounds it.
+            return;
+        }
+        let needed = self.slots[key].planned_bytes();
+        let retry_after = Some(Duration::from_secs(5));
+        let err = match self.plan_beside_jobs(needed) {
+            Plan::Wait(Shortfall::Memory { needed, available }) => ProxyError::InsufficientMemory {
+                model: key.to_string(),
+                needed,
+                available,
+                budget: self.budget.memory_bytes,
+                retry_after,
+            },
+            Plan::Wait(Shortfall::Engines { max_engines }) => ProxyError::NoEngineAvailable {
+                model: key.to_string(),
+                max_engines,
+                why: "busy",
+                retry_after,
+            },
+            // It fits, or will once evictions finish: keep waiting.
+            _ => return,
+        };
+        self.refuse(key, err);
+    }
+
+    /// Drains `key`'s engine and stops it once its in-flight requests are done.
+    fn evict(&mut self, key: &str, reason: &'static str) {
+        let Some(slot) = self.slots.get_mut(key) else {
+            return;
+        };
+        let effects = lifecycle::drain(slot, reason);
+        self.apply(key, effects);
+    }
+
+    fn unload(&mut self, key: &str, reply: Reply<Result<(), ProxyError>>) {
+        let Some(slot) = self.slots.get_mut(key) else {
+            let _ = reply.send(Err(ProxyError::NotFound(format!(
+                "model {key} is not configured"
+            ))));
+            return;
+        };
+        match slot.state {
+            State::Queued { .. } => {
+                slot.state = State::Idle;
+                slot.fail_waiters(&ProxyError::Unavailable {
+                    model: key.to_string(),
+                    state: "unloaded by an administrator",
+                    retry_after: Duration::from_secs(1),
+                });
+                self.queue.retain(|k| k != key);
+                let _ = reply.send(Ok(()));
+            }
+            _ if slot.state.engine().is_some() => {
+                slot.unload_replies.push(reply);
+                self.evict(key, "admin");
+            }
+            _ => {
+                let _ = reply.send(Ok(()));
+            }
+        }
+    }
+
+    fn release(&mut self, key: &str, generation: u64) {
+        let Some(slot) = self.slots.get_mut(key) else {
+            return;
+        };
+        let effects = lifecycle::release(slot, generation, Instant::now());
+        self.apply(key, effects);
+    }
+
+    /// The stable period after an out-of-memory exit is over: the configured limits
+    /// come back (for the next engine, and the running one is recycled once idle).
+    fn limits_recovery(&mut self, key: &str) {
+        let now = Instant::now();
+        let policy = self.policy;
+        let Some(slot) = self.slots.get_mut(key) else {
+            return;
+        };
+        if !slot.limits.recover_if_stable(&policy, now) {
+            // Not reduced any more, or a later OOM armed its own timer.
+            return;
+        }
+        info!(model = %key, limits = ?slot.limits.current(), stable_s = policy.limits_recovery.as_secs(), "no out-of-memory exit for the stable period: configured limits restored");
+        slot.log.push(format!(
+            "[mlxd] configured limits restored after {} s without an out-of-memory exit",
+            policy.limits_recovery.as_secs()
+        ));
+        self.apply_limits(key);
+    }
+
+    /// After the model's limits grew back: an engine running with smaller ones is
+    /// restarted as soon as it is idle (a busy one on its last release).
+    fn apply_limits(&mut self, key: &str) {
+        let Some(slot) = self.slots.get_mut(key) else {
+            return;
+        };
+        let current = slot.limits.current().clone();
+        let draining = slot.state.is_draining();
+        let Some(engine) = slot.state.engine_mut() else {
+            return;
+        };
+        if draining || engine.limits == current {
+            return;
+        }
+        engine.recycle = true;
+        if slot.state.is_ready() && slot.in_flight() == 0 {
+            self.evict(key, "limits_restored");
+        }
+    }
+
+    /// Starts the idle clock's timer for `key`, unless one is pending already.
+    fn arm_idle_timer(&mut self, key: &str) {
+        let Some(slot) = self.slots.get_mut(key) else {
+            return;
+        };
+        if slot.entry.pinned || slot.entry.ttl.is_zero() || slot.idle_timer {
+            return;
+        }
+        slot.idle_timer = true;
+        let ttl = slot.entry.ttl;
+        self.after(
+            ttl,
+            Timer::IdleCheck {
+                model: key.to_string(),
+            },
+        );
+    }
+
+    /// Unloads `key` if it has been idle for its TTL; otherwise checks again when the
+    /// TTL would be reached (a busy engine re-arms on its last release).
+    fn idle_check(&mut self, key: &str) {
+        let Some(slot) = self.slots.get_mut(key) else {
+            return;
+        };
+        slot.idle_timer = false;
+        if !slot.state.is_ready() || slot.in_flight() > 0 || slot.entry.pinned {
+            return;
+        }
+        let idle_for = Instant::now().duration_since(slot.last_used);
+        if idle_for >= slot.entry.ttl {
+            info!(model = %key, idle_s = idle_for.as_secs_f64(), "idle TTL reached");
+            self.evict(key, "ttl");
+        } else {
+            slot.idle_timer = true;
+            let left = slot.entry.ttl - idle_for;
+            self.after(
+                left,
+                Timer::IdleCheck {
+                    model: key.to_string(),
+                },
+            );
+        }
+    }
+
+    fn spec(&self, slot: &Slot) -> EngineSpec {
+        let c = &self.config.server;
+        EngineSpec {
+            model: slot.entry.id.clone(),
+            source: slot.entry.source.clone(),
+            bin: self.config.engine_bin(),
+            args: c.engine_args.clone(),
+            env: c.engine_env.clone(),
+            socket_path: slot.socket.clone(),
+            limits: slot.limits.current().clone(),
+            options: slot.entry.options.clone(),
+            stop_timeout: self.config.grace(),
+            restarts: slot.restarts,
+            log: Some(slot.log.clone()),
+        }
+    }
+
+    /// The settings the lifecycle transitions need.
+    fn timing(&self) -> Timing {
+        let c = &self.config.server;
+        Timing {
+            policy: self.policy,
+            load_timeout: Duration::from_millis(c.load_timeout_ms),
+            hang_timeout: Duration::from_millis(c.hang_timeout_ms),
+            failed_cooldown: Duration::from_millis(c.failed_cooldown_ms),
+        }
+    }
+
+    fn start(&mut self, key: &str) {
+        let Some(slot) = self.slots.get(key) else {
+            return;
+        };
+        let spec = self.spec(slot);
+        let timing = self.timing();
+        let slot = self.slots.get_mut(key).expect("slot checked above");
+        slot.generation += 1;
+        slot.last_ready = None;
+        self.metrics.loads.get_or_create(&Metrics::label(key)).inc();
+        match (self.spawner)(spec.clone(), slot.generation, self.engine_tx.clone()) {
+            Ok(handle) => {
+                let effects =
+                    lifecycle::started(slot, handle, spec.limits, Instant::now(), &timing);
+                self.apply(key, effects);
+            }
+            Err(e) => {
+                let report = Arc::new(engine::spawn_failure_report(&spec, &e));
+                error!(model = %key, cause = %report.cause, "engine could not be spawned");
+                self.exited(key, report);
+            }
+        }
+    }
+
+    fn engine_event(&mut self, msg: EngineMsg) {
+        let timing = self.timing();
+        let Some(slot) = self.slots.get_mut(&msg.model) else {
+            return;
+        };
+        if msg.generation != slot.generation {
+            return;
+        }
+        let key = msg.model;
+        match msg.event {
+            EngineEvent::Loading { phase, progress } => lifecycle::loading(slot, phase, progress),
+            // Nothing counts for an engine that is gone.
+            EngineEvent::Stats(_) if slot.state.engine().is_none() => {}
+            EngineEvent::Stats(s) => {
+                // The engine's totals restart with the process (`stats` go with it).
+                let (drafted, accepted, ssd) = (s.drafted_tokens, s.accepted_tokens, s.ssd);
+                let before = lifecycle::stats(slot, s, Instant::now());
+                let (d0, a0, ssd0) = before.map_or((0, 0, Default::default()), |p| {
+                    (p.drafted_tokens, p.accepted_tokens, p.ssd)
+                });
+                self.metrics.record_drafts(
+                    &key,
+                    drafted.saturating_sub(d0),
+                    accepted.saturating_sub(a0),
+                );
+                self.metrics.record_ssd(&key, &ssd0, &ssd);
+                // Reported memory changed what fits.
+                if !self.queue.is_empty() {
+                    self.place();
+                }
+            }
+            EngineEvent::Ready(r) => {
+                let effects = lifecycle::ready(slot, r, Instant::now(), &timing);
+                self.apply(&key, effects);
+            }
+            EngineEvent::Exited(report) => self.exited(&key, report),
+        }
+    }
+
+    fn exited(&mut self, key: &str, report: Arc<ExitReport>) {
+        let timing = self.timing();
+        let mood = PoolMood {
+            shutting_down: self.shutting_down,
+        };
+        let Some(slot) = self.slots.get_mut(key) else {
+            return;
+        };
+        let effects = lifecycle::exited(
+            slot,
+            report,
+            Instant::now(),
+            SystemTime::now(),
+            &timing,
+            mood,
+        );
+        self.apply(key, effects);
+    }
+
+    /// Carries out what a transition of `key`'s slot asked for, in order.
+    fn apply(&mut self, key: &str, effects: Vec<Effect>) {
+        for effect in effects {
+            match effect {
+                Effect::After(delay, timer) => self.after(delay, timer),
+                Effect::Log(line) => {
+                    if let Some(slot) = self.slots.get(key) {
+                        slot.log.push(line);
+                    }
+                }
+                Effect::Control(msg) => {
+                    if let Some(e) = self.slots.get(key).and_then(|s| s.state.engine()) {
+                        e.handle.send(msg);
+                    }
+                }
+                Effect::Stop => {
+                    if let Some(e) = self.slots.get_mut(key).and_then(|s| s.state.engine_mut()) {
+                        e.handle.stop();
+                    }
+                }
+                Effect::Kill(reason) => {
+                    if let Some(e) = self.slots.get(key).and_then(|s| s.state.engine()) {
+                        e.handle.kill(reason);
+                    }
+                }
+                Effect::GrantWaiters => {
+                    let now = Instant::now();
+                    if let Some(slot) = self.slots.get_mut(key) {
+                        let waiters: Vec<Waiter> = slot.waiters.drain(..).collect();
+                        for w in waiters {
+                            if w.is_closed() {
+                                continue;
+                            }
+                            if let Some(lease) = slot.grant(&self.release_tx, &self.policy, now) {
+                                w.send(Ok(lease));
+                            }
+                        }
+                    }
+                }
+                Effect::FailWaiters(err) => {
+                    if let Some(slot) = self.slots.get_mut(key) {
+                        slot.fail_waiters(&err);
+                    }
+                }
+                Effect::AnswerUnloads => {
+                    if let Some(slot) = self.slots.get_mut(key) {
+                        for r in slot.unload_replies.drain(..) {
+                            let _ = r.send(Ok(()));
+                        }
+                    }
+                }
+                Effect::ArmIdleTimer => self.arm_idle_timer(key),
+                Effect::Enqueue => self.enqueue(key),
+                Effect::Place => self.place(),
+                Effect::Forget => self.forget(key),
+                Effect::CountRestart => {
+                    self.metrics
+                        .restarts
+                        .get_or_create(&Metrics::label(key))
+                        .inc();
+                }
+                Effect::ObserveLoad(took) => {
+                    self.metrics
+                        .load_duration
+                        .get_or_create(&Metrics::label(key))
+                        .observe(took.as_secs_f64());
+                }
+                Effect::CountEviction(reason) => {
+                    self.metrics
+                        .evictions
+                        .get_or_create(&EvictionLabels {
+                            model: key.to_string(),
+                            reason: reason.to_string(),
+                        })
+                        .inc();
+                }
+            }
+        }
+    }
+
+    /// Delivers `timer` back to the actor after `delay`.
+    fn after(&self, delay: Duration, timer: Timer) {
+        send_after(self.timer_tx.clone(), delay, timer);
+    }
+
+    fn load_deadline(&mut self, key: &str, generation: u64) {
+        let timing = self.timing();
+        let Some(slot) = self.slots.get(key) else {
+            return;
+        };
+        let effects = lifecycle::load_deadline(slot, generation, &timing);
+        self.apply(key, effects);
+    }
+
+    /// A ready engine's liveness check; see [`lifecycle::hang_check`].
+    fn hang_check(&mut self, key: &str, generation: u64) {
+        let timing = self.timing();
+        let Some(slot) = self.slots.get(key) else {
+            return;
+        };
+        let effects = lifecycle::hang_check(slot, generation, Instant::now(), &timing);
+        self.apply(key, effects);
+    }
+
+    fn restart_due(&mut self, key: &str, generation: u64) {
+        let due = self.slots.get(key).is_some_and(|s| {
+            s.generation == generation && matches!(s.state, State::Restarting { .. })
+        });
+        if due && !self.shutting_down {
+            self.start(key);
+        }
+    }
+
+    fn refresh_gauges(&self) {
+        let m = &self.metrics;
+        for (id, s) in &self.slots {
+            let l = Metrics::label(id);
+            let live = s.waiters.iter().filter(|w| !w.is_closed()).count();
+            m.queue_depth.get_or_create(&l).set(live as i64);
+            m.in_flight.get_or_create(&l).set(i64::from(s.in_flight()));
+            let mem = if s.resident() { s.footprint() } else { 0 };
+            m.memory
+                .get_or_create(&l)
+                .set(i64::try_from(mem).unwrap_or(i64::MAX));
+            m.loaded
+                .get_or_create(&l)
+                .set(i64::from(s.state.is_ready()));
+        }
+    }
+
+    /// Applies a reloaded configuration; see [`PoolHandle::reload`].
+    fn reload(
+        &mut self,
+        catalog: Arc<Catalog>,
+        config: Arc<Config>,
+        memory_budget: u64,
+    ) -> ReloadPlan {
+        let plan = crate::reload::plan(&self.catalog, &catalog);
+        let now = Instant::now();
+        for id in &plan.removed {
+            self.remove_model(id);
+        }
+        for id in &plan.added {
+            let Some(entry) = catalog.get(id).cloned() else {
+                continue;
+            };
+            if let Some(slot) = self.slots.get_mut(id) {
+                // Removed by an earlier reload and still draining: configured again.
+                slot.removed = false;
+                slot.limits = ModelLimits::new(entry.limits.clone());
+                slot.entry = entry.clone();
+                slot.log.push("[mlxd] configured again by a reload");
+            } else {
+                let socket = match mlxd_ipc::socket::engine_socket_path(
+                    &self.runtime_dir,
+                    self.next_socket,
+                ) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        error!(model = %id, error = %e, "no socket path for an added model; it is not served");
+                        continue;
+                    }
+                };
+                self.next_socket += 1;
+                let log = self.logs.get_or_create(id);
+                log.push(match entry.stored {
+                    true => "[mlxd] found in the model store",
+                    false => "[mlxd] added by a configuration reload",
+                });
+                let mut slot = Slot::new(entry.clone(), log, socket, now);
+                slot.generation = self.retired_generations.remove(id).unwrap_or(0);
+                self.slots.insert(id.clone(), slot);
+            }
+            match entry.stored {
+                true => {
+                    info!(model = %id, source = %entry.source, "model found in the store: served by name")
+                }
+                false => {
+                    info!(model = %id, source = %entry.source, "model added by a configuration reload")
+                }
+            }
+            if entry.pinned {
+                self.enqueue(id);
+            }
+        }
+        for change in &plan.changed {
+            let (Some(entry), Some(slot)) =
+                (catalog.get(&change.id), self.slots.get_mut(&change.id))
+            else {
+                continue;
+            };
+            let was_pinned = slot.entry.pinned;
+            // New settings may be what the failed load lacked: try them at once.
+            let was_failed = matches!(slot.state, State::Failed { .. });
+            if was_failed {
+                slot.state = State::Idle;
+                slot.history.reset();
+            }
+            if change.fields.contains(&"limits") {
+                slot.limits = ModelLimits::new(entry.limits.clone());
+            }
+            slot.entry = entry.clone();
+            let fields = change.fields.join(", ");
+            info!(model = %change.id, changed = %fields, "model settings changed by a configuration reload; they apply at its next load");
+            slot.log.push(format!(
+                "[mlxd] configuration reloaded: {fields} changed (applies at the next load)"
+            ));
+            if entry.pinned && (!was_pinned || was_failed) {
+                self.enqueue(&change.id);
+            } else if !entry.pinned {
+                self.arm_idle_timer(&change.id);
+            }
+        }
+        self.budget = Budget {
+            max_engines: config.pool.max_engines,
+            memory_bytes: memory_budget,
+        };
+        self.metrics
+            .memory_budget
+            .set(i64::try_from(memory_budget).unwrap_or(i64::MAX));
+        self.policy = RestartPolicy::from_config(&config);
+        self.config = config;
+        self.catalog = catalog;
+        self.place();
+        plan
+    }
+
+    /// A reload removed `key`: its waiters get 404, its engine drains (in-flight requests
+    /// finish) and stops, and then the slot goes ([`Self::exited`]); without an engine it
+    /// goes now.
+    fn remove_model(&mut self, key: &str) {
+        let Some(slot) = self.slots.get_mut(key) else {
+            return;
+        };
+        slot.removed = true;
+        slot.fail_waiters(&ProxyError::NotFound(format!(
+            "model {key} was removed from the configuration"
+        )));
+        self.queue.retain(|k| k != key);
+        info!(model = %key, in_flight = slot.in_flight(), "model removed by a configuration reload");
+        if slot.state.engine().is_some() {
+            slot.log
+                .push("[mlxd] removed from the configuration: draining, then stopping");
+            self.evict(key, "removed");
+        } else {
+            self.forget(key);
+        }
+    }
+
+    /// Drops a removed model's slot (its engine is gone) and its gauges.
+    fn forget(&mut self, key: &str) {
+        if let Some(mut slot) = self.slots.remove(key) {
+            for r in slot.unload_replies.drain(..) {
+                let _ = r.send(Ok(()));
+            }
+            slot.fail_waiters(&ProxyError::NotFound(format!(
+                "model {key} was removed from the configuration"
+            )));
+            self.retired_generations
+                .insert(key.to_string(), slot.generation);
+            self.metrics.forget_model(key);
+        }
+    }
+
+    fn begin_shutdown(&mut self) {
+        self.shutting_down = true;
+        self.queue.clear();
+        let keys: Vec<String> = self.slots.keys().cloned().collect();
+        for key in keys {
+            let Some(slot) = self.slots.get_mut(&key) else {
+                continue;
+            };
+            slot.fail_waiters(&ProxyError::ShuttingDown);
+            let effects = lifecycle::shut_down(slot);
+            self.apply(&key, effects);
+        }
+    }
+}
+
+fn send_after(tx: mpsc::UnboundedSender<Timer>, delay: Duration, timer: Timer) {
+    tokio::spawn(async move {
+        tokio::time::sleep(delay).await;
+        let _ = tx.send(timer);
+    });
+}

@@ -1,0 +1,453 @@
+//! An engine's life as pure transitions: each takes a model's [`Slot`], an event and the
+//! time, moves the slot to its next [`State`] and returns the [`Effect`]s for the actor to
+//! carry out (timers, answers to waiters, control messages, metrics). Nothing here reads
+//! a clock, sends on a channel or spawns, so every transition is unit-tested without
+//! tokio (`lifecycle/tests.rs`).
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use mlxd_protocol::control::{Limits, LoadPhase, ParentMsg, Ready, Stats};
+use tokio::time::Instant;
+use tracing::{error, info, warn};
+
+use super::actor::Timer;
+use super::slot::{Engine, Loading, Serving, Slot, State};
+use crate::engine::EngineHandle;
+use crate::error::ProxyError;
+use crate::exit::{ExitCause, ExitReport};
+use crate::policy::{hang_verdict, Decision, Liveness, RestartPolicy};
+
+/// What the actor does after a transition, in order.
+#[derive(Debug)]
+pub(super) enum Effect {
+    /// Deliver this timer back to the actor after the delay.
+    After(Duration, Timer),
+    /// A line for the model's log (`GET /logs/{model}`).
+    Log(String),
+    /// Send a control message to the engine.
+    Control(ParentMsg),
+    /// Start the engine's stop sequence (Shutdown, SIGTERM, SIGKILL).
+    Stop,
+    /// SIGKILL the engine; the reason becomes its exit cause.
+    Kill(String),
+    /// Answer every waiting request with a lease on the ready engine.
+    GrantWaiters,
+    /// Answer every waiting request with this error.
+    FailWaiters(ProxyError),
+    /// Answer the admins waiting for an unload: the engine is gone.
+    AnswerUnloads,
+    /// Start the idle clock (TTL).
+    ArmIdleTimer,
+    /// Queue the model for a new engine.
+    Enqueue,
+    /// Run placement again: resources were freed or their use changed.
+    Place,
+    /// A reload removed the model and its engine is gone: drop the slot.
+    Forget,
+    /// Metrics: an engine restart; a load's duration; an eviction with its reason.
+    CountRestart,
+    ObserveLoad(Duration),
+    CountEviction(&'static str),
+}
+
+/// The settings the transitions need.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Timing {
+    pub policy: RestartPolicy,
+    pub load_timeout: Duration,
+    /// Zero: no hang checks.
+    pub hang_timeout: Duration,
+    pub failed_cooldown: Duration,
+}
+
+/// A new engine process for the slot (generation already counted): `Starting`, with a
+/// deadline for its load.
+pub(super) fn started(
+    slot: &mut Slot,
+    handle: EngineHandle,
+    limits: Limits,
+    now: Instant,
+    timing: &Timing,
+) -> Vec<Effect> {
+    let log = format!(
+        "[mlxd] engine starting: pid {}, generation {}, source {}",
+        handle.pid, slot.generation, slot.entry.source
+    );
+    slot.last_ready = None;
+    slot.state = State::Starting {
+        engine: Engine::new(handle, limits, now),
+        loading: Loading::default(),
+    };
+    vec![
+        Effect::Log(log),
+        Effect::After(
+            timing.load_timeout,
+            Timer::LoadDeadline {
+                model: slot.entry.id.clone(),
+                generation: slot.generation,
+            },
+        ),
+    ]
+}
+
+/// The engine says how far its load has got.
+pub(super) fn loading(slot: &mut Slot, phase: LoadPhase, progress: f32) {
+    if let State::Starting { loading, .. } = &mut slot.state {
+        loading.phase = Some(phase);
+        loading.progress = Some(progress);
+    }
+}
+
+/// The engine's periodic `Stats`: a heartbeat, and its memory. Returns the previous
+/// report of this engine (for the metrics' deltas), if it had one.
+pub(super) fn stats(slot: &mut Slot, stats: Stats, now: Instant) -> Option<Stats> {
+    let ready = slot.state.is_ready();
+    if let Some(serving) = match &mut slot.state {
+        State::Ready { serving, .. } => Some(serving),
+        State::Draining { serving, .. } => serving.as_mut(),
+        _ => None,
+    } {
+        serving.heartbeat = now;
+    }
+    let previous = slot.state.engine_mut().and_then(|e| e.stats.replace(stats));
+    if ready {
+        slot.observed_bytes = slot.observed_bytes.max(slot.reported_bytes());
+    }
+    previous
+}
+
+/// The engine is ready: waiters get their leases, the hang check and the idle clock start.
+/// Ignored unless the slot is starting (an engine drained while it loaded stays drained).
+pub(super) fn ready(slot: &mut Slot, ready: Ready, now: Instant, timing: &Timing) -> Vec<Effect> {
+    let State::Starting { .. } = slot.state else {
+        return Vec::new();
+    };
+    let State::Starting { engine, .. } = std::mem::replace(&mut slot.state, State::Idle) else {
+        unreachable!("matched above");
+    };
+    let took = now.duration_since(engine.spawned_at);
+    info!(
+        model = %slot.id(),
+        generation = slot.generation,
+        model_id = %ready.model_id,
+        load_ms = took.as_millis() as u64,
+        "engine ready"
+    );
+    let mut effects = vec![
+        Effect::Log(format!(
+            "[mlxd] engine ready in {} ms (weights {} bytes)",
+            took.as_millis(),
+            ready.weight_bytes
+        )),
+        Effect::ObserveLoad(took),
+    ];
+    slot.last_ready = Some(ready.clone());
+    slot.state = State::Ready {
+        engine,
+        serving: Serving {
+            ready,
+            ready_at: now,
+            heartbeat: now,
+        },
+    };
+    if !timing.hang_timeout.is_zero() {
+        effects.push(Effect::After(
+            timing.hang_timeout,
+            Timer::HangCheck {
+                model: slot.entry.id.clone(),
+                generation: slot.generation,
+            },
+        ));
+    }
+    slot.observed_bytes = slot.observed_bytes.max(slot.reported_bytes());
+    // Loaded with nobody using it (pinned preload, admin load): the idle clock runs.
+    slot.last_used = now;
+    effects.extend([Effect::GrantWaiters, Effect::ArmIdleTimer, Effect::Place]);
+    effects
+}
+
+/// Stops admitting requests to the engine and stops it once its in-flight requests are
+/// done; the engine writes its prefix cache to the SSD tier first (a bounded wait of its
+/// own), so a later engine of the model starts warm. No-op without an engine or when it
+/// drains already.
+pub(super) fn drain(slot: &mut Slot, reason: &'static str) -> Vec<Effect> {
+    let (engine, serving) = match std::mem::replace(&mut slot.state, State::Idle) {
+        State::Starting { engine, .. } => (engine, None),
+        State::Ready { engine, serving } => (engine, Some(serving)),
+        other => {
+            slot.state = other;
+            return Vec::new();
+        }
+    };
+    info!(model = %slot.id(), pid = engine.handle.pid, reason, in_flight = engine.in_flight, "draining engine");
+    let mut effects = vec![
+        Effect::Control(ParentMsg::Spill),
+        Effect::Control(ParentMsg::Drain),
+        Effect::Log(format!(
+            "[mlxd] unloading ({reason}); {} request(s) in flight",
+            engine.in_flight
+        )),
+        Effect::CountEviction(reason),
+    ];
+    if engine.in_flight == 0 {
+        effects.push(Effect::Stop);
+    }
+    slot.state = State::Draining { engine, serving };
+    effects
+}
+
+/// A request on engine `generation` is over.
+pub(super) fn release(slot: &mut Slot, generation: u64, now: Instant) -> Vec<Effect> {
+    if slot.generation != generation {
+        return Vec::new();
+    }
+    let Some(engine) = slot.state.engine_mut() else {
+        return Vec::new();
+    };
+    engine.in_flight = engine.in_flight.saturating_sub(1);
+    let (in_flight, recycle) = (engine.in_flight, engine.recycle);
+    slot.last_used = now;
+    if in_flight > 0 {
+        return Vec::new();
+    }
+    match slot.state {
+        State::Draining { .. } => vec![Effect::Stop],
+        State::Ready { .. } if recycle => drain(slot, "limits_restored"),
+        State::Ready { .. } => vec![Effect::ArmIdleTimer, Effect::Place],
+        _ => Vec::new(),
+    }
+}
+
+/// The load deadline of engine `generation`: still starting means it is killed.
+pub(super) fn load_deadline(slot: &Slot, generation: u64, timing: &Timing) -> Vec<Effect> {
+    if slot.generation != generation || !matches!(slot.state, State::Starting { .. }) {
+        return Vec::new();
+    }
+    vec![Effect::Kill(format!(
+        "not ready within the load timeout of {} ms",
+        timing.load_timeout.as_millis()
+    ))]
+}
+
+/// A ready engine that has sent no `Stats` for the hang timeout is hung (a frozen process,
+/// a deadlocked runtime): it is killed, which the exit path treats as a crash (restart,
+/// resumption of its requests). Otherwise the check comes again.
+pub(super) fn hang_check(
+    slot: &Slot,
+    generation: u64,
+    now: Instant,
+    timing: &Timing,
+) -> Vec<Effect> {
+    if slot.generation != generation {
+        return Vec::new();
+    }
+    let Some(serving) = slot.state.serving() else {
+        return Vec::new();
+    };
+    match hang_verdict(Some(serving.heartbeat), now, timing.hang_timeout) {
+        Liveness::Alive { check_in } => vec![Effect::After(
+            check_in,
+            Timer::HangCheck {
+                model: slot.entry.id.clone(),
+                generation,
+            },
+        )],
+        Liveness::Hung { silent } => {
+            let reason = format!(
+                "hung: no Stats for {} ms (server.hang_timeout_ms = {})",
+                silent.as_millis(),
+                timing.hang_timeout.as_millis()
+            );
+            warn!(model = %slot.id(), generation, %reason, "killing hung engine");
+            vec![
+                Effect::Log(format!("[mlxd] engine {reason}; killing it")),
+                Effect::Kill(reason),
+            ]
+        }
+    }
+}
+
+/// The pool shuts down: a running engine stops (and drains meanwhile); a failed model
+/// keeps its failure for the last status; anything else is stopped.
+pub(super) fn shut_down(slot: &mut Slot) -> Vec<Effect> {
+    match std::mem::replace(&mut slot.state, State::Stopped) {
+        State::Starting { engine, .. } => {
+            info!(model = %slot.id(), pid = engine.handle.pid, "stopping engine");
+            slot.state = State::Draining {
+                engine,
+                serving: None,
+            };
+            vec![Effect::Stop]
+        }
+        State::Ready { engine, serving } => {
+            info!(model = %slot.id(), pid = engine.handle.pid, "stopping engine");
+            slot.state = State::Draining {
+                engine,
+                serving: Some(serving),
+            };
+            vec![Effect::Stop]
+        }
+        state @ State::Draining { .. } => {
+            slot.state = state;
+            vec![Effect::Stop]
+        }
+        state @ State::Failed { .. } => {
+            slot.state = state;
+            Vec::new()
+        }
+        _ => Vec::new(),
+    }
+}
+
+/// What the pool is doing besides this model when its engine exits.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct PoolMood {
+    pub shutting_down: bool,
+}
+
+/// The engine exited (or could not be spawned). Requested stops leave the model stopped
+/// (restarted at once if requests wait); anything else goes through the restart policy:
+/// a restart after backoff, the failed state after too many crashes, or — for a load the
+/// engine says cannot succeed — the failed state at once, with no retry.
+pub(super) fn exited(
+    slot: &mut Slot,
+    report: Arc<ExitReport>,
+    now: Instant,
+    wall: SystemTime,
+    timing: &Timing,
+    mood: PoolMood,
+) -> Vec<Effect> {
+    let key = slot.entry.id.clone();
+    let policy = timing.policy;
+    // Every branch below leaves a state without an engine.
+    let recycled = slot.state.engine().is_some_and(|e| e.recycle);
+    let ready_for = slot.state.serving().map(|s| now.duration_since(s.ready_at));
+    slot.last_exit = Some((report.clone(), wall));
+    let mut effects = vec![
+        Effect::Log(format!("[mlxd] engine exited: {}", report.cause)),
+        Effect::AnswerUnloads,
+    ];
+    if mood.shutting_down {
+        slot.state = State::Stopped;
+        effects.push(Effect::FailWaiters(ProxyError::ShuttingDown));
+        return effects;
+    }
+    if slot.removed {
+        // Drained after a reload removed it: the model goes.
+        slot.state = State::Stopped;
+        effects.extend([Effect::Forget, Effect::Place]);
+        return effects;
+    }
+    if report.cause.is_requested() {
+        slot.state = State::Stopped;
+        // Requests that arrived while it drained get a fresh engine; so does a pinned
+        // model recycled for its restored limits.
+        if slot.live_waiters() > 0 || (recycled && slot.entry.pinned) {
+            effects.push(Effect::Enqueue);
+        }
+        effects.push(Effect::Place);
+        return effects;
+    }
+    // It exited before it was ready: its load failed.
+    let load_failed = ready_for.is_none();
+    if matches!(report.cause, ExitCause::OutOfMemory { .. }) {
+        let old = slot.limits.current().clone();
+        if let Some(smaller) = slot.limits.on_oom(now) {
+            warn!(
+                model = %key,
+                ?old,
+                new = ?smaller,
+                recovery_s = policy.limits_recovery.as_secs(),
+                "out of memory: restarting with smaller limits"
+            );
+            effects.push(Effect::Log(format!(
+                "[mlxd] out of memory: restarting with smaller limits {smaller:?} (configured limits return after {} s without another)",
+                policy.limits_recovery.as_secs()
+            )));
+        }
+        if slot.limits.reduced() {
+            effects.push(Effect::After(
+                policy.limits_recovery,
+                Timer::LimitsRecovery { model: key.clone() },
+            ));
+        }
+    }
+    match slot.history.on_exit(&policy, &report.cause, now, ready_for) {
+        Decision::Restart { delay, attempt } => {
+            slot.restarts += 1;
+            slot.state = State::Restarting { at: now + delay };
+            warn!(
+                model = %key,
+                cause = %report.cause,
+                delay_ms = delay.as_millis() as u64,
+                attempt,
+                "restarting engine after backoff"
+            );
+            effects.extend([
+                Effect::CountRestart,
+                Effect::After(
+                    delay,
+                    Timer::RestartDue {
+                        model: key.clone(),
+                        generation: slot.generation,
+                    },
+                ),
+            ]);
+            if load_failed {
+                // Those waiting for this load get its error, not a wait through the
+                // backoff (the next request waits for the retry).
+                effects.push(Effect::FailWaiters(ProxyError::LoadFailed {
+                    model: key.clone(),
+                    cause: report.summary(),
+                    retry_after: delay.max(Duration::from_secs(1)),
+                }));
+            }
+        }
+        Decision::Fail { crashes } => {
+            let cause = report.summary();
+            error!(
+                model = %key,
+                crashes,
+                window_s = policy.window.as_secs(),
+                cause = %cause,
+                "too many crashes; model marked failed"
+            );
+            effects.push(Effect::FailWaiters(ProxyError::Failed {
+                model: key.clone(),
+                cause: cause.clone(),
+                retry_after: timing.failed_cooldown,
+            }));
+            slot.state = State::Failed {
+                cause,
+                since: now,
+                cannot_load: false,
+            };
+        }
+        Decision::DoNotRetry => {
+            let cause = match &report.cause {
+                ExitCause::CannotLoad { detail } => detail.clone(),
+                other => other.to_string(),
+            };
+            error!(model = %key, "cannot load the model: {cause}");
+            effects.extend([
+                Effect::Log(format!("[mlxd] cannot load the model: {cause}")),
+                Effect::FailWaiters(ProxyError::CannotLoad {
+                    model: key.clone(),
+                    cause: cause.clone(),
+                    retry_after: timing.failed_cooldown,
+                }),
+            ]);
+            slot.state = State::Failed {
+                cause,
+                since: now,
+                cannot_load: true,
+            };
+        }
+    }
+    effects.push(Effect::Place);
+    effects
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,411 @@
+//! The lifecycle transitions, without tokio: simulated engine handles (channels only), a
+//! fixed clock.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use mlxd_protocol::control::{
+    Backend, Device, DeviceKind, Limits, LoadPhase, ParentMsg, Ready, Stats, PROTOCOL_VERSION,
+};
+use tokio::time::Instant;
+
+use super::*;
+use crate::catalog::Catalog;
+use crate::config::{Config, ModelConfig};
+use crate::engine::EngineHandle;
+use crate::exit::{ExitCause, ExitReport};
+use crate::logs::ModelLog;
+use crate::policy::RestartPolicy;
+
+fn timing() -> Timing {
+    let config = Config::default();
+    Timing {
+        policy: RestartPolicy::from_config(&config),
+        load_timeout: Duration::from_secs(60),
+        hang_timeout: Duration::from_secs(30),
+        failed_cooldown: Duration::from_secs(300),
+    }
+}
+
+fn slot(pinned: bool) -> Slot {
+    let config = Config {
+        models: vec![ModelConfig {
+            pinned,
+            ..ModelConfig::new("m")
+        }],
+        ..Config::default()
+    };
+    let entry = Catalog::from_config(&config).unwrap().models[0].clone();
+    Slot::new(
+        entry,
+        Arc::new(ModelLog::default()),
+        PathBuf::from("/tmp/m.sock"),
+        Instant::now(),
+    )
+}
+
+fn ready_report() -> Ready {
+    Ready {
+        version: PROTOCOL_VERSION,
+        model_id: "m".into(),
+        weight_bytes: 1000,
+        kv_bytes_per_token: 10,
+        context_length: 64,
+        capabilities: vec![],
+        device: Device {
+            kind: DeviceKind::Cpu,
+            backend: Backend::Cpu,
+        },
+    }
+}
+
+fn exit(cause: ExitCause) -> Arc<ExitReport> {
+    Arc::new(ExitReport::new(cause, vec!["last words".into()]))
+}
+
+const CALM: PoolMood = PoolMood {
+    shutting_down: false,
+};
+
+/// A slot whose engine (generation 1) was started at `t0`.
+fn starting(t0: Instant) -> Slot {
+    let mut s = slot(false);
+    s.generation = 1;
+    let (handle, _ends) = EngineHandle::simulated(42, 1);
+    started(&mut s, handle, Limits::default(), t0, &timing());
+    s
+}
+
+fn names(effects: &[Effect]) -> Vec<&'static str> {
+    effects
+        .iter()
+        .map(|e| match e {
+            Effect::After(..) => "after",
+            Effect::Log(_) => "log",
+            Effect::Control(_) => "control",
+            Effect::Stop => "stop",
+            Effect::Kill(_) => "kill",
+            Effect::GrantWaiters => "grant",
+            Effect::FailWaiters(_) => "fail",
+            Effect::AnswerUnloads => "unloads",
+            Effect::ArmIdleTimer => "idle",
+            Effect::Enqueue => "enqueue",
+            Effect::Place => "place",
+            Effect::Forget => "forget",
+            Effect::CountRestart => "restart",
+            Effect::ObserveLoad(_) => "load_time",
+            Effect::CountEviction(_) => "eviction",
+        })
+        .collect()
+}
+
+#[test]
+fn a_start_sets_a_load_deadline_and_the_ready_report_serves() {
+    let t0 = Instant::now();
+    let mut s = slot(false);
+    s.generation = 1;
+    let (handle, _ends) = EngineHandle::simulated(42, 1);
+    let fx = started(&mut s, handle, Limits::default(), t0, &timing());
+    assert_eq!(s.state.name(), "starting");
+    assert!(fx.iter().any(|e| matches!(e,
+        Effect::After(d, Timer::LoadDeadline { generation: 1, .. }) if *d == Duration::from_secs(60))));
+
+    loading(&mut s, LoadPhase::Weights, 0.5);
+    let st = s.status(t0, &timing().policy);
+    assert_eq!(
+        (st.loading_phase, st.loading_progress),
+        (Some("weights"), Some(0.5))
+    );
+
+    let t1 = t0 + Duration::from_millis(1500);
+    let fx = ready(&mut s, ready_report(), t1, &timing());
+    assert_eq!(s.state.name(), "ready");
+    assert!(fx
+        .iter()
+        .any(|e| matches!(e, Effect::ObserveLoad(d) if *d == Duration::from_millis(1500))));
+    assert!(
+        fx.iter().any(|e| matches!(e,
+        Effect::After(d, Timer::HangCheck { generation: 1, .. }) if *d == Duration::from_secs(30)))
+    );
+    assert_eq!(&names(&fx)[3..], ["grant", "idle", "place"]);
+    assert_eq!(s.last_used, t1);
+    assert_eq!(s.observed_bytes, 1000);
+    let st = s.status(t1, &timing().policy);
+    assert_eq!(st.loading_progress, Some(1.0));
+    assert_eq!(st.pid, Some(42));
+    // A second Ready (or one for an engine no longer starting) changes nothing.
+    assert!(ready(&mut s, ready_report(), t1, &timing()).is_empty());
+}
+
+#[test]
+fn the_load_deadline_kills_only_a_load_still_in_progress() {
+    let t0 = Instant::now();
+    let mut s = starting(t0);
+    assert!(matches!(
+        load_deadline(&s, 1, &timing())[..],
+        [Effect::Kill(ref r)] if r.contains("load timeout of 60000 ms")
+    ));
+    assert!(
+        load_deadline(&s, 0, &timing()).is_empty(),
+        "an older engine's"
+    );
+    ready(&mut s, ready_report(), t0, &timing());
+    assert!(load_deadline(&s, 1, &timing()).is_empty());
+}
+
+#[test]
+fn stats_are_heartbeats_and_a_silent_engine_is_killed() {
+    let t0 = Instant::now();
+    let mut s = starting(t0);
+    ready(&mut s, ready_report(), t0, &timing());
+    let t1 = t0 + Duration::from_secs(20);
+    let previous = stats(
+        &mut s,
+        Stats {
+            memory_bytes: 5000,
+            ..Stats::default()
+        },
+        t1,
+    );
+    assert!(previous.is_none());
+    assert_eq!(s.observed_bytes, 5000);
+    // 25 s after the last heartbeat: alive, look again in 5 s.
+    let fx = hang_check(&s, 1, t1 + Duration::from_secs(25), &timing());
+    assert!(matches!(fx[..],
+        [Effect::After(d, Timer::HangCheck { .. })] if d == Duration::from_secs(5)));
+    let fx = hang_check(&s, 1, t1 + Duration::from_secs(30), &timing());
+    assert_eq!(names(&fx), ["log", "kill"]);
+    assert!(hang_check(&s, 2, t1 + Duration::from_secs(99), &timing()).is_empty());
+}
+
+#[test]
+fn a_release_of_the_last_request_arms_the_idle_clock_or_stops_a_drain() {
+    let t0 = Instant::now();
+    let mut s = starting(t0);
+    ready(&mut s, ready_report(), t0, &timing());
+    let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
+    let a = s.grant(&tx, &timing().policy, t0).unwrap();
+    let b = s.grant(&tx, &timing().policy, t0).unwrap();
+    assert_eq!(s.in_flight(), 2);
+    assert!(release(&mut s, 1, t0).is_empty());
+    assert_eq!(names(&release(&mut s, 1, t0)), ["idle", "place"]);
+    assert!(release(&mut s, 0, t0).is_empty(), "an older engine's lease");
+
+    let c = s.grant(&tx, &timing().policy, t0).unwrap();
+    let fx = drain(&mut s, "admin");
+    assert_eq!(s.state.name(), "draining");
+    assert!(matches!(
+        fx[..2],
+        [
+            Effect::Control(ParentMsg::Spill),
+            Effect::Control(ParentMsg::Drain)
+        ]
+    ));
+    assert!(!names(&fx).contains(&"stop"), "a request is in flight");
+    assert!(s.grant(&tx, &timing().policy, t0).is_none(), "draining");
+    assert!(drain(&mut s, "admin").is_empty(), "drains once");
+    assert_eq!(names(&release(&mut s, 1, t0)), ["stop"]);
+    drop((a, b, c));
+}
+
+#[test]
+fn a_recycled_engine_drains_on_its_last_release() {
+    let t0 = Instant::now();
+    let mut s = starting(t0);
+    ready(&mut s, ready_report(), t0, &timing());
+    let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
+    let _lease = s.grant(&tx, &timing().policy, t0).unwrap();
+    s.state.engine_mut().unwrap().recycle = true;
+    let fx = release(&mut s, 1, t0);
+    assert_eq!(s.state.name(), "draining");
+    assert!(fx
+        .iter()
+        .any(|e| matches!(e, Effect::CountEviction("limits_restored"))));
+    assert!(names(&fx).contains(&"stop"));
+}
+
+#[test]
+fn a_crash_restarts_after_backoff_and_a_load_failure_answers_the_waiters() {
+    let t0 = Instant::now();
+    let mut s = starting(t0);
+    ready(&mut s, ready_report(), t0, &timing());
+    let crash = exit(ExitCause::Crash {
+        signal: Some(9),
+        code: None,
+    });
+    let fx = exited(&mut s, crash, t0, SystemTime::now(), &timing(), CALM);
+    assert!(matches!(s.state, State::Restarting { at } if at == t0 + Duration::from_millis(250)));
+    assert_eq!(s.restarts, 1);
+    assert_eq!(
+        names(&fx),
+        ["log", "unloads", "restart", "after", "place"],
+        "a crash after ready: no waiter is failed"
+    );
+    assert!(s.state.engine().is_none());
+    assert_eq!(s.last_ready.as_ref().map(|r| r.weight_bytes), Some(1000));
+
+    // The next engine fails its load: those waiting get the load's error.
+    s.generation = 2;
+    let (handle, _ends) = EngineHandle::simulated(43, 2);
+    started(&mut s, handle, Limits::default(), t0, &timing());
+    let failed = exit(ExitCause::LoadFailed {
+        detail: "exit code 2 before ready".into(),
+    });
+    let fx = exited(&mut s, failed, t0, SystemTime::now(), &timing(), CALM);
+    assert!(fx.iter().any(|e| matches!(e,
+        Effect::FailWaiters(ProxyError::LoadFailed { retry_after, .. }) if *retry_after == Duration::from_secs(1))));
+    assert_eq!(s.restarts, 2);
+}
+
+#[test]
+fn too_many_crashes_fail_the_model() {
+    let t0 = Instant::now();
+    let mut s = slot(false);
+    let mut fx = Vec::new();
+    for i in 0..5 {
+        s.generation = i + 1;
+        let (handle, _ends) = EngineHandle::simulated(40, i + 1);
+        started(&mut s, handle, Limits::default(), t0, &timing());
+        let report = exit(ExitCause::LoadFailed {
+            detail: "exit code 1 before ready".into(),
+        });
+        fx = exited(&mut s, report, t0, SystemTime::now(), &timing(), CALM);
+    }
+    assert!(matches!(
+        s.state,
+        State::Failed {
+            cannot_load: false,
+            ..
+        }
+    ));
+    assert!(fx.iter().any(|e| matches!(e,
+        Effect::FailWaiters(ProxyError::Failed { retry_after, .. }) if *retry_after == Duration::from_secs(300))));
+    assert_eq!(s.restarts, 4);
+}
+
+#[test]
+fn a_load_that_cannot_succeed_fails_at_once_without_a_restart() {
+    let t0 = Instant::now();
+    let mut s = starting(t0);
+    let report = exit(ExitCause::CannotLoad {
+        detail: "no such model; did you mean m2?".into(),
+    });
+    let fx = exited(&mut s, report, t0, SystemTime::now(), &timing(), CALM);
+    match &s.state {
+        State::Failed {
+            cause,
+            cannot_load: true,
+            ..
+        } => assert_eq!(cause, "no such model; did you mean m2?"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(s.restarts, 0);
+    assert_eq!(s.history.recent(), 0);
+    assert!(!names(&fx).contains(&"restart"));
+    assert!(fx.iter().any(|e| matches!(e,
+        Effect::FailWaiters(ProxyError::CannotLoad { cause, .. }) if cause.ends_with("m2?"))));
+}
+
+#[test]
+fn requested_stops_leave_the_model_stopped_unless_someone_waits() {
+    let t0 = Instant::now();
+    let mut s = starting(t0);
+    ready(&mut s, ready_report(), t0, &timing());
+    drain(&mut s, "ttl");
+    let fx = exited(
+        &mut s,
+        exit(ExitCause::Requested),
+        t0,
+        SystemTime::now(),
+        &timing(),
+        CALM,
+    );
+    assert_eq!(s.state.name(), "stopped");
+    assert_eq!(names(&fx), ["log", "unloads", "place"]);
+
+    // A pinned model recycled for its restored limits comes straight back.
+    let mut s = slot(true);
+    s.generation = 1;
+    let (handle, _ends) = EngineHandle::simulated(42, 1);
+    started(&mut s, handle, Limits::default(), t0, &timing());
+    ready(&mut s, ready_report(), t0, &timing());
+    s.state.engine_mut().unwrap().recycle = true;
+    let fx = exited(
+        &mut s,
+        exit(ExitCause::Requested),
+        t0,
+        SystemTime::now(),
+        &timing(),
+        CALM,
+    );
+    assert_eq!(names(&fx), ["log", "unloads", "enqueue", "place"]);
+}
+
+#[test]
+fn an_exit_during_shutdown_or_after_removal_ends_the_model() {
+    let t0 = Instant::now();
+    let mut s = starting(t0);
+    assert_eq!(names(&shut_down(&mut s)), ["stop"]);
+    assert_eq!(s.state.name(), "draining");
+    let fx = exited(
+        &mut s,
+        exit(ExitCause::Requested),
+        t0,
+        SystemTime::now(),
+        &timing(),
+        PoolMood {
+            shutting_down: true,
+        },
+    );
+    assert_eq!(s.state.name(), "stopped");
+    assert!(matches!(
+        fx.last(),
+        Some(Effect::FailWaiters(ProxyError::ShuttingDown))
+    ));
+
+    let mut s = starting(t0);
+    s.removed = true;
+    let crash = exit(ExitCause::Crash {
+        signal: None,
+        code: Some(1),
+    });
+    let fx = exited(&mut s, crash, t0, SystemTime::now(), &timing(), CALM);
+    assert_eq!(names(&fx), ["log", "unloads", "forget", "place"]);
+    assert_eq!(s.restarts, 0);
+}
+
+#[test]
+fn an_out_of_memory_exit_halves_the_limits_and_schedules_their_recovery() {
+    let t0 = Instant::now();
+    let config = Config {
+        models: vec![ModelConfig::new("m")],
+        ..Config::default()
+    };
+    let mut entry = Catalog::from_config(&config).unwrap().models[0].clone();
+    entry.limits = Limits {
+        max_batch_size: Some(8),
+        kv_budget_bytes: Some(1 << 20),
+        context_length: None,
+    };
+    let mut s = Slot::new(
+        entry,
+        Arc::new(ModelLog::default()),
+        PathBuf::from("/tmp/m.sock"),
+        t0,
+    );
+    s.generation = 1;
+    let (handle, _ends) = EngineHandle::simulated(42, 1);
+    let limits = s.limits.current().clone();
+    started(&mut s, handle, limits, t0, &timing());
+    ready(&mut s, ready_report(), t0, &timing());
+    let oom = exit(ExitCause::OutOfMemory {
+        detail: "simulated".into(),
+    });
+    let fx = exited(&mut s, oom, t0, SystemTime::now(), &timing(), CALM);
+    assert_eq!(s.limits.current().max_batch_size, Some(4));
+    assert!(fx
+        .iter()
+        .any(|e| matches!(e, Effect::After(_, Timer::LimitsRecovery { .. }))));
+    assert_eq!(s.state.name(), "restarting");
+}

@@ -1,0 +1,332 @@
+//! One model's place in the pool: its configuration, its lifecycle [`State`] — each state
+//! carrying its own data, so that "ready without an engine" cannot be written — and the
+//! requests waiting for it.
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use mlxd_protocol::control::{Limits, LoadPhase, Ready, Stats};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use super::handle::{InFlight, Lease, Reply};
+use crate::catalog::ModelEntry;
+use crate::engine::EngineHandle;
+use crate::error::ProxyError;
+use crate::exit::ExitReport;
+use crate::logs::ModelLog;
+use crate::policy::{CrashHistory, KvCapacity, ModelLimits, RestartPolicy};
+
+/// A running engine process and what the pool counts of it.
+#[derive(Debug)]
+pub(super) struct Engine {
+    pub handle: EngineHandle,
+    /// The limits it was launched with.
+    pub limits: Limits,
+    pub spawned_at: Instant,
+    /// Leases handed out and not yet dropped.
+    pub in_flight: u32,
+    /// Restart it once idle: the model's limits grew back beyond the ones it runs with.
+    pub recycle: bool,
+    /// The engine's last `Stats` (its totals restart with the process).
+    pub stats: Option<Stats>,
+}
+
+impl Engine {
+    pub fn new(handle: EngineHandle, limits: Limits, now: Instant) -> Self {
+        Self {
+            handle,
+            limits,
+            spawned_at: now,
+            in_flight: 0,
+            recycle: false,
+            stats: None,
+        }
+    }
+}
+
+/// How far a load has got.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Loading {
+    pub phase: Option<LoadPhase>,
+    pub progress: Option<f32>,
+}
+
+/// What a ready engine reported, and when it last showed it was alive.
+#[derive(Debug, Clone)]
+pub(super) struct Serving {
+    pub ready: Ready,
+    pub ready_at: Instant,
+    /// `Ready`, then each `Stats`.
+    pub heartbeat: Instant,
+}
+
+#[derive(Debug)]
+pub(super) enum State {
+    /// Not started (on-demand start at the first request).
+    Idle,
+    /// Wants an engine; waiting for room (engine slots or memory).
+    Queued {
+        ticket: u64,
+    },
+    Starting {
+        engine: Engine,
+        loading: Loading,
+    },
+    Ready {
+        engine: Engine,
+        serving: Serving,
+    },
+    /// No new requests; stopping once in-flight requests are done. `serving` is absent
+    /// for an engine drained before it was ready (an admin unload, shutdown).
+    Draining {
+        engine: Engine,
+        serving: Option<Serving>,
+    },
+    Restarting {
+        at: Instant,
+    },
+    Failed {
+        cause: String,
+        since: Instant,
+        /// The engine said the load cannot succeed as asked (not a crash loop).
+        cannot_load: bool,
+    },
+    Stopped,
+}
+
+impl State {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Idle => "idle",
+            Self::Queued { .. } => "queued",
+            Self::Starting { .. } => "starting",
+            Self::Ready { .. } => "ready",
+            Self::Draining { .. } => "draining",
+            Self::Restarting { .. } => "restarting",
+            Self::Failed { .. } => "failed",
+            Self::Stopped => "stopped",
+        }
+    }
+
+    pub fn availability(&self) -> &'static str {
+        match self {
+            Self::Ready { .. } | Self::Draining { .. } => "loaded",
+            Self::Queued { .. } | Self::Starting { .. } | Self::Restarting { .. } => "loading",
+            Self::Idle | Self::Stopped => "unloaded",
+            Self::Failed { .. } => "failed",
+        }
+    }
+
+    /// The engine process, in the states that have one.
+    pub fn engine(&self) -> Option<&Engine> {
+        match self {
+            Self::Starting { engine, .. }
+            | Self::Ready { engine, .. }
+            | Self::Draining { engine, .. } => Some(engine),
+            _ => None,
+        }
+    }
+
+    pub fn engine_mut(&mut self) -> Option<&mut Engine> {
+        match self {
+            Self::Starting { engine, .. }
+            | Self::Ready { engine, .. }
+            | Self::Draining { engine, .. } => Some(engine),
+            _ => None,
+        }
+    }
+
+    /// What the engine reported at `Ready`, while it serves or drains.
+    pub fn serving(&self) -> Option<&Serving> {
+        match self {
+            Self::Ready { serving, .. } => Some(serving),
+            Self::Draining { serving, .. } => serving.as_ref(),
+            _ => None,
+        }
+    }
+
+    pub fn is_ready(&self) -> bool {
+        matches!(self, Self::Ready { .. })
+    }
+
+    pub fn is_draining(&self) -> bool {
+        matches!(self, Self::Draining { .. })
+    }
+
+    /// Not started, or stopped: a request has to start an engine.
+    pub fn is_cold(&self) -> bool {
+        matches!(self, Self::Idle | Self::Stopped)
+    }
+}
+
+/// A request waiting for its model's engine.
+#[derive(Debug)]
+pub(super) struct Waiter {
+    /// Names its queue-timeout timer.
+    pub id: u64,
+    pub reply: Reply<Result<Lease, ProxyError>>,
+}
+
+impl Waiter {
+    pub fn is_closed(&self) -> bool {
+        self.reply.is_closed()
+    }
+
+    /// Answers the request; a waiter that gave up meanwhile is simply gone.
+    pub fn send(self, result: Result<Lease, ProxyError>) {
+        let _ = self.reply.send(result);
+    }
+}
+
+pub(super) struct Slot {
+    pub entry: ModelEntry,
+    pub log: Arc<ModelLog>,
+    pub socket: PathBuf,
+    pub state: State,
+    /// Bumped at each start: events, timers and leases of older engines are ignored.
+    pub generation: u64,
+    pub restarts: u32,
+    pub history: CrashHistory,
+    pub limits: ModelLimits,
+    pub last_exit: Option<(Arc<ExitReport>, SystemTime)>,
+    /// What the last engine reported at `Ready`; `/engines` shows it until the next start.
+    pub last_ready: Option<Ready>,
+    /// A reload removed the model: no new requests; the slot goes once its engine is gone.
+    pub removed: bool,
+    pub last_used: Instant,
+    /// The largest footprint an engine of this model has reported.
+    pub observed_bytes: u64,
+    /// An idle check is pending (one timer per slot, re-armed while the engine is used).
+    pub idle_timer: bool,
+    pub waiters: VecDeque<Waiter>,
+    pub unload_replies: Vec<Reply<Result<(), ProxyError>>>,
+}
+
+impl Slot {
+    pub fn new(entry: ModelEntry, log: Arc<ModelLog>, socket: PathBuf, now: Instant) -> Self {
+        Self {
+            limits: ModelLimits::new(entry.limits.clone()),
+            entry,
+            log,
+            socket,
+            state: State::Idle,
+            generation: 0,
+            restarts: 0,
+            history: CrashHistory::default(),
+            last_exit: None,
+            last_ready: None,
+            removed: false,
+            last_used: now,
+            observed_bytes: 0,
+            idle_timer: false,
+            waiters: VecDeque::new(),
+            unload_replies: Vec::new(),
+        }
+    }
+
+    pub fn id(&self) -> &str {
+        &self.entry.id
+    }
+
+    /// Leases in flight on the current engine.
+    pub fn in_flight(&self) -> u32 {
+        self.state.engine().map_or(0, |e| e.in_flight)
+    }
+
+    /// What the ready engine can hold, for [`crate::policy::check_kv`].
+    pub fn kv_capacity(&self, policy: &RestartPolicy, now: Instant) -> Option<KvCapacity> {
+        let State::Ready { engine, serving } = &self.state else {
+            return None;
+        };
+        let budget = engine.limits.kv_budget_bytes?;
+        let configured = self.limits.configured().kv_budget_bytes;
+        Some(KvCapacity {
+            kv_bytes_per_token: serving.ready.kv_bytes_per_token,
+            context_length: serving.ready.context_length,
+            budget,
+            configured_budget: configured,
+            recovers_in: (configured != Some(budget)).then(|| {
+                self.limits
+                    .recovers_at(policy)
+                    .map_or(Duration::from_secs(1), |at| {
+                        at.saturating_duration_since(now)
+                    })
+                    .max(Duration::from_secs(1))
+            }),
+        })
+    }
+
+    /// Hands out a lease on the ready engine and counts the request as in flight; `None`
+    /// in any other state.
+    pub fn grant(
+        &mut self,
+        release: &mpsc::UnboundedSender<(String, u64)>,
+        policy: &RestartPolicy,
+        now: Instant,
+    ) -> Option<Lease> {
+        let kv = self.kv_capacity(policy, now);
+        let State::Ready { engine, .. } = &mut self.state else {
+            return None;
+        };
+        engine.in_flight += 1;
+        self.last_used = now;
+        let generation = engine.handle.generation;
+        Some(Lease {
+            model: self.entry.id.clone(),
+            socket: self.socket.clone(),
+            generation,
+            death: engine.handle.death(),
+            kv,
+            _in_flight: Arc::new(InFlight {
+                model: self.entry.id.clone(),
+                generation,
+                tx: release.clone(),
+            }),
+        })
+    }
+
+    pub fn live_waiters(&mut self) -> usize {
+        self.waiters.retain(|w| !w.is_closed());
+        self.waiters.len()
+    }
+
+    pub fn fail_waiters(&mut self, err: &ProxyError) {
+        for w in self.waiters.drain(..) {
+            w.send(Err(err.clone()));
+        }
+    }
+
+    /// What the engine reports: weights plus KV cache, or its total memory.
+    pub fn reported_bytes(&self) -> u64 {
+        let weights = self.state.serving().map_or(0, |s| s.ready.weight_bytes);
+        let (kv, total) = self
+            .state
+            .engine()
+            .and_then(|e| e.stats.as_ref())
+            .map_or((0, 0), |s| (s.kv_bytes, s.memory_bytes));
+        (weights + kv).max(total)
+    }
+
+    /// Memory to plan for before a start.
+    pub fn planned_bytes(&self) -> u64 {
+        self.entry.planned_bytes.max(self.observed_bytes)
+    }
+
+    /// Memory counted for the running engine: reported once ready, planned before.
+    pub fn footprint(&self) -> u64 {
+        match self.state {
+            State::Ready { .. } | State::Draining { .. } if self.reported_bytes() > 0 => {
+                self.reported_bytes()
+            }
+            _ => self.planned_bytes(),
+        }
+    }
+
+    /// Holds (or is about to hold) resources.
+    pub fn resident(&self) -> bool {
+        self.state.engine().is_some() || matches!(self.state, State::Restarting { .. })
+    }
+}
