@@ -8,6 +8,8 @@
 //! whatever the activations' dtype. Left padding (a prefill group's shorter rows): the padded
 //! positions are zeroed before the convolution and the recurrence holds the state still over
 //! them, so a padded row ends exactly where it would alone.
+use std::cell::RefCell;
+
 use mlx_rs::error::Exception;
 use mlx_rs::fast;
 use mlx_rs::ops::indexing::IndexOp;
@@ -297,16 +299,18 @@ fn silu(x: &Array) -> Result<Array, Exception> {
 /// mlx-lm's `precise_swiglu(h, gate, x)`: `silu(gate) * x` in float32, cast to `h`'s dtype;
 /// compiled into one kernel (shapeless), as mlx-lm compiles it.
 fn precise_swiglu(h: &Array, gate: &Array, x: &Array) -> Result<Array, Exception> {
-    let mut fused = compile(
-        |(h, gate, x): (&Array, &Array, &Array)| {
-            let g = gate.as_dtype(Dtype::Float32)?;
-            silu(&g)?
-                .multiply(x.as_dtype(Dtype::Float32)?)?
-                .as_dtype(h.dtype())
-        },
-        true,
-    );
-    fused((h, gate, x))
+    let args = [h.clone(), gate.clone(), x.clone()];
+    single(Compiled::call(|c| &mut c.swiglu, &args)?)
+}
+
+fn precise_swiglu_ops(args: &[Array]) -> Result<Vec<Array>, Exception> {
+    let [h, gate, x] = args else {
+        return Err(Exception::custom("precise_swiglu: expected 3 inputs"));
+    };
+    let g = gate.as_dtype(Dtype::Float32)?;
+    Ok(vec![silu(&g)?
+        .multiply(x.as_dtype(Dtype::Float32)?)?
+        .as_dtype(h.dtype())?])
 }
 
 /// mlx-lm's `normalize_qk`: L2-normalised queries and keys (through `rms_norm` with the eps
@@ -325,20 +329,69 @@ fn normalize_qk(q: &Array, k: &Array, key_dim: i32) -> Result<(Array, Array), Ex
 /// mlx-lm's `compute_g`: the per-step decay `exp(-exp(A_log) * softplus(a + dt_bias))` in
 /// float32, compiled (shapeless) as mlx-lm compiles it.
 fn compute_g(a_log: &Array, a: &Array, dt_bias: &Array) -> Result<Array, Exception> {
-    let mut fused = compile(
-        |(a_log, a, dt_bias): (&Array, &Array, &Array)| {
-            let x = a.add(dt_bias)?;
-            let softplus = logaddexp(&x, weak_scalar(&x, 0.0)?)?;
-            a_log
-                .as_dtype(Dtype::Float32)?
-                .exp()?
-                .negative()?
-                .multiply(softplus)?
-                .exp()
-        },
-        true,
-    );
-    fused((a_log, a, dt_bias))
+    let args = [a_log.clone(), a.clone(), dt_bias.clone()];
+    single(Compiled::call(|c| &mut c.decay, &args)?)
+}
+
+fn compute_g_ops(args: &[Array]) -> Result<Vec<Array>, Exception> {
+    let [a_log, a, dt_bias] = args else {
+        return Err(Exception::custom("compute_g: expected 3 inputs"));
+    };
+    let x = a.add(dt_bias)?;
+    let softplus = logaddexp(&x, weak_scalar(&x, 0.0)?)?;
+    Ok(vec![a_log
+        .as_dtype(Dtype::Float32)?
+        .exp()?
+        .negative()?
+        .multiply(softplus)?
+        .exp()?])
+}
+
+/// The one output of a compiled function.
+fn single(mut out: Vec<Array>) -> Result<Array, Exception> {
+    match (out.pop(), out.is_empty()) {
+        (Some(a), true) => Ok(a),
+        _ => Err(Exception::custom(
+            "a compiled function gave other than one output",
+        )),
+    }
+}
+
+type CompiledFn = Box<dyn for<'a> FnMut(&'a [Array]) -> Result<Vec<Array>, Exception>>;
+
+/// The layer's compiled functions, kept per thread (the model runs on one thread) for the
+/// thread's life: MLX caches a compiled graph per compiled function and input shapes, so a
+/// function compiled anew for every pass would be traced again every decode step.
+struct Compiled {
+    step: CompiledFn,
+    decay: CompiledFn,
+    swiglu: CompiledFn,
+}
+
+thread_local! {
+    static COMPILED: RefCell<Option<Compiled>> = const { RefCell::new(None) };
+}
+
+impl Compiled {
+    fn new() -> Self {
+        Self {
+            step: Box::new(compile(delta_step, false)),
+            decay: Box::new(compile(compute_g_ops, true)),
+            swiglu: Box::new(compile(precise_swiglu_ops, true)),
+        }
+    }
+
+    /// Calls the function `pick` chooses on `args`.
+    fn call(
+        pick: impl FnOnce(&mut Compiled) -> &mut CompiledFn,
+        args: &[Array],
+    ) -> Result<Vec<Array>, Exception> {
+        COMPILED.with(|cell| {
+            let mut compiled = cell.borrow_mut();
+            let f = pick(compiled.get_or_insert_with(Compiled::new));
+            f(args)
+        })
+    }
 }
 
 /// The recurrence's inputs over one pass: `q`, `k` `[B, T, Hk, Dk]` (normalised), `v`
@@ -371,9 +424,6 @@ fn gated_delta_ops(
     } else {
         (q.clone(), k.clone())
     };
-    // One compiled function for the whole loop (a compiled closure's graph cache lives as long
-    // as the closure).
-    let mut step = compile(delta_step, false);
     let mut ys = Vec::with_capacity(steps as usize);
     for t in 0..steps {
         let at = |x: &Array| x.index((.., t));
@@ -381,7 +431,7 @@ fn gated_delta_ops(
         if let Some(m) = mask {
             args.push(at(m));
         }
-        let mut out = step(&args)?;
+        let mut out = Compiled::call(|c| &mut c.step, &args)?;
         state = out
             .pop()
             .ok_or_else(|| Exception::custom("delta step: no state"))?;
