@@ -241,6 +241,80 @@ async fn kill_9_of_the_engine_mid_generation_costs_the_clients_nothing() -> Resu
     Ok(())
 }
 
+/// A hybrid model (a tiny Qwen3-Next: gated delta-net layers, whose recurrent state cannot
+/// be cut back, beside attention) resumes as an attention-only model does: the restarted
+/// engine prefills the prompt and the tokens sent so far into a fresh state, and the client
+/// sees the bytes of an uninterrupted run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kill_9_of_a_hybrid_engine_costs_the_clients_nothing() -> Result<()> {
+    let models = std::env::var_os("MLXD_TEST_MODELS")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target/test-models"));
+    let dir = models.join("family-qwen3_next");
+    ensure!(
+        dir.join("config.json").is_file(),
+        "{} is missing (scripts/test.sh generates it)",
+        dir.display()
+    );
+    let engine = engine_bin()?;
+    let home = test_home();
+    let p = Proxy::start_with(&[], |c| {
+        let mut model = mlxd_proxy::config::ModelConfig::new("hybrid");
+        model.path = Some(dir.display().to_string());
+        c.models = vec![model];
+        let s = &mut c.server;
+        s.engine_bin = Some(engine);
+        s.engine_options.clear();
+        s.engine_options.insert("prompt_cache".into(), "0".into());
+        s.queue_timeout_ms = 180_000;
+        s.engine_env
+            .insert("MLXD_HOME".into(), home.display().to_string());
+    })
+    .await?;
+    let long =
+        json!({"stream": true, "max_tokens": 400, "stream_options": {"include_usage": true}});
+    let cases = vec![
+        Case::completion("The quick brown fox", long.clone()),
+        Case::completion(
+            "Once upon a time",
+            json!({"stream": true, "max_tokens": 400}),
+        ),
+        Case::completion(
+            "In a distant galaxy",
+            json!({"stream": true, "max_tokens": 400, "temperature": 0.9, "seed": 11}),
+        ),
+        Case::completion("My favourite food is", json!({"max_tokens": 200})),
+    ];
+    let reference = run_all(p.addr, &cases, Progress::default()).await?;
+    let pid = ready_pid(&p).await?;
+    let progress = Progress::default();
+    let killer = {
+        let progress = progress.clone();
+        tokio::spawn(async move {
+            let deadline = Instant::now() + Duration::from_secs(300);
+            while progress.load(Ordering::SeqCst) < 30 {
+                if Instant::now() > deadline {
+                    bail!("tokens never flowed");
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            kill(Pid::from_raw(pid), Signal::SIGKILL)?;
+            Ok(progress.load(Ordering::SeqCst))
+        })
+    };
+    let got = run_all(p.addr, &cases, progress.clone()).await?;
+    let at_kill = killer.await??;
+    let total = progress.load(Ordering::SeqCst);
+    compare(&cases, &reference, &got)?;
+    ensure!(
+        at_kill < total,
+        "the engine was killed after every token was sent ({at_kill} of {total}): nothing was resumed"
+    );
+    let e = p.engine().await?;
+    ensure!(e["restarts"].as_u64() >= Some(1), "{e}");
+    Ok(())
+}
+
 /// Sends `cases` with an engine that injects `fault` once (`MLXD_FAULT_ONCE`), then the
 /// same cases again on the clean restarted engine; both runs must answer the same.
 async fn faulted_run_matches_clean_run(
