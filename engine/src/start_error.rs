@@ -148,14 +148,21 @@ fn store_suggestion(e: &StoreError, spec: &str, home: &Path) -> Option<String> {
 /// For a download that could not connect: how to get the model onto this machine.
 fn offline_hint(spec: &str, home: &Path) -> String {
     let known = store::KNOWN_MODELS.iter().any(|k| k.name == spec);
-    let local = if known {
-        format!("or set {}=<a local .gguf of it>", store::ENV_SMOLLM2_GGUF)
-    } else {
-        "or give the path of a local model directory or .gguf file".to_string()
-    };
+    if known {
+        return format!(
+            "offline? `mlxd pull {spec}` fetches it into the store ({}) while connected, or \
+             set {}=<a local .gguf of it>",
+            home.display(),
+            store::ENV_SMOLLM2_GGUF
+        );
+    }
+    let cache = StoreOptions::from_env(home)
+        .hf_cache
+        .map(|c| format!(" ({})", c.display()))
+        .unwrap_or_default();
     format!(
-        "offline? `mlxd pull {spec}` fetches it into the store ({}) while connected, {local}",
-        home.display()
+        "offline? `mlxd pull {spec}` fetches it into the Hugging Face cache{cache} while \
+         connected, or give the path of a local model directory or .gguf file"
     )
 }
 
@@ -295,6 +302,20 @@ mod tests {
         assert_eq!(kind, FatalKind::CannotLoad);
         assert!(message.contains("mlxd pull smollm2-135m"), "{message}");
         assert!(message.contains(store::ENV_SMOLLM2_GGUF), "{message}");
+        assert!(
+            message.contains(&home.path().display().to_string()),
+            "{message}"
+        );
+        let e = StartError::Store(StoreError::Network {
+            url: "https://huggingface.co/api/models/org/m".into(),
+            message: "dns error".into(),
+        });
+        let (kind, message) = e.report("org/m", home.path());
+        assert_eq!(kind, FatalKind::CannotLoad);
+        assert!(
+            message.contains("`mlxd pull org/m` fetches it into the Hugging Face cache"),
+            "{message}"
+        );
         let e = StartError::Store(StoreError::HfNotCached {
             repo: "org/m".into(),
             revision: "main".into(),
