@@ -10,6 +10,9 @@ use serde_json::{json, Value};
 
 const T: Duration = Duration::from_secs(10);
 
+#[path = "proxy/ollama.rs"]
+mod ollama;
+
 fn chat(fake: Value, stream: bool) -> Value {
     json!({"model": "fake-model", "stream": stream, "messages": [{"role": "user", "content": "hi"}], "fake": fake})
 }
