@@ -1,6 +1,6 @@
 //! Start-up glue for the `mlxd-engine` binary: resolve the model, load it on the MLX thread,
 //! serve HTTP on a unix socket, and (under `mlxd`) speak the control channel.
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -13,14 +13,13 @@ use mlxd_protocol::control::{
     ChildMsg, Device, FatalKind, Launch, LoadPhase, Ready, Spilled, SsdStats, Stats,
     PROTOCOL_VERSION,
 };
+use mlxd_protocol::engine_options::{Draft, EngineOptions, OptionError};
 use tokio::sync::Notify;
 
 use crate::cache::ssd::{SsdConfig, SsdCounters, SsdHandle};
 use crate::cache::KvQuant;
 use crate::loader::LoadReporter;
-use crate::runtime::draft::{
-    DraftSource, NgramSizes, Speculation, DEFAULT_NGRAM, DEFAULT_NUM_DRAFT, MAX_NUM_DRAFT,
-};
+use crate::runtime::draft::{DraftSource, NgramSizes, Speculation};
 use crate::runtime::{OomHook, Runtime, RuntimeLimits};
 use crate::server::{self, ApiError, ServerState};
 use crate::tokenizer::Tokenizer;
@@ -29,55 +28,9 @@ use mlxd_store::{self as store, ResolvedModel};
 pub use crate::start_error::StartError;
 
 /// The engine options `mlxd` passes in `Launch.options` (`[server.engine_options]` and a
-/// model's `options` in `mlxd.toml`), each with what it takes.
-pub const ENGINE_OPTIONS: &[(&str, &str)] = &[
-    (
-        "prompt_cache",
-        "GiB of prefix cache, a number >= 0 (0 disables it)",
-    ),
-    ("kv_bits", "4 or 8: store the KV cache quantized"),
-    ("kv_group_size", "32, 64 or 128 (with kv_bits)"),
-    (
-        "quantized_kv_start",
-        "tokens kept unquantized before a sequence's KV converts (with kv_bits; default 0)",
-    ),
-    (
-        "draft",
-        "\"ngram\": speculative decoding with prompt-lookup drafts",
-    ),
-    (
-        "draft_model",
-        "a model (name, directory or GGUF) with the same tokenizer, to draft tokens",
-    ),
-    (
-        "num_draft_tokens",
-        "drafts per verification pass, 1 to 16 (default 3)",
-    ),
-    (
-        "ngram_min",
-        "shortest n-gram prompt lookup matches (default 2)",
-    ),
-    (
-        "ngram_max",
-        "longest n-gram prompt lookup matches (default 4)",
-    ),
-    (
-        "ssd_cache",
-        "a directory: prefix-cache entries are written behind to it and restored by later engines",
-    ),
-    (
-        "ssd_cache_max",
-        "GiB the model's SSD cache files may take, a number >= 0 (0 = unlimited; with ssd_cache)",
-    ),
-    (
-        "ssd_demote_idle",
-        "seconds after which an unused prefix leaves memory for the SSD cache (with ssd_cache)",
-    ),
-    (
-        "generation_checkpoint",
-        "write a running request's KV to the SSD cache every N generated tokens (with ssd_cache)",
-    ),
-];
+/// model's `options` in `mlxd.toml`), each with what it takes: the one definition in
+/// `mlxd_protocol::engine_options`.
+pub use mlxd_protocol::engine_options::KEYS as ENGINE_OPTIONS;
 
 /// Where drafts should come from, before the draft model is resolved in the store.
 #[derive(Debug, Clone, PartialEq)]
@@ -103,10 +56,10 @@ pub struct LaunchOptions {
 
 /// The options of a supervised engine: `Launch.limits` and `Launch.options` over the
 /// defaults. An unknown option, a value out of its domain or a combination that cannot work is
-/// an error, never ignored.
+/// an error (the rules `mlxd` applied at config load), never ignored.
 pub fn launch_options(launch: &Launch) -> Result<LaunchOptions, StartError> {
     let defaults = RuntimeLimits::default();
-    let mut limits = RuntimeLimits {
+    let limits = RuntimeLimits {
         max_batch_size: launch
             .limits
             .max_batch_size
@@ -115,249 +68,59 @@ pub fn launch_options(launch: &Launch) -> Result<LaunchOptions, StartError> {
         context_length: launch.limits.context_length.map(|n| n as usize),
         ..defaults
     };
-    let mut kv_bits = None;
-    let mut kv_group_size = None;
-    let mut quantized_kv_start = None;
-    let mut ngram = false;
-    let mut draft_model = None;
-    let mut num_draft = None;
-    let mut ngram_min = None;
-    let mut ngram_max = None;
-    let mut ssd = SsdOptions::default();
-    for (key, value) in &launch.options {
-        let bad = |reason: &str| StartError::Option {
-            key: key.clone(),
-            value: value.clone(),
-            reason: reason.to_owned(),
-        };
-        match key.as_str() {
-            "prompt_cache" => {
-                let gib: f64 = value
-                    .parse()
-                    .ok()
-                    .filter(|g: &f64| g.is_finite() && (0.0..=1024.0 * 1024.0).contains(g))
-                    .ok_or_else(|| bad("expected GiB between 0 and 1048576"))?;
-                limits.prompt_cache_bytes = (gib * (1u64 << 30) as f64) as u64;
-            }
-            "kv_bits" => {
-                kv_bits = Some(
-                    value
-                        .parse::<i32>()
-                        .ok()
-                        .filter(|b| [4, 8].contains(b))
-                        .ok_or_else(|| bad("expected 4 or 8"))?,
-                )
-            }
-            "kv_group_size" => {
-                kv_group_size = Some(
-                    value
-                        .parse::<i32>()
-                        .ok()
-                        .filter(|g| [32, 64, 128].contains(g))
-                        .ok_or_else(|| bad("expected 32, 64 or 128"))?,
-                )
-            }
-            "quantized_kv_start" => {
-                quantized_kv_start = Some(
-                    value
-                        .parse::<usize>()
-                        .ok()
-                        .filter(|n| *n <= 1 << 24)
-                        .ok_or_else(|| bad("expected a number of tokens from 0 to 16777216"))?,
-                )
-            }
-            "draft" => {
-                if value != "ngram" {
-                    return Err(bad("expected \"ngram\" (a draft model is draft_model)"));
-                }
-                ngram = true;
-            }
-            "draft_model" => {
-                if value.trim().is_empty() {
-                    return Err(bad("expected a model name, directory or GGUF file"));
-                }
-                draft_model = Some(value.clone());
-            }
-            "num_draft_tokens" => {
-                num_draft = Some(
-                    value
-                        .parse::<usize>()
-                        .ok()
-                        .filter(|n| (1..=MAX_NUM_DRAFT).contains(n))
-                        .ok_or_else(|| bad(&format!("expected 1 to {MAX_NUM_DRAFT}")))?,
-                )
-            }
-            "ngram_min" | "ngram_max" => {
-                let n = value
-                    .parse::<usize>()
-                    .ok()
-                    .filter(|n| (1..=64).contains(n))
-                    .ok_or_else(|| bad("expected 1 to 64"))?;
-                if key == "ngram_min" {
-                    ngram_min = Some(n);
-                } else {
-                    ngram_max = Some(n);
-                }
-            }
-            "ssd_cache" | "ssd_cache_max" | "ssd_demote_idle" | "generation_checkpoint" => {
-                ssd.set(key, value).map_err(|reason| bad(&reason))?
-            }
-            _ => {
-                let known: Vec<&str> = ENGINE_OPTIONS.iter().map(|(k, _)| *k).collect();
-                return Err(bad(&format!(
-                    "unknown option (known: {})",
-                    known.join(", ")
-                )));
-            }
-        }
+    let options = EngineOptions::from_map(&launch.options).map_err(option_error)?;
+    runtime_options(&options, limits)
+}
+
+fn option_error(e: OptionError) -> StartError {
+    StartError::Option {
+        key: e.key,
+        value: e.value,
+        reason: e.reason,
     }
-    limits.kv_quant = match (kv_bits, kv_group_size) {
-        (Some(bits), group) => Some(KvQuant {
-            bits,
-            group_size: group.unwrap_or(64),
-        }),
-        (None, Some(group)) => {
-            return Err(StartError::Option {
-                key: "kv_group_size".into(),
-                value: group.to_string(),
-                reason: "needs kv_bits".into(),
-            })
+}
+
+/// What checked engine options (from `Launch.options` or the flags) mean for the runtime,
+/// over `limits`.
+pub fn runtime_options(
+    options: &EngineOptions,
+    mut limits: RuntimeLimits,
+) -> Result<LaunchOptions, StartError> {
+    options.check().map_err(option_error)?;
+    limits.prompt_cache_bytes = options.prompt_cache_bytes();
+    limits.kv_quant = options.kv_quant().map(|(bits, group_size)| KvQuant {
+        bits: bits as i32,
+        group_size: group_size as i32,
+    });
+    limits.quantized_kv_start = options.quantized_kv_start.unwrap_or(0) as usize;
+    limits.ssd = options.ssd_cache.clone().map(|dir| SsdConfig {
+        dir,
+        max_bytes: options.ssd_cache_max_bytes(),
+        demote_idle: options.ssd_demote_idle.map(Duration::from_secs_f64),
+        checkpoint_every: options.generation_checkpoint.map(|n| n as usize),
+    });
+    let choice = match (options.draft, &options.draft_model) {
+        (Some(Draft::Ngram), _) => {
+            let (min, max) = options.ngram_sizes();
+            let sizes = NgramSizes::new(min as usize, max as usize).map_err(|reason| {
+                StartError::Option {
+                    key: "ngram_min".into(),
+                    value: min.to_string(),
+                    reason,
+                }
+            })?;
+            Some(DraftChoice::Ngram(sizes))
         }
+        (None, Some(spec)) => Some(DraftChoice::Model(spec.clone())),
         (None, None) => None,
     };
-    if let Some(start) = quantized_kv_start {
-        if limits.kv_quant.is_none() {
-            return Err(StartError::Option {
-                key: "quantized_kv_start".into(),
-                value: start.to_string(),
-                reason: "needs kv_bits".into(),
-            });
-        }
-        limits.quantized_kv_start = start;
-    }
-    let refuse = |key: &str, reason: &str| StartError::Option {
-        key: key.into(),
-        value: launch.options.get(key).cloned().unwrap_or_default(),
-        reason: reason.into(),
-    };
-    limits.ssd = ssd.config().map_err(|(key, reason)| refuse(key, &reason))?;
-    if !ngram && (ngram_min.is_some() || ngram_max.is_some()) {
-        let key = if ngram_min.is_some() {
-            "ngram_min"
-        } else {
-            "ngram_max"
-        };
-        return Err(refuse(key, "needs draft = \"ngram\""));
-    }
-    let choice = match (ngram, draft_model) {
-        (true, Some(_)) => {
-            return Err(refuse(
-                "draft_model",
-                "draft = \"ngram\" and draft_model exclude each other",
-            ))
-        }
-        (true, None) => Some(DraftChoice::Ngram(
-            NgramSizes::new(
-                ngram_min.unwrap_or(DEFAULT_NGRAM.min),
-                ngram_max.unwrap_or(DEFAULT_NGRAM.max),
-            )
-            .map_err(|e| refuse("ngram_min", &e))?,
-        )),
-        (false, Some(spec)) => Some(DraftChoice::Model(spec)),
-        (false, None) => None,
-    };
-    if choice.is_none() && num_draft.is_some() {
-        return Err(refuse(
-            "num_draft_tokens",
-            "needs draft = \"ngram\" or a draft_model",
-        ));
-    }
     Ok(LaunchOptions {
         limits,
         draft: choice.map(|choice| DraftOptions {
             choice,
-            num_draft: num_draft.unwrap_or(DEFAULT_NUM_DRAFT),
+            num_draft: options.num_draft_tokens() as usize,
         }),
     })
-}
-
-/// The SSD tier's options as given (`Launch.options` or the flags), before they are checked
-/// together.
-#[derive(Debug, Default, Clone, PartialEq)]
-pub struct SsdOptions {
-    pub dir: Option<PathBuf>,
-    /// GiB; 0 is unlimited.
-    pub max_gib: Option<f64>,
-    pub demote_idle_s: Option<f64>,
-    pub checkpoint_every: Option<usize>,
-}
-
-impl SsdOptions {
-    /// Parses one `Launch.options` value.
-    fn set(&mut self, key: &str, value: &str) -> Result<(), String> {
-        match key {
-            "ssd_cache" => {
-                if value.trim().is_empty() {
-                    return Err("expected a directory".into());
-                }
-                self.dir = Some(PathBuf::from(value));
-            }
-            "ssd_cache_max" => {
-                self.max_gib = Some(
-                    value
-                        .parse::<f64>()
-                        .ok()
-                        .filter(|g| g.is_finite() && (0.0..=1024.0 * 1024.0).contains(g))
-                        .ok_or("expected GiB between 0 and 1048576")?,
-                )
-            }
-            "ssd_demote_idle" => {
-                self.demote_idle_s = Some(
-                    value
-                        .parse::<f64>()
-                        .ok()
-                        .filter(|s| s.is_finite() && *s > 0.0 && *s <= 1e9)
-                        .ok_or("expected seconds > 0")?,
-                )
-            }
-            "generation_checkpoint" => {
-                self.checkpoint_every = Some(
-                    value
-                        .parse::<usize>()
-                        .ok()
-                        .filter(|n| (1..=1 << 24).contains(n))
-                        .ok_or("expected a number of tokens from 1 to 16777216")?,
-                )
-            }
-            _ => unreachable!("only SSD keys are passed here"),
-        }
-        Ok(())
-    }
-
-    /// The tier's configuration, or which option needs `ssd_cache` and why.
-    pub fn config(&self) -> Result<Option<SsdConfig>, (&'static str, String)> {
-        let Some(dir) = self.dir.clone() else {
-            for (key, set) in [
-                ("ssd_cache_max", self.max_gib.is_some()),
-                ("ssd_demote_idle", self.demote_idle_s.is_some()),
-                ("generation_checkpoint", self.checkpoint_every.is_some()),
-            ] {
-                if set {
-                    return Err((key, "needs ssd_cache (--ssd-cache)".into()));
-                }
-            }
-            return Ok(None);
-        };
-        Ok(Some(SsdConfig {
-            dir,
-            max_bytes: self
-                .max_gib
-                .filter(|g| *g > 0.0)
-                .map(|g| (g * (1u64 << 30) as f64) as u64),
-            demote_idle: self.demote_idle_s.map(Duration::from_secs_f64),
-            checkpoint_every: self.checkpoint_every,
-        }))
-    }
 }
 
 /// A model loaded and ready to serve.
@@ -880,7 +643,7 @@ mod tests {
             o.draft,
             Some(DraftOptions {
                 choice: DraftChoice::Ngram(NgramSizes { min: 2, max: 6 }),
-                num_draft: DEFAULT_NUM_DRAFT,
+                num_draft: crate::runtime::draft::DEFAULT_NUM_DRAFT,
             })
         );
         let o = launch_options(&launch(&[
@@ -940,7 +703,7 @@ mod tests {
             ),
             (
                 &[("draft", "ngram"), ("ngram_min", "4"), ("ngram_max", "2")][..],
-                "ngram-min <= ngram-max",
+                "ngram_min <= ngram_max",
             ),
         ] {
             let e = launch_options(&launch(opts))

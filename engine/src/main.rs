@@ -6,10 +6,9 @@
 use std::path::PathBuf;
 
 use clap::Parser;
-use mlxd_engine::app::{self, DraftChoice, DraftOptions, SsdOptions};
-use mlxd_engine::cache::KvQuant;
-use mlxd_engine::runtime::draft::{NgramSizes, DEFAULT_NGRAM, DEFAULT_NUM_DRAFT, MAX_NUM_DRAFT};
+use mlxd_engine::app;
 use mlxd_engine::runtime::{RuntimeLimits, DEFAULT_MAX_BATCH_SIZE};
+use mlxd_protocol::engine_options::EngineOptions;
 use mlxd_store as store;
 
 #[derive(Parser)]
@@ -41,79 +40,10 @@ struct Args {
     /// default: no limit.
     #[arg(long)]
     kv_budget_bytes: Option<u64>,
-    /// GiB of KV the prefix cache keeps between requests, reused by prompts that share a
-    /// prefix (multi-turn chats, system prompts); 0 disables it.
-    #[arg(long, default_value_t = 1.0, value_parser = parse_gib)]
-    prompt_cache: f64,
-    /// Quantize the KV cache to 4 or 8 bits (attention then runs on MLX's quantized matmuls);
-    /// default: keep the model's dtype.
-    #[arg(long, value_parser = clap::value_parser!(i32).range(4..=8))]
-    kv_bits: Option<i32>,
-    /// Elements of a head that share one scale and bias when the KV cache is quantized.
-    #[arg(long, default_value_t = 64, requires = "kv_bits")]
-    kv_group_size: i32,
-    /// With `--kv-bits`: a sequence's KV stays in the model's dtype until it holds more than
-    /// this many tokens, then converts (as mlx-lm's `--quantized-kv-start`); 0 quantizes from
-    /// the first token.
-    #[arg(long, default_value_t = 0, requires = "kv_bits")]
-    quantized_kv_start: usize,
-    /// Speculative decoding with prompt-lookup drafts: `ngram` proposes the tokens that
-    /// followed the text's own ending where it occurred before (prompt or output).
-    #[arg(long, value_parser = ["ngram"], conflicts_with = "draft_model")]
-    draft: Option<String>,
-    /// Speculative decoding with a smaller model (name, directory or GGUF) that has the same
-    /// tokenizer; refused when the tokenizers differ.
-    #[arg(long)]
-    draft_model: Option<String>,
-    /// Drafted tokens verified per forward pass of the model (default 3; with `--draft` or
-    /// `--draft-model`).
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=MAX_NUM_DRAFT as u64))]
-    num_draft_tokens: Option<u64>,
-    /// Longest n-gram prompt lookup matches (with `--draft ngram`).
-    #[arg(long, default_value_t = DEFAULT_NGRAM.max as u64, requires = "draft",
-          value_parser = clap::value_parser!(u64).range(1..=64))]
-    ngram_max: u64,
-    /// Shortest n-gram prompt lookup matches (with `--draft ngram`).
-    #[arg(long, default_value_t = DEFAULT_NGRAM.min as u64, requires = "draft",
-          value_parser = clap::value_parser!(u64).range(1..=64))]
-    ngram_min: u64,
-    /// Write prefix-cache entries behind to this directory (one subdirectory per model), so
-    /// that a restarted engine restores prefixes from disk instead of prefilling them.
-    #[arg(long)]
-    ssd_cache: Option<PathBuf>,
-    /// GiB the model's SSD cache files may take; the oldest are deleted past it (0 =
-    /// unlimited).
-    #[arg(long, requires = "ssd_cache", value_parser = parse_gib)]
-    ssd_cache_max: Option<f64>,
-    /// Seconds after which an unused prefix leaves memory; it stays on disk.
-    #[arg(long, requires = "ssd_cache", value_parser = parse_seconds)]
-    ssd_demote_idle: Option<f64>,
-    /// Every N generated tokens, write a running request's KV to the SSD cache, so a resume
-    /// after a crash restores instead of prefilling.
-    #[arg(long, requires = "ssd_cache", value_parser = clap::value_parser!(u64).range(1..=1 << 24))]
-    generation_checkpoint: Option<u64>,
-}
-
-fn parse_seconds(s: &str) -> Result<f64, String> {
-    let v: f64 = s
-        .parse()
-        .map_err(|e| format!("{s:?} is not a number of seconds: {e}"))?;
-    if v.is_finite() && v > 0.0 && v <= 1e9 {
-        Ok(v)
-    } else {
-        Err(format!("{s} s is not a duration > 0"))
-    }
-}
-
-fn parse_gib(s: &str) -> Result<f64, String> {
-    let v: f64 = s
-        .parse()
-        .map_err(|e| format!("{s:?} is not a number of GiB: {e}"))?;
-    if v.is_finite() && (0.0..=1024.0 * 1024.0).contains(&v) {
-        Ok(v)
-    } else {
-        Err(format!("{s} GiB is outside 0..=1048576"))
-    }
+    /// The tuning options (`mlxd_protocol::engine_options`: the same flags as `mlxd serve`,
+    /// the same checks as `Launch.options`).
+    #[command(flatten)]
+    options: EngineOptions,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -144,22 +74,9 @@ fn main() -> anyhow::Result<()> {
         max_batch_size: args.max_batch_size as usize,
         kv_budget_bytes: args.kv_budget_bytes,
         context_length: args.context_length,
-        prompt_cache_bytes: (args.prompt_cache * (1u64 << 30) as f64) as u64,
-        kv_quant: args.kv_bits.map(|bits| KvQuant {
-            bits,
-            group_size: args.kv_group_size,
-        }),
-        quantized_kv_start: args.quantized_kv_start,
-        ssd: SsdOptions {
-            dir: args.ssd_cache,
-            max_gib: args.ssd_cache_max,
-            demote_idle_s: args.ssd_demote_idle,
-            checkpoint_every: args.generation_checkpoint.map(|n| n as usize),
-        }
-        .config()
-        .map_err(|(key, reason)| anyhow::anyhow!("{key}: {reason}"))?,
         ..RuntimeLimits::default()
     };
+    let app::LaunchOptions { limits, draft } = app::runtime_options(&args.options, limits)?;
     if let Some(spec) = mlxd_engine::fault::from_env().map_err(anyhow::Error::msg)? {
         mlxd_engine::fault::arm(
             spec,
@@ -169,23 +86,6 @@ fn main() -> anyhow::Result<()> {
             }),
         );
     }
-    let choice = match (args.draft, args.draft_model) {
-        (Some(_), _) => Some(DraftChoice::Ngram(
-            NgramSizes::new(args.ngram_min as usize, args.ngram_max as usize)
-                .map_err(anyhow::Error::msg)?,
-        )),
-        (None, Some(spec)) => Some(DraftChoice::Model(spec)),
-        (None, None) => None,
-    };
-    if choice.is_none() && args.num_draft_tokens.is_some() {
-        anyhow::bail!("--num-draft-tokens needs --draft ngram or --draft-model");
-    }
-    let draft = choice.map(|choice| DraftOptions {
-        choice,
-        num_draft: args
-            .num_draft_tokens
-            .map_or(DEFAULT_NUM_DRAFT, |n| n as usize),
-    });
     let engine = app::load(&args.model, &home, limits, draft, None)?;
     let socket = args.unix.expect("clap requires --unix without --control");
     tokio::runtime::Builder::new_multi_thread()

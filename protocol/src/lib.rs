@@ -1,6 +1,7 @@
 //! Wire types shared by `mlxd` and `mlxd-engine`. Plain serde types: no tokio, no hyper.
 pub mod anthropic;
 pub mod control;
+pub mod engine_options;
 pub mod error;
 pub mod jobs;
 pub mod openai;

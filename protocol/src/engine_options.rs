@@ -1,0 +1,516 @@
+//! The engine's tuning options, defined once: `mlxd-engine`'s flags, `mlxd serve`'s flags
+//! (both flatten [`EngineOptions`] with the `cli` feature), `mlxd.toml`'s
+//! `[server.engine_options]` and a model's `options`, `--engine-opt key=value`, and
+//! `Launch.options` (the string map [`EngineOptions::to_map`] writes and
+//! [`EngineOptions::from_map`] reads). Every value is checked by the same functions
+//! wherever it comes from, so a bad one fails at flag parsing or config load, naming the
+//! option, before any engine starts; the engine checks `Launch.options` again the same way.
+//!
+//! Fields are `None` when not given; the engine applies the defaults (`DEFAULT_*`).
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+/// GiB of KV the prefix cache keeps when `prompt_cache` is not given.
+pub const DEFAULT_PROMPT_CACHE_GIB: f64 = 1.0;
+/// Elements sharing one scale and bias in a quantized KV cache.
+pub const DEFAULT_KV_GROUP_SIZE: u32 = 64;
+/// Drafted tokens per verification pass.
+pub const DEFAULT_NUM_DRAFT_TOKENS: u32 = 3;
+/// The most drafts one pass may verify.
+pub const MAX_NUM_DRAFT_TOKENS: u32 = 16;
+/// Shortest and longest n-gram prompt lookup matches.
+pub const DEFAULT_NGRAM_MIN: u32 = 2;
+pub const DEFAULT_NGRAM_MAX: u32 = 4;
+/// Largest GiB figure accepted (`prompt_cache`, `ssd_cache_max`).
+const MAX_GIB: f64 = 1024.0 * 1024.0;
+/// Largest token count accepted (`quantized_kv_start`, `generation_checkpoint`).
+const MAX_TOKENS: u64 = 1 << 24;
+
+/// Every option's key, with what it takes.
+pub const KEYS: &[(&str, &str)] = &[
+    (
+        "prompt_cache",
+        "GiB of prefix cache, a number >= 0 (0 disables it)",
+    ),
+    ("kv_bits", "4 or 8: store the KV cache quantized"),
+    ("kv_group_size", "32, 64 or 128 (with kv_bits)"),
+    (
+        "quantized_kv_start",
+        "tokens kept unquantized before a sequence's KV converts (with kv_bits; default 0)",
+    ),
+    (
+        "draft",
+        "\"ngram\": speculative decoding with prompt-lookup drafts",
+    ),
+    (
+        "draft_model",
+        "a model (name, directory or GGUF) with the same tokenizer, to draft tokens",
+    ),
+    (
+        "num_draft_tokens",
+        "drafts per verification pass, 1 to 16 (default 3)",
+    ),
+    (
+        "ngram_min",
+        "shortest n-gram prompt lookup matches (default 2)",
+    ),
+    (
+        "ngram_max",
+        "longest n-gram prompt lookup matches (default 4)",
+    ),
+    (
+        "ssd_cache",
+        "a directory: prefix-cache entries are written behind to it and restored by later engines",
+    ),
+    (
+        "ssd_cache_max",
+        "GiB the model's SSD cache files may take, a number >= 0 (0 = unlimited; with ssd_cache)",
+    ),
+    (
+        "ssd_demote_idle",
+        "seconds after which an unused prefix leaves memory for the SSD cache (with ssd_cache)",
+    ),
+    (
+        "generation_checkpoint",
+        "write a running request's KV to the SSD cache every N generated tokens (with ssd_cache)",
+    ),
+];
+
+/// An option with a value it cannot take, or in a combination that cannot work.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("engine option {key} = {value:?}: {reason}")]
+pub struct OptionError {
+    pub key: String,
+    pub value: String,
+    pub reason: String,
+}
+
+/// Where speculative drafts come from without a draft model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Draft {
+    /// Prompt lookup: the tokens that followed the text's own ending where it occurred
+    /// before (prompt or output).
+    Ngram,
+}
+
+/// The engine's tuning options (see the module documentation).
+#[derive(Debug, Clone, Default, PartialEq)]
+#[cfg_attr(feature = "cli", derive(clap::Args))]
+pub struct EngineOptions {
+    /// GiB of KV the prefix cache keeps between requests, reused by prompts that share a
+    /// prefix (multi-turn chats, system prompts); 0 disables it [default: 1].
+    #[cfg_attr(feature = "cli", arg(long, value_parser = parse_prompt_cache))]
+    pub prompt_cache: Option<f64>,
+    /// Quantize the KV cache to 4 or 8 bits (attention then runs on MLX's quantized
+    /// matmuls) [default: the model's dtype].
+    #[cfg_attr(feature = "cli", arg(long, value_parser = parse_kv_bits))]
+    pub kv_bits: Option<u32>,
+    /// With --kv-bits: elements of a head that share one scale and bias (32, 64 or 128)
+    /// [default: 64].
+    #[cfg_attr(feature = "cli", arg(long, value_parser = parse_kv_group_size))]
+    pub kv_group_size: Option<u32>,
+    /// With --kv-bits: a sequence's KV stays in the model's dtype until it holds more than
+    /// this many tokens, then converts (as mlx-lm's --quantized-kv-start) [default: 0].
+    #[cfg_attr(feature = "cli", arg(long, value_parser = parse_quantized_kv_start))]
+    pub quantized_kv_start: Option<u64>,
+    /// Speculative decoding with prompt-lookup drafts: `ngram` proposes the tokens that
+    /// followed the text's own ending where it occurred before (prompt or output).
+    #[cfg_attr(feature = "cli", arg(long, value_parser = parse_draft))]
+    pub draft: Option<Draft>,
+    /// Speculative decoding with a smaller model (name, directory or GGUF) that has the
+    /// same tokenizer.
+    #[cfg_attr(feature = "cli", arg(long, value_parser = parse_draft_model))]
+    pub draft_model: Option<String>,
+    /// With --draft or --draft-model: drafted tokens verified per forward pass, 1 to 16
+    /// [default: 3].
+    #[cfg_attr(feature = "cli", arg(long, value_parser = parse_num_draft_tokens))]
+    pub num_draft_tokens: Option<u32>,
+    /// With --draft ngram: shortest n-gram prompt lookup matches, 1 to 64 [default: 2].
+    #[cfg_attr(feature = "cli", arg(long, value_parser = parse_ngram))]
+    pub ngram_min: Option<u32>,
+    /// With --draft ngram: longest n-gram prompt lookup matches, 1 to 64 [default: 4].
+    #[cfg_attr(feature = "cli", arg(long, value_parser = parse_ngram))]
+    pub ngram_max: Option<u32>,
+    /// Write prefix-cache entries behind to this directory (one subdirectory per model), so
+    /// that a restarted engine restores prefixes from disk instead of prefilling them.
+    #[cfg_attr(feature = "cli", arg(long, value_parser = parse_ssd_cache))]
+    pub ssd_cache: Option<PathBuf>,
+    /// With --ssd-cache: GiB the model's SSD cache files may take; the oldest are deleted
+    /// past it (0 = unlimited).
+    #[cfg_attr(feature = "cli", arg(long, value_parser = parse_ssd_cache_max))]
+    pub ssd_cache_max: Option<f64>,
+    /// With --ssd-cache: seconds after which an unused prefix leaves memory; it stays on
+    /// disk.
+    #[cfg_attr(feature = "cli", arg(long, value_parser = parse_ssd_demote_idle))]
+    pub ssd_demote_idle: Option<f64>,
+    /// With --ssd-cache: every N generated tokens, write a running request's KV to the SSD
+    /// cache, so a resume after a crash restores instead of prefilling.
+    #[cfg_attr(feature = "cli", arg(long, value_parser = parse_generation_checkpoint))]
+    pub generation_checkpoint: Option<u64>,
+}
+
+// One parser per option: what flags, config values and `Launch.options` all go through.
+
+fn parse_gib(s: &str) -> Result<f64, String> {
+    s.trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|g| g.is_finite() && (0.0..=MAX_GIB).contains(g))
+        .ok_or_else(|| format!("expected GiB between 0 and {MAX_GIB}"))
+}
+
+fn parse_in<T: std::str::FromStr + PartialOrd + std::fmt::Display + Copy>(
+    s: &str,
+    lo: T,
+    hi: T,
+    what: &str,
+) -> Result<T, String> {
+    s.trim()
+        .parse::<T>()
+        .ok()
+        .filter(|n| *n >= lo && *n <= hi)
+        .ok_or_else(|| format!("expected {what} from {lo} to {hi}"))
+}
+
+pub fn parse_prompt_cache(s: &str) -> Result<f64, String> {
+    parse_gib(s)
+}
+
+pub fn parse_kv_bits(s: &str) -> Result<u32, String> {
+    match s.trim() {
+        "4" => Ok(4),
+        "8" => Ok(8),
+        _ => Err("expected 4 or 8".into()),
+    }
+}
+
+pub fn parse_kv_group_size(s: &str) -> Result<u32, String> {
+    match s.trim() {
+        "32" => Ok(32),
+        "64" => Ok(64),
+        "128" => Ok(128),
+        _ => Err("expected 32, 64 or 128".into()),
+    }
+}
+
+pub fn parse_quantized_kv_start(s: &str) -> Result<u64, String> {
+    parse_in(s, 0, MAX_TOKENS, "a number of tokens")
+}
+
+pub fn parse_draft(s: &str) -> Result<Draft, String> {
+    match s.trim() {
+        "ngram" => Ok(Draft::Ngram),
+        _ => Err("expected \"ngram\" (a draft model is draft_model)".into()),
+    }
+}
+
+pub fn parse_draft_model(s: &str) -> Result<String, String> {
+    if s.trim().is_empty() {
+        return Err("expected a model name, directory or GGUF file".into());
+    }
+    Ok(s.to_owned())
+}
+
+pub fn parse_num_draft_tokens(s: &str) -> Result<u32, String> {
+    parse_in(s, 1, MAX_NUM_DRAFT_TOKENS, "a number of tokens")
+}
+
+pub fn parse_ngram(s: &str) -> Result<u32, String> {
+    parse_in(s, 1, 64, "a number of tokens")
+}
+
+pub fn parse_ssd_cache(s: &str) -> Result<PathBuf, String> {
+    if s.trim().is_empty() {
+        return Err("expected a directory".into());
+    }
+    Ok(PathBuf::from(s))
+}
+
+pub fn parse_ssd_cache_max(s: &str) -> Result<f64, String> {
+    parse_gib(s)
+}
+
+pub fn parse_ssd_demote_idle(s: &str) -> Result<f64, String> {
+    s.trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|v| v.is_finite() && *v > 0.0 && *v <= 1e9)
+        .ok_or_else(|| "expected seconds > 0".into())
+}
+
+pub fn parse_generation_checkpoint(s: &str) -> Result<u64, String> {
+    parse_in(s, 1, MAX_TOKENS, "a number of tokens")
+}
+
+impl EngineOptions {
+    /// Sets the option `key` from its string form; an unknown key or a value outside the
+    /// option's domain is an error naming both.
+    pub fn set(&mut self, key: &str, value: &str) -> Result<(), OptionError> {
+        let bad = |reason: String| OptionError {
+            key: key.to_owned(),
+            value: value.to_owned(),
+            reason,
+        };
+        match key {
+            "prompt_cache" => self.prompt_cache = Some(parse_prompt_cache(value).map_err(bad)?),
+            "kv_bits" => self.kv_bits = Some(parse_kv_bits(value).map_err(bad)?),
+            "kv_group_size" => self.kv_group_size = Some(parse_kv_group_size(value).map_err(bad)?),
+            "quantized_kv_start" => {
+                self.quantized_kv_start = Some(parse_quantized_kv_start(value).map_err(bad)?)
+            }
+            "draft" => self.draft = Some(parse_draft(value).map_err(bad)?),
+            "draft_model" => self.draft_model = Some(parse_draft_model(value).map_err(bad)?),
+            "num_draft_tokens" => {
+                self.num_draft_tokens = Some(parse_num_draft_tokens(value).map_err(bad)?)
+            }
+            "ngram_min" => self.ngram_min = Some(parse_ngram(value).map_err(bad)?),
+            "ngram_max" => self.ngram_max = Some(parse_ngram(value).map_err(bad)?),
+            "ssd_cache" => self.ssd_cache = Some(parse_ssd_cache(value).map_err(bad)?),
+            "ssd_cache_max" => self.ssd_cache_max = Some(parse_ssd_cache_max(value).map_err(bad)?),
+            "ssd_demote_idle" => {
+                self.ssd_demote_idle = Some(parse_ssd_demote_idle(value).map_err(bad)?)
+            }
+            "generation_checkpoint" => {
+                self.generation_checkpoint = Some(parse_generation_checkpoint(value).map_err(bad)?)
+            }
+            _ => {
+                let known: Vec<&str> = KEYS.iter().map(|(k, _)| *k).collect();
+                return Err(bad(format!("unknown option (known: {})", known.join(", "))));
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads `Launch.options` (or a config's option map) and checks the whole.
+    pub fn from_map(map: &BTreeMap<String, String>) -> Result<Self, OptionError> {
+        let mut options = Self::default();
+        for (key, value) in map {
+            options.set(key, value)?;
+        }
+        options.check()?;
+        Ok(options)
+    }
+
+    /// The options given, in `Launch.options`' string form (read back by [`Self::from_map`]).
+    pub fn to_map(&self) -> BTreeMap<String, String> {
+        let mut map = BTreeMap::new();
+        let mut put = |key: &str, value: Option<String>| {
+            if let Some(v) = value {
+                map.insert(key.to_owned(), v);
+            }
+        };
+        put("prompt_cache", self.prompt_cache.map(|v| v.to_string()));
+        put("kv_bits", self.kv_bits.map(|v| v.to_string()));
+        put("kv_group_size", self.kv_group_size.map(|v| v.to_string()));
+        put(
+            "quantized_kv_start",
+            self.quantized_kv_start.map(|v| v.to_string()),
+        );
+        put(
+            "draft",
+            self.draft.map(|d| match d {
+                Draft::Ngram => "ngram".to_owned(),
+            }),
+        );
+        put("draft_model", self.draft_model.clone());
+        put(
+            "num_draft_tokens",
+            self.num_draft_tokens.map(|v| v.to_string()),
+        );
+        put("ngram_min", self.ngram_min.map(|v| v.to_string()));
+        put("ngram_max", self.ngram_max.map(|v| v.to_string()));
+        put(
+            "ssd_cache",
+            self.ssd_cache.as_ref().map(|p| p.display().to_string()),
+        );
+        put("ssd_cache_max", self.ssd_cache_max.map(|v| v.to_string()));
+        put(
+            "ssd_demote_idle",
+            self.ssd_demote_idle.map(|v| v.to_string()),
+        );
+        put(
+            "generation_checkpoint",
+            self.generation_checkpoint.map(|v| v.to_string()),
+        );
+        map
+    }
+
+    /// The combinations that cannot work: options that need another, options that exclude
+    /// each other, n-gram sizes out of order.
+    pub fn check(&self) -> Result<(), OptionError> {
+        let map = self.to_map();
+        let refuse = |key: &str, reason: &str| OptionError {
+            key: key.to_owned(),
+            value: map.get(key).cloned().unwrap_or_default(),
+            reason: reason.to_owned(),
+        };
+        if self.kv_bits.is_none() {
+            for key in ["kv_group_size", "quantized_kv_start"] {
+                if map.contains_key(key) {
+                    return Err(refuse(key, "needs kv_bits"));
+                }
+            }
+        }
+        if self.ssd_cache.is_none() {
+            for key in ["ssd_cache_max", "ssd_demote_idle", "generation_checkpoint"] {
+                if map.contains_key(key) {
+                    return Err(refuse(key, "needs ssd_cache (--ssd-cache)"));
+                }
+            }
+        }
+        if self.draft.is_none() {
+            for key in ["ngram_min", "ngram_max"] {
+                if map.contains_key(key) {
+                    return Err(refuse(key, "needs draft = \"ngram\""));
+                }
+            }
+        }
+        if self.draft.is_some() && self.draft_model.is_some() {
+            return Err(refuse(
+                "draft_model",
+                "draft = \"ngram\" and draft_model exclude each other",
+            ));
+        }
+        let (min, max) = self.ngram_sizes();
+        if min > max {
+            return Err(refuse(
+                "ngram_min",
+                &format!(
+                    "n-gram sizes must satisfy 1 <= ngram_min <= ngram_max (got {min} and {max})"
+                ),
+            ));
+        }
+        if self.draft.is_none() && self.draft_model.is_none() && self.num_draft_tokens.is_some() {
+            return Err(refuse(
+                "num_draft_tokens",
+                "needs draft = \"ngram\" or a draft_model",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The prefix cache's size in bytes.
+    pub fn prompt_cache_bytes(&self) -> u64 {
+        (self.prompt_cache.unwrap_or(DEFAULT_PROMPT_CACHE_GIB) * (1u64 << 30) as f64) as u64
+    }
+
+    /// The KV cache's quantization, `(bits, group size)`, when asked for.
+    pub fn kv_quant(&self) -> Option<(u32, u32)> {
+        self.kv_bits
+            .map(|bits| (bits, self.kv_group_size.unwrap_or(DEFAULT_KV_GROUP_SIZE)))
+    }
+
+    /// `(ngram_min, ngram_max)` with their defaults.
+    pub fn ngram_sizes(&self) -> (u32, u32) {
+        (
+            self.ngram_min.unwrap_or(DEFAULT_NGRAM_MIN),
+            self.ngram_max.unwrap_or(DEFAULT_NGRAM_MAX),
+        )
+    }
+
+    pub fn num_draft_tokens(&self) -> u32 {
+        self.num_draft_tokens.unwrap_or(DEFAULT_NUM_DRAFT_TOKENS)
+    }
+
+    /// The SSD tier's size cap in bytes (`None`: unlimited).
+    pub fn ssd_cache_max_bytes(&self) -> Option<u64> {
+        self.ssd_cache_max
+            .filter(|g| *g > 0.0)
+            .map(|g| (g * (1u64 << 30) as f64) as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn every_key_round_trips_through_the_map() {
+        let given = map(&[
+            ("prompt_cache", "0.25"),
+            ("kv_bits", "8"),
+            ("kv_group_size", "32"),
+            ("quantized_kv_start", "128"),
+            ("draft", "ngram"),
+            ("num_draft_tokens", "5"),
+            ("ngram_min", "1"),
+            ("ngram_max", "3"),
+            ("ssd_cache", "/tmp/ssd"),
+            ("ssd_cache_max", "2"),
+            ("ssd_demote_idle", "1.5"),
+            ("generation_checkpoint", "64"),
+        ]);
+        let o = EngineOptions::from_map(&given).unwrap();
+        assert_eq!(o.to_map(), given);
+        assert_eq!(o.kv_quant(), Some((8, 32)));
+        assert_eq!(o.prompt_cache_bytes(), 1 << 28);
+        assert_eq!(o.ssd_cache_max_bytes(), Some(2 << 30));
+        // KEYS lists exactly the keys `set` knows.
+        for (k, _) in KEYS {
+            let e = EngineOptions::default().set(k, "").unwrap_err();
+            assert!(!e.reason.starts_with("unknown option"), "{k}: {e}");
+        }
+        assert!(given.keys().all(|k| KEYS.iter().any(|(known, _)| known == k)));
+        let d = EngineOptions::default();
+        assert_eq!(
+            (d.prompt_cache_bytes(), d.kv_quant(), d.ngram_sizes()),
+            (1 << 30, None, (2, 4))
+        );
+    }
+
+    #[test]
+    fn bad_values_and_combinations_name_the_option() {
+        let cases: &[(&[(&str, &str)], &str)] = &[
+            (&[("kv_bits", "3")], "engine option kv_bits = \"3\": expected 4 or 8"),
+            (
+                &[("speculative", "yes")],
+                "engine option speculative = \"yes\": unknown option (known: prompt_cache,",
+            ),
+            (
+                &[("prompt_cache", "-1")],
+                "engine option prompt_cache = \"-1\": expected GiB between 0 and 1048576",
+            ),
+            (
+                &[("num_draft_tokens", "17"), ("draft", "ngram")],
+                "engine option num_draft_tokens = \"17\": expected a number of tokens from 1 to 16",
+            ),
+            (
+                &[("kv_group_size", "32")],
+                "engine option kv_group_size = \"32\": needs kv_bits",
+            ),
+            (
+                &[("generation_checkpoint", "8")],
+                "engine option generation_checkpoint = \"8\": needs ssd_cache (--ssd-cache)",
+            ),
+            (
+                &[("ngram_min", "2")],
+                "engine option ngram_min = \"2\": needs draft = \"ngram\"",
+            ),
+            (
+                &[("draft", "ngram"), ("draft_model", "m")],
+                "engine option draft_model = \"m\": draft = \"ngram\" and draft_model exclude each other",
+            ),
+            (
+                &[("draft", "ngram"), ("ngram_min", "5")],
+                "engine option ngram_min = \"5\": n-gram sizes must satisfy",
+            ),
+            (
+                &[("num_draft_tokens", "2")],
+                "engine option num_draft_tokens = \"2\": needs draft = \"ngram\" or a draft_model",
+            ),
+        ];
+        for (pairs, want) in cases {
+            let e = EngineOptions::from_map(&map(pairs))
+                .unwrap_err()
+                .to_string();
+            assert!(e.starts_with(want), "{pairs:?}: {e}");
+        }
+    }
+}
