@@ -57,7 +57,7 @@ def check(name):
     return run
 
 
-def assert_done(r, route):
+def assert_done(r):
     """The final object: done, a reason, counts and durations in nanoseconds."""
     assert r.done is True, r
     assert r.done_reason in ("stop", "length"), r.done_reason
@@ -89,7 +89,7 @@ def _():
 def _():
     r = client.chat(model=MODEL, messages=[{"role": "user", "content": "Say hello."}], options=GREEDY)
     assert r.message.role == "assistant" and r.message.content, r.message
-    assert_done(r, "chat")
+    assert_done(r)
     return repr(r.message.content)
 
 
@@ -103,7 +103,7 @@ def _():
     assert all(not p.done for p in parts[:-1]) and len(parts) >= 2, parts
     text = "".join(p.message.content for p in parts)
     assert text, parts
-    assert_done(parts[-1], "chat")
+    assert_done(parts[-1])
     whole = client.chat(model=MODEL, messages=[{"role": "user", "content": "Say hello."}], options=GREEDY)
     assert text == whole.message.content, (text, whole.message.content)
     return f"{len(parts)} parts, {text!r}"
@@ -113,14 +113,14 @@ def _():
 def _():
     r = client.generate(model=MODEL, prompt="The capital of France is", system="Answer briefly.", options=GREEDY)
     assert r.response, r
-    assert_done(r, "generate")
+    assert_done(r)
     parts = list(
         client.generate(
             model=MODEL, prompt="The capital of France is", system="Answer briefly.", options=GREEDY, stream=True
         )
     )
     assert "".join(p.response for p in parts) == r.response, (parts, r.response)
-    assert_done(parts[-1], "generate")
+    assert_done(parts[-1])
     return repr(r.response)
 
 
