@@ -742,3 +742,146 @@ mod tests {
         assert!(s.take_logprobs().is_none());
     }
 }
+
+/// The tokens of a fixed set of seeded configurations, recorded from the op-by-op sampler
+/// that the fused one replaced: seeded output must not change across that change.
+#[cfg(test)]
+mod snapshot {
+    use super::*;
+
+    /// Deterministic pseudo-random logits in [-1.5, 1.5) for `rows × vocab`, step `step`.
+    fn logits(rows: i32, vocab: i32, step: u32, dtype: Dtype) -> Array {
+        let mut x = 0x1234_5678u32 ^ step.wrapping_mul(0x9E37_79B1);
+        let values: Vec<f32> = (0..rows * vocab)
+            .map(|_| {
+                x = x.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+                ((x >> 8) as f32 / 16_777_216.0) * 3.0 - 1.5
+            })
+            .collect();
+        Array::from_slice(&values, &[rows, vocab])
+            .as_dtype(dtype)
+            .unwrap()
+    }
+
+    fn with(f: impl FnOnce(&mut SamplingParams)) -> SamplingParams {
+        let mut p = SamplingParams::default();
+        f(&mut p);
+        p
+    }
+
+    /// Row configurations covering every transform, alone and mixed.
+    pub(super) fn configurations() -> Vec<Vec<SamplingParams>> {
+        let mut biased = with(|p| p.temperature = 0.8);
+        biased.logit_bias.insert(3, 2.5);
+        biased.logit_bias.insert(40, -1.0);
+        vec![
+            vec![with(|p| p.temperature = 0.7)],
+            vec![with(|p| p.temperature = 1.3); 3],
+            vec![with(|p| (p.temperature, p.top_k) = (1.1, 5)), with(|_| {})],
+            vec![with(|p| (p.temperature, p.top_p) = (0.9, 0.8))],
+            vec![with(|p| (p.temperature, p.min_p) = (1.0, 0.1))],
+            vec![
+                with(|p| (p.temperature, p.top_k, p.top_p, p.min_p) = (1.2, 10, 0.9, 0.05)),
+                with(|p| (p.temperature, p.top_p) = (0.6, 0.5)),
+                with(|p| p.temperature = 2.0),
+            ],
+            vec![
+                biased,
+                with(|p| (p.temperature, p.repetition_penalty) = (0.9, 1.3)),
+                with(|p| {
+                    (p.temperature, p.presence_penalty, p.frequency_penalty) = (1.0, 0.7, 0.3)
+                }),
+                with(|p| (p.repetition_penalty, p.frequency_penalty) = (1.2, 0.45)),
+            ],
+        ]
+    }
+
+    /// Six steps of `sample` for every configuration (float32 and bfloat16 logits, the last
+    /// two with a mask), then three positions of `sample_positions`.
+    pub(super) fn run(configuration: &[SamplingParams], dtype: Dtype) -> Vec<u32> {
+        let vocab = 64;
+        let prompt = [1u32, 3, 5, 40, 41];
+        let mut s = BatchSampler::new(vocab);
+        let joining: Vec<RowSampling> = configuration
+            .iter()
+            .enumerate()
+            .map(|(i, p)| RowSampling {
+                params: p,
+                seed: (1000 + 7 * i as u64) | ((i as u64) << 33),
+                prompt: &prompt,
+                next_step: i as u64,
+                logprobs: None,
+            })
+            .collect();
+        s.extend(&joining).unwrap();
+        let b = configuration.len() as i32;
+        let mut out = Vec::new();
+        for step in 0..6 {
+            if step >= 4 {
+                let mask: Vec<f32> = (0..b * vocab as i32)
+                    .map(|i| if i % 3 == 0 { f32::NEG_INFINITY } else { 0.0 })
+                    .collect();
+                s.set_mask(Array::from_slice(&mask, &[b, vocab as i32]));
+            }
+            let t = s.sample(&logits(b, vocab as i32, step, dtype)).unwrap();
+            out.extend(t.as_slice::<u32>());
+        }
+        let positions = logits(b * 3, vocab as i32, 99, dtype).reshape(&[b, 3, vocab as i32]);
+        let t = s.sample_positions(&positions.unwrap()).unwrap();
+        out.extend(t.as_slice::<u32>());
+        out
+    }
+
+    /// Recorded from the op-by-op sampler (commit 7f30c14), per configuration: float32 then
+    /// bfloat16 logits.
+    const RECORDED: &[&[u32]] = &[
+        &[40, 16, 52, 27, 62, 41, 31, 62, 30],
+        &[40, 16, 52, 27, 62, 41, 31, 62, 30],
+        &[
+            40, 13, 46, 16, 57, 25, 52, 4, 46, 27, 57, 39, 62, 34, 18, 41, 63, 32, 31, 62, 30, 33,
+            55, 10, 15, 45, 10,
+        ],
+        &[
+            40, 13, 46, 16, 57, 9, 52, 4, 46, 27, 57, 39, 62, 34, 18, 41, 63, 32, 31, 62, 30, 33,
+            55, 10, 15, 45, 10,
+        ],
+        &[
+            14, 19, 31, 33, 5, 55, 61, 42, 62, 37, 20, 42, 19, 62, 45, 60, 41, 38,
+        ],
+        &[
+            14, 19, 31, 33, 5, 55, 61, 39, 62, 37, 20, 42, 19, 62, 45, 60, 41, 38,
+        ],
+        &[40, 16, 52, 27, 62, 41, 19, 62, 17],
+        &[40, 16, 52, 27, 62, 41, 19, 62, 17],
+        &[40, 16, 52, 27, 62, 41, 31, 62, 30],
+        &[40, 16, 52, 27, 62, 41, 31, 62, 30],
+        &[
+            40, 13, 46, 4, 18, 25, 5, 55, 46, 61, 58, 39, 62, 7, 18, 41, 30, 32, 19, 62, 45, 60,
+            41, 10, 15, 24, 10,
+        ],
+        &[
+            40, 13, 46, 4, 18, 25, 5, 55, 46, 61, 58, 39, 62, 7, 18, 41, 30, 32, 19, 62, 45, 60,
+            41, 10, 15, 24, 10,
+        ],
+        &[
+            40, 13, 46, 52, 3, 57, 28, 14, 3, 4, 25, 21, 27, 58, 39, 27, 62, 34, 18, 44, 41, 63,
+            32, 19, 31, 62, 3, 33, 55, 10, 15, 45, 10, 22, 57, 29,
+        ],
+        &[
+            40, 13, 46, 52, 3, 57, 28, 14, 3, 4, 25, 21, 27, 58, 39, 27, 62, 34, 18, 44, 41, 63,
+            32, 19, 31, 62, 3, 33, 55, 10, 15, 45, 10, 22, 57, 29,
+        ],
+    ];
+
+    #[test]
+    fn seeded_tokens_are_the_op_by_op_samplers() {
+        let mut recorded = RECORDED.iter();
+        for c in configurations() {
+            for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+                let expected = recorded.next().expect("a recorded run per configuration");
+                assert_eq!(run(&c, dtype), *expected, "{c:?} with {dtype:?} logits");
+            }
+        }
+        assert!(recorded.next().is_none());
+    }
+}
