@@ -463,18 +463,14 @@ async fn reconnect(
             }
             .sse_event()
         };
-        let lease = match resume.pool.acquire_avoiding(&model, Some(dead)).await {
+        let lease = match resume
+            .pool
+            .lease_for(&model, Some(dead), resume.max_tokens)
+            .await
+        {
             Ok(l) => l,
             Err(e) => return (resume, Err(not_resumed(e))),
         };
-        if let Some(cap) = &lease.kv {
-            if crate::policy::check_kv(resume.max_tokens, cap).is_err() {
-                let e = ProxyError::Internal(
-                    "the restarted engine's KV budget is too small for the request".into(),
-                );
-                return (resume, Err(not_resumed(e)));
-            }
-        }
         let body: ProxyRequestBody = http_body_util::Full::new(body)
             .map_err(|e| match e {})
             .boxed();

@@ -505,16 +505,15 @@ async fn dispatch(
     let mut retried_unreachable = false;
     let mut body_bytes = request.body;
     let result = loop {
-        let lease = match app.pool.acquire_avoiding(&model, dead_generation).await {
+        let lease = match app
+            .pool
+            .lease_for(&model, dead_generation, max_tokens)
+            .await
+        {
             Ok(l) => l,
             Err(e) => break Err(e),
         };
         let generation = lease.generation;
-        if let Some(cap) = &lease.kv {
-            if let Err(u) = crate::policy::check_kv(max_tokens, cap) {
-                break Err(unservable(&model, max_tokens.unwrap_or(0), u));
-            }
-        }
         let body: ProxyRequestBody = Full::new(body_bytes.clone())
             .map_err(|e| match e {})
             .boxed();
@@ -730,31 +729,6 @@ pub(crate) async fn read_bounded(body: Incoming, max: usize) -> Result<Bytes, Pr
             got: None,
         }),
         Err(e) => Err(ProxyError::BadRequest(format!("reading request body: {e}"))),
-    }
-}
-
-/// The proxy's view of an engine's refusal-to-be, as the response it gets.
-fn unservable(model: &str, max_tokens: u64, u: crate::policy::Unservable) -> ProxyError {
-    use crate::policy::Unservable;
-    match u {
-        Unservable::TooLarge { needed, budget } => ProxyError::ExceedsKvBudget {
-            model: model.to_string(),
-            max_tokens,
-            needed,
-            budget,
-        },
-        Unservable::LimitsReduced {
-            needed,
-            budget,
-            configured,
-            retry_after,
-        } => ProxyError::LimitsReduced {
-            model: model.to_string(),
-            needed,
-            budget,
-            configured,
-            retry_after,
-        },
     }
 }
 

@@ -12,7 +12,7 @@ use crate::catalog::Catalog;
 use crate::config::Config;
 use crate::engine::DeathWatch;
 use crate::error::ProxyError;
-use crate::policy::KvCapacity;
+use crate::policy::{check_kv, KvCapacity, Unservable};
 use crate::reload::ReloadPlan;
 
 /// Permission to send one request to one engine generation. The engine counts as busy
@@ -140,6 +140,23 @@ impl PoolHandle {
         }
     }
 
+    /// One dispatch attempt's admission, the same for a request's first attempt and for
+    /// its resumption on a restarted engine: a lease on a ready engine of `model` (never
+    /// generation `avoid`, one found dead), refused before anything is sent if the engine
+    /// could not hold a request of `max_tokens` ([`check_kv`]).
+    pub async fn lease_for(
+        &self,
+        model: &str,
+        avoid: Option<u64>,
+        max_tokens: Option<u64>,
+    ) -> Result<Lease, ProxyError> {
+        let lease = self.acquire_avoiding(model, avoid).await?;
+        if let Some(cap) = &lease.kv {
+            check_kv(max_tokens, cap).map_err(|u| unservable(model, max_tokens.unwrap_or(0), u))?;
+        }
+        Ok(lease)
+    }
+
     /// Loads model `id` (as a request would) and waits until it is ready.
     pub async fn load(&self, id: &str) -> Result<(), ProxyError> {
         self.acquire(id).await.map(drop)
@@ -235,5 +252,29 @@ impl PoolHandle {
         if let Some(rx) = self.ask(|reply| Command::Shutdown { reply }).await {
             let _ = rx.await;
         }
+    }
+}
+
+/// Why the engine cannot take a request of `max_tokens`, as the client's error.
+fn unservable(model: &str, max_tokens: u64, u: Unservable) -> ProxyError {
+    match u {
+        Unservable::TooLarge { needed, budget } => ProxyError::ExceedsKvBudget {
+            model: model.to_string(),
+            max_tokens,
+            needed,
+            budget,
+        },
+        Unservable::LimitsReduced {
+            needed,
+            budget,
+            configured,
+            retry_after,
+        } => ProxyError::LimitsReduced {
+            model: model.to_string(),
+            needed,
+            budget,
+            configured,
+            retry_after,
+        },
     }
 }
