@@ -1,10 +1,29 @@
-//! Accept-loop back-off. When `accept` fails (out of file descriptors, out of memory),
-//! retrying at once spins and floods the log; this waits longer after each consecutive
-//! failure (10 ms doubling to 1 s) and logs one line per episode, then at most one
-//! summary every 10 s, then one line when accepting works again. Pure; `server.rs` obeys.
+//! The accept loop's two policies.
+//!
+//! **Back-off.** When `accept` fails (out of file descriptors, out of memory), retrying at
+//! once spins and floods the log; [`AcceptBackoff`] waits longer after each consecutive
+//! failure (10 ms doubling to 1 s) and logs one line per episode, then at most one summary
+//! every 10 s, then one line when accepting works again. Pure; `server.rs` obeys.
+//!
+//! **Admission** ([`ConnectionTable`], shared through [`Connections`]). Slow clients that
+//! dribble their request headers (slowloris) used to fill the connection cap, after which
+//! mlxd stopped accepting and even `/health` waited in the kernel's backlog. Now:
+//! - a connection still waiting for its request head (new, or idle between keep-alive
+//!   requests) is the first to go: at a limit, a new connection replaces the oldest of them,
+//!   so a client that sends its request at once is always served;
+//! - one client (peer IP) holds at most `per_client` connections; past that its own oldest
+//!   waiting connection is replaced, or the new one is closed;
+//! - `reserve` connections beyond the cap serve only health, monitoring and admin routes, so
+//!   probes get in while the cap is busy with real requests;
+//! - with the cap and the reserve busy with requests and nothing waiting, accepting stops
+//!   (new clients wait in the backlog), as before.
 
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tokio::sync::{oneshot, Notify};
 use tokio::time::Instant;
 
 const FIRST_DELAY: Duration = Duration::from_millis(10);
@@ -64,9 +83,346 @@ pub fn default_max_connections(open_files: u64) -> usize {
         .clamp(16, 1024)
 }
 
+/// The admission limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Connections for any route (`server.max_connections`).
+    pub cap: usize,
+    /// Further connections for health, monitoring and admin routes only.
+    pub reserve: usize,
+    /// Connections one peer IP may hold.
+    pub per_client: usize,
+}
+
+impl Limits {
+    /// The reserve and the per-client limit that go with `cap`: a reserve of 1/32 of it
+    /// (4 to 64), and half the cap per client (at least 1; raise `cap` behind a reverse
+    /// proxy, where every client has the proxy's address).
+    pub fn for_cap(cap: usize) -> Self {
+        Self {
+            cap,
+            reserve: (cap / 32).clamp(4, 64),
+            per_client: (cap / 2).max(1),
+        }
+    }
+}
+
+/// What to do with a new connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admit {
+    /// Serve it as connection `id` (a reserve one serves health and admin routes only),
+    /// after closing connection `evict` if set.
+    Go {
+        id: u64,
+        reserve: bool,
+        evict: Option<u64>,
+    },
+    /// Its client holds `per_client` connections, all busy: close it.
+    Refuse,
+    /// No room: wait for some before admitting it.
+    Wait,
+}
+
+#[derive(Debug)]
+struct Conn {
+    ip: IpAddr,
+    reserve: bool,
+    /// Set while the connection waits for a request head: since when.
+    waiting_since: Option<Instant>,
+}
+
+/// Who holds a connection slot, and which of them only wait for a request head. Pure.
+#[derive(Debug)]
+pub struct ConnectionTable {
+    limits: Limits,
+    conns: HashMap<u64, Conn>,
+    per_ip: HashMap<IpAddr, usize>,
+    general: usize,
+    reserved: usize,
+    next: u64,
+}
+
+impl ConnectionTable {
+    pub fn new(limits: Limits) -> Self {
+        Self {
+            limits,
+            conns: HashMap::new(),
+            per_ip: HashMap::new(),
+            general: 0,
+            reserved: 0,
+            next: 0,
+        }
+    }
+
+    /// The longest-waiting connection that has not sent a request head, of `ip` if given.
+    fn oldest_waiting(&self, ip: Option<IpAddr>) -> Option<u64> {
+        self.conns
+            .iter()
+            .filter(|(_, c)| ip.is_none_or(|ip| c.ip == ip))
+            .filter_map(|(id, c)| c.waiting_since.map(|t| (t, *id)))
+            .min()
+            .map(|(_, id)| id)
+    }
+
+    /// Whether [`Self::admit`] would find room for a client under its own limit.
+    pub fn has_room(&self) -> bool {
+        self.general < self.limits.cap
+            || self.reserved < self.limits.reserve
+            || self.conns.values().any(|c| c.waiting_since.is_some())
+    }
+
+    /// Admits a connection from `ip` arriving at `now`.
+    pub fn admit(&mut self, ip: IpAddr, now: Instant) -> Admit {
+        let (evict, reserve) =
+            if self.per_ip.get(&ip).copied().unwrap_or(0) >= self.limits.per_client {
+                match self.oldest_waiting(Some(ip)) {
+                    Some(victim) => (Some(victim), self.conns[&victim].reserve),
+                    None => return Admit::Refuse,
+                }
+            } else if self.general < self.limits.cap {
+                (None, false)
+            } else if let Some(victim) = self.oldest_waiting(None) {
+                (Some(victim), self.conns[&victim].reserve)
+            } else if self.reserved < self.limits.reserve {
+                (None, true)
+            } else {
+                return Admit::Wait;
+            };
+        if let Some(victim) = evict {
+            self.closed(victim);
+        }
+        let id = self.next;
+        self.next += 1;
+        self.conns.insert(
+            id,
+            Conn {
+                ip,
+                reserve,
+                waiting_since: Some(now),
+            },
+        );
+        *self.per_ip.entry(ip).or_default() += 1;
+        if reserve {
+            self.reserved += 1;
+        } else {
+            self.general += 1;
+        }
+        Admit::Go { id, reserve, evict }
+    }
+
+    /// Connection `id` delivered a request head.
+    pub fn request_started(&mut self, id: u64) {
+        if let Some(c) = self.conns.get_mut(&id) {
+            c.waiting_since = None;
+        }
+    }
+
+    /// Connection `id` finished a response and waits for the next request head.
+    pub fn request_finished(&mut self, id: u64, now: Instant) {
+        if let Some(c) = self.conns.get_mut(&id) {
+            c.waiting_since = Some(now);
+        }
+    }
+
+    /// Connection `id` is gone (closed, or evicted); unknown ids are ignored.
+    pub fn closed(&mut self, id: u64) {
+        let Some(c) = self.conns.remove(&id) else {
+            return;
+        };
+        if let Some(n) = self.per_ip.get_mut(&c.ip) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_ip.remove(&c.ip);
+            }
+        }
+        if c.reserve {
+            self.reserved -= 1;
+        } else {
+            self.general -= 1;
+        }
+    }
+}
+
+/// The [`ConnectionTable`] shared by the accept loop and the connections, with the means
+/// to close an evicted connection and to wake the accept loop when room appears.
+#[derive(Debug)]
+pub struct Connections {
+    state: Mutex<Shared>,
+    room: Notify,
+}
+
+#[derive(Debug)]
+struct Shared {
+    table: ConnectionTable,
+    /// Dropping a connection's sender closes it (its task selects on the receiver).
+    evictors: HashMap<u64, oneshot::Sender<()>>,
+}
+
+/// A connection's slot: released on drop.
+#[derive(Debug)]
+pub struct Slot {
+    conns: Arc<Connections>,
+    pub id: u64,
+    /// Serves health, monitoring and admin routes only.
+    pub reserve: bool,
+}
+
+impl Connections {
+    pub fn new(limits: Limits) -> Arc<Self> {
+        Arc::new(Self {
+            state: Mutex::new(Shared {
+                table: ConnectionTable::new(limits),
+                evictors: HashMap::new(),
+            }),
+            room: Notify::new(),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Shared> {
+        // Nothing panics while holding it; a poisoned table is still consistent.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Waits until a connection could be admitted (a free slot, or one to replace).
+    pub async fn room(&self) {
+        loop {
+            let notified = self.room.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.lock().table.has_room() {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// Admits a connection from `ip`: its slot and the receiver that fires (closes) when it
+    /// is evicted, or `None` when it must be closed at once. Waits while there is no room.
+    pub async fn admit(self: &Arc<Self>, ip: IpAddr) -> Option<(Slot, oneshot::Receiver<()>)> {
+        loop {
+            {
+                let mut s = self.lock();
+                match s.table.admit(ip, Instant::now()) {
+                    Admit::Refuse => return None,
+                    Admit::Go { id, reserve, evict } => {
+                        if let Some(victim) = evict {
+                            // Dropping the sender ends the victim's task, which closes it.
+                            s.evictors.remove(&victim);
+                        }
+                        let (tx, rx) = oneshot::channel();
+                        s.evictors.insert(id, tx);
+                        let slot = Slot {
+                            conns: self.clone(),
+                            id,
+                            reserve,
+                        };
+                        return Some((slot, rx));
+                    }
+                    Admit::Wait => {}
+                }
+            }
+            self.room().await;
+        }
+    }
+}
+
+impl Slot {
+    /// The connection delivered a request head: it is no longer replaceable.
+    pub fn request_started(&self) {
+        self.conns.lock().table.request_started(self.id);
+    }
+
+    /// The connection finished a response: replaceable again until its next request.
+    pub fn request_finished(&self) {
+        self.conns
+            .lock()
+            .table
+            .request_finished(self.id, Instant::now());
+        self.conns.room.notify_one();
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        {
+            let mut s = self.conns.lock();
+            s.table.closed(self.id);
+            s.evictors.remove(&self.id);
+        }
+        self.conns.room.notify_one();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn ip(last: u8) -> IpAddr {
+        IpAddr::from([127, 0, 0, last])
+    }
+
+    fn go(a: Admit) -> (u64, bool, Option<u64>) {
+        match a {
+            Admit::Go { id, reserve, evict } => (id, reserve, evict),
+            other => panic!("not admitted: {other:?}"),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn waiting_connections_make_room_oldest_first() {
+        let mut t = ConnectionTable::new(Limits {
+            cap: 3,
+            reserve: 1,
+            per_client: 10,
+        });
+        let t0 = Instant::now();
+        let a = go(t.admit(ip(2), t0)).0;
+        let b = go(t.admit(ip(3), t0 + Duration::from_millis(1))).0;
+        let c = go(t.admit(ip(4), t0 + Duration::from_millis(2))).0;
+        t.request_started(a);
+        // At the cap: the oldest connection still waiting for its head (b) is replaced.
+        let (d, reserve, evict) = go(t.admit(ip(1), t0 + Duration::from_millis(3)));
+        assert_eq!((reserve, evict), (false, Some(b)));
+        t.request_started(c);
+        t.request_started(d);
+        // Every general slot busy with a request: the reserve.
+        let (e, reserve, evict) = go(t.admit(ip(1), t0));
+        assert_eq!((reserve, evict), (true, None));
+        t.request_started(e);
+        assert!(!t.has_room());
+        assert_eq!(t.admit(ip(5), t0), Admit::Wait);
+        // A finished response makes its connection replaceable.
+        t.request_finished(a, t0 + Duration::from_millis(9));
+        assert!(t.has_room());
+        let (f, _, evict) = go(t.admit(ip(5), t0));
+        assert_eq!(evict, Some(a));
+        t.request_started(f);
+        t.closed(e);
+        assert!(go(t.admit(ip(6), t0)).1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn one_client_holds_at_most_its_share() {
+        let mut t = ConnectionTable::new(Limits {
+            cap: 10,
+            reserve: 2,
+            per_client: 2,
+        });
+        let now = Instant::now();
+        let a = go(t.admit(ip(2), now)).0;
+        let b = go(t.admit(ip(2), now + Duration::from_millis(1))).0;
+        // Its own oldest waiting connection makes room; others are untouched.
+        let other = go(t.admit(ip(3), now)).0;
+        assert_eq!(go(t.admit(ip(2), now)).2, Some(a));
+        t.request_started(b);
+        let c = t.conns.keys().copied().max().unwrap();
+        t.request_started(c);
+        assert_eq!(t.admit(ip(2), now), Admit::Refuse);
+        assert!(t.conns.contains_key(&other));
+        t.closed(b);
+        assert_eq!(go(t.admit(ip(2), now)).2, None);
+        t.closed(12345);
+    }
 
     #[tokio::test(start_paused = true)]
     async fn backs_off_and_logs_once_per_ten_seconds() {

@@ -6,7 +6,7 @@
 //!
 //! Order: the Host check (DNS rebinding: a foreign name resolving to 127.0.0.1), then the
 //! Origin check (cross-site requests, including "simple" form POSTs that need no
-//! preflight), then keys. `/health*` and the chat page's static files (`/`, `/chat.js`) need
+//! preflight), then keys. The health endpoints and the chat page's static files (`/`, `/chat.js`) need
 //! no key; everything else does once keys are
 //! configured. Keys are compared as SHA-256 digests in constant time, so neither their
 //! content nor their length leaks through timing.
@@ -39,9 +39,13 @@ pub enum Access {
     Admin,
 }
 
+/// The paths open to anyone: exactly the health endpoints (anything else under `/health/`
+/// needs a key like any other path, so an anonymous caller can never reach an engine).
+const OPEN_PATHS: &[&str] = &["/health", "/health/ready", "/health/live"];
+
 /// The access class of `path`.
 pub fn access(path: &str) -> Access {
-    if path == "/health" || path.starts_with("/health/") {
+    if OPEN_PATHS.contains(&path) {
         Access::Open
     } else if crate::chat_page::asset(path).is_some() {
         // The chat page's static files hold no data; the API calls it makes need the key.
@@ -171,6 +175,12 @@ impl Guard {
         path: &str,
         headers: &HeaderMap,
     ) -> Result<Option<HeaderValue>, ProxyError> {
+        // RFC 9112 §3.2: a request with more than one Host is a 400, whatever the names.
+        if headers.get_all(header::HOST).iter().nth(1).is_some() {
+            return Err(ProxyError::BadRequest(
+                "the request has more than one Host header".into(),
+            ));
+        }
         if let Some(hosts) = &self.hosts {
             let host = headers
                 .get(header::HOST)
@@ -355,9 +365,12 @@ mod tests {
     fn routes_are_classified() {
         assert_eq!(access("/health"), Access::Open);
         assert_eq!(access("/health/ready"), Access::Open);
+        assert_eq!(access("/health/live"), Access::Open);
         assert_eq!(access("/healthz"), Access::Api);
         assert_eq!(access("/api/pull"), Access::Admin);
         assert_eq!(access("/api/chat"), Access::Api);
+        assert_eq!(access("/health/x"), Access::Api);
+        assert_eq!(access("/health/live/"), Access::Api);
         assert_eq!(access("/metrics"), Access::Api);
         assert_eq!(access("/logs/x"), Access::Api);
         assert_eq!(access("/engines"), Access::Api);
@@ -431,6 +444,9 @@ mod tests {
             assert_eq!(get(ok), "ok", "{ok}");
         }
         assert_eq!(get("evil.example:8080"), "403 host_not_allowed");
+        let mut two = head(&[("host", "localhost")]);
+        two.append(header::HOST, HeaderValue::from_static("localhost"));
+        assert_eq!(code(g.check(&Method::GET, "/v1/models", &two)), "400 ");
         assert_eq!(
             code(g.check(&Method::GET, "/health", &HeaderMap::new())),
             "403 host_not_allowed"

@@ -1,11 +1,13 @@
 //! What a configuration reload (`SIGHUP`) changes, as pure functions over the running and
 //! the reloaded configuration; the pool actor applies the result ([`crate::pool`]).
 //!
-//! Reloadable: the models (`[[model]]`, `models_dir`, `--model`), all of `[pool]`, and the
+//! Reloadable: the models (`[[model]]`, `models_dir`, `--model`), all of `[pool]`, the
 //! `[server]` settings an engine is launched with (`engine_bin`, `engine_args`, `engine_env`,
-//! `engine_options`, `limits`). A changed model keeps its running engine; the new settings
-//! apply at its next load. Every other `[server]` setting (the listener, timeouts, keys) is
-//! kept as it runs, and named in the log: it takes a restart of `mlxd`.
+//! `engine_options`, `limits`), and who may talk to mlxd (`api_keys`, `api_key_file` and its
+//! contents, `admin_api_key`, `allowed_origins`, `allowed_hosts`), so that a rotated key
+//! stops working at the reload. A changed model keeps its running engine; the new settings
+//! apply at its next load. Every other `[server]` setting (the listener, timeouts) is kept as
+//! it runs, and named in the log: it takes a restart of `mlxd`.
 
 use crate::catalog::{Catalog, ModelEntry};
 use crate::config::{Config, ServerConfig};
@@ -159,11 +161,6 @@ pub fn merge(running: &Config, reloaded: Config) -> (Config, Vec<&'static str>) 
         load_timeout_ms,
         hang_timeout_ms,
         max_resumes,
-        api_keys,
-        api_key_file,
-        admin_api_key,
-        allowed_origins,
-        allowed_hosts,
     );
     let server = ServerConfig {
         engine_bin: new.engine_bin.clone(),
@@ -171,6 +168,11 @@ pub fn merge(running: &Config, reloaded: Config) -> (Config, Vec<&'static str>) 
         engine_env: new.engine_env.clone(),
         engine_options: new.engine_options.clone(),
         limits: new.limits.clone(),
+        api_keys: new.api_keys.clone(),
+        api_key_file: new.api_key_file.clone(),
+        admin_api_key: new.admin_api_key.clone(),
+        allowed_origins: new.allowed_origins.clone(),
+        allowed_hosts: new.allowed_hosts.clone(),
         ..old.clone()
     };
     (Config { server, ..reloaded }, kept)
@@ -211,7 +213,7 @@ mod tests {
     fn every_model_setting_is_compared() {
         let old = catalog("[[model]]\nid = \"a\"\n");
         let new = catalog(
-            "[[model]]\nid = \"a\"\npath = \"/m/a\"\naliases = [\"x\"]\npinned = true\nttl = \"1m\"\nmax_batch_size = 2\nmemory = \"1GiB\"\noptions = { y = \"1\" }\n",
+            "[[model]]\nid = \"a\"\npath = \"/m/a\"\naliases = [\"x\"]\npinned = true\nttl = \"1m\"\nmax_batch_size = 2\nmemory = \"1GiB\"\noptions = { kv_bits = \"4\" }\n",
         );
         assert_eq!(
             changed_fields(&old.models[0], &new.models[0]),
@@ -238,5 +240,33 @@ mod tests {
         assert_eq!(merged.models[0].id, "m");
         let (_, kept) = merge(&running, running.clone());
         assert!(kept.is_empty());
+    }
+
+    #[test]
+    fn keys_and_browser_checks_are_reloaded() {
+        let running = Config::from_toml_str(
+            "[server]
+api_keys = [\"old\"]
+admin_api_key = \"a1\"
+",
+            "a",
+        )
+        .unwrap();
+        let reloaded = Config::from_toml_str(
+            "[server]
+api_keys = [\"new\"]
+admin_api_key = \"a2\"
+allowed_hosts = [\"h.lan\"]
+allowed_origins = [\"http://o\"]
+",
+            "b",
+        )
+        .unwrap();
+        let (merged, kept) = merge(&running, reloaded);
+        assert!(kept.is_empty(), "{kept:?}");
+        assert_eq!(merged.api_keys().unwrap(), ["new"]);
+        assert_eq!(merged.server.admin_api_key.unwrap().0, "a2");
+        assert_eq!(merged.server.allowed_hosts, ["h.lan"]);
+        assert_eq!(merged.server.allowed_origins, ["http://o"]);
     }
 }

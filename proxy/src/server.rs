@@ -41,15 +41,23 @@ pub enum ServeError {
     Accept(std::io::Error),
 }
 
-/// POST routes whose body must be a JSON object (checked here, before any engine wakes).
-const JSON_ROUTES: &[&str] = &[
+/// The POST routes an engine serves (`engine/src/server/mod.rs`'s router): the only ones
+/// forwarded. Each body must be a JSON object, checked here before any engine wakes. Any
+/// other path is a 404 from the proxy itself, so a request no engine could answer never
+/// loads or evicts a model, nor waits for its body.
+const ENGINE_POST_ROUTES: &[&str] = &[
     "/v1/chat/completions",
     "/v1/completions",
     "/v1/messages",
     "/v1/messages/count_tokens",
-    "/v1/embeddings",
-    "/v1/responses",
 ];
+
+/// The GET routes an engine serves beyond those the proxy answers itself (`/v1/models`,
+/// `/health`): `/v1/models/{id}`.
+fn is_engine_get_route(path: &str) -> bool {
+    path.strip_prefix("/v1/models/")
+        .is_some_and(|id| !id.is_empty() && !id.contains('/'))
+}
 
 struct App {
     config: Arc<Config>,
@@ -59,7 +67,8 @@ struct App {
     pool: PoolHandle,
     metrics: Arc<Metrics>,
     logs: Logs,
-    guard: crate::auth::Guard,
+    /// Who may talk to mlxd; replaced by a configuration reload (rotated keys).
+    guard: std::sync::RwLock<Arc<crate::auth::Guard>>,
     started: Instant,
     next_id: AtomicU64,
     /// Flips to true when shutdown begins (ends `/logs` followers).
@@ -75,6 +84,29 @@ impl App {
     fn catalog(&self) -> Arc<Catalog> {
         self.routing.catalog()
     }
+
+    /// The access policy requests are checked against now.
+    fn guard(&self) -> Arc<crate::auth::Guard> {
+        self.guard.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+/// The access policy of `config`: its keys (reading `api_key_file`), Host and Origin lists.
+fn build_guard(config: &Config) -> Result<crate::auth::Guard, ConfigError> {
+    let guard = crate::auth::Guard::new(crate::auth::GuardConfig {
+        api_keys: &config.api_keys()?,
+        admin_api_key: config.server.admin_api_key.as_ref().map(|k| k.0.as_str()),
+        bind_host: &config.server.host,
+        allowed_hosts: &config.server.allowed_hosts,
+        allowed_origins: &config.server.allowed_origins,
+    });
+    if !crate::auth::is_loopback_bind(&config.server.host) && !guard.keys_required() {
+        warn!(
+            host = %config.server.host,
+            "listening beyond loopback WITHOUT an API key: anyone who can reach this address can use and administer mlxd; set --api-key / server.api_keys"
+        );
+    }
+    Ok(guard)
 }
 
 /// What `mlxd serve` adds to [`serve`].
@@ -130,19 +162,7 @@ pub async fn serve_with(
             memory_budget: catalog::memory_budget(&config),
         },
     )?;
-    let guard = crate::auth::Guard::new(crate::auth::GuardConfig {
-        api_keys: &config.api_keys()?,
-        admin_api_key: config.server.admin_api_key.as_ref().map(|k| k.0.as_str()),
-        bind_host: &config.server.host,
-        allowed_hosts: &config.server.allowed_hosts,
-        allowed_origins: &config.server.allowed_origins,
-    });
-    if !crate::auth::is_loopback_bind(&config.server.host) && !guard.keys_required() {
-        warn!(
-            host = %config.server.host,
-            "listening beyond loopback WITHOUT an API key: anyone who can reach this address can use and administer mlxd; set --api-key / server.api_keys"
-        );
-    }
+    let guard = build_guard(&config)?;
     let (stopping_tx, stopping) = tokio::sync::watch::channel(false);
     let home = mlxd_store::default_home().map_err(|e| e.to_string());
     let jobs = crate::jobs::start(
@@ -156,7 +176,7 @@ pub async fn serve_with(
         pool: pool.clone(),
         metrics,
         logs,
-        guard,
+        guard: std::sync::RwLock::new(Arc::new(guard)),
         started: Instant::now(),
         next_id: AtomicU64::new(1),
         stopping,
@@ -167,9 +187,12 @@ pub async fn serve_with(
         addr = ?listener.local_addr().ok(),
         models = ?catalog.ids(),
         default_model = %catalog.default_model,
+        "mlxd listening"
+    );
+    debug!(
         engine_bin = %config.engine_bin().display(),
         runtime_dir = %runtime_dir.display(),
-        "mlxd listening"
+        "paths"
     );
     if let Some(reloads) = options.reloads {
         tokio::spawn(apply_reloads(app.clone(), reloads));
@@ -194,19 +217,17 @@ pub async fn serve_with(
     builder
         .timer(TokioTimer::new())
         .header_read_timeout(Duration::from_millis(config.server.header_timeout_ms));
-    let max_connections = connection_cap(&config);
-    let slots = Arc::new(tokio::sync::Semaphore::new(max_connections));
+    let limits = crate::accept::Limits::for_cap(connection_cap(&config));
+    let connections = crate::accept::Connections::new(limits);
     let mut backoff = crate::accept::AcceptBackoff::default();
     tokio::pin!(shutdown);
     loop {
-        // Back-pressure: at the cap, stop accepting; clients wait in the kernel backlog.
-        let permit = tokio::select! {
-            p = slots.clone().acquire_owned() => match p {
-                Ok(p) => p,
-                Err(_) => break, // never closed
-            },
+        // Back-pressure: with every slot busy and none to replace, stop accepting; clients
+        // wait in the kernel backlog (`accept.rs`).
+        tokio::select! {
+            _ = connections.room() => {}
             _ = &mut shutdown => break,
-        };
+        }
         let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(a) => {
@@ -227,20 +248,34 @@ pub async fn serve_with(
             },
             _ = &mut shutdown => break,
         };
+        let admitted = tokio::select! {
+            a = connections.admit(peer.ip()) => a,
+            _ = &mut shutdown => break,
+        };
+        let Some((slot, evicted)) = admitted else {
+            debug!(%peer, per_client = limits.per_client, "client at its connection limit; closed");
+            continue;
+        };
         let _ = stream.set_nodelay(true);
         let app = app.clone();
-        let svc = service_fn(move |req| handle(app.clone(), req));
+        let slot = Arc::new(slot);
+        let conn_slot = slot.clone();
+        let svc = service_fn(move |req| serve_request(app.clone(), slot.clone(), limits, req));
         let (stream, timeout_reply) = crate::header_timeout::share(stream);
         let conn = builder.serve_connection(TokioIo::new(stream), svc);
         let conn = graceful.watch(conn);
         let header_timeout_ms = config.server.header_timeout_ms;
         tokio::spawn(async move {
-            let _permit = permit;
-            if let Err(e) = conn.await {
-                debug!(%peer, error = %e, "client connection ended with an error");
-                if e.is_timeout() {
-                    timeout_reply.header_timed_out(header_timeout_ms).await;
-                }
+            let _slot = conn_slot;
+            tokio::select! {
+                ended = conn => if let Err(e) = ended {
+                    debug!(%peer, error = %e, "client connection ended with an error");
+                    if e.is_timeout() {
+                        timeout_reply.header_timed_out(header_timeout_ms).await;
+                    }
+                },
+                // Replaced by a newer connection while it waited for a request head.
+                _ = evicted => debug!(%peer, "connection waiting for its request closed to make room"),
             }
         });
     }
@@ -266,6 +301,102 @@ pub async fn serve_with(
     Ok(())
 }
 
+/// One request on a connection holding `slot`: marks the connection busy until the response
+/// is done (so it is not replaced meanwhile), and on a reserve connection answers only
+/// health, monitoring and admin routes.
+async fn serve_request(
+    app: Arc<App>,
+    slot: Arc<crate::accept::Slot>,
+    limits: crate::accept::Limits,
+    req: Request<Incoming>,
+) -> Result<Response<ResponseBody>, Infallible> {
+    slot.request_started();
+    let finished = RequestFinished(slot.clone());
+    let resp = if slot.reserve && !reserve_route(req.uri().path()) {
+        connection_limit_response(limits)
+    } else {
+        handle(app, req).await?
+    };
+    Ok(resp.map(|body| {
+        TrackedBody {
+            inner: body,
+            _finished: finished,
+        }
+        .boxed_unsync()
+    }))
+}
+
+/// A response body that marks its connection's request finished when hyper is done with it
+/// (drops it); it passes everything through, the size hint included (`content-length`).
+struct TrackedBody {
+    inner: ResponseBody,
+    _finished: RequestFinished,
+}
+
+impl hyper::body::Body for TrackedBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, BoxError>>> {
+        std::pin::Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Marks its connection's request finished when dropped.
+struct RequestFinished(Arc<crate::accept::Slot>);
+
+impl Drop for RequestFinished {
+    fn drop(&mut self) {
+        self.0.request_finished();
+    }
+}
+
+/// Routes a reserve connection serves: health, monitoring and admin.
+fn reserve_route(path: &str) -> bool {
+    use crate::auth::Access;
+    matches!(crate::auth::access(path), Access::Open | Access::Admin)
+        || path == "/engines"
+        || path == "/metrics"
+}
+
+/// 503 for a request other than health or admin on a reserve connection.
+fn connection_limit_response(limits: crate::accept::Limits) -> Response<ResponseBody> {
+    let body = crate::error::error_json(
+        &format!(
+            "all {} connections (server.max_connections) are busy; this connection serves only /health, /metrics, /engines and admin routes; retry in 1s",
+            limits.cap
+        ),
+        mlxd_protocol::error::ErrorType::EngineUnavailable,
+        Some("connection_limit"),
+        None,
+    );
+    let mut r = Response::new(
+        Full::new(Bytes::from(body))
+            .map_err(|e| match e {})
+            .boxed_unsync(),
+    );
+    *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+    let h = r.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    h.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    h.insert(header::CONNECTION, HeaderValue::from_static("close"));
+    r
+}
+
 async fn handle(
     app: Arc<App>,
     mut req: Request<Incoming>,
@@ -279,10 +410,8 @@ async fn handle(
         model = tracing::field::Empty,
     );
     let shape = ErrorShape::for_path(req.uri().path());
-    let origin = match app
-        .guard
-        .check(req.method(), req.uri().path(), req.headers())
-    {
+    let guard = app.guard();
+    let origin = match guard.check(req.method(), req.uri().path(), req.headers()) {
         Err(e) => return Ok(error_response(&span, e, shape, None)),
         Ok(Some(origin)) if req.method() == Method::OPTIONS => {
             // A CORS preflight from an allowed origin.
@@ -297,7 +426,7 @@ async fn handle(
         }
         Ok(origin) => origin,
     };
-    app.guard.strip_credentials(req.headers_mut());
+    guard.strip_credentials(req.headers_mut());
     let mut resp = match route(&app, req, id).instrument(span.clone()).await {
         Ok(r) => r,
         Err(e) => return Ok(error_response(&span, e, shape, origin)),
@@ -433,6 +562,21 @@ async fn route(
     }
     let started = Instant::now();
     let max = app.config.server.max_body_bytes;
+    let engine_post = req.method() == Method::POST && ENGINE_POST_ROUTES.contains(&path.as_str());
+    if !engine_post {
+        if req.method() == Method::GET && is_engine_get_route(&path) {
+            // No body; goes to the default model's engine, one attempt.
+            let (parts, body) = req.into_parts();
+            let body: ProxyRequestBody = Limited::new(body, max).boxed();
+            let lease = app.pool.acquire(&app.catalog().default_model).await?;
+            let resp = forward(lease, parts, body, id, max, None, None).await?;
+            return Ok(resp.map(|b: ProxyBody| b.boxed_unsync()));
+        }
+        return Err(ProxyError::NotFound(format!(
+            "no route for {} {path}",
+            req.method()
+        )));
+    }
     if let Some(len) = content_length(&req) {
         if len > max as u64 {
             return Err(ProxyError::BodyTooLarge {
@@ -441,23 +585,7 @@ async fn route(
             });
         }
     }
-    let is_json_route = req.method() == Method::POST
-        && (JSON_ROUTES.contains(&path.as_str())
-            || req
-                .headers()
-                .get(header::CONTENT_TYPE)
-                .and_then(|v| v.to_str().ok())
-                .is_some_and(|v| v.starts_with("application/json")));
     let (parts, body) = req.into_parts();
-
-    if !is_json_route {
-        // Streamed through as it arrives; not replayable, so one attempt. Goes to the
-        // default model.
-        let body: ProxyRequestBody = Limited::new(body, max).boxed();
-        let lease = app.pool.acquire(&app.catalog().default_model).await?;
-        let resp = forward(lease, parts, body, id, max, None, None).await?;
-        return Ok(resp.map(|b: ProxyBody| b.boxed_unsync()));
-    }
     let body_timeout = app.config.server.body_timeout_ms;
     let bytes = tokio::time::timeout(Duration::from_millis(body_timeout), read_bounded(body, max))
         .await
@@ -579,13 +707,20 @@ async fn jobs_route(
     app: &App,
     req: Request<Incoming>,
 ) -> Result<Response<ResponseBody>, ProxyError> {
+    let max = app.config.server.max_body_bytes;
+    // Refused at once, as on the generation routes, instead of after the body timeout.
+    if let Some(len) = content_length(&req).filter(|len| *len > max as u64) {
+        return Err(ProxyError::BodyTooLarge {
+            limit: max,
+            got: Some(len),
+        });
+    }
     let home = app
         .home
         .as_ref()
         .map_err(|e| ProxyError::Internal(format!("jobs need a model store: {e}")))?;
     let (method, path) = (req.method().clone(), req.uri().path().to_string());
     let query = req.uri().query().unwrap_or("").to_string();
-    let max = app.config.server.max_body_bytes;
     let body_timeout = app.config.server.body_timeout_ms;
     let body = tokio::time::timeout(
         Duration::from_millis(body_timeout),
@@ -609,9 +744,22 @@ async fn jobs_route(
     .await
 }
 
-/// Applies each reloaded configuration in turn ([`crate::routing::Routing::reload`]).
+/// Applies each reloaded configuration in turn: first who may talk to mlxd (keys read again,
+/// so a removed key is refused from here on; a key file that cannot be read refuses the
+/// whole reload), then the models ([`crate::routing::Routing::reload`]).
 async fn apply_reloads(app: Arc<App>, mut reloads: tokio::sync::mpsc::UnboundedReceiver<Config>) {
     while let Some(reloaded) = reloads.recv().await {
+        // The access settings come whole from the reloaded file; the bind host stays.
+        let (merged, _) = crate::reload::merge(&app.config, reloaded.clone());
+        let guard = match build_guard(&merged) {
+            Ok(g) => Arc::new(g),
+            Err(e) => {
+                warn!(error = %e, "configuration reload refused; the running configuration stays");
+                continue;
+            }
+        };
+        *app.guard.write().unwrap_or_else(|p| p.into_inner()) = guard;
+        info!("access settings reloaded (API keys, allowed hosts and origins)");
         app.routing.reload(reloaded).await;
     }
 }

@@ -232,6 +232,136 @@ async fn max_tokens_above_the_ceiling_is_400_naming_the_limit() -> Result<()> {
     Ok(())
 }
 
+/// Issue 23, finding 8: HTTP hygiene. Two `Host` headers are a 400 (RFC 9112 §3.2); a
+/// `/v1/jobs` body announced at 1 GB is a 413 at once, as on the chat routes, instead of a
+/// 408 after the body timeout; a large POST to a route no engine serves is a 404 at once,
+/// and none of these wakes the engine.
+#[tokio::test]
+async fn bad_hosts_huge_job_bodies_and_unknown_routes_are_refused_at_once() -> Result<()> {
+    let mut p = Proxy::start_with(&[], |c| c.server.body_timeout_ms = 20_000).await?;
+    let wait = Duration::from_secs(10);
+    let two_hosts = b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nHost: evil.example\r\n\
+Connection: close\r\n\r\n";
+    let resp = stall(p.addr, two_hosts, wait).await?;
+    assert!(resp.starts_with("HTTP/1.1 400"), "{resp}");
+    assert!(
+        body_json(&resp)["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("Host"),
+        "{resp}"
+    );
+
+    let t = Instant::now();
+    let huge_job = b"POST /v1/jobs HTTP/1.1\r\nHost: localhost\r\n\
+Content-Type: application/json\r\nContent-Length: 1000000000\r\n\r\n{";
+    let resp = stall(p.addr, huge_job, wait).await?;
+    assert!(resp.starts_with("HTTP/1.1 413"), "{resp}");
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+
+    for (path, ct) in [
+        ("/v1/unknown", "text/plain"),
+        ("/upload", "application/octet-stream"),
+        ("/v1/chat/completions/x", "text/plain"),
+    ] {
+        let t = Instant::now();
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: {ct}\r\n\
+Content-Length: 50000000\r\n\r\nxxxx"
+        );
+        let resp = stall(p.addr, head.as_bytes(), wait).await?;
+        assert!(resp.starts_with("HTTP/1.1 404"), "{path}: {resp}");
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        assert!(
+            body_json(&resp)["error"]["message"]
+                .as_str()
+                .unwrap_or("")
+                .contains(path),
+            "{resp}"
+        );
+    }
+    let e = p.engine().await?;
+    assert_eq!(e["state"], "idle", "nothing woke the engine: {e}");
+    assert!(e["pid"].is_null(), "{e}");
+    p.stop().await?;
+    Ok(())
+}
+
+/// One slow client: connects from `ip` and sends a request head one byte at a time.
+async fn dribbler(ip: std::net::Ipv4Addr, addr: std::net::SocketAddr) -> Option<TcpStream> {
+    let socket = tokio::net::TcpSocket::new_v4().ok()?;
+    socket.bind((ip, 0).into()).ok()?;
+    let mut s = socket.connect(addr).await.ok()?;
+    s.write_all(b"GET /v1/models HTTP/1.1\r\nHo").await.ok()?;
+    Some(s)
+}
+
+/// Issue 23, finding 3: 1 030 connections sending headers at 1 byte/s filled the connection
+/// cap and held `/health/live` for 29.5 s (p99). With a low cap, 600 slow connections from
+/// 30 addresses (the prober's among them), which reconnect when closed and each send a
+/// byte every 200 ms, do not slow `/health/live` past a fraction of a second, nor stop a
+/// chat request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slowloris_over_the_cap_does_not_hold_health() -> Result<()> {
+    let mut p = Proxy::start_with(&[], |c| {
+        c.server.max_connections = Some(64);
+        c.server.header_timeout_ms = 60_000;
+    })
+    .await?;
+    let addr = p.addr;
+    let attack = tokio::spawn(async move {
+        let ips: Vec<std::net::Ipv4Addr> = (1..=30).map(|i| [127, 0, 0, i].into()).collect();
+        let mut conns: Vec<(std::net::Ipv4Addr, Option<TcpStream>)> = Vec::new();
+        for i in 0..600 {
+            let ip = ips[i % ips.len()];
+            conns.push((ip, dribbler(ip, addr).await));
+        }
+        loop {
+            for (ip, conn) in conns.iter_mut() {
+                let alive = match conn {
+                    Some(s) => s.write_all(b"s").await.is_ok(),
+                    None => false,
+                };
+                if !alive {
+                    *conn = dribbler(*ip, addr).await;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
+    // Let the attack fill the cap and the reserve.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut latencies = Vec::new();
+    for _ in 0..20 {
+        let t = Instant::now();
+        let resp = tokio::time::timeout(
+            Duration::from_secs(10),
+            send(addr, "GET", "/health/live", None),
+        )
+        .await??;
+        assert_eq!(resp.status(), 200);
+        latencies.push(t.elapsed());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    latencies.sort();
+    let worst = *latencies.last().unwrap();
+    assert!(worst < Duration::from_millis(500), "{latencies:?}");
+    let body = json!({"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]});
+    let (s, _, v) = tokio::time::timeout(
+        Duration::from_secs(20),
+        post_json(addr, "/v1/chat/completions", &body),
+    )
+    .await??;
+    assert_eq!(s, 200, "{v}");
+    eprintln!(
+        "health/live under a 600-connection slowloris: median {:?}, worst {worst:?}",
+        latencies[latencies.len() / 2]
+    );
+    attack.abort();
+    p.stop().await?;
+    Ok(())
+}
+
 /// POSTs `body` exactly as written (field order kept) and reads the JSON answer.
 async fn post_raw(p: &Proxy, path: &str, body: &str) -> Result<(u16, Value)> {
     let (s, _, v) =

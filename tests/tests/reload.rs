@@ -196,3 +196,56 @@ async fn sighup_adds_drains_changes_and_refuses_a_broken_file() -> Result<()> {
     assert_eq!(status, 200, "{v}");
     Ok(())
 }
+
+/// `status` of `path` with `key` as the bearer key.
+async fn status_with_key(p: &MlxdProcess, path: &str, key: &str) -> Result<u16> {
+    let auth = format!("Bearer {key}");
+    let resp = send_with(p.addr, "GET", path, &[("authorization", &auth)], None).await?;
+    Ok(resp.status().as_u16())
+}
+
+/// Issue 23, finding 11: a key removed from the key file (or the configuration) stopped
+/// working only at the next restart. `SIGHUP` reads the keys again: a rotated key is refused
+/// from the reload on, the new one works, and a key file that cannot be read refuses the
+/// reload (the running keys stay).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_revokes_rotated_api_keys() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let keys = dir.path().join("keys");
+    let config = dir.path().join("mlxd.toml");
+    write(&keys, "old-key\n")?;
+    write(&config, "[server]\nadmin_api_key = \"old-admin\"\n")?;
+    let p = MlxdProcess::start(&[
+        "--config",
+        config.to_str().unwrap(),
+        "--api-key-file",
+        keys.to_str().unwrap(),
+    ])
+    .await?;
+    assert_eq!(status_with_key(&p, "/v1/models", "old-key").await?, 200);
+    assert_eq!(status_with_key(&p, "/v1/models", "new-key").await?, 401);
+
+    write(&keys, "new-key\n")?;
+    write(&config, "[server]\nadmin_api_key = \"new-admin\"\n")?;
+    let mark = p.stderr().len();
+    hup(&p)?;
+    wait_log(&p, "configuration reloaded", mark).await?;
+    assert_eq!(
+        status_with_key(&p, "/v1/models", "old-key").await?,
+        401,
+        "{}",
+        p.stderr()
+    );
+    assert_eq!(status_with_key(&p, "/v1/models", "new-key").await?, 200);
+    assert_eq!(status_with_key(&p, "/v1/models", "old-admin").await?, 401);
+    assert_eq!(status_with_key(&p, "/v1/models", "new-admin").await?, 200);
+
+    // An unreadable key file: the reload is refused and the running keys stay.
+    std::fs::remove_file(&keys)?;
+    let mark = p.stderr().len();
+    hup(&p)?;
+    let line = wait_log(&p, "configuration reload refused", mark).await?;
+    assert!(line.contains("api_key_file"), "{line}");
+    assert_eq!(status_with_key(&p, "/v1/models", "new-key").await?, 200);
+    Ok(())
+}

@@ -103,7 +103,7 @@ async fn api_keys_close_everything_but_health() -> Result<()> {
     let (s, _, v) = req(
         &m,
         "GET",
-        "/headers",
+        "/v1/models/headers",
         &[("authorization", "Bearer k1")],
         None,
     )
@@ -249,5 +249,56 @@ fn a_missing_key_file_exits_64() -> Result<()> {
         .output()?;
     assert_eq!(out.status.code(), Some(64));
     assert!(String::from_utf8_lossy(&out.stderr).contains("server.api_key_file"));
+    Ok(())
+}
+
+/// Issue 23, finding 2: with keys set, `/health/x` was forwarded to the default engine, so an
+/// anonymous caller could load (and, at `max_engines`, evict) models. The open paths are
+/// exactly the health endpoints; anything else under `/health` is a 404 that wakes nothing.
+#[tokio::test]
+async fn anonymous_paths_under_health_never_reach_an_engine() -> Result<()> {
+    let m = MlxdProcess::start(&["--api-key", "k1"]).await?;
+    // `mlxd serve` loads the default model at start: once it has, unload it, to see whether
+    // anything below loads it again.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let (_, _, v) = req(&m, "GET", "/engines", &[("x-api-key", "k1")], None).await?;
+        if v["engines"][0]["state"] == "ready" {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "never loaded: {v}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let (s, _, v) = req(
+        &m,
+        "POST",
+        "/admin/models/fake-model/unload",
+        &[("x-api-key", "k1")],
+        None,
+    )
+    .await?;
+    assert_eq!(s, 200, "{v}");
+    let (_, _, before) = req(&m, "GET", "/engines", &[("x-api-key", "k1")], None).await?;
+    assert!(before["engines"][0]["pid"].is_null(), "{before}");
+    for (method, path) in [
+        ("GET", "/health/x"),
+        ("GET", "/health/live/"),
+        ("GET", "/health/../v1/models"),
+        ("POST", "/health/x"),
+        ("GET", "/healthz"),
+    ] {
+        let (s, _, v) = req(&m, method, path, &[], None).await?;
+        assert!(s == 404 || s == 401, "{method} {path}: {s} {v}");
+        assert!(v["error"]["message"].is_string(), "{method} {path}: {v}");
+    }
+    // With the key, an unknown path is a 404 too, not a trip to the engine.
+    let (s, _, v) = req(&m, "GET", "/health/x", &[("x-api-key", "k1")], None).await?;
+    assert_eq!(s, 404, "{v}");
+    assert_eq!(v["error"]["type"], "not_found_error", "{v}");
+    let (s, _, v) = req(&m, "GET", "/engines", &[("x-api-key", "k1")], None).await?;
+    assert_eq!(s, 200, "{v}");
+    let e = &v["engines"][0];
+    assert!(e["pid"].is_null(), "nothing was loaded: {v}");
+    assert_eq!(e["generation"], before["engines"][0]["generation"], "{v}");
     Ok(())
 }

@@ -398,22 +398,15 @@ async fn handle(engine: Arc<Engine>, req: Request<Incoming>) -> Result<Response<
             StatusCode::OK,
             &json!({"object": "list", "data": [{"id": engine.model, "object": "model", "owned_by": "fake"}]}),
         ),
-        (Method::GET, "/headers") => {
+        // The request's headers, as the engine received them (the proxy forwards this one
+        // GET route of the real engine's, `/v1/models/{id}`).
+        (Method::GET, "/v1/models/headers") => {
             let h: BTreeMap<String, String> = req
                 .headers()
                 .iter()
                 .map(|(k, v)| (k.to_string(), String::from_utf8_lossy(v.as_bytes()).into()))
                 .collect();
             json_response(StatusCode::OK, &json!(h))
-        }
-        (Method::POST, "/echo") => {
-            // Streams the request body back as it arrives.
-            let ct = req.headers().get("content-type").cloned();
-            let mut resp = Response::new(req.into_body().map_err(BoxError::from).boxed());
-            if let Some(ct) = ct {
-                resp.headers_mut().insert("content-type", ct);
-            }
-            resp
         }
         (Method::POST, "/v1/chat/completions" | "/v1/completions") => {
             if engine.draining.load(Ordering::Relaxed) {
