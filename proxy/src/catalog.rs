@@ -371,7 +371,7 @@ mod tests {
             found("org/m", StoredKind::HuggingFace),
         ];
         let config = Config::from_toml_str(
-            "[pool]\nttl = \"1m\"\n[server.engine_options]\nx = \"1\"\n[[model]]\nid = \"small\"\npath = \"smollm2-135m\"\naliases = [\"fast\"]\n",
+            "[pool]\nttl = \"1m\"\n[server.engine_options]\nkv_bits = \"8\"\n[[model]]\nid = \"small\"\npath = \"smollm2-135m\"\naliases = [\"fast\"]\n",
             "t.toml",
         )
         .unwrap();
@@ -382,8 +382,8 @@ mod tests {
         assert!(q8.stored && !c.get("small").unwrap().stored);
         assert_eq!(q8.source, dir.path().join("smol-q8").display().to_string());
         assert_eq!(
-            (q8.ttl, q8.options["x"].as_str()),
-            (Duration::from_secs(60), "1")
+            (q8.ttl, q8.options["kv_bits"].as_str()),
+            (Duration::from_secs(60), "8")
         );
         assert_eq!(c.get("org/m").unwrap().source, "org/m");
         assert_eq!(c.resolve(Some("fast")).unwrap().id, "small");

@@ -304,9 +304,20 @@ pub struct ServeArgs {
     /// Engine binary [default: mlxd-engine beside mlxd].
     #[arg(long)]
     pub engine_bin: Option<PathBuf>,
-    /// Engine `Launch` option, `key=value` (repeatable).
+    /// An engine option as `key=value` (repeatable): the escape hatch beside the flags
+    /// below, checked by the same rules (for mlxd-engine; a substitute `--engine-bin`
+    /// takes its own).
     #[arg(long = "engine-opt", value_parser = parse_kv)]
     pub engine_opts: Vec<(String, String)>,
+    /// Sequences an engine decodes together in one forward pass; more wait in line
+    /// [default: 64].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub max_batch_size: Option<u32>,
+    /// The engine's options, the same flags as `mlxd-engine`'s
+    /// (`mlxd_protocol::engine_options`); they go to every engine, over the config file's
+    /// `[server.engine_options]` and `--engine-opt`.
+    #[command(flatten, next_help_heading = "Engine options")]
+    pub engine: mlxd_protocol::engine_options::EngineOptions,
     /// Largest routed request body in bytes [default: 33554432].
     #[arg(long)]
     pub max_body_bytes: Option<usize>,
@@ -456,6 +467,10 @@ impl ServeArgs {
             c.server.engine_bin = Some(b);
         }
         c.server.engine_options.extend(self.engine_opts);
+        c.server.engine_options.extend(self.engine.to_map());
+        if let Some(n) = self.max_batch_size {
+            c.server.limits.max_batch_size = Some(n);
+        }
         if let Some(m) = self.max_body_bytes {
             c.server.max_body_bytes = m;
         }
@@ -511,6 +526,111 @@ mod tests {
         assert_eq!((c.server.host.as_str(), c.server.port), ("127.0.0.1", 8080));
     }
 
+    /// Issue 22.2: the engine's options are `mlxd serve` flags of their own, checked at flag
+    /// parsing (a value) or config load (a combination, `--engine-opt`), naming the option.
+    #[test]
+    fn engine_flags_are_first_class_and_checked() {
+        let c = config(&[
+            "mlxd",
+            "--engine-opt",
+            "kv_bits=8",
+            "--kv-bits",
+            "4",
+            "--kv-group-size",
+            "32",
+            "--quantized-kv-start",
+            "256",
+            "--prompt-cache",
+            "0.5",
+            "--draft",
+            "ngram",
+            "--num-draft-tokens",
+            "4",
+            "--ngram-max",
+            "5",
+            "--ssd-cache",
+            "/tmp/kv",
+            "--ssd-cache-max",
+            "2",
+            "--ssd-demote-idle",
+            "30",
+            "--generation-checkpoint",
+            "64",
+            "--max-batch-size",
+            "4",
+        ])
+        .unwrap();
+        let options: Vec<(&str, &str)> = c
+            .server
+            .engine_options
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        assert_eq!(
+            options,
+            [
+                ("draft", "ngram"),
+                ("generation_checkpoint", "64"),
+                ("kv_bits", "4"),
+                ("kv_group_size", "32"),
+                ("ngram_max", "5"),
+                ("num_draft_tokens", "4"),
+                ("prompt_cache", "0.5"),
+                ("quantized_kv_start", "256"),
+                ("ssd_cache", "/tmp/kv"),
+                ("ssd_cache_max", "2"),
+                ("ssd_demote_idle", "30"),
+            ]
+        );
+        assert_eq!(c.server.limits.max_batch_size, Some(4));
+        let c = config(&["mlxd", "--draft-model", "smollm2-135m"]).unwrap();
+        assert_eq!(c.server.engine_options["draft_model"], "smollm2-135m");
+
+        for (args, needle) in [
+            (&["--kv-bits", "3"][..], "expected 4 or 8"),
+            (&["--num-draft-tokens", "17"][..], "from 1 to 16"),
+            (&["--prompt-cache=-1"][..], "expected GiB between 0 and"),
+            (&["--max-batch-size", "0"][..], "--max-batch-size"),
+        ] {
+            let argv: Vec<&str> = ["mlxd"].iter().chain(args).copied().collect();
+            let e = Cli::try_parse_from(argv).unwrap_err().to_string();
+            let flag = args[0].split('=').next().unwrap_or_default();
+            assert!(e.contains(flag) && e.contains(needle), "{args:?}: {e}");
+        }
+        for (args, needle) in [
+            (
+                &["--kv-group-size", "32"][..],
+                "server.engine_options.kv_group_size: needs kv_bits",
+            ),
+            (
+                &["--draft", "ngram", "--draft-model", "m"][..],
+                "draft_model: draft = \"ngram\" and draft_model exclude each other",
+            ),
+            (&["--generation-checkpoint", "8"][..], "needs ssd_cache"),
+            (
+                &["--engine-opt", "kv_bits=3"][..],
+                "expected 4 or 8 (got \"3\")",
+            ),
+            (
+                &["--engine-opt", "speculative=yes"][..],
+                "server.engine_options.speculative: unknown option",
+            ),
+        ] {
+            let argv: Vec<&str> = ["mlxd"].iter().chain(args).copied().collect();
+            let e = config(&argv).unwrap_err().to_string();
+            assert!(e.contains(needle), "{args:?}: {e}");
+        }
+        // A substitute engine takes its own options.
+        let c = config(&[
+            "mlxd",
+            "--engine-bin",
+            "/opt/fake-engine",
+            "--engine-opt",
+            "chunks=3",
+        ]);
+        assert_eq!(c.unwrap().server.engine_options["chunks"], "3");
+    }
+
     #[test]
     fn serve_flags() {
         let c = config(&[
@@ -523,7 +643,7 @@ mod tests {
             "--port",
             "9",
             "--engine-opt",
-            "a=b",
+            "kv_bits=8",
             "--max-engines",
             "1",
             "--memory-budget",
@@ -537,7 +657,7 @@ mod tests {
         let ids: Vec<&str> = c.models.iter().map(|m| m.id.as_str()).collect();
         assert_eq!(ids, ["a", "org/b"]);
         assert_eq!(c.server.port, 9);
-        assert_eq!(c.server.engine_options["a"], "b");
+        assert_eq!(c.server.engine_options["kv_bits"], "8");
         assert_eq!(c.pool.max_engines, 1);
         assert_eq!(c.pool.memory_budget, Some(2 << 30));
         assert_eq!(c.pool.ttl, std::time::Duration::from_secs(30));
@@ -650,7 +770,7 @@ mod tests {
         let path = dir.path().join("mlxd.toml");
         std::fs::write(
             &path,
-            "[server]\nport = 7000\nmax_body_bytes = 100\n[server.engine_options]\nx = \"1\"\n[[model]]\nid = \"from-file\"\n",
+            "[server]\nport = 7000\nmax_body_bytes = 100\n[server.engine_options]\nkv_bits = \"8\"\n[[model]]\nid = \"from-file\"\n",
         )
         .unwrap();
         let p = path.to_str().unwrap();
@@ -662,7 +782,7 @@ mod tests {
         assert_eq!(ids, ["from-file", "m2"]);
         assert_eq!(c.server.port, 7001);
         assert_eq!(c.server.max_body_bytes, 100);
-        assert_eq!(c.server.engine_options["x"], "1");
+        assert_eq!(c.server.engine_options["kv_bits"], "8");
         let bad = dir.path().join("bad.toml");
         std::fs::write(&bad, "[server]\nport = \"x\"").unwrap();
         let err = config(&["mlxd", "--config", bad.to_str().unwrap()]).unwrap_err();

@@ -25,6 +25,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use mlxd_protocol::control::Limits;
+use mlxd_protocol::engine_options::{EngineOptions, OptionError};
 use serde::de::{self, Deserializer};
 use serde::Deserialize;
 
@@ -78,7 +79,9 @@ pub struct ServerConfig {
     pub engine_args: Vec<String>,
     /// Extra environment for engines, on top of the explicit base set.
     pub engine_env: BTreeMap<String, String>,
-    /// Free-form `Launch.options` for every engine (a model's `options` add to them).
+    /// `Launch.options` for every engine (a model's `options` add to them): mlxd-engine's
+    /// options (`mlxd_protocol::engine_options::KEYS`), checked at load, or a substitute
+    /// engine's own.
     pub engine_options: BTreeMap<String, String>,
     /// Engine limits for models that set none of their own.
     pub limits: LimitsConfig,
@@ -224,6 +227,14 @@ impl From<&LimitsConfig> for Limits {
 }
 
 impl ServerConfig {
+    /// Whether engines are `mlxd-engine` (no `engine_bin`, or one of that name), whose
+    /// options [`Config::validate`] checks.
+    pub fn runs_mlxd_engine(&self) -> bool {
+        self.engine_bin
+            .as_deref()
+            .is_none_or(|b| b.file_name().is_some_and(|n| n == "mlxd-engine"))
+    }
+
     /// Every `*_ms` setting with its key, for range checks.
     fn durations_ms(&self) -> [(&'static str, u64); 11] {
         [
@@ -482,6 +493,25 @@ impl Config {
                 }
             }
         }
+        // Engine options are mlxd-engine's: checked here, before any engine starts, by the
+        // rules the engine applies to `Launch.options` (`mlxd_protocol::engine_options`). A
+        // substitute engine (`engine_bin` naming another program, as the tests' scripted
+        // fake engine) defines its own options, and gets them as given.
+        if self.server.runs_mlxd_engine() {
+            let refuse = |e: OptionError| format!("{} (got {:?})", e.reason, e.value);
+            if let Err(e) = EngineOptions::from_map(&self.server.engine_options) {
+                let field = format!("server.engine_options.{}", e.key);
+                return fail(None, &e.key.clone(), field, refuse(e));
+            }
+            for (i, m) in self.models.iter().enumerate() {
+                let mut options = self.server.engine_options.clone();
+                options.extend(m.options.clone());
+                if let Err(e) = EngineOptions::from_map(&options) {
+                    let field = format!("model[{i}].options.{}", e.key);
+                    return fail(Some(i), &e.key.clone(), field, refuse(e));
+                }
+            }
+        }
         if let Some(d) = &self.pool.default_model {
             if !self.models.is_empty() && !names.contains_key(d.as_str()) {
                 let ids: Vec<&str> = self.models.iter().map(|m| m.id.as_str()).collect();
@@ -736,6 +766,41 @@ mod tests {
             .to_string()
     }
 
+    /// Issue 22.2: a bad engine option fails the config load naming the field, before any
+    /// engine starts (it used to surface as a failed load).
+    #[test]
+    fn engine_options_are_checked_at_load_naming_the_field() {
+        let e = err("[server.engine_options]\nkv_bits = \"3\"\n");
+        assert_eq!(
+            e,
+            "mlxd.toml:2:1: server.engine_options.kv_bits: expected 4 or 8 (got \"3\")"
+        );
+        let e = err("[server.engine_options]\nspeculative = \"yes\"\n");
+        assert!(
+            e.contains("server.engine_options.speculative: unknown option (known: prompt_cache"),
+            "{e}"
+        );
+        let e =
+            err("[[model]]\nid = \"a\"\noptions = { draft = \"ngram\", draft_model = \"b\" }\n");
+        assert!(
+            e.starts_with("mlxd.toml:1:1: model[0].options.draft_model: draft = \"ngram\" and draft_model exclude each other"),
+            "{e}"
+        );
+        let e = err("[server.engine_options]\nkv_group_size = \"32\"\n");
+        assert!(e.contains("kv_group_size: needs kv_bits"), "{e}");
+        let ok = Config::from_toml_str(
+            "[server.engine_options]\nkv_bits = \"8\"\nssd_cache = \"/tmp/kv\"\n[[model]]\nid = \"a\"\noptions = { prompt_cache = \"0\" }\n",
+            "mlxd.toml",
+        );
+        assert!(ok.is_ok(), "{ok:?}");
+        // A substitute engine's options are its own.
+        let fake = Config::from_toml_str(
+            "[server]\nengine_bin = \"/opt/fake-engine\"\n[server.engine_options]\nchunks = \"3\"\n",
+            "mlxd.toml",
+        );
+        assert!(fake.is_ok(), "{fake:?}");
+    }
+
     #[test]
     fn sections_and_units() {
         let c = Config::from_toml_str(
@@ -743,7 +808,7 @@ mod tests {
 [server]
 port = 9000
 [server.engine_options]
-a = "b"
+kv_bits = "8"
 [pool]
 default_model = "b"
 max_engines = 2
@@ -760,13 +825,13 @@ ttl = 0
 id = "b"
 context_length = 4096
 kv_budget_bytes = "64MiB"
-options = { chunks = "3" }
+options = { prompt_cache = "0.5" }
 "#,
             "mlxd.toml",
         )
         .unwrap();
         assert_eq!(c.server.port, 9000);
-        assert_eq!(c.server.engine_options["a"], "b");
+        assert_eq!(c.server.engine_options["kv_bits"], "8");
         assert_eq!(c.server.max_body_bytes, 32 << 20);
         assert_eq!(c.pool.max_engines, 2);
         assert_eq!(c.pool.memory_budget, Some(3 << 29));
@@ -779,7 +844,7 @@ options = { chunks = "3" }
         let l = c.models[1].limits(&c.server.limits);
         assert_eq!(l.context_length, Some(4096));
         assert_eq!(l.kv_budget_bytes, Some(64 << 20));
-        assert_eq!(c.models[1].options["chunks"], "3");
+        assert_eq!(c.models[1].options["prompt_cache"], "0.5");
     }
 
     #[test]

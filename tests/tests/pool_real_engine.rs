@@ -229,9 +229,10 @@ async fn real_engines_switch_under_one_engine_and_report_memory_and_limits() -> 
 }
 
 /// Engine options from `mlxd.toml` reach the real engine: a quantized KV cache and a prefix
-/// cache size serve; an unknown option fails the load with the reason instead of being ignored.
+/// cache size serve; an unknown option or an impossible combination is refused with the
+/// configuration, naming the field, before any engine starts (issue 22.2).
 #[tokio::test]
-async fn engine_options_configure_the_real_engine_and_unknown_ones_fail_the_load() -> Result<()> {
+async fn engine_options_configure_the_real_engine_and_bad_ones_fail_the_config() -> Result<()> {
     let r = real();
     let mut quantized = r.model("tiny-qwen3");
     quantized.id = "quantized".into();
@@ -255,8 +256,23 @@ async fn engine_options_configure_the_real_engine_and_unknown_ones_fail_the_load
     clash
         .options
         .insert("draft_model".into(), "tiny-llama".into());
+    for (m, needle) in [
+        (bogus, "model[0].options.speculative: unknown option"),
+        (
+            clash,
+            "model[0].options.draft_model: draft = \"ngram\" and draft_model exclude each other",
+        ),
+    ] {
+        let mut c = Config {
+            models: vec![m],
+            ..Config::default()
+        };
+        c.server.engine_bin = Some(r.engine.clone());
+        let e = c.validate(None).unwrap_err().to_string();
+        assert!(e.contains(needle), "{e}");
+    }
     let mut p = r
-        .start(vec![quantized, bogus, drafting, clash], |c| {
+        .start(vec![quantized, drafting], |c| {
             c.pool.max_engines = 4;
         })
         .await?;
@@ -270,11 +286,6 @@ async fn engine_options_configure_the_real_engine_and_unknown_ones_fail_the_load
     let per_token = e["ready"]["kv_bytes_per_token"].as_u64().unwrap();
     let plain = 2 * 2 * 2 * 32 * 4; // K and V, 2 layers, 2 KV heads, head_dim 32, f32
     assert_eq!(per_token, plain * 5 / 16, "{e}");
-    let err = chat(&p, "bogus", "Hello", 4).await.unwrap_err().to_string();
-    assert!(
-        err.contains("engine option speculative") && err.contains("unknown option"),
-        "{err}"
-    );
     // Speculative decoding from mlxd.toml: drafts are verified, and their acceptance reaches
     // /engines and /metrics (from the engine's next Stats, once a second).
     let v = chat(&p, "drafting", "Hello Hello Hello Hello", 24).await?;
@@ -304,8 +315,6 @@ async fn engine_options_configure_the_real_engine_and_unknown_ones_fail_the_load
         text.contains("mlxd_draft_acceptance_ratio{model=\"drafting\"}"),
         "{text}"
     );
-    let err = chat(&p, "clash", "Hello", 4).await.unwrap_err().to_string();
-    assert!(err.contains("exclude each other"), "{err}");
     p.stop().await?;
     Ok(())
 }
