@@ -188,7 +188,7 @@ pub fn spawn(
         generation,
         restarts = spec.restarts
     );
-    info!(parent: &span, bin = %spec.bin.display(), socket = %spec.socket_path.display(), "engine spawned");
+    debug!(parent: &span, bin = %spec.bin.display(), socket = %spec.socket_path.display(), "engine spawned");
     let sup = Supervised {
         spec,
         generation,
@@ -413,12 +413,19 @@ async fn write_control(stdin: &mut Option<ChildStdin>, msg: &ParentMsg) {
 /// for classifying the exit.
 async fn read_control(mut stdout: ChildStdout, emit: impl Fn(EngineEvent)) -> ReaderOutcome {
     let mut out = ReaderOutcome::default();
+    let mut load_log = crate::logs::LoadLog::default();
     loop {
         match read_frame_async::<ChildMsg, _>(&mut stdout).await {
             Ok(Some(ChildMsg::Loading { phase, progress })) => {
+                if let Some(line) = load_log.line(phase.name(), progress) {
+                    info!("{line}");
+                }
                 emit(EngineEvent::Loading { phase, progress })
             }
             Ok(Some(ChildMsg::Ready(r))) => {
+                if let Some(line) = load_log.done() {
+                    info!("{line}");
+                }
                 if r.version != PROTOCOL_VERSION {
                     warn!(
                         engine = r.version,
@@ -430,7 +437,8 @@ async fn read_control(mut stdout: ChildStdout, emit: impl Fn(EngineEvent)) -> Re
                 emit(EngineEvent::Ready(r));
             }
             Ok(Some(ChildMsg::Stats(s))) => emit(EngineEvent::Stats(s)),
-            Ok(Some(ChildMsg::Spilled(s))) => {
+            // Without an SSD tier the engine answers with an empty, complete spill.
+            Ok(Some(ChildMsg::Spilled(s))) if s.files > 0 || !s.complete => {
                 info!(
                     files = s.files,
                     bytes = s.bytes,
@@ -438,6 +446,7 @@ async fn read_control(mut stdout: ChildStdout, emit: impl Fn(EngineEvent)) -> Re
                     "engine spilled its prefix cache to the SSD tier"
                 );
             }
+            Ok(Some(ChildMsg::Spilled(_))) => {}
             Ok(Some(ChildMsg::Fatal(f))) => {
                 if f.kind == FatalKind::CannotLoad {
                     debug!(message = %f.message, "engine cannot load its model");
@@ -476,7 +485,7 @@ async fn pump_stderr<R: tokio::io::AsyncRead + Unpin>(
             Ok(_) => {
                 let line = String::from_utf8_lossy(&buf);
                 let line = line.trim_end_matches(['\n', '\r']);
-                info!(target: "mlxd::engine::stderr", "{line}");
+                crate::logs::reemit(line);
                 if let Some(log) = &log {
                     log.push(line);
                 }

@@ -48,13 +48,13 @@ fn main() -> anyhow::Result<()> {
     match args.log_format {
         LogFormat::Text => tracing_subscriber::fmt()
             .with_env_filter(filter)
-            .with_writer(std::io::stderr)
+            .with_writer(mlxd_proxy::progress::LogWriter)
             .with_ansi(std::io::stderr().is_terminal())
             .init(),
         LogFormat::Json => tracing_subscriber::fmt()
             .json()
             .with_env_filter(filter)
-            .with_writer(std::io::stderr)
+            .with_writer(mlxd_proxy::progress::LogWriter)
             .init(),
     }
     // An unusable configuration exits with EX_USAGE and says where the problem is.

@@ -282,7 +282,7 @@ impl Metrics {
         self.duration
             .get_or_create(&Self::label(model))
             .observe(started.elapsed().as_secs_f64());
-        access_log(model, status, started.elapsed(), None, None);
+        access_log(model, status, started.elapsed(), None, (None, None), false);
     }
 }
 
@@ -292,22 +292,39 @@ pub fn decode_rate(completion_tokens: u64, total: Duration, first: Duration) -> 
     (completion_tokens > 1 && decode > 0.0).then(|| (completion_tokens - 1) as f64 / decode)
 }
 
+/// The status logged for a stream the client left before its end (nginx's "client closed
+/// request").
+pub const CLIENT_CLOSED: u16 = 499;
+
 /// The access log: one line per model request, at target `mlxd::access` (so
 /// `RUST_LOG=mlxd::access=off` silences it), with the model, status, token counts, time to
-/// first token and decode speed; `--log-format json` makes each line a JSON object.
+/// first token and decode speed; `--log-format json` makes each line a JSON object. A stream
+/// the client left early (`cancelled`) is logged as such, with status [`CLIENT_CLOSED`].
 fn access_log(
     model: &str,
     status: u16,
     duration: Duration,
     first: Option<Duration>,
-    usage: Option<(u64, u64)>,
+    (prompt, completion): (Option<u64>, Option<u64>),
+    cancelled: bool,
 ) {
     let ms = |d: Duration| (d.as_secs_f64() * 1e4).round() / 10.0;
-    let (prompt, completion) = usage.unzip();
     let rate = match (completion, first) {
         (Some(n), Some(f)) => decode_rate(n, duration, f).map(|r| (r * 10.0).round() / 10.0),
         _ => None,
     };
+    if cancelled {
+        tracing::info!(
+            target: "mlxd::access",
+            model,
+            status = CLIENT_CLOSED,
+            completion_tokens = completion,
+            ttft_ms = first.map(ms),
+            duration_ms = ms(duration),
+            "request cancelled by the client"
+        );
+        return;
+    }
     tracing::info!(
         target: "mlxd::access",
         model,
@@ -341,6 +358,8 @@ pub struct RequestTap {
     body: Vec<u8>,
     chunks: u64,
     usage: Option<(u64, u64)>,
+    /// The stream's last event went by (`[DONE]`, `message_stop`, an error event).
+    ended: bool,
 }
 
 impl RequestTap {
@@ -361,6 +380,7 @@ impl RequestTap {
             body: Vec::new(),
             chunks: 0,
             usage: None,
+            ended: false,
         }
     }
 
@@ -374,7 +394,13 @@ impl RequestTap {
 
     /// One whole SSE event.
     pub fn event(&mut self, ev: &Bytes) {
+        if is_last_event(ev) {
+            self.ended = true;
+        }
         let Some(v) = event_json(ev) else { return };
+        if v.get("error").is_some() {
+            self.ended = true;
+        }
         if let Some(u) = usage_of(&v) {
             self.usage = Some(u);
         }
@@ -418,6 +444,9 @@ impl Drop for RequestTap {
                 m.ttft.get_or_create(&label).observe(first.as_secs_f64());
             }
         }
+        // A stream without `usage` is counted by its content chunks; its prompt is unknown
+        // (0 in the counters, left out of the log line).
+        let prompt_known = !self.sse || self.usage.is_some();
         let usage = if self.sse {
             self.usage.or((self.chunks > 0).then_some((0, self.chunks)))
         } else {
@@ -435,9 +464,28 @@ impl Drop for RequestTap {
             self.status,
             self.started.elapsed(),
             self.first,
-            usage,
+            (
+                usage.map(|u| u.0).filter(|_| prompt_known),
+                usage.map(|u| u.1),
+            ),
+            self.sse && self.status < 400 && !self.ended,
         );
     }
+}
+
+/// Whether `ev` ends a stream: OpenAI's `data: [DONE]`, Anthropic's `message_stop`, or an
+/// error event (after which the stream closes).
+fn is_last_event(ev: &[u8]) -> bool {
+    let Ok(text) = std::str::from_utf8(ev) else {
+        return false;
+    };
+    text.lines().any(|l| {
+        let l = l.trim_end();
+        l == "data: [DONE]"
+            || l == "data:[DONE]"
+            || l == "event: message_stop"
+            || l == "event: error"
+    })
 }
 
 fn event_json(ev: &[u8]) -> Option<Value> {
@@ -476,6 +524,32 @@ mod tests {
         assert_eq!(decode_rate(1, s(3), s(1)), None);
         assert_eq!(decode_rate(5, s(1), s(1)), None);
         assert_eq!(decode_rate(5, s(1), s(2)), None);
+    }
+
+    #[test]
+    fn a_stream_without_its_last_event_was_cancelled() {
+        let m = Arc::new(Metrics::new());
+        let chunk =
+            Bytes::from_static(b"data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\n");
+        for (last, ended) in [
+            (None, false),
+            (Some(&b"data: [DONE]\n\n"[..]), true),
+            (
+                Some(b"event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n"),
+                true,
+            ),
+            (
+                Some(b"data: {\"error\":{\"message\":\"engine died\"}}\n\n"),
+                true,
+            ),
+        ] {
+            let mut t = RequestTap::new(m.clone(), "a", 200, Instant::now(), true);
+            t.event(&chunk);
+            if let Some(l) = last {
+                t.event(&Bytes::copy_from_slice(l));
+            }
+            assert_eq!(t.ended, ended, "{last:?}");
+        }
     }
 
     #[tokio::test]

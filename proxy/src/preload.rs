@@ -1,81 +1,49 @@
-//! `mlxd serve` loads the default model's engine at start, shows the load's progress (a bar
-//! on a terminal, plain lines otherwise) from the engine's `Loading` reports, and then prints
-//! one line with the URL and the device the model runs on.
+//! `mlxd serve` loads the default model's engine at start, shows the load's progress on a
+//! terminal as a bar from the engine's `Loading` reports (the log says it in lines, as for
+//! every load: [`crate::logs::LoadLog`]), and then prints one line with the URL and the
+//! device the model runs on.
 
 use std::io::IsTerminal;
 use std::time::Duration;
 
 use crate::pool::PoolHandle;
-use crate::progress::say;
+use crate::progress::{bars, finish_bar, say};
 
 /// How often the load's progress is read from the pool.
 const POLL: Duration = Duration::from_millis(200);
 
-/// Plain-text load progress: a line when the phase changes and at each tenth of a phase.
-#[derive(Debug, Default)]
-pub struct LoadLines {
-    last: Option<(&'static str, u32)>,
-}
+/// The load's bar: on a terminal with text logs; elsewhere the log's lines say it.
+struct Bar(Option<indicatif::ProgressBar>);
 
-impl LoadLines {
-    /// The line to print for `model` at `phase` and `progress` (`0.0..=1.0`), if any.
-    pub fn line(&mut self, model: &str, phase: &'static str, progress: f32) -> Option<String> {
-        let tenth = (progress.clamp(0.0, 1.0) * 10.0).floor() as u32;
-        match self.last {
-            Some((p, t)) if p == phase && t >= tenth => return None,
-            _ => {}
-        }
-        self.last = Some((phase, tenth));
-        Some(match phase {
-            "starting" => format!("loading {model}: starting the engine"),
-            "weights" => format!("loading {model}: weights {}%", tenth * 10),
-            other => format!("loading {model}: {other} {}%", tenth * 10),
-        })
-    }
-}
-
-/// Where the progress goes: a bar on a terminal, lines (or JSON log events) otherwise.
-enum Display {
-    Bar(indicatif::ProgressBar),
-    Lines { lines: LoadLines, json_logs: bool },
-}
-
-impl Display {
+impl Bar {
     fn new(json_logs: bool) -> Self {
-        if std::io::stderr().is_terminal() && !json_logs {
-            let bar = indicatif::ProgressBar::new(100);
-            if let Ok(style) =
-                indicatif::ProgressStyle::with_template("{msg:30!} [{bar:30}] {pos:>3}%")
-            {
-                bar.set_style(style.progress_chars("=> "));
-            }
-            Self::Bar(bar)
-        } else {
-            Self::Lines {
-                lines: LoadLines::default(),
-                json_logs,
-            }
+        if !std::io::stderr().is_terminal() || json_logs {
+            return Self(None);
+        }
+        let bar = bars().add(indicatif::ProgressBar::new(100));
+        if let Ok(style) = indicatif::ProgressStyle::with_template("{msg:30!} [{bar:30}] {pos:>3}%")
+        {
+            bar.set_style(style.progress_chars("=> "));
+        }
+        Self(Some(bar))
+    }
+
+    fn update(&self, model: &str, phase: &'static str, progress: f32) {
+        if let Some(bar) = &self.0 {
+            bar.set_message(format!("loading {model}: {phase}"));
+            bar.set_position((progress.clamp(0.0, 1.0) * 100.0) as u64);
         }
     }
 
-    fn update(&mut self, model: &str, phase: &'static str, progress: f32) {
-        match self {
-            Self::Bar(bar) => {
-                bar.set_message(format!("loading {model}: {phase}"));
-                bar.set_position((progress.clamp(0.0, 1.0) * 100.0) as u64);
-            }
-            Self::Lines { lines, json_logs } => {
-                if let Some(line) = lines.line(model, phase, progress) {
-                    say(*json_logs, &line);
-                }
-            }
-        }
-    }
-
-    fn finish(self) {
-        if let Self::Bar(bar) = self {
-            bar.finish_and_clear();
-        }
+    /// Ends the bar with a line: at 100% when the load succeeded (the last report may come
+    /// before the end), else where it stopped.
+    fn finish(self, model: &str, loaded: bool) {
+        let Some(bar) = self.0 else { return };
+        let line = match loaded {
+            true => format!("loading {model}: done, 100%"),
+            false => format!("loading {model}: stopped at {}%", bar.position()),
+        };
+        finish_bar(&bar, false, &line);
     }
 }
 
@@ -83,9 +51,9 @@ impl Display {
 /// URL line; a failed load is printed with its reason, and serving goes on (the model is
 /// retried on the next request).
 pub async fn run(pool: PoolHandle, model: String, url: String, json_logs: bool) {
-    let mut display = Display::new(json_logs);
-    // Said at once: a fast load may end before the first report is read.
-    display.update(&model, "starting", 0.0);
+    let bar = Bar::new(json_logs);
+    // Shown at once: a fast load may end before the first report is read.
+    bar.update(&model, "starting", 0.0);
     let load = {
         let (pool, model) = (pool.clone(), model.clone());
         tokio::spawn(async move { pool.load(&model).await })
@@ -98,12 +66,12 @@ pub async fn run(pool: PoolHandle, model: String, url: String, json_logs: bool) 
             _ = tick.tick() => {
                 let row = pool.status().await.into_iter().find(|e| e.model == model);
                 if let Some((phase, progress)) = row.and_then(|r| Some((r.loading_phase?, r.loading_progress?))) {
-                    display.update(&model, phase, progress);
+                    bar.update(&model, phase, progress);
                 }
             }
         }
     };
-    display.finish();
+    bar.finish(&model, matches!(result, Ok(Ok(()))));
     let api = "chat page there, OpenAI API under /v1";
     match result {
         Ok(Ok(())) => {
@@ -127,40 +95,5 @@ pub async fn run(pool: PoolHandle, model: String, url: String, json_logs: bool) 
             json_logs,
             &format!("serving on {url} ({api}); loading the default model {model} failed: {e}"),
         ),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_line_per_phase_and_tenth() {
-        let mut l = LoadLines::default();
-        let lines: Vec<String> = [
-            ("starting", 0.0),
-            ("starting", 0.0),
-            ("converting", 0.0),
-            ("converting", 1.0),
-            ("weights", 0.0),
-            ("weights", 0.05),
-            ("weights", 0.35),
-            ("weights", 0.39),
-            ("weights", 1.0),
-        ]
-        .into_iter()
-        .filter_map(|(phase, p)| l.line("m", phase, p))
-        .collect();
-        assert_eq!(
-            lines,
-            [
-                "loading m: starting the engine",
-                "loading m: converting 0%",
-                "loading m: converting 100%",
-                "loading m: weights 0%",
-                "loading m: weights 30%",
-                "loading m: weights 100%",
-            ]
-        );
     }
 }

@@ -330,3 +330,147 @@ async fn a_failed_load_answers_the_waiting_requests_with_its_error() -> Result<(
     assert_eq!(e["state"], "restarting", "{e}");
     Ok(())
 }
+
+/// `mlxd serve` with the real engine, as a person reads its log: a model that only the store
+/// holds is served by name and listed; each request is one access line (the engine's own
+/// per-request line is at debug); a stream the client leaves is logged as cancelled; engine
+/// events read like the proxy's own lines (no raw JSON); paths only at debug; an on-demand load
+/// shows its progress up to 100%; an unload without an SSD tier says nothing of a spill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_serve_log_reads_as_lines_for_people_and_store_models_serve_by_name() -> Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let tiny = tiny_model()?;
+    let tmp = tempfile::tempdir()?;
+    let home = tmp.path().join("home");
+    std::fs::create_dir_all(home.join("models"))?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse()?;
+    let log_path = tmp.path().join("mlxd.log");
+    struct Serving(Child);
+    impl Drop for Serving {
+        fn drop(&mut self) {
+            stop_child(&mut self.0, Duration::from_secs(20));
+        }
+    }
+    let mut serving = Serving(
+        Command::new(mlxd_bin()?)
+            .args(["serve", "--host", "127.0.0.1", "--port", &port.to_string()])
+            .arg("--model")
+            .arg(&tiny)
+            .arg("--engine-bin")
+            .arg(engine_bin()?)
+            .env("MLXD_HOME", &home)
+            .env("HF_HUB_CACHE", tmp.path().join("hub"))
+            .env("XDG_RUNTIME_DIR", tmp.path())
+            .env_remove("RUST_LOG")
+            .env_remove("MLXD_DEVICE")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log_path)?)
+            .spawn()?,
+    );
+    let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+    let wait_for = |needle: &'static str| {
+        let log = &log;
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(120);
+            while !log().contains(needle) {
+                ensure!(Instant::now() < deadline, "no {needle:?} in:\n{}", log());
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Ok(())
+        }
+    };
+    wait_for("serving on").await?;
+    // Put in the store while mlxd runs (as `mlxd quantize --out tiny-q4` would): no flag or
+    // config entry names it.
+    std::os::unix::fs::symlink(
+        tiny.with_file_name("tiny-llama-q4"),
+        home.join("models/tiny-q4"),
+    )?;
+
+    let body = json!({"model": "tiny-q4", "max_tokens": 3, "temperature": 0,
+        "messages": [{"role": "user", "content": "hi"}]});
+    let (status, _, v) = post_json(addr, "/v1/chat/completions", &body).await?;
+    ensure!(status == 200, "{v}\n{}", log());
+    let (_, _, models) = json_of(send(addr, "GET", "/v1/models", None).await?).await?;
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .map(|d| d.iter().filter_map(|m| m["id"].as_str()).collect())
+        .unwrap_or_default();
+    ensure!(ids == ["tiny-llama", "tiny-q4"], "{models}");
+
+    // A stream the client leaves after its first token (end of sequence suppressed, so it
+    // cannot end on its own first).
+    let stream = json!({"model": "tiny-llama", "max_tokens": 4000, "stream": true,
+        "logit_bias": {"2": -100}, "messages": [{"role": "user", "content": "hi"}]})
+    .to_string();
+    let mut conn = tokio::net::TcpStream::connect(addr).await?;
+    conn.write_all(
+        format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{stream}",
+            stream.len()
+        )
+        .as_bytes(),
+    )
+    .await?;
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("\"content\":") {
+        let n = conn.read(&mut buf).await?;
+        ensure!(
+            n > 0,
+            "the stream ended: {}",
+            String::from_utf8_lossy(&seen)
+        );
+        seen.extend_from_slice(&buf[..n]);
+    }
+    drop(conn);
+    wait_for("request cancelled by the client").await?;
+
+    // Unloaded without an SSD tier: the drain's empty spill is not news.
+    let (status, _, v) =
+        json_of(send(addr, "POST", "/admin/models/tiny-q4/unload", None).await?).await?;
+    ensure!(status == 200, "{v}");
+    stop_child(&mut serving.0, Duration::from_secs(20));
+    let log = log();
+    let access: Vec<&str> = log.lines().filter(|l| l.contains("mlxd::access")).collect();
+    ensure!(access.len() == 2, "one line per request:\n{log}");
+    ensure!(
+        access[0].contains("model=\"tiny-q4\"") && access[0].contains("status=200"),
+        "{log}"
+    );
+    ensure!(
+        access[1].contains("request cancelled by the client")
+            && access[1].contains("model=\"tiny-llama\"")
+            && access[1].contains("status=499")
+            && !access[1].contains("prompt_tokens=0"),
+        "{log}"
+    );
+    ensure!(
+        log.contains("model found in the store: served by name"),
+        "{log}"
+    );
+    ensure!(
+        log.lines()
+            .any(|l| l.contains("model=tiny-q4") && l.contains("loading: weights 100%")),
+        "an on-demand load shows its progress:\n{log}"
+    );
+    for absent in [
+        "{\"timestamp\"",
+        "\"fields\":",
+        "request finished",
+        "runtime_dir=",
+        "socket=",
+        "spilled its prefix cache",
+    ] {
+        ensure!(!log.contains(absent), "{absent:?} in the log:\n{log}");
+    }
+    ensure!(
+        log.lines().any(|l| l.contains("mlxd::engine: loaded")),
+        "engine events are re-emitted:\n{log}"
+    );
+    Ok(())
+}

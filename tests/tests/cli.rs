@@ -338,7 +338,11 @@ async fn serve_prepares_the_default_model_then_prints_the_url() -> Result<()> {
     let _ = child.wait();
     let converting = text.find("mlxd: converting SmolLM2-135M-Instruct.Q4_1.gguf to MLX");
     let converted = text.find("mlxd: converted in ");
-    let loading = text.find("mlxd: loading smollm2-135m: ");
+    // The load's progress is in the log, as for any load, up to 100%.
+    let loading = text
+        .lines()
+        .find(|l| l.contains("model=smollm2-135m") && l.contains("loading: weights 100%"))
+        .and_then(|l| text.find(l));
     let serving = text.find(&url_line);
     ensure!(
         matches!((converting, converted, loading, serving), (Some(a), Some(b), Some(c), Some(d)) if a < b && b < c && c < d),
