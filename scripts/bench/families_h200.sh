@@ -10,6 +10,12 @@
 #   scripts/bench/families_h200.sh <out dir> <tokenizer dir> gemma3     Gemma-3-12B bf16, batch 1, 8k prompt
 #   scripts/bench/families_h200.sh <out dir> <tokenizer dir> serve      Qwen3-30B-A3B through mlxd against
 #                                                                       mlx_lm.server, 32 streams
+#   scripts/bench/families_h200.sh <out dir> <tokenizer dir> qwen3next  Qwen3-Next-80B-A3B shape (LAYERS of
+#                                                                       its 48, default 12) 4-bit, and its
+#                                                                       attention-only twin: decode at 4k and
+#                                                                       32k context, batch 1 and 8
+#   scripts/bench/families_h200.sh <out dir> <tokenizer dir> qwen3nexthit  a prefix hit at ~32k tokens
+#                                                                       against a miss, through mlxd
 # RUNS (default 2) timed runs after one warm-up; BATCHES (default "1 8 32").
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -53,6 +59,31 @@ for what in "$@"; do
     gptoss)
       gen gpt-oss-20b gpt-oss-20b-mxfp4 --mode mxfp4
       for b in "${batches[@]}"; do engine gpt-oss-20b-mxfp4 512 64 "$b"; done
+      ;;
+    qwen3next)
+      layers=${LAYERS:-12}
+      gen qwen3-next-80b-a3b qwen3-next-q4 --quantize 4 --layers "$layers"
+      gen qwen3-next-80b-a3b qwen3-next-attn-q4 --quantize 4 --layers "$layers" --attention-only
+      for model in qwen3-next-q4 qwen3-next-attn-q4; do
+        for b in "${batches[@]}"; do engine "$model" 4096 64 "$b"; done
+        RUNS=1 runs=1 engine "$model" 32768 64 1
+      done
+      ;;
+    qwen3nexthit)
+      gen qwen3-next-80b-a3b qwen3-next-q4 --quantize 4 --layers "${LAYERS:-12}"
+      port=18431
+      XDG_RUNTIME_DIR=$(mktemp -d) RUST_LOG=info "$bins/mlxd" serve --model "$MODELS/qwen3-next-q4" \
+        --host 127.0.0.1 --port $port >"$out/qwen3next-serve.log" 2>&1 &
+      pid=$!
+      trap 'kill $pid 2>/dev/null || true' EXIT
+      for _ in $(seq 600); do
+        curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null && break
+        kill -0 $pid || { tail -20 "$out/qwen3next-serve.log" >&2; exit 1; }
+        sleep 0.5
+      done
+      "$PYTHON" scripts/bench/prefix_cache.py --url "http://127.0.0.1:$port" \
+        --history-words "${HISTORY_WORDS:-24000}" --runs 3 | tee -a "$out/qwen3next-hit.jsonl"
+      kill $pid
       ;;
     gemma3)
       gen gemma-3-12b gemma-3-12b-bf16

@@ -37,6 +37,19 @@ SHAPES = {
         vocab_size=201088, rms_norm_eps=1e-5, swiglu_limit=7.0,
         layer_types=["sliding_attention", "full_attention"] * 12,
         max_position_embeddings=131072, tie_word_embeddings=False, attention_bias=True),
+    # Qwen/Qwen3-Next-80B-A3B-Instruct config.json (48 layers: 3 gated delta-nets, then one
+    # gated attention layer, repeated).
+    "qwen3-next-80b-a3b": dict(
+        model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], hidden_size=2048,
+        intermediate_size=5120, num_hidden_layers=48, full_attention_interval=4,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        linear_num_value_heads=32, linear_num_key_heads=16, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=512,
+        num_experts_per_tok=10, decoder_sparse_step=1, mlp_only_layers=[],
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, norm_topk_prob=True,
+        rms_norm_eps=1e-6, rope_theta=10000000.0, partial_rotary_factor=0.25,
+        max_position_embeddings=262144, vocab_size=151936, tie_word_embeddings=False,
+        attention_bias=False),
     # google/gemma-3-12b-it text_config.
     "gemma-3-12b": dict(
         model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], hidden_size=3840,
@@ -58,6 +71,10 @@ def main():
     ap.add_argument("--vocab", type=int, default=None,
                     help="vocabulary size (default: the real one; 49152 fits SmolLM2's "
                          "tokenizer, for served text)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="keep only this many layers (the largest that fits the machine)")
+    ap.add_argument("--attention-only", action="store_true",
+                    help="every layer full attention (a hybrid's same-size attention-only twin)")
     args = ap.parse_args()
 
     from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
@@ -66,6 +83,10 @@ def main():
     config["torch_dtype"] = "bfloat16"
     if args.vocab:
         config["vocab_size"] = args.vocab
+    if args.layers:
+        config["num_hidden_layers"] = args.layers
+    if args.attention_only:
+        config["full_attention_interval"] = 1
     config.setdefault("eos_token_id", 2)
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))

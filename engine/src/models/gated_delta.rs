@@ -271,7 +271,12 @@ impl GatedDeltaNet {
             k,
             v,
         };
-        let (out, recurrent) = gated_delta_ops(&inputs, recurrent, mask.as_ref())?;
+        let (out, recurrent) = if super::delta_kernel::serves(&inputs.g, s.key_dim) {
+            let DeltaInputs { q, k, v, g, beta } = &inputs;
+            super::delta_kernel::run(q, k, v, g, beta, &recurrent, mask.as_ref())?
+        } else {
+            gated_delta_ops(&inputs, recurrent, mask.as_ref())?
+        };
         state.update(vec![next_conv, recurrent], len as usize)?;
 
         let normed = fast::rms_norm(&out, Some(&self.norm), s.eps)?;

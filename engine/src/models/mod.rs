@@ -10,6 +10,7 @@ pub mod config;
 pub mod decoder;
 pub mod deepseek_v2;
 pub mod deepseek_v3;
+pub mod delta_kernel;
 pub mod exaone4;
 pub mod falcon_h1;
 pub mod gated_delta;
