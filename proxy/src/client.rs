@@ -247,6 +247,18 @@ fn duration(secs: f64) -> String {
     }
 }
 
+/// A row's state, with the load's phase and percent while it loads:
+/// `starting (weights 40%)`.
+fn state_text(e: &Value) -> String {
+    let state = e["state"].as_str().unwrap_or("?");
+    match (e["loading_phase"].as_str(), e["loading_progress"].as_f64()) {
+        (Some(phase), Some(p)) if e["availability"] == "loading" => {
+            format!("{state} ({phase} {:.0}%)", (p * 100.0).clamp(0.0, 100.0))
+        }
+        _ => state.to_string(),
+    }
+}
+
 /// `mlxd ps`: running engines, from `GET /engines`.
 pub fn ps_table(engines: &Value) -> String {
     let rows: Vec<Vec<String>> = engines["engines"]
@@ -259,7 +271,7 @@ pub fn ps_table(engines: &Value) -> String {
             vec![
                 e["model"].as_str().unwrap_or("?").to_string(),
                 e["pid"].to_string(),
-                e["state"].as_str().unwrap_or("?").to_string(),
+                state_text(e),
                 HumanBytes(e["memory_bytes"].as_u64().unwrap_or(0)).to_string(),
                 e["uptime_s"].as_f64().map_or("-".into(), duration),
                 e["in_flight"].to_string(),
@@ -401,6 +413,16 @@ pub fn ls_table(engines: &Value, models: &Value) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ps_shows_a_load_in_progress() {
+        let loading = serde_json::json!({"state": "starting", "availability": "loading",
+            "loading_phase": "weights", "loading_progress": 0.4});
+        assert_eq!(state_text(&loading), "starting (weights 40%)");
+        let ready = serde_json::json!({"state": "ready", "availability": "loaded",
+            "loading_progress": 1.0});
+        assert_eq!(state_text(&ready), "ready");
+    }
     use serde_json::json;
 
     #[test]
