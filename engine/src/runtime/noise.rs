@@ -2,7 +2,8 @@
 //! depends only on that row's seed, the index of the token being generated, and `v`.
 //!
 //! MLX's random functions take one key per call, so a batch would need one call per row. Here
-//! a whole `[B, vocab]` block comes from one compiled graph of integer ops: each row's key is
+//! a whole `[B, vocab]` block comes from one graph of integer ops (compiled as part of the
+//! sampler's step): each row's key is
 //! mixed on the device from its seed and step (kept as `[B, 1]` arrays that advance on the
 //! device, so a step uploads nothing), and each element hashes its vocabulary index with that
 //! key. So the draw for generated token i of a seeded request is the same alone, in any batch,
@@ -10,31 +11,28 @@
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype, Stream};
 
-type NoiseFn = Box<dyn FnMut(&[Array]) -> Result<Vec<Array>, Exception>>;
-
-thread_local! {
-    /// The noise graph, compiled once per thread (shapeless: any batch, any vocabulary), so
-    /// that its twenty-odd element-wise ops run as a few fused kernels.
-    static NOISE: std::cell::RefCell<Option<NoiseFn>> = const { std::cell::RefCell::new(None) };
-}
-
 /// Standard Gumbel noise `[B, vocab]` (float32) for rows with the given seeds (`[B, 1]` u32
-/// low and high halves) at the given generated-token indices (`[B, 1]` u32), all on the device.
-pub fn gumbel(
+/// low and high halves) at the given generated-token indices (`[B, 1]` u32), for the
+/// vocabulary ids `ids` (`[1, vocab]` u32), all on the device. Its twenty-odd element-wise ops
+/// are meant to run inside a compiled graph (the sampler's), where they fuse into a few
+/// kernels.
+pub fn graph(
     seed_lo: &Array,
     seed_hi: &Array,
     steps: &Array,
-    vocab: i32,
+    ids: &Array,
 ) -> Result<Array, Exception> {
-    let ids = Array::arange::<_, u32>(None, vocab as u32, None)?.reshape(&[1, vocab])?;
-    NOISE.with(|cell| {
-        let mut slot = cell.borrow_mut();
-        let f = slot.get_or_insert_with(|| {
-            Box::new(mlx_rs::transforms::compile::compile(noise_graph, true))
-        });
-        let args = [seed_lo.clone(), seed_hi.clone(), steps.clone(), ids];
-        Ok(f(&args)?.remove(0))
-    })
+    let k0 = fmix(&xor(seed_lo, &steps.multiply(scalar(0x9E37_79B1))?)?)?;
+    let k1 = fmix(&xor(seed_hi, &fmix(&steps.add(scalar(0x632B_E5AB))?)?)?)?;
+    let mut x = xor(ids, &k0)?;
+    x = x.multiply(scalar(0x9E37_79B1))?;
+    x = fmix(&xor(&fmix(&x)?, &k1)?)?;
+    // 24 high bits → a uniform in (0, 1), never 0 or 1.
+    let u = shr(&x, 8)?
+        .as_dtype(Dtype::Float32)?
+        .add(Array::from_f32(0.5))?
+        .multiply(Array::from_f32(1.0 / 16_777_216.0))?;
+    u.log()?.negative()?.log()?.negative()
 }
 
 /// The murmur3 finaliser: a bijective mix of 32 bits.
@@ -44,23 +42,6 @@ fn fmix(x: &Array) -> Result<Array, Exception> {
     x = xor(&x, &shr(&x, 13)?)?;
     x = x.multiply(scalar(0xC2B2_AE35))?;
     xor(&x, &shr(&x, 16)?)
-}
-
-/// Each row's key from (seed, step), then the hash of `ids` `[1, vocab]` under it, as Gumbel
-/// noise. Arguments: seed low half, seed high half, step (each `[B, 1]` u32), ids.
-fn noise_graph(args: &[Array]) -> Result<Vec<Array>, Exception> {
-    let (lo, hi, steps, ids) = (&args[0], &args[1], &args[2], &args[3]);
-    let k0 = fmix(&xor(lo, &steps.multiply(scalar(0x9E37_79B1))?)?)?;
-    let k1 = fmix(&xor(hi, &fmix(&steps.add(scalar(0x632B_E5AB))?)?)?)?;
-    let mut x = xor(ids, &k0)?;
-    x = x.multiply(scalar(0x9E37_79B1))?;
-    x = fmix(&xor(&fmix(&x)?, &k1)?)?;
-    // 24 high bits → a uniform in (0, 1), never 0 or 1.
-    let u = shr(&x, 8)?
-        .as_dtype(Dtype::Float32)?
-        .add(Array::from_f32(0.5))?
-        .multiply(Array::from_f32(1.0 / 16_777_216.0))?;
-    Ok(vec![u.log()?.negative()?.log()?.negative()?])
 }
 
 fn scalar(v: u32) -> Array {
@@ -116,7 +97,11 @@ mod tests {
         let lo: Vec<u32> = rows.iter().map(|r| r.0 as u32).collect();
         let hi: Vec<u32> = rows.iter().map(|r| (r.0 >> 32) as u32).collect();
         let steps: Vec<u32> = rows.iter().map(|r| r.1).collect();
-        gumbel(&col(&lo), &col(&hi), &col(&steps), vocab).unwrap()
+        let ids = Array::arange::<_, u32>(None, vocab as u32, None)
+            .unwrap()
+            .reshape(&[1, vocab])
+            .unwrap();
+        graph(&col(&lo), &col(&hi), &col(&steps), &ids).unwrap()
     }
 
     fn row(a: &Array, r: i32) -> Vec<f32> {

@@ -17,16 +17,22 @@
 //!    [`noise`](super::noise) keyed by (seed, index of the generated token).
 //!
 //! The per-row state that spans steps (bias rows, seen tokens, generated counts) lives here
-//! as `[B, vocab]` arrays, kept in the same row order as the batch's KV cache.
+//! as `[B, vocab]` arrays, kept in the same row order as the batch's KV cache, and the per-row
+//! parameters as one `[B, 8]` matrix; all of them change only when rows join or leave. A step
+//! is one compiled graph ([`fused`]) per set of transforms in use, so it uploads nothing and
+//! runs as a few fused kernels.
 use mlx_rs::error::Exception;
+use mlx_rs::ops::indexing::take_along_axis;
 #[cfg(test)]
 use mlx_rs::ops::indexing::IndexOp;
-use mlx_rs::ops::indexing::{argmax_axis, take_along_axis};
-use mlx_rs::ops::{argpartition_axis, concatenate, maximum, select, sort_axis, zeros_dtype};
+use mlx_rs::ops::{argpartition_axis, concatenate, maximum, zeros_dtype};
 use mlx_rs::{Array, Dtype};
 
-use super::noise;
 use super::sampling_params::SamplingParams;
+
+mod fused;
+
+use fused::{column, Transforms};
 
 /// What the sampler needs to know about one row when it joins.
 pub struct RowSampling<'a> {
@@ -114,8 +120,12 @@ pub struct BatchSampler {
     /// `[B, vocab]` additive mask (0 allowed, −∞ not) for the next `sample` only, set by the
     /// batch while some row is constrained.
     mask: Option<Array>,
-    /// `[B, 1]` parameter columns, built once per batch membership.
-    columns: std::cell::RefCell<std::collections::HashMap<&'static str, Array>>,
+    /// `[B, column::COUNT]` float32 parameters, built once per batch membership.
+    params: Option<Array>,
+    /// `[1, vocab]` u32 vocabulary ids, for the noise, top-k ranks and one-hot updates.
+    ids: Array,
+    /// Steps run through the compiled graphs (tests also run them op by op).
+    compiled: bool,
     /// The last pick's log-probabilities, while some row wants them.
     picked: Option<PickedLogprobs>,
 }
@@ -132,7 +142,11 @@ impl BatchSampler {
             seed_hi: None,
             steps: None,
             mask: None,
-            columns: Default::default(),
+            params: None,
+            ids: Array::arange::<_, u32>(None, vocab as u32, None)
+                .and_then(|a| a.reshape(&[1, vocab as i32]))
+                .expect("a 1-D arange reshaped to one row"),
+            compiled: true,
             picked: None,
         }
     }
@@ -208,7 +222,7 @@ impl BatchSampler {
             params: r.params.clone(),
             logprobs: r.logprobs,
         }));
-        self.columns.borrow_mut().clear();
+        self.params = self.build_params();
         Ok(())
     }
 
@@ -231,7 +245,6 @@ impl BatchSampler {
         ] {
             *state = state.take().map(|s| s.take_axis(&idx, 0)).transpose()?;
         }
-        self.columns.borrow_mut().clear();
         self.picked = None;
         let mut rows: Vec<Option<Row>> = std::mem::take(&mut self.rows)
             .into_iter()
@@ -254,7 +267,45 @@ impl BatchSampler {
         {
             self.counts = None;
         }
+        self.params = self.build_params();
         Ok(())
+    }
+
+    /// The `[B, column::COUNT]` parameter matrix of the current rows (`None` without rows).
+    fn build_params(&self) -> Option<Array> {
+        if self.rows.is_empty() {
+            return None;
+        }
+        let v = self.vocab;
+        let mut values = Vec::with_capacity(self.rows.len() * column::COUNT as usize);
+        for r in &self.rows {
+            let p = &r.params;
+            let mut row = [0.0f32; column::COUNT as usize];
+            row[column::REPETITION as usize] = p.repetition_penalty;
+            row[column::PRESENCE as usize] = p.presence_penalty;
+            row[column::FREQUENCY as usize] = p.frequency_penalty;
+            row[column::TEMPERATURE as usize] = if p.temperature == 0.0 {
+                1.0
+            } else {
+                p.temperature
+            };
+            row[column::TOP_K_LAST as usize] = match p.top_k {
+                0 => v - 1,
+                k => (k.min(v as usize) as i32) - 1,
+            } as f32;
+            row[column::TOP_P as usize] = p.top_p;
+            row[column::LOG_MIN_P as usize] = if p.min_p > 0.0 {
+                p.min_p.ln()
+            } else {
+                f32::NEG_INFINITY
+            };
+            row[column::GREEDY as usize] = if p.temperature == 0.0 { 1.0 } else { 0.0 };
+            values.extend_from_slice(&row);
+        }
+        Some(Array::from_slice(
+            &values,
+            &[self.rows.len() as i32, column::COUNT],
+        ))
     }
 
     /// Restricts the next [`sample`](Self::sample) to the tokens `mask` (`[B, vocab]`, 0
@@ -267,12 +318,7 @@ impl BatchSampler {
     /// records it in the rows' penalty state.
     pub fn sample(&mut self, logits: &Array) -> Result<Array, Exception> {
         let mask = self.mask.take();
-        let tokens = self.pick(logits, 1, mask.as_ref())?;
-        if let Some(steps) = &self.steps {
-            self.steps = Some(steps.add(Array::from_slice(&[1u32], &[1]))?);
-        }
-        self.record(&tokens)?;
-        Ok(tokens)
+        self.pick(logits, true, mask.as_ref())
     }
 
     /// The token each row would take at each of `L` positions, from `logits` `[B, L, vocab]`:
@@ -285,7 +331,7 @@ impl BatchSampler {
         let s = logits.shape();
         let (b, l, v) = (s[0], s[1], s[2]);
         let mask = self.mask.take();
-        let tokens = self.pick(&logits.reshape(&[b * l, v])?, l, mask.as_ref())?;
+        let tokens = self.pick(&logits.reshape(&[b * l, v])?, false, mask.as_ref())?;
         tokens.reshape(&[b, l])
     }
 
@@ -342,11 +388,60 @@ impl BatchSampler {
 
     /// One token per row of `logits` `[B × l, vocab]`, where each batch row has `l`
     /// consecutive rows (positions) and position `i` draws as generated token `next + i`.
-    /// `mask` (`[B, vocab]`, additive) applies to every position of its row.
-    fn pick(&mut self, logits: &Array, l: i32, mask: Option<&Array>) -> Result<Array, Exception> {
-        let (tokens, raw) = self.choose(logits, l, mask)?;
-        self.picked = self.logprobs_of(&raw, &tokens)?;
-        Ok(tokens)
+    /// `mask` (`[B, vocab]`, additive) applies to every position of its row. With `advance`
+    /// (`l` = 1), the rows' noise counters, seen tokens and counts move past the tokens.
+    fn pick(
+        &mut self,
+        logits: &Array,
+        advance: bool,
+        mask: Option<&Array>,
+    ) -> Result<Array, Exception> {
+        let (Some(params), Some(seed_lo), Some(seed_hi), Some(steps)) =
+            (&self.params, &self.seed_lo, &self.seed_hi, &self.steps)
+        else {
+            return Err(Exception::custom("the sampler has no rows to sample"));
+        };
+        let rows = || self.rows.iter().map(|r| &r.params);
+        let t = Transforms {
+            bias: self.bias.is_some(),
+            repetition: self.seen.is_some(),
+            counts: self.counts.is_some(),
+            mask: mask.is_some(),
+            any_greedy: rows().any(|p| p.temperature == 0.0),
+            any_sampled: rows().any(|p| p.temperature != 0.0),
+            top_k: rows().any(|p| p.top_k > 0),
+            top_p: rows().any(|p| p.top_p < 1.0),
+            min_p: rows().any(|p| p.min_p > 0.0),
+            advance,
+            raw: self.wants_logprobs(),
+        };
+        let inputs = fused::Inputs {
+            logits,
+            ids: &self.ids,
+            params,
+            seed_lo,
+            seed_hi,
+            steps,
+            bias: self.bias.as_ref(),
+            seen: self.seen.as_ref(),
+            counts: self.counts.as_ref(),
+            mask,
+        };
+        let out = fused::run(t, &inputs, self.compiled)?;
+        if let Some(steps) = out.steps {
+            self.steps = Some(steps);
+        }
+        if let Some(seen) = out.seen {
+            self.seen = Some(seen);
+        }
+        if let Some(counts) = out.counts {
+            self.counts = Some(counts);
+        }
+        self.picked = match &out.raw {
+            Some(raw) => self.logprobs_of(raw, &out.tokens)?,
+            None => None,
+        };
+        Ok(out.tokens)
     }
 
     /// The chosen tokens' log-probabilities under `raw` (`[N, vocab]` float32) and the most
@@ -377,61 +472,6 @@ impl BatchSampler {
         Ok(Some(PickedLogprobs { chosen, top }))
     }
 
-    /// The tokens `pick` returns, and the float32 log-softmax they were chosen from (before
-    /// bias, penalties and masks).
-    fn choose(
-        &self,
-        logits: &Array,
-        l: i32,
-        mask: Option<&Array>,
-    ) -> Result<(Array, Array), Exception> {
-        let per_position = |a: &Array| -> Result<Array, Exception> {
-            if l == 1 {
-                Ok(a.clone())
-            } else {
-                Array::repeat_axis::<f32>(a.clone(), l, 0)
-            }
-        };
-        let n = self.rows.len() as i32 * l;
-        let logprobs = logits.subtract(logits.logsumexp_axis(-1, true)?)?;
-        let raw = logprobs.as_dtype(Dtype::Float32)?;
-        let mut x = raw.clone();
-        if let Some(bias) = &self.bias {
-            x = x.add(per_position(bias)?)?;
-        }
-        if let Some(seen) = &self.seen {
-            let r = per_position(&self.column("repetition", |p| p.repetition_penalty))?;
-            let penalised = select(&x.gt(Array::from_f32(0.0))?, x.divide(&r)?, x.multiply(&r)?)?;
-            x = select(
-                &per_position(seen)?.gt(Array::from_f32(0.0))?,
-                &penalised,
-                &x,
-            )?;
-        }
-        if let Some(counts) = &self.counts {
-            let counts = per_position(counts)?;
-            let presence = per_position(&self.column("presence", |p| p.presence_penalty))?;
-            let frequency = per_position(&self.column("frequency", |p| p.frequency_penalty))?;
-            let present = counts.gt(Array::from_f32(0.0))?.as_dtype(Dtype::Float32)?;
-            x = x
-                .subtract(presence.multiply(&present)?)?
-                .subtract(frequency.multiply(&counts)?)?;
-        }
-        if let Some(mask) = mask {
-            x = x.add(per_position(mask)?)?;
-        }
-        let greedy = argmax_axis(&x, -1, None)?.as_dtype(Dtype::Uint32)?;
-        if self.rows.iter().all(|r| r.params.temperature == 0.0) {
-            return Ok((greedy, raw));
-        }
-        let sampled = self.draw(&x, l)?;
-        let is_greedy =
-            per_position(&self.column("greedy", |p| if p.temperature == 0.0 { 1.0 } else { 0.0 }))?
-                .reshape(&[n])?
-                .gt(Array::from_f32(0.5))?;
-        Ok((select(&is_greedy, &greedy, &sampled)?, raw))
-    }
-
     /// The arrays the next step reads besides the tokens (to evaluate with them).
     pub fn state(&self) -> Vec<&Array> {
         self.bias
@@ -440,116 +480,6 @@ impl BatchSampler {
             .chain(self.counts.iter())
             .chain(self.steps.iter())
             .collect()
-    }
-
-    /// Temperature, truncation and a Gumbel-max draw for every row (greedy rows too; their
-    /// draw is discarded).
-    fn draw(&self, x: &Array, l: i32) -> Result<Array, Exception> {
-        let per_position = |a: Array| -> Result<Array, Exception> {
-            if l == 1 {
-                Ok(a)
-            } else {
-                Array::repeat_axis::<f32>(a, l, 0)
-            }
-        };
-        let b = self.rows.len() as i32 * l;
-        let temperature = per_position(self.column("temperature", |p| {
-            if p.temperature == 0.0 {
-                1.0
-            } else {
-                p.temperature
-            }
-        }))?;
-        let z = x.divide(&temperature)?;
-        let mut threshold: Option<Array> = None;
-        let any_top_k = self.rows.iter().any(|r| r.params.top_k > 0);
-        let any_top_p = self.rows.iter().any(|r| r.params.top_p < 1.0);
-        if any_top_k || any_top_p {
-            // Descending order: sort the negation.
-            let mut sorted = sort_axis(z.negative()?, -1)?.negative()?;
-            let v = self.vocab as usize;
-            if any_top_k {
-                let last: Vec<i32> = self
-                    .rows
-                    .iter()
-                    .flat_map(|r| {
-                        let last = match r.params.top_k {
-                            0 => v as i32 - 1,
-                            k => k.min(v) as i32 - 1,
-                        };
-                        std::iter::repeat_n(last, l as usize)
-                    })
-                    .collect();
-                let last = Array::from_slice(&last, &[b, 1]);
-                threshold = Some(take_along_axis(&sorted, &last, -1)?);
-                let rank =
-                    Array::arange::<_, i32>(None, self.vocab, None)?.reshape(&[1, self.vocab])?;
-                sorted = select(
-                    &rank.le(&last)?,
-                    &sorted,
-                    Array::from_f32(f32::NEG_INFINITY),
-                )?;
-            }
-            if any_top_p {
-                let probs = mlx_rs::ops::softmax_axis(&sorted, -1, true)?;
-                let before = probs.cumsum(-1, None, None)?.subtract(&probs)?;
-                let top_p = per_position(self.column("top_p", |p| p.top_p))?;
-                let kept = before
-                    .lt(&top_p)?
-                    .as_dtype(Dtype::Int32)?
-                    .sum_axis(-1, true)?;
-                let last = maximum(kept.subtract(Array::from_int(1))?, Array::from_int(0))?;
-                let t = take_along_axis(&sorted, &last, -1)?;
-                threshold = Some(match threshold {
-                    Some(k) => maximum(&k, &t)?,
-                    None => t,
-                });
-            }
-        }
-        if self.rows.iter().any(|r| r.params.min_p > 0.0) {
-            let log_min_p = per_position(self.column("log_min_p", |p| {
-                if p.min_p > 0.0 {
-                    p.min_p.ln()
-                } else {
-                    f32::NEG_INFINITY
-                }
-            }))?;
-            let t = z.max_axis(-1, true)?.add(&log_min_p)?;
-            threshold = Some(match threshold {
-                Some(k) => maximum(&k, &t)?,
-                None => t,
-            });
-        }
-        let z = match threshold {
-            Some(t) => select(&z.ge(&t)?, &z, Array::from_f32(f32::NEG_INFINITY))?,
-            None => z,
-        };
-        let (Some(lo), Some(hi), Some(steps)) = (&self.seed_lo, &self.seed_hi, &self.steps) else {
-            return Err(Exception::custom("the sampler has rows but no seeds"));
-        };
-        let g = if l == 1 {
-            noise::gumbel(lo, hi, steps, self.vocab)?
-        } else {
-            let rows = self.rows.len() as i32;
-            let offsets = Array::arange::<_, u32>(None, l as u32, None)?.reshape(&[1, l])?;
-            let steps = steps.add(&offsets)?.reshape(&[rows * l, 1])?;
-            let lo = per_position(lo.clone())?;
-            let hi = per_position(hi.clone())?;
-            noise::gumbel(&lo, &hi, &steps, self.vocab)?
-        };
-        argmax_axis(z.add(&g)?, -1, None)?.as_dtype(Dtype::Uint32)
-    }
-
-    /// A `[B, 1]` float32 column of one parameter, built once per batch membership.
-    fn column(&self, name: &'static str, f: impl Fn(&SamplingParams) -> f32) -> Array {
-        self.columns
-            .borrow_mut()
-            .entry(name)
-            .or_insert_with(|| {
-                let values: Vec<f32> = self.rows.iter().map(|r| f(&r.params)).collect();
-                Array::from_slice(&values, &[values.len() as i32, 1])
-            })
-            .clone()
     }
 }
 
@@ -798,10 +728,11 @@ mod snapshot {
 
     /// Six steps of `sample` for every configuration (float32 and bfloat16 logits, the last
     /// two with a mask), then three positions of `sample_positions`.
-    pub(super) fn run(configuration: &[SamplingParams], dtype: Dtype) -> Vec<u32> {
+    pub(super) fn run(configuration: &[SamplingParams], dtype: Dtype, compiled: bool) -> Vec<u32> {
         let vocab = 64;
         let prompt = [1u32, 3, 5, 40, 41];
         let mut s = BatchSampler::new(vocab);
+        s.compiled = compiled;
         let joining: Vec<RowSampling> = configuration
             .iter()
             .enumerate()
@@ -879,9 +810,85 @@ mod snapshot {
         for c in configurations() {
             for dtype in [Dtype::Float32, Dtype::Bfloat16] {
                 let expected = recorded.next().expect("a recorded run per configuration");
-                assert_eq!(run(&c, dtype), *expected, "{c:?} with {dtype:?} logits");
+                assert_eq!(
+                    run(&c, dtype, true),
+                    *expected,
+                    "{c:?} with {dtype:?} logits"
+                );
             }
         }
         assert!(recorded.next().is_none());
+    }
+
+    /// The graph evaluated op by op is the same sequence of operations: its compiled form
+    /// and its plain form draw alike.
+    #[test]
+    fn the_graph_op_by_op_draws_the_recorded_tokens_too() {
+        let mut recorded = RECORDED.iter();
+        for c in configurations() {
+            for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+                let expected = recorded.next().expect("a recorded run per configuration");
+                assert_eq!(
+                    run(&c, dtype, false),
+                    *expected,
+                    "{c:?} with {dtype:?} logits"
+                );
+            }
+        }
+    }
+
+    /// Rows joining and leaving between steps (a new traced shape each time) change no row's
+    /// draws: each row draws what it draws alone.
+    #[test]
+    fn rows_joining_and_leaving_keep_their_draws() {
+        let vocab = 64;
+        let configs = configurations();
+        let params: Vec<SamplingParams> = configs.into_iter().flatten().collect();
+        let row = |i: usize| RowSampling {
+            params: &params[i],
+            seed: 77 + i as u64,
+            prompt: &[2, 4],
+            next_step: 0,
+            logprobs: None,
+        };
+        let alone: Vec<Vec<u32>> = (0..params.len())
+            .map(|i| {
+                let mut s = BatchSampler::new(vocab);
+                s.extend(&[row(i)]).unwrap();
+                (0..5)
+                    .map(|step| {
+                        let l = logits(1, vocab as i32, step, Dtype::Float32);
+                        s.sample(&l).unwrap().as_slice::<u32>()[0]
+                    })
+                    .collect()
+            })
+            .collect();
+        // Rows 0..4 start; after two steps rows 1 and 3 leave and 4..len join; every row
+        // gets the same logits row as alone at each of its own steps.
+        let mut s = BatchSampler::new(vocab);
+        s.extend(&(0..4).map(row).collect::<Vec<_>>()).unwrap();
+        let mut members: Vec<(usize, u32)> = (0..4).map(|i| (i, 0)).collect();
+        let mut drawn: Vec<Vec<u32>> = vec![Vec::new(); params.len()];
+        for round in 0..5 {
+            if round == 2 {
+                s.filter(&[0, 2]).unwrap();
+                members = vec![members[0], members[2]];
+                s.extend(&(4..params.len()).map(row).collect::<Vec<_>>())
+                    .unwrap();
+                members.extend((4..params.len()).map(|i| (i, 0)));
+            }
+            let rows: Vec<Array> = members
+                .iter()
+                .map(|&(_, step)| logits(1, vocab as i32, step, Dtype::Float32))
+                .collect();
+            let t = s.sample(&concatenate(&rows, 0).unwrap()).unwrap();
+            for (m, &token) in members.iter_mut().zip(t.as_slice::<u32>()) {
+                drawn[m.0].push(token);
+                m.1 += 1;
+            }
+        }
+        for (i, d) in drawn.iter().enumerate() {
+            assert_eq!(d[..], alone[i][..d.len()], "row {i}: {:?}", params[i]);
+        }
     }
 }
