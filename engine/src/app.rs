@@ -93,6 +93,9 @@ pub fn runtime_options(
         group_size: group_size as i32,
     });
     limits.quantized_kv_start = options.quantized_kv_start.unwrap_or(0) as usize;
+    if let Some(n) = options.state_snapshot_every {
+        limits.state_snapshot_every = n as usize;
+    }
     limits.ssd = options.ssd_cache.clone().map(|dir| SsdConfig {
         dir,
         max_bytes: options.ssd_cache_max_bytes(),

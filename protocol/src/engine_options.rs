@@ -74,6 +74,11 @@ pub const KEYS: &[(&str, &str)] = &[
         "generation_checkpoint",
         "write a running request's KV to the SSD cache every N generated tokens (with ssd_cache)",
     ),
+    (
+        "state_snapshot_every",
+        "models with recurrent layers: prompt tokens between two snapshots of the state in the \
+         prefix cache (default 4096)",
+    ),
 ];
 
 /// An option with a value it cannot take, or in a combination that cannot work.
@@ -147,6 +152,11 @@ pub struct EngineOptions {
     /// cache, so a resume after a crash restores instead of prefilling.
     #[cfg_attr(feature = "cli", arg(long, value_parser = parse_generation_checkpoint))]
     pub generation_checkpoint: Option<u64>,
+    /// For models with recurrent layers (Qwen3-Next, Mamba-2, ...), whose state cannot be cut
+    /// back to a shorter prefix: prompt tokens between two snapshots of the state kept in the
+    /// prefix cache, and the most a prefill chunk holds [default: 4096].
+    #[cfg_attr(feature = "cli", arg(long, value_parser = parse_state_snapshot_every))]
+    pub state_snapshot_every: Option<u64>,
 }
 
 // One parser per option: what flags, config values and `Launch.options` all go through.
@@ -242,6 +252,10 @@ pub fn parse_generation_checkpoint(s: &str) -> Result<u64, String> {
     parse_in(s, 1, MAX_TOKENS, "a number of tokens")
 }
 
+pub fn parse_state_snapshot_every(s: &str) -> Result<u64, String> {
+    parse_in(s, 16, MAX_TOKENS, "a number of tokens")
+}
+
 impl EngineOptions {
     /// Sets the option `key` from its string form; an unknown key or a value outside the
     /// option's domain is an error naming both.
@@ -272,6 +286,9 @@ impl EngineOptions {
             }
             "generation_checkpoint" => {
                 self.generation_checkpoint = Some(parse_generation_checkpoint(value).map_err(bad)?)
+            }
+            "state_snapshot_every" => {
+                self.state_snapshot_every = Some(parse_state_snapshot_every(value).map_err(bad)?)
             }
             _ => {
                 let known: Vec<&str> = KEYS.iter().map(|(k, _)| *k).collect();
@@ -331,6 +348,10 @@ impl EngineOptions {
         put(
             "generation_checkpoint",
             self.generation_checkpoint.map(|v| v.to_string()),
+        );
+        put(
+            "state_snapshot_every",
+            self.state_snapshot_every.map(|v| v.to_string()),
         );
         map
     }
@@ -446,6 +467,7 @@ mod tests {
             ("ssd_cache_max", "2"),
             ("ssd_demote_idle", "1.5"),
             ("generation_checkpoint", "64"),
+            ("state_snapshot_every", "1024"),
         ]);
         let o = EngineOptions::from_map(&given).unwrap();
         assert_eq!(o.to_map(), given);
@@ -457,7 +479,9 @@ mod tests {
             let e = EngineOptions::default().set(k, "").unwrap_err();
             assert!(!e.reason.starts_with("unknown option"), "{k}: {e}");
         }
-        assert!(given.keys().all(|k| KEYS.iter().any(|(known, _)| known == k)));
+        assert!(given
+            .keys()
+            .all(|k| KEYS.iter().any(|(known, _)| known == k)));
         let d = EngineOptions::default();
         assert_eq!(
             (d.prompt_cache_bytes(), d.kv_quant(), d.ngram_sizes()),
@@ -476,6 +500,10 @@ mod tests {
             (
                 &[("prompt_cache", "-1")],
                 "engine option prompt_cache = \"-1\": expected GiB between 0 and 1048576",
+            ),
+            (
+                &[("state_snapshot_every", "8")],
+                "engine option state_snapshot_every = \"8\": expected a number of tokens from 16",
             ),
             (
                 &[("num_draft_tokens", "17"), ("draft", "ngram")],
