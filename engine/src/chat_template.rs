@@ -181,7 +181,7 @@ impl ChatTemplate {
 }
 
 /// The JSON object `transformers` would see for an OpenAI message.
-fn message_json(m: &ChatMessage) -> Json {
+pub(crate) fn message_json(m: &ChatMessage) -> Json {
     let mut obj = Map::new();
     obj.insert("role".into(), Json::from(m.role.as_str()));
     obj.insert(

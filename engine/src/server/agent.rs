@@ -77,10 +77,20 @@ pub fn prepare(state: &ServerState, conv: Conversation) -> Result<Prepared, ApiE
     };
     formats::normalize_call_ids(&mut messages, chat_format.call_ids);
     formats::null_contents_as_empty(&mut messages);
-    let tool_json: Vec<Value> = conv.tools.iter().map(ToolSpec::template_json).collect();
+    let mut tool_json: Vec<Value> = conv.tools.iter().map(ToolSpec::template_json).collect();
+    let mut template_vars = conv.template_vars.clone();
+    // Special tokens' text in client strings stays text (`tokenizer::ClientText`).
+    let mut client = crate::tokenizer::ClientText::default();
+    for v in messages
+        .iter_mut()
+        .chain(tool_json.iter_mut())
+        .chain(template_vars.values_mut())
+    {
+        tokenizer.shield(v, &mut client)?;
+    }
     let tools_arg = (offered && renders_tools).then_some(tool_json.as_slice());
     let render =
-        |messages: &[Value]| template.render_json(messages, tools_arg, true, &conv.template_vars);
+        |messages: &[Value]| template.render_json(messages, tools_arg, true, &template_vars);
     let text = match render(&messages) {
         // A template without a system role (Gemma 1 and 2) refuses system messages: they go
         // into the first user turn instead.
@@ -93,7 +103,7 @@ pub fn prepare(state: &ServerState, conv: Conversation) -> Result<Prepared, ApiE
         rendered => rendered,
     }
     .map_err(|e| ApiError::from(crate::tokenizer::TokenizerError::Template(e)))?;
-    let prompt = tokenizer.encode(&text, false)?;
+    let (text, prompt) = tokenizer.encode_rendered(&text, &client)?;
     if prompt.is_empty() {
         return Err(ApiError::invalid(
             "messages",
