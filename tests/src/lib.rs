@@ -455,51 +455,139 @@ pub async fn wait_gone(pid: i32, timeout: Duration) -> Result<Duration> {
     Ok(t.elapsed())
 }
 
-/// The `mlxd` binary as a child process serving `fake-model` with the fake engine on a
-/// free loopback port; killed on drop.
+/// The `mlxd` binary as a child process on a free loopback port, its stderr in a file and
+/// its runtime directory in a temp dir; stopped (SIGTERM, then SIGKILL) on drop. By default it
+/// serves `fake-model` with the fake engine; [`MlxdProcess::builder`] sets the models, the
+/// engine, the store home, flags and environment — the one wrapper the process-level tests
+/// share.
 pub struct MlxdProcess {
     pub child: std::process::Child,
     pub addr: std::net::SocketAddr,
     /// Its stderr.
     pub log: PathBuf,
     pub dir: tempfile::TempDir,
+    /// The model store it was given (`MLXD_HOME`), if any.
+    pub home: Option<PathBuf>,
 }
 
-impl MlxdProcess {
-    /// Starts `mlxd serve` with `args` added, and waits until `/health/live` answers.
-    pub async fn start(args: &[&str]) -> Result<Self> {
-        Self::start_limited(args, None).await
+/// How to start an [`MlxdProcess`].
+#[derive(Debug, Clone)]
+pub struct MlxdBuilder {
+    models: Vec<std::ffi::OsString>,
+    engine: Option<PathBuf>,
+    args: Vec<std::ffi::OsString>,
+    env: Vec<(String, std::ffi::OsString)>,
+    home: Option<PathBuf>,
+    /// A fresh store in the temp dir instead of `home`.
+    own_home: bool,
+    open_files: Option<u64>,
+    ready_within: Duration,
+}
+
+impl Default for MlxdBuilder {
+    fn default() -> Self {
+        Self {
+            models: Vec::new(),
+            engine: None,
+            args: Vec::new(),
+            env: Vec::new(),
+            home: None,
+            own_home: false,
+            open_files: None,
+            ready_within: Duration::from_secs(20),
+        }
+    }
+}
+
+impl MlxdBuilder {
+    /// Serve this model (`--model`); `fake-model` when none is given.
+    pub fn model(mut self, model: impl AsRef<std::ffi::OsStr>) -> Self {
+        self.models.push(model.as_ref().to_owned());
+        self
     }
 
-    /// Like [`start`](Self::start), with the open-file limit (soft and hard) set to
-    /// `open_files` in the child.
-    pub async fn start_limited(args: &[&str], open_files: Option<u64>) -> Result<Self> {
+    /// The engine binary (`--engine-bin`); the fake engine when none is given.
+    pub fn engine(mut self, bin: PathBuf) -> Self {
+        self.engine = Some(bin);
+        self
+    }
+
+    pub fn args<S: AsRef<std::ffi::OsStr>>(mut self, args: &[S]) -> Self {
+        self.args.extend(args.iter().map(|a| a.as_ref().to_owned()));
+        self
+    }
+
+    pub fn env(mut self, key: &str, value: impl AsRef<std::ffi::OsStr>) -> Self {
+        self.env.push((key.to_string(), value.as_ref().to_owned()));
+        self
+    }
+
+    /// `MLXD_HOME`: this model store.
+    pub fn home(mut self, home: PathBuf) -> Self {
+        self.home = Some(home);
+        self
+    }
+
+    /// `MLXD_HOME`: an empty store of its own, in its temp dir.
+    pub fn own_home(mut self) -> Self {
+        self.own_home = true;
+        self
+    }
+
+    /// The open-file limit (soft and hard) in the child.
+    pub fn open_files(mut self, n: u64) -> Self {
+        self.open_files = Some(n);
+        self
+    }
+
+    /// How long `/health/live` may take to answer (20 s by default).
+    pub fn ready_within(mut self, limit: Duration) -> Self {
+        self.ready_within = limit;
+        self
+    }
+
+    /// Starts `mlxd serve` and waits until `/health/live` answers.
+    pub async fn start(self) -> Result<MlxdProcess> {
         let dir = tempfile::tempdir()?;
         let port = std::net::TcpListener::bind("127.0.0.1:0")?
             .local_addr()?
             .port();
         let log = dir.path().join("mlxd.log");
+        let home = match (self.own_home, self.home) {
+            (true, _) => {
+                let h = dir.path().join("home");
+                std::fs::create_dir_all(&h)?;
+                Some(h)
+            }
+            (false, h) => h,
+        };
         let mut cmd = std::process::Command::new(mlxd_bin()?);
-        cmd.args([
-            "serve",
-            "--model",
-            "fake-model",
-            "--port",
-            &port.to_string(),
-        ]);
-        if !args.contains(&"--host") {
+        cmd.args(["serve", "--port", &port.to_string()]);
+        if self.models.is_empty() {
+            cmd.args(["--model", "fake-model"]);
+        }
+        for m in &self.models {
+            cmd.arg("--model").arg(m);
+        }
+        if !self.args.iter().any(|a| a == "--host") {
             cmd.args(["--host", "127.0.0.1"]);
         }
-        cmd.args(args)
+        cmd.args(&self.args)
             .arg("--engine-bin")
-            .arg(fake_engine())
-            .args(["--grace-ms", "2000"])
+            .arg(self.engine.unwrap_or_else(fake_engine))
             .env("RUST_LOG", "info")
             .env("XDG_RUNTIME_DIR", dir.path())
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::null())
             .stderr(std::fs::File::create(&log)?);
-        if let Some(n) = open_files {
+        if !self.args.iter().any(|a| a == "--grace-ms") {
+            cmd.args(["--grace-ms", "2000"]);
+        }
+        if let Some(h) = &home {
+            cmd.env("MLXD_HOME", h);
+        }
+        cmd.envs(self.env.iter().map(|(k, v)| (k, v)));
+        if let Some(n) = self.open_files {
             use std::os::unix::process::CommandExt;
             // SAFETY: setrlimit is async-signal-safe; nothing else runs before exec.
             unsafe {
@@ -511,11 +599,12 @@ impl MlxdProcess {
         }
         let child = cmd.spawn()?;
         let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse()?;
-        let me = Self {
+        let mut me = MlxdProcess {
             child,
             addr,
             log,
             dir,
+            home,
         };
         let t = Instant::now();
         loop {
@@ -524,18 +613,70 @@ impl MlxdProcess {
                     return Ok(me);
                 }
             }
-            if t.elapsed() > Duration::from_secs(20) {
+            if let Some(status) = me.child.try_wait()? {
                 bail!(
-                    "mlxd did not come up; its log:\n{}",
-                    std::fs::read_to_string(&me.log).unwrap_or_default()
+                    "mlxd exited ({status}) before it answered; its log:\n{}",
+                    me.stderr()
                 );
+            }
+            if t.elapsed() > self.ready_within {
+                bail!("mlxd did not come up; its log:\n{}", me.stderr());
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
+}
+
+impl MlxdProcess {
+    /// Starts `mlxd serve` with the fake engine and `args` added, and waits until
+    /// `/health/live` answers.
+    pub async fn start(args: &[&str]) -> Result<Self> {
+        Self::builder().args(args).start().await
+    }
+
+    /// Like [`start`](Self::start), with the open-file limit (soft and hard) set to
+    /// `open_files` in the child.
+    pub async fn start_limited(args: &[&str], open_files: Option<u64>) -> Result<Self> {
+        let mut b = Self::builder().args(args);
+        if let Some(n) = open_files {
+            b = b.open_files(n);
+        }
+        b.start().await
+    }
+
+    pub fn builder() -> MlxdBuilder {
+        MlxdBuilder::default()
+    }
 
     pub fn stderr(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    pub fn signal(&self, sig: nix::sys::signal::Signal) -> Result<()> {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid()), sig)?;
+        Ok(())
+    }
+
+    /// Waits for the process to exit, up to `timeout`.
+    pub async fn wait(&mut self, timeout: Duration) -> Result<std::process::ExitStatus> {
+        let t = Instant::now();
+        loop {
+            if let Some(s) = self.child.try_wait()? {
+                return Ok(s);
+            }
+            if t.elapsed() > timeout {
+                bail!("mlxd still running after {timeout:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 }
 

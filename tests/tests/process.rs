@@ -1,98 +1,33 @@
 //! The `mlxd` binary as a process: signals, orphans, and the no-MLX guarantee.
 
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use mlxd_tests::*;
-use nix::sys::signal::{kill, Signal};
-use nix::unistd::Pid;
+use nix::sys::signal::Signal;
 use serde_json::{json, Value};
 
-struct Mlxd {
-    child: Child,
-    addr: std::net::SocketAddr,
-    log: std::path::PathBuf,
-    _dir: tempfile::TempDir,
+/// `mlxd serve` with the fake engine serving `tiny-model`.
+async fn start() -> Result<MlxdProcess> {
+    MlxdProcess::builder().model("tiny-model").start().await
 }
 
-impl Mlxd {
-    async fn start() -> Result<Self> {
-        let dir = tempfile::tempdir()?;
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?
-            .local_addr()?
-            .port();
-        let log = dir.path().join("mlxd.log");
-        let child = Command::new(mlxd_bin()?)
-            .args(["serve", "--model", "tiny-model", "--host", "127.0.0.1"])
-            .args(["--port", &port.to_string()])
-            .arg("--engine-bin")
-            .arg(fake_engine())
-            .args(["--grace-ms", "2000"])
-            .env("RUST_LOG", "info")
-            .env("XDG_RUNTIME_DIR", dir.path())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log)?)
-            .spawn()?;
-        let addr = format!("127.0.0.1:{port}").parse()?;
-        let t = Instant::now();
-        while send(addr, "GET", "/health", None).await.is_err() {
-            if t.elapsed() > Duration::from_secs(10) {
-                bail!("mlxd did not come up");
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        Ok(Self {
-            child,
-            addr,
-            log,
-            _dir: dir,
-        })
-    }
-
-    /// Starts the engine with one request; returns its pid.
-    async fn engine_pid(&self) -> Result<i32> {
-        let body = json!({"prompt": "x"}).to_string();
-        let (s, _, _) =
-            json_of(send(self.addr, "POST", "/v1/completions", Some(body.into())).await?).await?;
-        assert_eq!(s, 200);
-        let (_, _, v): (_, _, Value) =
-            json_of(send(self.addr, "GET", "/engines", None).await?).await?;
-        Ok(v["engines"][0]["pid"].as_i64().unwrap() as i32)
-    }
-
-    fn signal(&self, sig: Signal) -> Result<()> {
-        kill(Pid::from_raw(self.child.id() as i32), sig)?;
-        Ok(())
-    }
-
-    async fn wait(&mut self, timeout: Duration) -> Result<std::process::ExitStatus> {
-        let t = Instant::now();
-        loop {
-            if let Some(s) = self.child.try_wait()? {
-                return Ok(s);
-            }
-            if t.elapsed() > timeout {
-                bail!("mlxd still running after {timeout:?}");
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
-}
-
-impl Drop for Mlxd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// Starts the engine with one request; returns its pid.
+async fn engine_pid(m: &MlxdProcess) -> Result<i32> {
+    let body = json!({"prompt": "x"}).to_string();
+    let (s, _, _) =
+        json_of(send(m.addr, "POST", "/v1/completions", Some(body.into())).await?).await?;
+    assert_eq!(s, 200);
+    let (_, _, v): (_, _, Value) = json_of(send(m.addr, "GET", "/engines", None).await?).await?;
+    Ok(v["engines"][0]["pid"].as_i64().unwrap() as i32)
 }
 
 #[tokio::test]
 async fn sigterm_and_sigint_stop_everything_and_exit_zero() -> Result<()> {
     for sig in [Signal::SIGTERM, Signal::SIGINT] {
-        let mut m = Mlxd::start().await?;
-        let pid = m.engine_pid().await?;
+        let mut m = start().await?;
+        let pid = engine_pid(&m).await?;
         // A stream in flight when the signal arrives still completes.
         let body = json!({"stream": true, "prompt": "x", "fake": {"chunks": 5, "interval_ms": 60}})
             .to_string();
@@ -108,7 +43,7 @@ async fn sigterm_and_sigint_stop_everything_and_exit_zero() -> Result<()> {
         );
         let status = m.wait(Duration::from_secs(10)).await?;
         assert_eq!(status.code(), Some(0), "{sig}");
-        let runtime_dir = m._dir.path().join(format!("mlxd-{}", m.child.id()));
+        let runtime_dir = m.dir.path().join(format!("mlxd-{}", m.child.id()));
         assert!(!runtime_dir.exists(), "runtime dir left behind");
         wait_gone(pid, Duration::from_secs(1)).await?;
         // New connections are refused once it is down.
@@ -127,8 +62,8 @@ async fn sigterm_and_sigint_stop_everything_and_exit_zero() -> Result<()> {
 
 #[tokio::test]
 async fn engines_die_within_a_second_of_mlxd_being_sigkilled() -> Result<()> {
-    let mut m = Mlxd::start().await?;
-    let pid = m.engine_pid().await?;
+    let mut m = start().await?;
+    let pid = engine_pid(&m).await?;
     m.signal(Signal::SIGKILL)?;
     m.wait(Duration::from_secs(5)).await?;
     let took = wait_gone(pid, Duration::from_secs(1)).await?;

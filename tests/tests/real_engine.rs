@@ -3,7 +3,6 @@
 //! resumed on the restarted engine and ends normally; the next request succeeds on it.
 //! (`resume.rs` compares resumed answers byte for byte with uninterrupted ones.)
 
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -13,58 +12,15 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use serde_json::{json, Value};
 
-struct Mlxd {
-    child: Child,
-    addr: std::net::SocketAddr,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Mlxd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-async fn start_mlxd() -> Result<Mlxd> {
-    let dir = tempfile::tempdir()?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let home = test_home();
-    let child = Command::new(mlxd_bin()?)
-        .args([
-            "serve",
-            "--model",
-            "smollm2-135m",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            &port.to_string(),
-        ])
-        .arg("--engine-bin")
-        .arg(built_engine_bin()?)
-        .env("MLXD_HOME", home)
+/// `mlxd serve` with the real engine on the default model, from the shared test store.
+async fn start_mlxd() -> Result<MlxdProcess> {
+    MlxdProcess::builder()
+        .model("smollm2-135m")
+        .engine(built_engine_bin()?)
+        .home(test_home())
         .env("MLXD_SMOLLM2_GGUF", smollm2_gguf()?)
-        .env("XDG_RUNTIME_DIR", dir.path())
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(dir.path().join("mlxd.log"))?)
-        .spawn()?;
-    let addr = format!("127.0.0.1:{port}").parse()?;
-    let t = Instant::now();
-    while send(addr, "GET", "/health", None).await.is_err() {
-        if t.elapsed() > Duration::from_secs(20) {
-            bail!("mlxd did not come up");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    Ok(Mlxd {
-        child,
-        addr,
-        _dir: dir,
-    })
+        .start()
+        .await
 }
 
 async fn chat(addr: std::net::SocketAddr, max_tokens: u32) -> Result<(hyper::StatusCode, Value)> {
