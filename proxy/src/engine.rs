@@ -353,7 +353,7 @@ impl Supervised {
                 .map(|(before, after)| OomKills { before, after }),
         });
         if cause.is_requested() {
-            info!(?raw, "engine stopped");
+            info!(exit_code = raw.code, signal = raw.signal, "engine stopped");
         } else if cause.is_permanent() {
             // The pool reports it once, with the engine's own explanation; the stderr tail
             // would only repeat it.

@@ -146,12 +146,14 @@ async fn prepare_default_model(config: &mlxd_proxy::Config, json_logs: bool) {
     let start = Instant::now();
     let id = entry.id.clone();
     match tokio::task::spawn_blocking(move || mlxd_store::resolve_model_with(&spec, &opts)).await {
-        Ok(Ok(resolved)) => tracing::info!(
-            model = %id,
-            dir = %resolved.dir.display(),
-            seconds = start.elapsed().as_secs_f64(),
-            "default model ready in the store"
-        ),
+        Ok(Ok(resolved)) => {
+            tracing::info!(
+                model = %id,
+                seconds = start.elapsed().as_secs_f64(),
+                "default model ready in the store"
+            );
+            tracing::debug!(model = %id, dir = %resolved.dir.display(), "default model's directory");
+        }
         Ok(Err(e)) => {
             tracing::warn!(model = %id, error = %e, "the default model could not be prepared")
         }

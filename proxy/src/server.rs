@@ -184,7 +184,10 @@ pub async fn serve_with(
         home,
     });
     info!(
-        addr = ?listener.local_addr().ok(),
+        addr = %listener
+            .local_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_default(),
         models = ?catalog.ids(),
         default_model = %catalog.default_model,
         "mlxd listening"
