@@ -9,6 +9,7 @@
 //! - [`batch`]: the decode batch (one forward pass for every decoding sequence);
 //! - [`sampler`] and [`noise`]: on-device sampling for the whole batch;
 //! - [`sequence`]: one request's state;
+//! - [`step_trace`]: where a decode step's host time goes (`mlxd_engine::step` trace events);
 //! - [`reference`]: the serial single-sequence path that mirrors mlx-lm's `generate_step`.
 pub mod batch;
 pub mod draft;
@@ -20,6 +21,7 @@ pub mod sampler;
 pub mod sampling_params;
 pub mod scheduler;
 pub mod sequence;
+pub mod step_trace;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
@@ -298,13 +300,11 @@ impl Runtime {
 /// with recurrent layers refuses drafts, which need a cache cut back to an earlier position.
 fn refused_option(model: &dyn models::CausalLm, limits: &RuntimeLimits) -> Option<String> {
     let architecture = &model.info().architecture;
-    if model.layer_kinds().iter().any(|k| k.is_state()) {
-        if limits.speculation.is_some() {
-            return Some(format!(
-                "{architecture} cannot be served with `draft`: its recurrent layers' state cannot \
-                 be rolled back to reject drafted tokens"
-            ));
-        }
+    if limits.speculation.is_some() && model.layer_kinds().iter().any(|k| k.is_state()) {
+        return Some(format!(
+            "{architecture} cannot be served with `draft`: its recurrent layers' state cannot be \
+             rolled back to reject drafted tokens"
+        ));
     }
     let asked = [
         (limits.kv_quant.is_some(), models::Feature::KvQuantization),
