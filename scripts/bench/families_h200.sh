@@ -16,6 +16,10 @@
 #                                                                       32k context, batch 1 and 8
 #   scripts/bench/families_h200.sh <out dir> <tokenizer dir> qwen3nexthit  a prefix hit at ~32k tokens
 #                                                                       against a miss, through mlxd
+#   scripts/bench/families_h200.sh <out dir> <tokenizer dir> deltakernel  greedy tokens of a tiny Qwen3-Next
+#                                                                       (mlx-lm's fixture, made here) with the
+#                                                                       CUDA delta kernel and with the ops path
+#                                                                       against mlx-lm's on this GPU
 # RUNS (default 2) timed runs after one warm-up; BATCHES (default "1 8 32").
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -68,6 +72,28 @@ for what in "$@"; do
         for b in "${batches[@]}"; do engine "$model" 4096 64 "$b"; done
         RUNS=1 runs=1 engine "$model" 32768 64 1
       done
+      ;;
+    deltakernel)
+      tiny=$MODELS/family-qwen3_next
+      [[ -f $tiny/reference.json ]] ||
+        "$PYTHON" scripts/gen_family_models.py --family qwen3_next --out "$tiny" >&2
+      greedy=$bins/greedy
+      [[ -x $greedy ]] || { echo "no greedy example at $greedy" >&2; exit 1; }
+      "$PYTHON" - "$tiny" "$greedy" <<'PY' | tee -a "$out/deltakernel.jsonl"
+import json, os, subprocess, sys
+tiny, greedy = sys.argv[1], sys.argv[2]
+ref = json.load(open(os.path.join(tiny, "reference.json")))
+def run(kernel, case):
+    env = dict(os.environ, MLXD_DELTA_KERNEL=kernel)
+    args = [greedy, tiny, str(ref["max_tokens"])] + [str(t) for t in case["prompt"]]
+    return [int(t) for t in subprocess.run(args, env=env, check=True, capture_output=True,
+                                           text=True).stdout.split()]
+rows = {"kernel": 0, "ops": 0, "cases": len(ref["cases"])}
+for case in ref["cases"]:
+    rows["kernel"] += run("1", case) == case["greedy"]
+    rows["ops"] += run("0", case) == case["greedy"]
+print(json.dumps({"deltakernel_equal_to_mlx_lm": rows}))
+PY
       ;;
     qwen3nexthit)
       gen qwen3-next-80b-a3b qwen3-next-q4 --quantize 4 --layers "${LAYERS:-12}"
