@@ -18,6 +18,7 @@ use super::draft::{ngram, verify, DraftCounts, Drafter, Speculator};
 use super::request::FinishReason;
 use super::sampler::{BatchSampler, PickedLogprobs, RowSampling};
 use super::sequence::Sequence;
+use super::step_trace::StepClock;
 use crate::cache::{KvLayout, LayerCache, LayerKind, SeqKv};
 use crate::models::CausalLm;
 
@@ -245,6 +246,7 @@ impl DecodeBatch {
         model: &dyn CausalLm,
         joining: Vec<Prefilled>,
     ) -> Result<Vec<Departed>, Exception> {
+        let mut clock = StepClock::start();
         let pending = self.in_flight.take();
         let mut keep = Vec::new();
         let mut kept = Vec::new();
@@ -305,13 +307,16 @@ impl DecodeBatch {
             };
             let b = self.rows.len() as i32;
             let logits = model.forward(&input.reshape(&[b, 1])?, &mut self.caches)?;
+            clock.forward_built();
             if let Some(mask) = self.constraint_mask()? {
                 self.sampler.set_mask(mask);
             }
             let next = self.sampler.sample(&logits.index((.., -1, ..)))?;
+            clock.sampler_built();
             let mut state: Vec<&Array> = vec![&next];
             state.extend(self.sampler.state());
             mlx_rs::transforms::async_eval(state)?;
+            clock.queued();
             for seq in &mut self.rows {
                 seq.sampled += 1;
             }
@@ -320,7 +325,9 @@ impl DecodeBatch {
 
         match pending {
             Some(pending) => {
+                clock.reading();
                 pending.eval()?;
+                clock.read();
                 let tokens: &[u32] = pending.as_slice();
                 for (seq, &i) in self.rows.iter_mut().zip(&kept_positions) {
                     seq.emit(tokens[i], false);
@@ -339,6 +346,10 @@ impl DecodeBatch {
         }
         if self.rows.iter().any(|s| s.constraint.is_some()) || self.sampler.wants_logprobs() {
             self.hand_out_now()?;
+        }
+        if clock.is_on() {
+            let joined = join_tokens.len();
+            clock.finish(self.rows.len(), joined, self.sampler.sampled_rows());
         }
         Ok(departed)
     }

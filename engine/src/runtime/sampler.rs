@@ -356,6 +356,14 @@ impl BatchSampler {
             && row.logprobs.is_none()
     }
 
+    /// How many rows sample (temperature above 0).
+    pub fn sampled_rows(&self) -> usize {
+        self.rows
+            .iter()
+            .filter(|r| r.params.temperature != 0.0)
+            .count()
+    }
+
     /// Whether some row reports log-probabilities (its batch then steps synchronously).
     pub fn wants_logprobs(&self) -> bool {
         self.rows.iter().any(|r| r.logprobs.is_some())
