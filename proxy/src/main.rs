@@ -199,6 +199,12 @@ async fn run_verb(verb: &Command) -> anyhow::Result<()> {
             let resolved =
                 tokio::task::spawn_blocking(move || mlxd_store::resolve_model_with(&spec, &opts))
                     .await??;
+            if let Some(missing) = mlxd_store::inventory::incomplete(&resolved.dir) {
+                anyhow::bail!(
+                    "{} is not a complete model: {missing}",
+                    resolved.dir.display()
+                );
+            }
             println!(
                 "{} ready in {:.1} s: {} ({})",
                 resolved.id,

@@ -60,6 +60,57 @@ pub fn format_of(dir: &Path) -> String {
         .to_string()
 }
 
+/// What a model directory lacks to be served, as one phrase (`no weights (*.safetensors)
+/// and no tokenizer.json`), or `None` when it has a `config.json`, weights and a tokenizer.
+/// `mlxd pull <dir>` says this instead of calling a directory with only a `config.json`
+/// ready.
+pub fn incomplete(dir: &Path) -> Option<String> {
+    let has_weights = fs::read_dir(dir).into_iter().flatten().flatten().any(|e| {
+        e.file_name()
+            .to_str()
+            .is_some_and(|n| n.ends_with(".safetensors"))
+    });
+    let mut missing = Vec::new();
+    if !dir.join("config.json").is_file() {
+        missing.push("no config.json");
+    }
+    if !has_weights {
+        missing.push("no weights (*.safetensors)");
+    }
+    if !dir.join("tokenizer.json").is_file() {
+        missing.push("no tokenizer.json");
+    }
+    (!missing.is_empty()).then(|| missing.join(" and "))
+}
+
+/// Bytes that removing `path` frees: regular files under it, each inode once, symlinks not
+/// followed. A store entry that is a symlink frees nothing of its target (`remove_dir_all`
+/// removes the link), and a Hugging Face snapshot's links to the repo's blobs count nothing
+/// beside the blobs themselves.
+pub(crate) fn freed_size(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let mut seen = std::collections::HashSet::new();
+    let mut total = 0;
+    let mut stack = vec![path.to_path_buf()];
+    while let Some(p) = stack.pop() {
+        let Ok(m) = fs::symlink_metadata(&p) else {
+            continue;
+        };
+        if m.is_dir() {
+            stack.extend(
+                fs::read_dir(&p)
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .map(|e| e.path()),
+            );
+        } else if m.is_file() && seen.insert((m.dev(), m.ino())) {
+            total += m.len();
+        }
+    }
+    total
+}
+
 /// Bytes of the files under `dir`, symlinks followed.
 pub(crate) fn dir_size(dir: &Path) -> u64 {
     fs::read_dir(dir)
@@ -239,6 +290,7 @@ fn refs_to(repo: &Path, hash: &str) -> Vec<String> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Removed {
     pub dirs: Vec<PathBuf>,
+    /// Bytes freed on disk ([`freed_size`]): a symlinked entry's target is not counted.
     pub bytes: u64,
 }
 
@@ -288,7 +340,7 @@ pub fn remove(spec: &str, opts: &StoreOptions) -> Result<Removed, StoreError> {
     };
     for (key, dir) in targets {
         with_lock(&opts.home, &key, || {
-            let bytes = dir_size(&dir);
+            let bytes = freed_size(&dir);
             fs::remove_dir_all(&dir).map_err(io(&dir))?;
             removed.bytes += bytes;
             removed.dirs.push(dir.clone());
@@ -402,5 +454,71 @@ mod tests {
         assert!(matches!(e, StoreError::NotStored(_)), "{e}");
         assert!(e.to_string().contains("mlxd ls"), "{e}");
         assert!(remove("nothing-here", &opts).is_err());
+    }
+
+    /// Issue 23, finding 12: `mlxd rm` of an entry that is a symlink reported its target's
+    /// size as freed (the link goes, the target stays), and a Hugging Face repo counted each
+    /// blob again for every snapshot linking to it.
+    #[test]
+    fn removal_reports_what_it_frees() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = tmp.path().join("hub");
+        let opts = StoreOptions {
+            home: tmp.path().join("home"),
+            pypi_url: "http://127.0.0.1:9".into(),
+            smollm2_gguf: None,
+            hf_endpoint: "http://127.0.0.1:9".into(),
+            hf_token: None,
+            hf_cache: Some(cache.clone()),
+            hf_offline: true,
+            progress: Default::default(),
+        };
+        let elsewhere = tmp.path().join("elsewhere");
+        fs::create_dir_all(&elsewhere).unwrap();
+        fs::write(elsewhere.join("config.json"), "{}").unwrap();
+        fs::write(elsewhere.join("model.safetensors"), vec![0u8; 5000]).unwrap();
+        fs::create_dir_all(opts.home.join("models")).unwrap();
+        let link = opts.home.join("models/linked");
+        std::os::unix::fs::symlink(&elsewhere, &link).unwrap();
+        let r = remove("linked", &opts).unwrap();
+        assert_eq!(r.dirs, std::slice::from_ref(&link));
+        assert_eq!(r.bytes, 0, "the target stays: {r:?}");
+        assert!(!link.exists() && elsewhere.join("model.safetensors").exists());
+
+        // One 3000-byte blob, linked from two snapshots.
+        let repo = cache.join("models--org--m");
+        fs::create_dir_all(repo.join("blobs")).unwrap();
+        fs::write(repo.join("blobs/abc"), vec![0u8; 3000]).unwrap();
+        fs::write(repo.join("blobs/cfg"), "{}").unwrap();
+        for snap in ["s1", "s2"] {
+            let d = repo.join("snapshots").join(snap);
+            fs::create_dir_all(&d).unwrap();
+            std::os::unix::fs::symlink(repo.join("blobs/abc"), d.join("model.safetensors"))
+                .unwrap();
+            std::os::unix::fs::symlink(repo.join("blobs/cfg"), d.join("config.json")).unwrap();
+        }
+        fs::create_dir_all(repo.join("refs")).unwrap();
+        fs::write(repo.join("refs/main"), "s1").unwrap();
+        // The blobs and the ref, each once (following the links would count 9010).
+        assert_eq!(remove("org/m", &opts).unwrap().bytes, 3000 + 2 + 2);
+    }
+
+    /// Issue 23, finding 12: `mlxd pull` called a directory holding only `config.json`
+    /// ready; what it lacks is named.
+    #[test]
+    fn an_incomplete_directory_says_what_it_lacks() {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = tmp.path();
+        fs::write(d.join("config.json"), "{}").unwrap();
+        assert_eq!(
+            incomplete(d).as_deref(),
+            Some("no weights (*.safetensors) and no tokenizer.json")
+        );
+        fs::write(d.join("model-00001-of-00002.safetensors"), b"x").unwrap();
+        assert_eq!(incomplete(d).as_deref(), Some("no tokenizer.json"));
+        fs::write(d.join("tokenizer.json"), "{}").unwrap();
+        assert_eq!(incomplete(d), None);
+        fs::remove_file(d.join("config.json")).unwrap();
+        assert_eq!(incomplete(d).as_deref(), Some("no config.json"));
     }
 }
