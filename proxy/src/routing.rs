@@ -108,13 +108,14 @@ impl Routing {
         if wanted.is_some_and(|w| !catalog.knows(w)) {
             return;
         }
-        if crate::reload::plan(&self.catalog(), &catalog).is_empty() {
+        // Only models appearing or going change anything here: a size that moved (weights
+        // still being written) waits for the next reload or load.
+        let plan = crate::reload::plan(&self.catalog(), &catalog);
+        if plan.added.is_empty() && plan.removed.is_empty() {
             return;
         }
-        if let Some(plan) = self.apply(catalog, running.clone()).await {
-            if !plan.added.is_empty() || !plan.removed.is_empty() {
-                info!(added = ?plan.added, removed = ?plan.removed, "models in the store changed");
-            }
+        if self.apply(catalog, running.clone()).await.is_some() {
+            info!(added = ?plan.added, removed = ?plan.removed, "models in the store changed");
         }
     }
 
