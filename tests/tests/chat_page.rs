@@ -5,26 +5,13 @@
 //! saying so.
 
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
 use mlxd_proxy::config::ModelConfig;
 use mlxd_tests::*;
 use serde_json::json;
-
-struct Mlxd {
-    child: Child,
-    log: PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Mlxd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// Headless Chromium and playwright-core, as `scripts/setup.sh --test` installs them, for
 /// one browser test at a time.
@@ -103,38 +90,15 @@ async fn chat_page_streams_an_answer_in_headless_chromium() -> Result<()> {
         engine.display()
     );
 
-    let dir = tempfile::tempdir()?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let home = test_home();
-    let log = dir.path().join("mlxd.log");
-    let child = Command::new(mlxd_bin()?)
-        .args(["serve", "--model", "smollm2-135m", "--host", "127.0.0.1"])
-        .args(["--port", &port.to_string()])
-        .arg("--engine-bin")
-        .arg(&engine)
-        .env("MLXD_HOME", home)
+    let mlxd = MlxdProcess::builder()
+        .model("smollm2-135m")
+        .engine(engine)
+        .home(test_home())
         .env("MLXD_SMOLLM2_GGUF", smollm2_gguf()?)
-        .env("XDG_RUNTIME_DIR", dir.path())
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log)?)
-        .spawn()?;
-    let mlxd = Mlxd {
-        child,
-        log,
-        _dir: dir,
-    };
-    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse()?;
-    let t = Instant::now();
-    while send(addr, "GET", "/health/live", None).await.is_err() {
-        if t.elapsed() > Duration::from_secs(30) {
-            bail!("mlxd did not come up");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        .ready_within(Duration::from_secs(30))
+        .start()
+        .await?;
+    let addr = mlxd.addr;
 
     let shot = root.join("target/chat-page.png");
     let _ = std::fs::remove_file(&shot);
@@ -144,7 +108,7 @@ async fn chat_page_streams_an_answer_in_headless_chromium() -> Result<()> {
         .run(
             "chat_page_test.cjs",
             &[&url, "smollm2-135m", &shot_arg],
-            || std::fs::read_to_string(&mlxd.log).unwrap_or_default(),
+            || mlxd.stderr(),
         )
         .await?;
     ensure!(stdout.contains("streamed answer"), "{stdout}");

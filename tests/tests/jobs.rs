@@ -57,61 +57,35 @@ fn python() -> Result<PathBuf> {
 
 /// `mlxd serve` with the real engine, serving tiny-llama, with its own store (`home`).
 struct Mlxd {
-    child: Child,
+    process: MlxdProcess,
     addr: SocketAddr,
     home: PathBuf,
-    dir: tempfile::TempDir,
-}
-
-impl Drop for Mlxd {
-    fn drop(&mut self) {
-        stop_child(&mut self.child, Duration::from_secs(10));
-    }
 }
 
 impl Mlxd {
     async fn start(models: &[&Path], args: &[&str], env: &[(&str, &str)]) -> Result<Self> {
-        let dir = tempfile::tempdir()?;
-        let home = dir.path().join("home");
-        std::fs::create_dir_all(&home)?;
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?
-            .local_addr()?
-            .port();
-        let mut cmd = Command::new(mlxd_bin()?);
-        cmd.args(["serve", "--host", "127.0.0.1", "--port", &port.to_string()]);
+        let mut b = MlxdProcess::builder()
+            .engine(built_engine_bin()?)
+            .own_home()
+            .args(args)
+            .ready_within(Duration::from_secs(30));
         for m in models {
-            cmd.arg("--model").arg(m);
+            b = b.model(m);
         }
-        cmd.args(args)
-            .arg("--engine-bin")
-            .arg(built_engine_bin()?)
-            .env("MLXD_HOME", &home)
-            .env("XDG_RUNTIME_DIR", dir.path())
-            .env("RUST_LOG", "info")
-            .envs(env.iter().copied())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.path().join("mlxd.log"))?);
-        let child = cmd.spawn()?;
-        let addr = format!("127.0.0.1:{port}").parse()?;
-        let me = Self {
-            child,
-            addr,
+        for (k, v) in env {
+            b = b.env(k, v);
+        }
+        let process = b.start().await?;
+        let home = process.home.clone().context("its own store")?;
+        Ok(Self {
+            addr: process.addr,
             home,
-            dir,
-        };
-        let t = Instant::now();
-        while send(addr, "GET", "/health/live", None).await.is_err() {
-            if t.elapsed() > Duration::from_secs(30) {
-                bail!("mlxd did not come up:\n{}", me.log());
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        Ok(me)
+            process,
+        })
     }
 
     fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("mlxd.log")).unwrap_or_default()
+        self.process.stderr()
     }
 
     fn url(&self) -> String {
