@@ -6,7 +6,11 @@
 # The default model is the converted SmolLM2-135M-Instruct from the model store. Prints both
 # JSON lines and the ratios mlxd / mlx-lm (above 1.0 is better for prefill and decode, below
 # 1.0 is better for time to first token). PYTHON overrides the interpreter (the GPU machine
-# has its own).
+# has its own). A temperature above 0 samples on both sides (mlxd: a seed per row; mlx-lm:
+# make_sampler(temp=...)). STEP_TRACE=FILE writes mlxd's per-step trace there
+# (RUST_LOG=mlxd_engine::step=trace) and prints its medians per batch size
+# (scripts/bench/step_trace.py); the trace costs a little, so take throughput from a run
+# without it.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$root"
@@ -20,7 +24,11 @@ python=${PYTHON:-.venv/bin/python}
 bench=${BENCH_BIN:-target/release/examples/bench_generate}
 [[ -x $bench ]] || cargo build --release -q -p mlxd-engine --example bench_generate
 # Alternate the two, so drifting machine load affects both alike.
-ours=$("$bench" "$model" "$prompt" "$new" "$runs" "$batch" "$temperature")
+if [[ -n ${STEP_TRACE:-} ]]; then
+  ours=$(RUST_LOG=mlxd_engine::step=trace "$bench" "$model" "$prompt" "$new" "$runs" "$batch" "$temperature" 2>"$STEP_TRACE")
+else
+  ours=$("$bench" "$model" "$prompt" "$new" "$runs" "$batch" "$temperature")
+fi
 theirs=$("$python" scripts/bench/mlx_lm_bench.py "$model" "$prompt" "$new" "$runs" "$batch" "$temperature")
 echo "$ours"
 echo "$theirs"
@@ -34,3 +42,6 @@ print(json.dumps({
     "ratio_ttft": round(a["ttft_s"] / b["ttft_s"], 3),
 }))
 PY
+if [[ -n ${STEP_TRACE:-} ]]; then
+  "$python" scripts/bench/step_trace.py "$STEP_TRACE"
+fi
