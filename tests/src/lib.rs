@@ -68,6 +68,26 @@ pub fn test_home() -> PathBuf {
         .unwrap_or_else(|| workspace_root().join("target/mlxd-test-home"))
 }
 
+/// Where `scripts/test.sh` generates the tiny test models: `MLXD_TEST_MODELS`, else
+/// `target/test-models`.
+pub fn test_models() -> PathBuf {
+    std::env::var_os("MLXD_TEST_MODELS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target/test-models"))
+}
+
+/// The generated test model `name` (`tiny-llama`, `family-qwen3_next`…), or an error that
+/// says how to generate it.
+pub fn tiny_model(name: &str) -> Result<PathBuf> {
+    let dir = test_models().join(name);
+    anyhow::ensure!(
+        dir.join("config.json").is_file(),
+        "test model {} is missing (scripts/test.sh generates it)",
+        dir.display()
+    );
+    Ok(dir)
+}
+
 /// The real engine binary: `MLXD_ENGINE_BIN`, else the one built into this target directory;
 /// an error that says how to build it when it is absent.
 pub fn engine_bin() -> Result<PathBuf> {

@@ -20,19 +20,6 @@ use mlxd_client::{ClientError, JobRequest, JobState, JobUpdate, TaskClient};
 use mlxd_tests::*;
 use serde_json::{json, Value};
 
-fn test_model(name: &str) -> Result<PathBuf> {
-    let base = std::env::var_os("MLXD_TEST_MODELS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join("target/test-models"));
-    let dir = base.join(name);
-    ensure!(
-        dir.join("config.json").is_file(),
-        "{} is missing: run scripts/test.sh (it generates target/test-models)",
-        dir.display()
-    );
-    Ok(dir)
-}
-
 /// The default model as the store converted it (SmolLM2-135M, from its GGUF).
 fn default_model_dir() -> Result<PathBuf> {
     let home = test_home();
@@ -255,7 +242,7 @@ async fn follow(addr: SocketAddr, id: &str) -> Result<Vec<(String, Value)>> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn quantizing_a_tiny_model_streams_progress_and_the_output_serves_in_mlxd_and_mlx_lm(
 ) -> Result<()> {
-    let tiny = test_model("tiny-llama")?;
+    let tiny = tiny_model("tiny-llama")?;
     let mlxd = Mlxd::start(&[&tiny], &[], &[]).await?;
     let (status, job) = mlxd
         .post_job(json!({"kind": "quantize", "model": tiny, "bits": 4, "group_size": 64}))
@@ -344,7 +331,7 @@ async fn the_default_models_weights_requantized_to_8_bit_answer_in_mlxd_with_mlx
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_mid_way_kills_the_process_group_and_leaves_no_partial_directory() -> Result<()> {
-    let tiny = test_model("tiny-llama")?;
+    let tiny = tiny_model("tiny-llama")?;
     let mlxd = Mlxd::start(
         &[&tiny],
         &[],
@@ -397,7 +384,7 @@ async fn cancel_mid_way_kills_the_process_group_and_leaves_no_partial_directory(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_killed_with_sigkill_is_failed_and_serving_goes_on() -> Result<()> {
-    let tiny = test_model("tiny-llama")?;
+    let tiny = tiny_model("tiny-llama")?;
     let mlxd = Mlxd::start(
         &[&tiny],
         &[],
@@ -444,7 +431,7 @@ async fn a_job_killed_with_sigkill_is_failed_and_serving_goes_on() -> Result<()>
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jobs_are_admitted_against_the_memory_budget() -> Result<()> {
-    let tiny = test_model("tiny-llama")?;
+    let tiny = tiny_model("tiny-llama")?;
     // A budget below one job's estimate: refused with the numbers.
     let small = Mlxd::start(&[&tiny], &["--memory-budget", "64MiB"], &[]).await?;
     let (status, v) = small
@@ -493,7 +480,7 @@ async fn jobs_are_admitted_against_the_memory_budget() -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_job_requests_are_400s_naming_the_field() -> Result<()> {
-    let tiny = test_model("tiny-llama")?;
+    let tiny = tiny_model("tiny-llama")?;
     let mlxd = Mlxd::start(&[&tiny], &[], &[]).await?;
     for (body, param) in [
         (json!({"model": tiny}), "kind"),
@@ -551,7 +538,7 @@ async fn bad_job_requests_are_400s_naming_the_field() -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mlxd_quantize_and_mlxd_jobs_on_the_command_line() -> Result<()> {
-    let tiny = test_model("tiny-llama")?;
+    let tiny = tiny_model("tiny-llama")?;
     let mlxd = Mlxd::start(&[&tiny], &[], &[]).await?;
     let out = Command::new(mlxd_bin()?)
         .args(["quantize"])
@@ -603,7 +590,7 @@ async fn mlxd_quantize_and_mlxd_jobs_on_the_command_line() -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn convert_and_fetch_jobs_put_complete_models_in_the_store() -> Result<()> {
     let gguf = smollm2_gguf()?;
-    let tiny = test_model("tiny-llama")?;
+    let tiny = tiny_model("tiny-llama")?;
     let gguf_env = gguf.display().to_string();
     // The default model's fetch reads the local GGUF instead of PyPI.
     let mlxd = Mlxd::start(&[&tiny], &[], &[("MLXD_SMOLLM2_GGUF", &gguf_env)]).await?;

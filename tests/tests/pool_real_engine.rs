@@ -17,12 +17,6 @@ use mlxd_proxy::Config;
 use mlxd_tests::*;
 use serde_json::{json, Value};
 
-fn env_path(var: &str, default: impl FnOnce() -> PathBuf) -> PathBuf {
-    std::env::var_os(var)
-        .map(PathBuf::from)
-        .unwrap_or_else(default)
-}
-
 struct Real {
     engine: PathBuf,
     models: PathBuf,
@@ -33,17 +27,11 @@ struct Real {
 /// The prerequisites; a missing one fails the test with what is missing.
 fn real() -> Real {
     let engine = engine_bin().unwrap_or_else(|e| panic!("{e}"));
-    let models = env_path("MLXD_TEST_MODELS", || {
-        workspace_root().join("target/test-models")
-    });
+    let models = test_models();
     let home = test_home();
     let gguf = smollm2_gguf_if_present();
     for shape in ["tiny-llama", "tiny-qwen3"] {
-        assert!(
-            models.join(shape).join("config.json").is_file(),
-            "test model {} is missing (scripts/test.sh generates it)",
-            models.join(shape).display()
-        );
+        tiny_model(shape).unwrap_or_else(|e| panic!("{e}"));
     }
     Real {
         engine,
