@@ -462,6 +462,7 @@ async fn serve_supervised(
         model_id: engine.model.id.clone(),
         weight_bytes: info.weight_bytes as u64,
         kv_bytes_per_token: info.kv_bytes_per_token as u64,
+        state_bytes_per_sequence: info.state_bytes_per_sequence as u64,
         context_length: info.context_length as u32,
         capabilities: vec![
             "chat".into(),

@@ -103,6 +103,11 @@ pub struct Ready {
     pub model_id: String,
     pub weight_bytes: u64,
     pub kv_bytes_per_token: u64,
+    /// Cache bytes of one sequence whatever its length: the recurrent layers' states of a
+    /// hybrid model (0 for a model that only attends). A sequence of `n` tokens needs this
+    /// plus `n × kv_bytes_per_token`. Absent from older engines.
+    #[serde(default)]
+    pub state_bytes_per_sequence: u64,
     pub context_length: u32,
     /// e.g. `chat`, `completions`, `tools`.
     pub capabilities: Vec<String>,

@@ -212,6 +212,8 @@ impl ModelLimits {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvCapacity {
     pub kv_bytes_per_token: u64,
+    /// The recurrent states of one sequence, whatever its length (a hybrid model's).
+    pub state_bytes_per_sequence: u64,
     /// 0 when the engine did not say.
     pub context_length: u32,
     /// The running engine's KV budget.
@@ -249,7 +251,9 @@ pub fn check_kv(max_tokens: Option<u64>, cap: &KvCapacity) -> Result<(), Unserva
         n => u64::from(n),
     };
     let tokens = mlxd_protocol::request::kv_reservation_tokens(1, max_tokens, context);
-    let needed = tokens.saturating_mul(cap.kv_bytes_per_token);
+    let needed = tokens
+        .saturating_mul(cap.kv_bytes_per_token)
+        .saturating_add(cap.state_bytes_per_sequence);
     if needed <= cap.budget {
         return Ok(());
     }
@@ -449,6 +453,7 @@ mod tests {
     fn kv_check_tells_too_large_from_limits_reduced() {
         let cap = KvCapacity {
             kv_bytes_per_token: 10,
+            state_bytes_per_sequence: 0,
             context_length: 2048,
             budget: 1000,
             configured_budget: Some(4000),
@@ -503,6 +508,18 @@ mod tests {
             ..full
         };
         assert_eq!(check_kv(None, &unknown), Ok(()));
+        // A hybrid model's fixed state per sequence counts on top of its tokens.
+        let hybrid = KvCapacity {
+            state_bytes_per_sequence: 20480 - 10 * 1001 + 1,
+            ..big
+        };
+        assert_eq!(
+            check_kv(Some(1000), &hybrid),
+            Err(Unservable::TooLarge {
+                needed: 20481,
+                budget: 20480
+            })
+        );
     }
 
     #[test]

@@ -312,6 +312,11 @@ async fn kill_9_of_a_hybrid_engine_costs_the_clients_nothing() -> Result<()> {
     );
     let e = p.engine().await?;
     ensure!(e["restarts"].as_u64() >= Some(1), "{e}");
+    // The engine reports its states' fixed bytes per sequence beside the KV per token.
+    ensure!(
+        e["ready"]["state_bytes_per_sequence"].as_u64() > Some(0),
+        "{e}"
+    );
     Ok(())
 }
 

@@ -245,6 +245,7 @@ impl Slot {
         let configured = self.limits.configured().kv_budget_bytes;
         Some(KvCapacity {
             kv_bytes_per_token: serving.ready.kv_bytes_per_token,
+            state_bytes_per_sequence: serving.ready.state_bytes_per_sequence,
             context_length: serving.ready.context_length,
             budget,
             configured_budget: configured,

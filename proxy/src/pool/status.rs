@@ -63,6 +63,8 @@ pub struct ReadyInfo {
     pub model_id: String,
     pub weight_bytes: u64,
     pub kv_bytes_per_token: u64,
+    /// A hybrid model's recurrent state per sequence (see `Ready`).
+    pub state_bytes_per_sequence: u64,
     pub context_length: u32,
     pub capabilities: Vec<String>,
     /// Where the engine computes: `{"kind": "gpu", "backend": "cuda"}`.
@@ -151,6 +153,7 @@ impl Slot {
                 model_id: r.model_id.clone(),
                 weight_bytes: r.weight_bytes,
                 kv_bytes_per_token: r.kv_bytes_per_token,
+                state_bytes_per_sequence: r.state_bytes_per_sequence,
                 context_length: r.context_length,
                 capabilities: r.capabilities.clone(),
                 device: r.device.clone(),

@@ -74,6 +74,7 @@ impl Sim {
                     model_id: model.clone(),
                     weight_bytes: sim.memory.get(&model).copied().unwrap_or(1),
                     kv_bytes_per_token: 0,
+                    state_bytes_per_sequence: 0,
                     context_length: 0,
                     capabilities: vec![],
                     device: Device {

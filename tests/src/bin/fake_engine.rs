@@ -245,6 +245,7 @@ async fn run(
         model_id: model,
         weight_bytes: script.get("weight_bytes").unwrap_or(1000),
         kv_bytes_per_token: KV_BYTES_PER_TOKEN,
+        state_bytes_per_sequence: 0,
         context_length: CONTEXT_LENGTH,
         capabilities: vec!["chat".into(), "completions".into()],
         device: Device {

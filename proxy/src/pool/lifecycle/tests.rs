@@ -51,6 +51,7 @@ fn ready_report() -> Ready {
         model_id: "m".into(),
         weight_bytes: 1000,
         kv_bytes_per_token: 10,
+        state_bytes_per_sequence: 0,
         context_length: 64,
         capabilities: vec![],
         device: Device {
