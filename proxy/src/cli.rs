@@ -432,8 +432,23 @@ impl Cli {
 impl ServeArgs {
     /// Defaults, then the config file, then these flags.
     pub fn into_config(self) -> Result<Config, ConfigError> {
-        let mut c = match self.config.clone().or_else(default_config_path) {
-            Some(path) => Config::from_toml_file(&path)?,
+        // The file's text is kept to name lines in the engine options' errors, checked
+        // last: `--engine-bin` may make them another engine's.
+        let file = match self.config.clone().or_else(default_config_path) {
+            Some(path) => Some((
+                std::fs::read_to_string(&path).map_err(|source| ConfigError::Read {
+                    path: path.clone(),
+                    source,
+                })?,
+                path.display().to_string(),
+            )),
+            None => None,
+        };
+        let source = file
+            .as_ref()
+            .map(|(text, name)| (text.as_str(), name.as_str()));
+        let mut c = match source {
+            Some((text, name)) => Config::from_toml_str(text, name)?,
             None => Config::default(),
         };
         for m in &self.model {
@@ -504,7 +519,8 @@ impl ServeArgs {
         c.server.allowed_origins.extend(self.allowed_origins);
         c.server.allowed_hosts.extend(self.allowed_hosts);
         c.api_keys()?;
-        c.validate(None)?;
+        c.validate_settings(None)?;
+        c.validate_engine_options(source)?;
         Ok(c)
     }
 }
@@ -620,6 +636,18 @@ mod tests {
             let e = config(&argv).unwrap_err().to_string();
             assert!(e.contains(needle), "{args:?}: {e}");
         }
+        // A config file's options are checked with the engine the flags choose: a fake
+        // engine's script options pass, a bad one for mlxd-engine names its line.
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("mlxd.toml");
+        std::fs::write(&file, "[server.engine_options]\nchunks = \"3\"\n").unwrap();
+        let path = file.to_str().unwrap();
+        assert!(config(&["mlxd", "--config", path, "--engine-bin", "/opt/fake-engine"]).is_ok());
+        let e = config(&["mlxd", "--config", path]).unwrap_err().to_string();
+        assert!(
+            e.contains("mlxd.toml:2:1: server.engine_options.chunks: unknown option"),
+            "{e}"
+        );
         // A substitute engine takes its own options.
         let c = config(&[
             "mlxd",

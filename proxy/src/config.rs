@@ -369,7 +369,9 @@ impl Config {
                 message: inner.message().trim().to_string(),
             }
         })?;
-        config.validate(Some((text, file)))?;
+        // Engine options wait for the engine binary, which a flag may still set
+        // (`ServeArgs::into_config` checks them with this text).
+        config.validate_settings(Some((text, file)))?;
         Ok(config)
     }
 
@@ -384,7 +386,7 @@ impl Config {
     /// Checks what the types cannot: ids unique and non-empty, aliases unambiguous,
     /// the default model known, at least one engine allowed. `source` (text, file name)
     /// lets errors name the line.
-    pub fn validate(&self, source: Option<(&str, &str)>) -> Result<(), ConfigError> {
+    pub fn validate_settings(&self, source: Option<(&str, &str)>) -> Result<(), ConfigError> {
         let fail = |table: Option<usize>, key: &str, field: String, message: String| {
             Err(match source {
                 Some((text, file)) => {
@@ -493,25 +495,6 @@ impl Config {
                 }
             }
         }
-        // Engine options are mlxd-engine's: checked here, before any engine starts, by the
-        // rules the engine applies to `Launch.options` (`mlxd_protocol::engine_options`). A
-        // substitute engine (`engine_bin` naming another program, as the tests' scripted
-        // fake engine) defines its own options, and gets them as given.
-        if self.server.runs_mlxd_engine() {
-            let refuse = |e: OptionError| format!("{} (got {:?})", e.reason, e.value);
-            if let Err(e) = EngineOptions::from_map(&self.server.engine_options) {
-                let field = format!("server.engine_options.{}", e.key);
-                return fail(None, &e.key.clone(), field, refuse(e));
-            }
-            for (i, m) in self.models.iter().enumerate() {
-                let mut options = self.server.engine_options.clone();
-                options.extend(m.options.clone());
-                if let Err(e) = EngineOptions::from_map(&options) {
-                    let field = format!("model[{i}].options.{}", e.key);
-                    return fail(Some(i), &e.key.clone(), field, refuse(e));
-                }
-            }
-        }
         if let Some(d) = &self.pool.default_model {
             if !self.models.is_empty() && !names.contains_key(d.as_str()) {
                 let ids: Vec<&str> = self.models.iter().map(|m| m.id.as_str()).collect();
@@ -521,6 +504,48 @@ impl Config {
                     "pool.default_model".into(),
                     format!("{d:?} is not a configured model or alias (models: {ids:?})"),
                 );
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Self::validate_settings`] and [`Self::validate_engine_options`]: everything, once
+    /// the engine binary is known (a flag may set it after the file is read).
+    pub fn validate(&self, source: Option<(&str, &str)>) -> Result<(), ConfigError> {
+        self.validate_settings(source)?;
+        self.validate_engine_options(source)
+    }
+
+    /// Engine options are mlxd-engine's: checked before any engine starts, by the rules the
+    /// engine applies to `Launch.options` (`mlxd_protocol::engine_options`). A substitute
+    /// engine (`engine_bin` naming another program, as the tests' scripted fake engine)
+    /// defines its own options, and gets them as given.
+    pub fn validate_engine_options(&self, source: Option<(&str, &str)>) -> Result<(), ConfigError> {
+        if !self.server.runs_mlxd_engine() {
+            return Ok(());
+        }
+        let refuse = |table: Option<usize>, field: String, e: OptionError| {
+            let message = format!("{} (got {:?})", e.reason, e.value);
+            match source {
+                // An option from a flag, not the file, has no line.
+                Some((text, file)) if text.contains(e.key.as_str()) => ConfigError::Invalid {
+                    file: file.to_string(),
+                    line: locate(text, table, &e.key),
+                    column: 1,
+                    field,
+                    message,
+                },
+                _ => ConfigError::Setting { field, message },
+            }
+        };
+        if let Err(e) = EngineOptions::from_map(&self.server.engine_options) {
+            return Err(refuse(None, format!("server.engine_options.{}", e.key), e));
+        }
+        for (i, m) in self.models.iter().enumerate() {
+            let mut options = self.server.engine_options.clone();
+            options.extend(m.options.clone());
+            if let Err(e) = EngineOptions::from_map(&options) {
+                return Err(refuse(Some(i), format!("model[{i}].options.{}", e.key), e));
             }
         }
         Ok(())
@@ -762,6 +787,7 @@ mod tests {
 
     fn err(text: &str) -> String {
         Config::from_toml_str(text, "mlxd.toml")
+            .and_then(|c| c.validate(Some((text, "mlxd.toml"))))
             .unwrap_err()
             .to_string()
     }
@@ -791,13 +817,15 @@ mod tests {
         let ok = Config::from_toml_str(
             "[server.engine_options]\nkv_bits = \"8\"\nssd_cache = \"/tmp/kv\"\n[[model]]\nid = \"a\"\noptions = { prompt_cache = \"0\" }\n",
             "mlxd.toml",
-        );
+        )
+        .and_then(|c| c.validate(None));
         assert!(ok.is_ok(), "{ok:?}");
         // A substitute engine's options are its own.
         let fake = Config::from_toml_str(
             "[server]\nengine_bin = \"/opt/fake-engine\"\n[server.engine_options]\nchunks = \"3\"\n",
             "mlxd.toml",
-        );
+        )
+        .and_then(|c| c.validate(None));
         assert!(fake.is_ok(), "{fake:?}");
     }
 
