@@ -17,6 +17,7 @@ pub mod forward;
 pub mod header_timeout;
 pub mod health;
 pub mod jobs;
+pub mod leftovers;
 pub mod logs;
 pub mod metrics;
 pub mod ollama;

@@ -148,6 +148,12 @@ pub async fn serve_with(
         None => (mlxd_ipc::socket::default_runtime_dir(), true),
     };
     let catalog = Arc::new(crate::routing::build_catalog(&config)?);
+    if owned_dir {
+        sweep_leftovers(
+            "runtime directory",
+            crate::leftovers::sweep_runtime_dirs(&runtime_dir),
+        );
+    }
     mlxd_ipc::socket::prepare_runtime_dir(&runtime_dir)?;
     let config = Arc::new(config);
     let metrics = Arc::new(Metrics::new());
@@ -165,6 +171,12 @@ pub async fn serve_with(
     let guard = build_guard(&config)?;
     let (stopping_tx, stopping) = tokio::sync::watch::channel(false);
     let home = mlxd_store::default_home().map_err(|e| e.to_string());
+    if let Ok(h) = &home {
+        sweep_leftovers(
+            "staging directory in the store",
+            mlxd_store::sweep_stale_staging(h),
+        );
+    }
     let jobs = crate::jobs::start(
         config.engine_bin(),
         pool.clone(),
@@ -302,6 +314,22 @@ pub async fn serve_with(
     }
     info!("mlxd stopped");
     Ok(())
+}
+
+/// Logs what a sweep of a crashed process's leftovers removed, and what it could not.
+fn sweep_leftovers(
+    what: &str,
+    (removed, failed): (
+        Vec<std::path::PathBuf>,
+        Vec<(std::path::PathBuf, std::io::Error)>,
+    ),
+) {
+    for dir in removed {
+        info!(dir = %dir.display(), "removed a {what} left by an mlxd that is gone");
+    }
+    for (dir, e) in failed {
+        warn!(dir = %dir.display(), error = %e, "cannot remove a {what} left by an mlxd that is gone");
+    }
 }
 
 /// One request on a connection holding `slot`: marks the connection busy until the response

@@ -447,6 +447,47 @@ fn remove_stale_partials(downloads: &Path, prefixes: &[&str]) -> Result<(), Stor
     Ok(())
 }
 
+/// The pid in the name of a staging directory the store leaves beside a model while it
+/// builds or replaces it: `.<leaf>.partial-<pid>-<nanos>` (a conversion) or
+/// `.<leaf>.stale-<pid>` (an old conversion being removed).
+fn staging_pid(name: &str) -> Option<i32> {
+    if !name.starts_with('.') {
+        return None;
+    }
+    if let Some((_, rest)) = name.rsplit_once(".partial-") {
+        return rest.split_once('-')?.0.parse().ok();
+    }
+    name.rsplit_once(".stale-")?.1.parse().ok()
+}
+
+/// Removes the staging directories under `<home>/models` and `<home>/models/gguf` whose
+/// process is gone (it was killed mid-conversion); a live process's are left alone. Returns
+/// what was removed, and what could not be with the reason. `mlxd serve` calls it at start.
+pub fn sweep_stale_staging(home: &Path) -> (Vec<PathBuf>, Vec<(PathBuf, std::io::Error)>) {
+    let (mut removed, mut failed) = (Vec::new(), Vec::new());
+    let models = home.join("models");
+    for dir in [models.join("gguf"), models] {
+        for entry in fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let Some(pid) = entry.file_name().to_str().and_then(staging_pid) else {
+                continue;
+            };
+            let gone = matches!(
+                nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None),
+                Err(nix::errno::Errno::ESRCH)
+            );
+            if pid <= 0 || !gone {
+                continue;
+            }
+            let path = entry.path();
+            match fs::remove_dir_all(&path) {
+                Ok(()) => removed.push(path),
+                Err(e) => failed.push((path, e)),
+            }
+        }
+    }
+    (removed, failed)
+}
+
 fn is_model_dir(dir: &Path) -> bool {
     dir.join("config.json").is_file()
 }
@@ -1033,5 +1074,40 @@ mod tests {
     fn truthy_values() {
         assert!(is_truthy("1") && is_truthy("TRUE") && is_truthy(" yes "));
         assert!(!is_truthy("0") && !is_truthy("") && !is_truthy("false"));
+    }
+
+    /// Issue 23, finding 9: a conversion's staging directory in the store survived a crash
+    /// and the restart after it. Those of a gone process are swept; a live one's stay.
+    #[test]
+    fn staging_directories_of_a_gone_process_are_swept() {
+        assert_eq!(staging_pid(".m.partial-42-1700000000"), Some(42));
+        assert_eq!(staging_pid(".m.stale-42"), Some(42));
+        assert_eq!(staging_pid("m.partial-42-1"), None);
+        assert_eq!(staging_pid(".m.mlxd-job-42-job-1"), None);
+        let tmp = tempfile::tempdir().unwrap();
+        let models = tmp.path().join("models");
+        let gguf = models.join("gguf");
+        fs::create_dir_all(&gguf).unwrap();
+        // Beyond the kernel's pid range: no such process.
+        let gone = [
+            gguf.join(".tiny-abc.partial-2147483646-17"),
+            models.join(".smol.stale-2147483646"),
+        ];
+        let kept = [
+            gguf.join(format!(".t.partial-{}-1", std::process::id())),
+            models.join("smol"),
+            gguf.join("tiny-abc"),
+        ];
+        for d in gone.iter().chain(&kept) {
+            fs::create_dir_all(d).unwrap();
+            fs::write(d.join("model.safetensors"), b"x").unwrap();
+        }
+        let (mut removed, failed) = sweep_stale_staging(tmp.path());
+        removed.sort();
+        let mut want = gone.to_vec();
+        want.sort();
+        assert!(failed.is_empty(), "{failed:?}");
+        assert_eq!(removed, want);
+        assert!(kept.iter().all(|d| d.exists()));
     }
 }

@@ -160,6 +160,9 @@ struct Entry {
 struct Jobs {
     bin: PathBuf,
     pool: PoolHandle,
+    /// The store's list of directories outside it where jobs stage their output
+    /// ([`STAGING_DIRS`]), swept at the next start.
+    staging_dirs: Option<PathBuf>,
     table: BTreeMap<String, Entry>,
     queue: VecDeque<String>,
     next_id: u64,
@@ -172,14 +175,22 @@ struct Jobs {
 /// model directory, swept once for staging directories that a previous `mlxd` left behind when
 /// it died with jobs running.
 pub fn start(bin: PathBuf, pool: PoolHandle, models_dir: Option<PathBuf>) -> JobsHandle {
-    if let Some(dir) = models_dir {
-        sweep_staging(&dir);
+    let staging_dirs = models_dir
+        .as_deref()
+        .and_then(std::path::Path::parent)
+        .map(|home| home.join(STAGING_DIRS));
+    if let Some(dir) = &models_dir {
+        sweep_staging(dir);
+    }
+    if let Some(list) = &staging_dirs {
+        sweep_listed(list);
     }
     let (tx, rx) = mpsc::channel(256);
     let (process_tx, process_rx) = mpsc::unbounded_channel();
     let jobs = Jobs {
         bin,
         pool,
+        staging_dirs,
         table: BTreeMap::new(),
         queue: VecDeque::new(),
         next_id: 1,
@@ -189,6 +200,65 @@ pub fn start(bin: PathBuf, pool: PoolHandle, models_dir: Option<PathBuf>) -> Job
     };
     tokio::spawn(jobs.run(rx, process_rx));
     JobsHandle { tx }
+}
+
+/// The file in the store's home listing the directories outside `<home>/models` where jobs
+/// staged their output (a custom `out`), one per line: a job's staging directory there is
+/// found and swept at the next start if `mlxd` died with the job running.
+pub const STAGING_DIRS: &str = "job-staging-dirs";
+
+/// Adds `dir` to the list at `list` (once).
+fn remember_staging_dir(list: &std::path::Path, dir: &std::path::Path) -> std::io::Result<()> {
+    let text = match std::fs::read_to_string(list) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => return Err(e),
+    };
+    let line = dir.to_string_lossy();
+    if text.lines().any(|l| l == line) {
+        return Ok(());
+    }
+    if let Some(parent) = list.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(list)?;
+    std::io::Write::write_all(&mut f, format!("{line}\n").as_bytes())
+}
+
+/// Sweeps every directory the list at `list` names, then keeps only those that still hold a
+/// staging directory (of a live `mlxd`).
+fn sweep_listed(list: &std::path::Path) {
+    let text = match std::fs::read_to_string(list) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
+        Err(e) => {
+            warn!(file = %list.display(), error = %e, "cannot read the list of job staging directories");
+            return;
+        }
+    };
+    let mut keep = String::new();
+    for dir in text.lines().filter(|l| !l.is_empty()) {
+        let dir = std::path::Path::new(dir);
+        sweep_staging(dir);
+        let staged = std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .contains(request::STAGING_MARK)
+            });
+        if staged {
+            keep.push_str(&format!("{}\n", dir.display()));
+        }
+    }
+    if let Err(e) = std::fs::write(list, keep) {
+        warn!(file = %list.display(), error = %e, "cannot rewrite the list of job staging directories");
+    }
 }
 
 /// Removes the staging directories (`.<name>.mlxd-job-<pid>-<id>`) in `dir` whose `mlxd` is
@@ -418,6 +488,21 @@ impl Jobs {
             return;
         };
         let spec = entry.prepared.work.spec(id);
+        // A staging directory outside the store is listed first, so that a crash of mlxd
+        // mid-job cannot leave it unknown to the next start.
+        if let (Some(list), Some(parent)) = (
+            &self.staging_dirs,
+            entry
+                .prepared
+                .work
+                .staging(id)
+                .as_deref()
+                .and_then(std::path::Path::parent),
+        ) {
+            if let Err(e) = remember_staging_dir(list, parent) {
+                warn!(job = %id, file = %list.display(), error = %e, "cannot list the job's staging directory; a crash would leave it behind");
+            }
+        }
         match process::spawn(id, &bin, &spec, self.process_tx.clone()) {
             Ok(pid) => {
                 entry.job.state = JobState::Running;
@@ -631,6 +716,33 @@ mod tests {
         assert!(dir.path().join(&ours).exists());
         assert!(!dir.path().join(gone).exists());
         assert!(dir.path().join("kept-model").exists());
+    }
+
+    /// Issue 23, finding 9: a job's staging directory beside a custom `out` (outside the
+    /// store) was never swept after `mlxd` died mid-job. Its directory is listed when the job
+    /// starts and swept at the next start.
+    #[test]
+    fn staging_beside_a_custom_out_is_swept_at_the_next_start() {
+        let tmp = tempfile::tempdir().unwrap();
+        let list = tmp.path().join("home").join(STAGING_DIRS);
+        let out_dir = tmp.path().join("elsewhere");
+        let other = tmp.path().join("other");
+        for d in [&out_dir, &other] {
+            std::fs::create_dir_all(d).unwrap();
+            remember_staging_dir(&list, d).unwrap();
+        }
+        remember_staging_dir(&list, &out_dir).unwrap();
+        assert_eq!(std::fs::read_to_string(&list).unwrap().lines().count(), 2);
+        let gone = out_dir.join(".q4.mlxd-job-2147483646-job-1");
+        let live = out_dir.join(format!(".q8.mlxd-job-{}-job-2", std::process::id()));
+        for d in [&gone, &live] {
+            std::fs::create_dir(d).unwrap();
+        }
+        sweep_listed(&list);
+        assert!(!gone.exists() && live.exists());
+        // `other` holds nothing staged: dropped from the list; `out_dir` stays listed.
+        let listed = std::fs::read_to_string(&list).unwrap();
+        assert_eq!(listed, format!("{}\n", out_dir.display()));
     }
 
     #[test]
