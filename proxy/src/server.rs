@@ -763,6 +763,10 @@ async fn jobs_route(
         limit_ms: body_timeout,
         setting: "body_timeout_ms",
     })??;
+    if method == Method::POST {
+        // A job may name a model that reached the store since the catalog last looked.
+        app.routing.refresh(None).await;
+    }
     crate::jobs::api::handle(
         &app.jobs,
         &app.catalog(),
