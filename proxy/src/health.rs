@@ -19,6 +19,9 @@ pub struct ModelHealth<'a> {
     pub responding: Option<bool>,
     /// Why it failed, when it did.
     pub failure: Option<&'a str>,
+    /// When it is not running and its planned memory exceeds the budget: (needed, budget).
+    /// It could not start, so it does not count as loadable.
+    pub too_large: Option<(u64, u64)>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -71,7 +74,13 @@ pub fn assess(draining: bool, models: &[ModelHealth<'_>]) -> Verdict {
                 m.model,
                 m.failure.unwrap_or("repeated crashes")
             )),
-            _ => loadable += 1,
+            _ => match m.too_large {
+                Some((needed, budget)) => reasons.push(format!(
+                    "model {}: needs {needed} bytes, more than the memory budget of {budget} bytes; it cannot be loaded",
+                    m.model
+                )),
+                None => loadable += 1,
+            },
         }
     }
     if models.is_empty() {
@@ -102,7 +111,26 @@ mod tests {
             state,
             responding,
             failure: (state == "failed").then_some("exit code 2 before ready"),
+            too_large: None,
         }
+    }
+
+    /// Issue 23, finding 4: `/health` said 200 `ok, models_loadable: 1` while the only model
+    /// could never fit the memory budget.
+    #[test]
+    fn a_model_that_cannot_fit_is_not_loadable() {
+        let big = ModelHealth {
+            too_large: Some((2048, 1024)),
+            ..m("big", "stopped", None)
+        };
+        let v = assess(false, std::slice::from_ref(&big));
+        assert_eq!(
+            (v.status, v.http_status().as_u16(), v.loadable),
+            (Status::Unavailable, 503, 0)
+        );
+        assert!(v.reasons[0].contains("needs 2048 bytes"), "{:?}", v.reasons);
+        let v = assess(false, &[big, m("small", "idle", None)]);
+        assert_eq!((v.status, v.loadable), (Status::Degraded, 1));
     }
 
     #[test]

@@ -60,7 +60,18 @@ fn main() -> anyhow::Result<()> {
     // An unusable configuration exits with EX_USAGE and says where the problem is.
     let config = match args
         .into_config()
-        .and_then(|c| Catalog::from_config(&c).map(|_| c))
+        .and_then(|c| {
+            // A configured model that can never fit the memory budget is refused here, not
+            // served at start and refused at every request after.
+            let catalog = Catalog::from_config(&c)?;
+            match mlxd_proxy::server::oversized_models(&catalog, &c) {
+                Some(why) => Err(mlxd_proxy::config::ConfigError::Setting {
+                    field: "pool.memory_budget".into(),
+                    message: why,
+                }),
+                None => Ok(c),
+            }
+        })
         .and_then(|c| c.api_keys().map(|_| c))
     {
         Ok(c) => c,

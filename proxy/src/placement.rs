@@ -9,6 +9,27 @@
 
 use tokio::time::Instant;
 
+/// The configured models that can never fit in a memory budget of `budget` bytes, even
+/// alone, as one sentence naming each with its size and the budget; `None` when every model
+/// fits. `models`: (id, bytes planned for it before its engine reports its own). Such a
+/// configuration is refused at start and at reload: its model would get 503 on every request.
+pub fn oversized<'a>(
+    models: impl IntoIterator<Item = (&'a str, u64)>,
+    budget: u64,
+) -> Option<String> {
+    let over: Vec<String> = models
+        .into_iter()
+        .filter(|(_, bytes)| *bytes > budget)
+        .map(|(id, bytes)| format!("model {id} needs {bytes} bytes"))
+        .collect();
+    (!over.is_empty()).then(|| {
+        format!(
+            "{}, more than the memory budget of {budget} bytes (pool.memory_budget, or physical memory less pool.memory_reserve); raise the budget, or lower the model's `memory` or remove it",
+            over.join(", ")
+        )
+    })
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Budget {
     pub max_engines: usize,
@@ -127,6 +148,20 @@ pub fn plan(needed: u64, residents: &[Resident], budget: Budget) -> Plan {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 23, finding 4: a model larger than the memory budget was served at start and
+    /// then refused forever; such a configuration is named and refused.
+    #[test]
+    fn models_larger_than_the_budget_are_named() {
+        assert_eq!(oversized([("a", 10), ("b", 100)], 100), None);
+        let why = oversized([("a", 10), ("big", 2048), ("huge", 4096)], 1024).unwrap();
+        assert!(
+            why.starts_with(
+                "model big needs 2048 bytes, model huge needs 4096 bytes, more than the memory budget of 1024 bytes"
+            ),
+            "{why}"
+        );
+    }
     use std::time::Duration;
 
     const GB: u64 = 1 << 30;

@@ -316,6 +316,20 @@ pub async fn serve_with(
     Ok(())
 }
 
+/// The configured models of `catalog` larger than `config`'s memory budget, as a sentence
+/// ([`crate::placement::oversized`]); models found in the store are not configured and are
+/// left to `/health` and a 503 at their request.
+pub fn oversized_models(catalog: &Catalog, config: &Config) -> Option<String> {
+    crate::placement::oversized(
+        catalog
+            .models
+            .iter()
+            .filter(|m| !m.stored)
+            .map(|m| (m.id.as_str(), m.planned_bytes)),
+        catalog::memory_budget(config),
+    )
+}
+
 /// Logs what a sweep of a crashed process's leftovers removed, and what it could not.
 fn sweep_leftovers(
     what: &str,
@@ -793,6 +807,17 @@ async fn apply_reloads(app: Arc<App>, mut reloads: tokio::sync::mpsc::UnboundedR
                 continue;
             }
         };
+        // A configured model that can never fit the reloaded budget refuses the reload.
+        let catalog = {
+            let merged = merged.clone();
+            tokio::task::spawn_blocking(move || crate::routing::build_catalog(&merged)).await
+        };
+        if let Ok(Ok(catalog)) = &catalog {
+            if let Some(why) = oversized_models(catalog, &merged) {
+                warn!(error = %why, "configuration reload refused; the running configuration stays");
+                continue;
+            }
+        }
         *app.guard.write().unwrap_or_else(|p| p.into_inner()) = guard;
         info!("access settings reloaded (API keys, allowed hosts and origins)");
         app.routing.reload(reloaded).await;
@@ -971,6 +996,7 @@ async fn health(app: &App, detail: bool) -> Response<ResponseBody> {
             None
         });
     }
+    let budget = catalog::memory_budget(&app.config);
     let models: Vec<crate::health::ModelHealth<'_>> = engines
         .iter()
         .zip(&responding)
@@ -979,6 +1005,8 @@ async fn health(app: &App, detail: bool) -> Response<ResponseBody> {
             state: e.state,
             responding: *r,
             failure: e.failure.as_deref(),
+            too_large: (e.pid.is_none() && e.planned_bytes > budget)
+                .then_some((e.planned_bytes, budget)),
         })
         .collect();
     let draining = *app.stopping.borrow();

@@ -249,3 +249,42 @@ async fn sighup_revokes_rotated_api_keys() -> Result<()> {
     assert_eq!(status_with_key(&p, "/v1/models", "new-key").await?, 200);
     Ok(())
 }
+
+/// Issue 23, finding 4: a memory budget smaller than a model was served at start (and then
+/// refused at every request after an unload) and taken by `SIGHUP` as `changed=[]`. Both
+/// refuse it, naming the model, its size and the budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_larger_than_the_memory_budget_is_refused_at_start_and_reload() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let config = dir.path().join("mlxd.toml");
+    let too_small =
+        "[pool]\nmemory_budget = \"1GiB\"\n[[model]]\nid = \"big\"\nmemory = \"2GiB\"\n";
+    write(&config, too_small)?;
+    let out = std::process::Command::new(mlxd_bin()?)
+        .args(["serve", "--port", "0", "--config", config.to_str().unwrap()])
+        .arg("--engine-bin")
+        .arg(fake_engine())
+        .env("XDG_RUNTIME_DIR", dir.path())
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{stderr}");
+    assert!(
+        stderr.contains("model big needs 2147483648 bytes")
+            && stderr.contains("memory budget of 1073741824 bytes"),
+        "{stderr}"
+    );
+
+    write(
+        &config,
+        "[pool]\nmemory_budget = \"4GiB\"\n[[model]]\nid = \"big\"\nmemory = \"2GiB\"\n",
+    )?;
+    let p = MlxdProcess::start(&["--config", config.to_str().unwrap()]).await?;
+    write(&config, too_small)?;
+    let mark = p.stderr().len();
+    hup(&p)?;
+    let line = wait_log(&p, "configuration reload refused", mark).await?;
+    assert!(line.contains("model big needs 2147483648 bytes"), "{line}");
+    let (status, v) = chat(&p, "big").await?;
+    assert_eq!(status, 200, "the running configuration serves on: {v}");
+    Ok(())
+}
