@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use tracing::{error, info, warn};
 
 use super::handle::{Command, Lease, PoolHandle, Reply};
-use super::lifecycle::{self, Effect, PoolMood, Timing};
+use super::lifecycle::{self, Admission, AdmitRules, Effect, PoolMood, Timing};
 use super::slot::{Slot, State, Waiter};
 use crate::catalog::Catalog;
 use crate::config::Config;
@@ -375,70 +375,23 @@ impl Pool {
             ))));
             return;
         }
-        let known_dead = not_generation.is_some()
-            && not_generation == slot.state.engine().map(|e| e.handle.generation);
-        let in_flight = slot.in_flight();
-        let retry_after = match &slot.state {
-            // Its exit is on the way: wait in the queue for the restart.
-            State::Ready { .. } if known_dead => Duration::from_secs(1),
-            // The engine's own queue is bounded here, before it grows without limit.
-            State::Ready { .. } if in_flight >= max_in_flight => {
-                let _ = reply.send(Err(ProxyError::TooManyInFlight {
-                    model: key.to_string(),
-                    limit: max_in_flight,
-                    retry_after: Duration::from_secs(1),
-                }));
-                return;
-            }
-            State::Ready { .. } => {
+        let rules = AdmitRules {
+            failed_cooldown: cooldown,
+            queue_capacity: capacity,
+            max_in_flight,
+        };
+        match lifecycle::admit(slot, not_generation, now, &rules) {
+            Admission::Grant => {
                 if let Some(lease) = slot.grant(&self.release_tx, &self.policy, now) {
                     let _ = reply.send(Ok(lease));
                 }
                 return;
             }
-            State::Failed {
-                cause,
-                since,
-                cannot_load,
-            } => {
-                let elapsed = now.duration_since(*since);
-                if elapsed < cooldown {
-                    let (model, cause, retry_after) =
-                        (key.to_string(), cause.clone(), cooldown - elapsed);
-                    let _ = reply.send(Err(if *cannot_load {
-                        ProxyError::CannotLoad {
-                            model,
-                            cause,
-                            retry_after,
-                        }
-                    } else {
-                        ProxyError::Failed {
-                            model,
-                            cause,
-                            retry_after,
-                        }
-                    }));
-                    return;
-                }
-                info!(model = %key, "failed cool-down over; starting again");
-                slot.history.reset();
-                slot.state = State::Idle;
-                Duration::from_secs(1)
+            Admission::Refuse(e) => {
+                let _ = reply.send(Err(e));
+                return;
             }
-            State::Restarting { at } => at.saturating_duration_since(now) + Duration::from_secs(1),
-            State::Idle
-            | State::Stopped
-            | State::Starting { .. }
-            | State::Queued { .. }
-            | State::Draining { .. } => Duration::from_secs(1),
-        };
-        if slot.live_waiters() >= capacity {
-            let _ = reply.send(Err(ProxyError::QueueFull {
-                model: key.to_string(),
-                capacity,
-                retry_after,
-            }));
-            return;
+            Admission::Wait => {}
         }
         let id = self.next_waiter;
         self.next_waiter += 1;

@@ -300,6 +300,95 @@ pub(super) fn shut_down(slot: &mut Slot) -> Vec<Effect> {
     }
 }
 
+/// What a request may ask of the pool.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct AdmitRules {
+    pub failed_cooldown: Duration,
+    /// Requests that may wait for one model.
+    pub queue_capacity: usize,
+    /// Requests one engine may have in flight.
+    pub max_in_flight: u32,
+}
+
+/// What a request for the model gets now.
+#[derive(Debug)]
+pub(super) enum Admission {
+    /// A lease on the ready engine.
+    Grant,
+    /// This answer at once.
+    Refuse(ProxyError),
+    /// A place among the model's waiters (the actor starts a cold model).
+    Wait,
+}
+
+/// Decides a request for the slot's model (`avoid`: an engine generation the caller found
+/// dead). A failed model answers with its failure until the cool-down is over, and is then
+/// tried again; a full queue answers 429 with when to retry.
+pub(super) fn admit(
+    slot: &mut Slot,
+    avoid: Option<u64>,
+    now: Instant,
+    rules: &AdmitRules,
+) -> Admission {
+    let key = slot.entry.id.clone();
+    let known_dead = avoid.is_some() && avoid == slot.state.engine().map(|e| e.handle.generation);
+    let in_flight = slot.in_flight();
+    let retry_after = match &slot.state {
+        // Its exit is on the way: wait in the queue for the restart.
+        State::Ready { .. } if known_dead => Duration::from_secs(1),
+        // The engine's own queue is bounded here, before it grows without limit.
+        State::Ready { .. } if in_flight >= rules.max_in_flight => {
+            return Admission::Refuse(ProxyError::TooManyInFlight {
+                model: key,
+                limit: rules.max_in_flight,
+                retry_after: Duration::from_secs(1),
+            });
+        }
+        State::Ready { .. } => return Admission::Grant,
+        State::Failed {
+            cause,
+            since,
+            cannot_load,
+        } => {
+            let elapsed = now.duration_since(*since);
+            if elapsed < rules.failed_cooldown {
+                let (cause, retry_after) = (cause.clone(), rules.failed_cooldown - elapsed);
+                return Admission::Refuse(if *cannot_load {
+                    ProxyError::CannotLoad {
+                        model: key,
+                        cause,
+                        retry_after,
+                    }
+                } else {
+                    ProxyError::Failed {
+                        model: key,
+                        cause,
+                        retry_after,
+                    }
+                });
+            }
+            info!(model = %key, "failed cool-down over; starting again");
+            slot.history.reset();
+            slot.state = State::Idle;
+            Duration::from_secs(1)
+        }
+        State::Restarting { at } => at.saturating_duration_since(now) + Duration::from_secs(1),
+        State::Idle
+        | State::Stopped
+        | State::Starting { .. }
+        | State::Queued { .. }
+        | State::Draining { .. } => Duration::from_secs(1),
+    };
+    if slot.live_waiters() >= rules.queue_capacity {
+        return Admission::Refuse(ProxyError::QueueFull {
+            model: key,
+            capacity: rules.queue_capacity,
+            retry_after,
+        });
+    }
+    Admission::Wait
+}
+
 /// What the pool is doing besides this model when its engine exits.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct PoolMood {

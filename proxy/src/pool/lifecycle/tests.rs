@@ -410,3 +410,79 @@ fn an_out_of_memory_exit_halves_the_limits_and_schedules_their_recovery() {
         .any(|e| matches!(e, Effect::After(_, Timer::LimitsRecovery { .. }))));
     assert_eq!(s.state.name(), "restarting");
 }
+
+const RULES: AdmitRules = AdmitRules {
+    failed_cooldown: Duration::from_secs(300),
+    queue_capacity: 2,
+    max_in_flight: 1,
+};
+
+#[test]
+fn admission_grants_a_ready_engine_up_to_its_in_flight_limit() {
+    let t0 = Instant::now();
+    let mut s = starting(t0);
+    assert!(matches!(admit(&mut s, None, t0, &RULES), Admission::Wait));
+    ready(&mut s, ready_report(), t0, &timing());
+    assert!(matches!(admit(&mut s, None, t0, &RULES), Admission::Grant));
+    let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
+    let _lease = s.grant(&tx, &timing().policy, t0).unwrap();
+    assert!(matches!(
+        admit(&mut s, None, t0, &RULES),
+        Admission::Refuse(ProxyError::TooManyInFlight { limit: 1, .. })
+    ));
+    // An engine the caller found dead: wait for its successor instead.
+    assert!(matches!(
+        admit(&mut s, Some(1), t0, &RULES),
+        Admission::Wait
+    ));
+}
+
+#[test]
+fn admission_answers_from_the_failed_state_until_the_cool_down_ends() {
+    let t0 = Instant::now();
+    let mut s = starting(t0);
+    let report = exit(ExitCause::CannotLoad {
+        detail: "no such model".into(),
+    });
+    exited(&mut s, report, t0, SystemTime::now(), &timing(), CALM);
+    match admit(&mut s, None, t0 + Duration::from_secs(100), &RULES) {
+        Admission::Refuse(ProxyError::CannotLoad { retry_after, .. }) => {
+            assert_eq!(retry_after, Duration::from_secs(200))
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        admit(&mut s, None, t0 + Duration::from_secs(300), &RULES),
+        Admission::Wait
+    ));
+    assert!(s.state.is_cold(), "tried again: {:?}", s.state);
+}
+
+#[test]
+fn admission_refuses_a_full_queue_with_the_restart_delay() {
+    let t0 = Instant::now();
+    let mut s = starting(t0);
+    let crash = exit(ExitCause::Crash {
+        signal: Some(9),
+        code: None,
+    });
+    exited(&mut s, crash, t0, SystemTime::now(), &timing(), CALM);
+    let mut keep = Vec::new();
+    for id in 0..2 {
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        keep.push(rx);
+        s.waiters
+            .push_back(super::super::slot::Waiter { id, reply });
+    }
+    match admit(&mut s, None, t0, &RULES) {
+        Admission::Refuse(ProxyError::QueueFull {
+            capacity: 2,
+            retry_after,
+            ..
+        }) => assert_eq!(retry_after, Duration::from_millis(1250)),
+        other => panic!("{other:?}"),
+    }
+    // Waiters that gave up free their places.
+    keep.clear();
+    assert!(matches!(admit(&mut s, None, t0, &RULES), Admission::Wait));
+}
