@@ -211,7 +211,14 @@ async fn a_pinned_model_survives_the_churn() -> Result<()> {
             assert_eq!((s, v["model"].as_str()), (200, Some(m)));
         }
     }
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    // b, used just before it, goes at its TTL; the pinned model, idle as long, stays.
+    let t = Instant::now();
+    wait_state(&p, "b", "unloaded", T).await?;
+    assert!(
+        t.elapsed() >= Duration::from_millis(200),
+        "{:?}",
+        t.elapsed()
+    );
     let r = row(&p, "pinned").await?;
     assert_eq!(
         r["pid"].as_i64(),
