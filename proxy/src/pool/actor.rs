@@ -256,20 +256,13 @@ impl Pool {
                     if model.as_ref().is_some_and(|m| m != slot.id()) {
                         continue;
                     }
-                    slot.history.reset();
-                    slot.restarts = 0;
-                    let failed = matches!(slot.state, State::Failed { .. });
-                    if failed {
-                        info!(model = %slot.id(), "failed state cleared by admin reset");
-                        slot.state = State::Idle;
-                    }
-                    if slot.limits.restore() {
-                        info!(model = %slot.id(), limits = ?slot.limits.current(), "configured limits restored by admin reset");
+                    let done = lifecycle::reset(slot);
+                    if done.limits_restored {
                         slot.log
                             .push("[mlxd] configured limits restored (admin reset)");
                         restored.push(slot.id().to_string());
                     }
-                    if failed || restored.last().is_some_and(|r| r == slot.id()) {
+                    if done.failure_cleared || done.limits_restored {
                         reset.push(slot.id().to_string());
                     }
                 }

@@ -389,6 +389,36 @@ pub(super) fn admit(
     Admission::Wait
 }
 
+/// What an admin reset changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct ResetDone {
+    /// The model was failed and is idle now.
+    pub failure_cleared: bool,
+    /// Limits halved after out-of-memory exits are the configured ones again (a running
+    /// engine with the smaller ones is to be recycled).
+    pub limits_restored: bool,
+}
+
+/// An admin reset (`POST /engines/reset`): the crash history and restart count are
+/// forgotten, a failed model becomes idle, reduced limits come back.
+pub(super) fn reset(slot: &mut Slot) -> ResetDone {
+    slot.history.reset();
+    slot.restarts = 0;
+    let failure_cleared = matches!(slot.state, State::Failed { .. });
+    if failure_cleared {
+        info!(model = %slot.id(), "failed state cleared by admin reset");
+        slot.state = State::Idle;
+    }
+    let limits_restored = slot.limits.restore();
+    if limits_restored {
+        info!(model = %slot.id(), limits = ?slot.limits.current(), "configured limits restored by admin reset");
+    }
+    ResetDone {
+        failure_cleared,
+        limits_restored,
+    }
+}
+
 /// What the pool is doing besides this model when its engine exits.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct PoolMood {

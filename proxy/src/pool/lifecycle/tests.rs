@@ -486,3 +486,31 @@ fn admission_refuses_a_full_queue_with_the_restart_delay() {
     keep.clear();
     assert!(matches!(admit(&mut s, None, t0, &RULES), Admission::Wait));
 }
+
+#[test]
+fn an_admin_reset_clears_a_failure_and_the_crash_history() {
+    let t0 = Instant::now();
+    let mut s = starting(t0);
+    let report = exit(ExitCause::CannotLoad {
+        detail: "no such model".into(),
+    });
+    exited(&mut s, report, t0, SystemTime::now(), &timing(), CALM);
+    s.restarts = 3;
+    assert_eq!(
+        reset(&mut s),
+        ResetDone {
+            failure_cleared: true,
+            limits_restored: false
+        }
+    );
+    assert_eq!(s.state.name(), "idle");
+    assert_eq!(s.restarts, 0);
+    // Nothing to do a second time.
+    assert_eq!(
+        reset(&mut s),
+        ResetDone {
+            failure_cleared: false,
+            limits_restored: false
+        }
+    );
+}
