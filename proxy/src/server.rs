@@ -77,6 +77,9 @@ struct App {
     jobs: crate::jobs::JobsHandle,
     /// The model store jobs write into (`$MLXD_HOME`), or why there is none.
     home: Result<std::path::PathBuf, String>,
+    /// The memory budget in force (`/health` judges whether a model can fit); a reload
+    /// that the pool applied replaces it.
+    memory_budget: AtomicU64,
 }
 
 impl App {
@@ -194,6 +197,7 @@ pub async fn serve_with(
         stopping,
         jobs: jobs.clone(),
         home,
+        memory_budget: AtomicU64::new(catalog::memory_budget(&config)),
     });
     info!(
         addr = %listener
@@ -820,7 +824,13 @@ async fn apply_reloads(app: Arc<App>, mut reloads: tokio::sync::mpsc::UnboundedR
         }
         *app.guard.write().unwrap_or_else(|p| p.into_inner()) = guard;
         info!("access settings reloaded (API keys, allowed hosts and origins)");
+        let before = app.catalog();
         app.routing.reload(reloaded).await;
+        // Applied (the catalog was replaced): the reloaded `[pool]` budget is in force.
+        if !Arc::ptr_eq(&before, &app.catalog()) {
+            app.memory_budget
+                .store(catalog::memory_budget(&merged), Ordering::Relaxed);
+        }
     }
 }
 
@@ -996,7 +1006,7 @@ async fn health(app: &App, detail: bool) -> Response<ResponseBody> {
             None
         });
     }
-    let budget = catalog::memory_budget(&app.config);
+    let budget = app.memory_budget.load(Ordering::Relaxed);
     let models: Vec<crate::health::ModelHealth<'_>> = engines
         .iter()
         .zip(&responding)
