@@ -10,7 +10,7 @@
 //! fails the test saying what to do.
 
 use std::io::BufReader;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -22,19 +22,6 @@ use mlxd_protocol::control::{
 };
 use mlxd_tests::*;
 use serde_json::{json, Value};
-
-fn tiny_model() -> Result<PathBuf> {
-    let dir = std::env::var_os("MLXD_TEST_MODELS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join("target/test-models"))
-        .join("tiny-llama");
-    ensure!(
-        dir.join("config.json").is_file(),
-        "test model {} is missing (scripts/test.sh generates it)",
-        dir.display()
-    );
-    Ok(dir)
-}
 
 /// An engine under a test-driven control channel, as `mlxd` runs it.
 struct Supervised {
@@ -117,7 +104,7 @@ fn stop(mut child: Child) -> Result<std::process::ExitStatus> {
 #[tokio::test]
 async fn the_engine_reports_the_weights_read_and_its_device() -> Result<()> {
     let home = tempfile::tempdir()?;
-    let engine = Supervised::launch(&tiny_model()?, home.path(), &[])?;
+    let engine = Supervised::launch(&tiny_model("tiny-llama")?, home.path(), &[])?;
     let (frames, child) = engine.until_ready_or_fatal().await?;
     stop(child)?;
     let steps = loading(&frames);
@@ -179,7 +166,11 @@ async fn mlxd_device_gpu_on_a_cpu_build_fails_the_load_saying_why() -> Result<()
             "MLXD_DEVICE=\"tpu\" is not a device: expected cpu or gpu",
         ),
     ] {
-        let engine = Supervised::launch(&tiny_model()?, home.path(), &[("MLXD_DEVICE", value)])?;
+        let engine = Supervised::launch(
+            &tiny_model("tiny-llama")?,
+            home.path(),
+            &[("MLXD_DEVICE", value)],
+        )?;
         let (frames, child) = engine.until_ready_or_fatal().await?;
         match frames.last() {
             Some(ChildMsg::Fatal(f)) => {
@@ -191,7 +182,11 @@ async fn mlxd_device_gpu_on_a_cpu_build_fails_the_load_saying_why() -> Result<()
         assert_eq!(stop(child)?.code(), Some(2), "{value}");
     }
     // `cpu` is always there.
-    let engine = Supervised::launch(&tiny_model()?, home.path(), &[("MLXD_DEVICE", "CPU")])?;
+    let engine = Supervised::launch(
+        &tiny_model("tiny-llama")?,
+        home.path(),
+        &[("MLXD_DEVICE", "CPU")],
+    )?;
     let (frames, child) = engine.until_ready_or_fatal().await?;
     stop(child)?;
     assert!(
@@ -204,7 +199,9 @@ async fn mlxd_device_gpu_on_a_cpu_build_fails_the_load_saying_why() -> Result<()
 /// A proxy in-process with the real engine serving the tiny model.
 async fn real_proxy(tweak: impl FnOnce(&mut mlxd_proxy::Config)) -> Result<(Proxy, String)> {
     let engine = engine_bin()?;
-    let model = mlxd_proxy::config::ModelConfig::from_flag(&tiny_model()?.display().to_string());
+    let model = mlxd_proxy::config::ModelConfig::from_flag(
+        &tiny_model("tiny-llama")?.display().to_string(),
+    );
     let id = model.id.clone();
     let p = Proxy::start_with(&[], |c| {
         c.models = vec![model];
@@ -339,7 +336,7 @@ async fn a_failed_load_answers_the_waiting_requests_with_its_error() -> Result<(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_serve_log_reads_as_lines_for_people_and_store_models_serve_by_name() -> Result<()> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let tiny = tiny_model()?;
+    let tiny = tiny_model("tiny-llama")?;
     let tmp = tempfile::tempdir()?;
     let home = tmp.path().join("home");
     std::fs::create_dir_all(home.join("models"))?;

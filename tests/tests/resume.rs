@@ -247,15 +247,7 @@ async fn kill_9_of_the_engine_mid_generation_costs_the_clients_nothing() -> Resu
 /// sees the bytes of an uninterrupted run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn kill_9_of_a_hybrid_engine_costs_the_clients_nothing() -> Result<()> {
-    let models = std::env::var_os("MLXD_TEST_MODELS")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join("target/test-models"));
-    let dir = models.join("family-qwen3_next");
-    ensure!(
-        dir.join("config.json").is_file(),
-        "{} is missing (scripts/test.sh generates it)",
-        dir.display()
-    );
+    let dir = tiny_model("family-qwen3_next")?;
     let engine = engine_bin()?;
     let home = test_home();
     let p = Proxy::start_with(&[], |c| {
