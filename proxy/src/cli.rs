@@ -327,6 +327,9 @@ pub struct ServeArgs {
     /// Client connections served at once [default: 1024, fewer under a low ulimit -n].
     #[arg(long)]
     pub max_connections: Option<usize>,
+    /// Connections one client IP may hold [default: half of --max-connections].
+    #[arg(long)]
+    pub max_connections_per_client: Option<usize>,
     /// Time for a client to send its request headers, in ms [default: 30000].
     #[arg(long)]
     pub header_timeout_ms: Option<u64>,
@@ -494,6 +497,9 @@ impl ServeArgs {
         }
         if let Some(n) = self.max_connections {
             c.server.max_connections = Some(n);
+        }
+        if let Some(n) = self.max_connections_per_client {
+            c.server.max_connections_per_client = Some(n);
         }
         if let Some(t) = self.header_timeout_ms {
             c.server.header_timeout_ms = t;

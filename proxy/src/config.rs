@@ -115,6 +115,11 @@ pub struct ServerConfig {
     /// Client connections served at once; at the cap mlxd stops accepting (new clients
     /// wait in the kernel's backlog). Default: 1024, fewer under a low open-file limit.
     pub max_connections: Option<usize>,
+    /// Connections one client (peer IP) may hold at once; past it, its own oldest
+    /// connection still waiting for a request head is replaced, or the new one is closed.
+    /// Default: half of `max_connections`. Behind a reverse proxy every client has the
+    /// proxy's address: set it to `max_connections` there.
+    pub max_connections_per_client: Option<usize>,
     /// Requests in flight to one model's engine at once; more get 429 with Retry-After.
     pub max_in_flight_per_model: u32,
     /// Largest `max_tokens` (or `max_completion_tokens`) a request may ask for (400 above).
@@ -277,6 +282,7 @@ impl Default for ServerConfig {
             header_timeout_ms: 30_000,
             body_timeout_ms: 30_000,
             max_connections: None,
+            max_connections_per_client: None,
             max_in_flight_per_model: 256,
             max_tokens_limit: Some(131_072),
             load_timeout_ms: 600_000,
@@ -419,6 +425,12 @@ impl Config {
             (
                 "max_connections",
                 self.server.max_connections.map_or(1, |n| n as u64),
+            ),
+            (
+                "max_connections_per_client",
+                self.server
+                    .max_connections_per_client
+                    .map_or(1, |n| n as u64),
             ),
             (
                 "max_in_flight_per_model",

@@ -236,7 +236,10 @@ pub async fn serve_with(
     builder
         .timer(TokioTimer::new())
         .header_read_timeout(Duration::from_millis(config.server.header_timeout_ms));
-    let limits = crate::accept::Limits::for_cap(connection_cap(&config));
+    let mut limits = crate::accept::Limits::for_cap(connection_cap(&config));
+    if let Some(n) = config.server.max_connections_per_client {
+        limits.per_client = n;
+    }
     let connections = crate::accept::Connections::new(limits);
     let mut backoff = crate::accept::AcceptBackoff::default();
     tokio::pin!(shutdown);

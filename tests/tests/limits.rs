@@ -515,3 +515,63 @@ async fn a_request_without_a_token_field_gets_at_most_the_limit() -> Result<()> 
     p.stop().await?;
     Ok(())
 }
+
+/// Opens a connection from `ip` and sends `request` whole.
+async fn connect_from(
+    ip: [u8; 4],
+    addr: std::net::SocketAddr,
+    request: &[u8],
+) -> Result<TcpStream> {
+    let socket = tokio::net::TcpSocket::new_v4()?;
+    socket.bind((std::net::Ipv4Addr::from(ip), 0).into())?;
+    let mut s = socket.connect(addr).await?;
+    s.write_all(request).await?;
+    Ok(s)
+}
+
+/// Issue 23, finding 3: one client holds at most `max_connections_per_client` connections;
+/// past it, with all of its connections busy, a new one is closed at once, while other
+/// clients are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_client_holds_at_most_its_share_of_connections() -> Result<()> {
+    let mut p = Proxy::start_with(&[], |c| {
+        c.server.max_connections = Some(16);
+        c.server.max_connections_per_client = Some(2);
+    })
+    .await?;
+    let body = json!({"model": "fake-model", "stream": true, "messages": [],
+        "fake": {"chunks": 100, "interval_ms": 100}})
+    .to_string();
+    let slow = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut busy = Vec::new();
+    for _ in 0..2 {
+        let mut s = connect_from([127, 0, 0, 7], p.addr, slow.as_bytes()).await?;
+        let mut first = [0u8; 12];
+        s.read_exact(&mut first).await?;
+        assert_eq!(&first, b"HTTP/1.1 200");
+        busy.push(s);
+    }
+    let get = b"GET /health/live HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n";
+    let mut third = connect_from([127, 0, 0, 7], p.addr, get).await?;
+    let mut out = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), third.read_to_end(&mut out)).await;
+    assert!(
+        matches!(read, Ok(Ok(0)) | Ok(Err(_))),
+        "closed without an answer: {read:?} {:?}",
+        String::from_utf8_lossy(&out)
+    );
+    let mut other = connect_from([127, 0, 0, 8], p.addr, get).await?;
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), other.read_to_end(&mut out)).await??;
+    assert!(
+        out.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&out)
+    );
+    drop(busy);
+    p.stop().await?;
+    Ok(())
+}
