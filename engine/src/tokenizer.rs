@@ -55,6 +55,9 @@ pub struct Tokenizer {
     /// The special tokens' texts by their first character, longest first: what
     /// [`Tokenizer::shield`] looks for in client text.
     special_texts: HashMap<char, Vec<String>>,
+    /// The ASCII characters among `special_texts`' keys: most client text is ASCII, and this
+    /// spares it a hash lookup per character.
+    special_ascii_first: [bool; 128],
     /// `inner` with special-token matching off, built on first use: encodes a special token's
     /// text that came from a client as the plain text it is.
     plain: OnceLock<tokenizers::Tokenizer>,
@@ -199,6 +202,10 @@ impl Tokenizer {
         for texts in special_texts.values_mut() {
             texts.sort_by_key(|t| std::cmp::Reverse(t.len()));
         }
+        let mut special_ascii_first = [false; 128];
+        for c in special_texts.keys().filter(|c| c.is_ascii()) {
+            special_ascii_first[*c as usize] = true;
+        }
 
         let mut special_tokens = BTreeMap::new();
         for key in ["bos_token", "eos_token", "unk_token", "pad_token"] {
@@ -222,6 +229,7 @@ impl Tokenizer {
             chat_template,
             max_token_bytes,
             special_texts,
+            special_ascii_first,
             plain: OnceLock::new(),
         })
     }
@@ -321,13 +329,25 @@ impl Tokenizer {
         text: &str,
         client: &mut ClientText,
     ) -> Result<Option<String>, TokenizerError> {
-        let needs = |c: char| is_placeholder_char(c) || self.special_texts.contains_key(&c);
-        if !text.chars().any(needs) {
+        // Whether a special token's text or a placeholder character may start at `c`.
+        let may_start = |c: char| {
+            if c.is_ascii() {
+                self.special_ascii_first[c as usize]
+            } else {
+                is_placeholder_char(c) || self.special_texts.contains_key(&c)
+            }
+        };
+        if !text.chars().any(may_start) {
             return Ok(None);
         }
         let mut out = String::with_capacity(text.len());
         let mut rest = text;
         while let Some(c) = rest.chars().next() {
+            if !may_start(c) {
+                out.push(c);
+                rest = &rest[c.len_utf8()..];
+                continue;
+            }
             let special = self
                 .special_texts
                 .get(&c)
