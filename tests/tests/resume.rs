@@ -201,38 +201,42 @@ fn compare(cases: &[Case], reference: &[String], got: &[String]) -> Result<()> {
     Ok(())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn kill_9_of_the_engine_mid_generation_costs_the_clients_nothing() -> Result<()> {
-    let p = start(|_| {}).await?;
-    let cases = mixed_cases();
-    let reference = run_all(p.addr, &cases, Progress::default()).await?;
-    let pid = ready_pid(&p).await?;
-
-    // The same requests again; kill -9 the engine once tokens are flowing.
+/// Runs `cases` once for reference, then again, kill -9 of the engine once `after` content
+/// events have flowed; both runs must answer the same, and the kill must come before the
+/// last event (something was resumed). Returns the killed engine's pid.
+async fn kill_9_mid_run(p: &Proxy, cases: &[Case], after: usize) -> Result<i32> {
+    let reference = run_all(p.addr, cases, Progress::default()).await?;
+    let pid = ready_pid(p).await?;
     let progress = Progress::default();
     let killer = {
         let progress = progress.clone();
         tokio::spawn(async move {
             let deadline = Instant::now() + Duration::from_secs(300);
-            while progress.load(Ordering::SeqCst) < 24 {
+            while progress.load(Ordering::SeqCst) < after {
                 if Instant::now() > deadline {
                     bail!("tokens never flowed");
                 }
-                tokio::time::sleep(Duration::from_millis(5)).await;
+                tokio::time::sleep(Duration::from_millis(1)).await;
             }
             kill(Pid::from_raw(pid), Signal::SIGKILL)?;
             Ok(progress.load(Ordering::SeqCst))
         })
     };
-    let got = run_all(p.addr, &cases, progress.clone()).await?;
+    let got = run_all(p.addr, cases, progress.clone()).await?;
     let at_kill = killer.await??;
     let total = progress.load(Ordering::SeqCst);
-    compare(&cases, &reference, &got)?;
+    compare(cases, &reference, &got)?;
     ensure!(
         at_kill < total,
         "the engine was killed after every token was sent ({at_kill} of {total}): nothing was resumed"
     );
+    Ok(pid)
+}
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kill_9_of_the_engine_mid_generation_costs_the_clients_nothing() -> Result<()> {
+    let p = start(|_| {}).await?;
+    let pid = kill_9_mid_run(&p, &mixed_cases(), 24).await?;
     let e = p.engine().await?;
     ensure!(e["restarts"].as_u64() >= Some(1), "{e}");
     ensure!(e["pid"].as_i64() != Some(i64::from(pid)), "{e}");
@@ -277,31 +281,7 @@ async fn kill_9_of_a_hybrid_engine_costs_the_clients_nothing() -> Result<()> {
         ),
         Case::completion("My favourite food is", json!({"max_tokens": 200})),
     ];
-    let reference = run_all(p.addr, &cases, Progress::default()).await?;
-    let pid = ready_pid(&p).await?;
-    let progress = Progress::default();
-    let killer = {
-        let progress = progress.clone();
-        tokio::spawn(async move {
-            let deadline = Instant::now() + Duration::from_secs(300);
-            while progress.load(Ordering::SeqCst) < 30 {
-                if Instant::now() > deadline {
-                    bail!("tokens never flowed");
-                }
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-            kill(Pid::from_raw(pid), Signal::SIGKILL)?;
-            Ok(progress.load(Ordering::SeqCst))
-        })
-    };
-    let got = run_all(p.addr, &cases, progress.clone()).await?;
-    let at_kill = killer.await??;
-    let total = progress.load(Ordering::SeqCst);
-    compare(&cases, &reference, &got)?;
-    ensure!(
-        at_kill < total,
-        "the engine was killed after every token was sent ({at_kill} of {total}): nothing was resumed"
-    );
+    kill_9_mid_run(&p, &cases, 30).await?;
     let e = p.engine().await?;
     ensure!(e["restarts"].as_u64() >= Some(1), "{e}");
     // The engine reports its states' fixed bytes per sequence beside the KV per token.
