@@ -488,6 +488,8 @@ async fn serve_supervised(
                 drafted_tokens: stats.drafted.load(Ordering::Relaxed),
                 accepted_tokens: stats.accepted.load(Ordering::Relaxed),
                 ssd: ssd_stats(&stats.ssd),
+                prefilling: stats.prefilling.load(Ordering::Relaxed) as u32,
+                prefill_tokens_left: stats.prefill_tokens_left.load(Ordering::Relaxed),
             };
             if stats_control.send_stats(message).is_err() {
                 return;

@@ -156,7 +156,7 @@ mod proptests {
         /// Valid frames round-trip, whatever follows them.
         #[test]
         fn stats_round_trip(active in any::<u32>(), kv in any::<u64>(), tail in proptest::collection::vec(any::<u8>(), 0..32)) {
-            let msg = ChildMsg::Stats(mlxd_protocol::control::Stats { active, queued: 0, kv_bytes: kv, memory_bytes: kv, drafted_tokens: kv / 2, accepted_tokens: kv / 3, ssd: Default::default() });
+            let msg = ChildMsg::Stats(mlxd_protocol::control::Stats { active, queued: 0, kv_bytes: kv, memory_bytes: kv, drafted_tokens: kv / 2, accepted_tokens: kv / 3, ssd: Default::default(), prefilling: 1, prefill_tokens_left: kv });
             let mut bytes = encode(&msg).unwrap();
             bytes.extend_from_slice(&tail);
             let back = read_frame::<ChildMsg, _>(&mut io::Cursor::new(&bytes[..])).unwrap();
@@ -222,6 +222,8 @@ mod tests {
             drafted_tokens: 6,
             accepted_tokens: 4,
             ssd: Default::default(),
+            prefilling: 1,
+            prefill_tokens_left: 300,
         });
         let mut buf = Vec::new();
         write_frame_async(&mut buf, &msg).await.unwrap();

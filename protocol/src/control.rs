@@ -208,6 +208,13 @@ pub struct Stats {
     pub accepted_tokens: u64,
     /// The SSD KV tier since the engine started.
     pub ssd: SsdStats,
+    /// Sequences admitted whose prompts are still being prefilled (counted in `active` too),
+    /// and the prompt tokens they have left: a long prefill is visible while it runs.
+    /// Absent from older engines.
+    #[serde(default)]
+    pub prefilling: u32,
+    #[serde(default)]
+    pub prefill_tokens_left: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

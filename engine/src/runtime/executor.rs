@@ -143,6 +143,9 @@ impl<'m> Executor<'m> {
         self.waiting.retain(|r| !r.events.is_closed());
         self.drop_cancelled_prefills();
         self.admit()?;
+        // Published before the step too: a step that prefills a long chunk may take seconds
+        // on a slow device, and the counters must show the work it is doing meanwhile.
+        self.publish();
         let joining = std::mem::take(&mut self.ready);
         let departed = self.batch.step(self.model, joining)?;
         self.settle(departed)?;
@@ -487,6 +490,13 @@ impl<'m> Executor<'m> {
         self.stats
             .queued
             .store(self.waiting.len() as u64, Ordering::Relaxed);
+        self.stats
+            .prefilling
+            .store(self.prefilling.len() as u64, Ordering::Relaxed);
+        let left: usize = self.prefilling.iter().map(Prefilling::remaining).sum();
+        self.stats
+            .prefill_tokens_left
+            .store(left as u64, Ordering::Relaxed);
         let prefill_bytes: usize = self
             .prefilling
             .iter()

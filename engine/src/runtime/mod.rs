@@ -101,6 +101,9 @@ impl Default for RuntimeLimits {
 pub struct RuntimeStats {
     pub active: AtomicU64,
     pub queued: AtomicU64,
+    /// Admitted sequences still prefilling their prompts, and the prompt tokens they have left.
+    pub prefilling: AtomicU64,
+    pub prefill_tokens_left: AtomicU64,
     /// KV bytes held: the batch, prefills in progress and the prefix cache.
     pub kv_bytes: AtomicU64,
     /// Speculative drafts proposed and accepted since start.

@@ -80,6 +80,10 @@ pub struct StatsInfo {
     /// Speculative drafts proposed and accepted by the running engine.
     pub drafted_tokens: u64,
     pub accepted_tokens: u64,
+    /// Sequences still prefilling their prompts (counted in `active`) and the prompt tokens
+    /// they have left.
+    pub prefilling: u32,
+    pub prefill_tokens_left: u64,
     /// The SSD KV tier of the running engine (absent without `ssd_cache`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ssd: Option<SsdStats>,
@@ -165,6 +169,8 @@ impl Slot {
                 memory_bytes: s.memory_bytes,
                 drafted_tokens: s.drafted_tokens,
                 accepted_tokens: s.accepted_tokens,
+                prefilling: s.prefilling,
+                prefill_tokens_left: s.prefill_tokens_left,
                 ssd: (s.ssd != SsdStats::default()).then_some(s.ssd),
             }),
             limits: {

@@ -292,6 +292,8 @@ async fn run(
                     drafted_tokens: 0,
                     accepted_tokens: 0,
                     ssd: Default::default(),
+                    prefilling: 0,
+                    prefill_tokens_left: 0,
                 });
                 if shutting_down && active == 0 {
                     script.event("shutdown complete");
