@@ -510,3 +510,201 @@ fn a_quantized_kv_start_keeps_short_sequences_unquantized_and_converts_long_ones
     plain.join();
     late.join();
 }
+
+/// The tiny model, recording the shape `[rows, tokens]` of every forward pass and sleeping
+/// `per_token` for each token of a prefill pass: a slow device, as far as the runtime's clock
+/// can tell.
+struct Paced {
+    inner: Box<dyn mlxd_engine::models::CausalLm>,
+    per_token: std::time::Duration,
+    passes: std::sync::Arc<std::sync::Mutex<Vec<(i32, i32)>>>,
+}
+
+impl mlxd_engine::models::CausalLm for Paced {
+    fn forward(
+        &self,
+        tokens: &mlx_rs::Array,
+        caches: &mut [mlxd_engine::cache::LayerCache],
+    ) -> Result<mlx_rs::Array, mlx_rs::error::Exception> {
+        let shape = tokens.shape();
+        let (rows, len) = (shape[0], shape[1]);
+        if len > 1 {
+            std::thread::sleep(self.per_token * (rows * len) as u32);
+        }
+        self.passes.lock().unwrap().push((rows, len));
+        self.inner.forward(tokens, caches)
+    }
+    fn info(&self) -> &mlxd_engine::models::ModelInfo {
+        self.inner.info()
+    }
+}
+
+type Passes = std::sync::Arc<std::sync::Mutex<Vec<(i32, i32)>>>;
+
+fn start_paced(limits: RuntimeLimits, per_token: std::time::Duration) -> (Runtime, Passes) {
+    let passes = Passes::default();
+    let recorded = passes.clone();
+    let load: mlxd_engine::runtime::ModelLoader = Box::new(move |dir: &std::path::Path| {
+        let inner = mlxd_engine::models::load(dir)?;
+        Ok(Box::new(Paced {
+            inner,
+            per_token,
+            passes: recorded,
+        }) as Box<dyn mlxd_engine::models::CausalLm>)
+    });
+    let runtime = Runtime::start_with_loader(common::tiny_model("tiny-llama"), limits, None, load)
+        .expect("load");
+    (runtime, passes)
+}
+
+fn send(
+    runtime: &Runtime,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+) -> tokio::sync::mpsc::UnboundedReceiver<TokenEvent> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    runtime
+        .work
+        .send(GenerateRequest {
+            prompt,
+            sampling: Default::default(),
+            max_tokens,
+            stop_token_ids: vec![],
+            sample_offset: 0,
+            events: tx,
+            constraint: None,
+            logprobs: None,
+        })
+        .unwrap();
+    rx
+}
+
+/// Waits (polling, bounded) until `done` holds.
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let start = std::time::Instant::now();
+    while !done() {
+        assert!(
+            start.elapsed().as_secs() < 60,
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+}
+
+/// The forward passes run until the request's first token.
+fn passes_to_first_token(
+    rx: &mut tokio::sync::mpsc::UnboundedReceiver<TokenEvent>,
+    passes: &Passes,
+) -> usize {
+    let before = passes.lock().unwrap().len();
+    loop {
+        match rx.blocking_recv().expect("events until a token") {
+            TokenEvent::Token(_) => return passes.lock().unwrap().len() - before,
+            TokenEvent::Failed(e) => panic!("{e}"),
+            _ => {}
+        }
+    }
+}
+
+#[test]
+fn a_short_request_is_not_stuck_behind_a_long_prefill_and_a_cancelled_one_stops() {
+    use std::sync::atomic::Ordering;
+    // Chunks of 16 tokens, 16 ms each: the 480-token prompt needs 30 of them.
+    let (runtime, passes) = start_paced(
+        RuntimeLimits {
+            prefill_chunk: 16,
+            prompt_cache_bytes: 0,
+            ..Default::default()
+        },
+        std::time::Duration::from_millis(1),
+    );
+    let long: Vec<u32> = (0..480).map(|i| (i * 31 + 7) % 390).collect();
+    let mut long_rx = send(&runtime, long, 1);
+    wait_until("the long prompt's second chunk", || {
+        passes.lock().unwrap().len() >= 2
+    });
+    // /engines' figures: the prefill is counted while it runs.
+    let stats = runtime.stats.clone();
+    wait_until("the prefill in the stats", || {
+        stats.prefilling.load(Ordering::Relaxed) == 1
+    });
+    let left = stats.prefill_tokens_left.load(Ordering::Relaxed);
+    assert!(left > 0 && left < 480, "prefill tokens left: {left}");
+    assert_eq!(stats.active.load(Ordering::Relaxed), 1);
+
+    // A short request comes in: it is prefilled at the next chunk boundary and decodes while
+    // the long prompt still has most of its chunks to go (first in, first out took 28 more).
+    let mut short = send(&runtime, prompts()[0].clone(), 2);
+    let n = passes_to_first_token(&mut short, &passes);
+    assert!(
+        n <= 4,
+        "{n} forward passes before the short request's first token"
+    );
+    assert!(
+        matches!(
+            long_rx.try_recv(),
+            Err(_) | Ok(TokenEvent::PromptDone { .. })
+        ),
+        "the long prompt is still prefilling"
+    );
+    assert!(!matches!(long_rx.try_recv(), Ok(TokenEvent::Token(_))));
+
+    // The long prompt's client leaves: it stops at the next chunk boundary, and the next
+    // request starts at once.
+    drop(long_rx);
+    let mut next = send(&runtime, prompts()[2].clone(), 2);
+    let n = passes_to_first_token(&mut next, &passes);
+    assert!(
+        n <= 4,
+        "{n} forward passes before the next request's first token"
+    );
+    wait_until("no prefill left", || {
+        stats.prefilling.load(Ordering::Relaxed) == 0 && stats.active.load(Ordering::Relaxed) == 0
+    });
+    assert_eq!(stats.prefill_tokens_left.load(Ordering::Relaxed), 0);
+    let long_chunks = passes
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|&&p| p == (1, 16))
+        .count();
+    assert!(
+        long_chunks < 20,
+        "{long_chunks} chunks of the abandoned prompt ran (it needs 30)"
+    );
+    runtime.join();
+}
+
+#[test]
+fn on_a_slow_device_prefill_chunks_shrink_to_the_unit_target() {
+    // 3 ms a token: a 256-token chunk takes 0.77 s, past the 0.5 s target, so the next chunks
+    // hold at most 128 (333 tokens/s × 0.5 s, rounded down to a power of two).
+    let (runtime, passes) = start_paced(
+        RuntimeLimits {
+            prefill_chunk: 256,
+            prompt_cache_bytes: 0,
+            ..Default::default()
+        },
+        std::time::Duration::from_millis(3),
+    );
+    let long: Vec<u32> = (0..500).map(|i| (i * 17 + 3) % 390).collect();
+    let mut rx = send(&runtime, long, 1);
+    passes_to_first_token(&mut rx, &passes);
+    let prefill: Vec<i32> = passes
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|p| p.1 > 1)
+        .map(|p| p.1)
+        .collect();
+    assert_eq!(
+        prefill[0], 256,
+        "the first chunk is the full one: {prefill:?}"
+    );
+    assert!(
+        prefill[1..].iter().all(|&c| (32..=128).contains(&c)) && prefill.len() >= 3,
+        "later chunks shrink: {prefill:?}"
+    );
+    assert_eq!(prefill.iter().sum::<i32>(), 499);
+    runtime.join();
+}

@@ -8,6 +8,7 @@
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Instant;
 
 use mlx_rs::error::Exception;
 use mlx_rs::Array;
@@ -29,6 +30,8 @@ struct Prefilling {
     layers: Option<Vec<LayerCache>>,
     /// Prompt positions in `layers`.
     written: usize,
+    /// The prefill unit that last ran some of its prompt (0: none yet), for taking turns.
+    last_unit: u64,
 }
 
 impl Prefilling {
@@ -56,6 +59,10 @@ pub(super) struct Executor<'m> {
     batch: DecodeBatch,
     /// Waits for requests with a timeout while idle (SSD demotion is due even then).
     timer: Option<tokio::runtime::Runtime>,
+    /// Prefill units run so far (numbers each one, for taking turns).
+    units: u64,
+    /// Prompt tokens per second of the last prefill unit, which sizes the next chunks.
+    prefill_speed: Option<f64>,
 }
 
 impl<'m> Executor<'m> {
@@ -76,6 +83,7 @@ impl<'m> Executor<'m> {
             // snapshot every `state_snapshot_every` tokens (a state is only copied between
             // forward passes).
             limits.prefill_chunk = limits.prefill_chunk.min(limits.state_snapshot_every);
+            limits.snapshot_boundaries = true;
         }
         let caches = caches.with_layers(kinds.clone(), info.state_bytes_per_sequence);
         let batch = DecodeBatch::new(
@@ -99,6 +107,8 @@ impl<'m> Executor<'m> {
             ready: Vec::new(),
             batch,
             timer: None,
+            units: 0,
+            prefill_speed: None,
         }
     }
 
@@ -269,6 +279,7 @@ impl<'m> Executor<'m> {
                         seq,
                         layers,
                         written,
+                        last_unit: 0,
                     });
                 }
             }
@@ -341,12 +352,34 @@ impl<'m> Executor<'m> {
             .map(|p| PrefillView {
                 remaining: p.remaining(),
                 written: p.written,
+                last_unit: p.last_unit,
             })
             .collect();
-        match scheduler::next_prefill(&self.limits, &views) {
-            None => {}
-            Some(PrefillWork::Chunk { index, tokens }) => self.prefill_chunk(index, tokens)?,
-            Some(PrefillWork::Group { indices }) => self.prefill_group(&indices)?,
+        let budget = scheduler::chunk_budget(&self.limits, self.prefill_speed);
+        let Some(work) = scheduler::next_prefill(&self.limits, &views, budget) else {
+            return Ok(());
+        };
+        self.units += 1;
+        let started = Instant::now();
+        let tokens = match work {
+            PrefillWork::Chunk { index, tokens } => {
+                self.prefilling[index].last_unit = self.units;
+                self.prefill_chunk(index, tokens)?;
+                tokens
+            }
+            PrefillWork::Group { indices } => {
+                let longest = indices.iter().map(|&i| views[i].remaining).max();
+                self.prefill_group(&indices)?;
+                indices.len() * longest.unwrap_or(0)
+            }
+        };
+        // A unit that filled its budget, or took a good part of the target, measures the
+        // device; a small unit done quickly says only that it is fast enough (its time is
+        // mostly fixed costs), and must not shrink the next chunks.
+        let seconds = started.elapsed().as_secs_f64();
+        let target = self.limits.prefill_unit_target.as_secs_f64();
+        if seconds > 0.0 && (tokens >= budget || seconds >= target / 2.0) {
+            self.prefill_speed = Some(tokens as f64 / seconds);
         }
         self.promote_prefilled();
         Ok(())

@@ -44,6 +44,12 @@ use scheduler::SchedulerLimits;
 pub const DEFAULT_MAX_BATCH_SIZE: usize = 64;
 /// Prompt tokens of one sequence per prefill forward pass (mlx-lm's `prefill_step_size`).
 pub const PREFILL_CHUNK: usize = 2048;
+/// Fewest prompt tokens of a chunk on a slow device (see [`PREFILL_UNIT_TARGET`]).
+pub const MIN_PREFILL_CHUNK: usize = 32;
+/// Wall time a prefill unit should stay within where the device's measured prefill speed
+/// allows: chunks shrink (to [`MIN_PREFILL_CHUNK`]) on a slow device, so that a cancelled
+/// prompt stops and a short one is prefilled within about this long.
+pub const PREFILL_UNIT_TARGET: std::time::Duration = std::time::Duration::from_millis(500);
 /// Tokens (rows × padded length) of one grouped prefill forward pass.
 pub const PREFILL_GROUP_TOKENS: usize = 4096;
 /// Prefix-cache bytes when no size is given (`--prompt-cache`).
@@ -255,6 +261,9 @@ impl Runtime {
                     let scheduler = SchedulerLimits {
                         max_batch_size: limits.max_batch_size.max(1),
                         prefill_chunk: limits.prefill_chunk.max(1),
+                        min_prefill_chunk: MIN_PREFILL_CHUNK,
+                        prefill_unit_target: PREFILL_UNIT_TARGET,
+                        snapshot_boundaries: false,
                         prefill_group_tokens: PREFILL_GROUP_TOKENS.max(limits.prefill_chunk),
                         state_snapshot_every: limits.state_snapshot_every.max(1),
                     };
