@@ -6,12 +6,12 @@ JSON schema is what makes the small default model's structured output well-forme
 """
 import json
 import sys
-import traceback
 import urllib.error
 import urllib.request
 
 import jsonschema
 import ollama
+from harness import check, finish
 
 BASE = sys.argv[1]
 MODEL = "smollm2-135m"
@@ -39,23 +39,6 @@ WEATHER = {
         },
     },
 }
-
-failures = []
-
-
-def check(name):
-    def run(f):
-        try:
-            detail = f()
-            print(f"ok   {name}" + (f": {detail}" if detail else ""))
-        except Exception as e:  # noqa: BLE001 - every failure is reported, none stops the suite
-            failures.append(name)
-            print(f"FAIL {name}: {type(e).__name__}: {e}")
-            traceback.print_exc(limit=3)
-        return f
-
-    return run
-
 
 def assert_done(r):
     """The final object: done, a reason, counts and durations in nanoseconds."""
@@ -262,4 +245,4 @@ def _():
     return None
 
 
-sys.exit(len(failures))
+finish()

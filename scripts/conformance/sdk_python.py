@@ -7,11 +7,11 @@ output well-formed.
 """
 import json
 import sys
-import traceback
 
 import anthropic
 import jsonschema
 import openai
+from harness import check, finish
 
 BASE = sys.argv[1]
 MODEL = "smollm2-135m"
@@ -41,23 +41,6 @@ PERSON = {
     "required": ["name", "age", "colour"],
     "additionalProperties": False,
 }
-
-failures = []
-
-
-def check(name):
-    def run(f):
-        try:
-            detail = f()
-            print(f"ok   {name}" + (f": {detail}" if detail else ""))
-        except Exception as e:  # noqa: BLE001 - every failure is reported, none stops the suite
-            failures.append(name)
-            print(f"FAIL {name}: {type(e).__name__}: {e}")
-            traceback.print_exc(limit=3)
-        return f
-
-    return run
-
 
 @check("models.list")
 def _():
@@ -491,5 +474,4 @@ def _():
     )
 
 
-print(f"{len(failures)} failed" if failures else "all passed")
-sys.exit(len(failures))
+finish()
