@@ -33,10 +33,12 @@ mod moe_checkpoints;
 #[path = "families/window_cache.rs"]
 mod window_cache;
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::{generate_alone, generate_together, Gen, Output};
+use mlx_rs::Array;
 use mlxd_engine::cache::ssd::SsdConfig;
 use mlxd_engine::models;
 use mlxd_engine::runtime::draft::{DraftSource, NgramSizes, Speculation};
@@ -73,6 +75,30 @@ fn reference(dir: &Path) -> (usize, Vec<Case>) {
         v["max_tokens"].as_u64().expect("max_tokens") as usize,
         cases,
     )
+}
+
+/// Saves `tensors` (a family's tiny model rewritten into a Hugging Face checkpoint layout) with
+/// the family's config in a fresh directory, loads it, and checks the long prompt's greedy
+/// tokens against mlx-lm's: the shared end of every checkpoint-layout test.
+fn check_checkpoint(family: &str, dir: &Path, tensors: &HashMap<String, Array>) {
+    assert!(
+        tensors.keys().all(|k| !k.contains("switch_mlp")),
+        "{family}: some expert stack was left in mlx-lm's form"
+    );
+    let hf = tempfile::tempdir().expect("tempdir");
+    std::fs::copy(dir.join("config.json"), hf.path().join("config.json")).expect("config");
+    Array::save_safetensors(
+        tensors.iter().map(|(n, a)| (n.as_str(), a)),
+        None,
+        hf.path().join("model.safetensors"),
+    )
+    .expect("save");
+    let (max_tokens, cases) = reference(dir);
+    let case = &cases[0];
+    let model = models::load(hf.path())
+        .unwrap_or_else(|e| panic!("{family} in the Hugging Face layout does not load: {e}"));
+    let tokens = greedy(model.as_ref(), &case.prompt, max_tokens, &[]).expect("greedy");
+    assert_eq!(tokens, case.greedy, "{family}: greedy tokens differ");
 }
 
 fn family_dir(name: &str) -> PathBuf {

@@ -10,8 +10,6 @@ use std::path::Path;
 
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
-use mlxd_engine::models;
-use mlxd_engine::runtime::reference::greedy;
 
 /// How a family names its per-expert tensors.
 enum Layout {
@@ -88,37 +86,7 @@ fn check(family: &str, layout: Layout, extra: &[(&str, Array)]) {
     for (name, a) in extra {
         tensors.insert((*name).to_owned(), a.clone());
     }
-    assert!(
-        tensors.keys().all(|k| !k.contains("switch_mlp")),
-        "{family}: some expert stack was left in mlx-lm's form"
-    );
-    let hf = tempfile::tempdir().expect("tempdir");
-    std::fs::copy(dir.join("config.json"), hf.path().join("config.json")).expect("config");
-    Array::save_safetensors(
-        tensors.iter().map(|(n, a)| (n.as_str(), a)),
-        None,
-        hf.path().join("model.safetensors"),
-    )
-    .expect("save");
-    let text = std::fs::read_to_string(dir.join("reference.json")).expect("reference");
-    let reference: serde_json::Value = serde_json::from_str(&text).expect("JSON");
-    let case = &reference["cases"][0];
-    let ids = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array()
-            .expect("ids")
-            .iter()
-            .map(|t| t.as_u64().expect("id") as u32)
-            .collect()
-    };
-    let max_tokens = reference["max_tokens"].as_u64().expect("max_tokens") as usize;
-    let model = models::load(hf.path())
-        .unwrap_or_else(|e| panic!("{family} in the Hugging Face layout does not load: {e}"));
-    let tokens = greedy(model.as_ref(), &ids(&case["prompt"]), max_tokens, &[]).expect("greedy");
-    assert_eq!(
-        tokens,
-        ids(&case["greedy"]),
-        "{family}: greedy tokens differ"
-    );
+    super::check_checkpoint(family, &dir, &tensors);
 }
 
 #[test]
