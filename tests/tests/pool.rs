@@ -815,3 +815,42 @@ async fn a_load_that_cannot_succeed_fails_once_and_is_not_retried() -> Result<()
     assert_eq!(count_lines(&p.events_file(), " start model="), 2);
     Ok(())
 }
+
+/// A prompt being prefilled shows in `/engines` (`stats.prefilling`, with its tokens left)
+/// beside `active`, so a long prefill never reads as an idle engine.
+#[tokio::test]
+async fn engines_show_a_prompt_in_prefill() -> Result<()> {
+    let mut p = start(vec![model("a", &[("stats_interval_ms", "20")])], |_| {}).await?;
+    let body = json!({"model": "a", "prompt": "x",
+        "fake": {"delay_ms": 60_000, "prompt_tokens": 2530}});
+    let pending = tokio::spawn(send(
+        p.addr,
+        "POST",
+        "/v1/completions",
+        Some(body.to_string().into()),
+    ));
+    let deadline = Instant::now() + T;
+    let stats = loop {
+        let stats = row(&p, "a").await?["stats"].clone();
+        if stats["prefilling"] == 1 {
+            break stats;
+        }
+        if Instant::now() > deadline {
+            bail!("no prefill in /engines: {stats}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(stats["prefill_tokens_left"], 2530, "{stats}");
+    // The client leaves: the prefill is gone from the figures.
+    pending.abort();
+    let deadline = Instant::now() + T;
+    while row(&p, "a").await?["stats"]["prefilling"] != 0 {
+        if Instant::now() > deadline {
+            bail!("the abandoned prefill is still reported");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(row(&p, "a").await?["stats"]["prefill_tokens_left"], 0);
+    p.stop().await?;
+    Ok(())
+}

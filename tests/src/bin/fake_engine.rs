@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::io::Write;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -84,7 +84,8 @@ impl Script {
 
 /// Per-request script: `"fake": {"chunks": 5, "interval_ms": 10, "delay_ms": 0,
 /// "then": "abort" | "exit:<code>" | "sigkill" | "oom" | "fatal_oom" | "hang",
-/// "at": <chunk index>}`. `fatal_oom` sends `Fatal(OutOfMemory)` and exits 1, as the
+/// "at": <chunk index>, "prompt_tokens": 1}`. During `delay_ms` the request counts as
+/// prefilling its `prompt_tokens` in `Stats`, as the real engine reports a prompt in prefill. `fatal_oom` sends `Fatal(OutOfMemory)` and exits 1, as the
 /// real engine does when it catches an allocation failure.
 ///
 /// Like the real engine, a request whose KV reservation — (1 prompt token +
@@ -102,6 +103,8 @@ struct RequestScript {
     chunks: u64,
     interval: Duration,
     delay: Duration,
+    /// Prompt tokens reported as left to prefill during `delay`.
+    prompt_tokens: u64,
     then: Option<String>,
     at: Option<u64>,
     once: Option<PathBuf>,
@@ -135,10 +138,38 @@ struct Engine {
     kv_budget: Option<u64>,
     model: String,
     active: AtomicU32,
+    /// Requests in their `delay` (prefilling, as far as `Stats` tells), and their prompt tokens.
+    prefilling: AtomicU32,
+    prefill_tokens_left: AtomicU64,
     draining: AtomicBool,
     /// Generation requests served so far (for `vanish_after_requests`).
     served: AtomicU32,
     vanish: tokio::sync::Notify,
+}
+
+/// A request counted as prefilling until dropped (also when its client leaves mid-delay).
+struct Prefill<'e> {
+    engine: &'e Engine,
+    tokens: u64,
+}
+
+impl<'e> Prefill<'e> {
+    fn start(engine: &'e Engine, tokens: u64) -> Self {
+        engine.prefilling.fetch_add(1, Ordering::Relaxed);
+        engine
+            .prefill_tokens_left
+            .fetch_add(tokens, Ordering::Relaxed);
+        Self { engine, tokens }
+    }
+}
+
+impl Drop for Prefill<'_> {
+    fn drop(&mut self) {
+        self.engine.prefilling.fetch_sub(1, Ordering::Relaxed);
+        self.engine
+            .prefill_tokens_left
+            .fetch_sub(self.tokens, Ordering::Relaxed);
+    }
 }
 
 fn main() -> Result<()> {
@@ -236,6 +267,8 @@ async fn run(
         kv_budget,
         model: model.clone(),
         active: AtomicU32::new(0),
+        prefilling: AtomicU32::new(0),
+        prefill_tokens_left: AtomicU64::new(0),
         draining: AtomicBool::new(false),
         served: AtomicU32::new(0),
         vanish: tokio::sync::Notify::new(),
@@ -292,8 +325,8 @@ async fn run(
                     drafted_tokens: 0,
                     accepted_tokens: 0,
                     ssd: Default::default(),
-                    prefilling: 0,
-                    prefill_tokens_left: 0,
+                    prefilling: engine.prefilling.load(Ordering::Relaxed),
+                    prefill_tokens_left: engine.prefill_tokens_left.load(Ordering::Relaxed),
                 });
                 if shutting_down && active == 0 {
                     script.event("shutdown complete");
@@ -475,6 +508,7 @@ async fn generate(engine: Arc<Engine>, chat: bool, body: &[u8]) -> Response<Body
             .unwrap_or(engine.script.get("chunks").unwrap_or(8)),
         interval: ms("interval_ms", engine.script.get("interval_ms").unwrap_or(5)),
         delay: ms("delay_ms", 0),
+        prompt_tokens: f.get("prompt_tokens").and_then(Value::as_u64).unwrap_or(1),
         then: f.get("then").and_then(Value::as_str).map(String::from),
         at: f.get("at").and_then(Value::as_u64),
         once: f.get("once").and_then(Value::as_str).map(PathBuf::from),
@@ -507,7 +541,10 @@ async fn generate(engine: Arc<Engine>, chat: bool, body: &[u8]) -> Response<Body
             );
         }
     }
-    tokio::time::sleep(rs.delay).await;
+    {
+        let _prefill = Prefill::start(&engine, rs.prompt_tokens);
+        tokio::time::sleep(rs.delay).await;
+    }
 
     if !stream {
         if let Some(action) = rs.action() {
