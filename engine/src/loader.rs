@@ -293,6 +293,29 @@ impl Weights {
         Some(a)
     }
 
+    /// The text half of a multimodal checkpoint as mlx-lm's `sanitize` (Qwen3.5, Mistral 3)
+    /// leaves it: the tensors `drop` names go (a vision tower, a projector), and every other is
+    /// named `language_model.…` whichever Hugging Face layout it came in
+    /// (`model.language_model.x` → `language_model.model.x`, a bare `x` → `language_model.x`).
+    pub fn nest_language_model(&mut self, drop: impl Fn(&str) -> bool) {
+        for name in self.names() {
+            if drop(&name) {
+                self.discard(&name);
+                continue;
+            }
+            let renamed = if let Some(rest) = name.strip_prefix("model.language_model.") {
+                format!("language_model.model.{rest}")
+            } else if name.starts_with("language_model.") {
+                continue;
+            } else {
+                format!("language_model.{name}")
+            };
+            if let Some(a) = self.remove_raw(&name) {
+                self.insert(renamed, a);
+            }
+        }
+    }
+
     /// Drops a tensor that is known to be redundant (for example a tied `lm_head.weight`).
     pub fn discard(&mut self, name: &str) {
         self.tensors.remove(name);

@@ -248,22 +248,9 @@ pub fn build_conditional(config: &Value, w: &mut Weights) -> Result<Box<dyn Caus
 /// mlx-lm's `mistral3` sanitize: drops the vision tower and projector, and names every text
 /// weight `language_model.…` whichever of the Hugging Face layouts it came in.
 fn nest_language_model(w: &mut Weights) {
-    for name in w.names() {
-        if name.contains("vision_tower") || name.contains("multi_modal_projector") {
-            w.discard(&name);
-            continue;
-        }
-        let renamed = if let Some(rest) = name.strip_prefix("model.language_model.") {
-            format!("language_model.model.{rest}")
-        } else if name.starts_with("language_model.") {
-            continue;
-        } else {
-            format!("language_model.{name}")
-        };
-        if let Some(a) = w.remove_raw(&name) {
-            w.insert(renamed, a);
-        }
-    }
+    w.nest_language_model(|name| {
+        name.contains("vision_tower") || name.contains("multi_modal_projector")
+    });
 }
 
 /// The text model's own sanitize: precomputed rotary frequencies and a tied head's copy go,

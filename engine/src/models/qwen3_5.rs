@@ -202,22 +202,9 @@ fn text_config(config: &Value) -> Result<&Value, LoadError> {
 /// expert stacks split, then a Hugging Face checkpoint converted (norms shifted only when its
 /// convolutions are unconverted, as mlx-lm decides).
 fn sanitize(w: &mut Weights, num_layers: usize) -> Result<(), LoadError> {
-    for name in w.names() {
-        if name.starts_with("vision_tower") || name.starts_with("model.visual") {
-            w.discard(&name);
-            continue;
-        }
-        let renamed = if let Some(rest) = name.strip_prefix("model.language_model") {
-            format!("language_model.model{rest}")
-        } else if name.starts_with("language_model.") {
-            continue;
-        } else {
-            format!("language_model.{name}")
-        };
-        if let Some(a) = w.remove_raw(&name) {
-            w.insert(renamed, a);
-        }
-    }
+    w.nest_language_model(|name| {
+        name.starts_with("vision_tower") || name.starts_with("model.visual")
+    });
     for layer in 0..num_layers {
         let mlp = format!("language_model.model.layers.{layer}.mlp");
         let Some(gate_up) = w.remove_raw(&format!("{mlp}.experts.gate_up_proj")) else {
