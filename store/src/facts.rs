@@ -420,14 +420,8 @@ mod tests {
     fn show_finds_stored_models_without_fetching() {
         let tmp = tempfile::tempdir().unwrap();
         let opts = StoreOptions {
-            home: tmp.path().join("home"),
-            pypi_url: "http://127.0.0.1:9".into(),
-            smollm2_gguf: None,
-            hf_endpoint: "http://127.0.0.1:9".into(),
-            hf_token: None,
             hf_cache: Some(tmp.path().join("hub")),
-            hf_offline: false,
-            progress: Default::default(),
+            ..crate::tests::opts(&tmp.path().join("home"))
         };
         let q8 = opts.home.join("models/smol-q8");
         fs::create_dir_all(&q8).unwrap();

@@ -362,14 +362,10 @@ mod tests {
         crate::convert::tests::tiny_llama(true, None).write(&gguf);
         let cache = tmp.path().join("hub");
         let opts = StoreOptions {
-            home: tmp.path().join("home"),
-            pypi_url: "http://127.0.0.1:9".into(),
             smollm2_gguf: Some(gguf.clone()),
-            hf_endpoint: "http://127.0.0.1:9".into(),
-            hf_token: None,
             hf_cache: Some(cache.clone()),
             hf_offline: true,
-            progress: Default::default(),
+            ..crate::tests::opts(&tmp.path().join("home"))
         };
         assert!(list(&opts).is_empty());
         resolve_model_with(DEFAULT_MODEL, &opts).unwrap();
@@ -464,14 +460,9 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let cache = tmp.path().join("hub");
         let opts = StoreOptions {
-            home: tmp.path().join("home"),
-            pypi_url: "http://127.0.0.1:9".into(),
-            smollm2_gguf: None,
-            hf_endpoint: "http://127.0.0.1:9".into(),
-            hf_token: None,
             hf_cache: Some(cache.clone()),
             hf_offline: true,
-            progress: Default::default(),
+            ..crate::tests::opts(&tmp.path().join("home"))
         };
         let elsewhere = tmp.path().join("elsewhere");
         fs::create_dir_all(&elsewhere).unwrap();

