@@ -17,9 +17,11 @@ pub const DEFAULT_PORT: u16 = 8080;
     name = "mlxd",
     version,
     about = "Local LLM server: supervisor and proxy for MLX engines",
-    after_help = "`mlxd` alone is `mlxd serve`. Environment: MLXD_HOST, MLXD_PORT, MLXD_CONFIG \
-                  (serve and the client verbs), MLXD_HOME (the model store), MLXD_URL and \
-                  MLXD_API_KEY (client verbs)."
+    after_help = "`mlxd` alone is `mlxd serve`. Environment: MLXD_HOST (with or without a \
+                  port), MLXD_PORT, MLXD_CONFIG (serve and the client verbs), MLXD_HOME (the \
+                  model store), MLXD_URL and MLXD_API_KEY (client verbs). Exit codes of the \
+                  client verbs: 0 done, 1 the server or the model refused or failed, 2 bad \
+                  usage (flags, input, configuration), 3 the server could not be reached."
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -33,26 +35,30 @@ pub struct Cli {
 pub enum Command {
     /// Serve the OpenAI-compatible API (the default).
     Serve(Box<ServeArgs>),
-    /// Chat with a model of a running server: answer PROMPT and exit, or without PROMPT an
-    /// interactive chat (an empty line or Ctrl-D ends it).
+    /// Chat with a model of a running server: answer PROMPT (with piped stdin above it) and
+    /// exit; piped stdin alone is one prompt; on a terminal without PROMPT, an interactive chat
+    /// (`/?` lists its commands; Ctrl-C stops an answer, Ctrl-D or `/bye` leaves).
+    #[command(after_help = RUN_HELP)]
     Run(RunArgs),
     /// Fetch a model into the local store, without a server: a known name, a .gguf file to
     /// convert, a model directory to check, or a Hugging Face repo id (org/name[@revision]).
     Pull(PullArgs),
     /// Models in the local store and the Hugging Face cache, with sizes and formats; with
     /// --server (or --url), the configured models of a running server and their states.
+    #[command(visible_alias = "list")]
     Ls(LsArgs),
     /// Delete a model from the local store or the Hugging Face cache.
     Rm(RmArgs),
     /// What a model in the local store is: architecture, parameters, quantization, context
     /// length, chat template, license and where it lives (without a server).
     Show(ShowArgs),
-    /// Running engines of a running server: model, pid, state, memory, uptime, requests,
-    /// restarts.
-    Ps(ClientArgs),
+    /// Running engines of a running server: model, pid, state, memory, uptime, when an idle
+    /// one is unloaded, requests, restarts.
+    Ps(PsArgs),
     /// Stop (unload) a model's engine on a running server.
     Stop(StopArgs),
-    /// Time to first token and decode speed of a model on a running server.
+    /// Time to first token with a cold and with a cached prompt, prefill and decode rates of
+    /// a model on a running server (medians of at least 3 runs).
     Bench(BenchArgs),
     /// Quantize a model to MLX affine 4- or 8-bit on a running server (a managed job: it runs
     /// beside serving, shows its progress, and Ctrl-C cancels it).
@@ -101,14 +107,28 @@ pub enum JobsAction {
     },
 }
 
+/// `mlxd run --help`'s closing text: the chat's commands and the exit codes.
+const RUN_HELP: &str = "In the chat: /? help, /bye leave, /clear forget the conversation, /show \
+     the model and settings, /set system TEXT, /set temperature|top_p|top_k|seed|max_tokens \
+     VALUE, /set verbose|quiet; \"\"\" starts and ends a multi-line message; Ctrl-C stops the \
+     answer and keeps the chat; Ctrl-D on an empty line leaves.\n\n\
+     Exit codes: 0 done, 1 the server or the model refused or failed, 2 bad usage (flags, \
+     empty input, configuration), 3 the server could not be reached.";
+
 #[derive(Debug, Clone, Args)]
 pub struct ClientArgs {
-    /// The server to ask [default: http://127.0.0.1:$MLXD_PORT, else port 8080].
+    /// The server to ask [default: from MLXD_HOST and MLXD_PORT, else from the config file's
+    /// [server] host and port, else http://127.0.0.1:8080].
     #[arg(long, env = "MLXD_URL")]
     pub url: Option<String>,
-    /// The API key, if the server requires one.
+    /// The API key, if the server requires one [default: the config file's first key].
     #[arg(long, env = "MLXD_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    /// The TOML config file `mlxd serve` reads, for the server's host, port and API key
+    /// [default: $XDG_CONFIG_HOME/mlxd/mlxd.toml, else ~/.config/mlxd/mlxd.toml, when it
+    /// exists].
+    #[arg(long, env = "MLXD_CONFIG")]
+    pub config: Option<PathBuf>,
     /// Seconds to wait for the server: to connect, for a whole answer, and between two
     /// chunks of a stream.
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=86400))]
@@ -116,52 +136,38 @@ pub struct ClientArgs {
 }
 
 impl ClientArgs {
-    /// The server's URL: `--url`/`MLXD_URL`, else built from `MLXD_HOST` and `MLXD_PORT` (a
-    /// wildcard host means this machine).
-    pub fn url(&self) -> String {
-        client_url(
-            self.url.as_deref(),
-            std::env::var("MLXD_HOST").ok().as_deref(),
-            std::env::var("MLXD_PORT").ok().as_deref(),
-        )
-    }
-
-    /// An `mlxd-client` HTTP client of the server, with the key and the timeout.
-    pub fn client(&self) -> Result<mlxd_client::Client, mlxd_client::ClientError> {
-        let mut builder = mlxd_client::Client::builder()
-            .connect_timeout(Duration::from_secs(self.timeout))
-            .timeout(Duration::from_secs(self.timeout));
-        if let Some(key) = &self.api_key {
-            builder = builder.api_key(key.clone());
-        }
-        builder.http(&self.url())
-    }
-
-    pub fn server(&self) -> crate::client::Server {
-        crate::client::Server {
-            url: self.url(),
-            api_key: self.api_key.clone(),
+    /// The server these flags name, found as `mlxd serve` would find its address:
+    /// `--url`/`MLXD_URL`, else `MLXD_HOST` (with or without a port) and `MLXD_PORT` over the
+    /// config file's `[server]` host and port, over `127.0.0.1:8080`. A config file that
+    /// `--config`/`MLXD_CONFIG` names must be readable; the default one only when it exists.
+    pub fn target(&self) -> Result<crate::client::Target, ConfigError> {
+        let url = self.url.as_deref().filter(|u| !u.trim().is_empty());
+        let path = self.config.clone().or_else(default_config_path);
+        // With a URL the config is not needed for the address, only for a key.
+        let config = match (&path, url.is_some() && self.api_key.is_some()) {
+            (Some(p), false) => Some((p.clone(), Config::from_toml_file(p)?)),
+            _ => None,
+        };
+        let host = std::env::var("MLXD_HOST").ok();
+        let port = std::env::var("MLXD_PORT").ok();
+        let from_file = config
+            .as_ref()
+            .map(|(p, c)| (p.as_path(), c.server.host.as_str(), c.server.port));
+        let (url, from) =
+            crate::client::resolve_url(url, host.as_deref(), port.as_deref(), from_file)
+                .map_err(|m| flag("MLXD_HOST/MLXD_PORT", m))?;
+        let api_key = match (&self.api_key, &config) {
+            (Some(k), _) => Some(k.clone()),
+            (None, Some((_, c))) => c.api_keys()?.into_iter().next(),
+            (None, None) => None,
+        };
+        Ok(crate::client::Target {
+            url,
+            from,
+            api_key,
             timeout: Duration::from_secs(self.timeout),
-        }
+        })
     }
-}
-
-/// [`ClientArgs::url`] as a pure function of its inputs.
-pub fn client_url(url: Option<&str>, host: Option<&str>, port: Option<&str>) -> String {
-    if let Some(u) = url.filter(|u| !u.is_empty()) {
-        return u.to_string();
-    }
-    let host = match host.map(str::trim).filter(|h| !h.is_empty()) {
-        None | Some("0.0.0.0") => "127.0.0.1".to_string(),
-        Some("::") | Some("[::]") => "[::1]".to_string(),
-        Some(h) if h.contains(':') && !h.starts_with('[') => format!("[{h}]"),
-        Some(h) => h.to_string(),
-    };
-    let port = port
-        .map(str::trim)
-        .filter(|p| !p.is_empty())
-        .unwrap_or("8080");
-    format!("http://{host}:{port}")
 }
 
 #[derive(Debug, Clone, Args)]
@@ -190,10 +196,28 @@ pub struct PullArgs {
 }
 
 #[derive(Debug, Clone, Args)]
+pub struct PsArgs {
+    /// Everything the server reports about each model, as JSON (full failure texts).
+    #[arg(long)]
+    pub json: bool,
+    /// Every configured model, with a failed one's whole reason instead of its first words.
+    #[arg(long, short)]
+    pub verbose: bool,
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+#[derive(Debug, Clone, Args)]
 pub struct LsArgs {
     /// List the configured models of a running server instead of the local store.
     #[arg(long)]
     pub server: bool,
+    /// With --server: a failed model's whole reason instead of its first words.
+    #[arg(long, short)]
+    pub verbose: bool,
+    /// With --server: the server's report as JSON.
+    #[arg(long)]
+    pub json: bool,
     #[command(flatten)]
     pub client: ClientArgs,
     #[command(flatten)]
@@ -223,19 +247,33 @@ pub struct RmArgs {
 
 #[derive(Debug, Clone, Args)]
 pub struct RunArgs {
-    /// A model id or alias of the server (`mlxd ls --server` lists them).
-    pub model: String,
-    /// The question; without it, an interactive chat on the terminal.
+    /// A model id or alias of the server (`mlxd ls --server` lists them) [default: the
+    /// server's default model].
+    pub model: Option<String>,
+    /// The question; without it and without piped input, an interactive chat on the terminal.
     pub prompt: Option<String>,
     /// Most tokens per answer.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_tokens: u32,
     /// Sampling temperature (0 = greedy) [default: the server's].
     #[arg(long)]
-    pub temperature: Option<f32>,
+    pub temperature: Option<f64>,
+    /// Nucleus sampling: keep the most likely tokens up to this probability mass.
+    #[arg(long)]
+    pub top_p: Option<f64>,
+    /// Keep only the K most likely tokens.
+    #[arg(long)]
+    pub top_k: Option<i64>,
+    /// Seed for sampling, for repeatable answers.
+    #[arg(long)]
+    pub seed: Option<i64>,
     /// A system prompt.
     #[arg(long)]
     pub system: Option<String>,
+    /// After each answer, print prompt and answer token counts, time to first token, and the
+    /// prefill and decode rates (on stderr).
+    #[arg(long)]
+    pub verbose: bool,
     #[command(flatten)]
     pub client: ClientArgs,
 }
@@ -252,8 +290,9 @@ pub struct StopArgs {
 pub struct BenchArgs {
     /// A model id or alias of the server.
     pub model: String,
-    /// Requests to time, one after another (a first, untimed one warms the engine up).
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    /// Runs to time, one after another, each a cold prompt then the same prompt cached (a
+    /// first, untimed request warms the engine up); the medians need at least 3.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(3..=1000))]
     pub requests: u32,
     /// Tokens to generate per request.
     #[arg(long, default_value_t = 64)]
@@ -476,7 +515,14 @@ impl ServeArgs {
             c.pool.ttl = parse_duration(t).map_err(|m| flag("--ttl", m))?;
         }
         if let Some(h) = self.host {
-            c.server.host = h;
+            // `MLXD_HOST=127.0.0.1:8096` carries the port too (as the client verbs read it);
+            // an explicit `--port`/`MLXD_PORT` still wins.
+            let (host, port) =
+                crate::client::split_host_port(&h).map_err(|m| flag("--host/MLXD_HOST", m))?;
+            c.server.host = host;
+            if let Some(p) = port {
+                c.server.port = p;
+            }
         }
         if let Some(p) = self.port {
             c.server.port = p;
@@ -711,26 +757,15 @@ mod tests {
     }
 
     #[test]
-    fn client_urls_from_flags_and_environment() {
-        assert_eq!(
-            client_url(Some("http://h:1"), Some("x"), Some("2")),
-            "http://h:1"
-        );
-        assert_eq!(client_url(None, None, None), "http://127.0.0.1:8080");
-        assert_eq!(
-            client_url(None, Some("0.0.0.0"), Some("9000")),
-            "http://127.0.0.1:9000"
-        );
-        assert_eq!(client_url(None, Some("::"), None), "http://[::1]:8080");
-        assert_eq!(client_url(None, Some("::1"), Some("1")), "http://[::1]:1");
-        assert_eq!(
-            client_url(None, Some("box.lan"), None),
-            "http://box.lan:8080"
-        );
-        assert_eq!(
-            client_url(Some(""), Some(""), Some("")),
-            "http://127.0.0.1:8080"
-        );
+    fn serve_takes_a_port_inside_the_host() {
+        let c = config(&["mlxd", "--host", "127.0.0.1:8096"]).unwrap();
+        assert_eq!((c.server.host.as_str(), c.server.port), ("127.0.0.1", 8096));
+        let c = config(&["mlxd", "--host", "[::1]:9", "--port", "7"]).unwrap();
+        assert_eq!((c.server.host.as_str(), c.server.port), ("[::1]", 7));
+        let c = config(&["mlxd", "--host", "::1"]).unwrap();
+        assert_eq!((c.server.host.as_str(), c.server.port), ("::1", 8080));
+        let e = config(&["mlxd", "--host", "h:port"]).unwrap_err();
+        assert!(e.to_string().contains("\"port\""), "{e}");
     }
 
     #[test]
@@ -772,8 +807,8 @@ mod tests {
         ));
         assert!(Cli::try_parse_from(["mlxd", "ps", "--timeout", "0"]).is_err());
         assert!(matches!(
-            Cli::parse_from(["mlxd", "bench", "m", "--requests", "2"]).command,
-            Some(Command::Bench(b)) if b.requests == 2
+            Cli::parse_from(["mlxd", "bench", "m", "--requests", "4"]).command,
+            Some(Command::Bench(b)) if b.requests == 4
         ));
         assert!(matches!(
             Cli::parse_from(["mlxd", "rm", "m"]).command,
@@ -789,13 +824,24 @@ mod tests {
 
     #[test]
     fn client_commands() {
-        let cli = Cli::parse_from(["mlxd", "ps", "--url", "http://h:1"]);
-        assert!(matches!(&cli.command, Some(Command::Ps(a)) if a.url() == "http://h:1"));
+        let cli = Cli::parse_from(["mlxd", "ps", "--url", "http://h:1", "--api-key", "k"]);
+        assert!(
+            matches!(&cli.command, Some(Command::Ps(a)) if a.client.target().unwrap().url == "http://h:1")
+        );
         assert!(cli.serve_args().is_none());
         assert!(matches!(
             Cli::parse_from(["mlxd", "ls"]).command,
             Some(Command::Ls(_))
         ));
+        assert!(matches!(
+            Cli::parse_from(["mlxd", "list", "--server"]).command,
+            Some(Command::Ls(a)) if a.server
+        ));
+        assert!(matches!(
+            Cli::parse_from(["mlxd", "run"]).command,
+            Some(Command::Run(r)) if r.model.is_none() && r.prompt.is_none()
+        ));
+        assert!(Cli::try_parse_from(["mlxd", "bench", "m", "--requests", "2"]).is_err());
     }
 
     #[test]

@@ -348,6 +348,17 @@ impl ModelConfig {
     }
 }
 
+/// The hint for a duration or size written without quotes (`ttl = 5m`), which TOML cannot
+/// parse: such values are strings.
+fn unquoted_unit(line: &str) -> Option<String> {
+    let (key, value) = line.split_once('=')?;
+    let (key, value) = (key.trim(), value.trim());
+    let digits = value.find(|c: char| !(c.is_ascii_digit() || c == '.'))?;
+    let unit = value[digits..].trim_start();
+    (digits > 0 && unit.starts_with(|c: char| c.is_ascii_alphabetic()) && !value.contains('"'))
+        .then(|| format!(" (a duration or size with a unit is a string: {key} = \"{value}\")"))
+}
+
 impl Config {
     /// One model, everything else default.
     pub fn single(model: impl Into<String>) -> Self {
@@ -367,12 +378,20 @@ impl Config {
                 .span()
                 .map(|s| line_col(text, s.start))
                 .unwrap_or((1, 1));
+            let mut message = inner.message().trim().to_string();
+            if let Some(hint) = text
+                .lines()
+                .nth(line.saturating_sub(1))
+                .and_then(unquoted_unit)
+            {
+                message.push_str(&hint);
+            }
             ConfigError::Invalid {
                 file: file.to_string(),
                 line,
                 column,
                 field: if field == "." { "(file)".into() } else { field },
-                message: inner.message().trim().to_string(),
+                message,
             }
         })?;
         // Engine options wait for the engine binary, which a flag may still set
@@ -965,6 +984,13 @@ options = { prompt_cache = "0.5" }
         assert!(parse_bytes("18446744073709551616").is_err());
         assert_eq!(parse_bytes("16EiB").ok(), None);
 
+        let e = err("[pool]\nttl = 5m\n");
+        assert!(
+            e.starts_with("mlxd.toml:2:") && e.contains("a string: ttl = \"5m\""),
+            "{e}"
+        );
+        let e = err("[pool]\nmemory_budget = 24 GiB\n");
+        assert!(e.contains("memory_budget = \"24 GiB\""), "{e}");
         let e = err("[pool]\nttl = \"99999999999999999999h\"\n");
         assert!(
             e.starts_with("mlxd.toml:2:") && e.contains("pool.ttl"),

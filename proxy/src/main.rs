@@ -2,19 +2,77 @@
 //! SIGTERM; or run one of the store verbs (`pull`, `ls`, `rm`) on the local store, or one of
 //! the client verbs (`run`, `ps`, `stop`, `bench`, `ls --server`) against a running server.
 
-use std::io::{BufRead, IsTerminal, Write};
+use std::io::{IsTerminal, Read};
 use std::time::Instant;
 
 use anyhow::Context;
 use clap::Parser;
-use futures::StreamExt;
-use mlxd_client::{ChatCompletionRequest, ChatMessage, CompletionClient, Role};
+use mlxd_client::{ChatCompletionRequest, ChatMessage, Role};
 use mlxd_proxy::catalog::Catalog;
 use mlxd_proxy::cli::{BenchArgs, Cli, Command, JobsAction, LogFormat, QuantizeArgs, RunArgs};
-use mlxd_proxy::client;
+use mlxd_proxy::client::{self, exit_code, Target};
 use mlxd_proxy::config::EXIT_CONFIG;
+use mlxd_proxy::repl;
 use tokio::signal::unix::{signal, SignalKind};
 use tracing_subscriber::EnvFilter;
+
+/// A client verb's failure: the exit code scripts see, and the line people read.
+struct Failure {
+    code: i32,
+    message: String,
+}
+
+impl Failure {
+    fn usage(message: impl Into<String>) -> Self {
+        Self {
+            code: exit_code::USAGE,
+            message: message.into(),
+        }
+    }
+
+    /// Classifies an error of the verbs: unreachable servers name the server tried and how it
+    /// was chosen.
+    fn of(e: anyhow::Error, target: Option<&Target>) -> Self {
+        let server = target.map_or(String::new(), |t| format!(" ({})", t.from));
+        if let Some(c) = e.downcast_ref::<mlxd_client::ClientError>() {
+            if let mlxd_client::ClientError::Connect { target, detail } = c {
+                return Self {
+                    code: exit_code::UNREACHABLE,
+                    message: format!(
+                        "cannot reach mlxd at {target}{server}: {detail} (is `mlxd serve` \
+                         running?)"
+                    ),
+                };
+            }
+            return Self {
+                code: client::client_exit_code(c),
+                message: format!("{e:#}"),
+            };
+        }
+        if let Some(c) = e.downcast_ref::<client::ClientError>() {
+            let message = match c {
+                client::ClientError::Connect { url, detail } => format!(
+                    "cannot reach mlxd at {url}{server}: {detail} (is `mlxd serve` running?)"
+                ),
+                client::ClientError::Timeout { .. } => format!("{c}{server}"),
+                _ => format!("{e:#}"),
+            };
+            return Self {
+                code: c.exit_code(),
+                message,
+            };
+        }
+        if e.downcast_ref::<mlxd_proxy::config::ConfigError>()
+            .is_some()
+        {
+            return Self::usage(format!("{e:#}"));
+        }
+        Self {
+            code: exit_code::SERVER,
+            message: format!("{e:#}"),
+        }
+    }
+}
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
@@ -25,17 +83,9 @@ fn main() -> anyhow::Result<()> {
         Some(Command::Serve(_)) | None => {}
         Some(verb) => {
             // One line that says what went wrong (and what to do), not a debug dump.
-            if let Err(e) = rt.block_on(run_verb(verb)) {
-                // The client crate's connect error, in the words of the other client verbs.
-                if let Some(mlxd_client::ClientError::Connect { target, detail }) = e.downcast_ref()
-                {
-                    eprintln!(
-                        "mlxd: cannot reach mlxd at {target}: {detail} (is `mlxd serve` running?)"
-                    );
-                    std::process::exit(1);
-                }
-                eprintln!("mlxd: {e:#}");
-                std::process::exit(1);
+            if let Err(f) = rt.block_on(run_verb(verb)) {
+                eprintln!("mlxd: {}", f.message);
+                std::process::exit(f.code);
             }
             return Ok(());
         }
@@ -82,9 +132,20 @@ fn main() -> anyhow::Result<()> {
     };
     rt.block_on(async move {
         let addr = format!("{}:{}", config.server.host, config.server.port);
-        let listener = tokio::net::TcpListener::bind(&addr)
-            .await
-            .with_context(|| format!("binding {addr}"))?;
+        let listener = match tokio::net::TcpListener::bind(&addr).await {
+            Ok(l) => l,
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
+                eprintln!(
+                    "mlxd: {addr} is already in use{}; stop that process, or serve on another \
+                     port with --port (or MLXD_PORT, or `port` in mlxd.toml)",
+                    mlxd_proxy::port_owner::holder(config.server.port)
+                        .map(|h| format!(" by {h}"))
+                        .unwrap_or_default()
+                );
+                std::process::exit(1);
+            }
+            Err(e) => return Err(e).with_context(|| format!("binding {addr}")),
+        };
         // Bound first (a taken port fails at once); the default model is fetched and
         // converted before serving, with progress, so no engine load timeout can cut a
         // download short. Connections meanwhile wait in the backlog. Then its engine loads
@@ -173,18 +234,72 @@ async fn prepare_default_model(config: &mlxd_proxy::Config, json_logs: bool) {
 }
 
 /// Every verb but `serve`.
-async fn run_verb(verb: &Command) -> anyhow::Result<()> {
+async fn run_verb(verb: &Command) -> Result<(), Failure> {
+    // The server the client verbs talk to; found before anything else, so every failure can
+    // say which server was tried.
+    let client_args = match verb {
+        Command::Ps(a) => Some(&a.client),
+        Command::Ls(a) if a.server || a.client.url.is_some() => Some(&a.client),
+        Command::Stop(a) => Some(&a.client),
+        Command::Run(a) => Some(&a.client),
+        Command::Bench(a) => Some(&a.client),
+        Command::Quantize(a) => Some(&a.client),
+        Command::Jobs(a) => Some(&a.client),
+        Command::Serve(_)
+        | Command::Ls(_)
+        | Command::Pull(_)
+        | Command::Rm(_)
+        | Command::Show(_) => None,
+    };
+    let target = match client_args {
+        Some(c) => Some(
+            c.target()
+                .map_err(|e| Failure::usage(format!("finding the server: {e}")))?,
+        ),
+        None => None,
+    };
+    let t = target.as_ref();
+    let result = match (verb, t) {
+        (Command::Run(a), Some(t)) => run_chat(a, t).await,
+        (Command::Bench(a), Some(t)) => bench(a, t).await,
+        (verb, t) => other_verb(verb, t).await,
+    };
+    result.map_err(|e| Failure::of(e, t))
+}
+
+/// The verbs other than `run` and `bench`; `target` is the server of the client verbs.
+async fn other_verb(verb: &Command, target: Option<&Target>) -> anyhow::Result<()> {
+    let target = || target.context("no server for a client verb");
     match verb {
         Command::Serve(_) => anyhow::bail!("serve is not a client verb"),
+        Command::Run(_) | Command::Bench(_) => anyhow::bail!("run and bench have their own paths"),
         Command::Ps(a) => {
-            let engines = a.server().json("GET", "/engines", None).await?;
-            print!("{}", client::ps_table(&engines));
+            let engines = target()?
+                .server()
+                .json("GET", "/engines", None)
+                .await
+                .context("listing the engines")?;
+            if a.json {
+                println!("{}", serde_json::to_string_pretty(&engines)?);
+            } else {
+                print!("{}", client::ps_table(&engines, a.verbose));
+            }
         }
         Command::Ls(a) if a.server || a.client.url.is_some() => {
-            let server = a.client.server();
-            let engines = server.json("GET", "/engines", None).await?;
-            let models = server.json("GET", "/v1/models", None).await?;
-            print!("{}", client::ls_table(&engines, &models));
+            let server = target()?.server();
+            let engines = server
+                .json("GET", "/engines", None)
+                .await
+                .context("listing the server's models")?;
+            let models = server
+                .json("GET", "/v1/models", None)
+                .await
+                .context("listing the server's models")?;
+            if a.json {
+                println!("{}", serde_json::to_string_pretty(&engines)?);
+            } else {
+                print!("{}", client::ls_table(&engines, &models, a.verbose));
+            }
         }
         Command::Ls(a) => {
             let opts = a.store.options()?;
@@ -200,30 +315,7 @@ async fn run_verb(verb: &Command) -> anyhow::Result<()> {
                 print!("{}", client::store_table(&models));
             }
         }
-        Command::Pull(a) => {
-            let mut opts = a.store.options()?;
-            opts.progress = mlxd_proxy::progress::to_stderr(false);
-            let spec = a.model.clone();
-            eprintln!("mlxd: pulling {spec} (downloads and conversions can take minutes)");
-            let start = Instant::now();
-            // The store blocks (file locks, downloads, conversion): off the async threads.
-            let resolved =
-                tokio::task::spawn_blocking(move || mlxd_store::resolve_model_with(&spec, &opts))
-                    .await??;
-            if let Some(missing) = mlxd_store::inventory::incomplete(&resolved.dir) {
-                anyhow::bail!(
-                    "{} is not a complete model: {missing}",
-                    resolved.dir.display()
-                );
-            }
-            println!(
-                "{} ready in {:.1} s: {} ({})",
-                resolved.id,
-                start.elapsed().as_secs_f64(),
-                resolved.dir.display(),
-                mlxd_store::inventory::format_of(&resolved.dir)
-            );
-        }
+        Command::Pull(a) => pull(a).await?,
         Command::Rm(a) => {
             let opts = a.store.options()?;
             let removed = mlxd_store::inventory::remove(&a.model, &opts)?;
@@ -239,25 +331,30 @@ async fn run_verb(verb: &Command) -> anyhow::Result<()> {
         }
         Command::Stop(a) => {
             let path = format!("/admin/models/{}/unload", a.model);
-            let v = a.client.server().json("POST", &path, None).await?;
+            let v = target()?
+                .server()
+                .json("POST", &path, None)
+                .await
+                .with_context(|| format!("stopping {}", a.model))?;
             println!(
                 "{}: {}",
                 v["model"].as_str().unwrap_or(&a.model),
                 v["state"].as_str().unwrap_or("stopped")
             );
         }
-        Command::Run(a) => run_chat(a).await?,
-        Command::Bench(a) => bench(a).await?,
-        Command::Quantize(a) => quantize(a).await?,
+        Command::Quantize(a) => quantize(a, target()?).await?,
         Command::Jobs(a) => {
-            let tasks = mlxd_client::TaskClient::new(a.client.client()?);
+            let tasks = mlxd_client::TaskClient::new(target()?.client()?);
             match &a.action {
                 None => print!(
                     "{}",
                     mlxd_proxy::jobs::display::jobs_table(&tasks.list().await?)
                 ),
                 Some(JobsAction::Cancel { id }) => {
-                    let job = tasks.cancel(id).await?;
+                    let job = tasks
+                        .cancel(id)
+                        .await
+                        .with_context(|| format!("cancelling job {id}"))?;
                     println!("{} {}", job.id, job.state.as_str());
                 }
             }
@@ -266,10 +363,36 @@ async fn run_verb(verb: &Command) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `mlxd pull`: fetches into the store, with progress.
+async fn pull(a: &mlxd_proxy::cli::PullArgs) -> anyhow::Result<()> {
+    let mut opts = a.store.options()?;
+    opts.progress = mlxd_proxy::progress::to_stderr(false);
+    let spec = a.model.clone();
+    eprintln!("mlxd: pulling {spec} (downloads and conversions can take minutes)");
+    let start = Instant::now();
+    // The store blocks (file locks, downloads, conversion): off the async threads.
+    let resolved =
+        tokio::task::spawn_blocking(move || mlxd_store::resolve_model_with(&spec, &opts)).await??;
+    if let Some(missing) = mlxd_store::inventory::incomplete(&resolved.dir) {
+        anyhow::bail!(
+            "{} is not a complete model: {missing}",
+            resolved.dir.display()
+        );
+    }
+    println!(
+        "{} ready in {:.1} s: {} ({})",
+        resolved.id,
+        start.elapsed().as_secs_f64(),
+        resolved.dir.display(),
+        mlxd_store::inventory::format_of(&resolved.dir)
+    );
+    Ok(())
+}
+
 /// `mlxd quantize`: submits the job, follows it with a progress bar (plain lines when stderr
 /// is not a terminal), and cancels it on Ctrl-C.
-async fn quantize(a: &QuantizeArgs) -> anyhow::Result<()> {
-    let tasks = mlxd_client::TaskClient::new(a.client.client()?);
+async fn quantize(a: &QuantizeArgs, target: &Target) -> anyhow::Result<()> {
+    let tasks = mlxd_client::TaskClient::new(target.client()?);
     // The server resolves paths: send an existing local path absolute.
     let model = match std::fs::canonicalize(&a.model) {
         Ok(p) if p.is_dir() => p.display().to_string(),
@@ -328,131 +451,123 @@ async fn quantize(a: &QuantizeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A chat request of `mlxd run`'s flags for `messages`.
-fn chat_request(a: &RunArgs, messages: &[ChatMessage]) -> ChatCompletionRequest {
-    let mut request = ChatCompletionRequest {
-        model: Some(a.model.clone()),
-        messages: messages.to_vec(),
-        ..Default::default()
+/// `mlxd run`: one streamed answer (to the prompt, piped stdin, or both), or a chat on the
+/// terminal that keeps the conversation.
+async fn run_chat(a: &RunArgs, target: &Target) -> anyhow::Result<()> {
+    let client = target.client()?;
+    let settings = repl::command::ChatSettings {
+        system: a.system.clone(),
+        temperature: a.temperature,
+        top_p: a.top_p,
+        top_k: a.top_k,
+        seed: a.seed,
+        max_tokens: a.max_tokens,
+        verbose: a.verbose,
     };
-    request.params.max_tokens = Some(i64::from(a.max_tokens));
-    request.params.temperature = a.temperature.map(f64::from);
-    request
-}
-
-/// Streams one answer through `mlxd-client`, calling `on_text` with each piece, and returns it
-/// with its timings (usage asked for, so the token count is the server's).
-async fn chat_stream(
-    client: &mlxd_client::Client,
-    mut request: ChatCompletionRequest,
-    mut on_text: impl FnMut(&str),
-) -> anyhow::Result<client::Streamed> {
-    request.params.stream_options = Some(mlxd_protocol::openai::StreamOptions {
-        include_usage: Some(true),
-    });
-    let start = Instant::now();
-    let mut out = client::Streamed {
-        text: String::new(),
-        first_token: None,
-        elapsed: std::time::Duration::ZERO,
-        completion_tokens: None,
-        finish_reason: None,
-    };
-    let mut chunks = client.stream(request).await?;
-    while let Some(chunk) = chunks.next().await {
-        let chunk = chunk?;
-        if let Some(usage) = &chunk.usage {
-            out.completion_tokens = Some(usage.completion_tokens);
+    let stdin_piped = !std::io::stdin().is_terminal();
+    if a.prompt.is_some() || stdin_piped {
+        let mut piped = String::new();
+        if stdin_piped {
+            std::io::stdin()
+                .read_to_string(&mut piped)
+                .context("reading the piped input")?;
         }
-        for choice in chunk.choices {
-            if let Some(r) = choice.finish_reason {
-                out.finish_reason = Some(r);
-            }
-            if let Some(piece) = choice.delta.content.filter(|p| !p.is_empty()) {
-                out.first_token.get_or_insert_with(|| start.elapsed());
-                out.text.push_str(&piece);
-                on_text(&piece);
-            }
-        }
-    }
-    out.elapsed = start.elapsed();
-    Ok(out)
-}
-
-/// `mlxd run`: one streamed answer, or a chat that keeps the conversation.
-async fn run_chat(a: &RunArgs) -> anyhow::Result<()> {
-    let client = a.client.client()?;
-    let mut messages: Vec<ChatMessage> = Vec::new();
-    if let Some(s) = &a.system {
-        messages.push(ChatMessage::new(Role::System, s.clone()));
-    }
-    let print = |piece: &str| {
-        let mut out = std::io::stdout().lock();
-        let _ = out.write_all(piece.as_bytes());
-        let _ = out.flush();
-    };
-    if let Some(prompt) = &a.prompt {
-        messages.push(ChatMessage::new(Role::User, prompt.clone()));
-        let answer = chat_stream(&client, chat_request(a, &messages), print).await?;
-        println!();
-        if answer.finish_reason.as_deref() == Some("length") {
-            eprintln!("mlxd: the answer reached --max-tokens {}", a.max_tokens);
-        }
-        return Ok(());
-    }
-    let interactive = std::io::stdin().is_terminal();
-    if interactive {
-        eprintln!(
-            "Chatting with {} at {}. An empty line or Ctrl-D ends the chat.",
-            a.model,
-            a.client.url()
-        );
-    }
-    let (lines_tx, mut lines) = tokio::sync::mpsc::channel::<std::io::Result<String>>(1);
-    // Stdin is read on its own thread; a line is only asked for after the previous answer.
-    std::thread::spawn(move || {
-        for line in std::io::stdin().lock().lines() {
-            if lines_tx.blocking_send(line).is_err() {
-                break;
-            }
-        }
-    });
-    loop {
-        if interactive {
-            eprint!(">>> ");
-        }
-        let Some(line) = lines.recv().await else {
-            break;
+        let Some(prompt) = repl::input::piped_prompt(a.prompt.as_deref(), &piped) else {
+            return Err(anyhow::Error::new(
+                mlxd_proxy::config::ConfigError::Setting {
+                    field: "mlxd run".into(),
+                    message: "nothing to send: no prompt and the piped input is empty".into(),
+                },
+            ));
         };
-        let line = line.context("reading stdin")?;
-        if line.trim().is_empty() {
-            break;
-        }
-        messages.push(ChatMessage::new(Role::User, line));
-        let answer = chat_stream(&client, chat_request(a, &messages), print).await?;
-        println!();
-        messages.push(ChatMessage::new(Role::Assistant, answer.text));
+        let chat = repl::Chat {
+            client: &client,
+            model: a.model.clone(),
+            shown_model: a.model.clone().unwrap_or_default(),
+            server: target.describe(),
+        };
+        return repl::one_shot(&chat, &settings, prompt)
+            .await
+            .map(|_| ())
+            .map_err(chat_error);
     }
-    Ok(())
+    // Ask for the models first: an unreachable server fails before the prompt appears, and
+    // the default model gets its name.
+    let models = target
+        .server()
+        .json("GET", "/v1/models", None)
+        .await
+        .context("listing the server's models")?;
+    let shown_model = match &a.model {
+        Some(m) => m.clone(),
+        None => models["data"]
+            .as_array()
+            .and_then(|d| d.iter().find(|m| m["default"] == true).or(d.first()))
+            .and_then(|m| m["id"].as_str())
+            .unwrap_or("the default model")
+            .to_string(),
+    };
+    let chat = repl::Chat {
+        client: &client,
+        model: a.model.clone(),
+        shown_model,
+        server: target.describe(),
+    };
+    repl::interactive(&chat, settings).await.map_err(chat_error)
 }
 
-/// `mlxd bench`: a warm-up request, then `requests` timed streamed ones.
-async fn bench(a: &BenchArgs) -> anyhow::Result<()> {
-    let client = a.client.client()?;
-    let mut request = ChatCompletionRequest {
-        model: Some(a.model.clone()),
-        messages: vec![ChatMessage::new(Role::User, a.prompt.clone())],
-        ..Default::default()
+/// A chat's error for [`Failure::of`]: a client error as itself, so it is classified.
+fn chat_error(e: repl::ChatError) -> anyhow::Error {
+    match e {
+        repl::ChatError::Client(c) => anyhow::Error::new(c),
+        other => anyhow::Error::new(other),
+    }
+}
+
+/// `mlxd bench`: a warm-up request, then `requests` runs of the prompt cold (behind a prefix
+/// no earlier request had, so the prompt cache cannot serve it) and again cached.
+async fn bench(a: &BenchArgs, target: &Target) -> anyhow::Result<()> {
+    let client = target.client()?;
+    let request = |prefix: &str| {
+        let mut r = ChatCompletionRequest {
+            model: Some(a.model.clone()),
+            messages: vec![ChatMessage::new(
+                Role::User,
+                format!("{prefix}{}", a.prompt),
+            )],
+            ..Default::default()
+        };
+        r.params.max_tokens = Some(i64::from(a.max_tokens));
+        r.params.temperature = Some(0.0);
+        r
     };
-    request.params.max_tokens = Some(i64::from(a.max_tokens));
-    request.params.temperature = Some(0.0);
-    eprintln!("mlxd: warming up {} at {}", a.model, a.client.url());
-    chat_stream(&client, request.clone(), |_| {}).await?;
+    // Different on every run of the command too, so no earlier bench warms the cache.
+    let nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let once = |r: ChatCompletionRequest| {
+        let client = &client;
+        async move {
+            let mut painter = repl::answer::Painter::new(false);
+            repl::answer::stream(client, r, &mut painter, false, std::future::pending()).await
+        }
+    };
+    eprintln!("mlxd: warming up {} at {}", a.model, target.describe());
+    once(request(&format!("[warm-up {nonce}] "))).await?;
     let mut runs = Vec::new();
     for i in 0..a.requests {
-        eprintln!("mlxd: request {} of {}", i + 1, a.requests);
-        runs.push(chat_stream(&client, request.clone(), |_| {}).await?);
+        eprintln!("mlxd: run {} of {}", i + 1, a.requests);
+        let prompt = request(&format!("[run {} {nonce}] ", i + 1));
+        let cold = once(prompt.clone()).await?;
+        let cached = once(prompt).await?;
+        runs.push(client::BenchRun { cold, cached });
     }
     print!("{}", client::bench_table(&runs));
+    if runs
+        .iter()
+        .all(|r| r.cold.cached_tokens.is_none() && r.cached.cached_tokens.is_none())
+    {
+        eprintln!("mlxd: the server reported no prompt-cache counts; CACHE is what was sent");
+    }
     Ok(())
 }
