@@ -1,0 +1,17 @@
+//! Start-up glue for the `mlxd-engine` binary: resolve the model, load it on the MLX thread,
+//! serve HTTP on a unix socket, and (under `mlxd`) speak the control channel.
+mod load;
+mod options;
+mod standalone;
+mod supervised;
+
+pub use crate::start_error::StartError;
+pub use load::{load, load_reporting, store_event_progress, Engine};
+pub use options::{launch_options, runtime_options, DraftChoice, DraftOptions, LaunchOptions};
+pub use standalone::serve_standalone;
+pub use supervised::{run_supervised, worth_reporting};
+
+/// The engine options `mlxd` passes in `Launch.options` (`[server.engine_options]` and a
+/// model's `options` in `mlxd.toml`), each with what it takes: the one definition in
+/// `mlxd_protocol::engine_options`.
+pub use mlxd_protocol::engine_options::KEYS as ENGINE_OPTIONS;
