@@ -352,6 +352,48 @@ pub struct TokenIds {
     pub token_ids: Vec<u32>,
 }
 
+/// The SSE comment line that starts each streamed choice chunk from the engine:
+/// `: mlxd {"token_ids":[...],"finish":true}\n`, followed by the chunk's `data:` line.
+///
+/// Streamed chunks carry their token ids here rather than in the chunk's JSON, so the proxy
+/// records them from this short line and forwards the rest of the event as bytes, without
+/// parsing and re-serializing the chunk (SSE clients ignore comment lines, so even an
+/// unfiltered stream stays valid). Events with this line are choice chunks only: never the
+/// opening `role` chunk, a usage chunk or an error. A chunk that still carries `mlxd` in its
+/// JSON (an engine from before this line) is read the old way.
+pub const SSE_META_PREFIX: &str = ": mlxd ";
+
+/// What the [`SSE_META_PREFIX`] line says about its event's (single) choice.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EventMeta {
+    /// The ids of the tokens whose text the chunk carries (may be empty).
+    pub token_ids: Vec<u32>,
+    /// The chunk has a `finish_reason`: the choice is over.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub finish: bool,
+}
+
+impl EventMeta {
+    /// The whole comment line, newline included.
+    pub fn line(&self) -> String {
+        let mut out = String::from(SSE_META_PREFIX);
+        // A struct of numbers and a bool always serializes.
+        out.push_str(&serde_json::to_string(self).unwrap_or_default());
+        out.push('\n');
+        out
+    }
+
+    /// Splits an event into its meta line's content and the offset where the rest (the
+    /// `data:` line) starts; `None` when the event does not start with a meta line.
+    /// `Some(Err)` when it does but the line does not parse.
+    pub fn split(event: &[u8]) -> Option<(Result<Self, serde_json::Error>, usize)> {
+        let rest = event.strip_prefix(SSE_META_PREFIX.as_bytes())?;
+        let end = rest.iter().position(|&b| b == b'\n')?;
+        let meta = serde_json::from_slice(&rest[..end]);
+        Some((meta, SSE_META_PREFIX.len() + end + 1))
+    }
+}
+
 /// Non-streaming `/v1/chat/completions` response.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ChatCompletionResponse {
@@ -536,6 +578,26 @@ pub struct ModelObject {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn event_meta_line_round_trips_and_splits() {
+        let m = EventMeta {
+            token_ids: vec![3, 4],
+            finish: true,
+        };
+        let ev = format!("{}data: {{}}\n\n", m.line());
+        assert!(ev.starts_with(": mlxd {\"token_ids\":[3,4],\"finish\":true}\n"));
+        let (got, at) = EventMeta::split(ev.as_bytes()).unwrap();
+        assert_eq!(got.unwrap(), m);
+        assert_eq!(&ev[at..], "data: {}\n\n");
+        let plain = EventMeta::default().line();
+        assert_eq!(plain, ": mlxd {\"token_ids\":[]}\n");
+        assert!(EventMeta::split(b"data: {}\n\n").is_none());
+        assert!(EventMeta::split(b": mlxd nope\ndata: {}\n\n")
+            .unwrap()
+            .0
+            .is_err());
+    }
 
     #[test]
     fn chat_request_with_string_and_part_contents() {

@@ -27,7 +27,7 @@ use crate::engine::DeathWatch;
 use crate::error::ProxyError;
 use crate::metrics::{Metrics, RequestTap};
 use crate::pool::{Lease, PoolHandle};
-use crate::resume::{NotResumable, Resume, ResumeRecord};
+use crate::resume::{self, NotResumable, Resume, ResumeRecord};
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type ProxyRequestBody = http_body_util::combinators::BoxBody<Bytes, BoxError>;
@@ -380,16 +380,19 @@ impl ProxyBody {
     }
 
     /// One event from the engine on its way to the client.
+    /// The engine's meta line is cut off here, once, and its content shared by the resume
+    /// record and the tap (neither then parses the chunk on a healthy stream).
     fn pass_event(&mut self, ev: Bytes) {
+        let (meta, ev) = resume::split_meta(ev);
         let ev = match self.resume.as_mut() {
-            Some(r) => match r.record.client_event(ev) {
+            Some(r) => match r.record.client_event(ev, meta.as_ref()) {
                 Some(ev) => ev,
                 None => return,
             },
             None => ev,
         };
         if let Some(tap) = self.tap.as_mut() {
-            tap.event(&ev);
+            tap.event(&ev, meta.as_ref().and_then(|m| m.as_ref().ok()));
         }
         self.queued.push_back(ev);
     }

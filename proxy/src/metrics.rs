@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use mlxd_protocol::control::SsdStats;
+use mlxd_protocol::openai::EventMeta;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -392,8 +393,18 @@ impl RequestTap {
         }
     }
 
-    /// One whole SSE event.
-    pub fn event(&mut self, ev: &Bytes) {
+    /// One whole SSE event, with what its meta line said (see `resume::split_meta`).
+    /// An event with a meta line is a choice chunk (never usage or an error), so its
+    /// tokens are counted from the line without reading the chunk.
+    pub fn event(&mut self, ev: &Bytes, meta: Option<&EventMeta>) {
+        if let Some(meta) = meta {
+            if !meta.token_ids.is_empty() {
+                // The first token, not a role-only or metadata chunk.
+                self.mark_first();
+                self.chunks += meta.token_ids.len() as u64;
+            }
+            return;
+        }
         if is_last_event(ev) {
             self.ended = true;
         }
@@ -544,9 +555,9 @@ mod tests {
             ),
         ] {
             let mut t = RequestTap::new(m.clone(), "a", 200, Instant::now(), true);
-            t.event(&chunk);
+            t.event(&chunk, None);
             if let Some(l) = last {
-                t.event(&Bytes::copy_from_slice(l));
+                t.event(&Bytes::copy_from_slice(l), None);
             }
             assert_eq!(t.ended, ended, "{last:?}");
         }
@@ -565,20 +576,24 @@ mod tests {
         {
             let mut t = RequestTap::new(m.clone(), "a", 200, Instant::now(), true);
             for _ in 0..4 {
-                t.event(&Bytes::from_static(
-                    b"data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\n",
-                ));
+                t.event(
+                    &Bytes::from_static(
+                        b"data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\n",
+                    ),
+                    None,
+                );
             }
-            t.event(&Bytes::from_static(b"data: [DONE]\n\n"));
+            t.event(&Bytes::from_static(b"data: [DONE]\n\n"), None);
         }
         {
             let mut t = RequestTap::new(m.clone(), "b", 200, Instant::now(), true);
-            t.event(&Bytes::from_static(
-                b"data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\n",
-            ));
+            t.event(
+                &Bytes::from_static(b"data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\n"),
+                None,
+            );
             t.event(&Bytes::from_static(
                 b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":2,\"completion_tokens\":9}}\n\n",
-            ));
+            ), None);
         }
         m.record_failure("b", 503, Instant::now());
         let text = m.encode();

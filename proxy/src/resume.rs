@@ -3,21 +3,30 @@
 //! body of the continuation it sends to the restarted engine. Pure functions over bytes,
 //! no I/O; `forward.rs` drives them.
 //!
-//! The engine tags every generated choice with `"mlxd": {"token_ids": [...]}` and accepts
-//! `"mlxd": {"resume_token_ids": [...]}` to continue a response whose first tokens were
-//! already sent (their text is not sent again, they count towards `max_tokens` and
-//! `usage`, seeded sampling continues at the same point of its random stream). The proxy
-//! records the ids of every chunk it passes on, strips the field, and, after a crash,
-//! resubmits the request with those ids; the continuation's chunks get the first
-//! response's `id` and `created`, so the client sees one response.
+//! The engine reports the ids of the tokens behind each streamed chunk in an SSE comment
+//! line that opens the chunk's event (`: mlxd {"token_ids":[...],"finish":true}`, see
+//! [`EventMeta`]), and those of a whole response in each choice's `"mlxd": {"token_ids"}`.
+//! It accepts `"mlxd": {"resume_token_ids": [...]}` to continue a response whose first
+//! tokens were already sent (their text is not sent again, they count towards `max_tokens`
+//! and `usage`, seeded sampling continues at the same point of its random stream). The
+//! proxy records the ids of every chunk it passes on, and, after a crash, resubmits the
+//! request with those ids; the continuation's chunks get the first response's `id` and
+//! `created`, so the client sees one response.
 //!
-//! Chunks are parsed into the protocol's own types and serialized again: the engine
-//! serializes those same types, so a chunk without its `mlxd` field comes out as the
-//! engine would have written it.
+//! A healthy stream passes as bytes: [`split_meta`] cuts the comment line off (a slice, no
+//! copy), the record reads the ids from that line, and the chunk's JSON is neither parsed
+//! nor rewritten. Chunks are parsed only where they must change or say something the line
+//! does not: the first data event (it gives the response's identity), every event of a
+//! continuation (its `id`/`created` are rewritten, a repeated opening chunk dropped), and
+//! events without the line (opening, usage, errors). Those are parsed into the protocol's
+//! own types and serialized again only when changed; the engine serializes those same
+//! types, so a rewritten chunk comes out as the engine would have written it. A chunk whose
+//! JSON still carries `mlxd` (an engine from before the comment line) takes that slower
+//! path and has the field removed, so an old engine binary still resumes correctly.
 
 use bytes::Bytes;
 use mlxd_protocol::openai::{
-    ChatCompletionChunk, ChatCompletionResponse, CompletionResponse, TokenIds, SSE_DONE,
+    ChatCompletionChunk, ChatCompletionResponse, CompletionResponse, EventMeta, TokenIds, SSE_DONE,
 };
 use mlxd_protocol::request::{RequestFacts, Route};
 use serde_json::Value;
@@ -147,24 +156,61 @@ impl ResumeRecord {
         self.done || self.errored
     }
 
-    /// Rewrites one whole SSE event from the engine for the client: the `mlxd` field
-    /// removed, the first response's `id`/`created`, and a repeated opening chunk
-    /// dropped (`None`). Records the token ids the event carries.
-    pub fn client_event(&mut self, event: Bytes) -> Option<Bytes> {
+    /// Rewrites one whole SSE event from the engine for the client (its meta line already
+    /// cut off by [`split_meta`], its content in `meta`): the `mlxd` field of an old
+    /// engine's chunk removed, the first response's `id`/`created`, and a repeated opening
+    /// chunk dropped (`None`). Records the token ids the event carries.
+    pub fn client_event(&mut self, event: Bytes, meta: Option<&MetaLine>) -> Option<Bytes> {
+        let given = match meta {
+            Some(Ok(meta)) => {
+                if self.identity.is_some() && self.resumes == 0 {
+                    // The hot path: the first response, its identity known, nothing to
+                    // rewrite; the chunk's bytes pass unread.
+                    self.finished |= meta.finish;
+                    self.sent.extend_from_slice(&meta.token_ids);
+                    return Some(event);
+                }
+                Some(meta)
+            }
+            Some(Err(())) => {
+                // A meta line that does not parse: which tokens the client has is unknown.
+                self.unknown = true;
+                return Some(event);
+            }
+            None => None,
+        };
+        self.parsed_event(event, given)
+    }
+
+    /// [`Self::client_event`] for an event whose chunk must be read: `given` is its meta
+    /// line, if it had one.
+    fn parsed_event(&mut self, event: Bytes, given: Option<&EventMeta>) -> Option<Bytes> {
         let Some(data) = single_data(&event) else {
+            if given.is_some() {
+                self.unknown = true;
+            }
             return Some(event);
         };
         if data == SSE_DONE {
             self.done = true;
             return Some(event);
         }
+        // The meta line's ids belong to the event's single choice.
+        let mut given = given.map(|m| {
+            self.finished |= m.finish;
+            TokenIds {
+                token_ids: m.token_ids.clone(),
+            }
+        });
+        let had_meta = given.is_some();
         let rewritten = match self.endpoint {
             Endpoint::Chat => match serde_json::from_str::<ChatCompletionChunk>(data) {
                 Ok(mut chunk) => {
-                    let opening = chunk
-                        .choices
-                        .iter()
-                        .any(|c| c.delta.role.is_some() && c.mlxd.is_none());
+                    let opening = !had_meta
+                        && chunk
+                            .choices
+                            .iter()
+                            .any(|c| c.delta.role.is_some() && c.mlxd.is_none());
                     if opening && self.opened {
                         return None;
                     }
@@ -172,7 +218,12 @@ impl ResumeRecord {
                     let mut changed = self.take_identity(&mut chunk.id, &mut chunk.created);
                     for c in &mut chunk.choices {
                         let text = c.delta.content.as_deref().unwrap_or_default();
-                        changed |= self.take_ids(c.mlxd.take(), text, c.finish_reason.is_some());
+                        let (ids, inline) = match c.mlxd.take() {
+                            Some(ids) => (Some(ids), true),
+                            None => (given.take(), false),
+                        };
+                        changed |= inline;
+                        self.take_ids(ids, text, c.finish_reason.is_some());
                     }
                     Some(
                         changed
@@ -186,7 +237,12 @@ impl ResumeRecord {
                 Ok(mut chunk) => {
                     let mut changed = self.take_identity(&mut chunk.id, &mut chunk.created);
                     for c in &mut chunk.choices {
-                        changed |= self.take_ids(c.mlxd.take(), &c.text, c.finish_reason.is_some());
+                        let (ids, inline) = match c.mlxd.take() {
+                            Some(ids) => (Some(ids), true),
+                            None => (given.take(), false),
+                        };
+                        changed |= inline;
+                        self.take_ids(ids, &c.text, c.finish_reason.is_some());
                     }
                     Some(
                         changed
@@ -208,7 +264,7 @@ impl ResumeRecord {
             None => {
                 // An error event (the engine failed the request itself) ends the stream;
                 // anything else unreadable makes the record's view of the stream unsure.
-                if is_error_event(data) {
+                if !had_meta && is_error_event(data) {
                     self.errored = true;
                 } else {
                     self.unknown = true;
@@ -297,23 +353,31 @@ impl ResumeRecord {
         changed
     }
 
-    /// Records one choice's token ids; true if it carried the extension (now removed).
-    /// Text without ids (an engine that does not report them) leaves the record unsure
-    /// of what the client has, so the request is then not resumable.
-    fn take_ids(&mut self, ids: Option<TokenIds>, text: &str, finish: bool) -> bool {
+    /// Records one choice's token ids. Text without ids (an engine that does not report
+    /// them) leaves the record unsure of what the client has, so the request is then not
+    /// resumable.
+    fn take_ids(&mut self, ids: Option<TokenIds>, text: &str, finish: bool) {
         self.finished |= finish;
         match ids {
-            Some(ids) => {
-                self.sent.extend(ids.token_ids);
-                true
-            }
+            Some(ids) => self.sent.extend(ids.token_ids),
             None => {
                 if !text.is_empty() {
                     self.unknown = true;
                 }
-                false
             }
         }
+    }
+}
+
+/// What an event's meta line said: its content, or `Err` when it did not parse.
+pub type MetaLine = Result<EventMeta, ()>;
+
+/// Cuts the engine's meta line (see [`EventMeta`]) off an event: the line's content, if the
+/// event had one, and the event the client gets (a slice of the same bytes).
+pub fn split_meta(event: Bytes) -> (Option<MetaLine>, Bytes) {
+    match EventMeta::split(&event) {
+        Some((meta, at)) => (Some(meta.map_err(|_| ())), event.slice(at..)),
+        None => (None, event),
     }
 }
 
@@ -345,6 +409,12 @@ mod tests {
             return None;
         };
         ResumeRecord::new(&facts, request, max_resumes)
+    }
+
+    /// One event through the record as `forward.rs` passes it.
+    fn pass(r: &mut ResumeRecord, event: Bytes) -> Option<Bytes> {
+        let (meta, event) = split_meta(event);
+        r.client_event(event, meta.as_ref())
     }
 
     fn ev(v: Value) -> Bytes {
@@ -389,7 +459,7 @@ mod tests {
     #[test]
     fn strips_the_extension_and_records_ids() {
         let mut r = record(json!({"stream": true, "messages": []}));
-        let out = r.client_event(ev(chat_chunk("a", Some("Hi"), &[5, 6], None)));
+        let out = pass(&mut r, ev(chat_chunk("a", Some("Hi"), &[5, 6], None)));
         let v = data(&out.unwrap());
         assert!(v["choices"][0].get("mlxd").is_none(), "{v}");
         assert_eq!(v["choices"][0]["delta"]["content"], "Hi");
@@ -409,7 +479,7 @@ mod tests {
         let engine_bytes =
             serde_json::to_string(&serde_json::from_value::<ChatCompletionChunk>(without).unwrap())
                 .unwrap();
-        let out = r.client_event(ev(with)).unwrap();
+        let out = pass(&mut r, ev(with)).unwrap();
         assert_eq!(out, mlxd_ipc::sse::data_event(&engine_bytes));
     }
 
@@ -418,9 +488,9 @@ mod tests {
         let mut r = record(
             json!({"stream": true, "messages": [{"role": "user", "content": "q"}], "seed": 3}),
         );
-        assert!(r.client_event(ev(opening("first"))).is_some());
-        r.client_event(ev(chat_chunk("first", Some("a"), &[10], None)));
-        r.client_event(ev(chat_chunk("first", Some("b"), &[11, 12], None)));
+        assert!(pass(&mut r, ev(opening("first"))).is_some());
+        pass(&mut r, ev(chat_chunk("first", Some("a"), &[10], None)));
+        pass(&mut r, ev(chat_chunk("first", Some("b"), &[11, 12], None)));
         let Resume::Continue(body) = r.resume() else {
             panic!("expected a continuation")
         };
@@ -429,7 +499,7 @@ mod tests {
         assert_eq!(body["seed"], 3);
         assert_eq!(body["messages"][0]["content"], "q");
         // The new engine's chunks carry its own id; the client sees the first one.
-        let out = r.client_event(ev(chat_chunk("second", Some("c"), &[13], None)));
+        let out = pass(&mut r, ev(chat_chunk("second", Some("c"), &[13], None)));
         assert_eq!(data(&out.unwrap())["id"], "first");
         assert_eq!(r.sent_ids(), [10, 11, 12, 13]);
     }
@@ -437,13 +507,13 @@ mod tests {
     #[test]
     fn a_crash_before_any_token_repeats_no_opening() {
         let mut r = record(json!({"stream": true, "messages": []}));
-        r.client_event(ev(opening("first")));
+        pass(&mut r, ev(opening("first")));
         let Resume::Continue(body) = r.resume() else {
             panic!()
         };
         let body: Value = serde_json::from_slice(&body).unwrap();
         assert!(body.get("mlxd").is_none(), "{body}");
-        assert!(r.client_event(ev(opening("second"))).is_none());
+        assert!(pass(&mut r, ev(opening("second"))).is_none());
     }
 
     #[test]
@@ -451,19 +521,19 @@ mod tests {
         let mut r =
             record(json!({"stream": true, "messages": [], "mlxd": {"resume_token_ids": [1, 2]}}));
         // The engine sends no opening chunk for a resumed request, and none is expected.
-        r.client_event(ev(chat_chunk("a", Some("x"), &[3], None)));
+        pass(&mut r, ev(chat_chunk("a", Some("x"), &[3], None)));
         let Resume::Continue(body) = r.resume() else {
             panic!()
         };
         let body: Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(body["mlxd"]["resume_token_ids"], json!([1, 2, 3]));
-        assert!(r.client_event(ev(opening("b"))).is_none());
+        assert!(pass(&mut r, ev(opening("b"))).is_none());
     }
 
     #[test]
     fn end_of_stream_cases() {
         let mut r = record(json!({"stream": true, "messages": []}));
-        r.client_event(ev(chat_chunk("a", Some("x"), &[3], Some("length"))));
+        pass(&mut r, ev(chat_chunk("a", Some("x"), &[3], Some("length"))));
         assert_eq!(
             r.resume(),
             Resume::Finish(Bytes::from_static(mlxd_ipc::sse::DONE_EVENT))
@@ -471,10 +541,10 @@ mod tests {
         let mut r = record(
             json!({"stream": true, "messages": [], "stream_options": {"include_usage": true}}),
         );
-        r.client_event(ev(chat_chunk("a", Some("x"), &[3], Some("length"))));
+        pass(&mut r, ev(chat_chunk("a", Some("x"), &[3], Some("length"))));
         assert_eq!(r.resume(), Resume::Impossible(NotResumable::UsageLost));
         let mut r = record(json!({"stream": true, "messages": []}));
-        r.client_event(Bytes::from_static(b"data: [DONE]\n\n"));
+        pass(&mut r, Bytes::from_static(b"data: [DONE]\n\n"));
         assert!(r.is_complete());
         assert_eq!(r.resume(), Resume::Finish(Bytes::new()));
     }
@@ -490,7 +560,7 @@ mod tests {
         );
         let mut r = new_record("/v1/completions", br#"{"prompt":"p"}"#, 2).unwrap();
         let odd = Bytes::from_static(b"data: {\"something\":1}\n\n");
-        assert_eq!(r.client_event(odd.clone()), Some(odd));
+        assert_eq!(pass(&mut r, odd.clone()), Some(odd));
         assert_eq!(r.resume(), Resume::Impossible(NotResumable::UnknownEvent));
         // Text without token ids: what the client has is unknown.
         let mut r = new_record("/v1/completions", br#"{"prompt":"p"}"#, 2).unwrap();
@@ -500,17 +570,137 @@ mod tests {
             .to_string(),
         );
         let bare = mlxd_ipc::sse::data_event(std::str::from_utf8(&bare).unwrap());
-        assert_eq!(r.client_event(bare.clone()), Some(bare), "passed unchanged");
+        assert_eq!(pass(&mut r, bare.clone()), Some(bare), "passed unchanged");
         assert_eq!(r.resume(), Resume::Impossible(NotResumable::UnknownEvent));
         // An engine error event passes unchanged and leaves the record sure.
         let mut r = new_record("/v1/completions", br#"{"prompt":"p"}"#, 2).unwrap();
         let err = Bytes::from_static(b"data: {\"error\":{\"message\":\"x\"}}\n\n");
-        assert_eq!(r.client_event(err.clone()), Some(err));
+        assert_eq!(pass(&mut r, err.clone()), Some(err));
         assert!(r.is_complete());
         assert_eq!(r.resume(), Resume::Finish(Bytes::new()));
         // Comments and multi-line events pass through untouched.
         let c = Bytes::from_static(b": ping\n\n");
-        assert_eq!(r.client_event(c.clone()), Some(c));
+        assert_eq!(pass(&mut r, c.clone()), Some(c));
+    }
+
+    /// An event as the engine writes it: the meta line, then the chunk without `mlxd`.
+    fn meta_ev(v: Value, ids: &[u32], finish: bool) -> Bytes {
+        let mut v = v;
+        for c in v["choices"].as_array_mut().into_iter().flatten() {
+            c.as_object_mut().unwrap().remove("mlxd");
+        }
+        let meta = EventMeta {
+            token_ids: ids.to_vec(),
+            finish,
+        };
+        Bytes::from(format!("{}data: {v}\n\n", meta.line()))
+    }
+
+    #[test]
+    fn meta_line_is_cut_and_the_chunk_passes_as_its_own_bytes() {
+        let mut r = record(json!({"stream": true, "messages": []}));
+        assert!(pass(&mut r, ev(opening("a"))).is_some());
+        let chunk = chat_chunk("a", Some("Hi \"\u{e9}"), &[], None);
+        let out = pass(&mut r, meta_ev(chunk.clone(), &[5, 6], false)).unwrap();
+        assert_eq!(
+            out,
+            ev(chunk),
+            "the data line exactly as the engine wrote it"
+        );
+        assert_eq!(r.sent_ids(), [5, 6]);
+        // The finish flag of the line ends the choice: a crash now only needs the end.
+        let last = chat_chunk("a", Some("!"), &[], Some("stop"));
+        pass(&mut r, meta_ev(last, &[7], true)).unwrap();
+        assert_eq!(r.sent_ids(), [5, 6, 7]);
+        assert_eq!(
+            r.resume(),
+            Resume::Finish(Bytes::from_static(mlxd_ipc::sse::DONE_EVENT))
+        );
+    }
+
+    #[test]
+    fn continuation_with_meta_lines_keeps_identity_and_ids() {
+        let mut r = new_record("/v1/completions", br#"{"prompt":"p","stream":true}"#, 1).unwrap();
+        let chunk = |id: &str, text: &str| {
+            json!({"id": id, "object": "text_completion", "created": 1, "model": "m",
+                   "choices": [{"index": 0, "text": text, "finish_reason": null, "logprobs": null}]})
+        };
+        // The first event of a completion stream is read once, for its identity.
+        let out = pass(&mut r, meta_ev(chunk("c1", "a"), &[4], false)).unwrap();
+        assert_eq!(out, ev(chunk("c1", "a")));
+        let Resume::Continue(body) = r.resume() else {
+            panic!("expected a continuation")
+        };
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(body["mlxd"]["resume_token_ids"], json!([4]));
+        let out = pass(&mut r, meta_ev(chunk("c2", "b"), &[9], false)).unwrap();
+        assert_eq!(data(&out)["id"], "c1");
+        assert!(!out.starts_with(b":"), "no meta line reaches the client");
+        assert_eq!(r.sent_ids(), [4, 9]);
+    }
+
+    #[test]
+    fn a_broken_meta_line_makes_the_stream_unresumable() {
+        let mut r = new_record("/v1/completions", br#"{"prompt":"p","stream":true}"#, 1).unwrap();
+        let event = Bytes::from_static(b": mlxd {\"token_ids\":\"x\"}\ndata: {}\n\n");
+        assert_eq!(
+            pass(&mut r, event),
+            Some(Bytes::from_static(b"data: {}\n\n"))
+        );
+        assert_eq!(r.resume(), Resume::Impossible(NotResumable::UnknownEvent));
+    }
+
+    /// Per-event cost of the resume bookkeeping and the metrics tap on a typical chunk,
+    /// with its ids in the chunk's JSON (an old engine) and in the meta line. A measurement,
+    /// not a check: `cargo test -p mlxd-proxy resume::tests::per_event_cost -- --ignored
+    /// --nocapture`.
+    #[test]
+    #[ignore]
+    fn per_event_cost() {
+        use crate::metrics::{Metrics, RequestTap};
+        use tokio::time::Instant;
+        const N: u32 = 20_000;
+        let legacy = ev(chat_chunk(
+            "chatcmpl-0123456789abcdef",
+            Some(" token"),
+            &[12345],
+            None,
+        ));
+        let meta = mlxd_protocol::openai::EventMeta {
+            token_ids: vec![12345],
+            finish: false,
+        };
+        let mut bare = chat_chunk("chatcmpl-0123456789abcdef", Some(" token"), &[], None);
+        bare["choices"][0].as_object_mut().unwrap().remove("mlxd");
+        let with_line = Bytes::from(format!("{}data: {bare}\n\n", meta.line()));
+        println!(
+            "legacy event {} bytes, meta event {} bytes",
+            legacy.len(),
+            with_line.len()
+        );
+        for (name, event) in [
+            ("ids in the chunk", legacy),
+            ("ids in the meta line", with_line),
+        ] {
+            let metrics = std::sync::Arc::new(Metrics::new());
+            let mut r = record(json!({"stream": true, "messages": []}));
+            let mut tap = RequestTap::new(metrics, "m", 200, Instant::now(), true);
+            pass(&mut r, ev(opening("chatcmpl-0123456789abcdef")));
+            let t = Instant::now();
+            let mut out = Vec::with_capacity(N as usize);
+            for _ in 0..N {
+                let (meta, event) = split_meta(event.clone());
+                out.push((r.client_event(event, meta.as_ref()).unwrap(), meta));
+            }
+            let resume = t.elapsed() / N;
+            let t = Instant::now();
+            for (o, m) in &out {
+                tap.event(o, m.as_ref().and_then(|m| m.as_ref().ok()));
+            }
+            let tapped = t.elapsed() / N;
+            assert_eq!(r.sent_ids().len(), N as usize);
+            println!("{name}: resume {resume:?}/event, tap {tapped:?}/event");
+        }
     }
 
     #[test]
@@ -518,7 +708,7 @@ mod tests {
         let mut r = new_record("/v1/completions", br#"{"prompt":"p","stream":true}"#, 1).unwrap();
         let chunk = json!({"id": "c1", "object": "text_completion", "created": 1, "model": "m",
                            "choices": [{"index": 0, "text": "t", "finish_reason": null, "logprobs": null, "mlxd": {"token_ids": [4]}}]});
-        let out = data(&r.client_event(ev(chunk)).unwrap());
+        let out = data(&pass(&mut r, ev(chunk)).unwrap());
         assert!(out["choices"][0].get("mlxd").is_none());
         assert_eq!(r.sent_ids(), [4]);
         let whole = json!({"id": "c1", "object": "text_completion", "created": 1, "model": "m",
