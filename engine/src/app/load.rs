@@ -60,9 +60,9 @@ pub fn load_reporting(
     on_oom: Option<OomHook>,
     reporter: Option<LoadReporter>,
 ) -> Result<Engine, StartError> {
-    crate::mlx_runtime::check_mlx_version().map_err(StartError::Mlx)?;
-    let request = crate::mlx_runtime::device_request_from_env().map_err(StartError::Device)?;
-    let device = crate::mlx_runtime::select_device(request).map_err(StartError::Device)?;
+    crate::device::check_mlx_version().map_err(StartError::Mlx)?;
+    let request = crate::device::device_request_from_env().map_err(StartError::Device)?;
+    let device = crate::device::select_device(request).map_err(StartError::Device)?;
     tracing::info!(device = %device, "device selected");
     let mut opts = store::StoreOptions::from_env(home);
     if let Some(report) = reporter.clone() {

@@ -119,7 +119,7 @@ fn run(spec: JobSpec, reporter: &Reporter, started: Instant) -> Result<JobResult
             staging,
             out,
         } => {
-            crate::mlx_runtime::check_mlx_version().map_err(JobError::Mlx)?;
+            crate::device::check_mlx_version().map_err(JobError::Mlx)?;
             let options = quantize::QuantizeOptions { bits, group_size };
             let bytes = quantize::quantize_dir(&source, &staging, &out, options, reporter)?;
             Ok(JobResult {

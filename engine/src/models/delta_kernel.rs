@@ -17,7 +17,7 @@ use std::sync::OnceLock;
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype, Stream};
 
-use crate::mlx_runtime::gpu_backend;
+use crate::device::gpu_backend;
 use mlxd_protocol::control::Backend;
 
 /// Threads per block.
