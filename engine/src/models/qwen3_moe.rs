@@ -13,7 +13,7 @@ use super::llama::LlamaShaped;
 use super::mlp::{FeedForward, GatedMlp};
 use super::moe::{RoutedExperts, SoftmaxRouter};
 use super::rope::{refuse_rope_scaling, ScaledRope};
-use super::switch::{stack_experts, top_k_tail, HF_EXPERT_PROJECTIONS};
+use super::switch::{stack_layer_experts, top_k_tail};
 use super::CausalLm;
 use crate::loader::{LoadError, Weights};
 
@@ -69,14 +69,11 @@ pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadE
             "{FAMILY}: decoder_sparse_step must be at least 1"
         )));
     }
-    for layer in (0..c.num_hidden_layers).filter(|&l| c.is_sparse(l)) {
-        stack_experts(
-            w,
-            &format!("model.layers.{layer}.mlp"),
-            c.num_experts as usize,
-            &HF_EXPERT_PROJECTIONS,
-        )?;
-    }
+    stack_layer_experts(
+        w,
+        (0..c.num_hidden_layers).filter(|&l| c.is_sparse(l)),
+        c.num_experts as usize,
+    )?;
     LlamaShaped {
         config,
         stack: Stack::llama_like(

@@ -25,7 +25,7 @@ use super::moe::{RoutedExperts, SharedExperts, SoftmaxRouter};
 use super::params::{Parameters, Params};
 use super::rope::{initialize_rope, ScaledRope};
 use super::scalar::weak_scalar;
-use super::switch::{stack_experts, top_k_tail, HF_EXPERT_PROJECTIONS};
+use super::switch::{stack_layer_experts, top_k_tail};
 use super::CausalLm;
 use crate::cache::{LayerCache, LayerKind};
 use crate::loader::{LoadError, Weights};
@@ -406,14 +406,11 @@ pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadE
     let unconverted = (0..c.num_hidden_layers)
         .any(|l| w.contains(&format!("model.layers.{l}.mlp.experts.0.up_proj.weight")));
     if unconverted {
-        for layer in (0..c.num_hidden_layers).filter(|&l| c.is_sparse(l)) {
-            stack_experts(
-                w,
-                &format!("model.layers.{layer}.mlp"),
-                c.num_experts as usize,
-                &HF_EXPERT_PROJECTIONS,
-            )?;
-        }
+        stack_layer_experts(
+            w,
+            (0..c.num_hidden_layers).filter(|&l| c.is_sparse(l)),
+            c.num_experts as usize,
+        )?;
         convert_hf_layout(w, true)?;
     }
     let rope = initialize_rope(

@@ -232,6 +232,24 @@ pub const HF_EXPERT_PROJECTIONS: [(&str, &str); 3] = [
 pub const MIXTRAL_EXPERT_PROJECTIONS: [(&str, &str); 3] =
     [("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")];
 
+/// [`stack_experts`] over `model.layers.{l}.mlp` of each of `layers` (a family's sparse
+/// layers), in the Qwen-style names (`experts.{e}.{gate,up,down}_proj`).
+pub fn stack_layer_experts(
+    w: &mut Weights,
+    layers: impl IntoIterator<Item = usize>,
+    num_experts: usize,
+) -> std::result::Result<(), LoadError> {
+    for layer in layers {
+        stack_experts(
+            w,
+            &format!("model.layers.{layer}.mlp"),
+            num_experts,
+            &HF_EXPERT_PROJECTIONS,
+        )?;
+    }
+    Ok(())
+}
+
 /// The sanitize step of mlx-lm's MoE families: when a checkpoint holds one tensor per expert
 /// (`<moe>.experts.{e}.<hf>.{weight,scales,biases}`, as Hugging Face ships them), stacks them
 /// into `<moe>.switch_mlp.<mlx>.<suffix>` `[E, ...]`. Checkpoints converted by mlx-lm (all of
