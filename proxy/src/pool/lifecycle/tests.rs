@@ -72,10 +72,36 @@ const CALM: PoolMood = PoolMood {
 /// A slot whose engine (generation 1) was started at `t0`.
 fn starting(t0: Instant) -> Slot {
     let mut s = slot(false);
-    s.generation = 1;
-    let (handle, _ends) = EngineHandle::simulated(42, 1);
-    started(&mut s, handle, Limits::default(), t0, &timing());
+    start_engine(&mut s, 42, 1, t0);
     s
+}
+
+/// Starts the slot's engine of `generation` (process `pid`) at `t0`, default limits.
+fn start_engine(s: &mut Slot, pid: u32, generation: u64, t0: Instant) {
+    s.generation = generation;
+    let (handle, _ends) = EngineHandle::simulated(pid, generation);
+    started(s, handle, Limits::default(), t0, &timing());
+}
+
+/// The engine exits with `cause`, seen at `t0` by a pool that is not shutting down.
+fn exit_calmly(s: &mut Slot, cause: ExitCause, t0: Instant) -> Vec<Effect> {
+    exited(s, exit(cause), t0, SystemTime::now(), &timing(), CALM)
+}
+
+fn crash(signal: Option<i32>, code: Option<i32>) -> ExitCause {
+    ExitCause::Crash { signal, code }
+}
+
+fn load_failed(detail: &str) -> ExitCause {
+    ExitCause::LoadFailed {
+        detail: detail.into(),
+    }
+}
+
+fn cannot_load(detail: &str) -> ExitCause {
+    ExitCause::CannotLoad {
+        detail: detail.into(),
+    }
 }
 
 fn names(effects: &[Effect]) -> Vec<&'static str> {
@@ -231,11 +257,7 @@ fn a_crash_restarts_after_backoff_and_a_load_failure_answers_the_waiters() {
     let t0 = Instant::now();
     let mut s = starting(t0);
     ready(&mut s, ready_report(), t0, &timing());
-    let crash = exit(ExitCause::Crash {
-        signal: Some(9),
-        code: None,
-    });
-    let fx = exited(&mut s, crash, t0, SystemTime::now(), &timing(), CALM);
+    let fx = exit_calmly(&mut s, crash(Some(9), None), t0);
     assert!(matches!(s.state, State::Restarting { at } if at == t0 + Duration::from_millis(250)));
     assert_eq!(s.restarts, 1);
     assert_eq!(
@@ -247,13 +269,8 @@ fn a_crash_restarts_after_backoff_and_a_load_failure_answers_the_waiters() {
     assert_eq!(s.last_ready.as_ref().map(|r| r.weight_bytes), Some(1000));
 
     // The next engine fails its load: those waiting get the load's error.
-    s.generation = 2;
-    let (handle, _ends) = EngineHandle::simulated(43, 2);
-    started(&mut s, handle, Limits::default(), t0, &timing());
-    let failed = exit(ExitCause::LoadFailed {
-        detail: "exit code 2 before ready".into(),
-    });
-    let fx = exited(&mut s, failed, t0, SystemTime::now(), &timing(), CALM);
+    start_engine(&mut s, 43, 2, t0);
+    let fx = exit_calmly(&mut s, load_failed("exit code 2 before ready"), t0);
     assert!(fx.iter().any(|e| matches!(e,
         Effect::FailWaiters(ProxyError::LoadFailed { retry_after, .. }) if *retry_after == Duration::from_secs(1))));
     assert_eq!(s.restarts, 2);
@@ -265,13 +282,8 @@ fn too_many_crashes_fail_the_model() {
     let mut s = slot(false);
     let mut fx = Vec::new();
     for i in 0..5 {
-        s.generation = i + 1;
-        let (handle, _ends) = EngineHandle::simulated(40, i + 1);
-        started(&mut s, handle, Limits::default(), t0, &timing());
-        let report = exit(ExitCause::LoadFailed {
-            detail: "exit code 1 before ready".into(),
-        });
-        fx = exited(&mut s, report, t0, SystemTime::now(), &timing(), CALM);
+        start_engine(&mut s, 40, i + 1, t0);
+        fx = exit_calmly(&mut s, load_failed("exit code 1 before ready"), t0);
     }
     assert!(matches!(
         s.state,
@@ -289,10 +301,7 @@ fn too_many_crashes_fail_the_model() {
 fn a_load_that_cannot_succeed_fails_at_once_without_a_restart() {
     let t0 = Instant::now();
     let mut s = starting(t0);
-    let report = exit(ExitCause::CannotLoad {
-        detail: "no such model; did you mean m2?".into(),
-    });
-    let fx = exited(&mut s, report, t0, SystemTime::now(), &timing(), CALM);
+    let fx = exit_calmly(&mut s, cannot_load("no such model; did you mean m2?"), t0);
     match &s.state {
         State::Failed {
             cause,
@@ -327,9 +336,7 @@ fn requested_stops_leave_the_model_stopped_unless_someone_waits() {
 
     // A pinned model recycled for its restored limits comes straight back.
     let mut s = slot(true);
-    s.generation = 1;
-    let (handle, _ends) = EngineHandle::simulated(42, 1);
-    started(&mut s, handle, Limits::default(), t0, &timing());
+    start_engine(&mut s, 42, 1, t0);
     ready(&mut s, ready_report(), t0, &timing());
     s.state.engine_mut().unwrap().recycle = true;
     let fx = exited(
@@ -367,11 +374,7 @@ fn an_exit_during_shutdown_or_after_removal_ends_the_model() {
 
     let mut s = starting(t0);
     s.removed = true;
-    let crash = exit(ExitCause::Crash {
-        signal: None,
-        code: Some(1),
-    });
-    let fx = exited(&mut s, crash, t0, SystemTime::now(), &timing(), CALM);
+    let fx = exit_calmly(&mut s, crash(None, Some(1)), t0);
     assert_eq!(names(&fx), ["log", "unloads", "forget", "place"]);
     assert_eq!(s.restarts, 0);
 }
@@ -400,10 +403,13 @@ fn an_out_of_memory_exit_halves_the_limits_and_schedules_their_recovery() {
     let limits = s.limits.current().clone();
     started(&mut s, handle, limits, t0, &timing());
     ready(&mut s, ready_report(), t0, &timing());
-    let oom = exit(ExitCause::OutOfMemory {
-        detail: "simulated".into(),
-    });
-    let fx = exited(&mut s, oom, t0, SystemTime::now(), &timing(), CALM);
+    let fx = exit_calmly(
+        &mut s,
+        ExitCause::OutOfMemory {
+            detail: "simulated".into(),
+        },
+        t0,
+    );
     assert_eq!(s.limits.current().max_batch_size, Some(4));
     assert!(fx
         .iter()
@@ -441,10 +447,7 @@ fn admission_grants_a_ready_engine_up_to_its_in_flight_limit() {
 fn admission_answers_from_the_failed_state_until_the_cool_down_ends() {
     let t0 = Instant::now();
     let mut s = starting(t0);
-    let report = exit(ExitCause::CannotLoad {
-        detail: "no such model".into(),
-    });
-    exited(&mut s, report, t0, SystemTime::now(), &timing(), CALM);
+    exit_calmly(&mut s, cannot_load("no such model"), t0);
     match admit(&mut s, None, t0 + Duration::from_secs(100), &RULES) {
         Admission::Refuse(ProxyError::CannotLoad { retry_after, .. }) => {
             assert_eq!(retry_after, Duration::from_secs(200))
@@ -462,11 +465,7 @@ fn admission_answers_from_the_failed_state_until_the_cool_down_ends() {
 fn admission_refuses_a_full_queue_with_the_restart_delay() {
     let t0 = Instant::now();
     let mut s = starting(t0);
-    let crash = exit(ExitCause::Crash {
-        signal: Some(9),
-        code: None,
-    });
-    exited(&mut s, crash, t0, SystemTime::now(), &timing(), CALM);
+    exit_calmly(&mut s, crash(Some(9), None), t0);
     let mut keep = Vec::new();
     for id in 0..2 {
         let (reply, rx) = tokio::sync::oneshot::channel();
@@ -491,10 +490,7 @@ fn admission_refuses_a_full_queue_with_the_restart_delay() {
 fn an_admin_reset_clears_a_failure_and_the_crash_history() {
     let t0 = Instant::now();
     let mut s = starting(t0);
-    let report = exit(ExitCause::CannotLoad {
-        detail: "no such model".into(),
-    });
-    exited(&mut s, report, t0, SystemTime::now(), &timing(), CALM);
+    exit_calmly(&mut s, cannot_load("no such model"), t0);
     s.restarts = 3;
     assert_eq!(
         reset(&mut s),
