@@ -536,16 +536,24 @@ fn error_response(
 }
 
 fn json_response(status: StatusCode, v: &Value) -> Response<ResponseBody> {
+    json_typed(status, v, "application/json")
+}
+
+/// A whole JSON body with `status` and the `Content-Type` a route family sends (Ollama's
+/// routes add a charset, as Ollama does).
+pub(crate) fn json_typed(
+    status: StatusCode,
+    v: &Value,
+    content_type: &'static str,
+) -> Response<ResponseBody> {
     let mut r = Response::new(
         Full::new(Bytes::from(v.to_string()))
             .map_err(|e| match e {})
             .boxed_unsync(),
     );
     *r.status_mut() = status;
-    r.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
+    r.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
     r
 }
 

@@ -310,17 +310,7 @@ fn ndjson(rx: mpsc::Receiver<Value>) -> Response<ResponseBody> {
 }
 
 fn json_reply(status: StatusCode, v: &Value) -> Response<ResponseBody> {
-    let mut r = Response::new(
-        Full::new(Bytes::from(v.to_string()))
-            .map_err(|e| match e {})
-            .boxed_unsync(),
-    );
-    *r.status_mut() = status;
-    r.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json; charset=utf-8"),
-    );
-    r
+    crate::server::json_typed(status, v, "application/json; charset=utf-8")
 }
 
 fn error_reply(status: StatusCode, message: &str) -> Response<ResponseBody> {
