@@ -14,10 +14,10 @@ use mlxd_protocol::openai::{
 };
 use serde_json::{json, Map, Value};
 
-use super::agent::{self, AgentGeneration, AgentStep, Conversation, Piece};
 use super::choices::{
     choice_events, merged_sse, total_usage, ChoiceEvent, ChoiceState, UsageFrame,
 };
+use super::conversation::{self, AgentGeneration, AgentStep, Conversation, Piece};
 use super::error::ApiError;
 use super::logprobs;
 use super::request::{chat_logprobs, validate, OpenAiJson};
@@ -176,7 +176,7 @@ pub(super) async fn chat_completions(
         let state = state.clone();
         blocking(move || {
             (0..n)
-                .map(|_| agent::prepare(&state, conv.clone()))
+                .map(|_| conversation::prepare(&state, conv.clone()))
                 .collect::<Result<Vec<_>, _>>()
         })
         .await?

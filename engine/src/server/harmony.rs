@@ -10,7 +10,7 @@
 //! tokens: the text must be detokenized with them.
 use serde_json::Value;
 
-use super::agent::Piece;
+use super::conversation::Piece;
 use super::tools::{literal, partial_suffix, ParsedCall, ToolSpec};
 use crate::constraint::grammar::with_layout;
 

@@ -21,7 +21,7 @@ use mlxd_protocol::anthropic::{
 use mlxd_protocol::openai::{GenerationParams, Stop};
 use serde_json::{json, Map, Value};
 
-use super::agent::{self, AgentGeneration, AgentStep, Conversation, Piece};
+use super::conversation::{self, AgentGeneration, AgentStep, Conversation, Piece};
 use super::error::ApiError;
 use super::request::{parse_body, validate, MAX_BODY_BYTES};
 use super::routes::{
@@ -293,7 +293,7 @@ pub(super) async fn count_tokens(
     refuse_impossible_prompt(&state, bytes, "messages")?;
     let prepared = {
         let state = state.clone();
-        blocking(move || agent::prepare(&state, conv)).await?
+        blocking(move || conversation::prepare(&state, conv)).await?
     };
     Ok(Json(CountTokensResponse {
         input_tokens: prepared.prompt.len() as u64,
@@ -354,7 +354,7 @@ pub(super) async fn messages(
     }
     let prepared = {
         let state = state.clone();
-        blocking(move || agent::prepare(&state, conv)).await?
+        blocking(move || conversation::prepare(&state, conv)).await?
     };
     let job = job(&state, prepared.prompt, settings, "messages")?;
     let (mut generation, settings) =

@@ -26,10 +26,10 @@ use crate::constraint::grammar::GrammarCompiler;
 use crate::runtime::request::WorkSender;
 use crate::tokenizer::Tokenizer;
 
-pub mod agent;
 mod chat;
 mod choices;
 mod completions;
+pub mod conversation;
 pub mod error;
 pub mod formats;
 pub mod generation;

@@ -15,7 +15,7 @@ use hyper::body::Bytes;
 use hyper::{Request, StatusCode};
 use hyper_util::rt::TokioIo;
 use mlxd_engine::runtime::request::{FinishReason, GenerateRequest, TokenEvent};
-use mlxd_engine::server::agent::Piece;
+use mlxd_engine::server::conversation::Piece;
 use mlxd_engine::server::formats::{ChatFormat, ReasoningFormat};
 use mlxd_engine::server::harmony::HarmonyStream;
 use mlxd_engine::server::reasoning::ReasoningSplit;
