@@ -101,6 +101,25 @@ fn check_checkpoint(family: &str, dir: &Path, tensors: &HashMap<String, Array>) 
     assert_eq!(tokens, case.greedy, "{family}: greedy tokens differ");
 }
 
+/// Fuses each of mlx-lm's stacked expert gate and up projections (`[E, out, in]`) along the
+/// output axis into the one tensor a checkpoint layout names `fused(moe)`.
+fn fuse_gate_up(tensors: &mut HashMap<String, Array>, fused: impl Fn(&str) -> String) {
+    let gates: Vec<String> = tensors
+        .keys()
+        .filter(|k| k.ends_with(".switch_mlp.gate_proj.weight"))
+        .cloned()
+        .collect();
+    for gate_name in gates {
+        let moe = gate_name.trim_end_matches(".switch_mlp.gate_proj.weight");
+        let gate = tensors.remove(&gate_name).expect("gate");
+        let up = tensors
+            .remove(&format!("{moe}.switch_mlp.up_proj.weight"))
+            .expect("up");
+        let both = mlx_rs::ops::concatenate(&[gate, up], -2).expect("concatenate");
+        tensors.insert(fused(moe), both);
+    }
+}
+
 fn family_dir(name: &str) -> PathBuf {
     common::tiny_model(&format!("family-{name}"))
 }

@@ -10,7 +10,6 @@ use crate::common;
 use std::collections::HashMap;
 use std::path::Path;
 
-use mlx_rs::ops::concatenate;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 
@@ -69,20 +68,7 @@ fn rewrite(dir: &Path, experts: Experts, multimodal: bool) -> HashMap<String, Ar
         }
     }
     if experts == Experts::Fused {
-        let gates: Vec<String> = out
-            .keys()
-            .filter(|k| k.ends_with(".switch_mlp.gate_proj.weight"))
-            .cloned()
-            .collect();
-        for gate_name in gates {
-            let moe = gate_name.trim_end_matches(".switch_mlp.gate_proj.weight");
-            let gate = out.remove(&gate_name).expect("gate");
-            let up = out
-                .remove(&format!("{moe}.switch_mlp.up_proj.weight"))
-                .expect("up");
-            let fused = concatenate(&[gate, up], -2).expect("concatenate");
-            out.insert(format!("{moe}.experts.gate_up_proj"), fused);
-        }
+        super::fuse_gate_up(&mut out, |moe| format!("{moe}.experts.gate_up_proj"));
     }
     out
 }

@@ -60,20 +60,7 @@ fn rewrite(dir: &Path, layout: &Layout) -> HashMap<String, Array> {
         }
     }
     if matches!(layout, Layout::Fused) {
-        let gates: Vec<String> = out
-            .keys()
-            .filter(|k| k.ends_with(".switch_mlp.gate_proj.weight"))
-            .cloned()
-            .collect();
-        for gate_name in gates {
-            let moe = gate_name.trim_end_matches(".switch_mlp.gate_proj.weight");
-            let gate = out.remove(&gate_name).expect("gate");
-            let up = out
-                .remove(&format!("{moe}.switch_mlp.up_proj.weight"))
-                .expect("up");
-            let fused = mlx_rs::ops::concatenate(&[gate, up], 1).expect("concatenate");
-            out.insert(format!("{moe}.input_linear.weight"), fused);
-        }
+        super::fuse_gate_up(&mut out, |moe| format!("{moe}.input_linear.weight"));
     }
     out
 }
