@@ -33,7 +33,7 @@ pub(super) fn ids_ext(ids: Vec<u32>) -> Option<TokenIds> {
 }
 
 /// Tokenized and validated: what both completion routes hand to [`respond`].
-pub(super) struct Job {
+pub(super) struct Admitted {
     /// Ends with `settings.resume`.
     pub prompt: Vec<u32>,
     pub settings: Settings,
@@ -45,7 +45,7 @@ pub(super) fn job(
     mut prompt: Vec<u32>,
     settings: Settings,
     param: &str,
-) -> Result<Job, ApiError> {
+) -> Result<Admitted, ApiError> {
     let resumed = settings.resume.len();
     prompt.extend_from_slice(&settings.resume);
     let max_tokens = token_budget(
@@ -54,14 +54,17 @@ pub(super) fn job(
         state.context_length,
         param,
     )?;
-    Ok(Job {
+    Ok(Admitted {
         prompt,
         settings,
         max_tokens,
     })
 }
 
-pub(super) fn start(state: &ServerState, job: Job) -> Result<(Generation, Settings), ApiError> {
+pub(super) fn start(
+    state: &ServerState,
+    job: Admitted,
+) -> Result<(Generation, Settings), ApiError> {
     start_with(state, job, None, true)
 }
 
@@ -69,7 +72,7 @@ pub(super) fn start(state: &ServerState, job: Job) -> Result<(Generation, Settin
 /// out of the text.
 pub(super) fn start_with(
     state: &ServerState,
-    job: Job,
+    job: Admitted,
     constraint: Option<Box<dyn crate::constraint::TokenConstraint>>,
     skip_special: bool,
 ) -> Result<(Generation, Settings), ApiError> {

@@ -30,7 +30,7 @@ use mlx_rs::error::Exception;
 use super::{KvQuant, SeqKv, SeqLayer, Stored};
 use format::{EntryKind, Header, Identity, Invalid, LayerDesc};
 use index::{Index, IndexEntry};
-use writer::{Job, TEMP_PREFIX};
+use writer::{WriterCommand, TEMP_PREFIX};
 
 /// What the SSD tier is configured with (`--ssd-cache`, `--ssd-cache-max`,
 /// `--ssd-demote-idle`, `--generation-checkpoint`).
@@ -92,7 +92,7 @@ fn now_ms() -> u64 {
 /// Asks the writer to finish what is queued, from any thread (a `Spill` control message).
 #[derive(Clone)]
 pub struct SsdHandle {
-    jobs: mpsc::Sender<Job>,
+    jobs: mpsc::Sender<WriterCommand>,
     shared: Arc<Shared>,
 }
 
@@ -109,7 +109,8 @@ impl SsdHandle {
     /// Waits (at most `timeout`) until every write queued so far is on disk.
     pub fn flush(&self, timeout: Duration) -> FlushReport {
         let (tx, rx) = mpsc::channel();
-        let complete = self.jobs.send(Job::Flush(tx)).is_ok() && rx.recv_timeout(timeout).is_ok();
+        let complete =
+            self.jobs.send(WriterCommand::Flush(tx)).is_ok() && rx.recv_timeout(timeout).is_ok();
         let index = self.shared.index.lock().expect("index lock");
         FlushReport {
             files: index.len() as u64,
@@ -137,7 +138,7 @@ pub struct SsdTier {
     identity: Identity,
     config: SsdConfig,
     shared: Arc<Shared>,
-    jobs: Option<mpsc::Sender<Job>>,
+    jobs: Option<mpsc::Sender<WriterCommand>>,
     writer: Option<thread::JoinHandle<()>>,
 }
 
@@ -305,7 +306,7 @@ impl SsdTier {
             starts: kv.starts.iter().map(|&s| s as u32).collect(),
             payload_len,
         };
-        let job = Job::Write {
+        let job = WriterCommand::Write {
             name: identity::entry_name(tokens),
             header,
             arrays,
@@ -443,7 +444,7 @@ impl Drop for SsdTier {
             tracing::warn!(pending, "the SSD writer did not finish its queue in time");
         }
         if let Some(jobs) = self.jobs.take() {
-            let _ = jobs.send(Job::Close);
+            let _ = jobs.send(WriterCommand::Close);
         }
         // Only a writer that finished its queue is joined (it then stops at `Close`); one
         // still writing is left to the process's exit.

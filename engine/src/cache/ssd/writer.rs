@@ -17,7 +17,8 @@ use super::{now_ms, tensors, Shared};
 /// Prefix of a file being written; left over only by a crash, deleted at start-up.
 pub const TEMP_PREFIX: &str = ".tmp-";
 
-pub enum Job {
+/// What the writer thread is asked to do, in queue order (a command, not a batch job).
+pub enum WriterCommand {
     Write {
         name: String,
         header: Header,
@@ -31,10 +32,10 @@ pub enum Job {
     Close,
 }
 
-pub fn run(dir: PathBuf, shared: Arc<Shared>, jobs: Receiver<Job>) {
+pub fn run(dir: PathBuf, shared: Arc<Shared>, jobs: Receiver<WriterCommand>) {
     for job in jobs {
         match job {
-            Job::Write {
+            WriterCommand::Write {
                 name,
                 header,
                 arrays,
@@ -77,10 +78,10 @@ pub fn run(dir: PathBuf, shared: Arc<Shared>, jobs: Receiver<Job>) {
                     }
                 }
             }
-            Job::Flush(reply) => {
+            WriterCommand::Flush(reply) => {
                 let _ = reply.send(());
             }
-            Job::Close => return,
+            WriterCommand::Close => return,
         }
     }
 }
