@@ -10,6 +10,7 @@ pub mod fault;
 pub mod job;
 pub mod loader;
 pub mod models;
+pub mod rotary;
 pub mod runtime;
 pub mod server;
 pub mod start_error;

@@ -39,7 +39,7 @@ use mlx_rs::Array;
 
 use super::stored::{write_positions, KvQuant, Stored};
 use super::Mask;
-use crate::models::layers::Rope;
+use crate::rotary::Rope;
 use crate::runtime::draft::MAX_NUM_DRAFT;
 
 #[derive(Debug, Default)]

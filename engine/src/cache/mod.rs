@@ -39,7 +39,7 @@ use mlx_rs::error::Exception;
 use mlx_rs::fast::ScaledDotProductAttentionMask;
 use mlx_rs::Array;
 
-use crate::models::layers::Rope;
+use crate::rotary::Rope;
 
 /// Positions a cache buffer grows by (mlx-lm's `KVCache.step`).
 pub(crate) const STEP: i32 = 256;

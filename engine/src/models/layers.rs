@@ -1,5 +1,5 @@
 //! Building blocks shared by every architecture: linear layers (dense or MLX-quantized),
-//! embeddings, RMS norm, rotary embeddings and attention. Each computes exactly what the
+//! embeddings, RMS norm and attention (rotary embeddings are [`crate::rotary`]). Each computes exactly what the
 //! matching `mlx.nn` layer does, op for op, so greedy outputs match mlx-lm token for token.
 use mlx_rs::error::Exception;
 use mlx_rs::fast;
@@ -10,6 +10,9 @@ use mlx_rs::Array;
 use super::quant::{self, Packed, QuantMode};
 use crate::cache::{LayerCache, Mask, Stored};
 use crate::loader::{LoadError, Weights};
+/// Rotary embeddings live beside the cache (which applies them at each row's offset), outside
+/// `models`, so that `cache` does not depend on `models`.
+pub use crate::rotary::Rope;
 
 pub type Result<T> = std::result::Result<T, Exception>;
 
@@ -158,51 +161,6 @@ impl RmsNorm {
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
         fast::rms_norm(x, Some(&self.weight), self.eps)
-    }
-}
-
-/// Rotary position embedding, plain (`nn.RoPE`) or with precomputed frequencies (Llama 3).
-#[derive(Debug)]
-pub struct Rope {
-    pub dims: i32,
-    pub traditional: bool,
-    pub base: f32,
-    pub scale: f32,
-    pub freqs: Option<Array>,
-}
-
-impl Rope {
-    /// Per-row offsets `[B]` (int32) for a batch whose rows sit at different positions.
-    pub fn forward_per_row(&self, x: &Array, offsets: &Array) -> Result<Array> {
-        match &self.freqs {
-            Some(freqs) => {
-                fast::rope_dynamic(x, self.dims, self.traditional, None, 1.0, offsets, freqs)
-            }
-            None => fast::rope_dynamic(
-                x,
-                self.dims,
-                self.traditional,
-                self.base,
-                self.scale,
-                offsets,
-                None,
-            ),
-        }
-    }
-
-    pub fn forward(&self, x: &Array, offset: i32) -> Result<Array> {
-        match &self.freqs {
-            Some(freqs) => fast::rope(x, self.dims, self.traditional, None, 1.0, offset, freqs),
-            None => fast::rope(
-                x,
-                self.dims,
-                self.traditional,
-                self.base,
-                self.scale,
-                offset,
-                None,
-            ),
-        }
     }
 }
 
