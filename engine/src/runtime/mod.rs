@@ -42,7 +42,8 @@ use scheduler::SchedulerLimits;
 
 /// Sequences decoded together when no limit is given.
 pub const DEFAULT_MAX_BATCH_SIZE: usize = 64;
-/// Prompt tokens of one sequence per prefill forward pass (mlx-lm's `prefill_step_size`).
+/// Most prompt tokens of one sequence per prefill forward pass (mlx-lm's `prefill_step_size`);
+/// fewer on a slow device (see [`PREFILL_UNIT_TARGET`]).
 pub const PREFILL_CHUNK: usize = 2048;
 /// Fewest prompt tokens of a chunk on a slow device (see [`PREFILL_UNIT_TARGET`]).
 pub const MIN_PREFILL_CHUNK: usize = 32;
@@ -68,7 +69,8 @@ pub struct RuntimeLimits {
     pub context_length: Option<usize>,
     /// Bytes of KV the prefix cache may keep between requests; 0 disables it.
     pub prompt_cache_bytes: u64,
-    /// Prompt tokens of one sequence per prefill forward pass.
+    /// Most prompt tokens of one sequence per prefill forward pass (the measured prefill
+    /// speed may shrink chunks below it, see [`PREFILL_UNIT_TARGET`]).
     pub prefill_chunk: usize,
     /// Quantize the KV cache (`--kv-bits`, `--kv-group-size`); `None` keeps the model's dtype.
     pub kv_quant: Option<KvQuant>,
