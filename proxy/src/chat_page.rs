@@ -2,11 +2,9 @@
 //! loads from the supervisor even while every engine is busy, loading or restarting. The page
 //! talks to the same API as any client (`/v1/models`, `/v1/chat/completions`).
 
-use bytes::Bytes;
 use http::{header, HeaderValue, Response, StatusCode};
-use http_body_util::{BodyExt, Full};
 
-use crate::server::ResponseBody;
+use crate::response_body::{self, ResponseBody};
 
 const HTML: &str = "text/html; charset=utf-8";
 const JS: &str = "text/javascript; charset=utf-8";
@@ -63,11 +61,7 @@ pub fn asset(path: &str) -> Option<(&'static str, &'static str)> {
 
 /// The response for a page asset.
 pub fn response(body: &'static str, content_type: &'static str) -> Response<ResponseBody> {
-    let mut r = Response::new(
-        Full::new(Bytes::from_static(body.as_bytes()))
-            .map_err(|e| match e {})
-            .boxed_unsync(),
-    );
+    let mut r = Response::new(response_body::full(body));
     *r.status_mut() = StatusCode::OK;
     let h = r.headers_mut();
     h.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));

@@ -30,6 +30,7 @@ pub mod progress;
 pub mod reload;
 pub mod request;
 pub mod repl;
+pub mod response_body;
 pub mod resume;
 pub mod routing;
 pub mod server;

@@ -29,7 +29,7 @@ use crate::logs::Logs;
 use crate::metrics::Metrics;
 use crate::pool::{self, PoolHandle, PoolParts};
 
-pub type ResponseBody = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>;
+pub use crate::response_body::ResponseBody;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {

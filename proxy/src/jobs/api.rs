@@ -5,7 +5,7 @@ use std::path::Path;
 use bytes::Bytes;
 use futures::StreamExt;
 use http::{header, HeaderValue, Method, Response, StatusCode};
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 use mlxd_protocol::jobs::{event, Job, JobList};
 use tokio::sync::broadcast::error::RecvError;
 
@@ -13,15 +13,11 @@ use super::{request, JobEvent, JobsHandle};
 use crate::catalog::Catalog;
 use crate::error::ProxyError;
 use crate::forward::BoxError;
-use crate::server::ResponseBody;
+use crate::response_body::{self, ResponseBody};
 
 fn json<T: serde::Serialize>(status: StatusCode, v: &T) -> Response<ResponseBody> {
     let body = serde_json::to_vec(v).unwrap_or_default();
-    let mut r = Response::new(
-        Full::new(Bytes::from(body))
-            .map_err(|e| match e {})
-            .boxed_unsync(),
-    );
+    let mut r = Response::new(response_body::full(body));
     *r.status_mut() = status;
     r.headers_mut().insert(
         header::CONTENT_TYPE,
