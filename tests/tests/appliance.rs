@@ -233,7 +233,7 @@ async fn the_device_shows_in_engines_and_ps() -> Result<()> {
         row["ready"]["device"],
         json!({"kind": "cpu", "backend": "cpu"})
     );
-    let table = mlxd_proxy::client::ps_table(&engines);
+    let table = mlxd_proxy::client::ps_table(&engines, false);
     let (head, line) = table.split_once('\n').expect("a header and a row");
     assert!(
         head.contains("DEVICE") && line.trim_end().ends_with("cpu"),
