@@ -22,8 +22,8 @@ use super::error::ApiError;
 use super::logprobs;
 use super::request::{chat_logprobs, validate, OpenAiJson};
 use super::routes::{
-    blocking, ids_ext, job, log_finish, new_id, now_secs, refuse_impossible_prompt, sse_frame,
-    start_with, Meta,
+    blocking, job, log_finish, new_id, now_secs, refuse_impossible_prompt, sse_chunk_frame,
+    sse_frame, start_with, Meta,
 };
 use super::tools::{self, ParsedCall};
 use super::ServerState;
@@ -335,14 +335,24 @@ async fn whole(
 }
 
 fn chunk(meta: &Meta, choice: ChatChunkChoice) -> Bytes {
-    sse_frame(&ChatCompletionChunk {
+    sse_frame(&chunk_of(meta, choice))
+}
+
+/// A chunk with the ids of the tokens behind its text, in the event's meta line.
+fn token_chunk(meta: &Meta, ids: Vec<u32>, choice: ChatChunkChoice) -> Bytes {
+    let finish = choice.finish_reason.is_some();
+    sse_chunk_frame(ids, finish, &chunk_of(meta, choice))
+}
+
+fn chunk_of(meta: &Meta, choice: ChatChunkChoice) -> ChatCompletionChunk {
+    ChatCompletionChunk {
         id: meta.id.clone(),
         object: OBJECT_CHAT_COMPLETION_CHUNK.into(),
         created: meta.created,
         model: meta.model.clone(),
         choices: vec![choice],
         usage: None,
-    })
+    }
 }
 
 /// One choice's stream state.
@@ -384,26 +394,28 @@ fn step_frames(
                 c.calls += 1;
             }
         }
-        frames.push(chunk(
+        frames.push(token_chunk(
             meta,
+            ids.take().unwrap_or_default(),
             ChatChunkChoice {
                 index: c.index,
                 delta,
                 finish_reason: None,
                 logprobs: lp.take(),
-                mlxd: ids_ext(ids.take().unwrap_or_default()),
+                mlxd: None,
             },
         ));
     }
     if let Some(reason) = finish {
-        frames.push(chunk(
+        frames.push(token_chunk(
             meta,
+            ids.take().unwrap_or_default(),
             ChatChunkChoice {
                 index: c.index,
                 delta: ChatDelta::default(),
                 finish_reason: Some(finish_reason(reason, c.calls > 0)),
                 logprobs: lp.take(),
-                mlxd: ids_ext(ids.take().unwrap_or_default()),
+                mlxd: None,
             },
         ));
     }

@@ -19,8 +19,8 @@ use super::generation::{Generation, Step};
 use super::logprobs::{self, CompletionLogprobsBuilder};
 use super::request::{completion_logprobs, completion_prompt, validate, OpenAiJson};
 use super::routes::{
-    blocking, ids_ext, job, log_finish, new_id, now_secs, refuse_impossible_prompt, sse_frame,
-    start, Meta,
+    blocking, job, log_finish, new_id, now_secs, refuse_impossible_prompt, sse_chunk_frame,
+    sse_frame, start, Meta,
 };
 use super::ServerState;
 use crate::detokenizer::Delta;
@@ -108,9 +108,10 @@ impl ChoiceText {
             text: delta.text,
             finish_reason: finish.map(|r| r.as_str().into()),
             logprobs,
-            mlxd: ids_ext(delta.ids),
+            mlxd: None,
         };
-        sse_frame(&response(meta, vec![choice], None))
+        let finish = choice.finish_reason.is_some();
+        sse_chunk_frame(delta.ids, finish, &response(meta, vec![choice], None))
     }
 }
 

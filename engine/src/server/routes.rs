@@ -8,7 +8,7 @@ use axum::extract::{Path, State};
 use axum::http::{header, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use mlxd_protocol::openai::{ModelList, ModelObject, TokenIds, Usage, OBJECT_LIST, OBJECT_MODEL};
+use mlxd_protocol::openai::{EventMeta, ModelList, ModelObject, Usage, OBJECT_LIST, OBJECT_MODEL};
 use serde::Serialize;
 use tokio::sync::mpsc;
 
@@ -26,10 +26,6 @@ pub(super) fn now_secs() -> u64 {
 
 pub(super) fn new_id(prefix: &str) -> String {
     format!("{prefix}-{}", uuid::Uuid::new_v4().simple())
-}
-
-pub(super) fn ids_ext(ids: Vec<u32>) -> Option<TokenIds> {
-    (!ids.is_empty()).then_some(TokenIds { token_ids: ids })
 }
 
 /// Tokenized and validated: what both completion routes hand to [`respond`].
@@ -167,7 +163,20 @@ pub(super) struct Meta {
 
 /// One SSE event: `data: <json>\n\n`.
 pub(super) fn sse_frame(json: &impl Serialize) -> Bytes {
-    let mut out = b"data: ".to_vec();
+    data_frame(Vec::new(), json)
+}
+
+/// One streamed choice chunk: the [`EventMeta`] comment line with the ids of the tokens
+/// behind its text, then `data: <json>\n\n` (which then carries no `mlxd` field). The
+/// proxy keeps the ids for resumption and forwards the data line unread.
+pub(super) fn sse_chunk_frame(token_ids: Vec<u32>, finish: bool, json: &impl Serialize) -> Bytes {
+    let line = EventMeta { token_ids, finish }.line();
+    data_frame(line.into_bytes(), json)
+}
+
+/// `data: <json>\n\n` appended to `out`.
+fn data_frame(mut out: Vec<u8>, json: &impl Serialize) -> Bytes {
+    out.extend_from_slice(b"data: ");
     // Our response types always serialize.
     serde_json::to_writer(&mut out, json).unwrap_or_else(|e| {
         out.extend_from_slice(format!("{{\"error\":{{\"message\":\"{e}\"}}}}").as_bytes())

@@ -163,18 +163,47 @@ impl Harness {
     }
 }
 
+/// The events of an OpenAI stream as JSON. A choice chunk's meta line (its token ids) is
+/// checked against the chunk and folded back in as `choices[0].mlxd.token_ids`, where
+/// whole responses carry them, so tests read ids the same way from both.
 fn parse_sse(text: &str) -> Vec<Value> {
     assert!(text.ends_with("\n\n"), "{text:?}");
     text.split_terminator("\n\n")
         .map(|event| {
+            let (meta, event) = match mlxd_protocol::openai::EventMeta::split(event.as_bytes()) {
+                Some((meta, at)) => (Some(meta.expect("a readable meta line")), &event[at..]),
+                None => (None, event),
+            };
             let data = event
                 .strip_prefix("data: ")
                 .unwrap_or_else(|| panic!("not an SSE data line: {event:?}"));
             if data == "[DONE]" {
-                Value::from("[DONE]")
-            } else {
-                serde_json::from_str(data).unwrap()
+                assert!(meta.is_none());
+                return Value::from("[DONE]");
             }
+            let mut v: Value = serde_json::from_str(data).unwrap();
+            let choices = v["choices"].as_array().map_or(0, Vec::len);
+            if let Some(meta) = meta {
+                assert_eq!(choices, 1, "a meta line belongs to one choice: {v}");
+                let choice = &mut v["choices"][0];
+                assert!(
+                    choice.get("mlxd").is_none(),
+                    "ids only in the meta line: {choice}"
+                );
+                assert_eq!(meta.finish, choice["finish_reason"].is_string(), "{choice}");
+                if !meta.token_ids.is_empty() {
+                    choice["mlxd"] = json!({"token_ids": meta.token_ids});
+                }
+            } else if let Some(cs) = v["choices"].as_array() {
+                for c in cs {
+                    assert!(c.get("mlxd").is_none(), "a chunk without a meta line: {c}");
+                    assert!(
+                        c["finish_reason"].is_null(),
+                        "a last chunk without a meta line: {c}"
+                    );
+                }
+            }
+            v
         })
         .collect()
 }

@@ -178,7 +178,14 @@ impl EngineProcess {
         String::from_utf8(body)
             .expect("utf-8")
             .split("\n\n")
-            .filter_map(|ev| ev.strip_prefix("data: ").map(str::to_owned))
+            .filter_map(|ev| {
+                // A choice chunk opens with its token ids' meta line.
+                let ev = match mlxd_protocol::openai::EventMeta::split(ev.as_bytes()) {
+                    Some((_, at)) => &ev[at..],
+                    None => ev,
+                };
+                ev.strip_prefix("data: ").map(str::to_owned)
+            })
             .collect()
     }
 }

@@ -484,6 +484,11 @@ fn openai_whole(v: &Value) -> Outcome {
 fn openai_stream(text: &str) -> Outcome {
     let mut out = Outcome::default();
     for event in text.split_terminator("\n\n") {
+        // A choice chunk opens with its token ids' meta line.
+        let event = match mlxd_protocol::openai::EventMeta::split(event.as_bytes()) {
+            Some((_, at)) => &event[at..],
+            None => event,
+        };
         let data = event.strip_prefix("data: ").unwrap();
         if data == "[DONE]" {
             continue;

@@ -96,7 +96,8 @@ impl Script {
 /// removed), so a restarted engine serves the request cleanly.
 ///
 /// With `"token_ids": true` the engine behaves as the real one for resumption: chunk i
-/// carries `"mlxd": {"token_ids": [i]}` (a whole response all of them), and a request
+/// opens with the meta line `: mlxd {"token_ids":[i]}` (a whole response carries
+/// `"mlxd": {"token_ids": [...]}` with all of them), and a request
 /// with `"mlxd": {"resume_token_ids": [...]}` of n ids continues at chunk n.
 #[derive(Clone, Default)]
 struct RequestScript {
@@ -121,6 +122,22 @@ impl RequestScript {
             Some(path) => std::fs::remove_file(path).ok().map(|_| a),
             None => Some(a),
         }
+    }
+
+    /// Stream chunk `i` as an SSE event; with `token_ids`, opened by the meta line that
+    /// carries its id, as the real engine writes it.
+    fn event(&self, v: Value, i: u64, last: bool) -> Bytes {
+        let data = mlxd_ipc::sse::data_event(&v.to_string());
+        if !self.token_ids {
+            return data;
+        }
+        let meta = mlxd_protocol::openai::EventMeta {
+            token_ids: vec![i as u32],
+            finish: last,
+        };
+        let mut out = meta.line().into_bytes();
+        out.extend_from_slice(&data);
+        Bytes::from(out)
     }
 
     /// Tags the first choice of `v` with the ids in `range`, when the script says so.
@@ -607,7 +624,7 @@ async fn stream_chunks(
                 "choices": [{"index": 0, "text": format!("tok{i} "), "finish_reason": finish}],
                 "t_ns": monotonic_ns(), "seq": i})
         };
-        let ev = mlxd_ipc::sse::data_event(&rs.tag(v, i..i + 1).to_string());
+        let ev = rs.event(v, i, last);
         if tx.send(ev).await.is_err() {
             return false;
         }
