@@ -13,5 +13,4 @@ pub mod models;
 pub mod rotary;
 pub mod runtime;
 pub mod server;
-pub mod start_error;
 pub mod tokenizer;

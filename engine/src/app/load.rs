@@ -6,11 +6,11 @@ use std::sync::Arc;
 use mlxd_protocol::control::{Device, LoadPhase};
 
 use super::options::{DraftChoice, DraftOptions};
+use super::start_error::StartError;
 use crate::loader::LoadReporter;
 use crate::runtime::draft::{DraftSource, Speculation};
 use crate::runtime::{OomHook, Runtime, RuntimeLimits};
 use crate::server::ServerState;
-use crate::start_error::StartError;
 use crate::tokenizer::Tokenizer;
 use mlxd_store::{self as store, ResolvedModel};
 

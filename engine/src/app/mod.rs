@@ -3,12 +3,13 @@
 mod load;
 mod options;
 mod standalone;
+mod start_error;
 mod supervised;
 
-pub use crate::start_error::StartError;
 pub use load::{load, load_reporting, store_event_progress, Engine};
 pub use options::{launch_options, runtime_options, DraftChoice, DraftOptions, LaunchOptions};
 pub use standalone::serve_standalone;
+pub use start_error::StartError;
 pub use supervised::{run_supervised, worth_reporting};
 
 /// The engine options `mlxd` passes in `Launch.options` (`[server.engine_options]` and a

@@ -5,11 +5,11 @@ use std::time::Duration;
 use mlxd_protocol::control::Launch;
 use mlxd_protocol::engine_options::{Draft, EngineOptions, OptionError};
 
+use super::start_error::StartError;
 use crate::cache::ssd::SsdConfig;
 use crate::cache::KvQuant;
 use crate::runtime::draft::NgramSizes;
 use crate::runtime::RuntimeLimits;
-use crate::start_error::StartError;
 
 /// Where drafts should come from, before the draft model is resolved in the store.
 #[derive(Debug, Clone, PartialEq)]
