@@ -163,7 +163,9 @@ async fn answers_real_questions_streams_and_rejects_bad_input() {
                 )
                 .await;
             assert_eq!(status, 200, "{body}");
-            body["usage"]["prompt_tokens"].as_u64().expect("prompt tokens")
+            body["usage"]["prompt_tokens"]
+                .as_u64()
+                .expect("prompt tokens")
         }
     };
     let plain = prompt_tokens("a b").await;

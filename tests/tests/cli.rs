@@ -259,7 +259,10 @@ async fn store_verbs_pull_list_and_remove() -> Result<()> {
     ] {
         ensure!(out.lines().any(|l| l == line), "{line:?} missing:\n{out}");
     }
-    let location = format!("location          {}", home.join("models/smollm2-135m").display());
+    let location = format!(
+        "location          {}",
+        home.join("models/smollm2-135m").display()
+    );
     ensure!(out.lines().any(|l| l == location), "{out}");
     let o = mlxd(&["show", "smollm2-135m", "--template"], &env, "").await?;
     ensure!(text(&o).0.contains("<|im_start|>"), "{}", text(&o).0);
@@ -598,7 +601,11 @@ async fn terminal_chat_stops_answers_and_keeps_the_conversation() -> Result<()> 
     let sent = server.requests();
     let messages = sent[1]["messages"].as_array().cloned().unwrap_or_default();
     ensure!(messages.len() == 3, "{}", sent[1]);
-    ensure!(messages[0]["content"] == "tell me a slow story", "{}", sent[1]);
+    ensure!(
+        messages[0]["content"] == "tell me a slow story",
+        "{}",
+        sent[1]
+    );
     let partial = messages[1]["content"].as_str().unwrap_or("");
     ensure!(
         messages[1]["role"] == "assistant" && partial.starts_with("tok0 tok1 tok2 tok3 "),
