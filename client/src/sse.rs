@@ -6,7 +6,7 @@ use bytes::Bytes;
 use http_body_util::BodyExt;
 use mlxd_ipc::sse::SseSplitter;
 use mlxd_protocol::error::ErrorBody;
-use mlxd_protocol::openai::{ChatCompletionChunk, SSE_DONE};
+use mlxd_protocol::openai::{ChatCompletionChunk, EventMeta, TokenIds, SSE_DONE};
 
 use crate::error::ClientError;
 use crate::transport::Body;
@@ -22,7 +22,17 @@ pub(crate) enum Event {
 }
 
 /// Parses one complete event (its `data:` lines joined by newlines, as the SSE spec says).
+/// An engine's meta line (the token ids behind a chunk's text, `EventMeta`) becomes the
+/// chunk's `mlxd` field, where a whole response carries them.
 pub(crate) fn parse_event(event: &[u8]) -> Result<Event, ClientError> {
+    let (meta, event) = match EventMeta::split(event) {
+        Some((meta, at)) => {
+            let meta = meta
+                .map_err(|e| ClientError::Decode(format!("an SSE event's token-id line ({e})")))?;
+            (Some(meta), &event[at..])
+        }
+        None => (None, event),
+    };
     let text = std::str::from_utf8(event)
         .map_err(|_| ClientError::Decode("an SSE event is not UTF-8".into()))?;
     let mut data: Option<String> = None;
@@ -52,9 +62,16 @@ pub(crate) fn parse_event(event: &[u8]) -> Result<Event, ClientError> {
             .map_err(|e| ClientError::Decode(format!("an SSE error event ({e}): {data}")))?;
         return Ok(Event::Error(body));
     }
-    serde_json::from_value(value)
-        .map(|c| Event::Chunk(Box::new(c)))
-        .map_err(|e| ClientError::Decode(format!("an SSE chunk ({e}): {data}")))
+    let mut chunk: ChatCompletionChunk = serde_json::from_value(value)
+        .map_err(|e| ClientError::Decode(format!("an SSE chunk ({e}): {data}")))?;
+    if let (Some(meta), Some(choice)) = (meta, chunk.choices.first_mut()) {
+        if !meta.token_ids.is_empty() {
+            choice.mlxd = Some(TokenIds {
+                token_ids: meta.token_ids,
+            });
+        }
+    }
+    Ok(Event::Chunk(Box::new(chunk)))
 }
 
 /// The chunks of one streaming response, in order; ends after `[DONE]`, or with the first
@@ -171,5 +188,19 @@ mod tests {
             parse_event(b"data: {not json\n\n"),
             Err(ClientError::Decode(_))
         ));
+    }
+
+    #[test]
+    fn an_engines_meta_line_becomes_the_chunks_token_ids() {
+        let chunk = br#": mlxd {"token_ids":[7,8],"finish":true}
+data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":"stop"}]}
+
+"#;
+        match parse_event(chunk).unwrap() {
+            Event::Chunk(c) => assert_eq!(c.choices[0].mlxd.as_ref().unwrap().token_ids, [7, 8]),
+            other => panic!("{other:?}"),
+        }
+        let broken = b": mlxd {\"token_ids\":1}\ndata: {}\n\n";
+        assert!(matches!(parse_event(broken), Err(ClientError::Decode(_))));
     }
 }
