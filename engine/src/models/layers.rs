@@ -339,31 +339,30 @@ fn weak(x: &Array, v: f32) -> Result<Array> {
 /// dtype (mlx-rs's own version promotes a bfloat16 input through float32 constants, which
 /// mlx-lm never does), compiled into one kernel as mlx-lm's (shapeless `mx.compile`).
 pub fn gelu_approx(x: &Array) -> Result<Array> {
-    let mut fused = mlx_rs::transforms::compile::compile(
-        |x: &Array| {
-            let cubic = weak(x, 0.044715)?.multiply(x.power(&weak(x, 3.0)?)?)?;
-            let root = (2.0 / std::f64::consts::PI).sqrt() as f32;
-            let inner = weak(x, root)?.multiply(x.add(&cubic)?)?;
-            let gate = weak(x, 1.0)?.add(&mlx_rs::ops::tanh(&inner)?)?;
-            weak(x, 0.5)?.multiply(x)?.multiply(&gate)
-        },
-        true,
-    );
-    fused(x)
+    super::kept::call_one(gelu_approx_ops, true, std::slice::from_ref(x))
+}
+
+fn gelu_approx_ops(args: &[Array]) -> Result<Vec<Array>> {
+    let x = &args[0];
+    let cubic = weak(x, 0.044715)?.multiply(x.power(&weak(x, 3.0)?)?)?;
+    let root = (2.0 / std::f64::consts::PI).sqrt() as f32;
+    let inner = weak(x, root)?.multiply(x.add(&cubic)?)?;
+    let gate = weak(x, 1.0)?.add(&mlx_rs::ops::tanh(&inner)?)?;
+    Ok(vec![weak(x, 0.5)?.multiply(x)?.multiply(&gate)?])
 }
 
 /// `nn.gelu`: the exact GELU, `x * (1 + erf(x / sqrt(2))) / 2` in `x`'s dtype, compiled into
 /// one kernel as mlx-lm's.
 pub fn gelu(x: &Array) -> Result<Array> {
-    let mut fused = mlx_rs::transforms::compile::compile(
-        |x: &Array| {
-            let erf = mlx_rs::ops::erf(x.divide(&weak(x, std::f32::consts::SQRT_2)?)?)?;
-            x.multiply(&weak(x, 1.0)?.add(&erf)?)?
-                .divide(&weak(x, 2.0)?)
-        },
-        true,
-    );
-    fused(x)
+    super::kept::call_one(gelu_ops, true, std::slice::from_ref(x))
+}
+
+fn gelu_ops(args: &[Array]) -> Result<Vec<Array>> {
+    let x = &args[0];
+    let erf = mlx_rs::ops::erf(x.divide(&weak(x, std::f32::consts::SQRT_2)?)?)?;
+    Ok(vec![x
+        .multiply(&weak(x, 1.0)?.add(&erf)?)?
+        .divide(&weak(x, 2.0)?)?])
 }
 
 /// The most queries of a short pass: a decode step, or a speculative verification of up to

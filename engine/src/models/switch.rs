@@ -92,14 +92,8 @@ impl SwitchActivation {
             {
                 // One fused kernel, as mlx-lm compiles its `swiglu`: the eight element-wise
                 // ops cost a launch each per layer per step otherwise. The constants live in
-                // the compiled function (compiled graphs are cached per function).
-                let mut fused = mlx_rs::transforms::compile::compile(
-                    |(up, gate): (&Array, &Array)| {
-                        clamped_swiglu(up, gate, GPT_OSS_ALPHA, GPT_OSS_LIMIT)
-                    },
-                    true,
-                );
-                fused((up, gate))
+                // the compiled function, kept for the thread (traced once per dtype).
+                super::kept::call_one(gpt_oss_swiglu_ops, true, &[up.clone(), gate.clone()])
             }
             SwitchActivation::ClampedSwiGlu { alpha, limit } => {
                 clamped_swiglu(up, gate, alpha, limit)
@@ -107,6 +101,16 @@ impl SwitchActivation {
             SwitchActivation::GeluGlu => gelu_approx(gate)?.multiply(up),
         }
     }
+}
+
+/// [`clamped_swiglu`] with gpt-oss's constants, over `[up, gate]`.
+fn gpt_oss_swiglu_ops(args: &[Array]) -> Result<Vec<Array>> {
+    Ok(vec![clamped_swiglu(
+        &args[0],
+        &args[1],
+        GPT_OSS_ALPHA,
+        GPT_OSS_LIMIT,
+    )?])
 }
 
 /// gpt-oss's `alpha` and `limit` (mlx-lm's `SwigluOAI` defaults).
