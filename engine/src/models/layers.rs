@@ -166,7 +166,18 @@ impl RmsNorm {
 
 /// `x * sigmoid(x) * up`, as mlx-lm's `swiglu` computes it.
 pub fn swiglu(gate: &Array, up: &Array) -> Result<Array> {
-    mlx_rs::nn::silu(gate)?.multiply(up)
+    silu(gate)?.multiply(up)
+}
+
+/// `nn.silu`: `x * sigmoid(x)` as one compiled kernel, as mlx-lm compiles it (kept: mlx-rs's
+/// own `nn::silu` compiles anew, and so traces again, on every call).
+pub fn silu(x: &Array) -> Result<Array> {
+    super::kept::call_one(silu_ops, true, std::slice::from_ref(x))
+}
+
+fn silu_ops(args: &[Array]) -> Result<Vec<Array>> {
+    let x = &args[0];
+    Ok(vec![x.multiply(mlx_rs::ops::sigmoid(x)?)?])
 }
 
 /// What distinguishes one attention layer's core beyond its projections.

@@ -8,7 +8,7 @@
 //! (chunks of 256 tokens, no loop over tokens), prefill and decode alike, as mlx-lm does on
 //! every device but Apple's GPU.
 use mlx_rs::error::Exception;
-use mlx_rs::nn::{silu, softplus};
+use mlx_rs::nn::softplus;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::ops::{
     concatenate, conv1d, expand_dims, maximum, minimum, repeat_axis, select, tril, unflatten,
@@ -19,7 +19,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::info::{model_info, KvShape};
-use super::layers::{Linear, Matrix, RmsNorm};
+use super::layers::{silu, Linear, Matrix, RmsNorm};
 use super::params::{Parameters, Params};
 use super::CausalLm;
 use super::ModelInfo;
