@@ -214,13 +214,6 @@ impl LayerCache {
         }
     }
 
-    pub fn into_batched(self) -> Option<BatchKv> {
-        match self {
-            LayerCache::Batched(c) => Some(c),
-            LayerCache::Dense(_) | LayerCache::State(_) => None,
-        }
-    }
-
     pub fn as_batched_mut(&mut self) -> Option<&mut BatchKv> {
         match self {
             LayerCache::Batched(c) => Some(c),

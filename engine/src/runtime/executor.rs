@@ -405,7 +405,7 @@ impl<'m> Executor<'m> {
         let every = self.limits.state_snapshot_every.max(1);
         if self.stateful && (written == p.seq.prompt_len - 1 || written / every > before / every) {
             let tokens = p.seq.tokens[..written].to_vec();
-            self.snapshot(tokens, &layers)?;
+            self.snapshot_row(tokens, &layers, 0)?;
         }
         self.prefilling[index].layers = Some(layers);
         Ok(())
@@ -455,14 +455,10 @@ impl<'m> Executor<'m> {
         Ok(())
     }
 
-    /// Keeps a prompt's recurrent state in the prefix cache as the cache of `tokens` (one
-    /// row): a state cannot be cut to a shorter prefix later, so a model with recurrent layers
-    /// leaves snapshots at the end of each prompt and every `state_snapshot_every` tokens of a
-    /// long one (see [`SeqKv`]).
-    fn snapshot(&mut self, tokens: Vec<u32>, layers: &[LayerCache]) -> Result<(), Exception> {
-        self.snapshot_row(tokens, layers, 0)
-    }
-
+    /// Keeps row `row` of a prompt's caches in the prefix cache as the cache of `tokens`: a
+    /// recurrent state cannot be cut to a shorter prefix later, so a model with recurrent
+    /// layers leaves snapshots at the end of each prompt and every `state_snapshot_every`
+    /// tokens of a long one (see [`SeqKv`]).
     fn snapshot_row(
         &mut self,
         tokens: Vec<u32>,

@@ -11,7 +11,7 @@ use mlx_rs::ops::concatenate;
 use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
 use mlx_rs::{Array, Dtype};
 
-use crate::cache::{BatchKv, LayerCache};
+use crate::cache::LayerCache;
 use crate::models::CausalLm;
 
 pub struct ModelDrafter {
@@ -45,9 +45,7 @@ impl ModelDrafter {
             return Ok(());
         }
         for cache in &mut self.caches {
-            if let Some(c) = cache.as_batched_mut() {
-                c.filter(keep)?;
-            }
+            cache.filter(keep)?;
         }
         Ok(())
     }
@@ -55,32 +53,22 @@ impl ModelDrafter {
     /// Rows join after the current ones: each one's `context` (everything but its last token)
     /// is prefilled into a new row of the draft cache.
     pub fn join(&mut self, contexts: &[&[u32]]) -> Result<(), Exception> {
-        let windows = self.model.layer_windows();
+        let kinds = self.model.layer_kinds();
         if self.caches.is_empty() {
-            self.caches = windows
-                .iter()
-                .map(|&w| LayerCache::Batched(BatchKv::default().windowed(w)))
-                .collect();
+            self.caches = kinds.iter().map(|k| k.fresh(Vec::new(), None)).collect();
         }
         for context in contexts {
-            let mut row: Vec<LayerCache> = windows
-                .iter()
-                .map(|&w| LayerCache::Batched(BatchKv::with_padding(vec![0], None).windowed(w)))
-                .collect();
+            let mut row: Vec<LayerCache> = kinds.iter().map(|k| k.fresh(vec![0], None)).collect();
             for chunk in context.chunks(self.prefill_chunk) {
                 let input = Array::from_slice(chunk, &[1, chunk.len() as i32]);
                 let _ = self.model.forward(&input, &mut row)?;
                 for cache in &mut row {
-                    if let Some(c) = cache.as_batched_mut() {
-                        c.evict_outside_window()?;
-                    }
+                    cache.evict_outside_window()?;
                 }
                 mlx_rs::transforms::eval(row.iter().flat_map(LayerCache::state))?;
             }
             for (cache, layer) in self.caches.iter_mut().zip(row) {
-                if let (Some(c), Some(layer)) = (cache.as_batched_mut(), layer.into_batched()) {
-                    c.extend(layer)?;
-                }
+                cache.extend(layer)?;
             }
         }
         Ok(())
