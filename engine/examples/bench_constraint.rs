@@ -150,7 +150,7 @@ fn main() -> anyhow::Result<()> {
     let (batch, new_tokens, runs): (usize, usize, usize) =
         (args[1].parse()?, args[2].parse()?, args[3].parse()?);
     let limits = RuntimeLimits {
-        max_batch_size: batch.max(1),
+        max_batch_size: Some(batch.max(1)),
         prompt_cache_bytes: 0,
         ..Default::default()
     };

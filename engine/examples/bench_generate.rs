@@ -172,7 +172,7 @@ fn main() -> anyhow::Result<()> {
         num_draft,
     });
     let limits = RuntimeLimits {
-        max_batch_size: batch.max(1),
+        max_batch_size: Some(batch.max(1)),
         prompt_cache_bytes: 0,
         speculation,
         kv_quant: kv_bits.map(|bits| mlxd_engine::cache::KvQuant {

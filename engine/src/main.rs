@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use mlxd_engine::app;
-use mlxd_engine::runtime::{RuntimeLimits, DEFAULT_MAX_BATCH_SIZE};
+use mlxd_engine::runtime::RuntimeLimits;
 use mlxd_protocol::engine_options::EngineOptions;
 use mlxd_store as store;
 
@@ -33,9 +33,10 @@ struct Args {
     /// Cap on prompt + generated tokens (default: the model's own).
     #[arg(long)]
     context_length: Option<usize>,
-    /// Sequences decoded together in one forward pass; more wait in line.
-    #[arg(long, default_value_t = DEFAULT_MAX_BATCH_SIZE as u64, value_parser = clap::value_parser!(u64).range(1..=4096))]
-    max_batch_size: u64,
+    /// Sequences decoded together in one forward pass; more wait in line [default: 128 on a
+    /// GPU, 64 on the CPU].
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    max_batch_size: Option<u64>,
     /// KV cache bytes that running sequences may reserve (prompt + max_tokens each);
     /// default: no limit.
     #[arg(long)]
@@ -71,7 +72,7 @@ fn main() -> anyhow::Result<()> {
         return app::run_supervised(&home);
     }
     let limits = RuntimeLimits {
-        max_batch_size: args.max_batch_size as usize,
+        max_batch_size: args.max_batch_size.map(|n| n as usize),
         kv_budget_bytes: args.kv_budget_bytes,
         context_length: args.context_length,
         ..RuntimeLimits::default()

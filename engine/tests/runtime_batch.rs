@@ -307,7 +307,7 @@ fn a_request_larger_than_the_kv_budget_is_refused_and_others_still_run() {
 #[test]
 fn max_batch_size_bounds_the_batch_and_everyone_finishes() {
     let runtime = start_limited(RuntimeLimits {
-        max_batch_size: 2,
+        max_batch_size: Some(2),
         ..Default::default()
     });
     let gens: Vec<Gen> = prompts().iter().map(|p| Gen::greedy(p, 10)).collect();

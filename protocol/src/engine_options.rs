@@ -79,6 +79,11 @@ pub const KEYS: &[(&str, &str)] = &[
         "models with recurrent layers: prompt tokens between two snapshots of the state in the \
          prefix cache (default 4096)",
     ),
+    (
+        "prefill_step_tokens",
+        "prompt tokens prefilled per step, all prompts together, 32 to 1048576 (default: 16384 \
+         on a GPU, 2048 on the CPU)",
+    ),
 ];
 
 /// An option with a value it cannot take, or in a combination that cannot work.
@@ -157,6 +162,11 @@ pub struct EngineOptions {
     /// prefix cache, and the most a prefill chunk holds [default: 4096].
     #[cfg_attr(feature = "cli", arg(long, value_parser = parse_state_snapshot_every))]
     pub state_snapshot_every: Option<u64>,
+    /// Prompt tokens (padding included) that one step prefills, every waiting prompt's chunks
+    /// together, beside the decode step; fewer where the measured prefill speed would make the
+    /// step outlast half a second [default: 16384 on a GPU, 2048 on the CPU].
+    #[cfg_attr(feature = "cli", arg(long, value_parser = parse_prefill_step_tokens))]
+    pub prefill_step_tokens: Option<u64>,
 }
 
 // One parser per option: what flags, config values and `Launch.options` all go through.
@@ -256,6 +266,14 @@ pub fn parse_state_snapshot_every(s: &str) -> Result<u64, String> {
     parse_in(s, 16, MAX_TOKENS, "a number of tokens")
 }
 
+/// Most tokens one step may prefill: a step of more stalls every running stream for longer
+/// than any device prefills in a second.
+const MAX_PREFILL_STEP_TOKENS: u64 = 1 << 20;
+
+pub fn parse_prefill_step_tokens(s: &str) -> Result<u64, String> {
+    parse_in(s, 32, MAX_PREFILL_STEP_TOKENS, "a number of tokens")
+}
+
 impl EngineOptions {
     /// Sets the option `key` from its string form; an unknown key or a value outside the
     /// option's domain is an error naming both.
@@ -289,6 +307,9 @@ impl EngineOptions {
             }
             "state_snapshot_every" => {
                 self.state_snapshot_every = Some(parse_state_snapshot_every(value).map_err(bad)?)
+            }
+            "prefill_step_tokens" => {
+                self.prefill_step_tokens = Some(parse_prefill_step_tokens(value).map_err(bad)?)
             }
             _ => {
                 let known: Vec<&str> = KEYS.iter().map(|(k, _)| *k).collect();
@@ -352,6 +373,10 @@ impl EngineOptions {
         put(
             "state_snapshot_every",
             self.state_snapshot_every.map(|v| v.to_string()),
+        );
+        put(
+            "prefill_step_tokens",
+            self.prefill_step_tokens.map(|v| v.to_string()),
         );
         map
     }
@@ -468,6 +493,7 @@ mod tests {
             ("ssd_demote_idle", "1.5"),
             ("generation_checkpoint", "64"),
             ("state_snapshot_every", "1024"),
+            ("prefill_step_tokens", "8192"),
         ]);
         let o = EngineOptions::from_map(&given).unwrap();
         assert_eq!(o.to_map(), given);
@@ -528,6 +554,15 @@ mod tests {
             (
                 &[("draft", "ngram"), ("ngram_min", "5")],
                 "engine option ngram_min = \"5\": n-gram sizes must satisfy",
+            ),
+            (
+                &[("prefill_step_tokens", "16")],
+                "engine option prefill_step_tokens = \"16\": expected a number of tokens from 32 \
+                 to 1048576",
+            ),
+            (
+                &[("prefill_step_tokens", "2000000")],
+                "engine option prefill_step_tokens = \"2000000\": expected a number of tokens",
             ),
             (
                 &[("num_draft_tokens", "2")],

@@ -39,10 +39,7 @@ pub struct LaunchOptions {
 pub fn launch_options(launch: &Launch) -> Result<LaunchOptions, StartError> {
     let defaults = RuntimeLimits::default();
     let limits = RuntimeLimits {
-        max_batch_size: launch
-            .limits
-            .max_batch_size
-            .map_or(defaults.max_batch_size, |n| n as usize),
+        max_batch_size: launch.limits.max_batch_size.map(|n| n as usize),
         kv_budget_bytes: launch.limits.kv_budget_bytes,
         context_length: launch.limits.context_length.map(|n| n as usize),
         ..defaults
@@ -74,6 +71,9 @@ pub fn runtime_options(
     limits.quantized_kv_start = options.quantized_kv_start.unwrap_or(0) as usize;
     if let Some(n) = options.state_snapshot_every {
         limits.state_snapshot_every = n as usize;
+    }
+    if let Some(n) = options.prefill_step_tokens {
+        limits.prefill_step_tokens = Some(n as usize);
     }
     limits.ssd = options.ssd_cache.clone().map(|dir| SsdConfig {
         dir,
@@ -132,7 +132,7 @@ mod tests {
         let o = launch_options(&launch(&[("prompt_cache", "0.5"), ("kv_bits", "8")])).unwrap();
         assert_eq!(o.draft, None);
         let l = o.limits;
-        assert_eq!(l.max_batch_size, 8);
+        assert_eq!(l.max_batch_size, Some(8));
         assert_eq!(l.kv_budget_bytes, Some(1 << 20));
         assert_eq!(l.prompt_cache_bytes, 1 << 29);
         assert_eq!(

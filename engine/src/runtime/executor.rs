@@ -19,9 +19,17 @@ use super::draft::Speculator;
 use super::request::{GenerateRequest, GenerationError, TokenEvent};
 use super::scheduler::{self, Admission, PrefillView, PrefillWork, SchedulerLimits, WaitingView};
 use super::sequence::Sequence;
+use super::step_trace::PrefillTrace;
 use super::{OomHook, RuntimeStats};
 use crate::cache::{CacheManager, KvLayout, KvQuant, LayerCache, LayerKind, SeqKv};
 use crate::models::{CausalLm, ModelInfo};
+
+/// A prefill pass of this step whose caches are still being computed: a chunk's prompt
+/// (by its slot) or a group's unit (by its place in the ready list).
+enum Queued {
+    Slot(usize),
+    Ready(usize),
+}
 
 /// An admitted sequence whose prompt is not all in its cache yet.
 struct Prefilling {
@@ -345,6 +353,9 @@ impl<'m> Executor<'m> {
         Ok(())
     }
 
+    /// Runs the step's prefill passes ([`scheduler::plan_prefill`]): each is queued as soon as
+    /// it is built (`async_eval`), so the device works through one while the host builds the
+    /// next, and the step waits once, at the end.
     fn prefill(&mut self) -> Result<(), Exception> {
         let views: Vec<PrefillView> = self
             .prefilling
@@ -355,49 +366,89 @@ impl<'m> Executor<'m> {
                 last_unit: p.last_unit,
             })
             .collect();
-        let budget = scheduler::chunk_budget(&self.limits, self.prefill_speed);
-        let Some(work) = scheduler::next_prefill(&self.limits, &views, budget) else {
+        let chunk = scheduler::chunk_budget(&self.limits, self.prefill_speed);
+        let step = scheduler::step_budget(&self.limits, self.prefill_speed);
+        let work = scheduler::plan_prefill(&self.limits, &views, chunk, step);
+        if work.is_empty() {
             return Ok(());
-        };
+        }
         self.units += 1;
+        let mut trace = PrefillTrace::start();
         let started = Instant::now();
-        let tokens = match work {
-            PrefillWork::Chunk { index, tokens } => {
-                self.prefilling[index].last_unit = self.units;
-                self.prefill_chunk(index, tokens)?;
-                tokens
+        let mut slots: Vec<Option<Prefilling>> = std::mem::take(&mut self.prefilling)
+            .into_iter()
+            .map(Some)
+            .collect();
+        let mut tokens = 0;
+        let mut queued = Vec::with_capacity(work.len());
+        let result = (|| {
+            for w in &work {
+                tokens += w.tokens(&views);
+                match w {
+                    PrefillWork::Chunk { index, tokens: n } => {
+                        let p = slots[*index].as_mut().expect("each index once a step");
+                        p.last_unit = self.units;
+                        self.prefill_chunk(p, *n)?;
+                        trace.pass(1, *n, *n);
+                        queued.push(Queued::Slot(*index));
+                    }
+                    PrefillWork::Group { indices } => {
+                        let rows: Vec<Prefilling> = indices
+                            .iter()
+                            .map(|&i| slots[i].take().expect("each index once a step"))
+                            .collect();
+                        let real: usize = rows.iter().map(Prefilling::remaining).sum();
+                        let unit = self.prefill_group(rows)?;
+                        trace.pass(indices.len(), real, w.tokens(&views));
+                        queued.push(Queued::Ready(self.ready.len()));
+                        self.ready.push(unit);
+                    }
+                }
+                trace.built();
             }
-            PrefillWork::Group { indices } => {
-                let longest = indices.iter().map(|&i| views[i].remaining).max();
-                self.prefill_group(&indices)?;
-                indices.len() * longest.unwrap_or(0)
+            // One wait for every pass of the step.
+            let mut state = Vec::new();
+            for q in &queued {
+                match q {
+                    Queued::Slot(i) => state.extend(
+                        slots[*i]
+                            .iter()
+                            .flat_map(|p| p.layers.iter().flatten())
+                            .flat_map(LayerCache::state),
+                    ),
+                    Queued::Ready(r) => {
+                        state.extend(self.ready[*r].layers.iter().flat_map(LayerCache::state))
+                    }
+                }
             }
-        };
-        // A unit that filled its budget, or took a good part of the target, measures the
-        // device; a small unit done quickly says only that it is fast enough (its time is
-        // mostly fixed costs), and must not shrink the next chunks.
+            mlx_rs::transforms::eval(state)
+        })();
+        self.prefilling = slots.into_iter().flatten().collect();
+        result?;
+        trace.finish(tokens);
+        // A step that filled its budget, or took a good part of the target, measures the
+        // device; a small step done quickly says only that it is fast enough (its time is
+        // mostly fixed costs), and must not shrink the next budgets.
         let seconds = started.elapsed().as_secs_f64();
         let target = self.limits.prefill_unit_target.as_secs_f64();
-        if seconds > 0.0 && (tokens >= budget || seconds >= target / 2.0) {
+        if seconds > 0.0 && (tokens >= chunk || seconds >= target / 2.0) {
             self.prefill_speed = Some(tokens as f64 / seconds);
         }
         self.promote_prefilled();
         Ok(())
     }
 
-    /// The next `n` prompt tokens of one sequence into its own cache.
-    fn prefill_chunk(&mut self, index: usize, n: usize) -> Result<(), Exception> {
+    /// The next `n` prompt tokens of one sequence into its own cache (queued, not waited for).
+    fn prefill_chunk(&mut self, p: &mut Prefilling, n: usize) -> Result<(), Exception> {
         let layout = self.caches.layout();
         let quant = layout.at(0);
-        let p = &mut self.prefilling[index];
         let chunk = &p.seq.tokens[p.written..p.written + n];
         let input = Array::from_slice(chunk, &[1, n as i32]);
         let layers = p
             .layers
             .take()
             .unwrap_or_else(|| fresh_layers(&self.kinds, vec![0], quant));
-        let mut layers = run_prefill(self.model, &input, layers)?;
-        let p = &mut self.prefilling[index];
+        let mut layers = queue_prefill(self.model, &input, layers)?;
         let before = p.written;
         p.written += n;
         quantize_past_start(&mut layers, layout, p.written)?;
@@ -407,52 +458,42 @@ impl<'m> Executor<'m> {
             let tokens = p.seq.tokens[..written].to_vec();
             self.snapshot_row(tokens, &layers, 0)?;
         }
-        self.prefilling[index].layers = Some(layers);
+        p.layers = Some(layers);
         Ok(())
     }
 
     /// Whole prompts (but their last token) of fresh sequences, padded on the left to one
-    /// length, in one forward pass; they then join the batch together.
-    fn prefill_group(&mut self, indices: &[usize]) -> Result<(), Exception> {
-        let lens: Vec<usize> = indices
-            .iter()
-            .map(|&i| self.prefilling[i].remaining())
-            .collect();
+    /// length, in one forward pass (queued, not waited for); they then join the batch
+    /// together.
+    fn prefill_group(&mut self, rows: Vec<Prefilling>) -> Result<Prefilled, Exception> {
+        let lens: Vec<usize> = rows.iter().map(Prefilling::remaining).collect();
         let longest = lens.iter().copied().max().unwrap_or(0);
-        let mut tokens = Vec::with_capacity(indices.len() * longest);
-        let mut padding = Vec::with_capacity(indices.len());
-        for (&i, &len) in indices.iter().zip(&lens) {
+        let mut tokens = Vec::with_capacity(rows.len() * longest);
+        let mut padding = Vec::with_capacity(rows.len());
+        for (p, &len) in rows.iter().zip(&lens) {
             let pad = longest - len;
             tokens.extend(std::iter::repeat_n(0u32, pad));
-            tokens.extend_from_slice(&self.prefilling[i].seq.tokens[..len]);
+            tokens.extend_from_slice(&p.seq.tokens[..len]);
             padding.push(pad as i32);
         }
-        let input = Array::from_slice(&tokens, &[indices.len() as i32, longest as i32]);
+        let input = Array::from_slice(&tokens, &[rows.len() as i32, longest as i32]);
         let layout = self.caches.layout();
-        let mut layers = run_prefill(
+        let mut layers = queue_prefill(
             self.model,
             &input,
             fresh_layers(&self.kinds, padding, layout.at(0)),
         )?;
         quantize_past_start(&mut layers, layout, longest)?;
         if self.stateful {
-            for (row, &i) in indices.iter().enumerate() {
-                let len = lens[row];
-                let tokens = self.prefilling[i].seq.tokens[..len].to_vec();
+            for (row, p) in rows.iter().enumerate() {
+                let tokens = p.seq.tokens[..lens[row]].to_vec();
                 self.snapshot_row(tokens, &layers, row)?;
             }
         }
-        let mut taken: Vec<Option<Prefilling>> = std::mem::take(&mut self.prefilling)
-            .into_iter()
-            .map(Some)
-            .collect();
-        let seqs = indices
-            .iter()
-            .map(|&i| taken[i].take().expect("each index once").seq)
-            .collect();
-        self.prefilling = taken.into_iter().flatten().collect();
-        self.ready.push(Prefilled { seqs, layers });
-        Ok(())
+        Ok(Prefilled {
+            seqs: rows.into_iter().map(|p| p.seq).collect(),
+            layers,
+        })
     }
 
     /// Keeps row `row` of a prompt's caches in the prefix cache as the cache of `tokens`: a
@@ -590,10 +631,10 @@ fn row_snapshot(
     Ok(Some(SeqKv::new(copies, starts)))
 }
 
-/// Runs `input` `[B, L]` into `layers` and evaluates the caches (the logits are not needed);
-/// windowed layers drop what their windows no longer reach, so that a prompt waiting to join
-/// the batch holds a bounded cache.
-fn run_prefill(
+/// Runs `input` `[B, L]` into `layers` and queues the caches' evaluation (`async_eval`; the
+/// logits are not needed); windowed layers drop what their windows no longer reach, so that a
+/// prompt waiting to join the batch holds a bounded cache.
+fn queue_prefill(
     model: &dyn CausalLm,
     input: &Array,
     mut caches: Vec<LayerCache>,
@@ -602,6 +643,6 @@ fn run_prefill(
     for cache in &mut caches {
         cache.evict_outside_window()?;
     }
-    mlx_rs::transforms::eval(caches.iter().flat_map(LayerCache::state))?;
+    mlx_rs::transforms::async_eval(caches.iter().flat_map(LayerCache::state))?;
     Ok(caches)
 }

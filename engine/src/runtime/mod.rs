@@ -40,8 +40,12 @@ use executor::Executor;
 use request::WorkSender;
 use scheduler::SchedulerLimits;
 
-/// Sequences decoded together when no limit is given.
+/// Sequences decoded together when no limit is given, on the CPU.
 pub const DEFAULT_MAX_BATCH_SIZE: usize = 64;
+/// Sequences decoded together when no limit is given, on a GPU: a decode step's weights are
+/// read once for all rows, so rows are nearly free there until the attention over their KV
+/// dominates; the KV budget still bounds what is admitted.
+pub const DEFAULT_GPU_MAX_BATCH_SIZE: usize = 128;
 /// Most prompt tokens of one sequence per prefill forward pass (mlx-lm's `prefill_step_size`);
 /// fewer on a slow device (see [`PREFILL_UNIT_TARGET`]).
 pub const PREFILL_CHUNK: usize = 2048;
@@ -51,8 +55,19 @@ pub const MIN_PREFILL_CHUNK: usize = 32;
 /// allows: chunks shrink (to [`MIN_PREFILL_CHUNK`]) on a slow device, so that a cancelled
 /// prompt stops and a short one is prefilled within about this long.
 pub const PREFILL_UNIT_TARGET: std::time::Duration = std::time::Duration::from_millis(500);
-/// Tokens (rows × padded length) of one grouped prefill forward pass.
-pub const PREFILL_GROUP_TOKENS: usize = 4096;
+/// Prompt tokens (rows × padded length) of all prefill passes of one step on the CPU, when no
+/// budget is given; the measured prefill speed shrinks it further (see [`PREFILL_UNIT_TARGET`]).
+pub const DEFAULT_PREFILL_STEP_TOKENS: usize = 2048;
+/// The same on a GPU: mlx-lm's `BatchGenerator` prefills up to 8 prompts × 2 048 tokens in one
+/// pass by default; a step of this many keeps a large GPU's prefill compute-bound.
+pub const DEFAULT_GPU_PREFILL_STEP_TOKENS: usize = 16384;
+
+/// What the device MLX computes on (its default device) asks of the defaults.
+fn on_gpu() -> bool {
+    mlx_rs::Device::try_default()
+        .and_then(|d| d.get_type())
+        .is_ok_and(|t| matches!(t, mlx_rs::DeviceType::Gpu))
+}
 /// Prefix-cache bytes when no size is given (`--prompt-cache`).
 pub const DEFAULT_PROMPT_CACHE_BYTES: u64 = 1 << 30;
 /// Default [`RuntimeLimits::state_snapshot_every`].
@@ -61,8 +76,9 @@ pub const STATE_SNAPSHOT_EVERY: usize = 4096;
 /// Limits the supervisor may impose (smaller after an out-of-memory restart).
 #[derive(Debug, Clone)]
 pub struct RuntimeLimits {
-    /// Sequences generating at once; more wait in line.
-    pub max_batch_size: usize,
+    /// Sequences generating at once; more wait in line. `None`: sized for the device
+    /// ([`DEFAULT_GPU_MAX_BATCH_SIZE`] on a GPU, [`DEFAULT_MAX_BATCH_SIZE`] on the CPU).
+    pub max_batch_size: Option<usize>,
     /// KV cache bytes that admitted sequences may reserve (prompt + max_tokens each).
     pub kv_budget_bytes: Option<u64>,
     /// Caps the model's context length.
@@ -72,6 +88,11 @@ pub struct RuntimeLimits {
     /// Most prompt tokens of one sequence per prefill forward pass (the measured prefill
     /// speed may shrink chunks below it, see [`PREFILL_UNIT_TARGET`]).
     pub prefill_chunk: usize,
+    /// Most prompt tokens (padding included) that one step's prefill passes hold together
+    /// (`--prefill-step-tokens`); the measured prefill speed may shrink it. `None`: sized for
+    /// the device ([`DEFAULT_GPU_PREFILL_STEP_TOKENS`] on a GPU,
+    /// [`DEFAULT_PREFILL_STEP_TOKENS`] on the CPU).
+    pub prefill_step_tokens: Option<usize>,
     /// Quantize the KV cache (`--kv-bits`, `--kv-group-size`); `None` keeps the model's dtype.
     pub kv_quant: Option<KvQuant>,
     /// With `kv_quant`: a sequence's KV stays unquantized until it holds more than this many
@@ -90,16 +111,38 @@ pub struct RuntimeLimits {
 impl Default for RuntimeLimits {
     fn default() -> Self {
         Self {
-            max_batch_size: DEFAULT_MAX_BATCH_SIZE,
+            max_batch_size: None,
             kv_budget_bytes: None,
             context_length: None,
             prompt_cache_bytes: DEFAULT_PROMPT_CACHE_BYTES,
             prefill_chunk: PREFILL_CHUNK,
+            prefill_step_tokens: None,
             kv_quant: None,
             quantized_kv_start: 0,
             speculation: None,
             ssd: None,
             state_snapshot_every: STATE_SNAPSHOT_EVERY,
+        }
+    }
+}
+
+impl RuntimeLimits {
+    /// The scheduler's limits, with what was not given sized for the device (`gpu`).
+    pub fn scheduler(&self, gpu: bool) -> SchedulerLimits {
+        let (batch, step) = if gpu {
+            (DEFAULT_GPU_MAX_BATCH_SIZE, DEFAULT_GPU_PREFILL_STEP_TOKENS)
+        } else {
+            (DEFAULT_MAX_BATCH_SIZE, DEFAULT_PREFILL_STEP_TOKENS)
+        };
+        let prefill_chunk = self.prefill_chunk.max(1);
+        SchedulerLimits {
+            max_batch_size: self.max_batch_size.unwrap_or(batch).max(1),
+            prefill_chunk,
+            min_prefill_chunk: MIN_PREFILL_CHUNK,
+            prefill_unit_target: PREFILL_UNIT_TARGET,
+            snapshot_boundaries: false,
+            prefill_step_tokens: self.prefill_step_tokens.unwrap_or(step).max(1),
+            state_snapshot_every: self.state_snapshot_every.max(1),
         }
     }
 }
@@ -260,15 +303,12 @@ impl Runtime {
                         },
                     )
                     .with_ssd(ssd);
-                    let scheduler = SchedulerLimits {
-                        max_batch_size: limits.max_batch_size.max(1),
-                        prefill_chunk: limits.prefill_chunk.max(1),
-                        min_prefill_chunk: MIN_PREFILL_CHUNK,
-                        prefill_unit_target: PREFILL_UNIT_TARGET,
-                        snapshot_boundaries: false,
-                        prefill_group_tokens: PREFILL_GROUP_TOKENS.max(limits.prefill_chunk),
-                        state_snapshot_every: limits.state_snapshot_every.max(1),
-                    };
+                    let scheduler = limits.scheduler(on_gpu());
+                    tracing::info!(
+                        max_batch_size = scheduler.max_batch_size,
+                        prefill_step_tokens = scheduler.prefill_step_tokens,
+                        "batch limits"
+                    );
                     Executor::new(
                         model.as_ref(),
                         info,

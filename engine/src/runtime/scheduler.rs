@@ -6,21 +6,25 @@
 //! does not fit beside the others'; a request larger than the whole budget is refused at once
 //! rather than left to block the queue.
 //!
-//! Each step runs one prefill unit beside the decode step, so a long prompt delays running
-//! streams by at most one chunk. A unit is either one chunk of one prompt — when that prompt is
-//! long or continues a cached prefix — or a group of short fresh prompts padded on the left
-//! into one forward pass, so that a burst of new requests gets its first tokens together
-//! instead of one step apart.
+//! Each step runs the decode step and, beside it, prefill passes that hold together at most the
+//! step's token budget ([`step_budget`]: `prefill_step_tokens`, padding included), so a burst
+//! of new requests is prefilled in the step it arrives in rather than one prompt or one small
+//! group per step, and running streams wait at most one budget's worth of prefill per token.
+//! A pass is either one chunk of one prompt — when that prompt is long or continues a cached
+//! prefix — or a group of short fresh prompts padded on the left into one forward pass (no
+//! padding, so the plain kernels, when they are of one length), so that they get their first
+//! tokens together.
 //!
-//! Prompts take turns: each unit goes to the prompt served least recently (a prompt never
-//! served first, then in admission order), so a short prompt admitted behind a long one is
-//! prefilled at the long one's next chunk boundary instead of after its last chunk, and long
-//! prompts share the steps round-robin.
+//! Prompts take turns: the budget goes first to the prompt served least recently (a prompt
+//! never served first, then in admission order) and what is left to those after it, so a short
+//! prompt admitted behind a long one is prefilled at the long one's next chunk boundary (or in
+//! the same step, when both fit) instead of after its last chunk, and long prompts share the
+//! steps round-robin.
 //!
-//! A chunk holds at most the step's token budget ([`chunk_budget`]): `prefill_chunk` on a fast
-//! device, fewer where the measured prefill speed would make a chunk outlast
-//! `prefill_unit_target`. A chunk is the unit of cancellation (a prompt whose client left is
-//! dropped between two units) and of interleaving, so on a slow device (a CPU) both come
+//! A chunk holds at most [`chunk_budget`] tokens: `prefill_chunk` on a fast device, fewer
+//! where the measured prefill speed would make it outlast `prefill_unit_target`; the step's
+//! budget shrinks the same way. A chunk is the unit of cancellation (a prompt whose client left
+//! is dropped between two steps) and of interleaving, so on a slow device (a CPU) both come
 //! within about the target time instead of after a 2 048-token forward pass.
 use std::time::Duration;
 
@@ -38,8 +42,8 @@ pub struct SchedulerLimits {
     /// Whether chunks end at multiples of `state_snapshot_every` (a model with recurrent
     /// layers snapshots its state there, and a state is only copied between forward passes).
     pub snapshot_boundaries: bool,
-    /// Most tokens (rows × padded length) of a grouped prefill forward pass.
-    pub prefill_group_tokens: usize,
+    /// Most prompt tokens (rows × padded length) of all prefill passes of one step.
+    pub prefill_step_tokens: usize,
     /// Prompt tokens between two snapshots of a recurrent state (see
     /// [`RuntimeLimits::state_snapshot_every`](super::RuntimeLimits::state_snapshot_every)).
     pub state_snapshot_every: usize,
@@ -95,7 +99,7 @@ pub fn admit(
     decisions
 }
 
-/// The prefill work of the next step.
+/// One forward pass of a step's prefill.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PrefillWork {
     /// The next `tokens` prompt tokens of sequence `index`.
@@ -104,86 +108,163 @@ pub enum PrefillWork {
     Group { indices: Vec<usize> },
 }
 
-/// The most prompt tokens of one chunk, given the prefill speed measured so far (tokens per
-/// second, `None` before the first unit): `prefill_chunk` where it runs within
-/// `prefill_unit_target`, else as many as run in that time rounded down to a power of two (few
-/// distinct shapes), at least `min_prefill_chunk`.
-pub fn chunk_budget(limits: &SchedulerLimits, tokens_per_s: Option<f64>) -> usize {
-    let most = limits.prefill_chunk.max(1);
-    let Some(speed) = tokens_per_s.filter(|s| s.is_finite() && *s > 0.0) else {
-        return most;
-    };
-    let fits = (speed * limits.prefill_unit_target.as_secs_f64()).min(most as f64) as usize;
-    if fits >= most {
+impl PrefillWork {
+    /// Tokens the pass runs, padding included (what it takes of the step's budget).
+    pub fn tokens(&self, prefilling: &[PrefillView]) -> usize {
+        match self {
+            PrefillWork::Chunk { tokens, .. } => *tokens,
+            PrefillWork::Group { indices } => {
+                let longest = indices.iter().map(|&i| prefilling[i].remaining).max();
+                indices.len() * longest.unwrap_or(0)
+            }
+        }
+    }
+}
+
+/// Rounds `fits` tokens (what runs within the unit target at the measured speed) down to a
+/// power of two, within `min..=most`: few distinct shapes.
+fn speed_bound(fits: f64, min: usize, most: usize) -> usize {
+    let most = most.max(1);
+    if fits >= most as f64 {
         return most;
     }
+    let fits = fits.max(0.0) as usize;
     let rounded = if fits == 0 {
         0
     } else {
         1 << (usize::BITS - 1 - fits.leading_zeros())
     };
-    rounded
-        .max(limits.min_prefill_chunk.clamp(1, most))
-        .min(most)
+    rounded.max(min.clamp(1, most)).min(most)
 }
 
-/// Picks the next prefill unit among sequences still prefilling (in admission order), chunks
-/// holding at most `budget` tokens (see [`chunk_budget`]); `None` when none has tokens left.
-pub fn next_prefill(
+/// The measured speed when it is a usable figure.
+fn usable(tokens_per_s: Option<f64>) -> Option<f64> {
+    tokens_per_s.filter(|s| s.is_finite() && *s > 0.0)
+}
+
+/// The most prompt tokens of one chunk, given the prefill speed measured so far (tokens per
+/// second, `None` before the first step): `prefill_chunk` where it runs within
+/// `prefill_unit_target`, else as many as run in that time rounded down to a power of two (few
+/// distinct shapes), at least `min_prefill_chunk`; never more than the step's budget.
+pub fn chunk_budget(limits: &SchedulerLimits, tokens_per_s: Option<f64>) -> usize {
+    let most = limits.prefill_chunk.max(1);
+    let chunk = match usable(tokens_per_s) {
+        None => most,
+        Some(speed) => speed_bound(
+            speed * limits.prefill_unit_target.as_secs_f64(),
+            limits.min_prefill_chunk,
+            most,
+        ),
+    };
+    chunk.min(step_budget(limits, tokens_per_s))
+}
+
+/// The most prompt tokens (padding included) of all prefill passes of one step:
+/// `prefill_step_tokens` where they run within `prefill_unit_target` at the measured speed,
+/// else as many as do, rounded down to a power of two, at least `min_prefill_chunk`.
+pub fn step_budget(limits: &SchedulerLimits, tokens_per_s: Option<f64>) -> usize {
+    let most = limits.prefill_step_tokens.max(1);
+    match usable(tokens_per_s) {
+        None => most,
+        Some(speed) => speed_bound(
+            speed * limits.prefill_unit_target.as_secs_f64(),
+            limits.min_prefill_chunk,
+            most,
+        ),
+    }
+}
+
+/// The prefill passes of the next step, among sequences still prefilling (in admission order):
+/// every prompt whose work fits in the step's `step` tokens (padding included) gets some, each
+/// chunk holding at most `chunk` tokens (see [`chunk_budget`] and [`step_budget`]). Empty when
+/// none has tokens left.
+///
+/// Prompts take turns: they are served least recently served first (a prompt never served
+/// first, then in admission order), so the step's budget goes to whoever waited longest and
+/// the rest to those after it; a prompt that does not fit in what is left waits for a later
+/// step, where it comes first. A fresh prompt whose whole remainder fits in one chunk goes in
+/// a group with the fresh prompts after it that fit beside it (padded on the left to the
+/// longest, in one pass); a longer prompt, or one that continues a cached prefix, runs a chunk
+/// of its own.
+pub fn plan_prefill(
     limits: &SchedulerLimits,
     prefilling: &[PrefillView],
-    budget: usize,
-) -> Option<PrefillWork> {
-    let budget = budget.clamp(1, limits.prefill_chunk.max(1));
-    let (first, head) = prefilling
-        .iter()
-        .enumerate()
-        .filter(|(_, p)| p.remaining > 0)
-        .min_by_key(|(i, p)| (p.last_unit, *i))?;
-    let groupable = |p: &PrefillView| p.written == 0 && p.remaining > 0 && p.remaining <= budget;
-    if !groupable(head) {
-        let mut tokens = head.remaining.min(budget);
-        if limits.snapshot_boundaries {
-            let every = limits.state_snapshot_every.max(1);
-            tokens = tokens.min(every - head.written % every);
+    chunk: usize,
+    step: usize,
+) -> Vec<PrefillWork> {
+    let chunk = chunk.clamp(1, limits.prefill_chunk.max(1));
+    let mut left = step.max(chunk);
+    let mut order: Vec<usize> = (0..prefilling.len())
+        .filter(|&i| prefilling[i].remaining > 0)
+        .collect();
+    order.sort_by_key(|&i| (prefilling[i].last_unit, i));
+    let groupable = |p: &PrefillView| p.written == 0 && p.remaining <= chunk;
+    let mut planned = vec![false; prefilling.len()];
+    let mut work = Vec::new();
+    for (at, &first) in order.iter().enumerate() {
+        if left == 0 {
+            break;
         }
-        return Some(PrefillWork::Chunk {
-            index: first,
-            tokens,
+        if planned[first] {
+            continue;
+        }
+        let head = &prefilling[first];
+        if !groupable(head) {
+            let mut tokens = head.remaining.min(chunk).min(left);
+            if limits.snapshot_boundaries {
+                let every = limits.state_snapshot_every.max(1);
+                tokens = tokens.min(every - head.written % every);
+            }
+            // A sliver of a chunk is mostly fixed costs: the prompt waits for a step where
+            // it comes first instead.
+            if !work.is_empty() && tokens < head.remaining.min(limits.min_prefill_chunk) {
+                continue;
+            }
+            planned[first] = true;
+            left -= tokens;
+            work.push(PrefillWork::Chunk {
+                index: first,
+                tokens,
+            });
+            continue;
+        }
+        if head.remaining > left {
+            continue;
+        }
+        planned[first] = true;
+        let mut indices = vec![first];
+        let mut longest = head.remaining;
+        for &i in &order[at + 1..] {
+            let p = &prefilling[i];
+            if planned[i] || !groupable(p) {
+                continue;
+            }
+            let padded = longest.max(p.remaining);
+            if (indices.len() + 1) * padded > left {
+                continue;
+            }
+            longest = padded;
+            planned[i] = true;
+            indices.push(i);
+        }
+        left -= indices.len() * longest;
+        work.push(if indices.len() == 1 {
+            PrefillWork::Chunk {
+                index: first,
+                tokens: head.remaining,
+            }
+        } else {
+            PrefillWork::Group { indices }
         });
     }
-    // A group's padded tokens scale with the budget, so a slow device's group is no longer
-    // than its chunks either.
-    let group_tokens = (limits.prefill_group_tokens as u128 * budget as u128
-        / limits.prefill_chunk.max(1) as u128)
-        .max(budget as u128) as usize;
-    let mut indices = vec![first];
-    let mut longest = head.remaining;
-    for (i, p) in prefilling.iter().enumerate() {
-        if i == first || !groupable(p) {
-            continue;
-        }
-        let padded = longest.max(p.remaining);
-        if (indices.len() + 1) * padded > group_tokens {
-            continue;
-        }
-        longest = padded;
-        indices.push(i);
-    }
-    if indices.len() == 1 {
-        Some(PrefillWork::Chunk {
-            index: first,
-            tokens: head.remaining,
-        })
-    } else {
-        Some(PrefillWork::Group { indices })
-    }
+    work
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// Chunks of at most 100 tokens, 300 tokens a step.
     fn limits() -> SchedulerLimits {
         SchedulerLimits {
             max_batch_size: 3,
@@ -191,7 +272,7 @@ mod tests {
             min_prefill_chunk: 8,
             prefill_unit_target: Duration::from_secs(1),
             snapshot_boundaries: false,
-            prefill_group_tokens: 300,
+            prefill_step_tokens: 300,
             state_snapshot_every: 4096,
         }
     }
@@ -209,6 +290,14 @@ mod tests {
             written: 0,
             last_unit: 0,
         }
+    }
+
+    fn plan(views: &[PrefillView], chunk: usize, step: usize) -> Vec<PrefillWork> {
+        plan_prefill(&limits(), views, chunk, step)
+    }
+
+    fn chunk(index: usize, tokens: usize) -> PrefillWork {
+        PrefillWork::Chunk { index, tokens }
     }
 
     #[test]
@@ -234,19 +323,17 @@ mod tests {
     }
 
     #[test]
-    fn a_long_prompt_goes_one_chunk_at_a_time() {
-        let w = next_prefill(&limits(), &[fresh(250), fresh(5)], 100);
+    fn a_long_prompt_goes_one_chunk_at_a_time_and_a_short_one_beside_it() {
         assert_eq!(
-            w,
-            Some(PrefillWork::Chunk {
-                index: 0,
-                tokens: 100
-            })
+            plan(&[fresh(250), fresh(5)], 100, 300),
+            vec![chunk(0, 100), chunk(1, 5)]
         );
+        // A step of one chunk: the short prompt comes first at the next step.
+        assert_eq!(plan(&[fresh(250), fresh(5)], 100, 100), vec![chunk(0, 100)]);
     }
 
     #[test]
-    fn a_cached_prefix_continues_alone() {
+    fn a_cached_prefix_continues_in_a_chunk_of_its_own() {
         let p = [
             PrefillView {
                 remaining: 10,
@@ -254,48 +341,116 @@ mod tests {
                 last_unit: 0,
             },
             fresh(5),
+            fresh(7),
         ];
         assert_eq!(
-            next_prefill(&limits(), &p, 100),
-            Some(PrefillWork::Chunk {
-                index: 0,
-                tokens: 10
-            })
+            plan(&p, 100, 300),
+            vec![
+                chunk(0, 10),
+                PrefillWork::Group {
+                    indices: vec![1, 2]
+                }
+            ]
         );
     }
 
     #[test]
-    fn short_fresh_prompts_are_grouped_within_the_token_budget() {
-        // 3 × 90 = 270 fits in 300; adding a fourth (4 × 90) does not.
+    fn short_fresh_prompts_are_grouped_within_the_step_budget() {
+        // 3 × 90 = 270 fits in 300; a fourth (4 × 90) does not, and runs in the 30 left.
         let p = [fresh(50), fresh(90), fresh(0), fresh(20), fresh(30)];
         assert_eq!(
-            next_prefill(&limits(), &p, 100),
-            Some(PrefillWork::Group {
-                indices: vec![0, 1, 3]
-            })
+            plan(&p, 100, 300),
+            vec![
+                PrefillWork::Group {
+                    indices: vec![0, 1, 3]
+                },
+                chunk(4, 30)
+            ]
         );
+    }
+
+    #[test]
+    fn every_prompt_that_fits_the_budget_is_prefilled_in_one_step() {
+        let p = vec![fresh(20); 15];
+        assert_eq!(
+            plan(&p, 100, 300),
+            vec![PrefillWork::Group {
+                indices: (0..15).collect()
+            }]
+        );
+        // A sixteenth waits for the next step, where it comes first.
+        let p = vec![fresh(20); 16];
+        let w = plan(&p, 100, 300);
+        assert_eq!(w.len(), 1);
+        assert_eq!(w[0].tokens(&p), 300);
+    }
+
+    #[test]
+    fn a_long_prompt_and_a_group_share_a_step() {
+        let p = [fresh(250), fresh(10), fresh(90)];
+        assert_eq!(
+            plan(&p, 100, 300),
+            vec![
+                chunk(0, 100),
+                PrefillWork::Group {
+                    indices: vec![1, 2]
+                }
+            ]
+        );
+    }
+
+    #[test]
+    fn no_sliver_of_a_chunk_after_the_budget_is_nearly_spent() {
+        assert_eq!(
+            plan(&[fresh(250), fresh(250)], 100, 105),
+            vec![chunk(0, 100)]
+        );
+        // The first unit of a step always runs, whatever the budget.
+        assert_eq!(plan(&[fresh(250)], 100, 1), vec![chunk(0, 100)]);
     }
 
     #[test]
     fn nothing_to_prefill() {
-        assert_eq!(next_prefill(&limits(), &[fresh(0)], 100), None);
-        assert_eq!(next_prefill(&limits(), &[], 100), None);
+        assert!(plan(&[fresh(0)], 100, 300).is_empty());
+        assert!(plan(&[], 100, 300).is_empty());
     }
 
-    /// Runs the scheduler's prefill plan over `views` the way the executor applies it, and
-    /// returns the unit number at which each sequence finished its prompt.
-    fn finish_order(views: &mut [PrefillView], budget: usize) -> Vec<u64> {
+    /// Runs the scheduler's plans over `views` the way the executor applies them, checking
+    /// each step against the budget; returns the step at which each sequence finished its
+    /// prompt.
+    fn finish_order(views: &mut [PrefillView], chunk: usize, step: usize) -> Vec<u64> {
         let mut done = vec![0; views.len()];
         let mut unit = 0;
-        while let Some(work) = next_prefill(&limits(), views, budget) {
+        loop {
+            let work = plan(views, chunk, step);
+            if work.is_empty() {
+                break;
+            }
             unit += 1;
-            let served: Vec<(usize, usize)> = match work {
-                PrefillWork::Chunk { index, tokens } => vec![(index, tokens)],
-                PrefillWork::Group { indices } => indices
-                    .into_iter()
-                    .map(|i| (i, views[i].remaining))
-                    .collect(),
-            };
+            let spent: usize = work.iter().map(|w| w.tokens(views)).sum();
+            assert!(
+                spent <= step.max(chunk),
+                "step {unit} spent {spent} of {step}"
+            );
+            let mut served = Vec::new();
+            for w in work {
+                match w {
+                    PrefillWork::Chunk { index, tokens } => {
+                        assert!(tokens <= chunk);
+                        served.push((index, tokens));
+                    }
+                    PrefillWork::Group { indices } => {
+                        for i in indices {
+                            assert_eq!(views[i].written, 0, "a group holds fresh prompts");
+                            served.push((i, views[i].remaining));
+                        }
+                    }
+                }
+            }
+            let mut seen: Vec<usize> = served.iter().map(|s| s.0).collect();
+            seen.sort_unstable();
+            seen.dedup();
+            assert_eq!(seen.len(), served.len(), "a prompt twice in one step");
             for (i, tokens) in served {
                 let v = &mut views[i];
                 v.remaining -= tokens;
@@ -311,7 +466,7 @@ mod tests {
     }
 
     #[test]
-    fn a_short_prompt_is_prefilled_between_a_long_prompts_chunks() {
+    fn a_short_prompt_is_prefilled_at_the_next_step_of_a_long_prompt() {
         // The long prompt (admitted first) has had its first chunk; a short one arrives.
         let mut views = [
             PrefillView {
@@ -321,25 +476,59 @@ mod tests {
             },
             fresh(30),
         ];
-        let done = finish_order(&mut views, 100);
-        assert_eq!(
-            done[1], 1,
-            "the short prompt goes at the next chunk boundary"
-        );
-        assert_eq!(done[0], 10, "the long one then runs its nine chunks");
+        let done = finish_order(&mut views, 100, 100);
+        assert_eq!(done[1], 1, "the short prompt goes first");
+        // The long one takes the 70 tokens left that step, then nine more steps.
+        assert_eq!(done[0], 10);
     }
 
     #[test]
     fn long_prompts_take_turns_and_short_ones_go_between() {
         let mut views = [fresh(300), fresh(300), fresh(300), fresh(20)];
-        let done = finish_order(&mut views, 100);
-        // Units: L0 L1 L2 S L0 L1 L2 L0 L1 L2 (each long prompt's first chunk before any
-        // second chunk, the short prompt right after the first round).
-        assert_eq!(done, vec![8, 9, 10, 4]);
+        let done = finish_order(&mut views, 100, 100);
+        // Steps: L0 L1 L2, then the short prompt first (with 80 of L0 beside it), then the
+        // long ones round-robin: each long prompt's first chunk before any second chunk.
+        assert_eq!(done[3], 4);
+        assert_eq!(done, vec![10, 8, 9, 4]);
+        // A step of three chunks serves them all at once.
+        let mut views = [fresh(300), fresh(300), fresh(300), fresh(20)];
+        let done = finish_order(&mut views, 100, 300);
+        assert_eq!(done[3], 2, "the short prompt goes in the second step");
+        assert!(done[..3].iter().all(|&d| d <= 4), "{done:?}");
     }
 
     #[test]
-    fn the_chunk_budget_follows_the_measured_speed() {
+    fn a_random_mix_respects_the_budget_and_finishes() {
+        // Linear congruential lengths and prefix hits, every plan checked by finish_order.
+        let mut x: u64 = 7;
+        for (chunk, step) in [(100, 300), (100, 100), (16, 48), (64, 1000)] {
+            let mut views: Vec<PrefillView> = (0..40)
+                .map(|_| {
+                    x = (x * 1103515245 + 12345) % (1 << 31);
+                    let remaining = (x % 400) as usize;
+                    let written = if x.is_multiple_of(3) {
+                        (x % 50) as usize
+                    } else {
+                        0
+                    };
+                    PrefillView {
+                        remaining,
+                        written,
+                        last_unit: 0,
+                    }
+                })
+                .collect();
+            let had_work: Vec<bool> = views.iter().map(|v| v.remaining > 0).collect();
+            let done = finish_order(&mut views, chunk, step);
+            assert!(views.iter().all(|v| v.remaining == 0));
+            for (i, (&d, &had)) in done.iter().zip(&had_work).enumerate() {
+                assert_eq!(d > 0, had, "prompt {i} ({chunk}, {step})");
+            }
+        }
+    }
+
+    #[test]
+    fn the_budgets_follow_the_measured_speed() {
         let l = limits();
         assert_eq!(
             chunk_budget(&l, None),
@@ -351,33 +540,35 @@ mod tests {
         assert_eq!(chunk_budget(&l, Some(40.0)), 32);
         assert_eq!(chunk_budget(&l, Some(0.5)), 8, "never below the minimum");
         assert_eq!(chunk_budget(&l, Some(f64::NAN)), 100);
+        assert_eq!(step_budget(&l, None), 300);
+        assert_eq!(step_budget(&l, Some(1e6)), 300);
+        assert_eq!(step_budget(&l, Some(200.0)), 128);
+        assert_eq!(step_budget(&l, Some(0.5)), 8);
+        // A chunk never holds more than a step.
+        let small = SchedulerLimits {
+            prefill_step_tokens: 50,
+            ..limits()
+        };
+        assert_eq!(chunk_budget(&small, None), 50);
     }
 
     #[test]
     fn a_small_budget_bounds_chunks_and_groups() {
-        let w = next_prefill(&limits(), &[fresh(250)], 16);
-        assert_eq!(
-            w,
-            Some(PrefillWork::Chunk {
-                index: 0,
-                tokens: 16
-            })
-        );
-        // Groups scale with the budget: 300 × 16 / 100 = 48 tokens, so three rows of 12 fit,
-        // and of 16 three (48) but not four (64).
+        assert_eq!(plan(&[fresh(250)], 16, 16), vec![chunk(0, 16)]);
+        // Three rows of 12 fit in 48 tokens; of 16, three (48) but not four (64).
         let p = [fresh(12), fresh(12), fresh(12)];
         assert_eq!(
-            next_prefill(&limits(), &p, 16),
-            Some(PrefillWork::Group {
+            plan(&p, 16, 48),
+            vec![PrefillWork::Group {
                 indices: vec![0, 1, 2]
-            })
+            }]
         );
         let p = [fresh(16), fresh(16), fresh(16), fresh(16)];
         assert_eq!(
-            next_prefill(&limits(), &p, 16),
-            Some(PrefillWork::Group {
+            plan(&p, 16, 48),
+            vec![PrefillWork::Group {
                 indices: vec![0, 1, 2]
-            })
+            }]
         );
     }
 
@@ -394,12 +585,6 @@ mod tests {
             written: 37,
             last_unit: 0,
         }];
-        assert_eq!(
-            next_prefill(&l, &p, 100),
-            Some(PrefillWork::Chunk {
-                index: 0,
-                tokens: 27
-            })
-        );
+        assert_eq!(plan_prefill(&l, &p, 100, 300), vec![chunk(0, 27)]);
     }
 }

@@ -3,6 +3,12 @@
 //! building the sampler's, queueing both (`async_eval`), and waiting for the previous step's
 //! tokens (the device's share the host could not hide). Comparing greedy and sampled runs
 //! separates what sampling costs on each side. When the target is off, no clock is read.
+//!
+//! A step's prefill passes give one `prefill step` event ([`PrefillTrace`]): how many passes,
+//! rows and prompt tokens, the padded tokens the passes computed (padding is what a group of
+//! prompts of different lengths pays for sharing a pass), how many passes needed a mask array
+//! and per-row offsets (`padded_passes`; the others ran the plain kernels), the host's time
+//! building them and the wait for the device.
 use std::time::Instant;
 
 /// The marks of one step, `None` unless the trace is on.
@@ -99,6 +105,75 @@ impl StepClock {
     /// Whether the trace is on (so callers skip work done only for it).
     pub fn is_on(&self) -> bool {
         self.0.is_some()
+    }
+}
+
+/// The marks of one step's prefill passes, `None` unless the trace is on.
+pub struct PrefillTrace(Option<PrefillMarks>);
+
+struct PrefillMarks {
+    start: Instant,
+    built: Instant,
+    passes: usize,
+    rows: usize,
+    tokens: usize,
+    padded: usize,
+    padded_passes: usize,
+}
+
+impl PrefillTrace {
+    pub fn start() -> Self {
+        let on = tracing::enabled!(target: "mlxd_engine::step", tracing::Level::TRACE);
+        let now = Instant::now();
+        PrefillTrace(on.then_some(PrefillMarks {
+            start: now,
+            built: now,
+            passes: 0,
+            rows: 0,
+            tokens: 0,
+            padded: 0,
+            padded_passes: 0,
+        }))
+    }
+
+    /// A pass of `rows` prompts holding `tokens` prompt tokens, computed as `padded` (rows ×
+    /// the longest).
+    pub fn pass(&mut self, rows: usize, tokens: usize, padded: usize) {
+        if let Some(m) = &mut self.0 {
+            m.passes += 1;
+            m.rows += rows;
+            m.tokens += tokens;
+            m.padded += padded;
+            m.padded_passes += usize::from(padded > tokens);
+        }
+    }
+
+    /// The last pass so far is built and queued.
+    pub fn built(&mut self) {
+        if let Some(m) = &mut self.0 {
+            m.built = Instant::now();
+        }
+    }
+
+    /// Emits the event once the passes are computed: `budget_tokens` is what the step's
+    /// passes took of its budget.
+    pub fn finish(self, budget_tokens: usize) {
+        let Some(m) = self.0 else {
+            return;
+        };
+        let end = Instant::now();
+        tracing::trace!(
+            target: "mlxd_engine::step",
+            passes = m.passes,
+            rows = m.rows,
+            tokens = m.tokens,
+            padded_tokens = m.padded,
+            padded_passes = m.padded_passes,
+            budget_tokens,
+            build_us = m.built.saturating_duration_since(m.start).as_micros() as u64,
+            wait_us = end.saturating_duration_since(m.built).as_micros() as u64,
+            "prefill step"
+        );
     }
 }
 
