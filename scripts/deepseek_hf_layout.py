@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Rewrite a generated DeepSeek family model (scripts/gen_family_models.py) into the layout of
 Hugging Face checkpoints and of mlx-community conversions made before mlx-lm absorbed
-`kv_b_proj`, for engine/tests/families/deepseek_layouts.rs:
+`kv_b_proj`, for engine/tests/engine/families/deepseek_layouts.rs:
 
     .venv/bin/python scripts/deepseek_hf_layout.py <generated dir> <out dir> [--quantize]
 

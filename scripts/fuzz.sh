@@ -4,7 +4,7 @@
 # default number of cases; this runs them with MLXD_FUZZ_CASES (default 20000) cases each:
 # request JSON and the config parser (tests/tests/fuzz.rs), the SSE splitter
 # (ipc/src/sse.rs), the control-channel frame decoder (ipc/src/frame.rs), and the GGUF and
-# safetensors header parsers (engine/tests/fuzz_headers.rs).
+# safetensors header parsers (engine/tests/engine/fuzz_headers.rs).
 #
 #     scripts/fuzz.sh [CASES]
 set -euo pipefail
@@ -14,4 +14,4 @@ export MLXD_FUZZ_CASES=${1:-${MLXD_FUZZ_CASES:-20000}}
 echo "== $MLXD_FUZZ_CASES cases per property"
 cargo test -p mlxd-ipc --lib proptests
 cargo test -p mlxd-tests --test fuzz
-cargo test -p mlxd-engine --test fuzz_headers
+cargo test -p mlxd-engine --test engine fuzz_headers::

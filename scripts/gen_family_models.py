@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Generate a tiny random-weight model of one architecture family, with mlx-lm's reference
-tokens, for the engine's family tests (engine/tests/families.rs).
+tokens, for the engine's family tests (engine/tests/engine/families.rs).
 
     .venv/bin/python scripts/gen_family_models.py --family qwen3_moe --out target/test-models/family-qwen3_moe
     .venv/bin/python scripts/gen_family_models.py --family qwen3_moe --quantize --out target/test-models/family-qwen3_moe-q4

@@ -31,7 +31,7 @@ done
   .venv/bin/python scripts/gen_random_model.py --shape tiny-qwen3 --dtype bfloat16 --out "$MLXD_TEST_MODELS/tiny-qwen3-bf16" >/dev/null
 
 # One tiny model per architecture family (and its 4-bit twin), built with mlx-lm's own classes,
-# with mlx-lm's greedy tokens beside it (engine/tests/families.rs); only stale ones are rebuilt.
+# with mlx-lm's greedy tokens beside it (engine/tests/engine/families.rs); only stale ones are rebuilt.
 .venv/bin/python scripts/gen_family_models.py --all "$MLXD_TEST_MODELS"
 
 echo "== setup's choice of MLX build (GPU detection)"

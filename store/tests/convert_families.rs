@@ -10,7 +10,7 @@
 //! the directory with the source model's (identical for F32 files), and transformers' tokens
 //! with the reference tokenizer's. Here: the Rust `tokenizers` crate on the same reference,
 //! and the config.json and tensor facts each family depends on. The engine side is
-//! engine/tests/families/gguf_families.rs.
+//! engine/tests/engine/families/gguf_families.rs.
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;

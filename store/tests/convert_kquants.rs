@@ -5,7 +5,7 @@
 //! independently: every tensor against `gguf.quants.dequantize` through `mx.dequantize`
 //! (`gguf_fixtures.py check-weights`), and the tokenizer, through the Rust `tokenizers` crate
 //! and through transformers, against the tokenizer the vocabulary came from. The engine side
-//! (greedy tokens against mlx-lm) is engine/tests/gguf_kquants.rs.
+//! (greedy tokens against mlx-lm) is engine/tests/engine/gguf_kquants.rs.
 use std::path::{Path, PathBuf};
 use std::process::Command;
 

@@ -1,6 +1,6 @@
 """Tiny GGUF files written by llama.cpp's own `gguf` Python package, and the independent checks
 of what `convert_gguf` makes of them. Used by store/tests/convert_kquants.rs and
-engine/tests/gguf_kquants.rs; needs `gguf`, `mlx`, `tokenizers`, `sentencepiece` and
+engine/tests/engine/gguf_kquants.rs; needs `gguf`, `mlx`, `tokenizers`, `sentencepiece` and
 `transformers` (scripts/setup.sh --test).
 
 usage:

@@ -3,7 +3,7 @@
 //! generate alone (their mask rows are zeros, and the synchronous steps change nothing for
 //! them), and rows join and leave across the switch between the pipelined and synchronous
 //! paths.
-mod common;
+use crate::common;
 
 use common::{generate_alone, start_runtime, Gen};
 use mlxd_engine::constraint::ForcedTokens;

@@ -2,7 +2,7 @@
 //! drafting (n-gram lookup or a draft model) never changes greedy output, alone or in a batch;
 //! seeded sampling draws the same tokens with and without drafts; rows with penalties take no
 //! drafts; a draft model with another tokenizer is refused with the reason.
-mod common;
+use crate::common;
 
 use std::path::Path;
 

@@ -3,7 +3,7 @@
 //!
 //! MLX's CPU backend decodes this model at about 5 tokens/s on the CI machine, so generations
 //! are short and each test shares one engine process for all its checks.
-mod common;
+use crate::common;
 
 use common::EngineProcess;
 use serde_json::{json, Value};

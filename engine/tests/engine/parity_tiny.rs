@@ -2,7 +2,7 @@
 //! architecture family (Llama, Llama 3, Qwen2, Qwen3, Mistral) and weight format (f32, f16,
 //! bf16, 4-bit quantized): through the serial reference path, and through the batched runtime
 //! with each prompt alone; and for a prompt longer than two prefill chunks.
-mod common;
+use crate::common;
 
 use common::Gen;
 use mlxd_engine::models;

@@ -3,7 +3,7 @@
 //! the engine's chat-template ids equal transformers', and its greedy tokens equal mlx-lm's on
 //! the same converted directory (per-module bit widths included). The conversion itself is
 //! checked tensor by tensor in store/tests/convert_kquants.rs.
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

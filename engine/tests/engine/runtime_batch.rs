@@ -1,7 +1,7 @@
 //! The batched runtime on real MLX arrays with tiny random-weight models: a request gives the
 //! same tokens alone and in a batch, seeded sampling is reproducible across batches, the prefix
 //! cache changes nothing but the work done, and limits are honoured.
-mod common;
+use crate::common;
 
 use common::{generate_alone, generate_together, start_runtime, Gen, Output};
 use mlxd_engine::runtime::request::{FinishReason, GenerateRequest, GenerationError, TokenEvent};

@@ -12,25 +12,17 @@
 //!
 //! One test per family, each loading its model a few times (tiny: milliseconds).
 //!
-//! The family-specific suites live in `families/` as modules of this one test binary (each
-//! engine test binary links MLX, and CI pays for every link): checkpoints in Hugging Face
+//! The family-specific suites live in `families/` as its submodules: checkpoints in Hugging Face
 //! layout (DeepSeek, MoE), Gemma and gpt-oss specifics, GGUF conversions of the families, the
 //! bounded sliding-window cache, and the families' chat formats through the HTTP routes.
-mod common;
+use crate::common;
 
-#[path = "families/chat_formats.rs"]
 mod chat_formats;
-#[path = "families/deepseek_layouts.rs"]
 mod deepseek_layouts;
-#[path = "families/gemma_gptoss.rs"]
 mod gemma_gptoss;
-#[path = "families/gguf_families.rs"]
 mod gguf_families;
-#[path = "families/hybrid_checkpoints.rs"]
 mod hybrid_checkpoints;
-#[path = "families/moe_checkpoints.rs"]
 mod moe_checkpoints;
-#[path = "families/window_cache.rs"]
 mod window_cache;
 
 use std::collections::HashMap;

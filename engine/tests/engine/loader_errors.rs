@@ -1,5 +1,5 @@
 //! The loader refuses incomplete or padded checkpoints and names the tensors involved.
-mod common;
+use crate::common;
 
 use std::fs;
 
