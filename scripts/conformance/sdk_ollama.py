@@ -4,8 +4,10 @@ Usage: sdk_ollama.py BASE_URL. Each check prints `ok` or `FAIL` with the reason;
 status is the number of failures (0: all passed). Generations are short and greedy; the
 JSON schema is what makes the small default model's structured output well-formed.
 """
+import datetime
 import json
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -230,6 +232,32 @@ def _():
         assert list(body) == ["error"] and "invalid format" in body["error"], body
         out.append(f"400 {body['error']!r}")
     return "; ".join(out)
+
+
+def expires_in():
+    """Seconds until /api/ps says the model is unloaded."""
+    m = next(m for m in client.ps().models if m.model == MODEL)
+    return (m.expires_at - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
+
+
+@check("keep_alive durations: kept by later requests, forever, and a short one unloads")
+def _():
+    r = client.generate(model=MODEL, prompt="Hi", options=GREEDY, keep_alive="1h")
+    assert r.done, r
+    assert 3590 <= expires_in() <= 3601, expires_in()
+    client.chat(model=MODEL, messages=[{"role": "user", "content": "Hi"}], options=GREEDY)
+    assert 3590 <= expires_in() <= 3601, "a request without keep_alive changed it"
+    client.generate(model=MODEL, keep_alive=-1)
+    assert expires_in() > 100 * 365 * 86400, expires_in()
+    client.generate(model=MODEL, keep_alive=1.5)
+    deadline = time.monotonic() + 30
+    while MODEL in [m.model for m in client.ps().models]:
+        assert time.monotonic() < deadline, "not unloaded after keep_alive 1.5 s"
+        time.sleep(0.1)
+    r = client.generate(model=MODEL)
+    assert r.done_reason == "load", r
+    assert 200 <= expires_in() <= 301, "the configured ttl is back"
+    return None
 
 
 @check("keep_alive 0 unloads the model")

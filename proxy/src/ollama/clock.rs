@@ -45,7 +45,8 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
 /// What a request's `keep_alive` asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KeepAlive {
-    /// Absent: the model's configured TTL.
+    /// Absent: whatever holds (an earlier request's keep-alive while the model stays
+    /// loaded, else the configured TTL).
     Default,
     /// `0`: unload the model once this request is answered.
     Unload,

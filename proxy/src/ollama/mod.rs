@@ -167,6 +167,7 @@ async fn generation<B: Backend>(
     // dispatch below then finds it ready.
     let load_started = Instant::now();
     b.pool().load(&model).await?;
+    keep_alive(b, &model, t.keep_alive).await?;
     let timing = Timing {
         arrived: arrived.into_std(),
         load: load_started.elapsed(),
@@ -187,9 +188,6 @@ async fn generation<B: Backend>(
         return Ok(engine_error(resp).await);
     }
     let unload = (t.keep_alive == KeepAlive::Unload).then(|| (b.pool().clone(), model.clone()));
-    if matches!(t.keep_alive, KeepAlive::For(_) | KeepAlive::Forever) {
-        tracing::debug!(keep_alive = ?t.keep_alive, "keep_alive other than 0 is not applied; the model's configured ttl stays");
-    }
     let (tx, rx) = mpsc::channel::<Value>(32);
     tokio::spawn(async move {
         pump(resp.into_body(), translator, timing, tx).await;
@@ -228,6 +226,7 @@ async fn load_only<B: Backend>(
         "unload"
     } else {
         b.pool().load(model).await?;
+        keep_alive(b, model, t.keep_alive).await?;
         "load"
     };
     let mut o = translator.done_head(reason);
@@ -238,6 +237,18 @@ async fn load_only<B: Backend>(
         );
     }
     Ok(json_reply(StatusCode::OK, &Value::Object(o)))
+}
+
+/// Applies a request's positive or negative `keep_alive` to the loaded model (the pool
+/// keeps it until the model is unloaded); absent leaves whatever holds, and 0 unloads
+/// once the request is answered (the callers do that).
+async fn keep_alive<B: Backend>(b: &B, model: &str, k: KeepAlive) -> Result<(), ProxyError> {
+    let keep = match k {
+        KeepAlive::For(d) => crate::pool::KeepAlive::For(d),
+        KeepAlive::Forever => crate::pool::KeepAlive::Forever,
+        KeepAlive::Default | KeepAlive::Unload => return Ok(()),
+    };
+    b.pool().keep_alive(model, keep).await
 }
 
 /// Reads the engine's stream, translates it, and sends the objects to `tx` until the

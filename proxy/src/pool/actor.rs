@@ -14,7 +14,7 @@ use tracing::{error, info, warn};
 
 use super::handle::{Command, Lease, PoolHandle, Reply};
 use super::lifecycle::{self, Admission, AdmitRules, Effect, PoolMood, Timing};
-use super::slot::{Slot, State, Waiter};
+use super::slot::{KeepAlive, Slot, State, Waiter};
 use crate::catalog::Catalog;
 use crate::config::Config;
 use crate::engine::{self, EngineEvent, EngineHandle, EngineMsg, EngineSpec};
@@ -39,6 +39,8 @@ pub(super) enum Timer {
     },
     IdleCheck {
         model: String,
+        /// Which check: a later one replaces it (see [`Slot::idle_timer`]).
+        number: u64,
     },
     LimitsRecovery {
         model: String,
@@ -213,7 +215,7 @@ impl Pool {
                 Some(timer) = timers.recv() => match timer {
                     Timer::RestartDue { model, generation } => self.restart_due(&model, generation),
                     Timer::LoadDeadline { model, generation } => self.load_deadline(&model, generation),
-                    Timer::IdleCheck { model } => self.idle_check(&model),
+                    Timer::IdleCheck { model, number } => self.idle_check(&model, number),
                     Timer::LimitsRecovery { model } => self.limits_recovery(&model),
                     Timer::CapacityDeadline { model, ticket } => self.capacity_deadline(&model, ticket),
                     Timer::HangCheck { model, generation } => self.hang_check(&model, generation),
@@ -239,6 +241,9 @@ impl Pool {
                 reply,
             } => self.acquire(&model, not_generation, reply),
             Command::Unload { model, reply } => self.unload(&model, reply),
+            Command::KeepAlive { model, keep, reply } => {
+                let _ = reply.send(self.keep_alive(&model, keep));
+            }
             Command::Status { reply } => {
                 let now = Instant::now();
                 let policy = self.policy;
@@ -662,48 +667,34 @@ impl Pool {
         }
     }
 
-    /// Starts the idle clock's timer for `key`, unless one is pending already.
+    /// Starts the idle clock's timer for `key`; see [`lifecycle::arm_idle`].
     fn arm_idle_timer(&mut self, key: &str) {
         let Some(slot) = self.slots.get_mut(key) else {
             return;
         };
-        if slot.entry.pinned || slot.entry.ttl.is_zero() || slot.idle_timer {
-            return;
-        }
-        slot.idle_timer = true;
-        let ttl = slot.entry.ttl;
-        self.after(
-            ttl,
-            Timer::IdleCheck {
-                model: key.to_string(),
-            },
-        );
+        let effects = lifecycle::arm_idle(slot);
+        self.apply(key, effects);
     }
 
-    /// Unloads `key` if it has been idle for its TTL; otherwise checks again when the
-    /// TTL would be reached (a busy engine re-arms on its last release).
-    fn idle_check(&mut self, key: &str) {
+    /// See [`lifecycle::idle_check`].
+    fn idle_check(&mut self, key: &str, number: u64) {
         let Some(slot) = self.slots.get_mut(key) else {
             return;
         };
-        slot.idle_timer = false;
-        if !slot.state.is_ready() || slot.in_flight() > 0 || slot.entry.pinned {
-            return;
-        }
-        let idle_for = Instant::now().duration_since(slot.last_used);
-        if idle_for >= slot.entry.ttl {
-            info!(model = %key, idle_s = idle_for.as_secs_f64(), "idle TTL reached");
-            self.evict(key, "ttl");
-        } else {
-            slot.idle_timer = true;
-            let left = slot.entry.ttl - idle_for;
-            self.after(
-                left,
-                Timer::IdleCheck {
-                    model: key.to_string(),
-                },
-            );
-        }
+        let effects = lifecycle::idle_check(slot, number, Instant::now());
+        self.apply(key, effects);
+    }
+
+    /// A request's keep-alive for `key`; see [`lifecycle::keep_alive`].
+    fn keep_alive(&mut self, key: &str, keep: KeepAlive) -> Result<(), ProxyError> {
+        let Some(slot) = self.slots.get_mut(key) else {
+            return Err(ProxyError::NotFound(format!(
+                "model {key} is not configured"
+            )));
+        };
+        let effects = lifecycle::keep_alive(slot, keep, Instant::now());
+        self.apply(key, effects);
+        Ok(())
     }
 
     fn spec(&self, slot: &Slot) -> EngineSpec {
@@ -1026,6 +1017,10 @@ impl Pool {
             if entry.pinned && (!was_pinned || was_failed) {
                 self.enqueue(&change.id);
             } else if !entry.pinned {
+                // The TTL may have changed: the pending check (if any) is replaced.
+                if let Some(slot) = self.slots.get_mut(&change.id) {
+                    slot.idle_timer = None;
+                }
                 self.arm_idle_timer(&change.id);
             }
         }

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
 
+use super::slot::KeepAlive;
 use super::status::EngineStatus;
 use crate::catalog::Catalog;
 use crate::config::Config;
@@ -59,6 +60,11 @@ pub(super) enum Command {
     },
     Unload {
         model: String,
+        reply: Reply<Result<(), ProxyError>>,
+    },
+    KeepAlive {
+        model: String,
+        keep: KeepAlive,
         reply: Reply<Result<(), ProxyError>>,
     },
     Status {
@@ -181,6 +187,20 @@ impl PoolHandle {
                 retry_after: Duration::from_secs(2),
             }),
         }
+    }
+
+    /// A request's keep-alive (Ollama's `keep_alive`): model `id` stays loaded for `keep`
+    /// after its last request instead of its configured TTL, until it is unloaded.
+    pub async fn keep_alive(&self, id: &str, keep: KeepAlive) -> Result<(), ProxyError> {
+        let rx = self
+            .ask(|reply| Command::KeepAlive {
+                model: id.to_string(),
+                keep,
+                reply,
+            })
+            .await
+            .ok_or(ProxyError::ShuttingDown)?;
+        rx.await.unwrap_or(Err(ProxyError::ShuttingDown))
     }
 
     pub async fn status(&self) -> Vec<EngineStatus> {

@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use tracing::{error, info, warn};
 
 use super::actor::Timer;
-use super::slot::{Engine, Loading, Serving, Slot, State};
+use super::slot::{Engine, KeepAlive, Loading, Serving, Slot, State};
 use crate::engine::EngineHandle;
 use crate::error::ProxyError;
 use crate::exit::{ExitCause, ExitReport};
@@ -216,6 +216,68 @@ pub(super) fn release(slot: &mut Slot, generation: u64, now: Instant) -> Vec<Eff
         State::Ready { .. } if recycle => drain(slot, "limits_restored"),
         State::Ready { .. } => vec![Effect::ArmIdleTimer, Effect::Place],
         _ => Vec::new(),
+    }
+}
+
+/// Starts the idle clock's timer, unless one is pending already or the slot has no TTL.
+pub(super) fn arm_idle(slot: &mut Slot) -> Vec<Effect> {
+    let Some(ttl) = slot.ttl() else {
+        return Vec::new();
+    };
+    if slot.idle_timer.is_some() {
+        return Vec::new();
+    }
+    vec![idle_timer(slot, ttl)]
+}
+
+/// A new idle check after `delay`, replacing any pending one.
+fn idle_timer(slot: &mut Slot, delay: Duration) -> Effect {
+    let number = slot.next_idle_timer;
+    slot.next_idle_timer += 1;
+    slot.idle_timer = Some(number);
+    Effect::After(
+        delay,
+        Timer::IdleCheck {
+            model: slot.entry.id.clone(),
+            number,
+        },
+    )
+}
+
+/// Idle check `number`: a ready engine idle for its TTL is drained; one idle for less is
+/// checked again when the TTL would be reached (a busy engine re-arms on its last release).
+pub(super) fn idle_check(slot: &mut Slot, number: u64, now: Instant) -> Vec<Effect> {
+    if slot.idle_timer != Some(number) {
+        return Vec::new();
+    }
+    slot.idle_timer = None;
+    let Some(ttl) = slot.ttl() else {
+        return Vec::new();
+    };
+    if !slot.state.is_ready() || slot.in_flight() > 0 {
+        return Vec::new();
+    }
+    let idle_for = now.duration_since(slot.last_used);
+    if idle_for >= ttl {
+        info!(model = %slot.id(), idle_s = idle_for.as_secs_f64(), "idle TTL reached");
+        drain(slot, "ttl")
+    } else {
+        vec![idle_timer(slot, ttl - idle_for)]
+    }
+}
+
+/// A request's `keep_alive` (Ollama): from now on the engine stays loaded for `keep`
+/// after its last request instead of the configured TTL. A pending idle check is replaced,
+/// so a shorter keep-alive takes effect at once.
+pub(super) fn keep_alive(slot: &mut Slot, keep: KeepAlive, now: Instant) -> Vec<Effect> {
+    slot.keep_alive = Some(keep);
+    slot.idle_timer = None;
+    slot.last_used = now;
+    if slot.state.is_ready() && slot.in_flight() == 0 {
+        arm_idle(slot)
+    } else {
+        // A busy engine arms at its last release, a loading one when it is ready.
+        Vec::new()
     }
 }
 
@@ -460,6 +522,9 @@ pub(super) fn exited(
     }
     if report.cause.is_requested() {
         slot.state = State::Stopped;
+        // Unloaded: the next engine takes the configured TTL, as Ollama's next runner
+        // does, unless its request brings a keep-alive of its own.
+        slot.keep_alive = None;
         // Requests that arrived while it drained get a fresh engine; so does a pinned
         // model recycled for its restored limits.
         if slot.live_waiters() > 0 || (recycled && slot.entry.pinned) {
@@ -542,6 +607,7 @@ pub(super) fn exited(
                 since: now,
                 cannot_load: false,
             };
+            slot.keep_alive = None;
         }
         Decision::DoNotRetry => {
             let cause = match &report.cause {
@@ -562,6 +628,7 @@ pub(super) fn exited(
                 since: now,
                 cannot_load: true,
             };
+            slot.keep_alive = None;
         }
     }
     effects.push(Effect::Place);

@@ -25,6 +25,7 @@ pub use actor::{start, PoolParts};
 #[cfg(test)]
 use actor::{start_with, Spawner};
 pub use handle::{Lease, PoolHandle};
+pub use slot::KeepAlive;
 pub use status::{EngineStatus, LastExit, LimitsInfo, ReadyInfo, StatsInfo};
 
 #[cfg(test)]

@@ -162,6 +162,15 @@ impl State {
     }
 }
 
+/// How long an idle engine stays loaded, as a request asked (Ollama's `keep_alive`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeepAlive {
+    /// Unloaded after this long without requests.
+    For(Duration),
+    /// Never unloaded for idleness.
+    Forever,
+}
+
 /// A request waiting for its model's engine.
 #[derive(Debug)]
 pub(super) struct Waiter {
@@ -199,8 +208,15 @@ pub(super) struct Slot {
     pub last_used: Instant,
     /// The largest footprint an engine of this model has reported.
     pub observed_bytes: u64,
-    /// An idle check is pending (one timer per slot, re-armed while the engine is used).
-    pub idle_timer: bool,
+    /// The pending idle check's number (one timer per slot, re-armed while the engine is
+    /// used); a check whose number is not this one is stale (the TTL changed since).
+    pub idle_timer: Option<u64>,
+    /// The number the next idle check gets.
+    pub next_idle_timer: u64,
+    /// A request's `keep_alive` in place of the configured TTL. As Ollama's runner does,
+    /// it holds while the model stays loaded (a crash restart keeps it), later requests
+    /// without one leave it, and it goes when the model is unloaded.
+    pub keep_alive: Option<KeepAlive>,
     pub waiters: VecDeque<Waiter>,
     pub unload_replies: Vec<Reply<Result<(), ProxyError>>>,
 }
@@ -221,7 +237,9 @@ impl Slot {
             removed: false,
             last_used: now,
             observed_bytes: 0,
-            idle_timer: false,
+            idle_timer: None,
+            next_idle_timer: 0,
+            keep_alive: None,
             waiters: VecDeque::new(),
             unload_replies: Vec::new(),
         }
@@ -229,6 +247,19 @@ impl Slot {
 
     pub fn id(&self) -> &str {
         &self.entry.id
+    }
+
+    /// How long the engine may sit idle before it is unloaded; `None`: never (pinned, a
+    /// `keep_alive` of forever, or `ttl = 0`). A pinned model ignores `keep_alive`.
+    pub fn ttl(&self) -> Option<Duration> {
+        if self.entry.pinned {
+            return None;
+        }
+        match self.keep_alive {
+            Some(KeepAlive::Forever) => None,
+            Some(KeepAlive::For(d)) => Some(d),
+            None => (!self.entry.ttl.is_zero()).then_some(self.entry.ttl),
+        }
     }
 
     /// Leases in flight on the current engine.

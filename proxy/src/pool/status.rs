@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::UNIX_EPOCH;
 
-use mlxd_protocol::control::{LoadPhase, SsdStats};
+use mlxd_protocol::control::{LoadPhase, MemoryStats, SsdStats};
 use serde::Serialize;
 use tokio::time::Instant;
 
@@ -29,7 +29,11 @@ pub struct EngineStatus {
     pub crashes_in_window: usize,
     pub uptime_s: Option<f64>,
     pub idle_s: Option<f64>,
+    /// How long the engine may sit idle before it is unloaded (absent: never), the
+    /// configured TTL or a request's `keep_alive`.
     pub ttl_s: Option<f64>,
+    /// `ttl_s` is a request's `keep_alive` (Ollama), not the configured TTL.
+    pub ttl_from_request: bool,
     pub loading_progress: Option<f32>,
     /// What the load is doing (`starting`, `downloading`, `converting`, `weights`) while
     /// `loading_progress` runs through it.
@@ -87,6 +91,10 @@ pub struct StatsInfo {
     /// The SSD KV tier of the running engine (absent without `ssd_cache`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ssd: Option<SsdStats>,
+    /// The engine's memory by where it is: resident set, MLX's arrays, cache and peak
+    /// (absent when the engine does not report it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory: Option<MemoryStats>,
 }
 
 /// The limits the next engine is launched with; `reduced` (with the configured ones and
@@ -133,8 +141,8 @@ impl Slot {
             uptime_s: serving.map(|s| now.duration_since(s.ready_at).as_secs_f64()),
             idle_s: (engine.is_some() && in_flight == 0)
                 .then(|| now.duration_since(self.last_used).as_secs_f64()),
-            ttl_s: (!self.entry.ttl.is_zero() && !self.entry.pinned)
-                .then_some(self.entry.ttl.as_secs_f64()),
+            ttl_s: self.ttl().map(|t| t.as_secs_f64()),
+            ttl_from_request: self.keep_alive.is_some() && !self.entry.pinned,
             // A ready engine has loaded everything.
             loading_progress: loading.map_or(serving.map(|_| 1.0), |l| l.progress),
             loading_phase: loading.and_then(|l| l.phase).map(LoadPhase::name),
@@ -172,6 +180,7 @@ impl Slot {
                 prefilling: s.prefilling,
                 prefill_tokens_left: s.prefill_tokens_left,
                 ssd: (s.ssd != SsdStats::default()).then_some(s.ssd),
+                memory: s.memory.clone(),
             }),
             limits: {
                 let (cur, conf) = (self.limits.current(), self.limits.configured());

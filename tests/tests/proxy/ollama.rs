@@ -186,3 +186,107 @@ async fn ollama_keep_alive_0_unloads() -> Result<()> {
     p.stop().await?;
     Ok(())
 }
+
+/// The year of an RFC 3339 timestamp, and its seconds from now (UTC, whole seconds).
+fn expires_in(ts: &str) -> (i64, f64) {
+    let year: i64 = ts[..4].parse().unwrap();
+    if year > 2100 {
+        return (year, f64::INFINITY);
+    }
+    let date = |s: &str| -> f64 {
+        let (y, mo, d): (i64, i64, i64) = (
+            s[..4].parse().unwrap(),
+            s[5..7].parse().unwrap(),
+            s[8..10].parse().unwrap(),
+        );
+        // Days from the civil date (Howard Hinnant's days_from_civil).
+        let y = if mo <= 2 { y - 1 } else { y };
+        let era = y.div_euclid(400);
+        let yoe = y - era * 400;
+        let doy = (153 * (if mo > 2 { mo - 3 } else { mo + 9 }) + 2) / 5 + d - 1;
+        let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+        let days = era * 146_097 + doe - 719_468;
+        let secs: f64 = s[11..13].parse::<f64>().unwrap() * 3600.0
+            + s[14..16].parse::<f64>().unwrap() * 60.0
+            + s[17..s.len() - 1].parse::<f64>().unwrap();
+        days as f64 * 86_400.0 + secs
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    (year, date(ts) - now)
+}
+
+#[tokio::test]
+async fn ollama_keep_alive_sets_how_long_the_model_stays_loaded() -> Result<()> {
+    let mut p = Proxy::start(&[("chunks", "2")]).await?;
+    // The configured TTL (5 min) until a request says otherwise.
+    let load = |keep: Value| json!({"model": "fake-model", "messages": [], "keep_alive": keep});
+    let (s, _, v) = p.post_json("/api/chat", &load(json!("1h"))).await?;
+    assert_eq!(
+        (s.as_u16(), v["done_reason"].as_str()),
+        (200, Some("load")),
+        "{v}"
+    );
+    let e = p.engine().await?;
+    assert_eq!(
+        (e["ttl_s"].as_f64(), &e["ttl_from_request"]),
+        (Some(3600.0), &json!(true)),
+        "{e}"
+    );
+    let (_, _, ps) = p.get("/api/ps").await?;
+    let (_, left) = expires_in(ps["models"][0]["expires_at"].as_str().unwrap());
+    assert!(
+        (3590.0..=3601.0).contains(&left),
+        "expires in {left} s: {ps}"
+    );
+
+    // A later request without keep_alive leaves it (as Ollama's runner keeps its duration).
+    let (s, _, v) = p
+        .post_json(
+            "/api/generate",
+            &json!({"model": "fake-model", "prompt": "x", "stream": false}),
+        )
+        .await?;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(p.engine().await?["ttl_s"], 3600.0);
+
+    // Negative: never unloaded for idleness; /api/ps says so the way Ollama does.
+    let (s, _, _) = p
+        .post_json(
+            "/api/generate",
+            &json!({"model": "fake-model", "prompt": "x", "stream": false, "keep_alive": -1}),
+        )
+        .await?;
+    assert_eq!(s, 200);
+    assert!(p.engine().await?["ttl_s"].is_null());
+    let (_, _, ps) = p.get("/api/ps").await?;
+    let (year, _) = expires_in(ps["models"][0]["expires_at"].as_str().unwrap());
+    assert!(year > 2200, "{ps}");
+
+    // A short one (seconds as a number) unloads the idle model when it runs out.
+    let t0 = Instant::now();
+    let (s, _, _) = p.post_json("/api/chat", &load(json!(1))).await?;
+    assert_eq!(s, 200);
+    p.wait_engine("unloaded by its keep_alive", T, |e| e["pid"].is_null())
+        .await?;
+    assert!(
+        t0.elapsed() >= Duration::from_millis(900),
+        "{:?}",
+        t0.elapsed()
+    );
+    // Unloaded: the next load takes the configured TTL again.
+    let (s, _, _) = p
+        .post_json("/api/chat", &json!({"model": "fake-model", "messages": []}))
+        .await?;
+    assert_eq!(s, 200);
+    let e = p.engine().await?;
+    assert_eq!(
+        (e["ttl_s"].as_f64(), &e["ttl_from_request"]),
+        (Some(300.0), &json!(false)),
+        "{e}"
+    );
+    p.stop().await?;
+    Ok(())
+}

@@ -510,3 +510,107 @@ fn an_admin_reset_clears_a_failure_and_the_crash_history() {
         }
     );
 }
+
+/// The idle check an effect list arms: its delay and number.
+fn idle_armed(effects: &[Effect]) -> Option<(Duration, u64)> {
+    effects.iter().find_map(|e| match e {
+        Effect::After(d, Timer::IdleCheck { number, .. }) => Some((*d, *number)),
+        _ => None,
+    })
+}
+
+#[test]
+fn the_idle_clock_unloads_after_the_ttl_and_rechecks_a_reused_engine() {
+    let t0 = Instant::now();
+    let mut s = starting(t0);
+    ready(&mut s, ready_report(), t0, &timing());
+    let (d, first) = idle_armed(&arm_idle(&mut s)).expect("armed");
+    assert_eq!(d, Duration::from_secs(300), "the configured ttl");
+    assert!(arm_idle(&mut s).is_empty(), "one pending check at a time");
+    // Used 100 s in: the check at 300 s looks again 100 s later.
+    s.last_used = t0 + Duration::from_secs(100);
+    let fx = idle_check(&mut s, first, t0 + Duration::from_secs(300));
+    let (d, second) = idle_armed(&fx).expect("re-armed");
+    assert_eq!(d, Duration::from_secs(100));
+    assert!(
+        idle_check(&mut s, first, t0 + Duration::from_secs(400)).is_empty(),
+        "a replaced check does nothing"
+    );
+    let fx = idle_check(&mut s, second, t0 + Duration::from_secs(400));
+    assert!(names(&fx).contains(&"eviction") && names(&fx).contains(&"stop"));
+    assert_eq!(s.state.name(), "draining");
+}
+
+#[test]
+fn a_keep_alive_replaces_the_ttl_until_the_model_is_unloaded() {
+    let t0 = Instant::now();
+    let mut s = starting(t0);
+    ready(&mut s, ready_report(), t0, &timing());
+    let (_, configured) = idle_armed(&arm_idle(&mut s)).unwrap();
+
+    // A shorter keep-alive takes over at once: the pending 300 s check is stale.
+    let fx = keep_alive(&mut s, KeepAlive::For(Duration::from_secs(10)), t0);
+    let (d, kept) = idle_armed(&fx).expect("armed for the keep-alive");
+    assert_eq!(d, Duration::from_secs(10));
+    assert!(idle_check(&mut s, configured, t0 + Duration::from_secs(10)).is_empty());
+    let st = s.status(t0, &timing().policy);
+    assert_eq!((st.ttl_s, st.ttl_from_request), (Some(10.0), true));
+
+    // A request without keep_alive leaves it: its release arms for 10 s again.
+    let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
+    let lease = s.grant(&tx, &timing().policy, t0).unwrap();
+    assert!(
+        idle_check(&mut s, kept, t0 + Duration::from_secs(10)).is_empty(),
+        "busy"
+    );
+    drop(lease);
+    let t1 = t0 + Duration::from_secs(12);
+    assert_eq!(names(&release(&mut s, 1, t1)), ["idle", "place"]);
+    let (d, again) = idle_armed(&arm_idle(&mut s)).unwrap();
+    assert_eq!(d, Duration::from_secs(10));
+    assert!(names(&idle_check(&mut s, again, t1 + d)).contains(&"stop"));
+
+    // Unloaded: the next engine takes the configured ttl.
+    exit_calmly(&mut s, ExitCause::Requested, t1 + d);
+    assert_eq!(s.keep_alive, None);
+    assert_eq!(s.ttl(), Some(Duration::from_secs(300)));
+}
+
+#[test]
+fn keep_alive_forever_survives_a_crash_restart_and_a_pinned_model_ignores_it() {
+    let t0 = Instant::now();
+    let mut s = starting(t0);
+    ready(&mut s, ready_report(), t0, &timing());
+    assert!(
+        keep_alive(&mut s, KeepAlive::Forever, t0).is_empty(),
+        "no idle clock"
+    );
+    assert_eq!(s.ttl(), None);
+    assert_eq!(s.status(t0, &timing().policy).ttl_s, None);
+    let t1 = t0 + Duration::from_secs(60);
+    exit_calmly(&mut s, crash(Some(9), None), t1);
+    assert_eq!(s.state.name(), "restarting");
+    assert_eq!(
+        s.keep_alive,
+        Some(KeepAlive::Forever),
+        "the same model, restarted"
+    );
+    start_engine(&mut s, 43, 2, t1);
+    ready(&mut s, ready_report(), t1, &timing());
+    assert!(arm_idle(&mut s).is_empty());
+
+    // Loading: the keep-alive waits for the engine to be ready to arm.
+    let mut loading = starting(t0);
+    assert!(keep_alive(&mut loading, KeepAlive::For(Duration::from_secs(5)), t0).is_empty());
+    let fx = ready(&mut loading, ready_report(), t0, &timing());
+    assert_eq!(&names(&fx)[3..], ["grant", "idle", "place"]);
+    assert_eq!(
+        idle_armed(&arm_idle(&mut loading)).map(|a| a.0),
+        Some(Duration::from_secs(5))
+    );
+
+    let mut pinned = slot(true);
+    keep_alive(&mut pinned, KeepAlive::For(Duration::from_secs(5)), t0);
+    assert_eq!(pinned.ttl(), None);
+    assert!(!pinned.status(t0, &timing().policy).ttl_from_request);
+}
