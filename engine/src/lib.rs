@@ -6,6 +6,7 @@ pub mod chat_template;
 pub mod constraint;
 pub mod detokenizer;
 pub mod device;
+pub mod distributed;
 pub mod fault;
 pub mod job;
 pub mod loader;

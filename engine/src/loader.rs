@@ -13,6 +13,7 @@ use mlx_rs::{Array, Dtype};
 use mlxd_protocol::control::LoadPhase;
 use serde_json::Value;
 
+use crate::distributed::{Group, ShardPlan};
 use crate::models::quant::QuantMode;
 
 /// Where a load reports how far it has got: a phase and the fraction of it done (`0.0..=1.0`).
@@ -80,6 +81,13 @@ pub struct Weights {
     taken_bytes: usize,
     /// Told how many weight bytes have been read while the model materializes them.
     reporter: Option<LoadReporter>,
+    /// The tensor-parallel group this rank loads for (`crate::distributed`), and the plan
+    /// the family's `shard` function gave for dividing its tensors: each tensor taken is
+    /// this rank's part only.
+    group: Option<Group>,
+    plan: Option<ShardPlan>,
+    /// Tensors the plan could not divide (reported by [`Weights::finish`]).
+    unsplittable: Vec<String>,
 }
 
 /// Reads `config.json` from a model directory.
@@ -213,6 +221,9 @@ impl Weights {
             quant_overrides,
             taken_bytes: 0,
             reporter: None,
+            group: None,
+            plan: None,
+            unsplittable: Vec::new(),
         })
     }
 
@@ -221,6 +232,30 @@ impl Weights {
     pub fn with_reporter(mut self, reporter: Option<LoadReporter>) -> Self {
         self.reporter = reporter;
         self
+    }
+
+    /// Loads this rank's part of the model for `group` (none: the whole model).
+    pub fn with_group(mut self, group: Option<Group>) -> Self {
+        self.group = group;
+        self
+    }
+
+    /// The tensor-parallel group this load is for, if any.
+    pub fn group(&self) -> Option<&Group> {
+        self.group.as_ref()
+    }
+
+    /// Divides the tensors taken from now on as `plan` says (a family's `shard` function).
+    pub fn shard_by(&mut self, plan: ShardPlan) {
+        self.plan = Some(plan);
+    }
+
+    /// This rank's part of the tensor `name` (all of it outside a group).
+    fn part(&self, name: &str, a: Array) -> Result<Array, LoadError> {
+        match &self.plan {
+            Some(plan) => plan.cut(name, a),
+            None => Ok(a),
+        }
     }
 
     /// The reporter the model's materialization reports to.
@@ -276,6 +311,7 @@ impl Weights {
     pub fn take(&mut self, name: &str) -> Result<Array, LoadError> {
         match self.tensors.remove(name) {
             Some(a) => {
+                let a = self.part(name, a)?;
                 self.taken_bytes += a.nbytes();
                 Ok(a)
             }
@@ -289,6 +325,13 @@ impl Weights {
     /// Takes a tensor the checkpoint may or may not have.
     pub fn take_optional(&mut self, name: &str) -> Option<Array> {
         let a = self.tensors.remove(name)?;
+        let a = match self.part(name, a) {
+            Ok(a) => a,
+            Err(e) => {
+                self.unsplittable.push(e.to_string());
+                return None;
+            }
+        };
         self.taken_bytes += a.nbytes();
         Some(a)
     }
@@ -323,6 +366,15 @@ impl Weights {
 
     /// Checks that every parameter was found and every tensor used; returns the bytes loaded.
     pub fn finish(self) -> Result<usize, LoadError> {
+        if !self.unsplittable.is_empty() {
+            return Err(LoadError::Config(self.unsplittable.join("; ")));
+        }
+        if let (Some(group), None) = (&self.group, &self.plan) {
+            return Err(LoadError::Config(format!(
+                "this architecture's file did not divide its weights among the group's {} ranks",
+                group.size()
+            )));
+        }
         if !self.missing.is_empty() {
             return Err(LoadError::MissingTensors(self.missing));
         }

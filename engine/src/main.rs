@@ -21,8 +21,12 @@ struct Args {
     /// A known model name, a model directory, or a GGUF file.
     #[arg(long, default_value = store::DEFAULT_MODEL)]
     model: String,
-    /// Serve on this unix socket (standalone mode).
-    #[arg(long, required_unless_present = "control", conflicts_with = "control")]
+    /// Serve on this unix socket (standalone mode; in an engine group, rank 0's).
+    #[arg(
+        long,
+        required_unless_present_any = ["control", "distributed"],
+        conflicts_with = "control"
+    )]
     unix: Option<PathBuf>,
     /// Run under the mlxd supervisor: read Launch from stdin, report on stdout.
     #[arg(long)]
@@ -70,6 +74,18 @@ fn main() -> anyhow::Result<()> {
     };
     if args.control {
         return app::run_supervised(&home);
+    }
+    if let Some(backend) = args.options.distributed.clone() {
+        // One rank of an engine group, as `mlx.launch` starts it: rank 0's model, limits and
+        // options are every rank's.
+        let given = app::group::Setup {
+            model: args.model.clone(),
+            max_batch_size: args.max_batch_size.map(|n| n as usize),
+            kv_budget_bytes: args.kv_budget_bytes,
+            context_length: args.context_length,
+            options: args.options.to_map(),
+        };
+        return app::group::run_standalone(&backend, &home, given, args.unix.as_deref());
     }
     let limits = RuntimeLimits {
         max_batch_size: args.max_batch_size.map(|n| n as usize),

@@ -75,6 +75,11 @@ pub const KEYS: &[(&str, &str)] = &[
         "write a running request's KV to the SSD cache every N generated tokens (with ssd_cache)",
     ),
     (
+        "distributed",
+        "ring, jaccl or nccl: this engine is one rank of an engine group (one model divided \
+         among processes by MLX distributed); set by mlxd from a model's `distributed` entry",
+    ),
+    (
         "state_snapshot_every",
         "models with recurrent layers: prompt tokens between two snapshots of the state in the \
          prefix cache (default 4096)",
@@ -157,6 +162,12 @@ pub struct EngineOptions {
     /// cache, so a resume after a crash restores instead of prefilling.
     #[cfg_attr(feature = "cli", arg(long, value_parser = parse_generation_checkpoint))]
     pub generation_checkpoint: Option<u64>,
+    /// Run as one rank of an engine group over this MLX distributed backend (ring, jaccl or
+    /// nccl), as `mlx.launch` starts one: the rank and the other hosts come from MLX's own
+    /// environment (`MLX_RANK`, `MLX_HOSTFILE`); rank 0 serves, the others take the model and
+    /// every option from it.
+    #[cfg_attr(feature = "cli", arg(long, value_parser = parse_distributed))]
+    pub distributed: Option<String>,
     /// For models with recurrent layers (Qwen3-Next, Mamba-2, ...), whose state cannot be cut
     /// back to a shorter prefix: prompt tokens between two snapshots of the state kept in the
     /// prefix cache, and the most a prefill chunk holds [default: 4096].
@@ -262,6 +273,21 @@ pub fn parse_generation_checkpoint(s: &str) -> Result<u64, String> {
     parse_in(s, 1, MAX_TOKENS, "a number of tokens")
 }
 
+/// The MLX distributed backends, by the names `mx.distributed.init` takes.
+pub const DISTRIBUTED_BACKENDS: &[&str] = &["ring", "jaccl", "nccl"];
+
+pub fn parse_distributed(s: &str) -> Result<String, String> {
+    let s = s.trim();
+    if DISTRIBUTED_BACKENDS.contains(&s) {
+        Ok(s.to_owned())
+    } else {
+        Err(format!(
+            "expected one of {}",
+            DISTRIBUTED_BACKENDS.join(", ")
+        ))
+    }
+}
+
 pub fn parse_state_snapshot_every(s: &str) -> Result<u64, String> {
     parse_in(s, 16, MAX_TOKENS, "a number of tokens")
 }
@@ -305,6 +331,7 @@ impl EngineOptions {
             "generation_checkpoint" => {
                 self.generation_checkpoint = Some(parse_generation_checkpoint(value).map_err(bad)?)
             }
+            "distributed" => self.distributed = Some(parse_distributed(value).map_err(bad)?),
             "state_snapshot_every" => {
                 self.state_snapshot_every = Some(parse_state_snapshot_every(value).map_err(bad)?)
             }
@@ -370,6 +397,7 @@ impl EngineOptions {
             "generation_checkpoint",
             self.generation_checkpoint.map(|v| v.to_string()),
         );
+        put("distributed", self.distributed.clone());
         put(
             "state_snapshot_every",
             self.state_snapshot_every.map(|v| v.to_string()),
@@ -416,6 +444,16 @@ impl EngineOptions {
                 "draft_model",
                 "draft = \"ngram\" and draft_model exclude each other",
             ));
+        }
+        if self.distributed.is_some() {
+            for key in ["draft", "draft_model", "ssd_cache"] {
+                if map.contains_key(key) {
+                    return Err(refuse(
+                        key,
+                        "is not supported by an engine group (distributed) yet",
+                    ));
+                }
+            }
         }
         let (min, max) = self.ngram_sizes();
         if min > max {

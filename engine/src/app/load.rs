@@ -55,10 +55,24 @@ pub fn store_event_progress(event: &store::StoreEvent) -> Option<(LoadPhase, f32
 pub fn load_reporting(
     spec: &str,
     home: &Path,
+    limits: RuntimeLimits,
+    draft: Option<DraftOptions>,
+    on_oom: Option<OomHook>,
+    reporter: Option<LoadReporter>,
+) -> Result<Engine, StartError> {
+    load_in_group(spec, home, limits, draft, on_oom, reporter, None)
+}
+
+/// [`load_reporting`] of this rank's shard when `group` is an engine group's
+/// ([`super::group`]); its runtime then runs in lockstep with the other ranks.
+pub fn load_in_group(
+    spec: &str,
+    home: &Path,
     mut limits: RuntimeLimits,
     draft: Option<DraftOptions>,
     on_oom: Option<OomHook>,
     reporter: Option<LoadReporter>,
+    group: Option<crate::distributed::Group>,
 ) -> Result<Engine, StartError> {
     crate::device::check_mlx_version().map_err(StartError::Mlx)?;
     let request = crate::device::device_request_from_env().map_err(StartError::Device)?;
@@ -105,12 +119,14 @@ pub fn load_reporting(
             },
         }),
     };
-    let runtime = Runtime::start_reporting(model.dir.clone(), limits, on_oom, reporter).map_err(
-        |source| StartError::Load {
-            dir: model.dir.clone(),
-            source,
-        },
-    )?;
+    let runtime = match group {
+        None => Runtime::start_reporting(model.dir.clone(), limits, on_oom, reporter),
+        Some(group) => super::group::start_rank(model.dir.clone(), limits, on_oom, reporter, group),
+    }
+    .map_err(|source| StartError::Load {
+        dir: model.dir.clone(),
+        source,
+    })?;
     tracing::info!(
         model = %model.id,
         weight_bytes = runtime.info.weight_bytes,

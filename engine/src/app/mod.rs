@@ -1,12 +1,13 @@
 //! Start-up glue for the `mlxd-engine` binary: resolve the model, load it on the MLX thread,
 //! serve HTTP on a unix socket, and (under `mlxd`) speak the control channel.
+pub mod group;
 mod load;
 mod options;
 mod standalone;
 mod start_error;
 mod supervised;
 
-pub use load::{load, load_reporting, store_event_progress, Engine};
+pub use load::{load, load_in_group, load_reporting, store_event_progress, Engine};
 pub use options::{launch_options, runtime_options, DraftChoice, DraftOptions, LaunchOptions};
 pub use standalone::serve_standalone;
 pub use start_error::StartError;

@@ -46,6 +46,9 @@ pub enum StartError {
         value: String,
         reason: String,
     },
+    /// An engine group (`distributed`) could not form.
+    #[error("engine group: {0}")]
+    Group(crate::distributed::GroupError),
 }
 
 impl StartError {
@@ -56,6 +59,12 @@ impl StartError {
         }
         match self {
             Self::Store(e) if !permanent(e) => FatalKind::LoadFailed,
+            // A peer that was slow to start, or a port still held by the group being
+            // replaced, may be gone next time; a missing backend will not.
+            Self::Group(
+                crate::distributed::GroupError::Init { .. }
+                | crate::distributed::GroupError::Timeout { .. },
+            ) => FatalKind::LoadFailed,
             _ => FatalKind::CannotLoad,
         }
     }

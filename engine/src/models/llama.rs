@@ -13,6 +13,9 @@ use super::info::KvShape;
 use super::mlp::{FeedForward, GatedMlp};
 use super::rope::ScaledRope;
 use super::CausalLm;
+use crate::distributed::shard::check_heads as check_rank_heads;
+use crate::distributed::summed::Summed;
+use crate::distributed::{Group, ShardPlan, Split};
 use crate::loader::{LoadError, Weights};
 
 pub use super::rope::rope_from_config;
@@ -97,10 +100,41 @@ pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadE
     let c: Config = parse_config("Llama", config)?;
     // Qwen2 puts biases on q/k/v (not o) without saying so in its config.
     let qkv_bias = c.attention_bias || c.model_type == "qwen2";
-    c.shaped(config, qkv_bias, QkNorm::None)?
-        .build(w, |w, _, p| {
-            GatedMlp::load(w, &format!("{p}.mlp"), c.mlp_bias)
-        })
+    let mut shaped = c.shaped(config, qkv_bias, QkNorm::None)?;
+    let group = shard(w, &mut shaped.attention)?;
+    shaped.build_sharded(w, group, |w, _, p| {
+        GatedMlp::load(w, &format!("{p}.mlp"), c.mlp_bias)
+    })
+}
+
+/// Tensor parallelism for the Llama-shaped decoder with a gated MLP (mlx-lm's `shard()`), when
+/// the load is for a group: q/k/v and gate/up are split by column (each rank its own heads and
+/// its share of the MLP's features), o and down by row (partial sums that
+/// [`LlamaShaped::build_sharded`] completes with an `all_sum`); `attention` becomes this
+/// rank's heads. Embeddings, norms and the output head stay whole on every rank. A rank count
+/// that does not divide the query and KV heads fails the load, naming both.
+pub(crate) fn shard(
+    w: &mut Weights,
+    attention: &mut AttentionShape,
+) -> Result<Option<Group>, LoadError> {
+    let Some(group) = w.group().cloned() else {
+        return Ok(None);
+    };
+    check_rank_heads(attention.heads, attention.kv_heads, group.size())?;
+    let n = group.size() as i32;
+    attention.heads /= n;
+    attention.kv_heads /= n;
+    w.shard_by(
+        ShardPlan::for_group(&group)
+            .split("self_attn.q_proj", Split::Column)
+            .split("self_attn.k_proj", Split::Column)
+            .split("self_attn.v_proj", Split::Column)
+            .split("self_attn.o_proj", Split::Row)
+            .split("mlp.gate_proj", Split::Column)
+            .split("mlp.up_proj", Split::Column)
+            .split("mlp.down_proj", Split::Row),
+    );
+    Ok(Some(group))
 }
 
 /// A Llama-shaped decoder: the same [`Attention`] in every layer (global and rotary unless
@@ -126,21 +160,34 @@ impl LlamaShaped<'_> {
         w: &mut Weights,
         feed_forward: impl FnMut(&mut Weights, usize, &str) -> Result<F, LoadError>,
     ) -> Result<Box<dyn CausalLm>, LoadError> {
+        self.build_sharded(w, None, feed_forward)
+    }
+
+    /// [`Self::build`] for one rank of a tensor-parallel `group` (after [`shard`]): each
+    /// block's attention and feed-forward outputs are partial sums, completed by an
+    /// `all_sum` over the group.
+    pub fn build_sharded<F: FeedForward + 'static>(
+        self,
+        w: &mut Weights,
+        group: Option<Group>,
+        mut feed_forward: impl FnMut(&mut Weights, usize, &str) -> Result<F, LoadError>,
+    ) -> Result<Box<dyn CausalLm>, LoadError> {
         let (trunk, layers) = load_stack(
             w,
             &self.stack,
             |w, i, p| {
                 let reach = self.reach.as_ref().and_then(|r| r.get(i).copied());
                 let reach = reach.unwrap_or(Reach::GlobalRope);
-                Attention::load(
+                let attention = Attention::load(
                     w,
                     &format!("{p}.self_attn"),
                     &self.attention,
                     &self.rope,
                     reach,
-                )
+                )?;
+                Ok(Summed::new(attention, group.clone()))
             },
-            feed_forward,
+            |w, i, p| Ok(Summed::new(feed_forward(w, i, p)?, group.clone())),
         )?;
         let sizes = Sizes {
             vocab_size: self.vocab_size,

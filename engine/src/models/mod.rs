@@ -205,6 +205,17 @@ pub fn load_reporting(
     dir: &Path,
     reporter: Option<crate::loader::LoadReporter>,
 ) -> Result<Box<dyn CausalLm>, LoadError> {
+    load_for_group(dir, reporter, None)
+}
+
+/// [`load_reporting`] of this rank's shard for a tensor-parallel `group`
+/// (`crate::distributed`); an architecture whose file cannot divide it is refused before a
+/// weight is read.
+pub fn load_for_group(
+    dir: &Path,
+    reporter: Option<crate::loader::LoadReporter>,
+    group: Option<crate::distributed::Group>,
+) -> Result<Box<dyn CausalLm>, LoadError> {
     let config = loader::read_config(dir)?;
     let arch = config
         .get("architectures")
@@ -219,7 +230,12 @@ pub fn load_reporting(
             let known: Vec<&str> = REGISTRY.iter().map(|(n, _)| *n).collect();
             LoadError::Architecture(arch.to_owned(), known.join(", "))
         })?;
-    let mut weights = Weights::open(dir, &config)?.with_reporter(reporter);
+    if let Some(group) = &group {
+        crate::distributed::check_architecture(arch, group.size())?;
+    }
+    let mut weights = Weights::open(dir, &config)?
+        .with_reporter(reporter)
+        .with_group(group);
     let model = build(&config, &mut weights)?;
     weights.finish()?;
     Ok(model)

@@ -28,8 +28,18 @@ pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadE
     if c.head_dim.is_none() {
         return Err(LoadError::Config("Qwen3 config has no head_dim".into()));
     }
-    c.shaped(&config, c.attention_bias, QkNorm::PerHead)?
-        .build(w, |w, _, p| {
-            GatedMlp::load(w, &format!("{p}.mlp"), c.mlp_bias)
-        })
+    let mut shaped = c.shaped(&config, c.attention_bias, QkNorm::PerHead)?;
+    let group = shard(w, &mut shaped.attention)?;
+    shaped.build_sharded(w, group, |w, _, p| {
+        GatedMlp::load(w, &format!("{p}.mlp"), c.mlp_bias)
+    })
+}
+
+/// Tensor parallelism for Qwen3: the Llama split ([`super::llama::shard`]); the per-head query
+/// and key norms stay whole (every head uses the same `[head_dim]` weights).
+fn shard(
+    w: &mut Weights,
+    attention: &mut super::attention::AttentionShape,
+) -> Result<Option<crate::distributed::Group>, LoadError> {
+    super::llama::shard(w, attention)
 }

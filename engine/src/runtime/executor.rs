@@ -157,6 +157,34 @@ impl<'m> Executor<'m> {
         }
     }
 
+    /// Serves the request channel alone ([`Self::run`]), or, in an engine group, through the
+    /// lockstep made of it ([`Self::run_lockstep`]).
+    pub fn serve(
+        &mut self,
+        rx: mpsc::UnboundedReceiver<GenerateRequest>,
+        lockstep: Option<super::MakeLockstep>,
+    ) {
+        match lockstep {
+            None => self.run(rx),
+            Some(make) => self.run_lockstep(make(rx).as_mut()),
+        }
+    }
+
+    /// Serves an engine group's rank: each iteration's inputs come from `sync`, the same on
+    /// every rank ([`super::lockstep`]), instead of this rank's own request channel.
+    pub fn run_lockstep(&mut self, sync: &mut dyn super::lockstep::Lockstep) {
+        while let Some(turn) = sync.next_turn(self.idle(), self.prefill_speed) {
+            self.waiting.extend(turn.arrived);
+            self.prefill_speed = turn.prefill_speed;
+            if let Err(e) = self.iteration() {
+                self.fail_all(GenerationError::from_mlx(e.to_string()));
+                sync.failed(e);
+                return;
+            }
+            self.publish();
+        }
+    }
+
     fn iteration(&mut self) -> Result<(), Exception> {
         self.waiting.retain(|r| !r.events.is_closed());
         self.drop_cancelled_prefills();

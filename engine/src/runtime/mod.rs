@@ -14,6 +14,7 @@
 pub mod batch;
 pub mod draft;
 pub mod executor;
+pub mod lockstep;
 pub mod noise;
 pub mod reference;
 pub mod request;
@@ -168,6 +169,13 @@ pub struct RuntimeStats {
 /// allocator any more and should report and exit (the supervisor restarts it smaller).
 pub type OomHook = Box<dyn FnOnce(String) + Send>;
 
+/// Makes an engine group rank's [`lockstep::Lockstep`] from the request channel, on the MLX
+/// thread once the model is loaded.
+pub type MakeLockstep = Box<
+    dyn FnOnce(mpsc::UnboundedReceiver<request::GenerateRequest>) -> Box<dyn lockstep::Lockstep>
+        + Send,
+>;
+
 /// Builds the model from its directory, on the MLX thread.
 pub type ModelLoader = Box<dyn FnOnce(&Path) -> Result<Box<dyn CausalLm>, LoadError> + Send>;
 
@@ -210,6 +218,29 @@ impl Runtime {
         limits: RuntimeLimits,
         on_oom: Option<OomHook>,
         load: ModelLoader,
+    ) -> Result<Runtime, LoadError> {
+        Self::start_driven(dir, limits, on_oom, load, None)
+    }
+
+    /// [`start_with_loader`](Self::start_with_loader) for a rank of an engine group: the
+    /// model thread runs each iteration on the inputs the [`lockstep::Lockstep`] made from
+    /// the request channel agrees with the other ranks (`crate::distributed`).
+    pub fn start_in_lockstep(
+        dir: PathBuf,
+        limits: RuntimeLimits,
+        on_oom: Option<OomHook>,
+        load: ModelLoader,
+        lockstep: MakeLockstep,
+    ) -> Result<Runtime, LoadError> {
+        Self::start_driven(dir, limits, on_oom, load, Some(lockstep))
+    }
+
+    fn start_driven(
+        dir: PathBuf,
+        limits: RuntimeLimits,
+        on_oom: Option<OomHook>,
+        load: ModelLoader,
+        lockstep: Option<MakeLockstep>,
     ) -> Result<Runtime, LoadError> {
         if let Some(q) = limits.kv_quant {
             if ![4, 8].contains(&q.bits) || ![32, 64, 128].contains(&q.group_size) {
@@ -318,7 +349,7 @@ impl Runtime {
                         on_oom,
                         spec,
                     )
-                    .run(rx);
+                    .serve(rx, lockstep);
                 }
                 Err(e) => {
                     let _ = ready_tx.send(Err(e));

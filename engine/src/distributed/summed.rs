@@ -1,0 +1,54 @@
+//! A block branch whose last projection is split by row ([`super::Split::Row`]): each rank's
+//! output is a partial sum, completed by an `all_sum` over the group, after which every rank
+//! holds the same activations.
+use mlx_rs::error::Exception;
+use mlx_rs::Array;
+
+use super::Group;
+use crate::cache::LayerCache;
+use crate::models::attention::SelfAttention;
+use crate::models::mlp::FeedForward;
+use crate::models::params::{Parameters, Params};
+
+/// `inner`'s output summed over `group`; without a group (one process), `inner` alone.
+pub(crate) struct Summed<T> {
+    inner: T,
+    group: Option<Group>,
+}
+
+impl<T> Summed<T> {
+    pub fn new(inner: T, group: Option<Group>) -> Self {
+        Self { inner, group }
+    }
+
+    fn complete(&self, partial: Array) -> Result<Array, Exception> {
+        match &self.group {
+            Some(group) => group.all_sum(&partial),
+            None => Ok(partial),
+        }
+    }
+}
+
+impl<T: SelfAttention> SelfAttention for Summed<T> {
+    fn forward(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
+        let partial = self.inner.forward(x, cache)?;
+        self.complete(partial)
+    }
+
+    fn window(&self) -> Option<usize> {
+        self.inner.window()
+    }
+}
+
+impl<T: FeedForward> FeedForward for Summed<T> {
+    fn forward(&self, x: &Array) -> Result<Array, Exception> {
+        let partial = self.inner.forward(x)?;
+        self.complete(partial)
+    }
+}
+
+impl<T: Parameters> Parameters for Summed<T> {
+    fn push_params<'a>(&'a self, p: &mut Params<'a>) {
+        p.add(&self.inner);
+    }
+}
