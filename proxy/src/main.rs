@@ -369,10 +369,23 @@ async fn pull(a: &mlxd_proxy::cli::PullArgs) -> anyhow::Result<()> {
     opts.progress = mlxd_proxy::progress::to_stderr(false);
     let spec = a.model.clone();
     eprintln!("mlxd: pulling {spec} (downloads and conversions can take minutes)");
+    // What an earlier pull killed outright (SIGKILL, a crash) left behind.
+    let (swept, _) = mlxd_store::sweep_stale_staging(&opts.home);
+    for path in swept {
+        tracing::info!(path = %path.display(), "removed the staging directory of an earlier, interrupted pull");
+    }
+    // Listened for before the work starts, so that an early Ctrl-C is ours too.
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    let mut terminate = signal(SignalKind::terminate())?;
     let start = Instant::now();
+    let job_opts = opts.clone();
     // The store blocks (file locks, downloads, conversion): off the async threads.
-    let resolved =
-        tokio::task::spawn_blocking(move || mlxd_store::resolve_model_with(&spec, &opts)).await??;
+    let job = tokio::task::spawn_blocking(move || mlxd_store::resolve_model_with(&spec, &job_opts));
+    let resolved = tokio::select! {
+        r = job => r??,
+        _ = interrupt.recv() => interrupted(&a.model, &opts, 130),
+        _ = terminate.recv() => interrupted(&a.model, &opts, 143),
+    };
     if let Some(missing) = mlxd_store::inventory::incomplete(&resolved.dir) {
         anyhow::bail!(
             "{} is not a complete model: {missing}",
@@ -387,6 +400,28 @@ async fn pull(a: &mlxd_proxy::cli::PullArgs) -> anyhow::Result<()> {
         mlxd_store::inventory::format_of(&resolved.dir)
     );
     Ok(())
+}
+
+/// A pull stopped by SIGINT or SIGTERM: what it left that no later pull could use goes at
+/// once ([`mlxd_store::interrupt::clean_up`]), and the process exits with `code` (128 plus
+/// the signal) while the store's worker thread is still mid-way.
+fn interrupted(spec: &str, opts: &mlxd_store::StoreOptions, code: i32) -> ! {
+    let done = mlxd_store::interrupt::clean_up(spec, opts, std::process::id());
+    eprintln!(
+        "\nmlxd: pull of {spec} interrupted; removed {} partial file(s)",
+        done.removed.len()
+    );
+    for (path, e) in &done.failed {
+        eprintln!("mlxd: could not remove {}: {e}", path.display());
+    }
+    let kept: u64 = done.resumable.iter().map(|(_, n)| n).sum();
+    if !done.resumable.is_empty() {
+        eprintln!(
+            "mlxd: kept {} already downloaded; `mlxd pull {spec}` resumes from there",
+            mlxd_proxy::config::Bytes(kept)
+        );
+    }
+    std::process::exit(code)
 }
 
 /// `mlxd quantize`: submits the job, follows it with a progress bar (plain lines when stderr

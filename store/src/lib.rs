@@ -51,6 +51,7 @@ use sha2::{Digest, Sha256};
 pub mod convert;
 pub mod facts;
 pub mod hf;
+pub mod interrupt;
 pub mod inventory;
 pub mod progress;
 
@@ -450,7 +451,7 @@ fn remove_stale_partials(downloads: &Path, prefixes: &[&str]) -> Result<(), Stor
 /// The pid in the name of a staging directory the store leaves beside a model while it
 /// builds or replaces it: `.<leaf>.partial-<pid>-<nanos>` (a conversion) or
 /// `.<leaf>.stale-<pid>` (an old conversion being removed).
-fn staging_pid(name: &str) -> Option<i32> {
+pub(crate) fn staging_pid(name: &str) -> Option<i32> {
     if !name.starts_with('.') {
         return None;
     }
