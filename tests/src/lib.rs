@@ -1,5 +1,8 @@
-//! Helpers shared by the integration tests: an in-process proxy on a free port with the
-//! fake engine (or the real one on the default model), a small HTTP client, raw-socket
+//! The test kit every crate's integration tests share (a dev-only crate): paths to the
+//! workspace, its binaries, the test models and the default model's GGUF; an in-process proxy
+//! on a free port with the fake engine (or the real one on the default model); `mlxd` and
+//! `mlxd-engine` as child processes ([`MlxdProcess`], [`EngineProcess`]); the reference
+//! implementations ([`mlx_lm_greedy`], [`hf_chat_tokens`]); a small HTTP client, raw-socket
 //! helpers, and process checks.
 
 use std::path::{Path, PathBuf};
@@ -17,6 +20,12 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
+
+mod engine_process;
+mod reference;
+
+pub use engine_process::EngineProcess;
+pub use reference::{hf_chat_tokens, mlx_lm_greedy, python};
 
 /// A binary built into the same target directory as the running test.
 pub fn target_bin(name: &str) -> PathBuf {

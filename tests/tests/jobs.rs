@@ -11,7 +11,7 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
@@ -30,16 +30,6 @@ fn default_model_dir() -> Result<PathBuf> {
         dir.display()
     );
     Ok(dir)
-}
-
-fn python() -> Result<PathBuf> {
-    let py = workspace_root().join(".venv/bin/python");
-    ensure!(
-        py.is_file(),
-        "{} is missing: run scripts/setup.sh --test",
-        py.display()
-    );
-    Ok(py)
 }
 
 /// `mlxd serve` with the real engine, serving tiny-llama, with its own store (`home`).
@@ -131,86 +121,21 @@ fn group_alive(pgid: i32) -> bool {
     nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pgid), None).is_ok() && !process_gone(pgid)
 }
 
-/// A standalone engine on a unix socket (token ids are kept there; `mlxd` strips them).
-struct Engine {
-    child: Child,
-    socket: PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Engine {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Engine {
-    async fn start(model: &Path) -> Result<Self> {
-        let dir = tempfile::tempdir()?;
-        let socket = dir.path().join("e.sock");
-        let child = Command::new(built_engine_bin()?)
-            .arg("--model")
-            .arg(model)
-            .arg("--unix")
-            .arg(&socket)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.path().join("engine.log"))?)
-            .spawn()?;
-        let me = Self {
-            child,
-            socket,
-            _dir: dir,
-        };
-        let t = Instant::now();
-        while !me.socket.exists() {
-            if t.elapsed() > Duration::from_secs(120) {
-                bail!("the engine for {} did not come up", model.display());
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        Ok(me)
-    }
-
-    /// Greedy token ids for prompt `ids` (`/v1/completions`, token prompt).
-    async fn greedy(&self, ids: &[u32], max_tokens: u32) -> Result<Vec<u64>> {
-        let body = json!({"prompt": ids, "max_tokens": max_tokens, "temperature": 0});
-        let req = hyper::Request::post("/v1/completions")
-            .header("host", "localhost")
-            .header("content-type", "application/json")
-            .body(http_body_util::Full::new(bytes::Bytes::from(
-                body.to_string(),
-            )))?;
-        let resp = mlxd_ipc::uds::send(&self.socket, req).await?;
-        let (status, _, v) = json_of(resp).await?;
-        ensure!(status == 200, "completions: {status} {v}");
-        v["choices"][0]["mlxd"]["token_ids"]
-            .as_array()
-            .context("no token_ids")?
-            .iter()
-            .map(|t| t.as_u64().context("a token id"))
-            .collect()
-    }
-}
-
-/// mlx-lm's greedy ids for `ids` from `model` (`scripts/mlx_lm_greedy.py`).
-fn mlx_lm_greedy(model: &Path, ids: &[u32], max_tokens: u32) -> Result<Vec<u64>> {
-    let out = Command::new(python()?)
-        .arg(workspace_root().join("scripts/mlx_lm_greedy.py"))
-        .arg(model)
-        .arg(max_tokens.to_string())
-        .args(ids.iter().map(u32::to_string))
-        .output()?;
-    ensure!(
-        out.status.success(),
-        "mlx-lm failed on {}: {}",
-        model.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout)
-        .split_whitespace()
-        .map(|t| t.parse().context("an id from mlx-lm"))
+/// Greedy token ids for prompt `ids` from a standalone engine (`/v1/completions`, token
+/// prompt; the engine keeps the ids that `mlxd` strips).
+async fn greedy(engine: &EngineProcess, ids: &[u32], max_tokens: u32) -> Result<Vec<u32>> {
+    let body = json!({"prompt": ids, "max_tokens": max_tokens, "temperature": 0});
+    let (status, v) = engine.post("/v1/completions", body).await?;
+    ensure!(status == 200, "completions: {status} {v}");
+    v["choices"][0]["mlxd"]["token_ids"]
+        .as_array()
+        .context("no token_ids")?
+        .iter()
+        .map(|t| {
+            t.as_u64()
+                .and_then(|t| u32::try_from(t).ok())
+                .context("a token id")
+        })
         .collect()
 }
 
@@ -281,10 +206,10 @@ async fn quantizing_a_tiny_model_streams_progress_and_the_output_serves_in_mlxd_
     let (status, v) = served.chat("tiny-llama-4bit-g64", "Hello", 8).await?;
     assert_eq!(status, 200, "{v}");
     assert!(v["choices"][0]["message"]["content"].is_string(), "{v}");
-    let engine = Engine::start(&out).await?;
+    let engine = EngineProcess::start(&out).await?;
     let prompt = [1u32, 40, 72, 101, 108, 108];
-    let ours = engine.greedy(&prompt, 8).await?;
-    assert_eq!(ours, mlx_lm_greedy(&out, &prompt, 8)?, "greedy parity");
+    let ours = greedy(&engine, &prompt, 8).await?;
+    assert_eq!(ours, mlx_lm_greedy(&out, 8, &prompt)?, "greedy parity");
     Ok(())
 }
 
@@ -322,10 +247,10 @@ async fn the_default_models_weights_requantized_to_8_bit_answer_in_mlxd_with_mlx
         .as_str()
         .unwrap_or_default();
     assert!(text.contains("Paris"), "{v}");
-    let engine = Engine::start(&out).await?;
+    let engine = EngineProcess::start(&out).await?;
     let prompt = [1u32, 504, 3458, 282, 4649, 314];
-    let ours = engine.greedy(&prompt, 6).await?;
-    assert_eq!(ours, mlx_lm_greedy(&out, &prompt, 6)?, "greedy parity");
+    let ours = greedy(&engine, &prompt, 6).await?;
+    assert_eq!(ours, mlx_lm_greedy(&out, 6, &prompt)?, "greedy parity");
     Ok(())
 }
 

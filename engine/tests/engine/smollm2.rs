@@ -15,7 +15,7 @@ async fn chat(engine: &EngineProcess, user: &str, max_tokens: u32) -> (String, V
             "/v1/chat/completions",
             json!({"messages": [{"role": "user", "content": user}], "max_tokens": max_tokens, "temperature": 0}),
         )
-        .await;
+        .await.expect("request");
     assert_eq!(status, 200, "{body}");
     let choice = &body["choices"][0];
     let ids = choice["mlxd"]["token_ids"]
@@ -39,7 +39,9 @@ async fn chat(engine: &EngineProcess, user: &str, max_tokens: u32) -> (String, V
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_real_questions_streams_and_rejects_bad_input() {
-    let engine = EngineProcess::start("smollm2-135m").await;
+    let engine = EngineProcess::start("smollm2-135m")
+        .await
+        .expect("the engine starts");
 
     let (text, _, finish) = chat(&engine, "What is the capital of France?", 20).await;
     assert!(text.contains("Paris"), "expected Paris in {text:?}");
@@ -52,7 +54,7 @@ async fn answers_real_questions_streams_and_rejects_bad_input() {
             json!({"messages": [{"role": "user", "content": "What is the capital of France?"}],
                    "max_tokens": 4, "temperature": 0, "stream": true, "stream_options": {"include_usage": true}}),
         )
-        .await;
+        .await.expect("stream");
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
     let chunks: Vec<Value> = events[..events.len() - 1]
         .iter()
@@ -77,7 +79,7 @@ async fn answers_real_questions_streams_and_rejects_bad_input() {
     // Completions route with stop strings.
     let (status, body) = engine
         .post("/v1/completions", json!({"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0, "stop": [","]}))
-        .await;
+        .await.expect("request");
     assert_eq!(status, 200, "{body}");
     assert!(
         !body["choices"][0]["text"].as_str().unwrap().contains(','),
@@ -86,9 +88,15 @@ async fn answers_real_questions_streams_and_rejects_bad_input() {
 
     // Sampling with a seed: same seed, same output.
     let sampled = json!({"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0.9, "top_p": 0.95, "seed": 7});
-    let (status, first) = engine.post("/v1/completions", sampled.clone()).await;
+    let (status, first) = engine
+        .post("/v1/completions", sampled.clone())
+        .await
+        .expect("request");
     assert_eq!(status, 200, "{first}");
-    let (_, second) = engine.post("/v1/completions", sampled).await;
+    let (_, second) = engine
+        .post("/v1/completions", sampled)
+        .await
+        .expect("request");
     assert_eq!(
         first["choices"][0]["text"], second["choices"][0]["text"],
         "same seed must give the same text"
@@ -110,7 +118,10 @@ async fn answers_real_questions_streams_and_rejects_bad_input() {
         ),
     ];
     for (body, param) in cases {
-        let (status, err) = engine.post_raw("/v1/chat/completions", body).await;
+        let (status, err) = engine
+            .post_raw("/v1/chat/completions", body)
+            .await
+            .expect("request");
         assert_eq!(status, 400, "{body} → {err}");
         assert_eq!(err["error"]["type"], "invalid_request_error", "{err}");
         assert!(
@@ -135,7 +146,8 @@ async fn answers_real_questions_streams_and_rejects_bad_input() {
             "/v1/chat/completions",
             json!({"messages": [{"role": "user", "content": long}]}),
         )
-        .await;
+        .await
+        .expect("request");
     assert_eq!(status, 400, "{err}");
     assert!(
         err["error"]["message"].as_str().unwrap().contains("8192"),
@@ -161,7 +173,7 @@ async fn answers_real_questions_streams_and_rejects_bad_input() {
                     "/v1/chat/completions",
                     json!({"messages": [{"role": "user", "content": content}], "max_tokens": 1, "temperature": 0}),
                 )
-                .await;
+                .await.expect("request");
             assert_eq!(status, 200, "{body}");
             body["usage"]["prompt_tokens"]
                 .as_u64()
@@ -182,7 +194,9 @@ async fn answers_real_questions_streams_and_rejects_bad_input() {
 /// give the same tokens.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn greedy_tokens_match_mlx_lm() {
-    let engine = EngineProcess::start("smollm2-135m").await;
+    let engine = EngineProcess::start("smollm2-135m")
+        .await
+        .expect("the engine starts");
     let model_dir = common::test_home().join("models/smollm2-135m");
     let prompts = [
         "What is the capital of France?",
@@ -214,7 +228,7 @@ async fn greedy_tokens_match_mlx_lm() {
                 "/v1/chat/completions",
                 json!({"messages": [{"role": "user", "content": p}], "max_tokens": 64, "temperature": 0}),
             )
-            .await;
+            .await.expect("request");
         assert_eq!(status, 200, "{body}");
         let ids: Vec<u32> = body["choices"][0]["mlxd"]["token_ids"]
             .as_array()
