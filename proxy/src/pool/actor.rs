@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime};
 
 use tokio::sync::mpsc;
 use tokio::time::Instant;
-use tracing::{error, info, warn};
+use tracing::{error, info};
 
 use super::handle::{Command, Lease, PoolHandle, Reply};
 use super::lifecycle::{self, Admission, AdmitRules, Effect, PoolMood, Timing};
@@ -393,68 +393,28 @@ impl Pool {
         }
         let id = self.next_waiter;
         self.next_waiter += 1;
-        slot.waiters.push_back(Waiter { id, reply });
-        let cold = slot.state.is_cold();
-        self.after(
-            self.config.queue_timeout(),
-            Timer::WaiterDeadline {
-                model: key.to_string(),
-                waiter: id,
-            },
-        );
-        if cold {
-            self.enqueue(key);
-        }
+        let effects = lifecycle::wait(slot, Waiter { id, reply }, self.config.queue_timeout());
+        self.apply(key, effects);
     }
 
-    /// A waiter's queue timeout is over. Waiting for room, a restart or a drain ends here
-    /// with a 503; waiting for a load in progress goes on: the load timeout bounds it, and
-    /// its end (ready, or the load's error) answers the waiter.
+    /// See [`lifecycle::waiter_deadline`].
     fn waiter_deadline(&mut self, key: &str, waiter: u64) {
         let Some(slot) = self.slots.get_mut(key) else {
             return;
         };
-        if matches!(slot.state, State::Starting { .. }) {
-            return;
-        }
-        let Some(at) = slot.waiters.iter().position(|w| w.id == waiter) else {
-            return;
-        };
-        let state = match slot.state {
-            State::Queued { .. } => "waiting for room (engine slots or memory)",
-            State::Restarting { .. } => "restarting",
-            State::Draining { .. } => "draining",
-            _ => "still starting",
-        };
-        if let Some(w) = slot.waiters.remove(at) {
-            w.send(Err(ProxyError::Unavailable {
-                model: key.to_string(),
-                state,
-                retry_after: Duration::from_secs(2),
-            }));
-        }
+        let effects = lifecycle::waiter_deadline(slot, waiter);
+        self.apply(key, effects);
     }
 
-    /// Marks `key` as wanting an engine and tries to place it.
+    /// Numbers `key`'s wait for room; see [`lifecycle::queue`].
     fn enqueue(&mut self, key: &str) {
         let ticket = self.next_ticket;
         self.next_ticket += 1;
         let Some(slot) = self.slots.get_mut(key) else {
             return;
         };
-        if !slot.state.is_cold() {
-            return;
-        }
-        slot.state = State::Queued { ticket };
-        self.queue.push_back(key.to_string());
-        self.after(
-            self.config.pool.capacity_wait,
-            Timer::CapacityDeadline {
-                model: key.to_string(),
-                ticket,
-            },
-        );
-        self.place();
+        let effects = lifecycle::queue(slot, ticket, self.config.pool.capacity_wait);
+        self.apply(key, effects);
     }
 
     /// The engines that hold resources, as the placement policy sees them.
@@ -483,13 +443,7 @@ impl Pool {
             let Some(slot) = self.slots.get_mut(&key) else {
                 continue;
             };
-            if !matches!(slot.state, State::Queued { .. }) {
-                self.queue.retain(|k| *k != key);
-                continue;
-            }
-            if slot.live_waiters() == 0 && !slot.entry.pinned {
-                // Everyone gave up: no start.
-                slot.state = State::Idle;
+            if !lifecycle::still_queued(slot) {
                 self.queue.retain(|k| *k != key);
                 continue;
             }
@@ -538,48 +492,25 @@ impl Pool {
     }
 
     fn refuse(&mut self, key: &str, err: ProxyError) {
-        self.queue.retain(|k| k != key);
         if let Some(slot) = self.slots.get_mut(key) {
-            warn!(model = %key, error = %err, "model cannot be loaded");
-            slot.log.push(format!("[mlxd] cannot load: {err}"));
-            slot.state = State::Idle;
-            slot.fail_waiters(&err);
+            let effects = lifecycle::refuse(slot, err);
+            self.apply(key, effects);
         }
     }
 
-    /// Stops waiting for room: the request times out with what was missing.
+    /// See [`lifecycle::capacity_deadline`].
     fn capacity_deadline(&mut self, key: &str, ticket: u64) {
-        let still = self
-            .slots
-            .get(key)
-            .is_some_and(|s| matches!(s.state, State::Queued { ticket: t } if t == ticket));
-        if !still {
+        let Some(needed) = self.slots.get(key).map(Slot::planned_bytes) else {
             return;
-        }
-        if self.slots.values().any(|s| s.state.is_draining()) {
-            // Room is being made: keep waiting; the caller's queue timeout bounds it.
-            return;
-        }
-        let needed = self.slots[key].planned_bytes();
-        let retry_after = Some(Duration::from_secs(5));
-        let err = match self.plan_beside_jobs(needed) {
-            Plan::Wait(Shortfall::Memory { needed, available }) => ProxyError::InsufficientMemory {
-                model: key.to_string(),
-                needed,
-                available,
-                budget: self.budget.memory_bytes,
-                retry_after,
-            },
-            Plan::Wait(Shortfall::Engines { max_engines }) => ProxyError::NoEngineAvailable {
-                model: key.to_string(),
-                max_engines,
-                why: "busy",
-                retry_after,
-            },
-            // It fits, or will once evictions finish: keep waiting.
-            _ => return,
         };
-        self.refuse(key, err);
+        let making_room = self.slots.values().any(|s| s.state.is_draining());
+        let plan = self.plan_beside_jobs(needed);
+        let budget = self.budget.memory_bytes;
+        let Some(slot) = self.slots.get_mut(key) else {
+            return;
+        };
+        let effects = lifecycle::capacity_deadline(slot, ticket, making_room, plan, budget);
+        self.apply(key, effects);
     }
 
     /// Drains `key`'s engine and stops it once its in-flight requests are done.
@@ -598,24 +529,16 @@ impl Pool {
             ))));
             return;
         };
-        match slot.state {
-            State::Queued { .. } => {
-                slot.state = State::Idle;
-                slot.fail_waiters(&ProxyError::Unavailable {
-                    model: key.to_string(),
-                    state: "unloaded by an administrator",
-                    retry_after: Duration::from_secs(1),
-                });
-                self.queue.retain(|k| k != key);
-                let _ = reply.send(Ok(()));
-            }
-            _ if slot.state.engine().is_some() => {
-                slot.unload_replies.push(reply);
-                self.evict(key, "admin");
-            }
-            _ => {
-                let _ = reply.send(Ok(()));
-            }
+        if let Some(effects) = lifecycle::unqueue(slot) {
+            self.apply(key, effects);
+            let _ = reply.send(Ok(()));
+            return;
+        }
+        if slot.state.engine().is_some() {
+            slot.unload_replies.push(reply);
+            self.evict(key, "admin");
+        } else {
+            let _ = reply.send(Ok(()));
         }
     }
 
@@ -860,6 +783,9 @@ impl Pool {
                 }
                 Effect::ArmIdleTimer => self.arm_idle_timer(key),
                 Effect::Enqueue => self.enqueue(key),
+                Effect::JoinQueue => self.queue.push_back(key.to_string()),
+                Effect::LeaveQueue => self.queue.retain(|k| k != key),
+                Effect::FailWaiter(waiter, err) => waiter.send(Err(err)),
                 Effect::Place => self.place(),
                 Effect::Forget => self.forget(key),
                 Effect::CountRestart => {

@@ -12,10 +12,11 @@ use tokio::time::Instant;
 use tracing::{error, info, warn};
 
 use super::actor::Timer;
-use super::slot::{Engine, KeepAlive, Loading, Serving, Slot, State};
+use super::slot::{Engine, KeepAlive, Loading, Serving, Slot, State, Waiter};
 use crate::engine::EngineHandle;
 use crate::error::ProxyError;
 use crate::exit::{ExitCause, ExitReport};
+use crate::placement::{Plan, Shortfall};
 use crate::policy::{hang_verdict, Decision, Liveness, RestartPolicy};
 
 /// What the actor does after a transition, in order.
@@ -39,8 +40,14 @@ pub(super) enum Effect {
     AnswerUnloads,
     /// Start the idle clock (TTL).
     ArmIdleTimer,
-    /// Queue the model for a new engine.
+    /// Queue the model for a new engine (the actor numbers the wait and calls [`queue`]).
     Enqueue,
+    /// Put the model in the pool's queue of models waiting for room.
+    JoinQueue,
+    /// Take the model out of that queue.
+    LeaveQueue,
+    /// Answer one waiting request with this error.
+    FailWaiter(Waiter, ProxyError),
     /// Run placement again: resources were freed or their use changed.
     Place,
     /// A reload removed the model and its engine is gone: drop the slot.
@@ -449,6 +456,146 @@ pub(super) fn admit(
         });
     }
     Admission::Wait
+}
+
+/// A request that has to wait for the model's engine ([`Admission::Wait`]) joins its
+/// waiters and its queue timeout starts; a cold model is queued for an engine.
+pub(super) fn wait(slot: &mut Slot, waiter: Waiter, queue_timeout: Duration) -> Vec<Effect> {
+    let timer = Timer::WaiterDeadline {
+        model: slot.entry.id.clone(),
+        waiter: waiter.id,
+    };
+    slot.waiters.push_back(waiter);
+    let mut effects = vec![Effect::After(queue_timeout, timer)];
+    if slot.state.is_cold() {
+        effects.push(Effect::Enqueue);
+    }
+    effects
+}
+
+/// A cold model wants an engine: it waits for room (engine slots or memory) as wait
+/// `ticket`, for at most `capacity_wait`, and placement runs. Anything not cold already
+/// has (or is getting) an engine.
+pub(super) fn queue(slot: &mut Slot, ticket: u64, capacity_wait: Duration) -> Vec<Effect> {
+    if !slot.state.is_cold() {
+        return Vec::new();
+    }
+    slot.state = State::Queued { ticket };
+    vec![
+        Effect::JoinQueue,
+        Effect::After(
+            capacity_wait,
+            Timer::CapacityDeadline {
+                model: slot.entry.id.clone(),
+                ticket,
+            },
+        ),
+        Effect::Place,
+    ]
+}
+
+/// Placement's look at a model in its queue: whether it still wants an engine. One no
+/// longer queued leaves the queue; one whose requests all gave up (and not pinned) goes
+/// back to idle without a start.
+pub(super) fn still_queued(slot: &mut Slot) -> bool {
+    if !matches!(slot.state, State::Queued { .. }) {
+        return false;
+    }
+    if slot.live_waiters() == 0 && !slot.entry.pinned {
+        slot.state = State::Idle;
+        return false;
+    }
+    true
+}
+
+/// The model cannot get an engine: it leaves the queue, idle, and its waiters get `err`.
+pub(super) fn refuse(slot: &mut Slot, err: ProxyError) -> Vec<Effect> {
+    warn!(model = %slot.id(), error = %err, "model cannot be loaded");
+    slot.state = State::Idle;
+    vec![
+        Effect::LeaveQueue,
+        Effect::Log(format!("[mlxd] cannot load: {err}")),
+        Effect::FailWaiters(err),
+    ]
+}
+
+/// Wait `ticket` for room is over. While engines drain (room is being made) it goes on —
+/// the requests' queue timeouts bound it; otherwise, if placement (`plan`, for the model
+/// now) still has to wait, the model is refused with what was missing.
+pub(super) fn capacity_deadline(
+    slot: &mut Slot,
+    ticket: u64,
+    making_room: bool,
+    plan: Plan,
+    budget_bytes: u64,
+) -> Vec<Effect> {
+    if !matches!(slot.state, State::Queued { ticket: t } if t == ticket) || making_room {
+        return Vec::new();
+    }
+    let model = slot.entry.id.clone();
+    let retry_after = Some(Duration::from_secs(5));
+    let err = match plan {
+        Plan::Wait(Shortfall::Memory { needed, available }) => ProxyError::InsufficientMemory {
+            model,
+            needed,
+            available,
+            budget: budget_bytes,
+            retry_after,
+        },
+        Plan::Wait(Shortfall::Engines { max_engines }) => ProxyError::NoEngineAvailable {
+            model,
+            max_engines,
+            why: "busy",
+            retry_after,
+        },
+        // It fits, or will once evictions finish: keep waiting.
+        _ => return Vec::new(),
+    };
+    refuse(slot, err)
+}
+
+/// Waiter `waiter`'s queue timeout is over. Waiting for room, a restart or a drain ends
+/// here with a 503; waiting for a load in progress goes on: the load timeout bounds it,
+/// and its end (ready, or the load's error) answers the waiter.
+pub(super) fn waiter_deadline(slot: &mut Slot, waiter: u64) -> Vec<Effect> {
+    let state = match slot.state {
+        State::Starting { .. } => return Vec::new(),
+        State::Queued { .. } => "waiting for room (engine slots or memory)",
+        State::Restarting { .. } => "restarting",
+        State::Draining { .. } => "draining",
+        _ => "still starting",
+    };
+    let Some(at) = slot.waiters.iter().position(|w| w.id == waiter) else {
+        return Vec::new();
+    };
+    let Some(w) = slot.waiters.remove(at) else {
+        return Vec::new();
+    };
+    vec![Effect::FailWaiter(
+        w,
+        ProxyError::Unavailable {
+            model: slot.entry.id.clone(),
+            state,
+            retry_after: Duration::from_secs(2),
+        },
+    )]
+}
+
+/// An admin unload of a model still waiting for room: it stops waiting, idle, and its
+/// requests are answered 503. `None` when the model is not queued.
+pub(super) fn unqueue(slot: &mut Slot) -> Option<Vec<Effect>> {
+    if !matches!(slot.state, State::Queued { .. }) {
+        return None;
+    }
+    slot.state = State::Idle;
+    Some(vec![
+        Effect::LeaveQueue,
+        Effect::FailWaiters(ProxyError::Unavailable {
+            model: slot.entry.id.clone(),
+            state: "unloaded by an administrator",
+            retry_after: Duration::from_secs(1),
+        }),
+    ])
 }
 
 /// What an admin reset changed.

@@ -118,6 +118,9 @@ fn names(effects: &[Effect]) -> Vec<&'static str> {
             Effect::AnswerUnloads => "unloads",
             Effect::ArmIdleTimer => "idle",
             Effect::Enqueue => "enqueue",
+            Effect::JoinQueue => "join_queue",
+            Effect::LeaveQueue => "leave_queue",
+            Effect::FailWaiter(..) => "fail_one",
             Effect::Place => "place",
             Effect::Forget => "forget",
             Effect::CountRestart => "restart",
@@ -613,4 +616,128 @@ fn keep_alive_forever_survives_a_crash_restart_and_a_pinned_model_ignores_it() {
     keep_alive(&mut pinned, KeepAlive::For(Duration::from_secs(5)), t0);
     assert_eq!(pinned.ttl(), None);
     assert!(!pinned.status(t0, &timing().policy).ttl_from_request);
+}
+
+/// A waiter with number `id`, and the receiving end of its answer.
+fn waiter(
+    id: u64,
+) -> (
+    super::super::slot::Waiter,
+    tokio::sync::oneshot::Receiver<Result<super::super::handle::Lease, ProxyError>>,
+) {
+    let (reply, rx) = tokio::sync::oneshot::channel();
+    (super::super::slot::Waiter { id, reply }, rx)
+}
+
+#[test]
+fn a_waiter_on_a_cold_model_queues_it_for_room_with_a_deadline() {
+    let mut s = slot(false);
+    let (w, _rx) = waiter(7);
+    let fx = wait(&mut s, w, Duration::from_secs(10));
+    assert!(matches!(fx[..],
+        [Effect::After(d, Timer::WaiterDeadline { waiter: 7, .. }), Effect::Enqueue] if d == Duration::from_secs(10)));
+    assert_eq!(s.waiters.len(), 1);
+    let fx = queue(&mut s, 3, Duration::from_secs(30));
+    assert_eq!(s.state.name(), "queued");
+    assert!(matches!(fx[..],
+        [Effect::JoinQueue, Effect::After(d, Timer::CapacityDeadline { ticket: 3, .. }), Effect::Place] if d == Duration::from_secs(30)));
+    assert!(
+        queue(&mut s, 4, Duration::from_secs(30)).is_empty(),
+        "queued once"
+    );
+    // A second waiter on a model already queued (or loading) only waits.
+    let (w, _rx2) = waiter(8);
+    assert_eq!(names(&wait(&mut s, w, Duration::from_secs(10))), ["after"]);
+    assert!(still_queued(&mut s));
+}
+
+#[test]
+fn a_queued_model_whose_requests_gave_up_is_not_started() {
+    let mut s = slot(false);
+    let (w, rx) = waiter(1);
+    wait(&mut s, w, Duration::from_secs(10));
+    queue(&mut s, 0, Duration::from_secs(30));
+    drop(rx);
+    assert!(!still_queued(&mut s));
+    assert_eq!(s.state.name(), "idle");
+    // A pinned model is wanted with nobody waiting.
+    let mut p = slot(true);
+    queue(&mut p, 0, Duration::from_secs(30));
+    assert!(still_queued(&mut p));
+}
+
+#[test]
+fn the_capacity_deadline_refuses_with_what_was_missing_unless_room_is_being_made() {
+    let short = Plan::Wait(Shortfall::Memory {
+        needed: 10,
+        available: 4,
+    });
+    let mut s = slot(false);
+    let (w, mut rx) = waiter(1);
+    wait(&mut s, w, Duration::from_secs(10));
+    queue(&mut s, 5, Duration::from_secs(30));
+    assert!(
+        capacity_deadline(&mut s, 4, false, short.clone(), 100).is_empty(),
+        "an older wait"
+    );
+    assert!(
+        capacity_deadline(&mut s, 5, true, short.clone(), 100).is_empty(),
+        "engines drain"
+    );
+    assert!(
+        capacity_deadline(&mut s, 5, false, Plan::Start, 100).is_empty(),
+        "it fits now"
+    );
+    assert_eq!(s.state.name(), "queued");
+    let fx = capacity_deadline(&mut s, 5, false, short, 100);
+    assert_eq!(names(&fx), ["leave_queue", "log", "fail"]);
+    assert_eq!(s.state.name(), "idle");
+    let Some(Effect::FailWaiters(e)) = fx.into_iter().nth(2) else {
+        unreachable!()
+    };
+    assert!(matches!(
+        e,
+        ProxyError::InsufficientMemory {
+            needed: 10,
+            available: 4,
+            budget: 100,
+            ..
+        }
+    ));
+    assert!(
+        rx.try_recv().is_err(),
+        "the actor answers, not the transition"
+    );
+}
+
+#[test]
+fn a_waiter_deadline_answers_503_except_during_a_load() {
+    let t0 = Instant::now();
+    let mut s = starting(t0);
+    let (w, _rx) = waiter(1);
+    wait(&mut s, w, Duration::from_secs(10));
+    assert!(
+        waiter_deadline(&mut s, 1).is_empty(),
+        "the load timeout bounds it"
+    );
+    assert_eq!(s.waiters.len(), 1);
+    exit_calmly(&mut s, crash(Some(9), None), t0);
+    assert_eq!(s.state.name(), "restarting");
+    let fx = waiter_deadline(&mut s, 1);
+    assert!(matches!(&fx[..],
+        [Effect::FailWaiter(w, ProxyError::Unavailable { state: "restarting", .. })] if w.id == 1));
+    assert!(s.waiters.is_empty());
+    assert!(waiter_deadline(&mut s, 1).is_empty(), "answered once");
+}
+
+#[test]
+fn an_admin_unload_of_a_queued_model_ends_its_wait() {
+    let mut s = slot(false);
+    assert!(unqueue(&mut s).is_none(), "not queued");
+    let (w, _rx) = waiter(1);
+    wait(&mut s, w, Duration::from_secs(10));
+    queue(&mut s, 0, Duration::from_secs(30));
+    let fx = unqueue(&mut s).unwrap();
+    assert_eq!(names(&fx), ["leave_queue", "fail"]);
+    assert_eq!(s.state.name(), "idle");
 }
