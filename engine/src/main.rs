@@ -52,6 +52,10 @@ struct Args {
 }
 
 fn main() -> anyhow::Result<()> {
+    // First, before other threads start: freed memory goes back to the kernel
+    // (`mlxd_ipc::heap`), for the supervised engine, standalone, and managed jobs alike.
+    mlxd_ipc::heap::configure()?;
+    mlxd_ipc::heap::spawn_trimmer()?;
     // The supervisor's private entry for managed jobs (`mlxd-engine __job <spec>`), kept out
     // of the flags and the help: only `mlxd` starts it.
     let argv: Vec<String> = std::env::args().collect();

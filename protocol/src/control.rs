@@ -215,6 +215,30 @@ pub struct Stats {
     pub prefilling: u32,
     #[serde(default)]
     pub prefill_tokens_left: u64,
+    /// Where the engine's memory is, so that growth can be told apart (absent from older
+    /// engines, and when the engine could not read a figure).
+    #[serde(default)]
+    pub memory: Option<MemoryStats>,
+}
+
+/// An engine's memory by where it is: the process as the kernel sees it, and MLX's
+/// allocator. The KV held by sequences and the prefix cache is `Stats.kv_bytes`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryStats {
+    /// Resident set size of the engine process (host memory: on a GPU, the arrays are in
+    /// the MLX figures instead).
+    pub rss_bytes: u64,
+    /// Bytes of MLX arrays alive: weights, KV, activations.
+    pub mlx_active_bytes: u64,
+    /// Freed buffers MLX keeps for reuse, and the limit it keeps them under (set from the
+    /// KV budget at start-up).
+    pub mlx_cache_bytes: u64,
+    pub mlx_cache_limit_bytes: u64,
+    /// The most `mlx_active_bytes` has been since the engine started.
+    pub mlx_peak_bytes: u64,
+    /// MLX's memory limit, the guideline it evaluates under (above it, it gives its cache
+    /// back first).
+    pub mlx_memory_limit_bytes: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

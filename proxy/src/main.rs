@@ -75,6 +75,10 @@ impl Failure {
 }
 
 fn main() -> anyhow::Result<()> {
+    // First, before the runtime's threads start: freed memory (request bodies, connection
+    // buffers) goes back to the kernel (`mlxd_ipc::heap`).
+    mlxd_ipc::heap::configure()?;
+    mlxd_ipc::heap::spawn_trimmer()?;
     let cli = Cli::parse();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -9,7 +9,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
-use hyper::body::Incoming;
+use hyper::body::{Body as _, Incoming};
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -949,16 +949,33 @@ fn content_length(req: &Request<Incoming>) -> Option<u64> {
         .and_then(|v| v.trim().parse().ok())
 }
 
-/// Reads the whole body, refusing more than `max` bytes.
-pub(crate) async fn read_bounded(body: Incoming, max: usize) -> Result<Bytes, ProxyError> {
-    match Limited::new(body, max).collect().await {
-        Ok(c) => Ok(c.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ProxyError::BodyTooLarge {
-            limit: max,
-            got: None,
-        }),
-        Err(e) => Err(ProxyError::BadRequest(format!("reading request body: {e}"))),
+/// The most bytes set aside for a body before its bytes arrive: a client that announces a
+/// large body and sends little of it holds no more than this.
+const BODY_RESERVE: usize = 64 << 10;
+
+/// Reads the whole body into one buffer, refusing it as soon as more than `max` bytes have
+/// come. The buffer grows as bytes arrive (a large one is a mapping of its own, which glibc
+/// moves rather than copies as it grows): a body costs its size once, where collecting its
+/// pieces and then joining them cost it twice, and it is all freed at once.
+pub(crate) async fn read_bounded(mut body: Incoming, max: usize) -> Result<Bytes, ProxyError> {
+    let announced = body.size_hint().exact().unwrap_or(0);
+    let mut buf = bytes::BytesMut::with_capacity(announced.min(BODY_RESERVE as u64) as usize);
+    while let Some(frame) = body.frame().await {
+        let frame =
+            frame.map_err(|e| ProxyError::BadRequest(format!("reading request body: {e}")))?;
+        // Trailers carry nothing the routes read.
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        if buf.len() + data.len() > max {
+            return Err(ProxyError::BodyTooLarge {
+                limit: max,
+                got: None,
+            });
+        }
+        buf.extend_from_slice(&data);
     }
+    Ok(buf.freeze())
 }
 
 /// The Ollama routes' view of the server (`crate::ollama`).

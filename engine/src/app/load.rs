@@ -78,6 +78,14 @@ pub fn load_in_group(
     let request = crate::device::device_request_from_env().map_err(StartError::Device)?;
     let device = crate::device::select_device(request).map_err(StartError::Device)?;
     tracing::info!(device = %device, "device selected");
+    let (cache_limit, mlx_default) =
+        super::memory::bound_mlx_cache(limits.kv_budget_bytes).map_err(StartError::Mlx)?;
+    tracing::info!(
+        cache_limit,
+        mlx_default,
+        kv_budget = ?limits.kv_budget_bytes,
+        "MLX's buffer cache bounded by the KV budget"
+    );
     let mut opts = store::StoreOptions::from_env(home);
     if let Some(report) = reporter.clone() {
         opts.progress = store::Progress::new(move |event| {

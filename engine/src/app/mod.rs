@@ -2,6 +2,7 @@
 //! serve HTTP on a unix socket, and (under `mlxd`) speak the control channel.
 pub mod group;
 mod load;
+mod memory;
 mod options;
 mod standalone;
 mod start_error;

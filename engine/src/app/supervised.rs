@@ -230,8 +230,19 @@ async fn serve_supervised(
     let stats_control = control.clone();
     let reporter = tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
+        let mut memory_unreadable = false;
         loop {
             tick.tick().await;
+            let memory = match super::memory::snapshot() {
+                Ok(m) => Some(m),
+                Err(e) => {
+                    // Said once: the figures are then left out of each report.
+                    if !std::mem::replace(&mut memory_unreadable, true) {
+                        tracing::warn!(error = %e, "memory figures left out of the stats");
+                    }
+                    None
+                }
+            };
             let message = Stats {
                 active: stats.active.load(Ordering::Relaxed) as u32,
                 queued: stats.queued.load(Ordering::Relaxed) as u32,
@@ -242,6 +253,7 @@ async fn serve_supervised(
                 ssd: ssd_stats(&stats.ssd),
                 prefilling: stats.prefilling.load(Ordering::Relaxed) as u32,
                 prefill_tokens_left: stats.prefill_tokens_left.load(Ordering::Relaxed),
+                memory,
             };
             if stats_control.send_stats(message).is_err() {
                 return;

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::UNIX_EPOCH;
 
-use mlxd_protocol::control::{LoadPhase, SsdStats};
+use mlxd_protocol::control::{LoadPhase, MemoryStats, SsdStats};
 use serde::Serialize;
 use tokio::time::Instant;
 
@@ -91,6 +91,10 @@ pub struct StatsInfo {
     /// The SSD KV tier of the running engine (absent without `ssd_cache`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ssd: Option<SsdStats>,
+    /// The engine's memory by where it is: resident set, MLX's arrays, cache and peak
+    /// (absent when the engine does not report it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory: Option<MemoryStats>,
 }
 
 /// The limits the next engine is launched with; `reduced` (with the configured ones and
@@ -176,6 +180,7 @@ impl Slot {
                 prefilling: s.prefilling,
                 prefill_tokens_left: s.prefill_tokens_left,
                 ssd: (s.ssd != SsdStats::default()).then_some(s.ssd),
+                memory: s.memory.clone(),
             }),
             limits: {
                 let (cur, conf) = (self.limits.current(), self.limits.configured());

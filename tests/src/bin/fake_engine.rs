@@ -344,6 +344,7 @@ async fn run(
                     ssd: Default::default(),
                     prefilling: engine.prefilling.load(Ordering::Relaxed),
                     prefill_tokens_left: engine.prefill_tokens_left.load(Ordering::Relaxed),
+                    memory: None,
                 });
                 if shutting_down && active == 0 {
                     script.event("shutdown complete");
