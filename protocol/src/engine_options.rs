@@ -80,6 +80,11 @@ pub const KEYS: &[(&str, &str)] = &[
          among processes by MLX distributed); set by mlxd from a model's `distributed` entry",
     ),
     (
+        "distributed_hosts",
+        "with distributed: the group's hosts, one per rank, comma-separated (rank 0 first); \
+         rank 0 starts the other ranks itself (set by mlxd)",
+    ),
+    (
         "state_snapshot_every",
         "models with recurrent layers: prompt tokens between two snapshots of the state in the \
          prefix cache (default 4096)",
@@ -168,6 +173,11 @@ pub struct EngineOptions {
     /// every option from it.
     #[cfg_attr(feature = "cli", arg(long, value_parser = parse_distributed))]
     pub distributed: Option<String>,
+    /// With --distributed: the group's hosts, one per rank (rank 0 first), comma-separated;
+    /// rank 0 then starts the other ranks itself and writes MLX's hostfile (only hosts of
+    /// this machine yet). Without it the group comes from MLX's environment.
+    #[cfg_attr(feature = "cli", arg(long, value_parser = parse_distributed_hosts))]
+    pub distributed_hosts: Option<String>,
     /// For models with recurrent layers (Qwen3-Next, Mamba-2, ...), whose state cannot be cut
     /// back to a shorter prefix: prompt tokens between two snapshots of the state kept in the
     /// prefix cache, and the most a prefill chunk holds [default: 4096].
@@ -288,6 +298,18 @@ pub fn parse_distributed(s: &str) -> Result<String, String> {
     }
 }
 
+pub fn parse_distributed_hosts(s: &str) -> Result<String, String> {
+    let hosts: Vec<&str> = s.split(',').map(str::trim).collect();
+    if hosts.len() < 2
+        || hosts
+            .iter()
+            .any(|h| h.is_empty() || h.contains(char::is_whitespace))
+    {
+        return Err("expected two or more host names, comma-separated".into());
+    }
+    Ok(hosts.join(","))
+}
+
 pub fn parse_state_snapshot_every(s: &str) -> Result<u64, String> {
     parse_in(s, 16, MAX_TOKENS, "a number of tokens")
 }
@@ -332,6 +354,9 @@ impl EngineOptions {
                 self.generation_checkpoint = Some(parse_generation_checkpoint(value).map_err(bad)?)
             }
             "distributed" => self.distributed = Some(parse_distributed(value).map_err(bad)?),
+            "distributed_hosts" => {
+                self.distributed_hosts = Some(parse_distributed_hosts(value).map_err(bad)?)
+            }
             "state_snapshot_every" => {
                 self.state_snapshot_every = Some(parse_state_snapshot_every(value).map_err(bad)?)
             }
@@ -398,6 +423,7 @@ impl EngineOptions {
             self.generation_checkpoint.map(|v| v.to_string()),
         );
         put("distributed", self.distributed.clone());
+        put("distributed_hosts", self.distributed_hosts.clone());
         put(
             "state_snapshot_every",
             self.state_snapshot_every.map(|v| v.to_string()),
@@ -454,6 +480,9 @@ impl EngineOptions {
                     ));
                 }
             }
+        }
+        if self.distributed.is_none() && self.distributed_hosts.is_some() {
+            return Err(refuse("distributed_hosts", "needs distributed"));
         }
         let (min, max) = self.ngram_sizes();
         if min > max {

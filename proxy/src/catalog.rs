@@ -74,6 +74,7 @@ impl Catalog {
             }
             let mut options = config.server.engine_options.clone();
             options.extend(m.options.clone());
+            options.extend(m.group_options());
             models.push(ModelEntry {
                 id: m.id.clone(),
                 source: m.source().to_string(),

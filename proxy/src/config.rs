@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use mlxd_protocol::control::Limits;
-use mlxd_protocol::engine_options::{EngineOptions, OptionError};
+use mlxd_protocol::engine_options::{EngineOptions, OptionError, DISTRIBUTED_BACKENDS};
 use serde::de::{self, Deserializer};
 use serde::Deserialize;
 
@@ -210,6 +210,95 @@ pub struct ModelConfig {
     pub context_length: Option<u32>,
     /// Extra `Launch.options` for this model's engine.
     pub options: BTreeMap<String, String>,
+    /// One model divided among several engine processes (an engine group, through MLX
+    /// distributed): `distributed = { backend = "ring", hosts = ["127.0.0.1", "127.0.0.1"],
+    /// mode = "tensor" }`, one host per rank.
+    pub distributed: Option<DistributedConfig>,
+}
+
+/// A model's `distributed` entry: its engine group.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DistributedConfig {
+    /// The MLX distributed backend: `ring`, `jaccl` or `nccl`.
+    pub backend: String,
+    /// One host per rank, rank 0 first (which serves).
+    pub hosts: Vec<String>,
+    /// `tensor` (each layer divided among the ranks) or `pipeline` (layers divided).
+    #[serde(default = "tensor_mode")]
+    pub mode: String,
+}
+
+fn tensor_mode() -> String {
+    "tensor".into()
+}
+
+/// Hosts that name this machine (the only ones an engine group may use yet).
+const LOCAL_HOSTS: &[&str] = &["127.0.0.1", "localhost", "::1"];
+
+impl DistributedConfig {
+    /// What cannot work, as `(key, reason)`: an unknown backend or mode, fewer than two hosts,
+    /// and what is not built yet (pipeline mode, other machines, backends mlxd cannot start).
+    pub fn check(&self) -> Result<(), (&'static str, String)> {
+        if !DISTRIBUTED_BACKENDS.contains(&self.backend.as_str()) {
+            return Err((
+                "backend",
+                format!(
+                    "unknown backend {:?}: expected one of {}",
+                    self.backend,
+                    DISTRIBUTED_BACKENDS.join(", ")
+                ),
+            ));
+        }
+        if self.backend != "ring" {
+            return Err((
+                "backend",
+                format!(
+                    "mlxd starts groups over the ring backend only yet; run {} groups with \
+                     mlx.launch and `mlxd-engine --distributed {}`",
+                    self.backend, self.backend
+                ),
+            ));
+        }
+        match self.mode.as_str() {
+            "tensor" => {}
+            "pipeline" => {
+                return Err((
+                    "mode",
+                    "pipeline parallelism is not supported yet; use mode = \"tensor\"".into(),
+                ))
+            }
+            other => {
+                return Err((
+                    "mode",
+                    format!("unknown mode {other:?}: expected \"tensor\" or \"pipeline\""),
+                ))
+            }
+        }
+        if self.hosts.len() < 2 {
+            return Err((
+                "hosts",
+                format!(
+                    "a group needs two or more hosts (one per rank), got {}",
+                    self.hosts.len()
+                ),
+            ));
+        }
+        if let Some(h) = self
+            .hosts
+            .iter()
+            .find(|h| !LOCAL_HOSTS.contains(&h.as_str()))
+        {
+            return Err((
+                "hosts",
+                format!(
+                    "{h:?}: ranks on other machines are not supported yet (local hosts only: {})",
+                    LOCAL_HOSTS.join(", ")
+                ),
+            ));
+        }
+        Ok(())
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
@@ -314,6 +403,20 @@ impl Default for PoolConfig {
 }
 
 impl ModelConfig {
+    /// The engine options that make its engine an engine group's rank 0 (`distributed`,
+    /// `distributed_hosts`); none without a `distributed` entry.
+    pub fn group_options(&self) -> BTreeMap<String, String> {
+        self.distributed
+            .iter()
+            .flat_map(|d| {
+                [
+                    ("distributed".to_owned(), d.backend.clone()),
+                    ("distributed_hosts".to_owned(), d.hosts.join(",")),
+                ]
+            })
+            .collect()
+    }
+
     /// A model served under `id`, loaded from `id` (a known name or a path).
     pub fn new(id: impl Into<String>) -> Self {
         Self {
@@ -544,7 +647,22 @@ impl Config {
     /// the engine binary is known (a flag may set it after the file is read).
     pub fn validate(&self, source: Option<(&str, &str)>) -> Result<(), ConfigError> {
         self.validate_settings(source)?;
+        self.validate_distributed()?;
         self.validate_engine_options(source)
+    }
+
+    /// Each model's engine group, if it has one ([`DistributedConfig::check`]).
+    fn validate_distributed(&self) -> Result<(), ConfigError> {
+        for (i, m) in self.models.iter().enumerate() {
+            if let Some(Err((key, message))) = m.distributed.as_ref().map(DistributedConfig::check)
+            {
+                return Err(ConfigError::Setting {
+                    field: format!("model[{i}].distributed.{key}"),
+                    message,
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Engine options are mlxd-engine's: checked before any engine starts, by the rules the
@@ -575,6 +693,7 @@ impl Config {
         for (i, m) in self.models.iter().enumerate() {
             let mut options = self.server.engine_options.clone();
             options.extend(m.options.clone());
+            options.extend(m.group_options());
             if let Err(e) = EngineOptions::from_map(&options) {
                 return Err(refuse(Some(i), format!("model[{i}].options.{}", e.key), e));
             }

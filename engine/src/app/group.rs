@@ -4,6 +4,7 @@
 //! the others following it.
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use mlx_rs::Array;
 use serde::{Deserialize, Serialize};
@@ -23,7 +24,7 @@ use crate::runtime::{MakeLockstep, ModelLoader, OomHook, Runtime, RuntimeLimits}
 /// Joins the group of `backend` as MLX's environment describes it (`MLX_RANK`,
 /// `MLX_HOSTFILE` for `ring`), failing with the reason after [`GROUP_INIT_TIMEOUT`].
 pub fn join(backend: &str) -> Result<Group, StartError> {
-    let group = Group::init(backend, GROUP_INIT_TIMEOUT).map_err(StartError::Group)?;
+    let group = Group::init(backend, init_timeout()?).map_err(StartError::Group)?;
     if group.size() < 2 {
         return Err(StartError::Group(crate::distributed::GroupError::Init {
             backend: backend.to_owned(),
@@ -39,6 +40,25 @@ pub fn join(backend: &str) -> Result<Group, StartError> {
         "joined the engine group"
     );
     Ok(group)
+}
+
+/// How long to wait for the other ranks: [`GROUP_INIT_TIMEOUT`], or `MLXD_GROUP_INIT_TIMEOUT`
+/// seconds (tests; hosts that start slowly).
+fn init_timeout() -> Result<Duration, StartError> {
+    match std::env::var("MLXD_GROUP_INIT_TIMEOUT") {
+        Err(_) => Ok(GROUP_INIT_TIMEOUT),
+        Ok(v) => v
+            .trim()
+            .parse::<u64>()
+            .ok()
+            .filter(|s| (1..=3600).contains(s))
+            .map(Duration::from_secs)
+            .ok_or_else(|| {
+                StartError::Mlx(format!(
+                    "MLXD_GROUP_INIT_TIMEOUT = {v:?}: expected seconds from 1 to 3600"
+                ))
+            }),
+    }
 }
 
 /// What every rank must run with identically, as rank 0 was given it: the model, the limits

@@ -1,6 +1,7 @@
 //! Start-up glue for the `mlxd-engine` binary: resolve the model, load it on the MLX thread,
 //! serve HTTP on a unix socket, and (under `mlxd`) speak the control channel.
 pub mod group;
+mod group_launch;
 mod load;
 mod memory;
 mod options;

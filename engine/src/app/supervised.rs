@@ -14,7 +14,7 @@ use mlxd_protocol::control::{
 };
 use tokio::sync::Notify;
 
-use super::load::{load_reporting, Engine};
+use super::load::{load_in_group, Engine};
 use super::options::launch_options;
 use crate::cache::ssd::{SsdCounters, SsdHandle};
 use crate::loader::LoadReporter;
@@ -88,13 +88,23 @@ pub fn run_supervised(home: &Path) -> anyhow::Result<()> {
         );
         std::thread::sleep(delay);
     }
-    let engine = match load_reporting(
+    // An engine group's rank 0 starts the other ranks and joins them first.
+    let group = match super::group_launch::lead_local_group(&launch, home) {
+        Ok(group) => group,
+        Err(e) => {
+            tracing::error!(error = %e, "engine group failed");
+            let (kind, message) = e.report(&launch.model, home);
+            fatal_exit(&control, kind, message, 2);
+        }
+    };
+    let engine = match load_in_group(
         &launch.model,
         home,
         options.limits,
         options.draft,
         Some(on_oom),
         Some(loading_reporter(control.clone())),
+        group,
     ) {
         Ok(engine) => engine,
         Err(e) => {
