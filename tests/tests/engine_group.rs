@@ -127,6 +127,16 @@ fn plain(text: &str) -> String {
     out
 }
 
+/// A child process killed when dropped (an assertion that fails leaves no engine behind).
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// A single engine serving `model` on a socket in `dir`.
 fn single(model: &Path, dir: &Path) -> Result<Child> {
     Ok(Command::new(built_engine_bin()?)
@@ -214,12 +224,12 @@ fn two_ranks_serve_the_single_engines_tokens_alone_and_batched() -> Result<()> {
         let model = tiny_model(name)?;
         let mut group = Group::start(&model, 2, 2)?;
         let dir = tempfile::tempdir()?;
-        let mut one = single(&model, dir.path())?;
+        let mut one = Killed(single(&model, dir.path())?);
         let socket = group.socket();
         wait_serving(&socket, &mut group.ranks[0], Duration::from_secs(60))?;
         wait_serving(
             &dir.path().join("single.sock"),
-            &mut one,
+            &mut one.0,
             Duration::from_secs(60),
         )?;
         let bodies = bodies();
@@ -254,8 +264,7 @@ fn two_ranks_serve_the_single_engines_tokens_alone_and_batched() -> Result<()> {
             matches!((whole, shard), (Some(w), Some(s)) if s < w),
             "{name}: rank 1 holds {shard:?} weight bytes, the whole model {whole:?}"
         );
-        let _ = one.kill();
-        let _ = one.wait();
+        drop(one);
     }
     Ok(())
 }
@@ -309,4 +318,173 @@ fn a_rank_that_never_comes_fails_the_load_in_bounded_time() -> Result<()> {
     let log = group.log(0);
     assert!(log.contains("did not form within 5 s"), "{log}");
     Ok(())
+}
+
+/// The pids whose parent is `parent` (from `/proc`).
+fn children_of(parent: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|stat| {
+                    // `pid (comm) state ppid ...`: the fields after the last ')'.
+                    let rest = stat.rsplit_once(')')?.1.to_owned();
+                    rest.split_whitespace().nth(1)?.parse::<u32>().ok()
+                })
+                == Some(parent)
+        })
+        .collect()
+}
+
+/// A completion's text through `mlxd` at `addr`; with `stream`, `on_first` runs once the
+/// first chunk has arrived and the chunks' texts are joined.
+fn mlxd_completion(
+    addr: std::net::SocketAddr,
+    body: &Value,
+    mut on_first: impl FnMut() -> Result<()>,
+) -> Result<String> {
+    use std::io::BufRead;
+    let body = serde_json::to_vec(body)?;
+    let mut stream = std::net::TcpStream::connect(addr)?;
+    stream.set_read_timeout(Some(Duration::from_secs(120)))?;
+    // HTTP/1.0: the answer ends when the connection closes (no chunked framing to undo).
+    write!(
+        stream,
+        "POST /v1/completions HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n",
+        body.len()
+    )?;
+    stream.write_all(&body)?;
+    let mut reader = std::io::BufReader::new(stream);
+    let mut text = String::new();
+    let mut whole = String::new();
+    let mut first = true;
+    let mut line = String::new();
+    while reader.read_line(&mut line)? > 0 {
+        if let Some(data) = line.trim_end().strip_prefix("data: ") {
+            if data != "[DONE]" {
+                let chunk: Value = serde_json::from_str(data)
+                    .with_context(|| format!("not a JSON chunk: {data}"))?;
+                if let Some(t) = chunk["choices"][0]["text"].as_str() {
+                    text.push_str(t);
+                }
+                if first {
+                    first = false;
+                    on_first()?;
+                }
+            }
+        }
+        whole.push_str(&line);
+        line.clear();
+    }
+    if first {
+        // Not a stream: the body is one JSON completion.
+        let (_, json_body) = whole.split_once("\r\n\r\n").context("no HTTP body")?;
+        let v: Value = serde_json::from_str(json_body)
+            .with_context(|| format!("not a JSON completion: {whole}"))?;
+        return v["choices"][0]["text"]
+            .as_str()
+            .map(str::to_owned)
+            .with_context(|| format!("no text in {v}"));
+    }
+    Ok(text)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_mlxd_a_group_serves_and_kill_9_of_rank_1_restarts_it_with_the_stream_resumed(
+) -> Result<()> {
+    let model = tiny_model("tiny-llama")?;
+    let dir = tempfile::tempdir()?;
+    let config = dir.path().join("mlxd.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[model]]\nid = \"g\"\npath = {path:?}\n\
+             distributed = {{ backend = \"ring\", hosts = [\"127.0.0.1\", \"127.0.0.1\"] }}\n\
+             [[model]]\nid = \"s\"\npath = {path:?}\n",
+            path = model.display().to_string()
+        ),
+    )?;
+    let mlxd = mlxd_tests::MlxdProcess::builder()
+        .engine(built_engine_bin()?)
+        .args(&["--config".as_ref(), config.as_os_str()])
+        .env("MLXD_GROUP_INIT_TIMEOUT", "20")
+        .own_home()
+        .start()
+        .await?;
+    let addr = mlxd.addr;
+    let rank0 = |addr| -> Result<u32> {
+        let v: Value = serde_json::from_str(&http_get(addr, "/engines")?)?;
+        v["engines"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|e| e["model"] == "g")
+            .and_then(|e| e["pid"].as_u64())
+            .map(|p| p as u32)
+            .with_context(|| format!("no engine for g in {v}"))
+    };
+    tokio::task::spawn_blocking(move || -> Result<()> {
+        let body = json!({"prompt": "hello world the", "max_tokens": 400, "temperature": 0});
+        let with = |model: &str, stream: bool| {
+            let mut b = body.clone();
+            b["model"] = json!(model);
+            b["stream"] = json!(stream);
+            b
+        };
+        let expected = mlxd_completion(addr, &with("s", false), || Ok(()))?;
+        assert!(!expected.is_empty());
+        // The group serves the single engine's text.
+        assert_eq!(
+            mlxd_completion(addr, &with("g", false), || Ok(()))?,
+            expected
+        );
+        let first = rank0(addr)?;
+        let followers = children_of(first);
+        assert_eq!(
+            followers.len(),
+            1,
+            "rank 0 ({first}) runs one other rank: {followers:?}"
+        );
+        // kill -9 of rank 1 once the stream flows: the group goes down, the pool restarts
+        // it, and the stream resumes on the new group to the same end.
+        let streamed = mlxd_completion(addr, &with("g", true), || {
+            let status = Command::new("kill")
+                .args(["-9", &followers[0].to_string()])
+                .status()?;
+            anyhow::ensure!(status.success(), "kill -9 {}", followers[0]);
+            Ok(())
+        })?;
+        assert_eq!(streamed, expected);
+        let second = rank0(addr)?;
+        assert_ne!(second, first, "the group was not restarted");
+        for pid in [first, followers[0]] {
+            assert!(
+                !Path::new(&format!("/proc/{pid}")).exists()
+                    || std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                        .is_ok_and(|s| s.contains(") Z ")),
+                "process {pid} of the old group survives"
+            );
+        }
+        Ok(())
+    })
+    .await??;
+    drop(mlxd);
+    Ok(())
+}
+
+/// A GET's body from `mlxd` at `addr`.
+fn http_get(addr: std::net::SocketAddr, path: &str) -> Result<String> {
+    let mut stream = std::net::TcpStream::connect(addr)?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    Ok(response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default())
 }
