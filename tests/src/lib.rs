@@ -49,7 +49,13 @@ pub fn workspace_root() -> PathBuf {
 /// wheel; an error that says how to get it otherwise.
 pub fn smollm2_gguf() -> Result<PathBuf> {
     if let Some(p) = std::env::var_os("MLXD_SMOLLM2_GGUF") {
-        return Ok(PathBuf::from(p));
+        let p = PathBuf::from(p);
+        anyhow::ensure!(
+            p.is_file(),
+            "MLXD_SMOLLM2_GGUF names {}, which is absent",
+            p.display()
+        );
+        return Ok(p);
     }
     for entry in
         std::fs::read_dir(workspace_root().join(".venv/lib")).context("run scripts/setup.sh")?

@@ -9,12 +9,14 @@ use anyhow::{ensure, Context, Result};
 
 use crate::workspace_root;
 
-/// The `.venv`'s Python, or an error that says how to get it.
+/// The project's Python: `MLXD_PYTHON`, else the `.venv`'s; an error that says how to get it.
 pub fn python() -> Result<PathBuf> {
-    let py = workspace_root().join(".venv/bin/python");
+    let py = std::env::var_os("MLXD_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join(".venv/bin/python"));
     ensure!(
         py.is_file(),
-        "{} is missing: run scripts/setup.sh --test",
+        "{} is missing: run scripts/setup.sh --test (or set MLXD_PYTHON)",
         py.display()
     );
     Ok(py)
