@@ -250,14 +250,12 @@ impl DistributedConfig {
                 ),
             ));
         }
-        if self.backend != "ring" {
+        if self.backend == "jaccl" {
             return Err((
                 "backend",
-                format!(
-                    "mlxd starts groups over the ring backend only yet; run {} groups with \
-                     mlx.launch and `mlxd-engine --distributed {}`",
-                    self.backend, self.backend
-                ),
+                "mlxd starts ring and nccl groups only yet; run jaccl groups with mlx.launch \
+                 and `mlxd-engine --distributed jaccl`"
+                    .into(),
             ));
         }
         match self.mode.as_str() {
@@ -940,6 +938,42 @@ mod tests {
             .and_then(|c| c.validate(Some((text, "mlxd.toml"))))
             .unwrap_err()
             .to_string()
+    }
+
+    /// Issue 26: a model's engine group is checked at load; what is not built is refused
+    /// with the reason, and a valid group becomes its engine options.
+    #[test]
+    fn a_models_engine_group_is_checked_at_load() {
+        let group = |fields: &str| {
+            err(&format!(
+                "[[model]]\nid = \"a\"\ndistributed = {{ {fields} }}\n"
+            ))
+        };
+        let e = group(r#"backend = "mpi", hosts = ["127.0.0.1", "127.0.0.1"]"#);
+        assert!(
+            e.contains("model[0].distributed.backend: unknown backend \"mpi\""),
+            "{e}"
+        );
+        let e = group(r#"backend = "jaccl", hosts = ["127.0.0.1", "127.0.0.1"]"#);
+        assert!(e.contains("ring and nccl groups only"), "{e}");
+        let e = group(r#"backend = "ring", hosts = ["127.0.0.1", "127.0.0.1"], mode = "pipeline""#);
+        assert!(
+            e.contains("pipeline parallelism is not supported yet"),
+            "{e}"
+        );
+        let e = group(r#"backend = "ring", hosts = ["127.0.0.1"]"#);
+        assert!(e.contains("two or more hosts"), "{e}");
+        let e = group(r#"backend = "ring", hosts = ["127.0.0.1", "studio-2.local"]"#);
+        assert!(
+            e.contains("\"studio-2.local\": ranks on other machines are not supported yet"),
+            "{e}"
+        );
+        let text = "[[model]]\nid = \"a\"\ndistributed = { backend = \"ring\", hosts = [\"127.0.0.1\", \"localhost\"] }\n";
+        let config = Config::from_toml_str(text, "mlxd.toml").unwrap();
+        config.validate(None).unwrap();
+        let options = config.models[0].group_options();
+        assert_eq!(options["distributed"], "ring");
+        assert_eq!(options["distributed_hosts"], "127.0.0.1,localhost");
     }
 
     /// Issue 22.2: a bad engine option fails the config load naming the field, before any

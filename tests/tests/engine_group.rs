@@ -488,3 +488,30 @@ fn http_get(addr: std::net::SocketAddr, path: &str) -> Result<String> {
         .map(|(_, b)| b.to_owned())
         .unwrap_or_default())
 }
+
+#[test]
+fn a_backend_this_mlx_build_lacks_fails_the_load_naming_it() -> Result<()> {
+    // The CPU build of MLX has no NCCL.
+    let model = tiny_model("tiny-llama")?;
+    let dir = tempfile::tempdir()?;
+    let output = Command::new(built_engine_bin()?)
+        .args([
+            "--model",
+            &model.display().to_string(),
+            "--distributed",
+            "nccl",
+        ])
+        .arg("--unix")
+        .arg(dir.path().join("s.sock"))
+        .env("MLX_RANK", "0")
+        .env("MLXD_HOME", dir.path().join("home"))
+        .env("RUST_BACKTRACE", "0")
+        .output()?;
+    assert!(!output.status.success());
+    let log = plain(&String::from_utf8_lossy(&output.stderr));
+    assert!(
+        log.contains("this MLX build has no \"nccl\" distributed backend"),
+        "{log}"
+    );
+    Ok(())
+}

@@ -1,14 +1,16 @@
 //! Rank 0 of an engine group under `mlxd` starts the other ranks itself, as `mlx.launch` would
-//! on one machine: it picks a free port per rank, writes MLX's JSON hostfile beside its
-//! socket, and runs `mlxd-engine --distributed <backend>` for ranks 1.. with `MLX_RANK` and
-//! `MLX_HOSTFILE` set. They are its children, in its process group, with a parent-death
+//! on one machine, with the environment MLX reads for the backend: for `ring` a free port per
+//! rank in MLX's JSON hostfile beside its socket (`MLX_RANK`, `MLX_HOSTFILE`); for `nccl` a
+//! rendezvous port and one GPU per rank (`MLX_RANK`, `MLX_WORLD_SIZE`, `NCCL_HOST_IP`,
+//! `NCCL_PORT`, `CUDA_VISIBLE_DEVICES`: the rank's entry of the visible devices). It runs
+//! `mlxd-engine --distributed <backend>` for ranks 1... They are its children, in its process group, with a parent-death
 //! signal: `mlxd` stopping or killing rank 0's process group ends every rank, so the pool
 //! sees one engine. A rank that fails ends rank 0 too ([`EXIT_GROUP_BROKEN`]), so the pool
 //! restarts the whole group.
 use std::net::TcpListener;
 #[cfg(target_os = "linux")]
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 
 use mlxd_protocol::control::Launch;
@@ -47,11 +49,8 @@ pub fn lead_local_group(launch: &Launch, home: &Path) -> Result<Option<Group>, S
             ))
         }
     };
-    if backend != "ring" {
-        return Err(refused(format!(
-            "mlxd starts groups over the ring backend only yet; start {backend} groups with \
-             mlx.launch and `mlxd-engine --distributed {backend}`"
-        )));
+    if !crate::distributed::group::is_available(&backend) {
+        return Err(StartError::Group(GroupError::Unavailable(backend.clone())));
     }
     if let Some(host) = hosts.iter().find(|h| !LOCAL_HOSTS.contains(&h.as_str())) {
         return Err(refused(format!(
@@ -59,14 +58,15 @@ pub fn lead_local_group(launch: &Launch, home: &Path) -> Result<Option<Group>, S
             LOCAL_HOSTS.join(", ")
         )));
     }
-    let hostfile = launch.socket_path.with_extension("hosts.json");
-    write_hostfile(&hostfile, hosts.len()).map_err(|e| refused(e.to_string()))?;
-    // MLX reads the rank and hostfile from the environment at init; this runs on the main
+    let env = rank_env(&backend, hosts.len(), &launch.socket_path)
+        .map_err(|e| refused(format!("cannot prepare the group: {e}")))?;
+    // MLX reads the rank and its peers from the environment at init; this runs on the main
     // thread before the MLX thread or the server start.
-    std::env::set_var("MLX_RANK", "0");
-    std::env::set_var("MLX_HOSTFILE", &hostfile);
+    for (key, value) in env(0) {
+        std::env::set_var(key, value);
+    }
     let followers = (1..hosts.len())
-        .map(|rank| spawn_rank(rank, &backend, &hostfile, &launch.model, home))
+        .map(|rank| spawn_rank(&backend, env(rank), &launch.model, home))
         .collect::<std::io::Result<Vec<Child>>>()
         .map_err(|e| refused(format!("cannot start the other ranks: {e}")))?;
     watch_ranks(followers);
@@ -80,6 +80,54 @@ pub fn lead_local_group(launch: &Launch, home: &Path) -> Result<Option<Group>, S
     };
     Setup::agree(&group, Some(&setup))?;
     Ok(Some(group))
+}
+
+/// The environment of each rank of a `ranks`-rank group on this machine.
+type RankEnv = Box<dyn Fn(usize) -> Vec<(&'static str, String)>>;
+
+/// What MLX's `backend` reads, per rank ([`RankEnv`]); `socket` names where files go.
+fn rank_env(backend: &str, ranks: usize, socket: &Path) -> std::io::Result<RankEnv> {
+    match backend {
+        "ring" => {
+            let hostfile = socket.with_extension("hosts.json");
+            write_hostfile(&hostfile, ranks)?;
+            let hostfile = hostfile.display().to_string();
+            Ok(Box::new(move |rank| {
+                vec![
+                    ("MLX_RANK", rank.to_string()),
+                    ("MLX_HOSTFILE", hostfile.clone()),
+                ]
+            }))
+        }
+        "nccl" => {
+            let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+            // One GPU per rank: the rank's entry of the devices this engine may see.
+            let visible: Vec<String> = std::env::var("CUDA_VISIBLE_DEVICES")
+                .ok()
+                .filter(|v| !v.trim().is_empty())
+                .map(|v| v.split(',').map(|d| d.trim().to_owned()).collect())
+                .unwrap_or_else(|| (0..ranks).map(|d| d.to_string()).collect());
+            if visible.len() < ranks {
+                return Err(std::io::Error::other(format!(
+                    "{ranks} ranks need {ranks} GPUs, but CUDA_VISIBLE_DEVICES names {}",
+                    visible.len()
+                )));
+            }
+            Ok(Box::new(move |rank| {
+                vec![
+                    ("MLX_RANK", rank.to_string()),
+                    ("MLX_WORLD_SIZE", ranks.to_string()),
+                    ("NCCL_HOST_IP", "127.0.0.1".to_owned()),
+                    ("NCCL_PORT", port.to_string()),
+                    ("CUDA_VISIBLE_DEVICES", visible[rank].clone()),
+                ]
+            }))
+        }
+        other => Err(std::io::Error::other(format!(
+            "mlxd starts ring and nccl groups only; start {other} groups with mlx.launch and \
+             `mlxd-engine --distributed {other}`"
+        ))),
+    }
 }
 
 /// MLX's hostfile for `ranks` ranks on 127.0.0.1, each on a port free now.
@@ -96,9 +144,8 @@ fn write_hostfile(path: &Path, ranks: usize) -> std::io::Result<()> {
 }
 
 fn spawn_rank(
-    rank: usize,
     backend: &str,
-    hostfile: &PathBuf,
+    env: Vec<(&'static str, String)>,
     model: &str,
     home: &Path,
 ) -> std::io::Result<Child> {
@@ -106,8 +153,9 @@ fn spawn_rank(
     cmd.args(["--distributed", backend, "--model", model])
         .arg("--home")
         .arg(home)
-        .env("MLX_RANK", rank.to_string())
-        .env("MLX_HOSTFILE", hostfile)
+        .envs(env)
+        // Its log lines reach mlxd through rank 0's stderr, as plain text.
+        .env("NO_COLOR", "1")
         .stdin(Stdio::null())
         .stdout(Stdio::null());
     // SAFETY: runs between fork and exec and only calls prctl (async-signal-safe): the rank
