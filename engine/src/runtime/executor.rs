@@ -303,7 +303,15 @@ impl<'m> Executor<'m> {
                     }
                     let mut seq = Sequence::new(req, self.info.context_length);
                     seq.reservation = Some(self.caches.reserve(needed));
+                    let looking = Instant::now();
                     let hit = self.caches.lookup(seq.prompt())?;
+                    tracing::debug!(
+                        target: "mlxd_engine::prefix",
+                        prompt = seq.prompt_len,
+                        cached = hit.as_ref().map_or(0, |h| h.tokens),
+                        lookup_us = looking.elapsed().as_micros() as u64,
+                        "prefix lookup"
+                    );
                     let (layers, written) = match hit {
                         Some(hit) => {
                             seq.cached_tokens = hit.tokens;
@@ -357,6 +365,13 @@ impl<'m> Executor<'m> {
                 still.push(p);
                 continue;
             }
+            tracing::debug!(
+                target: "mlxd_engine::prefix",
+                prompt = p.seq.prompt_len,
+                cached = p.seq.cached_tokens,
+                prefilled_us = p.seq.admitted.elapsed().as_micros() as u64,
+                "prompt in its cache"
+            );
             let layers = p
                 .layers
                 .unwrap_or_else(|| fresh_layers(&self.kinds, vec![0], self.caches.layout().at(1)));
@@ -375,7 +390,16 @@ impl<'m> Executor<'m> {
                 self.caches.release(r);
             }
             if let Some((tokens, layers)) = kv {
+                let storing = Instant::now();
+                let n = tokens.len();
                 self.caches.store(tokens, layers)?;
+                // The copy is evaluated now: the step waits for the device here.
+                tracing::debug!(
+                    target: "mlxd_engine::prefix",
+                    tokens = n,
+                    store_us = storing.elapsed().as_micros() as u64,
+                    "prefix stored"
+                );
             }
         }
         Ok(())

@@ -1,4 +1,6 @@
 //! One request's state on the MLX thread, from admission to its last token.
+use std::time::Instant;
+
 use tokio::sync::mpsc;
 
 use super::request::{FinishReason, GenerateRequest, GenerationError, TokenEvent, TokenLogprobs};
@@ -39,6 +41,8 @@ pub struct Sequence {
     pending_logprobs: Option<TokenLogprobs>,
     events: mpsc::UnboundedSender<TokenEvent>,
     prompt_reported: bool,
+    /// When it was admitted: its first token's latency in the runtime (the prefix trace).
+    pub admitted: Instant,
     /// No more tokens wanted: a stop token came, the client left, or it failed.
     pub finished: bool,
 }
@@ -67,6 +71,7 @@ impl Sequence {
             pending_logprobs: None,
             events: request.events,
             prompt_reported: false,
+            admitted: Instant::now(),
             finished: false,
         }
     }
@@ -139,6 +144,13 @@ impl Sequence {
         }
         if !self.prompt_reported {
             self.prompt_reported = true;
+            tracing::debug!(
+                target: "mlxd_engine::prefix",
+                prompt = self.prompt_len,
+                cached = self.cached_tokens,
+                first_token_us = self.admitted.elapsed().as_micros() as u64,
+                "first token"
+            );
             let _ = self.events.send(TokenEvent::PromptDone {
                 prompt_tokens: self.prompt_len,
                 cached: self.cached_tokens,

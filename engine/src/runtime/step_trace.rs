@@ -246,6 +246,42 @@ mod tests {
     }
 
     #[test]
+    fn a_prefill_step_reports_its_passes_and_their_padding() {
+        let lines = Lines::default();
+        let writer = lines.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(
+                "mlxd_engine::step=trace",
+            ))
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            let mut trace = PrefillTrace::start();
+            // A chunk of one prompt, then a group of three padded to 40 tokens each.
+            trace.pass(1, 64, 64);
+            trace.built();
+            trace.pass(3, 100, 120);
+            trace.built();
+            trace.finish(184);
+        });
+        let text = String::from_utf8(lines.0.lock().expect("not poisoned").clone()).unwrap();
+        for field in [
+            "prefill step",
+            "passes=2",
+            "rows=4",
+            "tokens=164",
+            "padded_tokens=184",
+            "padded_passes=1",
+            "budget_tokens=184",
+            "build_us=",
+            "wait_us=",
+        ] {
+            assert!(text.contains(field), "{field} missing from {text:?}");
+        }
+    }
+
+    #[test]
     fn nothing_is_timed_or_written_when_the_target_is_off() {
         let (on, text) = step_under("mlxd_engine=debug");
         assert!(!on);

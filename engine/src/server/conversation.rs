@@ -5,6 +5,7 @@
 //! The OpenAI and Anthropic routes translate their requests into a [`Conversation`] (messages
 //! as Hugging Face chat templates take them) and their responses from [`Piece`]s.
 use std::sync::Arc;
+use std::time::Instant;
 
 use serde_json::{Map, Value};
 
@@ -80,6 +81,7 @@ pub fn prepare(state: &ServerState, conv: Conversation) -> Result<Prepared, ApiE
     let mut tool_json: Vec<Value> = conv.tools.iter().map(ToolSpec::template_json).collect();
     let mut template_vars = conv.template_vars.clone();
     // Special tokens' text in client strings stays text (`tokenizer::ClientText`).
+    let shielding = Instant::now();
     let mut client = crate::tokenizer::ClientText::default();
     for v in messages
         .iter_mut()
@@ -88,6 +90,7 @@ pub fn prepare(state: &ServerState, conv: Conversation) -> Result<Prepared, ApiE
     {
         tokenizer.shield(v, &mut client)?;
     }
+    let rendering = Instant::now();
     let tools_arg = (offered && renders_tools).then_some(tool_json.as_slice());
     let render =
         |messages: &[Value]| template.render_json(messages, tools_arg, true, &template_vars);
@@ -103,7 +106,19 @@ pub fn prepare(state: &ServerState, conv: Conversation) -> Result<Prepared, ApiE
         rendered => rendered,
     }
     .map_err(|e| ApiError::from(crate::tokenizer::TokenizerError::Template(e)))?;
+    let tokenizing = Instant::now();
     let (text, prompt) = tokenizer.encode_rendered(&text, &client)?;
+    // What a long conversation costs before the runtime sees it (the prefix cache saves the
+    // prefill, not this): each part grows with the whole history, every turn.
+    tracing::debug!(
+        target: "mlxd_engine::prefix",
+        chars = text.len(),
+        tokens = prompt.len(),
+        shield_us = rendering.duration_since(shielding).as_micros() as u64,
+        render_us = tokenizing.duration_since(rendering).as_micros() as u64,
+        tokenize_us = tokenizing.elapsed().as_micros() as u64,
+        "chat prompt"
+    );
     if prompt.is_empty() {
         return Err(ApiError::invalid(
             "messages",

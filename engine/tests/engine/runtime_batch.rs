@@ -648,6 +648,11 @@ fn a_short_request_is_not_stuck_behind_a_long_prefill_and_a_cancelled_one_stops(
         "the long prompt is still prefilling"
     );
     assert!(!matches!(long_rx.try_recv(), Ok(TokenEvent::Token(_))));
+    // The short request ends (its second token), so that the passes counted below are the
+    // next request's and the cancelled prompt's alone.
+    let mut rest = Vec::new();
+    read_tokens(&mut short, &mut rest, None);
+    assert_eq!(rest.len(), 1, "the short request's second token");
 
     // The long prompt's client leaves: it stops at the next chunk boundary, and the next
     // request starts at once.
@@ -706,5 +711,99 @@ fn on_a_slow_device_prefill_chunks_shrink_to_the_unit_target() {
         "later chunks shrink: {prefill:?}"
     );
     assert_eq!(prefill.iter().sum::<i32>(), 499);
+    runtime.join();
+}
+
+/// Sends one request; its events come on the receiver.
+fn submit(runtime: &Runtime, g: &Gen) -> tokio::sync::mpsc::UnboundedReceiver<TokenEvent> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    runtime
+        .work
+        .send(GenerateRequest {
+            prompt: g.prompt.clone(),
+            sampling: g.sampling.clone(),
+            max_tokens: g.max_tokens,
+            stop_token_ids: vec![],
+            sample_offset: 0,
+            events: tx,
+            constraint: None,
+            logprobs: None,
+        })
+        .expect("runtime is running");
+    rx
+}
+
+/// Reads a request's tokens up to `until` of them (all when `None`).
+fn read_tokens(
+    rx: &mut tokio::sync::mpsc::UnboundedReceiver<TokenEvent>,
+    got: &mut Vec<u32>,
+    until: Option<usize>,
+) {
+    while until.is_none_or(|n| got.len() < n) {
+        match rx.blocking_recv().expect("events until the end") {
+            TokenEvent::Token(t) => got.push(t),
+            TokenEvent::Finished(_) => return,
+            TokenEvent::Failed(e) => panic!("generation failed: {e}"),
+            TokenEvent::PromptDone { .. } | TokenEvent::Drafts { .. } | TokenEvent::Logprobs(_) => {
+            }
+        }
+    }
+}
+
+#[test]
+fn prompts_of_very_different_lengths_joining_at_different_steps_get_their_alone_output() {
+    // Small chunks and a small step budget, so that one step prefills several passes (chunks
+    // of long prompts beside groups of short ones, padded or not), long prompts take several
+    // steps, and rows join a batch that is already decoding.
+    let runtime = start_limited(RuntimeLimits {
+        prefill_chunk: 16,
+        prefill_step_tokens: Some(48),
+        prompt_cache_bytes: 0,
+        ..Default::default()
+    });
+    let long = |n: usize, k: usize| -> Vec<u32> {
+        (0..n).map(|i| ((i * k + 5) % 380) as u32 + 1).collect()
+    };
+    let gens = [
+        Gen::greedy(&long(150, 7), 14),
+        Gen::greedy(&[9], 12),
+        Gen {
+            prompt: long(70, 11),
+            sampling: sampled(5),
+            max_tokens: 16,
+            logprobs: None,
+        },
+        Gen::greedy(&long(5, 3), 20),
+        Gen::greedy(&long(5, 13), 9),
+        Gen {
+            prompt: long(12, 17),
+            sampling: sampled(6),
+            max_tokens: 18,
+            logprobs: None,
+        },
+        Gen::greedy(&long(260, 19), 10),
+        Gen::greedy(&long(33, 23), 15),
+    ];
+    let alone = tokens(&generate_alone(&runtime, &gens));
+    // Three waves: each next one is sent once the first row of the last has a token, so it
+    // joins a batch that is decoding (and, for the long prompts, still prefilling).
+    let waves: [&[usize]; 3] = [&[0, 1, 2], &[3, 4, 5], &[6, 7]];
+    let mut rxs: Vec<Option<tokio::sync::mpsc::UnboundedReceiver<TokenEvent>>> =
+        (0..gens.len()).map(|_| None).collect();
+    let mut got: Vec<Vec<u32>> = vec![Vec::new(); gens.len()];
+    for wave in waves {
+        for &i in wave {
+            rxs[i] = Some(submit(&runtime, &gens[i]));
+        }
+        let first = wave[0];
+        read_tokens(rxs[first].as_mut().expect("sent"), &mut got[first], Some(1));
+    }
+    for (i, rx) in rxs.iter_mut().enumerate() {
+        read_tokens(rx.as_mut().expect("sent"), &mut got[i], None);
+    }
+    assert_eq!(
+        got, alone,
+        "rows joining at different steps differ from alone"
+    );
     runtime.join();
 }
