@@ -113,3 +113,58 @@ async fn slow_connections_are_given_back() -> Result<()> {
     drop(conns);
     returns_to(&m, before, peak, "400 slow connections").await
 }
+
+/// The engine gives back what tokenizing refused prompts took: each ~200 KB prompt is
+/// tokenized (far more tokens than the context) and refused with 400. The probe saw an engine
+/// grow 143 → 765 MiB over 600 of them and keep it.
+#[tokio::test]
+async fn an_engine_gives_back_refused_huge_prompts() -> Result<()> {
+    let mut p = default_model_proxy(&[], |_| {}).await?;
+    let chat = |content: String| serde_json::json!({"messages": [{"role": "user", "content": content}], "max_tokens": 1});
+    let (status, _, _) = p
+        .post_json("/v1/chat/completions", &chat("Say hi.".into()))
+        .await?;
+    assert_eq!(status, 200);
+    let pid = p.engine().await?["pid"]
+        .as_i64()
+        .ok_or_else(|| anyhow::anyhow!("no engine pid"))? as i32;
+    let before = {
+        let mut last = rss_kib(pid)?;
+        for _ in 0..10 {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let now = rss_kib(pid)?;
+            if now.abs_diff(last) < 1024 {
+                break;
+            }
+            last = now;
+        }
+        last
+    };
+    let words = "harbour lantern tide granite beacon keeper storm gull ";
+    let mut peak = before;
+    for i in 0..30 {
+        let content = format!("{i} {}", words.repeat(3_700));
+        let (status, _, body) = p.post_json("/v1/chat/completions", &chat(content)).await?;
+        assert_eq!(status, 400, "{body}");
+        peak = peak.max(rss_kib(pid)?);
+    }
+    let t = Instant::now();
+    loop {
+        let now = rss_kib(pid)?;
+        // The engine's heap moves more than mlxd's between two reads: twice the slack.
+        if now <= before + 2 * SLACK_MIB * 1024 {
+            break;
+        }
+        if t.elapsed() > SETTLE {
+            bail!(
+                "after 30 refused 200 KB prompts the engine holds {} MiB ({} MiB before, {} MiB at the peak)",
+                now / 1024,
+                before / 1024,
+                peak / 1024
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    p.stop().await?;
+    Ok(())
+}
