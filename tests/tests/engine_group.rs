@@ -1,7 +1,7 @@
 //! Engine groups (issue 26) with real processes: `mlxd-engine --distributed ring` ranks over
 //! 127.0.0.1, as `mlx.launch` starts them (`MLX_RANK`, `MLX_HOSTFILE`), on tiny random
-//! models. Two ranks serve the single engine's greedy tokens, alone and batched; a rank
-//! count that does not divide the heads, and a hostfile naming a rank that never comes, fail
+//! models (Llama, Qwen3, Qwen3-MoE). Two ranks serve the single engine's tokens, alone and
+//! batched; a rank count that does not divide the heads, and a hostfile naming a rank that never comes, fail
 //! the load with the reason; `kill -9` of rank 1 takes rank 0 down (the supervisor restarts
 //! the group).
 use std::io::{Read, Write};
@@ -220,7 +220,7 @@ fn bodies() -> Vec<Value> {
 
 #[test]
 fn two_ranks_serve_the_single_engines_tokens_alone_and_batched() -> Result<()> {
-    for name in ["tiny-llama", "tiny-qwen3"] {
+    for name in ["tiny-llama", "tiny-qwen3", "family-qwen3_moe"] {
         let model = tiny_model(name)?;
         let mut group = Group::start(&model, 2, 2)?;
         let dir = tempfile::tempdir()?;

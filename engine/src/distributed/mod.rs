@@ -33,6 +33,7 @@ pub const TENSOR_PARALLEL: &[&str] = &[
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
 ];
 
 /// Refuses `architecture` for a group of `ranks` unless its file can divide it.

@@ -12,7 +12,6 @@
 //!
 //! MLX-quantized matrices split the same way: the packed weight, its scales and its biases are
 //! cut along the same axis (by row, in whole quantization groups).
-use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 
 use super::Group;
@@ -81,8 +80,12 @@ impl ShardPlan {
         };
         let n = self.size as i32;
         let r = self.rank as i32;
+        // The last two axes are a matrix's `[out, in]` (a stack of experts' matrices has one
+        // more in front); a bias is `[out]` (or one per expert).
+        let last = tensor.ndim() as i32 - 1;
         let axis = match (split, part) {
-            (Split::Column, _) => 0,
+            (Split::Column, Part::Bias) => last,
+            (Split::Column, _) => last - 1,
             (Split::Row, Part::Bias) => {
                 // Added once, after the partial sums are summed: rank 0's.
                 return if self.rank == 0 {
@@ -91,9 +94,9 @@ impl ShardPlan {
                     Ok(mlx_rs::ops::zeros_like(&tensor)?)
                 };
             }
-            (Split::Row, _) => tensor.ndim() as i32 - 1,
+            (Split::Row, _) => last,
         };
-        let len = *tensor.shape().get(axis as usize).ok_or_else(|| {
+        let len = *tensor.shape().get(axis.max(0) as usize).ok_or_else(|| {
             LoadError::Config(format!(
                 "{name} has no axis {axis} to divide among the ranks"
             ))
@@ -109,13 +112,7 @@ impl ShardPlan {
                 }
             )));
         }
-        let step = len / n;
-        let range = r * step..(r + 1) * step;
-        let piece = if axis == 0 {
-            tensor.index(range)
-        } else {
-            tensor.index((.., range))
-        };
+        let piece = tensor.split_equal(n, axis)?.swap_remove(r as usize);
         Ok(piece.contiguous()?)
     }
 }
@@ -203,6 +200,24 @@ mod tests {
             err.contains("a.q_proj.weight") && err.contains("3 output rows"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn stacked_experts_split_their_own_matrices() {
+        // [experts 2, out 4, in 2]: rank 1 keeps rows 2..4 of each expert's matrix.
+        let data: Vec<f32> = (0..16).map(|v| v as f32).collect();
+        let experts = Array::from_slice(&data, &[2, 4, 2]);
+        let plan = ShardPlan::new(1, 2)
+            .split("switch_mlp.up_proj", Split::Column)
+            .split("switch_mlp.down_proj", Split::Row);
+        let up = plan
+            .cut("m.switch_mlp.up_proj.weight", experts.clone())
+            .unwrap();
+        assert_eq!(up.shape(), &[2, 2, 2]);
+        assert_eq!(values(&up), vec![4., 5., 6., 7., 12., 13., 14., 15.]);
+        let down = plan.cut("m.switch_mlp.down_proj.weight", experts).unwrap();
+        assert_eq!(down.shape(), &[2, 4, 1]);
+        assert_eq!(values(&down), vec![1., 3., 5., 7., 9., 11., 13., 15.]);
     }
 
     #[test]

@@ -117,6 +117,15 @@ pub(crate) fn shard(
     w: &mut Weights,
     attention: &mut AttentionShape,
 ) -> Result<Option<Group>, LoadError> {
+    shard_with(w, attention, &[])
+}
+
+/// [`shard`], splitting the layers `more` names as well (a family's other feed-forward parts).
+pub(crate) fn shard_with(
+    w: &mut Weights,
+    attention: &mut AttentionShape,
+    more: &[(&str, Split)],
+) -> Result<Option<Group>, LoadError> {
     let Some(group) = w.group().cloned() else {
         return Ok(None);
     };
@@ -124,9 +133,12 @@ pub(crate) fn shard(
     let n = group.size() as i32;
     attention.heads /= n;
     attention.kv_heads /= n;
+    let mut plan = ShardPlan::for_group(&group);
+    for (suffix, split) in more {
+        plan = plan.split(suffix, *split);
+    }
     w.shard_by(
-        ShardPlan::for_group(&group)
-            .split("self_attn.q_proj", Split::Column)
+        plan.split("self_attn.q_proj", Split::Column)
             .split("self_attn.k_proj", Split::Column)
             .split("self_attn.v_proj", Split::Column)
             .split("self_attn.o_proj", Split::Row)

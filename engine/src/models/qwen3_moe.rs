@@ -19,6 +19,26 @@ use crate::loader::{LoadError, Weights};
 
 const FAMILY: &str = "Qwen3-MoE";
 
+/// Tensor parallelism for Qwen3-MoE (mlx-lm's `shard()`): the Llama split
+/// ([`super::llama::shard_with`]) and each expert's own matrices divided the same way (gate
+/// and up by column, down by row over the expert's hidden features), so every rank runs every
+/// expert on its share and the block's output is a partial sum; the router stays whole.
+fn shard(
+    w: &mut Weights,
+    attention: &mut AttentionShape,
+) -> Result<Option<crate::distributed::Group>, LoadError> {
+    use crate::distributed::Split;
+    super::llama::shard_with(
+        w,
+        attention,
+        &[
+            ("mlp.switch_mlp.gate_proj", Split::Column),
+            ("mlp.switch_mlp.up_proj", Split::Column),
+            ("mlp.switch_mlp.down_proj", Split::Row),
+        ],
+    )
+}
+
 #[derive(Debug, Deserialize)]
 struct Config {
     num_hidden_layers: usize,
@@ -74,7 +94,7 @@ pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadE
         (0..c.num_hidden_layers).filter(|&l| c.is_sparse(l)),
         c.num_experts as usize,
     )?;
-    LlamaShaped {
+    let mut shaped = LlamaShaped {
         config,
         stack: Stack::llama_like(
             c.num_hidden_layers,
@@ -95,8 +115,9 @@ pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadE
         head_dim: c.head_dim,
         vocab_size: c.vocab_size,
         context_length: c.max_position_embeddings,
-    }
-    .build(w, |w, layer, p| {
+    };
+    let group = shard(w, &mut shaped.attention)?;
+    shaped.build_sharded(w, group, |w, layer, p| {
         let mlp = format!("{p}.mlp");
         if c.is_sparse(layer) {
             load_sparse(w, &c, &mlp)
