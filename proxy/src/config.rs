@@ -651,7 +651,25 @@ impl Config {
 
     /// Each model's engine group, if it has one ([`DistributedConfig::check`]).
     fn validate_distributed(&self) -> Result<(), ConfigError> {
+        // The group's options come from its entry, which also makes mlxd start the ranks.
+        let by_hand = |options: &BTreeMap<String, String>| {
+            ["distributed", "distributed_hosts"]
+                .into_iter()
+                .find(|k| options.contains_key(*k))
+        };
+        let refuse = |field: String| ConfigError::Setting {
+            field,
+            message: "an engine group is a model's distributed entry (distributed = { backend, \
+                      hosts }), not an engine option"
+                .into(),
+        };
+        if let Some(key) = by_hand(&self.server.engine_options) {
+            return Err(refuse(format!("server.engine_options.{key}")));
+        }
         for (i, m) in self.models.iter().enumerate() {
+            if let Some(key) = by_hand(&m.options) {
+                return Err(refuse(format!("model[{i}].options.{key}")));
+            }
             if let Some(Err((key, message))) = m.distributed.as_ref().map(DistributedConfig::check)
             {
                 return Err(ConfigError::Setting {
@@ -966,6 +984,13 @@ mod tests {
         let e = group(r#"backend = "ring", hosts = ["127.0.0.1", "studio-2.local"]"#);
         assert!(
             e.contains("\"studio-2.local\": ranks on other machines are not supported yet"),
+            "{e}"
+        );
+        let e = err("[server.engine_options]\ndistributed = \"ring\"\n");
+        assert!(
+            e.contains(
+                "server.engine_options.distributed: an engine group is a model's distributed entry"
+            ),
             "{e}"
         );
         let text = "[[model]]\nid = \"a\"\ndistributed = { backend = \"ring\", hosts = [\"127.0.0.1\", \"localhost\"] }\n";
