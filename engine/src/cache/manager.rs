@@ -279,14 +279,23 @@ impl CacheManager {
         })
     }
 
-    /// Keeps `kv` as the cache of `tokens` (evaluated now, so that it holds no reference to
-    /// the batch buffers it was copied from).
+    /// Keeps `kv` as the cache of `tokens`. Its copy is queued (`async_eval`), not waited
+    /// for: a row leaves the batch at almost every step of a large batch, and waiting here
+    /// would make each such step wait for the device instead of running one ahead. Queued,
+    /// the copy is computed in stream order right after the step that was queued before it,
+    /// and its graph is detached, so it holds no reference to the batch buffers it was copied
+    /// from (a departing row's buffer is already replaced by the filtered one). With the SSD
+    /// tier it is evaluated now: the writer thread reads its bytes.
     pub fn store(&mut self, tokens: Vec<u32>, kv: impl Into<SeqKv>) -> Result<(), Exception> {
         if !self.prefix.enabled() || tokens.is_empty() {
             return Ok(());
         }
         let kv = kv.into();
-        mlx_rs::transforms::eval(kv.arrays())?;
+        if self.ssd.is_some() {
+            mlx_rs::transforms::eval(kv.arrays())?;
+        } else {
+            mlx_rs::transforms::async_eval(kv.arrays())?;
+        }
         let bytes = kv.nbytes();
         if let Some(ssd) = &self.ssd {
             ssd.queue_kv(&tokens, &kv, EntryKind::Prefix)?;

@@ -393,7 +393,7 @@ impl<'m> Executor<'m> {
                 let storing = Instant::now();
                 let n = tokens.len();
                 self.caches.store(tokens, layers)?;
-                // The copy is evaluated now: the step waits for the device here.
+                // Queued, not waited for, unless an SSD tier writes it (`CacheManager::store`).
                 tracing::debug!(
                     target: "mlxd_engine::prefix",
                     tokens = n,
