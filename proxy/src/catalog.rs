@@ -29,6 +29,8 @@ pub struct ModelEntry {
     pub planned_bytes: u64,
     /// Found in the model store, not configured.
     pub stored: bool,
+    /// Keeps a standby engine (see `pool::slot::Standby`).
+    pub standby: bool,
 }
 
 /// All models and the routing rules.
@@ -85,6 +87,7 @@ impl Catalog {
                 options,
                 planned_bytes: m.memory.unwrap_or_else(|| weights_on_disk(m.source())),
                 stored: false,
+                standby: m.standby.unwrap_or(config.pool.standby),
             });
         }
         let default_model = match &config.pool.default_model {
@@ -128,6 +131,7 @@ impl Catalog {
                 limits: Limits::from(&config.server.limits),
                 options: config.server.engine_options.clone(),
                 stored: true,
+                standby: config.pool.standby,
             });
         }
         Ok(catalog)

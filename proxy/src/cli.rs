@@ -327,6 +327,10 @@ pub struct ServeArgs {
     /// Idle time before an engine is stopped, e.g. 5m; 0 = never [default: 5m].
     #[arg(long)]
     pub ttl: Option<String>,
+    /// Keep a standby engine per model (weights loaded, waiting): a crashed engine's
+    /// streams continue on it at once. Counts twice against the memory budget.
+    #[arg(long)]
+    pub standby: bool,
     /// Address to bind [default: 127.0.0.1].
     #[arg(long, env = "MLXD_HOST")]
     pub host: Option<String>,
@@ -513,6 +517,12 @@ impl ServeArgs {
         }
         if let Some(t) = &self.ttl {
             c.pool.ttl = parse_duration(t).map_err(|m| flag("--ttl", m))?;
+        }
+        if self.standby {
+            c.pool.standby = true;
+            for m in &mut c.models {
+                m.standby = Some(true);
+            }
         }
         if let Some(h) = self.host {
             // `MLXD_HOST=127.0.0.1:8096` carries the port too (as the client verbs read it);

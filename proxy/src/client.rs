@@ -468,11 +468,17 @@ fn state_cell(state: &str, failure: Option<&str>, verbose: bool) -> String {
 /// `starting (weights 40%)`.
 fn state_text(e: &Value) -> String {
     let state = e["state"].as_str().unwrap_or("?");
-    match (e["loading_phase"].as_str(), e["loading_progress"].as_f64()) {
+    let state = match (e["loading_phase"].as_str(), e["loading_progress"].as_f64()) {
         (Some(phase), Some(p)) if e["availability"] == "loading" => {
             format!("{state} ({phase} {:.0}%)", (p * 100.0).clamp(0.0, 100.0))
         }
         _ => state.to_string(),
+    };
+    // A spare engine: `+standby` once it can take over, `+standby starting` before.
+    match e["standby"]["state"].as_str() {
+        Some("ready") => format!("{state} +standby"),
+        Some(s) => format!("{state} +standby {s}"),
+        None => state,
     }
 }
 

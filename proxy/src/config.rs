@@ -185,6 +185,8 @@ pub struct PoolConfig {
     /// Face cache) by name without a `[[model]]` entry; a configured model of the same name
     /// wins.
     pub store_models: bool,
+    /// Every model keeps a standby engine (a model's `standby` overrides).
+    pub standby: bool,
 }
 
 /// One `[[model]]` entry.
@@ -199,6 +201,9 @@ pub struct ModelConfig {
     pub aliases: Vec<String>,
     /// Loaded at start and never evicted.
     pub pinned: bool,
+    /// Keep a spare engine with the weights loaded beside the serving one, so that a crash
+    /// is followed at once by the spare serving (the memory budget counts both).
+    pub standby: Option<bool>,
     #[serde(deserialize_with = "de_opt_duration")]
     pub ttl: Option<Duration>,
     /// Memory to plan for before the engine reports its own; default: weights on disk.
@@ -396,6 +401,7 @@ impl Default for PoolConfig {
             capacity_wait: Duration::from_secs(20),
             models_dir: None,
             store_models: true,
+            standby: false,
         }
     }
 }

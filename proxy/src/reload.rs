@@ -85,6 +85,7 @@ pub fn changed_fields(old: &ModelEntry, new: &ModelEntry) -> Vec<&'static str> {
     check("aliases", old.aliases != new.aliases);
     check("pinned", old.pinned != new.pinned);
     check("ttl", old.ttl != new.ttl);
+    check("standby", old.standby != new.standby);
     check("limits", old.limits != new.limits);
     check("options", old.options != new.options);
     check("memory", old.planned_bytes != new.planned_bytes);

@@ -15,6 +15,8 @@
 #   scripts/bench/h200.sh kvquant <out dir>        8B shape: decode at 4k/16k context (KV_CTX), bf16 KV against
 #                                                  8- and 4-bit, and mlx-lm's quantized KV (models8b)
 #   scripts/bench/h200.sh resume <out dir>         a resumed stream's pause after kill -9 against the restart time
+#   scripts/bench/h200.sh standby <out dir>        the same under 32 streams with a standby engine taking over,
+#                                                  against a cold restart (models)
 #   scripts/bench/h200.sh constraint <out dir>     constrained decoding's cost per token (1B shape)
 #   scripts/bench/h200.sh ssd <out dir>            SSD KV tier: TTFT of a 2 000/8 000-token shared prefix after
 #                                                  an engine restart, restored against prefilled; the resume
@@ -123,6 +125,16 @@ case ${1:-} in
     for streams in 1 8; do
       MLXD_BIN_DIR=$bins "$PYTHON" scripts/bench/resume.py 5 128 32 "$MODELS/llama-1b-bf16" "$streams" |
         tee "$out/resume-$streams.jsonl"
+    done
+    ;;
+  standby)
+    # A standby engine per model: kill -9 of the serving engine under 32 streams; the pause
+    # with the spare taking over against a cold restart (issue 23's target: <= 250 ms). 1B bf16.
+    out=$2
+    mkdir -p "$out"
+    for standby in 1 0; do
+      MLXD_BIN_DIR=$bins "$PYTHON" scripts/bench/resume.py 5 128 32 "$MODELS/llama-1b-bf16" 32 0 "$standby" |
+        tee "$out/resume-32-standby-$standby.jsonl"
     done
     ;;
   ssd)

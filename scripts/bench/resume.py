@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A resumed stream's pause against the engine's restart time.
 
-    .venv/bin/python scripts/bench/resume.py [runs] [max tokens] [kill after] [model] [streams] [checkpoint]
+    .venv/bin/python scripts/bench/resume.py [runs] [max tokens] [kill after] [model] [streams] [checkpoint] [standby]
 
 `model` is a name (default smollm2-135m) or a model directory.
 
@@ -18,7 +18,10 @@ stream on the new engine (transparent resumption). Measured per run:
 With `checkpoint` N > 0 the engine runs with the SSD KV tier on a temporary directory and
 `generation_checkpoint = N` (and its prefix cache on): the continuation restores the KV of the
 last checkpoint instead of prefilling everything, and each run's prompts carry the run's
-number so that no earlier run's finished entry matches them. Prints one JSON line per run and
+number so that no earlier run's finished entry matches them. With `standby` 1 the model keeps a
+standby engine (`standby = true`): each run waits for the spare to be ready before it starts,
+the kill hands the streams to the spare (restart is then the spare's takeover), and a new spare
+loads behind it. Prints one JSON line per run and
 the medians. Uses `$MLXD_BIN_DIR` (default
 target/release) for `mlxd` and `mlxd-engine`.
 """
@@ -74,10 +77,13 @@ def ttft(port, prompt):
     return arrivals[0] - start
 
 
-def one_run(port, max_tokens, kill_after, n_streams, tag=""):
+def one_run(port, max_tokens, kill_after, n_streams, tag="", standby=False):
     prompts = [p + tag for p in PROMPTS]
     fresh = ttft(port, prompts[0])
     old = engine_row(port)
+    while standby and (old.get("standby") or {}).get("state") != "ready":
+        time.sleep(0.05)
+        old = engine_row(port)
     killed = {}
 
     def maybe_kill(n):
@@ -118,6 +124,7 @@ def main():
     model = sys.argv[4] if len(sys.argv) > 4 else "smollm2-135m"
     n_streams = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     checkpoint = int(sys.argv[6]) if len(sys.argv) > 6 else 0
+    standby = len(sys.argv) > 7 and sys.argv[7] == "1"
     bins = os.environ.get("MLXD_BIN_DIR", os.path.join(ROOT, "target", "release"))
     runtime = tempfile.mkdtemp()
     with socket.socket() as s:
@@ -135,7 +142,8 @@ def main():
         f.write(f'[server]\nport = {port}\nengine_bin = "{os.path.join(bins, "mlxd-engine")}"\n'
                 f'backoff_initial_ms = 50\ncrash_limit = 1000\n[server.engine_options]\n{engine_options}'
                 + (f'[[model]]\nid = "{os.path.basename(model.rstrip("/"))}"\npath = "{model}"\n'
-                   if os.path.isdir(model) else f'[[model]]\nid = "{model}"\n'))
+                   if os.path.isdir(model) else f'[[model]]\nid = "{model}"\n')
+                + ("standby = true\n" if standby else ""))
     mlxd = subprocess.Popen([os.path.join(bins, "mlxd"), "serve", "--config", cfg, "--port", str(port)],
                             env=env, stdin=subprocess.DEVNULL)
     try:
@@ -149,14 +157,15 @@ def main():
         results = []
         for run in range(runs):
             tag = f" (take {run})" if checkpoint > 0 else ""
-            r = one_run(port, max_tokens, kill_after, n_streams, tag)
+            r = one_run(port, max_tokens, kill_after, n_streams, tag, standby)
             print(json.dumps(r), flush=True)
             results.append(r)
             time.sleep(1)  # let the crash window see a stable engine
         print(json.dumps({k + "_median": statistics.median(r[k] for r in results)
                           for k in ("restart_ms", "pause_ms", "extra_ms", "ttft_ms", "median_gap_ms")}
                          | {"runs": runs, "max_tokens": max_tokens, "kill_after": kill_after,
-                            "streams": n_streams, "model": model, "checkpoint": checkpoint}
+                            "streams": n_streams, "model": model, "checkpoint": checkpoint,
+                            "standby": standby}
                          | ({"ssd": (engine_row(port).get("stats") or {}).get("ssd")}
                             if checkpoint > 0 else {})))
     finally:

@@ -460,3 +460,111 @@ async fn shutdown_during_streams_lets_them_finish_within_the_grace_period() -> R
     ensure!(took < Duration::from_secs(120), "stop took {took:?}");
     Ok(())
 }
+
+/// Runs `cases` once for reference, then again with a kill -9 of the serving engine once
+/// `after` content events have flowed; both runs must answer the same bytes. Returns the
+/// killed pid and the pause the clients saw: the longest time without a content event from
+/// the kill to the end of the run (events already in flight at the kill arrive first).
+async fn kill_9_and_time_the_pause(
+    p: &Proxy,
+    cases: &[Case],
+    after: usize,
+) -> Result<(i32, Duration)> {
+    let reference = run_all(p.addr, cases, Progress::default()).await?;
+    let pid = ready_pid(p).await?;
+    let progress = Progress::default();
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let killer = {
+        let (progress, done) = (progress.clone(), done.clone());
+        tokio::spawn(async move {
+            let deadline = Instant::now() + Duration::from_secs(300);
+            while progress.load(Ordering::SeqCst) < after {
+                ensure!(Instant::now() < deadline, "tokens never flowed");
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            kill(Pid::from_raw(pid), Signal::SIGKILL)?;
+            let (mut seen, mut since, mut longest) = (
+                progress.load(Ordering::SeqCst),
+                Instant::now(),
+                Duration::ZERO,
+            );
+            while !done.load(Ordering::SeqCst) {
+                let now = progress.load(Ordering::SeqCst);
+                if now != seen {
+                    longest = longest.max(since.elapsed());
+                    (seen, since) = (now, Instant::now());
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            Ok(longest)
+        })
+    };
+    let got = run_all(p.addr, cases, progress).await;
+    done.store(true, Ordering::SeqCst);
+    let pause = killer.await??;
+    compare(cases, &reference, &got?)?;
+    Ok((pid, pause))
+}
+
+/// `standby = true`: a spare engine waits with the weights loaded, so a kill -9 of the
+/// serving engine is followed by the spare serving at once — the streams resume on it
+/// byte-identical, after a shorter pause than a restart's (measured in the same test
+/// without standby), and a new spare starts behind it. `/engines` shows the spare.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_standby_engine_takes_over_a_crash_sooner_than_a_restart() -> Result<()> {
+    let long = json!({"stream": true, "max_tokens": 48});
+    let cases = vec![
+        Case::chat("What is the capital of France?", long.clone()),
+        Case::completion("The quick brown fox", long.clone()),
+        Case::completion(
+            "In a distant galaxy",
+            json!({"stream": true, "max_tokens": 48, "temperature": 0.9, "seed": 11}),
+        ),
+    ];
+    // Pinned: loaded at start, so the spare can be waited for before the first request.
+    let p = start(|c| {
+        c.models[0].pinned = true;
+        c.models[0].standby = Some(true);
+    })
+    .await?;
+    ready_pid(&p).await?;
+    let e = p
+        .wait_engine("with a ready standby", Duration::from_secs(180), |e| {
+            e["standby"]["state"] == "ready"
+        })
+        .await?;
+    let spare = e["standby"]["pid"].as_i64().context("no standby pid")?;
+    let (total, spare_bytes, weights) = (
+        e["memory_bytes"].as_u64().context("memory_bytes")?,
+        e["standby"]["memory_bytes"]
+            .as_u64()
+            .context("standby memory")?,
+        e["ready"]["weight_bytes"].as_u64().context("weights")?,
+    );
+    ensure!(
+        spare_bytes >= weights && total >= spare_bytes + weights,
+        "the standby is not counted against the budget: {e}"
+    );
+    let (killed, with_standby) = kill_9_and_time_the_pause(&p, &cases, 12).await?;
+    let e = p.engine().await?;
+    ensure!(
+        e["pid"].as_i64() == Some(spare),
+        "the spare did not take over: {e}"
+    );
+    ensure!(e["pid"].as_i64() != Some(i64::from(killed)), "{e}");
+    ensure!(e["restarts"].as_u64() >= Some(1), "{e}");
+    p.wait_engine("with a new standby", Duration::from_secs(180), |e| {
+        e["standby"]["state"] == "ready" && e["standby"]["pid"].as_i64() != Some(spare)
+    })
+    .await?;
+    drop(p);
+
+    let q = start(|c| c.models[0].pinned = true).await?;
+    let (_, with_restart) = kill_9_and_time_the_pause(&q, &cases, 12).await?;
+    eprintln!("pause after kill -9: standby {with_standby:?}, restart {with_restart:?}");
+    ensure!(
+        with_standby < with_restart,
+        "the standby's pause {with_standby:?} is not shorter than a restart's {with_restart:?}"
+    );
+    Ok(())
+}

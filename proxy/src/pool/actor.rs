@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime};
 
 use tokio::sync::mpsc;
 use tokio::time::Instant;
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
 use super::handle::{Command, Lease, PoolHandle, Reply};
 use super::lifecycle::{self, Admission, AdmitRules, Effect, PoolMood, Timing};
@@ -53,12 +53,19 @@ pub(super) enum Timer {
         model: String,
         generation: u64,
     },
+    /// A spare engine that waited for its model's engine to be idle starts now anyway.
+    StandbyDue {
+        model: String,
+    },
     /// A waiter's queue timeout is over.
     WaiterDeadline {
         model: String,
         waiter: u64,
     },
 }
+
+/// How long a spare engine waits for its model's engine to be idle before it starts anyway.
+pub(super) const STANDBY_WAIT: Duration = Duration::from_secs(10);
 
 /// What the actor needs besides the configuration.
 pub struct PoolParts {
@@ -126,10 +133,16 @@ pub(crate) fn start_with(
     let (release_tx, release_rx) = mpsc::unbounded_channel();
     let mut slots = BTreeMap::new();
     let now = Instant::now();
+    let n = parts.catalog.models.len();
     for (i, entry) in parts.catalog.models.iter().enumerate() {
         let socket = mlxd_ipc::socket::engine_socket_path(&parts.runtime_dir, i)?;
+        // Spares' sockets are numbered after the models'.
+        let spare = mlxd_ipc::socket::engine_socket_path(&parts.runtime_dir, n + i)?;
         let log = parts.logs.get_or_create(&entry.id);
-        slots.insert(entry.id.clone(), Slot::new(entry.clone(), log, socket, now));
+        slots.insert(
+            entry.id.clone(),
+            Slot::new(entry.clone(), log, (socket, spare), now),
+        );
     }
     parts
         .metrics
@@ -160,7 +173,7 @@ pub(crate) fn start_with(
         shutdown_replies: Vec::new(),
         shutting_down: false,
         jobs: BTreeMap::new(),
-        next_socket: parts.catalog.models.len(),
+        next_socket: 2 * n,
         catalog: parts.catalog.clone(),
         runtime_dir: parts.runtime_dir.clone(),
         logs: parts.logs.clone(),
@@ -220,10 +233,16 @@ impl Pool {
                     Timer::CapacityDeadline { model, ticket } => self.capacity_deadline(&model, ticket),
                     Timer::HangCheck { model, generation } => self.hang_check(&model, generation),
                     Timer::WaiterDeadline { model, waiter } => self.waiter_deadline(&model, waiter),
+                    Timer::StandbyDue { model } => self.start_standby(&model, true),
                 },
             }
             self.refresh_gauges();
-            if self.shutting_down && self.slots.values().all(|s| s.state.engine().is_none()) {
+            if self.shutting_down
+                && self
+                    .slots
+                    .values()
+                    .all(|s| s.state.engine().is_none() && s.standby.is_none())
+            {
                 for r in self.shutdown_replies.drain(..) {
                     let _ = r.send(());
                 }
@@ -655,7 +674,7 @@ impl Pool {
         let spec = self.spec(slot);
         let timing = self.timing();
         let slot = self.slots.get_mut(key).expect("slot checked above");
-        slot.generation += 1;
+        slot.generation = slot.next_generation();
         slot.last_ready = None;
         self.metrics.loads.get_or_create(&Metrics::label(key)).inc();
         match (self.spawner)(spec.clone(), slot.generation, self.engine_tx.clone()) {
@@ -672,15 +691,74 @@ impl Pool {
         }
     }
 
+    /// Starts `key`'s spare engine if the model keeps one, serves, has none yet and the
+    /// memory budget holds it beside everything resident (this model's engine included).
+    /// While the engine has requests in flight (streams just resumed on it) the spare's load
+    /// would compete with them: it waits for the engine's last release, or
+    /// [`STANDBY_WAIT`] at most (`due`).
+    fn start_standby(&mut self, key: &str, due: bool) {
+        let Some(slot) = self.slots.get(key) else {
+            return;
+        };
+        if self.shutting_down
+            || !slot.entry.standby
+            || slot.standby.is_some()
+            || !slot.state.is_ready()
+        {
+            return;
+        }
+        if slot.in_flight() > 0 && !due {
+            self.after(
+                STANDBY_WAIT,
+                Timer::StandbyDue {
+                    model: key.to_string(),
+                },
+            );
+            return;
+        }
+        let needed = slot.planned_bytes();
+        if !matches!(self.plan_beside_jobs(needed), Plan::Start) {
+            warn!(model = %key, needed, "no room for a standby engine; the model runs without one");
+            slot.log
+                .push("[mlxd] no room for a standby engine (engine slots or memory)");
+            return;
+        }
+        let mut spec = self.spec(slot);
+        spec.socket_path = slot.spare_socket.clone();
+        let slot = self.slots.get_mut(key).expect("slot checked above");
+        let generation = slot.next_generation();
+        match (self.spawner)(spec.clone(), generation, self.engine_tx.clone()) {
+            Ok(handle) => {
+                let effects = lifecycle::standby_started(slot, handle, spec.limits, Instant::now());
+                self.apply(key, effects);
+            }
+            Err(e) => {
+                error!(model = %key, error = %e, "the standby engine could not be spawned");
+                slot.log.push(format!(
+                    "[mlxd] the standby engine could not be spawned: {e}"
+                ));
+            }
+        }
+    }
+
     fn engine_event(&mut self, msg: EngineMsg) {
         let timing = self.timing();
         let Some(slot) = self.slots.get_mut(&msg.model) else {
             return;
         };
+        let key = msg.model;
+        if slot
+            .standby
+            .as_ref()
+            .is_some_and(|s| s.engine.handle.generation == msg.generation)
+        {
+            let effects = lifecycle::standby_event(slot, msg.event);
+            self.apply(&key, effects);
+            return;
+        }
         if msg.generation != slot.generation {
             return;
         }
-        let key = msg.model;
         match msg.event {
             EngineEvent::Loading { phase, progress } => lifecycle::loading(slot, phase, progress),
             // Nothing counts for an engine that is gone.
@@ -784,6 +862,12 @@ impl Pool {
                 Effect::ArmIdleTimer => self.arm_idle_timer(key),
                 Effect::Enqueue => self.enqueue(key),
                 Effect::JoinQueue => self.queue.push_back(key.to_string()),
+                Effect::StartStandby => self.start_standby(key, false),
+                Effect::StopStandby => {
+                    if let Some(s) = self.slots.get_mut(key).and_then(|s| s.standby.as_mut()) {
+                        s.engine.handle.stop();
+                    }
+                }
                 Effect::LeaveQueue => self.queue.retain(|k| k != key),
                 Effect::FailWaiter(waiter, err) => waiter.send(Err(err)),
                 Effect::Place => self.place(),
@@ -886,23 +970,21 @@ impl Pool {
                 slot.entry = entry.clone();
                 slot.log.push("[mlxd] configured again by a reload");
             } else {
-                let socket = match mlxd_ipc::socket::engine_socket_path(
-                    &self.runtime_dir,
-                    self.next_socket,
-                ) {
-                    Ok(s) => s,
-                    Err(e) => {
+                let path = |i| mlxd_ipc::socket::engine_socket_path(&self.runtime_dir, i);
+                let sockets = match (path(self.next_socket), path(self.next_socket + 1)) {
+                    (Ok(s), Ok(spare)) => (s, spare),
+                    (Err(e), _) | (_, Err(e)) => {
                         error!(model = %id, error = %e, "no socket path for an added model; it is not served");
                         continue;
                     }
                 };
-                self.next_socket += 1;
+                self.next_socket += 2;
                 let log = self.logs.get_or_create(id);
                 log.push(match entry.stored {
                     true => "[mlxd] found in the model store",
                     false => "[mlxd] added by a configuration reload",
                 });
-                let mut slot = Slot::new(entry.clone(), log, socket, now);
+                let mut slot = Slot::new(entry.clone(), log, sockets, now);
                 slot.generation = self.retired_generations.remove(id).unwrap_or(0);
                 self.slots.insert(id.clone(), slot);
             }
@@ -996,7 +1078,7 @@ impl Pool {
                 "model {key} was removed from the configuration"
             )));
             self.retired_generations
-                .insert(key.to_string(), slot.generation);
+                .insert(key.to_string(), slot.generations.max(slot.generation));
             self.metrics.forget_model(key);
         }
     }

@@ -11,8 +11,9 @@ use mlxd_protocol::control::{Limits, LoadPhase, ParentMsg, Ready, Stats};
 use tokio::time::Instant;
 use tracing::{error, info, warn};
 
-use super::actor::Timer;
-use super::slot::{Engine, KeepAlive, Loading, Serving, Slot, State, Waiter};
+use super::actor::{Timer, STANDBY_WAIT};
+use super::slot::{Engine, KeepAlive, Loading, Serving, Slot, Standby, State, Waiter};
+use crate::engine::EngineEvent;
 use crate::engine::EngineHandle;
 use crate::error::ProxyError;
 use crate::exit::{ExitCause, ExitReport};
@@ -46,6 +47,10 @@ pub(super) enum Effect {
     JoinQueue,
     /// Take the model out of that queue.
     LeaveQueue,
+    /// Start the model's spare engine, if it keeps one and it fits ([`Standby`]).
+    StartStandby,
+    /// Start the spare engine's stop sequence.
+    StopStandby,
     /// Answer one waiting request with this error.
     FailWaiter(Waiter, ProxyError),
     /// Run placement again: resources were freed or their use changed.
@@ -171,7 +176,117 @@ pub(super) fn ready(slot: &mut Slot, ready: Ready, now: Instant, timing: &Timing
     // Loaded with nobody using it (pinned preload, admin load): the idle clock runs.
     slot.last_used = now;
     effects.extend([Effect::GrantWaiters, Effect::ArmIdleTimer, Effect::Place]);
+    if slot.entry.standby {
+        effects.push(Effect::StartStandby);
+    }
     effects
+}
+
+/// The model's spare engine was spawned (its generation already counted): it loads.
+pub(super) fn standby_started(
+    slot: &mut Slot,
+    handle: EngineHandle,
+    limits: Limits,
+    now: Instant,
+) -> Vec<Effect> {
+    let line = format!(
+        "[mlxd] standby engine starting: pid {}, generation {}",
+        handle.pid, handle.generation
+    );
+    slot.standby = Some(Standby {
+        engine: Engine::new(handle, limits, now),
+        ready: None,
+    });
+    vec![Effect::Log(line), Effect::Place]
+}
+
+/// An event of the spare engine: its `Ready` makes it able to take over, its `Stats` are
+/// its memory; its exit ends it (a new one starts when the serving engine is next ready).
+pub(super) fn standby_event(slot: &mut Slot, event: EngineEvent) -> Vec<Effect> {
+    let Some(standby) = slot.standby.as_mut() else {
+        return Vec::new();
+    };
+    match event {
+        EngineEvent::Loading { .. } => Vec::new(),
+        EngineEvent::Stats(s) => {
+            standby.engine.stats = Some(s);
+            Vec::new()
+        }
+        EngineEvent::Ready(r) => {
+            info!(model = %slot.entry.id, pid = standby.engine.handle.pid, "standby engine ready");
+            let line = format!(
+                "[mlxd] standby engine ready: pid {}, waiting to take over",
+                standby.engine.handle.pid
+            );
+            standby.ready = Some(r);
+            vec![Effect::Log(line)]
+        }
+        EngineEvent::Exited(report) => {
+            slot.standby = None;
+            if !report.cause.is_requested() {
+                warn!(model = %slot.entry.id, cause = %report.cause, "standby engine exited");
+            }
+            vec![
+                Effect::Log(format!("[mlxd] standby engine exited: {}", report.cause)),
+                Effect::Place,
+            ]
+        }
+    }
+}
+
+/// The serving engine crashed and a ready standby takes over at once: it is the model's
+/// engine now (its generation and socket), waiters get leases on it, and a new standby
+/// starts behind it. `None` (nothing changed) without a ready standby.
+fn promote_standby(slot: &mut Slot, now: Instant, timing: &Timing) -> Option<Vec<Effect>> {
+    if slot.standby.as_ref().is_none_or(|s| s.ready.is_none()) {
+        return None;
+    }
+    let Standby { engine, ready } = slot.standby.take()?;
+    let ready = ready?;
+    slot.generation = engine.handle.generation;
+    std::mem::swap(&mut slot.socket, &mut slot.spare_socket);
+    slot.restarts += 1;
+    slot.last_ready = Some(ready.clone());
+    warn!(model = %slot.entry.id, pid = engine.handle.pid, generation = slot.generation, "the standby engine takes over");
+    let line = format!(
+        "[mlxd] the standby engine (pid {}) serves now",
+        engine.handle.pid
+    );
+    slot.state = State::Ready {
+        engine,
+        serving: Serving {
+            ready,
+            ready_at: now,
+            heartbeat: now,
+        },
+    };
+    let mut effects = vec![
+        Effect::Log(line),
+        Effect::CountRestart,
+        Effect::GrantWaiters,
+    ];
+    if !timing.hang_timeout.is_zero() {
+        effects.push(Effect::After(
+            timing.hang_timeout,
+            Timer::HangCheck {
+                model: slot.entry.id.clone(),
+                generation: slot.generation,
+            },
+        ));
+    }
+    // The next spare loads once the streams resumed here are done (their release asks for
+    // it), or `STANDBY_WAIT` from now: its load would compete with their first steps.
+    effects.extend([
+        Effect::ArmIdleTimer,
+        Effect::After(
+            STANDBY_WAIT,
+            Timer::StandbyDue {
+                model: slot.entry.id.clone(),
+            },
+        ),
+        Effect::Place,
+    ]);
+    Some(effects)
 }
 
 /// Stops admitting requests to the engine and stops it once its in-flight requests are
@@ -201,6 +316,9 @@ pub(super) fn drain(slot: &mut Slot, reason: &'static str) -> Vec<Effect> {
         effects.push(Effect::Stop);
     }
     slot.state = State::Draining { engine, serving };
+    if slot.standby.is_some() {
+        effects.push(Effect::StopStandby);
+    }
     effects
 }
 
@@ -221,6 +339,9 @@ pub(super) fn release(slot: &mut Slot, generation: u64, now: Instant) -> Vec<Eff
     match slot.state {
         State::Draining { .. } => vec![Effect::Stop],
         State::Ready { .. } if recycle => drain(slot, "limits_restored"),
+        State::Ready { .. } if slot.entry.standby && slot.standby.is_none() => {
+            vec![Effect::ArmIdleTimer, Effect::Place, Effect::StartStandby]
+        }
         State::Ready { .. } => vec![Effect::ArmIdleTimer, Effect::Place],
         _ => Vec::new(),
     }
@@ -340,6 +461,14 @@ pub(super) fn hang_check(
 /// The pool shuts down: a running engine stops (and drains meanwhile); a failed model
 /// keeps its failure for the last status; anything else is stopped.
 pub(super) fn shut_down(slot: &mut Slot) -> Vec<Effect> {
+    let mut effects = shut_down_engine(slot);
+    if slot.standby.is_some() {
+        effects.push(Effect::StopStandby);
+    }
+    effects
+}
+
+fn shut_down_engine(slot: &mut Slot) -> Vec<Effect> {
     match std::mem::replace(&mut slot.state, State::Stopped) {
         State::Starting { engine, .. } => {
             info!(model = %slot.id(), pid = engine.handle.pid, "stopping engine");
@@ -704,7 +833,19 @@ pub(super) fn exited(
             ));
         }
     }
-    match slot.history.on_exit(&policy, &report.cause, now, ready_for) {
+    let decision = slot.history.on_exit(&policy, &report.cause, now, ready_for);
+    let oom = matches!(report.cause, ExitCause::OutOfMemory { .. });
+    if matches!(decision, Decision::Restart { .. }) && !oom {
+        if let Some(promoted) = promote_standby(slot, now, timing) {
+            effects.extend(promoted);
+            return effects;
+        }
+    }
+    if slot.standby.is_some() {
+        // Failed, or out of memory: a spare with the old limits is no successor.
+        effects.push(Effect::StopStandby);
+    }
+    match decision {
         Decision::Restart { delay, attempt } => {
             slot.restarts += 1;
             slot.state = State::Restarting { at: now + delay };

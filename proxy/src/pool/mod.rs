@@ -26,7 +26,7 @@ pub use actor::{start, PoolParts};
 use actor::{start_with, Spawner};
 pub use handle::{Lease, PoolHandle};
 pub use slot::KeepAlive;
-pub use status::{EngineStatus, LastExit, LimitsInfo, ReadyInfo, StatsInfo};
+pub use status::{EngineStatus, LastExit, LimitsInfo, ReadyInfo, StandbyInfo, StatsInfo};
 
 #[cfg(test)]
 mod tests;

@@ -47,6 +47,17 @@ impl Engine {
     }
 }
 
+/// A model's spare engine (`standby = true`): started once the serving engine is ready and
+/// only if the memory budget holds both, it loads the weights and waits, never routed to.
+/// When the serving engine crashes it serves at once ([`super::lifecycle::exited`]), and a
+/// new spare starts behind it.
+#[derive(Debug)]
+pub(super) struct Standby {
+    pub engine: Engine,
+    /// Its `Ready` report; `None` while it loads.
+    pub ready: Option<Ready>,
+}
+
 /// How far a load has got.
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct Loading {
@@ -219,11 +230,25 @@ pub(super) struct Slot {
     pub keep_alive: Option<KeepAlive>,
     pub waiters: VecDeque<Waiter>,
     pub unload_replies: Vec<Reply<Result<(), ProxyError>>>,
+    /// The spare engine, while one runs.
+    pub standby: Option<Standby>,
+    /// The socket the spare listens on; it and `socket` trade places when it takes over.
+    pub spare_socket: PathBuf,
+    /// The last engine generation handed out (serving or spare): each start takes the next.
+    pub generations: u64,
 }
 
 impl Slot {
-    pub fn new(entry: ModelEntry, log: Arc<ModelLog>, socket: PathBuf, now: Instant) -> Self {
+    pub fn new(
+        entry: ModelEntry,
+        log: Arc<ModelLog>,
+        (socket, spare_socket): (PathBuf, PathBuf),
+        now: Instant,
+    ) -> Self {
         Self {
+            standby: None,
+            spare_socket,
+            generations: 0,
             limits: ModelLimits::new(entry.limits.clone()),
             entry,
             log,
@@ -243,6 +268,12 @@ impl Slot {
             waiters: VecDeque::new(),
             unload_replies: Vec::new(),
         }
+    }
+
+    /// A new engine generation, above every one handed out (serving or spare).
+    pub fn next_generation(&mut self) -> u64 {
+        self.generations = self.generations.max(self.generation) + 1;
+        self.generations
     }
 
     pub fn id(&self) -> &str {
@@ -347,18 +378,31 @@ impl Slot {
         self.entry.planned_bytes.max(self.observed_bytes)
     }
 
-    /// Memory counted for the running engine: reported once ready, planned before.
+    /// Memory counted for the running engine: reported once ready, planned before; with
+    /// its standby's (what that reported, else planned).
     pub fn footprint(&self) -> u64 {
-        match self.state {
+        let serving = match self.state {
             State::Ready { .. } | State::Draining { .. } if self.reported_bytes() > 0 => {
                 self.reported_bytes()
             }
             _ => self.planned_bytes(),
-        }
+        };
+        serving + self.standby_bytes()
+    }
+
+    /// Memory counted for the standby engine (0 without one).
+    pub fn standby_bytes(&self) -> u64 {
+        self.standby.as_ref().map_or(0, |s| {
+            let reported = s.engine.stats.as_ref().map_or(0, |st| st.memory_bytes);
+            let weights = s.ready.as_ref().map_or(0, |r| r.weight_bytes);
+            reported.max(weights).max(self.planned_bytes())
+        })
     }
 
     /// Holds (or is about to hold) resources.
     pub fn resident(&self) -> bool {
-        self.state.engine().is_some() || matches!(self.state, State::Restarting { .. })
+        self.state.engine().is_some()
+            || matches!(self.state, State::Restarting { .. })
+            || self.standby.is_some()
     }
 }

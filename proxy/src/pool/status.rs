@@ -52,6 +52,19 @@ pub struct EngineStatus {
     pub ready: Option<ReadyInfo>,
     pub stats: Option<StatsInfo>,
     pub limits: LimitsInfo,
+    /// The model's spare engine (`standby = true`), while one runs.
+    pub standby: Option<StandbyInfo>,
+}
+
+/// A spare engine: its process, and whether it is ready to take over.
+#[derive(Debug, Clone, Serialize)]
+pub struct StandbyInfo {
+    pub pid: u32,
+    pub generation: u64,
+    /// `starting` (loading its weights) or `ready` (waiting to take over).
+    pub state: &'static str,
+    /// Counted against the budget for it.
+    pub memory_bytes: u64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -181,6 +194,16 @@ impl Slot {
                 prefill_tokens_left: s.prefill_tokens_left,
                 ssd: (s.ssd != SsdStats::default()).then_some(s.ssd),
                 memory: s.memory.clone(),
+            }),
+            standby: self.standby.as_ref().map(|s| StandbyInfo {
+                pid: s.engine.handle.pid,
+                generation: s.engine.handle.generation,
+                state: if s.ready.is_some() {
+                    "ready"
+                } else {
+                    "starting"
+                },
+                memory_bytes: self.standby_bytes(),
             }),
             limits: {
                 let (cur, conf) = (self.limits.current(), self.limits.configured());

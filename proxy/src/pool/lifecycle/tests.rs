@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use super::*;
 use crate::catalog::Catalog;
 use crate::config::{Config, ModelConfig};
-use crate::engine::EngineHandle;
+use crate::engine::{EngineEvent, EngineHandle};
 use crate::exit::{ExitCause, ExitReport};
 use crate::logs::ModelLog;
 use crate::policy::RestartPolicy;
@@ -40,7 +40,10 @@ fn slot(pinned: bool) -> Slot {
     Slot::new(
         entry,
         Arc::new(ModelLog::default()),
-        PathBuf::from("/tmp/m.sock"),
+        (
+            PathBuf::from("/tmp/m.sock"),
+            PathBuf::from("/tmp/m-spare.sock"),
+        ),
         Instant::now(),
     )
 }
@@ -119,6 +122,8 @@ fn names(effects: &[Effect]) -> Vec<&'static str> {
             Effect::ArmIdleTimer => "idle",
             Effect::Enqueue => "enqueue",
             Effect::JoinQueue => "join_queue",
+            Effect::StartStandby => "standby",
+            Effect::StopStandby => "stop_standby",
             Effect::LeaveQueue => "leave_queue",
             Effect::FailWaiter(..) => "fail_one",
             Effect::Place => "place",
@@ -398,7 +403,10 @@ fn an_out_of_memory_exit_halves_the_limits_and_schedules_their_recovery() {
     let mut s = Slot::new(
         entry,
         Arc::new(ModelLog::default()),
-        PathBuf::from("/tmp/m.sock"),
+        (
+            PathBuf::from("/tmp/m.sock"),
+            PathBuf::from("/tmp/m-spare.sock"),
+        ),
         t0,
     );
     s.generation = 1;
@@ -740,4 +748,113 @@ fn an_admin_unload_of_a_queued_model_ends_its_wait() {
     let fx = unqueue(&mut s).unwrap();
     assert_eq!(names(&fx), ["leave_queue", "fail"]);
     assert_eq!(s.state.name(), "idle");
+}
+
+/// A ready engine (generation 1, pid 42) of a model that keeps a standby, and its ready
+/// standby (generation 2, pid 43).
+fn with_ready_standby(t0: Instant) -> Slot {
+    let mut s = starting(t0);
+    s.entry.standby = true;
+    s.entry.planned_bytes = 1000;
+    let fx = ready(&mut s, ready_report(), t0, &timing());
+    assert_eq!(
+        names(&fx).last(),
+        Some(&"standby"),
+        "a standby is asked for"
+    );
+    let g = s.next_generation();
+    assert_eq!(g, 2);
+    let (handle, _ends) = EngineHandle::simulated(43, g);
+    standby_started(&mut s, handle, Limits::default(), t0);
+    assert_eq!(
+        s.status(t0, &timing().policy).standby.unwrap().state,
+        "starting"
+    );
+    assert!(names(&standby_event(&mut s, EngineEvent::Ready(ready_report()))).contains(&"log"));
+    s
+}
+
+#[test]
+fn a_crash_promotes_the_ready_standby_at_once_and_a_new_one_starts() {
+    let t0 = Instant::now();
+    let mut s = with_ready_standby(t0);
+    let st = s.status(t0, &timing().policy);
+    assert_eq!(st.standby.as_ref().unwrap().state, "ready");
+    assert_eq!(
+        st.memory_bytes, 2000,
+        "the standby counts against the budget"
+    );
+    let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
+    let (w, mut got) = waiter(1);
+    s.waiters.push_back(w);
+
+    let t1 = t0 + Duration::from_secs(5);
+    let fx = exit_calmly(&mut s, crash(Some(9), None), t1);
+    assert_eq!(s.state.name(), "ready", "no restart backoff");
+    assert_eq!(s.generation, 2);
+    assert_eq!(s.socket, PathBuf::from("/tmp/m-spare.sock"));
+    assert_eq!(s.spare_socket, PathBuf::from("/tmp/m.sock"));
+    assert_eq!(s.restarts, 1);
+    assert!(s.standby.is_none());
+    let n = names(&fx);
+    assert!(fx
+        .iter()
+        .any(|e| matches!(e, Effect::After(_, Timer::StandbyDue { .. }))));
+    for want in ["restart", "grant", "place"] {
+        assert!(n.contains(&want), "{want} in {n:?}");
+    }
+    assert!(
+        got.try_recv().is_err(),
+        "the actor grants, not the transition"
+    );
+    let lease = s.grant(&tx, &timing().policy, t1).expect("serves at once");
+    assert_eq!(
+        (lease.generation, lease.socket.clone()),
+        (2, PathBuf::from("/tmp/m-spare.sock"))
+    );
+    // The next spare takes a generation above both.
+    assert_eq!(s.next_generation(), 3);
+}
+
+#[test]
+fn no_promotion_after_out_of_memory_or_before_the_standby_is_ready() {
+    let t0 = Instant::now();
+    let mut s = with_ready_standby(t0);
+    let fx = exit_calmly(
+        &mut s,
+        ExitCause::OutOfMemory {
+            detail: "kv".into(),
+        },
+        t0,
+    );
+    assert_eq!(
+        s.state.name(),
+        "restarting",
+        "smaller limits: a fresh engine"
+    );
+    assert!(names(&fx).contains(&"stop_standby"));
+
+    let mut s = starting(t0);
+    s.entry.standby = true;
+    ready(&mut s, ready_report(), t0, &timing());
+    let g = s.next_generation();
+    let (handle, _ends) = EngineHandle::simulated(43, g);
+    standby_started(&mut s, handle, Limits::default(), t0);
+    exit_calmly(&mut s, crash(Some(9), None), t0);
+    assert_eq!(
+        s.state.name(),
+        "restarting",
+        "a loading standby cannot serve"
+    );
+}
+
+#[test]
+fn a_drain_stops_the_standby_and_its_exit_forgets_it() {
+    let t0 = Instant::now();
+    let mut s = with_ready_standby(t0);
+    assert!(names(&drain(&mut s, "admin")).contains(&"stop_standby"));
+    let fx = standby_event(&mut s, EngineEvent::Exited(exit(ExitCause::Requested)));
+    assert_eq!(names(&fx), ["log", "place"]);
+    assert!(s.standby.is_none());
+    assert_eq!(s.status(t0, &timing().policy).standby.map(|s| s.pid), None);
 }
