@@ -52,6 +52,25 @@ fn row_drafts(sampler: &BatchSampler, r: usize, s: &Sequence) -> bool {
     s.acceptance.is_drafting() && sampler.row_takes_drafts(r) && s.constraint.is_none()
 }
 
+/// The units joining in one step as one, in order: their caches are joined among themselves
+/// first (small buffers), so that the batch's buffers, the large ones, are copied once per
+/// step rather than once per unit (a step's prefill may finish several groups and chunks).
+/// The rows' alignment is the same either way: each row ends up padded on the left to the
+/// longest.
+fn merged(units: Vec<Prefilled>) -> Result<Option<Prefilled>, Exception> {
+    let mut units = units.into_iter();
+    let Some(mut first) = units.next() else {
+        return Ok(None);
+    };
+    for unit in units {
+        for (cache, layer) in first.layers.iter_mut().zip(unit.layers) {
+            cache.extend(layer)?;
+        }
+        first.seqs.extend(unit.seqs);
+    }
+    Ok(Some(first))
+}
+
 pub struct DecodeBatch {
     rows: Vec<Sequence>,
     caches: Vec<LayerCache>,
@@ -292,7 +311,7 @@ impl DecodeBatch {
         self.rows = kept.into_iter().map(|(s, _)| s).collect();
 
         let mut join_tokens = Vec::new();
-        for unit in joining {
+        if let Some(unit) = merged(joining)? {
             self.join(unit, &mut join_tokens)?;
         }
 
@@ -391,7 +410,7 @@ impl DecodeBatch {
         self.rows = kept;
         let first_joined = self.rows.len();
         let mut unused = Vec::new();
-        for unit in joining {
+        if let Some(unit) = merged(joining)? {
             self.join(unit, &mut unused)?;
         }
         if self.rows.is_empty() {
