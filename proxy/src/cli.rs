@@ -754,6 +754,16 @@ mod tests {
         assert_eq!(Catalog::from_config(&c).unwrap().default_model, "org/b");
         assert!(config(&["mlxd", "--model", "a", "--default-model", "zzz"]).is_err());
         assert!(config(&["mlxd", "--max-engines", "0"]).is_err());
+        // --standby: every model keeps a spare engine.
+        let c = config(&["mlxd", "--model", "a", "--standby"]).unwrap();
+        assert!(c.pool.standby);
+        assert!(Catalog::from_config(&c)
+            .unwrap()
+            .models
+            .iter()
+            .all(|m| m.standby));
+        let c = config(&["mlxd", "--model", "a"]).unwrap();
+        assert!(!Catalog::from_config(&c).unwrap().models[0].standby);
     }
 
     #[test]

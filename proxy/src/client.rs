@@ -712,6 +712,10 @@ mod tests {
         let ready = serde_json::json!({"state": "ready", "availability": "loaded",
             "loading_progress": 1.0});
         assert_eq!(state_text(&ready), "ready");
+        let spare = serde_json::json!({"state": "ready", "standby": {"state": "ready"}});
+        assert_eq!(state_text(&spare), "ready +standby");
+        let loading = serde_json::json!({"state": "ready", "standby": {"state": "starting"}});
+        assert_eq!(state_text(&loading), "ready +standby starting");
     }
     use serde_json::json;
 
