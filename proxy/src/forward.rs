@@ -24,10 +24,11 @@ use mlxd_ipc::uds::Driver;
 use tracing::{info, warn};
 
 use crate::engine::DeathWatch;
+use crate::engine_event::EngineEvent;
 use crate::error::ProxyError;
 use crate::metrics::{Metrics, RequestTap};
 use crate::pool::{Lease, PoolHandle};
-use crate::resume::{self, NotResumable, Resume, ResumeRecord};
+use crate::resume::{NotResumable, Resume, ResumeRecord};
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type ProxyRequestBody = http_body_util::combinators::BoxBody<Bytes, BoxError>;
@@ -379,22 +380,23 @@ impl ProxyBody {
         }
     }
 
-    /// One event from the engine on its way to the client.
-    /// The engine's meta line is cut off here, once, and its content shared by the resume
-    /// record and the tap (neither then parses the chunk on a healthy stream).
+    /// One event from the engine on its way to the client. It is read once
+    /// ([`EngineEvent`]: the meta line cut off and parsed, the chunk's JSON parsed at most
+    /// once) and the resume record and the tap share that reading; neither parses the chunk
+    /// on a healthy stream.
     fn pass_event(&mut self, ev: Bytes) {
-        let (meta, ev) = resume::split_meta(ev);
-        let ev = match self.resume.as_mut() {
-            Some(r) => match r.record.client_event(ev, meta.as_ref()) {
-                Some(ev) => ev,
+        let event = EngineEvent::new(ev);
+        let out = match self.resume.as_mut() {
+            Some(r) => match r.record.client_event(&event) {
+                Some(out) => out,
                 None => return,
             },
-            None => ev,
+            None => event.bytes().clone(),
         };
         if let Some(tap) = self.tap.as_mut() {
-            tap.event(&ev, meta.as_ref().and_then(|m| m.as_ref().ok()));
+            tap.event(&event);
         }
-        self.queued.push_back(ev);
+        self.queued.push_back(out);
     }
 
     /// The engine connection broke mid-stream: continue elsewhere or end with an error.

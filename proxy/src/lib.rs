@@ -11,6 +11,7 @@ pub mod cli;
 pub mod client;
 pub mod config;
 pub mod engine;
+pub mod engine_event;
 pub mod error;
 pub mod exit;
 pub mod forward;

@@ -8,9 +8,9 @@
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
+use crate::engine_event::EngineEvent;
 use bytes::Bytes;
 use mlxd_protocol::control::SsdStats;
-use mlxd_protocol::openai::EventMeta;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -393,11 +393,11 @@ impl RequestTap {
         }
     }
 
-    /// One whole SSE event, with what its meta line said (see `resume::split_meta`).
-    /// An event with a meta line is a choice chunk (never usage or an error), so its
-    /// tokens are counted from the line without reading the chunk.
-    pub fn event(&mut self, ev: &Bytes, meta: Option<&EventMeta>) {
-        if let Some(meta) = meta {
+    /// One whole SSE event. An event with a meta line is a choice chunk (never usage or an
+    /// error), so its tokens are counted from the line without reading the chunk; another
+    /// is read from the event's one JSON parse, which the resume record shares.
+    pub fn event(&mut self, ev: &EngineEvent) {
+        if let Some(Ok(meta)) = ev.meta() {
             if !meta.token_ids.is_empty() {
                 // The first token, not a role-only or metadata chunk.
                 self.mark_first();
@@ -405,14 +405,14 @@ impl RequestTap {
             }
             return;
         }
-        if is_last_event(ev) {
+        if ev.is_last() {
             self.ended = true;
         }
-        let Some(v) = event_json(ev) else { return };
+        let Some(v) = ev.json() else { return };
         if v.get("error").is_some() {
             self.ended = true;
         }
-        if let Some(u) = usage_of(&v) {
+        if let Some(u) = usage_of(v) {
             self.usage = Some(u);
         }
         let has_content = v["choices"].as_array().is_some_and(|cs| {
@@ -486,33 +486,6 @@ impl Drop for RequestTap {
 
 /// Whether `ev` ends a stream: OpenAI's `data: [DONE]`, Anthropic's `message_stop`, or an
 /// error event (after which the stream closes).
-fn is_last_event(ev: &[u8]) -> bool {
-    let Ok(text) = std::str::from_utf8(ev) else {
-        return false;
-    };
-    text.lines().any(|l| {
-        let l = l.trim_end();
-        l == "data: [DONE]"
-            || l == "data:[DONE]"
-            || l == "event: message_stop"
-            || l == "event: error"
-    })
-}
-
-fn event_json(ev: &[u8]) -> Option<Value> {
-    let text = std::str::from_utf8(ev).ok()?;
-    let data: String = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("data:"))
-        .map(str::trim_start)
-        .collect::<Vec<_>>()
-        .join("\n");
-    if data.is_empty() || data == "[DONE]" {
-        return None;
-    }
-    serde_json::from_str(&data).ok()
-}
-
 /// `(prompt, completion)` from an OpenAI `usage` or an Anthropic one.
 fn usage_of(v: &Value) -> Option<(u64, u64)> {
     let u = v.get("usage").filter(|u| u.is_object())?;
@@ -555,9 +528,9 @@ mod tests {
             ),
         ] {
             let mut t = RequestTap::new(m.clone(), "a", 200, Instant::now(), true);
-            t.event(&chunk, None);
+            t.event(&EngineEvent::new(chunk.clone()));
             if let Some(l) = last {
-                t.event(&Bytes::copy_from_slice(l), None);
+                t.event(&EngineEvent::new(Bytes::copy_from_slice(l)));
             }
             assert_eq!(t.ended, ended, "{last:?}");
         }
@@ -576,24 +549,18 @@ mod tests {
         {
             let mut t = RequestTap::new(m.clone(), "a", 200, Instant::now(), true);
             for _ in 0..4 {
-                t.event(
-                    &Bytes::from_static(
-                        b"data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\n",
-                    ),
-                    None,
-                );
+                t.event(&EngineEvent::new(Bytes::from_static(
+                    b"data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\n",
+                )));
             }
-            t.event(&Bytes::from_static(b"data: [DONE]\n\n"), None);
+            t.event(&EngineEvent::new(Bytes::from_static(b"data: [DONE]\n\n")));
         }
         {
             let mut t = RequestTap::new(m.clone(), "b", 200, Instant::now(), true);
-            t.event(
-                &Bytes::from_static(b"data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\n"),
-                None,
-            );
-            t.event(&Bytes::from_static(
-                b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":2,\"completion_tokens\":9}}\n\n",
-            ), None);
+            t.event(&EngineEvent::new(Bytes::from_static(
+                b"data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\n",
+            )));
+            t.event(&EngineEvent::new(Bytes::from_static(                 b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":2,\"completion_tokens\":9}}\n\n",             )));
         }
         m.record_failure("b", 503, Instant::now());
         let text = m.encode();
