@@ -413,6 +413,29 @@ pub async fn json_of(resp: Response<Incoming>) -> Result<(StatusCode, HeaderMap,
 
 /// Reads an SSE response, returning each event with the time it arrived.
 pub async fn read_events(resp: Response<Incoming>) -> Result<Vec<(Instant, String)>> {
+    read_events_telling(resp, None).await
+}
+
+/// Reads a streamed response in a task and returns once its first event has arrived (the
+/// stream is in flight): what a test awaits before stopping or breaking something mid-stream,
+/// instead of sleeping. The task gives every event, the first included.
+pub async fn stream_in_flight(
+    resp: Response<Incoming>,
+) -> Result<JoinHandle<Result<Vec<(Instant, String)>>>> {
+    let (first_tx, first_rx) = oneshot::channel();
+    let reader = tokio::spawn(read_events_telling(resp, Some(first_tx)));
+    if first_rx.await.is_err() {
+        // The stream ended before any event: the task holds why.
+        let events = reader.await??;
+        bail!("the stream ended with no event ({} read)", events.len());
+    }
+    Ok(reader)
+}
+
+async fn read_events_telling(
+    resp: Response<Incoming>,
+    mut first: Option<oneshot::Sender<()>>,
+) -> Result<Vec<(Instant, String)>> {
     let mut body = resp.into_body();
     let mut splitter = mlxd_ipc::sse::SseSplitter::new();
     let mut out = Vec::new();
@@ -422,6 +445,11 @@ pub async fn read_events(resp: Response<Incoming>) -> Result<Vec<(Instant, Strin
             let now = Instant::now();
             for ev in splitter.push(data) {
                 out.push((now, String::from_utf8_lossy(&ev).into_owned()));
+            }
+            if !out.is_empty() {
+                if let Some(tx) = first.take() {
+                    let _ = tx.send(());
+                }
             }
         }
     }

@@ -587,8 +587,7 @@ async fn shutdown_lets_in_flight_streams_finish_then_stops_the_engine() -> Resul
     let body = chat(json!({"chunks": 8, "interval_ms": 60}), true).to_string();
     let resp = send(p.addr, "POST", "/v1/chat/completions", Some(body.into())).await?;
     let pid = p.engine().await?["pid"].as_i64().unwrap() as i32;
-    let reader = tokio::spawn(read_events(resp));
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let reader = stream_in_flight(resp).await?;
     p.begin_stop();
     let events = reader.await??;
     assert_eq!(events.len(), 9, "stream cut short: {events:?}");
@@ -702,8 +701,7 @@ async fn a_hung_request_at_shutdown_gets_an_error_event_and_the_engine_is_killed
     .to_string();
     let resp = send(p.addr, "POST", "/v1/chat/completions", Some(body.into())).await?;
     let pid = p.engine().await?["pid"].as_i64().unwrap() as i32;
-    let reader = tokio::spawn(read_events(resp));
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let reader = stream_in_flight(resp).await?;
     let took = p.stop().await?;
     // Grace for requests, then Shutdown (ignored: a request is active), then SIGTERM.
     assert!(took >= Duration::from_millis(550), "{took:?}");
