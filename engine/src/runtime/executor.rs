@@ -478,12 +478,8 @@ impl<'m> Executor<'m> {
         self.prefilling = slots.into_iter().flatten().collect();
         result?;
         trace.finish(tokens);
-        // A step that filled its budget, or took a good part of the target, measures the
-        // device; a small step done quickly says only that it is fast enough (its time is
-        // mostly fixed costs), and must not shrink the next budgets.
         let seconds = started.elapsed().as_secs_f64();
-        let target = self.limits.prefill_unit_target.as_secs_f64();
-        if seconds > 0.0 && (tokens >= chunk || seconds >= target / 2.0) {
+        if scheduler::measures_speed(&self.limits, chunk, step, tokens, seconds) {
             self.prefill_speed = Some(tokens as f64 / seconds);
         }
         self.promote_prefilled();

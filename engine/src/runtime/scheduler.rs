@@ -174,6 +174,29 @@ pub fn step_budget(limits: &SchedulerLimits, tokens_per_s: Option<f64>) -> usize
     }
 }
 
+/// Whether a prefill step of `tokens` that took `seconds` measures the device's prefill speed,
+/// given the step's `chunk` and `step` budgets. A step that filled a chunk, used at least half
+/// its step budget, or took a good part of the unit target does; a small step done quickly
+/// says only that the device is fast enough (its time is mostly fixed costs) and must not
+/// shrink the next budgets.
+///
+/// "Half the step budget" is what lets a shrunk budget grow back: on a GPU the first steps of
+/// a new process compile their kernels, so they measure a speed far below the device's and
+/// shrink the budget; the steps that follow fill that small budget only up to a whole number
+/// of rows (16 prompts of 127 tokens are 2 032 of 2 048), which is less than a chunk, and
+/// without this rule no later step would ever measure again (seen on the H200: a burst of 64
+/// prompts split into 4 steps for the life of the engine).
+pub fn measures_speed(
+    limits: &SchedulerLimits,
+    chunk: usize,
+    step: usize,
+    tokens: usize,
+    seconds: f64,
+) -> bool {
+    let target = limits.prefill_unit_target.as_secs_f64();
+    seconds > 0.0 && (tokens >= chunk || tokens * 2 >= step || seconds >= target / 2.0)
+}
+
 /// The prefill passes of the next step, among sequences still prefilling (in admission order):
 /// every prompt whose work fits in the step's `step` tokens (padding included) gets some, each
 /// chunk holding at most `chunk` tokens (see [`chunk_budget`] and [`step_budget`]). Empty when
@@ -550,6 +573,28 @@ mod tests {
             ..limits()
         };
         assert_eq!(chunk_budget(&small, None), 50);
+    }
+
+    #[test]
+    fn a_shrunk_budget_grows_back_once_a_step_fills_it() {
+        let l = limits(); // 1 s target
+        // A cold first step (kernels compiling) measured a slow device: the budgets shrank.
+        let slow = Some(90.0);
+        let (chunk, step) = (chunk_budget(&l, slow), step_budget(&l, slow));
+        assert!(step < l.prefill_step_tokens);
+        // The next step fills that budget to a whole number of rows, short of a chunk, and
+        // runs fast: it measures, so the budgets grow back.
+        let tokens = step - step / 16;
+        assert_eq!((chunk, step), (64, 64));
+        assert!(tokens < chunk, "short of a chunk: the old rule never measured it");
+        assert!(measures_speed(&l, chunk, step, tokens, 0.005));
+        let fast = Some(tokens as f64 / 0.005);
+        assert_eq!(step_budget(&l, fast), l.prefill_step_tokens);
+        // A small step done quickly (one short prompt) does not measure.
+        assert!(!measures_speed(&l, 100, 300, 20, 0.005));
+        // A step that took half the target does, however small.
+        assert!(measures_speed(&l, 100, 300, 20, 0.6));
+        assert!(!measures_speed(&l, 100, 300, 300, 0.0));
     }
 
     #[test]
