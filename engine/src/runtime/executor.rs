@@ -5,7 +5,7 @@
 //! unit (a chunk of one prompt or a padded group of short ones), then publishes its counters.
 //! Sequences whose prompt is in their cache join the decode batch at the next step. MLX
 //! arrays never leave this thread.
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
@@ -71,7 +71,15 @@ pub(super) struct Executor<'m> {
     units: u64,
     /// Prompt tokens per second of the last prefill unit, which sizes the next chunks.
     prefill_speed: Option<f64>,
+    /// Pass shapes (rows, tokens) prefilled before: a step with a new one may spend most of
+    /// its time compiling kernels (MLX's CUDA backend compiles at first use), so it does not
+    /// measure the device's speed. Bounded by [`SEEN_SHAPES_MAX`].
+    prefill_shapes_seen: HashSet<(usize, usize)>,
 }
+
+/// Pass shapes remembered at most; past it every shape counts as seen (by then the kernels
+/// a server uses are compiled).
+const SEEN_SHAPES_MAX: usize = 4096;
 
 impl<'m> Executor<'m> {
     pub fn new(
@@ -117,6 +125,7 @@ impl<'m> Executor<'m> {
             timer: None,
             units: 0,
             prefill_speed: None,
+            prefill_shapes_seen: HashSet::new(),
         }
     }
 
@@ -479,11 +488,28 @@ impl<'m> Executor<'m> {
         result?;
         trace.finish(tokens);
         let seconds = started.elapsed().as_secs_f64();
-        if scheduler::measures_speed(&self.limits, chunk, step, tokens, seconds) {
+        let warm = self.saw_before(&work, &views);
+        if warm && scheduler::measures_speed(&self.limits, chunk, step, tokens, seconds) {
             self.prefill_speed = Some(tokens as f64 / seconds);
         }
         self.promote_prefilled();
         Ok(())
+    }
+
+    /// Whether every pass of this step has a shape prefilled before (and remembers them).
+    fn saw_before(&mut self, work: &[PrefillWork], views: &[PrefillView]) -> bool {
+        if self.prefill_shapes_seen.len() >= SEEN_SHAPES_MAX {
+            return true;
+        }
+        let mut warm = true;
+        for w in work {
+            let rows = match w {
+                PrefillWork::Chunk { .. } => 1,
+                PrefillWork::Group { indices } => indices.len(),
+            };
+            warm &= !self.prefill_shapes_seen.insert((rows, w.tokens(views)));
+        }
+        warm
     }
 
     /// The next `n` prompt tokens of one sequence into its own cache (queued, not waited for).
