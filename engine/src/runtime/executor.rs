@@ -73,8 +73,9 @@ pub(super) struct Executor<'m> {
     prefill_speed: Option<f64>,
     /// Pass shapes (rows, tokens) prefilled before: a step with a new one may spend most of
     /// its time compiling kernels (MLX's CUDA backend compiles at first use), so it does not
-    /// measure the device's speed. Bounded by [`SEEN_SHAPES_MAX`].
-    prefill_shapes_seen: HashSet<(usize, usize)>,
+    /// measure the device's speed. Bounded by [`SEEN_SHAPES_MAX`]. `None` on the CPU, which
+    /// compiles nothing per shape, so that its first chunk already sizes the next ones.
+    prefill_shapes_seen: Option<HashSet<(usize, usize)>>,
 }
 
 /// Pass shapes remembered at most; past it every shape counts as seen (by then the kernels
@@ -125,7 +126,7 @@ impl<'m> Executor<'m> {
             timer: None,
             units: 0,
             prefill_speed: None,
-            prefill_shapes_seen: HashSet::new(),
+            prefill_shapes_seen: super::on_gpu().then(HashSet::new),
         }
     }
 
@@ -498,7 +499,10 @@ impl<'m> Executor<'m> {
 
     /// Whether every pass of this step has a shape prefilled before (and remembers them).
     fn saw_before(&mut self, work: &[PrefillWork], views: &[PrefillView]) -> bool {
-        if self.prefill_shapes_seen.len() >= SEEN_SHAPES_MAX {
+        let Some(seen) = self.prefill_shapes_seen.as_mut() else {
+            return true;
+        };
+        if seen.len() >= SEEN_SHAPES_MAX {
             return true;
         }
         let mut warm = true;
@@ -507,7 +511,7 @@ impl<'m> Executor<'m> {
                 PrefillWork::Chunk { .. } => 1,
                 PrefillWork::Group { indices } => indices.len(),
             };
-            warm &= !self.prefill_shapes_seen.insert((rows, w.tokens(views)));
+            warm &= !seen.insert((rows, w.tokens(views)));
         }
         warm
     }
