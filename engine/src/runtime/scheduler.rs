@@ -578,7 +578,7 @@ mod tests {
     #[test]
     fn a_shrunk_budget_grows_back_once_a_step_fills_it() {
         let l = limits(); // 1 s target
-        // A cold first step (kernels compiling) measured a slow device: the budgets shrank.
+                          // A cold first step (kernels compiling) measured a slow device: the budgets shrank.
         let slow = Some(90.0);
         let (chunk, step) = (chunk_budget(&l, slow), step_budget(&l, slow));
         assert!(step < l.prefill_step_tokens);
@@ -586,7 +586,10 @@ mod tests {
         // runs fast: it measures, so the budgets grow back.
         let tokens = step - step / 16;
         assert_eq!((chunk, step), (64, 64));
-        assert!(tokens < chunk, "short of a chunk: the old rule never measured it");
+        assert!(
+            tokens < chunk,
+            "short of a chunk: the old rule never measured it"
+        );
         assert!(measures_speed(&l, chunk, step, tokens, 0.005));
         let fast = Some(tokens as f64 / 0.005);
         assert_eq!(step_budget(&l, fast), l.prefill_step_tokens);
