@@ -11,29 +11,20 @@ against bf16 fused attention and against dequantizing the prefix every step. It 
 whether mlx-lm's own QuantizedKVCache runs at a length that is not a multiple of its step.
 """
 import json
+import os
+import sys
 import time
 
 import mlx.core as mx
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cuda_qmm_probe import attention_q, quantized as quantize  # noqa: E402
+
 STEP = 256
 
 
-def quantize(x, bits, group):
-    return mx.quantize(x, group_size=group, bits=bits)
-
-
 def masked_quantized_attention(q, kq, vq, mask, bits, group):
-    b, h, l, d = q.shape
-    kvh = kq[0].shape[1]
-    rep = h // kvh
-    q = (q * (d**-0.5)).reshape(b, kvh, rep, l, d)
-    kq = [a[:, :, None] for a in kq]
-    vq = [a[:, :, None] for a in vq]
-    s = mx.quantized_matmul(q, *kq, transpose=True, group_size=group, bits=bits)
-    s = s + mask
-    w = mx.softmax(s, axis=-1, precise=True)
-    o = mx.quantized_matmul(w, *vq, transpose=False, group_size=group, bits=bits)
-    return o.reshape(b, h, l, d)
+    return attention_q(q, kq, vq, bits, group, mask=mask)
 
 
 def dequantized_attention(q, kq, vq, bits, group, t):

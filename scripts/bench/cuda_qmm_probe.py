@@ -16,7 +16,8 @@ def quantized(x, bits, group):
     return mx.quantize(x, group_size=group, bits=bits)
 
 
-def attention_q(q, kq, vq, bits, group):
+def attention_q(q, kq, vq, bits, group, mask=None):
+    """Unfused attention through quantized matmuls; `mask` is added to the scores."""
     b, h, l, d = q.shape
     kvh = kq[0].shape[1]
     rep = h // kvh
@@ -24,6 +25,8 @@ def attention_q(q, kq, vq, bits, group):
     kq = [a[:, :, None] for a in kq]
     vq = [a[:, :, None] for a in vq]
     s = mx.quantized_matmul(q, *kq, transpose=True, group_size=group, bits=bits)
+    if mask is not None:
+        s = s + mask
     w = mx.softmax(s, axis=-1, precise=True)
     o = mx.quantized_matmul(w, *vq, transpose=False, group_size=group, bits=bits)
     return o.reshape(b, h, l, d)
