@@ -54,30 +54,33 @@ pub struct Output {
     pub logprobs: Vec<mlxd_engine::runtime::request::TokenLogprobs>,
 }
 
+/// Sends one request to a running runtime; its events come on the receiver.
+pub fn submit(
+    runtime: &mlxd_engine::runtime::Runtime,
+    g: &Gen,
+) -> tokio::sync::mpsc::UnboundedReceiver<mlxd_engine::runtime::request::TokenEvent> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    runtime
+        .work
+        .send(mlxd_engine::runtime::request::GenerateRequest {
+            prompt: g.prompt.clone(),
+            sampling: g.sampling.clone(),
+            max_tokens: g.max_tokens,
+            stop_token_ids: vec![],
+            sample_offset: 0,
+            events: tx,
+            constraint: None,
+            logprobs: g.logprobs,
+        })
+        .expect("runtime is running");
+    rx
+}
+
 /// Sends every request to a running runtime at once (so they share the batch) and collects
 /// the tokens of each, in order.
 pub fn generate_together(runtime: &mlxd_engine::runtime::Runtime, gens: &[Gen]) -> Vec<Output> {
-    use mlxd_engine::runtime::request::{GenerateRequest, TokenEvent};
-    let receivers: Vec<_> = gens
-        .iter()
-        .map(|g| {
-            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-            runtime
-                .work
-                .send(GenerateRequest {
-                    prompt: g.prompt.clone(),
-                    sampling: g.sampling.clone(),
-                    max_tokens: g.max_tokens,
-                    stop_token_ids: vec![],
-                    sample_offset: 0,
-                    events: tx,
-                    constraint: None,
-                    logprobs: g.logprobs,
-                })
-                .expect("runtime is running");
-            rx
-        })
-        .collect();
+    use mlxd_engine::runtime::request::TokenEvent;
+    let receivers: Vec<_> = gens.iter().map(|g| submit(runtime, g)).collect();
     receivers
         .into_iter()
         .map(|mut rx| {

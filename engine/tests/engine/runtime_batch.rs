@@ -3,7 +3,7 @@
 //! cache changes nothing but the work done, and limits are honoured.
 use crate::common;
 
-use common::{generate_alone, generate_together, start_runtime, Gen, Output};
+use common::{generate_alone, generate_together, start_runtime, submit, Gen, Output};
 use mlxd_engine::runtime::request::{FinishReason, GenerateRequest, GenerationError, TokenEvent};
 use mlxd_engine::runtime::sampling_params::SamplingParams;
 use mlxd_engine::runtime::{Runtime, RuntimeLimits};
@@ -712,25 +712,6 @@ fn on_a_slow_device_prefill_chunks_shrink_to_the_unit_target() {
     );
     assert_eq!(prefill.iter().sum::<i32>(), 499);
     runtime.join();
-}
-
-/// Sends one request; its events come on the receiver.
-fn submit(runtime: &Runtime, g: &Gen) -> tokio::sync::mpsc::UnboundedReceiver<TokenEvent> {
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    runtime
-        .work
-        .send(GenerateRequest {
-            prompt: g.prompt.clone(),
-            sampling: g.sampling.clone(),
-            max_tokens: g.max_tokens,
-            stop_token_ids: vec![],
-            sample_offset: 0,
-            events: tx,
-            constraint: None,
-            logprobs: None,
-        })
-        .expect("runtime is running");
-    rx
 }
 
 /// Reads a request's tokens up to `until` of them (all when `None`).
