@@ -47,3 +47,26 @@ pub fn check_architecture(architecture: &str, ranks: usize) -> Result<(), LoadEr
         TENSOR_PARALLEL.join(", ")
     )))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_families_with_a_shard_function_form_a_group() {
+        for arch in TENSOR_PARALLEL {
+            assert!(check_architecture(arch, 2).is_ok(), "{arch}");
+        }
+        for arch in [
+            "Gemma3ForCausalLM",
+            "DeepseekV3ForCausalLM",
+            "Qwen3NextForCausalLM",
+        ] {
+            let message = check_architecture(arch, 2).unwrap_err().to_string();
+            assert!(
+                message.contains(arch) && message.contains("2 ranks"),
+                "{message}"
+            );
+        }
+    }
+}
