@@ -62,6 +62,9 @@ pub enum LoadError {
     Architecture(String, String),
     #[error("MLX failed while loading weights: {0}")]
     Mlx(#[from] mlx_rs::error::Exception),
+    /// The loaded model failed its warm-up generations (`crate::runtime::warm_up`).
+    #[error("the warm-up pass before serving failed: {0}")]
+    WarmUp(String),
 }
 
 /// Quantization of one layer, as `mlx.nn.quantize` records it in config.json.

@@ -94,6 +94,11 @@ pub const KEYS: &[(&str, &str)] = &[
         "prompt tokens prefilled per step, all prompts together, 32 to 1048576 (default: 16384 \
          on a GPU, 2048 on the CPU)",
     ),
+    (
+        "warm_up",
+        "true or false: run a few short generations before reporting ready, so kernels are \
+         compiled before the first request or a standby's takeover (default: true on a GPU)",
+    ),
 ];
 
 /// An option with a value it cannot take, or in a combination that cannot work.
@@ -188,6 +193,11 @@ pub struct EngineOptions {
     /// step outlast half a second [default: 16384 on a GPU, 2048 on the CPU].
     #[cfg_attr(feature = "cli", arg(long, value_parser = parse_prefill_step_tokens))]
     pub prefill_step_tokens: Option<u64>,
+    /// Run a few short generations before reporting ready, so that the kernels a GPU
+    /// compiles on first use are ready before the first request — or before a standby
+    /// engine takes over a crashed one's streams [default: true on a GPU, false on the CPU].
+    #[cfg_attr(feature = "cli", arg(long, value_parser = parse_warm_up))]
+    pub warm_up: Option<bool>,
 }
 
 // One parser per option: what flags, config values and `Launch.options` all go through.
@@ -322,6 +332,14 @@ pub fn parse_prefill_step_tokens(s: &str) -> Result<u64, String> {
     parse_in(s, 32, MAX_PREFILL_STEP_TOKENS, "a number of tokens")
 }
 
+pub fn parse_warm_up(s: &str) -> Result<bool, String> {
+    match s.trim() {
+        "true" => Ok(true),
+        "false" => Ok(false),
+        _ => Err("expected true or false".into()),
+    }
+}
+
 impl EngineOptions {
     /// Sets the option `key` from its string form; an unknown key or a value outside the
     /// option's domain is an error naming both.
@@ -363,6 +381,7 @@ impl EngineOptions {
             "prefill_step_tokens" => {
                 self.prefill_step_tokens = Some(parse_prefill_step_tokens(value).map_err(bad)?)
             }
+            "warm_up" => self.warm_up = Some(parse_warm_up(value).map_err(bad)?),
             _ => {
                 let known: Vec<&str> = KEYS.iter().map(|(k, _)| *k).collect();
                 return Err(bad(format!("unknown option (known: {})", known.join(", "))));
@@ -432,6 +451,7 @@ impl EngineOptions {
             "prefill_step_tokens",
             self.prefill_step_tokens.map(|v| v.to_string()),
         );
+        put("warm_up", self.warm_up.map(|v| v.to_string()));
         map
     }
 
@@ -561,6 +581,7 @@ mod tests {
             ("generation_checkpoint", "64"),
             ("state_snapshot_every", "1024"),
             ("prefill_step_tokens", "8192"),
+            ("warm_up", "false"),
         ]);
         let o = EngineOptions::from_map(&given).unwrap();
         assert_eq!(o.to_map(), given);
@@ -621,6 +642,10 @@ mod tests {
             (
                 &[("draft", "ngram"), ("ngram_min", "5")],
                 "engine option ngram_min = \"5\": n-gram sizes must satisfy",
+            ),
+            (
+                &[("warm_up", "yes")],
+                "engine option warm_up = \"yes\": expected true or false",
             ),
             (
                 &[("prefill_step_tokens", "16")],

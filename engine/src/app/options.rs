@@ -75,6 +75,7 @@ pub fn runtime_options(
     if let Some(n) = options.prefill_step_tokens {
         limits.prefill_step_tokens = Some(n as usize);
     }
+    limits.warm_up = options.warm_up;
     limits.ssd = options.ssd_cache.clone().map(|dir| SsdConfig {
         dir,
         max_bytes: options.ssd_cache_max_bytes(),

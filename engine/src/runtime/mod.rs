@@ -23,6 +23,7 @@ pub mod sampling_params;
 pub mod scheduler;
 pub mod sequence;
 pub mod step_trace;
+pub mod warm_up;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
@@ -107,6 +108,10 @@ pub struct RuntimeLimits {
     /// prompt's state kept in the prefix cache (`--state-snapshot-every`); a state cannot be
     /// cut to a shorter prefix, so a later prompt can only reuse a snapshot it fully extends.
     pub state_snapshot_every: usize,
+    /// Run a few short generations before reporting ready ([`warm_up`]), so the first
+    /// requests — or a standby's takeover — do not pay for compiling kernels
+    /// (`--warm-up`). `None`: on a GPU only (the CPU compiles nothing per pass).
+    pub warm_up: Option<bool>,
 }
 
 impl Default for RuntimeLimits {
@@ -123,6 +128,7 @@ impl Default for RuntimeLimits {
             speculation: None,
             ssd: None,
             state_snapshot_every: STATE_SNAPSHOT_EVERY,
+            warm_up: None,
         }
     }
 }
@@ -322,19 +328,36 @@ impl Runtime {
                             return;
                         }
                     };
+                    let scheduler = limits.scheduler(on_gpu());
+                    let layout = KvLayout {
+                        quant: limits.kv_quant,
+                        start: limits.quantized_kv_start,
+                    };
+                    // Not in an engine group: its ranks would have to warm up in lockstep.
+                    if lockstep.is_none() && limits.warm_up.unwrap_or_else(on_gpu) {
+                        let started = std::time::Instant::now();
+                        if let Err(e) = warm_up::run(
+                            model.as_ref(),
+                            &info,
+                            scheduler.clone(),
+                            limits.kv_budget_bytes,
+                            plain_bytes_per_token,
+                            layout,
+                        ) {
+                            let _ = ready_tx.send(Err(e));
+                            return;
+                        }
+                        tracing::info!(ms = started.elapsed().as_millis() as u64, "warmed up");
+                    }
                     let _ = ready_tx.send(Ok(info.clone()));
                     let caches = CacheManager::new(
                         limits.kv_budget_bytes,
                         limits.prompt_cache_bytes,
                         plain_bytes_per_token,
                         info.kv_bytes_per_token,
-                        KvLayout {
-                            quant: limits.kv_quant,
-                            start: limits.quantized_kv_start,
-                        },
+                        layout,
                     )
                     .with_ssd(ssd);
-                    let scheduler = limits.scheduler(on_gpu());
                     tracing::info!(
                         max_batch_size = scheduler.max_batch_size,
                         prefill_step_tokens = scheduler.prefill_step_tokens,

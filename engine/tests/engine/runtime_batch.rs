@@ -788,3 +788,50 @@ fn prompts_of_very_different_lengths_joining_at_different_steps_get_their_alone_
     );
     runtime.join();
 }
+
+/// `warm_up`: the generations run before the runtime reports ready leave nothing behind — no
+/// KV, no prefix-cache entry (their own prompts miss afterwards) — and change no token.
+#[test]
+fn a_warmed_up_runtime_keeps_nothing_from_its_warm_up_and_gives_the_same_tokens() {
+    let dir = common::tiny_model("tiny-llama");
+    let start = |warm_up| {
+        let limits = RuntimeLimits {
+            warm_up: Some(warm_up),
+            ..Default::default()
+        };
+        Runtime::start(dir.clone(), limits, None).expect("load")
+    };
+    let warm = start(true);
+    assert_eq!(
+        warm.stats
+            .kv_bytes
+            .load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "the warm-up left KV behind"
+    );
+    let vocab = warm.info.vocab_size;
+    let warm_prompts: Vec<Vec<u32>> = mlxd_engine::runtime::warm_up::requests(vocab)
+        .into_iter()
+        .map(|(prompt, _)| prompt)
+        .collect();
+    let mut gens: Vec<Gen> = warm_prompts.iter().map(|p| Gen::greedy(p, 6)).collect();
+    gens.extend(prompts().iter().map(|p| Gen::greedy(p, 6)));
+    gens.push(Gen {
+        sampling: sampled(5),
+        ..Gen::greedy(&prompts()[0], 6)
+    });
+    let warmed = generate_alone(&warm, &gens);
+    for (o, p) in warmed.iter().zip(&warm_prompts) {
+        assert_eq!(
+            o.cached,
+            0,
+            "a warm-up prompt ({} tokens) hit the prefix cache",
+            p.len()
+        );
+    }
+    warm.join();
+    let cold = start(false);
+    let plain = generate_alone(&cold, &gens);
+    cold.join();
+    assert_eq!(tokens(&warmed), tokens(&plain));
+}
