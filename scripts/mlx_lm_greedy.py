@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Reference greedy tokens from mlx-lm, for parity tests and benchmarks.
 
-    .venv/bin/python scripts/mlx_lm_greedy.py <model dir> <max tokens> <token id>...
+    .venv/bin/python scripts/mlx_lm_greedy.py [--adapter <dir>] <model dir> <max tokens> <token id>...
 
-Prints the generated token ids on one line, space-separated.
+`--adapter` applies an mlx-lm LoRA adapter directory (`adapter_config.json` +
+`adapters.safetensors`) as `mlx_lm.load(..., adapter_path=...)` does. Prints the generated token ids on one line, space-separated.
 """
 import sys
 
@@ -13,9 +14,18 @@ from mlx_lm.utils import load_model
 
 
 def main():
-    model_dir, max_tokens = sys.argv[1], int(sys.argv[2])
-    prompt = mx.array([int(t) for t in sys.argv[3:]], dtype=mx.uint32)
+    args = sys.argv[1:]
+    adapter = None
+    if args[:1] == ["--adapter"]:
+        adapter, args = args[1], args[2:]
+    model_dir, max_tokens = args[0], int(args[1])
+    prompt = mx.array([int(t) for t in args[2:]], dtype=mx.uint32)
     model, _ = load_model(__import__("pathlib").Path(model_dir))
+    if adapter is not None:
+        from mlx_lm.tuner.utils import load_adapters
+
+        model = load_adapters(model, adapter)
+        model.eval()
     out = []
     for token, _ in generate_step(prompt, model, max_tokens=max_tokens):
         out.append(int(token))

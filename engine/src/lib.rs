@@ -1,5 +1,6 @@
 //! `mlxd-engine`: everything that touches MLX. One OS thread owns the model and its caches;
 //! the HTTP side talks to it through the channels in [`runtime::request`].
+pub mod adapters;
 pub mod app;
 pub mod cache;
 pub mod chat_template;

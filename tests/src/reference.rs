@@ -51,6 +51,26 @@ pub fn mlx_lm_greedy(model: &Path, max_tokens: usize, prompt: &[u32]) -> Result<
     )
 }
 
+/// [`mlx_lm_greedy`] with the mlx-lm LoRA adapter in `adapter` applied (mlx-lm's
+/// `load_adapters`, as `mlx_lm.load(..., adapter_path=...)`).
+pub fn mlx_lm_greedy_with_adapter(
+    model: &Path,
+    adapter: &Path,
+    max_tokens: usize,
+    prompt: &[u32],
+) -> Result<Vec<u32>> {
+    token_ids(
+        "mlx-lm",
+        Command::new(python()?)
+            .arg(workspace_root().join("scripts/mlx_lm_greedy.py"))
+            .arg("--adapter")
+            .arg(adapter)
+            .arg(model)
+            .arg(max_tokens.to_string())
+            .args(prompt.iter().map(u32::to_string)),
+    )
+}
+
 /// Chat-template token ids of one user turn (with the generation prompt) from Hugging Face
 /// `transformers`, the reference renderer.
 pub fn hf_chat_tokens(model: &Path, user: &str) -> Result<Vec<u32>> {

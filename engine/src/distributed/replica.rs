@@ -131,6 +131,7 @@ impl Leader {
             events: relay_tx,
             constraint: None,
             logprobs: req.logprobs,
+            adapter: req.adapter,
         };
         Some((run, arrival))
     }
@@ -277,6 +278,7 @@ impl Lockstep for Follower {
                     events: tx,
                     constraint: None,
                     logprobs: a.logprobs,
+                    adapter: None,
                 }
             })
             .collect();

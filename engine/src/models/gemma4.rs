@@ -668,6 +668,7 @@ fn with_rows(l: Linear, rows: i32, at: &str) -> Result<Linear, LoadError> {
     Ok(Linear {
         matrix: matrix_with_rows(l.matrix, rows, at)?,
         bias: l.bias,
+        lora: l.lora,
     })
 }
 

@@ -8,6 +8,7 @@ use mlx_rs::ops::{dequantize, quantized_matmul};
 use mlx_rs::Array;
 
 use super::quant::{self, Packed, QuantMode};
+use crate::adapters::LoraSite;
 use crate::cache::{LayerCache, Mask, Stored};
 use crate::loader::{LoadError, Weights};
 /// Rotary embeddings live beside the cache (which applies them at each row's offset), outside
@@ -117,11 +118,14 @@ impl Matrix {
     }
 }
 
-/// `nn.Linear` (optionally `nn.QuantizedLinear`), with an optional bias.
+/// `nn.Linear` (optionally `nn.QuantizedLinear`), with an optional bias, and its entry in
+/// the model's adapter table (`crate::adapters`): the LoRA update of the rows whose adapter
+/// changes this layer is added to its output.
 #[derive(Debug)]
 pub struct Linear {
     pub matrix: Matrix,
     pub bias: Option<Array>,
+    pub lora: Option<LoraSite>,
 }
 
 impl Linear {
@@ -132,13 +136,18 @@ impl Linear {
         } else {
             None
         };
-        Ok(Self { matrix, bias })
+        let lora = crate::adapters::site_for(prefix, &matrix);
+        Ok(Self { matrix, bias, lora })
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let y = self.matrix.matmul_t(x)?;
-        match &self.bias {
-            Some(b) => y.add(b),
+        let y = match &self.bias {
+            Some(b) => y.add(b)?,
+            None => y,
+        };
+        match &self.lora {
+            Some(site) => site.apply(x, y),
             None => Ok(y),
         }
     }

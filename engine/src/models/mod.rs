@@ -123,6 +123,12 @@ pub trait CausalLm: Send {
             })
             .collect()
     }
+    /// The LoRA adapters this model serves beside its own weights, per row
+    /// ([`crate::adapters`]); `None` for a model loaded without a table (a tensor-parallel
+    /// shard, a test's wrapper).
+    fn adapters(&self) -> Option<&std::sync::Arc<crate::adapters::AdapterTable>> {
+        None
+    }
 }
 
 /// A runtime option that a family may be unable to serve exactly (see [`CausalLm::refuses`]).
@@ -233,12 +239,22 @@ pub fn load_for_group(
     if let Some(group) = &group {
         crate::distributed::check_architecture(arch, group.size())?;
     }
+    // A shard holds part of each linear layer: adapters are not applied to it.
+    let adapters = group
+        .is_none()
+        .then(|| std::sync::Arc::new(crate::adapters::AdapterTable::new()));
     let mut weights = Weights::open(dir, &config)?
         .with_reporter(reporter)
         .with_group(group);
-    let model = build(&config, &mut weights)?;
+    let model = {
+        let _registering = adapters.clone().map(crate::adapters::loading_into);
+        build(&config, &mut weights)?
+    };
     weights.finish()?;
-    Ok(model)
+    Ok(match adapters {
+        Some(table) => Box::new(crate::adapters::model::Adapted::new(model, table)),
+        None => model,
+    })
 }
 
 /// `eos_token_id` as an int or a list of ints.

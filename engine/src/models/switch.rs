@@ -33,7 +33,7 @@ impl SwitchLinear {
     /// Loads `<prefix>.weight` (and `.scales`/`.biases` when quantized, with the layer's own
     /// quantization settings), and `<prefix>.bias` when `bias`.
     pub fn load(w: &mut Weights, prefix: &str, bias: bool) -> std::result::Result<Self, LoadError> {
-        let Linear { matrix, bias } = Linear::load(w, prefix, bias)?;
+        let Linear { matrix, bias, .. } = Linear::load(w, prefix, bias)?;
         Ok(Self {
             weight: matrix,
             bias,

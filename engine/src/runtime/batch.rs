@@ -19,6 +19,7 @@ use super::request::FinishReason;
 use super::sampler::{BatchSampler, PickedLogprobs, RowSampling};
 use super::sequence::Sequence;
 use super::step_trace::StepClock;
+use crate::adapters;
 use crate::cache::{KvLayout, LayerCache, LayerKind, SeqKv};
 use crate::models::CausalLm;
 
@@ -325,6 +326,7 @@ impl DecodeBatch {
                 _ => concatenate(&inputs, 0)?,
             };
             let b = self.rows.len() as i32;
+            let _adapters = adapters::select(model, self.rows.iter().map(|s| s.adapter))?;
             let logits = model.forward(&input.reshape(&[b, 1])?, &mut self.caches)?;
             clock.forward_built();
             if let Some(mask) = self.constraint_mask()? {
@@ -486,7 +488,9 @@ impl DecodeBatch {
             drafting = budget.iter().filter(|&&k| k > 0).count(),
             "speculative pass"
         );
+        let adapters = adapters::select(model, self.rows.iter().map(|s| s.adapter))?;
         let logits = model.forward(&input, &mut self.caches)?;
+        drop(adapters);
         if let Some(mask) = self.constraint_mask()? {
             self.sampler.set_mask(mask);
         }
@@ -600,7 +604,8 @@ impl DecodeBatch {
 
     /// A copy of row `r`'s KV and the tokens it holds, when the prefix cache wants it.
     fn row_kv(&self, r: usize, seq: &Sequence) -> Result<Option<RowKv>, Exception> {
-        if !self.keep_kv {
+        // An adapter row's KV is the adapter's: kept, it would serve base rows' prompts.
+        if !self.keep_kv || seq.adapter.is_some() {
             return Ok(None);
         }
         let mut layers = Vec::with_capacity(self.caches.len());

@@ -21,6 +21,7 @@ use super::scheduler::{self, Admission, PrefillView, PrefillWork, SchedulerLimit
 use super::sequence::Sequence;
 use super::step_trace::PrefillTrace;
 use super::{OomHook, RuntimeStats};
+use crate::adapters;
 use crate::cache::{CacheManager, KvLayout, KvQuant, LayerCache, LayerKind, SeqKv};
 use crate::models::{CausalLm, ModelInfo};
 
@@ -314,7 +315,11 @@ impl<'m> Executor<'m> {
                     let mut seq = Sequence::new(req, self.info.context_length);
                     seq.reservation = Some(self.caches.reserve(needed));
                     let looking = Instant::now();
-                    let hit = self.caches.lookup(seq.prompt())?;
+                    // The cache holds base-model KV only (see `DecodeBatch::row_kv`).
+                    let hit = match seq.adapter {
+                        None => self.caches.lookup(seq.prompt())?,
+                        Some(_) => None,
+                    };
                     tracing::debug!(
                         target: "mlxd_engine::prefix",
                         prompt = seq.prompt_len,
@@ -526,13 +531,17 @@ impl<'m> Executor<'m> {
             .layers
             .take()
             .unwrap_or_else(|| fresh_layers(&self.kinds, vec![0], quant));
-        let mut layers = queue_prefill(self.model, &input, layers)?;
+        let mut layers = {
+            let _adapters = adapters::select(self.model, [p.seq.adapter])?;
+            queue_prefill(self.model, &input, layers)?
+        };
         let before = p.written;
         p.written += n;
         quantize_past_start(&mut layers, layout, p.written)?;
         let written = p.written;
         let every = self.limits.state_snapshot_every.max(1);
-        if self.stateful && (written == p.seq.prompt_len - 1 || written / every > before / every) {
+        let boundary = written == p.seq.prompt_len - 1 || written / every > before / every;
+        if self.stateful && p.seq.adapter.is_none() && boundary {
             let tokens = p.seq.tokens[..written].to_vec();
             self.snapshot_row(tokens, &layers, 0)?;
         }
@@ -556,14 +565,21 @@ impl<'m> Executor<'m> {
         }
         let input = Array::from_slice(&tokens, &[rows.len() as i32, longest as i32]);
         let layout = self.caches.layout();
-        let mut layers = queue_prefill(
-            self.model,
-            &input,
-            fresh_layers(&self.kinds, padding, layout.at(0)),
-        )?;
+        let mut layers = {
+            let _adapters = adapters::select(self.model, rows.iter().map(|p| p.seq.adapter))?;
+            queue_prefill(
+                self.model,
+                &input,
+                fresh_layers(&self.kinds, padding, layout.at(0)),
+            )?
+        };
         quantize_past_start(&mut layers, layout, longest)?;
         if self.stateful {
-            for (row, p) in rows.iter().enumerate() {
+            for (row, p) in rows
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| p.seq.adapter.is_none())
+            {
                 let tokens = p.seq.tokens[..lens[row]].to_vec();
                 self.snapshot_row(tokens, &layers, row)?;
             }

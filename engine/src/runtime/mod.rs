@@ -33,6 +33,7 @@ use std::thread;
 
 use tokio::sync::mpsc;
 
+use crate::adapters::AdapterTable;
 use crate::cache::ssd::{SsdConfig, SsdCounters, SsdHandle, SsdTier};
 use crate::cache::{CacheManager, KvLayout, KvQuant};
 use crate::loader::LoadError;
@@ -112,6 +113,9 @@ pub struct RuntimeLimits {
     /// requests — or a standby's takeover — do not pay for compiling kernels
     /// (`--warm-up`). `None`: on a GPU only (the CPU compiles nothing per pass).
     pub warm_up: Option<bool>,
+    /// LoRA adapters loaded beside the model at start, by name (`--adapter name=dir`,
+    /// `crate::adapters`).
+    pub adapters: Vec<(String, PathBuf)>,
 }
 
 impl Default for RuntimeLimits {
@@ -129,6 +133,7 @@ impl Default for RuntimeLimits {
             ssd: None,
             state_snapshot_every: STATE_SNAPSHOT_EVERY,
             warm_up: None,
+            adapters: Vec::new(),
         }
     }
 }
@@ -192,6 +197,9 @@ pub struct Runtime {
     pub stats: Arc<RuntimeStats>,
     /// Flushes the SSD tier's writes (the `Spill` control message).
     pub ssd: Option<SsdHandle>,
+    /// The model's LoRA adapters (`None`: a model that takes none, such as a group's shard);
+    /// the HTTP side resolves adapter names against it.
+    pub adapters: Option<Arc<AdapterTable>>,
     thread: thread::JoinHandle<()>,
 }
 
@@ -349,7 +357,11 @@ impl Runtime {
                         }
                         tracing::info!(ms = started.elapsed().as_millis() as u64, "warmed up");
                     }
-                    let _ = ready_tx.send(Ok(info.clone()));
+                    if let Err(e) = load_adapters(model.as_ref(), &limits.adapters) {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                    let _ = ready_tx.send(Ok((info.clone(), model.adapters().cloned())));
                     let caches = CacheManager::new(
                         limits.kv_budget_bytes,
                         limits.prompt_cache_bytes,
@@ -383,11 +395,12 @@ impl Runtime {
                 source: e,
             })?;
         match ready_rx.recv() {
-            Ok(Ok(info)) => Ok(Runtime {
+            Ok(Ok((info, adapters))) => Ok(Runtime {
                 work,
                 info,
                 stats,
                 ssd: ssd_handle,
+                adapters,
                 thread,
             }),
             Ok(Err(e)) => Err(e),
@@ -402,6 +415,26 @@ impl Runtime {
         drop(self.work);
         let _ = self.thread.join();
     }
+}
+
+/// Loads `adapters` (name, directory) into the model's table, on the MLX thread.
+fn load_adapters(model: &dyn CausalLm, adapters: &[(String, PathBuf)]) -> Result<(), LoadError> {
+    if adapters.is_empty() {
+        return Ok(());
+    }
+    let Some(table) = model.adapters() else {
+        return Err(LoadError::Config(format!(
+            "{} takes no adapters here: an engine group's shard holds part of each layer",
+            model.info().architecture
+        )));
+    };
+    for (name, dir) in adapters {
+        let id = table
+            .load(name, dir)
+            .map_err(|e| LoadError::Config(format!("adapter {name} ({}): {e}", dir.display())))?;
+        tracing::info!(adapter = %name, dir = %dir.display(), ?id, "adapter loaded");
+    }
+    Ok(())
 }
 
 /// The first option in `limits` that the model's family refuses, with its reason. A model

@@ -7,6 +7,7 @@
 use tokio::sync::mpsc;
 
 use super::sampling_params::{SamplingError, SamplingParams};
+use crate::adapters::AdapterId;
 use crate::constraint::TokenConstraint;
 
 /// One generation job for the MLX thread.
@@ -33,6 +34,9 @@ pub struct GenerateRequest {
     /// (`None`: none). A sequence that wants them gets no speculative drafts and makes its
     /// batch step synchronously.
     pub logprobs: Option<usize>,
+    /// The LoRA adapter this request's rows run with (`crate::adapters`); `None`: the base
+    /// model.
+    pub adapter: Option<AdapterId>,
 }
 
 /// Alternatives per token a request may ask for (OpenAI's `top_logprobs` limit).

@@ -5,6 +5,7 @@ use tokio::sync::mpsc;
 
 use super::request::{FinishReason, GenerateRequest, GenerationError, TokenEvent, TokenLogprobs};
 use super::sampling_params::SamplingParams;
+use crate::adapters::AdapterId;
 use crate::cache::Reservation;
 use crate::constraint::TokenConstraint;
 
@@ -37,6 +38,9 @@ pub struct Sequence {
     pub constraint: Option<Box<dyn TokenConstraint>>,
     /// Alternatives to report per token when the request wants log-probabilities.
     pub logprobs: Option<usize>,
+    /// The LoRA adapter of this row's forward passes (`None`: the base model). Its KV is
+    /// the adapter's, so it neither reads nor feeds the prefix cache.
+    pub adapter: Option<AdapterId>,
     /// The log-probabilities of the token about to be emitted.
     pending_logprobs: Option<TokenLogprobs>,
     events: mpsc::UnboundedSender<TokenEvent>,
@@ -68,6 +72,7 @@ impl Sequence {
             checkpointed: 0,
             constraint: request.constraint,
             logprobs: request.logprobs,
+            adapter: request.adapter,
             pending_logprobs: None,
             events: request.events,
             prompt_reported: false,

@@ -93,6 +93,7 @@ pub fn run(
                 events: tx,
                 constraint: None,
                 logprobs: None,
+                adapter: None,
             })
             .expect("the receiver is held here");
             events.push(events_rx);

@@ -82,6 +82,7 @@ pub(super) fn start_with(
         events: events_tx,
         constraint,
         logprobs: job.settings.logprobs,
+        adapter: None,
     };
     let submission = Submission {
         request,

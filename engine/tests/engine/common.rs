@@ -16,6 +16,17 @@ pub fn mlx_lm_greedy(model: &Path, max_tokens: usize, prompt: &[u32]) -> Vec<u32
     mlxd_tests::mlx_lm_greedy(model, max_tokens, prompt).unwrap_or_else(|e| panic!("{e:#}"))
 }
 
+/// Greedy tokens from mlx-lm with the LoRA adapter in `adapter` applied.
+pub fn mlx_lm_greedy_with_adapter(
+    model: &Path,
+    adapter: &Path,
+    max_tokens: usize,
+    prompt: &[u32],
+) -> Vec<u32> {
+    mlxd_tests::mlx_lm_greedy_with_adapter(model, adapter, max_tokens, prompt)
+        .unwrap_or_else(|e| panic!("{e:#}"))
+}
+
 /// Chat-template token ids from Hugging Face `transformers` (the reference renderer).
 pub fn hf_chat_tokens(model: &Path, user: &str) -> Vec<u32> {
     mlxd_tests::hf_chat_tokens(model, user).unwrap_or_else(|e| panic!("{e:#}"))
@@ -71,6 +82,7 @@ pub fn submit(
             events: tx,
             constraint: None,
             logprobs: g.logprobs,
+            adapter: None,
         })
         .expect("runtime is running");
     rx
@@ -79,36 +91,36 @@ pub fn submit(
 /// Sends every request to a running runtime at once (so they share the batch) and collects
 /// the tokens of each, in order.
 pub fn generate_together(runtime: &mlxd_engine::runtime::Runtime, gens: &[Gen]) -> Vec<Output> {
-    use mlxd_engine::runtime::request::TokenEvent;
     let receivers: Vec<_> = gens.iter().map(|g| submit(runtime, g)).collect();
-    receivers
-        .into_iter()
-        .map(|mut rx| {
-            let mut out = Output {
-                tokens: vec![],
-                cached: 0,
-                finish: None,
-                drafts: None,
-                logprobs: vec![],
-            };
-            while let Some(event) = rx.blocking_recv() {
-                match event {
-                    TokenEvent::PromptDone { cached, .. } => out.cached = cached,
-                    TokenEvent::Token(t) => out.tokens.push(t),
-                    TokenEvent::Logprobs(lp) => out.logprobs.push(lp),
-                    TokenEvent::Drafts { drafted, accepted } => {
-                        out.drafts = Some((drafted, accepted))
-                    }
-                    TokenEvent::Finished(reason) => {
-                        out.finish = Some(reason);
-                        break;
-                    }
-                    TokenEvent::Failed(e) => panic!("generation failed: {e}"),
-                }
+    receivers.into_iter().map(collect).collect()
+}
+
+/// Reads one request's events to its end.
+pub fn collect(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<mlxd_engine::runtime::request::TokenEvent>,
+) -> Output {
+    use mlxd_engine::runtime::request::TokenEvent;
+    let mut out = Output {
+        tokens: vec![],
+        cached: 0,
+        finish: None,
+        drafts: None,
+        logprobs: vec![],
+    };
+    while let Some(event) = rx.blocking_recv() {
+        match event {
+            TokenEvent::PromptDone { cached, .. } => out.cached = cached,
+            TokenEvent::Token(t) => out.tokens.push(t),
+            TokenEvent::Logprobs(lp) => out.logprobs.push(lp),
+            TokenEvent::Drafts { drafted, accepted } => out.drafts = Some((drafted, accepted)),
+            TokenEvent::Finished(reason) => {
+                out.finish = Some(reason);
+                break;
             }
-            out
-        })
-        .collect()
+            TokenEvent::Failed(e) => panic!("generation failed: {e}"),
+        }
+    }
+    out
 }
 
 /// Each request alone, one after the other.

@@ -32,6 +32,7 @@ fn send(
                 Box::new(ForcedTokens::new(t)) as Box<dyn mlxd_engine::constraint::TokenConstraint>
             }),
             logprobs: None,
+            adapter: None,
         })
         .expect("runtime is running");
     rx

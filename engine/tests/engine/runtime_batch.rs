@@ -283,6 +283,7 @@ fn a_request_larger_than_the_kv_budget_is_refused_and_others_still_run() {
             events: tx,
             constraint: None,
             logprobs: None,
+            adapter: None,
         })
         .unwrap();
     match rx.blocking_recv() {
@@ -337,6 +338,7 @@ fn stop_tokens_and_cancellation_free_the_row() {
             events: tx,
             constraint: None,
             logprobs: None,
+            adapter: None,
         })
         .unwrap();
     let mut got = vec![];
@@ -365,6 +367,7 @@ fn stop_tokens_and_cancellation_free_the_row() {
             events: tx,
             constraint: None,
             logprobs: None,
+            adapter: None,
         })
         .unwrap();
     drop(rx);
@@ -574,6 +577,7 @@ fn send(
             events: tx,
             constraint: None,
             logprobs: None,
+            adapter: None,
         })
         .unwrap();
     rx

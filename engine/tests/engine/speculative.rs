@@ -369,6 +369,7 @@ fn a_constrained_row_takes_no_drafts_and_follows_its_mask_in_a_speculative_batch
                 Box::new(ForcedTokens::new(forced.clone())) as Box<dyn TokenConstraint>
             ),
             logprobs: None,
+            adapter: None,
         })
         .unwrap();
     let out = generate_together(&spec, std::slice::from_ref(&free));

@@ -112,6 +112,7 @@ fn generate_watching_kv(runtime: &Runtime, prompt: &[u32], max_tokens: usize) ->
             events: tx,
             constraint: None,
             logprobs: None,
+            adapter: None,
         })
         .expect("runtime is running");
     let (mut tokens, mut most) = (Vec::new(), 0);

@@ -1,0 +1,538 @@
+//! The adapters one loaded model holds, the linear layers they apply to, and each forward
+//! pass's choice of adapter per row.
+//!
+//! Every [`Linear`](crate::models::layers::Linear) a model loads outside a tensor-parallel
+//! group registers a [`LoraSite`] here under its checkpoint name (`model.layers.3.mlp.up_proj`),
+//! through the load scope [`loading_into`] opens; an adapter's tensors (`<name>.lora_a`,
+//! `<name>.lora_b`) are matched to the sites by that name. Before a forward pass the runtime
+//! [`selects`](AdapterTable::select) each row's adapter; the selection lives until the guard
+//! it returns is dropped, and every site reads it while the pass's graph is built:
+//!
+//! - no row has an adapter: the sites see a cleared flag and do nothing (no lock, no op);
+//! - every row has the same adapter: `y + (scale * (x @ A) @ B)` as mlx-lm's `LoRALinear`;
+//! - rows differ: each site stacks its factors over the loaded adapters, with a zero entry
+//!   for "no adapter" and ranks padded with zeros, gathers one `A`/`B` per row and runs two
+//!   batched matmuls, so rows of several adapters and base rows share one forward pass.
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+
+use mlx_rs::error::Exception;
+use mlx_rs::ops::{concatenate, stack, zeros_dtype};
+use mlx_rs::{Array, Dtype};
+
+use super::{config, AdapterError, AdapterId};
+use crate::models::layers::Matrix;
+
+/// One loaded adapter, as listed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdapterSummary {
+    pub id: AdapterId,
+    pub name: String,
+    pub dir: PathBuf,
+    pub rank: usize,
+    pub scale: f32,
+    /// Linear layers it changes.
+    pub layers: usize,
+}
+
+/// The adapters beside one base model (see the module comment).
+pub struct AdapterTable {
+    state: Mutex<State>,
+    /// Whether the current selection has a row with an adapter: every site reads it before
+    /// taking the lock, so that a base-only pass costs one atomic load per linear.
+    engaged: AtomicBool,
+}
+
+#[derive(Default)]
+struct State {
+    sites: Vec<Site>,
+    /// Loaded adapters; a site's `factors` follow this order.
+    adapters: Vec<Loaded>,
+    next_id: u64,
+    selection: Selection,
+}
+
+struct Loaded {
+    summary: AdapterSummary,
+}
+
+#[derive(Clone)]
+struct Factors {
+    /// `[in, r]` (stacked: `[n + 1, in, r_max]`).
+    a: Array,
+    /// `[r, out]` (stacked: `[n + 1, r_max, out]`).
+    b: Array,
+}
+
+struct Site {
+    prefix: String,
+    in_dims: i32,
+    out_dims: i32,
+    /// Dropped with the linear that registered it: a layer a family loaded through `Linear`
+    /// and then took apart (an expert stack) is no site.
+    alive: Weak<SiteRef>,
+    /// Per loaded adapter, its factors here (`None`: it leaves this layer alone).
+    factors: Vec<Option<Factors>>,
+    /// Every adapter's factors stacked behind a zero entry, for passes that mix rows; built
+    /// by the first such pass after the adapters change.
+    stacked: Option<Factors>,
+}
+
+#[derive(Default)]
+enum Selection {
+    #[default]
+    Base,
+    /// Every row takes the adapter at this index of `State::adapters`.
+    One(usize),
+    /// Rows differ: `slots` `[B]` (0: no adapter, i + 1: `adapters[i]`) and each row's scale
+    /// `[B, 1, 1]`.
+    Mixed {
+        slots: Array,
+        scales: Array,
+        rows: i32,
+    },
+}
+
+impl fmt::Debug for AdapterTable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = self.lock();
+        f.debug_struct("AdapterTable")
+            .field("sites", &state.sites.len())
+            .field("adapters", &state.adapters.len())
+            .finish()
+    }
+}
+
+impl Default for AdapterTable {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl AdapterTable {
+    pub fn new() -> Self {
+        Self {
+            state: Mutex::new(State::default()),
+            engaged: AtomicBool::new(false),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // The state is consistent between statements; a panic elsewhere cannot tear it.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Linear layers adapters can change.
+    pub fn site_count(&self) -> usize {
+        self.lock()
+            .sites
+            .iter()
+            .filter(|s| s.alive.strong_count() > 0)
+            .count()
+    }
+
+    /// Loads the mlx-lm adapter in `dir` under `name`. Every tensor must be a `lora_a` or
+    /// `lora_b` of a linear layer of this model with the shapes the config's rank implies.
+    pub fn load(&self, name: &str, dir: &Path) -> Result<AdapterId, AdapterError> {
+        check_name(name)?;
+        let config_path = dir.join("adapter_config.json");
+        let text = std::fs::read_to_string(&config_path).map_err(|e| AdapterError::Read {
+            path: config_path.clone(),
+            message: e.to_string(),
+        })?;
+        let config = config::parse(&text)?;
+        let weights_path = dir.join("adapters.safetensors");
+        let tensors = Array::load_safetensors(&weights_path).map_err(|e| AdapterError::Read {
+            path: weights_path.clone(),
+            message: e.to_string(),
+        })?;
+        if tensors.is_empty() {
+            return Err(AdapterError::Invalid(format!(
+                "{} holds no tensors",
+                weights_path.display()
+            )));
+        }
+        let mut halves: HashMap<String, (Option<Array>, Option<Array>)> = HashMap::new();
+        for (key, array) in tensors {
+            let (prefix, is_a) = if let Some(p) = key.strip_suffix(".lora_a") {
+                (p, true)
+            } else if let Some(p) = key.strip_suffix(".lora_b") {
+                (p, false)
+            } else {
+                return Err(AdapterError::Invalid(format!(
+                    "{key}: not a LoRA tensor (a `.lora_a` or `.lora_b`)"
+                )));
+            };
+            if !matches!(
+                array.dtype(),
+                Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16
+            ) {
+                return Err(AdapterError::Invalid(format!(
+                    "{key}: dtype {:?}, expected a float",
+                    array.dtype()
+                )));
+            }
+            let entry = halves.entry(prefix.to_owned()).or_default();
+            if is_a {
+                entry.0 = Some(array);
+            } else {
+                entry.1 = Some(array);
+            }
+        }
+        let rank = config.rank as i32;
+        let mut state = self.lock();
+        if state.adapters.iter().any(|a| a.summary.name == name) {
+            return Err(AdapterError::Duplicate(name.to_owned()));
+        }
+        let mut factors: Vec<Option<Factors>> = vec![None; state.sites.len()];
+        let mut names: Vec<&String> = halves.keys().collect();
+        names.sort();
+        for prefix in names {
+            let (a, b) = &halves[prefix];
+            let (Some(a), Some(b)) = (a, b) else {
+                return Err(AdapterError::Invalid(format!(
+                    "{prefix}: has only one of `lora_a` and `lora_b`"
+                )));
+            };
+            let Some(index) = state
+                .sites
+                .iter()
+                .position(|s| s.prefix == *prefix && s.alive.strong_count() > 0)
+            else {
+                return Err(AdapterError::Invalid(format!(
+                    "{prefix}: no linear layer of this model has that name (adapters apply to \
+                     the dense linear layers of a model loaded whole: attention and MLP \
+                     projections)"
+                )));
+            };
+            let site = &state.sites[index];
+            let expect = |what: &str, a: &Array, shape: [i32; 2]| {
+                if a.shape() == shape {
+                    Ok(())
+                } else {
+                    Err(AdapterError::Invalid(format!(
+                        "{prefix}.{what}: shape {:?}, expected {shape:?} (rank {rank} from \
+                         adapter_config.json, the layer is {} → {})",
+                        a.shape(),
+                        site.in_dims,
+                        site.out_dims
+                    )))
+                }
+            };
+            expect("lora_a", a, [site.in_dims, rank])?;
+            expect("lora_b", b, [rank, site.out_dims])?;
+            factors[index] = Some(Factors {
+                a: a.clone(),
+                b: b.clone(),
+            });
+        }
+        let arrays: Vec<&Array> = factors
+            .iter()
+            .flatten()
+            .flat_map(|f| [&f.a, &f.b])
+            .collect();
+        mlx_rs::transforms::eval(arrays)?;
+        let id = AdapterId(state.next_id);
+        state.next_id += 1;
+        let layers = factors.iter().flatten().count();
+        for (site, f) in state.sites.iter_mut().zip(factors) {
+            site.factors.push(f);
+            site.stacked = None;
+        }
+        state.adapters.push(Loaded {
+            summary: AdapterSummary {
+                id,
+                name: name.to_owned(),
+                dir: dir.to_owned(),
+                rank: config.rank,
+                scale: config.scale,
+                layers,
+            },
+        });
+        Ok(id)
+    }
+
+    /// The loaded adapter called `name`.
+    pub fn id_of(&self, name: &str) -> Option<AdapterId> {
+        self.lock()
+            .adapters
+            .iter()
+            .find(|a| a.summary.name == name)
+            .map(|a| a.summary.id)
+    }
+
+    /// Every loaded adapter, in load order.
+    pub fn list(&self) -> Vec<AdapterSummary> {
+        self.lock()
+            .adapters
+            .iter()
+            .map(|a| a.summary.clone())
+            .collect()
+    }
+
+    /// Makes `rows` (one entry per batch row, in order: its adapter or none) the selection of
+    /// the forward passes built until the returned guard is dropped.
+    pub fn select(&self, rows: &[Option<AdapterId>]) -> Result<Selected<'_>, Exception> {
+        if rows.iter().all(Option::is_none) {
+            return Ok(Selected { table: None });
+        }
+        let mut state = self.lock();
+        let slot = |id: AdapterId| {
+            state
+                .adapters
+                .iter()
+                .position(|a| a.summary.id == id)
+                .ok_or_else(|| Exception::custom(format!("adapter {id:?} is not loaded")))
+        };
+        let first = rows[0];
+        let selection = if rows.iter().all(|r| *r == first) {
+            Selection::One(slot(first.expect("some row has an adapter"))?)
+        } else {
+            let mut slots = Vec::with_capacity(rows.len());
+            let mut scales = Vec::with_capacity(rows.len());
+            for row in rows {
+                match row {
+                    None => {
+                        slots.push(0i32);
+                        scales.push(0.0f32);
+                    }
+                    Some(id) => {
+                        let i = slot(*id)?;
+                        slots.push(i as i32 + 1);
+                        scales.push(state.adapters[i].summary.scale);
+                    }
+                }
+            }
+            let b = rows.len() as i32;
+            Selection::Mixed {
+                slots: Array::from_slice(&slots, &[b]),
+                scales: Array::from_slice(&scales, &[b, 1, 1]),
+                rows: b,
+            }
+        };
+        state.selection = selection;
+        self.engaged.store(true, Ordering::Release);
+        Ok(Selected { table: Some(self) })
+    }
+
+    fn register(self: &Arc<Self>, prefix: &str, in_dims: i32, out_dims: i32) -> LoraSite {
+        let mut state = self.lock();
+        let site = Arc::new(SiteRef {
+            table: self.clone(),
+            index: state.sites.len(),
+        });
+        let adapters = state.adapters.len();
+        state.sites.push(Site {
+            prefix: prefix.to_owned(),
+            in_dims,
+            out_dims,
+            alive: Arc::downgrade(&site),
+            factors: vec![None; adapters],
+            stacked: None,
+        });
+        LoraSite(site)
+    }
+
+    /// `y` plus this pass's low-rank update of site `index` for input `x`.
+    fn apply(&self, index: usize, x: &Array, y: Array) -> Result<Array, Exception> {
+        if !self.engaged.load(Ordering::Acquire) {
+            return Ok(y);
+        }
+        let mut guard = self.lock();
+        let state = &mut *guard;
+        let update = match &state.selection {
+            Selection::Base => return Ok(y),
+            Selection::One(i) => {
+                let Some(f) = &state.sites[index].factors[*i] else {
+                    return Ok(y);
+                };
+                // mlx-lm's `LoRALinear`: `y + (scale * z).astype(x.dtype)`, the scale a
+                // Python float (weakly typed: it takes z's dtype).
+                let z = x.matmul(&f.a)?.matmul(&f.b)?;
+                let scale =
+                    Array::from_f32(state.adapters[*i].summary.scale).as_dtype(z.dtype())?;
+                z.multiply(&scale)?
+            }
+            Selection::Mixed {
+                slots,
+                scales,
+                rows,
+            } => {
+                if x.ndim() != 3 || x.shape()[0] != *rows {
+                    return Err(Exception::custom(format!(
+                        "a linear layer with adapters got input {:?} in a pass of {rows} rows \
+                         of different adapters; rows must be the first axis of a [B, L, in] \
+                         input",
+                        x.shape()
+                    )));
+                }
+                let site = &mut state.sites[index];
+                if site.factors.iter().all(Option::is_none) {
+                    return Ok(y);
+                }
+                if site.stacked.is_none() {
+                    site.stacked = Some(stacked(site)?);
+                }
+                let s = site.stacked.as_ref().expect("built above");
+                let a = s.a.take_axis(slots, 0)?;
+                let b = s.b.take_axis(slots, 0)?;
+                let z = x.matmul(&a)?.matmul(&b)?;
+                z.multiply(&scales.as_dtype(z.dtype())?)?
+            }
+        };
+        y.add(&update.as_dtype(x.dtype())?)
+    }
+}
+
+/// An adapter name must be usable in `"<base>:<adapter>"` and in a URL path.
+fn check_name(name: &str) -> Result<(), AdapterError> {
+    let ok = !name.is_empty()
+        && name.len() <= 128
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(AdapterError::Invalid(format!(
+            "adapter name {name:?}: use 1 to 128 of the characters A-Z a-z 0-9 - _ ."
+        )))
+    }
+}
+
+/// A site's factors over every loaded adapter, behind a zero entry (no adapter), each rank
+/// padded with zeros to the largest (zeros add nothing to the update), in one dtype (the
+/// widest of theirs).
+fn stacked(site: &Site) -> Result<Factors, Exception> {
+    let rank = site
+        .factors
+        .iter()
+        .flatten()
+        .map(|f| f.a.shape()[1])
+        .max()
+        .unwrap_or(1);
+    let dtypes: Vec<Dtype> = site.factors.iter().flatten().map(|f| f.a.dtype()).collect();
+    let dtype = if dtypes.iter().all(|d| *d == dtypes[0]) {
+        dtypes[0]
+    } else {
+        Dtype::Float32
+    };
+    let (n_in, n_out) = (site.in_dims, site.out_dims);
+    let mut a_parts = vec![zeros_dtype(&[n_in, rank], dtype)?];
+    let mut b_parts = vec![zeros_dtype(&[rank, n_out], dtype)?];
+    for f in &site.factors {
+        match f {
+            None => {
+                a_parts.push(zeros_dtype(&[n_in, rank], dtype)?);
+                b_parts.push(zeros_dtype(&[rank, n_out], dtype)?);
+            }
+            Some(f) => {
+                let r = f.a.shape()[1];
+                let (mut a, mut b) = (f.a.as_dtype(dtype)?, f.b.as_dtype(dtype)?);
+                if r < rank {
+                    a = concatenate(&[a, zeros_dtype(&[n_in, rank - r], dtype)?], 1)?;
+                    b = concatenate(&[b, zeros_dtype(&[rank - r, n_out], dtype)?], 0)?;
+                }
+                a_parts.push(a);
+                b_parts.push(b);
+            }
+        }
+    }
+    let out = Factors {
+        a: stack(&a_parts, 0)?,
+        b: stack(&b_parts, 0)?,
+    };
+    mlx_rs::transforms::eval([&out.a, &out.b])?;
+    Ok(out)
+}
+
+/// The selection of the forward passes built while it lives (see [`AdapterTable::select`]);
+/// dropping it returns every linear to the base model.
+pub struct Selected<'a> {
+    table: Option<&'a AdapterTable>,
+}
+
+impl Selected<'_> {
+    /// The selection of a pass with no adapter rows on a model without a table.
+    pub fn none() -> Self {
+        Self { table: None }
+    }
+}
+
+impl Drop for Selected<'_> {
+    fn drop(&mut self) {
+        if let Some(table) = self.table {
+            table.engaged.store(false, Ordering::Release);
+            table.lock().selection = Selection::Base;
+        }
+    }
+}
+
+/// A linear layer's entry in its model's [`AdapterTable`] (one pointer: it sits in every
+/// linear layer).
+pub struct LoraSite(Arc<SiteRef>);
+
+struct SiteRef {
+    table: Arc<AdapterTable>,
+    index: usize,
+}
+
+impl fmt::Debug for LoraSite {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LoraSite")
+            .field("index", &self.0.index)
+            .finish()
+    }
+}
+
+impl LoraSite {
+    /// `y` (the base layer's output for `x`) plus the update of the adapters selected for
+    /// this pass; `y` unchanged when none is.
+    pub fn apply(&self, x: &Array, y: Array) -> Result<Array, Exception> {
+        self.0.table.apply(self.0.index, x, y)
+    }
+}
+
+thread_local! {
+    /// The table of the model being loaded on this thread ([`loading_into`]).
+    static LOADING: RefCell<Option<Arc<AdapterTable>>> = const { RefCell::new(None) };
+}
+
+/// While the returned scope lives, linear layers loaded on this thread register in `table`.
+pub fn loading_into(table: Arc<AdapterTable>) -> LoadScope {
+    let previous = LOADING.with(|l| l.borrow_mut().replace(table));
+    LoadScope { previous }
+}
+
+/// Ends the registration [`loading_into`] began (restoring an outer one: a draft model loads
+/// while no main model does, but the scope nests correctly either way).
+pub struct LoadScope {
+    previous: Option<Arc<AdapterTable>>,
+}
+
+impl Drop for LoadScope {
+    fn drop(&mut self) {
+        let previous = self.previous.take();
+        LOADING.with(|l| *l.borrow_mut() = previous);
+    }
+}
+
+/// Registers the linear layer `prefix` with weight `matrix` in the table of the model being
+/// loaded, if a load scope is open.
+pub fn site_for(prefix: &str, matrix: &Matrix) -> Option<LoraSite> {
+    let table = LOADING.with(|l| l.borrow().clone())?;
+    let shape = matrix.weight().shape();
+    // An expert stack `[E, out, in]` loaded through `Linear` is no site.
+    let &[out_dims, packed] = shape else {
+        return None;
+    };
+    let in_dims = match matrix {
+        Matrix::Dense(_) => packed,
+        Matrix::Quantized(q) => packed * 32 / q.bits,
+    };
+    Some(table.register(prefix, in_dims, out_dims))
+}
