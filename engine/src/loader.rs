@@ -4,7 +4,7 @@
 //! Every checkpoint tensor must be consumed by the model and every parameter found; otherwise
 //! loading fails naming the tensors. Weights are evaluated before the model is declared loaded,
 //! so a truncated or corrupt file fails the load, not the first request.
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -13,7 +13,8 @@ use mlx_rs::{Array, Dtype};
 use mlxd_protocol::control::LoadPhase;
 use serde_json::Value;
 
-use crate::distributed::{Group, ShardPlan};
+use crate::distributed::shard_read::{self, TensorOnDisk};
+use crate::distributed::{Group, Piece, ShardPlan};
 use crate::models::quant::QuantMode;
 
 /// Where a load reports how far it has got: a phase and the fraction of it done (`0.0..=1.0`).
@@ -91,6 +92,17 @@ pub struct Weights {
     plan: Option<ShardPlan>,
     /// Tensors the plan could not divide (reported by [`Weights::finish`]).
     unsplittable: Vec<String>,
+    /// The checkpoint's files, and where in them each tensor lies (read from their headers
+    /// when the first tensor is taken under a plan): a divided tensor's part is read from its
+    /// file (`distributed::shard_read`) instead of MLX reading it whole.
+    files: Vec<PathBuf>,
+    on_disk: Option<HashMap<String, TensorOnDisk>>,
+    /// Tensors a sanitize step made ([`Self::insert`]): their bytes were counted as read when
+    /// their sources were removed.
+    made: HashSet<String>,
+    /// Checkpoint bytes this load reads: the tensors MLX reads whole, plus the parts read from
+    /// the files.
+    read_bytes: u64,
 }
 
 /// Reads `config.json` from a model directory.
@@ -169,8 +181,9 @@ impl Weights {
     pub fn open(dir: &Path, config: &Value) -> Result<Self, LoadError> {
         let mut tensors = HashMap::new();
         let mut source_of: HashMap<String, String> = HashMap::new();
-        for file in weight_files(dir)? {
-            let loaded = Array::load_safetensors(&file).map_err(|e| LoadError::Safetensors {
+        let files = weight_files(dir)?;
+        for file in &files {
+            let loaded = Array::load_safetensors(file).map_err(|e| LoadError::Safetensors {
                 path: file.clone(),
                 message: e.to_string(),
             })?;
@@ -227,6 +240,10 @@ impl Weights {
             group: None,
             plan: None,
             unsplittable: Vec::new(),
+            files,
+            on_disk: None,
+            made: HashSet::new(),
+            read_bytes: 0,
         })
     }
 
@@ -253,12 +270,50 @@ impl Weights {
         self.plan = Some(plan);
     }
 
-    /// This rank's part of the tensor `name` (all of it outside a group).
-    fn part(&self, name: &str, a: Array) -> Result<Array, LoadError> {
-        match &self.plan {
-            Some(plan) => plan.cut(name, a),
-            None => Ok(a),
+    /// This rank's part of the tensor `name` (all of it outside a group). A checkpoint
+    /// tensor the plan divides is read from its file, only this rank's part; the lazily
+    /// loaded whole is dropped unread. A tensor a sanitize step made is cut in memory.
+    fn part(&mut self, name: &str, a: Array) -> Result<Array, LoadError> {
+        let Some(plan) = &self.plan else {
+            self.count_whole(name, &a);
+            return Ok(a);
+        };
+        let piece = plan.piece(name, a.shape())?;
+        let on_disk = match &mut self.on_disk {
+            Some(on_disk) => on_disk,
+            None => {
+                let mut on_disk = shard_read::index(&self.files)?;
+                on_disk.retain(|name, _| !self.made.contains(name));
+                self.on_disk.insert(on_disk)
+            }
+        };
+        match (piece, on_disk.remove(name)) {
+            (Piece::Range { .. } | Piece::Zeros, Some(on_disk)) if on_disk.describes(&a) => {
+                let (part, bytes) = on_disk.read(piece)?;
+                self.read_bytes += bytes;
+                Ok(part)
+            }
+            (piece, _) => {
+                let part = plan.cut(name, a.clone())?;
+                if piece != Piece::Zeros {
+                    self.count_whole(name, &a);
+                }
+                Ok(part)
+            }
         }
+    }
+
+    /// Counts a checkpoint tensor that MLX reads whole when it is evaluated.
+    fn count_whole(&mut self, name: &str, a: &Array) {
+        if !self.made.contains(name) {
+            self.read_bytes += a.nbytes() as u64;
+        }
+    }
+
+    /// The checkpoint bytes this load reads (so far): every tensor taken whole, the parts of
+    /// divided ones, and the sources of what sanitize steps made.
+    pub fn read_bytes(&self) -> u64 {
+        self.read_bytes
     }
 
     /// The reporter the model's materialization reports to.
@@ -301,11 +356,20 @@ impl Weights {
     /// Removes a tensor to transform it (a `sanitize` step, such as stacking per-expert
     /// matrices); what is made of it goes back with [`Self::insert`]. Not counted as loaded.
     pub fn remove_raw(&mut self, name: &str) -> Option<Array> {
-        self.tensors.remove(name)
+        let a = self.tensors.remove(name)?;
+        if let Some(on_disk) = &mut self.on_disk {
+            on_disk.remove(name);
+        }
+        self.count_whole(name, &a);
+        Some(a)
     }
 
     /// Adds a tensor that a `sanitize` step made, under the name the model takes it by.
     pub fn insert(&mut self, name: String, array: Array) {
+        if let Some(on_disk) = &mut self.on_disk {
+            on_disk.remove(&name);
+        }
+        self.made.insert(name.clone());
         self.tensors.insert(name, array);
     }
 
@@ -385,6 +449,11 @@ impl Weights {
             let unused: BTreeMap<_, _> = self.tensors.keys().map(|k| (k.clone(), ())).collect();
             return Err(LoadError::UnusedTensors(unused.into_keys().collect()));
         }
+        tracing::info!(
+            read_bytes = self.read_bytes,
+            held_bytes = self.taken_bytes,
+            "checkpoint read"
+        );
         Ok(self.taken_bytes)
     }
 }

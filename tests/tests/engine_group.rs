@@ -269,6 +269,107 @@ fn two_ranks_serve_the_single_engines_tokens_alone_and_batched() -> Result<()> {
     Ok(())
 }
 
+/// The bytes process `pid` has read through `read`-family calls (`rchar` in
+/// `/proc/<pid>/io`). MLX reads safetensors tensors with `pread` and the loader reads a rank's
+/// parts the same way, so this counts every checkpoint byte a process read (whether the page
+/// cache held it or not), and a little more (config, tokenizer, `/proc` files).
+fn bytes_read(pid: u32) -> Result<u64> {
+    let io = std::fs::read_to_string(format!("/proc/{pid}/io"))?;
+    io.lines()
+        .find_map(|l| l.strip_prefix("rchar: "))
+        .and_then(|v| v.trim().parse().ok())
+        .with_context(|| format!("no rchar in /proc/{pid}/io: {io}"))
+}
+
+/// A safetensors file's tensor bytes: all of them, and those of the layers a Llama-shaped
+/// tensor-parallel group divides (attention and MLP projections).
+fn checkpoint_bytes(file: &Path) -> Result<(u64, u64)> {
+    let bytes = std::fs::read(file)?;
+    let length = u64::from_le_bytes(bytes[..8].try_into()?) as usize;
+    let header: serde_json::Map<String, Value> = serde_json::from_slice(&bytes[8..8 + length])?;
+    let (mut whole, mut divided) = (0, 0);
+    for (name, entry) in header.iter().filter(|(n, _)| *n != "__metadata__") {
+        let offsets = &entry["data_offsets"];
+        let size =
+            offsets[1].as_u64().context("offsets")? - offsets[0].as_u64().context("offsets")?;
+        whole += size;
+        if [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ]
+        .iter()
+        .any(|p| name.contains(p))
+        {
+            divided += size;
+        }
+    }
+    Ok((whole, divided))
+}
+
+/// The number after `key=` on the last log line that has it.
+fn logged_number(log: &str, key: &str) -> Option<u64> {
+    let at = log.rfind(&format!("{key}="))?;
+    log[at + key.len() + 1..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect::<String>()
+        .parse()
+        .ok()
+}
+
+#[test]
+fn each_of_two_ranks_reads_only_its_half_of_the_divided_weights() -> Result<()> {
+    let model = tiny_model("tiny-llama")?;
+    let (whole, divided) = checkpoint_bytes(&model.join("model.safetensors"))?;
+    assert!(
+        divided > whole / 2,
+        "{divided} of {whole}: too little divided to measure"
+    );
+    let dir = tempfile::tempdir()?;
+    let mut one = Killed(single(&model, dir.path())?);
+    wait_serving(
+        &dir.path().join("single.sock"),
+        &mut one.0,
+        Duration::from_secs(60),
+    )?;
+    let single_read = bytes_read(one.0.id())?;
+    let mut group = Group::start(&model, 2, 2)?;
+    let socket = group.socket();
+    // Rank 0 serves once every rank has loaded (their successes are gathered).
+    wait_serving(&socket, &mut group.ranks[0], Duration::from_secs(60))?;
+    let single_log = plain(&std::fs::read_to_string(dir.path().join("single.log"))?);
+    assert_eq!(
+        logged_number(&single_log, "read_bytes"),
+        Some(whole),
+        "the single engine reads the whole checkpoint: {single_log}"
+    );
+    // Each rank: the undivided tensors whole and half of each divided one.
+    let share = whole - divided / 2;
+    for rank in 0..2 {
+        let log = group.log(rank);
+        assert_eq!(
+            logged_number(&log, "read_bytes"),
+            Some(share),
+            "rank {rank}'s loader count: {log}"
+        );
+        // Measured by the kernel: at least its share, and less than the single engine by
+        // about the other rank's half (an eighth of the divided bytes allowed for reads
+        // that are not weights and differ between the processes).
+        let read = bytes_read(group.ranks[rank].id())?;
+        assert!(
+            read >= share && read + divided / 2 <= single_read + divided / 8,
+            "rank {rank} read {read} bytes; the single engine {single_read}, the checkpoint \
+             {whole} of which {divided} divided"
+        );
+    }
+    Ok(())
+}
+
 #[test]
 fn kill_9_of_rank_1_takes_rank_0_down() -> Result<()> {
     let model = tiny_model("tiny-llama")?;

@@ -6,20 +6,22 @@
 //! between the ranks.
 //!
 //! - [`group`]: the MLX group and collectives from Rust;
-//! - [`shard`]: which tensors a family divides and how, sliced as they are read;
+//! - [`shard`]: which tensors a family divides and how;
+//! - [`shard_read`]: a rank's part of a tensor read from its file, not the whole;
 //! - [`summed`]: the `all_sum` that completes a row-split branch;
 //! - [`wire`]: the per-iteration message and its broadcast;
 //! - [`replica`]: rank 0's and the other ranks' side of the lockstep.
 pub mod group;
 pub mod replica;
 pub mod shard;
+pub mod shard_read;
 pub(crate) mod summed;
 pub mod wire;
 
 use std::time::Duration;
 
 pub use group::{Group, GroupError, BACKENDS};
-pub use shard::{ShardPlan, Split};
+pub use shard::{Piece, ShardPlan, Split};
 
 use crate::loader::LoadError;
 

@@ -72,35 +72,30 @@ impl ShardPlan {
             .map(|(_, split)| (*split, part))
     }
 
-    /// This rank's part of the tensor `name` (the tensor itself when the plan does not divide
-    /// its layer), as an array of its own: a slice would keep the whole tensor's buffer alive.
-    pub fn cut(&self, name: &str, tensor: Array) -> Result<Array, LoadError> {
+    /// Which part of the tensor `name`, of shape `shape`, is this rank's (the whole tensor
+    /// when the plan does not divide its layer). An axis that `size` ranks cannot share
+    /// equally fails, naming the tensor.
+    pub fn piece(&self, name: &str, shape: &[i32]) -> Result<Piece, LoadError> {
         let Some((split, part)) = self.rule(name) else {
-            return Ok(tensor);
+            return Ok(Piece::Whole);
         };
         let n = self.size as i32;
-        let r = self.rank as i32;
         // The last two axes are a matrix's `[out, in]` (a stack of experts' matrices has one
         // more in front); a bias is `[out]` (or one per expert).
-        let last = tensor.ndim() as i32 - 1;
+        let last = shape.len() as i32 - 1;
         let axis = match (split, part) {
             (Split::Column, Part::Bias) => last,
             (Split::Column, _) => last - 1,
-            (Split::Row, Part::Bias) => {
-                // Added once, after the partial sums are summed: rank 0's.
-                return if self.rank == 0 {
-                    Ok(tensor)
-                } else {
-                    Ok(mlx_rs::ops::zeros_like(&tensor)?)
-                };
-            }
+            // Added once, after the partial sums are summed: rank 0's.
+            (Split::Row, Part::Bias) if self.rank == 0 => return Ok(Piece::Whole),
+            (Split::Row, Part::Bias) => return Ok(Piece::Zeros),
             (Split::Row, _) => last,
         };
-        let len = *tensor.shape().get(axis.max(0) as usize).ok_or_else(|| {
-            LoadError::Config(format!(
+        let Some(&len) = usize::try_from(axis).ok().and_then(|a| shape.get(a)) else {
+            return Err(LoadError::Config(format!(
                 "{name} has no axis {axis} to divide among the ranks"
-            ))
-        })?;
+            )));
+        };
         if len % n != 0 {
             return Err(LoadError::Config(format!(
                 "{name} has {len} {} along the axis tensor parallelism divides, which {n} ranks \
@@ -112,9 +107,41 @@ impl ShardPlan {
                 }
             )));
         }
-        let piece = tensor.split_equal(n, axis)?.swap_remove(r as usize);
-        Ok(piece.contiguous()?)
+        let share = len / n;
+        Ok(Piece::Range {
+            axis: axis as usize,
+            start: self.rank as i32 * share,
+            len: share,
+        })
     }
+
+    /// This rank's part of the tensor `name` (the tensor itself when the plan does not divide
+    /// its layer), cut from the array in memory, as an array of its own: a slice would keep
+    /// the whole tensor's buffer alive. (The loader reads a checkpoint tensor's part from its
+    /// file instead, `distributed::shard_read`; this serves tensors a sanitize step made.)
+    pub fn cut(&self, name: &str, tensor: Array) -> Result<Array, LoadError> {
+        match self.piece(name, tensor.shape())? {
+            Piece::Whole => Ok(tensor),
+            Piece::Zeros => Ok(mlx_rs::ops::zeros_like(&tensor)?),
+            Piece::Range { axis, .. } => {
+                let piece = tensor
+                    .split_equal(self.size as i32, axis as i32)?
+                    .swap_remove(self.rank);
+                Ok(piece.contiguous()?)
+            }
+        }
+    }
+}
+
+/// A rank's part of one tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Piece {
+    /// All of it (a tensor the plan does not divide, or rank 0's row-split bias).
+    Whole,
+    /// Zeros of its shape (a row-split bias on ranks other than 0): nothing to read.
+    Zeros,
+    /// `len` entries from `start` along `axis`, every other axis whole.
+    Range { axis: usize, start: i32, len: i32 },
 }
 
 /// Which of a layer's tensors a name is.
