@@ -66,6 +66,7 @@ fn decode_tps(
                 constraint: (i < constrained)
                     .then(|| Box::new(AllowAll) as Box<dyn TokenConstraint>),
                 logprobs: None,
+                adapter: None,
             })?;
             Ok(rx)
         })

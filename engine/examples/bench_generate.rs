@@ -69,6 +69,7 @@ fn run(
                     events: tx,
                     constraint: None,
                     logprobs: None,
+                    adapter: None,
                 })
                 .map_err(|_| anyhow::anyhow!("the runtime stopped"))?;
             Ok(rx)

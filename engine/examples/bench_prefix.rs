@@ -43,6 +43,7 @@ fn ttft(runtime: &Runtime, prompt: Vec<u32>) -> anyhow::Result<(f64, usize)> {
             events: tx,
             constraint: None,
             logprobs: None,
+            adapter: None,
         })
         .map_err(|_| anyhow::anyhow!("the runtime stopped"))?;
     let mut first = None;

@@ -24,6 +24,7 @@ fn greedy(runtime: &Runtime, prompt: &[u32], n: usize) -> anyhow::Result<Vec<u32
             events: tx,
             constraint: None,
             logprobs: None,
+            adapter: None,
         })
         .map_err(|_| anyhow::anyhow!("the runtime stopped"))?;
     let mut out = Vec::new();

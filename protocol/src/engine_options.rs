@@ -99,6 +99,11 @@ pub const KEYS: &[(&str, &str)] = &[
         "true or false: run a few short generations before reporting ready, so kernels are \
          compiled before the first request or a standby's takeover (default: true on a GPU)",
     ),
+    (
+        "adapters",
+        "LoRA adapters served beside the model, name=dir pairs separated by commas (mlx-lm \
+         adapter directories); a request selects one with \"model\": \"<model>:<name>\"",
+    ),
 ];
 
 /// An option with a value it cannot take, or in a combination that cannot work.
@@ -198,6 +203,12 @@ pub struct EngineOptions {
     /// engine takes over a crashed one's streams [default: true on a GPU, false on the CPU].
     #[cfg_attr(feature = "cli", arg(long, value_parser = parse_warm_up))]
     pub warm_up: Option<bool>,
+    /// LoRA adapters (mlx-lm's `adapter_config.json` + `adapters.safetensors` directories)
+    /// served beside the model without reloading it, as `name=dir` pairs separated by commas;
+    /// a request selects one with `"model": "<model>:<name>"`, and rows of different adapters
+    /// share the batch.
+    #[cfg_attr(feature = "cli", arg(long, value_parser = parse_adapters))]
+    pub adapters: Option<String>,
 }
 
 // One parser per option: what flags, config values and `Launch.options` all go through.
@@ -340,7 +351,61 @@ pub fn parse_warm_up(s: &str) -> Result<bool, String> {
     }
 }
 
+/// An adapter name: what `"<model>:<name>"` and a URL path can carry.
+pub fn valid_adapter_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 128
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+}
+
+/// `name=dir,name=dir` → the (name, directory) pairs, each name once.
+pub fn parse_adapter_list(s: &str) -> Result<Vec<(String, PathBuf)>, String> {
+    let mut out: Vec<(String, PathBuf)> = Vec::new();
+    for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let Some((name, dir)) = item.split_once('=') else {
+            return Err(format!("expected name=dir, got {item:?}"));
+        };
+        let (name, dir) = (name.trim(), dir.trim());
+        if !valid_adapter_name(name) {
+            return Err(format!(
+                "adapter name {name:?}: use 1 to 128 of the characters A-Z a-z 0-9 - _ ."
+            ));
+        }
+        if dir.is_empty() {
+            return Err(format!("adapter {name} has no directory"));
+        }
+        if out.iter().any(|(n, _)| n == name) {
+            return Err(format!("adapter {name} is listed twice"));
+        }
+        out.push((name.to_owned(), PathBuf::from(dir)));
+    }
+    if out.is_empty() {
+        return Err("expected name=dir pairs separated by commas".into());
+    }
+    Ok(out)
+}
+
+/// [`parse_adapter_list`], kept in its canonical string form.
+pub fn parse_adapters(s: &str) -> Result<String, String> {
+    let list = parse_adapter_list(s)?;
+    Ok(list
+        .iter()
+        .map(|(n, d)| format!("{n}={}", d.display()))
+        .collect::<Vec<_>>()
+        .join(","))
+}
+
 impl EngineOptions {
+    /// The adapters to load at start (`adapters`), by name.
+    pub fn adapter_list(&self) -> Vec<(String, PathBuf)> {
+        self.adapters
+            .as_deref()
+            .and_then(|s| parse_adapter_list(s).ok())
+            .unwrap_or_default()
+    }
+
     /// Sets the option `key` from its string form; an unknown key or a value outside the
     /// option's domain is an error naming both.
     pub fn set(&mut self, key: &str, value: &str) -> Result<(), OptionError> {
@@ -382,6 +447,7 @@ impl EngineOptions {
                 self.prefill_step_tokens = Some(parse_prefill_step_tokens(value).map_err(bad)?)
             }
             "warm_up" => self.warm_up = Some(parse_warm_up(value).map_err(bad)?),
+            "adapters" => self.adapters = Some(parse_adapters(value).map_err(bad)?),
             _ => {
                 let known: Vec<&str> = KEYS.iter().map(|(k, _)| *k).collect();
                 return Err(bad(format!("unknown option (known: {})", known.join(", "))));
@@ -452,6 +518,7 @@ impl EngineOptions {
             self.prefill_step_tokens.map(|v| v.to_string()),
         );
         put("warm_up", self.warm_up.map(|v| v.to_string()));
+        put("adapters", self.adapters.clone());
         map
     }
 
@@ -492,7 +559,7 @@ impl EngineOptions {
             ));
         }
         if self.distributed.is_some() {
-            for key in ["draft", "draft_model", "ssd_cache"] {
+            for key in ["draft", "draft_model", "ssd_cache", "adapters"] {
                 if map.contains_key(key) {
                     return Err(refuse(
                         key,
@@ -667,5 +734,31 @@ mod tests {
                 .to_string();
             assert!(e.starts_with(want), "{pairs:?}: {e}");
         }
+    }
+
+    #[test]
+    fn adapters_are_name_dir_pairs_each_name_once() {
+        let o = EngineOptions::from_map(
+            &[("adapters".to_string(), " a=/x/a , b-2=/y ".to_string())].into(),
+        )
+        .unwrap();
+        assert_eq!(o.adapters.as_deref(), Some("a=/x/a,b-2=/y"));
+        assert_eq!(
+            o.adapter_list(),
+            vec![("a".into(), "/x/a".into()), ("b-2".into(), "/y".into())]
+        );
+        assert_eq!(EngineOptions::from_map(&o.to_map()).unwrap(), o);
+        for bad in ["a", "a=", "a b=/x", "a=/x,a=/y", ","] {
+            let e = EngineOptions::from_map(&[("adapters".to_string(), bad.to_string())].into());
+            assert!(e.is_err(), "{bad:?} accepted");
+        }
+        let grouped = EngineOptions::from_map(
+            &[
+                ("adapters".to_string(), "a=/x".to_string()),
+                ("distributed".to_string(), "ring".to_string()),
+            ]
+            .into(),
+        );
+        assert!(grouped.unwrap_err().key == "adapters");
     }
 }

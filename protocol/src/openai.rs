@@ -572,6 +572,9 @@ pub struct ModelObject {
     /// Extension: the model's context length in tokens, where known.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub context_length: Option<u64>,
+    /// Extension (as vLLM lists LoRA adapters): for an adapter, the model it applies to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
 }
 
 #[cfg(test)]
@@ -805,6 +808,7 @@ mod tests {
                 created: 0,
                 owned_by: "mlxd".into(),
                 context_length: Some(8192),
+                parent: None,
             }],
         };
         assert_eq!(

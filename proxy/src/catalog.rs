@@ -33,6 +33,18 @@ pub struct ModelEntry {
     pub standby: bool,
 }
 
+impl ModelEntry {
+    /// The names of the LoRA adapters its engine serves (the `adapters` engine option),
+    /// each addressed as `<id>:<name>`.
+    pub fn adapters(&self) -> Vec<String> {
+        self.options
+            .get("adapters")
+            .and_then(|s| mlxd_protocol::engine_options::parse_adapter_list(s).ok())
+            .map(|list| list.into_iter().map(|(name, _)| name).collect())
+            .unwrap_or_default()
+    }
+}
+
 /// All models and the routing rules.
 #[derive(Debug, Clone)]
 pub struct Catalog {
@@ -143,20 +155,40 @@ impl Catalog {
     }
 
     /// The model a request names: missing or empty → the default; an id or alias →
-    /// that model; anything else → 404 listing the ids (or the default, if so configured).
+    /// that model; `<id or alias>:<adapter>` with one of its `adapters` → that model (its
+    /// engine applies the adapter); anything else → 404 listing the ids (or the default, if
+    /// so configured). An adapter its model does not list is a 404 either way: the default
+    /// model would answer without it.
     pub fn resolve(&self, requested: Option<&str>) -> Result<&ModelEntry, ProxyError> {
         let name = requested.map(str::trim).unwrap_or("");
         if name.is_empty() {
             return Ok(self.default_entry());
         }
-        match self.names.get(name) {
-            Some(&i) => Ok(&self.models[i]),
-            None if self.route_unknown_to_default => Ok(self.default_entry()),
-            None => Err(ProxyError::ModelNotFound {
-                requested: name.to_string(),
-                available: self.ids(),
-            }),
+        if let Some(&i) = self.names.get(name) {
+            return Ok(&self.models[i]);
         }
+        if let Some((base, adapter)) = name.rsplit_once(':') {
+            if let Some(&i) = self.names.get(base) {
+                let entry = &self.models[i];
+                let adapters = entry.adapters();
+                if adapters.iter().any(|a| a == adapter) {
+                    return Ok(entry);
+                }
+                let mut available = vec![entry.id.clone()];
+                available.extend(adapters.iter().map(|a| format!("{base}:{a}")));
+                return Err(ProxyError::ModelNotFound {
+                    requested: name.to_string(),
+                    available,
+                });
+            }
+        }
+        if self.route_unknown_to_default {
+            return Ok(self.default_entry());
+        }
+        Err(ProxyError::ModelNotFound {
+            requested: name.to_string(),
+            available: self.ids(),
+        })
     }
 
     pub fn get(&self, id: &str) -> Option<&ModelEntry> {
@@ -308,6 +340,32 @@ mod tests {
             "[pool]\nroute_unknown_to_default = true\n[[model]]\nid = \"a\"\n[[model]]\nid = \"b\"\n",
         );
         assert_eq!(c.resolve(Some("zzz")).unwrap().id, "a");
+    }
+
+    #[test]
+    fn an_adapter_routes_to_its_model_and_an_unknown_one_is_a_404() {
+        let c = catalog(
+            "[pool]\nroute_unknown_to_default = true\n[[model]]\nid = \"a\"\naliases = [\"al\"]\n\
+             options = { adapters = \"sql=/d/sql,chat=/d/chat\" }\n[[model]]\nid = \"b\"\n",
+        );
+        assert_eq!(c.get("a").unwrap().adapters(), ["sql", "chat"]);
+        assert_eq!(c.resolve(Some("a:sql")).unwrap().id, "a");
+        assert_eq!(c.resolve(Some("al:chat")).unwrap().id, "a");
+        // Not the default model without the adapter, though unknown names route there.
+        match c.resolve(Some("a:nope")) {
+            Err(ProxyError::ModelNotFound {
+                requested,
+                available,
+            }) => {
+                assert_eq!(requested, "a:nope");
+                assert_eq!(available, ["a", "a:sql", "a:chat"]);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            c.resolve(Some("b:sql")),
+            Err(ProxyError::ModelNotFound { .. })
+        ));
     }
 
     #[test]

@@ -1081,13 +1081,14 @@ async fn models(app: &App) -> Response<ResponseBody> {
     // Models quantized, converted or pulled since the last look are listed too.
     app.routing.refresh(None).await;
     let engines = app.pool.status().await;
-    let default_model = app.catalog().default_model.clone();
+    let catalog = app.catalog();
+    let default_model = catalog.default_model.clone();
     let data: Vec<Value> = engines
         .iter()
         // A model a reload removed drains out of sight (`/engines` still shows it).
         .filter(|e| e.configured)
-        .map(|e| {
-            json!({
+        .flat_map(|e| {
+            let model = json!({
                 "id": e.model,
                 "object": "model",
                 "created": 0,
@@ -1099,7 +1100,22 @@ async fn models(app: &App) -> Response<ResponseBody> {
                 "aliases": e.aliases,
                 "pinned": e.pinned,
                 "default": e.model == default_model,
-            })
+            });
+            // Its LoRA adapters, each `<model>:<adapter>` with the model as `parent` (as
+            // vLLM lists them); they load and unload with it.
+            let adapters = catalog.get(&e.model).map(|m| m.adapters()).unwrap_or_default();
+            let adapters = adapters.into_iter().map(|a| {
+                json!({
+                    "id": format!("{}:{a}", e.model),
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "mlxd",
+                    "parent": e.model,
+                    "state": e.availability,
+                    "default": false,
+                })
+            });
+            std::iter::once(model).chain(adapters).collect::<Vec<_>>()
         })
         .collect();
     json_response(StatusCode::OK, &json!({ "object": "list", "data": data }))

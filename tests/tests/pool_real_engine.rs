@@ -347,3 +347,122 @@ async fn a_typo_in_a_model_name_fails_once_with_the_nearest_name() -> Result<()>
     p.stop().await?;
     Ok(())
 }
+
+/// One greedy completion of `prompt` by `model`: its text.
+async fn complete(p: &Proxy, model: &str, prompt: &str) -> Result<String> {
+    let (s, _, v) = p
+        .post_json(
+            "/v1/completions",
+            &json!({"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0}),
+        )
+        .await?;
+    if s != 200 {
+        bail!("{model}: {s} {v}");
+    }
+    Ok(v["choices"][0]["text"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned())
+}
+
+#[tokio::test]
+async fn lora_adapters_are_models_of_their_base_served_by_its_one_engine() -> Result<()> {
+    let r = real();
+    let adapter = |name: &str| {
+        let dir = r.models.join(name);
+        assert!(
+            dir.join("adapters.safetensors").is_file(),
+            "test adapter {} is missing (scripts/test.sh trains it)",
+            dir.display()
+        );
+        dir.display().to_string()
+    };
+    let mut base = r.model("tiny-llama");
+    base.options.insert(
+        "adapters".into(),
+        format!(
+            "a={},b={}",
+            adapter("tiny-llama-lora-a"),
+            adapter("tiny-llama-lora-b")
+        ),
+    );
+    let mut p = r.start(vec![base], |_| {}).await?;
+
+    // Listed with their base.
+    let (_, _, v) = p.get("/v1/models").await?;
+    let listed: Vec<(String, Value)> = v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| (m["id"].as_str().unwrap().to_owned(), m["parent"].clone()))
+        // The test home's store models are listed too.
+        .filter(|(id, _)| id.starts_with("tiny-llama"))
+        .collect();
+    assert_eq!(
+        listed,
+        [
+            ("tiny-llama".to_owned(), Value::Null),
+            ("tiny-llama:a".to_owned(), json!("tiny-llama")),
+            ("tiny-llama:b".to_owned(), json!("tiny-llama")),
+        ],
+        "{v}"
+    );
+
+    // Alone: each adapter changes the answer; the prompt is the same, so the prefix cache
+    // (on by default) would serve the base's KV to an adapter row if it were shared.
+    let prompt = "red green blue cat";
+    let base_alone = complete(&p, "tiny-llama", prompt).await?;
+    let a_alone = complete(&p, "tiny-llama:a", prompt).await?;
+    let b_alone = complete(&p, "tiny-llama:b", prompt).await?;
+    assert_ne!(a_alone, base_alone);
+    assert_ne!(b_alone, a_alone);
+    // Together, in one engine's batch: each as alone.
+    let (base_t, a_t, b_t) = tokio::join!(
+        complete(&p, "tiny-llama", prompt),
+        complete(&p, "tiny-llama:a", prompt),
+        complete(&p, "tiny-llama:b", prompt),
+    );
+    assert_eq!(
+        (base_t?, a_t?, b_t?),
+        (base_alone.clone(), a_alone, b_alone)
+    );
+    assert_eq!(complete(&p, "tiny-llama", prompt).await?, base_alone);
+    let (_, _, e) = p.get("/engines").await?;
+    // One engine served them all (the base model's; the store's models stay unloaded).
+    let running = e["engines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["pid"].is_u64())
+        .count();
+    assert_eq!(running, 1, "{e}");
+
+    // An adapter its model does not serve: 404 in each route's error shape.
+    let (s, _, v) = p
+        .post_json(
+            "/v1/chat/completions",
+            &json!({"model": "tiny-llama:zzz", "messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .await?;
+    assert_eq!(s, 404, "{v}");
+    assert_eq!(v["error"]["code"], "model_not_found", "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("tiny-llama:a"),
+        "{v}"
+    );
+    let (s, _, v) = p
+        .post_json(
+            "/v1/messages",
+            &json!({"model": "tiny-llama:zzz", "max_tokens": 4,
+                    "messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .await?;
+    assert_eq!(s, 404, "{v}");
+    assert_eq!(v["type"], "error", "{v}");
+    assert_eq!(v["error"]["type"], "not_found_error", "{v}");
+    p.stop().await?;
+    Ok(())
+}

@@ -161,6 +161,7 @@ impl Engine {
             self.runtime.work.clone(),
         )
         .with_model_vocab(self.runtime.info.vocab_size)
+        .with_adapters(self.runtime.adapters.clone())
     }
 }
 #[cfg(test)]

@@ -76,6 +76,7 @@ pub fn runtime_options(
         limits.prefill_step_tokens = Some(n as usize);
     }
     limits.warm_up = options.warm_up;
+    limits.adapters = options.adapter_list();
     limits.ssd = options.ssd_cache.clone().map(|dir| SsdConfig {
         dir,
         max_bytes: options.ssd_cache_max_bytes(),

@@ -142,6 +142,7 @@ pub(super) async fn chat_completions(
     }
     let mut settings = validate(&req.params, &state.tokenizer)?;
     settings.logprobs = chat_logprobs(req.logprobs, req.top_logprobs)?;
+    settings.model = req.model.clone();
     if settings.n > 1 && !settings.resume.is_empty() {
         return Err(ApiError::invalid(
             "n",

@@ -33,6 +33,7 @@ pub(super) async fn completions(
 ) -> Result<Response, ApiError> {
     let mut settings = validate(&req.params, &state.tokenizer)?;
     settings.logprobs = completion_logprobs(req.logprobs)?;
+    settings.model = req.model.clone();
     if settings.n > 1 && !settings.resume.is_empty() {
         return Err(ApiError::invalid(
             "n",

@@ -29,6 +29,12 @@ pub enum ApiError {
     /// The route exists but not for this method: 405.
     #[error("{method} is not allowed on {path}")]
     MethodNotAllowed { method: String, path: String },
+    /// The request's `model` names an adapter this engine does not hold: 404.
+    #[error("the model {requested:?} does not exist; available: {}", available.join(", "))]
+    UnknownModel {
+        requested: String,
+        available: Vec<String>,
+    },
     /// The MLX thread is gone (shutting down or crashed): 503.
     #[error("the engine is not accepting work: {0}")]
     Unavailable(String),
@@ -74,7 +80,7 @@ impl ApiError {
         match self {
             ApiError::Invalid { .. } => StatusCode::BAD_REQUEST,
             ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
+            ApiError::NotFound { .. } | ApiError::UnknownModel { .. } => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Generation(e) => match e {
@@ -100,6 +106,7 @@ impl ApiError {
             ApiError::Invalid { .. }
             | ApiError::TooLarge { .. }
             | ApiError::NotFound { .. }
+            | ApiError::UnknownModel { .. }
             | ApiError::MethodNotAllowed { .. } => INVALID_REQUEST_ERROR,
             ApiError::Unavailable(_) => SERVICE_UNAVAILABLE_ERROR,
             ApiError::Generation(_) => match self.status() {
@@ -116,6 +123,10 @@ impl ApiError {
                 body.error.code = code.map(str::to_owned);
             }
             ApiError::NotFound { .. } => body.error.code = Some("unknown_url".into()),
+            ApiError::UnknownModel { .. } => {
+                body.error.code = Some("model_not_found".into());
+                body.error.param = Some("model".into());
+            }
             ApiError::MethodNotAllowed { .. } => {
                 body.error.code = Some("method_not_allowed".into())
             }

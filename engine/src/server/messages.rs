@@ -313,7 +313,7 @@ pub(super) async fn messages(
         stop: req.stop_sequences.clone().map(Stop::Many),
         ..mlxd_protocol::request::messages_params(req.max_tokens, req.stream)
     };
-    let settings = validate(&params, &state.tokenizer).map_err(|e| match e {
+    let mut settings = validate(&params, &state.tokenizer).map_err(|e| match e {
         ApiError::Invalid {
             message,
             param: Some(p),
@@ -325,6 +325,7 @@ pub(super) async fn messages(
         },
         other => other,
     })?;
+    settings.model = req.model.clone();
     if let Some(user) = req.metadata.as_ref().and_then(|m| m.get("user_id")) {
         tracing::debug!(user = %user, "messages request");
     }

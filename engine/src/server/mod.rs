@@ -62,6 +62,8 @@ pub struct ServerState {
     /// The grammar engine over this model's vocabulary, built by the first constrained
     /// request (structured output, forced tool calls).
     pub grammar: Arc<OnceLock<Result<Arc<GrammarCompiler>, String>>>,
+    /// The LoRA adapters the model serves (`"model": "<model>:<adapter>"`); `None`: none.
+    pub adapters: Option<Arc<crate::adapters::AdapterTable>>,
 }
 
 impl ServerState {
@@ -82,7 +84,45 @@ impl ServerState {
             work,
             created,
             grammar: Arc::new(OnceLock::new()),
+            adapters: None,
         }
+    }
+
+    /// Serves the adapters in `table` too.
+    pub fn with_adapters(mut self, table: Option<Arc<crate::adapters::AdapterTable>>) -> Self {
+        self.adapters = table;
+        self
+    }
+
+    /// The adapter a request's `model` selects: `"<anything>:<name>"` where `name` is a
+    /// loaded adapter. `"<this model's id>:<name>"` naming no loaded adapter is a 404;
+    /// anything else is the base model (a standalone engine answers to any model name).
+    pub fn adapter_for(
+        &self,
+        model: Option<&str>,
+    ) -> Result<Option<crate::adapters::AdapterId>, error::ApiError> {
+        let Some((base, name)) = model.and_then(|m| m.trim().rsplit_once(':')) else {
+            return Ok(None);
+        };
+        if let Some(id) = self.adapters.as_ref().and_then(|t| t.id_of(name)) {
+            return Ok(Some(id));
+        }
+        if base != self.model_id {
+            return Ok(None);
+        }
+        let mut available = vec![self.model_id.clone()];
+        if let Some(table) = &self.adapters {
+            available.extend(
+                table
+                    .list()
+                    .into_iter()
+                    .map(|a| format!("{}:{}", self.model_id, a.name)),
+            );
+        }
+        Err(error::ApiError::UnknownModel {
+            requested: format!("{base}:{name}"),
+            available,
+        })
     }
 
     /// The model's output vocabulary when it differs from the tokenizer's.

@@ -64,6 +64,9 @@ pub struct Settings {
     /// Report log-probabilities with this many alternatives per token (set by the route,
     /// whose field names differ: [`chat_logprobs`], [`completion_logprobs`]).
     pub logprobs: Option<usize>,
+    /// The `model` asked for: `"<model>:<adapter>"` selects a LoRA adapter
+    /// ([`super::ServerState::adapter_for`]).
+    pub model: Option<String>,
 }
 
 /// Chat's `logprobs` (bool) and `top_logprobs` (0–20, only with `logprobs`).
@@ -213,6 +216,8 @@ pub fn validate(params: &GenerationParams, tokenizer: &Tokenizer) -> Result<Sett
         resume,
         n: facts.n as usize,
         logprobs: None,
+        // Set by the route, which holds the body's `model`.
+        model: None,
     })
 }
 

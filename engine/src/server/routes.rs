@@ -72,6 +72,7 @@ pub(super) fn start_with(
     constraint: Option<Box<dyn crate::constraint::TokenConstraint>>,
     skip_special: bool,
 ) -> Result<(Generation, Settings), ApiError> {
+    let adapter = state.adapter_for(job.settings.model.as_deref())?;
     let (events_tx, events_rx) = mpsc::unbounded_channel();
     let request = GenerateRequest {
         prompt: job.prompt,
@@ -82,7 +83,7 @@ pub(super) fn start_with(
         events: events_tx,
         constraint,
         logprobs: job.settings.logprobs,
-        adapter: None,
+        adapter,
     };
     let submission = Submission {
         request,
@@ -208,13 +209,23 @@ fn model_object(state: &ServerState) -> ModelObject {
         created: state.created,
         owned_by: "mlxd".into(),
         context_length: Some(state.context_length as u64),
+        parent: None,
     }
 }
 
+/// The model, then each of its adapters as `<model>:<adapter>` with the model as `parent`.
 pub(super) async fn list_models(State(state): State<ServerState>) -> Json<ModelList> {
+    let mut data = vec![model_object(&state)];
+    for adapter in state.adapters.iter().flat_map(|t| t.list()) {
+        data.push(ModelObject {
+            id: format!("{}:{}", state.model_id, adapter.name),
+            parent: Some(state.model_id.clone()),
+            ..model_object(&state)
+        });
+    }
     Json(ModelList {
         object: OBJECT_LIST.into(),
-        data: vec![model_object(&state)],
+        data,
     })
 }
 
