@@ -292,6 +292,64 @@ async fn kill_9_of_a_hybrid_engine_costs_the_clients_nothing() -> Result<()> {
     Ok(())
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kill_9_mid_generation_resumes_each_row_with_its_lora_adapter() -> Result<()> {
+    let dir = tiny_model("tiny-llama")?;
+    let adapter = |name: &str| -> Result<String> {
+        let d = test_models().join(name);
+        ensure!(
+            d.join("adapters.safetensors").is_file(),
+            "test adapter {} is missing (scripts/test.sh trains it)",
+            d.display()
+        );
+        Ok(d.display().to_string())
+    };
+    let adapters = format!(
+        "a={},b={}",
+        adapter("tiny-llama-lora-a")?,
+        adapter("tiny-llama-lora-b")?
+    );
+    let engine = engine_bin()?;
+    let home = test_home();
+    let p = Proxy::start_with(&[], |c| {
+        let mut model = mlxd_proxy::config::ModelConfig::new("adapted");
+        model.path = Some(dir.display().to_string());
+        model.options.insert("adapters".into(), adapters);
+        c.models = vec![model];
+        let s = &mut c.server;
+        s.engine_bin = Some(engine);
+        s.engine_options.clear();
+        s.engine_options.insert("prompt_cache".into(), "0".into());
+        s.queue_timeout_ms = 180_000;
+        s.engine_env
+            .insert("MLXD_HOME".into(), home.display().to_string());
+    })
+    .await?;
+    // Rows of two adapters and of the base in one batch; after the kill each must continue
+    // with its own adapter (a row resumed on the base would answer otherwise).
+    let stream = |model: &str| json!({"model": model, "stream": true, "max_tokens": 300});
+    let cases = vec![
+        Case::completion("red green blue", stream("adapted:a")),
+        Case::completion("red green blue", stream("adapted:b")),
+        Case::completion("red green blue", stream("adapted")),
+        Case::completion(
+            "the quick river",
+            json!({"model": "adapted:a", "max_tokens": 200}),
+        ),
+    ];
+    // The three rows answer differently, so a row resumed with the wrong adapter shows.
+    let first = run_all(p.addr, &cases[..3], Progress::default()).await?;
+    let texts: Vec<String> = first.iter().map(|a| normalized(a)).collect::<Result<_>>()?;
+    ensure!(
+        texts[0] != texts[1] && texts[0] != texts[2] && texts[1] != texts[2],
+        "the adapters do not change the answers: {texts:?}"
+    );
+    kill_9_mid_run(&p, &cases, 30).await?;
+    let e = p.engine().await?;
+    ensure!(e["restarts"].as_u64() >= Some(1), "{e}");
+    Ok(())
+}
+
 /// Sends `cases` with an engine that injects `fault` once (`MLXD_FAULT_ONCE`), then the
 /// same cases again on the clean restarted engine; both runs must answer the same.
 async fn faulted_run_matches_clean_run(
