@@ -85,6 +85,12 @@ pub const KEYS: &[(&str, &str)] = &[
          rank 0 starts the other ranks itself (set by mlxd)",
     ),
     (
+        "distributed_mode",
+        "with distributed: tensor (every layer divided among the ranks, the default) or \
+         pipeline (the layers divided among the ranks); set by mlxd from the model's \
+         `distributed` entry",
+    ),
+    (
         "state_snapshot_every",
         "models with recurrent layers: prompt tokens between two snapshots of the state in the \
          prefix cache (default 4096)",
@@ -188,6 +194,11 @@ pub struct EngineOptions {
     /// this machine yet). Without it the group comes from MLX's environment.
     #[cfg_attr(feature = "cli", arg(long, value_parser = parse_distributed_hosts))]
     pub distributed_hosts: Option<String>,
+    /// With --distributed: how the group divides the model: `tensor` (each layer's matrices
+    /// among the ranks) or `pipeline` (the layers among the ranks, activations passed from
+    /// rank to rank) [default: tensor].
+    #[cfg_attr(feature = "cli", arg(long, value_parser = parse_distributed_mode))]
+    pub distributed_mode: Option<Parallelism>,
     /// For models with recurrent layers (Qwen3-Next, Mamba-2, ...), whose state cannot be cut
     /// back to a shorter prefix: prompt tokens between two snapshots of the state kept in the
     /// prefix cache, and the most a prefill chunk holds [default: 4096].
@@ -319,6 +330,34 @@ pub fn parse_distributed(s: &str) -> Result<String, String> {
     }
 }
 
+/// How an engine group divides its model among the ranks (`distributed_mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Parallelism {
+    /// Every layer's matrices divided among the ranks.
+    #[default]
+    Tensor,
+    /// The layers divided among the ranks.
+    Pipeline,
+}
+
+impl Parallelism {
+    /// The name `distributed_mode` and `mlxd.toml`'s `mode` take.
+    pub fn name(self) -> &'static str {
+        match self {
+            Parallelism::Tensor => "tensor",
+            Parallelism::Pipeline => "pipeline",
+        }
+    }
+}
+
+pub fn parse_distributed_mode(s: &str) -> Result<Parallelism, String> {
+    match s.trim() {
+        "tensor" => Ok(Parallelism::Tensor),
+        "pipeline" => Ok(Parallelism::Pipeline),
+        _ => Err("expected tensor or pipeline".into()),
+    }
+}
+
 pub fn parse_distributed_hosts(s: &str) -> Result<String, String> {
     let hosts: Vec<&str> = s.split(',').map(str::trim).collect();
     if hosts.len() < 2
@@ -440,6 +479,9 @@ impl EngineOptions {
             "distributed_hosts" => {
                 self.distributed_hosts = Some(parse_distributed_hosts(value).map_err(bad)?)
             }
+            "distributed_mode" => {
+                self.distributed_mode = Some(parse_distributed_mode(value).map_err(bad)?)
+            }
             "state_snapshot_every" => {
                 self.state_snapshot_every = Some(parse_state_snapshot_every(value).map_err(bad)?)
             }
@@ -510,6 +552,10 @@ impl EngineOptions {
         put("distributed", self.distributed.clone());
         put("distributed_hosts", self.distributed_hosts.clone());
         put(
+            "distributed_mode",
+            self.distributed_mode.map(|m| m.name().to_owned()),
+        );
+        put(
             "state_snapshot_every",
             self.state_snapshot_every.map(|v| v.to_string()),
         );
@@ -570,6 +616,9 @@ impl EngineOptions {
         }
         if self.distributed.is_none() && self.distributed_hosts.is_some() {
             return Err(refuse("distributed_hosts", "needs distributed"));
+        }
+        if self.distributed.is_none() && self.distributed_mode.is_some() {
+            return Err(refuse("distributed_mode", "needs distributed"));
         }
         let (min, max) = self.ngram_sizes();
         if min > max {
@@ -726,6 +775,14 @@ mod tests {
             (
                 &[("num_draft_tokens", "2")],
                 "engine option num_draft_tokens = \"2\": needs draft = \"ngram\" or a draft_model",
+            ),
+            (
+                &[("distributed_mode", "pipeline")],
+                "engine option distributed_mode = \"pipeline\": needs distributed",
+            ),
+            (
+                &[("distributed", "ring"), ("distributed_mode", "layers")],
+                "engine option distributed_mode = \"layers\": expected tensor or pipeline",
             ),
         ];
         for (pairs, want) in cases {

@@ -243,7 +243,7 @@ const LOCAL_HOSTS: &[&str] = &["127.0.0.1", "localhost", "::1"];
 
 impl DistributedConfig {
     /// What cannot work, as `(key, reason)`: an unknown backend or mode, fewer than two hosts,
-    /// and what is not built yet (pipeline mode, other machines, backends mlxd cannot start).
+    /// and what is not built yet (other machines, backends mlxd cannot start).
     pub fn check(&self) -> Result<(), (&'static str, String)> {
         if !DISTRIBUTED_BACKENDS.contains(&self.backend.as_str()) {
             return Err((
@@ -263,20 +263,15 @@ impl DistributedConfig {
                     .into(),
             ));
         }
-        match self.mode.as_str() {
-            "tensor" => {}
-            "pipeline" => {
-                return Err((
-                    "mode",
-                    "pipeline parallelism is not supported yet; use mode = \"tensor\"".into(),
-                ))
-            }
-            other => {
-                return Err((
-                    "mode",
-                    format!("unknown mode {other:?}: expected \"tensor\" or \"pipeline\""),
-                ))
-            }
+        // Which families a mode can divide is the engine's to say, at load, naming the family.
+        if !["tensor", "pipeline"].contains(&self.mode.as_str()) {
+            return Err((
+                "mode",
+                format!(
+                    "unknown mode {:?}: expected \"tensor\" or \"pipeline\"",
+                    self.mode
+                ),
+            ));
         }
         if self.hosts.len() < 2 {
             return Err((
@@ -408,7 +403,7 @@ impl Default for PoolConfig {
 
 impl ModelConfig {
     /// The engine options that make its engine an engine group's rank 0 (`distributed`,
-    /// `distributed_hosts`); none without a `distributed` entry.
+    /// `distributed_hosts`, `distributed_mode`); none without a `distributed` entry.
     pub fn group_options(&self) -> BTreeMap<String, String> {
         self.distributed
             .iter()
@@ -416,6 +411,7 @@ impl ModelConfig {
                 [
                     ("distributed".to_owned(), d.backend.clone()),
                     ("distributed_hosts".to_owned(), d.hosts.join(",")),
+                    ("distributed_mode".to_owned(), d.mode.clone()),
                 ]
             })
             .collect()
@@ -659,7 +655,7 @@ impl Config {
     fn validate_distributed(&self) -> Result<(), ConfigError> {
         // The group's options come from its entry, which also makes mlxd start the ranks.
         let by_hand = |options: &BTreeMap<String, String>| {
-            ["distributed", "distributed_hosts"]
+            ["distributed", "distributed_hosts", "distributed_mode"]
                 .into_iter()
                 .find(|k| options.contains_key(*k))
         };
@@ -980,9 +976,9 @@ mod tests {
         );
         let e = group(r#"backend = "jaccl", hosts = ["127.0.0.1", "127.0.0.1"]"#);
         assert!(e.contains("ring and nccl groups only"), "{e}");
-        let e = group(r#"backend = "ring", hosts = ["127.0.0.1", "127.0.0.1"], mode = "pipeline""#);
+        let e = group(r#"backend = "ring", hosts = ["127.0.0.1", "127.0.0.1"], mode = "layers""#);
         assert!(
-            e.contains("pipeline parallelism is not supported yet"),
+            e.contains("model[0].distributed.mode: unknown mode \"layers\""),
             "{e}"
         );
         let e = group(r#"backend = "ring", hosts = ["127.0.0.1"]"#);
@@ -1005,6 +1001,15 @@ mod tests {
         let options = config.models[0].group_options();
         assert_eq!(options["distributed"], "ring");
         assert_eq!(options["distributed_hosts"], "127.0.0.1,localhost");
+        assert_eq!(options["distributed_mode"], "tensor");
+        // Pipeline mode passes to the engine, which refuses the families it cannot divide.
+        let text = text.replace(" }", ", mode = \"pipeline\" }");
+        let config = Config::from_toml_str(&text, "mlxd.toml").unwrap();
+        config.validate(None).unwrap();
+        assert_eq!(
+            config.models[0].group_options()["distributed_mode"],
+            "pipeline"
+        );
     }
 
     /// Issue 22.2: a bad engine option fails the config load naming the field, before any

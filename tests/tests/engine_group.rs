@@ -28,6 +28,13 @@ fn free_ports(n: usize) -> Result<Vec<u16>> {
         .collect()
 }
 
+/// How a group divides its model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Tensor,
+    Pipeline,
+}
+
 /// Ranks of one group (killed on drop), their socket and log directory.
 struct Group {
     ranks: Vec<Child>,
@@ -37,6 +44,12 @@ struct Group {
 impl Group {
     /// `hosts` ranks in the hostfile, `started` of them started (the rest never come).
     fn start(model: &Path, hosts: usize, started: usize) -> Result<Group> {
+        Self::start_in(model, hosts, started, Mode::Tensor)
+    }
+
+    /// [`Self::start`] with the model divided as `mode` says (rank 0's flag: the other ranks
+    /// take rank 0's options).
+    fn start_in(model: &Path, hosts: usize, started: usize, mode: Mode) -> Result<Group> {
         let dir = tempfile::tempdir()?;
         let ports = free_ports(hosts)?;
         let hostfile = dir.path().join("hosts.json");
@@ -65,6 +78,9 @@ impl Group {
             )?);
             if rank == 0 {
                 cmd.arg("--unix").arg(dir.path().join("s.sock"));
+                if mode == Mode::Pipeline {
+                    cmd.args(["--distributed-mode", "pipeline"]);
+                }
             }
             ranks.push(cmd.spawn()?);
         }
@@ -221,51 +237,62 @@ fn bodies() -> Vec<Value> {
 #[test]
 fn two_ranks_serve_the_single_engines_tokens_alone_and_batched() -> Result<()> {
     for name in ["tiny-llama", "tiny-qwen3", "family-qwen3_moe"] {
-        let model = tiny_model(name)?;
-        let mut group = Group::start(&model, 2, 2)?;
-        let dir = tempfile::tempdir()?;
-        let mut one = Killed(single(&model, dir.path())?);
-        let socket = group.socket();
-        wait_serving(&socket, &mut group.ranks[0], Duration::from_secs(60))?;
-        wait_serving(
-            &dir.path().join("single.sock"),
-            &mut one.0,
-            Duration::from_secs(60),
-        )?;
-        let bodies = bodies();
-        let expected: Vec<Vec<u64>> = bodies
-            .iter()
-            .map(|b| completion_ids(&dir.path().join("single.sock"), b))
-            .collect::<Result<_>>()?;
-        assert!(expected.iter().all(|ids| !ids.is_empty()), "{expected:?}");
-        for (body, want) in bodies.iter().zip(&expected) {
-            assert_eq!(
-                &completion_ids(&socket, body)?,
-                want,
-                "{name} alone: {body}"
-            );
-        }
-        assert_eq!(batched(&socket, &bodies)?, expected, "{name} batched");
-        // Each rank holds half of every attention and MLP matrix, so less than the whole.
-        let weights = |log: &str| -> Option<u64> {
-            let at = log.rfind("weight_bytes")?;
-            let digits: String = log[at..]
-                .chars()
-                .skip_while(|c| !c.is_ascii_digit())
-                .take_while(char::is_ascii_digit)
-                .collect();
-            digits.parse().ok()
-        };
-        let whole = weights(&plain(&std::fs::read_to_string(
-            dir.path().join("single.log"),
-        )?));
-        let shard = weights(&group.log(1));
-        assert!(
-            matches!((whole, shard), (Some(w), Some(s)) if s < w),
-            "{name}: rank 1 holds {shard:?} weight bytes, the whole model {whole:?}"
-        );
-        drop(one);
+        two_ranks_serve_the_single_engines_tokens(name, Mode::Tensor)?;
     }
+    Ok(())
+}
+
+/// Two ranks dividing `name` as `mode` says give the single engine's tokens for [`bodies`],
+/// each alone and all in one batch, and rank 1 holds less than the whole model.
+fn two_ranks_serve_the_single_engines_tokens(name: &str, mode: Mode) -> Result<()> {
+    let model = tiny_model(name)?;
+    let mut group = Group::start_in(&model, 2, 2, mode)?;
+    let dir = tempfile::tempdir()?;
+    let mut one = Killed(single(&model, dir.path())?);
+    let socket = group.socket();
+    wait_serving(&socket, &mut group.ranks[0], Duration::from_secs(60))?;
+    wait_serving(
+        &dir.path().join("single.sock"),
+        &mut one.0,
+        Duration::from_secs(60),
+    )?;
+    let bodies = bodies();
+    let expected: Vec<Vec<u64>> = bodies
+        .iter()
+        .map(|b| completion_ids(&dir.path().join("single.sock"), b))
+        .collect::<Result<_>>()?;
+    assert!(expected.iter().all(|ids| !ids.is_empty()), "{expected:?}");
+    for (body, want) in bodies.iter().zip(&expected) {
+        assert_eq!(
+            &completion_ids(&socket, body)?,
+            want,
+            "{name} {mode:?} alone: {body}"
+        );
+    }
+    assert_eq!(
+        batched(&socket, &bodies)?,
+        expected,
+        "{name} {mode:?} batched"
+    );
+    // Tensor: each rank holds half of every attention and MLP matrix; pipeline: its layers
+    // only. Either way less than the whole.
+    let weights = |log: &str| -> Option<u64> {
+        let at = log.rfind("weight_bytes")?;
+        let digits: String = log[at..]
+            .chars()
+            .skip_while(|c| !c.is_ascii_digit())
+            .take_while(char::is_ascii_digit)
+            .collect();
+        digits.parse().ok()
+    };
+    let whole = weights(&plain(&std::fs::read_to_string(
+        dir.path().join("single.log"),
+    )?));
+    let shard = weights(&group.log(1));
+    assert!(
+        matches!((whole, shard), (Some(w), Some(s)) if s < w),
+        "{name} {mode:?}: rank 1 holds {shard:?} weight bytes, the whole model {whole:?}"
+    );
     Ok(())
 }
 
@@ -614,5 +641,135 @@ fn a_backend_this_mlx_build_lacks_fails_the_load_naming_it() -> Result<()> {
         log.contains("this MLX build has no \"nccl\" distributed backend"),
         "{log}"
     );
+    Ok(())
+}
+
+#[test]
+fn two_ranks_in_pipeline_mode_serve_the_single_engines_tokens_alone_and_batched() -> Result<()> {
+    // Llama: 2 layers, one per rank; Qwen3-MoE: 3 layers (a dense one between two sparse), two
+    // on rank 0 and one on rank 1, so the ranks' caches differ in size.
+    for name in ["tiny-llama", "family-qwen3_moe"] {
+        two_ranks_serve_the_single_engines_tokens(name, Mode::Pipeline)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn a_family_that_cannot_be_pipelined_is_refused_naming_it() -> Result<()> {
+    let model = tiny_model("family-mixtral")?;
+    let mut group = Group::start_in(&model, 2, 2, Mode::Pipeline)?;
+    for rank in 0..2 {
+        let status = group.exit_of(rank, Duration::from_secs(60))?;
+        assert!(!status.success(), "rank {rank}: {status}");
+    }
+    let log = group.log(0);
+    assert!(
+        log.contains("MixtralForCausalLM cannot be divided into a pipeline of 2 ranks"),
+        "rank 0 does not say why: {log}"
+    );
+    Ok(())
+}
+
+/// mlx-lm's greedy tokens for `prompt` with `model` divided into a pipeline of two ranks
+/// (`scripts/mlx_lm_pipeline_greedy.py`: `sharded_load(..., pipeline_group=...)`, ring over
+/// 127.0.0.1), as rank 0 prints them.
+fn mlx_lm_pipelined_greedy(model: &Path, max_tokens: usize, prompt: &[u32]) -> Result<Vec<u32>> {
+    let dir = tempfile::tempdir()?;
+    let hostfile = dir.path().join("hosts.json");
+    let entries: Vec<Value> = free_ports(2)?
+        .iter()
+        .map(|p| json!([format!("127.0.0.1:{p}")]))
+        .collect();
+    std::fs::write(&hostfile, serde_json::to_vec(&entries)?)?;
+    let script = mlxd_tests::workspace_root().join("scripts/mlx_lm_pipeline_greedy.py");
+    let rank = |r: usize| -> Result<Killed> {
+        let mut cmd = Command::new(mlxd_tests::python()?);
+        cmd.arg(&script)
+            .arg(model)
+            .arg(max_tokens.to_string())
+            .args(prompt.iter().map(u32::to_string))
+            .env("MLX_RANK", r.to_string())
+            .env("MLX_HOSTFILE", &hostfile)
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(
+                dir.path().join(format!("py{r}.log")),
+            )?);
+        Ok(Killed(cmd.spawn()?))
+    };
+    let mut ranks = [rank(0)?, rank(1)?];
+    let mut printed = String::new();
+    ranks[0]
+        .0
+        .stdout
+        .take()
+        .context("rank 0's stdout")?
+        .read_to_string(&mut printed)?;
+    for (r, child) in ranks.iter_mut().enumerate() {
+        let status = child.0.wait()?;
+        let log = std::fs::read_to_string(dir.path().join(format!("py{r}.log")))?;
+        anyhow::ensure!(status.success(), "mlx-lm rank {r} failed ({status}): {log}");
+    }
+    printed
+        .split_whitespace()
+        .map(|t| t.parse().with_context(|| format!("mlx-lm printed {t:?}")))
+        .collect()
+}
+
+#[test]
+fn pipeline_mode_gives_mlx_lms_pipelined_tokens() -> Result<()> {
+    // mlx-lm's `sharded_load` pipelines Qwen3-MoE (its Llama file has no `pipeline`); the
+    // checkpoint has the index file it needs.
+    let model = tiny_model("family-qwen3_moe")?;
+    let prompt = [5u32, 17, 33, 8];
+    let reference = mlx_lm_pipelined_greedy(&model, 8, &prompt)?;
+    assert_eq!(reference.len(), 8, "{reference:?}");
+    let mut group = Group::start_in(&model, 2, 2, Mode::Pipeline)?;
+    let socket = group.socket();
+    wait_serving(&socket, &mut group.ranks[0], Duration::from_secs(60))?;
+    let ours = completion_ids(
+        &socket,
+        &json!({"model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0}),
+    )?;
+    let reference: Vec<u64> = reference.into_iter().map(u64::from).collect();
+    assert_eq!(ours, reference);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_mlxd_a_pipeline_group_serves_the_single_engines_text() -> Result<()> {
+    // `mode = "pipeline"` in mlxd.toml reaches every rank (rank 0's options, broadcast).
+    let model = tiny_model("family-qwen3_moe")?;
+    let dir = tempfile::tempdir()?;
+    let config = dir.path().join("mlxd.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[model]]\nid = \"g\"\npath = {path:?}\n\
+             distributed = {{ backend = \"ring\", hosts = [\"127.0.0.1\", \"127.0.0.1\"], \
+             mode = \"pipeline\" }}\n\
+             [[model]]\nid = \"s\"\npath = {path:?}\n",
+            path = model.display().to_string()
+        ),
+    )?;
+    let mlxd = mlxd_tests::MlxdProcess::builder()
+        .engine(built_engine_bin()?)
+        .args(&["--config".as_ref(), config.as_os_str()])
+        .env("MLXD_GROUP_INIT_TIMEOUT", "20")
+        .own_home()
+        .start()
+        .await?;
+    let addr = mlxd.addr;
+    tokio::task::spawn_blocking(move || -> Result<()> {
+        let body = |model: &str| {
+            json!({"model": model, "prompt": "hello world the", "max_tokens": 24,
+                   "temperature": 0})
+        };
+        let expected = mlxd_completion(addr, &body("s"), || Ok(()))?;
+        assert!(!expected.is_empty());
+        assert_eq!(mlxd_completion(addr, &body("g"), || Ok(()))?, expected);
+        Ok(())
+    })
+    .await??;
+    drop(mlxd);
     Ok(())
 }

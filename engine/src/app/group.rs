@@ -13,13 +13,14 @@ use mlxd_protocol::engine_options::EngineOptions;
 
 use super::options::{runtime_options, LaunchOptions};
 use super::start_error::StartError;
+use crate::distributed::pipeline::Stage;
 use crate::distributed::replica::{Follower, Leader};
 use crate::distributed::wire::broadcast;
 use crate::distributed::{Group, GROUP_INIT_TIMEOUT};
-use crate::loader::{LoadError, LoadReporter};
+use crate::loader::{read_config, LoadError, LoadReporter};
 use crate::models;
 use crate::runtime::lockstep::Lockstep;
-use crate::runtime::{MakeLockstep, ModelLoader, OomHook, Runtime, RuntimeLimits};
+use crate::runtime::{MakeLockstep, ModelLoader, OomHook, Parallelism, Runtime, RuntimeLimits};
 
 /// Joins the group of `backend` as MLX's environment describes it (`MLX_RANK`,
 /// `MLX_HOSTFILE` for `ring`), failing with the reason after [`GROUP_INIT_TIMEOUT`].
@@ -112,7 +113,7 @@ pub fn refused_in_group(limits: &RuntimeLimits) -> Option<String> {
 /// so that one rank's failure fails the load everywhere instead of a later collective hanging.
 pub fn start_rank(
     dir: PathBuf,
-    limits: RuntimeLimits,
+    mut limits: RuntimeLimits,
     on_oom: Option<OomHook>,
     reporter: Option<LoadReporter>,
     group: Group,
@@ -120,9 +121,25 @@ pub fn start_rank(
     if let Some(reason) = refused_in_group(&limits) {
         return Err(LoadError::Config(reason));
     }
+    let parallelism = limits.parallelism;
+    if parallelism == Parallelism::Pipeline {
+        // Each rank's prefix cache holds its own layers' KV: sized in proportion, so that
+        // every rank keeps and evicts the same entries (`Stage::prefix_budget`).
+        let stage = Stage::of(num_layers(&dir)?, group.rank(), group.size())?;
+        limits.prompt_cache_bytes = stage.prefix_budget(limits.prompt_cache_bytes);
+        tracing::info!(
+            rank = stage.rank,
+            layers = ?stage.layers,
+            prompt_cache_bytes = limits.prompt_cache_bytes,
+            "pipeline stage"
+        );
+    }
     let for_load = group.clone();
     let load: ModelLoader = Box::new(move |dir: &Path| {
-        let model = models::load_for_group(dir, reporter, Some(for_load.clone()));
+        let model = match parallelism {
+            Parallelism::Tensor => models::load_for_group(dir, reporter, Some(for_load.clone())),
+            Parallelism::Pipeline => models::load_pipeline_stage(dir, reporter, for_load.clone()),
+        };
         all_loaded(&for_load, model.is_ok())?;
         model
     });
@@ -140,6 +157,19 @@ pub fn start_rank(
         }
     });
     Runtime::start_in_lockstep(dir, limits, on_oom, load, lockstep)
+}
+
+/// The model's layer count (`num_hidden_layers`), which a pipeline divides.
+fn num_layers(dir: &Path) -> Result<usize, LoadError> {
+    read_config(dir)?
+        .get("num_hidden_layers")
+        .and_then(serde_json::Value::as_u64)
+        .map(|n| n as usize)
+        .ok_or_else(|| {
+            LoadError::Config(
+                "config.json has no num_hidden_layers for a pipeline to divide".into(),
+            )
+        })
 }
 
 /// Whether every rank loaded its shard: each contributes a flag, gathered on every rank.

@@ -69,6 +69,7 @@ pub fn runtime_options(
         group_size: group_size as i32,
     });
     limits.quantized_kv_start = options.quantized_kv_start.unwrap_or(0) as usize;
+    limits.parallelism = options.distributed_mode.unwrap_or_default();
     if let Some(n) = options.state_snapshot_every {
         limits.state_snapshot_every = n as usize;
     }

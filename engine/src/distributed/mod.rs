@@ -6,12 +6,14 @@
 //! between the ranks.
 //!
 //! - [`group`]: the MLX group and collectives from Rust;
+//! - [`pipeline`]: the layers divided among the ranks, activations sent from rank to rank;
 //! - [`shard`]: which tensors a family divides and how;
 //! - [`shard_read`]: a rank's part of a tensor read from its file, not the whole;
 //! - [`summed`]: the `all_sum` that completes a row-split branch;
 //! - [`wire`]: the per-iteration message and its broadcast;
 //! - [`replica`]: rank 0's and the other ranks' side of the lockstep.
 pub mod group;
+pub mod pipeline;
 pub mod replica;
 pub mod shard;
 pub mod shard_read;

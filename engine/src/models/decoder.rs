@@ -3,6 +3,8 @@
 //! ([`DecoderLayer`], most often a [`Block`] of its attention and feed-forward parts)
 //! and what the two ends differ in ([`Trunk`]: the final norm's kind, a tied or own output
 //! head, scalar multipliers on the embeddings and logits).
+use std::ops::Range;
+
 use mlx_rs::error::Exception;
 use mlx_rs::Array;
 use serde_json::Value;
@@ -15,6 +17,7 @@ use super::params::{Parameters, Params};
 use super::scalar::{divide_by, scale_by};
 use super::{CausalLm, Feature, ModelInfo};
 use crate::cache::{LayerCache, LayerKind};
+use crate::distributed::pipeline::StageLink;
 use crate::loader::{LoadError, Weights};
 
 /// A norm of the residual stream: `nn.RMSNorm` or `nn.LayerNorm`.
@@ -377,11 +380,23 @@ impl Stack<'_> {
 pub(crate) fn load_stack<A, F: FeedForward>(
     w: &mut Weights,
     stack: &Stack<'_>,
+    attention: impl FnMut(&mut Weights, usize, &str) -> Result<A, LoadError>,
+    feed_forward: impl FnMut(&mut Weights, usize, &str) -> Result<F, LoadError>,
+) -> Result<(Trunk, Vec<Block<A, F>>), LoadError> {
+    load_stack_layers(w, stack, 0..stack.num_layers, attention, feed_forward)
+}
+
+/// [`load_stack`] of the blocks `only` (a pipeline stage's, `crate::distributed::pipeline`)
+/// and the ends; the other layers' tensors must have been discarded.
+pub(crate) fn load_stack_layers<A, F: FeedForward>(
+    w: &mut Weights,
+    stack: &Stack<'_>,
+    only: Range<usize>,
     mut attention: impl FnMut(&mut Weights, usize, &str) -> Result<A, LoadError>,
     mut feed_forward: impl FnMut(&mut Weights, usize, &str) -> Result<F, LoadError>,
 ) -> Result<(Trunk, Vec<Block<A, F>>), LoadError> {
-    let mut layers = Vec::with_capacity(stack.num_layers);
-    for i in 0..stack.num_layers {
+    let mut layers = Vec::with_capacity(only.len());
+    for i in only {
         let p = format!("{}model.layers.{i}", stack.prefix);
         let attn = attention(w, i, &p)?;
         let mlp = feed_forward(w, i, &p)?;
@@ -411,6 +426,8 @@ pub(crate) struct Decoder<L> {
     info: ModelInfo,
     /// The family's reasons to refuse runtime options.
     refusals: Vec<(Feature, String)>,
+    /// In a pipeline, this rank's link to the others: `layers` are then its stage's only.
+    link: Option<StageLink>,
 }
 
 impl<L: DecoderLayer + 'static> Decoder<L> {
@@ -429,7 +446,18 @@ impl<L: DecoderLayer + 'static> Decoder<L> {
             layers,
             info,
             refusals: Vec::new(),
+            link: None,
         }
+    }
+
+    /// The decoder of one pipeline stage: `layers` are the stage's (its caches hold them
+    /// only), the hidden states come from and go to the neighbouring ranks through `link`.
+    /// The KV bytes per token stay those `sizes` gave (the largest stage's, the same on
+    /// every rank).
+    pub fn in_pipeline(mut self, link: StageLink) -> Self {
+        self.info.num_layers = self.layers.len();
+        self.link = Some(link);
+        self
     }
 
     /// A decoder whose recurrent layers hold `bytes` of state per sequence
@@ -457,9 +485,15 @@ impl<L: DecoderLayer + 'static> Decoder<L> {
 
 impl<L: DecoderLayer> CausalLm for Decoder<L> {
     fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
-        let mut h = self.trunk.embed(tokens)?;
+        let mut h = match &self.link {
+            Some(link) if !link.stage.is_first() => link.receive(tokens)?,
+            _ => self.trunk.embed(tokens)?,
+        };
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
             h = layer.forward(&h, cache)?;
+        }
+        if let Some(link) = &self.link {
+            h = link.pass_on(h)?;
         }
         self.trunk.logits(&h)
     }

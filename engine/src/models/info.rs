@@ -60,14 +60,19 @@ fn gcd(a: i32, b: i32) -> i32 {
     }
 }
 
+/// The dtype of activations: what the embedding `embed` gives (its weight's, or its scales'
+/// when it is quantized).
+pub fn activation_dtype(embed: &Matrix) -> Dtype {
+    match embed {
+        Matrix::Dense(w) => w.dtype(),
+        Matrix::Quantized(q) => q.scales.dtype(),
+    }
+}
+
 /// Bytes per element of activations (and so of the KV cache): the embedding's dtype, or its
 /// scales' when it is quantized.
 pub fn kv_dtype_bytes(embed: &Matrix) -> usize {
-    let dtype = match embed {
-        Matrix::Dense(w) => w.dtype(),
-        Matrix::Quantized(q) => q.scales.dtype(),
-    };
-    match dtype {
+    match activation_dtype(embed) {
         Dtype::Float32 => 4,
         _ => 2,
     }

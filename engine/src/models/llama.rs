@@ -8,11 +8,12 @@ use super::attention::{Attention, AttentionShape, QkNorm, Reach};
 use super::config::{
     check_heads, default_rope_theta, default_true, implied_head_dim, parse_config,
 };
-use super::decoder::{load_stack, Decoder, Head, Sizes, Stack};
-use super::info::KvShape;
+use super::decoder::{load_stack, load_stack_layers, Decoder, Head, Sizes, Stack};
+use super::info::{activation_dtype, KvShape};
 use super::mlp::{FeedForward, GatedMlp};
 use super::rope::ScaledRope;
 use super::CausalLm;
+use crate::distributed::pipeline::{Stage, StageLink};
 use crate::distributed::shard::check_heads as check_rank_heads;
 use crate::distributed::summed::Summed;
 use crate::distributed::{Group, ShardPlan, Split};
@@ -97,14 +98,35 @@ impl Config {
 }
 
 pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadError> {
+    build_in(config, w, None)
+}
+
+/// [`build`] for one stage of a pipeline over `group` (`crate::distributed::pipeline`).
+pub fn build_stage(
+    config: &Value,
+    w: &mut Weights,
+    group: Group,
+) -> Result<Box<dyn CausalLm>, LoadError> {
+    build_in(config, w, Some(group))
+}
+
+fn build_in(
+    config: &Value,
+    w: &mut Weights,
+    pipeline: Option<Group>,
+) -> Result<Box<dyn CausalLm>, LoadError> {
     let c: Config = parse_config("Llama", config)?;
     // Qwen2 puts biases on q/k/v (not o) without saying so in its config.
     let qkv_bias = c.attention_bias || c.model_type == "qwen2";
     let mut shaped = c.shaped(config, qkv_bias, QkNorm::None)?;
-    let group = shard(w, &mut shaped.attention)?;
-    shaped.build_sharded(w, group, |w, _, p| {
-        GatedMlp::load(w, &format!("{p}.mlp"), c.mlp_bias)
-    })
+    let mlp = |w: &mut Weights, _, p: &str| GatedMlp::load(w, &format!("{p}.mlp"), c.mlp_bias);
+    match pipeline {
+        Some(group) => shaped.build_stage(w, group, mlp),
+        None => {
+            let group = shard(w, &mut shaped.attention)?;
+            shaped.build_sharded(w, group, mlp)
+        }
+    }
 }
 
 /// Tensor parallelism for the Llama-shaped decoder with a gated MLP (mlx-lm's `shard()`), when
@@ -187,29 +209,68 @@ impl LlamaShaped<'_> {
         let (trunk, layers) = load_stack(
             w,
             &self.stack,
-            |w, i, p| {
-                let reach = self.reach.as_ref().and_then(|r| r.get(i).copied());
-                let reach = reach.unwrap_or(Reach::GlobalRope);
-                let attention = Attention::load(
-                    w,
-                    &format!("{p}.self_attn"),
-                    &self.attention,
-                    &self.rope,
-                    reach,
-                )?;
-                Ok(Summed::new(attention, group.clone()))
-            },
+            |w, i, p| Ok(Summed::new(self.load_attention(w, i, p)?, group.clone())),
             |w, i, p| Ok(Summed::new(feed_forward(w, i, p)?, group.clone())),
         )?;
-        let sizes = Sizes {
+        let sizes = self.sizes(self.stack.num_layers);
+        Decoder::new(self.config, trunk, layers, sizes).finish(w)
+    }
+
+    /// [`Self::build`] for one stage of a pipeline over `group`
+    /// (`crate::distributed::pipeline`): this rank's layers (the others' tensors are dropped
+    /// unread) and the ends, which every rank keeps (the logits are computed on every rank).
+    /// The KV bytes per token reported are the largest stage's, on every rank.
+    pub fn build_stage<F: FeedForward + 'static>(
+        self,
+        w: &mut Weights,
+        group: Group,
+        feed_forward: impl FnMut(&mut Weights, usize, &str) -> Result<F, LoadError>,
+    ) -> Result<Box<dyn CausalLm>, LoadError> {
+        let stage = Stage::of(self.stack.num_layers, group.rank(), group.size())?;
+        let hidden = self
+            .config
+            .get("hidden_size")
+            .and_then(Value::as_i64)
+            .ok_or_else(|| LoadError::Config("config.json has no hidden_size".into()))?;
+        stage.discard_other_layers(w, self.stack.prefix);
+        let (trunk, layers) = load_stack_layers(
+            w,
+            &self.stack,
+            stage.layers.clone(),
+            |w, i, p| self.load_attention(w, i, p),
+            feed_forward,
+        )?;
+        let dtype = activation_dtype(&trunk.embed_tokens);
+        let sizes = self.sizes(stage.largest);
+        let link = StageLink::new(group, stage, hidden as i32, dtype);
+        Decoder::new(self.config, trunk, layers, sizes)
+            .in_pipeline(link)
+            .finish(w)
+    }
+
+    /// Layer `i`'s attention, at `prefix` (`model.layers.<i>`).
+    fn load_attention(
+        &self,
+        w: &mut Weights,
+        i: usize,
+        prefix: &str,
+    ) -> Result<Attention, LoadError> {
+        let reach = self.reach.as_ref().and_then(|r| r.get(i).copied());
+        Attention::load(
+            w,
+            &format!("{prefix}.self_attn"),
+            &self.attention,
+            &self.rope,
+            reach.unwrap_or(Reach::GlobalRope),
+        )
+    }
+
+    /// The sizes reported for a cache of `layers` layers.
+    fn sizes(&self, layers: usize) -> Sizes {
+        Sizes {
             vocab_size: self.vocab_size,
             context_length: self.context_length,
-            kv: KvShape::heads(
-                self.stack.num_layers,
-                self.attention.kv_heads,
-                self.head_dim,
-            ),
-        };
-        Decoder::new(self.config, trunk, layers, sizes).finish(w)
+            kv: KvShape::heads(layers, self.attention.kv_heads, self.head_dim),
+        }
     }
 }

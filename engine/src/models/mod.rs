@@ -257,6 +257,67 @@ pub fn load_for_group(
     })
 }
 
+/// Builds one stage of a pipeline (`crate::distributed::pipeline`): the rank's layers and the
+/// model's ends.
+type StageBuild =
+    fn(&Value, &mut Weights, crate::distributed::Group) -> Result<Box<dyn CausalLm>, LoadError>;
+
+/// The architectures whose files can load a pipeline stage (their `build_stage` functions).
+const PIPELINED: &[(&str, StageBuild)] = &[
+    ("LlamaForCausalLM", llama::build_stage),
+    ("MistralForCausalLM", llama::build_stage),
+    ("Qwen2ForCausalLM", llama::build_stage),
+    ("Qwen3ForCausalLM", qwen3::build_stage),
+    ("Qwen3MoeForCausalLM", qwen3_moe::build_stage),
+];
+
+/// The stage builder of `architecture` for a pipeline of `ranks`, or the refusal naming it.
+fn stage_builder(architecture: &str, ranks: usize) -> Result<StageBuild, LoadError> {
+    PIPELINED
+        .iter()
+        .find(|(name, _)| *name == architecture)
+        .map(|(_, build)| *build)
+        .ok_or_else(|| {
+            let built: Vec<&str> = PIPELINED.iter().map(|(name, _)| *name).collect();
+            LoadError::Config(format!(
+                "{architecture} cannot be divided into a pipeline of {ranks} ranks: pipeline \
+                 parallelism is built for {} only",
+                built.join(", ")
+            ))
+        })
+}
+
+/// This rank's stage of a pipeline over `group` (`crate::distributed::pipeline`): its layers
+/// and the model's ends; the other layers' tensors are never read. An architecture that
+/// cannot be pipelined is refused before a weight is read.
+pub fn load_pipeline_stage(
+    dir: &Path,
+    reporter: Option<crate::loader::LoadReporter>,
+    group: crate::distributed::Group,
+) -> Result<Box<dyn CausalLm>, LoadError> {
+    let config = loader::read_config(dir)?;
+    let arch = architecture(&config)?;
+    let build = stage_builder(arch, group.size())?;
+    let mut weights = Weights::open(dir, &config)?.with_reporter(reporter);
+    let model = build(&config, &mut weights, group)?;
+    weights.finish()?;
+    Ok(model)
+}
+
+/// The first of config.json's `architectures`, when the registry knows it.
+fn architecture(config: &Value) -> Result<&str, LoadError> {
+    let arch = config
+        .get("architectures")
+        .and_then(|a| a.get(0))
+        .and_then(Value::as_str)
+        .ok_or_else(|| LoadError::Config("missing `architectures` list".into()))?;
+    if !REGISTRY.iter().any(|(name, _)| *name == arch) {
+        let known: Vec<&str> = REGISTRY.iter().map(|(n, _)| *n).collect();
+        return Err(LoadError::Architecture(arch.to_owned(), known.join(", ")));
+    }
+    Ok(arch)
+}
+
 /// `eos_token_id` as an int or a list of ints.
 pub fn eos_ids(config: &Value) -> Vec<u32> {
     match config.get("eos_token_id") {
@@ -267,5 +328,30 @@ pub fn eos_ids(config: &Value) -> Vec<u32> {
             .map(|n| n as u32)
             .collect(),
         _ => Vec::new(),
+    }
+}
+
+#[cfg(test)]
+mod pipeline_tests {
+    use super::*;
+
+    #[test]
+    fn only_the_families_with_a_stage_builder_form_a_pipeline() {
+        for (arch, _) in PIPELINED {
+            assert!(stage_builder(arch, 2).is_ok(), "{arch}");
+        }
+        for arch in [
+            "MixtralForCausalLM",
+            "Gemma3ForCausalLM",
+            "Qwen3NextForCausalLM",
+        ] {
+            let message = stage_builder(arch, 2).expect_err(arch).to_string();
+            assert!(
+                message.contains(&format!(
+                    "{arch} cannot be divided into a pipeline of 2 ranks"
+                )) && message.contains("Qwen3MoeForCausalLM"),
+                "{message}"
+            );
+        }
     }
 }

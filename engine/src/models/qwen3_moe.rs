@@ -82,6 +82,24 @@ fn load_sparse(w: &mut Weights, c: &Config, mlp: &str) -> Result<Box<dyn FeedFor
 }
 
 pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadError> {
+    build_in(config, w, None)
+}
+
+/// [`build`] for one stage of a pipeline over `group` (`crate::distributed::pipeline`): this
+/// rank's layers only, their experts stacked as for one engine.
+pub fn build_stage(
+    config: &Value,
+    w: &mut Weights,
+    group: crate::distributed::Group,
+) -> Result<Box<dyn CausalLm>, LoadError> {
+    build_in(config, w, Some(group))
+}
+
+fn build_in(
+    config: &Value,
+    w: &mut Weights,
+    pipeline: Option<crate::distributed::Group>,
+) -> Result<Box<dyn CausalLm>, LoadError> {
     let c: Config = parse_config(FAMILY, config)?;
     refuse_rope_scaling(FAMILY, config)?;
     if c.decoder_sparse_step == 0 {
@@ -116,13 +134,19 @@ pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadE
         vocab_size: c.vocab_size,
         context_length: c.max_position_embeddings,
     };
-    let group = shard(w, &mut shaped.attention)?;
-    shaped.build_sharded(w, group, |w, layer, p| {
+    let feed_forward = |w: &mut Weights, layer, p: &str| -> Result<Box<dyn FeedForward>, _> {
         let mlp = format!("{p}.mlp");
         if c.is_sparse(layer) {
             load_sparse(w, &c, &mlp)
         } else {
             Ok(Box::new(GatedMlp::load(w, &mlp, false)?))
         }
-    })
+    };
+    match pipeline {
+        Some(group) => shaped.build_stage(w, group, feed_forward),
+        None => {
+            let group = shard(w, &mut shaped.attention)?;
+            shaped.build_sharded(w, group, feed_forward)
+        }
+    }
 }

@@ -40,6 +40,7 @@ use crate::loader::LoadError;
 use crate::models::{self, CausalLm, ModelInfo};
 use draft::{DraftSource, Drafter, ModelDrafter, Speculation, Speculator};
 use executor::Executor;
+pub use mlxd_protocol::engine_options::Parallelism;
 use request::WorkSender;
 use scheduler::SchedulerLimits;
 
@@ -86,6 +87,9 @@ pub struct RuntimeLimits {
     pub kv_budget_bytes: Option<u64>,
     /// Caps the model's context length.
     pub context_length: Option<usize>,
+    /// How an engine group divides the model among its ranks (`--distributed-mode`); read by
+    /// the group's load (`crate::app::group`), meaningless for one engine.
+    pub parallelism: Parallelism,
     /// Bytes of KV the prefix cache may keep between requests; 0 disables it.
     pub prompt_cache_bytes: u64,
     /// Most prompt tokens of one sequence per prefill forward pass (the measured prefill
@@ -124,6 +128,7 @@ impl Default for RuntimeLimits {
             max_batch_size: None,
             kv_budget_bytes: None,
             context_length: None,
+            parallelism: Parallelism::Tensor,
             prompt_cache_bytes: DEFAULT_PROMPT_CACHE_BYTES,
             prefill_chunk: PREFILL_CHUNK,
             prefill_step_tokens: None,
