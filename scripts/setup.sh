@@ -12,7 +12,8 @@
 #     the SDK conformance suite the openai, anthropic, ollama and jsonschema Python packages and the
 #     openai npm package (scripts/conformance/package-lock.json), and, for the chat page's
 #     browser test, Debian's chromium (apt) and playwright-core (npm, into .deps/node), and
-#     tmux (apt) for the terminal chat's tests
+#     tmux (apt) for the terminal chat's tests, and openssh-client and openssh-server (apt):
+#     the engine-group tests start ranks through ssh to a private sshd
 #   - .deps/mlx-sys-<v>: the mlx-c sources, from the published mlx-sys crate package on crates.io
 # Safe to run again; it only adds what is missing.
 set -euo pipefail
@@ -39,6 +40,8 @@ install_system_packages() {
   if ((with_test_deps)); then
     command -v chromium >/dev/null || missing+=(chromium)
     command -v tmux >/dev/null || missing+=(tmux)
+    command -v ssh >/dev/null || missing+=(openssh-client)
+    [[ -x /usr/sbin/sshd ]] || missing+=(openssh-server)
     command -v node >/dev/null || missing+=(nodejs)
     command -v npm >/dev/null || missing+=(npm)
   fi

@@ -45,6 +45,15 @@ struct Args {
     /// default: no limit.
     #[arg(long)]
     kv_budget_bytes: Option<u64>,
+    /// In an engine group, a rank other than 0: exit when stdin reaches its end (rank 0
+    /// starts the ranks on other machines through ssh with this: they end with the
+    /// connection).
+    #[arg(long, requires = "distributed")]
+    until_stdin_closes: bool,
+    /// In an engine group, a rank other than 0: load this copy of rank 0's model (a
+    /// directory on this host) instead of the path rank 0 names.
+    #[arg(long, requires = "distributed")]
+    rank_model: Option<String>,
     /// The tuning options (`mlxd_protocol::engine_options`: the same flags as `mlxd serve`,
     /// the same checks as `Launch.options`).
     #[command(flatten)]
@@ -89,7 +98,16 @@ fn main() -> anyhow::Result<()> {
             context_length: args.context_length,
             options: args.options.to_map(),
         };
-        return app::group::run_standalone(&backend, &home, given, args.unix.as_deref());
+        if args.until_stdin_closes {
+            app::exit_when_stdin_closes()?;
+        }
+        return app::group::run_standalone(
+            &backend,
+            &home,
+            given,
+            args.unix.as_deref(),
+            args.rank_model,
+        );
     }
     let limits = RuntimeLimits {
         max_batch_size: args.max_batch_size.map(|n| n as usize),

@@ -81,8 +81,9 @@ pub const KEYS: &[(&str, &str)] = &[
     ),
     (
         "distributed_hosts",
-        "with distributed: the group's hosts, one per rank, comma-separated (rank 0 first); \
-         rank 0 starts the other ranks itself (set by mlxd)",
+        "with distributed: the group's hosts, one per rank (rank 0 first): comma-separated \
+         names, or a JSON list of mlx.launch hostfile entries; rank 0 starts the other ranks \
+         itself, through ssh on other machines (set by mlxd)",
     ),
     (
         "distributed_mode",
@@ -189,9 +190,10 @@ pub struct EngineOptions {
     /// every option from it.
     #[cfg_attr(feature = "cli", arg(long, value_parser = parse_distributed))]
     pub distributed: Option<String>,
-    /// With --distributed: the group's hosts, one per rank (rank 0 first), comma-separated;
-    /// rank 0 then starts the other ranks itself and writes MLX's hostfile (only hosts of
-    /// this machine yet). Without it the group comes from MLX's environment.
+    /// With --distributed: the group's hosts, one per rank (rank 0 first), comma-separated
+    /// names or a JSON list of entries (`mlxd_protocol::group_hosts`); rank 0 then starts the
+    /// other ranks itself (through ssh on other machines) and writes MLX's hostfile. Without
+    /// it the group comes from MLX's environment.
     #[cfg_attr(feature = "cli", arg(long, value_parser = parse_distributed_hosts))]
     pub distributed_hosts: Option<String>,
     /// With --distributed: how the group divides the model: `tensor` (each layer's matrices
@@ -359,15 +361,7 @@ pub fn parse_distributed_mode(s: &str) -> Result<Parallelism, String> {
 }
 
 pub fn parse_distributed_hosts(s: &str) -> Result<String, String> {
-    let hosts: Vec<&str> = s.split(',').map(str::trim).collect();
-    if hosts.len() < 2
-        || hosts
-            .iter()
-            .any(|h| h.is_empty() || h.contains(char::is_whitespace))
-    {
-        return Err("expected two or more host names, comma-separated".into());
-    }
-    Ok(hosts.join(","))
+    crate::group_hosts::parse_hosts(s).map(|hosts| crate::group_hosts::to_option(&hosts))
 }
 
 pub fn parse_state_snapshot_every(s: &str) -> Result<u64, String> {

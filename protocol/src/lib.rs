@@ -3,6 +3,7 @@ pub mod anthropic;
 pub mod control;
 pub mod engine_options;
 pub mod error;
+pub mod group_hosts;
 pub mod jobs;
 pub mod openai;
 pub mod request;

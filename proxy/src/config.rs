@@ -26,6 +26,7 @@ use std::time::Duration;
 
 use mlxd_protocol::control::Limits;
 use mlxd_protocol::engine_options::{EngineOptions, OptionError, DISTRIBUTED_BACKENDS};
+use mlxd_protocol::group_hosts::{self, check_hosts, GroupHost};
 use serde::de::{self, Deserializer};
 use serde::Deserialize;
 
@@ -227,8 +228,11 @@ pub struct ModelConfig {
 pub struct DistributedConfig {
     /// The MLX distributed backend: `ring`, `jaccl` or `nccl`.
     pub backend: String,
-    /// One host per rank, rank 0 first (which serves).
-    pub hosts: Vec<String>,
+    /// One host per rank, rank 0 first (which serves, on this machine): `mlx.launch`
+    /// hostfile entries, a name or `{ ssh, ips, port, engine, model, ssh_options }`
+    /// (`mlxd_protocol::group_hosts`); ranks on other machines are started through `ssh`.
+    #[serde(deserialize_with = "mlxd_protocol::group_hosts::deserialize_hosts")]
+    pub hosts: Vec<GroupHost>,
     /// `tensor` (each layer divided among the ranks) or `pipeline` (layers divided).
     #[serde(default = "tensor_mode")]
     pub mode: String,
@@ -238,12 +242,9 @@ fn tensor_mode() -> String {
     "tensor".into()
 }
 
-/// Hosts that name this machine (the only ones an engine group may use yet).
-const LOCAL_HOSTS: &[&str] = &["127.0.0.1", "localhost", "::1"];
-
 impl DistributedConfig {
     /// What cannot work, as `(key, reason)`: an unknown backend or mode, fewer than two hosts,
-    /// and what is not built yet (other machines, backends mlxd cannot start).
+    /// hosts the backend cannot reach, and backends mlxd cannot start.
     pub fn check(&self) -> Result<(), (&'static str, String)> {
         if !DISTRIBUTED_BACKENDS.contains(&self.backend.as_str()) {
             return Err((
@@ -273,27 +274,22 @@ impl DistributedConfig {
                 ),
             ));
         }
-        if self.hosts.len() < 2 {
-            return Err((
-                "hosts",
-                format!(
-                    "a group needs two or more hosts (one per rank), got {}",
-                    self.hosts.len()
-                ),
-            ));
-        }
-        if let Some(h) = self
-            .hosts
-            .iter()
-            .find(|h| !LOCAL_HOSTS.contains(&h.as_str()))
-        {
-            return Err((
-                "hosts",
-                format!(
-                    "{h:?}: ranks on other machines are not supported yet (local hosts only: {})",
-                    LOCAL_HOSTS.join(", ")
-                ),
-            ));
+        check_hosts(&self.hosts).map_err(|e| ("hosts", e))?;
+        match self.backend.as_str() {
+            // Every rank needs an address the others reach it at.
+            "ring" => group_hosts::check_ring(&self.hosts).map_err(|e| ("hosts", e))?,
+            _ => {
+                if let Some(h) = self.hosts.iter().skip(1).find(|h| !h.is_local()) {
+                    return Err((
+                        "hosts",
+                        format!(
+                            "{:?}: mlxd starts {} groups on this machine only (one GPU per \
+                             rank); ranks on other machines need the ring backend",
+                            h.ssh, self.backend
+                        ),
+                    ));
+                }
+            }
         }
         Ok(())
     }
@@ -410,7 +406,10 @@ impl ModelConfig {
             .flat_map(|d| {
                 [
                     ("distributed".to_owned(), d.backend.clone()),
-                    ("distributed_hosts".to_owned(), d.hosts.join(",")),
+                    (
+                        "distributed_hosts".to_owned(),
+                        group_hosts::to_option(&d.hosts),
+                    ),
                     ("distributed_mode".to_owned(), d.mode.clone()),
                 ]
             })
@@ -983,11 +982,16 @@ mod tests {
         );
         let e = group(r#"backend = "ring", hosts = ["127.0.0.1"]"#);
         assert!(e.contains("two or more hosts"), "{e}");
+        // The ring backend reaches a rank at an IP address, as mlx.launch requires.
         let e = group(r#"backend = "ring", hosts = ["127.0.0.1", "studio-2.local"]"#);
         assert!(
-            e.contains("\"studio-2.local\": ranks on other machines are not supported yet"),
+            e.contains("host \"studio-2.local\": the ring backend needs its IP address"),
             "{e}"
         );
+        let e = group(r#"backend = "nccl", hosts = ["127.0.0.1", "10.0.0.2"]"#);
+        assert!(e.contains("nccl groups on this machine only"), "{e}");
+        let e = group(r#"backend = "ring", hosts = ["127.0.0.1", { ssh = "h", ip = "10.0.0.2" }]"#);
+        assert!(e.contains("unknown field `ip`"), "{e}");
         let e = err("[server.engine_options]\ndistributed = \"ring\"\n");
         assert!(
             e.contains(
@@ -1010,6 +1014,17 @@ mod tests {
             config.models[0].group_options()["distributed_mode"],
             "pipeline"
         );
+        // A rank on another machine: its mlx.launch entry (and mlxd's keys) reach rank 0.
+        let text = "[[model]]\nid = \"a\"\ndistributed = { backend = \"ring\", hosts = [\
+                    { ssh = \"studio-1\", ips = [\"10.0.0.1\"] }, { ssh = \"me@studio-2\", \
+                    ips = [\"10.0.0.2\"], engine = \"/opt/mlxd/mlxd-engine\" }] }\n";
+        let config = Config::from_toml_str(text, "mlxd.toml").unwrap();
+        config.validate(None).unwrap();
+        let hosts =
+            group_hosts::parse_hosts(&config.models[0].group_options()["distributed_hosts"])
+                .unwrap();
+        assert_eq!(hosts[1].ssh, "me@studio-2");
+        assert_eq!(hosts[1].engine.as_deref(), Some("/opt/mlxd/mlxd-engine"));
     }
 
     /// Issue 22.2: a bad engine option fails the config load naming the field, before any

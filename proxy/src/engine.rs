@@ -52,6 +52,9 @@ pub(crate) const PASSTHROUGH_ENV: &[&str] = &[
     "MLXD_PYPI_URL",
     "MLXD_SMOLLM2_GGUF",
     "MLXD_DEVICE",
+    // An engine group's rank 0 starts ranks on other machines through ssh, which may log in
+    // with the agent's keys.
+    "SSH_AUTH_SOCK",
 ];
 
 /// What to run and how.

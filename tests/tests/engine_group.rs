@@ -14,6 +14,9 @@ use anyhow::{bail, Context, Result};
 use mlxd_tests::{built_engine_bin, tiny_model};
 use serde_json::{json, Value};
 
+#[path = "engine_group/remote.rs"]
+mod remote;
+
 /// The status `mlxd_engine::distributed::replica::EXIT_GROUP_BROKEN` gives.
 const EXIT_GROUP_BROKEN: i32 = 75;
 

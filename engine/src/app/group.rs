@@ -215,19 +215,24 @@ impl Setup {
 
 /// `mlxd-engine --distributed <backend>` outside `mlxd` (as `mlx.launch` starts each rank):
 /// joins the group, takes rank 0's `given` setup, loads this rank's shard; rank 0 serves
-/// `unix` until a signal, the others follow it until it stops.
+/// `unix` until a signal, the others follow it until it stops. A rank other than 0 given
+/// `rank_model` loads that (its host's copy of rank 0's model) instead of rank 0's path.
 pub fn run_standalone(
     backend: &str,
     home: &Path,
     given: Setup,
     unix: Option<&Path>,
+    rank_model: Option<String>,
 ) -> anyhow::Result<()> {
     let group = join(backend)?;
     let leader = group.rank() == 0;
     if leader && unix.is_none() {
         anyhow::bail!("rank 0 of an engine group serves requests: give it --unix <path>");
     }
-    let setup = Setup::agree(&group, leader.then_some(&given))?;
+    let mut setup = Setup::agree(&group, leader.then_some(&given))?;
+    if let Some(model) = rank_model.filter(|_| !leader) {
+        setup.model = model;
+    }
     let LaunchOptions { limits, draft } = setup.launch_options()?;
     let engine =
         super::load::load_in_group(&setup.model, home, limits, draft, None, None, Some(group))?;

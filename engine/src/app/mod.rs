@@ -5,6 +5,7 @@ mod group_launch;
 mod load;
 mod memory;
 mod options;
+mod ssh_rank;
 mod standalone;
 mod start_error;
 mod supervised;
@@ -12,6 +13,7 @@ mod supervised;
 pub use load::{load, load_in_group, load_reporting, store_event_progress, Engine};
 pub use options::{launch_options, runtime_options, DraftChoice, DraftOptions, LaunchOptions};
 pub use standalone::serve_standalone;
+pub use ssh_rank::exit_when_stdin_closes;
 pub use start_error::StartError;
 pub use supervised::{run_supervised, worth_reporting};
 

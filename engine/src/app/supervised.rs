@@ -17,6 +17,7 @@ use tokio::sync::Notify;
 use super::load::{load_in_group, Engine};
 use super::options::launch_options;
 use crate::cache::ssd::{SsdCounters, SsdHandle};
+use crate::distributed::replica::EXIT_GROUP_BROKEN;
 use crate::loader::LoadReporter;
 use crate::runtime::OomHook;
 use crate::server::{self, ApiError};
@@ -89,7 +90,14 @@ pub fn run_supervised(home: &Path) -> anyhow::Result<()> {
         std::thread::sleep(delay);
     }
     // An engine group's rank 0 starts the other ranks and joins them first.
-    let group = match super::group_launch::lead_local_group(&launch, home) {
+    let group_control = control.clone();
+    let on_rank_failure: super::group_launch::OnRankFailure = Arc::new(move |message| {
+        // Before Ready the supervisor reports it as the load's failure, after as a crash;
+        // either way it restarts the whole group.
+        FATAL_EXIT.store(EXIT_GROUP_BROKEN, Ordering::SeqCst);
+        let _ = group_control.send_fatal(FatalKind::Internal, message);
+    });
+    let group = match super::group_launch::lead_group(&launch, home, on_rank_failure) {
         Ok(group) => group,
         Err(e) => {
             tracing::error!(error = %e, "engine group failed");
