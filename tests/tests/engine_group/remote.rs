@@ -1,8 +1,9 @@
 //! Ranks on other machines, started through `ssh` (issue 26): a private `sshd` for the test
 //! user on 127.0.0.2 (its own host key, a client key in its authorized keys) stands in for the
 //! other machine. Under `mlxd`, a group whose rank 1 is on "127.0.0.2" serves the single
-//! engine's tokens, and stopping `mlxd` ends the remote rank; a host whose ssh port nothing
-//! answers fails the load naming ssh's reason.
+//! engine's tokens; `kill -9` of the remote rank ends the whole group and the pool starts a
+//! new one (through ssh again) that serves the same tokens; stopping `mlxd` ends the remote
+//! rank; a host whose ssh port nothing answers fails the load naming ssh's reason.
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -191,6 +192,41 @@ fn gone(pid: u32) -> bool {
         .unwrap_or(true)
 }
 
+/// Waits (at most `within`) until every pid of `pids` is gone.
+fn wait_gone(pids: &[u32], what: &str, within: Duration) -> Result<()> {
+    let deadline = Instant::now() + within;
+    while !pids.iter().all(|&p| gone(p)) {
+        if Instant::now() > deadline {
+            bail!("{what} {pids:?} still run after {within:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
+}
+
+/// Model `g`'s engine in `mlxd`'s `/engines`: its pid once its state is `ready` and the pid is
+/// not `old`, waiting at most `within`.
+fn ready_group(addr: std::net::SocketAddr, old: Option<u32>, within: Duration) -> Result<u32> {
+    let deadline = Instant::now() + within;
+    loop {
+        let engines: Value = serde_json::from_str(&super::http_get(addr, "/engines")?)?;
+        let ready = engines["engines"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|e| e["model"] == "g" && e["state"] == "ready")
+            .filter_map(|e| e["pid"].as_u64().map(|p| p as u32))
+            .find(|&p| Some(p) != old);
+        if let Some(pid) = ready {
+            return Ok(pid);
+        }
+        if Instant::now() > deadline {
+            bail!("no ready engine for g after {within:?}: {engines}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 async fn start_mlxd(config: &Path) -> Result<mlxd_tests::MlxdProcess> {
     mlxd_tests::MlxdProcess::builder()
         .engine(built_engine_bin()?)
@@ -213,27 +249,23 @@ async fn a_rank_started_through_ssh_serves_the_single_engines_tokens() -> Result
     let config = group_config(dir.path(), &model, &remote)?;
     let mlxd = start_mlxd(&config).await?;
     let addr = mlxd.addr;
-    let (rank0, remote_ranks) = tokio::task::spawn_blocking(move || -> Result<(u32, Vec<u32>)> {
+    let log = mlxd.log.clone();
+    let last = tokio::task::spawn_blocking(move || -> Result<u32> {
+        let body = |model: &str, prompt: &str| {
+            json!({"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0})
+        };
+        let mut expected = Vec::new();
         for prompt in ["hello world the", "a"] {
-            let body = |model: &str| {
-                json!({"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0})
-            };
-            let expected = mlxd_completion(addr, &body("s"), || Ok(()))?;
-            assert!(!expected.is_empty());
+            let want = mlxd_completion(addr, &body("s", prompt), || Ok(()))?;
+            assert!(!want.is_empty());
             assert_eq!(
-                mlxd_completion(addr, &body("g"), || Ok(()))?,
-                expected,
+                mlxd_completion(addr, &body("g", prompt), || Ok(()))?,
+                want,
                 "{prompt:?}"
             );
+            expected.push(want);
         }
-        let engines: Value = serde_json::from_str(&super::http_get(addr, "/engines")?)?;
-        let rank0 = engines["engines"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .find(|e| e["model"] == "g")
-            .and_then(|e| e["pid"].as_u64())
-            .with_context(|| format!("no engine for g in {engines}"))? as u32;
+        let rank0 = ready_group(addr, None, Duration::from_secs(10))?;
         // Rank 0's only child is the ssh client; the rank itself runs under sshd.
         let children = children_of(rank0);
         let names: Vec<String> = children
@@ -246,7 +278,34 @@ async fn a_rank_started_through_ssh_serves_the_single_engines_tokens() -> Result
             })
             .collect();
         assert_eq!(names, ["ssh"], "rank 0's children {children:?}");
-        Ok((rank0, pids_with_arg("--until-stdin-closes")))
+        let remote = pids_with_arg("--until-stdin-closes");
+        assert_eq!(remote.len(), 1, "remote ranks: {remote:?}");
+        // kill -9 of the remote rank: ssh ends with its status, rank 0 reports the group
+        // broken and exits, and the pool starts a new group, through ssh again.
+        let status = Command::new("kill")
+            .args(["-9", &remote[0].to_string()])
+            .status()?;
+        anyhow::ensure!(status.success(), "kill -9 {}", remote[0]);
+        wait_gone(
+            &[rank0, children[0], remote[0]],
+            "the old group's rank 0, ssh and remote rank",
+            Duration::from_secs(60),
+        )?;
+        let second = ready_group(addr, Some(rank0), Duration::from_secs(120))?;
+        assert_eq!(
+            mlxd_completion(addr, &body("g", "a"), || Ok(()))?,
+            expected[1],
+            "after the restart"
+        );
+        let log = std::fs::read_to_string(&log)?;
+        assert!(
+            log.contains("rank 1 on 127.0.0.2 (through ssh) exited"),
+            "mlxd's log does not name the remote rank's end:\n{log}"
+        );
+        let remote_now = pids_with_arg("--until-stdin-closes");
+        assert_eq!(remote_now.len(), 1, "remote ranks: {remote_now:?}");
+        assert_ne!(second, rank0);
+        Ok(remote_now[0])
     })
     .await??;
     assert!(
@@ -254,19 +313,14 @@ async fn a_rank_started_through_ssh_serves_the_single_engines_tokens() -> Result
         "no ssh login: {}",
         sshd.log()
     );
-    assert_eq!(remote_ranks.len(), 1, "remote ranks: {remote_ranks:?}");
     // Stopping mlxd ends rank 0, its ssh, and so the remote rank (its stdin closes).
     drop(mlxd);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !(gone(rank0) && gone(remote_ranks[0])) {
-        assert!(
-            Instant::now() < deadline,
-            "the remote rank {} outlives mlxd by 30 s; sshd: {}",
-            remote_ranks[0],
-            sshd.log()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_gone(
+        &[last],
+        "the remote rank after mlxd stopped",
+        Duration::from_secs(30),
+    )
+    .with_context(|| format!("sshd: {}", sshd.log()))?;
     Ok(())
 }
 
