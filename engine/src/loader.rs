@@ -353,6 +353,11 @@ impl Weights {
         self.tensors.contains_key(name)
     }
 
+    /// The dtype of the checkpoint's tensor `name` (not taken yet), read from its header.
+    pub fn dtype_of(&self, name: &str) -> Option<Dtype> {
+        self.tensors.get(name).map(Array::dtype)
+    }
+
     /// Removes a tensor to transform it (a `sanitize` step, such as stacking per-expert
     /// matrices); what is made of it goes back with [`Self::insert`]. Not counted as loaded.
     pub fn remove_raw(&mut self, name: &str) -> Option<Array> {

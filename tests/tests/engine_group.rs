@@ -776,3 +776,58 @@ async fn under_mlxd_a_pipeline_group_serves_the_single_engines_text() -> Result<
     drop(mlxd);
     Ok(())
 }
+
+/// Each tensor's bytes in a safetensors file, by name.
+fn tensor_sizes(file: &Path) -> Result<Vec<(String, u64)>> {
+    let bytes = std::fs::read(file)?;
+    let length = u64::from_le_bytes(bytes[..8].try_into()?) as usize;
+    let header: serde_json::Map<String, Value> = serde_json::from_slice(&bytes[8..8 + length])?;
+    header
+        .iter()
+        .filter(|(name, _)| *name != "__metadata__")
+        .map(|(name, entry)| {
+            let at = |i: usize| entry["data_offsets"][i].as_u64().context("data_offsets");
+            Ok((name.clone(), at(1)? - at(0)?))
+        })
+        .collect()
+}
+
+#[test]
+fn each_pipeline_rank_reads_only_its_layers_and_the_ends_it_uses() -> Result<()> {
+    // Qwen3-MoE, 3 layers, its own head: rank 0 runs layers 1-2 and does not embed; rank 1
+    // runs layer 0 and embeds. Both apply the final norm and the head.
+    let model = tiny_model("family-qwen3_moe")?;
+    let sizes = tensor_sizes(&model.join("model.safetensors"))?;
+    let bytes = |keep: &dyn Fn(&str) -> bool| -> u64 {
+        sizes.iter().filter(|(n, _)| keep(n)).map(|(_, b)| b).sum()
+    };
+    let in_layers = |name: &str, layers: &[usize]| {
+        layers
+            .iter()
+            .any(|l| name.starts_with(&format!("model.layers.{l}.")))
+    };
+    let ends = bytes(&|n| n.starts_with("lm_head.") || n.starts_with("model.norm."));
+    let embedding = bytes(&|n| n.starts_with("model.embed_tokens."));
+    assert!(ends > 0 && embedding > 0);
+    let expected = [
+        bytes(&|n| in_layers(n, &[1, 2])) + ends,
+        bytes(&|n| in_layers(n, &[0])) + ends + embedding,
+    ];
+    let mut group = Group::start_in(&model, 2, 2, Mode::Pipeline)?;
+    let socket = group.socket();
+    wait_serving(&socket, &mut group.ranks[0], Duration::from_secs(60))?;
+    for (rank, want) in expected.iter().enumerate() {
+        let log = group.log(rank);
+        assert_eq!(
+            logged_number(&log, "read_bytes"),
+            Some(*want),
+            "rank {rank}: {log}"
+        );
+        assert_eq!(
+            logged_number(&log, "held_bytes"),
+            Some(*want),
+            "rank {rank}: {log}"
+        );
+    }
+    Ok(())
+}

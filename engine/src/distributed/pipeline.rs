@@ -7,9 +7,9 @@
 //! sends the result to rank `r - 1`. Rank 0's output is then shared with every rank (an
 //! `all_gather` of which rank 0's rows are kept), and every rank applies the final norm and
 //! the output head to it, so that logits and sampled tokens are the same on every rank.
-//! That is why every rank keeps the embeddings, the final norm and the head, as mlx-lm's
-//! `sharded_load` does: sharing the hidden states costs `B·L·hidden` per pass where sharing
-//! logits would cost `B·L·vocab`.
+//! That is why every rank keeps the final norm and the head, as mlx-lm's `sharded_load` does
+//! (sharing the hidden states costs `B·L·hidden` per pass where sharing logits would cost
+//! `B·L·vocab`); the embedding stays on the first stage only, unless it is the (tied) head.
 //!
 //! The ranks' KV caches hold their own layers only. Their byte accounting must still agree,
 //! since the scheduler's admissions and the prefix cache's evictions follow it: each rank

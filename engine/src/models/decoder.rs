@@ -6,11 +6,11 @@
 use std::ops::Range;
 
 use mlx_rs::error::Exception;
-use mlx_rs::Array;
+use mlx_rs::{Array, Dtype};
 use serde_json::Value;
 
 use super::attention::SelfAttention;
-use super::info::{model_info, KvShape};
+use super::info::{activation_dtype, model_info_in, KvShape};
 use super::layers::{LayerNorm, Matrix, RmsNorm};
 use super::mlp::FeedForward;
 use super::params::{Parameters, Params};
@@ -242,7 +242,11 @@ pub(crate) struct EndScalars {
 
 /// The ends of a decoder: token embedding, final norm and output head.
 pub(crate) struct Trunk {
-    pub embed_tokens: Matrix,
+    /// `None` on a pipeline stage that neither embeds tokens nor uses the embedding as its
+    /// head ([`Self::load_without_embedding`]).
+    embed_tokens: Option<Matrix>,
+    /// The activations' dtype, what the embedding gives ([`activation_dtype`]).
+    activation: Dtype,
     norm: Norm,
     lm_head: Option<Matrix>,
     scalars: EndScalars,
@@ -279,11 +283,49 @@ impl Trunk {
             }
             Head::TiedStrict => None,
         };
+        let embed_tokens = Matrix::load(w, &format!("{prefix}model.embed_tokens"))?;
         Ok(Self {
-            embed_tokens: Matrix::load(w, &format!("{prefix}model.embed_tokens"))?,
+            activation: activation_dtype(&embed_tokens),
+            embed_tokens: Some(embed_tokens),
             norm: norm.load(w, &format!("{prefix}model.{norm_name}"))?,
             lm_head,
             scalars: EndScalars::default(),
+        })
+    }
+
+    /// [`Self::load`] for a pipeline stage that does not embed tokens and has its own head
+    /// ([`Head::Own`]): the embedding's tensors are dropped unread, only its dtype is kept.
+    pub fn load_without_embedding(
+        w: &mut Weights,
+        prefix: &str,
+        norm: NormKind,
+    ) -> Result<Self, LoadError> {
+        let embedding = format!("{prefix}model.embed_tokens");
+        // A quantized embedding gives its scales' dtype ([`activation_dtype`]).
+        let activation = ["scales", "weight"]
+            .iter()
+            .find_map(|part| w.dtype_of(&format!("{embedding}.{part}")))
+            .ok_or_else(|| LoadError::MissingTensors(vec![format!("{embedding}.weight")]))?;
+        for part in ["weight", "scales", "biases"] {
+            w.discard(&format!("{embedding}.{part}"));
+        }
+        Ok(Self {
+            embed_tokens: None,
+            activation,
+            lm_head: Some(Matrix::load(w, &format!("{prefix}lm_head"))?),
+            norm: norm.load(w, &format!("{prefix}model.norm"))?,
+            scalars: EndScalars::default(),
+        })
+    }
+
+    /// The activations' dtype (what the embedding gives).
+    pub fn activation_dtype(&self) -> Dtype {
+        self.activation
+    }
+
+    fn embedding(&self) -> Result<&Matrix, Exception> {
+        self.embed_tokens.as_ref().ok_or_else(|| {
+            Exception::custom("this pipeline stage holds no embedding: it receives hidden states")
         })
     }
 
@@ -293,7 +335,7 @@ impl Trunk {
 
     /// The embeddings of `tokens` `[B, L]` → `[B, L, D]`.
     pub fn embed(&self, tokens: &Array) -> Result<Array, Exception> {
-        let h = self.embed_tokens.rows(tokens)?;
+        let h = self.embedding()?.rows(tokens)?;
         match self.scalars.embedding {
             Some(m) => scale_by(&h, m),
             None => Ok(h),
@@ -303,11 +345,11 @@ impl Trunk {
     /// Logits `[B, L, vocab]` of the last hidden state `h`.
     pub fn logits(&self, h: &Array) -> Result<Array, Exception> {
         let h = self.norm.forward(h)?;
-        let mut logits = self
-            .lm_head
-            .as_ref()
-            .unwrap_or(&self.embed_tokens)
-            .matmul_t(&h)?;
+        let head = match &self.lm_head {
+            Some(head) => head,
+            None => self.embedding()?,
+        };
+        let mut logits = head.matmul_t(&h)?;
         if let Some(d) = self.scalars.logits_divisor {
             logits = divide_by(&logits, d)?;
         }
@@ -383,15 +425,17 @@ pub(crate) fn load_stack<A, F: FeedForward>(
     attention: impl FnMut(&mut Weights, usize, &str) -> Result<A, LoadError>,
     feed_forward: impl FnMut(&mut Weights, usize, &str) -> Result<F, LoadError>,
 ) -> Result<(Trunk, Vec<Block<A, F>>), LoadError> {
-    load_stack_layers(w, stack, 0..stack.num_layers, attention, feed_forward)
+    load_stack_layers(w, stack, 0..stack.num_layers, true, attention, feed_forward)
 }
 
 /// [`load_stack`] of the blocks `only` (a pipeline stage's, `crate::distributed::pipeline`)
-/// and the ends; the other layers' tensors must have been discarded.
+/// and the ends, the embedding only `with_embedding` (else the head must be the model's own);
+/// the other layers' tensors must have been discarded.
 pub(crate) fn load_stack_layers<A, F: FeedForward>(
     w: &mut Weights,
     stack: &Stack<'_>,
     only: Range<usize>,
+    with_embedding: bool,
     mut attention: impl FnMut(&mut Weights, usize, &str) -> Result<A, LoadError>,
     mut feed_forward: impl FnMut(&mut Weights, usize, &str) -> Result<F, LoadError>,
 ) -> Result<(Trunk, Vec<Block<A, F>>), LoadError> {
@@ -407,8 +451,12 @@ pub(crate) fn load_stack_layers<A, F: FeedForward>(
             w.discard(&format!("{p}.self_attn.rotary_emb.inv_freq"));
         }
     }
-    let trunk = Trunk::load(w, stack.prefix, stack.norm, stack.head)?.with_scalars(stack.scalars);
-    Ok((trunk, layers))
+    let trunk = if with_embedding || stack.head != Head::Own {
+        Trunk::load(w, stack.prefix, stack.norm, stack.head)?
+    } else {
+        Trunk::load_without_embedding(w, stack.prefix, stack.norm)?
+    };
+    Ok((trunk.with_scalars(stack.scalars), layers))
 }
 
 /// The sizes a decoder reports in its [`ModelInfo`].
@@ -434,12 +482,12 @@ impl<L: DecoderLayer + 'static> Decoder<L> {
     /// The decoder of `layers` between the ends of `trunk`; its [`ModelInfo`] from `config`
     /// and `sizes`.
     pub fn new(config: &Value, trunk: Trunk, layers: Vec<L>, sizes: Sizes) -> Self {
-        let info = model_info(
+        let info = model_info_in(
             config,
             sizes.vocab_size,
             sizes.context_length,
             sizes.kv,
-            &trunk.embed_tokens,
+            trunk.activation_dtype(),
         );
         Self {
             trunk,

@@ -14,7 +14,7 @@ use serde_json::Value;
 use super::attention::AttnProjections;
 use super::config::{check_heads, parse_config};
 use super::decoder::{EndScalars, Head, NormKind, Trunk};
-use super::info::{model_info, KvShape};
+use super::info::{model_info_in, KvShape};
 use super::layers::{attend_with, AttnOpts, RmsNorm};
 use super::mamba2::{Mamba2Mixer, MixerNorm, MixerShape};
 use super::mlp::{FeedForward, GatedMlp};
@@ -410,12 +410,12 @@ pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadE
         elements_per_token: n * 2 * (c.num_key_value_heads * c.head_dim) as usize,
         head_dim: c.head_dim,
     };
-    let mut info = model_info(
+    let mut info = model_info_in(
         config,
         c.vocab_size,
         c.max_position_embeddings,
         kv,
-        &trunk.embed_tokens,
+        trunk.activation_dtype(),
     );
     info.state_bytes_per_sequence = n * shape.state_bytes(info.kv_dtype_bytes);
     let mut model = FalconH1 {

@@ -72,7 +72,12 @@ pub fn activation_dtype(embed: &Matrix) -> Dtype {
 /// Bytes per element of activations (and so of the KV cache): the embedding's dtype, or its
 /// scales' when it is quantized.
 pub fn kv_dtype_bytes(embed: &Matrix) -> usize {
-    match activation_dtype(embed) {
+    dtype_bytes(activation_dtype(embed))
+}
+
+/// Bytes per element of activations of `dtype` (and so of the KV cache).
+pub fn dtype_bytes(dtype: Dtype) -> usize {
+    match dtype {
         Dtype::Float32 => 4,
         _ => 2,
     }
@@ -87,7 +92,25 @@ pub(crate) fn model_info(
     kv: KvShape,
     embed_tokens: &Matrix,
 ) -> ModelInfo {
-    let dtype_bytes = kv_dtype_bytes(embed_tokens);
+    model_info_in(
+        config,
+        vocab_size,
+        context_length,
+        kv,
+        activation_dtype(embed_tokens),
+    )
+}
+
+/// [`model_info`] of a model whose activations are `activation` (a pipeline stage may hold
+/// no embedding to read it from).
+pub(crate) fn model_info_in(
+    config: &Value,
+    vocab_size: usize,
+    context_length: usize,
+    kv: KvShape,
+    activation: Dtype,
+) -> ModelInfo {
+    let dtype_bytes = dtype_bytes(activation);
     ModelInfo {
         architecture: config["architectures"][0]
             .as_str()

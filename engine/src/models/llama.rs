@@ -9,7 +9,7 @@ use super::config::{
     check_heads, default_rope_theta, default_true, implied_head_dim, parse_config,
 };
 use super::decoder::{load_stack, load_stack_layers, Decoder, Head, Sizes, Stack};
-use super::info::{activation_dtype, KvShape};
+use super::info::KvShape;
 use super::mlp::{FeedForward, GatedMlp};
 use super::rope::ScaledRope;
 use super::CausalLm;
@@ -218,7 +218,8 @@ impl LlamaShaped<'_> {
 
     /// [`Self::build`] for one stage of a pipeline over `group`
     /// (`crate::distributed::pipeline`): this rank's layers (the others' tensors are dropped
-    /// unread) and the ends, which every rank keeps (the logits are computed on every rank).
+    /// unread) and the ends: the final norm and the head on every rank (each computes the
+    /// logits), the embedding on the first stage, or on every rank when it is the head.
     /// The KV bytes per token reported are the largest stage's, on every rank.
     pub fn build_stage<F: FeedForward + 'static>(
         self,
@@ -237,10 +238,11 @@ impl LlamaShaped<'_> {
             w,
             &self.stack,
             stage.layers.clone(),
+            stage.is_first(),
             |w, i, p| self.load_attention(w, i, p),
             feed_forward,
         )?;
-        let dtype = activation_dtype(&trunk.embed_tokens);
+        let dtype = trunk.activation_dtype();
         let sizes = self.sizes(stage.largest);
         let link = StageLink::new(group, stage, hidden as i32, dtype);
         Decoder::new(self.config, trunk, layers, sizes)

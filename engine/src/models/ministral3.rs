@@ -19,7 +19,7 @@ use serde_json::Value;
 use super::attention::{prerotated_opts, AttnProjections};
 use super::config::{default_rope_theta, default_true, parse_config, sliding_layers};
 use super::decoder::{load_stack, Block, Head, NormKind, Stack, Trunk};
-use super::info::{model_info, KvShape};
+use super::info::{model_info_in, KvShape};
 use super::layers::attend_with;
 use super::mlp::GatedMlp;
 use super::params::{Parameters, Params};
@@ -376,12 +376,12 @@ fn build_text(
         },
         |w, _, p| GatedMlp::load(w, &format!("{p}.mlp"), mlp_bias),
     )?;
-    let mut info = model_info(
+    let mut info = model_info_in(
         config,
         c.vocab_size,
         c.max_position_embeddings.unwrap_or(4096),
         KvShape::heads(c.num_hidden_layers, c.kv_heads(), head_dim),
-        &trunk.embed_tokens,
+        trunk.activation_dtype(),
     );
     let mut p = Params::default();
     trunk.push_params_around(&layers, &mut p);

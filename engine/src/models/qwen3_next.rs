@@ -18,7 +18,7 @@ use super::attention::{AttnProjections, SelfAttention};
 use super::config::{check_heads, parse_config};
 use super::decoder::{Block, Decoder, DecoderLayer, Head, NormKind, NormPlacement, Sizes, Trunk};
 use super::gated_delta::{self, DeltaShape, GatedDeltaNet, ProjectionLayout};
-use super::info::{kv_dtype_bytes, KvShape};
+use super::info::{dtype_bytes, KvShape};
 use super::layers::{attend_with, AttnOpts, Linear, RmsNorm};
 use super::mlp::{FeedForward, GatedMlp};
 use super::moe::{RoutedExperts, SharedExperts, SoftmaxRouter};
@@ -297,7 +297,10 @@ impl Hybrid<'_> {
             elements_per_token: full * 2 * (a.kv_heads * a.head_dim) as usize,
             head_dim: a.head_dim,
         };
-        let state_bytes = linear * self.delta.state_bytes(kv_dtype_bytes(&trunk.embed_tokens));
+        let state_bytes = linear
+            * self
+                .delta
+                .state_bytes(dtype_bytes(trunk.activation_dtype()));
         let sizes = Sizes {
             vocab_size: self.vocab_size,
             context_length: self.context_length,
