@@ -240,16 +240,16 @@ fn bodies() -> Vec<Value> {
 #[test]
 fn two_ranks_serve_the_single_engines_tokens_alone_and_batched() -> Result<()> {
     for name in ["tiny-llama", "tiny-qwen3", "family-qwen3_moe"] {
-        two_ranks_serve_the_single_engines_tokens(name, Mode::Tensor)?;
+        ranks_serve_the_single_engines_tokens(name, Mode::Tensor, 2)?;
     }
     Ok(())
 }
 
-/// Two ranks dividing `name` as `mode` says give the single engine's tokens for [`bodies`],
-/// each alone and all in one batch, and rank 1 holds less than the whole model.
-fn two_ranks_serve_the_single_engines_tokens(name: &str, mode: Mode) -> Result<()> {
+/// `ranks` ranks dividing `name` as `mode` says give the single engine's tokens for
+/// [`bodies`], each alone and all in one batch, and rank 1 holds less than the whole model.
+fn ranks_serve_the_single_engines_tokens(name: &str, mode: Mode, ranks: usize) -> Result<()> {
     let model = tiny_model(name)?;
-    let mut group = Group::start_in(&model, 2, 2, mode)?;
+    let mut group = Group::start_in(&model, ranks, ranks, mode)?;
     let dir = tempfile::tempdir()?;
     let mut one = Killed(single(&model, dir.path())?);
     let socket = group.socket();
@@ -652,7 +652,7 @@ fn two_ranks_in_pipeline_mode_serve_the_single_engines_tokens_alone_and_batched(
     // Llama: 2 layers, one per rank; Qwen3-MoE: 3 layers (a dense one between two sparse), two
     // on rank 0 and one on rank 1, so the ranks' caches differ in size.
     for name in ["tiny-llama", "family-qwen3_moe"] {
-        two_ranks_serve_the_single_engines_tokens(name, Mode::Pipeline)?;
+        ranks_serve_the_single_engines_tokens(name, Mode::Pipeline, 2)?;
     }
     Ok(())
 }
@@ -830,4 +830,10 @@ fn each_pipeline_rank_reads_only_its_layers_and_the_ends_it_uses() -> Result<()>
         );
     }
     Ok(())
+}
+
+#[test]
+fn three_ranks_in_pipeline_mode_serve_the_single_engines_tokens() -> Result<()> {
+    // One Qwen3-MoE layer per rank: rank 1 both receives (from rank 2) and sends (to rank 0).
+    ranks_serve_the_single_engines_tokens("family-qwen3_moe", Mode::Pipeline, 3)
 }
