@@ -218,3 +218,39 @@ fn adapters_that_cannot_apply_are_refused_with_their_reason() {
     assert_eq!((listed[0].rank, listed[0].scale), (4, 10.0));
     assert_eq!(listed[0].layers, table.site_count());
 }
+
+#[test]
+fn a_requests_model_selects_its_adapter_and_an_unknown_one_of_this_model_is_a_404() {
+    use mlxd_engine::server::{ApiError, ServerState};
+    let model = tiny_model("tiny-llama");
+    let a = adapter_dir("tiny-llama-lora-a");
+    let runtime = start(&model, &[("a", &a)], 0);
+    let tokenizer = mlxd_engine::tokenizer::Tokenizer::from_dir(&model).expect("tokenizer");
+    let state = ServerState::new(
+        "tiny",
+        std::sync::Arc::new(tokenizer),
+        512,
+        runtime.work.clone(),
+    )
+    .with_adapters(runtime.adapters.clone());
+    let ia = id(&runtime, "a");
+    assert_eq!(state.adapter_for(Some("tiny:a")).unwrap(), ia);
+    // Under mlxd the body names the proxy's id or an alias, not the engine's.
+    assert_eq!(state.adapter_for(Some("an-alias:a")).unwrap(), ia);
+    for base in [None, Some("tiny"), Some("llama3:8b"), Some("")] {
+        assert_eq!(state.adapter_for(base).unwrap(), None, "{base:?}");
+    }
+    let err = state.adapter_for(Some("tiny:zzz")).unwrap_err();
+    assert!(matches!(err, ApiError::UnknownModel { .. }), "{err}");
+    assert_eq!(err.status().as_u16(), 404);
+    let body = err.body();
+    assert_eq!(body.error.code.as_deref(), Some("model_not_found"));
+    assert!(
+        body.error.message.contains("tiny:a"),
+        "{}",
+        body.error.message
+    );
+    // The state holds a sender of the runtime's channel, which must close for it to end.
+    drop(state);
+    runtime.join();
+}
