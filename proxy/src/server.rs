@@ -1103,7 +1103,10 @@ async fn models(app: &App) -> Response<ResponseBody> {
             });
             // Its LoRA adapters, each `<model>:<adapter>` with the model as `parent` (as
             // vLLM lists them); they load and unload with it.
-            let adapters = catalog.get(&e.model).map(|m| m.adapters()).unwrap_or_default();
+            let adapters = catalog
+                .get(&e.model)
+                .map(|m| m.adapters())
+                .unwrap_or_default();
             let adapters = adapters.into_iter().map(|a| {
                 json!({
                     "id": format!("{}:{a}", e.model),

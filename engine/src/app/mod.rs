@@ -12,8 +12,8 @@ mod supervised;
 
 pub use load::{load, load_in_group, load_reporting, store_event_progress, Engine};
 pub use options::{launch_options, runtime_options, DraftChoice, DraftOptions, LaunchOptions};
-pub use standalone::serve_standalone;
 pub use ssh_rank::exit_when_stdin_closes;
+pub use standalone::serve_standalone;
 pub use start_error::StartError;
 pub use supervised::{run_supervised, worth_reporting};
 
