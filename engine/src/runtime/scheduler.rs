@@ -137,19 +137,29 @@ fn speed_bound(fits: f64, min: usize, most: usize) -> usize {
     rounded.max(min.clamp(1, most)).min(most)
 }
 
+/// Most prompt tokens of a chunk before the device's prefill speed is measured. A fresh engine
+/// knows nothing of its device: a first chunk of a full `prefill_chunk` (2 048 tokens) on a
+/// slow CPU ran for tens of seconds, long past `prefill_unit_target`, with no chance to cancel
+/// it or to prefill a short prompt beside it. A chunk this size measures the device at a
+/// cost of a step or two on a fast one (on a GPU the first step of a new shape does not count,
+/// so the second does), and later chunks are sized from the figure. Prompts that fit in one
+/// chunk, and the step's budget for groups of them, are not held back by it.
+pub const PROBE_CHUNK: usize = 256;
+
 /// The measured speed when it is a usable figure.
 fn usable(tokens_per_s: Option<f64>) -> Option<f64> {
     tokens_per_s.filter(|s| s.is_finite() && *s > 0.0)
 }
 
 /// The most prompt tokens of one chunk, given the prefill speed measured so far (tokens per
-/// second, `None` before the first step): `prefill_chunk` where it runs within
-/// `prefill_unit_target`, else as many as run in that time rounded down to a power of two (few
-/// distinct shapes), at least `min_prefill_chunk`; never more than the step's budget.
+/// second, `None` before a step measured it): [`PROBE_CHUNK`] until then, then
+/// `prefill_chunk` where it runs within `prefill_unit_target`, else as many as run in that
+/// time rounded down to a power of two (few distinct shapes), at least `min_prefill_chunk`;
+/// never more than the step's budget.
 pub fn chunk_budget(limits: &SchedulerLimits, tokens_per_s: Option<f64>) -> usize {
     let most = limits.prefill_chunk.max(1);
     let chunk = match usable(tokens_per_s) {
-        None => most,
+        None => most.min(PROBE_CHUNK.max(limits.min_prefill_chunk)),
         Some(speed) => speed_bound(
             speed * limits.prefill_unit_target.as_secs_f64(),
             limits.min_prefill_chunk,
@@ -563,6 +573,23 @@ mod tests {
         assert_eq!(chunk_budget(&l, Some(40.0)), 32);
         assert_eq!(chunk_budget(&l, Some(0.5)), 8, "never below the minimum");
         assert_eq!(chunk_budget(&l, Some(f64::NAN)), 100);
+        // A fresh engine's first chunk is a probe, whatever the configured chunk.
+        let long = SchedulerLimits {
+            prefill_chunk: 2048,
+            prefill_step_tokens: 4096,
+            ..limits()
+        };
+        assert_eq!(chunk_budget(&long, None), PROBE_CHUNK);
+        assert_eq!(
+            chunk_budget(&long, Some(1e6)),
+            2048,
+            "measured fast: the full chunk"
+        );
+        assert_eq!(
+            step_budget(&long, None),
+            4096,
+            "groups of short prompts: the full step"
+        );
         assert_eq!(step_budget(&l, None), 300);
         assert_eq!(step_budget(&l, Some(1e6)), 300);
         assert_eq!(step_budget(&l, Some(200.0)), 128);

@@ -686,17 +686,19 @@ fn a_short_request_is_not_stuck_behind_a_long_prefill_and_a_cancelled_one_stops(
 
 #[test]
 fn on_a_slow_device_prefill_chunks_shrink_to_the_unit_target() {
-    // 3 ms a token: a 256-token chunk takes 0.77 s, past the 0.5 s target, so the next chunks
-    // hold at most 128 (333 tokens/s × 0.5 s, rounded down to a power of two).
+    // A fresh engine knows nothing of its device: its first chunk is a probe of
+    // `PROBE_CHUNK` (256) tokens, not the configured 2 048 (the whole 600-token prompt here).
+    // 3 ms a token: the probe takes 0.77 s, past the 0.5 s target, so the next chunks hold at
+    // most 128 (333 tokens/s × 0.5 s, rounded down to a power of two).
     let (runtime, passes) = start_paced(
         RuntimeLimits {
-            prefill_chunk: 256,
+            prefill_chunk: 2048,
             prompt_cache_bytes: 0,
             ..Default::default()
         },
         std::time::Duration::from_millis(3),
     );
-    let long: Vec<u32> = (0..500).map(|i| (i * 17 + 3) % 390).collect();
+    let long: Vec<u32> = (0..600).map(|i| (i * 17 + 3) % 390).collect();
     let mut rx = send(&runtime, long, 1);
     passes_to_first_token(&mut rx, &passes);
     let prefill: Vec<i32> = passes
@@ -707,14 +709,15 @@ fn on_a_slow_device_prefill_chunks_shrink_to_the_unit_target() {
         .map(|p| p.1)
         .collect();
     assert_eq!(
-        prefill[0], 256,
-        "the first chunk is the full one: {prefill:?}"
+        prefill[0],
+        mlxd_engine::runtime::scheduler::PROBE_CHUNK as i32,
+        "the first chunk is the probe: {prefill:?}"
     );
     assert!(
         prefill[1..].iter().all(|&c| (32..=128).contains(&c)) && prefill.len() >= 3,
         "later chunks shrink: {prefill:?}"
     );
-    assert_eq!(prefill.iter().sum::<i32>(), 499);
+    assert_eq!(prefill.iter().sum::<i32>(), 599);
     runtime.join();
 }
 
