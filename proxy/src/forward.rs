@@ -28,7 +28,7 @@ use crate::engine_event::EngineEvent;
 use crate::error::ProxyError;
 use crate::metrics::{Metrics, RequestTap};
 use crate::pool::{Lease, PoolHandle};
-use crate::resume::{NotResumable, Resume, ResumeRecord};
+use crate::resume::{ClientBody, NotResumable, Resume, ResumeRecord};
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type ProxyRequestBody = http_body_util::combinators::BoxBody<Bytes, BoxError>;
@@ -191,11 +191,14 @@ pub async fn forward(
             let out = if parts.status.is_success() {
                 resume.record.client_body(raw)
             } else {
-                raw
+                ClientBody {
+                    bytes: raw,
+                    usage: None,
+                }
             };
             parts
                 .headers
-                .insert(header::CONTENT_LENGTH, HeaderValue::from(out.len()));
+                .insert(header::CONTENT_LENGTH, HeaderValue::from(out.bytes.len()));
             // Counted only now: a response lost with its engine is sent again, once.
             let tap = tap(&parts);
             return Ok(Response::from_parts(
@@ -362,10 +365,11 @@ impl ProxyBody {
         }
     }
 
-    /// A body already read and rewritten.
-    fn whole(body: Bytes, lease: Lease, mut tap: Option<RequestTap>) -> Self {
+    /// A body already read and rewritten; the tap takes its usage from that reading.
+    fn whole(body: ClientBody, lease: Lease, mut tap: Option<RequestTap>) -> Self {
+        let ClientBody { bytes: body, usage } = body;
         if let Some(tap) = tap.as_mut() {
-            tap.data(&body);
+            tap.whole(&body, usage);
         }
         Self {
             upstream: None,

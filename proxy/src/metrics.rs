@@ -393,6 +393,18 @@ impl RequestTap {
         }
     }
 
+    /// A whole body already read by the resume record, with the usage that reading found
+    /// (`None`: the tap reads the body itself when the request ends).
+    pub fn whole(&mut self, b: &Bytes, usage: Option<(u64, u64)>) {
+        match usage {
+            Some(u) => {
+                self.mark_first();
+                self.usage = Some(u);
+            }
+            None => self.data(b),
+        }
+    }
+
     /// One whole SSE event. An event with a meta line is a choice chunk (never usage or an
     /// error), so its tokens are counted from the line without reading the chunk; another
     /// is read from the event's one JSON parse, which the resume record shares.
@@ -461,10 +473,13 @@ impl Drop for RequestTap {
         let usage = if self.sse {
             self.usage.or((self.chunks > 0).then_some((0, self.chunks)))
         } else {
-            serde_json::from_slice::<Value>(&self.body)
-                .ok()
-                .as_ref()
-                .and_then(usage_of)
+            // Read by the resume record already, or read here.
+            self.usage.or_else(|| {
+                serde_json::from_slice::<Value>(&self.body)
+                    .ok()
+                    .as_ref()
+                    .and_then(usage_of)
+            })
         };
         if let Some((prompt, completion)) = usage {
             m.prompt_tokens.get_or_create(&label).inc_by(prompt);
@@ -533,6 +548,33 @@ mod tests {
                 t.event(&EngineEvent::new(Bytes::copy_from_slice(l)));
             }
             assert_eq!(t.ended, ended, "{last:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_whole_body_read_by_the_resume_record_is_not_read_again() {
+        let m = Arc::new(Metrics::new());
+        {
+            // The record's reading is used: bytes the tap could not parse still count.
+            let mut t = RequestTap::new(m.clone(), "c", 200, Instant::now(), false);
+            t.whole(&Bytes::from_static(b"not json"), Some((4, 5)));
+            assert!(t.body.is_empty(), "nothing kept to parse");
+        }
+        {
+            // Not read by the record: the tap reads the body itself.
+            let mut t = RequestTap::new(m.clone(), "d", 200, Instant::now(), false);
+            t.whole(
+                &Bytes::from_static(br#"{"usage":{"prompt_tokens":1,"completion_tokens":2}}"#),
+                None,
+            );
+        }
+        let text = m.encode();
+        for line in [
+            "mlxd_prompt_tokens_total{model=\"c\"} 4",
+            "mlxd_completion_tokens_total{model=\"c\"} 5",
+            "mlxd_completion_tokens_total{model=\"d\"} 2",
+        ] {
+            assert!(text.contains(line), "{line} in {text}");
         }
     }
 

@@ -81,6 +81,15 @@ pub enum Resume {
     Impossible(NotResumable),
 }
 
+/// A whole (non-streaming) response as the client gets it, and what it said about tokens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientBody {
+    pub bytes: Bytes,
+    /// `(prompt, completion)` tokens from the response's `usage`; `None` when it has none
+    /// or was not read (the tap then reads the bytes itself).
+    pub usage: Option<(u64, u64)>,
+}
+
 /// One in-flight request as the proxy tracks it for resumption.
 #[derive(Debug, Clone)]
 pub struct ResumeRecord {
@@ -278,24 +287,39 @@ impl ResumeRecord {
         }
     }
 
-    /// Rewrites a whole (non-streaming) JSON response: the `mlxd` field removed. A body
-    /// that is not a response of this endpoint passes unchanged.
-    pub fn client_body(&self, body: Bytes) -> Bytes {
-        let json = match self.endpoint {
+    /// Rewrites a whole (non-streaming) JSON response: the `mlxd` field removed, and its
+    /// usage read for the metrics tap from the same parse. A body that is not a response
+    /// of this endpoint passes unchanged, unread.
+    pub fn client_body(&self, body: Bytes) -> ClientBody {
+        let read = match self.endpoint {
             Endpoint::Chat => serde_json::from_slice::<ChatCompletionResponse>(&body)
                 .ok()
                 .and_then(|mut r| {
                     r.choices.iter_mut().for_each(|c| c.mlxd = None);
-                    serde_json::to_vec(&r).ok()
+                    let usage = Some((r.usage.prompt_tokens, r.usage.completion_tokens));
+                    Some((serde_json::to_vec(&r).ok()?, usage))
                 }),
             Endpoint::Completion => serde_json::from_slice::<CompletionResponse>(&body)
                 .ok()
                 .and_then(|mut r| {
                     r.choices.iter_mut().for_each(|c| c.mlxd = None);
-                    serde_json::to_vec(&r).ok()
+                    let usage = r
+                        .usage
+                        .as_ref()
+                        .map(|u| (u.prompt_tokens, u.completion_tokens));
+                    Some((serde_json::to_vec(&r).ok()?, usage))
                 }),
         };
-        json.map_or(body, Bytes::from)
+        match read {
+            Some((json, usage)) => ClientBody {
+                bytes: Bytes::from(json),
+                usage,
+            },
+            None => ClientBody {
+                bytes: body,
+                usage: None,
+            },
+        }
     }
 
     /// What to send to a new engine now that the one serving this request died; counts
@@ -680,6 +704,33 @@ mod tests {
             assert_eq!(r.sent_ids().len(), 2 * N as usize);
             println!("{name}: resume {resume:?}/event, resume and tap {both:?}/event");
         }
+        // A whole (non-streaming) response: the record rewrites it and the tap takes its
+        // usage from that parse, against the tap parsing the rewritten body again.
+        let whole = Bytes::from(
+            json!({"id": "chatcmpl-0123456789abcdef", "object": "chat.completion", "created": 7,
+                   "model": "m", "choices": [{"index": 0, "finish_reason": "stop", "logprobs": null,
+                   "message": {"role": "assistant", "content": "word ".repeat(200)},
+                   "mlxd": {"token_ids": (0..200).collect::<Vec<u32>>()}}],
+                   "usage": {"prompt_tokens": 12, "completion_tokens": 200, "total_tokens": 212}})
+            .to_string(),
+        );
+        let r = record(json!({"messages": []}));
+        let metrics = std::sync::Arc::new(Metrics::new());
+        const W: u32 = 2_000;
+        for (name, shared) in [("tap parses again", false), ("usage shared", true)] {
+            let t = Instant::now();
+            for _ in 0..W {
+                let mut tap = RequestTap::new(metrics.clone(), "m", 200, Instant::now(), false);
+                let out = r.client_body(whole.clone());
+                assert!(out.usage.is_some());
+                tap.whole(&out.bytes, out.usage.filter(|_| shared));
+            }
+            println!(
+                "whole response of {} bytes, {name}: {:?}/response",
+                whole.len(),
+                t.elapsed() / W
+            );
+        }
     }
 
     #[test]
@@ -694,11 +745,18 @@ mod tests {
                            "choices": [{"index": 0, "text": "t", "finish_reason": "length", "logprobs": null, "mlxd": {"token_ids": [4]}}],
                            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}});
         let body = r.client_body(Bytes::from(whole.to_string()));
-        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(body.usage, Some((1, 1)), "read from the same parse");
+        let v: Value = serde_json::from_slice(&body.bytes).unwrap();
         assert!(v["choices"][0].get("mlxd").is_none(), "{v}");
         assert_eq!(v["usage"]["total_tokens"], 2);
-        // Not a response: unchanged.
+        // Not a response: unchanged, unread.
         let other = Bytes::from_static(b"{\"error\":{}}");
-        assert_eq!(r.client_body(other.clone()), other);
+        assert_eq!(
+            r.client_body(other.clone()),
+            ClientBody {
+                bytes: other,
+                usage: None
+            }
+        );
     }
 }
