@@ -13,7 +13,8 @@ use tokio::time::Instant;
 use tracing::{error, info, warn};
 
 use super::handle::{Command, Lease, PoolHandle, Reply};
-use super::lifecycle::{self, Admission, AdmitRules, Effect, PoolMood, Timing};
+use super::lifecycle::{self, Effect, PoolMood, Timing};
+use super::queue::{self, Admission, AdmitRules, Pass, Placement, Room, Unload};
 use super::slot::{KeepAlive, Slot, State, Waiter};
 use crate::catalog::Catalog;
 use crate::config::Config;
@@ -22,7 +23,7 @@ use crate::error::ProxyError;
 use crate::exit::ExitReport;
 use crate::logs::Logs;
 use crate::metrics::{EvictionLabels, Metrics};
-use crate::placement::{self, Budget, Plan, Resident, Shortfall};
+use crate::placement::{Budget, Plan, Resident};
 use crate::policy::{ModelLimits, RestartPolicy};
 use crate::reload::ReloadPlan;
 
@@ -345,94 +346,76 @@ impl Pool {
         admission
     }
 
-    /// The placement plan for an engine that needs `needed` bytes, with running jobs'
-    /// memory taken out of the budget. A model that would fit but for the jobs waits for
-    /// them rather than being refused.
+    /// The placement plan for an engine that needs `needed` bytes beside the resident
+    /// engines and the running jobs; see [`queue::plan_beside_jobs`].
     fn plan_beside_jobs(&self, needed: u64) -> Plan {
-        let residents = self.residents();
-        let job_bytes: u64 = self.jobs.values().sum();
-        let budget = Budget {
-            memory_bytes: self.budget.memory_bytes.saturating_sub(job_bytes),
-            ..self.budget
+        let room = Room {
+            budget: self.budget,
+            job_bytes: self.jobs.values().sum(),
         };
-        match placement::plan(needed, &residents, budget) {
-            Plan::RefuseMemory { needed, available } if job_bytes > 0 => {
-                match placement::plan(needed, &residents, self.budget) {
-                    Plan::RefuseMemory { .. } => Plan::RefuseMemory { needed, available },
-                    _ => Plan::Wait(Shortfall::Memory { needed, available }),
-                }
-            }
-            plan => plan,
-        }
+        queue::plan_beside_jobs(needed, &self.residents(), room)
     }
 
+    /// A request for `key`'s engine; see [`queue::request`].
     fn acquire(
         &mut self,
         key: &str,
         not_generation: Option<u64>,
         reply: Reply<Result<Lease, ProxyError>>,
     ) {
-        if self.shutting_down {
-            let _ = reply.send(Err(ProxyError::ShuttingDown));
-            return;
-        }
         let now = Instant::now();
-        let cooldown = Duration::from_millis(self.config.server.failed_cooldown_ms);
-        let capacity = self.config.server.queue_capacity;
-        let max_in_flight = self.config.server.max_in_flight_per_model;
-        let Some(slot) = self.slots.get_mut(key) else {
-            let _ = reply.send(Err(ProxyError::NotFound(format!(
-                "model {key} is not configured"
-            ))));
-            return;
-        };
-        if slot.removed {
-            let _ = reply.send(Err(ProxyError::NotFound(format!(
-                "model {key} was removed from the configuration"
-            ))));
-            return;
-        }
+        let c = &self.config.server;
         let rules = AdmitRules {
-            failed_cooldown: cooldown,
-            queue_capacity: capacity,
-            max_in_flight,
+            failed_cooldown: Duration::from_millis(c.failed_cooldown_ms),
+            queue_capacity: c.queue_capacity,
+            max_in_flight: c.max_in_flight_per_model,
         };
-        match lifecycle::admit(slot, not_generation, now, &rules) {
+        let mood = PoolMood {
+            shutting_down: self.shutting_down,
+        };
+        let slot = self.slots.get_mut(key);
+        match queue::request(slot, key, mood, not_generation, now, &rules) {
             Admission::Grant => {
-                if let Some(lease) = slot.grant(&self.release_tx, &self.policy, now) {
+                let lease = self
+                    .slots
+                    .get_mut(key)
+                    .and_then(|slot| slot.grant(&self.release_tx, &self.policy, now));
+                if let Some(lease) = lease {
                     let _ = reply.send(Ok(lease));
                 }
-                return;
             }
             Admission::Refuse(e) => {
                 let _ = reply.send(Err(e));
-                return;
             }
-            Admission::Wait => {}
+            Admission::Wait => {
+                let id = self.next_waiter;
+                self.next_waiter += 1;
+                let Some(slot) = self.slots.get_mut(key) else {
+                    return;
+                };
+                let effects = queue::wait(slot, Waiter { id, reply }, self.config.queue_timeout());
+                self.apply(key, effects);
+            }
         }
-        let id = self.next_waiter;
-        self.next_waiter += 1;
-        let effects = lifecycle::wait(slot, Waiter { id, reply }, self.config.queue_timeout());
-        self.apply(key, effects);
     }
 
-    /// See [`lifecycle::waiter_deadline`].
+    /// See [`queue::waiter_deadline`].
     fn waiter_deadline(&mut self, key: &str, waiter: u64) {
         let Some(slot) = self.slots.get_mut(key) else {
             return;
         };
-        let effects = lifecycle::waiter_deadline(slot, waiter);
+        let effects = queue::waiter_deadline(slot, waiter);
         self.apply(key, effects);
     }
 
-    /// Numbers `key`'s wait for room; see [`lifecycle::queue`].
+    /// Numbers `key`'s wait for room; see [`queue::queue`].
     fn enqueue(&mut self, key: &str) {
         let ticket = self.next_ticket;
         self.next_ticket += 1;
         let Some(slot) = self.slots.get_mut(key) else {
             return;
         };
-        let effects = lifecycle::queue(slot, ticket, self.config.pool.capacity_wait);
+        let effects = queue::queue(slot, ticket, self.config.pool.capacity_wait);
         self.apply(key, effects);
     }
 
@@ -453,71 +436,45 @@ impl Pool {
             .collect()
     }
 
-    /// Starts, evicts for, or refuses queued models, in arrival order. Once one has to
-    /// wait, those behind it may only start if they fit without evicting anything.
+    /// Starts, evicts for, or refuses queued models, in arrival order ([`queue::place`]
+    /// decides each). Each model is planned against the engines resident after the
+    /// decisions before it were carried out (a start that fails to spawn holds nothing).
     fn place(&mut self) {
-        let mut blocked = false;
-        let queue: Vec<String> = self.queue.iter().cloned().collect();
-        for key in queue {
+        let mut pass = Pass::default();
+        let waiting: Vec<String> = self.queue.iter().cloned().collect();
+        for key in waiting {
             let Some(slot) = self.slots.get_mut(&key) else {
                 continue;
             };
-            if !lifecycle::still_queued(slot) {
+            if !queue::still_queued(slot) {
                 self.queue.retain(|k| *k != key);
                 continue;
             }
             let needed = slot.planned_bytes();
-            match self.plan_beside_jobs(needed) {
-                Plan::Start => {
+            let plan = self.plan_beside_jobs(needed);
+            match queue::place(&key, plan, &mut pass, self.budget.memory_bytes) {
+                Placement::Start => {
                     self.queue.retain(|k| *k != key);
                     self.start(&key);
                 }
-                Plan::Evict(victims) if !blocked => {
-                    blocked = true;
+                Placement::Evict(victims) => {
                     for v in victims {
                         info!(model = %v, for_model = %key, "evicting least recently used idle engine");
                         self.evict(&v, "lru");
                     }
                 }
-                Plan::Evict(_) | Plan::Wait(_) => blocked = true,
-                Plan::RefuseMemory { needed, available } => {
-                    let err = ProxyError::InsufficientMemory {
-                        model: key.clone(),
-                        needed,
-                        available,
-                        budget: self.budget.memory_bytes,
-                        retry_after: None,
-                    };
-                    self.refuse(&key, err);
-                }
-                Plan::RefuseEngines {
-                    max_engines,
-                    pinned,
-                } => {
-                    let err = ProxyError::NoEngineAvailable {
-                        model: key.clone(),
-                        max_engines,
-                        why: if pinned >= max_engines {
-                            "held by pinned models"
-                        } else {
-                            "busy"
-                        },
-                        retry_after: None,
-                    };
-                    self.refuse(&key, err);
+                Placement::Wait => {}
+                Placement::Refuse(err) => {
+                    if let Some(slot) = self.slots.get_mut(&key) {
+                        let effects = queue::refuse(slot, err);
+                        self.apply(&key, effects);
+                    }
                 }
             }
         }
     }
 
-    fn refuse(&mut self, key: &str, err: ProxyError) {
-        if let Some(slot) = self.slots.get_mut(key) {
-            let effects = lifecycle::refuse(slot, err);
-            self.apply(key, effects);
-        }
-    }
-
-    /// See [`lifecycle::capacity_deadline`].
+    /// See [`queue::capacity_deadline`].
     fn capacity_deadline(&mut self, key: &str, ticket: u64) {
         let Some(needed) = self.slots.get(key).map(Slot::planned_bytes) else {
             return;
@@ -528,7 +485,7 @@ impl Pool {
         let Some(slot) = self.slots.get_mut(key) else {
             return;
         };
-        let effects = lifecycle::capacity_deadline(slot, ticket, making_room, plan, budget);
+        let effects = queue::capacity_deadline(slot, ticket, making_room, plan, budget);
         self.apply(key, effects);
     }
 
@@ -541,6 +498,7 @@ impl Pool {
         self.apply(key, effects);
     }
 
+    /// An admin unload; see [`queue::unload`].
     fn unload(&mut self, key: &str, reply: Reply<Result<(), ProxyError>>) {
         let Some(slot) = self.slots.get_mut(key) else {
             let _ = reply.send(Err(ProxyError::NotFound(format!(
@@ -548,16 +506,15 @@ impl Pool {
             ))));
             return;
         };
-        if let Some(effects) = lifecycle::unqueue(slot) {
-            self.apply(key, effects);
-            let _ = reply.send(Ok(()));
-            return;
-        }
-        if slot.state.engine().is_some() {
-            slot.unload_replies.push(reply);
-            self.evict(key, "admin");
-        } else {
-            let _ = reply.send(Ok(()));
+        match queue::unload(slot) {
+            Unload::Now(effects) => {
+                self.apply(key, effects);
+                let _ = reply.send(Ok(()));
+            }
+            Unload::WhenStopped(effects) => {
+                slot.unload_replies.push(reply);
+                self.apply(key, effects);
+            }
         }
     }
 
@@ -1046,26 +1003,13 @@ impl Pool {
         plan
     }
 
-    /// A reload removed `key`: its waiters get 404, its engine drains (in-flight requests
-    /// finish) and stops, and then the slot goes ([`Self::exited`]); without an engine it
-    /// goes now.
+    /// A reload removed `key`; see [`queue::remove`].
     fn remove_model(&mut self, key: &str) {
         let Some(slot) = self.slots.get_mut(key) else {
             return;
         };
-        slot.removed = true;
-        slot.fail_waiters(&ProxyError::NotFound(format!(
-            "model {key} was removed from the configuration"
-        )));
-        self.queue.retain(|k| k != key);
-        info!(model = %key, in_flight = slot.in_flight(), "model removed by a configuration reload");
-        if slot.state.engine().is_some() {
-            slot.log
-                .push("[mlxd] removed from the configuration: draining, then stopping");
-            self.evict(key, "removed");
-        } else {
-            self.forget(key);
-        }
+        let effects = queue::remove(slot);
+        self.apply(key, effects);
     }
 
     /// Drops a removed model's slot (its engine is gone) and its gauges.
@@ -1091,8 +1035,7 @@ impl Pool {
             let Some(slot) = self.slots.get_mut(&key) else {
                 continue;
             };
-            slot.fail_waiters(&ProxyError::ShuttingDown);
-            let effects = lifecycle::shut_down(slot);
+            let effects = queue::shut_down(slot);
             self.apply(&key, effects);
         }
     }

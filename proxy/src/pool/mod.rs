@@ -13,11 +13,14 @@
 //! Layout: [`handle`] (the HTTP side's API and the lease), [`actor`] (the task: commands,
 //! events, timers, and the effects it carries out), [`slot`] (one model: its state, each
 //! state holding its own data), [`lifecycle`] (an engine's life as pure transitions from
-//! state, event and time to state and effects), [`status`] (what `/engines` shows).
+//! state, event and time to state and effects), [`queue`] (requests waiting for an engine
+//! and models waiting for room, as pure transitions of the same kind), [`status`] (what
+//! `/engines` shows).
 
 mod actor;
 mod handle;
 mod lifecycle;
+mod queue;
 mod slot;
 mod status;
 

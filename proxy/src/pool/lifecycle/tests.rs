@@ -18,7 +18,7 @@ use crate::exit::{ExitCause, ExitReport};
 use crate::logs::ModelLog;
 use crate::policy::RestartPolicy;
 
-fn timing() -> Timing {
+pub(in crate::pool) fn timing() -> Timing {
     let config = Config::default();
     Timing {
         policy: RestartPolicy::from_config(&config),
@@ -28,7 +28,7 @@ fn timing() -> Timing {
     }
 }
 
-fn slot(pinned: bool) -> Slot {
+pub(in crate::pool) fn slot(pinned: bool) -> Slot {
     let config = Config {
         models: vec![ModelConfig {
             pinned,
@@ -48,7 +48,7 @@ fn slot(pinned: bool) -> Slot {
     )
 }
 
-fn ready_report() -> Ready {
+pub(in crate::pool) fn ready_report() -> Ready {
     Ready {
         version: PROTOCOL_VERSION,
         model_id: "m".into(),
@@ -64,7 +64,7 @@ fn ready_report() -> Ready {
     }
 }
 
-fn exit(cause: ExitCause) -> Arc<ExitReport> {
+pub(in crate::pool) fn exit(cause: ExitCause) -> Arc<ExitReport> {
     Arc::new(ExitReport::new(cause, vec!["last words".into()]))
 }
 
@@ -73,41 +73,41 @@ const CALM: PoolMood = PoolMood {
 };
 
 /// A slot whose engine (generation 1) was started at `t0`.
-fn starting(t0: Instant) -> Slot {
+pub(in crate::pool) fn starting(t0: Instant) -> Slot {
     let mut s = slot(false);
     start_engine(&mut s, 42, 1, t0);
     s
 }
 
 /// Starts the slot's engine of `generation` (process `pid`) at `t0`, default limits.
-fn start_engine(s: &mut Slot, pid: u32, generation: u64, t0: Instant) {
+pub(in crate::pool) fn start_engine(s: &mut Slot, pid: u32, generation: u64, t0: Instant) {
     s.generation = generation;
     let (handle, _ends) = EngineHandle::simulated(pid, generation);
     started(s, handle, Limits::default(), t0, &timing());
 }
 
 /// The engine exits with `cause`, seen at `t0` by a pool that is not shutting down.
-fn exit_calmly(s: &mut Slot, cause: ExitCause, t0: Instant) -> Vec<Effect> {
+pub(in crate::pool) fn exit_calmly(s: &mut Slot, cause: ExitCause, t0: Instant) -> Vec<Effect> {
     exited(s, exit(cause), t0, SystemTime::now(), &timing(), CALM)
 }
 
-fn crash(signal: Option<i32>, code: Option<i32>) -> ExitCause {
+pub(in crate::pool) fn crash(signal: Option<i32>, code: Option<i32>) -> ExitCause {
     ExitCause::Crash { signal, code }
 }
 
-fn load_failed(detail: &str) -> ExitCause {
+pub(in crate::pool) fn load_failed(detail: &str) -> ExitCause {
     ExitCause::LoadFailed {
         detail: detail.into(),
     }
 }
 
-fn cannot_load(detail: &str) -> ExitCause {
+pub(in crate::pool) fn cannot_load(detail: &str) -> ExitCause {
     ExitCause::CannotLoad {
         detail: detail.into(),
     }
 }
 
-fn names(effects: &[Effect]) -> Vec<&'static str> {
+pub(in crate::pool) fn names(effects: &[Effect]) -> Vec<&'static str> {
     effects
         .iter()
         .map(|e| match e {
@@ -428,75 +428,6 @@ fn an_out_of_memory_exit_halves_the_limits_and_schedules_their_recovery() {
     assert_eq!(s.state.name(), "restarting");
 }
 
-const RULES: AdmitRules = AdmitRules {
-    failed_cooldown: Duration::from_secs(300),
-    queue_capacity: 2,
-    max_in_flight: 1,
-};
-
-#[test]
-fn admission_grants_a_ready_engine_up_to_its_in_flight_limit() {
-    let t0 = Instant::now();
-    let mut s = starting(t0);
-    assert!(matches!(admit(&mut s, None, t0, &RULES), Admission::Wait));
-    ready(&mut s, ready_report(), t0, &timing());
-    assert!(matches!(admit(&mut s, None, t0, &RULES), Admission::Grant));
-    let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
-    let _lease = s.grant(&tx, &timing().policy, t0).unwrap();
-    assert!(matches!(
-        admit(&mut s, None, t0, &RULES),
-        Admission::Refuse(ProxyError::TooManyInFlight { limit: 1, .. })
-    ));
-    // An engine the caller found dead: wait for its successor instead.
-    assert!(matches!(
-        admit(&mut s, Some(1), t0, &RULES),
-        Admission::Wait
-    ));
-}
-
-#[test]
-fn admission_answers_from_the_failed_state_until_the_cool_down_ends() {
-    let t0 = Instant::now();
-    let mut s = starting(t0);
-    exit_calmly(&mut s, cannot_load("no such model"), t0);
-    match admit(&mut s, None, t0 + Duration::from_secs(100), &RULES) {
-        Admission::Refuse(ProxyError::CannotLoad { retry_after, .. }) => {
-            assert_eq!(retry_after, Duration::from_secs(200))
-        }
-        other => panic!("{other:?}"),
-    }
-    assert!(matches!(
-        admit(&mut s, None, t0 + Duration::from_secs(300), &RULES),
-        Admission::Wait
-    ));
-    assert!(s.state.is_cold(), "tried again: {:?}", s.state);
-}
-
-#[test]
-fn admission_refuses_a_full_queue_with_the_restart_delay() {
-    let t0 = Instant::now();
-    let mut s = starting(t0);
-    exit_calmly(&mut s, crash(Some(9), None), t0);
-    let mut keep = Vec::new();
-    for id in 0..2 {
-        let (reply, rx) = tokio::sync::oneshot::channel();
-        keep.push(rx);
-        s.waiters
-            .push_back(super::super::slot::Waiter { id, reply });
-    }
-    match admit(&mut s, None, t0, &RULES) {
-        Admission::Refuse(ProxyError::QueueFull {
-            capacity: 2,
-            retry_after,
-            ..
-        }) => assert_eq!(retry_after, Duration::from_millis(1250)),
-        other => panic!("{other:?}"),
-    }
-    // Waiters that gave up free their places.
-    keep.clear();
-    assert!(matches!(admit(&mut s, None, t0, &RULES), Admission::Wait));
-}
-
 #[test]
 fn an_admin_reset_clears_a_failure_and_the_crash_history() {
     let t0 = Instant::now();
@@ -627,127 +558,14 @@ fn keep_alive_forever_survives_a_crash_restart_and_a_pinned_model_ignores_it() {
 }
 
 /// A waiter with number `id`, and the receiving end of its answer.
-fn waiter(
+pub(in crate::pool) fn waiter(
     id: u64,
 ) -> (
     super::super::slot::Waiter,
-    tokio::sync::oneshot::Receiver<Result<super::super::handle::Lease, ProxyError>>,
+    tokio::sync::oneshot::Receiver<Result<crate::pool::Lease, ProxyError>>,
 ) {
     let (reply, rx) = tokio::sync::oneshot::channel();
     (super::super::slot::Waiter { id, reply }, rx)
-}
-
-#[test]
-fn a_waiter_on_a_cold_model_queues_it_for_room_with_a_deadline() {
-    let mut s = slot(false);
-    let (w, _rx) = waiter(7);
-    let fx = wait(&mut s, w, Duration::from_secs(10));
-    assert!(matches!(fx[..],
-        [Effect::After(d, Timer::WaiterDeadline { waiter: 7, .. }), Effect::Enqueue] if d == Duration::from_secs(10)));
-    assert_eq!(s.waiters.len(), 1);
-    let fx = queue(&mut s, 3, Duration::from_secs(30));
-    assert_eq!(s.state.name(), "queued");
-    assert!(matches!(fx[..],
-        [Effect::JoinQueue, Effect::After(d, Timer::CapacityDeadline { ticket: 3, .. }), Effect::Place] if d == Duration::from_secs(30)));
-    assert!(
-        queue(&mut s, 4, Duration::from_secs(30)).is_empty(),
-        "queued once"
-    );
-    // A second waiter on a model already queued (or loading) only waits.
-    let (w, _rx2) = waiter(8);
-    assert_eq!(names(&wait(&mut s, w, Duration::from_secs(10))), ["after"]);
-    assert!(still_queued(&mut s));
-}
-
-#[test]
-fn a_queued_model_whose_requests_gave_up_is_not_started() {
-    let mut s = slot(false);
-    let (w, rx) = waiter(1);
-    wait(&mut s, w, Duration::from_secs(10));
-    queue(&mut s, 0, Duration::from_secs(30));
-    drop(rx);
-    assert!(!still_queued(&mut s));
-    assert_eq!(s.state.name(), "idle");
-    // A pinned model is wanted with nobody waiting.
-    let mut p = slot(true);
-    queue(&mut p, 0, Duration::from_secs(30));
-    assert!(still_queued(&mut p));
-}
-
-#[test]
-fn the_capacity_deadline_refuses_with_what_was_missing_unless_room_is_being_made() {
-    let short = Plan::Wait(Shortfall::Memory {
-        needed: 10,
-        available: 4,
-    });
-    let mut s = slot(false);
-    let (w, mut rx) = waiter(1);
-    wait(&mut s, w, Duration::from_secs(10));
-    queue(&mut s, 5, Duration::from_secs(30));
-    assert!(
-        capacity_deadline(&mut s, 4, false, short.clone(), 100).is_empty(),
-        "an older wait"
-    );
-    assert!(
-        capacity_deadline(&mut s, 5, true, short.clone(), 100).is_empty(),
-        "engines drain"
-    );
-    assert!(
-        capacity_deadline(&mut s, 5, false, Plan::Start, 100).is_empty(),
-        "it fits now"
-    );
-    assert_eq!(s.state.name(), "queued");
-    let fx = capacity_deadline(&mut s, 5, false, short, 100);
-    assert_eq!(names(&fx), ["leave_queue", "log", "fail"]);
-    assert_eq!(s.state.name(), "idle");
-    let Some(Effect::FailWaiters(e)) = fx.into_iter().nth(2) else {
-        unreachable!()
-    };
-    assert!(matches!(
-        e,
-        ProxyError::InsufficientMemory {
-            needed: 10,
-            available: 4,
-            budget: 100,
-            ..
-        }
-    ));
-    assert!(
-        rx.try_recv().is_err(),
-        "the actor answers, not the transition"
-    );
-}
-
-#[test]
-fn a_waiter_deadline_answers_503_except_during_a_load() {
-    let t0 = Instant::now();
-    let mut s = starting(t0);
-    let (w, _rx) = waiter(1);
-    wait(&mut s, w, Duration::from_secs(10));
-    assert!(
-        waiter_deadline(&mut s, 1).is_empty(),
-        "the load timeout bounds it"
-    );
-    assert_eq!(s.waiters.len(), 1);
-    exit_calmly(&mut s, crash(Some(9), None), t0);
-    assert_eq!(s.state.name(), "restarting");
-    let fx = waiter_deadline(&mut s, 1);
-    assert!(matches!(&fx[..],
-        [Effect::FailWaiter(w, ProxyError::Unavailable { state: "restarting", .. })] if w.id == 1));
-    assert!(s.waiters.is_empty());
-    assert!(waiter_deadline(&mut s, 1).is_empty(), "answered once");
-}
-
-#[test]
-fn an_admin_unload_of_a_queued_model_ends_its_wait() {
-    let mut s = slot(false);
-    assert!(unqueue(&mut s).is_none(), "not queued");
-    let (w, _rx) = waiter(1);
-    wait(&mut s, w, Duration::from_secs(10));
-    queue(&mut s, 0, Duration::from_secs(30));
-    let fx = unqueue(&mut s).unwrap();
-    assert_eq!(names(&fx), ["leave_queue", "fail"]);
-    assert_eq!(s.state.name(), "idle");
 }
 
 /// A ready engine (generation 1, pid 42) of a model that keeps a standby, and its ready
