@@ -1,22 +1,31 @@
-"""Trains a tiny LoRA adapter with mlx-lm's own trainer (`python -m mlx_lm lora --train`), the
-fixture of the engine's adapter parity tests: an adapter directory as mlx-lm writes it
-(`adapter_config.json` + `adapters.safetensors`) for a tiny random model.
+"""Trains a tiny LoRA adapter with mlx-lm's own trainer (`mlx_lm.lora`'s `train_model`, in this
+process), the fixture of the engine's adapter parity tests: an adapter directory as mlx-lm
+writes it (`adapter_config.json` + `adapters.safetensors`) for a tiny random model, and beside
+it what mlxd's training parity test needs to train the same adapter itself:
 
-The data is a few generated lines of text, different per `--seed`, so two adapters of one
-base pull its greedy output in different directions. The learning rate is high on purpose: a
-handful of iterations must move the adapter far enough from its zero-initialised `lora_b`
-that its greedy tokens differ from the base's (the tests check they do).
+- `data/` (`train.jsonl`, `valid.jsonl`): the data;
+- `init_adapters.safetensors`: the factors training starts from (mlx-lm's `LoRALinear`
+  initialisation for `lora_a`, small random `lora_b`, so both get a gradient at once), passed
+  to mlx-lm as `resume_adapter_file`;
+- `train_log.json`: the settings and mlx-lm's training loss of every iteration and its
+  validation losses.
+
+One batch holds every training example, so the batch order does not depend on an RNG and mlxd
+can follow the same steps. The data is a few generated lines of text, different per `--seed`,
+so two adapters of one base pull its greedy output in different directions. The learning rate
+is high on purpose: a handful of iterations must move the adapter far enough that its greedy
+tokens differ from the base's (the tests check they do).
 
     python scripts/gen_lora_adapter.py --model target/test-models/tiny-llama \
         --seed 1 --out target/test-models/tiny-llama-lora-a
 """
 
 import argparse
+import contextlib
 import json
+import os
 import random
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 WORDS = [
@@ -37,6 +46,10 @@ def lines(seed: int, count: int) -> list:
     return out
 
 
+TRAIN_EXAMPLES = 8
+VALID_EXAMPLES = 8
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True, help="the base model directory")
@@ -48,41 +61,84 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=12)
     args = ap.parse_args()
 
-    with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "data"
-        data.mkdir()
-        for name, count in (("train", 16), ("valid", 4)):
-            with open(data / f"{name}.jsonl", "w") as f:
-                for row in lines(args.seed + (0 if name == "train" else 1000), count):
-                    f.write(json.dumps(row) + "\n")
-        config = Path(tmp) / "lora.yaml"
-        config.write_text(
-            "lora_parameters:\n"
-            f"  rank: {args.rank}\n"
-            f"  scale: {args.scale}\n"
-            "  dropout: 0.0\n"
+    import types
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm import lora as lora_cli
+    from mlx_lm.tuner.callbacks import TrainingCallback
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm.utils import load
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = out / "data"
+    data.mkdir(exist_ok=True)
+    for name, count in (("train", TRAIN_EXAMPLES), ("valid", VALID_EXAMPLES)):
+        with open(data / f"{name}.jsonl", "w") as f:
+            for row in lines(args.seed + (0 if name == "train" else 1000), count):
+                f.write(json.dumps(row) + "\n")
+    lora_parameters = {"rank": args.rank, "scale": args.scale, "dropout": 0.0}
+    settings = {
+        "num_layers": args.num_layers,
+        "batch_size": TRAIN_EXAMPLES,
+        "iters": args.iters,
+        "learning_rate": 5e-2,
+        "steps_per_report": 1,
+        "steps_per_eval": 4,
+        "val_batches": 1,
+        "max_seq_length": 64,
+        "seed": args.seed,
+    }
+
+    model, tokenizer = load(args.model)
+    # The starting factors: mlx-lm's initialisation of lora_a, a small random lora_b.
+    mx.random.seed(args.seed)
+    linear_to_lora_layers(model, args.num_layers, lora_parameters)
+    init = {}
+    for name, value in tree_flatten(model.parameters()):
+        if name.endswith(".lora_a"):
+            init[name] = value
+        elif name.endswith(".lora_b"):
+            init[name] = 0.05 * mx.random.normal(value.shape)
+    init_file = out / "init_adapters.safetensors"
+    mx.save_safetensors(str(init_file), init)
+
+    def train(settings: dict, adapter_path: Path) -> dict:
+        model, tokenizer = load(args.model)
+        config = dict(lora_cli.CONFIG_DEFAULTS)
+        config.update(settings)
+        config.update(
+            model=args.model,
+            train=True,
+            data=str(data),
+            adapter_path=str(adapter_path),
+            lora_parameters=lora_parameters,
+            resume_adapter_file=str(init_file),
         )
-        cmd = [
-            sys.executable, "-m", "mlx_lm", "lora",
-            "--model", args.model,
-            "--train",
-            "--data", str(data),
-            "--adapter-path", args.out,
-            "--num-layers", str(args.num_layers),
-            "--batch-size", "2",
-            "--iters", str(args.iters),
-            "--learning-rate", "5e-2",
-            "--steps-per-report", str(args.iters),
-            "--steps-per-eval", str(args.iters + 1),
-            "--val-batches", "1",
-            "--max-seq-length", "64",
-            "--seed", str(args.seed),
-            "-c", str(config),
-        ]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            sys.stderr.write(done.stdout + done.stderr)
-            return done.returncode
+        run = types.SimpleNamespace(**config)
+        log = {"train": [], "valid": []}
+
+        class Record(TrainingCallback):
+            def on_train_loss_report(self, info):
+                log["train"].append([info["iteration"], info["train_loss"]])
+
+            def on_val_loss_report(self, info):
+                log["valid"].append([info["iteration"], info["val_loss"]])
+
+        train_set, valid_set, _ = lora_cli.load_dataset(run, tokenizer)
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+            lora_cli.train_model(run, model, train_set, valid_set, Record())
+        log["settings"] = dict(settings, lora_parameters=lora_parameters)
+        return log
+
+    # The fixture: a high learning rate moves the greedy tokens in a few steps.
+    log = train(settings, out)
+    # The parity run: at a learning rate that small rounding differences do not amplify
+    # (Adam's first steps move every element by about lr * 3 whatever its gradient's size,
+    # so at 5e-2 a last-bit difference in a near-zero gradient flips a step of 0.16).
+    log["parity"] = train(dict(settings, learning_rate=1e-3), out / "parity")
+    (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
     return 0
 
 

@@ -60,6 +60,27 @@ pub enum JobRequest {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         model: Option<String>,
     },
+    /// Fine-tune a LoRA adapter of `model` on the mlx-lm data directory `data`
+    /// (`train.jsonl`, `valid.jsonl`), written in mlx-lm's adapter format to `out`.
+    Lora {
+        model: String,
+        /// A directory holding `train.jsonl` and `valid.jsonl` (`test.jsonl` optional).
+        data: String,
+        /// The adapter directory: a plain name for `<home>/adapters/<name>` or an absolute
+        /// path (default: `<home>/adapters/<model leaf>-lora`). It must not exist.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        out: Option<String>,
+        /// Continue from the last checkpoint of an earlier run with the same `out` (after a
+        /// cancel or a crash) instead of starting anew.
+        #[serde(default)]
+        resume: bool,
+        /// An adapter file (`adapters.safetensors`) whose factors start the training instead
+        /// of a random initialisation (mlx-lm's `--resume-adapter-file`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        init_adapter: Option<String>,
+        #[serde(flatten)]
+        params: TrainParams,
+    },
 }
 
 impl JobRequest {
@@ -68,7 +89,129 @@ impl JobRequest {
             Self::Quantize { .. } => JobKind::Quantize,
             Self::Convert { .. } => JobKind::Convert,
             Self::Fetch { .. } => JobKind::Fetch,
+            Self::Lora { .. } => JobKind::Lora,
         }
+    }
+}
+
+/// The optimizers a LoRA job takes (mlx-lm's default is `adam`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Optimizer {
+    /// MLX's Adam: betas 0.9 and 0.999, eps 1e-8, no bias correction.
+    Adam,
+    /// Adam with decoupled weight decay 0.01, as MLX's AdamW.
+    Adamw,
+}
+
+/// A LoRA job's hyperparameters, with mlx-lm's defaults (`mlx_lm/lora.py`'s
+/// `CONFIG_DEFAULTS`); each field may be left out of a request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainParams {
+    /// Layers to adapt, counted from the last; 0 or less, or more than the model has: all.
+    pub num_layers: i32,
+    pub rank: u32,
+    pub scale: f32,
+    pub dropout: f32,
+    /// `lora` only; `dora` is refused (see the job's error).
+    pub fine_tune_type: String,
+    pub optimizer: Optimizer,
+    pub learning_rate: f32,
+    pub batch_size: u32,
+    pub iters: u64,
+    /// Validation batches per evaluation; -1 for the whole validation set.
+    pub val_batches: i32,
+    pub steps_per_eval: u64,
+    /// Iterations between checkpoints (and mlx-lm's `save_every`).
+    pub save_every: u64,
+    pub max_seq_length: u32,
+    pub seed: u64,
+    /// Train on the completion (the last assistant message) only.
+    pub mask_prompt: bool,
+}
+
+impl Default for TrainParams {
+    fn default() -> Self {
+        Self {
+            num_layers: 16,
+            rank: 8,
+            scale: 20.0,
+            dropout: 0.0,
+            fine_tune_type: "lora".into(),
+            optimizer: Optimizer::Adam,
+            learning_rate: 1e-5,
+            batch_size: 4,
+            iters: 1000,
+            val_batches: 25,
+            steps_per_eval: 200,
+            save_every: 100,
+            max_seq_length: 2048,
+            seed: 0,
+            mask_prompt: false,
+        }
+    }
+}
+
+impl TrainParams {
+    /// The first setting out of range, named with its value.
+    pub fn check(&self) -> Result<(), String> {
+        if self.fine_tune_type == "dora" {
+            return Err(
+                "fine_tune_type \"dora\" is not built: mlxd trains LoRA adapters \
+                        only (fine_tune_type \"lora\"); train a DoRA adapter with mlx_lm.lora"
+                    .into(),
+            );
+        }
+        if self.fine_tune_type != "lora" {
+            return Err(format!(
+                "fine_tune_type {:?}: expected \"lora\"",
+                self.fine_tune_type
+            ));
+        }
+        if self.rank == 0 || self.rank > 1024 {
+            return Err(format!("rank {}: expected 1 to 1024", self.rank));
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(format!(
+                "dropout {}: expected at least 0 and below 1",
+                self.dropout
+            ));
+        }
+        if !self.scale.is_finite() {
+            return Err(format!("scale {}: expected a finite number", self.scale));
+        }
+        if !(self.learning_rate.is_finite() && self.learning_rate > 0.0) {
+            return Err(format!(
+                "learning_rate {}: expected a positive number",
+                self.learning_rate
+            ));
+        }
+        if self.batch_size == 0 {
+            return Err("batch_size 0: expected at least 1".into());
+        }
+        if self.iters == 0 {
+            return Err("iters 0: expected at least 1".into());
+        }
+        if self.steps_per_eval == 0 || self.save_every == 0 {
+            return Err(format!(
+                "steps_per_eval {} and save_every {}: expected at least 1",
+                self.steps_per_eval, self.save_every
+            ));
+        }
+        if self.max_seq_length < 2 {
+            return Err(format!(
+                "max_seq_length {}: expected at least 2",
+                self.max_seq_length
+            ));
+        }
+        if self.val_batches == 0 || self.val_batches < -1 {
+            return Err(format!(
+                "val_batches {}: expected -1 (all) or at least 1",
+                self.val_batches
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -78,6 +221,7 @@ pub enum JobKind {
     Quantize,
     Convert,
     Fetch,
+    Lora,
 }
 
 impl JobKind {
@@ -86,6 +230,7 @@ impl JobKind {
             Self::Quantize => "quantize",
             Self::Convert => "convert",
             Self::Fetch => "fetch",
+            Self::Lora => "lora",
         }
     }
 }
@@ -130,6 +275,29 @@ pub struct JobProgress {
     pub unit: String,
     /// The tensor or file at hand, when there is one.
     pub detail: Option<String>,
+    /// A training job's figures (`None` for other jobs).
+    #[serde(default)]
+    pub training: Option<TrainingProgress>,
+}
+
+/// A LoRA job's figures as of its last iteration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainingProgress {
+    /// Iterations done (optimizer updates applied).
+    pub iteration: u64,
+    pub iters: u64,
+    /// The loss of the last iteration's batch (mean over its unmasked tokens).
+    pub train_loss: Option<f64>,
+    /// The latest validation loss and the iteration it was measured after.
+    pub val_loss: Option<f64>,
+    pub val_iteration: Option<u64>,
+    /// Tokens (unmasked targets) per second over the iterations since the last report.
+    pub tokens_per_second: f64,
+    pub trained_tokens: u64,
+    /// MLX's peak memory of the job process so far.
+    pub peak_memory_bytes: u64,
+    /// The last checkpoint's iteration (what a resumed run starts from).
+    pub checkpoint: Option<u64>,
 }
 
 /// What a job made.
@@ -207,6 +375,20 @@ pub enum JobSpec {
     Fetch {
         model: String,
         home: PathBuf,
+    },
+    Lora {
+        /// The base model directory.
+        source: PathBuf,
+        /// The data directory.
+        data: PathBuf,
+        params: TrainParams,
+        /// Checkpoints of this run (kept after a cancel or crash, for `resume`; removed on
+        /// success).
+        checkpoints: PathBuf,
+        resume: bool,
+        init_adapter: Option<PathBuf>,
+        staging: PathBuf,
+        out: PathBuf,
     },
 }
 

@@ -15,7 +15,10 @@ pub mod table;
 
 use std::path::PathBuf;
 
-pub use table::{loading_into, site_for, AdapterSummary, AdapterTable, LoraSite, Selected};
+pub use table::{
+    loading_into, site_for, AdapterSummary, AdapterTable, LoraSite, Selected, SiteInfo,
+    TrainingDropout,
+};
 
 /// A loaded adapter, stable while it stays loaded (an adapter loaded again gets a new id).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

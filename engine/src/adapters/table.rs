@@ -95,6 +95,35 @@ enum Selection {
         scales: Array,
         rows: i32,
     },
+    /// A training step ([`AdapterTable::select_training`]): every row takes these factors
+    /// (by site index; `None` leaves the site alone), the arrays the gradient is taken of.
+    Training {
+        factors: Vec<Option<Factors>>,
+        scale: f32,
+        dropout: Option<TrainingDropout>,
+    },
+}
+
+/// Dropout on a training step's LoRA input, as mlx-lm's `LoRALinear` applies it
+/// (`nn.Dropout(p)` on `x` before `lora_a`): each site draws its mask from `key` folded with
+/// the site's index, so a step's masks are a function of the key alone (a resumed run draws
+/// the same ones).
+#[derive(Debug, Clone)]
+pub struct TrainingDropout {
+    pub p: f32,
+    pub seed: u64,
+}
+
+/// A linear layer adapters can change, as training addresses it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SiteInfo {
+    /// The index [`AdapterTable::select_training`]'s factors follow.
+    pub index: usize,
+    /// The layer's checkpoint name (`model.layers.3.mlp.up_proj`), the prefix of its
+    /// `.lora_a` and `.lora_b` in an adapter file.
+    pub prefix: String,
+    pub in_dims: i32,
+    pub out_dims: i32,
 }
 
 impl fmt::Debug for AdapterTable {
@@ -133,6 +162,44 @@ impl AdapterTable {
             .iter()
             .filter(|s| s.alive.strong_count() > 0)
             .count()
+    }
+
+    /// The linear layers adapters can change, in registration order.
+    pub fn sites(&self) -> Vec<SiteInfo> {
+        self.lock()
+            .sites
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.alive.strong_count() > 0)
+            .map(|(index, s)| SiteInfo {
+                index,
+                prefix: s.prefix.clone(),
+                in_dims: s.in_dims,
+                out_dims: s.out_dims,
+            })
+            .collect()
+    }
+
+    /// Makes `factors` (`(lora_a, lora_b)` per site index, [`Self::sites`]) the adapter of
+    /// every row of the forward passes built until the guard is dropped: a training step's
+    /// pass, whose gradient is taken with respect to these arrays.
+    pub fn select_training(
+        &self,
+        factors: Vec<Option<(Array, Array)>>,
+        scale: f32,
+        dropout: Option<TrainingDropout>,
+    ) -> Selected<'_> {
+        let mut state = self.lock();
+        state.selection = Selection::Training {
+            factors: factors
+                .into_iter()
+                .map(|f| f.map(|(a, b)| Factors { a, b }))
+                .collect(),
+            scale,
+            dropout,
+        };
+        self.engaged.store(true, Ordering::Release);
+        Selected { table: Some(self) }
     }
 
     /// Loads the mlx-lm adapter in `dir` under `name`. Every tensor must be a `lora_a` or
@@ -356,6 +423,29 @@ impl AdapterTable {
                 let scale =
                     Array::from_f32(state.adapters[*i].summary.scale).as_dtype(z.dtype())?;
                 z.multiply(&scale)?
+            }
+            Selection::Training {
+                factors,
+                scale,
+                dropout,
+            } => {
+                let Some(Some(f)) = factors.get(index) else {
+                    return Ok(y);
+                };
+                let input = match dropout {
+                    Some(d) if d.p > 0.0 => {
+                        let key = mlx_rs::random::key(
+                            d.seed ^ (index as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15),
+                        )?;
+                        let keep = Array::from_f32(1.0 - d.p);
+                        let mask = mlx_rs::random::bernoulli(&keep, x.shape(), &key)?;
+                        x.multiply(&mask)?
+                            .multiply(&Array::from_f32(1.0 / (1.0 - d.p)).as_dtype(x.dtype())?)?
+                    }
+                    _ => x.clone(),
+                };
+                let z = input.matmul(&f.a)?.matmul(&f.b)?;
+                z.multiply(&Array::from_f32(*scale).as_dtype(z.dtype())?)?
             }
             Selection::Mixed {
                 slots,

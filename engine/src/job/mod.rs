@@ -9,6 +9,7 @@
 //! it again after a kill (`kill -9`, cancel), so the store never holds a partial model.
 pub mod channel;
 pub mod quantize;
+pub mod train;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -76,9 +77,9 @@ pub fn main(spec_json: &str) -> i32 {
     let outcome = spec.and_then(|spec| {
         tracing::info!(?spec, "job started");
         let staging = match &spec {
-            JobSpec::Quantize { staging, .. } | JobSpec::Convert { staging, .. } => {
-                Some(staging.clone())
-            }
+            JobSpec::Quantize { staging, .. }
+            | JobSpec::Convert { staging, .. }
+            | JobSpec::Lora { staging, .. } => Some(staging.clone()),
             JobSpec::Fetch { .. } => None,
         };
         let result = run(spec, &reporter, started);
@@ -139,6 +140,7 @@ fn run(spec: JobSpec, reporter: &Reporter, started: Instant) -> Result<JobResult
                 total: 1,
                 unit: "files".into(),
                 detail: Some(gguf.display().to_string()),
+                training: None,
             })?;
             std::fs::create_dir_all(&staging).map_err(io(&staging))?;
             let built = staging.join("model");
@@ -159,11 +161,50 @@ fn run(spec: JobSpec, reporter: &Reporter, started: Instant) -> Result<JobResult
                 total: 1,
                 unit: "files".into(),
                 detail: Some(gguf.display().to_string()),
+                training: None,
             })?;
             Ok(JobResult {
                 model_id: store::served_id(&out.to_string_lossy()),
                 dir: out,
                 bytes,
+                seconds: started.elapsed().as_secs_f64(),
+            })
+        }
+        JobSpec::Lora {
+            source,
+            data,
+            params,
+            checkpoints,
+            resume,
+            init_adapter,
+            staging,
+            out,
+        } => {
+            crate::device::check_mlx_version().map_err(JobError::Mlx)?;
+            if out.exists() {
+                return Err(JobError::OutputExists(out));
+            }
+            let built = staging.join("adapter");
+            let config = train::TrainConfig {
+                source,
+                data,
+                params,
+                checkpoints: checkpoints.clone(),
+                resume,
+                init_adapter,
+                out: built.clone(),
+            };
+            let summary = train::train(&config, &mut |p| reporter.progress(p))?;
+            place(&built, &staging, &out)?;
+            // The run is complete: its checkpoints are of no further use.
+            let _ = std::fs::remove_dir_all(&checkpoints);
+            Ok(JobResult {
+                model_id: out
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default(),
+                dir: out,
+                bytes: summary.bytes,
                 seconds: started.elapsed().as_secs_f64(),
             })
         }
@@ -194,6 +235,7 @@ fn store_progress(event: &store::StoreEvent) -> JobProgress {
             total: *total,
             unit: "bytes".into(),
             detail: Some(what.clone()),
+            training: None,
         },
         store::StoreEvent::Downloaded { what } => JobProgress {
             phase: "downloaded".into(),
@@ -201,6 +243,7 @@ fn store_progress(event: &store::StoreEvent) -> JobProgress {
             total: 1,
             unit: "files".into(),
             detail: Some(what.clone()),
+            training: None,
         },
         store::StoreEvent::Converting { source } => JobProgress {
             phase: "converting".into(),
@@ -208,6 +251,7 @@ fn store_progress(event: &store::StoreEvent) -> JobProgress {
             total: 1,
             unit: "files".into(),
             detail: Some(source.display().to_string()),
+            training: None,
         },
         store::StoreEvent::Converted { dir, .. } => JobProgress {
             phase: "converting".into(),
@@ -215,6 +259,7 @@ fn store_progress(event: &store::StoreEvent) -> JobProgress {
             total: 1,
             unit: "files".into(),
             detail: Some(dir.display().to_string()),
+            training: None,
         },
     }
 }

@@ -143,6 +143,7 @@ pub fn quantize_dir(
             total,
             unit: "tensors".into(),
             detail: Some(name.clone()),
+            training: None,
         })?;
         if stall == Some(i as u64) {
             super::stall(&built);
@@ -205,6 +206,7 @@ pub fn quantize_dir(
         total,
         unit: "tensors".into(),
         detail: None,
+        training: None,
     })?;
     let last = built.join(format!("shard-{}.safetensors", written.len()));
     let (size, names) = save_shard(shard, &last)?;

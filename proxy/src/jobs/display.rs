@@ -128,6 +128,7 @@ mod tests {
             total: 20,
             unit: "tensors".into(),
             detail: None,
+            training: None,
         };
         let mut l = PlainJobLines::default();
         assert_eq!(

@@ -680,6 +680,7 @@ mod tests {
             total,
             unit: unit.into(),
             detail: None,
+            training: None,
         }
     }
 

@@ -1,0 +1,636 @@
+//! `lora` jobs: fine-tunes a LoRA adapter as mlx-lm's trainer does (`mlx_lm/tuner/trainer.py`),
+//! through the engine's own model code.
+//!
+//! - the base model is loaded as for serving ([`crate::models::load`]), quantized weights
+//!   staying quantized (QLoRA) and frozen; its linear layers are the sites of its
+//!   [`AdapterTable`], and the attention and MLP projections of the last `num_layers` layers
+//!   (every linear of those layers, mlx-lm's default keys) get factors `lora_a` `[in, r]`
+//!   (uniform in ±1/√in) and `lora_b` `[r, out]` (zeros), in float32;
+//! - a step is mlx-lm's `default_loss` (masked cross-entropy over the targets from each
+//!   row's offset to its length, summed in float32 and divided by the token count) under
+//!   MLX's `value_and_grad` with respect to the factors only, the forward pass reading the
+//!   traced factors through [`AdapterTable::select_training`]; then an Adam (or AdamW) update
+//!   as MLX's optimizers make it;
+//! - batches as mlx-lm's `iterate_batches` builds them ([`data`]); the order of batches in
+//!   each epoch depends on the seed and the epoch only, so a resumed run sees the batches an
+//!   uninterrupted one would;
+//! - validation before iteration 1, every `steps_per_eval` and before the last iteration, as
+//!   mlx-lm's loop does it (reported after the updates done so far);
+//! - a checkpoint (factors, Adam's moments, iteration, tokens) every `save_every` iterations,
+//!   written beside the output and kept after a cancel or crash; `resume` continues from it;
+//! - the output is mlx-lm's adapter directory: `adapters.safetensors` (keys
+//!   `<layer>.lora_a` / `.lora_b`) and `adapter_config.json`.
+pub mod data;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use mlx_rs::error::Exception;
+use mlx_rs::ops::indexing::take_along_axis;
+use mlx_rs::{Array, Dtype};
+use mlxd_protocol::jobs::{JobProgress, Optimizer, TrainParams, TrainingProgress};
+use serde_json::{json, Value};
+
+use super::{io, JobError};
+use crate::adapters::{AdapterTable, SiteInfo, TrainingDropout};
+use crate::cache::LayerKind;
+use crate::models::CausalLm;
+use crate::tokenizer::Tokenizer;
+
+/// The checkpoint file in a run's checkpoint directory.
+pub const CHECKPOINT: &str = "checkpoint.safetensors";
+/// The run's settings beside its checkpoint; a resumed run must match them.
+pub const RUN_FILE: &str = "run.json";
+
+/// What a training run is asked to do.
+#[derive(Debug, Clone)]
+pub struct TrainConfig {
+    pub source: PathBuf,
+    pub data: PathBuf,
+    pub params: TrainParams,
+    pub checkpoints: PathBuf,
+    pub resume: bool,
+    pub init_adapter: Option<PathBuf>,
+    /// The directory the adapter is written into (created).
+    pub out: PathBuf,
+}
+
+/// What a finished run reports.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainSummary {
+    /// Per iteration (1-based index - 1), that iteration's training loss, from the first
+    /// iteration this process ran.
+    pub train_losses: Vec<(u64, f64)>,
+    /// Validation losses with the number of updates done before them.
+    pub val_losses: Vec<(u64, f64)>,
+    pub trained_tokens: u64,
+    /// Bytes of `adapters.safetensors`.
+    pub bytes: u64,
+}
+
+fn mlx(e: impl std::fmt::Display) -> JobError {
+    JobError::Mlx(e.to_string())
+}
+
+/// The layer index in a site's name (`model.layers.12.mlp.up_proj` → 12).
+fn layer_of(prefix: &str) -> Option<usize> {
+    let mut parts = prefix.split('.');
+    while let Some(p) = parts.next() {
+        if p == "layers" {
+            return parts.next()?.parse().ok();
+        }
+    }
+    None
+}
+
+/// The sites mlx-lm's `linear_to_lora_layers` adapts: every linear of `model.layers[-n:]`
+/// (all layers when `n` is 0 or less, or more than the model has).
+fn chosen_sites(sites: Vec<SiteInfo>, num_layers: i32, layers: usize) -> Vec<SiteInfo> {
+    let first = if num_layers <= 0 || num_layers as usize >= layers {
+        0
+    } else {
+        layers - num_layers as usize
+    };
+    sites
+        .into_iter()
+        .filter(|s| layer_of(&s.prefix).is_some_and(|l| l >= first && l < layers))
+        .collect()
+}
+
+/// The trained arrays: per chosen site, `lora_a` then `lora_b`.
+struct Lora {
+    sites: Vec<SiteInfo>,
+    params: Vec<Array>,
+    m: Vec<Array>,
+    v: Vec<Array>,
+}
+
+impl Lora {
+    fn names(&self) -> Vec<String> {
+        self.sites
+            .iter()
+            .flat_map(|s| {
+                [
+                    format!("{}.lora_a", s.prefix),
+                    format!("{}.lora_b", s.prefix),
+                ]
+            })
+            .collect()
+    }
+
+    fn fresh(sites: Vec<SiteInfo>, rank: i32, seed: u64) -> Result<Self, JobError> {
+        let mut params = Vec::with_capacity(sites.len() * 2);
+        let key = mlx_rs::random::key(seed).map_err(mlx)?;
+        let mut key = key;
+        for s in &sites {
+            let (k, next) = mlx_rs::random::split(&key, 2).map_err(mlx)?;
+            key = next;
+            let bound = 1.0 / (s.in_dims as f32).sqrt();
+            params.push(
+                mlx_rs::random::uniform::<_, f32>(-bound, bound, &[s.in_dims, rank], &k)
+                    .map_err(mlx)?,
+            );
+            params.push(mlx_rs::ops::zeros::<f32>(&[rank, s.out_dims]).map_err(mlx)?);
+        }
+        let m = zeros_like(&params)?;
+        let v = zeros_like(&params)?;
+        Ok(Self {
+            sites,
+            params,
+            m,
+            v,
+        })
+    }
+
+    /// Replaces the factors by those of an mlx-lm adapter file: every chosen site's pair must
+    /// be there with this rank's shapes.
+    fn load_factors(&mut self, path: &Path) -> Result<(), JobError> {
+        let tensors = Array::load_safetensors(path)
+            .map_err(|e| JobError::Input(format!("{}: {e}", path.display())))?;
+        self.take_from(&tensors, "", path)
+    }
+
+    fn take_from(
+        &mut self,
+        tensors: &HashMap<String, Array>,
+        prefix: &str,
+        path: &Path,
+    ) -> Result<(), JobError> {
+        for (i, name) in self.names().into_iter().enumerate() {
+            let t = tensors.get(&format!("{prefix}{name}")).ok_or_else(|| {
+                JobError::Input(format!(
+                    "{}: no tensor {prefix}{name} (the adapted layers and rank must match)",
+                    path.display()
+                ))
+            })?;
+            if t.shape() != self.params[i].shape() {
+                return Err(JobError::Input(format!(
+                    "{}: {prefix}{name} has shape {:?}, expected {:?}",
+                    path.display(),
+                    t.shape(),
+                    self.params[i].shape()
+                )));
+            }
+            self.params[i] = t.as_dtype(Dtype::Float32).map_err(mlx)?;
+        }
+        Ok(())
+    }
+
+    fn adapter_map(&self) -> Vec<(String, &Array)> {
+        self.names().into_iter().zip(self.params.iter()).collect()
+    }
+}
+
+fn zeros_like(arrays: &[Array]) -> Result<Vec<Array>, JobError> {
+    arrays
+        .iter()
+        .map(|a| mlx_rs::ops::zeros_like(a).map_err(mlx))
+        .collect()
+}
+
+/// A batch as arrays: tokens `[B, T]`, offsets and lengths `[B, 1]`.
+struct BatchArrays {
+    tokens: Array,
+    offsets: Array,
+    lengths: Array,
+}
+
+impl From<&data::Batch> for BatchArrays {
+    fn from(b: &data::Batch) -> Self {
+        let rows = b.rows as i32;
+        let offsets: Vec<i32> = b.offsets.iter().map(|&o| o as i32).collect();
+        let lengths: Vec<i32> = b.lengths.iter().map(|&l| l as i32).collect();
+        Self {
+            tokens: Array::from_slice(&b.tokens, &[rows, b.width as i32]),
+            offsets: Array::from_slice(&offsets, &[rows, 1]),
+            lengths: Array::from_slice(&lengths, &[rows, 1]),
+        }
+    }
+}
+
+/// mlx-lm's `default_loss`: the mean cross-entropy over each row's targets from its offset to
+/// its length; returns `[loss, tokens]`.
+fn loss(model: &dyn CausalLm, batch: &BatchArrays) -> Result<Vec<Array>, Exception> {
+    use mlx_rs::ops::indexing::IndexOp;
+    let t = batch.tokens.shape()[1];
+    let inputs = batch.tokens.index((.., ..t - 1));
+    let targets = batch.tokens.index((.., 1..));
+    let mut caches = model.new_dense_caches();
+    let logits = model.forward(&inputs, &mut caches)?;
+    let steps = Array::arange::<_, i32>(1, t, None)?;
+    let mask = steps
+        .ge(&batch.offsets)?
+        .logical_and(&steps.le(&batch.lengths)?)?;
+    let score = take_along_axis(
+        &logits,
+        &targets.as_dtype(Dtype::Int32)?.expand_dims(-1)?,
+        -1,
+    )?
+    .squeeze_axes(&[-1])?;
+    let ce = logits.logsumexp_axis(-1, None)?.subtract(&score)?;
+    let ce = ce.multiply(&mask.as_dtype(ce.dtype())?)?;
+    let ntoks = mask.as_dtype(Dtype::Int32)?.sum(None)?;
+    let total = ce.as_dtype(Dtype::Float32)?.sum(None)?;
+    Ok(vec![total.divide(&ntoks.as_dtype(Dtype::Float32)?)?, ntoks])
+}
+
+/// The selection of a step's factors on `table`.
+fn factors_by_site(
+    table: &AdapterTable,
+    lora: &[SiteInfo],
+    params: &[Array],
+) -> Vec<Option<(Array, Array)>> {
+    let n = table.sites().iter().map(|s| s.index + 1).max().unwrap_or(0);
+    let mut out: Vec<Option<(Array, Array)>> = vec![None; n];
+    for (i, s) in lora.iter().enumerate() {
+        out[s.index] = Some((params[2 * i].clone(), params[2 * i + 1].clone()));
+    }
+    out
+}
+
+/// Where the training stands, as a checkpoint keeps it.
+struct Position {
+    iteration: u64,
+    trained_tokens: u64,
+}
+
+/// Called after each event of the run; an error stops it (the job's channel is gone, or a
+/// test's stop).
+pub type Report<'a> = dyn FnMut(JobProgress) -> Result<(), JobError> + 'a;
+
+/// Runs the training to its end and writes the adapter into `config.out`.
+pub fn train(config: &TrainConfig, report: &mut Report<'_>) -> Result<TrainSummary, JobError> {
+    let p = &config.params;
+    p.check().map_err(JobError::Input)?;
+    let tokenizer = Tokenizer::from_dir(&config.source)
+        .map_err(|e| JobError::Input(format!("{}: {e}", config.source.display())))?;
+    // The data first: a bad line fails the job before anything is loaded or written.
+    let set = data::load(&config.data, &tokenizer, p.mask_prompt)?;
+    let batch_size = p.batch_size as usize;
+    for (name, split) in [("train", &set.train), ("valid", &set.valid)] {
+        if split.len() < batch_size {
+            return Err(JobError::Input(format!(
+                "{name}.jsonl has {} examples; batch_size {batch_size} needs at least that many",
+                split.len()
+            )));
+        }
+    }
+    let model = crate::models::load(&config.source)
+        .map_err(|e| JobError::Input(format!("loading {}: {e}", config.source.display())))?;
+    if let Some(kind) = model
+        .layer_kinds()
+        .into_iter()
+        .find(|k| !matches!(k, LayerKind::Attention { .. }))
+    {
+        return Err(JobError::Input(format!(
+            "{}: a model with recurrent layers ({kind:?}) cannot be trained by mlxd yet; \
+             only attention models",
+            model.info().architecture
+        )));
+    }
+    let table = model
+        .adapters()
+        .cloned()
+        .ok_or_else(|| JobError::Input("this model holds no adapter table".into()))?;
+    let sites = chosen_sites(table.sites(), p.num_layers, model.info().num_layers);
+    if sites.is_empty() {
+        return Err(JobError::Input(format!(
+            "{}: no linear layer under model.layers to adapt",
+            model.info().architecture
+        )));
+    }
+    let mut lora = Lora::fresh(sites, p.rank as i32, p.seed)?;
+    if let Some(init) = &config.init_adapter {
+        lora.load_factors(init)?;
+    }
+    let mut at = Position {
+        iteration: 0,
+        trained_tokens: 0,
+    };
+    std::fs::create_dir_all(&config.checkpoints).map_err(io(&config.checkpoints))?;
+    let run_file = config.checkpoints.join(RUN_FILE);
+    let run = json!({"source": config.source, "data": config.data, "params": p,
+        "init_adapter": config.init_adapter});
+    if config.resume {
+        let saved: Value = std::fs::read(&run_file)
+            .ok()
+            .and_then(|t| serde_json::from_slice(&t).ok())
+            .ok_or_else(|| {
+                JobError::Input(format!(
+                    "resume: no checkpoint of an earlier run in {}",
+                    config.checkpoints.display()
+                ))
+            })?;
+        if saved != run {
+            return Err(JobError::Input(format!(
+                "resume: the checkpoint in {} is of a run with other settings ({saved}); \
+                 resume with the same model, data and parameters",
+                config.checkpoints.display()
+            )));
+        }
+        let path = config.checkpoints.join(CHECKPOINT);
+        if path.exists() {
+            at = load_checkpoint(&path, &mut lora)?;
+        }
+    } else {
+        let text = serde_json::to_vec_pretty(&run).expect("JSON values serialize");
+        std::fs::write(&run_file, text).map_err(io(&run_file))?;
+    }
+    tracing::info!(
+        layers = lora.sites.len(),
+        params = lora.params.iter().map(|a| a.size()).sum::<usize>(),
+        from = at.iteration,
+        "training"
+    );
+
+    let train_batches = data::batch_indices(&set.train, batch_size);
+    let valid_batches = data::batch_indices(&set.valid, batch_size);
+    let max_len = p.max_seq_length as usize;
+    let mut summary = TrainSummary {
+        train_losses: Vec::new(),
+        val_losses: Vec::new(),
+        trained_tokens: 0,
+        bytes: 0,
+    };
+    let lr = Array::from_f32(p.learning_rate);
+    let (b1, b2, eps) = (0.9f32, 0.999f32, 1e-8f32);
+    let mut figures = TrainingProgress {
+        iteration: at.iteration,
+        iters: p.iters,
+        train_loss: None,
+        val_loss: None,
+        val_iteration: None,
+        tokens_per_second: 0.0,
+        trained_tokens: at.trained_tokens,
+        peak_memory_bytes: 0,
+        checkpoint: (at.iteration > 0).then_some(at.iteration),
+    };
+    let progress = |figures: &TrainingProgress, phase: &str| JobProgress {
+        phase: phase.into(),
+        done: figures.iteration,
+        total: figures.iters,
+        unit: "iterations".into(),
+        detail: None,
+        training: Some(figures.clone()),
+    };
+    report(progress(&figures, "training"))?;
+    let stall = super::stall_after();
+    let n_params = lora.params.len();
+    for it in at.iteration + 1..=p.iters {
+        if it == 1 || it % p.steps_per_eval == 0 || it == p.iters {
+            let val = evaluate(model.as_ref(), &table, &lora, &set.valid, &valid_batches, p)?;
+            summary.val_losses.push((it - 1, val));
+            figures.val_loss = Some(val);
+            figures.val_iteration = Some(it - 1);
+            report(progress(&figures, "validating"))?;
+        }
+        let started = Instant::now();
+        let b = nth_batch(&train_batches, p.seed, it - 1);
+        let examples: Vec<&data::Example> = b.iter().map(|&i| &set.train[i]).collect();
+        let batch = BatchArrays::from(&data::batch(&examples, max_len));
+        let dropout = (p.dropout > 0.0).then(|| TrainingDropout {
+            p: p.dropout,
+            seed: p.seed.wrapping_mul(1_000_003).wrapping_add(it),
+        });
+        let (values, grads) = {
+            let model = model.as_ref();
+            let table = &table;
+            let sites = &lora.sites;
+            let step = |params: &[Array]| -> Result<Vec<Array>, Exception> {
+                let _selected = table.select_training(
+                    factors_by_site(table, sites, params),
+                    p.scale,
+                    dropout.clone(),
+                );
+                loss(model, &batch)
+            };
+            let argnums: Vec<i32> = (0..n_params as i32).collect();
+            let mut vg = mlx_rs::transforms::value_and_grad_with_argnums(step, &argnums[..]);
+            vg(&lora.params).map_err(mlx)?
+        };
+        for i in 0..n_params {
+            let g = &grads[i];
+            let m = lora.m[i]
+                .multiply(&Array::from_f32(b1))
+                .and_then(|m| m.add(&g.multiply(&Array::from_f32(1.0 - b1))?))
+                .map_err(mlx)?;
+            let v = lora.v[i]
+                .multiply(&Array::from_f32(b2))
+                .and_then(|v| v.add(&g.square()?.multiply(&Array::from_f32(1.0 - b2))?))
+                .map_err(mlx)?;
+            let mut param = lora.params[i].clone();
+            if p.optimizer == Optimizer::Adamw {
+                param = param
+                    .multiply(&Array::from_f32(1.0 - p.learning_rate * 0.01))
+                    .map_err(mlx)?;
+            }
+            let update = m
+                .divide(
+                    &v.sqrt()
+                        .and_then(|s| s.add(&Array::from_f32(eps)))
+                        .map_err(mlx)?,
+                )
+                .and_then(|u| u.multiply(&lr))
+                .map_err(mlx)?;
+            lora.params[i] = param.subtract(&update).map_err(mlx)?;
+            lora.m[i] = m;
+            lora.v[i] = v;
+        }
+        let mut to_eval: Vec<&Array> = values.iter().collect();
+        to_eval.extend(lora.params.iter().chain(&lora.m).chain(&lora.v));
+        mlx_rs::transforms::eval(to_eval).map_err(mlx)?;
+        let train_loss = values[0].item_exact::<f32>() as f64;
+        let tokens = values[1].item_exact::<i32>() as u64;
+        let seconds = started.elapsed().as_secs_f64();
+        at.iteration = it;
+        at.trained_tokens += tokens;
+        summary.train_losses.push((it - 1, train_loss));
+        summary.trained_tokens += tokens;
+        if it % p.save_every == 0 && it < p.iters {
+            save_checkpoint(&config.checkpoints, &lora, &at)?;
+            figures.checkpoint = Some(it);
+        }
+        figures.iteration = it;
+        figures.train_loss = Some(train_loss);
+        figures.tokens_per_second = if seconds > 0.0 {
+            tokens as f64 / seconds
+        } else {
+            0.0
+        };
+        figures.trained_tokens = at.trained_tokens;
+        figures.peak_memory_bytes = mlx_rs::memory::peak_memory().unwrap_or(0) as u64;
+        report(progress(&figures, "training"))?;
+        if stall == Some(it) {
+            tracing::warn!("MLXD_JOB_FAULT: stalling until killed");
+            loop {
+                std::thread::sleep(std::time::Duration::from_secs(3600));
+            }
+        }
+    }
+    std::fs::create_dir_all(&config.out).map_err(io(&config.out))?;
+    summary.bytes = save_adapter(&config.out, &lora, config)?;
+    report(progress(&figures, "writing"))?;
+    Ok(summary)
+}
+
+/// The batch of (0-based) iteration `i`: the batches in an order per epoch.
+fn nth_batch(batches: &[Vec<usize>], seed: u64, i: u64) -> &[usize] {
+    let n = batches.len() as u64;
+    let order = data::epoch_order(batches.len(), seed, i / n);
+    &batches[order[(i % n) as usize]]
+}
+
+/// mlx-lm's `evaluate`: the token-weighted mean loss over the first `val_batches` batches
+/// (all with -1), in the sorted order (validation is not shuffled here: the mean over the
+/// same batches does not depend on their order).
+fn evaluate(
+    model: &dyn CausalLm,
+    table: &AdapterTable,
+    lora: &Lora,
+    examples: &[data::Example],
+    batches: &[Vec<usize>],
+    p: &TrainParams,
+) -> Result<f64, JobError> {
+    let take = if p.val_batches < 0 {
+        batches.len()
+    } else {
+        (p.val_batches as usize).min(batches.len())
+    };
+    let (mut sum, mut tokens) = (0.0f64, 0u64);
+    for b in &batches[..take] {
+        let rows: Vec<&data::Example> = b.iter().map(|&i| &examples[i]).collect();
+        let batch = BatchArrays::from(&data::batch(&rows, p.max_seq_length as usize));
+        let _selected = table.select_training(
+            factors_by_site(table, &lora.sites, &lora.params),
+            p.scale,
+            None,
+        );
+        let out = loss(model, &batch).map_err(mlx)?;
+        mlx_rs::transforms::eval(out.iter()).map_err(mlx)?;
+        let n = out[1].item_exact::<i32>() as u64;
+        sum += out[0].item_exact::<f32>() as f64 * n as f64;
+        tokens += n;
+    }
+    Ok(if tokens == 0 {
+        0.0
+    } else {
+        sum / tokens as f64
+    })
+}
+
+fn save_checkpoint(dir: &Path, lora: &Lora, at: &Position) -> Result<(), JobError> {
+    let names = lora.names();
+    let mut tensors: Vec<(String, &Array)> = Vec::with_capacity(names.len() * 3);
+    for (i, name) in names.iter().enumerate() {
+        tensors.push((format!("adapter.{name}"), &lora.params[i]));
+        tensors.push((format!("adam_m.{name}"), &lora.m[i]));
+        tensors.push((format!("adam_v.{name}"), &lora.v[i]));
+    }
+    let metadata: HashMap<String, String> = [
+        ("iteration".to_string(), at.iteration.to_string()),
+        ("trained_tokens".to_string(), at.trained_tokens.to_string()),
+    ]
+    .into();
+    let tmp = dir.join("checkpoint.partial.safetensors".to_string());
+    Array::save_safetensors(tensors.iter().map(|(k, v)| (k, *v)), Some(&metadata), &tmp)
+        .map_err(|e| JobError::Mlx(format!("writing {}: {e}", tmp.display())))?;
+    let path = dir.join(CHECKPOINT);
+    std::fs::rename(&tmp, &path).map_err(io(&path))
+}
+
+fn load_checkpoint(path: &Path, lora: &mut Lora) -> Result<Position, JobError> {
+    let (tensors, metadata) = Array::load_safetensors_with_metadata(path)
+        .map_err(|e| JobError::Input(format!("{}: {e}", path.display())))?;
+    let number = |key: &str| {
+        metadata
+            .get(key)
+            .and_then(|v| v.parse::<u64>().ok())
+            .ok_or_else(|| JobError::Input(format!("{}: no {key} in its metadata", path.display())))
+    };
+    let at = Position {
+        iteration: number("iteration")?,
+        trained_tokens: number("trained_tokens")?,
+    };
+    lora.take_from(&tensors, "adapter.", path)?;
+    let names = lora.names();
+    for (i, name) in names.iter().enumerate() {
+        for (prefix, slot) in [("adam_m.", &mut lora.m[i]), ("adam_v.", &mut lora.v[i])] {
+            *slot = tensors
+                .get(&format!("{prefix}{name}"))
+                .cloned()
+                .ok_or_else(|| JobError::Input(format!("{}: no {prefix}{name}", path.display())))?;
+        }
+    }
+    tracing::info!(iteration = at.iteration, "resuming from the checkpoint");
+    Ok(at)
+}
+
+/// Writes `adapters.safetensors` and `adapter_config.json` as mlx-lm's trainer does; returns
+/// the bytes of the weights.
+fn save_adapter(out: &Path, lora: &Lora, config: &TrainConfig) -> Result<u64, JobError> {
+    let p = &config.params;
+    let weights = out.join("adapters.safetensors");
+    let metadata: HashMap<String, String> = [("format".to_string(), "mlx".to_string())].into();
+    let map = lora.adapter_map();
+    Array::save_safetensors(map.iter().map(|(k, v)| (k, *v)), Some(&metadata), &weights)
+        .map_err(|e| JobError::Mlx(format!("writing {}: {e}", weights.display())))?;
+    let adapter_config = json!({
+        "fine_tune_type": "lora",
+        "model": config.source,
+        "data": config.data,
+        "num_layers": p.num_layers,
+        "lora_parameters": {"rank": p.rank, "scale": p.scale, "dropout": p.dropout},
+        "optimizer": p.optimizer,
+        "learning_rate": p.learning_rate,
+        "batch_size": p.batch_size,
+        "iters": p.iters,
+        "val_batches": p.val_batches,
+        "steps_per_eval": p.steps_per_eval,
+        "save_every": p.save_every,
+        "max_seq_length": p.max_seq_length,
+        "seed": p.seed,
+        "mask_prompt": p.mask_prompt,
+        "trained_by": "mlxd",
+    });
+    let path = out.join("adapter_config.json");
+    let text = serde_json::to_vec_pretty(&adapter_config).expect("JSON values serialize");
+    std::fs::write(&path, text).map_err(io(&path))?;
+    Ok(std::fs::metadata(&weights).map_err(io(&weights))?.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn site(index: usize, prefix: &str) -> SiteInfo {
+        SiteInfo {
+            index,
+            prefix: prefix.into(),
+            in_dims: 4,
+            out_dims: 4,
+        }
+    }
+
+    #[test]
+    fn the_last_num_layers_layers_are_adapted() {
+        let sites = vec![
+            site(0, "model.layers.0.self_attn.q_proj"),
+            site(1, "model.layers.1.mlp.up_proj"),
+            site(2, "model.layers.2.mlp.down_proj"),
+            site(3, "lm_head"),
+        ];
+        let names = |n| -> Vec<String> {
+            chosen_sites(sites.clone(), n, 3)
+                .into_iter()
+                .map(|s| s.prefix)
+                .collect()
+        };
+        assert_eq!(
+            names(2),
+            vec!["model.layers.1.mlp.up_proj", "model.layers.2.mlp.down_proj"]
+        );
+        assert_eq!(names(-1).len(), 3);
+        assert_eq!(names(16).len(), 3);
+    }
+}

@@ -1,0 +1,246 @@
+//! LoRA training (`mlxd_engine::job::train`) against mlx-lm's trainer: the fixtures of
+//! `scripts/gen_lora_adapter.py` hold mlx-lm's data, starting factors and loss log; mlxd
+//! trains from the same factors on the same data with the same settings and must follow
+//! mlx-lm's losses, and the adapter it writes must give the same greedy tokens in mlx-lm
+//! (`generate` with `adapter_path`) as in mlxd's serving. A cancelled and resumed run ends
+//! where an uninterrupted one does; a malformed line fails with its file and line number
+//! and writes nothing.
+use std::path::{Path, PathBuf};
+
+use mlxd_engine::job::train::{train, TrainConfig, TrainSummary};
+use mlxd_engine::job::JobError;
+use mlxd_engine::runtime::request::GenerateRequest;
+use mlxd_engine::runtime::{Runtime, RuntimeLimits};
+use mlxd_protocol::jobs::TrainParams;
+use serde_json::Value;
+
+use crate::common::{collect, tiny_model, Output};
+
+/// Largest difference allowed between mlxd's and mlx-lm's loss at any iteration of the
+/// fixture's parity run (learning rate 1e-3, twelve full-batch steps). mlx-lm compiles its
+/// step (fused kernels round differently); both sum in float32.
+const LOSS_TOLERANCE: f64 = 1e-4;
+
+fn fixture(name: &str) -> (PathBuf, Value) {
+    let dir = mlxd_tests::test_models().join(name);
+    let log = dir.join("train_log.json");
+    let text = std::fs::read_to_string(&log).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e} (scripts/test.sh generates it with scripts/gen_lora_adapter.py)",
+            log.display()
+        )
+    });
+    (
+        dir,
+        serde_json::from_str(&text).expect("train_log.json is JSON"),
+    )
+}
+
+/// The fixture's settings as a job's parameters.
+fn params_of(log: &Value) -> TrainParams {
+    let s = &log["settings"];
+    let lora = &s["lora_parameters"];
+    TrainParams {
+        num_layers: s["num_layers"].as_i64().unwrap() as i32,
+        rank: lora["rank"].as_u64().unwrap() as u32,
+        scale: lora["scale"].as_f64().unwrap() as f32,
+        dropout: lora["dropout"].as_f64().unwrap() as f32,
+        learning_rate: s["learning_rate"].as_f64().unwrap() as f32,
+        batch_size: s["batch_size"].as_u64().unwrap() as u32,
+        iters: s["iters"].as_u64().unwrap(),
+        val_batches: s["val_batches"].as_i64().unwrap() as i32,
+        steps_per_eval: s["steps_per_eval"].as_u64().unwrap(),
+        max_seq_length: s["max_seq_length"].as_u64().unwrap() as u32,
+        seed: s["seed"].as_u64().unwrap(),
+        ..TrainParams::default()
+    }
+}
+
+fn config(model: &Path, data: &Path, params: TrainParams, work: &Path) -> TrainConfig {
+    TrainConfig {
+        source: model.to_path_buf(),
+        data: data.to_path_buf(),
+        params,
+        checkpoints: work.join("checkpoints"),
+        resume: false,
+        init_adapter: None,
+        out: work.join("adapter"),
+    }
+}
+
+fn run(config: &TrainConfig) -> TrainSummary {
+    train(config, &mut |_| Ok(())).unwrap_or_else(|e| panic!("training failed: {e}"))
+}
+
+fn pairs(v: &Value) -> Vec<(u64, f64)> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p[0].as_u64().unwrap(), p[1].as_f64().unwrap()))
+        .collect()
+}
+
+fn greedy(model: &Path, adapter: &Path, prompt: &[u32], n: usize) -> Vec<u32> {
+    let limits = RuntimeLimits {
+        prompt_cache_bytes: 0,
+        adapters: vec![("trained".into(), adapter.to_path_buf())],
+        ..Default::default()
+    };
+    let runtime = Runtime::start(model.to_path_buf(), limits, None).expect("load with adapter");
+    let id = runtime.adapters.as_ref().and_then(|t| t.id_of("trained"));
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    runtime
+        .work
+        .send(GenerateRequest {
+            prompt: prompt.to_vec(),
+            sampling: Default::default(),
+            max_tokens: n,
+            stop_token_ids: vec![],
+            sample_offset: 0,
+            events: tx,
+            constraint: None,
+            logprobs: None,
+            adapter: id,
+        })
+        .expect("runtime is running");
+    let Output { tokens, .. } = collect(rx);
+    runtime.join();
+    tokens
+}
+
+#[test]
+fn training_follows_mlx_lm_losses_and_its_adapter_gives_the_same_tokens_in_mlx_lm() {
+    let model = tiny_model("tiny-llama");
+    let (fixture, log) = fixture("tiny-llama-lora-a");
+    let log = &log["parity"];
+    let work = tempfile::tempdir().unwrap();
+    let mut config = config(&model, &fixture.join("data"), params_of(log), work.path());
+    config.init_adapter = Some(fixture.join("init_adapters.safetensors"));
+    let summary = run(&config);
+
+    // mlx-lm reports iteration `it` (1-based) for the loss of its it-th step; mlxd counts
+    // updates done before the step, from 0.
+    let theirs = pairs(&log["train"]);
+    assert_eq!(summary.train_losses.len(), theirs.len());
+    for ((i, ours), (it, want)) in summary.train_losses.iter().zip(&theirs) {
+        assert_eq!(i + 1, *it);
+        assert!(
+            (ours - want).abs() <= LOSS_TOLERANCE,
+            "train loss of iteration {it}: mlxd {ours}, mlx-lm {want}"
+        );
+    }
+    let theirs = pairs(&log["valid"]);
+    assert_eq!(
+        summary.val_losses.iter().map(|v| v.0).collect::<Vec<_>>(),
+        theirs.iter().map(|v| v.0).collect::<Vec<_>>(),
+        "validation after the same numbers of updates"
+    );
+    for ((i, ours), (_, want)) in summary.val_losses.iter().zip(&theirs) {
+        assert!(
+            (ours - want).abs() <= LOSS_TOLERANCE,
+            "validation loss after {i} updates: mlxd {ours}, mlx-lm {want}"
+        );
+    }
+    let first = summary.train_losses[0].1;
+    let last = summary.train_losses.last().unwrap().1;
+    assert!(last < first - 0.5, "the loss falls: {first} -> {last}");
+    eprintln!(
+        "parity: train {:?}\n        mlx-lm {:?}\n        valid {:?} mlx-lm {:?}",
+        summary.train_losses,
+        pairs(&log["train"]),
+        summary.val_losses,
+        theirs
+    );
+
+    // The adapter mlxd wrote: mlx-lm loads it, and gives mlxd's serving tokens.
+    let adapter = &config.out;
+    const PROMPT: &[u32] = &[1, 20, 31, 42, 53, 64, 75];
+    let in_mlx_lm = crate::common::mlx_lm_greedy_with_adapter(&model, adapter, 8, PROMPT);
+    assert_eq!(greedy(&model, adapter, PROMPT, 8), in_mlx_lm);
+    assert_ne!(
+        in_mlx_lm,
+        crate::common::mlx_lm_greedy(&model, 8, PROMPT),
+        "the trained adapter changes the greedy tokens, or the comparison shows nothing"
+    );
+}
+
+#[test]
+fn a_run_stopped_after_a_checkpoint_and_resumed_ends_where_an_uninterrupted_one_does() {
+    let model = tiny_model("tiny-llama");
+    let (fixture, log) = fixture("tiny-llama-lora-b");
+    let params = TrainParams {
+        iters: 6,
+        save_every: 2,
+        ..params_of(&log)
+    };
+    let whole_dir = tempfile::tempdir().unwrap();
+    let whole = run(&config(
+        &model,
+        &fixture.join("data"),
+        params.clone(),
+        whole_dir.path(),
+    ));
+
+    let work = tempfile::tempdir().unwrap();
+    let mut cfg = config(&model, &fixture.join("data"), params, work.path());
+    // Stop (as a cancel does) once iteration 5 is done: the checkpoint of iteration 4 stays.
+    let stopped = train(&cfg, &mut |p| match p.training {
+        Some(t) if t.iteration == 5 && p.phase == "training" => {
+            Err(JobError::Input("stopped by the test".into()))
+        }
+        _ => Ok(()),
+    });
+    assert!(stopped.is_err());
+    assert!(!cfg.out.exists(), "a stopped run writes no adapter");
+    assert!(cfg.checkpoints.join("checkpoint.safetensors").is_file());
+    cfg.resume = true;
+    let resumed = run(&cfg);
+    assert_eq!(
+        resumed.train_losses.first().map(|l| l.0),
+        Some(4),
+        "the resumed run starts after the checkpoint of iteration 4"
+    );
+    let (a, b) = (
+        whole.train_losses.last().unwrap(),
+        resumed.train_losses.last().unwrap(),
+    );
+    assert_eq!(a.0, b.0);
+    assert!(
+        (a.1 - b.1).abs() < 1e-6,
+        "last loss: uninterrupted {}, resumed {}",
+        a.1,
+        b.1
+    );
+    assert_eq!(whole.val_losses.last(), resumed.val_losses.last());
+    let read = |dir: &Path| std::fs::read(dir.join("adapters.safetensors")).unwrap();
+    assert_eq!(
+        read(&whole_dir.path().join("adapter")),
+        read(&cfg.out),
+        "the same adapter, byte for byte"
+    );
+}
+
+#[test]
+fn a_malformed_line_fails_with_its_file_and_line_and_nothing_is_written() {
+    let model = tiny_model("tiny-llama");
+    let data = tempfile::tempdir().unwrap();
+    std::fs::write(
+        data.path().join("train.jsonl"),
+        "{\"text\": \"red cat\"}\n{\"text\": \"blue dog\"}\n{\"text\": \"green\n",
+    )
+    .unwrap();
+    std::fs::write(data.path().join("valid.jsonl"), "{\"text\": \"sky\"}\n").unwrap();
+    let work = tempfile::tempdir().unwrap();
+    let cfg = config(&model, data.path(), TrainParams::default(), work.path());
+    let err = train(&cfg, &mut |_| Ok(())).unwrap_err().to_string();
+    assert!(err.contains("train.jsonl:3: not JSON"), "{err}");
+    assert!(!cfg.out.exists() && !cfg.checkpoints.exists());
+
+    std::fs::write(
+        data.path().join("train.jsonl"),
+        "{\"text\": \"red cat\"}\n{\"prompt\": \"a\", \"completion\": \"b\"}\n",
+    )
+    .unwrap();
+    let err = train(&cfg, &mut |_| Ok(())).unwrap_err().to_string();
+    assert!(err.contains("train.jsonl:2: has \"prompt\""), "{err}");
+}
