@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use tracing::{error, info, warn};
 
 use super::handle::{Command, Lease, PoolHandle, Reply};
-use super::lifecycle::{self, Effect, PoolMood, Timing};
+use super::lifecycle::{self, Effect, PoolMood, StandbyStart, Timing};
 use super::queue::{self, Admission, AdmitRules, Pass, Placement, Room, Unload};
 use super::slot::{KeepAlive, Slot, State, Waiter};
 use crate::catalog::Catalog;
@@ -370,9 +370,7 @@ impl Pool {
             queue_capacity: c.queue_capacity,
             max_in_flight: c.max_in_flight_per_model,
         };
-        let mood = PoolMood {
-            shutting_down: self.shutting_down,
-        };
+        let mood = self.mood();
         let slot = self.slots.get_mut(key);
         match queue::request(slot, key, mood, not_generation, now, &rules) {
             Admission::Grant => {
@@ -613,6 +611,13 @@ impl Pool {
         }
     }
 
+    /// What the pool is doing, as the transitions see it.
+    fn mood(&self) -> PoolMood {
+        PoolMood {
+            shutting_down: self.shutting_down,
+        }
+    }
+
     /// The settings the lifecycle transitions need.
     fn timing(&self) -> Timing {
         let c = &self.config.server;
@@ -654,25 +659,25 @@ impl Pool {
     /// would compete with them: it waits for the engine's last release, or
     /// [`STANDBY_WAIT`] at most (`due`).
     fn start_standby(&mut self, key: &str, due: bool) {
+        let mood = self.mood();
+        let Some(decision) = self
+            .slots
+            .get(key)
+            .map(|slot| lifecycle::standby_start(slot, mood, due))
+        else {
+            return;
+        };
+        match decision {
+            StandbyStart::No => return,
+            StandbyStart::Later(effects) => {
+                self.apply(key, effects);
+                return;
+            }
+            StandbyStart::Now => {}
+        }
         let Some(slot) = self.slots.get(key) else {
             return;
         };
-        if self.shutting_down
-            || !slot.entry.standby
-            || slot.standby.is_some()
-            || !slot.state.is_ready()
-        {
-            return;
-        }
-        if slot.in_flight() > 0 && !due {
-            self.after(
-                STANDBY_WAIT,
-                Timer::StandbyDue {
-                    model: key.to_string(),
-                },
-            );
-            return;
-        }
         let needed = slot.planned_bytes();
         if !matches!(self.plan_beside_jobs(needed), Plan::Start) {
             warn!(model = %key, needed, "no room for a standby engine; the model runs without one");
@@ -748,9 +753,7 @@ impl Pool {
 
     fn exited(&mut self, key: &str, report: Arc<ExitReport>) {
         let timing = self.timing();
-        let mood = PoolMood {
-            shutting_down: self.shutting_down,
-        };
+        let mood = self.mood();
         let Some(slot) = self.slots.get_mut(key) else {
             return;
         };
@@ -793,11 +796,7 @@ impl Pool {
                 Effect::GrantWaiters => {
                     let now = Instant::now();
                     if let Some(slot) = self.slots.get_mut(key) {
-                        let waiters: Vec<Waiter> = slot.waiters.drain(..).collect();
-                        for w in waiters {
-                            if w.is_closed() {
-                                continue;
-                            }
+                        for w in queue::to_grant(slot) {
                             if let Some(lease) = slot.grant(&self.release_tx, &self.policy, now) {
                                 w.send(Ok(lease));
                             }
@@ -879,10 +878,12 @@ impl Pool {
     }
 
     fn restart_due(&mut self, key: &str, generation: u64) {
-        let due = self.slots.get(key).is_some_and(|s| {
-            s.generation == generation && matches!(s.state, State::Restarting { .. })
-        });
-        if due && !self.shutting_down {
+        let mood = self.mood();
+        if self
+            .slots
+            .get(key)
+            .is_some_and(|s| lifecycle::restart_due(s, generation, mood))
+        {
             self.start(key);
         }
     }

@@ -181,6 +181,45 @@ pub(super) fn ready(slot: &mut Slot, ready: Ready, now: Instant, timing: &Timing
     effects
 }
 
+/// Whether the model's spare engine should start now.
+#[derive(Debug)]
+pub(super) enum StandbyStart {
+    /// Not wanted: the model keeps none, has one, has no ready engine, or the pool stops.
+    No,
+    /// Requests are in flight on the engine (streams just resumed on it): the spare's load
+    /// would compete with them. These effects try again after [`STANDBY_WAIT`]; the
+    /// engine's last release tries earlier.
+    Later(Vec<Effect>),
+    /// Start it if the memory budget holds it beside everything resident.
+    Now,
+}
+
+/// Decides whether `slot`'s spare engine starts (`due`: its wait is over, it starts even
+/// with requests in flight).
+pub(super) fn standby_start(slot: &Slot, mood: PoolMood, due: bool) -> StandbyStart {
+    if mood.shutting_down || !slot.entry.standby || slot.standby.is_some() || !slot.state.is_ready()
+    {
+        return StandbyStart::No;
+    }
+    if slot.in_flight() > 0 && !due {
+        return StandbyStart::Later(vec![Effect::After(
+            STANDBY_WAIT,
+            Timer::StandbyDue {
+                model: slot.entry.id.clone(),
+            },
+        )]);
+    }
+    StandbyStart::Now
+}
+
+/// The restart timer of engine `generation` went off: a new engine starts if the slot is
+/// still restarting that generation and the pool is not shutting down.
+pub(super) fn restart_due(slot: &Slot, generation: u64, mood: PoolMood) -> bool {
+    slot.generation == generation
+        && matches!(slot.state, State::Restarting { .. })
+        && !mood.shutting_down
+}
+
 /// The model's spare engine was spawned (its generation already counted): it loads.
 pub(super) fn standby_started(
     slot: &mut Slot,

@@ -134,6 +134,13 @@ pub(super) fn admit(
     Admission::Wait
 }
 
+/// The engine is ready ([`Effect::GrantWaiters`]): every waiter leaves the queue, and those
+/// whose client is still there, in arrival order, are the ones to get a lease; one whose
+/// client left gets nothing (no lease is counted in flight for it).
+pub(super) fn to_grant(slot: &mut Slot) -> Vec<Waiter> {
+    slot.waiters.drain(..).filter(|w| !w.is_closed()).collect()
+}
+
 /// A request that has to wait for the model's engine ([`Admission::Wait`]) joins its
 /// waiters and its queue timeout starts; a cold model is queued for an engine.
 pub(super) fn wait(slot: &mut Slot, waiter: Waiter, queue_timeout: Duration) -> Vec<Effect> {

@@ -676,3 +676,60 @@ fn a_drain_stops_the_standby_and_its_exit_forgets_it() {
     assert!(s.standby.is_none());
     assert_eq!(s.status(t0, &timing().policy).standby.map(|s| s.pid), None);
 }
+
+#[test]
+fn a_standby_starts_for_a_ready_engine_and_waits_while_requests_are_in_flight() {
+    let t0 = Instant::now();
+    let mut s = starting(t0);
+    s.entry.standby = true;
+    assert!(
+        matches!(standby_start(&s, CALM, false), StandbyStart::No),
+        "not ready yet"
+    );
+    ready(&mut s, ready_report(), t0, &timing());
+    assert!(matches!(standby_start(&s, CALM, false), StandbyStart::Now));
+    let stopping = PoolMood {
+        shutting_down: true,
+    };
+    assert!(matches!(
+        standby_start(&s, stopping, true),
+        StandbyStart::No
+    ));
+    let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
+    let _lease = s.grant(&tx, &timing().policy, t0).unwrap();
+    match standby_start(&s, CALM, false) {
+        StandbyStart::Later(fx) => assert!(matches!(&fx[..],
+            [Effect::After(d, Timer::StandbyDue { model })] if *d == STANDBY_WAIT && model == "m")),
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        matches!(standby_start(&s, CALM, true), StandbyStart::Now),
+        "its wait is over"
+    );
+    let mut plain = starting(t0);
+    ready(&mut plain, ready_report(), t0, &timing());
+    assert!(
+        matches!(standby_start(&plain, CALM, true), StandbyStart::No),
+        "the model keeps none"
+    );
+    let s = with_ready_standby(t0);
+    assert!(
+        matches!(standby_start(&s, CALM, true), StandbyStart::No),
+        "it has one"
+    );
+}
+
+#[test]
+fn a_restart_timer_starts_only_the_generation_still_restarting() {
+    let t0 = Instant::now();
+    let mut s = starting(t0);
+    ready(&mut s, ready_report(), t0, &timing());
+    assert!(!restart_due(&s, 1, CALM), "not restarting");
+    exit_calmly(&mut s, crash(Some(9), None), t0);
+    assert!(restart_due(&s, 1, CALM));
+    assert!(!restart_due(&s, 0, CALM), "an older engine's timer");
+    let stopping = PoolMood {
+        shutting_down: true,
+    };
+    assert!(!restart_due(&s, 1, stopping));
+}

@@ -474,3 +474,21 @@ fn shutdown_answers_the_waiters_before_the_engine_stops() {
         Effect::FailWaiters(ProxyError::ShuttingDown)
     ));
 }
+
+#[test]
+fn a_ready_engine_grants_the_waiters_still_there_in_order() {
+    let t0 = Instant::now();
+    let mut s = starting(t0);
+    let mut kept = Vec::new();
+    for id in 0..3 {
+        let (w, rx) = waiter(id);
+        wait(&mut s, w, Duration::from_secs(10));
+        kept.push(rx);
+    }
+    drop(kept.remove(1));
+    let fx = ready(&mut s, ready_report(), t0, &timing());
+    assert!(names(&fx).contains(&"grant"));
+    let granted: Vec<u64> = to_grant(&mut s).iter().map(|w| w.id).collect();
+    assert_eq!(granted, [0, 2], "the one whose client left gets no lease");
+    assert!(s.waiters.is_empty());
+}
