@@ -60,17 +60,28 @@ async fn model_states(p: &Proxy) -> Result<Vec<(String, String)>> {
         .collect())
 }
 
+/// Waits until `model`'s `/engines` row says `state`. Every change of a model's state puts
+/// a line in its log (engine starting, ready, unloading, exited), so the row is read again
+/// on each line of `GET /logs/{model}?follow=1`, followed before the first read: no change
+/// can slip between the read and the wait.
 async fn wait_state(p: &Proxy, model: &str, state: &str, timeout: Duration) -> Result<Value> {
     let deadline = Instant::now() + timeout;
+    let resp = send(p.addr, "GET", &format!("/logs/{model}?follow=1"), None).await?;
+    let mut lines = resp.into_body();
     loop {
         let r = row(p, model).await?;
         if r["availability"] == state {
             return Ok(r);
         }
-        if Instant::now() > deadline {
-            bail!("{model} never became {state}: {r}");
+        match tokio::time::timeout_at(deadline.into(), http_body_util::BodyExt::frame(&mut lines))
+            .await
+        {
+            Ok(Some(frame)) => {
+                frame?;
+            }
+            Ok(None) => bail!("the log of {model} ended before it became {state}: {r}"),
+            Err(_) => bail!("{model} never became {state}: {r}"),
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
