@@ -7,8 +7,8 @@ use mlx_rs::error::Exception;
 use super::ssd::format::EntryKind;
 use super::ssd::SsdTier;
 use super::{
-    BatchKv, KvBudget, KvLayout, LayerCache, LayerKind, PrefixCache, Reservation, SeqKv, SeqLayer,
-    StateCache, Stored,
+    BatchKv, KvBudget, KvLayout, KvSpace, LayerCache, LayerKind, PrefixCache, Reservation, SeqKv,
+    SeqLayer, StateCache, Stored,
 };
 
 /// A prompt's cached prefix, as fresh one-row caches ready to prefill the rest into.
@@ -116,18 +116,19 @@ impl CacheManager {
         let Some(cutoff) = now.checked_sub(idle) else {
             return Ok(());
         };
-        for (tokens, kv) in self.prefix.remove_unused_since(cutoff) {
-            ssd.queue_kv(&tokens, &kv, EntryKind::Prefix)?;
+        for (space, tokens, kv) in self.prefix.remove_unused_since(cutoff) {
+            ssd.queue_kv(space, &tokens, &kv, EntryKind::Prefix)?;
             ssd.counters().demoted.fetch_add(1, Ordering::Relaxed);
             tracing::debug!(tokens = tokens.len(), "prefix demoted to the SSD tier");
         }
         Ok(())
     }
 
-    /// Queues a running sequence's KV (the cache of `tokens`, `generated` of them past its
-    /// prompt) to the SSD tier, so that a resume after a crash restores it.
+    /// Queues a running sequence's KV (the cache of `tokens` in `space`, `generated` of them
+    /// past its prompt) to the SSD tier, so that a resume after a crash restores it.
     pub fn checkpoint(
         &mut self,
+        space: KvSpace,
         tokens: &[u32],
         kv: &SeqKv,
         generated: usize,
@@ -136,6 +137,7 @@ impl CacheManager {
             return Ok(());
         };
         ssd.queue_kv(
+            space,
             tokens,
             kv,
             EntryKind::Checkpoint {
@@ -190,11 +192,16 @@ impl CacheManager {
         self.prefix.bytes()
     }
 
-    /// The longest cached prefix of `prompt` that an entry can restore, leaving at least its
-    /// last token to run: from memory, or restored from the SSD tier when a file there
-    /// matches further. An entry whose windowed layers evicted positions the prompt's next
-    /// query reads is a miss for this prompt (the next best entry may serve).
-    pub fn lookup(&mut self, prompt: &[u32]) -> Result<Option<PrefixHit>, Exception> {
+    /// The longest cached prefix of `prompt` in `space` (the adapter it runs with) that an
+    /// entry can restore, leaving at least its last token to run: from memory, or restored
+    /// from the SSD tier when a file there matches further. An entry whose windowed layers
+    /// evicted positions the prompt's next query reads is a miss for this prompt (the next
+    /// best entry may serve).
+    pub fn lookup(
+        &mut self,
+        space: KvSpace,
+        prompt: &[u32],
+    ) -> Result<Option<PrefixHit>, Exception> {
         if !self.prefix.enabled() || prompt.len() < 2 {
             return Ok(None);
         }
@@ -202,12 +209,12 @@ impl CacheManager {
         let kinds = &self.kinds;
         let in_memory = self
             .prefix
-            .lookup_where(prompt, max, |kv, n| kv.serves(n, kinds))
+            .lookup_where(space, prompt, max, |kv, n| kv.serves(n, kinds))
             .map(|h| (h.matched, h.entry_len, h.payload.clone()));
         let memory_matched = in_memory.as_ref().map_or(0, |m| m.0);
         if let Some(ssd) = &self.ssd {
             if let Some(m) = ssd
-                .lookup_where(prompt, max, |starts, n| {
+                .lookup_where(space, prompt, max, |starts, n| {
                     super::seq_kv::serves(starts, kinds, n)
                 })
                 .filter(|m| m.matched > memory_matched)
@@ -221,8 +228,13 @@ impl CacheManager {
                         "prefix restored from the SSD tier"
                     );
                     let bytes = kv.nbytes();
-                    self.prefix
-                        .insert_with(m.tokens.clone(), kv.clone(), bytes, SeqKv::dominates);
+                    self.prefix.insert_with(
+                        space,
+                        m.tokens.clone(),
+                        kv.clone(),
+                        bytes,
+                        SeqKv::dominates,
+                    );
                     return self.hit(&kv, m.matched, m.entry_len).map(Some);
                 }
             }
@@ -279,14 +291,19 @@ impl CacheManager {
         })
     }
 
-    /// Keeps `kv` as the cache of `tokens`. Its copy is queued (`async_eval`), not waited
+    /// Keeps `kv` as the cache of `tokens` in `space`. Its copy is queued (`async_eval`), not waited
     /// for: a row leaves the batch at almost every step of a large batch, and waiting here
     /// would make each such step wait for the device instead of running one ahead. Queued,
     /// the copy is computed in stream order right after the step that was queued before it,
     /// and its graph is detached, so it holds no reference to the batch buffers it was copied
     /// from (a departing row's buffer is already replaced by the filtered one). With the SSD
     /// tier it is evaluated now: the writer thread reads its bytes.
-    pub fn store(&mut self, tokens: Vec<u32>, kv: impl Into<SeqKv>) -> Result<(), Exception> {
+    pub fn store(
+        &mut self,
+        space: KvSpace,
+        tokens: Vec<u32>,
+        kv: impl Into<SeqKv>,
+    ) -> Result<(), Exception> {
         if !self.prefix.enabled() || tokens.is_empty() {
             return Ok(());
         }
@@ -298,9 +315,10 @@ impl CacheManager {
         }
         let bytes = kv.nbytes();
         if let Some(ssd) = &self.ssd {
-            ssd.queue_kv(&tokens, &kv, EntryKind::Prefix)?;
+            ssd.queue_kv(space, &tokens, &kv, EntryKind::Prefix)?;
         }
-        self.prefix.insert_with(tokens, kv, bytes, SeqKv::dominates);
+        self.prefix
+            .insert_with(space, tokens, kv, bytes, SeqKv::dominates);
         Ok(())
     }
 

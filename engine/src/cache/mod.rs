@@ -15,13 +15,15 @@
 //!
 //! Which one a layer needs is its [`LayerKind`], reported by the model.
 //!
-//! A sequence's KV outside the batch (prefix cache, SSD tier, checkpoints) is a [`SeqKv`].
+//! A sequence's KV outside the batch (prefix cache, SSD tier, checkpoints) is a [`SeqKv`], kept
+//! in the [`KvSpace`] of the adapter it was computed with (the base model's, without one).
 mod batched;
 mod budget;
 mod dense;
 mod manager;
 mod prefix;
 mod seq_kv;
+mod space;
 pub mod ssd;
 mod state;
 mod stored;
@@ -32,6 +34,7 @@ pub use dense::DenseKv;
 pub use manager::{CacheManager, PrefixHit};
 pub use prefix::{PrefixCache, PrefixLookup};
 pub use seq_kv::{SeqKv, SeqLayer};
+pub use space::KvSpace;
 pub use state::StateCache;
 pub use stored::{KvLayout, KvQuant, Stored};
 

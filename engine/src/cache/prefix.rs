@@ -5,8 +5,14 @@
 //! Generic over what it stores so that the policy (longest-prefix match, least-recently-used
 //! eviction under a byte budget, dropping entries made redundant by a longer one) is tested
 //! without MLX; the engine stores per-layer key/value arrays.
+//!
+//! Each entry lives in a [`KvSpace`] (the base model's, or one adapter's): a lookup sees only
+//! its own space's entries, and an entry makes redundant only entries of its space, while the
+//! byte budget and its eviction are shared by all spaces.
 
 use std::time::Instant;
+
+use super::KvSpace;
 
 /// What a lookup found: the first `matched` tokens of the prompt are held by `payload`, whose
 /// entry covers `entry_len` tokens (`matched <= entry_len`).
@@ -19,6 +25,7 @@ pub struct PrefixLookup<'a, T> {
 
 #[derive(Debug)]
 struct Entry<T> {
+    space: KvSpace,
     tokens: Vec<u32>,
     payload: T,
     bytes: u64,
@@ -66,17 +73,19 @@ impl<T> PrefixCache<T> {
         self.entries.is_empty()
     }
 
-    /// The entry sharing the longest prefix with `tokens`, the match capped at `max_match`
-    /// (a prompt's last token must still be run to produce logits). Marks it recently used.
+    /// The base space's entry sharing the longest prefix with `tokens`, the match capped at
+    /// `max_match` (a prompt's last token must still be run to produce logits). Marks it
+    /// recently used.
     pub fn lookup(&mut self, tokens: &[u32], max_match: usize) -> Option<PrefixLookup<'_, T>> {
-        self.lookup_where(tokens, max_match, |_, _| true)
+        self.lookup_where(KvSpace::BASE, tokens, max_match, |_, _| true)
     }
 
-    /// [`Self::lookup`] among the entries whose payload can restore the matched tokens
-    /// (`usable(payload, matched)`; a windowed entry cannot restore a prefix that ends before
-    /// its window's span).
+    /// [`Self::lookup`] in `space`, among the entries whose payload can restore the matched
+    /// tokens (`usable(payload, matched)`; a windowed entry cannot restore a prefix that ends
+    /// before its window's span).
     pub fn lookup_where(
         &mut self,
+        space: KvSpace,
         tokens: &[u32],
         max_match: usize,
         usable: impl Fn(&T, usize) -> bool,
@@ -85,6 +94,7 @@ impl<T> PrefixCache<T> {
             .entries
             .iter()
             .enumerate()
+            .filter(|(_, e)| e.space == space)
             .map(|(i, e)| (i, common_prefix(&e.tokens, tokens).min(max_match)))
             .filter(|&(i, m)| m > 0 && usable(&self.entries[i].payload, m))
             .max_by_key(|&(i, m)| (m, std::cmp::Reverse(self.entries[i].tokens.len())))?;
@@ -99,19 +109,20 @@ impl<T> PrefixCache<T> {
         })
     }
 
-    /// Stores `payload` as the cache of `tokens`. Entries that are prefixes of `tokens` become
-    /// redundant and are dropped; if an entry already covers `tokens`, nothing is added. The
-    /// least recently used entries are evicted to stay within the budget. Returns how many
-    /// entries were removed.
+    /// Stores `payload` as the base space's cache of `tokens`. Entries that are prefixes of
+    /// `tokens` become redundant and are dropped; if an entry already covers `tokens`, nothing
+    /// is added. The least recently used entries (of any space) are evicted to stay within the
+    /// budget. Returns how many entries were removed.
     pub fn insert(&mut self, tokens: Vec<u32>, payload: T, bytes: u64) -> usize {
-        self.insert_with(tokens, payload, bytes, |_, _| true)
+        self.insert_with(KvSpace::BASE, tokens, payload, bytes, |_, _| true)
     }
 
-    /// [`Self::insert`] where a longer entry makes a shorter one redundant only if
+    /// [`Self::insert`] in `space`, where a longer entry makes a shorter one redundant only if
     /// `dominates(longer, shorter)`: it can restore every prefix the shorter one can (a
     /// windowed entry evicted positions that a prompt branching early still needs).
     pub fn insert_with(
         &mut self,
+        space: KvSpace,
         tokens: Vec<u32>,
         payload: T,
         bytes: u64,
@@ -122,7 +133,8 @@ impl<T> PrefixCache<T> {
         }
         self.clock += 1;
         if let Some(cover) = self.entries.iter_mut().find(|e| {
-            e.tokens.len() >= tokens.len()
+            e.space == space
+                && e.tokens.len() >= tokens.len()
                 && e.tokens.starts_with(&tokens)
                 && dominates(&e.payload, &payload)
         }) {
@@ -131,9 +143,11 @@ impl<T> PrefixCache<T> {
             return 0;
         }
         let before = self.entries.len();
-        self.entries
-            .retain(|e| !(tokens.starts_with(&e.tokens) && dominates(&payload, &e.payload)));
+        self.entries.retain(|e| {
+            !(e.space == space && tokens.starts_with(&e.tokens) && dominates(&payload, &e.payload))
+        });
         self.entries.push(Entry {
+            space,
             tokens,
             payload,
             bytes,
@@ -155,15 +169,17 @@ impl<T> PrefixCache<T> {
         before + 1 - self.entries.len()
     }
 
-    /// Removes the entries last used before `cutoff` and hands them back (demotion to the
-    /// SSD tier).
-    pub fn remove_unused_since(&mut self, cutoff: Instant) -> Vec<(Vec<u32>, T)> {
+    /// Removes the entries last used before `cutoff` and hands them back with their spaces
+    /// (demotion to the SSD tier).
+    pub fn remove_unused_since(&mut self, cutoff: Instant) -> Vec<(KvSpace, Vec<u32>, T)> {
         let (old, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.entries)
             .into_iter()
             .partition(|e| e.used_at < cutoff);
         self.entries = kept;
         self.recount();
-        old.into_iter().map(|e| (e.tokens, e.payload)).collect()
+        old.into_iter()
+            .map(|e| (e.space, e.tokens, e.payload))
+            .collect()
     }
 
     /// Drops every entry (after an out-of-memory error, say).
@@ -237,20 +253,25 @@ mod tests {
         // its start.
         let dominates = |a: &usize, b: &usize| a <= b;
         let mut c = PrefixCache::new(1000);
-        c.insert_with(vec![1, 2, 3], 1, 10, dominates);
-        c.insert_with(vec![1, 2, 3, 4, 5, 6], 5, 10, dominates);
+        c.insert_with(KvSpace::BASE, vec![1, 2, 3], 1, 10, dominates);
+        c.insert_with(KvSpace::BASE, vec![1, 2, 3, 4, 5, 6], 5, 10, dominates);
         assert_eq!(c.len(), 2, "the longer entry starts later: both kept");
         let usable = |start: &usize, m: usize| *start <= m;
-        let hit = c.lookup_where(&[1, 2, 3, 9], 3, usable).unwrap();
+        let base = KvSpace::BASE;
+        let hit = c.lookup_where(base, &[1, 2, 3, 9], 3, usable).unwrap();
         assert_eq!((hit.matched, *hit.payload), (3, 1));
-        let hit = c.lookup_where(&[1, 2, 3, 4, 5, 9], 5, usable).unwrap();
+        let hit = c
+            .lookup_where(base, &[1, 2, 3, 4, 5, 9], 5, usable)
+            .unwrap();
         assert_eq!((hit.matched, *hit.payload), (5, 5));
-        assert!(c.lookup_where(&[1, 2, 9], 2, |s, m| *s + 2 <= m).is_none());
+        assert!(c
+            .lookup_where(base, &[1, 2, 9], 2, |s, m| *s + 2 <= m)
+            .is_none());
         // One that starts no later replaces both.
-        c.insert_with(vec![1, 2, 3, 4, 5, 6, 7], 0, 10, dominates);
+        c.insert_with(base, vec![1, 2, 3, 4, 5, 6, 7], 0, 10, dominates);
         assert_eq!(c.len(), 1);
         // And a shorter entry it dominates adds nothing.
-        assert_eq!(c.insert_with(vec![1, 2], 1, 10, dominates), 0);
+        assert_eq!(c.insert_with(base, vec![1, 2], 1, 10, dominates), 0);
         assert_eq!(c.len(), 1);
     }
 
@@ -264,8 +285,38 @@ mod tests {
         let later = Instant::now() + std::time::Duration::from_secs(3600);
         let mut gone = c.remove_unused_since(later);
         gone.sort();
-        assert_eq!(gone, vec![(vec![1], "a"), (vec![2], "b")]);
+        let base = KvSpace::BASE;
+        assert_eq!(gone, vec![(base, vec![1], "a"), (base, vec![2], "b")]);
         assert_eq!((c.len(), c.bytes()), (0, 0));
+    }
+
+    #[test]
+    fn each_space_sees_only_its_own_entries_and_all_share_the_budget() {
+        let adapter = KvSpace([7; 32]);
+        let any = |_: &&str, _: usize| true;
+        let keep_both = |_: &&str, _: &&str| true;
+        let mut c = PrefixCache::new(25);
+        c.insert(vec![1, 2, 3], "base", 10);
+        // The same tokens under an adapter: a new entry, not covered by the base's.
+        assert_eq!(
+            c.insert_with(adapter, vec![1, 2], "adapter", 10, keep_both),
+            0
+        );
+        assert_eq!(c.len(), 2);
+        let hit = c.lookup_where(adapter, &[1, 2, 3, 4], 3, any).unwrap();
+        assert_eq!((hit.matched, *hit.payload), (2, "adapter"));
+        let hit = c.lookup(&[1, 2, 3, 4], 3).unwrap();
+        assert_eq!((hit.matched, *hit.payload), (3, "base"));
+        assert!(c
+            .lookup_where(KvSpace([8; 32]), &[1, 2, 3], 2, any)
+            .is_none());
+        // A longer base entry drops the shorter base one only.
+        assert_eq!(c.insert(vec![1, 2, 3, 4], "base 2", 10), 1);
+        assert!(c.lookup_where(adapter, &[1, 2, 9], 2, any).is_some());
+        // One budget: an adapter entry evicts the least recently used, whatever its space.
+        c.insert_with(adapter, vec![5], "adapter 2", 10, keep_both);
+        assert_eq!(c.len(), 2);
+        assert_eq!(c.bytes(), 20);
     }
 
     #[test]

@@ -20,7 +20,7 @@ use super::sampler::{BatchSampler, PickedLogprobs, RowSampling};
 use super::sequence::Sequence;
 use super::step_trace::StepClock;
 use crate::adapters;
-use crate::cache::{KvLayout, LayerCache, LayerKind, SeqKv};
+use crate::cache::{KvLayout, KvSpace, LayerCache, LayerKind, SeqKv};
 use crate::models::CausalLm;
 
 /// Sequences whose prompt is in their cache, ready to join the batch.
@@ -604,8 +604,8 @@ impl DecodeBatch {
 
     /// A copy of row `r`'s KV and the tokens it holds, when the prefix cache wants it.
     fn row_kv(&self, r: usize, seq: &Sequence) -> Result<Option<RowKv>, Exception> {
-        // An adapter row's KV is the adapter's: kept, it would serve base rows' prompts.
-        if !self.keep_kv || seq.adapter.is_some() {
+        // A row with no known space (see `Sequence::space`) is not kept.
+        if !self.keep_kv || seq.space.is_none() {
             return Ok(None);
         }
         let mut layers = Vec::with_capacity(self.caches.len());
@@ -635,8 +635,8 @@ impl DecodeBatch {
     }
 
     /// Copies of the KV of running rows that generated `every` tokens or more since their
-    /// last checkpoint, with their generated counts (generation checkpoints).
-    pub fn checkpoints(&mut self, every: usize) -> Result<Vec<(RowKv, usize)>, Exception> {
+    /// last checkpoint, with their spaces and generated counts (generation checkpoints).
+    pub fn checkpoints(&mut self, every: usize) -> Result<Vec<(KvSpace, RowKv, usize)>, Exception> {
         let mut out = Vec::new();
         for r in 0..self.rows.len() {
             let seq = &self.rows[r];
@@ -644,9 +644,9 @@ impl DecodeBatch {
             if !seq.wants_more() || generated < seq.checkpointed + every {
                 continue;
             }
-            if let Some(kv) = self.row_kv(r, seq)? {
+            if let (Some(space), Some(kv)) = (seq.space, self.row_kv(r, seq)?) {
                 let held = kv.0.len().saturating_sub(seq.prompt_len);
-                out.push((kv, held));
+                out.push((space, kv, held));
             }
             self.rows[r].checkpointed = generated;
         }

@@ -5,7 +5,7 @@
 //! unit (a chunk of one prompt or a padded group of short ones), then publishes its counters.
 //! Sequences whose prompt is in their cache join the decode batch at the next step. MLX
 //! arrays never leave this thread.
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
@@ -21,8 +21,8 @@ use super::scheduler::{self, Admission, PrefillView, PrefillWork, SchedulerLimit
 use super::sequence::Sequence;
 use super::step_trace::PrefillTrace;
 use super::{OomHook, RuntimeStats};
-use crate::adapters;
-use crate::cache::{CacheManager, KvLayout, KvQuant, LayerCache, LayerKind, SeqKv};
+use crate::adapters::{self, AdapterId};
+use crate::cache::{CacheManager, KvLayout, KvQuant, KvSpace, LayerCache, LayerKind, SeqKv};
 use crate::models::{CausalLm, ModelInfo};
 
 /// A prefill pass of this step whose caches are still being computed: a chunk's prompt
@@ -77,6 +77,9 @@ pub(super) struct Executor<'m> {
     /// measure the device's speed. Bounded by [`SEEN_SHAPES_MAX`]. `None` on the CPU, which
     /// compiles nothing per shape, so that its first chunk already sizes the next ones.
     prefill_shapes_seen: Option<HashSet<(usize, usize)>>,
+    /// The prefix-cache space of each loaded adapter (`KvSpace::of_adapter_dir`), so that an
+    /// adapter's rows reuse their own earlier prompts' KV and never the base model's.
+    adapter_spaces: HashMap<AdapterId, KvSpace>,
 }
 
 /// Pass shapes remembered at most; past it every shape counts as seen (by then the kernels
@@ -128,7 +131,31 @@ impl<'m> Executor<'m> {
             units: 0,
             prefill_speed: None,
             prefill_shapes_seen: super::on_gpu().then(HashSet::new),
+            adapter_spaces: HashMap::new(),
         }
+    }
+
+    /// This executor with the prefix-cache spaces of the model's loaded adapters.
+    pub fn with_adapter_spaces(mut self, spaces: HashMap<AdapterId, KvSpace>) -> Self {
+        self.adapter_spaces = spaces;
+        self
+    }
+
+    /// The space of a row running with `adapter`: the base model's without one; `None` for
+    /// an adapter loaded without a space (none is today: every adapter loaded at start gets
+    /// one), whose rows then bypass the cache.
+    fn space_of(&self, adapter: Option<AdapterId>) -> Option<KvSpace> {
+        let Some(id) = adapter else {
+            return Some(KvSpace::BASE);
+        };
+        let space = self.adapter_spaces.get(&id).copied();
+        if space.is_none() {
+            tracing::warn!(
+                ?id,
+                "an adapter without a prefix-cache space: its rows bypass the cache"
+            );
+        }
+        space
     }
 
     fn idle(&self) -> bool {
@@ -251,8 +278,8 @@ impl<'m> Executor<'m> {
         let Some(every) = self.caches.checkpoint_every() else {
             return Ok(());
         };
-        for ((tokens, kv), generated) in self.batch.checkpoints(every)? {
-            self.caches.checkpoint(&tokens, &kv, generated)?;
+        for (space, (tokens, kv), generated) in self.batch.checkpoints(every)? {
+            self.caches.checkpoint(space, &tokens, &kv, generated)?;
         }
         Ok(())
     }
@@ -315,10 +342,10 @@ impl<'m> Executor<'m> {
                     let mut seq = Sequence::new(req, self.info.context_length);
                     seq.reservation = Some(self.caches.reserve(needed));
                     let looking = Instant::now();
-                    // The cache holds base-model KV only (see `DecodeBatch::row_kv`).
-                    let hit = match seq.adapter {
-                        None => self.caches.lookup(seq.prompt())?,
-                        Some(_) => None,
+                    seq.space = self.space_of(seq.adapter);
+                    let hit = match seq.space {
+                        Some(space) => self.caches.lookup(space, seq.prompt())?,
+                        None => None,
                     };
                     tracing::debug!(
                         target: "mlxd_engine::prefix",
@@ -404,10 +431,10 @@ impl<'m> Executor<'m> {
             if let Some(r) = seq.reservation.take() {
                 self.caches.release(r);
             }
-            if let Some((tokens, layers)) = kv {
+            if let (Some(space), Some((tokens, layers))) = (seq.space, kv) {
                 let storing = Instant::now();
                 let n = tokens.len();
-                self.caches.store(tokens, layers)?;
+                self.caches.store(space, tokens, layers)?;
                 // Queued, not waited for, unless an SSD tier writes it (`CacheManager::store`).
                 tracing::debug!(
                     target: "mlxd_engine::prefix",
@@ -541,9 +568,9 @@ impl<'m> Executor<'m> {
         let written = p.written;
         let every = self.limits.state_snapshot_every.max(1);
         let boundary = written == p.seq.prompt_len - 1 || written / every > before / every;
-        if self.stateful && p.seq.adapter.is_none() && boundary {
+        if let (true, true, Some(space)) = (self.stateful, boundary, p.seq.space) {
             let tokens = p.seq.tokens[..written].to_vec();
-            self.snapshot_row(tokens, &layers, 0)?;
+            self.snapshot_row(space, tokens, &layers, 0)?;
         }
         p.layers = Some(layers);
         Ok(())
@@ -575,13 +602,11 @@ impl<'m> Executor<'m> {
         };
         quantize_past_start(&mut layers, layout, longest)?;
         if self.stateful {
-            for (row, p) in rows
-                .iter()
-                .enumerate()
-                .filter(|(_, p)| p.seq.adapter.is_none())
-            {
-                let tokens = p.seq.tokens[..lens[row]].to_vec();
-                self.snapshot_row(tokens, &layers, row)?;
+            for (row, p) in rows.iter().enumerate() {
+                if let Some(space) = p.seq.space {
+                    let tokens = p.seq.tokens[..lens[row]].to_vec();
+                    self.snapshot_row(space, tokens, &layers, row)?;
+                }
             }
         }
         Ok(Prefilled {
@@ -596,6 +621,7 @@ impl<'m> Executor<'m> {
     /// tokens of a long one (see [`SeqKv`]).
     fn snapshot_row(
         &mut self,
+        space: KvSpace,
         tokens: Vec<u32>,
         layers: &[LayerCache],
         row: usize,
@@ -604,7 +630,7 @@ impl<'m> Executor<'m> {
             return Ok(());
         }
         if let Some(kv) = row_snapshot(layers, row, tokens.len())? {
-            self.caches.store(tokens, kv)?;
+            self.caches.store(space, tokens, kv)?;
         }
         Ok(())
     }

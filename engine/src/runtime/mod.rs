@@ -25,6 +25,7 @@ pub mod sequence;
 pub mod step_trace;
 pub mod warm_up;
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
 use std::sync::mpsc as std_mpsc;
@@ -33,9 +34,9 @@ use std::thread;
 
 use tokio::sync::mpsc;
 
-use crate::adapters::AdapterTable;
+use crate::adapters::{AdapterId, AdapterTable};
 use crate::cache::ssd::{SsdConfig, SsdCounters, SsdHandle, SsdTier};
-use crate::cache::{CacheManager, KvLayout, KvQuant};
+use crate::cache::{CacheManager, KvLayout, KvQuant, KvSpace};
 use crate::loader::LoadError;
 use crate::models::{self, CausalLm, ModelInfo};
 use draft::{DraftSource, Drafter, ModelDrafter, Speculation, Speculator};
@@ -362,10 +363,13 @@ impl Runtime {
                         }
                         tracing::info!(ms = started.elapsed().as_millis() as u64, "warmed up");
                     }
-                    if let Err(e) = load_adapters(model.as_ref(), &limits.adapters) {
-                        let _ = ready_tx.send(Err(e));
-                        return;
-                    }
+                    let adapter_spaces = match load_adapters(model.as_ref(), &limits.adapters) {
+                        Ok(spaces) => spaces,
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e));
+                            return;
+                        }
+                    };
                     let _ = ready_tx.send(Ok((info.clone(), model.adapters().cloned())));
                     let caches = CacheManager::new(
                         limits.kv_budget_bytes,
@@ -389,6 +393,7 @@ impl Runtime {
                         on_oom,
                         spec,
                     )
+                    .with_adapter_spaces(adapter_spaces)
                     .serve(rx, lockstep);
                 }
                 Err(e) => {
@@ -422,10 +427,15 @@ impl Runtime {
     }
 }
 
-/// Loads `adapters` (name, directory) into the model's table, on the MLX thread.
-fn load_adapters(model: &dyn CausalLm, adapters: &[(String, PathBuf)]) -> Result<(), LoadError> {
+/// Loads `adapters` (name, directory) into the model's table, on the MLX thread; returns
+/// each one's prefix-cache space.
+fn load_adapters(
+    model: &dyn CausalLm,
+    adapters: &[(String, PathBuf)],
+) -> Result<HashMap<AdapterId, KvSpace>, LoadError> {
+    let mut spaces = HashMap::new();
     if adapters.is_empty() {
-        return Ok(());
+        return Ok(spaces);
     }
     let Some(table) = model.adapters() else {
         return Err(LoadError::Config(format!(
@@ -437,9 +447,14 @@ fn load_adapters(model: &dyn CausalLm, adapters: &[(String, PathBuf)]) -> Result
         let id = table
             .load(name, dir)
             .map_err(|e| LoadError::Config(format!("adapter {name} ({}): {e}", dir.display())))?;
+        let space = KvSpace::of_adapter_dir(dir).map_err(|source| LoadError::Io {
+            path: dir.clone(),
+            source,
+        })?;
+        spaces.insert(id, space);
         tracing::info!(adapter = %name, dir = %dir.display(), ?id, "adapter loaded");
     }
-    Ok(())
+    Ok(spaces)
 }
 
 /// The first option in `limits` that the model's family refuses, with its reason. A model

@@ -6,6 +6,7 @@ use tokio::sync::mpsc;
 use super::request::{FinishReason, GenerateRequest, GenerationError, TokenEvent, TokenLogprobs};
 use super::sampling_params::SamplingParams;
 use crate::adapters::AdapterId;
+use crate::cache::KvSpace;
 use crate::cache::Reservation;
 use crate::constraint::TokenConstraint;
 
@@ -38,9 +39,12 @@ pub struct Sequence {
     pub constraint: Option<Box<dyn TokenConstraint>>,
     /// Alternatives to report per token when the request wants log-probabilities.
     pub logprobs: Option<usize>,
-    /// The LoRA adapter of this row's forward passes (`None`: the base model). Its KV is
-    /// the adapter's, so it neither reads nor feeds the prefix cache.
+    /// The LoRA adapter of this row's forward passes (`None`: the base model).
     pub adapter: Option<AdapterId>,
+    /// The prefix cache's space of this row's KV (its adapter's, or the base model's), set
+    /// at admission; `None`: its KV is neither looked up nor kept (an adapter whose space the
+    /// engine does not know).
+    pub space: Option<KvSpace>,
     /// The log-probabilities of the token about to be emitted.
     pending_logprobs: Option<TokenLogprobs>,
     events: mpsc::UnboundedSender<TokenEvent>,
@@ -73,6 +77,7 @@ impl Sequence {
             constraint: request.constraint,
             logprobs: request.logprobs,
             adapter: request.adapter,
+            space: request.adapter.is_none().then_some(KvSpace::BASE),
             pending_logprobs: None,
             events: request.events,
             prompt_reported: false,

@@ -162,7 +162,9 @@ fn unusable_files_are_misses_and_deleted() {
         flush(&tier);
         tier.dir().join(&kv_files(tier.dir())[0])
     };
-    let name_of = |t: &[u32]| mlxd_engine::cache::ssd::identity::entry_name(t);
+    let name_of = |t: &[u32]| {
+        mlxd_engine::cache::ssd::identity::entry_name(mlxd_engine::cache::KvSpace::BASE, t)
+    };
     let path = |t: &[u32]| dir.join(name_of(t));
     std::fs::copy(&foreign, path(&entries[0])).unwrap();
     // Truncated.
@@ -234,7 +236,7 @@ fn the_size_cap_evicts_the_oldest_files() {
 
 #[test]
 fn idle_prefixes_are_demoted_to_disk_and_restored_by_a_lookup() {
-    use mlxd_engine::cache::{CacheManager, KvLayout};
+    use mlxd_engine::cache::{CacheManager, KvLayout, KvSpace};
     let root = tempfile::tempdir().unwrap();
     let model = model_dir(root.path(), "m");
     let counters = Arc::new(SsdCounters::default());
@@ -246,7 +248,9 @@ fn idle_prefixes_are_demoted_to_disk_and_restored_by_a_lookup() {
         CacheManager::new(None, 1 << 30, 512, 512, KvLayout::default()).with_ssd(Some(tier));
     let tokens: Vec<u32> = (1..=24).collect();
     let kv = layers(24, false, 9);
-    caches.store(tokens.clone(), kv.clone()).unwrap();
+    caches
+        .store(KvSpace::BASE, tokens.clone(), kv.clone())
+        .unwrap();
     assert!(caches.prefix_bytes() > 0);
     std::thread::sleep(Duration::from_millis(20)); // idle for longer than 1 ms
     caches.demote_idle().unwrap();
@@ -257,7 +261,10 @@ fn idle_prefixes_are_demoted_to_disk_and_restored_by_a_lookup() {
 
     let mut prompt = tokens[..20].to_vec();
     prompt.push(99);
-    let hit = caches.lookup(&prompt).unwrap().expect("restored from disk");
+    let hit = caches
+        .lookup(KvSpace::BASE, &prompt)
+        .unwrap()
+        .expect("restored from disk");
     assert_eq!(hit.tokens, 20);
     assert_eq!(counters.hits.load(Ordering::Relaxed), 1);
     assert!(

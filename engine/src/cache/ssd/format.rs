@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! magic "MLXDKV\0\0" | version u32 | header_len u32 | header | header_crc u32 | payload | payload_crc u32
-//! header: model fingerprint [32] | tokenizer hash [32] | kind u8 | generated u32
+//! header: model fingerprint [32] | tokenizer hash [32] | space [32] | kind u8 | generated u32
 //!         | n_tokens u32 | tokens [u32] | n_layers u32 | per layer: start u32, kind u8,
 //!           kind 0 (keys and values): keys, values as quant_bits u8 (0 = plain)
 //!             | group_size u32 | n_arrays u8 | per array: <array>
@@ -14,13 +14,17 @@
 //! A KV layer's `start` is the logical position of its first held position (nonzero for a
 //! sliding-window layer that evicted positions): its arrays hold `n_tokens - start` positions.
 //! A state layer stands for all `n_tokens` and starts there (see `SeqKv`).
-//! All integers are little-endian. `header_crc` is the CRC-32 of every byte before it (so a
+//! `space` is the adapter fingerprint whose KV the entry holds (all zeros: the base model's,
+//! see `KvSpace`). All integers are little-endian. `header_crc` is the CRC-32 of every byte before it (so a
 //! scan at start-up validates an entry from its header alone); `payload_crc` that of the
 //! payload, checked when the entry is restored.
 
+use crate::cache::KvSpace;
+
 /// Bumped on any change to the layout above; a file of another version is foreign (a miss,
-/// deleted). Version 2 added each layer's start, version 3 each layer's kind.
-pub const FORMAT_VERSION: u32 = 3;
+/// deleted). Version 2 added each layer's start, version 3 each layer's kind, version 4 the
+/// entry's space.
+pub const FORMAT_VERSION: u32 = 4;
 /// Arrays one recurrent layer's state may have.
 const MAX_STATE_ARRAYS: u8 = 16;
 pub const MAGIC: &[u8; 8] = b"MLXDKV\0\0";
@@ -112,6 +116,8 @@ impl LayerDesc {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Header {
     pub identity: Identity,
+    /// Whose KV this is: the base model's or an adapter's.
+    pub space: KvSpace,
     pub kind: EntryKind,
     pub tokens: Vec<u32>,
     pub layers: Vec<LayerDesc>,
@@ -147,6 +153,7 @@ impl Header {
         let mut h = Vec::with_capacity(128 + 4 * self.tokens.len());
         h.extend_from_slice(&self.identity.model);
         h.extend_from_slice(&self.identity.tokenizer);
+        h.extend_from_slice(&self.space.0);
         let (kind, generated) = match self.kind {
             EntryKind::Prefix => (0u8, 0u32),
             EntryKind::Checkpoint { generated } => (1, generated),
@@ -320,6 +327,7 @@ fn parse(bytes: &[u8]) -> Result<Header, Invalid> {
         model: r.fingerprint()?,
         tokenizer: r.fingerprint()?,
     };
+    let space = KvSpace(r.fingerprint()?);
     let kind = match (r.u8()?, r.u32()?) {
         (0, _) => EntryKind::Prefix,
         (1, generated) => EntryKind::Checkpoint { generated },
@@ -376,6 +384,7 @@ fn parse(bytes: &[u8]) -> Result<Header, Invalid> {
     }
     Ok(Header {
         identity,
+        space,
         kind,
         tokens,
         layers,
@@ -487,6 +496,7 @@ pub(crate) mod tests {
         }
         let header = Header {
             identity,
+            space: KvSpace([9; 32]),
             kind: EntryKind::Checkpoint { generated: 3 },
             tokens,
             starts: vec![0; layers.len()],
@@ -619,7 +629,10 @@ pub(crate) mod tests {
         let (_, mut file) = sample_file(ME, vec![1, 2]);
         file[8..12].copy_from_slice(&(FORMAT_VERSION + 1).to_le_bytes());
         assert_eq!(decode(&file), Err(Invalid::Version(FORMAT_VERSION + 1)));
-        // Version 1 (no layer starts) is foreign too.
+        // Version 1 (no layer starts) and 3 (no space) are foreign too.
+        let (_, mut file) = sample_file(ME, vec![1, 2]);
+        file[8..12].copy_from_slice(&3u32.to_le_bytes());
+        assert_eq!(decode(&file), Err(Invalid::Version(3)));
         let (_, mut file) = sample_file(ME, vec![1, 2]);
         file[8..12].copy_from_slice(&1u32.to_le_bytes());
         assert_eq!(decode(&file), Err(Invalid::Version(1)));

@@ -8,6 +8,7 @@ use std::path::Path;
 use sha2::{Digest, Sha256};
 
 use super::format::Identity;
+use crate::cache::KvSpace;
 
 /// Bytes hashed from each end of a weight file: enough to tell fine-tunes of one shape apart
 /// without reading gigabytes at every start.
@@ -71,9 +72,14 @@ pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// The file name of the entry holding `tokens`.
-pub fn entry_name(tokens: &[u32]) -> String {
+/// The file name of the entry holding `tokens` in `space` (a base entry's name does not
+/// depend on the space, so it is the same as before spaces existed).
+pub fn entry_name(space: KvSpace, tokens: &[u32]) -> String {
     let mut h = Sha256::new();
+    if !space.is_base() {
+        h.update(b"mlxd-kv-space\0");
+        h.update(space.0);
+    }
     for t in tokens {
         h.update(t.to_le_bytes());
     }

@@ -4,11 +4,14 @@
 
 use crate::cache::prefix::common_prefix;
 use crate::cache::seq_kv::dominates;
+use crate::cache::KvSpace;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IndexEntry {
     /// The file's name in the tier's directory.
     pub name: String,
+    /// Whose KV it holds (the base model's or an adapter's): it serves only that space.
+    pub space: KvSpace,
     pub tokens: Vec<u32>,
     /// Per layer, the logical position of its first held position (see
     /// [`SeqKv`](crate::cache::SeqKv)).
@@ -51,34 +54,36 @@ impl Index {
         &self.entries
     }
 
-    /// True when an entry already holds `tokens` with layers starting at `starts` (it or a
-    /// longer sequence that starts with them, and whose layers start no later): writing them
-    /// again would add nothing.
-    pub fn covers(&self, tokens: &[u32], starts: &[usize]) -> bool {
-        self.entries
-            .iter()
-            .any(|e| e.tokens.starts_with(tokens) && dominates(&e.starts, starts))
+    /// True when an entry of `space` already holds `tokens` with layers starting at `starts`
+    /// (it or a longer sequence that starts with them, and whose layers start no later):
+    /// writing them again would add nothing.
+    pub fn covers(&self, space: KvSpace, tokens: &[u32], starts: &[usize]) -> bool {
+        self.entries.iter().any(|e| {
+            e.space == space && e.tokens.starts_with(tokens) && dominates(&e.starts, starts)
+        })
     }
 
-    /// The entry sharing the longest prefix with `tokens`, the match capped at `max_match`,
-    /// among those that can restore it (`usable(starts, matched)`); ties go to the shorter
-    /// file (less to read).
+    /// The entry of `space` sharing the longest prefix with `tokens`, the match capped at
+    /// `max_match`, among those that can restore it (`usable(starts, matched)`); ties go to
+    /// the shorter file (less to read).
     pub fn lookup_where(
         &self,
+        space: KvSpace,
         tokens: &[u32],
         max_match: usize,
         usable: impl Fn(&[usize], usize) -> bool,
     ) -> Option<(&IndexEntry, usize)> {
         self.entries
             .iter()
+            .filter(|e| e.space == space)
             .map(|e| (e, common_prefix(&e.tokens, tokens).min(max_match)))
             .filter(|&(e, m)| m > 0 && usable(&e.starts, m))
             .max_by_key(|&(e, m)| (m, std::cmp::Reverse(e.tokens.len())))
     }
 
-    /// [`Self::lookup_where`] over every entry.
+    /// [`Self::lookup_where`] over every entry of the base space.
     pub fn lookup(&self, tokens: &[u32], max_match: usize) -> Option<(&IndexEntry, usize)> {
-        self.lookup_where(tokens, max_match, |_, _| true)
+        self.lookup_where(KvSpace::BASE, tokens, max_match, |_, _| true)
     }
 
     /// Marks `name` used at `now` (a restore), so the cap evicts it later.
@@ -97,7 +102,9 @@ impl Index {
         let mut removed = Vec::new();
         self.entries.retain(|e| {
             let redundant = e.name == entry.name
-                || (entry.tokens.starts_with(&e.tokens) && dominates(&entry.starts, &e.starts));
+                || (e.space == entry.space
+                    && entry.tokens.starts_with(&e.tokens)
+                    && dominates(&entry.starts, &e.starts));
             if redundant && e.name != entry.name {
                 removed.push(e.name.clone());
             }
@@ -162,6 +169,7 @@ mod tests {
     fn windowed(name: &str, tokens: &[u32], start: usize, bytes: u64, used: u64) -> IndexEntry {
         IndexEntry {
             name: name.into(),
+            space: KvSpace::BASE,
             tokens: tokens.to_vec(),
             starts: vec![0, start],
             bytes,
@@ -177,20 +185,21 @@ mod tests {
         // The longer entry evicted more: the shorter one still serves early branches.
         assert!(ix.insert(windowed("long", &long, 30, 10, 2)).is_empty());
         assert_eq!(ix.len(), 2);
-        assert!(!ix.covers(&long[..20], &[0, 5]));
-        assert!(ix.covers(&long[..20], &[0, 30]));
+        assert!(!ix.covers(KvSpace::BASE, &long[..20], &[0, 5]));
+        assert!(ix.covers(KvSpace::BASE, &long[..20], &[0, 30]));
         // Usable from start + window - 1 (window 8 here).
         let usable = |starts: &[usize], m: usize| starts[1] == 0 || starts[1] + 8 <= m + 1;
         let mut prompt = long[..12].to_vec();
         prompt.push(99);
-        let (e, m) = ix.lookup_where(&prompt, 12, usable).unwrap();
+        let base = KvSpace::BASE;
+        let (e, m) = ix.lookup_where(base, &prompt, 12, usable).unwrap();
         assert_eq!((e.name.as_str(), m), ("short", 12));
-        let (e, m) = ix.lookup_where(&long, 39, usable).unwrap();
+        let (e, m) = ix.lookup_where(base, &long, 39, usable).unwrap();
         assert_eq!((e.name.as_str(), m), ("long", 39));
         let mut branch = long[..35].to_vec();
         branch.push(99);
         assert_eq!(
-            ix.lookup_where(&branch, 35, usable).unwrap().0.name,
+            ix.lookup_where(base, &branch, 35, usable).unwrap().0.name,
             "short",
             "the long entry cannot restore 35 positions"
         );
@@ -210,8 +219,31 @@ mod tests {
         // Both match two tokens: the shorter file wins.
         assert_eq!((e.name.as_str(), m), ("a", 2));
         assert!(ix.lookup(&[5], 1).is_none());
-        assert!(ix.covers(&[1, 2], &[0, 0]));
-        assert!(!ix.covers(&[1, 2, 3, 4], &[0, 0]));
+        assert!(ix.covers(KvSpace::BASE, &[1, 2], &[0, 0]));
+        assert!(!ix.covers(KvSpace::BASE, &[1, 2, 3, 4], &[0, 0]));
+    }
+
+    #[test]
+    fn an_adapters_entries_serve_and_replace_only_its_own_space() {
+        let adapter = KvSpace([3; 32]);
+        let mut ix = Index::new(None);
+        ix.insert(entry("base", &[1, 2], 10, 1));
+        let in_adapter = |name: &str, tokens: &[u32], used| IndexEntry {
+            space: adapter,
+            ..entry(name, tokens, 10, used)
+        };
+        // A longer adapter entry leaves the base's shorter one.
+        assert!(ix.insert(in_adapter("a", &[1, 2, 3], 2)).is_empty());
+        assert_eq!(ix.len(), 2);
+        assert!(!ix.covers(adapter, &[1, 2, 3, 4], &[0, 0]));
+        assert!(ix.covers(adapter, &[1, 2], &[0, 0]));
+        assert!(!ix.covers(KvSpace::BASE, &[1, 2, 3], &[0, 0]));
+        let any = |_: &[usize], _: usize| true;
+        let (e, m) = ix.lookup_where(adapter, &[1, 2, 3, 4], 3, any).unwrap();
+        assert_eq!((e.name.as_str(), m), ("a", 3));
+        let (e, m) = ix.lookup(&[1, 2, 3, 4], 3).unwrap();
+        assert_eq!((e.name.as_str(), m), ("base", 2));
+        assert!(ix.lookup_where(KvSpace([4; 32]), &[1, 2], 1, any).is_none());
     }
 
     #[test]

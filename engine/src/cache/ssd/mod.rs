@@ -27,7 +27,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use mlx_rs::error::Exception;
 
-use super::{KvQuant, SeqKv, SeqLayer, Stored};
+use super::{KvQuant, KvSpace, SeqKv, SeqLayer, Stored};
 use format::{EntryKind, Header, Identity, Invalid, LayerDesc};
 use index::{Index, IndexEntry};
 use writer::{WriterCommand, TEMP_PREFIX};
@@ -197,6 +197,7 @@ impl SsdTier {
                 Ok((header, bytes, used)) => {
                     removed.extend(index.insert(IndexEntry {
                         name,
+                        space: header.space,
                         tokens: header.tokens,
                         starts: header.starts.iter().map(|&s| s as usize).collect(),
                         bytes,
@@ -259,29 +260,35 @@ impl SsdTier {
 
     /// True when a file already holds `tokens` with layers starting at `starts` (or a longer
     /// sequence starting with them, whose layers start no later).
-    pub fn covers(&self, tokens: &[u32], starts: &[usize]) -> bool {
+    pub fn covers(&self, space: KvSpace, tokens: &[u32], starts: &[usize]) -> bool {
         self.shared
             .index
             .lock()
             .expect("index lock")
-            .covers(tokens, starts)
+            .covers(space, tokens, starts)
     }
 
-    /// Queues `layers` (the KV of `tokens`, every layer from position 0) for writing; returns
-    /// at once. Nothing is queued when a file already covers the tokens.
+    /// Queues `layers` (the base model's KV of `tokens`, every layer from position 0) for
+    /// writing; returns at once. Nothing is queued when a file already covers the tokens.
     pub fn queue(
         &self,
         tokens: &[u32],
         layers: &[(Stored, Stored)],
         kind: EntryKind,
     ) -> Result<(), Exception> {
-        self.queue_kv(tokens, &SeqKv::from(layers.to_vec()), kind)
+        self.queue_kv(KvSpace::BASE, tokens, &SeqKv::from(layers.to_vec()), kind)
     }
 
-    /// Queues `kv` (the KV of `tokens`) for writing; returns at once. Nothing is queued when
-    /// a file already covers it.
-    pub fn queue_kv(&self, tokens: &[u32], kv: &SeqKv, kind: EntryKind) -> Result<(), Exception> {
-        if tokens.is_empty() || self.covers(tokens, &kv.starts) {
+    /// Queues `kv` (the KV of `tokens` in `space`) for writing; returns at once. Nothing is
+    /// queued when a file already covers it.
+    pub fn queue_kv(
+        &self,
+        space: KvSpace,
+        tokens: &[u32],
+        kv: &SeqKv,
+        kind: EntryKind,
+    ) -> Result<(), Exception> {
+        if tokens.is_empty() || self.covers(space, tokens, &kv.starts) {
             return Ok(());
         }
         let pending = self.shared.pending.load(Ordering::Relaxed);
@@ -300,6 +307,7 @@ impl SsdTier {
         } = tensors::prepare(&kv.layers)?;
         let header = Header {
             identity: self.identity,
+            space,
             kind,
             tokens: tokens.to_vec(),
             layers,
@@ -307,8 +315,8 @@ impl SsdTier {
             payload_len,
         };
         let job = WriterCommand::Write {
-            name: identity::entry_name(tokens),
-            header,
+            name: identity::entry_name(space, tokens),
+            header: Box::new(header),
             arrays,
             checkpoint: matches!(kind, EntryKind::Checkpoint { .. }),
         };
@@ -322,23 +330,25 @@ impl SsdTier {
         Ok(())
     }
 
-    /// The file sharing the longest prefix with `prompt`, the match capped at `max_match`.
+    /// The base model's file sharing the longest prefix with `prompt`, the match capped at
+    /// `max_match`.
     pub fn lookup(&self, prompt: &[u32], max_match: usize) -> Option<SsdMatch> {
-        self.lookup_where(prompt, max_match, |_, _| true)
+        self.lookup_where(KvSpace::BASE, prompt, max_match, |_, _| true)
     }
 
-    /// [`Self::lookup`] among the files that can restore the match
+    /// [`Self::lookup`] in `space`, among the files that can restore the match
     /// (`usable(starts, matched)`: a windowed entry cannot restore a prefix ending before its
     /// window's span).
     pub fn lookup_where(
         &self,
+        space: KvSpace,
         prompt: &[u32],
         max_match: usize,
         usable: impl Fn(&[usize], usize) -> bool,
     ) -> Option<SsdMatch> {
         let index = self.shared.index.lock().expect("index lock");
         index
-            .lookup_where(prompt, max_match, usable)
+            .lookup_where(space, prompt, max_match, usable)
             .map(|(e, matched)| SsdMatch {
                 name: e.name.clone(),
                 tokens: e.tokens.clone(),
@@ -491,7 +501,7 @@ fn scan(path: &Path, identity: &Identity) -> Result<(Header, u64, u64), String> 
     let (header, _) =
         format::decode_header(&map, meta.len(), identity).map_err(|e| e.to_string())?;
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-    if identity::entry_name(&header.tokens) != name {
+    if identity::entry_name(header.space, &header.tokens) != name {
         return Err("its name does not match its tokens".into());
     }
     Ok((header, meta.len(), used))

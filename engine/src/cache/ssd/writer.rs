@@ -21,7 +21,8 @@ pub const TEMP_PREFIX: &str = ".tmp-";
 pub enum WriterCommand {
     Write {
         name: String,
-        header: Header,
+        /// Boxed: the header is large beside the other commands.
+        header: Box<Header>,
         /// The payload's arrays, evaluated and row-contiguous, in order.
         arrays: Vec<Array>,
         checkpoint: bool,
@@ -43,6 +44,7 @@ pub fn run(dir: PathBuf, shared: Arc<Shared>, jobs: Receiver<WriterCommand>) {
             } => {
                 shared.pending.fetch_sub(1, Ordering::Relaxed);
                 let tokens = header.tokens.clone();
+                let space = header.space;
                 let starts = header.starts.iter().map(|&s| s as usize).collect();
                 match write_atomically(&dir, &name, &header, &arrays) {
                     Ok(bytes) => {
@@ -51,6 +53,7 @@ pub fn run(dir: PathBuf, shared: Arc<Shared>, jobs: Receiver<WriterCommand>) {
                             let mut index = shared.index.lock().expect("index lock");
                             let removed = index.insert(IndexEntry {
                                 name: name.clone(),
+                                space,
                                 tokens,
                                 starts,
                                 bytes,
