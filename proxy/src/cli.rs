@@ -63,6 +63,10 @@ pub enum Command {
     /// Quantize a model to MLX affine 4- or 8-bit on a running server (a managed job: it runs
     /// beside serving, shows its progress, and Ctrl-C cancels it).
     Quantize(QuantizeArgs),
+    /// Fine-tune a LoRA adapter on a running server (a managed job, as `mlx_lm.lora --train`):
+    /// shows iteration, losses, tokens/s and peak memory; Ctrl-C cancels it, and `--resume`
+    /// continues from its last checkpoint.
+    Train(TrainArgs),
     /// Managed jobs of a running server (quantize, convert, fetch); `mlxd jobs cancel ID`
     /// cancels one.
     Jobs(JobsArgs),
@@ -88,6 +92,102 @@ pub struct QuantizeArgs {
     pub detach: bool,
     #[command(flatten)]
     pub client: ClientArgs,
+}
+
+/// `mlxd train`: every hyperparameter defaults to mlx-lm's (`mlx_lm.lora`'s CONFIG_DEFAULTS).
+#[derive(Debug, Clone, Args)]
+pub struct TrainArgs {
+    /// The base model: a model directory, a configured model id, a model in the store or a
+    /// Hugging Face repo in the cache (a path is made absolute here: the server reads it).
+    #[arg(long)]
+    pub model: String,
+    /// A directory with train.jsonl and valid.jsonl (test.jsonl optional), lines of
+    /// `messages` (+ `tools`), `prompt`/`completion` or `text`.
+    #[arg(long)]
+    pub data: PathBuf,
+    /// The adapter: a name (`<home>/adapters/<name>`) or a directory path [default:
+    /// <model>-lora]; it must not exist.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Layers to adapt, from the last (-1: all).
+    #[arg(long, allow_hyphen_values = true)]
+    pub num_layers: Option<i32>,
+    #[arg(long)]
+    pub rank: Option<u32>,
+    #[arg(long)]
+    pub scale: Option<f32>,
+    #[arg(long)]
+    pub dropout: Option<f32>,
+    /// lora (dora is refused: not built).
+    #[arg(long)]
+    pub fine_tune_type: Option<String>,
+    /// adam or adamw.
+    #[arg(long)]
+    pub optimizer: Option<String>,
+    #[arg(long)]
+    pub learning_rate: Option<f32>,
+    #[arg(long)]
+    pub batch_size: Option<u32>,
+    #[arg(long)]
+    pub iters: Option<u64>,
+    #[arg(long, allow_hyphen_values = true)]
+    pub val_batches: Option<i32>,
+    #[arg(long)]
+    pub steps_per_eval: Option<u64>,
+    /// Iterations between checkpoints.
+    #[arg(long)]
+    pub save_every: Option<u64>,
+    #[arg(long)]
+    pub max_seq_length: Option<u32>,
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Train on completions only (the last assistant message).
+    #[arg(long)]
+    pub mask_prompt: bool,
+    /// Continue the cancelled or crashed run of the same --out from its last checkpoint.
+    #[arg(long)]
+    pub resume: bool,
+    /// Start from the factors of this adapters.safetensors (mlx-lm's --resume-adapter-file).
+    #[arg(long)]
+    pub resume_adapter_file: Option<PathBuf>,
+    /// Print the job's id and return at once instead of following it.
+    #[arg(long)]
+    pub detach: bool,
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+impl TrainArgs {
+    /// The hyperparameters as a `lora` request's fields (only those given: the server fills
+    /// in mlx-lm's defaults).
+    pub fn params_json(&self) -> serde_json::Map<String, serde_json::Value> {
+        use serde_json::json;
+        let mut m = serde_json::Map::new();
+        let mut put = |k: &str, v: Option<serde_json::Value>| {
+            if let Some(v) = v {
+                m.insert(k.to_string(), v);
+            }
+        };
+        put("num_layers", self.num_layers.map(|v| json!(v)));
+        put("rank", self.rank.map(|v| json!(v)));
+        put("scale", self.scale.map(|v| json!(v)));
+        put("dropout", self.dropout.map(|v| json!(v)));
+        put(
+            "fine_tune_type",
+            self.fine_tune_type.clone().map(|v| json!(v)),
+        );
+        put("optimizer", self.optimizer.clone().map(|v| json!(v)));
+        put("learning_rate", self.learning_rate.map(|v| json!(v)));
+        put("batch_size", self.batch_size.map(|v| json!(v)));
+        put("iters", self.iters.map(|v| json!(v)));
+        put("val_batches", self.val_batches.map(|v| json!(v)));
+        put("steps_per_eval", self.steps_per_eval.map(|v| json!(v)));
+        put("save_every", self.save_every.map(|v| json!(v)));
+        put("max_seq_length", self.max_seq_length.map(|v| json!(v)));
+        put("seed", self.seed.map(|v| json!(v)));
+        put("mask_prompt", self.mask_prompt.then(|| json!(true)));
+        m
+    }
 }
 
 #[derive(Debug, Clone, Args)]

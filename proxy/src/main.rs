@@ -248,6 +248,7 @@ async fn run_verb(verb: &Command) -> Result<(), Failure> {
         Command::Run(a) => Some(&a.client),
         Command::Bench(a) => Some(&a.client),
         Command::Quantize(a) => Some(&a.client),
+        Command::Train(a) => Some(&a.client),
         Command::Jobs(a) => Some(&a.client),
         Command::Serve(_)
         | Command::Ls(_)
@@ -347,6 +348,7 @@ async fn other_verb(verb: &Command, target: Option<&Target>) -> anyhow::Result<(
             );
         }
         Command::Quantize(a) => quantize(a, target()?).await?,
+        Command::Train(a) => train(a, target()?).await?,
         Command::Jobs(a) => {
             let tasks = mlxd_client::TaskClient::new(target()?.client()?);
             match &a.action {
@@ -482,6 +484,83 @@ async fn quantize(a: &QuantizeArgs, target: &Target) -> anyhow::Result<()> {
         .context("the server reported success without a result")?;
     println!(
         "{} ready in {:.1} s: {} ({})",
+        result.model_id,
+        result.seconds,
+        result.dir.display(),
+        mlxd_proxy::config::Bytes(result.bytes)
+    );
+    Ok(())
+}
+
+/// `mlxd train`: submits a `lora` job, follows it (iteration, losses, tokens/s, peak memory),
+/// and cancels it on Ctrl-C (its checkpoints stay for `--resume`).
+async fn train(a: &mlxd_proxy::cli::TrainArgs, target: &Target) -> anyhow::Result<()> {
+    let tasks = mlxd_client::TaskClient::new(target.client()?);
+    let absolute = |p: &std::path::Path| -> anyhow::Result<String> {
+        Ok(std::fs::canonicalize(p)
+            .with_context(|| format!("{}", p.display()))?
+            .display()
+            .to_string())
+    };
+    let model = match std::fs::canonicalize(&a.model) {
+        Ok(p) if p.is_dir() => p.display().to_string(),
+        _ => a.model.clone(),
+    };
+    let mut body = a.params_json();
+    body.insert("kind".into(), "lora".into());
+    body.insert("model".into(), model.into());
+    body.insert("data".into(), absolute(&a.data)?.into());
+    if let Some(o) = &a.out {
+        let o = match o.to_str() {
+            Some(name) if mlxd_store::inventory::is_plain_name(name) => name.to_string(),
+            _ if o.is_relative() => std::env::current_dir()?.join(o).display().to_string(),
+            _ => o.display().to_string(),
+        };
+        body.insert("out".into(), o.into());
+    }
+    if a.resume {
+        body.insert("resume".into(), true.into());
+    }
+    if let Some(f) = &a.resume_adapter_file {
+        body.insert("init_adapter".into(), absolute(f)?.into());
+    }
+    let request: mlxd_client::JobRequest = serde_json::from_value(body.into())
+        .context("the train options do not make a lora job")?;
+    let job = tasks.submit(&request).await?;
+    if a.detach {
+        println!("{}", job.id);
+        return Ok(());
+    }
+    eprintln!(
+        "mlxd: {} {} (counted for {} of memory){}",
+        job.id,
+        job.state.as_str(),
+        mlxd_proxy::config::Bytes(job.memory_bytes),
+        job.waiting_for
+            .as_deref()
+            .map(|w| format!("; waiting for {w}"))
+            .unwrap_or_default()
+    );
+    let mut view = mlxd_proxy::jobs::display::ProgressView::for_stderr();
+    let outcome = tokio::select! {
+        done = tasks.wait(&job.id, |p| view.show(p)) => done,
+        _ = tokio::signal::ctrl_c() => {
+            view.finish();
+            let cancelled = tasks.cancel(&job.id).await?;
+            anyhow::bail!(
+                "{} {}: no adapter written; `mlxd train ... --resume` continues from the last checkpoint",
+                cancelled.id,
+                cancelled.state.as_str()
+            );
+        }
+    };
+    view.finish();
+    let done = outcome?;
+    let result = done
+        .result
+        .context("the server reported success without a result")?;
+    println!(
+        "adapter {} ready in {:.1} s: {} ({})",
         result.model_id,
         result.seconds,
         result.dir.display(),

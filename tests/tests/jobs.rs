@@ -558,3 +558,182 @@ async fn convert_and_fetch_jobs_put_complete_models_in_the_store() -> Result<()>
     );
     Ok(())
 }
+
+/// A copy of the data of the tiny adapter fixture `name` (`scripts/gen_lora_adapter.py`
+/// writes it beside the adapter: 8 training and 8 validation lines of text).
+fn lora_data(name: &str) -> Result<tempfile::TempDir> {
+    let from = test_models().join(name).join("data");
+    ensure!(
+        from.join("train.jsonl").is_file(),
+        "{} is missing: scripts/test.sh generates it with scripts/gen_lora_adapter.py",
+        from.display()
+    );
+    let dir = tempfile::tempdir()?;
+    for f in ["train.jsonl", "valid.jsonl"] {
+        std::fs::copy(from.join(f), dir.path().join(f))?;
+    }
+    Ok(dir)
+}
+
+/// A lora request's settings for the tiny data: one batch of all 8 examples, a few steps.
+fn lora_body(model: &Path, data: &Path, out: &str, iters: u64) -> Value {
+    json!({"kind": "lora", "model": model, "data": data, "out": out, "iters": iters,
+           "batch_size": 8, "rank": 4, "scale": 10.0, "num_layers": -1,
+           "learning_rate": 1e-3, "steps_per_eval": 2, "save_every": 2,
+           "val_batches": 1, "max_seq_length": 64})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lora_job_reports_progress_is_cancelled_and_resumed_and_mlx_lm_loads_its_adapter(
+) -> Result<()> {
+    let tiny = tiny_model("tiny-llama")?;
+    let data = lora_data("tiny-llama-lora-b")?;
+    // A fresh run stalls after iteration 3 (the checkpoint of iteration 2 written).
+    let mlxd = Mlxd::start(
+        &[&tiny],
+        &[],
+        &[("MLXD_ALLOW_FAULTS", "1"), ("MLXD_JOB_FAULT", "stall@3")],
+    )
+    .await?;
+    let (status, job) = mlxd
+        .post_job(lora_body(&tiny, data.path(), "trained", 6))
+        .await?;
+    ensure!(status == 201, "{status} {job}");
+    assert_eq!(
+        job["request"]["optimizer"], "adam",
+        "defaults filled in: {job}"
+    );
+    let id = job["id"].as_str().context("id")?.to_string();
+    let running = mlxd
+        .wait_job(&id, |j| {
+            j["progress"]["training"]["iteration"].as_u64() >= Some(3)
+        })
+        .await?;
+    let t = &running["progress"]["training"];
+    assert_eq!(running["progress"]["unit"], "iterations", "{running}");
+    assert!(t["train_loss"].as_f64().is_some_and(f64::is_finite), "{t}");
+    // mlx-lm validates before iteration 2 (steps_per_eval 2): after 1 update.
+    assert_eq!(t["val_iteration"], 1, "{t}");
+    assert!(t["tokens_per_second"].as_f64() > Some(0.0), "{t}");
+    assert!(t["peak_memory_bytes"].as_u64() > Some(0), "{t}");
+    assert_eq!(t["checkpoint"], 2, "{t}");
+
+    let tasks = TaskClient::new(mlxd_client::Client::builder().http(&mlxd.url())?);
+    let cancelled = tasks.cancel(&id).await?;
+    assert_eq!(cancelled.state, JobState::Cancelled);
+    let adapters = mlxd.home.join("adapters");
+    assert!(
+        !adapters.join("trained").exists(),
+        "no adapter after a cancel"
+    );
+    assert!(
+        staging_dirs(&adapters).is_empty(),
+        "{:?}",
+        staging_dirs(&adapters)
+    );
+    assert!(adapters
+        .join(".trained.checkpoints/checkpoint.safetensors")
+        .is_file());
+
+    // Resumed through the client library: it continues from iteration 2 and finishes.
+    let mut request: JobRequest =
+        serde_json::from_value(lora_body(&tiny, data.path(), "trained", 6))?;
+    if let JobRequest::Lora { resume, .. } = &mut request {
+        *resume = true;
+    }
+    let mut first_iteration = None;
+    let done = tasks
+        .run(&request, |p| {
+            if let Some(t) = &p.training {
+                first_iteration.get_or_insert(t.iteration);
+            }
+        })
+        .await?;
+    assert_eq!(done.state, JobState::Succeeded, "{done:?}");
+    assert_eq!(
+        first_iteration,
+        Some(2),
+        "the resumed run starts at the checkpoint"
+    );
+    let out = done.result.context("a result")?.dir;
+    assert_eq!(out, adapters.join("trained"));
+    assert!(!adapters.join(".trained.checkpoints").exists());
+    // mlx-lm loads what mlxd wrote, and it changes the base's greedy tokens.
+    let prompt = [1u32, 20, 31, 42, 53];
+    let with = mlx_lm_greedy_with_adapter(&tiny, &out, 6, &prompt)?;
+    assert_ne!(with, mlx_lm_greedy(&tiny, 6, &prompt)?);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mlxd_train_on_the_command_line_and_bad_data_fails_with_its_line() -> Result<()> {
+    let tiny = tiny_model("tiny-llama")?;
+    let data = lora_data("tiny-llama-lora-a")?;
+    let mlxd = Mlxd::start(&[&tiny], &[], &[]).await?;
+    let out = Command::new(mlxd_bin()?)
+        .args(["train", "--model"])
+        .arg(&tiny)
+        .arg("--data")
+        .arg(data.path())
+        .args([
+            "--iters",
+            "2",
+            "--batch-size",
+            "8",
+            "--rank",
+            "4",
+            "--num-layers",
+            "-1",
+        ])
+        .args([
+            "--max-seq-length",
+            "64",
+            "--out",
+            "cli-adapter",
+            "--url",
+            &mlxd.url(),
+        ])
+        .output()?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}\n{}", mlxd.log());
+    assert!(stdout.contains("adapter cli-adapter ready in"), "{stdout}");
+    assert!(stderr.contains("training 2/2: train loss"), "{stderr}");
+    let adapter = mlxd.home.join("adapters/cli-adapter");
+    assert!(adapter.join("adapters.safetensors").is_file());
+    let config: Value =
+        serde_json::from_slice(&std::fs::read(adapter.join("adapter_config.json"))?)?;
+    assert_eq!(config["lora_parameters"]["rank"], 4, "{config}");
+
+    // A malformed line: the job fails naming the file and line, and nothing is written.
+    std::fs::write(
+        data.path().join("train.jsonl"),
+        "{\"text\": \"red cat\"}\n{\"text\": 7}\n",
+    )?;
+    let (status, job) = mlxd
+        .post_job(lora_body(&tiny, data.path(), "bad", 2))
+        .await?;
+    ensure!(status == 201, "{status} {job}");
+    let id = job["id"].as_str().context("id")?.to_string();
+    let failed = mlxd
+        .wait_job(&id, |j| j["state"] == "failed" || j["state"] == "succeeded")
+        .await?;
+    assert_eq!(failed["state"], "failed", "{failed}");
+    let error = failed["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains("train.jsonl:2: \"text\" must be a string"),
+        "{error}"
+    );
+    let adapters = mlxd.home.join("adapters");
+    assert!(!adapters.join("bad").exists());
+    assert!(!adapters.join(".bad.checkpoints").exists());
+    assert!(staging_dirs(&adapters).is_empty());
+
+    // DoRA is refused before anything starts.
+    let mut body = lora_body(&tiny, data.path(), "dora", 2);
+    body["fine_tune_type"] = json!("dora");
+    let (status, v) = mlxd.post_job(body).await?;
+    assert_eq!(status, 400, "{v}");
+    assert!(v.to_string().contains("dora"), "{v}");
+    Ok(())
+}

@@ -194,7 +194,16 @@ fn run(spec: JobSpec, reporter: &Reporter, started: Instant) -> Result<JobResult
                 init_adapter,
                 out: built.clone(),
             };
-            let summary = train::train(&config, &mut |p| reporter.progress(p))?;
+            let summary = match train::train(&config, &mut |p| reporter.progress(p)) {
+                Ok(summary) => summary,
+                Err(e) => {
+                    // A run that failed before its first checkpoint leaves nothing to resume.
+                    if !checkpoints.join(train::CHECKPOINT).exists() {
+                        let _ = std::fs::remove_dir_all(&checkpoints);
+                    }
+                    return Err(e);
+                }
+            };
             place(&built, &staging, &out)?;
             // The run is complete: its checkpoints are of no further use.
             let _ = std::fs::remove_dir_all(&checkpoints);

@@ -91,6 +91,51 @@ pub fn convert_peak_bytes(gguf_bytes: u64) -> u64 {
     (gguf_bytes / 8).min(1 << 30) + MLX_OVERHEAD_BYTES / 4
 }
 
+/// What a LoRA job's estimate needs of a model's config.json (0 where it is silent).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ModelShape {
+    pub hidden: u64,
+    pub intermediate: u64,
+    pub layers: u64,
+    pub vocab: u64,
+}
+
+impl ModelShape {
+    /// Reads `dir/config.json` (a multimodal model's `text_config` when there is one).
+    pub fn read(dir: &Path) -> Self {
+        let Some(config) = std::fs::read(dir.join("config.json"))
+            .ok()
+            .and_then(|t| serde_json::from_slice::<serde_json::Value>(&t).ok())
+        else {
+            return Self::default();
+        };
+        let c = config.get("text_config").unwrap_or(&config);
+        let n = |k: &str| c.get(k).and_then(serde_json::Value::as_u64).unwrap_or(0);
+        Self {
+            hidden: n("hidden_size"),
+            intermediate: n("intermediate_size"),
+            layers: n("num_hidden_layers"),
+            vocab: n("vocab_size"),
+        }
+    }
+}
+
+/// The estimated peak of a LoRA job: the base's weights, plus the activations a backward pass
+/// keeps for a full batch of `max_seq_length` tokens (per layer and token about twelve
+/// hidden-size and four intermediate-size float32 vectors) and the logits with their
+/// gradient (three float32 vocabulary rows per token), plus MLX's overhead. It bounds a batch
+/// of the longest sequences the settings allow; shorter data uses less.
+pub fn lora_peak_bytes(
+    size: CheckpointSize,
+    shape: ModelShape,
+    params: &mlxd_protocol::jobs::TrainParams,
+) -> u64 {
+    let tokens = u64::from(params.batch_size) * u64::from(params.max_seq_length);
+    let per_token =
+        shape.layers * (12 * shape.hidden + 4 * shape.intermediate) * 4 + 3 * shape.vocab * 4;
+    size.total + tokens.saturating_mul(per_token) + MLX_OVERHEAD_BYTES
+}
+
 /// Memory counted for a fetch: downloads stream to disk.
 pub const FETCH_PEAK_BYTES: u64 = 64 << 20;
 

@@ -7,6 +7,33 @@ use mlxd_protocol::jobs::{Job, JobProgress};
 
 use crate::config::Bytes;
 
+/// A training job's figures in one line: `training 12/100: train loss 2.345, val loss 2.567
+/// (after 10), 1234 tok/s, peak 1.2 GiB, checkpoint 10`.
+pub fn training_line(phase: &str, t: &mlxd_protocol::jobs::TrainingProgress) -> String {
+    let mut line = format!("{phase} {}/{}", t.iteration, t.iters);
+    let mut parts = Vec::new();
+    if let Some(l) = t.train_loss {
+        parts.push(format!("train loss {l:.4}"));
+    }
+    if let (Some(l), Some(at)) = (t.val_loss, t.val_iteration) {
+        parts.push(format!("val loss {l:.4} (after {at})"));
+    }
+    if t.tokens_per_second > 0.0 {
+        parts.push(format!("{:.0} tok/s", t.tokens_per_second));
+    }
+    if t.peak_memory_bytes > 0 {
+        parts.push(format!("peak {}", Bytes(t.peak_memory_bytes)));
+    }
+    if let Some(c) = t.checkpoint {
+        parts.push(format!("checkpoint {c}"));
+    }
+    if !parts.is_empty() {
+        line.push_str(": ");
+        line.push_str(&parts.join(", "));
+    }
+    line
+}
+
 /// Where a followed job's progress goes.
 pub enum ProgressView {
     Bar(Option<indicatif::ProgressBar>),
@@ -25,6 +52,12 @@ impl ProgressView {
 
     pub fn show(&mut self, p: &JobProgress) {
         match self {
+            // A training job: every report is a line (iteration, losses, speed, memory).
+            Self::Lines(_) if p.training.is_some() => {
+                if let Some(t) = &p.training {
+                    eprintln!("mlxd: {}", training_line(&p.phase, t));
+                }
+            }
             Self::Lines(lines) => {
                 if let Some(line) = lines.line(p) {
                     eprintln!("mlxd: {line}");
@@ -47,7 +80,10 @@ impl ProgressView {
                 bar.set_length(p.total.max(p.done));
                 bar.set_position(p.done);
                 bar.set_prefix(p.phase.clone());
-                bar.set_message(p.detail.clone().unwrap_or_default());
+                bar.set_message(match &p.training {
+                    Some(t) => training_line(&p.phase, t),
+                    None => p.detail.clone().unwrap_or_default(),
+                });
             }
         }
     }

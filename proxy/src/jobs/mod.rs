@@ -48,7 +48,7 @@ type Reply<T> = oneshot::Sender<T>;
 #[derive(Debug)]
 enum Command {
     Submit {
-        job: PreparedJob,
+        job: Box<PreparedJob>,
         reply: Reply<Result<Job, ProxyError>>,
     },
     List {
@@ -89,7 +89,11 @@ impl JobsHandle {
 
     /// Queues a job; refused at once when it can never fit in the memory budget.
     pub async fn submit(&self, job: PreparedJob) -> Result<Job, ProxyError> {
-        self.ask(|reply| Command::Submit { job, reply }).await?
+        self.ask(|reply| Command::Submit {
+            job: Box::new(job),
+            reply,
+        })
+        .await?
     }
 
     pub async fn list(&self) -> Vec<Job> {
@@ -330,7 +334,7 @@ impl Jobs {
     async fn command(&mut self, cmd: Command) {
         match cmd {
             Command::Submit { job, reply } => {
-                let r = self.submit(job).await;
+                let r = self.submit(*job).await;
                 let _ = reply.send(r);
             }
             Command::List { reply } => {

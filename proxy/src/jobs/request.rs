@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use mlxd_protocol::jobs::{
-    JobRequest, JobSpec, BITS, DEFAULT_BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES,
+    JobRequest, JobSpec, TrainParams, BITS, DEFAULT_BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES,
 };
 use serde_json::{Map, Value};
 
@@ -37,6 +37,24 @@ pub enum Work {
         model: String,
         home: PathBuf,
     },
+    Lora {
+        source: PathBuf,
+        data: PathBuf,
+        params: TrainParams,
+        resume: bool,
+        init_adapter: Option<PathBuf>,
+        out: PathBuf,
+    },
+}
+
+/// A LoRA run's checkpoints, beside its output (`.<leaf>.checkpoints`): kept after a cancel or
+/// a crash so that a request with `resume` continues from them.
+pub fn checkpoints_of(out: &Path) -> PathBuf {
+    let leaf = out
+        .file_name()
+        .map(|l| l.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    out.with_file_name(format!(".{leaf}.checkpoints"))
 }
 
 /// Marks a job's staging directory, beside its output (same filesystem, so the final rename is
@@ -48,7 +66,7 @@ impl Work {
     /// The directory the job builds its output in, removed unless the job succeeds.
     pub fn staging(&self, id: &str) -> Option<PathBuf> {
         let out = match self {
-            Self::Quantize { out, .. } | Self::Convert { out, .. } => out,
+            Self::Quantize { out, .. } | Self::Convert { out, .. } | Self::Lora { out, .. } => out,
             Self::Fetch { .. } => return None,
         };
         let leaf = out.file_name()?.to_string_lossy();
@@ -72,6 +90,23 @@ impl Work {
             },
             Self::Convert { gguf, out } => JobSpec::Convert { gguf, staging, out },
             Self::Fetch { model, home } => JobSpec::Fetch { model, home },
+            Self::Lora {
+                source,
+                data,
+                params,
+                resume,
+                init_adapter,
+                out,
+            } => JobSpec::Lora {
+                source,
+                data,
+                params,
+                checkpoints: checkpoints_of(&out),
+                resume,
+                init_adapter,
+                staging,
+                out,
+            },
         }
     }
 }
@@ -193,14 +228,15 @@ pub fn prepare(body: &[u8], catalog: &Catalog, home: &Path) -> Result<PreparedJo
         ));
     };
     let kind = string_field(obj, "kind")?
-        .ok_or_else(|| bad("kind", "is required: quantize, convert or fetch"))?;
+        .ok_or_else(|| bad("kind", "is required: quantize, convert, fetch or lora"))?;
     match kind.as_str() {
         "quantize" => prepare_quantize(obj, catalog, home),
         "convert" => prepare_convert(obj, home),
         "fetch" => prepare_fetch(obj, home),
+        "lora" => prepare_lora(obj, catalog, home),
         other => Err(bad(
             "kind",
-            format!("must be quantize, convert or fetch, got {other:?}"),
+            format!("must be quantize, convert, fetch or lora, got {other:?}"),
         )),
     }
 }
@@ -365,6 +401,127 @@ fn prepare_fetch(obj: &Map<String, Value>, home: &Path) -> Result<PreparedJob, P
     })
 }
 
+/// The fields of a `lora` request besides [`TrainParams`]'.
+const LORA_FIELDS: &[&str] = &["kind", "model", "data", "out", "resume", "init_adapter"];
+
+fn absolute_path(
+    obj: &Map<String, Value>,
+    field: &'static str,
+) -> Result<Option<PathBuf>, ProxyError> {
+    let Some(s) = string_field(obj, field)? else {
+        return Ok(None);
+    };
+    let p = PathBuf::from(&s);
+    if !p.is_absolute() {
+        return Err(bad(
+            field,
+            format!(
+                "must be an absolute path (the server's working directory is not yours), got {s:?}"
+            ),
+        ));
+    }
+    if !p.exists() {
+        return Err(bad(field, format!("{s}: no such file or directory")));
+    }
+    Ok(Some(p))
+}
+
+fn prepare_lora(
+    obj: &Map<String, Value>,
+    catalog: &Catalog,
+    home: &Path,
+) -> Result<PreparedJob, ProxyError> {
+    // The hyperparameters are TrainParams' fields; anything else is unknown.
+    let mut params_obj = obj.clone();
+    for f in LORA_FIELDS {
+        params_obj.remove(*f);
+    }
+    let params: TrainParams = serde_json::from_value(Value::Object(params_obj))
+        .map_err(|e| ProxyError::BadRequest(format!("lora job: {e}")))?;
+    params
+        .check()
+        .map_err(|m| ProxyError::BadRequest(format!("lora job: {m}")))?;
+    let model = string_field(obj, "model")?.ok_or_else(|| {
+        bad(
+            "model",
+            "is required: a model directory, a configured model id, a model in the store or a Hugging Face repo in the cache",
+        )
+    })?;
+    let data = absolute_path(obj, "data")?.ok_or_else(|| {
+        bad(
+            "data",
+            "is required: the absolute path of a directory with train.jsonl and valid.jsonl",
+        )
+    })?;
+    for name in ["train.jsonl", "valid.jsonl"] {
+        if !data.join(name).is_file() {
+            return Err(bad("data", format!("{} has no {name}", data.display())));
+        }
+    }
+    let init_adapter = absolute_path(obj, "init_adapter")?;
+    let resume = match obj.get("resume") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(other) => return Err(bad("resume", format!("must be true or false, got {other}"))),
+    };
+    let (id, source) = model_dir(&model, catalog, home)?;
+    let size: CheckpointSize =
+        admission::checkpoint_size(&source).map_err(|e| bad("model", e.to_string()))?;
+    let shape = admission::ModelShape::read(&source);
+    let adapters = home.join("adapters");
+    let out = match string_field(obj, "out")? {
+        Some(o) if mlxd_store::inventory::is_plain_name(&o) => adapters.join(o),
+        Some(o) if Path::new(&o).is_absolute() && Path::new(&o).file_name().is_some() => {
+            PathBuf::from(o)
+        }
+        Some(o) => {
+            return Err(bad(
+                "out",
+                format!("must be a name (an adapter in the store) or an absolute path, got {o:?}"),
+            ))
+        }
+        None => adapters.join(format!("{}-lora", leaf_name(&id))),
+    };
+    if out.exists() {
+        return Err(bad(
+            "out",
+            format!(
+                "{} already exists; a job never overwrites an adapter",
+                out.display()
+            ),
+        ));
+    }
+    if resume && !checkpoints_of(&out).is_dir() {
+        return Err(bad(
+            "resume",
+            format!(
+                "no checkpoints of an earlier run for {} ({} does not exist)",
+                out.display(),
+                checkpoints_of(&out).display()
+            ),
+        ));
+    }
+    Ok(PreparedJob {
+        request: JobRequest::Lora {
+            model,
+            data: data.display().to_string(),
+            out: Some(out.display().to_string()),
+            resume,
+            init_adapter: init_adapter.as_ref().map(|p| p.display().to_string()),
+            params: params.clone(),
+        },
+        memory_bytes: admission::lora_peak_bytes(size, shape, &params),
+        work: Work::Lora {
+            source,
+            data,
+            params,
+            resume,
+            init_adapter,
+            out,
+        },
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -385,7 +542,11 @@ mod tests {
     fn bad_fields_are_named() {
         for (body, field, needle) in [
             (r#"{}"#, "kind", "required"),
-            (r#"{"kind":"bake"}"#, "kind", "quantize, convert or fetch"),
+            (
+                r#"{"kind":"bake"}"#,
+                "kind",
+                "quantize, convert, fetch or lora",
+            ),
             (r#"{"kind":"quantize"}"#, "model", "required"),
             (r#"{"kind":"quantize","model":7}"#, "model", "string"),
             (
@@ -482,5 +643,52 @@ mod tests {
         std::fs::create_dir_all(out).unwrap();
         let e = prepare(body.as_bytes(), &catalog(), home.path()).unwrap_err();
         assert_eq!(e.param(), Some("out"));
+    }
+
+    #[test]
+    fn lora_requests_check_their_settings_and_fill_in_mlx_lm_defaults() {
+        let home = tempfile::tempdir().unwrap();
+        let model = home.path().join("m");
+        std::fs::create_dir(&model).unwrap();
+        std::fs::write(model.join("config.json"), r#"{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 100}"#).unwrap();
+        let header = br#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#;
+        let mut weights = (header.len() as u64).to_le_bytes().to_vec();
+        weights.extend_from_slice(header);
+        weights.extend_from_slice(&[0u8; 8]);
+        std::fs::write(model.join("model.safetensors"), weights).unwrap();
+        let data = home.path().join("data");
+        std::fs::create_dir(&data).unwrap();
+        let body = |extra: &str| {
+            format!(
+                r#"{{"kind":"lora","model":{:?},"data":{:?}{extra}}}"#,
+                model.display().to_string(),
+                data.display().to_string()
+            )
+        };
+        let err = |extra: &str| {
+            prepare(body(extra).as_bytes(), &catalog(), home.path())
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(err("").contains("has no train.jsonl"), "{}", err(""));
+        std::fs::write(data.join("train.jsonl"), "").unwrap();
+        std::fs::write(data.join("valid.jsonl"), "").unwrap();
+        assert!(err(r#","rank":0"#).contains("rank 0"));
+        assert!(err(r#","fine_tune_type":"dora""#).contains("not built"));
+        assert!(err(r#","learning_rat":1"#).contains("learning_rat"));
+        let e = err(r#","resume":true"#);
+        assert!(e.contains("no checkpoints"), "{e}");
+        let job = prepare(body("").as_bytes(), &catalog(), home.path()).unwrap();
+        let JobRequest::Lora { params, out, .. } = &job.request else {
+            panic!("{job:?}")
+        };
+        assert_eq!(*params, TrainParams::default());
+        assert_eq!(
+            out.as_deref(),
+            Some(home.path().join("adapters/m-lora").to_str().unwrap())
+        );
+        // Weights (8 bytes here) plus a batch of 4 x 2048 tokens' activations and logits.
+        let per_token = 2 * (12 * 64 + 4 * 128) * 4 + 3 * 100 * 4;
+        assert!(job.memory_bytes >= 4 * 2048 * per_token);
     }
 }

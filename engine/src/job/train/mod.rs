@@ -354,7 +354,6 @@ pub fn train(config: &TrainConfig, report: &mut Report<'_>) -> Result<TrainSumma
         bytes: 0,
     };
     let lr = Array::from_f32(p.learning_rate);
-    let (b1, b2, eps) = (0.9f32, 0.999f32, 1e-8f32);
     let mut figures = TrainingProgress {
         iteration: at.iteration,
         iters: p.iters,
@@ -409,31 +408,11 @@ pub fn train(config: &TrainConfig, report: &mut Report<'_>) -> Result<TrainSumma
             let mut vg = mlx_rs::transforms::value_and_grad_with_argnums(step, &argnums[..]);
             vg(&lora.params).map_err(mlx)?
         };
-        for i in 0..n_params {
-            let g = &grads[i];
-            let m = lora.m[i]
-                .multiply(&Array::from_f32(b1))
-                .and_then(|m| m.add(&g.multiply(&Array::from_f32(1.0 - b1))?))
-                .map_err(mlx)?;
-            let v = lora.v[i]
-                .multiply(&Array::from_f32(b2))
-                .and_then(|v| v.add(&g.square()?.multiply(&Array::from_f32(1.0 - b2))?))
-                .map_err(mlx)?;
-            let mut param = lora.params[i].clone();
-            if p.optimizer == Optimizer::Adamw {
-                param = param
-                    .multiply(&Array::from_f32(1.0 - p.learning_rate * 0.01))
-                    .map_err(mlx)?;
-            }
-            let update = m
-                .divide(
-                    &v.sqrt()
-                        .and_then(|s| s.add(&Array::from_f32(eps)))
-                        .map_err(mlx)?,
-                )
-                .and_then(|u| u.multiply(&lr))
-                .map_err(mlx)?;
-            lora.params[i] = param.subtract(&update).map_err(mlx)?;
+        let decay = (p.optimizer == Optimizer::Adamw).then_some(p.learning_rate * 0.01);
+        for (i, g) in grads.iter().enumerate() {
+            let (param, m, v) =
+                adam_step(&lora.params[i], g, &lora.m[i], &lora.v[i], &lr, decay).map_err(mlx)?;
+            lora.params[i] = param;
             lora.m[i] = m;
             lora.v[i] = v;
         }
@@ -461,7 +440,8 @@ pub fn train(config: &TrainConfig, report: &mut Report<'_>) -> Result<TrainSumma
         figures.trained_tokens = at.trained_tokens;
         figures.peak_memory_bytes = mlx_rs::memory::peak_memory().unwrap_or(0) as u64;
         report(progress(&figures, "training"))?;
-        if stall == Some(it) {
+        // The test switch stalls a fresh run only, so that its resumed run can finish.
+        if stall == Some(it) && !config.resume {
             tracing::warn!("MLXD_JOB_FAULT: stalling until killed");
             loop {
                 std::thread::sleep(std::time::Duration::from_secs(3600));
@@ -472,6 +452,30 @@ pub fn train(config: &TrainConfig, report: &mut Report<'_>) -> Result<TrainSumma
     summary.bytes = save_adapter(&config.out, &lora, config)?;
     report(progress(&figures, "writing"))?;
     Ok(summary)
+}
+
+/// One update of MLX's `Adam` (betas 0.9 and 0.999, eps 1e-8, no bias correction) or, with
+/// `decay` (`learning_rate * weight_decay`), `AdamW`: returns the parameter and the moments.
+fn adam_step(
+    param: &Array,
+    g: &Array,
+    m: &Array,
+    v: &Array,
+    lr: &Array,
+    decay: Option<f32>,
+) -> Result<(Array, Array, Array), Exception> {
+    const B1: f32 = 0.9;
+    const B2: f32 = 0.999;
+    const EPS: f32 = 1e-8;
+    let f = Array::from_f32;
+    let m = m.multiply(f(B1))?.add(g.multiply(f(1.0 - B1))?)?;
+    let v = v.multiply(f(B2))?.add(g.square()?.multiply(f(1.0 - B2))?)?;
+    let param = match decay {
+        Some(d) => param.multiply(f(1.0 - d))?,
+        None => param.clone(),
+    };
+    let update = lr.multiply(&m)?.divide(v.sqrt()?.add(f(EPS))?)?;
+    Ok((param.subtract(update)?, m, v))
 }
 
 /// The batch of (0-based) iteration `i`: the batches in an order per epoch.
@@ -532,7 +536,7 @@ fn save_checkpoint(dir: &Path, lora: &Lora, at: &Position) -> Result<(), JobErro
         ("trained_tokens".to_string(), at.trained_tokens.to_string()),
     ]
     .into();
-    let tmp = dir.join("checkpoint.partial.safetensors".to_string());
+    let tmp = dir.join("checkpoint.partial.safetensors");
     Array::save_safetensors(tensors.iter().map(|(k, v)| (k, *v)), Some(&metadata), &tmp)
         .map_err(|e| JobError::Mlx(format!("writing {}: {e}", tmp.display())))?;
     let path = dir.join(CHECKPOINT);
