@@ -6,15 +6,11 @@
 //! A space is named by the adapter's content, not by the name it was loaded under or the id
 //! the engine gave it: an adapter loaded again (or by a restarted engine, from the SSD tier)
 //! finds its entries, and a different adapter under a reused name does not.
-use std::fs::File;
-use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
 
 use sha2::{Digest, Sha256};
 
-/// Bytes hashed from each end of the adapter's weight file (as the model's fingerprint does):
-/// enough to tell two trainings apart without reading a large adapter whole.
-const WEIGHT_SAMPLE: u64 = 1 << 20;
+use super::ssd::identity::hash_weight_file;
 
 /// The base model's space, or an adapter's fingerprint (SHA-256 of its configuration and
 /// weights). All zeros is the base.
@@ -37,15 +33,7 @@ impl KvSpace {
         let config = std::fs::read(dir.join("adapter_config.json"))?;
         h.update((config.len() as u64).to_le_bytes());
         h.update(&config);
-        let mut f = File::open(dir.join("adapters.safetensors"))?;
-        let len = f.metadata()?.len();
-        h.update(len.to_le_bytes());
-        let mut buf = vec![0; WEIGHT_SAMPLE.min(len) as usize];
-        f.read_exact(&mut buf)?;
-        h.update(&buf);
-        f.seek(SeekFrom::Start(len - buf.len() as u64))?;
-        f.read_exact(&mut buf)?;
-        h.update(&buf);
+        hash_weight_file(&mut h, &dir.join("adapters.safetensors"))?;
         Ok(KvSpace(h.finalize().into()))
     }
 }

@@ -33,20 +33,12 @@ pub fn of_model_dir(dir: &Path, kv_format: &str) -> std::io::Result<Identity> {
         .collect();
     weights.sort();
     for path in weights {
-        let mut f = File::open(&path)?;
-        let len = f.metadata()?.len();
         model.update(
             path.file_name()
                 .map(|n| n.as_encoded_bytes())
                 .unwrap_or(b""),
         );
-        model.update(len.to_le_bytes());
-        let mut buf = vec![0; WEIGHT_SAMPLE.min(len) as usize];
-        f.read_exact(&mut buf)?;
-        model.update(&buf);
-        f.seek(SeekFrom::Start(len - buf.len() as u64))?;
-        f.read_exact(&mut buf)?;
-        model.update(&buf);
+        hash_weight_file(&mut model, &path)?;
     }
     let mut tokenizer = Sha256::new();
     tokenizer.update(b"mlxd-kv-tokenizer\0");
@@ -65,6 +57,21 @@ pub fn of_model_dir(dir: &Path, kv_format: &str) -> std::io::Result<Identity> {
         model: model.finalize().into(),
         tokenizer: tokenizer.finalize().into(),
     })
+}
+
+/// Feeds `h` a weight file's size and its first and last [`WEIGHT_SAMPLE`] bytes: enough to
+/// tell two trainings of one shape apart without reading the whole file.
+pub(crate) fn hash_weight_file(h: &mut Sha256, path: &Path) -> std::io::Result<()> {
+    let mut f = File::open(path)?;
+    let len = f.metadata()?.len();
+    h.update(len.to_le_bytes());
+    let mut buf = vec![0; WEIGHT_SAMPLE.min(len) as usize];
+    f.read_exact(&mut buf)?;
+    h.update(&buf);
+    f.seek(SeekFrom::Start(len - buf.len() as u64))?;
+    f.read_exact(&mut buf)?;
+    h.update(&buf);
+    Ok(())
 }
 
 /// Lower-case hex of `bytes`.
