@@ -285,14 +285,14 @@ impl Pool {
                     if done.limits_restored {
                         slot.log
                             .push("[mlxd] configured limits restored (admin reset)");
-                        restored.push(slot.id().to_string());
+                        restored.push((slot.id().to_string(), lifecycle::limits_grew(slot)));
                     }
                     if done.failure_cleared || done.limits_restored {
                         reset.push(slot.id().to_string());
                     }
                 }
-                for key in restored {
-                    self.apply_limits(&key);
+                for (key, effects) in restored {
+                    self.apply(&key, effects);
                 }
                 let _ = reply.send(reset);
             }
@@ -524,44 +524,14 @@ impl Pool {
         self.apply(key, effects);
     }
 
-    /// The stable period after an out-of-memory exit is over: the configured limits
-    /// come back (for the next engine, and the running one is recycled once idle).
+    /// See [`lifecycle::limits_recovery`].
     fn limits_recovery(&mut self, key: &str) {
-        let now = Instant::now();
         let policy = self.policy;
         let Some(slot) = self.slots.get_mut(key) else {
             return;
         };
-        if !slot.limits.recover_if_stable(&policy, now) {
-            // Not reduced any more, or a later OOM armed its own timer.
-            return;
-        }
-        info!(model = %key, limits = ?slot.limits.current(), stable_s = policy.limits_recovery.as_secs(), "no out-of-memory exit for the stable period: configured limits restored");
-        slot.log.push(format!(
-            "[mlxd] configured limits restored after {} s without an out-of-memory exit",
-            policy.limits_recovery.as_secs()
-        ));
-        self.apply_limits(key);
-    }
-
-    /// After the model's limits grew back: an engine running with smaller ones is
-    /// restarted as soon as it is idle (a busy one on its last release).
-    fn apply_limits(&mut self, key: &str) {
-        let Some(slot) = self.slots.get_mut(key) else {
-            return;
-        };
-        let current = slot.limits.current().clone();
-        let draining = slot.state.is_draining();
-        let Some(engine) = slot.state.engine_mut() else {
-            return;
-        };
-        if draining || engine.limits == current {
-            return;
-        }
-        engine.recycle = true;
-        if slot.state.is_ready() && slot.in_flight() == 0 {
-            self.evict(key, "limits_restored");
-        }
+        let effects = lifecycle::limits_recovery(slot, &policy, Instant::now());
+        self.apply(key, effects);
     }
 
     /// Starts the idle clock's timer for `key`; see [`lifecycle::arm_idle`].

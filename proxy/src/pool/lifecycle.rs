@@ -181,6 +181,45 @@ pub(super) fn ready(slot: &mut Slot, ready: Ready, now: Instant, timing: &Timing
     effects
 }
 
+/// The stable period after an out-of-memory exit is over (the `LimitsRecovery` timer): the
+/// configured limits come back, for the next engine and for the running one
+/// ([`limits_grew`]). Nothing when they are not reduced any more, or a later out-of-memory
+/// exit armed its own timer.
+pub(super) fn limits_recovery(
+    slot: &mut Slot,
+    policy: &RestartPolicy,
+    now: Instant,
+) -> Vec<Effect> {
+    if !slot.limits.recover_if_stable(policy, now) {
+        return Vec::new();
+    }
+    let stable_s = policy.limits_recovery.as_secs();
+    info!(model = %slot.id(), limits = ?slot.limits.current(), stable_s, "no out-of-memory exit for the stable period: configured limits restored");
+    let mut effects = vec![Effect::Log(format!(
+        "[mlxd] configured limits restored after {stable_s} s without an out-of-memory exit"
+    ))];
+    effects.extend(limits_grew(slot));
+    effects
+}
+
+/// The model's limits grew back (recovery or an admin reset): an engine running with
+/// smaller ones is recycled, drained now if it is ready and idle, else on its last release.
+pub(super) fn limits_grew(slot: &mut Slot) -> Vec<Effect> {
+    let current = slot.limits.current().clone();
+    let draining = slot.state.is_draining();
+    let Some(engine) = slot.state.engine_mut() else {
+        return Vec::new();
+    };
+    if draining || engine.limits == current {
+        return Vec::new();
+    }
+    engine.recycle = true;
+    if slot.state.is_ready() && slot.in_flight() == 0 {
+        return drain(slot, "limits_restored");
+    }
+    Vec::new()
+}
+
 /// Whether the model's spare engine should start now.
 #[derive(Debug)]
 pub(super) enum StandbyStart {

@@ -733,3 +733,59 @@ fn a_restart_timer_starts_only_the_generation_still_restarting() {
     };
     assert!(!restart_due(&s, 1, stopping));
 }
+
+#[test]
+fn recovered_limits_recycle_an_engine_running_with_the_reduced_ones() {
+    let t0 = Instant::now();
+    let policy = timing().policy;
+    let mut s = slot(false);
+    s.entry.limits = Limits {
+        max_batch_size: Some(8),
+        ..Limits::default()
+    };
+    s.limits = crate::policy::ModelLimits::new(s.entry.limits.clone());
+    start_engine(&mut s, 42, 1, t0);
+    ready(&mut s, ready_report(), t0, &timing());
+    exit_calmly(
+        &mut s,
+        ExitCause::OutOfMemory {
+            detail: "simulated".into(),
+        },
+        t0,
+    );
+    assert_eq!(s.limits.current().max_batch_size, Some(4));
+    // The next engine runs with the halved limits.
+    s.generation = 2;
+    let (handle, _ends) = EngineHandle::simulated(43, 2);
+    let reduced = s.limits.current().clone();
+    started(&mut s, handle, reduced, t0, &timing());
+    ready(&mut s, ready_report(), t0, &timing());
+    assert!(
+        limits_recovery(&mut s, &policy, t0).is_empty(),
+        "not stable long enough"
+    );
+    let later = t0 + policy.limits_recovery;
+    // Busy: recycled on its last release, not now.
+    let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
+    let lease = s.grant(&tx, &policy, later).unwrap();
+    let fx = limits_recovery(&mut s, &policy, later);
+    assert_eq!(names(&fx), ["log"]);
+    assert_eq!(s.limits.current().max_batch_size, Some(8));
+    assert!(s.state.engine().unwrap().recycle);
+    assert_eq!(s.state.name(), "ready");
+    drop(lease);
+    assert!(
+        limits_recovery(&mut s, &policy, later).is_empty(),
+        "restored once"
+    );
+    // Idle: drained at once.
+    s.state.engine_mut().unwrap().recycle = false;
+    s.state.engine_mut().unwrap().in_flight = 0;
+    let fx = limits_grew(&mut s);
+    assert_eq!(
+        names(&fx),
+        ["control", "control", "log", "eviction", "stop"]
+    );
+    assert_eq!(s.state.name(), "draining");
+    assert!(limits_grew(&mut s).is_empty(), "already draining");
+}
