@@ -40,7 +40,7 @@ pub(super) enum Effect {
     AnswerUnloads,
     /// Start the idle clock (TTL).
     ArmIdleTimer,
-    /// Queue the model for a new engine (the actor numbers the wait and calls [`queue`]).
+    /// Queue the model for a new engine (the actor numbers the wait and calls [`super::queue::queue`]).
     Enqueue,
     /// Put the model in the pool's queue of models waiting for room.
     JoinQueue,
