@@ -92,6 +92,12 @@ pub const KEYS: &[(&str, &str)] = &[
          `distributed` entry",
     ),
     (
+        "distributed_step_timeout",
+        "with distributed: seconds a step of the group may run before a rank that makes no \
+         progress (stopped, or its network stalled) takes the group down for a restart, 1 to \
+         86400 (default 300)",
+    ),
+    (
         "state_snapshot_every",
         "models with recurrent layers: prompt tokens between two snapshots of the state in the \
          prefix cache (default 4096)",
@@ -201,6 +207,11 @@ pub struct EngineOptions {
     /// rank to rank) [default: tensor].
     #[cfg_attr(feature = "cli", arg(long, value_parser = parse_distributed_mode))]
     pub distributed_mode: Option<Parallelism>,
+    /// With --distributed: seconds one step of the group (rank 0's broadcast and the forward
+    /// pass) may run before the rank gives the group up as hung and exits for a restart
+    /// [default: 300].
+    #[cfg_attr(feature = "cli", arg(long, value_parser = parse_distributed_step_timeout))]
+    pub distributed_step_timeout: Option<u64>,
     /// For models with recurrent layers (Qwen3-Next, Mamba-2, ...), whose state cannot be cut
     /// back to a shorter prefix: prompt tokens between two snapshots of the state kept in the
     /// prefix cache, and the most a prefill chunk holds [default: 4096].
@@ -364,6 +375,41 @@ pub fn parse_distributed_hosts(s: &str) -> Result<String, String> {
     crate::group_hosts::parse_hosts(s).map(|hosts| crate::group_hosts::to_option(&hosts))
 }
 
+/// The engine options an engine group refuses, with the reason (every rank must take the same
+/// decisions on the same inputs, and these would not).
+pub const GROUP_REFUSES: &[(&str, &str)] = &[
+    (
+        "draft",
+        "speculation's governor times the steps, which differ between ranks",
+    ),
+    (
+        "draft_model",
+        "speculation's governor times the steps, which differ between ranks, and the draft \
+         model is not divided",
+    ),
+    (
+        "ssd_cache",
+        "the SSD tier's writes and idle demotions run on timers, which differ between ranks",
+    ),
+    (
+        "adapters",
+        "a LoRA adapter's matrices are not divided among the ranks, and the other ranks would \
+         run the base model",
+    ),
+    (
+        "warm_up",
+        "warm-up generations run on one rank alone; a group's ranks would have to run them in \
+         lockstep",
+    ),
+];
+
+/// Most seconds a group's step may be given (a day).
+const MAX_STEP_TIMEOUT: u64 = 86_400;
+
+pub fn parse_distributed_step_timeout(s: &str) -> Result<u64, String> {
+    parse_in(s, 1, MAX_STEP_TIMEOUT, "seconds")
+}
+
 pub fn parse_state_snapshot_every(s: &str) -> Result<u64, String> {
     parse_in(s, 16, MAX_TOKENS, "a number of tokens")
 }
@@ -476,6 +522,10 @@ impl EngineOptions {
             "distributed_mode" => {
                 self.distributed_mode = Some(parse_distributed_mode(value).map_err(bad)?)
             }
+            "distributed_step_timeout" => {
+                self.distributed_step_timeout =
+                    Some(parse_distributed_step_timeout(value).map_err(bad)?)
+            }
             "state_snapshot_every" => {
                 self.state_snapshot_every = Some(parse_state_snapshot_every(value).map_err(bad)?)
             }
@@ -550,6 +600,10 @@ impl EngineOptions {
             self.distributed_mode.map(|m| m.name().to_owned()),
         );
         put(
+            "distributed_step_timeout",
+            self.distributed_step_timeout.map(|v| v.to_string()),
+        );
+        put(
             "state_snapshot_every",
             self.state_snapshot_every.map(|v| v.to_string()),
         );
@@ -599,11 +653,16 @@ impl EngineOptions {
             ));
         }
         if self.distributed.is_some() {
-            for key in ["draft", "draft_model", "ssd_cache", "adapters"] {
-                if map.contains_key(key) {
+            for (key, why) in GROUP_REFUSES {
+                let asked = match *key {
+                    // warm_up = false is what a group does anyway.
+                    "warm_up" => self.warm_up == Some(true),
+                    _ => map.contains_key(*key),
+                };
+                if asked {
                     return Err(refuse(
                         key,
-                        "is not supported by an engine group (distributed) yet",
+                        &format!("is not supported by an engine group (distributed) yet: {why}"),
                     ));
                 }
             }
@@ -613,6 +672,9 @@ impl EngineOptions {
         }
         if self.distributed.is_none() && self.distributed_mode.is_some() {
             return Err(refuse("distributed_mode", "needs distributed"));
+        }
+        if self.distributed.is_none() && self.distributed_step_timeout.is_some() {
+            return Err(refuse("distributed_step_timeout", "needs distributed"));
         }
         let (min, max) = self.ngram_sizes();
         if min > max {
@@ -756,6 +818,29 @@ mod tests {
             (
                 &[("warm_up", "yes")],
                 "engine option warm_up = \"yes\": expected true or false",
+            ),
+            (
+                &[("distributed", "ring"), ("warm_up", "true")],
+                "engine option warm_up = \"true\": is not supported by an engine group \
+                 (distributed) yet: warm-up generations run on one rank alone",
+            ),
+            (
+                &[("distributed", "ring"), ("adapters", "a=/x")],
+                "engine option adapters = \"a=/x\": is not supported by an engine group \
+                 (distributed) yet: a LoRA adapter's matrices are not divided",
+            ),
+            (
+                &[("distributed", "ring"), ("ssd_cache", "/x")],
+                "engine option ssd_cache = \"/x\": is not supported by an engine group \
+                 (distributed) yet: the SSD tier's writes",
+            ),
+            (
+                &[("distributed_step_timeout", "5")],
+                "engine option distributed_step_timeout = \"5\": needs distributed",
+            ),
+            (
+                &[("distributed", "ring"), ("distributed_step_timeout", "0")],
+                "engine option distributed_step_timeout = \"0\": expected seconds from 1 to 86400",
             ),
             (
                 &[("prefill_step_tokens", "16")],

@@ -47,12 +47,18 @@ struct Group {
 impl Group {
     /// `hosts` ranks in the hostfile, `started` of them started (the rest never come).
     fn start(model: &Path, hosts: usize, started: usize) -> Result<Group> {
-        Self::start_in(model, hosts, started, Mode::Tensor)
+        Self::start_in(model, hosts, started, Mode::Tensor, &[])
     }
 
-    /// [`Self::start`] with the model divided as `mode` says (rank 0's flag: the other ranks
-    /// take rank 0's options).
-    fn start_in(model: &Path, hosts: usize, started: usize, mode: Mode) -> Result<Group> {
+    /// [`Self::start`] with the model divided as `mode` says and rank 0 given `flags` (the
+    /// other ranks take rank 0's options).
+    fn start_in(
+        model: &Path,
+        hosts: usize,
+        started: usize,
+        mode: Mode,
+        flags: &[&str],
+    ) -> Result<Group> {
         let dir = tempfile::tempdir()?;
         let ports = free_ports(hosts)?;
         let hostfile = dir.path().join("hosts.json");
@@ -84,6 +90,7 @@ impl Group {
                 if mode == Mode::Pipeline {
                     cmd.args(["--distributed-mode", "pipeline"]);
                 }
+                cmd.args(flags);
             }
             ranks.push(cmd.spawn()?);
         }
@@ -156,11 +163,12 @@ impl Drop for Killed {
     }
 }
 
-/// A single engine serving `model` on a socket in `dir`.
-fn single(model: &Path, dir: &Path) -> Result<Child> {
+/// A single engine serving `model` on a socket in `dir`, given `flags`.
+fn single(model: &Path, dir: &Path, flags: &[&str]) -> Result<Child> {
     Ok(Command::new(built_engine_bin()?)
         .args(["--model", &model.display().to_string(), "--unix"])
         .arg(dir.join("single.sock"))
+        .args(flags)
         .env("MLXD_HOME", dir.join("home"))
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(dir.join("single.log"))?)
@@ -189,6 +197,12 @@ fn wait_serving(socket: &Path, child: &mut Child, within: Duration) -> Result<()
 
 /// POSTs a completion to the engine at `socket`; its generated token ids.
 fn completion_ids(socket: &Path, body: &Value) -> Result<Vec<u64>> {
+    Ok(completion(socket, body)?.0)
+}
+
+/// POSTs a completion to the engine at `socket`; its generated token ids and the prompt
+/// tokens it took from the prefix cache.
+fn completion(socket: &Path, body: &Value) -> Result<(Vec<u64>, u64)> {
     let body = serde_json::to_vec(body)?;
     let mut stream = UnixStream::connect(socket)?;
     stream.set_read_timeout(Some(Duration::from_secs(120)))?;
@@ -209,15 +223,19 @@ fn completion_ids(socket: &Path, body: &Value) -> Result<Vec<u64>> {
     let ids = v["choices"][0]["mlxd"]["token_ids"]
         .as_array()
         .with_context(|| format!("no token ids in {v}"))?;
-    Ok(ids.iter().filter_map(Value::as_u64).collect())
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0);
+    Ok((ids.iter().filter_map(Value::as_u64).collect(), cached))
 }
 
-/// The token ids of each body, all requests in flight together (one batch).
-fn batched(socket: &Path, bodies: &[Value]) -> Result<Vec<Vec<u64>>> {
+/// The token ids and cached prompt tokens of each body, all requests in flight together (one
+/// batch).
+fn batched(socket: &Path, bodies: &[Value]) -> Result<Vec<(Vec<u64>, u64)>> {
     std::thread::scope(|s| {
         let handles: Vec<_> = bodies
             .iter()
-            .map(|b| s.spawn(move || completion_ids(socket, b)))
+            .map(|b| s.spawn(move || completion(socket, b)))
             .collect();
         handles
             .into_iter()
@@ -248,10 +266,22 @@ fn two_ranks_serve_the_single_engines_tokens_alone_and_batched() -> Result<()> {
 /// `ranks` ranks dividing `name` as `mode` says give the single engine's tokens for
 /// [`bodies`], each alone and all in one batch, and rank 1 holds less than the whole model.
 fn ranks_serve_the_single_engines_tokens(name: &str, mode: Mode, ranks: usize) -> Result<()> {
+    ranks_serve_the_single_engines_tokens_with(name, mode, ranks, &[])
+}
+
+/// [`ranks_serve_the_single_engines_tokens`] with `flags` given to rank 0 and to the single
+/// engine. The batch repeats the prompts the requests alone left in the prefix cache: each
+/// takes as many prompt tokens from the cache as on the single engine.
+fn ranks_serve_the_single_engines_tokens_with(
+    name: &str,
+    mode: Mode,
+    ranks: usize,
+    flags: &[&str],
+) -> Result<()> {
     let model = tiny_model(name)?;
-    let mut group = Group::start_in(&model, ranks, ranks, mode)?;
+    let mut group = Group::start_in(&model, ranks, ranks, mode, flags)?;
     let dir = tempfile::tempdir()?;
-    let mut one = Killed(single(&model, dir.path())?);
+    let mut one = Killed(single(&model, dir.path(), flags)?);
     let socket = group.socket();
     wait_serving(&socket, &mut group.ranks[0], Duration::from_secs(60))?;
     wait_serving(
@@ -260,22 +290,31 @@ fn ranks_serve_the_single_engines_tokens(name: &str, mode: Mode, ranks: usize) -
         Duration::from_secs(60),
     )?;
     let bodies = bodies();
-    let expected: Vec<Vec<u64>> = bodies
+    let single_socket = dir.path().join("single.sock");
+    let expected: Vec<(Vec<u64>, u64)> = bodies
         .iter()
-        .map(|b| completion_ids(&dir.path().join("single.sock"), b))
+        .map(|b| completion(&single_socket, b))
         .collect::<Result<_>>()?;
-    assert!(expected.iter().all(|ids| !ids.is_empty()), "{expected:?}");
+    assert!(
+        expected.iter().all(|(ids, _)| !ids.is_empty()),
+        "{expected:?}"
+    );
     for (body, want) in bodies.iter().zip(&expected) {
         assert_eq!(
-            &completion_ids(&socket, body)?,
+            &completion(&socket, body)?,
             want,
-            "{name} {mode:?} alone: {body}"
+            "{name} {mode:?} {flags:?} alone: {body}"
         );
     }
+    let expected_batch = batched(&single_socket, &bodies)?;
+    assert!(
+        expected_batch.iter().any(|(_, cached)| *cached > 0),
+        "the batch took nothing from the prefix cache: {expected_batch:?}"
+    );
     assert_eq!(
         batched(&socket, &bodies)?,
-        expected,
-        "{name} {mode:?} batched"
+        expected_batch,
+        "{name} {mode:?} {flags:?} batched"
     );
     // Tensor: each rank holds half of every attention and MLP matrix; pipeline: its layers
     // only. Either way less than the whole.
@@ -361,7 +400,7 @@ fn each_of_two_ranks_reads_only_its_half_of_the_divided_weights() -> Result<()> 
         "{divided} of {whole}: too little divided to measure"
     );
     let dir = tempfile::tempdir()?;
-    let mut one = Killed(single(&model, dir.path())?);
+    let mut one = Killed(single(&model, dir.path(), &[])?);
     wait_serving(
         &dir.path().join("single.sock"),
         &mut one.0,
@@ -525,40 +564,54 @@ fn mlxd_completion(
     Ok(text)
 }
 
+/// What befalls a rank once a stream flows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    /// `kill -9`: the rank dies.
+    Kill,
+    /// `kill -STOP`: the rank hangs, its connections open, its collectives never answered.
+    Stop,
+    /// `kill -STOP` of rank 0 instead: rank 1 finds the step hung and must end rank 0, which
+    /// cannot end itself.
+    StopLeader,
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn under_mlxd_a_group_serves_and_kill_9_of_rank_1_restarts_it_with_the_stream_resumed(
 ) -> Result<()> {
+    a_fault_mid_stream_restarts_the_group(Fault::Kill).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_mlxd_sigstop_of_rank_1_restarts_the_group_with_the_stream_resumed() -> Result<()> {
+    a_fault_mid_stream_restarts_the_group(Fault::Stop).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_mlxd_sigstop_of_rank_0_restarts_the_group_with_the_stream_resumed() -> Result<()> {
+    a_fault_mid_stream_restarts_the_group(Fault::StopLeader).await
+}
+
+/// Under `mlxd`, a two-rank group serves the single engine's text; `fault` strikes a rank once
+/// a stream flows: the group goes down, the pool restarts it, the stream resumes on the new
+/// group to the same text, and no process of the old group is left (a stopped rank is
+/// continued afterwards, and must be gone or go).
+async fn a_fault_mid_stream_restarts_the_group(fault: Fault) -> Result<()> {
+    /// The step bound of the group that hangs: long beside a tiny model's steps on this
+    /// loaded machine, short beside the test.
+    const STEP_TIMEOUT_S: u64 = 5;
     let model = tiny_model("tiny-llama")?;
     let dir = tempfile::tempdir()?;
-    let config = dir.path().join("mlxd.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[[model]]\nid = \"g\"\npath = {path:?}\n\
-             distributed = {{ backend = \"ring\", hosts = [\"127.0.0.1\", \"127.0.0.1\"] }}\n\
-             [[model]]\nid = \"s\"\npath = {path:?}\n",
-            path = model.display().to_string()
-        ),
-    )?;
-    let mlxd = mlxd_tests::MlxdProcess::builder()
-        .engine(built_engine_bin()?)
-        .args(&["--config".as_ref(), config.as_os_str()])
-        .env("MLXD_GROUP_INIT_TIMEOUT", "20")
-        .own_home()
-        .start()
-        .await?;
-    let addr = mlxd.addr;
-    let rank0 = |addr| -> Result<u32> {
-        let v: Value = serde_json::from_str(&http_get(addr, "/engines")?)?;
-        v["engines"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .find(|e| e["model"] == "g")
-            .and_then(|e| e["pid"].as_u64())
-            .map(|p| p as u32)
-            .with_context(|| format!("no engine for g in {v}"))
+    let options = match fault {
+        Fault::Kill => String::new(),
+        Fault::Stop | Fault::StopLeader => {
+            format!("options = {{ distributed_step_timeout = \"{STEP_TIMEOUT_S}\" }}\n")
+        }
     };
+    let config = group_config(dir.path(), &model, LOCAL_PAIR, "", &options)?;
+    let mlxd = start_mlxd(&config).await?;
+    let addr = mlxd.addr;
+    let log = mlxd.log.clone();
     tokio::task::spawn_blocking(move || -> Result<()> {
         let body = json!({"prompt": "hello world the", "max_tokens": 400, "temperature": 0});
         let with = |model: &str, stream: bool| {
@@ -574,38 +627,115 @@ async fn under_mlxd_a_group_serves_and_kill_9_of_rank_1_restarts_it_with_the_str
             mlxd_completion(addr, &with("g", false), || Ok(()))?,
             expected
         );
-        let first = rank0(addr)?;
+        let first = ready_group(addr, None, Duration::from_secs(60))?;
         let followers = children_of(first);
         assert_eq!(
             followers.len(),
             1,
             "rank 0 ({first}) runs one other rank: {followers:?}"
         );
-        // kill -9 of rank 1 once the stream flows: the group goes down, the pool restarts
-        // it, and the stream resumes on the new group to the same end.
+        let (signal, struck) = match fault {
+            Fault::Kill => ("-KILL", followers[0]),
+            Fault::Stop => ("-STOP", followers[0]),
+            Fault::StopLeader => ("-STOP", first),
+        };
+        let start = Instant::now();
         let streamed = mlxd_completion(addr, &with("g", true), || {
             let status = Command::new("kill")
-                .args(["-9", &followers[0].to_string()])
+                .args([signal, &struck.to_string()])
                 .status()?;
-            anyhow::ensure!(status.success(), "kill -9 {}", followers[0]);
+            anyhow::ensure!(status.success(), "kill {signal} {struck}");
             Ok(())
         })?;
+        let took = start.elapsed();
         assert_eq!(streamed, expected);
-        let second = rank0(addr)?;
-        assert_ne!(second, first, "the group was not restarted");
-        for pid in [first, followers[0]] {
+        // The pool's new group (the resumed stream already ran on it).
+        ready_group(addr, Some(first), Duration::from_secs(60))
+            .context("the group was not restarted")?;
+        if fault != Fault::Kill {
+            // Rank 0's step watch gave the group up after the bound, not before.
             assert!(
-                !Path::new(&format!("/proc/{pid}")).exists()
-                    || std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                        .is_ok_and(|s| s.contains(") Z ")),
-                "process {pid} of the old group survives"
+                took >= Duration::from_secs(STEP_TIMEOUT_S),
+                "the stream finished after {took:?}, within the {STEP_TIMEOUT_S} s bound"
             );
+            let said = plain(&std::fs::read_to_string(&log)?);
+            assert!(
+                said.contains("made no progress") && said.contains("distributed_step_timeout"),
+                "mlxd's log does not say why the group ended:\n{said}"
+            );
+            // Continued, a stopped rank that survived would run on: it must be gone already
+            // (its parent's death signal) or go.
+            let _ = Command::new("kill")
+                .args(["-CONT", &struck.to_string()])
+                .status();
+        }
+        let old = [first, followers[0]];
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !old.iter().all(|&pid| mlxd_tests::process_gone(pid as i32)) {
+            assert!(
+                Instant::now() < deadline,
+                "a process of the old group survives: {old:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
         }
         Ok(())
     })
     .await??;
     drop(mlxd);
     Ok(())
+}
+
+/// Two ranks on this machine, as `hosts` in a model's `distributed` table.
+const LOCAL_PAIR: &str = "\"127.0.0.1\", \"127.0.0.1\"";
+
+/// `mlxd.toml` in `dir`: `model` served as `g`, an engine group over `hosts` (the TOML list's
+/// items, rank 0 first) with `more` keys in its `distributed` table and `lines` in its model
+/// entry, and as `s`, one engine.
+fn group_config(dir: &Path, model: &Path, hosts: &str, more: &str, lines: &str) -> Result<PathBuf> {
+    let config = dir.join("mlxd.toml");
+    let path = serde_json::to_string(&model.display().to_string())?;
+    std::fs::write(
+        &config,
+        format!(
+            "[[model]]\nid = \"g\"\npath = {path}\n{lines}\
+             distributed = {{ backend = \"ring\", hosts = [{hosts}]{more} }}\n\
+             [[model]]\nid = \"s\"\npath = {path}\n"
+        ),
+    )?;
+    Ok(config)
+}
+
+/// `mlxd` on `config`, with the engine built from this tree and a store of its own.
+async fn start_mlxd(config: &Path) -> Result<mlxd_tests::MlxdProcess> {
+    mlxd_tests::MlxdProcess::builder()
+        .engine(built_engine_bin()?)
+        .args(&["--config".as_ref(), config.as_os_str()])
+        .own_home()
+        .start()
+        .await
+}
+
+/// Model `g`'s engine in `mlxd`'s `/engines`: its pid once its state is `ready` and the pid is
+/// not `old`, waiting at most `within`.
+fn ready_group(addr: std::net::SocketAddr, old: Option<u32>, within: Duration) -> Result<u32> {
+    let deadline = Instant::now() + within;
+    loop {
+        let engines: Value = serde_json::from_str(&http_get(addr, "/engines")?)?;
+        let ready = engines["engines"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|e| e["model"] == "g" && e["state"] == "ready")
+            .filter_map(|e| e["pid"].as_u64().map(|p| p as u32))
+            .find(|&p| Some(p) != old);
+        if let Some(pid) = ready {
+            return Ok(pid);
+        }
+        if Instant::now() > deadline {
+            bail!("no ready engine for g after {within:?}: {engines}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// A GET's body from `mlxd` at `addr`.
@@ -622,28 +752,40 @@ fn http_get(addr: std::net::SocketAddr, path: &str) -> Result<String> {
 
 #[test]
 fn a_backend_this_mlx_build_lacks_fails_the_load_naming_it() -> Result<()> {
-    // The CPU build of MLX has no NCCL.
+    // The CPU build of MLX on Linux has no NCCL (no CUDA) and no JACCL (RDMA over
+    // Thunderbolt, macOS only).
     let model = tiny_model("tiny-llama")?;
-    let dir = tempfile::tempdir()?;
-    let output = Command::new(built_engine_bin()?)
-        .args([
-            "--model",
-            &model.display().to_string(),
-            "--distributed",
-            "nccl",
-        ])
-        .arg("--unix")
-        .arg(dir.path().join("s.sock"))
-        .env("MLX_RANK", "0")
-        .env("MLXD_HOME", dir.path().join("home"))
-        .env("RUST_BACKTRACE", "0")
-        .output()?;
-    assert!(!output.status.success());
-    let log = plain(&String::from_utf8_lossy(&output.stderr));
-    assert!(
-        log.contains("this MLX build has no \"nccl\" distributed backend"),
-        "{log}"
-    );
+    for backend in ["nccl", "jaccl"] {
+        let dir = tempfile::tempdir()?;
+        let started = Instant::now();
+        let output = Command::new(built_engine_bin()?)
+            .args([
+                "--model",
+                &model.display().to_string(),
+                "--distributed",
+                backend,
+            ])
+            .arg("--unix")
+            .arg(dir.path().join("s.sock"))
+            .env("MLX_RANK", "0")
+            .env("MLXD_HOME", dir.path().join("home"))
+            .env("RUST_BACKTRACE", "0")
+            .output()?;
+        assert!(!output.status.success(), "{backend}");
+        let log = plain(&String::from_utf8_lossy(&output.stderr));
+        assert!(
+            log.contains(&format!(
+                "this MLX build has no \"{backend}\" distributed backend"
+            )),
+            "{backend}: {log}"
+        );
+        // At once: the group's init (and its timeout) is never reached.
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{backend}: {:?}",
+            started.elapsed()
+        );
+    }
     Ok(())
 }
 
@@ -658,9 +800,91 @@ fn two_ranks_in_pipeline_mode_serve_the_single_engines_tokens_alone_and_batched(
 }
 
 #[test]
+fn quantized_kv_in_a_group_gives_the_single_engines_tokens_in_both_modes() -> Result<()> {
+    // Qwen3's 32-wide heads hold one 32-wide quantization group (tiny Llama's 16 hold none).
+    for mode in [Mode::Tensor, Mode::Pipeline] {
+        ranks_serve_the_single_engines_tokens_with(
+            "tiny-qwen3",
+            mode,
+            2,
+            &["--kv-bits", "8", "--kv-group-size", "32"],
+        )?;
+    }
+    Ok(())
+}
+
+#[test]
+fn options_a_group_cannot_honour_fail_the_load_naming_them() -> Result<()> {
+    let model = tiny_model("tiny-llama")?;
+    let cases: [(&[&str], &str); 5] = [
+        (&["--warm-up", "true"], "warm_up"),
+        (&["--adapters", "a=/nowhere"], "adapters"),
+        (&["--draft", "ngram"], "draft"),
+        (&["--draft-model", "/nowhere"], "draft_model"),
+        (&["--ssd-cache", "/nowhere"], "ssd_cache"),
+    ];
+    for (flags, key) in cases {
+        let dir = tempfile::tempdir()?;
+        let output = Command::new(built_engine_bin()?)
+            .args(["--model", &model.display().to_string()])
+            .args(["--distributed", "ring", "--unix"])
+            .arg(dir.path().join("s.sock"))
+            .args(flags)
+            .env("MLX_RANK", "0")
+            .env("MLXD_HOME", dir.path().join("home"))
+            .env("RUST_BACKTRACE", "0")
+            .stdin(Stdio::null())
+            .output()?;
+        assert!(!output.status.success(), "{flags:?}");
+        let log = plain(&String::from_utf8_lossy(&output.stderr));
+        assert!(
+            log.contains(&format!("engine option {key} ="))
+                && log.contains("is not supported by an engine group (distributed) yet: "),
+            "{flags:?}: {log}"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn a_constrained_request_to_a_group_is_refused_naming_it() -> Result<()> {
+    let model = tiny_model("tiny-qwen3")?;
+    let mut group = Group::start(&model, 2, 2)?;
+    let socket = group.socket();
+    wait_serving(&socket, &mut group.ranks[0], Duration::from_secs(60))?;
+    let body = serde_json::to_vec(&json!({
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema":
+            {"type": "object", "properties": {"a": {"type": "integer"}}}}}
+    }))?;
+    let mut stream = UnixStream::connect(&socket)?;
+    stream.set_read_timeout(Some(Duration::from_secs(120)))?;
+    write!(
+        stream,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: engine\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    )?;
+    stream.write_all(&body)?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    assert!(
+        !response.starts_with("HTTP/1.1 200")
+            && response.contains("constrained decoding")
+            && response.contains("engine group"),
+        "{response}"
+    );
+    // The group still serves plain requests after it.
+    assert!(!completion_ids(&socket, &bodies()[0])?.is_empty());
+    Ok(())
+}
+
+#[test]
 fn a_family_that_cannot_be_pipelined_is_refused_naming_it() -> Result<()> {
     let model = tiny_model("family-mixtral")?;
-    let mut group = Group::start_in(&model, 2, 2, Mode::Pipeline)?;
+    let mut group = Group::start_in(&model, 2, 2, Mode::Pipeline, &[])?;
     for rank in 0..2 {
         let status = group.exit_of(rank, Duration::from_secs(60))?;
         assert!(!status.success(), "rank {rank}: {status}");
@@ -726,7 +950,7 @@ fn pipeline_mode_gives_mlx_lms_pipelined_tokens() -> Result<()> {
     let prompt = [5u32, 17, 33, 8];
     let reference = mlx_lm_pipelined_greedy(&model, 8, &prompt)?;
     assert_eq!(reference.len(), 8, "{reference:?}");
-    let mut group = Group::start_in(&model, 2, 2, Mode::Pipeline)?;
+    let mut group = Group::start_in(&model, 2, 2, Mode::Pipeline, &[])?;
     let socket = group.socket();
     wait_serving(&socket, &mut group.ranks[0], Duration::from_secs(60))?;
     let ours = completion_ids(
@@ -743,24 +967,8 @@ async fn under_mlxd_a_pipeline_group_serves_the_single_engines_text() -> Result<
     // `mode = "pipeline"` in mlxd.toml reaches every rank (rank 0's options, broadcast).
     let model = tiny_model("family-qwen3_moe")?;
     let dir = tempfile::tempdir()?;
-    let config = dir.path().join("mlxd.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[[model]]\nid = \"g\"\npath = {path:?}\n\
-             distributed = {{ backend = \"ring\", hosts = [\"127.0.0.1\", \"127.0.0.1\"], \
-             mode = \"pipeline\" }}\n\
-             [[model]]\nid = \"s\"\npath = {path:?}\n",
-            path = model.display().to_string()
-        ),
-    )?;
-    let mlxd = mlxd_tests::MlxdProcess::builder()
-        .engine(built_engine_bin()?)
-        .args(&["--config".as_ref(), config.as_os_str()])
-        .env("MLXD_GROUP_INIT_TIMEOUT", "20")
-        .own_home()
-        .start()
-        .await?;
+    let config = group_config(dir.path(), &model, LOCAL_PAIR, ", mode = \"pipeline\"", "")?;
+    let mlxd = start_mlxd(&config).await?;
     let addr = mlxd.addr;
     tokio::task::spawn_blocking(move || -> Result<()> {
         let body = |model: &str| {
@@ -813,7 +1021,7 @@ fn each_pipeline_rank_reads_only_its_layers_and_the_ends_it_uses() -> Result<()>
         bytes(&|n| in_layers(n, &[1, 2])) + ends,
         bytes(&|n| in_layers(n, &[0])) + ends + embedding,
     ];
-    let mut group = Group::start_in(&model, 2, 2, Mode::Pipeline)?;
+    let mut group = Group::start_in(&model, 2, 2, Mode::Pipeline, &[])?;
     let socket = group.socket();
     wait_serving(&socket, &mut group.ranks[0], Duration::from_secs(60))?;
     for (rank, want) in expected.iter().enumerate() {

@@ -98,6 +98,20 @@ pub fn refused_in_group(limits: &RuntimeLimits) -> Option<String> {
                 .into(),
         );
     }
+    if limits.warm_up == Some(true) {
+        return Some(
+            "warm_up is not supported by an engine group yet: its generations run on one rank \
+             alone, and the group's ranks would have to run them in lockstep"
+                .into(),
+        );
+    }
+    if !limits.adapters.is_empty() {
+        return Some(
+            "LoRA adapters (adapters) are not supported by an engine group yet: their matrices \
+             are not divided among the ranks"
+                .into(),
+        );
+    }
     if limits.ssd.is_some() {
         return Some(
             "the SSD cache (ssd_cache) is not supported by an engine group yet: its writes and \
@@ -143,18 +157,17 @@ pub fn start_rank(
         all_loaded(&for_load, model.is_ok())?;
         model
     });
+    let step_timeout = limits.group_step_timeout;
     let lockstep: MakeLockstep = Box::new(move |rx| -> Box<dyn Lockstep> {
-        if group.rank() == 0 {
-            match Leader::new(group, rx) {
-                Ok(leader) => Box::new(leader),
-                Err(e) => {
-                    tracing::error!(error = %e, "cannot start the relay thread; exiting");
-                    std::process::exit(crate::distributed::replica::EXIT_GROUP_BROKEN)
-                }
-            }
+        let made: std::io::Result<Box<dyn Lockstep>> = if group.rank() == 0 {
+            Leader::new(group, rx, step_timeout).map(|l| Box::new(l) as Box<dyn Lockstep>)
         } else {
-            Box::new(Follower::new(group))
-        }
+            Follower::new(group, step_timeout).map(|f| Box::new(f) as Box<dyn Lockstep>)
+        };
+        made.unwrap_or_else(|e| {
+            tracing::error!(error = %e, "cannot start the lockstep's threads; exiting");
+            std::process::exit(crate::distributed::replica::EXIT_GROUP_BROKEN)
+        })
     });
     Runtime::start_in_lockstep(dir, limits, on_oom, load, lockstep)
 }
@@ -224,6 +237,8 @@ pub fn run_standalone(
     unix: Option<&Path>,
     rank_model: Option<String>,
 ) -> anyhow::Result<()> {
+    // Options the group cannot honour fail here, before the wait for the other ranks.
+    given.launch_options()?;
     let group = join(backend)?;
     let leader = group.rank() == 0;
     if leader && unix.is_none() {

@@ -23,7 +23,7 @@ use mlxd_protocol::group_hosts::{self, GroupHost, RING_STARTING_PORT};
 use super::group::{join, Setup};
 use super::ssh_rank::RemoteRank;
 use super::start_error::StartError;
-use crate::distributed::replica::EXIT_GROUP_BROKEN;
+use crate::distributed::replica::{EXIT_GROUP_BROKEN, LEADER_PID_ENV};
 use crate::distributed::{Group, GroupError};
 
 /// Told why the group failed (a rank exited, `ssh` could not start one); the process exits
@@ -245,11 +245,20 @@ fn spawn_rank(
         .envs(env)
         // Its log lines reach mlxd through rank 0's stderr, as plain text.
         .env("NO_COLOR", "1")
+        // A rank that finds the group hung ends rank 0 too (which may be the one stopped).
+        .env(LEADER_PID_ENV, std::process::id().to_string())
         .stdin(Stdio::null())
         .stdout(Stdio::null());
-    // SAFETY: runs between fork and exec and only calls prctl (async-signal-safe): the rank
-    // dies with this thread (the main thread, which lives as long as rank 0). Linux only, as
-    // the supervisor's own (elsewhere a rank ends when its peers' connections close).
+    die_with_this_thread(&mut cmd);
+    cmd.spawn()
+}
+
+/// Makes the child `cmd` starts (a rank, or the `ssh` running one) die by SIGKILL when this
+/// thread ends: the main thread, which lives as long as rank 0, so rank 0's end (a crash, a
+/// kill, a hung step's `_exit`) ends it, stopped or not. Linux only, as the supervisor's own
+/// (elsewhere a rank ends when its peers' connections close).
+pub(super) fn die_with_this_thread(cmd: &mut Command) {
+    // SAFETY: runs between fork and exec and only calls prctl (async-signal-safe).
     #[cfg(target_os = "linux")]
     unsafe {
         cmd.pre_exec(|| {
@@ -259,7 +268,8 @@ fn spawn_rank(
             Ok(())
         });
     }
-    cmd.spawn()
+    #[cfg(not(target_os = "linux"))]
+    let _ = cmd;
 }
 
 /// Ends rank 0, through `on_failure` with the reason, when rank `rank` fails; a rank that

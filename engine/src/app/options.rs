@@ -70,6 +70,9 @@ pub fn runtime_options(
     });
     limits.quantized_kv_start = options.quantized_kv_start.unwrap_or(0) as usize;
     limits.parallelism = options.distributed_mode.unwrap_or_default();
+    if let Some(seconds) = options.distributed_step_timeout {
+        limits.group_step_timeout = Duration::from_secs(seconds);
+    }
     if let Some(n) = options.state_snapshot_every {
         limits.state_snapshot_every = n as usize;
     }

@@ -16,8 +16,6 @@
 //! `ssh` and the remote engine wrote.
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read};
-#[cfg(target_os = "linux")]
-use std::os::unix::process::CommandExt;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::Duration;
 
@@ -109,17 +107,8 @@ impl RemoteRank<'_> {
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
-        // SAFETY: runs between fork and exec and only calls prctl (async-signal-safe): `ssh`
-        // dies with this thread, as the local ranks do.
-        #[cfg(target_os = "linux")]
-        unsafe {
-            cmd.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
+        // `ssh` dies with rank 0, as the local ranks do.
+        super::group_launch::die_with_this_thread(&mut cmd);
         let mut child = cmd.spawn()?;
         let stdin = child.stdin.take();
         let stderr = child.stderr.take();

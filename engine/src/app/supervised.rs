@@ -97,6 +97,9 @@ pub fn run_supervised(home: &Path) -> anyhow::Result<()> {
         FATAL_EXIT.store(EXIT_GROUP_BROKEN, Ordering::SeqCst);
         let _ = group_control.send_fatal(FatalKind::Internal, message);
     });
+    // A step that hangs (a rank stopped, a network stalled) is reported the same way.
+    let hang_report = on_rank_failure.clone();
+    crate::distributed::replica::report_hangs_to(Box::new(move |why| hang_report(why.into())));
     let group = match super::group_launch::lead_group(&launch, home, on_rank_failure) {
         Ok(group) => group,
         Err(e) => {

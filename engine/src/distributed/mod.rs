@@ -11,13 +11,15 @@
 //! - [`shard_read`]: a rank's part of a tensor read from its file, not the whole;
 //! - [`summed`]: the `all_sum` that completes a row-split branch;
 //! - [`wire`]: the per-iteration message and its broadcast;
-//! - [`replica`]: rank 0's and the other ranks' side of the lockstep.
+//! - [`replica`]: rank 0's and the other ranks' side of the lockstep;
+//! - [`watchdog`]: a rank's steps bounded in time, so that a hung rank ends the group.
 pub mod group;
 pub mod pipeline;
 pub mod replica;
 pub mod shard;
 pub mod shard_read;
 pub(crate) mod summed;
+pub mod watchdog;
 pub mod wire;
 
 use std::time::Duration;

@@ -12,12 +12,14 @@
 //! been broadcast. The other ranks' events go to channels that they drain and drop.
 use std::collections::HashMap;
 use std::future::poll_fn;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
 
 use mlx_rs::error::Exception;
 use tokio::sync::mpsc::{self, error::TryRecvError, UnboundedReceiver, UnboundedSender};
 
-use super::wire::{broadcast, Arrival, Sampling, TurnMessage};
+use super::watchdog::StepWatch;
+use super::wire::{broadcast, broadcast_announced, Arrival, Sampling, TurnMessage};
 use super::Group;
 use crate::runtime::lockstep::{Lockstep, Turn};
 use crate::runtime::request::{GenerateRequest, GenerationError, TokenEvent};
@@ -30,6 +32,56 @@ pub const EXIT_GROUP_BROKEN: i32 = 75;
 fn group_broken(rank: usize, why: &str) -> ! {
     tracing::error!(rank, reason = why, "engine group broken; exiting");
     std::process::exit(EXIT_GROUP_BROKEN)
+}
+
+/// Told why the group is given up as hung, before the rank exits.
+pub type HungReport = Box<dyn Fn(&str) + Send + Sync>;
+
+/// Who hears why the group hung before the rank exits (rank 0 under `mlxd`: the supervisor,
+/// as a fatal report); set once per process.
+static HUNG_REPORT: OnceLock<HungReport> = OnceLock::new();
+
+/// Sends the reason a group is given up as hung to `report` before the rank exits.
+pub fn report_hangs_to(report: HungReport) {
+    let _ = HUNG_REPORT.set(report);
+}
+
+/// Ends this rank from its step watch: another thread is blocked inside an MLX collective
+/// that will never return, so the process ends at once (`_exit`: no exit handlers, which
+/// could wait on MLX's blocked threads). The parent-death signal ends the ranks it started.
+fn group_hung(rank: usize, why: String) {
+    tracing::error!(rank, reason = %why, "engine group hung; exiting");
+    if let Some(report) = HUNG_REPORT.get() {
+        report(&why);
+    }
+    // A rank 0 that is itself the one stopped can neither see this rank go nor end itself:
+    // its parent-child link to this rank lets this rank end it, and the supervisor sees a
+    // crash. (A rank on another machine cannot; see docs/architecture.md.)
+    if let Some(leader) = leader_parent().filter(|_| rank != 0) {
+        tracing::error!(rank, leader, "ending rank 0 with the group");
+        // SAFETY: a plain signal to a pid checked to be this process's parent.
+        unsafe {
+            libc::kill(leader, libc::SIGKILL);
+        }
+    }
+    // SAFETY: `_exit` ends the process without running anything else; it is always safe.
+    unsafe { libc::_exit(EXIT_GROUP_BROKEN) }
+}
+
+/// Set by rank 0 in the environment of the ranks it starts as its children: its pid.
+pub const LEADER_PID_ENV: &str = "MLXD_GROUP_LEADER_PID";
+
+/// Rank 0's pid when it started this rank ([`LEADER_PID_ENV`]) and is still its parent.
+fn leader_parent() -> Option<libc::pid_t> {
+    let pid: libc::pid_t = std::env::var(LEADER_PID_ENV).ok()?.trim().parse().ok()?;
+    // SAFETY: getppid has no preconditions.
+    let parent = unsafe { libc::getppid() };
+    (pid > 1 && parent == pid).then_some(pid)
+}
+
+/// A step watch for rank `rank` bounded by `bound`, ending the rank when a step outruns it.
+fn watch_steps(rank: usize, bound: Duration) -> std::io::Result<StepWatch> {
+    StepWatch::start(rank, bound, Box::new(move |why| group_hung(rank, why)))
 }
 
 type Slot = Arc<Mutex<Option<UnboundedReceiver<TokenEvent>>>>;
@@ -52,10 +104,19 @@ pub struct Leader {
     relays: Vec<Relay>,
     /// Runs the forwarding tasks (the model thread never awaits).
     forwarders: tokio::runtime::Runtime,
+    /// Bounds each step: stepping from the broadcast to the next turn, waiting while idle.
+    watch: StepWatch,
 }
 
 impl Leader {
-    pub fn new(group: Group, rx: UnboundedReceiver<GenerateRequest>) -> std::io::Result<Self> {
+    /// Rank 0 of `group`, taking requests from `rx`; a step that runs past `step_timeout`
+    /// ends the rank ([`super::watchdog`]).
+    pub fn new(
+        group: Group,
+        rx: UnboundedReceiver<GenerateRequest>,
+        step_timeout: Duration,
+    ) -> std::io::Result<Self> {
+        let watch = watch_steps(group.rank(), step_timeout)?;
         let forwarders = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("mlx-relay")
@@ -68,6 +129,7 @@ impl Leader {
             next_id: 0,
             relays: Vec::new(),
             forwarders,
+            watch,
         })
     }
 
@@ -75,6 +137,8 @@ impl Leader {
     fn incoming(&mut self, idle: bool) -> Vec<GenerateRequest> {
         let mut incoming = Vec::new();
         if idle && self.open {
+            // An idle group waits for a request as long as it takes.
+            self.watch.waiting();
             match self.rx.blocking_recv() {
                 Some(req) => incoming.push(req),
                 None => self.open = false,
@@ -156,6 +220,8 @@ impl Leader {
 impl Lockstep for Leader {
     fn next_turn(&mut self, idle: bool, prefill_speed: Option<f64>) -> Option<Turn> {
         let incoming = self.incoming(idle);
+        // The step begins with its broadcast and lasts until the next turn is asked for.
+        self.watch.stepping();
         let (cancelled, closing): (Vec<u64>, Vec<Slot>) = self.departures().into_iter().unzip();
         let mut arrived = Vec::new();
         let mut wire = Vec::new();
@@ -223,26 +289,44 @@ async fn forward(slot: Slot, client: UnboundedSender<TokenEvent>) {
 /// Every other rank: runs the turns rank 0 broadcasts.
 pub struct Follower {
     group: Group,
+    /// Bounds each step: waiting until rank 0 announces a turn, stepping from then on.
+    watch: StepWatch,
     next_id: u64,
     /// The event receivers of the requests in flight, by number.
     streams: HashMap<u64, UnboundedReceiver<TokenEvent>>,
 }
 
 impl Follower {
-    pub fn new(group: Group) -> Self {
-        Self {
+    /// A rank other than 0 of `group`; a step that runs past `step_timeout` ends the rank.
+    pub fn new(group: Group, step_timeout: Duration) -> std::io::Result<Self> {
+        Ok(Self {
+            watch: watch_steps(group.rank(), step_timeout)?,
             group,
             next_id: 0,
             streams: HashMap::new(),
-        }
+        })
     }
 }
 
 impl Lockstep for Follower {
-    fn next_turn(&mut self, _idle: bool, _prefill_speed: Option<f64>) -> Option<Turn> {
+    fn next_turn(&mut self, idle: bool, _prefill_speed: Option<f64>) -> Option<Turn> {
         let rank = self.group.rank();
-        let bytes =
-            broadcast(&self.group, None).unwrap_or_else(|e| group_broken(rank, &e.to_string()));
+        // Every rank's executor holds the same work: while it holds some, rank 0 broadcasts
+        // the next turn at once, so the wait for it is part of the step. While it holds none,
+        // rank 0 waits for a request, and this rank waits as long (until the turn's length
+        // arrives).
+        let watch = &self.watch;
+        if idle {
+            watch.waiting();
+        } else {
+            watch.stepping();
+        }
+        let bytes = broadcast_announced(&self.group, None, || {
+            if idle {
+                watch.stepping()
+            }
+        })
+        .unwrap_or_else(|e| group_broken(rank, &e.to_string()));
         let message = TurnMessage::decode(&bytes).unwrap_or_else(|e| group_broken(rank, &e));
         let TurnMessage::Turn {
             arrived,

@@ -98,9 +98,20 @@ impl TurnMessage {
 /// Rank 0's `bytes` on every rank (the others pass `None`): the length, then the bytes, each
 /// summed over the group with the other ranks contributing zeros.
 pub fn broadcast(group: &Group, bytes: Option<&[u8]>) -> Result<Vec<u8>, Exception> {
+    broadcast_announced(group, bytes, || {})
+}
+
+/// [`broadcast`], calling `announced` once the length has arrived: until then a rank other
+/// than 0 may wait as long as rank 0 has nothing to say; after it, rank 0 is sending.
+pub fn broadcast_announced(
+    group: &Group,
+    bytes: Option<&[u8]>,
+    announced: impl FnOnce(),
+) -> Result<Vec<u8>, Exception> {
     let len = bytes.map_or(0, <[u8]>::len) as i32;
     let total = group.all_sum(&Array::from_slice(&[len], &[1]))?;
     mlx_rs::transforms::eval([&total])?;
+    announced();
     let total = total.as_slice::<i32>()[0];
     if total < 0 {
         return Err(Exception::custom(format!("rank 0 announced {total} bytes")));

@@ -223,19 +223,7 @@ pub fn load_for_group(
     group: Option<crate::distributed::Group>,
 ) -> Result<Box<dyn CausalLm>, LoadError> {
     let config = loader::read_config(dir)?;
-    let arch = config
-        .get("architectures")
-        .and_then(|a| a.get(0))
-        .and_then(Value::as_str)
-        .ok_or_else(|| LoadError::Config("missing `architectures` list".into()))?;
-    let build = REGISTRY
-        .iter()
-        .find(|(name, _)| *name == arch)
-        .map(|(_, b)| *b)
-        .ok_or_else(|| {
-            let known: Vec<&str> = REGISTRY.iter().map(|(n, _)| *n).collect();
-            LoadError::Architecture(arch.to_owned(), known.join(", "))
-        })?;
+    let (arch, build) = registered(&config)?;
     if let Some(group) = &group {
         crate::distributed::check_architecture(arch, group.size())?;
     }
@@ -296,7 +284,7 @@ pub fn load_pipeline_stage(
     group: crate::distributed::Group,
 ) -> Result<Box<dyn CausalLm>, LoadError> {
     let config = loader::read_config(dir)?;
-    let arch = architecture(&config)?;
+    let (arch, _) = registered(&config)?;
     let build = stage_builder(arch, group.size())?;
     let mut weights = Weights::open(dir, &config)?.with_reporter(reporter);
     let model = build(&config, &mut weights, group)?;
@@ -304,18 +292,22 @@ pub fn load_pipeline_stage(
     Ok(model)
 }
 
-/// The first of config.json's `architectures`, when the registry knows it.
-fn architecture(config: &Value) -> Result<&str, LoadError> {
+/// The first of config.json's `architectures` and its builder in the registry: the one
+/// lookup of a model's file, for one engine, a tensor-parallel rank and a pipeline stage.
+fn registered(config: &Value) -> Result<(&str, Builder), LoadError> {
     let arch = config
         .get("architectures")
         .and_then(|a| a.get(0))
         .and_then(Value::as_str)
         .ok_or_else(|| LoadError::Config("missing `architectures` list".into()))?;
-    if !REGISTRY.iter().any(|(name, _)| *name == arch) {
-        let known: Vec<&str> = REGISTRY.iter().map(|(n, _)| *n).collect();
-        return Err(LoadError::Architecture(arch.to_owned(), known.join(", ")));
-    }
-    Ok(arch)
+    REGISTRY
+        .iter()
+        .find(|(name, _)| *name == arch)
+        .map(|(_, build)| (arch, *build))
+        .ok_or_else(|| {
+            let known: Vec<&str> = REGISTRY.iter().map(|(n, _)| *n).collect();
+            LoadError::Architecture(arch.to_owned(), known.join(", "))
+        })
 }
 
 /// `eos_token_id` as an int or a list of ints.

@@ -91,6 +91,10 @@ pub struct RuntimeLimits {
     /// How an engine group divides the model among its ranks (`--distributed-mode`); read by
     /// the group's load (`crate::app::group`), meaningless for one engine.
     pub parallelism: Parallelism,
+    /// How long one step of an engine group may run before the rank gives the group up as
+    /// hung (`--distributed-step-timeout`, `crate::distributed::watchdog`); meaningless for
+    /// one engine.
+    pub group_step_timeout: std::time::Duration,
     /// Bytes of KV the prefix cache may keep between requests; 0 disables it.
     pub prompt_cache_bytes: u64,
     /// Most prompt tokens of one sequence per prefill forward pass (the measured prefill
@@ -130,6 +134,7 @@ impl Default for RuntimeLimits {
             kv_budget_bytes: None,
             context_length: None,
             parallelism: Parallelism::Tensor,
+            group_step_timeout: crate::distributed::watchdog::STEP_TIMEOUT,
             prompt_cache_bytes: DEFAULT_PROMPT_CACHE_BYTES,
             prefill_chunk: PREFILL_CHUNK,
             prefill_step_tokens: None,

@@ -10,10 +10,10 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use mlxd_tests::{built_engine_bin, tiny_model};
+use mlxd_tests::tiny_model;
 use serde_json::{json, Value};
 
-use super::{children_of, mlxd_completion, Killed};
+use super::{children_of, mlxd_completion, ready_group, start_mlxd, Killed};
 
 /// The address the "other machine" listens on (this machine's loopback, another address).
 const REMOTE: &str = "127.0.0.2";
@@ -136,18 +136,8 @@ impl Sshd {
 /// `mlxd.toml` with model `g` a group of rank 0 here and rank 1 on `remote` (an inline
 /// table), and model `s` the same model alone.
 fn group_config(dir: &Path, model: &Path, remote: &Value) -> Result<PathBuf> {
-    let config = dir.join("mlxd.toml");
-    let path = serde_json::to_string(&model.display().to_string())?;
-    let entry = toml_inline(remote);
-    std::fs::write(
-        &config,
-        format!(
-            "[[model]]\nid = \"g\"\npath = {path}\n\
-             distributed = {{ backend = \"ring\", hosts = [\"127.0.0.1\", {entry}] }}\n\
-             [[model]]\nid = \"s\"\npath = {path}\n"
-        ),
-    )?;
-    Ok(config)
+    let hosts = format!("\"127.0.0.1\", {}", toml_inline(remote));
+    super::group_config(dir, model, &hosts, "", "")
 }
 
 /// A JSON object of strings, numbers and string lists as a TOML inline table.
@@ -202,38 +192,6 @@ fn wait_gone(pids: &[u32], what: &str, within: Duration) -> Result<()> {
         std::thread::sleep(Duration::from_millis(50));
     }
     Ok(())
-}
-
-/// Model `g`'s engine in `mlxd`'s `/engines`: its pid once its state is `ready` and the pid is
-/// not `old`, waiting at most `within`.
-fn ready_group(addr: std::net::SocketAddr, old: Option<u32>, within: Duration) -> Result<u32> {
-    let deadline = Instant::now() + within;
-    loop {
-        let engines: Value = serde_json::from_str(&super::http_get(addr, "/engines")?)?;
-        let ready = engines["engines"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter(|e| e["model"] == "g" && e["state"] == "ready")
-            .filter_map(|e| e["pid"].as_u64().map(|p| p as u32))
-            .find(|&p| Some(p) != old);
-        if let Some(pid) = ready {
-            return Ok(pid);
-        }
-        if Instant::now() > deadline {
-            bail!("no ready engine for g after {within:?}: {engines}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-async fn start_mlxd(config: &Path) -> Result<mlxd_tests::MlxdProcess> {
-    mlxd_tests::MlxdProcess::builder()
-        .engine(built_engine_bin()?)
-        .args(&["--config".as_ref(), config.as_os_str()])
-        .own_home()
-        .start()
-        .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
