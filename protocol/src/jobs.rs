@@ -81,6 +81,17 @@ pub enum JobRequest {
         #[serde(flatten)]
         params: TrainParams,
     },
+    /// Merge a LoRA adapter into its base: a new model directory in the store, served by its
+    /// name (mlx-lm's `fuse`; a quantized base is dequantized, merged and quantized again
+    /// with its own settings).
+    Fuse {
+        model: String,
+        /// The adapter: a name in the store (`<home>/adapters/<name>`) or an absolute path.
+        adapter: String,
+        /// Default: `<home>/models/<model leaf>-<adapter leaf>`. It must not exist.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        out: Option<String>,
+    },
 }
 
 impl JobRequest {
@@ -90,6 +101,7 @@ impl JobRequest {
             Self::Convert { .. } => JobKind::Convert,
             Self::Fetch { .. } => JobKind::Fetch,
             Self::Lora { .. } => JobKind::Lora,
+            Self::Fuse { .. } => JobKind::Fuse,
         }
     }
 }
@@ -222,6 +234,7 @@ pub enum JobKind {
     Convert,
     Fetch,
     Lora,
+    Fuse,
 }
 
 impl JobKind {
@@ -231,6 +244,7 @@ impl JobKind {
             Self::Convert => "convert",
             Self::Fetch => "fetch",
             Self::Lora => "lora",
+            Self::Fuse => "fuse",
         }
     }
 }
@@ -387,6 +401,14 @@ pub enum JobSpec {
         checkpoints: PathBuf,
         resume: bool,
         init_adapter: Option<PathBuf>,
+        staging: PathBuf,
+        out: PathBuf,
+    },
+    Fuse {
+        /// The base model directory.
+        source: PathBuf,
+        /// The adapter directory.
+        adapter: PathBuf,
         staging: PathBuf,
         out: PathBuf,
     },

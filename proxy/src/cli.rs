@@ -67,6 +67,9 @@ pub enum Command {
     /// shows iteration, losses, tokens/s and peak memory; Ctrl-C cancels it, and `--resume`
     /// continues from its last checkpoint.
     Train(TrainArgs),
+    /// Merge a LoRA adapter into its base model: a new model in the store, served by its name
+    /// (a managed job, as `mlx_lm.fuse`).
+    Fuse(FuseArgs),
     /// Managed jobs of a running server (quantize, convert, fetch); `mlxd jobs cancel ID`
     /// cancels one.
     Jobs(JobsArgs),
@@ -188,6 +191,26 @@ impl TrainArgs {
         put("mask_prompt", self.mask_prompt.then(|| json!(true)));
         m
     }
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct FuseArgs {
+    /// The base model: a model directory, a configured model id, a model in the store or a
+    /// Hugging Face repo in the cache.
+    #[arg(long)]
+    pub model: String,
+    /// The adapter: a name in the store (`mlxd train --out`) or a directory path.
+    #[arg(long)]
+    pub adapter: PathBuf,
+    /// The new model: a name (a model in the store) or a directory path [default:
+    /// <model>-<adapter>]; it must not exist.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Print the job's id and return at once instead of following it.
+    #[arg(long)]
+    pub detach: bool,
+    #[command(flatten)]
+    pub client: ClientArgs,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -249,6 +249,7 @@ async fn run_verb(verb: &Command) -> Result<(), Failure> {
         Command::Bench(a) => Some(&a.client),
         Command::Quantize(a) => Some(&a.client),
         Command::Train(a) => Some(&a.client),
+        Command::Fuse(a) => Some(&a.client),
         Command::Jobs(a) => Some(&a.client),
         Command::Serve(_)
         | Command::Ls(_)
@@ -349,6 +350,7 @@ async fn other_verb(verb: &Command, target: Option<&Target>) -> anyhow::Result<(
         }
         Command::Quantize(a) => quantize(a, target()?).await?,
         Command::Train(a) => train(a, target()?).await?,
+        Command::Fuse(a) => fuse(a, target()?).await?,
         Command::Jobs(a) => {
             let tasks = mlxd_client::TaskClient::new(target()?.client()?);
             match &a.action {
@@ -561,6 +563,54 @@ async fn train(a: &mlxd_proxy::cli::TrainArgs, target: &Target) -> anyhow::Resul
         .context("the server reported success without a result")?;
     println!(
         "adapter {} ready in {:.1} s: {} ({})",
+        result.model_id,
+        result.seconds,
+        result.dir.display(),
+        mlxd_proxy::config::Bytes(result.bytes)
+    );
+    Ok(())
+}
+
+/// `mlxd fuse`: submits a `fuse` job and follows it.
+async fn fuse(a: &mlxd_proxy::cli::FuseArgs, target: &Target) -> anyhow::Result<()> {
+    let tasks = mlxd_client::TaskClient::new(target.client()?);
+    let path_or_name = |p: &std::path::Path| -> anyhow::Result<String> {
+        Ok(match p.to_str() {
+            Some(name) if mlxd_store::inventory::is_plain_name(name) => name.to_string(),
+            _ if p.is_relative() => std::env::current_dir()?.join(p).display().to_string(),
+            _ => p.display().to_string(),
+        })
+    };
+    let model = match std::fs::canonicalize(&a.model) {
+        Ok(p) if p.is_dir() => p.display().to_string(),
+        _ => a.model.clone(),
+    };
+    let job = tasks
+        .submit(&mlxd_client::JobRequest::Fuse {
+            model,
+            adapter: path_or_name(&a.adapter)?,
+            out: a.out.as_deref().map(path_or_name).transpose()?,
+        })
+        .await?;
+    if a.detach {
+        println!("{}", job.id);
+        return Ok(());
+    }
+    let mut view = mlxd_proxy::jobs::display::ProgressView::for_stderr();
+    let outcome = tokio::select! {
+        done = tasks.wait(&job.id, |p| view.show(p)) => done,
+        _ = tokio::signal::ctrl_c() => {
+            view.finish();
+            let cancelled = tasks.cancel(&job.id).await?;
+            anyhow::bail!("{} {}: nothing was written", cancelled.id, cancelled.state.as_str());
+        }
+    };
+    view.finish();
+    let result = outcome?
+        .result
+        .context("the server reported success without a result")?;
+    println!(
+        "{} ready in {:.1} s: {} ({})",
         result.model_id,
         result.seconds,
         result.dir.display(),

@@ -705,6 +705,29 @@ async fn mlxd_train_on_the_command_line_and_bad_data_fails_with_its_line() -> Re
         serde_json::from_slice(&std::fs::read(adapter.join("adapter_config.json"))?)?;
     assert_eq!(config["lora_parameters"]["rank"], 4, "{config}");
 
+    // Fused into its base: a new model in the store, served by its name at once.
+    let out = Command::new(mlxd_bin()?)
+        .args(["fuse", "--model"])
+        .arg(&tiny)
+        .args([
+            "--adapter",
+            "cli-adapter",
+            "--out",
+            "tiny-fused",
+            "--url",
+            &mlxd.url(),
+        ])
+        .output()?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("tiny-fused ready in"), "{stdout}");
+    let (status, v) = mlxd.chat("tiny-fused", "Hello", 3).await?;
+    assert_eq!(status, 200, "{v}");
+
     // A malformed line: the job fails naming the file and line, and nothing is written.
     std::fs::write(
         data.path().join("train.jsonl"),

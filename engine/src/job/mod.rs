@@ -8,6 +8,7 @@
 //! complete; on any failure the job removes its staging directory, and the supervisor removes
 //! it again after a kill (`kill -9`, cancel), so the store never holds a partial model.
 pub mod channel;
+pub mod fuse;
 pub mod quantize;
 pub mod train;
 
@@ -79,7 +80,8 @@ pub fn main(spec_json: &str) -> i32 {
         let staging = match &spec {
             JobSpec::Quantize { staging, .. }
             | JobSpec::Convert { staging, .. }
-            | JobSpec::Lora { staging, .. } => Some(staging.clone()),
+            | JobSpec::Lora { staging, .. }
+            | JobSpec::Fuse { staging, .. } => Some(staging.clone()),
             JobSpec::Fetch { .. } => None,
         };
         let result = run(spec, &reporter, started);
@@ -214,6 +216,23 @@ fn run(spec: JobSpec, reporter: &Reporter, started: Instant) -> Result<JobResult
                     .unwrap_or_default(),
                 dir: out,
                 bytes: summary.bytes,
+                seconds: started.elapsed().as_secs_f64(),
+            })
+        }
+        JobSpec::Fuse {
+            source,
+            adapter,
+            staging,
+            out,
+        } => {
+            crate::device::check_mlx_version().map_err(JobError::Mlx)?;
+            let bytes = fuse::fuse_dir(&source, &adapter, &staging, &out, &mut |p| {
+                reporter.progress(p)
+            })?;
+            Ok(JobResult {
+                model_id: store::served_id(&out.to_string_lossy()),
+                dir: out,
+                bytes,
                 seconds: started.elapsed().as_secs_f64(),
             })
         }

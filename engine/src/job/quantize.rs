@@ -39,12 +39,12 @@ fn is_weight_or_stamp(name: &str) -> bool {
 
 /// How one quantized matrix of the source is stored (config.json's `quantization`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct SourceQuant {
-    group_size: i32,
-    bits: i32,
+pub(crate) struct SourceQuant {
+    pub group_size: i32,
+    pub bits: i32,
 }
 
-fn source_quant(config: &Value, prefix: &str) -> Option<SourceQuant> {
+pub(crate) fn source_quant(config: &Value, prefix: &str) -> Option<SourceQuant> {
     let q = config
         .get("quantization")
         .or_else(|| config.get("quantization_config"))?;
@@ -226,7 +226,10 @@ pub(crate) fn bits_and_group_ok(options: QuantizeOptions) -> bool {
 }
 
 /// Saves one shard, releasing its arrays; returns the bytes written and the tensor names.
-fn save_shard(shard: BTreeMap<String, Array>, path: &Path) -> Result<(u64, Vec<String>), JobError> {
+pub(crate) fn save_shard(
+    shard: BTreeMap<String, Array>,
+    path: &Path,
+) -> Result<(u64, Vec<String>), JobError> {
     let metadata: HashMap<String, String> = [("format".to_string(), "mlx".to_string())].into();
     Array::save_safetensors(shard.iter(), Some(&metadata), path)
         .map_err(|e| JobError::Mlx(format!("writing {}: {e}", path.display())))?;
@@ -236,7 +239,7 @@ fn save_shard(shard: BTreeMap<String, Array>, path: &Path) -> Result<(u64, Vec<S
 
 /// Renames the shards as mlx-lm names them: `model.safetensors` alone, or
 /// `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`.
-fn name_shards(built: &Path, files: &[(PathBuf, Vec<String>)]) -> Result<(), JobError> {
+pub(crate) fn name_shards(built: &Path, files: &[(PathBuf, Vec<String>)]) -> Result<(), JobError> {
     let n = files.len();
     if n == 1 {
         let to = built.join("model.safetensors");
@@ -278,7 +281,7 @@ fn write_config(
 }
 
 /// Tokenizer files, chat templates, generation config: everything but weights and config.
-fn copy_other_files(source: &Path, built: &Path) -> Result<(), JobError> {
+pub(crate) fn copy_other_files(source: &Path, built: &Path) -> Result<(), JobError> {
     for entry in fs::read_dir(source).map_err(io(source))? {
         let entry = entry.map_err(io(source))?;
         let name = entry.file_name().to_string_lossy().into_owned();

@@ -7,6 +7,7 @@
 //! and writes nothing.
 use std::path::{Path, PathBuf};
 
+use mlxd_engine::job::fuse::fuse_dir;
 use mlxd_engine::job::train::{train, TrainConfig, TrainSummary};
 use mlxd_engine::job::JobError;
 use mlxd_engine::runtime::request::GenerateRequest;
@@ -80,10 +81,13 @@ fn pairs(v: &Value) -> Vec<(u64, f64)> {
         .collect()
 }
 
-fn greedy(model: &Path, adapter: &Path, prompt: &[u32], n: usize) -> Vec<u32> {
+/// mlxd's greedy tokens for `prompt` on `model`, with `adapter` applied when given.
+fn greedy_on(model: &Path, adapter: Option<&Path>, prompt: &[u32], n: usize) -> Vec<u32> {
     let limits = RuntimeLimits {
         prompt_cache_bytes: 0,
-        adapters: vec![("trained".into(), adapter.to_path_buf())],
+        adapters: adapter
+            .map(|a| vec![("trained".to_string(), a.to_path_buf())])
+            .unwrap_or_default(),
         ..Default::default()
     };
     let runtime = Runtime::start(model.to_path_buf(), limits, None).expect("load with adapter");
@@ -106,6 +110,10 @@ fn greedy(model: &Path, adapter: &Path, prompt: &[u32], n: usize) -> Vec<u32> {
     let Output { tokens, .. } = collect(rx);
     runtime.join();
     tokens
+}
+
+fn greedy(model: &Path, adapter: &Path, prompt: &[u32], n: usize) -> Vec<u32> {
+    greedy_on(model, Some(adapter), prompt, n)
 }
 
 #[test]
@@ -243,4 +251,72 @@ fn a_malformed_line_fails_with_its_file_and_line_and_nothing_is_written() {
     .unwrap();
     let err = train(&cfg, &mut |_| Ok(())).unwrap_err().to_string();
     assert!(err.contains("train.jsonl:2: has \"prompt\""), "{err}");
+}
+
+const FUSE_PROMPT: &[u32] = &[1, 20, 31, 42, 53, 64, 75];
+
+fn fuse(model: &Path, adapter: &Path, work: &Path) -> PathBuf {
+    let out = work.join("fused");
+    fuse_dir(model, adapter, &work.join("staging"), &out, &mut |_| Ok(()))
+        .unwrap_or_else(|e| panic!("fuse failed: {e}"));
+    assert!(
+        !work.join("staging").exists(),
+        "the staging directory is gone"
+    );
+    out
+}
+
+#[test]
+fn a_fused_model_gives_the_tokens_of_its_base_with_the_adapter() {
+    let model = tiny_model("tiny-llama");
+    let (adapter, _) = fixture("tiny-llama-lora-a");
+    let work = tempfile::tempdir().unwrap();
+    let fused = fuse(&model, &adapter, work.path());
+    let with_adapter = crate::common::mlx_lm_greedy_with_adapter(&model, &adapter, 8, FUSE_PROMPT);
+    assert_eq!(greedy_on(&fused, None, FUSE_PROMPT, 8), with_adapter);
+    assert_ne!(
+        with_adapter,
+        crate::common::mlx_lm_greedy(&model, 8, FUSE_PROMPT),
+        "the adapter changes the tokens, or the comparison shows nothing"
+    );
+}
+
+#[test]
+fn a_quantized_base_is_fused_as_mlx_lm_fuses_it() {
+    let model = tiny_model("tiny-llama-q4");
+    let (adapter, _) = fixture("tiny-llama-q4-lora");
+    let work = tempfile::tempdir().unwrap();
+    let fused = fuse(&model, &adapter, work.path());
+    // mlx-lm's own fuse of the same adapter (dequantize, merge, quantize with the base's
+    // settings): the same tensors, bit for bit.
+    let theirs = work.path().join("mlx-lm-fused");
+    let status = std::process::Command::new(mlxd_tests::python().expect("the test venv"))
+        .args(["-m", "mlx_lm", "fuse", "--model"])
+        .arg(&model)
+        .arg("--adapter-path")
+        .arg(&adapter)
+        .arg("--save-path")
+        .arg(&theirs)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("running mlx_lm fuse");
+    assert!(status.success());
+    let load = |dir: &Path| {
+        mlx_rs::Array::load_safetensors(dir.join("model.safetensors")).expect("fused weights")
+    };
+    let (ours, want) = (load(&fused), load(&theirs));
+    let mut names: Vec<&String> = want.keys().collect();
+    names.sort();
+    assert_eq!(ours.len(), want.len(), "tensor count");
+    for name in names {
+        let (a, b) = (&ours[name], &want[name]);
+        assert_eq!(a.shape(), b.shape(), "{name}");
+        assert_eq!(a.dtype(), b.dtype(), "{name}");
+        let same = a.eq_values(b).unwrap();
+        assert!(same, "{name} differs from mlx-lm's fuse");
+    }
+    assert_eq!(
+        greedy_on(&fused, None, FUSE_PROMPT, 8),
+        crate::common::mlx_lm_greedy(&theirs, 8, FUSE_PROMPT)
+    );
 }

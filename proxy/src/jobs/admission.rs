@@ -136,6 +136,13 @@ pub fn lora_peak_bytes(
     size.total + tokens.saturating_mul(per_token) + MLX_OVERHEAD_BYTES
 }
 
+/// The estimated peak of fusing an adapter into a checkpoint of `size`: like a quantize job,
+/// one output shard being filled plus the largest tensor three times over (its source, a
+/// dequantized copy and the merged one) plus MLX's overhead.
+pub fn fuse_peak_bytes(size: CheckpointSize) -> u64 {
+    size.total.min(QUANTIZE_SHARD_BYTES) + size.largest.saturating_mul(3) + MLX_OVERHEAD_BYTES
+}
+
 /// Memory counted for a fetch: downloads stream to disk.
 pub const FETCH_PEAK_BYTES: u64 = 64 << 20;
 

@@ -37,6 +37,11 @@ pub enum Work {
         model: String,
         home: PathBuf,
     },
+    Fuse {
+        source: PathBuf,
+        adapter: PathBuf,
+        out: PathBuf,
+    },
     Lora {
         source: PathBuf,
         data: PathBuf,
@@ -66,7 +71,10 @@ impl Work {
     /// The directory the job builds its output in, removed unless the job succeeds.
     pub fn staging(&self, id: &str) -> Option<PathBuf> {
         let out = match self {
-            Self::Quantize { out, .. } | Self::Convert { out, .. } | Self::Lora { out, .. } => out,
+            Self::Quantize { out, .. }
+            | Self::Convert { out, .. }
+            | Self::Lora { out, .. }
+            | Self::Fuse { out, .. } => out,
             Self::Fetch { .. } => return None,
         };
         let leaf = out.file_name()?.to_string_lossy();
@@ -90,6 +98,16 @@ impl Work {
             },
             Self::Convert { gguf, out } => JobSpec::Convert { gguf, staging, out },
             Self::Fetch { model, home } => JobSpec::Fetch { model, home },
+            Self::Fuse {
+                source,
+                adapter,
+                out,
+            } => JobSpec::Fuse {
+                source,
+                adapter,
+                staging,
+                out,
+            },
             Self::Lora {
                 source,
                 data,
@@ -227,16 +245,21 @@ pub fn prepare(body: &[u8], catalog: &Catalog, home: &Path) -> Result<PreparedJo
             "request body must be a JSON object".into(),
         ));
     };
-    let kind = string_field(obj, "kind")?
-        .ok_or_else(|| bad("kind", "is required: quantize, convert, fetch or lora"))?;
+    let kind = string_field(obj, "kind")?.ok_or_else(|| {
+        bad(
+            "kind",
+            "is required: quantize, convert, fetch, lora or fuse",
+        )
+    })?;
     match kind.as_str() {
         "quantize" => prepare_quantize(obj, catalog, home),
         "convert" => prepare_convert(obj, home),
         "fetch" => prepare_fetch(obj, home),
         "lora" => prepare_lora(obj, catalog, home),
+        "fuse" => prepare_fuse(obj, catalog, home),
         other => Err(bad(
             "kind",
-            format!("must be quantize, convert, fetch or lora, got {other:?}"),
+            format!("must be quantize, convert, fetch, lora or fuse, got {other:?}"),
         )),
     }
 }
@@ -401,6 +424,71 @@ fn prepare_fetch(obj: &Map<String, Value>, home: &Path) -> Result<PreparedJob, P
     })
 }
 
+fn prepare_fuse(
+    obj: &Map<String, Value>,
+    catalog: &Catalog,
+    home: &Path,
+) -> Result<PreparedJob, ProxyError> {
+    reject_unknown(obj, &["kind", "model", "adapter", "out"])?;
+    let model = string_field(obj, "model")?.ok_or_else(|| {
+        bad(
+            "model",
+            "is required: the base model (a model directory, a configured model id, a model in the store or a Hugging Face repo in the cache)",
+        )
+    })?;
+    let adapter_spec = string_field(obj, "adapter")?.ok_or_else(|| {
+        bad(
+            "adapter",
+            "is required: an adapter in the store (<home>/adapters/<name>) or an absolute path",
+        )
+    })?;
+    let adapter = if mlxd_store::inventory::is_plain_name(&adapter_spec) {
+        home.join("adapters").join(&adapter_spec)
+    } else if Path::new(&adapter_spec).is_absolute() {
+        PathBuf::from(&adapter_spec)
+    } else {
+        return Err(bad(
+            "adapter",
+            format!("must be a name (an adapter in the store) or an absolute path, got {adapter_spec:?}"),
+        ));
+    };
+    if !adapter.join("adapter_config.json").is_file()
+        || !adapter.join("adapters.safetensors").is_file()
+    {
+        return Err(bad(
+            "adapter",
+            format!(
+                "{} is not an adapter directory (adapter_config.json and adapters.safetensors)",
+                adapter.display()
+            ),
+        ));
+    }
+    let (id, source) = model_dir(&model, catalog, home)?;
+    let size: CheckpointSize =
+        admission::checkpoint_size(&source).map_err(|e| bad("model", e.to_string()))?;
+    let adapter_leaf = adapter
+        .file_name()
+        .map(|l| leaf_name(&l.to_string_lossy()))
+        .unwrap_or_else(|| "adapter".into());
+    let default_out = home
+        .join("models")
+        .join(format!("{}-{adapter_leaf}", leaf_name(&id)));
+    let out = out_field(obj, home, default_out)?;
+    Ok(PreparedJob {
+        request: JobRequest::Fuse {
+            model,
+            adapter: adapter.display().to_string(),
+            out: Some(out.display().to_string()),
+        },
+        memory_bytes: admission::fuse_peak_bytes(size),
+        work: Work::Fuse {
+            source,
+            adapter,
+            out,
+        },
+    })
+}
+
 /// The fields of a `lora` request besides [`TrainParams`]'.
 const LORA_FIELDS: &[&str] = &["kind", "model", "data", "out", "resume", "init_adapter"];
 
@@ -545,7 +633,7 @@ mod tests {
             (
                 r#"{"kind":"bake"}"#,
                 "kind",
-                "quantize, convert, fetch or lora",
+                "quantize, convert, fetch, lora or fuse",
             ),
             (r#"{"kind":"quantize"}"#, "model", "required"),
             (r#"{"kind":"quantize","model":7}"#, "model", "string"),

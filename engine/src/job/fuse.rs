@@ -1,0 +1,242 @@
+//! `fuse` jobs: merges an mlx-lm LoRA adapter into its base model, as mlx-lm's `fuse` does
+//! (`LoRALinear.fuse`): each adapted linear's weight becomes
+//! `W + ((scale * lora_b^T) @ lora_a^T).astype(W.dtype)`; a quantized weight is dequantized
+//! with its own settings, merged, and quantized again with the same group size and bits
+//! (mlx-lm's default, without `--dequantize`). Every other tensor, config.json and the
+//! tokenizer files are copied unchanged, so the new directory is a model served by its name.
+//!
+//! Memory: the checkpoint is opened lazily; one tensor at a time is evaluated and the output
+//! is written in shards of at most [`QUANTIZE_SHARD_BYTES`], as a quantize job does.
+use std::collections::{BTreeMap, HashMap};
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use mlx_rs::ops::{dequantize, quantize};
+use mlx_rs::{Array, Dtype};
+use mlxd_protocol::jobs::{JobProgress, QUANTIZE_SHARD_BYTES as SHARD_BYTES};
+use serde_json::Value;
+
+use super::quantize::{copy_other_files, name_shards, save_shard, source_quant};
+use super::{io, place, JobError};
+
+fn mlx(e: impl std::fmt::Display) -> JobError {
+    JobError::Mlx(e.to_string())
+}
+
+/// Called with the job's progress; an error stops it.
+pub type Report<'a> = dyn FnMut(JobProgress) -> Result<(), JobError> + 'a;
+
+/// Fuses `adapter` into `source`, building `staging/model` and renaming it to `out`. Returns
+/// the bytes of weights written.
+pub fn fuse_dir(
+    source: &Path,
+    adapter: &Path,
+    staging: &Path,
+    out: &Path,
+    report: &mut Report<'_>,
+) -> Result<u64, JobError> {
+    if out.exists() {
+        return Err(JobError::OutputExists(out.to_path_buf()));
+    }
+    let config_path = adapter.join("adapter_config.json");
+    let text = fs::read_to_string(&config_path).map_err(io(&config_path))?;
+    let adapter_config =
+        crate::adapters::config::parse(&text).map_err(|e| JobError::Input(e.to_string()))?;
+    let weights_path = adapter.join("adapters.safetensors");
+    let lora = Array::load_safetensors(&weights_path)
+        .map_err(|e| JobError::Input(format!("{}: {e}", weights_path.display())))?;
+    let mut pairs: BTreeMap<String, (Option<Array>, Option<Array>)> = BTreeMap::new();
+    for (key, array) in lora {
+        let (prefix, is_a) = match (key.strip_suffix(".lora_a"), key.strip_suffix(".lora_b")) {
+            (Some(p), _) => (p.to_owned(), true),
+            (_, Some(p)) => (p.to_owned(), false),
+            _ => {
+                return Err(JobError::Input(format!(
+                    "{}: {key} is not a LoRA tensor (a .lora_a or .lora_b)",
+                    weights_path.display()
+                )))
+            }
+        };
+        let entry = pairs.entry(prefix).or_default();
+        if is_a {
+            entry.0 = Some(array);
+        } else {
+            entry.1 = Some(array);
+        }
+    }
+
+    let model_config_path = source.join("config.json");
+    let model_config: Value =
+        serde_json::from_slice(&fs::read(&model_config_path).map_err(io(&model_config_path))?)
+            .map_err(|e| JobError::Input(format!("{}: {e}", model_config_path.display())))?;
+    let files = crate::loader::weight_files(source).map_err(|e| JobError::Input(e.to_string()))?;
+    let mut tensors: HashMap<String, Array> = HashMap::new();
+    for file in &files {
+        let loaded = Array::load_safetensors(file)
+            .map_err(|e| JobError::Input(format!("{}: {e}", file.display())))?;
+        tensors.extend(loaded);
+    }
+    // Each adapted layer must be a linear of this model.
+    let mut deltas: HashMap<String, (Array, Array)> = HashMap::new();
+    for (prefix, (a, b)) in pairs {
+        let (Some(a), Some(b)) = (a, b) else {
+            return Err(JobError::Input(format!(
+                "{prefix}: the adapter has only one of lora_a and lora_b"
+            )));
+        };
+        if !tensors.contains_key(&format!("{prefix}.weight")) {
+            return Err(JobError::Input(format!(
+                "{prefix}: the adapter changes a layer this model does not have ({} has no \
+                 {prefix}.weight)",
+                source.display()
+            )));
+        }
+        deltas.insert(prefix, (a, b));
+    }
+    let mut names: Vec<String> = tensors.keys().cloned().collect();
+    names.sort();
+    let total = deltas.len() as u64;
+
+    fs::create_dir_all(staging).map_err(io(staging))?;
+    let built = staging.join("model");
+    fs::create_dir(&built).map_err(io(&built))?;
+    let mut shard: BTreeMap<String, Array> = BTreeMap::new();
+    let mut shard_bytes = 0u64;
+    let mut written_total = 0u64;
+    let mut written: Vec<(PathBuf, Vec<String>)> = Vec::new();
+    let mut fused = 0u64;
+    let scale = adapter_config.scale;
+    for name in &names {
+        let Some(array) = tensors.get(name).cloned() else {
+            continue;
+        };
+        let prefix = name.strip_suffix(".weight");
+        let outputs: Vec<(String, Array)> = match prefix.and_then(|p| deltas.get(p).map(|d| (p, d)))
+        {
+            Some((prefix, (a, b))) => {
+                report(JobProgress {
+                    phase: "fusing".into(),
+                    done: fused,
+                    total,
+                    unit: "layers".into(),
+                    detail: Some(prefix.to_owned()),
+                    training: None,
+                })?;
+                fused += 1;
+                fuse_one(prefix, array, a, b, scale, &tensors, &model_config)?
+            }
+            None if is_companion(name, &tensors, &deltas) => continue,
+            None => vec![(name.clone(), array)],
+        };
+        let refs: Vec<&Array> = outputs.iter().map(|(_, a)| a).collect();
+        mlx_rs::transforms::eval(refs).map_err(mlx)?;
+        let bytes: u64 = outputs.iter().map(|(_, a)| a.nbytes() as u64).sum();
+        if shard_bytes > 0 && shard_bytes + bytes > SHARD_BYTES {
+            let path = built.join(format!("shard-{}.safetensors", written.len()));
+            let (size, keys) = save_shard(std::mem::take(&mut shard), &path)?;
+            written_total += size;
+            written.push((path, keys));
+            shard_bytes = 0;
+        }
+        for (k, a) in outputs {
+            shard.insert(k, a);
+        }
+        shard_bytes += bytes;
+    }
+    report(JobProgress {
+        phase: "writing".into(),
+        done: fused,
+        total,
+        unit: "layers".into(),
+        detail: None,
+        training: None,
+    })?;
+    let last = built.join(format!("shard-{}.safetensors", written.len()));
+    let (size, keys) = save_shard(shard, &last)?;
+    written_total += size;
+    written.push((last, keys));
+    name_shards(&built, &written)?;
+    let to = built.join("config.json");
+    fs::copy(&model_config_path, &to).map_err(io(&to))?;
+    copy_other_files(source, &built)?;
+    place(&built, staging, out)?;
+    Ok(written_total)
+}
+
+/// A quantized adapted layer's `.scales` and `.biases`: written with its fused weight.
+fn is_companion(
+    name: &str,
+    tensors: &HashMap<String, Array>,
+    deltas: &HashMap<String, (Array, Array)>,
+) -> bool {
+    ["scales", "biases"].iter().any(|suffix| {
+        name.strip_suffix(suffix)
+            .and_then(|p| p.strip_suffix('.'))
+            .is_some_and(|prefix| {
+                deltas.contains_key(prefix)
+                    && tensors
+                        .get(&format!("{prefix}.weight"))
+                        .is_some_and(|w| w.dtype() == Dtype::Uint32)
+            })
+    })
+}
+
+/// The fused tensors of one adapted linear: its weight (and, quantized, scales and biases).
+fn fuse_one(
+    prefix: &str,
+    weight: Array,
+    a: &Array,
+    b: &Array,
+    scale: f32,
+    tensors: &HashMap<String, Array>,
+    config: &Value,
+) -> Result<Vec<(String, Array)>, JobError> {
+    let quant = if weight.dtype() == Dtype::Uint32 {
+        let q = source_quant(config, prefix).ok_or_else(|| {
+            JobError::Input(format!(
+                "{prefix}.weight is quantized but config.json has no quantization settings for it"
+            ))
+        })?;
+        let scales = tensors.get(&format!("{prefix}.scales")).ok_or_else(|| {
+            JobError::Input(format!(
+                "{prefix}.weight is packed but {prefix}.scales is missing"
+            ))
+        })?;
+        let biases = tensors.get(&format!("{prefix}.biases"));
+        Some((q, scales.clone(), biases.cloned()))
+    } else {
+        None
+    };
+    let dense = match &quant {
+        Some((q, scales, biases)) => {
+            dequantize(&weight, scales, biases.as_ref(), q.group_size, q.bits).map_err(mlx)?
+        }
+        None => weight,
+    };
+    // mlx-lm: `((self.scale * self.lora_b.T) @ self.lora_a.T).astype(weight.dtype)`.
+    let delta = b
+        .t()
+        .multiply(Array::from_f32(scale).as_dtype(b.dtype()).map_err(mlx)?)
+        .and_then(|s| s.matmul(a.t()))
+        .and_then(|d| d.as_dtype(dense.dtype()))
+        .map_err(mlx)?;
+    if delta.shape() != dense.shape() {
+        return Err(JobError::Input(format!(
+            "{prefix}: the adapter's update has shape {:?}, the layer's weight {:?}",
+            delta.shape(),
+            dense.shape()
+        )));
+    }
+    let merged = dense.add(&delta).map_err(mlx)?;
+    Ok(match quant {
+        Some((q, _, _)) => {
+            let (w, scales, biases) = quantize(&merged, q.group_size, q.bits).map_err(mlx)?;
+            vec![
+                (format!("{prefix}.weight"), w),
+                (format!("{prefix}.scales"), scales),
+                (format!("{prefix}.biases"), biases),
+            ]
+        }
+        None => vec![(format!("{prefix}.weight"), merged)],
+    })
+}
