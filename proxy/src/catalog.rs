@@ -31,6 +31,9 @@ pub struct ModelEntry {
     pub stored: bool,
     /// Keeps a standby engine (see `pool::slot::Standby`).
     pub standby: bool,
+    /// The ids of the adapter entries (`[[model]]` with `adapter` and `base`) its engine
+    /// serves: each is also one of its `adapters`, and is listed and routed by its own id.
+    pub adapter_models: Vec<String>,
 }
 
 impl ModelEntry {
@@ -42,6 +45,21 @@ impl ModelEntry {
             .and_then(|s| mlxd_protocol::engine_options::parse_adapter_list(s).ok())
             .map(|list| list.into_iter().map(|(name, _)| name).collect())
             .unwrap_or_default()
+    }
+
+    /// Its adapters as `/v1/models` lists them: an adapter entry by its own id, any other
+    /// adapter as `<id>:<name>`.
+    pub fn listed_adapters(&self) -> Vec<String> {
+        self.adapters()
+            .into_iter()
+            .map(|a| {
+                if self.adapter_models.contains(&a) {
+                    a
+                } else {
+                    format!("{}:{a}", self.id)
+                }
+            })
+            .collect()
     }
 }
 
@@ -82,13 +100,24 @@ impl Catalog {
         let mut models = Vec::with_capacity(configs.len());
         let mut names = BTreeMap::new();
         for (i, m) in configs.iter().enumerate() {
-            names.insert(m.id.clone(), i);
-            for a in &m.aliases {
-                names.insert(a.clone(), i);
+            if m.is_adapter() {
+                continue;
             }
-            let mut options = config.server.engine_options.clone();
-            options.extend(m.options.clone());
-            options.extend(m.group_options());
+            names.insert(m.id.clone(), models.len());
+            for a in &m.aliases {
+                names.insert(a.clone(), models.len());
+            }
+            let options = checked.engine_options_of(i);
+            let adapter_models = configs
+                .iter()
+                .filter(|a| a.is_adapter())
+                .filter(|a| {
+                    a.base
+                        .as_ref()
+                        .is_some_and(|b| *b == m.id || m.aliases.contains(b))
+                })
+                .map(|a| a.id.clone())
+                .collect();
             models.push(ModelEntry {
                 id: m.id.clone(),
                 source: m.source().to_string(),
@@ -100,7 +129,15 @@ impl Catalog {
                 planned_bytes: m.memory.unwrap_or_else(|| weights_on_disk(m.source())),
                 stored: false,
                 standby: m.standby.unwrap_or(config.pool.standby),
+                adapter_models,
             });
+        }
+        // An adapter entry's id routes to its base's engine, which serves the adapter under it.
+        for m in configs.iter().filter(|m| m.is_adapter()) {
+            let base = m.base.as_deref().unwrap_or_default();
+            if let Some(&i) = names.get(base) {
+                names.insert(m.id.clone(), i);
+            }
         }
         let default_model = match &config.pool.default_model {
             Some(d) => models[names[d.as_str()]].id.clone(),
@@ -144,6 +181,7 @@ impl Catalog {
                 options: config.server.engine_options.clone(),
                 stored: true,
                 standby: config.pool.standby,
+                adapter_models: Vec::new(),
             });
         }
         Ok(catalog)
@@ -366,6 +404,81 @@ mod tests {
             c.resolve(Some("b:sql")),
             Err(ProxyError::ModelNotFound { .. })
         ));
+    }
+
+    #[test]
+    fn an_adapter_entry_routes_to_its_base_and_joins_its_adapters() {
+        let c = catalog(
+            "[[model]]\nid = \"base\"\naliases = [\"b\"]\n\
+             options = { adapters = \"sql=/d/sql\" }\n\
+             [[model]]\nid = \"support-bot\"\nbase = \"b\"\nadapter = \"/d/support\"\n\
+             [[model]]\nid = \"other\"\n",
+        );
+        assert_eq!(c.ids(), ["base", "other"], "an adapter entry is no model");
+        let base = c.resolve(Some("support-bot")).unwrap();
+        assert_eq!(base.id, "base");
+        assert_eq!(
+            base.options["adapters"], "sql=/d/sql,support-bot=/d/support",
+            "the base's engine loads it under the entry's id"
+        );
+        assert_eq!(base.listed_adapters(), ["base:sql", "support-bot"]);
+        assert_eq!(c.resolve(Some("base:support-bot")).unwrap().id, "base");
+        assert!(c.get("other").unwrap().adapters().is_empty());
+    }
+
+    #[test]
+    fn a_wrong_adapter_entry_is_refused_naming_its_field() {
+        let refused = |entry: &str| -> String {
+            let text = format!("[[model]]\nid = \"m\"\n[[model]]\nid = \"a\"\n{entry}\n");
+            match Config::from_toml_str(&text, "t.toml")
+                .map_err(|e| e.to_string())
+                .and_then(|c| Catalog::from_config(&c).map_err(|e| e.to_string()))
+            {
+                Ok(_) => panic!("accepted: {entry}"),
+                Err(e) => e,
+            }
+        };
+        let e = refused("adapter = \"/d/a\"");
+        assert!(e.contains("model[1].base") && e.contains("missing"), "{e}");
+        let e = refused("base = \"m\"");
+        assert!(e.contains("model[1].adapter"), "{e}");
+        let e = refused("base = \"nope\"\nadapter = \"/d/a\"");
+        assert!(e.contains("model[1].base") && e.contains("\"nope\""), "{e}");
+        let e = refused("base = \"m\"\nadapter = \"/d/a\"\npinned = true");
+        assert!(
+            e.contains("model[1].pinned") && e.contains("belongs on its base"),
+            "{e}"
+        );
+        let e = refused("base = \"m\"\nadapter = \"/d/a,b\"");
+        assert!(e.contains("model[1].adapter"), "{e}");
+        // An adapter entry's base cannot be another adapter entry.
+        let text =
+            "[[model]]\nid = \"m\"\n[[model]]\nid = \"a\"\nbase = \"m\"\nadapter = \"/d/a\"\n\
+                    [[model]]\nid = \"c\"\nbase = \"a\"\nadapter = \"/d/c\"\n";
+        let e = Config::from_toml_str(text, "t.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("model[2].base") && e.contains("itself an adapter"),
+            "{e}"
+        );
+        // Nor the default model.
+        let text = "[pool]\ndefault_model = \"a\"\n[[model]]\nid = \"m\"\n\
+                    [[model]]\nid = \"a\"\nbase = \"m\"\nadapter = \"/d/a\"\n";
+        let e = Config::from_toml_str(text, "t.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("default_model"), "{e}");
+        // The same name in the base's own adapters is listed twice.
+        let text = "[[model]]\nid = \"m\"\noptions = { adapters = \"a=/d/x\" }\n\
+                    [[model]]\nid = \"a\"\nbase = \"m\"\nadapter = \"/d/a\"\n";
+        let e = Catalog::from_config(&Config::from_toml_str(text, "t.toml").unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("model[0].options.adapters") && e.contains("twice"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -17,6 +17,10 @@
 //! aliases = ["gpt-3.5-turbo"]
 //! pinned = true
 //! context_length = 4096
+//! [[model]]                     # a LoRA adapter served by "small"'s engine as "sql"
+//! id = "sql"
+//! base = "small"
+//! adapter = "/srv/adapters/sql"
 //! ```
 
 use std::collections::BTreeMap;
@@ -220,6 +224,12 @@ pub struct ModelConfig {
     /// distributed): `distributed = { backend = "ring", hosts = ["127.0.0.1", "127.0.0.1"],
     /// mode = "tensor" }`, one host per rank.
     pub distributed: Option<DistributedConfig>,
+    /// With `base`: this entry is a LoRA adapter (an mlx-lm adapter directory) served by the
+    /// base model's engine under this entry's id, not a model of its own (see
+    /// [`ModelConfig::is_adapter`]).
+    pub adapter: Option<PathBuf>,
+    /// The id or alias of the model whose engine serves `adapter`.
+    pub base: Option<String>,
 }
 
 /// A model's `distributed` entry: its engine group.
@@ -398,6 +408,35 @@ impl Default for PoolConfig {
 }
 
 impl ModelConfig {
+    /// Whether this entry names a LoRA adapter on another model (`adapter` and `base`): its
+    /// id routes to the base's engine, which loads the adapter under that id (the base's
+    /// `adapters` option gains `<id>=<adapter>`); it has no engine, weights or settings of
+    /// its own.
+    pub fn is_adapter(&self) -> bool {
+        self.adapter.is_some() || self.base.is_some()
+    }
+
+    /// The settings an adapter entry must not have (they belong to its base), by name.
+    fn model_only_settings(&self) -> Vec<&'static str> {
+        let set = [
+            ("path", self.path.is_some()),
+            ("aliases", !self.aliases.is_empty()),
+            ("pinned", self.pinned),
+            ("standby", self.standby.is_some()),
+            ("ttl", self.ttl.is_some()),
+            ("memory", self.memory.is_some()),
+            ("max_batch_size", self.max_batch_size.is_some()),
+            ("kv_budget_bytes", self.kv_budget_bytes.is_some()),
+            ("context_length", self.context_length.is_some()),
+            ("options", !self.options.is_empty()),
+            ("distributed", self.distributed.is_some()),
+        ];
+        set.into_iter()
+            .filter(|(_, present)| *present)
+            .map(|(name, _)| name)
+            .collect()
+    }
+
     /// The engine options that make its engine an engine group's rank 0 (`distributed`,
     /// `distributed_hosts`, `distributed_mode`); none without a `distributed` entry.
     pub fn group_options(&self) -> BTreeMap<String, String> {
@@ -638,8 +677,113 @@ impl Config {
                     format!("{d:?} is not a configured model or alias (models: {ids:?})"),
                 );
             }
+            if self.models.iter().any(|m| m.is_adapter() && m.id == *d) {
+                return fail(
+                    None,
+                    "default_model",
+                    "pool.default_model".into(),
+                    format!("{d:?} is an adapter entry: the default must be a model"),
+                );
+            }
+        }
+        for (i, m) in self.models.iter().enumerate() {
+            if let Err((key, message)) = self.check_adapter_entry(m) {
+                return fail(Some(i), key, format!("model[{i}].{key}"), message);
+            }
         }
         Ok(())
+    }
+
+    /// What is wrong with `m` as an adapter entry, as `(key, reason)`; nothing for a model.
+    fn check_adapter_entry(&self, m: &ModelConfig) -> Result<(), (&'static str, String)> {
+        if !m.is_adapter() {
+            return Ok(());
+        }
+        let (Some(dir), Some(base)) = (&m.adapter, &m.base) else {
+            let missing = if m.adapter.is_none() {
+                "adapter"
+            } else {
+                "base"
+            };
+            return Err((
+                missing,
+                format!(
+                    "an adapter entry needs both adapter (its directory) and base (the model \
+                     that serves it); {missing} is missing"
+                ),
+            ));
+        };
+        if let Some(field) = m.model_only_settings().first() {
+            return Err((
+                field,
+                format!(
+                    "{:?} is an adapter entry (adapter, base): it takes only id, adapter and \
+                     base; {field} belongs on its base model {base:?}",
+                    m.id
+                ),
+            ));
+        }
+        if !mlxd_protocol::engine_options::valid_adapter_name(&m.id) {
+            return Err((
+                "id",
+                format!(
+                    "{:?} cannot name an adapter: use 1 to 128 of the characters A-Z a-z 0-9 - _ .",
+                    m.id
+                ),
+            ));
+        }
+        let dir_text = dir.display().to_string();
+        if dir_text.contains(',') || dir_text.contains('=') {
+            return Err((
+                "adapter",
+                format!("{dir_text:?}: an adapter directory's path cannot hold ',' or '='"),
+            ));
+        }
+        match self
+            .models
+            .iter()
+            .find(|b| b.id == *base || b.aliases.contains(base))
+        {
+            None => Err((
+                "base",
+                format!("{base:?} is not a configured model or alias"),
+            )),
+            Some(b) if b.is_adapter() => Err((
+                "base",
+                format!("{base:?} is itself an adapter entry: the base must be a model"),
+            )),
+            Some(_) => Ok(()),
+        }
+    }
+
+    /// The index of the model whose engine serves the adapter entry `m` (checked by
+    /// [`Self::validate_settings`]).
+    fn base_of(&self, m: &ModelConfig) -> Option<usize> {
+        let base = m.base.as_ref()?;
+        self.models
+            .iter()
+            .position(|b| !b.is_adapter() && (b.id == *base || b.aliases.contains(base)))
+    }
+
+    /// The engine options of model `i`: `[server] engine_options`, then its own, its engine
+    /// group's, and the adapter entries it serves appended to its `adapters`.
+    pub fn engine_options_of(&self, i: usize) -> BTreeMap<String, String> {
+        let m = &self.models[i];
+        let mut options = self.server.engine_options.clone();
+        options.extend(m.options.clone());
+        options.extend(m.group_options());
+        let served: Vec<String> = self
+            .models
+            .iter()
+            .filter(|a| a.is_adapter() && self.base_of(a) == Some(i))
+            .filter_map(|a| Some(format!("{}={}", a.id, a.adapter.as_ref()?.display())))
+            .collect();
+        if !served.is_empty() {
+            let mut list: Vec<String> = options.get("adapters").cloned().into_iter().collect();
+            list.extend(served);
+            options.insert("adapters".into(), list.join(","));
+        }
+        options
     }
 
     /// [`Self::validate_settings`] and [`Self::validate_engine_options`]: everything, once
@@ -708,10 +852,10 @@ impl Config {
             return Err(refuse(None, format!("server.engine_options.{}", e.key), e));
         }
         for (i, m) in self.models.iter().enumerate() {
-            let mut options = self.server.engine_options.clone();
-            options.extend(m.options.clone());
-            options.extend(m.group_options());
-            if let Err(e) = EngineOptions::from_map(&options) {
+            if m.is_adapter() {
+                continue;
+            }
+            if let Err(e) = EngineOptions::from_map(&self.engine_options_of(i)) {
                 return Err(refuse(Some(i), format!("model[{i}].options.{}", e.key), e));
             }
         }
@@ -1147,12 +1291,13 @@ options = { prompt_cache = "0.5" }
     #[test]
     fn the_example_file_parses() {
         let c = Config::from_toml_str(include_str!("../mlxd.example.toml"), "example").unwrap();
-        assert_eq!(c.models.len(), 3);
+        assert_eq!(c.models.len(), 4);
         assert_eq!(c.pool.max_engines, 2);
         assert_eq!(c.models[2].source(), "Qwen/Qwen3-0.6B");
         assert_eq!(c.models[2].memory, Some(3 << 29));
         let cat = crate::catalog::Catalog::from_config(&c).unwrap();
         assert_eq!(cat.resolve(Some("gpt-3.5-turbo")).unwrap().id, "smollm2");
+        assert_eq!(cat.resolve(Some("sql")).unwrap().id, "llama-1b");
     }
 
     #[test]

@@ -1101,15 +1101,15 @@ async fn models(app: &App) -> Response<ResponseBody> {
                 "pinned": e.pinned,
                 "default": e.model == default_model,
             });
-            // Its LoRA adapters, each `<model>:<adapter>` with the model as `parent` (as
-            // vLLM lists them); they load and unload with it.
+            // Its LoRA adapters, each `<model>:<adapter>` (an adapter entry by its own id)
+            // with the model as `parent` (as vLLM lists them); they load and unload with it.
             let adapters = catalog
                 .get(&e.model)
-                .map(|m| m.adapters())
+                .map(|m| m.listed_adapters())
                 .unwrap_or_default();
-            let adapters = adapters.into_iter().map(|a| {
+            let adapters = adapters.into_iter().map(|id| {
                 json!({
-                    "id": format!("{}:{a}", e.model),
+                    "id": id,
                     "object": "model",
                     "created": 0,
                     "owned_by": "mlxd",

@@ -386,7 +386,14 @@ async fn lora_adapters_are_models_of_their_base_served_by_its_one_engine() -> Re
             adapter("tiny-llama-lora-b")
         ),
     );
-    let mut p = r.start(vec![base], |_| {}).await?;
+    // An adapter entry of mlxd.toml: lora-a again, served by the same engine under its own id.
+    let entry = ModelConfig {
+        id: "support-bot".into(),
+        base: Some("tiny-llama".into()),
+        adapter: Some(adapter("tiny-llama-lora-a").into()),
+        ..Default::default()
+    };
+    let mut p = r.start(vec![base, entry], |_| {}).await?;
 
     // Listed with their base.
     let (_, _, v) = p.get("/v1/models").await?;
@@ -396,7 +403,7 @@ async fn lora_adapters_are_models_of_their_base_served_by_its_one_engine() -> Re
         .iter()
         .map(|m| (m["id"].as_str().unwrap().to_owned(), m["parent"].clone()))
         // The test home's store models are listed too.
-        .filter(|(id, _)| id.starts_with("tiny-llama"))
+        .filter(|(id, _)| id.starts_with("tiny-llama") || id == "support-bot")
         .collect();
     assert_eq!(
         listed,
@@ -404,6 +411,7 @@ async fn lora_adapters_are_models_of_their_base_served_by_its_one_engine() -> Re
             ("tiny-llama".to_owned(), Value::Null),
             ("tiny-llama:a".to_owned(), json!("tiny-llama")),
             ("tiny-llama:b".to_owned(), json!("tiny-llama")),
+            ("support-bot".to_owned(), json!("tiny-llama")),
         ],
         "{v}"
     );
@@ -416,6 +424,8 @@ async fn lora_adapters_are_models_of_their_base_served_by_its_one_engine() -> Re
     let b_alone = complete(&p, "tiny-llama:b", prompt).await?;
     assert_ne!(a_alone, base_alone);
     assert_ne!(b_alone, a_alone);
+    // The adapter entry's id selects its adapter.
+    assert_eq!(complete(&p, "support-bot", prompt).await?, a_alone);
     // Together, in one engine's batch: each as alone.
     let (base_t, a_t, b_t) = tokio::join!(
         complete(&p, "tiny-llama", prompt),
@@ -424,7 +434,7 @@ async fn lora_adapters_are_models_of_their_base_served_by_its_one_engine() -> Re
     );
     assert_eq!(
         (base_t?, a_t?, b_t?),
-        (base_alone.clone(), a_alone, b_alone)
+        (base_alone.clone(), a_alone.clone(), b_alone)
     );
     assert_eq!(complete(&p, "tiny-llama", prompt).await?, base_alone);
     let (_, _, e) = p.get("/engines").await?;

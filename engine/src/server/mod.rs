@@ -95,14 +95,17 @@ impl ServerState {
     }
 
     /// The adapter a request's `model` selects: `"<anything>:<name>"` where `name` is a
-    /// loaded adapter. `"<this model's id>:<name>"` naming no loaded adapter is a 404;
-    /// anything else is the base model (a standalone engine answers to any model name).
+    /// loaded adapter, or a loaded adapter's bare `name` that is not this model's id (how
+    /// `mlxd` routes an adapter entry of `mlxd.toml`, whose id is the adapter's name).
+    /// `"<this model's id>:<name>"` naming no loaded adapter is a 404; anything else is the
+    /// base model (a standalone engine answers to any model name).
     pub fn adapter_for(
         &self,
         model: Option<&str>,
     ) -> Result<Option<crate::adapters::AdapterId>, error::ApiError> {
         let Some((base, name)) = model.and_then(|m| m.trim().rsplit_once(':')) else {
-            return Ok(None);
+            let bare = model.map(str::trim).filter(|m| *m != self.model_id);
+            return Ok(bare.and_then(|m| self.adapters.as_ref()?.id_of(m)));
         };
         if let Some(id) = self.adapters.as_ref().and_then(|t| t.id_of(name)) {
             return Ok(Some(id));
