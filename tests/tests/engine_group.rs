@@ -579,24 +579,30 @@ enum Fault {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn under_mlxd_a_group_serves_and_kill_9_of_rank_1_restarts_it_with_the_stream_resumed(
 ) -> Result<()> {
-    a_fault_mid_stream_restarts_the_group(Fault::Kill).await
+    a_fault_mid_stream_restarts_the_group(Fault::Kill, Mode::Tensor).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn under_mlxd_sigstop_of_rank_1_restarts_the_group_with_the_stream_resumed() -> Result<()> {
-    a_fault_mid_stream_restarts_the_group(Fault::Stop).await
+    a_fault_mid_stream_restarts_the_group(Fault::Stop, Mode::Tensor).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn under_mlxd_sigstop_of_rank_0_restarts_the_group_with_the_stream_resumed() -> Result<()> {
-    a_fault_mid_stream_restarts_the_group(Fault::StopLeader).await
+    a_fault_mid_stream_restarts_the_group(Fault::StopLeader, Mode::Tensor).await
 }
 
-/// Under `mlxd`, a two-rank group serves the single engine's text; `fault` strikes a rank once
-/// a stream flows: the group goes down, the pool restarts it, the stream resumes on the new
-/// group to the same text, and no process of the old group is left (a stopped rank is
-/// continued afterwards, and must be gone or go).
-async fn a_fault_mid_stream_restarts_the_group(fault: Fault) -> Result<()> {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_mlxd_sigstop_of_rank_1_of_a_pipeline_restarts_it_with_the_stream_resumed(
+) -> Result<()> {
+    a_fault_mid_stream_restarts_the_group(Fault::Stop, Mode::Pipeline).await
+}
+
+/// Under `mlxd`, a two-rank group dividing the model as `mode` says serves the single engine's
+/// text; `fault` strikes a rank once a stream flows: the group goes down, the pool restarts
+/// it, the stream resumes on the new group to the same text, and no process of the old group
+/// is left (a stopped rank is continued afterwards, and must be gone or go).
+async fn a_fault_mid_stream_restarts_the_group(fault: Fault, mode: Mode) -> Result<()> {
     /// The step bound of the group that hangs: long beside a tiny model's steps on this
     /// loaded machine, short beside the test.
     const STEP_TIMEOUT_S: u64 = 5;
@@ -608,7 +614,11 @@ async fn a_fault_mid_stream_restarts_the_group(fault: Fault) -> Result<()> {
             format!("options = {{ distributed_step_timeout = \"{STEP_TIMEOUT_S}\" }}\n")
         }
     };
-    let config = group_config(dir.path(), &model, LOCAL_PAIR, "", &options)?;
+    let more = match mode {
+        Mode::Tensor => "",
+        Mode::Pipeline => ", mode = \"pipeline\"",
+    };
+    let config = group_config(dir.path(), &model, LOCAL_PAIR, more, &options)?;
     let mlxd = start_mlxd(&config).await?;
     let addr = mlxd.addr;
     let log = mlxd.log.clone();
