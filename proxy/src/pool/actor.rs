@@ -15,7 +15,7 @@ use tracing::{error, info, warn};
 use super::handle::{Command, Lease, PoolHandle, Reply};
 use super::lifecycle::{self, Effect, PoolMood, StandbyStart, Timing};
 use super::queue::{self, Admission, AdmitRules, Pass, Placement, Room, Unload};
-use super::slot::{KeepAlive, Slot, State, Waiter};
+use super::slot::{KeepAlive, Slot, Waiter};
 use crate::catalog::Catalog;
 use crate::config::Config;
 use crate::engine::{self, EngineEvent, EngineHandle, EngineMsg, EngineSpec};
@@ -934,31 +934,8 @@ impl Pool {
             else {
                 continue;
             };
-            let was_pinned = slot.entry.pinned;
-            // New settings may be what the failed load lacked: try them at once.
-            let was_failed = matches!(slot.state, State::Failed { .. });
-            if was_failed {
-                slot.state = State::Idle;
-                slot.history.reset();
-            }
-            if change.fields.contains(&"limits") {
-                slot.limits = ModelLimits::new(entry.limits.clone());
-            }
-            slot.entry = entry.clone();
-            let fields = change.fields.join(", ");
-            info!(model = %change.id, changed = %fields, "model settings changed by a configuration reload; they apply at its next load");
-            slot.log.push(format!(
-                "[mlxd] configuration reloaded: {fields} changed (applies at the next load)"
-            ));
-            if entry.pinned && (!was_pinned || was_failed) {
-                self.enqueue(&change.id);
-            } else if !entry.pinned {
-                // The TTL may have changed: the pending check (if any) is replaced.
-                if let Some(slot) = self.slots.get_mut(&change.id) {
-                    slot.idle_timer = None;
-                }
-                self.arm_idle_timer(&change.id);
-            }
+            let effects = lifecycle::reconfigured(slot, entry.clone(), &change.fields);
+            self.apply(&change.id, effects);
         }
         self.budget = Budget {
             max_engines: config.pool.max_engines,

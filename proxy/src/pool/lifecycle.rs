@@ -220,6 +220,41 @@ pub(super) fn limits_grew(slot: &mut Slot) -> Vec<Effect> {
     Vec::new()
 }
 
+/// A configuration reload changed the model's settings (`fields`, as
+/// [`crate::reload::ModelChange`] names them) to `entry`. A running engine keeps the old
+/// ones until its next load. A failed model is tried again at once (the new settings may be
+/// what its load lacked); a model pinned now (or pinned and failed) is queued for an engine;
+/// an unpinned one's idle clock starts again, since its TTL may have changed.
+pub(super) fn reconfigured(
+    slot: &mut Slot,
+    entry: crate::catalog::ModelEntry,
+    fields: &[&str],
+) -> Vec<Effect> {
+    let was_pinned = slot.entry.pinned;
+    let was_failed = matches!(slot.state, State::Failed { .. });
+    if was_failed {
+        slot.state = State::Idle;
+        slot.history.reset();
+    }
+    if fields.contains(&"limits") {
+        slot.limits = crate::policy::ModelLimits::new(entry.limits.clone());
+    }
+    slot.entry = entry;
+    let fields = fields.join(", ");
+    info!(model = %slot.id(), changed = %fields, "model settings changed by a configuration reload; they apply at its next load");
+    let mut effects = vec![Effect::Log(format!(
+        "[mlxd] configuration reloaded: {fields} changed (applies at the next load)"
+    ))];
+    if slot.entry.pinned && (!was_pinned || was_failed) {
+        effects.push(Effect::Enqueue);
+    } else if !slot.entry.pinned {
+        // The pending check (if any) is replaced.
+        slot.idle_timer = None;
+        effects.push(Effect::ArmIdleTimer);
+    }
+    effects
+}
+
 /// Whether the model's spare engine should start now.
 #[derive(Debug)]
 pub(super) enum StandbyStart {

@@ -789,3 +789,47 @@ fn recovered_limits_recycle_an_engine_running_with_the_reduced_ones() {
     assert_eq!(s.state.name(), "draining");
     assert!(limits_grew(&mut s).is_empty(), "already draining");
 }
+
+#[test]
+fn a_reload_retries_a_failed_model_queues_a_newly_pinned_one_and_restarts_the_idle_clock() {
+    let t0 = Instant::now();
+    // A failed model with new limits: idle again, history forgotten, new limits.
+    let mut s = starting(t0);
+    exit_calmly(&mut s, cannot_load("no weights"), t0);
+    assert_eq!(s.state.name(), "failed");
+    let mut entry = s.entry.clone();
+    entry.limits.max_batch_size = Some(2);
+    let fx = reconfigured(&mut s, entry, &["limits"]);
+    assert_eq!(names(&fx), ["log", "idle"]);
+    assert!(
+        matches!(&fx[0], Effect::Log(l) if l == "[mlxd] configuration reloaded: limits changed (applies at the next load)")
+    );
+    assert_eq!(s.state.name(), "idle");
+    assert_eq!(s.limits.current().max_batch_size, Some(2));
+    // Pinned by the reload: queued for an engine.
+    let mut entry = s.entry.clone();
+    entry.pinned = true;
+    assert_eq!(
+        names(&reconfigured(&mut s, entry.clone(), &["pinned"])),
+        ["log", "enqueue"]
+    );
+    // Pinned already and not failed: nothing to start; pinned models have no idle clock.
+    assert_eq!(names(&reconfigured(&mut s, entry, &["aliases"])), ["log"]);
+    // Another field than limits leaves the limits alone; the pending idle check is replaced.
+    let mut s = starting(t0);
+    ready(&mut s, ready_report(), t0, &timing());
+    arm_idle(&mut s);
+    assert!(s.idle_timer.is_some());
+    let before = s.limits.current().clone();
+    let mut entry = s.entry.clone();
+    entry.limits.max_batch_size = Some(99);
+    let fx = reconfigured(&mut s, entry, &["ttl"]);
+    assert_eq!(names(&fx), ["log", "idle"]);
+    assert_eq!(s.idle_timer, None);
+    assert_eq!(s.limits.current(), &before);
+    assert_eq!(
+        s.state.name(),
+        "ready",
+        "the running engine keeps its settings"
+    );
+}
