@@ -320,3 +320,49 @@ fn a_quantized_base_is_fused_as_mlx_lm_fuses_it() {
         crate::common::mlx_lm_greedy(&theirs, 8, FUSE_PROMPT)
     );
 }
+
+#[test]
+fn data_lines_become_mlx_lm_s_tokens_and_prompt_offsets() {
+    let model = tiny_model("tiny-llama");
+    let dir = tempfile::tempdir().unwrap();
+    let files = [
+        (
+            "comp.jsonl",
+            "{\"prompt\": \"red cat\", \"completion\": \"blue dog\"}\n\
+             {\"prompt\": \"sky\", \"completion\": \"tree over stone\"}\n",
+        ),
+        (
+            "chat.jsonl",
+            "{\"messages\": [{\"role\": \"system\", \"content\": \"be brief\"}, \
+             {\"role\": \"user\", \"content\": \"hi\"}, \
+             {\"role\": \"assistant\", \"content\": \"hello there\"}]}\n",
+        ),
+        ("text.jsonl", "{\"text\": \"the quick river\"}\n"),
+    ];
+    for (name, text) in files {
+        std::fs::write(dir.path().join(name), text).unwrap();
+    }
+    let out = std::process::Command::new(mlxd_tests::python().expect("the test venv"))
+        .arg(mlxd_tests::workspace_root().join("scripts/mlx_lm_dataset.py"))
+        .arg(&model)
+        .args(files.iter().map(|(n, _)| dir.path().join(n)))
+        .output()
+        .expect("running scripts/mlx_lm_dataset.py");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let want: Vec<Vec<(Vec<u32>, usize)>> = serde_json::from_slice(&out.stdout).unwrap();
+    let tokenizer = mlxd_engine::tokenizer::Tokenizer::from_dir(&model).unwrap();
+    for ((name, _), want) in files.iter().zip(want) {
+        let mask = *name != "text.jsonl";
+        let ours: Vec<(Vec<u32>, usize)> =
+            mlxd_engine::job::train::data::load_file(&dir.path().join(name), &tokenizer, mask)
+                .unwrap_or_else(|e| panic!("{name}: {e}"))
+                .into_iter()
+                .map(|e| (e.tokens, e.offset))
+                .collect();
+        assert_eq!(ours, want, "{name}");
+    }
+}

@@ -100,7 +100,8 @@ pub fn load(dir: &Path, tokenizer: &Tokenizer, mask_prompt: bool) -> Result<Data
     Ok(set)
 }
 
-fn load_file(
+/// One `.jsonl` file's examples (see the module comment).
+pub fn load_file(
     path: &Path,
     tokenizer: &Tokenizer,
     mask_prompt: bool,
