@@ -108,6 +108,18 @@ impl Group {
         )
     }
 
+    /// Every started rank fails within `within` (each its own exit), and rank 0's log says
+    /// `why`.
+    fn all_fail_saying(&mut self, why: &str, within: Duration) -> Result<()> {
+        for rank in 0..self.ranks.len() {
+            let status = self.exit_of(rank, within)?;
+            assert!(!status.success(), "rank {rank}: {status}");
+        }
+        let log = self.log(0);
+        assert!(log.contains(why), "rank 0 does not say {why:?}: {log}");
+        Ok(())
+    }
+
     /// Rank `rank`'s exit status, waiting at most `within`.
     fn exit_of(&mut self, rank: usize, within: Duration) -> Result<ExitStatus> {
         let deadline = Instant::now() + within;
@@ -462,31 +474,63 @@ fn kill_9_of_rank_1_takes_rank_0_down() -> Result<()> {
 }
 
 #[test]
-fn three_ranks_cannot_share_two_kv_heads() -> Result<()> {
+fn a_request_to_a_group_whose_rank_1_is_stopped_ends_rank_0_after_the_step_bound() -> Result<()> {
     let model = tiny_model("tiny-llama")?;
-    let mut group = Group::start(&model, 3, 3)?;
-    for rank in 0..3 {
-        let status = group.exit_of(rank, Duration::from_secs(60))?;
-        assert!(!status.success(), "rank {rank}: {status}");
-    }
+    let mut group = Group::start_in(
+        &model,
+        2,
+        2,
+        Mode::Tensor,
+        &["--distributed-step-timeout", "3"],
+    )?;
+    let socket = group.socket();
+    wait_serving(&socket, &mut group.ranks[0], Duration::from_secs(60))?;
+    assert!(!completion_ids(&socket, &bodies()[0])?.is_empty());
+    // Stopped while the group is idle: nothing is bounded until a request starts a step.
+    let rank1 = group.ranks[1].id().to_string();
+    anyhow::ensure!(Command::new("kill")
+        .args(["-STOP", &rank1])
+        .status()?
+        .success());
+    let asked = Instant::now();
+    let answer = completion_ids(&socket, &bodies()[1]);
+    let status = group.exit_of(0, Duration::from_secs(60))?;
+    let took = asked.elapsed();
+    assert!(answer.is_err(), "a hung group answered: {answer:?}");
+    assert_eq!(status.code(), Some(EXIT_GROUP_BROKEN), "{status}");
+    assert!(
+        took >= Duration::from_secs(3),
+        "rank 0 gave up after {took:?}"
+    );
     let log = group.log(0);
     assert!(
-        log.contains("4 query heads and 2 KV heads"),
-        "rank 0 does not say why: {log}"
+        log.contains("rank 0 made no progress") && log.contains("the bound is 3 s"),
+        "{log}"
     );
+    // Continued, rank 1 finds its peer gone and ends too.
+    anyhow::ensure!(Command::new("kill")
+        .args(["-CONT", &rank1])
+        .status()?
+        .success());
+    let status = group.exit_of(1, Duration::from_secs(60))?;
+    assert!(!status.success(), "rank 1: {status}");
     Ok(())
+}
+
+#[test]
+fn three_ranks_cannot_share_two_kv_heads() -> Result<()> {
+    let model = tiny_model("tiny-llama")?;
+    Group::start(&model, 3, 3)?
+        .all_fail_saying("4 query heads and 2 KV heads", Duration::from_secs(60))
 }
 
 #[test]
 fn a_rank_that_never_comes_fails_the_load_in_bounded_time() -> Result<()> {
     let model = tiny_model("tiny-llama")?;
     let started = Instant::now();
-    let mut group = Group::start(&model, 2, 1)?;
-    let status = group.exit_of(0, Duration::from_secs(30))?;
-    assert!(!status.success());
+    Group::start(&model, 2, 1)?
+        .all_fail_saying("did not form within 5 s", Duration::from_secs(30))?;
     assert!(started.elapsed() < Duration::from_secs(30));
-    let log = group.log(0);
-    assert!(log.contains("did not form within 5 s"), "{log}");
     Ok(())
 }
 
@@ -894,17 +938,10 @@ fn a_constrained_request_to_a_group_is_refused_naming_it() -> Result<()> {
 #[test]
 fn a_family_that_cannot_be_pipelined_is_refused_naming_it() -> Result<()> {
     let model = tiny_model("family-mixtral")?;
-    let mut group = Group::start_in(&model, 2, 2, Mode::Pipeline, &[])?;
-    for rank in 0..2 {
-        let status = group.exit_of(rank, Duration::from_secs(60))?;
-        assert!(!status.success(), "rank {rank}: {status}");
-    }
-    let log = group.log(0);
-    assert!(
-        log.contains("MixtralForCausalLM cannot be divided into a pipeline of 2 ranks"),
-        "rank 0 does not say why: {log}"
-    );
-    Ok(())
+    Group::start_in(&model, 2, 2, Mode::Pipeline, &[])?.all_fail_saying(
+        "MixtralForCausalLM cannot be divided into a pipeline of 2 ranks",
+        Duration::from_secs(60),
+    )
 }
 
 /// mlx-lm's greedy tokens for `prompt` with `model` divided into a pipeline of two ranks
