@@ -48,7 +48,9 @@ pub use error::ClientError;
 #[cfg(feature = "in-process")]
 pub use in_process::{InProcessOptions, RuntimeLimits};
 pub use mlxd_protocol::error::{ErrorBody, ErrorType};
-pub use mlxd_protocol::jobs::{Job, JobKind, JobProgress, JobRequest, JobResult, JobState};
+pub use mlxd_protocol::jobs::{
+    Job, JobKind, JobProgress, JobRequest, JobResult, JobState, TrainParams, TrainingProgress,
+};
 pub use mlxd_protocol::openai::{
     ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatMessage,
     GenerationParams, ModelList, Role, Usage,

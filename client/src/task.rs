@@ -1,5 +1,7 @@
 //! [`TaskClient`]: managed jobs on `mlxd` (`/v1/jobs`): quantize a model, convert a GGUF,
-//! fetch a repository; follow their progress, wait for the result, cancel.
+//! fetch a repository, fine-tune a LoRA adapter (`JobRequest::Lora`, its figures in
+//! `JobProgress::training`) or fuse one into its base (`JobRequest::Fuse`); follow their
+//! progress, wait for the result, cancel.
 //!
 //! ```no_run
 //! use mlxd_client::{Client, JobRequest, TaskClient};
@@ -17,6 +19,29 @@
 //!     .wait(&job.id, |p| eprintln!("{} {}/{}", p.phase, p.done, p.total))
 //!     .await?;
 //! println!("{}", done.result.expect("a succeeded job has a result").dir.display());
+//!
+//! // A LoRA adapter, with mlx-lm's defaults but for the iterations.
+//! let trained = tasks
+//!     .run(
+//!         &JobRequest::Lora {
+//!             model: "/models/llama".into(),
+//!             data: "/data/sql".into(),
+//!             out: Some("sql".into()),
+//!             resume: false,
+//!             init_adapter: None,
+//!             params: mlxd_client::TrainParams {
+//!                 iters: 200,
+//!                 ..Default::default()
+//!             },
+//!         },
+//!         |p| {
+//!             if let Some(t) = &p.training {
+//!                 eprintln!("{}/{} loss {:?}", t.iteration, t.iters, t.train_loss);
+//!             }
+//!         },
+//!     )
+//!     .await?;
+//! # let _ = trained;
 //! # Ok(()) }
 //! ```
 use std::collections::VecDeque;
