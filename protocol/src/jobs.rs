@@ -459,4 +459,28 @@ mod tests {
         let text = serde_json::to_string(&spec).unwrap();
         assert_eq!(serde_json::from_str::<JobSpec>(&text).unwrap(), spec);
     }
+
+    #[test]
+    fn a_lora_request_takes_hyperparameters_beside_its_fields_with_mlx_lm_defaults() {
+        let r: JobRequest =
+            serde_json::from_str(r#"{"kind":"lora","model":"m","data":"/d","rank":4}"#).unwrap();
+        let JobRequest::Lora { params, resume, .. } = &r else {
+            panic!("{r:?}")
+        };
+        assert!(!resume);
+        assert_eq!(params.rank, 4);
+        assert_eq!(
+            (params.scale, params.iters, params.batch_size),
+            (20.0, 1000, 4)
+        );
+        assert_eq!(params.optimizer, Optimizer::Adam);
+        let back: JobRequest = serde_json::from_value(serde_json::to_value(&r).unwrap()).unwrap();
+        assert_eq!(back, r);
+        assert!(TrainParams::default().check().is_ok());
+        let dora = TrainParams {
+            fine_tune_type: "dora".into(),
+            ..TrainParams::default()
+        };
+        assert!(dora.check().unwrap_err().contains("not built"));
+    }
 }
