@@ -118,8 +118,20 @@ fn greedy(model: &Path, adapter: &Path, prompt: &[u32], n: usize) -> Vec<u32> {
 
 #[test]
 fn training_follows_mlx_lm_losses_and_its_adapter_gives_the_same_tokens_in_mlx_lm() {
-    let model = tiny_model("tiny-llama");
-    let (fixture, log) = fixture("tiny-llama-lora-a");
+    follows_mlx_lm("tiny-llama", "tiny-llama-lora-a");
+}
+
+/// QLoRA: the 4-bit base stays quantized and frozen; the factors train as mlx-lm's do.
+#[test]
+fn qlora_on_a_4_bit_base_follows_mlx_lm_losses_and_gives_its_tokens() {
+    follows_mlx_lm("tiny-llama-q4", "tiny-llama-q4-lora");
+}
+
+/// Trains from the fixture's starting factors with its parity run's settings and compares
+/// losses and the written adapter's tokens with mlx-lm's.
+fn follows_mlx_lm(base: &str, adapter_fixture: &str) {
+    let model = tiny_model(base);
+    let (fixture, log) = fixture(adapter_fixture);
     let log = &log["parity"];
     let work = tempfile::tempdir().unwrap();
     let mut config = config(&model, &fixture.join("data"), params_of(log), work.path());
