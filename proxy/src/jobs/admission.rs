@@ -121,19 +121,44 @@ impl ModelShape {
 }
 
 /// The estimated peak of a LoRA job: the base's weights, plus the activations a backward pass
-/// keeps for a full batch of `max_seq_length` tokens (per layer and token about twelve
-/// hidden-size and four intermediate-size float32 vectors) and the logits with their
-/// gradient (three float32 vocabulary rows per token), plus MLX's overhead. It bounds a batch
-/// of the longest sequences the settings allow; shorter data uses less.
+/// keeps for a batch of `batch_size` rows of `row_tokens` tokens (per layer and token about
+/// twelve hidden-size and four intermediate-size float32 vectors) and the logits with their
+/// gradient (three float32 vocabulary rows per token), plus MLX's overhead.
 pub fn lora_peak_bytes(
     size: CheckpointSize,
     shape: ModelShape,
     params: &mlxd_protocol::jobs::TrainParams,
+    row_tokens: u64,
 ) -> u64 {
-    let tokens = u64::from(params.batch_size) * u64::from(params.max_seq_length);
+    let tokens = u64::from(params.batch_size) * row_tokens;
     let per_token =
         shape.layers * (12 * shape.hidden + 4 * shape.intermediate) * 4 + 3 * shape.vocab * 4;
     size.total + tokens.saturating_mul(per_token) + MLX_OVERHEAD_BYTES
+}
+
+/// Tokens a chat template may add to a line beyond its own bytes (role markers, a system
+/// prompt, tool descriptions' framing).
+pub const TEMPLATE_TOKENS: u64 = 1024;
+
+/// The most tokens a row of the data in `files` can take: `max_seq_length`, or fewer when the
+/// longest line is short (a token is at least one byte of the line's text, and the template
+/// adds at most [`TEMPLATE_TOKENS`]).
+pub fn lora_row_tokens(files: &[&Path], max_seq_length: u32) -> std::io::Result<u64> {
+    use std::io::BufRead;
+    let mut longest = 0u64;
+    for f in files {
+        let mut reader = std::io::BufReader::new(std::fs::File::open(f)?);
+        let mut line = Vec::new();
+        loop {
+            line.clear();
+            let n = reader.read_until(b'\n', &mut line)?;
+            if n == 0 {
+                break;
+            }
+            longest = longest.max(n as u64);
+        }
+    }
+    Ok((longest + TEMPLATE_TOKENS).min(u64::from(max_seq_length)))
 }
 
 /// The estimated peak of fusing an adapter into a checkpoint of `size`: like a quantize job,

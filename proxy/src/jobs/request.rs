@@ -556,6 +556,11 @@ fn prepare_lora(
     let size: CheckpointSize =
         admission::checkpoint_size(&source).map_err(|e| bad("model", e.to_string()))?;
     let shape = admission::ModelShape::read(&source);
+    let row_tokens = admission::lora_row_tokens(
+        &[&data.join("train.jsonl"), &data.join("valid.jsonl")],
+        params.max_seq_length,
+    )
+    .map_err(|e| bad("data", format!("{}: {e}", data.display())))?;
     let adapters = home.join("adapters");
     let out = match string_field(obj, "out")? {
         Some(o) if mlxd_store::inventory::is_plain_name(&o) => adapters.join(o),
@@ -598,7 +603,7 @@ fn prepare_lora(
             init_adapter: init_adapter.as_ref().map(|p| p.display().to_string()),
             params: params.clone(),
         },
-        memory_bytes: admission::lora_peak_bytes(size, shape, &params),
+        memory_bytes: admission::lora_peak_bytes(size, shape, &params, row_tokens),
         work: Work::Lora {
             source,
             data,
@@ -775,8 +780,18 @@ mod tests {
             out.as_deref(),
             Some(home.path().join("adapters/m-lora").to_str().unwrap())
         );
-        // Weights (8 bytes here) plus a batch of 4 x 2048 tokens' activations and logits.
+        // Weights (8 bytes here) plus a batch of 4 rows' activations and logits, a row the
+        // template's allowance (the files are empty) under max_seq_length 2048.
         let per_token = 2 * (12 * 64 + 4 * 128) * 4 + 3 * 100 * 4;
-        assert!(job.memory_bytes >= 4 * 2048 * per_token);
+        let rows = 4 * admission::TEMPLATE_TOKENS;
+        assert!(job.memory_bytes >= rows * per_token);
+        assert!(job.memory_bytes < rows * per_token + (2 << 30));
+        std::fs::write(data.join("train.jsonl"), "x".repeat(5000) + "\n").unwrap();
+        let long = prepare(body("").as_bytes(), &catalog(), home.path()).unwrap();
+        assert_eq!(
+            long.memory_bytes - job.memory_bytes,
+            4 * (2048 - admission::TEMPLATE_TOKENS) * per_token,
+            "rows capped at max_seq_length"
+        );
     }
 }
