@@ -1,4 +1,5 @@
 //! Wire types shared by `mlxd` and `mlxd-engine`. Plain serde types: no tokio, no hyper.
+pub mod adapters;
 pub mod anthropic;
 pub mod control;
 pub mod engine_options;

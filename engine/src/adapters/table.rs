@@ -332,6 +332,20 @@ impl AdapterTable {
             .map(|a| a.summary.id)
     }
 
+    /// Unloads the adapter `id`, dropping its factors everywhere (their memory is freed once
+    /// no pass holds them); its id is never given again. Call it between forward passes,
+    /// when no row runs with it: a later selection naming it fails. `None`: not loaded.
+    pub fn unload(&self, id: AdapterId) -> Option<AdapterSummary> {
+        let mut state = self.lock();
+        let index = state.adapters.iter().position(|a| a.summary.id == id)?;
+        let loaded = state.adapters.remove(index);
+        for site in &mut state.sites {
+            site.factors.remove(index);
+            site.stacked = None;
+        }
+        Some(loaded.summary)
+    }
+
     /// Every loaded adapter, in load order.
     pub fn list(&self) -> Vec<AdapterSummary> {
         self.lock()

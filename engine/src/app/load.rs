@@ -162,6 +162,7 @@ impl Engine {
         )
         .with_model_vocab(self.runtime.info.vocab_size)
         .with_adapters(self.runtime.adapters.clone())
+        .with_adapter_work(self.runtime.adapter_work.clone())
     }
 }
 #[cfg(test)]

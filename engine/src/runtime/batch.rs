@@ -119,6 +119,11 @@ impl DecodeBatch {
         self.rows.len()
     }
 
+    /// Each row's adapter, in order.
+    pub fn adapters(&self) -> impl Iterator<Item = Option<adapters::AdapterId>> + '_ {
+        self.rows.iter().map(|s| s.adapter)
+    }
+
     pub fn is_empty(&self) -> bool {
         self.rows.is_empty() && self.in_flight.is_none()
     }

@@ -16,12 +16,12 @@ use tokio::sync::mpsc;
 
 use super::batch::{DecodeBatch, Departed, Prefilled};
 use super::draft::Speculator;
-use super::request::{GenerateRequest, GenerationError, TokenEvent};
+use super::request::{AdapterWork, AdapterWorkError, GenerateRequest, GenerationError, TokenEvent};
 use super::scheduler::{self, Admission, PrefillView, PrefillWork, SchedulerLimits, WaitingView};
 use super::sequence::Sequence;
 use super::step_trace::PrefillTrace;
 use super::{OomHook, RuntimeStats};
-use crate::adapters::{self, AdapterId};
+use crate::adapters::{self, AdapterId, AdapterSummary};
 use crate::cache::{CacheManager, KvLayout, KvQuant, KvSpace, LayerCache, LayerKind, SeqKv};
 use crate::models::{CausalLm, ModelInfo};
 
@@ -80,6 +80,16 @@ pub(super) struct Executor<'m> {
     /// The prefix-cache space of each loaded adapter (`KvSpace::of_adapter_dir`), so that an
     /// adapter's rows reuse their own earlier prompts' KV and never the base model's.
     adapter_spaces: HashMap<AdapterId, KvSpace>,
+    /// Adapters to load and unload at run time (the admin routes), handled between
+    /// iterations; `None`: no such work comes.
+    adapter_work: Option<mpsc::UnboundedReceiver<AdapterWork>>,
+}
+
+/// What woke an idle executor.
+enum Woken {
+    Request(GenerateRequest),
+    Adapter(AdapterWork),
+    Closed,
 }
 
 /// Pass shapes remembered at most; past it every shape counts as seen (by then the kernels
@@ -132,6 +142,139 @@ impl<'m> Executor<'m> {
             prefill_speed: None,
             prefill_shapes_seen: super::on_gpu().then(HashSet::new),
             adapter_spaces: HashMap::new(),
+            adapter_work: None,
+        }
+    }
+
+    /// This executor taking adapter work from `rx` ([`AdapterWork`]).
+    pub fn with_adapter_work(mut self, rx: mpsc::UnboundedReceiver<AdapterWork>) -> Self {
+        self.adapter_work = Some(rx);
+        self
+    }
+
+    /// Moves the requests that have arrived into the waiting line; false once the channel is
+    /// closed.
+    fn take_requests(&mut self, rx: &mut mpsc::UnboundedReceiver<GenerateRequest>) -> bool {
+        loop {
+            match rx.try_recv() {
+                Ok(req) => self.waiting.push_back(req),
+                Err(mpsc::error::TryRecvError::Empty) => return true,
+                Err(mpsc::error::TryRecvError::Disconnected) => return false,
+            }
+        }
+    }
+
+    /// Does one piece of adapter work and answers it. Runs between iterations, so no forward
+    /// pass holds a selection; the requests that arrived before it are already waiting, so an
+    /// unload counts them.
+    fn adapter_work(&mut self, work: AdapterWork) {
+        match work {
+            AdapterWork::Load { name, dir, reply } => {
+                let result = self.load_adapter(&name, &dir);
+                match &result {
+                    Ok(s) => {
+                        tracing::info!(adapter = %name, dir = %dir.display(), id = ?s.id, "adapter loaded")
+                    }
+                    Err(e) => {
+                        tracing::warn!(adapter = %name, dir = %dir.display(), error = %e, "adapter not loaded")
+                    }
+                }
+                let _ = reply.send(result);
+            }
+            AdapterWork::Unload { name, reply } => {
+                let result = self.unload_adapter(&name);
+                match &result {
+                    Ok(s) => tracing::info!(adapter = %name, id = ?s.id, "adapter unloaded"),
+                    Err(e) => tracing::warn!(adapter = %name, error = %e, "adapter not unloaded"),
+                }
+                let _ = reply.send(result);
+            }
+        }
+    }
+
+    fn load_adapter(
+        &mut self,
+        name: &str,
+        dir: &std::path::Path,
+    ) -> Result<AdapterSummary, AdapterWorkError> {
+        let table = self
+            .model
+            .adapters()
+            .ok_or(AdapterWorkError::NotAdaptable)?;
+        if table.id_of(name).is_some() {
+            return Err(adapters::AdapterError::Duplicate(name.to_owned()).into());
+        }
+        // The space first: an adapter is never loaded without one.
+        let space = KvSpace::of_adapter_dir(dir).map_err(|e| AdapterWorkError::Space {
+            path: dir.to_owned(),
+            message: e.to_string(),
+        })?;
+        let id = table.load(name, dir)?;
+        self.adapter_spaces.insert(id, space);
+        table
+            .list()
+            .into_iter()
+            .find(|a| a.id == id)
+            .ok_or_else(|| AdapterWorkError::Unknown {
+                name: name.to_owned(),
+                loaded: Vec::new(),
+            })
+    }
+
+    fn unload_adapter(&mut self, name: &str) -> Result<AdapterSummary, AdapterWorkError> {
+        let table = self
+            .model
+            .adapters()
+            .ok_or(AdapterWorkError::NotAdaptable)?;
+        let unknown = || AdapterWorkError::Unknown {
+            name: name.to_owned(),
+            loaded: table.list().into_iter().map(|a| a.name).collect(),
+        };
+        let id = table.id_of(name).ok_or_else(unknown)?;
+        let requests = self.requests_with(id);
+        if requests > 0 {
+            return Err(AdapterWorkError::InUse {
+                name: name.to_owned(),
+                requests,
+            });
+        }
+        let summary = table.unload(id).ok_or_else(unknown)?;
+        // Its prefix-cache entries stay, keyed by its content: the shared LRU evicts them,
+        // and the same adapter loaded again finds them.
+        self.adapter_spaces.remove(&id);
+        Ok(summary)
+    }
+
+    /// Requests in flight (waiting, prefilling, prefilled or decoding) that run with `id`.
+    fn requests_with(&self, id: AdapterId) -> usize {
+        let waiting = self
+            .waiting
+            .iter()
+            .filter(|r| r.adapter == Some(id) && !r.events.is_closed())
+            .count();
+        let prefilling = self
+            .prefilling
+            .iter()
+            .filter(|p| p.seq.adapter == Some(id))
+            .count();
+        let ready = self
+            .ready
+            .iter()
+            .flat_map(|r| &r.seqs)
+            .filter(|s| s.adapter == Some(id))
+            .count();
+        let decoding = self.batch.adapters().filter(|a| *a == Some(id)).count();
+        waiting + prefilling + ready + decoding
+    }
+
+    /// A request whose adapter was unloaded after the server resolved its name is refused
+    /// at admission (it would fail its batch's passes).
+    fn check_adapter(&self, req: &GenerateRequest) -> Result<(), GenerationError> {
+        match req.adapter {
+            Some(id) if !self.adapter_spaces.contains_key(&id) => {
+                Err(GenerationError::AdapterUnloaded(id))
+            }
+            _ => Ok(()),
         }
     }
 
@@ -173,20 +316,19 @@ impl<'m> Executor<'m> {
                 if !open {
                     return;
                 }
-                match self.wait_for_request(&mut rx) {
-                    Some(req) => self.waiting.push_back(req),
-                    None => return,
+                match self.wait_for_work(&mut rx) {
+                    Woken::Request(req) => self.waiting.push_back(req),
+                    Woken::Adapter(work) => {
+                        open = self.take_requests(&mut rx) && open;
+                        self.adapter_work(work);
+                        continue;
+                    }
+                    Woken::Closed => return,
                 }
             }
-            loop {
-                match rx.try_recv() {
-                    Ok(req) => self.waiting.push_back(req),
-                    Err(mpsc::error::TryRecvError::Empty) => break,
-                    Err(mpsc::error::TryRecvError::Disconnected) => {
-                        open = false;
-                        break;
-                    }
-                }
+            open = self.take_requests(&mut rx) && open;
+            while let Some(work) = self.adapter_work.as_mut().and_then(|r| r.try_recv().ok()) {
+                self.adapter_work(work);
             }
             if let Err(e) = self.iteration() {
                 self.fail_all(GenerationError::from_mlx(e.to_string()));
@@ -238,15 +380,13 @@ impl<'m> Executor<'m> {
         self.caches.demote_idle()
     }
 
-    /// The next request, blocking while idle; with SSD demotion configured, the wait wakes
-    /// every housekeeping interval to demote idle prefix-cache entries.
-    fn wait_for_request(
-        &mut self,
-        rx: &mut mpsc::UnboundedReceiver<GenerateRequest>,
-    ) -> Option<GenerateRequest> {
-        let Some(every) = self.caches.housekeeping_interval() else {
-            return rx.blocking_recv();
-        };
+    /// The next request or adapter work, blocking while idle; with SSD demotion configured,
+    /// the wait wakes every housekeeping interval to demote idle prefix-cache entries.
+    fn wait_for_work(&mut self, rx: &mut mpsc::UnboundedReceiver<GenerateRequest>) -> Woken {
+        let every = self.caches.housekeeping_interval();
+        if every.is_none() && self.adapter_work.is_none() {
+            return rx.blocking_recv().map_or(Woken::Closed, Woken::Request);
+        }
         if self.timer.is_none() {
             match tokio::runtime::Builder::new_current_thread()
                 .enable_time()
@@ -254,16 +394,39 @@ impl<'m> Executor<'m> {
             {
                 Ok(rt) => self.timer = Some(rt),
                 Err(e) => {
-                    tracing::warn!(error = %e, "no timer for SSD demotion while idle");
-                    return rx.blocking_recv();
+                    tracing::warn!(
+                        error = %e,
+                        "no runtime to wait on: no SSD demotion nor adapter work while idle"
+                    );
+                    return rx.blocking_recv().map_or(Woken::Closed, Woken::Request);
                 }
             }
         }
         loop {
             let timer = self.timer.as_ref().expect("built above");
-            match timer.block_on(async { tokio::time::timeout(every, rx.recv()).await }) {
-                Ok(next) => return next,
-                Err(_) => {
+            let work = self.adapter_work.as_mut();
+            let woken = timer.block_on(async {
+                let adapter = async {
+                    match work {
+                        Some(rx) => rx.recv().await,
+                        None => std::future::pending().await,
+                    }
+                };
+                let tick = async {
+                    match every {
+                        Some(every) => tokio::time::sleep(every).await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    req = rx.recv() => Some(req.map_or(Woken::Closed, Woken::Request)),
+                    Some(work) = adapter => Some(Woken::Adapter(work)),
+                    () = tick => None,
+                }
+            });
+            match woken {
+                Some(woken) => return woken,
+                None => {
                     if let Err(e) = self.caches.demote_idle() {
                         tracing::warn!(error = %e, "demoting idle prefixes failed");
                     }
@@ -335,7 +498,10 @@ impl<'m> Executor<'m> {
                     let _ = req.events.send(TokenEvent::Failed(error));
                 }
                 Admission::Admit => {
-                    if let Err(e) = self.check_vocabulary(&req) {
+                    if let Err(e) = self
+                        .check_vocabulary(&req)
+                        .and_then(|()| self.check_adapter(&req))
+                    {
                         let _ = req.events.send(TokenEvent::Failed(e));
                         continue;
                     }

@@ -42,7 +42,7 @@ use crate::models::{self, CausalLm, ModelInfo};
 use draft::{DraftSource, Drafter, ModelDrafter, Speculation, Speculator};
 use executor::Executor;
 pub use mlxd_protocol::engine_options::Parallelism;
-use request::WorkSender;
+use request::{AdapterWorkSender, WorkSender};
 use scheduler::SchedulerLimits;
 
 /// Sequences decoded together when no limit is given, on the CPU.
@@ -211,6 +211,8 @@ pub struct Runtime {
     /// The model's LoRA adapters (`None`: a model that takes none, such as a group's shard);
     /// the HTTP side resolves adapter names against it.
     pub adapters: Option<Arc<AdapterTable>>,
+    /// Loads and unloads adapters on the MLX thread (the admin routes).
+    pub adapter_work: AdapterWorkSender,
     thread: thread::JoinHandle<()>,
 }
 
@@ -303,6 +305,7 @@ impl Runtime {
         let ssd_handle = ssd.as_ref().map(SsdTier::handle);
         let (ready_tx, ready_rx) = std_mpsc::channel();
         let (work, rx) = mpsc::unbounded_channel();
+        let (adapter_work, adapter_rx) = mpsc::unbounded_channel();
         let thread_stats = stats.clone();
         let thread = thread::Builder::new()
             .name("mlx".into())
@@ -399,6 +402,7 @@ impl Runtime {
                         spec,
                     )
                     .with_adapter_spaces(adapter_spaces)
+                    .with_adapter_work(adapter_rx)
                     .serve(rx, lockstep);
                 }
                 Err(e) => {
@@ -416,6 +420,7 @@ impl Runtime {
                 stats,
                 ssd: ssd_handle,
                 adapters,
+                adapter_work,
                 thread,
             }),
             Ok(Err(e)) => Err(e),

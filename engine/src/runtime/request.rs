@@ -7,7 +7,7 @@
 use tokio::sync::mpsc;
 
 use super::sampling_params::{SamplingError, SamplingParams};
-use crate::adapters::AdapterId;
+use crate::adapters::{AdapterError, AdapterId, AdapterSummary};
 use crate::constraint::TokenConstraint;
 
 /// One generation job for the MLX thread.
@@ -104,6 +104,9 @@ pub enum GenerationError {
     /// The MLX thread stopped before the request finished.
     #[error("the model thread stopped")]
     Stopped,
+    /// The request's adapter was unloaded between the request naming it and its admission.
+    #[error("the adapter {0:?} was unloaded before the request started")]
+    AdapterUnloaded(AdapterId),
 }
 
 impl GenerationError {
@@ -147,3 +150,48 @@ impl FinishReason {
 
 /// The sending half that the HTTP side holds; cloneable and cheap.
 pub type WorkSender = mpsc::UnboundedSender<GenerateRequest>;
+
+/// Adapter work for the MLX thread (the admin routes' `POST` and `DELETE
+/// /admin/adapters`): loading reads and evaluates the factors there, and both change the
+/// table and the executor's prefix-cache spaces between forward passes.
+#[derive(Debug)]
+pub enum AdapterWork {
+    /// Load the mlx-lm adapter in `dir` under `name`.
+    Load {
+        name: String,
+        dir: std::path::PathBuf,
+        reply: tokio::sync::oneshot::Sender<Result<AdapterSummary, AdapterWorkError>>,
+    },
+    /// Unload the adapter `name`, refused while a request in flight runs with it.
+    Unload {
+        name: String,
+        reply: tokio::sync::oneshot::Sender<Result<AdapterSummary, AdapterWorkError>>,
+    },
+}
+
+/// Why adapter work failed, by kind (see `server/error.rs` for the statuses).
+#[derive(Debug, thiserror::Error)]
+pub enum AdapterWorkError {
+    #[error(transparent)]
+    Load(#[from] AdapterError),
+    /// The adapter's files could not be read to name its prefix-cache space.
+    #[error("cannot read the adapter in {path}: {message}")]
+    Space {
+        path: std::path::PathBuf,
+        message: String,
+    },
+    #[error("no adapter named {name:?} is loaded (loaded: {})", loaded.join(", "))]
+    Unknown { name: String, loaded: Vec<String> },
+    /// Requests in flight (waiting, prefilling or decoding) run with it.
+    #[error(
+        "the adapter {name:?} is in use by {requests} request(s) in flight; unload it once \
+         they finish"
+    )]
+    InUse { name: String, requests: usize },
+    /// A model without an adapter table (an engine group's shard).
+    #[error("this model takes no adapters")]
+    NotAdaptable,
+}
+
+/// The sending half of the MLX thread's adapter work.
+pub type AdapterWorkSender = mpsc::UnboundedSender<AdapterWork>;

@@ -6,8 +6,9 @@ use mlxd_protocol::error::{
     ErrorBody, INVALID_REQUEST_ERROR, SERVER_ERROR, SERVICE_UNAVAILABLE_ERROR,
 };
 
+use crate::adapters::AdapterError;
 use crate::chat_template::ChatTemplateError;
-use crate::runtime::request::GenerationError;
+use crate::runtime::request::{AdapterWorkError, GenerationError};
 use crate::tokenizer::TokenizerError;
 
 /// Everything a route can fail with, tagged with whose fault it is.
@@ -41,6 +42,10 @@ pub enum ApiError {
     /// The MLX thread reported a failure for this request; its kind decides the status.
     #[error("generation failed: {0}")]
     Generation(GenerationError),
+    /// Loading or unloading an adapter failed (the admin routes); its kind decides the
+    /// status.
+    #[error("{0}")]
+    Adapter(AdapterWorkError),
     /// A bug or an unexpected state on our side: 500.
     #[error("internal error: {0}")]
     Internal(String),
@@ -95,6 +100,17 @@ impl ApiError {
                 GenerationError::Mlx(_) | GenerationError::Constraint(_) => {
                     StatusCode::INTERNAL_SERVER_ERROR
                 }
+                // Unloaded after the request named it: as if it had never been loaded.
+                GenerationError::AdapterUnloaded(_) => StatusCode::NOT_FOUND,
+            },
+            ApiError::Adapter(e) => match e {
+                AdapterWorkError::Load(AdapterError::Duplicate(_))
+                | AdapterWorkError::InUse { .. } => StatusCode::CONFLICT,
+                AdapterWorkError::Unknown { .. } => StatusCode::NOT_FOUND,
+                AdapterWorkError::Load(AdapterError::Mlx(_)) => StatusCode::INTERNAL_SERVER_ERROR,
+                AdapterWorkError::Load(_)
+                | AdapterWorkError::Space { .. }
+                | AdapterWorkError::NotAdaptable => StatusCode::BAD_REQUEST,
             },
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -109,8 +125,10 @@ impl ApiError {
             | ApiError::UnknownModel { .. }
             | ApiError::MethodNotAllowed { .. } => INVALID_REQUEST_ERROR,
             ApiError::Unavailable(_) => SERVICE_UNAVAILABLE_ERROR,
-            ApiError::Generation(_) => match self.status() {
-                StatusCode::BAD_REQUEST => INVALID_REQUEST_ERROR,
+            ApiError::Generation(_) | ApiError::Adapter(_) => match self.status() {
+                StatusCode::BAD_REQUEST | StatusCode::NOT_FOUND | StatusCode::CONFLICT => {
+                    INVALID_REQUEST_ERROR
+                }
                 StatusCode::SERVICE_UNAVAILABLE => SERVICE_UNAVAILABLE_ERROR,
                 _ => SERVER_ERROR,
             },
@@ -147,6 +165,34 @@ impl ApiError {
                     GenerationError::Stopped => ("engine_stopped", None),
                     GenerationError::Mlx(_) => ("mlx_error", None),
                     GenerationError::Constraint(_) => ("constraint_error", None),
+                    GenerationError::AdapterUnloaded(_) => ("model_not_found", Some("model")),
+                };
+                body.error.code = Some(code.into());
+                body.error.param = param.map(str::to_owned);
+            }
+            ApiError::Adapter(e) => {
+                let (code, param) = match e {
+                    AdapterWorkError::Load(AdapterError::Read { .. })
+                    | AdapterWorkError::Space { .. } => ("adapter_unreadable", Some("path")),
+                    AdapterWorkError::Load(AdapterError::Refused(_)) => {
+                        ("adapter_refused", Some("path"))
+                    }
+                    AdapterWorkError::Load(AdapterError::Invalid(m))
+                        if m.starts_with("adapter name") =>
+                    {
+                        ("invalid_adapter_name", Some("name"))
+                    }
+                    AdapterWorkError::Load(AdapterError::Invalid(_)) => {
+                        ("invalid_adapter", Some("path"))
+                    }
+                    AdapterWorkError::Load(AdapterError::Duplicate(_)) => {
+                        ("adapter_exists", Some("name"))
+                    }
+                    AdapterWorkError::Load(AdapterError::NotAdaptable(_))
+                    | AdapterWorkError::NotAdaptable => ("adapters_unsupported", None),
+                    AdapterWorkError::Load(AdapterError::Mlx(_)) => ("mlx_error", None),
+                    AdapterWorkError::Unknown { .. } => ("adapter_not_found", Some("name")),
+                    AdapterWorkError::InUse { .. } => ("adapter_in_use", Some("name")),
                 };
                 body.error.code = Some(code.into());
                 body.error.param = param.map(str::to_owned);

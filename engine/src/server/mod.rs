@@ -9,6 +9,8 @@
 //! - `POST /v1/messages` (Anthropic Messages, JSON or SSE), `POST /v1/messages/count_tokens`
 //! - `GET /v1/models`, `GET /v1/models/{id}`
 //! - `GET /health`
+//! - `GET`, `POST /admin/adapters`, `DELETE /admin/adapters/{name}`: LoRA adapters loaded
+//!   and unloaded at run time ([`admin`])
 //!
 //! Everything else is a 404 (unknown route) or 405 (wrong method) in OpenAI's error shape;
 //! the `/v1/messages` routes answer errors in Anthropic's.
@@ -18,14 +20,15 @@ use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
 use axum::extract::DefaultBodyLimit;
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 use axum::Router;
 use tokio::net::UnixListener;
 
 use crate::constraint::grammar::GrammarCompiler;
-use crate::runtime::request::WorkSender;
+use crate::runtime::request::{AdapterWorkSender, WorkSender};
 use crate::tokenizer::Tokenizer;
 
+mod admin;
 mod chat;
 mod choices;
 mod completions;
@@ -64,6 +67,9 @@ pub struct ServerState {
     pub grammar: Arc<OnceLock<Result<Arc<GrammarCompiler>, String>>>,
     /// The LoRA adapters the model serves (`"model": "<model>:<adapter>"`); `None`: none.
     pub adapters: Option<Arc<crate::adapters::AdapterTable>>,
+    /// Where adapter loads and unloads go (the MLX thread); `None`: the admin routes refuse
+    /// them.
+    pub adapter_work: Option<AdapterWorkSender>,
 }
 
 impl ServerState {
@@ -85,12 +91,19 @@ impl ServerState {
             created,
             grammar: Arc::new(OnceLock::new()),
             adapters: None,
+            adapter_work: None,
         }
     }
 
     /// Serves the adapters in `table` too.
     pub fn with_adapters(mut self, table: Option<Arc<crate::adapters::AdapterTable>>) -> Self {
         self.adapters = table;
+        self
+    }
+
+    /// Loads and unloads adapters through `sender` (the admin routes).
+    pub fn with_adapter_work(mut self, sender: AdapterWorkSender) -> Self {
+        self.adapter_work = Some(sender);
         self
     }
 
@@ -145,6 +158,8 @@ pub fn router(state: ServerState) -> Router {
         .route("/v1/models", get(routes::list_models))
         .route("/v1/models/{id}", get(routes::get_model))
         .route("/health", get(routes::health))
+        .route("/admin/adapters", get(admin::list).post(admin::load))
+        .route("/admin/adapters/{name}", delete(admin::unload))
         .fallback(routes::not_found)
         .method_not_allowed_fallback(routes::method_not_allowed)
         .layer(DefaultBodyLimit::max(request::MAX_BODY_BYTES))

@@ -6,6 +6,7 @@
 //! batched runtime driven directly) are in [`common`].
 mod common;
 
+mod adapter_admin;
 mod adapter_cache;
 mod adapters;
 mod constrained_batch;
