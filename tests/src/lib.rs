@@ -25,7 +25,10 @@ mod engine_process;
 mod reference;
 
 pub use engine_process::EngineProcess;
-pub use reference::{hf_chat_tokens, mlx_lm_greedy, mlx_lm_greedy_with_adapter, python};
+pub use reference::{
+    hf_chat_tokens, hf_chat_tokens_many, mlx_lm_greedy, mlx_lm_greedy_many,
+    mlx_lm_greedy_with_adapter, python,
+};
 
 /// A binary built into the same target directory as the running test.
 pub fn target_bin(name: &str) -> PathBuf {

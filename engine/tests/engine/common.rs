@@ -16,6 +16,17 @@ pub fn mlx_lm_greedy(model: &Path, max_tokens: usize, prompt: &[u32]) -> Vec<u32
     mlxd_tests::mlx_lm_greedy(model, max_tokens, prompt).unwrap_or_else(|e| panic!("{e:#}"))
 }
 
+/// Greedy tokens from mlx-lm for each of `prompts`, in one Python process.
+pub fn mlx_lm_greedy_many(model: &Path, max_tokens: usize, prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
+    mlxd_tests::mlx_lm_greedy_many(model, max_tokens, prompts).unwrap_or_else(|e| panic!("{e:#}"))
+}
+
+/// Chat-template token ids from Hugging Face `transformers` for each user turn, in one
+/// Python process.
+pub fn hf_chat_tokens_many(model: &Path, users: &[&str]) -> Vec<Vec<u32>> {
+    mlxd_tests::hf_chat_tokens_many(model, users).unwrap_or_else(|e| panic!("{e:#}"))
+}
+
 /// Greedy tokens from mlx-lm with the LoRA adapter in `adapter` applied.
 pub fn mlx_lm_greedy_with_adapter(
     model: &Path,

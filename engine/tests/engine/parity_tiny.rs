@@ -25,9 +25,9 @@ fn check_prompts(shape: &str, prompts: &[Vec<u32>]) {
     let runtime = common::start_runtime(&dir, 0);
     let gens: Vec<Gen> = prompts.iter().map(|p| Gen::greedy(p, 24)).collect();
     let alone = common::generate_alone(&runtime, &gens);
-    for (prompt, served) in prompts.iter().zip(alone) {
+    let references = common::mlx_lm_greedy_many(&dir, 24, prompts);
+    for ((prompt, served), reference) in prompts.iter().zip(alone).zip(references) {
         let ours = greedy(model.as_ref(), prompt, 24, &[]).expect("generate");
-        let reference = common::mlx_lm_greedy(&dir, 24, prompt);
         assert_eq!(
             ours,
             reference,

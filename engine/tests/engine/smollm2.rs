@@ -205,12 +205,12 @@ async fn greedy_tokens_match_mlx_lm() {
         "Explain what a CPU does in one sentence.",
         "Translate 'good morning' into Spanish.",
     ];
+    let prompt_ids = common::hf_chat_tokens_many(&model_dir, &prompts);
+    let references = common::mlx_lm_greedy_many(&model_dir, 64, &prompt_ids);
     let mut alone = Vec::new();
-    for prompt in prompts {
+    for (prompt, reference) in prompts.into_iter().zip(references) {
         let (_, ours, finish) = chat(&engine, prompt, 64).await;
         alone.push(ours.clone());
-        let prompt_ids = common::hf_chat_tokens(&model_dir, prompt);
-        let reference = common::mlx_lm_greedy(&model_dir, 64, &prompt_ids);
         // We stop at the end-of-sequence token (id 2, not emitted); mlx-lm generates on.
         let expected: Vec<u32> = reference.iter().copied().take_while(|&t| t != 2).collect();
         assert_eq!(

@@ -312,12 +312,16 @@ fn a_draft_model_with_another_tokenizer_is_refused_with_the_reason() {
 fn ngram_drafting_on_the_default_model_keeps_greedy_tokens() {
     let home = common::test_home();
     let model = mlxd_store::resolve_model("smollm2-135m", &home).expect("default model");
-    let grounded = common::hf_chat_tokens(
+    let [grounded, other]: [Vec<u32>; 2] = common::hf_chat_tokens_many(
         &model.dir,
-        "Copy the following text exactly.\n\nThe quick brown fox jumps over the lazy dog near \
-         the river bank, and the dog does not wake up.",
-    );
-    let other = common::hf_chat_tokens(&model.dir, "List three prime numbers.");
+        &[
+            "Copy the following text exactly.\n\nThe quick brown fox jumps over the lazy dog \
+             near the river bank, and the dog does not wake up.",
+            "List three prime numbers.",
+        ],
+    )
+    .try_into()
+    .expect("two prompts");
     let gens = vec![Gen::greedy(&grounded, 28), Gen::greedy(&other, 8)];
     let plain = start_runtime(&model.dir, 0);
     let reference = tokens(&generate_alone(&plain, &gens));
