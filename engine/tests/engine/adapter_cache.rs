@@ -6,10 +6,11 @@ use std::path::{Path, PathBuf};
 
 use mlxd_engine::adapters::AdapterId;
 use mlxd_engine::cache::ssd::SsdConfig;
-use mlxd_engine::runtime::request::GenerateRequest;
 use mlxd_engine::runtime::{Runtime, RuntimeLimits};
 
-use crate::common::{collect, mlx_lm_greedy, mlx_lm_greedy_with_adapter, tiny_model, Output};
+use crate::common::{
+    collect, mlx_lm_greedy, mlx_lm_greedy_with_adapter, submit_greedy, tiny_model, Output,
+};
 
 const NEW_TOKENS: usize = 6;
 
@@ -51,22 +52,7 @@ fn id(runtime: &Runtime, name: &str) -> AdapterId {
 
 /// One request alone, to its end.
 fn run(runtime: &Runtime, prompt: &[u32], adapter: Option<AdapterId>) -> Output {
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    runtime
-        .work
-        .send(GenerateRequest {
-            prompt: prompt.to_vec(),
-            sampling: Default::default(),
-            max_tokens: NEW_TOKENS,
-            stop_token_ids: vec![],
-            sample_offset: 0,
-            events: tx,
-            constraint: None,
-            logprobs: None,
-            adapter,
-        })
-        .expect("runtime is running");
-    collect(rx)
+    collect(submit_greedy(runtime, prompt, NEW_TOKENS, adapter))
 }
 
 #[test]

@@ -5,10 +5,9 @@
 use std::path::{Path, PathBuf};
 
 use mlxd_engine::adapters::{AdapterError, AdapterId, AdapterTable};
-use mlxd_engine::runtime::request::GenerateRequest;
 use mlxd_engine::runtime::{Runtime, RuntimeLimits};
 
-use crate::common::{collect, tiny_model, Output};
+use crate::common::{collect, submit_greedy, tiny_model, Output};
 
 const NEW_TOKENS: usize = 8;
 
@@ -51,24 +50,7 @@ fn id(runtime: &Runtime, name: &str) -> Option<AdapterId> {
 fn together(runtime: &Runtime, rows: &[(&[u32], Option<AdapterId>)]) -> Vec<Vec<u32>> {
     let receivers: Vec<_> = rows
         .iter()
-        .map(|(prompt, adapter)| {
-            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-            runtime
-                .work
-                .send(GenerateRequest {
-                    prompt: prompt.to_vec(),
-                    sampling: Default::default(),
-                    max_tokens: NEW_TOKENS,
-                    stop_token_ids: vec![],
-                    sample_offset: 0,
-                    events: tx,
-                    constraint: None,
-                    logprobs: None,
-                    adapter: *adapter,
-                })
-                .expect("runtime is running");
-            rx
-        })
+        .map(|(prompt, adapter)| submit_greedy(runtime, prompt, NEW_TOKENS, *adapter))
         .collect();
     receivers
         .into_iter()
@@ -151,7 +133,7 @@ fn a_qlora_adapter_on_a_quantized_base_gives_mlx_lm_tokens() {
 }
 
 #[test]
-fn the_prefix_cache_never_serves_an_adapter_row_or_keeps_its_kv() {
+fn the_base_model_and_an_adapter_never_serve_each_other_from_the_prefix_cache() {
     let model = tiny_model("tiny-llama");
     let a = adapter_dir("tiny-llama-lora-a");
     let expected_a = crate::common::mlx_lm_greedy_with_adapter(&model, &a, NEW_TOKENS, PROMPT);
@@ -161,7 +143,7 @@ fn the_prefix_cache_never_serves_an_adapter_row_or_keeps_its_kv() {
     // Base first (its KV enters the cache), then the adapter on the same prompt: no hit.
     assert_eq!(together(&runtime, &[(PROMPT, None)])[0], expected_base);
     assert_eq!(together(&runtime, &[(PROMPT, ia)])[0], expected_a);
-    // The adapter's KV was not kept: the base again still gets the base's tokens.
+    // The adapter's KV is kept in its own space: the base again still gets the base's tokens.
     assert_eq!(together(&runtime, &[(PROMPT, ia)])[0], expected_a);
     assert_eq!(together(&runtime, &[(PROMPT, None)])[0], expected_base);
     runtime.join();

@@ -99,6 +99,32 @@ pub fn submit(
     rx
 }
 
+/// Sends one greedy request for `prompt` to a running runtime, its rows run with `adapter`
+/// (`None`: the base model); its events come on the receiver.
+pub fn submit_greedy(
+    runtime: &mlxd_engine::runtime::Runtime,
+    prompt: &[u32],
+    max_tokens: usize,
+    adapter: Option<mlxd_engine::adapters::AdapterId>,
+) -> tokio::sync::mpsc::UnboundedReceiver<mlxd_engine::runtime::request::TokenEvent> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    runtime
+        .work
+        .send(mlxd_engine::runtime::request::GenerateRequest {
+            prompt: prompt.to_vec(),
+            sampling: Default::default(),
+            max_tokens,
+            stop_token_ids: vec![],
+            sample_offset: 0,
+            events: tx,
+            constraint: None,
+            logprobs: None,
+            adapter,
+        })
+        .expect("runtime is running");
+    rx
+}
+
 /// Sends every request to a running runtime at once (so they share the batch) and collects
 /// the tokens of each, in order.
 pub fn generate_together(runtime: &mlxd_engine::runtime::Runtime, gens: &[Gen]) -> Vec<Output> {
