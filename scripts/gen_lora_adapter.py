@@ -8,7 +8,8 @@ it what mlxd's training parity test needs to train the same adapter itself:
   initialisation for `lora_a`, small random `lora_b`, so both get a gradient at once), passed
   to mlx-lm as `resume_adapter_file`;
 - `train_log.json`: the settings and mlx-lm's training loss of every iteration and its
-  validation losses.
+  validation losses: of the fixture's own run, of a parity run at a lower learning rate, and
+  of one with a learning-rate schedule (warmup, then cosine decay).
 
 One batch holds every training example, so the batch order does not depend on an RNG and mlxd
 can follow the same steps. The data is a few generated lines of text, different per `--seed`,
@@ -138,6 +139,11 @@ def main() -> int:
     # (Adam's first steps move every element by about lr * 3 whatever its gradient's size,
     # so at 5e-2 a last-bit difference in a near-zero gradient flips a step of 0.16).
     log["parity"] = train(dict(settings, learning_rate=1e-3), out / "parity")
+    # And with a learning-rate schedule (linear warmup, then cosine decay).
+    schedule = {"name": "cosine_decay", "arguments": [2e-3, 8, 1e-4], "warmup": 3,
+                "warmup_init": 1e-4}
+    log["schedule"] = train(dict(settings, learning_rate=1e-3, lr_schedule=schedule),
+                            out / "schedule")
     (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
     return 0
 

@@ -141,6 +141,89 @@ pub struct TrainParams {
     pub seed: u64,
     /// Train on the completion (the last assistant message) only.
     pub mask_prompt: bool,
+    /// A learning-rate schedule in place of the constant `learning_rate` (mlx-lm's
+    /// `lr_schedule`).
+    pub lr_schedule: Option<LrSchedule>,
+}
+
+/// mlx-lm's `lr_schedule` (`tuner/utils.py`'s `build_schedule`): one of MLX's schedulers by
+/// name with its arguments (the first is the initial rate), optionally behind a linear warmup
+/// from `warmup_init` over `warmup` steps.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LrSchedule {
+    /// `cosine_decay` (init, decay_steps[, end]), `linear_schedule` (init, end, steps),
+    /// `exponential_decay` (init, decay_rate) or `step_decay` (init, decay_rate, step_size).
+    pub name: String,
+    pub arguments: Vec<f64>,
+    #[serde(default)]
+    pub warmup: u64,
+    #[serde(default)]
+    pub warmup_init: f64,
+}
+
+impl LrSchedule {
+    /// The rate of optimizer step `step` (0 for the first update), as MLX computes it.
+    pub fn rate(&self, step: u64) -> f64 {
+        let a = &self.arguments;
+        let main = |step: f64| match self.name.as_str() {
+            "cosine_decay" => {
+                let (init, steps, end) = (a[0], a[1], a.get(2).copied().unwrap_or(0.0));
+                let s = step.min(steps);
+                let decay = 0.5 * (1.0 + (std::f64::consts::PI / steps * s).cos());
+                end + decay * (init - end)
+            }
+            "linear_schedule" => {
+                let (init, end, steps) = (a[0], a[1], a[2]);
+                step.min(steps) * ((end - init) / steps) + init
+            }
+            "exponential_decay" => a[0] * a[1].powf(step),
+            _ => a[0] * a[1].powf((step / a[2]).floor()),
+        };
+        let step = step as f64;
+        if self.warmup == 0 {
+            return main(step);
+        }
+        let warmup = self.warmup as f64;
+        if step < warmup + 1.0 {
+            step.min(warmup) * ((a[0] - self.warmup_init) / warmup) + self.warmup_init
+        } else {
+            main(step - (warmup + 1.0))
+        }
+    }
+
+    pub fn check(&self) -> Result<(), String> {
+        let (min, max) = match self.name.as_str() {
+            "cosine_decay" => (2, 3),
+            "linear_schedule" | "step_decay" => (3, 3),
+            "exponential_decay" => (2, 2),
+            other => {
+                return Err(format!(
+                    "lr_schedule name {other:?}: expected cosine_decay, linear_schedule, \
+                     exponential_decay or step_decay"
+                ))
+            }
+        };
+        let n = self.arguments.len();
+        if n < min || n > max || self.arguments.iter().any(|v| !v.is_finite()) {
+            return Err(format!(
+                "lr_schedule {}: {n} arguments {:?}, expected {min} to {max} finite numbers",
+                self.name, self.arguments
+            ));
+        }
+        let steps = match self.name.as_str() {
+            "cosine_decay" => Some(self.arguments[1]),
+            "linear_schedule" | "step_decay" => Some(self.arguments[2]),
+            _ => None,
+        };
+        if steps.is_some_and(|s| s < 1.0) {
+            return Err(format!(
+                "lr_schedule {}: its step count {:?} must be at least 1",
+                self.name, steps
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl Default for TrainParams {
@@ -161,6 +244,7 @@ impl Default for TrainParams {
             max_seq_length: 2048,
             seed: 0,
             mask_prompt: false,
+            lr_schedule: None,
         }
     }
 }
@@ -216,6 +300,9 @@ impl TrainParams {
                 "max_seq_length {}: expected at least 2",
                 self.max_seq_length
             ));
+        }
+        if let Some(schedule) = &self.lr_schedule {
+            schedule.check()?;
         }
         if self.val_batches == 0 || self.val_batches < -1 {
             return Err(format!(
@@ -395,7 +482,7 @@ pub enum JobSpec {
         source: PathBuf,
         /// The data directory.
         data: PathBuf,
-        params: TrainParams,
+        params: Box<TrainParams>,
         /// Checkpoints of this run (kept after a cancel or crash, for `resume`; removed on
         /// success).
         checkpoints: PathBuf,
@@ -482,5 +569,37 @@ mod tests {
             ..TrainParams::default()
         };
         assert!(dora.check().unwrap_err().contains("not built"));
+    }
+
+    #[test]
+    fn schedules_give_mlx_s_rates() {
+        let cosine = LrSchedule {
+            name: "cosine_decay".into(),
+            arguments: vec![1e-3, 10.0, 1e-4],
+            warmup: 2,
+            warmup_init: 1e-4,
+        };
+        assert!(cosine.check().is_ok());
+        // Warmup: 1e-4, 5.5e-4, then 1e-3 at step 2 (MLX's join at warmup + 1), then the
+        // cosine from its own step 0.
+        let rates: Vec<f64> = (0..5).map(|s| cosine.rate(s)).collect();
+        let want = [
+            1e-4,
+            5.5e-4,
+            1e-3,
+            1e-3,
+            1e-4 + 0.5 * (1.0 + (0.1f64 * std::f64::consts::PI).cos()) * 9e-4,
+        ];
+        for (r, w) in rates.iter().zip(want) {
+            assert!((r - w).abs() < 1e-12, "{rates:?}");
+        }
+        assert!((cosine.rate(100) - 1e-4).abs() < 1e-12);
+        let bad = LrSchedule {
+            name: "cosine_decay".into(),
+            arguments: vec![1e-3],
+            warmup: 0,
+            warmup_init: 0.0,
+        };
+        assert!(bad.check().unwrap_err().contains("1 arguments"));
     }
 }

@@ -66,7 +66,7 @@ pub enum Command {
     /// Fine-tune a LoRA adapter on a running server (a managed job, as `mlx_lm.lora --train`):
     /// shows iteration, losses, tokens/s and peak memory; Ctrl-C cancels it, and `--resume`
     /// continues from its last checkpoint.
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
     /// Merge a LoRA adapter into its base model: a new model in the store, served by its name
     /// (a managed job, as `mlx_lm.fuse`).
     Fuse(FuseArgs),
@@ -95,6 +95,14 @@ pub struct QuantizeArgs {
     pub detach: bool,
     #[command(flatten)]
     pub client: ClientArgs,
+}
+
+fn parse_json_object(s: &str) -> Result<serde_json::Value, String> {
+    match serde_json::from_str(s) {
+        Ok(v @ serde_json::Value::Object(_)) => Ok(v),
+        Ok(other) => Err(format!("expected a JSON object, got {other}")),
+        Err(e) => Err(format!("not JSON: {e}")),
+    }
 }
 
 /// `mlxd train`: every hyperparameter defaults to mlx-lm's (`mlx_lm.lora`'s CONFIG_DEFAULTS).
@@ -144,6 +152,11 @@ pub struct TrainArgs {
     pub max_seq_length: Option<u32>,
     #[arg(long)]
     pub seed: Option<u64>,
+    /// A learning-rate schedule as mlx-lm's config gives it, in JSON:
+    /// '{"name": "cosine_decay", "arguments": [1e-5, 1000, 1e-7], "warmup": 100,
+    /// "warmup_init": 1e-7}' (cosine_decay, linear_schedule, exponential_decay, step_decay).
+    #[arg(long, value_parser = parse_json_object)]
+    pub lr_schedule: Option<serde_json::Value>,
     /// Train on completions only (the last assistant message).
     #[arg(long)]
     pub mask_prompt: bool,
@@ -189,6 +202,7 @@ impl TrainArgs {
         put("max_seq_length", self.max_seq_length.map(|v| json!(v)));
         put("seed", self.seed.map(|v| json!(v)));
         put("mask_prompt", self.mask_prompt.then(|| json!(true)));
+        put("lr_schedule", self.lr_schedule.clone());
         m
     }
 }

@@ -190,7 +190,7 @@ fn run(spec: JobSpec, reporter: &Reporter, started: Instant) -> Result<JobResult
             let config = train::TrainConfig {
                 source,
                 data,
-                params,
+                params: *params,
                 checkpoints: checkpoints.clone(),
                 resume,
                 init_adapter,

@@ -53,6 +53,9 @@ fn params_of(log: &Value) -> TrainParams {
         steps_per_eval: s["steps_per_eval"].as_u64().unwrap(),
         max_seq_length: s["max_seq_length"].as_u64().unwrap() as u32,
         seed: s["seed"].as_u64().unwrap(),
+        lr_schedule: s
+            .get("lr_schedule")
+            .map(|v| serde_json::from_value(v.clone()).expect("an lr_schedule")),
         ..TrainParams::default()
     }
 }
@@ -118,21 +121,31 @@ fn greedy(model: &Path, adapter: &Path, prompt: &[u32], n: usize) -> Vec<u32> {
 
 #[test]
 fn training_follows_mlx_lm_losses_and_its_adapter_gives_the_same_tokens_in_mlx_lm() {
-    follows_mlx_lm("tiny-llama", "tiny-llama-lora-a");
+    follows_mlx_lm("tiny-llama", "tiny-llama-lora-a", "parity");
+}
+
+/// A warmup then cosine-decay learning rate (mlx-lm's `lr_schedule`) gives mlx-lm's losses.
+#[test]
+fn a_learning_rate_schedule_follows_mlx_lm_losses() {
+    follows_mlx_lm("tiny-llama", "tiny-llama-lora-a", "schedule");
 }
 
 /// QLoRA: the 4-bit base stays quantized and frozen; the factors train as mlx-lm's do.
 #[test]
 fn qlora_on_a_4_bit_base_follows_mlx_lm_losses_and_gives_its_tokens() {
-    follows_mlx_lm("tiny-llama-q4", "tiny-llama-q4-lora");
+    follows_mlx_lm("tiny-llama-q4", "tiny-llama-q4-lora", "parity");
 }
 
 /// Trains from the fixture's starting factors with its parity run's settings and compares
 /// losses and the written adapter's tokens with mlx-lm's.
-fn follows_mlx_lm(base: &str, adapter_fixture: &str) {
+fn follows_mlx_lm(base: &str, adapter_fixture: &str, which: &str) {
     let model = tiny_model(base);
     let (fixture, log) = fixture(adapter_fixture);
-    let log = &log["parity"];
+    let log = &log[which];
+    assert!(
+        log.is_object(),
+        "train_log.json has no {which} run: regenerate the fixture (scripts/gen_lora_adapter.py)"
+    );
     let work = tempfile::tempdir().unwrap();
     let mut config = config(&model, &fixture.join("data"), params_of(log), work.path());
     config.init_adapter = Some(fixture.join("init_adapters.safetensors"));

@@ -118,7 +118,7 @@ impl Work {
             } => JobSpec::Lora {
                 source,
                 data,
-                params,
+                params: Box::new(params),
                 checkpoints: checkpoints_of(&out),
                 resume,
                 init_adapter,

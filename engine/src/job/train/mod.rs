@@ -353,7 +353,6 @@ pub fn train(config: &TrainConfig, report: &mut Report<'_>) -> Result<TrainSumma
         trained_tokens: 0,
         bytes: 0,
     };
-    let lr = Array::from_f32(p.learning_rate);
     let mut figures = TrainingProgress {
         iteration: at.iteration,
         iters: p.iters,
@@ -408,7 +407,14 @@ pub fn train(config: &TrainConfig, report: &mut Report<'_>) -> Result<TrainSumma
             let mut vg = mlx_rs::transforms::value_and_grad_with_argnums(step, &argnums[..]);
             vg(&lora.params).map_err(mlx)?
         };
-        let decay = (p.optimizer == Optimizer::Adamw).then_some(p.learning_rate * 0.01);
+        // mlx-lm: the schedule replaces the constant rate; MLX evaluates it at the update's
+        // step (0 for the first).
+        let rate = match &p.lr_schedule {
+            Some(schedule) => schedule.rate(it - 1) as f32,
+            None => p.learning_rate,
+        };
+        let lr = Array::from_f32(rate);
+        let decay = (p.optimizer == Optimizer::Adamw).then_some(rate * 0.01);
         for (i, g) in grads.iter().enumerate() {
             let (param, m, v) =
                 adam_step(&lora.params[i], g, &lora.m[i], &lora.v[i], &lr, decay).map_err(mlx)?;
