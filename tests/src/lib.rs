@@ -204,6 +204,43 @@ pub async fn default_model_proxy(
     .await
 }
 
+/// A proxy in this process serving the generated tiny model `shape` (under the id `shape`)
+/// with the real engine and `options` as its engine options, as [`default_model_proxy`] does
+/// for the default model: for tests of the supervisor's machinery (faults, restarts,
+/// resumption), where a model of a few thousand parameters gives deterministic tokens in
+/// milliseconds instead of seconds.
+pub async fn tiny_model_proxy(
+    shape: &str,
+    options: &[(&str, &str)],
+    tweak: impl FnOnce(&mut Config),
+) -> Result<Proxy> {
+    let engine = engine_bin()?;
+    let dir = tiny_model(shape)?;
+    let home = test_home();
+    std::fs::create_dir_all(&home)?;
+    Proxy::start_with(&[], |c| {
+        let mut model = mlxd_proxy::config::ModelConfig::new(shape);
+        model.path = Some(dir.display().to_string());
+        c.models = vec![model];
+        // Only this model: the test home's store (the default model) is not listed, so that
+        // `/engines`' first row is this model's.
+        c.pool.store_models = false;
+        let s = &mut c.server;
+        s.engine_bin = Some(engine);
+        s.engine_options.clear();
+        for (k, v) in options {
+            s.engine_options.insert(k.to_string(), v.to_string());
+        }
+        s.queue_timeout_ms = 180_000;
+        s.grace_ms = 60_000;
+        s.engine_env
+            .insert("MLXD_HOME".into(), home.display().to_string());
+        s.engine_env.insert("RUST_LOG".into(), "info".into());
+        tweak(c);
+    })
+    .await
+}
+
 /// The fake engine binary (built with this crate).
 pub fn fake_engine() -> PathBuf {
     target_bin("fake-engine")

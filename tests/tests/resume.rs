@@ -1,8 +1,10 @@
-//! Crash-proof generation with the real engine and the default model (SmolLM2-135M): an
-//! engine that dies mid-generation (kill -9, an injected abort, out-of-memory or hang) is
-//! restarted and every request in flight is continued on its successor; the client sees
-//! the same bytes as an uninterrupted run, under one `id`, without the engine's `mlxd`
-//! field. Where resuming is impossible, the client gets one clean error event.
+//! Crash-proof generation with the real engine: an engine that dies mid-generation (kill -9,
+//! an injected abort, out-of-memory or hang) is restarted and every request in flight is
+//! continued on its successor; the client sees the same bytes as an uninterrupted run, under
+//! one `id`, without the engine's `mlxd` field. Where resuming is impossible, the client gets
+//! one clean error event. The kill -9 tests run on the default model (SmolLM2-135M, real
+//! weights); the injected faults, which fire inside the engine at a token count, run on a
+//! generated tiny model.
 //!
 //! Needs what `scripts/test.sh` provides: the engine binary (`MLXD_ENGINE_BIN` overrides
 //! `target/debug/mlxd-engine`), a model store home (`MLXD_TEST_HOME`) and the SmolLM2 GGUF
@@ -26,6 +28,16 @@ use serde_json::{json, Value};
 /// run and whole responses compare byte for byte.
 async fn start(tweak: impl FnOnce(&mut Config)) -> Result<Proxy> {
     default_model_proxy(&[("prompt_cache", "0")], tweak).await
+}
+
+/// The generated tiny Llama the fault-injection tests run on: the faults fire inside the
+/// engine at a token count, so they need no real weights, and its tokens come in
+/// milliseconds.
+const TINY: &str = "tiny-llama";
+
+/// mlxd serving [`TINY`] with the prefix cache off.
+async fn start_tiny(tweak: impl FnOnce(&mut Config)) -> Result<Proxy> {
+    tiny_model_proxy(TINY, &[("prompt_cache", "0")], tweak).await
 }
 
 /// One request of a test, and what it answered.
@@ -359,7 +371,7 @@ async fn faulted_run_matches_clean_run(
     let marker_dir = tempfile::tempdir()?;
     let marker = marker_dir.path().join("fault-once");
     std::fs::write(&marker, b"")?;
-    let p = start(|c| {
+    let p = start_tiny(|c| {
         let env = &mut c.server.engine_env;
         env.insert("MLXD_ALLOW_FAULTS".into(), "1".into());
         env.insert("MLXD_FAULT".into(), fault.into());
@@ -415,7 +427,7 @@ async fn injected_abort_and_hang_are_detected_restarted_and_resumed() -> Result<
         faulted_run_matches_clean_run("hang@10", |c| c.server.hang_timeout_ms = 4_000).await?;
     let e = p.engine().await?;
     ensure!(e["restarts"].as_u64() >= Some(1), "{e}");
-    let log = send(p.addr, "GET", "/logs/smollm2-135m?lines=400", None)
+    let log = send(p.addr, "GET", &format!("/logs/{TINY}?lines=400"), None)
         .await?
         .into_body()
         .collect()
@@ -434,7 +446,7 @@ async fn crashes_past_the_budget_end_the_stream_with_a_clean_error_and_no_orphan
     // Every engine aborts after its 4th token: the stream is resumed until the crash
     // budget (2 in the window) marks the model failed.
     let tag = format!("MLXD_TEST_TAG=crash-budget-{}", std::process::id());
-    let p = start(|c| {
+    let p = start_tiny(|c| {
         let s = &mut c.server;
         let (k, v) = tag.split_once('=').expect("tag has =");
         s.engine_env.insert(k.into(), v.into());
@@ -493,8 +505,13 @@ async fn crashes_past_the_budget_end_the_stream_with_a_clean_error_and_no_orphan
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn shutdown_during_streams_lets_them_finish_within_the_grace_period() -> Result<()> {
-    let mut p = start(|c| c.server.grace_ms = 120_000).await?;
-    let cases: Vec<Case> = mixed_cases().into_iter().take(2).collect();
+    let mut p = start_tiny(|c| c.server.grace_ms = 120_000).await?;
+    // Long enough that the stop comes mid-stream on the tiny model.
+    let long = json!({"stream": true, "max_tokens": 400});
+    let cases = vec![
+        Case::chat("What is the capital of France?", long.clone()),
+        Case::completion("The quick brown fox", long),
+    ];
     let reference = run_all(p.addr, &cases, Progress::default()).await?;
     let progress = Progress::default();
     let addr = p.addr;
@@ -573,17 +590,18 @@ async fn kill_9_and_time_the_pause(
 /// resumed prefill dominates both pauses.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_standby_engine_takes_over_a_crash() -> Result<()> {
-    let long = json!({"stream": true, "max_tokens": 48});
+    // Long enough that the kill comes mid-stream on the tiny model.
+    let long = json!({"stream": true, "max_tokens": 400});
     let cases = vec![
         Case::chat("What is the capital of France?", long.clone()),
         Case::completion("The quick brown fox", long.clone()),
         Case::completion(
             "In a distant galaxy",
-            json!({"stream": true, "max_tokens": 48, "temperature": 0.9, "seed": 11}),
+            json!({"stream": true, "max_tokens": 400, "temperature": 0.9, "seed": 11}),
         ),
     ];
     // Pinned: loaded at start, so the spare can be waited for before the first request.
-    let p = start(|c| {
+    let p = start_tiny(|c| {
         c.models[0].pinned = true;
         c.models[0].standby = Some(true);
     })
