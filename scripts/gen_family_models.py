@@ -4,6 +4,7 @@ tokens, for the engine's family tests (engine/tests/engine/families.rs).
 
     .venv/bin/python scripts/gen_family_models.py --family qwen3_moe --out target/test-models/family-qwen3_moe
     .venv/bin/python scripts/gen_family_models.py --family qwen3_moe --quantize --out target/test-models/family-qwen3_moe-q4
+    .venv/bin/python scripts/gen_family_models.py --family qwen3_moe --kv-heads 4 --out target/test-models/family-qwen3_moe-kv4
     .venv/bin/python scripts/gen_family_models.py --all target/test-models
 
 The family's config is `scripts/fixtures/families/<family>.json` (`{"config": {...}}`, the
@@ -12,6 +13,8 @@ mlx-lm's own class (the reference), given random weights that preserve activatio
 (so greedy choices are not near-ties), optionally quantized with mlx-lm's own `quantize_model`
 (4 bits, groups of 64, its per-layer rules), and saved as mlx-lm saves converted models.
 `reference.json` holds mlx-lm's greedy tokens (`generate_step`) for the prompts below.
+`--kv-heads N` gives the fixture's model N KV heads (the engine-group tests divide heads among
+ranks: four ranks need four KV heads).
 """
 import argparse
 import json
@@ -64,7 +67,7 @@ def random_weights(model, dtype):
     model.load_weights(new, strict=False)
 
 
-def generate(family, out, quantize=False, mode="affine", dtype="float32", seed=0):
+def generate(family, out, quantize=False, mode="affine", dtype="float32", seed=0, kv_heads=None):
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import _get_classes, load_model, quantize_model, save_config, save_model
 
@@ -81,6 +84,14 @@ def generate(family, out, quantize=False, mode="affine", dtype="float32", seed=0
             c.setdefault("bos_token_id", bos)
             c.setdefault("eos_token_id", eos)
         config["torch_dtype"] = dtype
+        if kv_heads is not None:
+            heads = config.get("num_attention_heads")
+            if "num_key_value_heads" not in config or not heads or kv_heads < 1 \
+                    or heads % kv_heads:
+                raise SystemExit(f"--kv-heads {kv_heads}: {family}'s config has {heads} "
+                                 "attention heads (a multiple of the KV heads needed) and "
+                                 f"num_key_value_heads {config.get('num_key_value_heads')}")
+            config["num_key_value_heads"] = kv_heads
         mx.random.seed(seed)
         model_class, args_class = _get_classes(config)
         model = model_class(args_class.from_dict(config))
@@ -129,7 +140,11 @@ def main():
     ap.add_argument("--mode", default="affine", help="quantization mode (with --quantize)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-heads", type=int, default=None,
+                    help="this many KV heads instead of the fixture's (with --family)")
     args = ap.parse_args()
+    if args.all and args.kv_heads is not None:
+        ap.error("--kv-heads applies to one --family, not to --all")
     if args.all:
         for fixture in sorted(FIXTURES.glob("*.json")):
             # `"quantize": {"mode": "mxfp4"}` names the mode of the fixture's 4-bit twin.
@@ -143,7 +158,8 @@ def main():
         return
     if not (args.family and args.out):
         ap.error("give --family and --out, or --all")
-    generate(args.family, args.out, args.quantize, args.mode, args.dtype, args.seed)
+    generate(args.family, args.out, args.quantize, args.mode, args.dtype, args.seed,
+             args.kv_heads)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,13 @@ SHAPES = {
                         rope_scaling=dict(factor=8.0, high_freq_factor=4.0, low_freq_factor=1.0,
                                           original_max_position_embeddings=64,
                                           rope_type="llama3")),
+    # tiny-llama with as many KV heads as query heads (4): four tensor-parallel ranks divide
+    # them (tiny-llama's 2 KV heads allow two ranks at most).
+    "tiny-llama-kv4": dict(model_type="llama", architectures=["LlamaForCausalLM"],
+                           hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=4, rms_norm_eps=1e-5,
+                           rope_theta=10000.0, max_position_embeddings=512,
+                           tie_word_embeddings=True),
     "tiny-qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64,
                        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1000000.0,

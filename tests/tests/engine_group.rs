@@ -256,6 +256,7 @@ fn batched(socket: &Path, bodies: &[Value]) -> Result<Vec<(Vec<u64>, u64)>> {
     })
 }
 
+/// Four requests: three greedy of different prompt and output lengths, one seeded sampling.
 fn bodies() -> Vec<Value> {
     let greedy = |prompt: &str, n: u32| json!({"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0});
     vec![
@@ -275,20 +276,31 @@ fn two_ranks_serve_the_single_engines_tokens_alone_and_batched() -> Result<()> {
     Ok(())
 }
 
+/// [`bodies`] with half their output tokens (still of different lengths): for groups whose
+/// every step is slow, four ranks on two cores taking a third of a second a token.
+fn short_bodies() -> Vec<Value> {
+    let mut bodies = bodies();
+    for body in &mut bodies {
+        body["max_tokens"] = json!(body["max_tokens"].as_u64().expect("max_tokens") / 2);
+    }
+    bodies
+}
+
 /// `ranks` ranks dividing `name` as `mode` says give the single engine's tokens for
 /// [`bodies`], each alone and all in one batch, and rank 1 holds less than the whole model.
 fn ranks_serve_the_single_engines_tokens(name: &str, mode: Mode, ranks: usize) -> Result<()> {
-    ranks_serve_the_single_engines_tokens_with(name, mode, ranks, &[])
+    ranks_serve_the_single_engines_tokens_with(name, mode, ranks, &[], &bodies())
 }
 
 /// [`ranks_serve_the_single_engines_tokens`] with `flags` given to rank 0 and to the single
-/// engine. The batch repeats the prompts the requests alone left in the prefix cache: each
-/// takes as many prompt tokens from the cache as on the single engine.
+/// engine, for `bodies`. The batch repeats the prompts the requests alone left in the prefix
+/// cache: each takes as many prompt tokens from the cache as on the single engine.
 fn ranks_serve_the_single_engines_tokens_with(
     name: &str,
     mode: Mode,
     ranks: usize,
     flags: &[&str],
+    bodies: &[Value],
 ) -> Result<()> {
     let model = tiny_model(name)?;
     let mut group = Group::start_in(&model, ranks, ranks, mode, flags)?;
@@ -301,7 +313,6 @@ fn ranks_serve_the_single_engines_tokens_with(
         &mut one.0,
         Duration::from_secs(60),
     )?;
-    let bodies = bodies();
     let single_socket = dir.path().join("single.sock");
     let expected: Vec<(Vec<u64>, u64)> = bodies
         .iter()
@@ -318,13 +329,13 @@ fn ranks_serve_the_single_engines_tokens_with(
             "{name} {mode:?} {flags:?} alone: {body}"
         );
     }
-    let expected_batch = batched(&single_socket, &bodies)?;
+    let expected_batch = batched(&single_socket, bodies)?;
     assert!(
         expected_batch.iter().any(|(_, cached)| *cached > 0),
         "the batch took nothing from the prefix cache: {expected_batch:?}"
     );
     assert_eq!(
-        batched(&socket, &bodies)?,
+        batched(&socket, bodies)?,
         expected_batch,
         "{name} {mode:?} {flags:?} batched"
     );
@@ -514,6 +525,16 @@ fn a_request_to_a_group_whose_rank_1_is_stopped_ends_rank_0_after_the_step_bound
         .success());
     let status = group.exit_of(1, Duration::from_secs(60))?;
     assert!(!status.success(), "rank 1: {status}");
+    Ok(())
+}
+
+#[test]
+fn four_ranks_in_tensor_mode_serve_the_single_engines_tokens_alone_and_batched() -> Result<()> {
+    // Four KV heads (tiny-llama's and the Qwen3-MoE fixture's 2 divide among two ranks at
+    // most): each rank one query and one KV head, a quarter of each MLP and of each expert.
+    for name in ["tiny-llama-kv4", "family-qwen3_moe-kv4"] {
+        ranks_serve_the_single_engines_tokens_with(name, Mode::Tensor, 4, &[], &short_bodies())?;
+    }
     Ok(())
 }
 
@@ -862,6 +883,7 @@ fn quantized_kv_in_a_group_gives_the_single_engines_tokens_in_both_modes() -> Re
             mode,
             2,
             &["--kv-bits", "8", "--kv-group-size", "32"],
+            &bodies(),
         )?;
     }
     Ok(())
@@ -944,10 +966,15 @@ fn a_family_that_cannot_be_pipelined_is_refused_naming_it() -> Result<()> {
     )
 }
 
-/// mlx-lm's greedy tokens for `prompt` with `model` divided into a pipeline of two ranks
-/// (`scripts/mlx_lm_pipeline_greedy.py`: `sharded_load(..., pipeline_group=...)`, ring over
-/// 127.0.0.1), as rank 0 prints them.
-fn mlx_lm_pipelined_greedy(model: &Path, max_tokens: usize, prompt: &[u32]) -> Result<Vec<u32>> {
+/// mlx-lm's greedy tokens for `prompt` with `model` divided among two ranks as `mode` says
+/// (`scripts/mlx_lm_sharded_greedy.py`: `sharded_load(..., tensor_group=...)` or
+/// `pipeline_group=...`, ring over 127.0.0.1), as rank 0 prints them.
+fn mlx_lm_sharded_greedy(
+    model: &Path,
+    mode: Mode,
+    max_tokens: usize,
+    prompt: &[u32],
+) -> Result<Vec<u64>> {
     let dir = tempfile::tempdir()?;
     let hostfile = dir.path().join("hosts.json");
     let entries: Vec<Value> = free_ports(2)?
@@ -955,10 +982,15 @@ fn mlx_lm_pipelined_greedy(model: &Path, max_tokens: usize, prompt: &[u32]) -> R
         .map(|p| json!([format!("127.0.0.1:{p}")]))
         .collect();
     std::fs::write(&hostfile, serde_json::to_vec(&entries)?)?;
-    let script = mlxd_tests::workspace_root().join("scripts/mlx_lm_pipeline_greedy.py");
+    let script = mlxd_tests::workspace_root().join("scripts/mlx_lm_sharded_greedy.py");
+    let mode = match mode {
+        Mode::Tensor => "tensor",
+        Mode::Pipeline => "pipeline",
+    };
     let rank = |r: usize| -> Result<Killed> {
         let mut cmd = Command::new(mlxd_tests::python()?);
         cmd.arg(&script)
+            .args(["--mode", mode])
             .arg(model)
             .arg(max_tokens.to_string())
             .args(prompt.iter().map(u32::to_string))
@@ -981,7 +1013,10 @@ fn mlx_lm_pipelined_greedy(model: &Path, max_tokens: usize, prompt: &[u32]) -> R
     for (r, child) in ranks.iter_mut().enumerate() {
         let status = child.0.wait()?;
         let log = std::fs::read_to_string(dir.path().join(format!("py{r}.log")))?;
-        anyhow::ensure!(status.success(), "mlx-lm rank {r} failed ({status}): {log}");
+        anyhow::ensure!(
+            status.success(),
+            "mlx-lm {mode} rank {r} failed ({status}): {log}"
+        );
     }
     printed
         .split_whitespace()
@@ -989,23 +1024,43 @@ fn mlx_lm_pipelined_greedy(model: &Path, max_tokens: usize, prompt: &[u32]) -> R
         .collect()
 }
 
-#[test]
-fn pipeline_mode_gives_mlx_lms_pipelined_tokens() -> Result<()> {
-    // mlx-lm's `sharded_load` pipelines Qwen3-MoE (its Llama file has no `pipeline`); the
-    // checkpoint has the index file it needs.
-    let model = tiny_model("family-qwen3_moe")?;
+/// Two ranks dividing `name` as `mode` says give mlx-lm's greedy tokens for the same division
+/// of the same directory ([`mlx_lm_sharded_greedy`]).
+fn ranks_give_mlx_lms_sharded_tokens(name: &str, mode: Mode) -> Result<()> {
+    const MAX_TOKENS: usize = 8;
+    let model = tiny_model(name)?;
     let prompt = [5u32, 17, 33, 8];
-    let reference = mlx_lm_pipelined_greedy(&model, 8, &prompt)?;
-    assert_eq!(reference.len(), 8, "{reference:?}");
-    let mut group = Group::start_in(&model, 2, 2, Mode::Pipeline, &[])?;
+    let reference = mlx_lm_sharded_greedy(&model, mode, MAX_TOKENS, &prompt)?;
+    assert_eq!(
+        reference.len(),
+        MAX_TOKENS,
+        "{name} {mode:?}: {reference:?}"
+    );
+    let mut group = Group::start_in(&model, 2, 2, mode, &[])?;
     let socket = group.socket();
     wait_serving(&socket, &mut group.ranks[0], Duration::from_secs(60))?;
     let ours = completion_ids(
         &socket,
-        &json!({"model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0}),
+        &json!({"model": "m", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}),
     )?;
-    let reference: Vec<u64> = reference.into_iter().map(u64::from).collect();
-    assert_eq!(ours, reference);
+    assert_eq!(ours, reference, "{name} {mode:?}");
+    Ok(())
+}
+
+#[test]
+fn pipeline_mode_gives_mlx_lms_pipelined_tokens() -> Result<()> {
+    // mlx-lm's `sharded_load` pipelines Qwen3-MoE (its Llama file has no `pipeline`); the
+    // checkpoint has the index file it needs.
+    ranks_give_mlx_lms_sharded_tokens("family-qwen3_moe", Mode::Pipeline)
+}
+
+#[test]
+fn tensor_mode_gives_mlx_lms_tensor_parallel_tokens() -> Result<()> {
+    // mlx-lm's Llama and Qwen3-MoE files `shard()` as we do: q/k/v and gate/up by column, o and
+    // down by row, each stacked expert's gate/up by column and down by row, the router whole.
+    for name in ["tiny-llama", "family-qwen3_moe"] {
+        ranks_give_mlx_lms_sharded_tokens(name, Mode::Tensor)?;
+    }
     Ok(())
 }
 
