@@ -34,17 +34,51 @@ pub struct ModelEntry {
     /// The ids of the adapter entries (`[[model]]` with `adapter` and `base`) its engine
     /// serves: each is also one of its `adapters`, and is listed and routed by its own id.
     pub adapter_models: Vec<String>,
+    /// LoRA adapters loaded at run time (`POST /admin/models/{id}/adapters`), name and
+    /// directory, in load order: routed and listed as its `adapters` are, and passed to
+    /// every engine it launches after its `adapters` option (see [`Self::launch_options`]).
+    pub runtime_adapters: Vec<(String, String)>,
 }
 
 impl ModelEntry {
     /// The names of the LoRA adapters its engine serves (the `adapters` engine option),
     /// each addressed as `<id>:<name>`.
+    /// Those loaded at run time follow.
     pub fn adapters(&self) -> Vec<String> {
+        let mut names = self.configured_adapters();
+        names.extend(self.runtime_adapters.iter().map(|(n, _)| n.clone()));
+        names
+    }
+
+    /// The adapters its `adapters` option lists.
+    fn configured_adapters(&self) -> Vec<String> {
         self.options
             .get("adapters")
             .and_then(|s| mlxd_protocol::engine_options::parse_adapter_list(s).ok())
             .map(|list| list.into_iter().map(|(name, _)| name).collect())
             .unwrap_or_default()
+    }
+
+    /// The engine options a launch of this model gets: its `options`, with the adapters
+    /// loaded at run time appended to `adapters`, so that a restarted engine (after a
+    /// crash, a standby's replacement, an unload and a later load) serves them too.
+    pub fn launch_options(&self) -> BTreeMap<String, String> {
+        let mut options = self.options.clone();
+        if self.runtime_adapters.is_empty() {
+            return options;
+        }
+        let extra = self
+            .runtime_adapters
+            .iter()
+            .map(|(name, dir)| format!("{name}={dir}"));
+        let joined = match options.get("adapters").filter(|s| !s.trim().is_empty()) {
+            Some(listed) => std::iter::once(listed.clone())
+                .chain(extra)
+                .collect::<Vec<_>>(),
+            None => extra.collect(),
+        };
+        options.insert("adapters".into(), joined.join(","));
+        options
     }
 
     /// Its adapters as `/v1/models` lists them: an adapter entry by its own id, any other
@@ -130,6 +164,7 @@ impl Catalog {
                 stored: false,
                 standby: m.standby.unwrap_or(config.pool.standby),
                 adapter_models,
+                runtime_adapters: Vec::new(),
             });
         }
         // An adapter entry's id routes to its base's engine, which serves the adapter under it.
@@ -182,6 +217,7 @@ impl Catalog {
                 stored: true,
                 standby: config.pool.standby,
                 adapter_models: Vec::new(),
+                runtime_adapters: Vec::new(),
             });
         }
         Ok(catalog)
@@ -231,6 +267,40 @@ impl Catalog {
 
     pub fn get(&self, id: &str) -> Option<&ModelEntry> {
         self.names.get(id).map(|&i| &self.models[i])
+    }
+
+    /// This catalog with the adapters loaded at run time (by model id, name and directory)
+    /// on its models. A model it no longer has loses them, and so does an adapter its
+    /// `adapters` option now lists under the same name (the configured one wins). Returns the
+    /// (model, adapter) pairs dropped.
+    pub fn with_runtime_adapters(
+        mut self,
+        overlay: &BTreeMap<String, Vec<(String, String)>>,
+    ) -> (Self, Vec<(String, String)>) {
+        let mut dropped = Vec::new();
+        for entry in &mut self.models {
+            entry.runtime_adapters.clear();
+        }
+        for (model, adapters) in overlay {
+            let Some(&i) = self.names.get(model) else {
+                dropped.extend(adapters.iter().map(|(n, _)| (model.clone(), n.clone())));
+                continue;
+            };
+            let entry = &mut self.models[i];
+            if entry.id != *model {
+                // An alias now: the overlay is keyed by id.
+                dropped.extend(adapters.iter().map(|(n, _)| (model.clone(), n.clone())));
+                continue;
+            }
+            let configured = entry.configured_adapters();
+            let (clash, kept): (Vec<_>, Vec<_>) = adapters
+                .iter()
+                .cloned()
+                .partition(|(n, _)| configured.contains(n));
+            dropped.extend(clash.into_iter().map(|(n, _)| (model.clone(), n)));
+            entry.runtime_adapters = kept;
+        }
+        (self, dropped)
     }
 
     pub fn ids(&self) -> Vec<String> {
@@ -424,6 +494,54 @@ mod tests {
         assert_eq!(base.listed_adapters(), ["base:sql", "support-bot"]);
         assert_eq!(c.resolve(Some("base:support-bot")).unwrap().id, "base");
         assert!(c.get("other").unwrap().adapters().is_empty());
+    }
+
+    #[test]
+    fn adapters_loaded_at_run_time_route_list_launch_and_yield_to_configured_ones() {
+        let c = catalog(
+            "[[model]]\nid = \"base\"\naliases = [\"b\"]\n\
+             options = { adapters = \"sql=/d/sql\" }\n[[model]]\nid = \"other\"\n",
+        );
+        let overlay = BTreeMap::from([
+            (
+                "base".to_string(),
+                vec![
+                    ("rt".to_string(), "/d/rt".to_string()),
+                    ("sql".to_string(), "/d/other-sql".to_string()),
+                ],
+            ),
+            (
+                "gone".to_string(),
+                vec![("x".to_string(), "/d/x".to_string())],
+            ),
+        ]);
+        let (c, dropped) = c.with_runtime_adapters(&overlay);
+        // A configured name wins; a model no longer there loses its adapters.
+        assert_eq!(
+            dropped,
+            [
+                ("base".to_string(), "sql".to_string()),
+                ("gone".to_string(), "x".to_string())
+            ]
+        );
+        let base = c.get("base").unwrap();
+        assert_eq!(base.adapters(), ["sql", "rt"]);
+        assert_eq!(base.listed_adapters(), ["base:sql", "base:rt"]);
+        assert_eq!(c.resolve(Some("b:rt")).unwrap().id, "base");
+        assert_eq!(
+            base.options["adapters"], "sql=/d/sql",
+            "the configuration is untouched"
+        );
+        assert_eq!(base.launch_options()["adapters"], "sql=/d/sql,rt=/d/rt");
+        let other = c.get("other").unwrap();
+        assert!(!other.launch_options().contains_key("adapters"));
+        // Unloaded: an empty overlay clears them.
+        let (c, _) = c.with_runtime_adapters(&BTreeMap::new());
+        assert_eq!(c.get("base").unwrap().adapters(), ["sql"]);
+        assert!(matches!(
+            c.resolve(Some("base:rt")),
+            Err(ProxyError::ModelNotFound { .. })
+        ));
     }
 
     #[test]

@@ -73,6 +73,44 @@ pub enum Command {
     /// Managed jobs of a running server (quantize, convert, fetch); `mlxd jobs cancel ID`
     /// cancels one.
     Jobs(JobsArgs),
+    /// LoRA adapters of a model on a running server, loaded and unloaded at run time without
+    /// reloading the model: `load MODEL NAME DIR`, `unload MODEL NAME`, `ls MODEL`.
+    Adapter(AdapterArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct AdapterArgs {
+    #[command(subcommand)]
+    pub action: AdapterAction,
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub enum AdapterAction {
+    /// Load an mlx-lm adapter directory into MODEL's engine (starting it if it is not
+    /// running), served as MODEL:NAME and kept across engine restarts until unloaded.
+    Load {
+        /// A configured model id or alias.
+        model: String,
+        /// The adapter's name (A-Z a-z 0-9 - _ .).
+        name: String,
+        /// The adapter directory (adapter_config.json + adapters.safetensors); made absolute
+        /// here, since the server reads it.
+        dir: PathBuf,
+    },
+    /// Unload an adapter loaded at run time (refused while requests use it).
+    Unload {
+        /// A configured model id or alias.
+        model: String,
+        /// The adapter's name.
+        name: String,
+    },
+    /// The adapters of MODEL: configured ones and those loaded at run time.
+    Ls {
+        /// A configured model id or alias.
+        model: String,
+    },
 }
 
 #[derive(Debug, Clone, Args)]
@@ -967,6 +1005,19 @@ mod tests {
             Cli::parse_from(["mlxd", "bench", "m", "--requests", "4"]).command,
             Some(Command::Bench(b)) if b.requests == 4
         ));
+        assert!(matches!(
+            Cli::parse_from(["mlxd", "adapter", "load", "m", "sql", "/d/sql"]).command,
+            Some(Command::Adapter(AdapterArgs { action: AdapterAction::Load { model, name, dir }, .. }))
+                if model == "m" && name == "sql" && dir == std::path::Path::new("/d/sql")
+        ));
+        assert!(matches!(
+            Cli::parse_from(["mlxd", "adapter", "unload", "m", "sql"]).command,
+            Some(Command::Adapter(AdapterArgs {
+                action: AdapterAction::Unload { .. },
+                ..
+            }))
+        ));
+        assert!(Cli::try_parse_from(["mlxd", "adapter", "ls"]).is_err());
         assert!(matches!(
             Cli::parse_from(["mlxd", "rm", "m"]).command,
             Some(Command::Rm(_))

@@ -251,6 +251,7 @@ async fn run_verb(verb: &Command) -> Result<(), Failure> {
         Command::Train(a) => Some(&a.client),
         Command::Fuse(a) => Some(&a.client),
         Command::Jobs(a) => Some(&a.client),
+        Command::Adapter(a) => Some(&a.client),
         Command::Serve(_)
         | Command::Ls(_)
         | Command::Pull(_)
@@ -365,6 +366,71 @@ async fn other_verb(verb: &Command, target: Option<&Target>) -> anyhow::Result<(
                         .with_context(|| format!("cancelling job {id}"))?;
                     println!("{} {}", job.id, job.state.as_str());
                 }
+            }
+        }
+        Command::Adapter(a) => adapter(&a.action, target()?).await?,
+    }
+    Ok(())
+}
+
+/// `mlxd adapter load|unload|ls`: the admin routes `/admin/models/{id}/adapters`.
+async fn adapter(
+    action: &mlxd_proxy::cli::AdapterAction,
+    target: &mlxd_proxy::client::Target,
+) -> anyhow::Result<()> {
+    use mlxd_proxy::cli::AdapterAction;
+    let server = target.server();
+    match action {
+        AdapterAction::Load { model, name, dir } => {
+            let dir = std::path::absolute(dir)
+                .with_context(|| format!("making {} absolute", dir.display()))?;
+            let body = serde_json::json!({"name": name, "path": dir});
+            let v = server
+                .json(
+                    "POST",
+                    &format!("/admin/models/{model}/adapters"),
+                    Some(&body),
+                )
+                .await
+                .with_context(|| format!("loading adapter {name} into {model}"))?;
+            println!(
+                "{} loaded (rank {}, {} layers)",
+                v["id"].as_str().unwrap_or(name),
+                v["rank"],
+                v["layers"]
+            );
+        }
+        AdapterAction::Unload { model, name } => {
+            let v = server
+                .json(
+                    "DELETE",
+                    &format!("/admin/models/{model}/adapters/{name}"),
+                    None,
+                )
+                .await
+                .with_context(|| format!("unloading adapter {name} from {model}"))?;
+            println!("{} unloaded", v["id"].as_str().unwrap_or(name));
+        }
+        AdapterAction::Ls { model } => {
+            let v = server
+                .json("GET", &format!("/admin/models/{model}/adapters"), None)
+                .await
+                .with_context(|| format!("listing the adapters of {model}"))?;
+            let rows = v["data"].as_array().cloned().unwrap_or_default();
+            if rows.is_empty() {
+                println!("{model} has no adapters");
+            }
+            for a in rows {
+                println!(
+                    "{}\t{}\t{}",
+                    a["id"].as_str().unwrap_or(""),
+                    if a["runtime"].as_bool() == Some(true) {
+                        "run time"
+                    } else {
+                        "configured"
+                    },
+                    a["path"].as_str().unwrap_or("")
+                );
             }
         }
     }
@@ -526,8 +592,8 @@ async fn train(a: &mlxd_proxy::cli::TrainArgs, target: &Target) -> anyhow::Resul
     if let Some(f) = &a.resume_adapter_file {
         body.insert("init_adapter".into(), absolute(f)?.into());
     }
-    let request: mlxd_client::JobRequest = serde_json::from_value(body.into())
-        .context("the train options do not make a lora job")?;
+    let request: mlxd_client::JobRequest =
+        serde_json::from_value(body.into()).context("the train options do not make a lora job")?;
     let job = tasks.submit(&request).await?;
     if a.detach {
         println!("{}", job.id);

@@ -15,9 +15,15 @@ use crate::error::ProxyError;
 use crate::pool::PoolHandle;
 use crate::reload::ReloadPlan;
 
+type RuntimeAdapters = std::collections::BTreeMap<String, Vec<(String, String)>>;
+
 pub struct Routing {
     /// Replaced after the pool has applied a change.
     catalog: RwLock<Arc<Catalog>>,
+    /// Adapters loaded at run time, by model id: name and directory, in load order. Laid
+    /// over every catalog routed by ([`Catalog::with_runtime_adapters`]); changed under the
+    /// `running` lock, as reloads are.
+    runtime_adapters: std::sync::Mutex<RuntimeAdapters>,
     /// The running configuration; held while the catalog changes.
     running: tokio::sync::Mutex<Arc<Config>>,
     pool: PoolHandle,
@@ -60,6 +66,7 @@ impl Routing {
     pub fn new(catalog: Arc<Catalog>, config: Arc<Config>, pool: PoolHandle) -> Self {
         Self {
             catalog: RwLock::new(catalog),
+            runtime_adapters: Default::default(),
             running: tokio::sync::Mutex::new(config),
             pool,
         }
@@ -165,9 +172,57 @@ impl Routing {
         );
     }
 
+    /// `catalog` with the adapters loaded at run time; those of models it lacks (or whose
+    /// names its `adapters` options now list) are forgotten, with a log line.
+    fn overlaid(&self, catalog: Catalog) -> Catalog {
+        let mut overlay = self
+            .runtime_adapters
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let (catalog, dropped) = catalog.with_runtime_adapters(&overlay);
+        for (model, name) in &dropped {
+            warn!(model = %model, adapter = %name, "an adapter loaded at run time is dropped: its model was removed or now lists an adapter of that name");
+            if let Some(list) = overlay.get_mut(model) {
+                list.retain(|(n, _)| n != name);
+            }
+        }
+        overlay.retain(|_, list| !list.is_empty());
+        catalog
+    }
+
+    /// Records that `model`'s engine loaded adapter `name` from `dir` (`Some`) or unloaded
+    /// it (`None`): requests route to it (or no longer), `/v1/models` lists it, and every
+    /// later launch of the model's engines loads it.
+    pub async fn set_runtime_adapter(
+        &self,
+        model: &str,
+        name: &str,
+        dir: Option<String>,
+    ) -> Result<(), ProxyError> {
+        let _running = self.running.lock().await;
+        let list = {
+            let mut overlay = self
+                .runtime_adapters
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            let list = overlay.entry(model.to_string()).or_default();
+            list.retain(|(n, _)| n != name);
+            if let Some(dir) = dir {
+                list.push((name.to_string(), dir));
+            }
+            let list = list.clone();
+            overlay.retain(|_, l| !l.is_empty());
+            list
+        };
+        let catalog = self.overlaid((*self.catalog()).clone());
+        *self.catalog.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(catalog);
+        self.pool.set_runtime_adapters(model, list).await
+    }
+
     /// Lets the pool apply `catalog` under `config`, then routes by it. `None` once the pool
     /// has stopped.
     async fn apply(&self, catalog: Arc<Catalog>, config: Arc<Config>) -> Option<ReloadPlan> {
+        let catalog = Arc::new(self.overlaid(Arc::unwrap_or_clone(catalog)));
         let budget = catalog::memory_budget(&config);
         let plan = self.pool.reload(catalog.clone(), config, budget).await?;
         *self.catalog.write().unwrap_or_else(|p| p.into_inner()) = catalog;

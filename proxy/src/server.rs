@@ -607,6 +607,11 @@ async fn route(
             let reset = app.pool.reset(model).await;
             return Ok(json_response(StatusCode::OK, &json!({ "reset": reset })));
         }
+        (_, p) if adapters_route(p).is_some() => {
+            let (model, name) = adapters_route(p).expect("matched");
+            let (model, name) = (model.to_string(), name.map(str::to_string));
+            return admin_adapters(app, req, &model, name.as_deref()).await;
+        }
         (&Method::POST, p) if p.starts_with("/admin/models/") => {
             return admin(app, &p["/admin/models/".len()..]).await;
         }
@@ -843,6 +848,175 @@ async fn apply_reloads(app: Arc<App>, mut reloads: tokio::sync::mpsc::UnboundedR
                 .store(catalog::memory_budget(&merged), Ordering::Relaxed);
         }
     }
+}
+
+/// `/admin/models/{id}/adapters` (`None`) or `/admin/models/{id}/adapters/{name}`.
+fn adapters_route(path: &str) -> Option<(&str, Option<&str>)> {
+    let rest = path.strip_prefix("/admin/models/")?;
+    if let Some(model) = rest.strip_suffix("/adapters") {
+        return Some((model, None));
+    }
+    let (model, name) = rest.rsplit_once("/adapters/")?;
+    Some((model, Some(name)))
+}
+
+/// The LoRA adapters of a model's engine, loaded and unloaded at run time:
+/// `GET /admin/models/{id}/adapters` lists them (configured and loaded at run time), `POST`
+/// `{"name", "path"}` loads one into the model's engine (loading the model first if it is
+/// not running), `DELETE .../adapters/{name}` unloads one loaded at run time. Both are
+/// forwarded to the engine (`/admin/adapters`), whose answer (or error) comes back as it is;
+/// on success the routing and the model's later launches follow
+/// ([`crate::routing::Routing::set_runtime_adapter`]).
+async fn admin_adapters(
+    app: &App,
+    req: Request<Incoming>,
+    model: &str,
+    name: Option<&str>,
+) -> Result<Response<ResponseBody>, ProxyError> {
+    if model.is_empty() {
+        return Err(ProxyError::BadRequest("a model id is required".into()));
+    }
+    let method = req.method().clone();
+    let id = app.routing.resolve(Some(model)).await?;
+    let entry = app
+        .catalog()
+        .get(&id)
+        .cloned()
+        .ok_or_else(|| ProxyError::NotFound(format!("model {id} is not configured")))?;
+    match (&method, name) {
+        (&Method::GET, None) => {
+            let configured = entry
+                .options
+                .get("adapters")
+                .and_then(|s| mlxd_protocol::engine_options::parse_adapter_list(s).ok())
+                .unwrap_or_default();
+            let mut data: Vec<Value> = configured
+                .into_iter()
+                .map(|(name, dir)| (name, dir.display().to_string(), false))
+                .chain(
+                    entry
+                        .runtime_adapters
+                        .iter()
+                        .map(|(n, d)| (n.clone(), d.clone(), true)),
+                )
+                .map(|(name, path, runtime)| {
+                    json!({"id": format!("{id}:{name}"), "name": name, "parent": id, "path": path, "runtime": runtime})
+                })
+                .collect();
+            data.sort_by_key(|v| v["runtime"].as_bool());
+            Ok(json_response(
+                StatusCode::OK,
+                &json!({"object": "list", "model": id, "data": data}),
+            ))
+        }
+        (&Method::POST, None) => {
+            let max = app.config.server.max_body_bytes;
+            let body = read_bounded(req.into_body(), max).await?;
+            let load: mlxd_protocol::adapters::AdapterLoad = serde_json::from_slice(&body)
+                .map_err(|e| {
+                    ProxyError::BadRequest(format!(
+                        "the body must be {{\"name\": ..., \"path\": ...}}: {e}"
+                    ))
+                })?;
+            if !std::path::Path::new(&load.path).is_absolute() {
+                return Err(ProxyError::BadRequest(format!(
+                    "path {:?} must be absolute: the engine does not share the client's working directory",
+                    load.path
+                )));
+            }
+            // A name taken (configured or loaded at run time) is the engine's 409.
+            let body =
+                serde_json::to_vec(&load).map_err(|e| ProxyError::Internal(e.to_string()))?;
+            let (status, answer) =
+                to_engine(app, &id, Method::POST, "/admin/adapters", body).await?;
+            if status.is_success() {
+                app.routing
+                    .set_runtime_adapter(&id, &load.name, Some(load.path))
+                    .await?;
+            }
+            Ok(json_response(status, &answer))
+        }
+        (&Method::DELETE, Some(name)) => {
+            if !entry.runtime_adapters.iter().any(|(n, _)| n == name) {
+                if entry.adapters().iter().any(|n| n == name) {
+                    return Err(ProxyError::BadRequest(format!(
+                        "the adapter {name:?} of model {id} is configured (its `adapters` option or an adapter entry in mlxd.toml); remove it there and reload"
+                    )));
+                }
+                return Err(ProxyError::NotFound(format!(
+                    "model {id} has no adapter {name:?} loaded at run time"
+                )));
+            }
+            let running = app
+                .pool
+                .status()
+                .await
+                .into_iter()
+                .any(|s| s.model == id && s.state == "ready");
+            let mut answer = json!({"object": "adapter", "id": format!("{id}:{name}"), "name": name, "parent": id});
+            if running {
+                let path = format!("/admin/adapters/{name}");
+                let (status, body) = to_engine(app, &id, Method::DELETE, &path, Vec::new()).await?;
+                // 404: the engine does not hold it (it restarted without it): nothing to undo.
+                if !status.is_success() && status != StatusCode::NOT_FOUND {
+                    return Ok(json_response(status, &body));
+                }
+                if status.is_success() {
+                    answer = body;
+                }
+            }
+            app.routing.set_runtime_adapter(&id, name, None).await?;
+            Ok(json_response(StatusCode::OK, &answer))
+        }
+        _ => Err(ProxyError::NotFound(format!(
+            "no admin route for {method} {}",
+            if name.is_some() {
+                "/admin/models/{id}/adapters/{name} (DELETE)"
+            } else {
+                "/admin/models/{id}/adapters (GET, POST)"
+            }
+        ))),
+    }
+}
+
+/// Sends one admin request to `model`'s engine (loading it if needed) and returns its
+/// status and JSON answer.
+async fn to_engine(
+    app: &App,
+    model: &str,
+    method: Method,
+    path: &str,
+    body: Vec<u8>,
+) -> Result<(StatusCode, Value), ProxyError> {
+    let lease = app.pool.acquire(model).await?;
+    let req = Request::builder()
+        .method(method)
+        .uri(path)
+        .header(header::HOST, "localhost")
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .map_err(|e| ProxyError::Internal(e.to_string()))?;
+    let resp = mlxd_ipc::uds::send(&lease.socket, req)
+        .await
+        .map_err(|e| ProxyError::Upstream {
+            model: model.to_string(),
+            detail: e.to_string(),
+        })?;
+    let status = resp.status();
+    let bytes = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| ProxyError::Upstream {
+            model: model.to_string(),
+            detail: e.to_string(),
+        })?
+        .to_bytes();
+    let value = serde_json::from_slice(&bytes).map_err(|e| ProxyError::Upstream {
+        model: model.to_string(),
+        detail: format!("the engine answered {status} with no JSON: {e}"),
+    })?;
+    Ok((status, value))
 }
 
 /// `POST /admin/models/{id}/load` and `/unload`.

@@ -476,3 +476,140 @@ async fn lora_adapters_are_models_of_their_base_served_by_its_one_engine() -> Re
     p.stop().await?;
     Ok(())
 }
+
+/// Waits (polling `/engines`, as the harness's `wait_engine` does) until `model`'s engine is
+/// ready with a pid other than `not_pid`.
+async fn wait_ready_other_than(p: &Proxy, model: &str, not_pid: u64) -> Result<u64> {
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        let e = row(p, model).await?;
+        if e["state"] == "ready" && e["pid"].as_u64().is_some_and(|pid| pid != not_pid) {
+            return Ok(e["pid"].as_u64().unwrap());
+        }
+        if Instant::now() > deadline {
+            bail!("{model} never came back ready: {e}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn send_json(
+    p: &Proxy,
+    method: &str,
+    path: &str,
+    body: Option<Value>,
+) -> Result<(u16, Value)> {
+    let resp = send(p.addr, method, path, body.map(|b| b.to_string().into())).await?;
+    let (s, _, v) = json_of(resp).await?;
+    Ok((s.as_u16(), v))
+}
+
+#[tokio::test]
+async fn a_lora_adapter_loaded_at_run_time_is_routed_survives_a_crash_restart_and_unloads(
+) -> Result<()> {
+    let r = real();
+    let lora_a = r.models.join("tiny-llama-lora-a");
+    assert!(
+        lora_a.join("adapters.safetensors").is_file(),
+        "test adapter {} is missing (scripts/test.sh trains it)",
+        lora_a.display()
+    );
+    // The same adapter loaded at start, as the reference for the one loaded at run time.
+    let mut base = r.model("tiny-llama");
+    base.options
+        .insert("adapters".into(), format!("a={}", lora_a.display()));
+    let mut p = r.start(vec![base], |_| {}).await?;
+    let prompt = "red green blue cat";
+    let base_text = complete(&p, "tiny-llama", prompt).await?;
+    let a_text = complete(&p, "tiny-llama:a", prompt).await?;
+    assert_ne!(a_text, base_text, "the adapter changes the answer");
+    assert!(complete(&p, "tiny-llama:rt", prompt).await.is_err());
+
+    let admin = "/admin/models/tiny-llama/adapters";
+    let load = json!({"name": "rt", "path": lora_a});
+    let (s, v) = send_json(&p, "POST", admin, Some(load.clone())).await?;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(
+        (v["id"].as_str(), v["rank"].as_u64()),
+        (Some("tiny-llama:rt"), Some(4))
+    );
+    // Routed, listed with its base, and the tokens of the adapter loaded at start.
+    assert_eq!(complete(&p, "tiny-llama:rt", prompt).await?, a_text);
+    let (_, _, models) = p.get("/v1/models").await?;
+    assert!(
+        models["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["id"] == "tiny-llama:rt" && m["parent"] == "tiny-llama"),
+        "{models}"
+    );
+    let (s, v) = send_json(&p, "GET", admin, None).await?;
+    assert_eq!(s, 200, "{v}");
+    let listed: Vec<(&str, bool)> = v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| (a["name"].as_str().unwrap(), a["runtime"].as_bool().unwrap()))
+        .collect();
+    assert_eq!(listed, [("a", false), ("rt", true)], "{v}");
+    // The name is taken (the engine's 409); a relative path is refused by mlxd.
+    let (s, v) = send_json(&p, "POST", admin, Some(load)).await?;
+    assert_eq!(
+        (s, v["error"]["code"].as_str()),
+        (409, Some("adapter_exists")),
+        "{v}"
+    );
+    let (s, v) = send_json(
+        &p,
+        "POST",
+        admin,
+        Some(json!({"name": "x", "path": "rel/dir"})),
+    )
+    .await?;
+    assert_eq!(s, 400, "{v}");
+
+    // kill -9: the restarted engine loads it again and answers byte for byte as before.
+    let pid = row(&p, "tiny-llama").await?["pid"]
+        .as_u64()
+        .expect("running");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )?;
+    let restarted = wait_ready_other_than(&p, "tiny-llama", pid).await?;
+    assert_ne!(restarted, pid);
+    assert_eq!(complete(&p, "tiny-llama:rt", prompt).await?, a_text);
+    assert_eq!(complete(&p, "tiny-llama", prompt).await?, base_text);
+
+    // Unloaded: no longer routed nor listed; a second unload and a configured one refused.
+    let (s, v) = send_json(&p, "DELETE", &format!("{admin}/rt"), None).await?;
+    assert_eq!(s, 200, "{v}");
+    let (s, _, v) = p
+        .post_json(
+            "/v1/completions",
+            &json!({"model": "tiny-llama:rt", "prompt": prompt, "max_tokens": 2}),
+        )
+        .await?;
+    assert_eq!(
+        (s.as_u16(), v["error"]["code"].as_str()),
+        (404, Some("model_not_found")),
+        "{v}"
+    );
+    let (_, _, models) = p.get("/v1/models").await?;
+    assert!(
+        !models["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["id"] == "tiny-llama:rt"),
+        "{models}"
+    );
+    let (s, v) = send_json(&p, "DELETE", &format!("{admin}/rt"), None).await?;
+    assert_eq!(s, 404, "{v}");
+    let (s, v) = send_json(&p, "DELETE", &format!("{admin}/a"), None).await?;
+    assert_eq!(s, 400, "{v}");
+    assert_eq!(complete(&p, "tiny-llama:a", prompt).await?, a_text);
+    p.stop().await?;
+    Ok(())
+}

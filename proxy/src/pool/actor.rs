@@ -310,6 +310,13 @@ impl Pool {
                     self.place();
                 }
             }
+            Command::RuntimeAdapters {
+                model,
+                adapters,
+                reply,
+            } => {
+                let _ = reply.send(self.runtime_adapters(&model, adapters));
+            }
             Command::Reload {
                 catalog,
                 config,
@@ -574,7 +581,7 @@ impl Pool {
             env: c.engine_env.clone(),
             socket_path: slot.socket.clone(),
             limits: slot.limits.current().clone(),
-            options: slot.entry.options.clone(),
+            options: slot.entry.launch_options(),
             stop_timeout: self.config.grace(),
             restarts: slot.restarts,
             log: Some(slot.log.clone()),
@@ -873,6 +880,22 @@ impl Pool {
                 .get_or_create(&l)
                 .set(i64::from(s.state.is_ready()));
         }
+    }
+
+    /// See [`PoolHandle::set_runtime_adapters`].
+    fn runtime_adapters(
+        &mut self,
+        key: &str,
+        adapters: Vec<(String, String)>,
+    ) -> Result<(), ProxyError> {
+        let Some(slot) = self.slots.get_mut(key) else {
+            return Err(ProxyError::NotFound(format!(
+                "model {key} is not configured"
+            )));
+        };
+        let effects = lifecycle::runtime_adapters(slot, adapters);
+        self.apply(key, effects);
+        Ok(())
     }
 
     /// Applies a reloaded configuration; see [`PoolHandle::reload`].

@@ -86,6 +86,13 @@ pub(super) enum Command {
     ReleaseJob {
         job: String,
     },
+    /// The model's adapters loaded at run time changed: engines it launches from now on
+    /// load them ([`crate::catalog::ModelEntry::launch_options`]).
+    RuntimeAdapters {
+        model: String,
+        adapters: Vec<(String, String)>,
+        reply: Reply<Result<(), ProxyError>>,
+    },
     /// Apply a reloaded configuration (SIGHUP).
     Reload {
         catalog: Arc<Catalog>,
@@ -265,6 +272,25 @@ impl PoolHandle {
             })
             .await?;
         rx.await.ok()
+    }
+
+    /// Sets the adapters loaded at run time on `model`'s engine (name, directory), which
+    /// every later launch of it loads too: a crash restart, a standby (one already running
+    /// without them is replaced), the next load.
+    pub async fn set_runtime_adapters(
+        &self,
+        model: &str,
+        adapters: Vec<(String, String)>,
+    ) -> Result<(), ProxyError> {
+        let rx = self
+            .ask(|reply| Command::RuntimeAdapters {
+                model: model.to_string(),
+                adapters,
+                reply,
+            })
+            .await
+            .ok_or(ProxyError::ShuttingDown)?;
+        rx.await.map_err(|_| ProxyError::ShuttingDown)?
     }
 
     /// Stops every engine (Shutdown → SIGTERM → SIGKILL) and waits for them to exit.

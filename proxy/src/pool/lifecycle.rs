@@ -255,6 +255,31 @@ pub(super) fn reconfigured(
     effects
 }
 
+/// The adapters loaded at run time on the model's engine changed to `adapters`: every later
+/// launch loads them. The serving engine was changed in place (by the admin route); a spare
+/// launched before lacks them, so it is stopped and another starts once it has exited.
+pub(super) fn runtime_adapters(slot: &mut Slot, adapters: Vec<(String, String)>) -> Vec<Effect> {
+    let names: Vec<&str> = adapters.iter().map(|(n, _)| n.as_str()).collect();
+    let line = format!(
+        "[mlxd] adapters loaded at run time: {}",
+        if names.is_empty() {
+            "none".to_string()
+        } else {
+            names.join(", ")
+        }
+    );
+    slot.entry.runtime_adapters = adapters;
+    let mut effects = vec![Effect::Log(line)];
+    if slot.standby.is_some() {
+        slot.replace_standby = true;
+        effects.push(Effect::Log(
+            "[mlxd] the standby engine restarts with the adapters loaded at run time".into(),
+        ));
+        effects.push(Effect::StopStandby);
+    }
+    effects
+}
+
 /// Whether the model's spare engine should start now.
 #[derive(Debug)]
 pub(super) enum StandbyStart {
@@ -338,10 +363,14 @@ pub(super) fn standby_event(slot: &mut Slot, event: EngineEvent) -> Vec<Effect> 
             if !report.cause.is_requested() {
                 warn!(model = %slot.entry.id, cause = %report.cause, "standby engine exited");
             }
-            vec![
+            let mut effects = vec![
                 Effect::Log(format!("[mlxd] standby engine exited: {}", report.cause)),
                 Effect::Place,
-            ]
+            ];
+            if std::mem::take(&mut slot.replace_standby) {
+                effects.push(Effect::StartStandby);
+            }
+            effects
         }
     }
 }

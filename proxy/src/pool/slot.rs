@@ -236,6 +236,9 @@ pub(super) struct Slot {
     pub spare_socket: PathBuf,
     /// The last engine generation handed out (serving or spare): each start takes the next.
     pub generations: u64,
+    /// The spare was stopped because it lacks the adapters loaded at run time: another
+    /// starts once it has exited ([`super::lifecycle::runtime_adapters`]).
+    pub replace_standby: bool,
 }
 
 impl Slot {
@@ -247,6 +250,7 @@ impl Slot {
     ) -> Self {
         Self {
             standby: None,
+            replace_standby: false,
             spare_socket,
             generations: 0,
             limits: ModelLimits::new(entry.limits.clone()),
