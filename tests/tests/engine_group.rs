@@ -2,9 +2,9 @@
 //! 127.0.0.1, as `mlx.launch` starts them (`MLX_RANK`, `MLX_HOSTFILE`), on tiny random
 //! models (Llama, Qwen3, Qwen3-MoE). Two and four ranks serve the single engine's tokens,
 //! alone and batched, and two give mlx-lm's own sharded tokens (`sharded_load`, tensor and
-//! pipeline); a rank count that does not divide the heads, and a hostfile naming a rank that never comes, fail
-//! the load with the reason; `kill -9` of rank 1 takes rank 0 down (the supervisor restarts
-//! the group).
+//! pipeline); a rank count that does not divide the heads, and a hostfile naming a rank that
+//! never comes, fail the load with the reason; `kill -9` of rank 1 takes rank 0 down (the
+//! supervisor restarts the group).
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
