@@ -1,9 +1,11 @@
-//! The SSD KV tier and generation checkpoints with the real engine and the default model
-//! (SmolLM2-135M), through `mlxd`: a new engine process (after an unload, after `kill -9`)
-//! restores a long prefix from disk instead of prefilling it and answers the same; unusable
-//! files found at start are deleted without a crash; a stream whose engine is killed
-//! resumes from its generation checkpoint with the same output; stopping `mlxd` during
-//! streams lets them finish and leaves only whole, valid files.
+//! The SSD KV tier and generation checkpoints with the real engine, through `mlxd`: a new
+//! engine process (after an unload, after `kill -9`) restores a long prefix from disk instead
+//! of prefilling it and answers the same; unusable files found at start are deleted without
+//! a crash; a stream whose engine is killed resumes from its generation checkpoint with the
+//! same output (the default model, SmolLM2-135M: its tokens come slowly enough on the CPU for
+//! the kill to land between checkpoints); stopping `mlxd` during streams lets them finish and
+//! leaves only whole, valid files. The tests that do not race the model run on a generated
+//! tiny Llama, whose tokens come in milliseconds.
 //!
 //! Needs what `scripts/test.sh` provides (the engine binary, `MLXD_TEST_HOME`, the SmolLM2
 //! GGUF); a missing prerequisite fails the test with what is missing.
@@ -26,6 +28,14 @@ async fn start(options: &[(&str, &str)], tweak: impl FnOnce(&mut Config)) -> Res
     default_model_proxy(options, tweak).await
 }
 
+/// The generated tiny Llama (context 512: its tokenizer makes ~50 tokens of a sentence).
+const TINY: &str = "tiny-llama";
+
+/// A proxy in this process serving [`TINY`] with the given engine options.
+async fn start_tiny(options: &[(&str, &str)]) -> Result<Proxy> {
+    tiny_model_proxy(TINY, options, |_| {}).await
+}
+
 /// A prompt of roughly `sentences` × 12 tokens that every request here shares.
 fn long_prompt(sentences: usize) -> String {
     let mut p = String::new();
@@ -38,10 +48,9 @@ fn long_prompt(sentences: usize) -> String {
     p
 }
 
-/// A greedy completion; returns its text and `usage`.
+/// A greedy completion from [`TINY`]; returns its text and `usage`.
 async fn complete(p: &Proxy, prompt: &str, max_tokens: u32) -> Result<(String, Value)> {
-    let body =
-        json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
+    let body = json!({"model": TINY, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
     let (status, _, v) = p.post_json("/v1/completions", &body).await?;
     ensure!(status == 200, "completion: {status} {v}");
     let text = v["choices"][0]["text"]
@@ -117,11 +126,11 @@ async fn ready_pid(p: &Proxy) -> Result<i32> {
 async fn a_new_engine_restores_a_long_prefix_from_ssd_and_answers_the_same() -> Result<()> {
     let ssd = tempfile::tempdir()?;
     let dir = ssd.path().display().to_string();
-    let p = start(&[("ssd_cache", &dir)], |_| {}).await?;
-    let prompt = long_prompt(60);
+    let p = start_tiny(&[("ssd_cache", &dir)]).await?;
+    let prompt = long_prompt(8);
     let (first, usage) = complete(&p, &prompt, 12).await?;
     let prompt_tokens = usage["prompt_tokens"].as_u64().context("prompt_tokens")?;
-    ensure!(prompt_tokens > 600, "the prompt is too short: {usage}");
+    ensure!(prompt_tokens > 300, "the prompt is too short: {usage}");
     ensure!(
         cached(&usage) == 0,
         "a cold engine had a cached prefix: {usage}"
@@ -132,7 +141,7 @@ async fn a_new_engine_restores_a_long_prefix_from_ssd_and_answers_the_same() -> 
     let resp = send(
         p.addr,
         "POST",
-        &format!("/admin/models/{MODEL}/unload"),
+        &format!("/admin/models/{TINY}/unload"),
         None,
     )
     .await?;
@@ -320,7 +329,7 @@ async fn kill_9_mid_stream_resumes_from_the_generation_checkpoint() -> Result<()
 async fn stopping_mlxd_during_streams_finishes_them_and_leaves_valid_files() -> Result<()> {
     let ssd = tempfile::tempdir()?;
     let dir = ssd.path().display().to_string();
-    let mut p = start(&[("ssd_cache", &dir)], |_| {}).await?;
+    let mut p = start_tiny(&[("ssd_cache", &dir)]).await?;
     let prompts: Vec<String> = (0..3)
         .map(|i| format!("Story {i}: once upon a time, in a village by the sea,"))
         .collect();
@@ -328,7 +337,8 @@ async fn stopping_mlxd_during_streams_finishes_them_and_leaves_valid_files() -> 
     let streams: Vec<_> = prompts
         .iter()
         .map(|prompt| {
-            let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 40,
+            // Long enough that the stop comes mid-stream on the tiny model.
+            let body = json!({"model": TINY, "prompt": prompt, "max_tokens": 400,
                               "temperature": 0, "stream": true});
             let (addr, chunks) = (p.addr, chunks.clone());
             tokio::spawn(async move {
@@ -361,9 +371,9 @@ async fn stopping_mlxd_during_streams_finishes_them_and_leaves_valid_files() -> 
     );
 
     // Every file is whole: a new mlxd restores each prompt from it, with nothing invalid.
-    let p = start(&[("ssd_cache", &dir)], |_| {}).await?;
+    let p = start_tiny(&[("ssd_cache", &dir)]).await?;
     for (prompt, text) in prompts.iter().zip(&texts) {
-        let (again, usage) = complete(&p, prompt, 40).await?;
+        let (again, usage) = complete(&p, prompt, 400).await?;
         ensure!(&again == text, "{again:?} after restore, {text:?} before");
         ensure!(cached(&usage) > 0, "not restored: {usage}");
     }
