@@ -158,13 +158,16 @@ pub struct TrainArgs {
     /// <model>-lora]; it must not exist.
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// Layers to adapt, from the last (-1: all).
+    /// Layers to adapt, from the last (-1: all) [default: 16].
     #[arg(long, allow_hyphen_values = true)]
     pub num_layers: Option<i32>,
+    /// The rank of each low-rank update [default: 8].
     #[arg(long)]
     pub rank: Option<u32>,
+    /// The factor the update is scaled by [default: 20].
     #[arg(long)]
     pub scale: Option<f32>,
+    /// Dropout on the update's input while training [default: 0].
     #[arg(long)]
     pub dropout: Option<f32>,
     /// lora (dora is refused: not built).
@@ -173,21 +176,28 @@ pub struct TrainArgs {
     /// adam or adamw.
     #[arg(long)]
     pub optimizer: Option<String>,
+    /// The learning rate [default: 1e-5].
     #[arg(long)]
     pub learning_rate: Option<f32>,
+    /// Examples per training step [default: 4].
     #[arg(long)]
     pub batch_size: Option<u32>,
+    /// Training steps [default: 1000].
     #[arg(long)]
     pub iters: Option<u64>,
+    /// Validation batches per evaluation (-1: the whole validation set) [default: 25].
     #[arg(long, allow_hyphen_values = true)]
     pub val_batches: Option<i32>,
+    /// Training steps between two validation losses [default: 200].
     #[arg(long)]
     pub steps_per_eval: Option<u64>,
     /// Iterations between checkpoints.
     #[arg(long)]
     pub save_every: Option<u64>,
+    /// Longest example in tokens; longer ones are cut [default: 2048].
     #[arg(long)]
     pub max_seq_length: Option<u32>,
+    /// Seed of the batch order and the factors' initialisation [default: 0].
     #[arg(long)]
     pub seed: Option<u64>,
     /// A learning-rate schedule as mlx-lm's config gives it, in JSON:
