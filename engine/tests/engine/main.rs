@@ -18,5 +18,5 @@ mod parity_tiny;
 mod runtime_batch;
 mod smollm2;
 mod speculative;
-mod train;
 mod ssd_tier;
+mod train;
