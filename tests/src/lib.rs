@@ -174,33 +174,24 @@ pub async fn default_model_proxy(
     options: &[(&str, &str)],
     tweak: impl FnOnce(&mut Config),
 ) -> Result<Proxy> {
-    let engine = engine_bin()?;
     let home = test_home();
     let gguf = smollm2_gguf_if_present();
     anyhow::ensure!(
         gguf.is_some() || home.join("models/smollm2-135m/config.json").is_file(),
         "the default model is not available offline: set MLXD_SMOLLM2_GGUF or run scripts/setup.sh --test"
     );
-    std::fs::create_dir_all(&home)?;
-    Proxy::start_with(&[], |c| {
-        c.models = vec![mlxd_proxy::config::ModelConfig::new("smollm2-135m")];
-        let s = &mut c.server;
-        s.engine_bin = Some(engine);
-        s.engine_options.clear();
-        for (k, v) in options {
-            s.engine_options.insert(k.to_string(), v.to_string());
-        }
-        s.queue_timeout_ms = 180_000;
-        s.grace_ms = 60_000;
-        s.engine_env
-            .insert("MLXD_HOME".into(), home.display().to_string());
-        if let Some(g) = &gguf {
-            s.engine_env
-                .insert("MLXD_SMOLLM2_GGUF".into(), g.display().to_string());
-        }
-        s.engine_env.insert("RUST_LOG".into(), "info".into());
-        tweak(c);
-    })
+    real_engine_proxy(
+        mlxd_proxy::config::ModelConfig::new("smollm2-135m"),
+        options,
+        |c| {
+            if let Some(g) = &gguf {
+                c.server
+                    .engine_env
+                    .insert("MLXD_SMOLLM2_GGUF".into(), g.display().to_string());
+            }
+            tweak(c);
+        },
+    )
     .await
 }
 
@@ -214,17 +205,30 @@ pub async fn tiny_model_proxy(
     options: &[(&str, &str)],
     tweak: impl FnOnce(&mut Config),
 ) -> Result<Proxy> {
-    let engine = engine_bin()?;
-    let dir = tiny_model(shape)?;
-    let home = test_home();
-    std::fs::create_dir_all(&home)?;
-    Proxy::start_with(&[], |c| {
-        let mut model = mlxd_proxy::config::ModelConfig::new(shape);
-        model.path = Some(dir.display().to_string());
-        c.models = vec![model];
+    let mut model = mlxd_proxy::config::ModelConfig::new(shape);
+    model.path = Some(tiny_model(shape)?.display().to_string());
+    real_engine_proxy(model, options, |c| {
         // Only this model: the test home's store (the default model) is not listed, so that
         // `/engines`' first row is this model's.
         c.pool.store_models = false;
+        tweak(c);
+    })
+    .await
+}
+
+/// A proxy in this process serving `model` alone with the real engine and `options` as its
+/// engine options (nothing else of `[server] engine_options`), the test home as the engine's
+/// store, and a queue and grace long enough for this machine's CPU; `tweak` edits last.
+async fn real_engine_proxy(
+    model: mlxd_proxy::config::ModelConfig,
+    options: &[(&str, &str)],
+    tweak: impl FnOnce(&mut Config),
+) -> Result<Proxy> {
+    let engine = engine_bin()?;
+    let home = test_home();
+    std::fs::create_dir_all(&home)?;
+    Proxy::start_with(&[], |c| {
+        c.models = vec![model];
         let s = &mut c.server;
         s.engine_bin = Some(engine);
         s.engine_options.clear();

@@ -10,45 +10,18 @@ use http_body_util::{BodyExt, Full};
 use hyper::{Request, StatusCode};
 use hyper_util::rt::TokioIo;
 use mlxd_engine::adapters::AdapterId;
-use mlxd_engine::runtime::request::{
-    AdapterWork, AdapterWorkError, GenerateRequest, GenerationError, TokenEvent,
-};
+use mlxd_engine::runtime::request::{AdapterWork, AdapterWorkError, GenerationError, TokenEvent};
 use mlxd_engine::runtime::{Runtime, RuntimeLimits};
 use mlxd_engine::server::ServerState;
 use serde_json::{json, Value};
 
-use crate::common::{collect, tiny_model, Output};
+use crate::common::{adapter_dir, collect, submit_greedy, tiny_model, Output};
 
 const PROMPT: &[u32] = &[1, 20, 31, 42, 53, 64, 75];
 const NEW_TOKENS: usize = 8;
 
-fn adapter_dir(name: &str) -> PathBuf {
-    let dir = mlxd_tests::test_models().join(name);
-    assert!(
-        dir.join("adapters.safetensors").is_file(),
-        "test adapter {} is missing (scripts/test.sh trains it)",
-        dir.display()
-    );
-    dir
-}
-
 fn send(runtime: &Runtime, adapter: Option<AdapterId>, max_tokens: usize) -> Receiver {
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    runtime
-        .work
-        .send(GenerateRequest {
-            prompt: PROMPT.to_vec(),
-            sampling: Default::default(),
-            max_tokens,
-            stop_token_ids: vec![],
-            sample_offset: 0,
-            events: tx,
-            constraint: None,
-            logprobs: None,
-            adapter,
-        })
-        .expect("runtime is running");
-    rx
+    submit_greedy(runtime, PROMPT, max_tokens, adapter)
 }
 
 type Receiver = tokio::sync::mpsc::UnboundedReceiver<TokenEvent>;

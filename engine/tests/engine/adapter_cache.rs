@@ -2,27 +2,18 @@
 //! prompt run with a LoRA adapter reuses the KV of earlier prompts run with the same adapter
 //! (in memory, and from disk in a new engine), and never the base model's or another
 //! adapter's. Tokens are checked against mlx-lm's `generate` with `adapter_path`.
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use mlxd_engine::adapters::AdapterId;
 use mlxd_engine::cache::ssd::SsdConfig;
 use mlxd_engine::runtime::{Runtime, RuntimeLimits};
 
 use crate::common::{
-    collect, mlx_lm_greedy, mlx_lm_greedy_with_adapter, submit_greedy, tiny_model, Output,
+    adapter_dir, collect, mlx_lm_greedy, mlx_lm_greedy_with_adapter, submit_greedy, tiny_model,
+    Output,
 };
 
 const NEW_TOKENS: usize = 6;
-
-fn adapter_dir(name: &str) -> PathBuf {
-    let dir = mlxd_tests::test_models().join(name);
-    assert!(
-        dir.join("adapters.safetensors").is_file(),
-        "test adapter {} is missing (scripts/test.sh trains it)",
-        dir.display()
-    );
-    dir
-}
 
 /// A runtime on `model` with adapters `a` and `b`, a prefix cache, and the SSD tier in `ssd`.
 fn start(model: &Path, ssd: &Path) -> Runtime {

@@ -27,6 +27,17 @@ pub fn hf_chat_tokens_many(model: &Path, users: &[&str]) -> Vec<Vec<u32>> {
     mlxd_tests::hf_chat_tokens_many(model, users).unwrap_or_else(|e| panic!("{e:#}"))
 }
 
+/// The LoRA adapter fixture `name`, beside the tiny models (`scripts/test.sh` trains it).
+pub fn adapter_dir(name: &str) -> PathBuf {
+    let dir = mlxd_tests::test_models().join(name);
+    assert!(
+        dir.join("adapters.safetensors").is_file(),
+        "test adapter {} is missing (scripts/test.sh trains it)",
+        dir.display()
+    );
+    dir
+}
+
 /// Greedy tokens from mlx-lm with the LoRA adapter in `adapter` applied.
 pub fn mlx_lm_greedy_with_adapter(
     model: &Path,

@@ -565,22 +565,7 @@ fn send(
     prompt: Vec<u32>,
     max_tokens: usize,
 ) -> tokio::sync::mpsc::UnboundedReceiver<TokenEvent> {
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    runtime
-        .work
-        .send(GenerateRequest {
-            prompt,
-            sampling: Default::default(),
-            max_tokens,
-            stop_token_ids: vec![],
-            sample_offset: 0,
-            events: tx,
-            constraint: None,
-            logprobs: None,
-            adapter: None,
-        })
-        .unwrap();
-    rx
+    common::submit_greedy(runtime, &prompt, max_tokens, None)
 }
 
 /// Waits (polling, bounded) until `done` holds.

@@ -21,7 +21,7 @@ use mlxd_engine::cache::{LayerCache, WINDOW_SLACK};
 use mlxd_engine::loader::LoadError;
 use mlxd_engine::models::{self, CausalLm, Feature, ModelInfo};
 use mlxd_engine::runtime::draft::{DraftSource, NgramSizes, Speculation};
-use mlxd_engine::runtime::request::{GenerateRequest, TokenEvent};
+use mlxd_engine::runtime::request::TokenEvent;
 use mlxd_engine::runtime::{ModelLoader, Runtime, RuntimeLimits};
 
 const FAMILY: &str = "family-gemma3_text";
@@ -100,21 +100,7 @@ fn prompt(n: usize, seed: u32) -> Vec<u32> {
 
 /// Greedy tokens for `prompt`, with the largest KV bytes the runtime reported meanwhile.
 fn generate_watching_kv(runtime: &Runtime, prompt: &[u32], max_tokens: usize) -> (Vec<u32>, u64) {
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    runtime
-        .work
-        .send(GenerateRequest {
-            prompt: prompt.to_vec(),
-            sampling: Default::default(),
-            max_tokens,
-            stop_token_ids: vec![],
-            sample_offset: 0,
-            events: tx,
-            constraint: None,
-            logprobs: None,
-            adapter: None,
-        })
-        .expect("runtime is running");
+    let mut rx = common::submit_greedy(runtime, prompt, max_tokens, None);
     let (mut tokens, mut most) = (Vec::new(), 0);
     while let Some(event) = rx.blocking_recv() {
         most = most.max(runtime.stats.kv_bytes.load(Ordering::Relaxed));
