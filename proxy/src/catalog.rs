@@ -142,14 +142,8 @@ impl Catalog {
                 names.insert(a.clone(), models.len());
             }
             let options = checked.engine_options_of(i);
-            let adapter_models = configs
-                .iter()
-                .filter(|a| a.is_adapter())
-                .filter(|a| {
-                    a.base
-                        .as_ref()
-                        .is_some_and(|b| *b == m.id || m.aliases.contains(b))
-                })
+            let adapter_models = checked
+                .adapter_entries_of(i)
                 .map(|a| a.id.clone())
                 .collect();
             models.push(ModelEntry {

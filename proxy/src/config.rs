@@ -765,6 +765,13 @@ impl Config {
             .position(|b| !b.is_adapter() && (b.id == *base || b.aliases.contains(base)))
     }
 
+    /// The adapter entries whose base is model `i`.
+    pub fn adapter_entries_of(&self, i: usize) -> impl Iterator<Item = &ModelConfig> {
+        self.models
+            .iter()
+            .filter(move |a| a.is_adapter() && self.base_of(a) == Some(i))
+    }
+
     /// The engine options of model `i`: `[server] engine_options`, then its own, its engine
     /// group's, and the adapter entries it serves appended to its `adapters`.
     pub fn engine_options_of(&self, i: usize) -> BTreeMap<String, String> {
@@ -773,9 +780,7 @@ impl Config {
         options.extend(m.options.clone());
         options.extend(m.group_options());
         let served: Vec<String> = self
-            .models
-            .iter()
-            .filter(|a| a.is_adapter() && self.base_of(a) == Some(i))
+            .adapter_entries_of(i)
             .filter_map(|a| Some(format!("{}={}", a.id, a.adapter.as_ref()?.display())))
             .collect();
         if !served.is_empty() {
