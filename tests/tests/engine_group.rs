@@ -948,9 +948,10 @@ fn a_constrained_request_to_a_group_is_refused_naming_it() -> Result<()> {
     let mut response = String::new();
     stream.read_to_string(&mut response)?;
     assert!(
-        !response.starts_with("HTTP/1.1 200")
+        response.starts_with("HTTP/1.1 400")
             && response.contains("constrained decoding")
-            && response.contains("engine group"),
+            && response.contains("engine group")
+            && response.contains("\"unsupported\""),
         "{response}"
     );
     // The group still serves plain requests after it.

@@ -160,11 +160,13 @@ impl Leader {
         if req.constraint.is_some() {
             let _ = req
                 .events
-                .send(TokenEvent::Failed(GenerationError::Constraint(
-                "constrained decoding (response_format, forced tool calls) is not supported by \
-                 an engine group yet"
-                    .into(),
-            )));
+                .send(TokenEvent::Failed(GenerationError::Unsupported {
+                    // `response_format` or a forced `tool_choice`: the message names both.
+                    param: None,
+                    reason: "constrained decoding (response_format, forced tool calls) is not \
+                             supported by an engine group yet"
+                        .into(),
+                }));
             return None;
         }
         let seed = req.sampling.seed.unwrap_or_else(rand::random);

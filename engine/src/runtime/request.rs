@@ -98,6 +98,13 @@ pub enum GenerationError {
     /// The constraint could not advance or build its mask (a grammar engine failure).
     #[error("{0}")]
     Constraint(String),
+    /// The request asks for what this engine cannot do as configured (a constrained request
+    /// to an engine group), naming the request's field that asks it where there is one.
+    #[error("{reason}")]
+    Unsupported {
+        param: Option<&'static str>,
+        reason: String,
+    },
     /// Any other MLX failure.
     #[error("MLX failed: {0}")]
     Mlx(String),

@@ -92,7 +92,8 @@ impl ApiError {
                 // The request itself cannot be served as asked: the client's to change.
                 GenerationError::KvBudget { .. }
                 | GenerationError::Sampling(_)
-                | GenerationError::TokenOutOfRange { .. } => StatusCode::BAD_REQUEST,
+                | GenerationError::TokenOutOfRange { .. }
+                | GenerationError::Unsupported { .. } => StatusCode::BAD_REQUEST,
                 // The engine restarts (smaller after running out of memory): try again.
                 GenerationError::OutOfMemory(_) | GenerationError::Stopped => {
                     StatusCode::SERVICE_UNAVAILABLE
@@ -165,6 +166,7 @@ impl ApiError {
                     GenerationError::Stopped => ("engine_stopped", None),
                     GenerationError::Mlx(_) => ("mlx_error", None),
                     GenerationError::Constraint(_) => ("constraint_error", None),
+                    GenerationError::Unsupported { param, .. } => ("unsupported", *param),
                     GenerationError::AdapterUnloaded(_) => ("model_not_found", Some("model")),
                 };
                 body.error.code = Some(code.into());
