@@ -6,17 +6,17 @@
 //! tokenizer files are copied unchanged, so the new directory is a model served by its name.
 //!
 //! Memory: the checkpoint is opened lazily; one tensor at a time is evaluated and the output
-//! is written in shards of at most [`QUANTIZE_SHARD_BYTES`], as a quantize job does.
+//! is written in shards, as a quantize job does (`quantize::ShardWriter`).
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use mlx_rs::ops::{dequantize, quantize};
 use mlx_rs::{Array, Dtype};
-use mlxd_protocol::jobs::{JobProgress, QUANTIZE_SHARD_BYTES as SHARD_BYTES};
+use mlxd_protocol::jobs::JobProgress;
 use serde_json::Value;
 
-use super::quantize::{copy_other_files, name_shards, save_shard, source_quant};
+use super::quantize::{copy_other_files, source_quant, ShardWriter};
 use super::{io, place, JobError};
 
 fn mlx(e: impl std::fmt::Display) -> JobError {
@@ -100,10 +100,7 @@ pub fn fuse_dir(
     fs::create_dir_all(staging).map_err(io(staging))?;
     let built = staging.join("model");
     fs::create_dir(&built).map_err(io(&built))?;
-    let mut shard: BTreeMap<String, Array> = BTreeMap::new();
-    let mut shard_bytes = 0u64;
-    let mut written_total = 0u64;
-    let mut written: Vec<(PathBuf, Vec<String>)> = Vec::new();
+    let mut shards = ShardWriter::new(&built);
     let mut fused = 0u64;
     let scale = adapter_config.scale;
     for name in &names {
@@ -128,20 +125,7 @@ pub fn fuse_dir(
             None if is_companion(name, &tensors, &deltas) => continue,
             None => vec![(name.clone(), array)],
         };
-        let refs: Vec<&Array> = outputs.iter().map(|(_, a)| a).collect();
-        mlx_rs::transforms::eval(refs).map_err(mlx)?;
-        let bytes: u64 = outputs.iter().map(|(_, a)| a.nbytes() as u64).sum();
-        if shard_bytes > 0 && shard_bytes + bytes > SHARD_BYTES {
-            let path = built.join(format!("shard-{}.safetensors", written.len()));
-            let (size, keys) = save_shard(std::mem::take(&mut shard), &path)?;
-            written_total += size;
-            written.push((path, keys));
-            shard_bytes = 0;
-        }
-        for (k, a) in outputs {
-            shard.insert(k, a);
-        }
-        shard_bytes += bytes;
+        shards.push(outputs)?;
     }
     report(JobProgress {
         phase: "writing".into(),
@@ -151,11 +135,7 @@ pub fn fuse_dir(
         detail: None,
         training: None,
     })?;
-    let last = built.join(format!("shard-{}.safetensors", written.len()));
-    let (size, keys) = save_shard(shard, &last)?;
-    written_total += size;
-    written.push((last, keys));
-    name_shards(&built, &written)?;
+    let written_total = shards.finish()?;
     let to = built.join("config.json");
     fs::copy(&model_config_path, &to).map_err(io(&to))?;
     copy_other_files(source, &built)?;

@@ -128,11 +128,7 @@ pub fn quantize_dir(
     let built = staging.join("model");
     fs::create_dir(&built).map_err(io(&built))?;
 
-    // The shard being filled, and the shards written (path, tensor names).
-    let mut shard: BTreeMap<String, Array> = BTreeMap::new();
-    let mut shard_bytes = 0u64;
-    let mut written_total = 0u64;
-    let mut written: Vec<(PathBuf, Vec<String>)> = Vec::new();
+    let mut shards = ShardWriter::new(&built);
     let group = options.group_size as i32;
     let bits = options.bits as i32;
     let stall = super::stall_after();
@@ -185,20 +181,7 @@ pub fn quantize_dir(
             }
             _ => vec![(name.clone(), dense)],
         };
-        let refs: Vec<&Array> = outputs.iter().map(|(_, a)| a).collect();
-        mlx_rs::transforms::eval(refs).map_err(mlx)?;
-        let bytes: u64 = outputs.iter().map(|(_, a)| a.nbytes() as u64).sum();
-        if shard_bytes > 0 && shard_bytes + bytes > SHARD_BYTES {
-            let path = built.join(format!("shard-{}.safetensors", written.len()));
-            let (size, names) = save_shard(std::mem::take(&mut shard), &path)?;
-            written_total += size;
-            written.push((path, names));
-            shard_bytes = 0;
-        }
-        for (k, a) in outputs {
-            shard.insert(k, a);
-        }
-        shard_bytes += bytes;
+        shards.push(outputs)?;
     }
     reporter.progress(JobProgress {
         phase: "writing".into(),
@@ -208,11 +191,7 @@ pub fn quantize_dir(
         detail: None,
         training: None,
     })?;
-    let last = built.join(format!("shard-{}.safetensors", written.len()));
-    let (size, names) = save_shard(shard, &last)?;
-    written_total += size;
-    written.push((last, names));
-    name_shards(&built, &written)?;
+    let written_total = shards.finish()?;
 
     write_config(&built, &mut config, options)?;
     copy_other_files(source, &built)?;
@@ -223,6 +202,63 @@ pub fn quantize_dir(
 pub(crate) fn bits_and_group_ok(options: QuantizeOptions) -> bool {
     mlxd_protocol::jobs::BITS.contains(&options.bits)
         && mlxd_protocol::jobs::GROUP_SIZES.contains(&options.group_size)
+}
+
+/// A model's output tensors written in shards of at most [`SHARD_BYTES`] as they are made (so
+/// a job holds about one shard), then named as mlx-lm names them ([`name_shards`]).
+pub(crate) struct ShardWriter {
+    dir: PathBuf,
+    /// The shard being filled and its bytes.
+    shard: BTreeMap<String, Array>,
+    shard_bytes: u64,
+    /// The shards written (path, tensor names) and their bytes on disk.
+    written: Vec<(PathBuf, Vec<String>)>,
+    written_bytes: u64,
+}
+
+impl ShardWriter {
+    /// A writer of shards into `dir`.
+    pub(crate) fn new(dir: &Path) -> Self {
+        Self {
+            dir: dir.to_owned(),
+            shard: BTreeMap::new(),
+            shard_bytes: 0,
+            written: Vec::new(),
+            written_bytes: 0,
+        }
+    }
+
+    /// Adds one source tensor's outputs (evaluated here), writing the shard being filled
+    /// first when they would take it past [`SHARD_BYTES`].
+    pub(crate) fn push(&mut self, outputs: Vec<(String, Array)>) -> Result<(), JobError> {
+        let refs: Vec<&Array> = outputs.iter().map(|(_, a)| a).collect();
+        mlx_rs::transforms::eval(refs).map_err(mlx)?;
+        let bytes: u64 = outputs.iter().map(|(_, a)| a.nbytes() as u64).sum();
+        if self.shard_bytes > 0 && self.shard_bytes + bytes > SHARD_BYTES {
+            self.write_shard()?;
+        }
+        self.shard.extend(outputs);
+        self.shard_bytes += bytes;
+        Ok(())
+    }
+
+    /// Writes the last shard and names the files; returns the bytes written in all.
+    pub(crate) fn finish(mut self) -> Result<u64, JobError> {
+        self.write_shard()?;
+        name_shards(&self.dir, &self.written)?;
+        Ok(self.written_bytes)
+    }
+
+    fn write_shard(&mut self) -> Result<(), JobError> {
+        let path = self
+            .dir
+            .join(format!("shard-{}.safetensors", self.written.len()));
+        let (size, names) = save_shard(std::mem::take(&mut self.shard), &path)?;
+        self.written_bytes += size;
+        self.written.push((path, names));
+        self.shard_bytes = 0;
+        Ok(())
+    }
 }
 
 /// Saves one shard, releasing its arrays; returns the bytes written and the tensor names.
