@@ -498,34 +498,27 @@ fn interrupted(spec: &str, opts: &mlxd_store::StoreOptions, code: i32) -> ! {
     std::process::exit(code)
 }
 
-/// `mlxd quantize`: submits the job, follows it with a progress bar (plain lines when stderr
-/// is not a terminal), and cancels it on Ctrl-C.
-async fn quantize(a: &QuantizeArgs, target: &Target) -> anyhow::Result<()> {
-    let tasks = mlxd_client::TaskClient::new(target.client()?);
-    // The server resolves paths: send an existing local path absolute.
-    let model = match std::fs::canonicalize(&a.model) {
+/// A model for a job as the server must see it: an existing local directory made absolute,
+/// anything else (a configured id, a store name, a repo id) as given.
+fn job_model(model: &str) -> String {
+    match std::fs::canonicalize(model) {
         Ok(p) if p.is_dir() => p.display().to_string(),
-        _ => a.model.clone(),
-    };
-    // A plain name is a model in the server's store; any other relative path is made
-    // absolute here.
-    let out = match &a.out {
-        Some(o) if o.to_str().is_some_and(mlxd_store::inventory::is_plain_name) => Some(o.clone()),
-        Some(o) if o.is_relative() => Some(std::env::current_dir()?.join(o)),
-        o => o.clone(),
-    };
-    let job = tasks
-        .submit(&mlxd_client::JobRequest::Quantize {
-            model,
-            bits: Some(a.bits),
-            group_size: Some(a.group_size),
-            out: out.map(|o| o.display().to_string()),
-        })
-        .await?;
-    if a.detach {
-        println!("{}", job.id);
-        return Ok(());
+        _ => model.to_owned(),
     }
+}
+
+/// Where a job writes (or what it reads from the store): a plain name is the server's store
+/// entry; any other relative path is made absolute here, since the server resolves paths.
+fn store_name_or_path(p: &std::path::Path) -> anyhow::Result<String> {
+    Ok(match p.to_str() {
+        Some(name) if mlxd_store::inventory::is_plain_name(name) => name.to_string(),
+        _ if p.is_relative() => std::env::current_dir()?.join(p).display().to_string(),
+        _ => p.display().to_string(),
+    })
+}
+
+/// Says on stderr which job was submitted, its state and the memory it is counted for.
+fn announce(job: &mlxd_client::Job) {
     eprintln!(
         "mlxd: {} {} (counted for {} of memory){}",
         job.id,
@@ -536,27 +529,60 @@ async fn quantize(a: &QuantizeArgs, target: &Target) -> anyhow::Result<()> {
             .map(|w| format!("; waiting for {w}"))
             .unwrap_or_default()
     );
+}
+
+/// Follows job `id` with a progress bar (plain lines when stderr is not a terminal) to its
+/// result; on Ctrl-C cancels it and fails with `<id> <state>: <on_cancel>`.
+async fn follow_job(
+    tasks: &mlxd_client::TaskClient,
+    id: &str,
+    on_cancel: &str,
+) -> anyhow::Result<mlxd_client::JobResult> {
     let mut view = mlxd_proxy::jobs::display::ProgressView::for_stderr();
     let outcome = tokio::select! {
-        done = tasks.wait(&job.id, |p| view.show(p)) => done,
+        done = tasks.wait(id, |p| view.show(p)) => done,
         _ = tokio::signal::ctrl_c() => {
             view.finish();
-            let cancelled = tasks.cancel(&job.id).await?;
-            anyhow::bail!("{} {}: nothing was written", cancelled.id, cancelled.state.as_str());
+            let cancelled = tasks.cancel(id).await?;
+            anyhow::bail!("{} {}: {on_cancel}", cancelled.id, cancelled.state.as_str());
         }
     };
     view.finish();
-    let done = outcome?;
-    let result = done
+    outcome?
         .result
-        .context("the server reported success without a result")?;
+        .context("the server reported success without a result")
+}
+
+/// `<model> ready in <s> s: <dir> (<size>)`, after `prefix`.
+fn print_ready(prefix: &str, result: &mlxd_client::JobResult) {
     println!(
-        "{} ready in {:.1} s: {} ({})",
+        "{prefix}{} ready in {:.1} s: {} ({})",
         result.model_id,
         result.seconds,
         result.dir.display(),
         mlxd_proxy::config::Bytes(result.bytes)
     );
+}
+
+/// `mlxd quantize`: submits the job, follows it with a progress bar (plain lines when stderr
+/// is not a terminal), and cancels it on Ctrl-C.
+async fn quantize(a: &QuantizeArgs, target: &Target) -> anyhow::Result<()> {
+    let tasks = mlxd_client::TaskClient::new(target.client()?);
+    let job = tasks
+        .submit(&mlxd_client::JobRequest::Quantize {
+            model: job_model(&a.model),
+            bits: Some(a.bits),
+            group_size: Some(a.group_size),
+            out: a.out.as_deref().map(store_name_or_path).transpose()?,
+        })
+        .await?;
+    if a.detach {
+        println!("{}", job.id);
+        return Ok(());
+    }
+    announce(&job);
+    let result = follow_job(&tasks, &job.id, "nothing was written").await?;
+    print_ready("", &result);
     Ok(())
 }
 
@@ -570,21 +596,12 @@ async fn train(a: &mlxd_proxy::cli::TrainArgs, target: &Target) -> anyhow::Resul
             .display()
             .to_string())
     };
-    let model = match std::fs::canonicalize(&a.model) {
-        Ok(p) if p.is_dir() => p.display().to_string(),
-        _ => a.model.clone(),
-    };
     let mut body = a.params_json();
     body.insert("kind".into(), "lora".into());
-    body.insert("model".into(), model.into());
+    body.insert("model".into(), job_model(&a.model).into());
     body.insert("data".into(), absolute(&a.data)?.into());
     if let Some(o) = &a.out {
-        let o = match o.to_str() {
-            Some(name) if mlxd_store::inventory::is_plain_name(name) => name.to_string(),
-            _ if o.is_relative() => std::env::current_dir()?.join(o).display().to_string(),
-            _ => o.display().to_string(),
-        };
-        body.insert("out".into(), o.into());
+        body.insert("out".into(), store_name_or_path(o)?.into());
     }
     if a.resume {
         body.insert("resume".into(), true.into());
@@ -599,89 +616,33 @@ async fn train(a: &mlxd_proxy::cli::TrainArgs, target: &Target) -> anyhow::Resul
         println!("{}", job.id);
         return Ok(());
     }
-    eprintln!(
-        "mlxd: {} {} (counted for {} of memory){}",
-        job.id,
-        job.state.as_str(),
-        mlxd_proxy::config::Bytes(job.memory_bytes),
-        job.waiting_for
-            .as_deref()
-            .map(|w| format!("; waiting for {w}"))
-            .unwrap_or_default()
-    );
-    let mut view = mlxd_proxy::jobs::display::ProgressView::for_stderr();
-    let outcome = tokio::select! {
-        done = tasks.wait(&job.id, |p| view.show(p)) => done,
-        _ = tokio::signal::ctrl_c() => {
-            view.finish();
-            let cancelled = tasks.cancel(&job.id).await?;
-            anyhow::bail!(
-                "{} {}: no adapter written; `mlxd train ... --resume` continues from the last checkpoint",
-                cancelled.id,
-                cancelled.state.as_str()
-            );
-        }
-    };
-    view.finish();
-    let done = outcome?;
-    let result = done
-        .result
-        .context("the server reported success without a result")?;
-    println!(
-        "adapter {} ready in {:.1} s: {} ({})",
-        result.model_id,
-        result.seconds,
-        result.dir.display(),
-        mlxd_proxy::config::Bytes(result.bytes)
-    );
+    announce(&job);
+    let result = follow_job(
+        &tasks,
+        &job.id,
+        "no adapter written; `mlxd train ... --resume` continues from the last checkpoint",
+    )
+    .await?;
+    print_ready("adapter ", &result);
     Ok(())
 }
 
 /// `mlxd fuse`: submits a `fuse` job and follows it.
 async fn fuse(a: &mlxd_proxy::cli::FuseArgs, target: &Target) -> anyhow::Result<()> {
     let tasks = mlxd_client::TaskClient::new(target.client()?);
-    let path_or_name = |p: &std::path::Path| -> anyhow::Result<String> {
-        Ok(match p.to_str() {
-            Some(name) if mlxd_store::inventory::is_plain_name(name) => name.to_string(),
-            _ if p.is_relative() => std::env::current_dir()?.join(p).display().to_string(),
-            _ => p.display().to_string(),
-        })
-    };
-    let model = match std::fs::canonicalize(&a.model) {
-        Ok(p) if p.is_dir() => p.display().to_string(),
-        _ => a.model.clone(),
-    };
     let job = tasks
         .submit(&mlxd_client::JobRequest::Fuse {
-            model,
-            adapter: path_or_name(&a.adapter)?,
-            out: a.out.as_deref().map(path_or_name).transpose()?,
+            model: job_model(&a.model),
+            adapter: store_name_or_path(&a.adapter)?,
+            out: a.out.as_deref().map(store_name_or_path).transpose()?,
         })
         .await?;
     if a.detach {
         println!("{}", job.id);
         return Ok(());
     }
-    let mut view = mlxd_proxy::jobs::display::ProgressView::for_stderr();
-    let outcome = tokio::select! {
-        done = tasks.wait(&job.id, |p| view.show(p)) => done,
-        _ = tokio::signal::ctrl_c() => {
-            view.finish();
-            let cancelled = tasks.cancel(&job.id).await?;
-            anyhow::bail!("{} {}: nothing was written", cancelled.id, cancelled.state.as_str());
-        }
-    };
-    view.finish();
-    let result = outcome?
-        .result
-        .context("the server reported success without a result")?;
-    println!(
-        "{} ready in {:.1} s: {} ({})",
-        result.model_id,
-        result.seconds,
-        result.dir.display(),
-        mlxd_proxy::config::Bytes(result.bytes)
-    );
+    let result = follow_job(&tasks, &job.id, "nothing was written").await?;
+    print_ready("", &result);
     Ok(())
 }
 
