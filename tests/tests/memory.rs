@@ -42,17 +42,29 @@ async fn settled_rss(m: &MlxdProcess) -> Result<u64> {
 
 /// Waits until mlxd's RSS is within [`SLACK_MIB`] of `before` (KiB), up to [`SETTLE`].
 async fn returns_to(m: &MlxdProcess, before: u64, peak: u64, what: &str) -> Result<()> {
+    returns_to_within(m, before, SLACK_MIB * 1024, peak, what).await
+}
+
+/// Waits until mlxd's RSS is at most `slack` KiB above `before` (KiB), up to [`SETTLE`].
+async fn returns_to_within(
+    m: &MlxdProcess,
+    before: u64,
+    slack: u64,
+    peak: u64,
+    what: &str,
+) -> Result<()> {
     let t = Instant::now();
     loop {
         let now = rss_kib(m.pid())?;
-        if now <= before + SLACK_MIB * 1024 {
+        if now <= before + slack {
             return Ok(());
         }
         if t.elapsed() > SETTLE {
             bail!(
-                "after {what}, mlxd holds {} MiB ({} MiB before, {} MiB at the peak) {:?} later",
+                "after {what}, mlxd holds {} MiB ({} MiB before, {} MiB allowed above it, {} MiB at the peak) {:?} later",
                 now / 1024,
                 before / 1024,
+                slack / 1024,
                 peak / 1024,
                 SETTLE
             );
@@ -86,15 +98,12 @@ async fn a_30_mb_body_is_given_back() -> Result<()> {
     returns_to(&m, before, peak, "three 30 MB bodies").await
 }
 
-#[tokio::test]
-async fn slow_connections_are_given_back() -> Result<()> {
-    // Below the per-client cap, so that every connection is accepted and read.
-    let m = MlxdProcess::start_limited(&["--header-timeout-ms", "60000"], Some(4096)).await?;
-    let before = settled_rss(&m).await?;
+/// Opens 400 connections that each send half a request head with a 16 KiB header, holds them
+/// until mlxd has read them all (3 s), then closes them; returns the peak RSS (KiB).
+async fn slow_connection_burst(m: &MlxdProcess) -> Result<u64> {
     let mut conns = Vec::new();
     for _ in 0..400 {
         let mut s = tokio::net::TcpStream::connect(m.addr).await?;
-        // Half a request head, with a long header the server buffers.
         let head = format!(
             "POST /v1/chat/completions HTTP/1.1\r\nHost: {}\r\nX-Pad: {}",
             m.addr,
@@ -103,7 +112,6 @@ async fn slow_connections_are_given_back() -> Result<()> {
         s.write_all(head.as_bytes()).await?;
         conns.push(s);
     }
-    // Every connection is being read: the peak is reached once mlxd has them all.
     let t = Instant::now();
     let mut peak = rss_kib(m.pid())?;
     while t.elapsed() < Duration::from_secs(3) {
@@ -111,7 +119,35 @@ async fn slow_connections_are_given_back() -> Result<()> {
         peak = peak.max(rss_kib(m.pid())?);
     }
     drop(conns);
-    returns_to(&m, before, peak, "400 slow connections").await
+    Ok(peak)
+}
+
+/// Slow connections leave nothing behind that grows: the first burst's memory mostly comes
+/// back, and two more bursts do not raise the level the first one left. (glibc's defaults kept
+/// a burst's whole growth; a leak raises the level with every burst.) What the first burst
+/// may keep is half its growth: on a loaded 2-core machine the allocator's fragmentation after
+/// 400 interleaved connections kept 9 of 23 MiB once, past a fixed 8 MiB.
+#[tokio::test]
+async fn slow_connections_are_given_back() -> Result<()> {
+    // Below the per-client cap, so that every connection is accepted and read.
+    let m = MlxdProcess::start_limited(&["--header-timeout-ms", "60000"], Some(4096)).await?;
+    let before = settled_rss(&m).await?;
+    let peak = slow_connection_burst(&m).await?;
+    let kept = ((peak.saturating_sub(before)) / 2).max(SLACK_MIB * 1024);
+    returns_to_within(&m, before, kept, peak, "400 slow connections").await?;
+    let first = settled_rss(&m).await?;
+    for round in 2..=3 {
+        let peak = slow_connection_burst(&m).await?;
+        returns_to_within(
+            &m,
+            first,
+            SLACK_MIB * 1024,
+            peak,
+            &format!("burst {round} of 400 slow connections"),
+        )
+        .await?;
+    }
+    Ok(())
 }
 
 /// The engine gives back what tokenizing refused prompts took: each ~200 KB prompt is
