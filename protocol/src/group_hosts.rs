@@ -1,6 +1,7 @@
 //! The hosts of an engine group, one per rank, rank 0 first, written as `mlx.launch`'s
 //! hostfile entries: a host name, or `{ ssh = "studio-2", ips = ["10.0.0.2"] }` (the name
-//! `ssh` connects to, the addresses the ring backend uses). mlxd adds keys `mlx.launch` does
+//! `ssh` connects to, the addresses the ring backend uses), with `rdma` for the jaccl backend
+//! (the host's RDMA device towards each rank, [`jaccl`]). mlxd adds keys `mlx.launch` does
 //! not read (it ignores them): `port`, `engine`, `model` and `ssh_options`.
 //!
 //! Rank 0 is the engine `mlxd` starts, on this machine: its entry gives only its ring address.
@@ -13,6 +14,10 @@ use std::net::IpAddr;
 
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::{Deserialize, Serialize};
+
+pub mod jaccl;
+
+pub use jaccl::RdmaDevices;
 
 /// Names of this machine: a rank on one of them is started without `ssh`.
 pub const LOCAL_HOSTS: &[&str] = &["127.0.0.1", "localhost", "::1"];
@@ -32,6 +37,11 @@ pub struct GroupHost {
     /// itself when it is an IP address, 127.0.0.1 for this machine's names.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ips: Vec<String>,
+    /// For the jaccl backend: the RDMA device(s) this host reaches each rank through, one
+    /// entry per rank in rank order, `None` (JSON `null`) for itself, as in `mlx.launch`'s
+    /// hostfile ([`jaccl`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rdma: Vec<Option<RdmaDevices>>,
     /// This rank's ring port; default: a free one on this machine, [`RING_STARTING_PORT`] plus
     /// the rank on another.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -53,6 +63,7 @@ impl GroupHost {
         Self {
             ssh: name.to_owned(),
             ips: Vec::new(),
+            rdma: Vec::new(),
             port: None,
             engine: None,
             model: None,
@@ -104,6 +115,8 @@ struct Entry {
     ssh: String,
     #[serde(default)]
     ips: Vec<String>,
+    #[serde(default)]
+    rdma: Vec<Option<RdmaDevices>>,
     port: Option<u16>,
     engine: Option<String>,
     model: Option<String>,
@@ -117,7 +130,9 @@ pub fn deserialize_host<'de, D: Deserializer<'de>>(d: D) -> Result<GroupHost, D:
     impl<'de> Visitor<'de> for HostVisitor {
         type Value = GroupHost;
         fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-            f.write_str("a host name or a table { ssh, ips, port, engine, model, ssh_options }")
+            f.write_str(
+                "a host name or a table { ssh, ips, rdma, port, engine, model, ssh_options }",
+            )
         }
         fn visit_str<E: de::Error>(self, name: &str) -> Result<GroupHost, E> {
             Ok(GroupHost::named(name))
@@ -127,6 +142,7 @@ pub fn deserialize_host<'de, D: Deserializer<'de>>(d: D) -> Result<GroupHost, D:
             Ok(GroupHost {
                 ssh: e.ssh,
                 ips: e.ips,
+                rdma: e.rdma.into_iter().map(jaccl::no_device_as_none).collect(),
                 port: e.port,
                 engine: e.engine,
                 model: e.model,

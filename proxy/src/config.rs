@@ -239,7 +239,7 @@ pub struct DistributedConfig {
     /// The MLX distributed backend: `ring`, `jaccl` or `nccl`.
     pub backend: String,
     /// One host per rank, rank 0 first (which serves, on this machine): `mlx.launch`
-    /// hostfile entries, a name or `{ ssh, ips, port, engine, model, ssh_options }`
+    /// hostfile entries, a name or `{ ssh, ips, rdma, port, engine, model, ssh_options }`
     /// (`mlxd_protocol::group_hosts`); ranks on other machines are started through `ssh`.
     #[serde(deserialize_with = "mlxd_protocol::group_hosts::deserialize_hosts")]
     pub hosts: Vec<GroupHost>,
@@ -254,7 +254,8 @@ fn tensor_mode() -> String {
 
 impl DistributedConfig {
     /// What cannot work, as `(key, reason)`: an unknown backend or mode, fewer than two hosts,
-    /// hosts the backend cannot reach, and backends mlxd cannot start.
+    /// hosts the backend cannot reach (for jaccl, RDMA device lists that do not join every
+    /// pair of ranks), and ranks mlxd cannot start.
     pub fn check(&self) -> Result<(), (&'static str, String)> {
         if !DISTRIBUTED_BACKENDS.contains(&self.backend.as_str()) {
             return Err((
@@ -264,14 +265,6 @@ impl DistributedConfig {
                     self.backend,
                     DISTRIBUTED_BACKENDS.join(", ")
                 ),
-            ));
-        }
-        if self.backend == "jaccl" {
-            return Err((
-                "backend",
-                "mlxd starts ring and nccl groups only yet; run jaccl groups with mlx.launch \
-                 and `mlxd-engine --distributed jaccl`"
-                    .into(),
             ));
         }
         // Which families a mode can divide is the engine's to say, at load, naming the family.
@@ -288,6 +281,9 @@ impl DistributedConfig {
         match self.backend.as_str() {
             // Every rank needs an address the others reach it at.
             "ring" => group_hosts::check_ring(&self.hosts).map_err(|e| ("hosts", e))?,
+            // Every host lists its RDMA device towards every other, and the others reach
+            // rank 0, the coordinator.
+            "jaccl" => group_hosts::jaccl::check(&self.hosts).map_err(|e| ("hosts", e))?,
             _ => {
                 if let Some(h) = self.hosts.iter().skip(1).find(|h| !h.is_local()) {
                     return Err((
@@ -1122,8 +1118,28 @@ mod tests {
             e.contains("model[0].distributed.backend: unknown backend \"mpi\""),
             "{e}"
         );
+        // jaccl: every host lists its RDMA device towards each rank (mlx.launch's `rdma`).
         let e = group(r#"backend = "jaccl", hosts = ["127.0.0.1", "127.0.0.1"]"#);
-        assert!(e.contains("ring and nccl groups only"), "{e}");
+        assert!(
+            e.contains("model[0].distributed.hosts: host \"127.0.0.1\" (rank 0) has no rdma list"),
+            "{e}"
+        );
+        let e = group(
+            r#"backend = "jaccl", hosts = [{ ssh = "m1", ips = ["10.0.0.1"], rdma = ["", "rdma_en3"] },
+               { ssh = "m2", ips = ["10.0.0.2"], rdma = ["rdma_en3"] }]"#,
+        );
+        assert!(
+            e.contains("rdma has 1 entries, but a group of 2 ranks needs 2"),
+            "{e}"
+        );
+        let e = group(
+            r#"backend = "jaccl", hosts = [{ ssh = "m1.invalid", rdma = ["", "rdma_en3"] },
+               { ssh = "m2", ips = ["10.0.0.2"], rdma = ["rdma_en3", ""] }]"#,
+        );
+        assert!(
+            e.contains("\"m1.invalid\" (its ssh), which does not resolve"),
+            "{e}"
+        );
         let e = group(r#"backend = "ring", hosts = ["127.0.0.1", "127.0.0.1"], mode = "layers""#);
         assert!(
             e.contains("model[0].distributed.mode: unknown mode \"layers\""),
@@ -1174,6 +1190,19 @@ mod tests {
                 .unwrap();
         assert_eq!(hosts[1].ssh, "me@studio-2");
         assert_eq!(hosts[1].engine.as_deref(), Some("/opt/mlxd/mlxd-engine"));
+        // Two Macs joined by Thunderbolt 5: each host's own entry is "" (TOML has no null).
+        let text = "[[model]]\nid = \"a\"\ndistributed = { backend = \"jaccl\", hosts = [\
+                    { ssh = \"studio-1\", ips = [\"10.0.0.1\"], rdma = [\"\", \"rdma_en3\"] }, \
+                    { ssh = \"studio-2\", ips = [\"10.0.0.2\"], rdma = [\"rdma_en3\", \"\"] }] }\n";
+        let config = Config::from_toml_str(text, "mlxd.toml").unwrap();
+        config.validate(None).unwrap();
+        let options = config.models[0].group_options();
+        assert_eq!(options["distributed"], "jaccl");
+        let hosts = group_hosts::parse_hosts(&options["distributed_hosts"]).unwrap();
+        assert_eq!(
+            group_hosts::jaccl::devices_matrix(&hosts),
+            r#"[[null,"rdma_en3"],["rdma_en3",null]]"#
+        );
     }
 
     /// Issue 22.2: a bad engine option fails the config load naming the field, before any
