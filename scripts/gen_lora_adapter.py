@@ -6,7 +6,8 @@ it what mlxd's training parity test needs to train the same adapter itself:
 - `data/` (`train.jsonl`, `valid.jsonl`): the data;
 - `init_adapters.safetensors`: the factors training starts from (mlx-lm's `LoRALinear`
   initialisation for `lora_a`, small random `lora_b`, so both get a gradient at once), passed
-  to mlx-lm as `resume_adapter_file`;
+  to mlx-lm as `resume_adapter_file`; with `--fine-tune-type dora` the file has no DoRA
+  magnitudes `m`, so each trainer starts them from the base weight's row norms itself;
 - `train_log.json`: the settings and mlx-lm's training loss of every iteration and its
   validation losses: of the fixture's own run, of a parity run at a lower learning rate, and
   of one with a learning-rate schedule (warmup, then cosine decay).
@@ -19,6 +20,8 @@ tokens differ from the base's (the tests check they do).
 
     python scripts/gen_lora_adapter.py --model target/test-models/tiny-llama \
         --seed 1 --out target/test-models/tiny-llama-lora-a
+
+A DoRA adapter (`--fine-tune-type dora`) gets the fixture's and the parity run only.
 """
 
 import argparse
@@ -60,7 +63,9 @@ def main() -> int:
     ap.add_argument("--scale", type=float, default=10.0)
     ap.add_argument("--num-layers", type=int, default=-1)
     ap.add_argument("--iters", type=int, default=12)
+    ap.add_argument("--fine-tune-type", choices=["lora", "dora"], default="lora")
     args = ap.parse_args()
+    dora = args.fine_tune_type == "dora"
 
     import types
 
@@ -90,12 +95,13 @@ def main() -> int:
         "val_batches": 1,
         "max_seq_length": 64,
         "seed": args.seed,
+        "fine_tune_type": args.fine_tune_type,
     }
 
     model, tokenizer = load(args.model)
     # The starting factors: mlx-lm's initialisation of lora_a, a small random lora_b.
     mx.random.seed(args.seed)
-    linear_to_lora_layers(model, args.num_layers, lora_parameters)
+    linear_to_lora_layers(model, args.num_layers, lora_parameters, use_dora=dora)
     init = {}
     for name, value in tree_flatten(model.parameters()):
         if name.endswith(".lora_a"):
@@ -139,6 +145,9 @@ def main() -> int:
     # (Adam's first steps move every element by about lr * 3 whatever its gradient's size,
     # so at 5e-2 a last-bit difference in a near-zero gradient flips a step of 0.16).
     log["parity"] = train(dict(settings, learning_rate=1e-3), out / "parity")
+    if dora:
+        (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
+        return 0
     # And with a learning-rate schedule (linear warmup, then cosine decay).
     schedule = {"name": "cosine_decay", "arguments": [2e-3, 8, 1e-4], "warmup": 3,
                 "warmup_init": 1e-4}

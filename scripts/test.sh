@@ -55,6 +55,8 @@ for spec in "tiny-llama 1 tiny-llama-lora-a" "tiny-llama 2 tiny-llama-lora-b" "t
   [[ -f $MLXD_TEST_MODELS/$out/train_log.json ]] ||
     .venv/bin/python scripts/gen_lora_adapter.py --model "$MLXD_TEST_MODELS/$base" --seed "$seed" --out "$MLXD_TEST_MODELS/$out"
 done
+[[ -f $MLXD_TEST_MODELS/tiny-llama-dora/train_log.json ]] ||
+  .venv/bin/python scripts/gen_lora_adapter.py --model "$MLXD_TEST_MODELS/tiny-llama" --seed 4 --fine-tune-type dora --out "$MLXD_TEST_MODELS/tiny-llama-dora"
 
 # One tiny model per architecture family (and its 4-bit twin), built with mlx-lm's own classes,
 # with mlx-lm's greedy tokens beside it (engine/tests/engine/families.rs); only stale ones are rebuilt.

@@ -126,7 +126,8 @@ pub struct TrainParams {
     pub rank: u32,
     pub scale: f32,
     pub dropout: f32,
-    /// `lora` only; `dora` is refused (see the job's error).
+    /// `lora` or `dora` (mlx-lm's `DoRALinear`: LoRA's update and a learned magnitude per
+    /// output row).
     pub fine_tune_type: String,
     pub optimizer: Optimizer,
     pub learning_rate: f32,
@@ -252,16 +253,16 @@ impl Default for TrainParams {
 impl TrainParams {
     /// The first setting out of range, named with its value.
     pub fn check(&self) -> Result<(), String> {
-        if self.fine_tune_type == "dora" {
+        if self.fine_tune_type == "full" {
             return Err(
-                "fine_tune_type \"dora\" is not built: mlxd trains LoRA adapters \
-                        only (fine_tune_type \"lora\"); train a DoRA adapter with mlx_lm.lora"
+                "fine_tune_type \"full\" is not built: mlxd trains adapters \
+                 (fine_tune_type \"lora\" or \"dora\"); fine-tune a whole model with mlx_lm.lora"
                     .into(),
             );
         }
-        if self.fine_tune_type != "lora" {
+        if !matches!(self.fine_tune_type.as_str(), "lora" | "dora") {
             return Err(format!(
-                "fine_tune_type {:?}: expected \"lora\"",
+                "fine_tune_type {:?}: expected \"lora\" or \"dora\"",
                 self.fine_tune_type
             ));
         }
@@ -564,11 +565,13 @@ mod tests {
         let back: JobRequest = serde_json::from_value(serde_json::to_value(&r).unwrap()).unwrap();
         assert_eq!(back, r);
         assert!(TrainParams::default().check().is_ok());
-        let dora = TrainParams {
-            fine_tune_type: "dora".into(),
+        let with = |kind: &str| TrainParams {
+            fine_tune_type: kind.into(),
             ..TrainParams::default()
         };
-        assert!(dora.check().unwrap_err().contains("not built"));
+        assert!(with("dora").check().is_ok());
+        assert!(with("full").check().unwrap_err().contains("not built"));
+        assert!(with("qlora").check().unwrap_err().contains("expected"));
     }
 
     #[test]

@@ -170,7 +170,7 @@ pub struct TrainArgs {
     /// Dropout on the update's input while training [default: 0].
     #[arg(long)]
     pub dropout: Option<f32>,
-    /// lora (dora is refused: not built).
+    /// lora or dora [default: lora].
     #[arg(long)]
     pub fine_tune_type: Option<String>,
     /// adam or adamw.

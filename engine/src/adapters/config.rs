@@ -1,20 +1,30 @@
 //! `adapter_config.json` as mlx-lm's trainer writes it (`mlx_lm/tuner/utils.py`,
-//! `load_adapters`): the fields serving needs, and the refusals of what this engine does not
-//! serve.
+//! `load_adapters`): the fields serving needs, and the refusal of what is no adapter.
 use serde_json::Value;
 
 use super::AdapterError;
 
-/// A LoRA adapter's settings: `lora_parameters.rank` and `.scale` (the update is
-/// `scale * (x @ lora_a) @ lora_b`); `dropout` only matters in training and is ignored.
+/// Which update an adapter makes (mlx-lm's `fine_tune_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AdapterKind {
+    /// `LoRALinear`: `y + scale * (x @ lora_a) @ lora_b`.
+    Lora,
+    /// `DoRALinear`: LoRA's output rescaled per output row by `m / ‖W + scale·Bᵀ·Aᵀ‖`
+    /// (`<layer>.m` in the weights, the learned magnitude).
+    Dora,
+}
+
+/// An adapter's settings: its kind, `lora_parameters.rank` and `.scale`; `dropout` only
+/// matters in training and is ignored.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AdapterConfig {
+    pub kind: AdapterKind,
     pub rank: usize,
     pub scale: f32,
 }
 
-/// Reads the settings from `adapter_config.json`'s text. `fine_tune_type` other than `lora`
-/// (DoRA, a full fine-tune) is refused with its reason.
+/// Reads the settings from `adapter_config.json`'s text. A full fine-tune
+/// (`fine_tune_type` `full`) is refused with its reason.
 pub fn parse(text: &str) -> Result<AdapterConfig, AdapterError> {
     let invalid = |reason: String| AdapterError::Invalid(format!("adapter_config.json: {reason}"));
     let value: Value =
@@ -23,17 +33,11 @@ pub fn parse(text: &str) -> Result<AdapterConfig, AdapterError> {
         .get("fine_tune_type")
         .and_then(Value::as_str)
         .unwrap_or("lora");
+    // Older mlx-lm configs said `use_dora: true` instead.
     let legacy_dora = value.get("use_dora").and_then(Value::as_bool) == Some(true);
-    match kind {
-        "lora" if !legacy_dora => {}
-        "dora" | "lora" => {
-            return Err(AdapterError::Refused(
-                "DoRA adapters (fine_tune_type \"dora\") are not served: only LoRA's \
-                 low-rank update can be applied per row beside other adapters; fuse a DoRA \
-                 adapter into its base with `mlx_lm.fuse` and serve the result as a model"
-                    .into(),
-            ))
-        }
+    let kind = match kind {
+        "lora" if !legacy_dora => AdapterKind::Lora,
+        "dora" | "lora" => AdapterKind::Dora,
         "full" => {
             return Err(AdapterError::Refused(
                 "a full fine-tune (fine_tune_type \"full\") is a model, not an adapter: serve \
@@ -47,7 +51,7 @@ pub fn parse(text: &str) -> Result<AdapterConfig, AdapterError> {
                  \"full\")"
             )))
         }
-    }
+    };
     let params = value
         .get("lora_parameters")
         .ok_or_else(|| invalid("no `lora_parameters` object".into()))?;
@@ -65,6 +69,7 @@ pub fn parse(text: &str) -> Result<AdapterConfig, AdapterError> {
         invalid(format!("`lora_parameters.scale` must be a number{hint}"))
     })?;
     Ok(AdapterConfig {
+        kind,
         rank: rank as usize,
         scale: scale as f32,
     })
@@ -81,6 +86,7 @@ mod tests {
         assert_eq!(
             parse(text).unwrap(),
             AdapterConfig {
+                kind: AdapterKind::Lora,
                 rank: 8,
                 scale: 20.0
             }
@@ -91,11 +97,15 @@ mod tests {
     }
 
     #[test]
-    fn refuses_dora_full_and_malformed_configs_with_their_reason() {
+    fn reads_dora_in_both_spellings() {
         let dora = r#"{"fine_tune_type": "dora", "lora_parameters": {"rank": 8, "scale": 2}}"#;
-        assert!(matches!(parse(dora), Err(AdapterError::Refused(m)) if m.contains("DoRA")));
+        assert_eq!(parse(dora).unwrap().kind, AdapterKind::Dora);
         let legacy = r#"{"use_dora": true, "lora_parameters": {"rank": 8, "scale": 2}}"#;
-        assert!(matches!(parse(legacy), Err(AdapterError::Refused(m)) if m.contains("DoRA")));
+        assert_eq!(parse(legacy).unwrap().kind, AdapterKind::Dora);
+    }
+
+    #[test]
+    fn refuses_full_and_malformed_configs_with_their_reason() {
         let full = r#"{"fine_tune_type": "full"}"#;
         assert!(matches!(parse(full), Err(AdapterError::Refused(m)) if m.contains("full")));
         let alpha = r#"{"lora_parameters": {"rank": 8, "alpha": 16}}"#;

@@ -1,7 +1,8 @@
-//! LoRA adapters served beside one base model, applied per row inside the batch.
+//! LoRA and DoRA adapters served beside one base model, applied per row inside the batch.
 //!
-//! - [`config`]: `adapter_config.json` as mlx-lm writes it (LoRA only; DoRA and full
-//!   fine-tunes are refused with the reason);
+//! - [`config`]: `adapter_config.json` as mlx-lm writes it (LoRA or DoRA; full fine-tunes
+//!   are refused with the reason);
+//! - [`dora`]: DoRA's per-output-row rescale, its starting magnitude and its fuse;
 //! - [`table`]: the adapters a model holds, the linear layers they apply to, and each forward
 //!   pass's choice of adapter per row;
 //! - [`model`]: the loaded model with its table, which the runtime reaches through
@@ -10,6 +11,7 @@
 //! The base model is never reloaded to switch adapters: a row's adapter is a property of the
 //! row, and rows of several adapters and rows of none decode in one forward pass.
 pub mod config;
+pub mod dora;
 pub mod model;
 pub mod table;
 
@@ -17,7 +19,7 @@ use std::path::PathBuf;
 
 pub use table::{
     loading_into, site_for, AdapterSummary, AdapterTable, LoraSite, Selected, SiteInfo,
-    TrainingDropout,
+    TrainingDropout, TrainingFactors,
 };
 
 /// A loaded adapter, stable while it stays loaded (an adapter loaded again gets a new id).

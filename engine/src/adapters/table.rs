@@ -10,9 +10,13 @@
 //!
 //! - no row has an adapter: the sites see a cleared flag and do nothing (no lock, no op);
 //! - every row has the same adapter: `y + (scale * (x @ A) @ B)` as mlx-lm's `LoRALinear`;
+//!   a DoRA adapter's output is then multiplied by its per-output-row rescale
+//!   ([`super::dora`]), computed from the base weight on the adapter's first pass and kept;
 //! - rows differ: each site stacks its factors over the loaded adapters, with a zero entry
 //!   for "no adapter" and ranks padded with zeros, gathers one `A`/`B` per row and runs two
-//!   batched matmuls, so rows of several adapters and base rows share one forward pass.
+//!   batched matmuls, so rows of several adapters and base rows share one forward pass; when
+//!   a DoRA adapter changes the site, its rescales are stacked too (ones for the other
+//!   entries) and gathered per row, so a DoRA row costs one multiply more than a LoRA row.
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fmt;
@@ -24,7 +28,8 @@ use mlx_rs::error::Exception;
 use mlx_rs::ops::{concatenate, stack, zeros_dtype};
 use mlx_rs::{Array, Dtype};
 
-use super::{config, AdapterError, AdapterId};
+use super::config::{self, AdapterKind};
+use super::{dora, AdapterError, AdapterId};
 use crate::models::layers::Matrix;
 
 /// One loaded adapter, as listed.
@@ -62,10 +67,41 @@ struct Loaded {
 
 #[derive(Clone)]
 struct Factors {
-    /// `[in, r]` (stacked: `[n + 1, in, r_max]`).
+    /// `[in, r]`.
     a: Array,
-    /// `[r, out]` (stacked: `[n + 1, r_max, out]`).
+    /// `[r, out]`.
     b: Array,
+    /// DoRA's magnitude `[out]` (`None`: a LoRA adapter).
+    m: Option<Array>,
+    /// DoRA's rescale `m / ‖W + scale·Bᵀ·Aᵀ‖` `[out]` of a served adapter: a function of the
+    /// adapter and the base weight only, computed by the adapter's first pass here and kept.
+    rescale: Option<Array>,
+}
+
+impl Factors {
+    /// A served DoRA adapter's rescale here, computed on first use from the site's weight.
+    fn served_rescale(&mut self, matrix: &Matrix, scale: f32) -> Result<Option<&Array>, Exception> {
+        let Some(m) = &self.m else {
+            return Ok(None);
+        };
+        if self.rescale.is_none() {
+            let r = dora::rescale(m, &dora::dense_weight(matrix)?, &self.a, &self.b, scale)?;
+            r.eval()?;
+            self.rescale = Some(r);
+        }
+        Ok(self.rescale.as_ref())
+    }
+}
+
+/// A site's factors over every loaded adapter, for passes that mix rows.
+struct Stacked {
+    /// `[n + 1, in, r_max]`.
+    a: Array,
+    /// `[n + 1, r_max, out]`.
+    b: Array,
+    /// When a DoRA adapter changes the site: the rescales `[n + 1, 1, out]` (ones for the
+    /// other entries) and which entries are DoRA's `[n + 1, 1, 1]`.
+    dora: Option<(Array, Array)>,
 }
 
 struct Site {
@@ -79,7 +115,7 @@ struct Site {
     factors: Vec<Option<Factors>>,
     /// Every adapter's factors stacked behind a zero entry, for passes that mix rows; built
     /// by the first such pass after the adapters change.
-    stacked: Option<Factors>,
+    stacked: Option<Stacked>,
 }
 
 #[derive(Default)]
@@ -96,7 +132,8 @@ enum Selection {
         rows: i32,
     },
     /// A training step ([`AdapterTable::select_training`]): every row takes these factors
-    /// (by site index; `None` leaves the site alone), the arrays the gradient is taken of.
+    /// (by site index; `None` leaves the site alone), the arrays the gradient is taken of;
+    /// a DoRA site's rescale is recomputed from them by each pass.
     Training {
         factors: Vec<Option<Factors>>,
         scale: f32,
@@ -112,6 +149,15 @@ enum Selection {
 pub struct TrainingDropout {
     pub p: f32,
     pub seed: u64,
+}
+
+/// A training step's arrays at one site: LoRA's factors, and DoRA's magnitude when training
+/// a DoRA adapter.
+#[derive(Debug, Clone)]
+pub struct TrainingFactors {
+    pub a: Array,
+    pub b: Array,
+    pub m: Option<Array>,
 }
 
 /// A linear layer adapters can change, as training addresses it.
@@ -180,12 +226,12 @@ impl AdapterTable {
             .collect()
     }
 
-    /// Makes `factors` (`(lora_a, lora_b)` per site index, [`Self::sites`]) the adapter of
-    /// every row of the forward passes built until the guard is dropped: a training step's
-    /// pass, whose gradient is taken with respect to these arrays.
+    /// Makes `factors` (per site index, [`Self::sites`]) the adapter of every row of the
+    /// forward passes built until the guard is dropped: a training step's pass, whose
+    /// gradient is taken with respect to these arrays.
     pub fn select_training(
         &self,
-        factors: Vec<Option<(Array, Array)>>,
+        factors: Vec<Option<TrainingFactors>>,
         scale: f32,
         dropout: Option<TrainingDropout>,
     ) -> Selected<'_> {
@@ -193,7 +239,14 @@ impl AdapterTable {
         state.selection = Selection::Training {
             factors: factors
                 .into_iter()
-                .map(|f| f.map(|(a, b)| Factors { a, b }))
+                .map(|f| {
+                    f.map(|f| Factors {
+                        a: f.a,
+                        b: f.b,
+                        m: f.m,
+                        rescale: None,
+                    })
+                })
                 .collect(),
             scale,
             dropout,
@@ -203,7 +256,8 @@ impl AdapterTable {
     }
 
     /// Loads the mlx-lm adapter in `dir` under `name`. Every tensor must be a `lora_a` or
-    /// `lora_b` of a linear layer of this model with the shapes the config's rank implies.
+    /// `lora_b` (and, of a DoRA adapter, an `m`) of a linear layer of this model with the
+    /// shapes the config's rank implies.
     pub fn load(&self, name: &str, dir: &Path) -> Result<AdapterId, AdapterError> {
         check_name(name)?;
         let config_path = dir.join("adapter_config.json");
@@ -223,16 +277,22 @@ impl AdapterTable {
                 weights_path.display()
             )));
         }
-        let mut halves: HashMap<String, (Option<Array>, Option<Array>)> = HashMap::new();
+        let dora = config.kind == AdapterKind::Dora;
+        let mut parts: HashMap<String, [Option<Array>; 3]> = HashMap::new();
         for (key, array) in tensors {
-            let (prefix, is_a) = if let Some(p) = key.strip_suffix(".lora_a") {
-                (p, true)
+            let (prefix, part) = if let Some(p) = key.strip_suffix(".lora_a") {
+                (p, 0)
             } else if let Some(p) = key.strip_suffix(".lora_b") {
-                (p, false)
+                (p, 1)
+            } else if let Some(p) = key.strip_suffix(".m").filter(|_| dora) {
+                (p, 2)
             } else {
-                return Err(AdapterError::Invalid(format!(
-                    "{key}: not a LoRA tensor (a `.lora_a` or `.lora_b`)"
-                )));
+                let what = if dora {
+                    "a DoRA tensor (a `.lora_a`, `.lora_b` or `.m`)"
+                } else {
+                    "a LoRA tensor (a `.lora_a` or `.lora_b`)"
+                };
+                return Err(AdapterError::Invalid(format!("{key}: not {what}")));
             };
             if !matches!(
                 array.dtype(),
@@ -243,12 +303,7 @@ impl AdapterTable {
                     array.dtype()
                 )));
             }
-            let entry = halves.entry(prefix.to_owned()).or_default();
-            if is_a {
-                entry.0 = Some(array);
-            } else {
-                entry.1 = Some(array);
-            }
+            parts.entry(prefix.to_owned()).or_default()[part] = Some(array);
         }
         let rank = config.rank as i32;
         let mut state = self.lock();
@@ -256,15 +311,20 @@ impl AdapterTable {
             return Err(AdapterError::Duplicate(name.to_owned()));
         }
         let mut factors: Vec<Option<Factors>> = vec![None; state.sites.len()];
-        let mut names: Vec<&String> = halves.keys().collect();
+        let mut names: Vec<&String> = parts.keys().collect();
         names.sort();
         for prefix in names {
-            let (a, b) = &halves[prefix];
+            let [a, b, m] = &parts[prefix];
             let (Some(a), Some(b)) = (a, b) else {
                 return Err(AdapterError::Invalid(format!(
                     "{prefix}: has only one of `lora_a` and `lora_b`"
                 )));
             };
+            if dora && m.is_none() {
+                return Err(AdapterError::Invalid(format!(
+                    "{prefix}: a DoRA adapter's layer has no `m` (its magnitude)"
+                )));
+            }
             let Some(index) = state
                 .sites
                 .iter()
@@ -292,15 +352,26 @@ impl AdapterTable {
             };
             expect("lora_a", a, [site.in_dims, rank])?;
             expect("lora_b", b, [rank, site.out_dims])?;
+            if let Some(m) = m {
+                if m.shape() != [site.out_dims] {
+                    return Err(AdapterError::Invalid(format!(
+                        "{prefix}.m: shape {:?}, expected [{}] (the layer's outputs)",
+                        m.shape(),
+                        site.out_dims
+                    )));
+                }
+            }
             factors[index] = Some(Factors {
                 a: a.clone(),
                 b: b.clone(),
+                m: m.clone(),
+                rescale: None,
             });
         }
         let arrays: Vec<&Array> = factors
             .iter()
             .flatten()
-            .flat_map(|f| [&f.a, &f.b])
+            .flat_map(|f| [&f.a, &f.b].into_iter().chain(&f.m))
             .collect();
         mlx_rs::transforms::eval(arrays)?;
         let id = AdapterId(state.next_id);
@@ -418,25 +489,46 @@ impl AdapterTable {
         LoraSite(site)
     }
 
-    /// `y` plus this pass's low-rank update of site `index` for input `x`.
-    fn apply(&self, index: usize, x: &Array, y: Array) -> Result<Array, Exception> {
+    /// The output of site `index` for input `x`: `y` (`x @ W.T`, the base layer's matmul),
+    /// this pass's adapter update, and the layer's `bias`.
+    fn apply(
+        &self,
+        index: usize,
+        x: &Array,
+        y: Array,
+        matrix: &Matrix,
+        bias: Option<&Array>,
+    ) -> Result<Array, Exception> {
+        let with_bias = |y: Array| match bias {
+            Some(b) => y.add(b),
+            None => Ok(y),
+        };
         if !self.engaged.load(Ordering::Acquire) {
-            return Ok(y);
+            return with_bias(y);
         }
         let mut guard = self.lock();
         let state = &mut *guard;
-        let update = match &state.selection {
-            Selection::Base => return Ok(y),
+        // mlx-lm's `LoRALinear`: `linear(x) + (scale * z).astype(x.dtype)`, the scale a
+        // Python float (weakly typed: it takes z's dtype). `DoRALinear`: `(x @ W.T + that)`
+        // times the rescale in x's dtype, then the bias.
+        let lora = |y: Array, update: Array| with_bias(y)?.add(&update.as_dtype(x.dtype())?);
+        let dora = |y: Array, update: Array, rescale: &Array| {
+            let out = y.add(&update.as_dtype(x.dtype())?)?;
+            with_bias(out.multiply(&rescale.as_dtype(x.dtype())?)?)
+        };
+        match &state.selection {
+            Selection::Base => with_bias(y),
             Selection::One(i) => {
-                let Some(f) = &state.sites[index].factors[*i] else {
-                    return Ok(y);
+                let scale = state.adapters[*i].summary.scale;
+                let Some(f) = &mut state.sites[index].factors[*i] else {
+                    return with_bias(y);
                 };
-                // mlx-lm's `LoRALinear`: `y + (scale * z).astype(x.dtype)`, the scale a
-                // Python float (weakly typed: it takes z's dtype).
                 let z = x.matmul(&f.a)?.matmul(&f.b)?;
-                let scale =
-                    Array::from_f32(state.adapters[*i].summary.scale).as_dtype(z.dtype())?;
-                z.multiply(&scale)?
+                let update = z.multiply(&Array::from_f32(scale).as_dtype(z.dtype())?)?;
+                match f.served_rescale(matrix, scale)? {
+                    Some(rescale) => dora(y, update, rescale),
+                    None => lora(y, update),
+                }
             }
             Selection::Training {
                 factors,
@@ -444,7 +536,7 @@ impl AdapterTable {
                 dropout,
             } => {
                 let Some(Some(f)) = factors.get(index) else {
-                    return Ok(y);
+                    return with_bias(y);
                 };
                 let input = match dropout {
                     Some(d) if d.p > 0.0 => {
@@ -459,7 +551,14 @@ impl AdapterTable {
                     _ => x.clone(),
                 };
                 let z = input.matmul(&f.a)?.matmul(&f.b)?;
-                z.multiply(&Array::from_f32(*scale).as_dtype(z.dtype())?)?
+                let update = z.multiply(&Array::from_f32(*scale).as_dtype(z.dtype())?)?;
+                match &f.m {
+                    Some(m) => {
+                        let weight = dora::dense_weight(matrix)?;
+                        dora(y, update, &dora::rescale(m, &weight, &f.a, &f.b, *scale)?)
+                    }
+                    None => lora(y, update),
+                }
             }
             Selection::Mixed {
                 slots,
@@ -476,19 +575,33 @@ impl AdapterTable {
                 }
                 let site = &mut state.sites[index];
                 if site.factors.iter().all(Option::is_none) {
-                    return Ok(y);
+                    return with_bias(y);
                 }
                 if site.stacked.is_none() {
-                    site.stacked = Some(stacked(site)?);
+                    let scales: Vec<f32> = state.adapters.iter().map(|a| a.summary.scale).collect();
+                    site.stacked = Some(stacked(site, matrix, &scales)?);
                 }
                 let s = site.stacked.as_ref().expect("built above");
                 let a = s.a.take_axis(slots, 0)?;
                 let b = s.b.take_axis(slots, 0)?;
                 let z = x.matmul(&a)?.matmul(&b)?;
-                z.multiply(&scales.as_dtype(z.dtype())?)?
+                let update = z.multiply(&scales.as_dtype(z.dtype())?)?;
+                let Some((rescales, is_dora)) = &s.dora else {
+                    return lora(y, update);
+                };
+                // Rows of LoRA adapters and of the base take a rescale of one (exact); with a
+                // bias, they keep LoRA's order of additions and DoRA rows theirs.
+                let rescale = rescales.take_axis(slots, 0)?;
+                match bias {
+                    None => dora(y, update, &rescale),
+                    Some(_) => {
+                        let is_dora = is_dora.take_axis(slots, 0)?;
+                        let as_dora = dora(y.clone(), update.clone(), &rescale)?;
+                        mlx_rs::ops::select(&is_dora, &as_dora, &lora(y, update)?)
+                    }
+                }
             }
-        };
-        y.add(&update.as_dtype(x.dtype())?)
+        }
     }
 }
 
@@ -510,8 +623,9 @@ fn check_name(name: &str) -> Result<(), AdapterError> {
 
 /// A site's factors over every loaded adapter, behind a zero entry (no adapter), each rank
 /// padded with zeros to the largest (zeros add nothing to the update), in one dtype (the
-/// widest of theirs).
-fn stacked(site: &Site) -> Result<Factors, Exception> {
+/// widest of theirs); with DoRA adapters among them, the rescales too (`scales`: each
+/// adapter's scale, in load order).
+fn stacked(site: &mut Site, matrix: &Matrix, scales: &[f32]) -> Result<Stacked, Exception> {
     let rank = site
         .factors
         .iter()
@@ -546,11 +660,42 @@ fn stacked(site: &Site) -> Result<Factors, Exception> {
             }
         }
     }
-    let out = Factors {
+    let dora = if site.factors.iter().flatten().any(|f| f.m.is_some()) {
+        let ones = mlx_rs::ops::ones::<f32>(&[1, n_out])?;
+        let mut rescales = vec![ones.clone()];
+        let mut is_dora = vec![false];
+        for (f, scale) in site.factors.iter_mut().zip(scales) {
+            match f
+                .as_mut()
+                .map(|f| f.served_rescale(matrix, *scale))
+                .transpose()?
+            {
+                Some(Some(r)) => {
+                    rescales.push(r.as_dtype(Dtype::Float32)?.reshape(&[1, n_out])?);
+                    is_dora.push(true);
+                }
+                _ => {
+                    rescales.push(ones.clone());
+                    is_dora.push(false);
+                }
+            }
+        }
+        let n = is_dora.len() as i32;
+        Some((
+            stack(&rescales, 0)?,
+            Array::from_slice(&is_dora, &[n, 1, 1]),
+        ))
+    } else {
+        None
+    };
+    let out = Stacked {
         a: stack(&a_parts, 0)?,
         b: stack(&b_parts, 0)?,
+        dora,
     };
-    mlx_rs::transforms::eval([&out.a, &out.b])?;
+    let mut arrays = vec![&out.a, &out.b];
+    arrays.extend(out.dora.iter().flat_map(|(r, d)| [r, d]));
+    mlx_rs::transforms::eval(arrays)?;
     Ok(out)
 }
 
@@ -594,10 +739,17 @@ impl fmt::Debug for LoraSite {
 }
 
 impl LoraSite {
-    /// `y` (the base layer's output for `x`) plus the update of the adapters selected for
-    /// this pass; `y` unchanged when none is.
-    pub fn apply(&self, x: &Array, y: Array) -> Result<Array, Exception> {
-        self.0.table.apply(self.0.index, x, y)
+    /// The layer's output for `x`: `y` (`x @ W.T` by the layer's `matrix`), the update of
+    /// the adapters selected for this pass, and the layer's `bias` (LoRA adds the update
+    /// after the bias; DoRA rescales before it). Without a selection, `y + bias`.
+    pub fn apply(
+        &self,
+        x: &Array,
+        y: Array,
+        matrix: &Matrix,
+        bias: Option<&Array>,
+    ) -> Result<Array, Exception> {
+        self.0.table.apply(self.0.index, x, y, matrix, bias)
     }
 }
 

@@ -1,8 +1,9 @@
-//! `fuse` jobs: merges an mlx-lm LoRA adapter into its base model, as mlx-lm's `fuse` does
-//! (`LoRALinear.fuse`): each adapted linear's weight becomes
-//! `W + ((scale * lora_b^T) @ lora_a^T).astype(W.dtype)`; a quantized weight is dequantized
-//! with its own settings, merged, and quantized again with the same group size and bits
-//! (mlx-lm's default, without `--dequantize`). Every other tensor, config.json and the
+//! `fuse` jobs: merges an mlx-lm LoRA or DoRA adapter into its base model, as mlx-lm's `fuse`
+//! does (`LoRALinear.fuse`, `DoRALinear.fuse`): each adapted linear's weight becomes
+//! `W + ((scale * lora_b^T) @ lora_a^T).astype(W.dtype)`, and for DoRA each row of that is
+//! then scaled by `m / ‖row‖` ([`crate::adapters::dora::fuse`]); a quantized weight is
+//! dequantized with its own settings, merged, and quantized again with the same group size
+//! and bits (mlx-lm's default, without `--dequantize`). Every other tensor, config.json and the
 //! tokenizer files are copied unchanged, so the new directory is a model served by its name.
 //!
 //! Memory: the checkpoint is opened lazily; one tensor at a time is evaluated and the output
@@ -16,8 +17,10 @@ use mlx_rs::{Array, Dtype};
 use mlxd_protocol::jobs::JobProgress;
 use serde_json::Value;
 
-use super::quantize::{copy_other_files, source_quant, ShardWriter};
+use super::quantize::{copy_other_files, source_quant, ShardWriter, SourceQuant};
 use super::{io, place, JobError};
+use crate::adapters::config::AdapterKind;
+use crate::adapters::dora;
 
 fn mlx(e: impl std::fmt::Display) -> JobError {
     JobError::Mlx(e.to_string())
@@ -45,45 +48,47 @@ pub fn fuse_dir(
     let weights_path = adapter.join("adapters.safetensors");
     let lora = Array::load_safetensors(&weights_path)
         .map_err(|e| JobError::Input(format!("{}: {e}", weights_path.display())))?;
-    let mut pairs: BTreeMap<String, (Option<Array>, Option<Array>)> = BTreeMap::new();
+    let is_dora = adapter_config.kind == AdapterKind::Dora;
+    let mut parts: BTreeMap<String, [Option<Array>; 3]> = BTreeMap::new();
     for (key, array) in lora {
-        let (prefix, is_a) = match (key.strip_suffix(".lora_a"), key.strip_suffix(".lora_b")) {
-            (Some(p), _) => (p.to_owned(), true),
-            (_, Some(p)) => (p.to_owned(), false),
-            _ => {
-                return Err(JobError::Input(format!(
-                    "{}: {key} is not a LoRA tensor (a .lora_a or .lora_b)",
-                    weights_path.display()
-                )))
-            }
-        };
-        let entry = pairs.entry(prefix).or_default();
-        if is_a {
-            entry.0 = Some(array);
+        let (prefix, part) = if let Some(p) = key.strip_suffix(".lora_a") {
+            (p, 0)
+        } else if let Some(p) = key.strip_suffix(".lora_b") {
+            (p, 1)
+        } else if let Some(p) = key.strip_suffix(".m").filter(|_| is_dora) {
+            (p, 2)
         } else {
-            entry.1 = Some(array);
-        }
+            let what = if is_dora {
+                "a DoRA tensor (a .lora_a, .lora_b or .m)"
+            } else {
+                "a LoRA tensor (a .lora_a or .lora_b)"
+            };
+            return Err(JobError::Input(format!(
+                "{}: {key} is not {what}",
+                weights_path.display()
+            )));
+        };
+        parts.entry(prefix.to_owned()).or_default()[part] = Some(array);
     }
 
     let model_config_path = source.join("config.json");
-    let model_config: Value =
-        serde_json::from_slice(&fs::read(&model_config_path).map_err(io(&model_config_path))?)
-            .map_err(|e| JobError::Input(format!("{}: {e}", model_config_path.display())))?;
-    let files = crate::loader::weight_files(source).map_err(|e| JobError::Input(e.to_string()))?;
-    let mut tensors: HashMap<String, Array> = HashMap::new();
-    for file in &files {
-        let loaded = Array::load_safetensors(file)
-            .map_err(|e| JobError::Input(format!("{}: {e}", file.display())))?;
-        tensors.extend(loaded);
-    }
+    let BaseWeights {
+        tensors,
+        config: model_config,
+    } = BaseWeights::open(source)?;
     // Each adapted layer must be a linear of this model.
-    let mut deltas: HashMap<String, (Array, Array)> = HashMap::new();
-    for (prefix, (a, b)) in pairs {
+    let mut deltas: HashMap<String, Delta> = HashMap::new();
+    for (prefix, [a, b, m]) in parts {
         let (Some(a), Some(b)) = (a, b) else {
             return Err(JobError::Input(format!(
                 "{prefix}: the adapter has only one of lora_a and lora_b"
             )));
         };
+        if is_dora && m.is_none() {
+            return Err(JobError::Input(format!(
+                "{prefix}: a DoRA adapter's layer has no m (its magnitude)"
+            )));
+        }
         if !tensors.contains_key(&format!("{prefix}.weight")) {
             return Err(JobError::Input(format!(
                 "{prefix}: the adapter changes a layer this model does not have ({} has no \
@@ -91,7 +96,7 @@ pub fn fuse_dir(
                 source.display()
             )));
         }
-        deltas.insert(prefix, (a, b));
+        deltas.insert(prefix, Delta { a, b, m });
     }
     let mut names: Vec<String> = tensors.keys().cloned().collect();
     names.sort();
@@ -110,7 +115,7 @@ pub fn fuse_dir(
         let prefix = name.strip_suffix(".weight");
         let outputs: Vec<(String, Array)> = match prefix.and_then(|p| deltas.get(p).map(|d| (p, d)))
         {
-            Some((prefix, (a, b))) => {
+            Some((prefix, delta)) => {
                 report(JobProgress {
                     phase: "fusing".into(),
                     done: fused,
@@ -120,7 +125,7 @@ pub fn fuse_dir(
                     training: None,
                 })?;
                 fused += 1;
-                fuse_one(prefix, array, a, b, scale, &tensors, &model_config)?
+                fuse_one(prefix, array, delta, scale, &tensors, &model_config)?
             }
             None if is_companion(name, &tensors, &deltas) => continue,
             None => vec![(name.clone(), array)],
@@ -143,34 +148,58 @@ pub fn fuse_dir(
     Ok(written_total)
 }
 
-/// A quantized adapted layer's `.scales` and `.biases`: written with its fused weight.
-fn is_companion(
-    name: &str,
-    tensors: &HashMap<String, Array>,
-    deltas: &HashMap<String, (Array, Array)>,
-) -> bool {
-    ["scales", "biases"].iter().any(|suffix| {
-        name.strip_suffix(suffix)
-            .and_then(|p| p.strip_suffix('.'))
-            .is_some_and(|prefix| {
-                deltas.contains_key(prefix)
-                    && tensors
-                        .get(&format!("{prefix}.weight"))
-                        .is_some_and(|w| w.dtype() == Dtype::Uint32)
-            })
-    })
+/// One adapted layer's arrays in the adapter.
+struct Delta {
+    a: Array,
+    b: Array,
+    /// DoRA's magnitude.
+    m: Option<Array>,
 }
 
-/// The fused tensors of one adapted linear: its weight (and, quantized, scales and biases).
-fn fuse_one(
+/// A model directory's tensors (opened lazily: a tensor is read when evaluated) and its
+/// `config.json`.
+pub(crate) struct BaseWeights {
+    pub tensors: HashMap<String, Array>,
+    pub config: Value,
+}
+
+impl BaseWeights {
+    pub fn open(source: &Path) -> Result<Self, JobError> {
+        let config_path = source.join("config.json");
+        let config: Value =
+            serde_json::from_slice(&fs::read(&config_path).map_err(io(&config_path))?)
+                .map_err(|e| JobError::Input(format!("{}: {e}", config_path.display())))?;
+        let files =
+            crate::loader::weight_files(source).map_err(|e| JobError::Input(e.to_string()))?;
+        let mut tensors: HashMap<String, Array> = HashMap::new();
+        for file in &files {
+            let loaded = Array::load_safetensors(file)
+                .map_err(|e| JobError::Input(format!("{}: {e}", file.display())))?;
+            tensors.extend(loaded);
+        }
+        Ok(Self { tensors, config })
+    }
+
+    /// The weight of linear `prefix`, dense (a quantized one dequantized with its settings).
+    pub fn dense(&self, prefix: &str) -> Result<Array, JobError> {
+        let weight = self
+            .tensors
+            .get(&format!("{prefix}.weight"))
+            .ok_or_else(|| JobError::Input(format!("the model has no {prefix}.weight")))?;
+        Ok(dense_of(prefix, weight.clone(), &self.tensors, &self.config)?.0)
+    }
+}
+
+/// A packed weight's settings, scales and biases.
+type Packing = (SourceQuant, Array, Option<Array>);
+
+/// `weight` of linear `prefix` as a dense matrix, with how it was packed when quantized.
+fn dense_of(
     prefix: &str,
     weight: Array,
-    a: &Array,
-    b: &Array,
-    scale: f32,
     tensors: &HashMap<String, Array>,
     config: &Value,
-) -> Result<Vec<(String, Array)>, JobError> {
+) -> Result<(Array, Option<Packing>), JobError> {
     let quant = if weight.dtype() == Dtype::Uint32 {
         let q = source_quant(config, prefix).ok_or_else(|| {
             JobError::Input(format!(
@@ -193,6 +222,38 @@ fn fuse_one(
         }
         None => weight,
     };
+    Ok((dense, quant))
+}
+
+/// A quantized adapted layer's `.scales` and `.biases`: written with its fused weight.
+fn is_companion(
+    name: &str,
+    tensors: &HashMap<String, Array>,
+    deltas: &HashMap<String, Delta>,
+) -> bool {
+    ["scales", "biases"].iter().any(|suffix| {
+        name.strip_suffix(suffix)
+            .and_then(|p| p.strip_suffix('.'))
+            .is_some_and(|prefix| {
+                deltas.contains_key(prefix)
+                    && tensors
+                        .get(&format!("{prefix}.weight"))
+                        .is_some_and(|w| w.dtype() == Dtype::Uint32)
+            })
+    })
+}
+
+/// The fused tensors of one adapted linear: its weight (and, quantized, scales and biases).
+fn fuse_one(
+    prefix: &str,
+    weight: Array,
+    delta: &Delta,
+    scale: f32,
+    tensors: &HashMap<String, Array>,
+    config: &Value,
+) -> Result<Vec<(String, Array)>, JobError> {
+    let (dense, quant) = dense_of(prefix, weight, tensors, config)?;
+    let Delta { a, b, m } = delta;
     // mlx-lm: `((self.scale * self.lora_b.T) @ self.lora_a.T).astype(weight.dtype)`.
     let delta = b
         .t()
@@ -207,7 +268,17 @@ fn fuse_one(
             dense.shape()
         )));
     }
-    let merged = dense.add(&delta).map_err(mlx)?;
+    let merged = match m {
+        Some(m) if m.shape() != [dense.shape()[0]] => {
+            return Err(JobError::Input(format!(
+                "{prefix}.m has shape {:?}, the layer has {} outputs",
+                m.shape(),
+                dense.shape()[0]
+            )))
+        }
+        Some(m) => dora::fuse(&dense, a, b, m, scale).map_err(mlx)?,
+        None => dense.add(&delta).map_err(mlx)?,
+    };
     Ok(match quant {
         Some((q, _, _)) => {
             let (w, scales, biases) = quantize(&merged, q.group_size, q.bits).map_err(mlx)?;

@@ -142,13 +142,13 @@ impl Linear {
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let y = self.matrix.matmul_t(x)?;
-        let y = match &self.bias {
-            Some(b) => y.add(b)?,
-            None => y,
-        };
         match &self.lora {
-            Some(site) => site.apply(x, y),
-            None => Ok(y),
+            // The site adds the bias: a DoRA update rescales the output before it.
+            Some(site) => site.apply(x, y, &self.matrix, self.bias.as_ref()),
+            None => match &self.bias {
+                Some(b) => y.add(b),
+                None => Ok(y),
+            },
         }
     }
 }

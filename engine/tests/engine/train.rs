@@ -53,6 +53,11 @@ fn params_of(log: &Value) -> TrainParams {
         steps_per_eval: s["steps_per_eval"].as_u64().unwrap(),
         max_seq_length: s["max_seq_length"].as_u64().unwrap() as u32,
         seed: s["seed"].as_u64().unwrap(),
+        fine_tune_type: s
+            .get("fine_tune_type")
+            .and_then(Value::as_str)
+            .unwrap_or("lora")
+            .into(),
         lr_schedule: s
             .get("lr_schedule")
             .map(|v| serde_json::from_value(v.clone()).expect("an lr_schedule")),
@@ -134,6 +139,13 @@ fn a_learning_rate_schedule_follows_mlx_lm_losses() {
 #[test]
 fn qlora_on_a_4_bit_base_follows_mlx_lm_losses_and_gives_its_tokens() {
     follows_mlx_lm("tiny-llama-q4", "tiny-llama-q4-lora", "parity");
+}
+
+/// DoRA: the magnitudes start from the base weight's row norms (the starting file has the
+/// factors only) and train with them, as mlx-lm's `DoRALinear` does.
+#[test]
+fn dora_training_follows_mlx_lm_losses_and_gives_its_tokens() {
+    follows_mlx_lm("tiny-llama", "tiny-llama-dora", "parity");
 }
 
 /// Trains from the fixture's starting factors with its parity run's settings and compares
@@ -314,18 +326,7 @@ fn a_quantized_base_is_fused_as_mlx_lm_fuses_it() {
     let fused = fuse(&model, &adapter, work.path());
     // mlx-lm's own fuse of the same adapter (dequantize, merge, quantize with the base's
     // settings): the same tensors, bit for bit.
-    let theirs = work.path().join("mlx-lm-fused");
-    let status = std::process::Command::new(mlxd_tests::python().expect("the test venv"))
-        .args(["-m", "mlx_lm", "fuse", "--model"])
-        .arg(&model)
-        .arg("--adapter-path")
-        .arg(&adapter)
-        .arg("--save-path")
-        .arg(&theirs)
-        .stdout(std::process::Stdio::null())
-        .status()
-        .expect("running mlx_lm fuse");
-    assert!(status.success());
+    let theirs = mlx_lm_fuse(&model, &adapter, work.path());
     let load = |dir: &Path| {
         mlx_rs::Array::load_safetensors(dir.join("model.safetensors")).expect("fused weights")
     };
@@ -344,6 +345,56 @@ fn a_quantized_base_is_fused_as_mlx_lm_fuses_it() {
         greedy_on(&fused, None, FUSE_PROMPT, 8),
         crate::common::mlx_lm_greedy(&theirs, 8, FUSE_PROMPT)
     );
+}
+
+/// A DoRA adapter fused as mlx-lm's `DoRALinear.fuse` fuses it: each adapted weight within
+/// float32 rounding of mlx-lm's, the others the same, and the same greedy tokens as the base
+/// with the adapter.
+#[test]
+fn a_dora_adapter_is_fused_as_mlx_lm_fuses_it() {
+    let model = tiny_model("tiny-llama");
+    let (adapter, _) = fixture("tiny-llama-dora");
+    let work = tempfile::tempdir().unwrap();
+    let fused = fuse(&model, &adapter, work.path());
+    let theirs = mlx_lm_fuse(&model, &adapter, work.path());
+    let load = |dir: &Path| {
+        mlx_rs::Array::load_safetensors(dir.join("model.safetensors")).expect("fused weights")
+    };
+    let (ours, want) = (load(&fused), load(&theirs));
+    assert_eq!(ours.len(), want.len(), "tensor count");
+    let mut changed = 0;
+    for (name, b) in &want {
+        let a = &ours[name];
+        assert_eq!(a.shape(), b.shape(), "{name}");
+        assert_eq!(a.dtype(), b.dtype(), "{name}");
+        let close = a.all_close(b, 1e-5, 1e-6, None).unwrap();
+        assert!(close, "{name} differs from mlx-lm's fuse");
+        changed += usize::from(name.contains("layers") && name.ends_with("proj.weight"));
+    }
+    assert!(changed > 0, "the adapted weights were compared");
+    let with_adapter = crate::common::mlx_lm_greedy_with_adapter(&model, &adapter, 8, FUSE_PROMPT);
+    assert_eq!(greedy_on(&fused, None, FUSE_PROMPT, 8), with_adapter);
+    assert_eq!(
+        crate::common::mlx_lm_greedy(&theirs, 8, FUSE_PROMPT),
+        with_adapter
+    );
+}
+
+/// `mlx_lm fuse` of `adapter` into `model`, in `work/mlx-lm-fused`.
+fn mlx_lm_fuse(model: &Path, adapter: &Path, work: &Path) -> PathBuf {
+    let theirs = work.join("mlx-lm-fused");
+    let status = std::process::Command::new(mlxd_tests::python().expect("the test venv"))
+        .args(["-m", "mlx_lm", "fuse", "--model"])
+        .arg(model)
+        .arg("--adapter-path")
+        .arg(adapter)
+        .arg("--save-path")
+        .arg(&theirs)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("running mlx_lm fuse");
+    assert!(status.success());
+    theirs
 }
 
 #[test]

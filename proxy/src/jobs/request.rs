@@ -767,7 +767,7 @@ mod tests {
         std::fs::write(data.join("train.jsonl"), "").unwrap();
         std::fs::write(data.join("valid.jsonl"), "").unwrap();
         assert!(err(r#","rank":0"#).contains("rank 0"));
-        assert!(err(r#","fine_tune_type":"dora""#).contains("not built"));
+        assert!(err(r#","fine_tune_type":"full""#).contains("not built"));
         assert!(err(r#","learning_rat":1"#).contains("learning_rat"));
         let e = err(r#","resume":true"#);
         assert!(e.contains("no checkpoints"), "{e}");

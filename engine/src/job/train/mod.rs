@@ -5,7 +5,9 @@
 //!   staying quantized (QLoRA) and frozen; its linear layers are the sites of its
 //!   [`AdapterTable`], and the attention and MLP projections of the last `num_layers` layers
 //!   (every linear of those layers, mlx-lm's default keys) get factors `lora_a` `[in, r]`
-//!   (uniform in ±1/√in) and `lora_b` `[r, out]` (zeros), in float32;
+//!   (uniform in ±1/√in) and `lora_b` `[r, out]` (zeros), in float32; with
+//!   `fine_tune_type` `dora`, also DoRA's magnitude `m` `[out]` (the base weight's row norms,
+//!   read from the checkpoint files), trained with them ([`crate::adapters::dora`]);
 //! - a step is mlx-lm's `default_loss` (masked cross-entropy over the targets from each
 //!   row's offset to its length, summed in float32 and divided by the token count) under
 //!   MLX's `value_and_grad` with respect to the factors only, the forward pass reading the
@@ -19,7 +21,7 @@
 //! - a checkpoint (factors, Adam's moments, iteration, tokens) every `save_every` iterations,
 //!   written beside the output and kept after a cancel or crash; `resume` continues from it;
 //! - the output is mlx-lm's adapter directory: `adapters.safetensors` (keys
-//!   `<layer>.lora_a` / `.lora_b`) and `adapter_config.json`.
+//!   `<layer>.lora_a` / `.lora_b`, and `.m` for DoRA) and `adapter_config.json`.
 pub mod data;
 
 use std::collections::HashMap;
@@ -32,8 +34,9 @@ use mlx_rs::{Array, Dtype};
 use mlxd_protocol::jobs::{JobProgress, Optimizer, TrainParams, TrainingProgress};
 use serde_json::{json, Value};
 
+use super::fuse::BaseWeights;
 use super::{io, JobError};
-use crate::adapters::{AdapterTable, SiteInfo, TrainingDropout};
+use crate::adapters::{dora, AdapterTable, SiteInfo, TrainingDropout, TrainingFactors};
 use crate::cache::LayerKind;
 use crate::models::CausalLm;
 use crate::tokenizer::Tokenizer;
@@ -98,29 +101,48 @@ fn chosen_sites(sites: Vec<SiteInfo>, num_layers: i32, layers: usize) -> Vec<Sit
         .collect()
 }
 
-/// The trained arrays: per chosen site, `lora_a` then `lora_b`.
+/// The trained arrays: per chosen site, `lora_a`, `lora_b` and, for DoRA, `m`.
 struct Lora {
     sites: Vec<SiteInfo>,
+    /// Whether each site has DoRA's `m` (3 arrays per site, else 2).
+    dora: bool,
     params: Vec<Array>,
     m: Vec<Array>,
     v: Vec<Array>,
 }
 
 impl Lora {
+    /// The arrays per site.
+    fn per_site(&self) -> usize {
+        if self.dora {
+            3
+        } else {
+            2
+        }
+    }
+
     fn names(&self) -> Vec<String> {
+        let parts: &[&str] = if self.dora {
+            &["lora_a", "lora_b", "m"]
+        } else {
+            &["lora_a", "lora_b"]
+        };
         self.sites
             .iter()
-            .flat_map(|s| {
-                [
-                    format!("{}.lora_a", s.prefix),
-                    format!("{}.lora_b", s.prefix),
-                ]
-            })
+            .flat_map(|s| parts.iter().map(move |p| format!("{}.{p}", s.prefix)))
             .collect()
     }
 
-    fn fresh(sites: Vec<SiteInfo>, rank: i32, seed: u64) -> Result<Self, JobError> {
-        let mut params = Vec::with_capacity(sites.len() * 2);
+    /// Fresh factors; `magnitudes` (one per site) makes a DoRA adapter.
+    fn fresh(
+        sites: Vec<SiteInfo>,
+        rank: i32,
+        seed: u64,
+        magnitudes: Option<Vec<Array>>,
+    ) -> Result<Self, JobError> {
+        let dora = magnitudes.is_some();
+        let mut magnitudes = magnitudes.unwrap_or_default().into_iter();
+        let mut params = Vec::with_capacity(sites.len() * 3);
         let key = mlx_rs::random::key(seed).map_err(mlx)?;
         let mut key = key;
         for s in &sites {
@@ -132,11 +154,18 @@ impl Lora {
                     .map_err(mlx)?,
             );
             params.push(mlx_rs::ops::zeros::<f32>(&[rank, s.out_dims]).map_err(mlx)?);
+            if dora {
+                let m = magnitudes
+                    .next()
+                    .ok_or_else(|| JobError::Mlx(format!("no DoRA magnitude for {}", s.prefix)))?;
+                params.push(m);
+            }
         }
         let m = zeros_like(&params)?;
         let v = zeros_like(&params)?;
         Ok(Self {
             sites,
+            dora,
             params,
             m,
             v,
@@ -144,11 +173,13 @@ impl Lora {
     }
 
     /// Replaces the factors by those of an mlx-lm adapter file: every chosen site's pair must
-    /// be there with this rank's shapes.
+    /// be there with this rank's shapes. A DoRA site's `m` is taken when the file has it and
+    /// kept (the base weight's norms) when not, as mlx-lm's `--resume-adapter-file` loads
+    /// the file over the fresh layers (`load_weights(..., strict=False)`).
     fn load_factors(&mut self, path: &Path) -> Result<(), JobError> {
         let tensors = Array::load_safetensors(path)
             .map_err(|e| JobError::Input(format!("{}: {e}", path.display())))?;
-        self.take_from(&tensors, "", path)
+        self.take_from(&tensors, "", path, true)
     }
 
     fn take_from(
@@ -156,9 +187,14 @@ impl Lora {
         tensors: &HashMap<String, Array>,
         prefix: &str,
         path: &Path,
+        magnitude_optional: bool,
     ) -> Result<(), JobError> {
         for (i, name) in self.names().into_iter().enumerate() {
-            let t = tensors.get(&format!("{prefix}{name}")).ok_or_else(|| {
+            let key = format!("{prefix}{name}");
+            if magnitude_optional && name.ends_with(".m") && !tensors.contains_key(&key) {
+                continue;
+            }
+            let t = tensors.get(&key).ok_or_else(|| {
                 JobError::Input(format!(
                     "{}: no tensor {prefix}{name} (the adapted layers and rank must match)",
                     path.display()
@@ -235,18 +271,39 @@ fn loss(model: &dyn CausalLm, batch: &BatchArrays) -> Result<Vec<Array>, Excepti
     Ok(vec![total.divide(&ntoks.as_dtype(Dtype::Float32)?)?, ntoks])
 }
 
-/// The selection of a step's factors on `table`.
+/// The selection of a step's factors on `table` (`per_site` arrays per site: `lora_a`,
+/// `lora_b`, and DoRA's `m` when 3).
 fn factors_by_site(
     table: &AdapterTable,
     lora: &[SiteInfo],
     params: &[Array],
-) -> Vec<Option<(Array, Array)>> {
+    per_site: usize,
+) -> Vec<Option<TrainingFactors>> {
     let n = table.sites().iter().map(|s| s.index + 1).max().unwrap_or(0);
-    let mut out: Vec<Option<(Array, Array)>> = vec![None; n];
+    let mut out: Vec<Option<TrainingFactors>> = vec![None; n];
     for (i, s) in lora.iter().enumerate() {
-        out[s.index] = Some((params[2 * i].clone(), params[2 * i + 1].clone()));
+        let p = &params[per_site * i..per_site * (i + 1)];
+        out[s.index] = Some(TrainingFactors {
+            a: p[0].clone(),
+            b: p[1].clone(),
+            m: p.get(2).cloned(),
+        });
     }
     out
+}
+
+/// DoRA's starting magnitudes of `sites`: the row norms of their base weights, read from the
+/// model's files (the loaded model keeps its weights inside its layers).
+fn base_magnitudes(source: &Path, sites: &[SiteInfo]) -> Result<Vec<Array>, JobError> {
+    let base = BaseWeights::open(source)?;
+    sites
+        .iter()
+        .map(|s| {
+            let m = dora::initial_magnitude(&base.dense(&s.prefix)?).map_err(mlx)?;
+            m.eval().map_err(mlx)?;
+            Ok(m)
+        })
+        .collect()
 }
 
 /// Where the training stands, as a checkpoint keeps it.
@@ -300,7 +357,11 @@ pub fn train(config: &TrainConfig, report: &mut Report<'_>) -> Result<TrainSumma
             model.info().architecture
         )));
     }
-    let mut lora = Lora::fresh(sites, p.rank as i32, p.seed)?;
+    let magnitudes = match p.fine_tune_type.as_str() {
+        "dora" => Some(base_magnitudes(&config.source, &sites)?),
+        _ => None,
+    };
+    let mut lora = Lora::fresh(sites, p.rank as i32, p.seed, magnitudes)?;
     if let Some(init) = &config.init_adapter {
         lora.load_factors(init)?;
     }
@@ -395,9 +456,10 @@ pub fn train(config: &TrainConfig, report: &mut Report<'_>) -> Result<TrainSumma
             let model = model.as_ref();
             let table = &table;
             let sites = &lora.sites;
+            let per_site = lora.per_site();
             let step = |params: &[Array]| -> Result<Vec<Array>, Exception> {
                 let _selected = table.select_training(
-                    factors_by_site(table, sites, params),
+                    factors_by_site(table, sites, params, per_site),
                     p.scale,
                     dropout.clone(),
                 );
@@ -512,7 +574,7 @@ fn evaluate(
         let rows: Vec<&data::Example> = b.iter().map(|&i| &examples[i]).collect();
         let batch = BatchArrays::from(&data::batch(&rows, p.max_seq_length as usize));
         let _selected = table.select_training(
-            factors_by_site(table, &lora.sites, &lora.params),
+            factors_by_site(table, &lora.sites, &lora.params, lora.per_site()),
             p.scale,
             None,
         );
@@ -562,7 +624,7 @@ fn load_checkpoint(path: &Path, lora: &mut Lora) -> Result<Position, JobError> {
         iteration: number("iteration")?,
         trained_tokens: number("trained_tokens")?,
     };
-    lora.take_from(&tensors, "adapter.", path)?;
+    lora.take_from(&tensors, "adapter.", path, false)?;
     let names = lora.names();
     for (i, name) in names.iter().enumerate() {
         for (prefix, slot) in [("adam_m.", &mut lora.m[i]), ("adam_v.", &mut lora.v[i])] {
@@ -586,7 +648,7 @@ fn save_adapter(out: &Path, lora: &Lora, config: &TrainConfig) -> Result<u64, Jo
     Array::save_safetensors(map.iter().map(|(k, v)| (k, *v)), Some(&metadata), &weights)
         .map_err(|e| JobError::Mlx(format!("writing {}: {e}", weights.display())))?;
     let adapter_config = json!({
-        "fine_tune_type": "lora",
+        "fine_tune_type": p.fine_tune_type,
         "model": config.source,
         "data": config.data,
         "num_layers": p.num_layers,
