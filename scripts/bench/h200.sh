@@ -21,6 +21,12 @@
 #   scripts/bench/h200.sh ssd <out dir>            SSD KV tier: TTFT of a 2 000/8 000-token shared prefix after
 #                                                  an engine restart, restored against prefilled; the resume
 #                                                  pause with generation checkpoints (1B bf16)
+#   scripts/bench/h200.sh adapters <out dir>       32 streams over 4 random LoRA adapters of the 1B base against
+#                                                  32 on the base alone, one mlxd (models)
+#   scripts/bench/h200.sh lora <out dir>           LoRA training tokens/s and peak memory: mlxd's lora job against
+#                                                  mlx-lm's trainer, 1B bf16, rank 8, 16 layers, batch 4, 512 tokens
+#   scripts/bench/h200.sh oom <out dir>            scripts/soak/gpu_oom.py: an engine driven out of GPU memory
+#                                                  beside another model's engine (models)
 #   scripts/bench/h200.sh quantize <out dir>       quantizing the 8B shape (bf16) to 4 and 8 bits:
 #                                                  mlxd's quantize job against mlx_lm.convert -q (models8b)
 #
@@ -37,10 +43,12 @@ export BENCH_CONSTRAINT_BIN=${BENCH_CONSTRAINT_BIN:-$bins/bench_constraint}
 
 free_port() { "$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
-# start_mlxd <model dir>: serves it on a free port; sets $port and $pid.
+# start_mlxd <model dir> [serve args]: serves it on a free port; sets $port and $pid.
 start_mlxd() {
   port=$(free_port)
-  XDG_RUNTIME_DIR=$(mktemp -d) RUST_LOG=warn "$bins/mlxd" serve --model "$1" --port "$port" &
+  local model=$1
+  shift
+  XDG_RUNTIME_DIR=$(mktemp -d) RUST_LOG=warn "$bins/mlxd" serve --model "$model" --port "$port" "$@" &
   pid=$!
   for _ in $(seq 1 240); do curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null && return 0; sleep 0.5; done
   echo "mlxd did not come up" >&2
@@ -136,6 +144,49 @@ case ${1:-} in
       MLXD_BIN_DIR=$bins "$PYTHON" scripts/bench/resume.py 5 128 32 "$MODELS/llama-1b-bf16" 32 0 "$standby" |
         tee "$out/resume-32-standby-$standby.jsonl"
     done
+    ;;
+  adapters)
+    # Adapters mixed in the batch: 32 streams spread over 4 LoRA adapters (rank 8, the last 16
+    # layers, random factors) of one 1B base, against 32 streams on the base alone and 32 on
+    # one adapter, all on one mlxd (issue 25's target: mixed >= 0.8x the base alone).
+    out=$2
+    mkdir -p "$out"
+    list=
+    for i in 1 2 3 4; do
+      [[ -f $MODELS/lora-$i/adapters.safetensors ]] ||
+        "$PYTHON" scripts/bench/random_lora.py --model "$MODELS/llama-1b-bf16" --out "$MODELS/lora-$i" --seed "$i" >/dev/null
+      list="$list${list:+,}a$i=$MODELS/lora-$i"
+    done
+    start_mlxd "$MODELS/llama-1b-bf16" --adapters "$list" --max-batch-size 64
+    base=llama-1b-bf16
+    for t in 0.7 0; do
+      for round in warm 1 2; do
+        for mix in base one four; do
+          case $mix in
+            base) models=$base ;;
+            one) models=$base:a1 ;;
+            four) models=$base:a1,$base:a2,$base:a3,$base:a4 ;;
+          esac
+          label=$mix; [[ $round == warm ]] && label=warm
+          "$PYTHON" scripts/bench/serve.py --url "http://127.0.0.1:$port" --streams 32 --temperature "$t" \
+            --model "$models" --label "$label" --out "$out/adapters.jsonl"
+        done
+      done
+    done
+    kill "$pid"
+    wait "$pid" 2>/dev/null || true
+    ;;
+  lora)
+    out=$2
+    mkdir -p "$out"
+    "$PYTHON" scripts/bench/lora_train.py --model "$MODELS/llama-1b-bf16" --mlxd-bin "$bins" \
+      --iters "${LORA_ITERS:-30}" --out "$out/lora.jsonl"
+    ;;
+  oom)
+    out=$2
+    mkdir -p "$out"
+    "$PYTHON" scripts/soak/gpu_oom.py --mlxd-bin "$bins" --model "$MODELS/llama-1b-bf16" --out "$out/gpu_oom.json" \
+      ${OOM_ARGS:-}
     ;;
   ssd)
     # The SSD KV tier: TTFT after an engine restart of a request whose long prefix is on disk,

@@ -3,7 +3,10 @@
 server, with the metrics of `vllm bench serve`.
 
     python3 scripts/bench/serve.py --url http://127.0.0.1:PORT|unix:/path/to.sock --streams 32 --max-tokens 128 \
-        --temperature 0.7 [--model NAME] [--label mlxd] [--out result.json]
+        --temperature 0.7 [--model NAME[,NAME...]] [--label mlxd] [--out result.json]
+
+With several comma-separated model names, stream i asks for the (i mod n)-th: streams spread
+evenly over the models (e.g. over several adapters of one base, `base:adapter`).
 
 Every stream sends its own prompt (numbered, so no two are identical) with
 `stream_options.include_usage`. Prints one JSON object:
@@ -80,9 +83,10 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
+    models = args.model.split(",") if args.model else [None]
     result = {}
     threads = [threading.Thread(target=one_stream,
-                                args=(args.url, args.model, i, args.max_tokens,
+                                args=(args.url, models[i % len(models)], i, args.max_tokens,
                                       args.temperature, result))
                for i in range(args.streams)]
     t0 = time.perf_counter()
@@ -110,7 +114,7 @@ def main():
             i = j + 1
     tokens = sum(r["completion"] for r in ok)
     out = {
-        "label": args.label, "streams": args.streams, "max_tokens": args.max_tokens,
+        "label": args.label, "models": models if args.model else None, "streams": args.streams, "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "output_tok_s": round(tokens / wall, 1),
         "completion_tokens": tokens,
