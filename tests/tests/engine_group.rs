@@ -826,8 +826,8 @@ fn http_get(addr: std::net::SocketAddr, path: &str) -> Result<String> {
         .unwrap_or_default())
 }
 
-#[test]
-fn a_backend_this_mlx_build_lacks_fails_the_load_naming_it() -> Result<()> {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_this_mlx_build_lacks_fails_the_load_naming_it() -> Result<()> {
     // The CPU build of MLX on Linux has no NCCL (no CUDA) and no JACCL (RDMA over
     // Thunderbolt, macOS only).
     let model = tiny_model("tiny-llama")?;
@@ -861,6 +861,143 @@ fn a_backend_this_mlx_build_lacks_fails_the_load_naming_it() -> Result<()> {
             "{backend}: {:?}",
             started.elapsed()
         );
+    }
+    // Under mlxd, a valid jaccl entry (two ranks here, RDMA devices listed as mlx.launch's
+    // hostfile lists them) passes the config load, and its load fails at once with the reason.
+    if cfg!(target_os = "linux") {
+        let dir = tempfile::tempdir()?;
+        let config = dir.path().join("mlxd.toml");
+        let path = serde_json::to_string(&model.display().to_string())?;
+        std::fs::write(
+            &config,
+            format!(
+                "[[model]]\nid = \"g\"\npath = {path}\ndistributed = {{ backend = \"jaccl\", \
+                 hosts = [{{ ssh = \"127.0.0.1\", rdma = [\"\", \"rdma_en3\"] }}, \
+                 {{ ssh = \"127.0.0.1\", rdma = [\"rdma_en3\", \"\"] }}] }}\n"
+            ),
+        )?;
+        let mlxd = start_mlxd(&config).await?;
+        let addr = mlxd.addr;
+        let started = Instant::now();
+        let answer = tokio::task::spawn_blocking(move || {
+            let body = json!({"model": "g", "prompt": "hello", "max_tokens": 4, "temperature": 0});
+            mlxd_completion(addr, &body, || Ok(()))
+        })
+        .await?;
+        // The message as the error's JSON body quotes it, unescaped.
+        let error = answer
+            .expect_err("a jaccl group cannot load here")
+            .to_string()
+            .replace('\\', "");
+        assert!(
+            error.contains("this MLX build has no \"jaccl\" distributed backend")
+                && error.contains("RDMA over Thunderbolt 5"),
+            "{error}\nmlxd's log:\n{}",
+            mlxd.stderr()
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+    Ok(())
+}
+
+/// mlxd gives each rank of a jaccl group what `mlx.launch --backend jaccl` gives it for the
+/// same hostfile (`scripts/mlx_launch_jaccl_env.py` runs mlx.launch's own `launch_jaccl`):
+/// the same variables and the same devices matrix; and the hostfiles mlx.launch refuses,
+/// mlxd refuses.
+#[test]
+fn jaccl_ranks_get_what_mlx_launch_gives_them() -> Result<()> {
+    use mlxd_protocol::group_hosts::{jaccl, parse_hosts};
+    const PORT: u16 = 32323;
+    let host = |n: usize, rdma: Value| json!({"ssh": format!("m{n}"), "ips": [format!("10.0.0.{n}")], "rdma": rdma});
+    let cases = json!([
+        // Three Macs joined pairwise, two cables between m2 and m3.
+        [
+            host(1, json!([null, "rdma_en2", "rdma_en3"])),
+            host(2, json!(["rdma_en2", null, ["rdma_en3", "rdma_en4"]])),
+            host(3, json!([["rdma_en2"], ["rdma_en3", "rdma_en4"], null])),
+        ],
+        [
+            host(1, json!([null, "rdma_en5"])),
+            host(2, json!(["rdma_en5", null]))
+        ],
+        // Refused: a host without devices, a list of the wrong size, a host's own entry
+        // naming a device, a pair not joined.
+        [
+            host(1, json!([null, "rdma_en5"])),
+            json!({"ssh": "m2", "ips": ["10.0.0.2"]})
+        ],
+        [
+            host(1, json!([null, "rdma_en5"])),
+            host(2, json!(["rdma_en5"]))
+        ],
+        [
+            host(1, json!(["rdma_en4", "rdma_en5"])),
+            host(2, json!(["rdma_en5", null]))
+        ],
+        [
+            host(1, json!([null, null])),
+            host(2, json!(["rdma_en5", null]))
+        ],
+    ]);
+    let mut python = Command::new(mlxd_tests::python()?)
+        .arg(mlxd_tests::workspace_root().join("scripts/mlx_launch_jaccl_env.py"))
+        .arg(PORT.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    python
+        .stdin
+        .take()
+        .context("python's stdin")?
+        .write_all(cases.to_string().as_bytes())?;
+    let out = python.wait_with_output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "mlx_launch_jaccl_env.py failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let answers: Vec<Value> = serde_json::from_slice(&out.stdout)?;
+    let cases = cases.as_array().context("cases")?;
+    assert_eq!(answers.len(), cases.len());
+    for (entries, answer) in cases.iter().zip(&answers) {
+        let hosts = parse_hosts(&entries.to_string()).map_err(anyhow::Error::msg)?;
+        let ours = jaccl::JacclGroup::new(&hosts, PORT);
+        let Some(ranks) = answer["ranks"].as_array() else {
+            let e = ours.err().with_context(|| {
+                format!("mlx.launch refuses {entries} ({answer}), mlxd does not")
+            })?;
+            assert!(!e.is_empty());
+            continue;
+        };
+        let ours = ours.map_err(|e| anyhow::anyhow!("mlxd refuses {entries}: {e}"))?;
+        assert_eq!(ranks.len(), hosts.len());
+        for (rank, theirs) in ranks.iter().enumerate() {
+            let env: serde_json::Map<String, Value> = ours
+                .env(rank)
+                .into_iter()
+                .map(|(k, v)| (k.to_owned(), Value::String(v)))
+                .collect();
+            assert_eq!(
+                Value::Object(env),
+                theirs["env"],
+                "rank {rank} of {entries}"
+            );
+            let files = theirs["files"].as_object().context("files")?;
+            let names: Vec<&String> = files.keys().collect();
+            assert_eq!(names, [jaccl::DEVICES_ENV], "{theirs}");
+            let matrix: Value =
+                serde_json::from_str(files[jaccl::DEVICES_ENV].as_str().context("devices")?)?;
+            assert_eq!(
+                serde_json::from_str::<Value>(&ours.devices)?,
+                matrix,
+                "{entries}"
+            );
+        }
     }
     Ok(())
 }
@@ -1085,8 +1222,31 @@ async fn under_mlxd_a_pipeline_group_serves_the_single_engines_text() -> Result<
         Ok(())
     })
     .await??;
+    // The hostfile rank 0 wrote beside its socket is gone once the group has formed.
+    let left = files_under(mlxd.dir.path())?
+        .into_iter()
+        .filter(|f| f.to_string_lossy().ends_with(".hosts.json"))
+        .collect::<Vec<_>>();
+    assert!(left.is_empty(), "left behind: {left:?}");
     drop(mlxd);
     Ok(())
+}
+
+/// Every file under `dir`, at any depth.
+fn files_under(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut files = Vec::new();
+    let mut dirs = vec![dir.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        for entry in std::fs::read_dir(&d)? {
+            let path = entry?.path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else {
+                files.push(path);
+            }
+        }
+    }
+    Ok(files)
 }
 
 /// Each tensor's bytes in a safetensors file, by name.

@@ -1,7 +1,9 @@
 //! Rank 0 of an engine group under `mlxd` starts the other ranks itself, as `mlx.launch`
 //! would, with the environment MLX reads for the backend: for `ring` each rank's address in
-//! MLX's JSON hostfile (`MLX_RANK`, `MLX_HOSTFILE`); for `nccl` (one machine) a rendezvous
-//! port and one GPU per rank (`MLX_RANK`, `MLX_WORLD_SIZE`, `NCCL_HOST_IP`, `NCCL_PORT`,
+//! MLX's JSON hostfile (`MLX_RANK`, `MLX_HOSTFILE`); for `jaccl` the RDMA devices matrix and
+//! rank 0's coordinator address (`MLX_RANK`, `MLX_IBV_DEVICES`, `MLX_JACCL_COORDINATOR`:
+//! `mlxd_protocol::group_hosts::jaccl`); for `nccl` (one machine) a rendezvous port and one
+//! GPU per rank (`MLX_RANK`, `MLX_WORLD_SIZE`, `NCCL_HOST_IP`, `NCCL_PORT`,
 //! `CUDA_VISIBLE_DEVICES`: the rank's entry of the visible devices). Ranks on this machine run
 //! `mlxd-engine --distributed <backend>` as rank 0's children; ranks on other machines are
 //! started through `ssh` ([`super::ssh_rank`]). Either way the child (the rank, or its `ssh`)
@@ -9,16 +11,22 @@
 //! 0's process group ends every rank, so the pool sees one engine. A rank that fails ends rank
 //! 0 too, through the caller's `on_failure` with the reason ([`EXIT_GROUP_BROKEN`] after), so
 //! the pool restarts the whole group, or fails its load naming the rank and what it said.
+//!
+//! The files MLX reads (the ring hostfile, the jaccl devices matrix) are read once, when a
+//! rank joins: rank 0 writes this machine's copy beside its socket and removes it once every
+//! rank has joined, or the group failed; a remote rank's shell writes its own and removes it
+//! when the rank exits. A rank 0 killed before that leaves its copy in `mlxd`'s runtime
+//! directory, which `mlxd` removes.
 use std::net::TcpListener;
 #[cfg(target_os = "linux")]
 use std::os::unix::process::CommandExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 
 use mlxd_protocol::control::Launch;
 use mlxd_protocol::engine_options::EngineOptions;
-use mlxd_protocol::group_hosts::{self, GroupHost, RING_STARTING_PORT};
+use mlxd_protocol::group_hosts::{self, jaccl, GroupHost, RING_STARTING_PORT};
 
 use super::group::{join, Setup};
 use super::ssh_rank::RemoteRank;
@@ -62,10 +70,15 @@ pub fn lead_group(
     if !crate::distributed::group::is_available(&backend) {
         return Err(StartError::Group(GroupError::Unavailable(backend.clone())));
     }
-    let plan = rank_env(&backend, &hosts, &launch.socket_path).map_err(refused)?;
+    let plan = rank_env(&backend, &hosts).map_err(refused)?;
+    let files = LocalFiles::write(&plan.files, &launch.socket_path).map_err(refused)?;
     // MLX reads the rank and its peers from the environment at init; this runs on the main
-    // thread before the MLX thread or the server start.
-    for (key, value) in (plan.env)(0) {
+    // thread before the MLX thread or the server start. The local ranks inherit what is
+    // cleared here, and are given their own values over the rest.
+    for key in plan.cleared {
+        std::env::remove_var(key);
+    }
+    for (key, value) in (plan.env)(0).into_iter().chain(files.env()) {
         std::env::set_var(key, value);
     }
     let engine = std::env::current_exe()
@@ -73,9 +86,10 @@ pub fn lead_group(
     let engine = engine.display().to_string();
     for (rank, host) in hosts.iter().enumerate().skip(1) {
         let started = if host.is_local() {
-            spawn_rank(&backend, (plan.env)(rank), &launch.model, home).map(Rank::Local)
+            let env = (plan.env)(rank).into_iter().chain(files.env()).collect();
+            spawn_rank(&backend, env, &launch.model, home).map(Rank::Local)
         } else {
-            spawn_remote(rank, host, &plan, &engine, &launch.model)
+            spawn_remote(rank, host, &backend, &plan, &engine, &launch.model)
         };
         let started = started
             .map_err(|e| refused(format!("cannot start rank {rank} (host {}): {e}", host.ssh)))?;
@@ -91,34 +105,55 @@ pub fn lead_group(
         options: launch.options.clone(),
     };
     Setup::agree(&group, Some(&setup))?;
+    // The agreement is a collective of every rank, so every rank has read the files.
+    drop(files);
     Ok(Some(group))
 }
 
-/// How each rank joins: the environment MLX reads, per rank, and for `ring` the hostfile's
-/// JSON (what a remote rank writes on its own host).
+/// How each rank joins, as MLX's backend reads it.
 struct RankPlan {
+    /// The variables MLX reads, per rank, besides those naming its files.
     env: Box<dyn Fn(usize) -> Vec<(&'static str, String)>>,
-    hostfile: Option<String>,
+    /// The files MLX reads, the same for every rank: written on this machine for rank 0 and
+    /// its local children ([`LocalFiles`]), and by a remote rank's shell on its own host.
+    files: Vec<RankFile>,
+    /// Variables no rank may inherit from this process's environment (other spellings of the
+    /// backend's settings).
+    cleared: &'static [&'static str],
 }
 
-/// What MLX's `backend` reads, per rank ([`RankPlan`]); `socket` names where files go.
-fn rank_env(backend: &str, hosts: &[GroupHost], socket: &Path) -> Result<RankPlan, String> {
+/// A file MLX reads: the variable that names it, its name beside rank 0's socket, its text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct RankFile {
+    pub var: &'static str,
+    pub name: &'static str,
+    pub content: String,
+}
+
+/// What MLX's `backend` reads, per rank ([`RankPlan`]).
+fn rank_env(backend: &str, hosts: &[GroupHost]) -> Result<RankPlan, String> {
     let ranks = hosts.len();
     match backend {
-        "ring" => {
-            let json = ring_hostfile(hosts)?;
-            let hostfile = socket.with_extension("hosts.json");
-            std::fs::write(&hostfile, &json)
-                .map_err(|e| format!("cannot write {}: {e}", hostfile.display()))?;
-            let hostfile = hostfile.display().to_string();
+        "ring" => Ok(RankPlan {
+            env: Box::new(move |rank| vec![("MLX_RANK", rank.to_string())]),
+            files: vec![RankFile {
+                var: "MLX_HOSTFILE",
+                name: "hosts.json",
+                content: ring_hostfile(hosts)?,
+            }],
+            cleared: &[],
+        }),
+        "jaccl" => {
+            let group = jaccl::JacclGroup::new(hosts, coordinator_port(hosts)?)?;
+            let devices = group.devices.clone();
             Ok(RankPlan {
-                env: Box::new(move |rank| {
-                    vec![
-                        ("MLX_RANK", rank.to_string()),
-                        ("MLX_HOSTFILE", hostfile.clone()),
-                    ]
-                }),
-                hostfile: Some(json),
+                env: Box::new(move |rank| group.env(rank)),
+                files: vec![RankFile {
+                    var: jaccl::DEVICES_ENV,
+                    name: "ibv-devices.json",
+                    content: devices,
+                }],
+                cleared: jaccl::NOT_INHERITED,
             })
         }
         "nccl" => {
@@ -155,13 +190,67 @@ fn rank_env(backend: &str, hosts: &[GroupHost], socket: &Path) -> Result<RankPla
                         ("CUDA_VISIBLE_DEVICES", visible[rank].clone()),
                     ]
                 }),
-                hostfile: None,
+                files: Vec::new(),
+                cleared: &[],
             })
         }
         other => Err(format!(
-            "mlxd starts ring and nccl groups only; start {other} groups with mlx.launch and \
-             `mlxd-engine --distributed {other}`"
+            "mlxd starts ring, jaccl and nccl groups only; start {other} groups with mlx.launch \
+             and `mlxd-engine --distributed {other}`"
         )),
+    }
+}
+
+/// The jaccl coordinator's port on rank 0 (this machine): its entry's `port`, else a free
+/// one. Either is listened on once here, which also proves the coordinator's address is one
+/// of this machine's.
+fn coordinator_port(hosts: &[GroupHost]) -> Result<u16, String> {
+    let ip = jaccl::coordinator_ip(hosts)?;
+    let port = hosts.first().and_then(|h| h.port).unwrap_or(0);
+    TcpListener::bind((ip, port))
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| {
+            format!(
+                "the jaccl coordinator (rank 0, this machine) cannot listen on {ip} port {port}: \
+                 {e}; rank 0's address must be one of this machine's"
+            )
+        })
+}
+
+/// This machine's copies of a plan's files, beside rank 0's socket; removed when dropped.
+struct LocalFiles(Vec<(&'static str, PathBuf)>);
+
+impl LocalFiles {
+    fn write(files: &[RankFile], socket: &Path) -> Result<Self, String> {
+        let mut written = LocalFiles(Vec::new());
+        for file in files {
+            let path = socket.with_extension(file.name);
+            std::fs::write(&path, &file.content)
+                .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+            written.0.push((file.var, path));
+        }
+        Ok(written)
+    }
+
+    /// Each file's variable and path.
+    fn env(&self) -> Vec<(&'static str, String)> {
+        self.0
+            .iter()
+            .map(|(var, path)| (*var, path.display().to_string()))
+            .collect()
+    }
+}
+
+impl Drop for LocalFiles {
+    fn drop(&mut self) {
+        for (_, path) in &self.0 {
+            if let Err(e) = std::fs::remove_file(path) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    tracing::warn!(path = %path.display(), error = %e, "cannot remove a group file");
+                }
+            }
+        }
     }
 }
 
@@ -207,23 +296,22 @@ enum Rank {
 fn spawn_remote(
     rank: usize,
     host: &GroupHost,
+    backend: &str,
     plan: &RankPlan,
     engine: &str,
     model: &str,
 ) -> std::io::Result<Rank> {
-    let hostfile = plan
-        .hostfile
-        .as_deref()
-        .ok_or_else(|| std::io::Error::other("ranks on other machines need the ring backend"))?;
     // Rank 0's own settings that the remote rank needs as well.
-    let env = ["MLXD_GROUP_INIT_TIMEOUT", "RUST_LOG"]
-        .into_iter()
-        .filter_map(|key| std::env::var(key).ok().map(|v| (key, v)))
-        .collect();
+    let mut env = (plan.env)(rank);
+    env.extend(
+        ["MLXD_GROUP_INIT_TIMEOUT", "RUST_LOG"]
+            .into_iter()
+            .filter_map(|key| std::env::var(key).ok().map(|v| (key, v))),
+    );
     let remote = RemoteRank {
-        rank,
         host,
-        hostfile,
+        backend,
+        files: &plan.files,
         engine: host.engine.as_deref().unwrap_or(engine),
         model,
         env,
@@ -315,4 +403,83 @@ fn watch_rank(
             std::process::exit(EXIT_GROUP_BROKEN)
         })
         .map(drop)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two ranks on this machine, as a jaccl group would name them (a test needs no cable).
+    fn jaccl_pair(port: Option<u16>) -> Vec<GroupHost> {
+        group_hosts::parse_hosts(&format!(
+            r#"[{{"ssh": "127.0.0.1", "rdma": [null, "rdma_en3"]{}}},
+                {{"ssh": "127.0.0.1", "rdma": ["rdma_en3", null]}}]"#,
+            port.map(|p| format!(", \"port\": {p}")).unwrap_or_default()
+        ))
+        .unwrap()
+    }
+
+    /// Every rank gets what `mlx.launch --backend jaccl` gives it: its rank, rank 0's
+    /// `ip:port`, and a file of the devices matrix that is gone once the group has formed.
+    #[test]
+    fn a_jaccl_rank_gets_mlx_launchs_environment_and_the_devices_file() {
+        let plan = rank_env("jaccl", &jaccl_pair(None)).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let files = LocalFiles::write(&plan.files, &dir.path().join("engine-0.sock")).unwrap();
+        let path = dir.path().join("engine-0.ibv-devices.json");
+        assert_eq!(
+            files.env(),
+            vec![("MLX_IBV_DEVICES", path.display().to_string())]
+        );
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            r#"[[null,"rdma_en3"],["rdma_en3",null]]"#
+        );
+        for rank in 0..2 {
+            let env = (plan.env)(rank);
+            let names: Vec<&str> = env.iter().map(|(k, _)| *k).collect();
+            assert_eq!(names, ["MLX_RANK", "MLX_JACCL_COORDINATOR"]);
+            assert_eq!(env[0].1, rank.to_string());
+            let port = env[1].1.strip_prefix("127.0.0.1:").unwrap();
+            assert!(port.parse::<u16>().unwrap() > 0, "{env:?}");
+        }
+        assert!(plan.cleared.contains(&"JACCL_RANK"));
+        drop(files);
+        assert!(!path.exists());
+    }
+
+    #[test]
+    fn a_coordinator_port_in_use_is_refused_naming_it() {
+        let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = taken.local_addr().unwrap().port();
+        let e = rank_env("jaccl", &jaccl_pair(Some(port)))
+            .err()
+            .expect("the port is taken");
+        assert!(
+            e.contains(&format!("cannot listen on 127.0.0.1 port {port}")),
+            "{e}"
+        );
+        let plan = rank_env("jaccl", &jaccl_pair(None)).unwrap();
+        assert!((plan.env)(1)[1].1.starts_with("127.0.0.1:"));
+        let e = rank_env(
+            "jaccl",
+            &group_hosts::parse_hosts("127.0.0.1,127.0.0.1").unwrap(),
+        )
+        .err()
+        .expect("no rdma lists");
+        assert!(e.contains("has no rdma list"), "{e}");
+    }
+
+    #[test]
+    fn a_ring_rank_gets_its_rank_and_the_hostfile() {
+        let plan = rank_env(
+            "ring",
+            &group_hosts::parse_hosts("127.0.0.1,127.0.0.1").unwrap(),
+        )
+        .unwrap();
+        assert_eq!((plan.env)(1), vec![("MLX_RANK", "1".to_owned())]);
+        assert_eq!(plan.files[0].var, "MLX_HOSTFILE");
+        let hostfile: Vec<Vec<String>> = serde_json::from_str(&plan.files[0].content).unwrap();
+        assert!(hostfile.iter().all(|r| r[0].starts_with("127.0.0.1:")));
+    }
 }

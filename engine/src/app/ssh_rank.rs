@@ -1,6 +1,9 @@
 //! A rank of an engine group on another machine, started by rank 0 through `ssh` as
-//! `mlx.launch` starts its ranks: the remote shell writes MLX's hostfile to a temporary file,
-//! sets `MLX_RANK` and `MLX_HOSTFILE`, and runs `mlxd-engine --distributed ring`.
+//! `mlx.launch` starts its ranks: the remote shell writes the files MLX reads (the ring
+//! hostfile, the jaccl devices matrix) into a temporary directory, sets the variables naming
+//! them and the rest of MLX's environment (`MLX_RANK`, for jaccl `MLX_JACCL_COORDINATOR`),
+//! runs `mlxd-engine --distributed <backend>`, and removes the directory when the shell exits
+//! (the engine's exit, or a hang-up or termination of the shell).
 //!
 //! Assumptions (each overridable in the host's entry, `mlxd_protocol::group_hosts`):
 //! `mlxd-engine` lies at the path of rank 0's own (`engine`), and the model at the path rank 0
@@ -21,6 +24,7 @@ use std::time::Duration;
 
 use mlxd_protocol::group_hosts::GroupHost;
 
+use super::group_launch::RankFile;
 use crate::distributed::replica::EXIT_GROUP_BROKEN;
 
 /// How long `ssh` may take to connect before the load fails (`ConnectTimeout`).
@@ -31,15 +35,17 @@ const TAIL_LINES: usize = 8;
 
 /// What rank 0 starts on another host.
 pub struct RemoteRank<'a> {
-    pub rank: usize,
     pub host: &'a GroupHost,
-    /// MLX's ring hostfile, as JSON (every rank's `"ip:port"`).
-    pub hostfile: &'a str,
+    /// The MLX distributed backend.
+    pub backend: &'a str,
+    /// The files MLX reads (the ring hostfile, the jaccl devices matrix).
+    pub files: &'a [RankFile],
     /// `mlxd-engine` on that host.
     pub engine: &'a str,
     /// The model rank 0 loads (the remote rank loads `host.model` instead when set).
     pub model: &'a str,
-    /// Extra environment for the remote engine (`MLXD_GROUP_INIT_TIMEOUT`, `RUST_LOG`).
+    /// The remote engine's environment besides the files' variables: MLX's (`MLX_RANK`, ...)
+    /// and rank 0's settings it shares (`MLXD_GROUP_INIT_TIMEOUT`, `RUST_LOG`).
     pub env: Vec<(&'static str, String)>,
 }
 
@@ -49,34 +55,40 @@ fn quote(s: &str) -> String {
 }
 
 impl RemoteRank<'_> {
-    /// The `sh` script the remote host runs: the hostfile into a temporary file (removed when
-    /// the engine exits), then the engine with MLX's environment.
+    /// The `sh` script the remote host runs: the files into a temporary directory (removed
+    /// when the shell exits, a hang-up or termination included), then the engine with MLX's
+    /// environment.
     pub fn script(&self) -> String {
-        let mut env = vec![
-            ("MLX_RANK", self.rank.to_string()),
-            ("NO_COLOR", "1".to_owned()),
-        ];
-        env.extend(self.env.iter().cloned());
-        let env: Vec<String> = env
+        let mut env: Vec<String> = self
+            .env
             .iter()
+            .chain(&[("NO_COLOR", "1".to_owned())])
             .map(|(k, v)| format!("{k}={}", quote(v)))
             .collect();
+        let mut script = "d=$(mktemp -d) || exit 1; trap 'rm -rf \"$d\"' EXIT; \
+                          trap 'exit 129' HUP; trap 'exit 130' INT; trap 'exit 143' TERM; "
+            .to_owned();
+        for file in self.files {
+            script.push_str(&format!(
+                "printf '%s\\n' {content} >\"$d/{name}\" || exit 1; ",
+                content = quote(&file.content),
+                name = file.name,
+            ));
+            env.push(format!("{}=\"$d/{}\"", file.var, file.name));
+        }
         let mut engine = vec![
             quote(self.engine),
-            "--distributed ring --until-stdin-closes --model".to_owned(),
+            "--distributed".to_owned(),
+            quote(self.backend),
+            "--until-stdin-closes --model".to_owned(),
             quote(self.model),
         ];
         if let Some(model) = &self.host.model {
             engine.push("--rank-model".into());
             engine.push(quote(model));
         }
-        format!(
-            "f=$(mktemp) || exit 1; printf '%s\\n' {hostfile} >\"$f\" || exit 1; \
-             {env} MLX_HOSTFILE=\"$f\" {engine}; s=$?; rm -f \"$f\"; exit $s",
-            hostfile = quote(self.hostfile),
-            env = env.join(" "),
-            engine = engine.join(" "),
-        )
+        script.push_str(&format!("{} {}; exit $?", env.join(" "), engine.join(" ")));
+        script
     }
 
     /// `ssh`'s arguments: the host's own options first (for each setting `ssh` keeps the
@@ -200,16 +212,28 @@ mod tests {
         h
     }
 
+    fn ring_file(content: &str) -> Vec<RankFile> {
+        vec![RankFile {
+            var: "MLX_HOSTFILE",
+            name: "hosts.json",
+            content: content.into(),
+        }]
+    }
+
     #[test]
     fn the_command_line_runs_the_engine_with_mlxs_environment() {
         let h = host();
+        let files = ring_file(r#"[["10.0.0.1:5000"],["10.0.0.2:32324"]]"#);
         let remote = RemoteRank {
-            rank: 1,
             host: &h,
-            hostfile: r#"[["10.0.0.1:5000"],["10.0.0.2:32324"]]"#,
+            backend: "ring",
+            files: &files,
             engine: "/opt/mlxd/mlxd-engine",
             model: "/models/it's here",
-            env: vec![("MLXD_GROUP_INIT_TIMEOUT", "20".into())],
+            env: vec![
+                ("MLX_RANK", "1".into()),
+                ("MLXD_GROUP_INIT_TIMEOUT", "20".into()),
+            ],
         };
         let args = remote.ssh_args();
         // The host's options first, so that they win; the host after `--`.
@@ -220,50 +244,71 @@ mod tests {
         assert_eq!(args[at + 1], "me@10.0.0.2");
         let script = remote.script();
         for part in [
+            "d=$(mktemp -d) || exit 1; trap 'rm -rf \"$d\"' EXIT;",
             "MLX_RANK='1'",
             "MLXD_GROUP_INIT_TIMEOUT='20'",
-            "MLX_HOSTFILE=\"$f\" '/opt/mlxd/mlxd-engine' --distributed ring --until-stdin-closes",
+            "MLX_HOSTFILE=\"$d/hosts.json\" '/opt/mlxd/mlxd-engine' --distributed 'ring' \
+             --until-stdin-closes",
             r"--model '/models/it'\''s here'",
-            r#"printf '%s\n' '[["10.0.0.1:5000"],["10.0.0.2:32324"]]' >"$f""#,
-            "rm -f \"$f\"",
+            r#"printf '%s\n' '[["10.0.0.1:5000"],["10.0.0.2:32324"]]' >"$d/hosts.json""#,
         ] {
             assert!(script.contains(part), "{part} not in {script}");
         }
         assert_eq!(args[at + 2], format!("sh -c {}", quote(&script)));
     }
 
-    /// The script as `sh` runs it: the engine gets the environment and arguments, and the
-    /// hostfile it names holds the JSON.
+    /// The script as `sh` runs it: the engine gets the environment and arguments, the files
+    /// it names hold their text, and they are gone once the engine has exited.
     #[test]
-    fn the_script_runs_under_sh() {
+    fn the_script_runs_under_sh_and_leaves_no_file() {
         let dir = tempfile::tempdir().unwrap();
         let fake = dir.path().join("engine");
         std::fs::write(
             &fake,
-            "#!/bin/sh\necho \"$MLX_RANK $(cat \"$MLX_HOSTFILE\") $*\"\nexit 3\n",
+            "#!/bin/sh\necho \"$MLX_RANK $MLX_JACCL_COORDINATOR $(cat \"$MLX_IBV_DEVICES\") $*\"\n\
+             echo \"$MLX_IBV_DEVICES\" >&2\nexit 3\n",
         )
         .unwrap();
         std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755))
             .unwrap();
         let mut h = GroupHost::named("127.0.0.2");
         h.model = Some("/there".into());
+        let files = vec![RankFile {
+            var: "MLX_IBV_DEVICES",
+            name: "ibv-devices.json",
+            content: r#"[[null,"rdma_en3"],["rdma_en3",null]]"#.into(),
+        }];
         let remote = RemoteRank {
-            rank: 2,
             host: &h,
-            hostfile: r#"[["a"],["b"]]"#,
+            backend: "jaccl",
+            files: &files,
             engine: fake.to_str().unwrap(),
             model: "/here",
-            env: Vec::new(),
+            env: vec![
+                ("MLX_RANK", "1".into()),
+                ("MLX_JACCL_COORDINATOR", "10.0.0.1:5000".into()),
+            ],
         };
         let out = Command::new("sh")
             .arg("-c")
             .arg(remote.script())
+            .env("TMPDIR", dir.path())
             .output()
             .unwrap();
         assert_eq!(out.status.code(), Some(3));
         assert_eq!(
             String::from_utf8_lossy(&out.stdout).trim(),
-            r#"2 [["a"],["b"]] --distributed ring --until-stdin-closes --model /here --rank-model /there"#
+            r#"1 10.0.0.1:5000 [[null,"rdma_en3"],["rdma_en3",null]] --distributed jaccl --until-stdin-closes --model /here --rank-model /there"#
+        );
+        let devices = String::from_utf8_lossy(&out.stderr).trim().to_owned();
+        assert!(
+            devices.starts_with(dir.path().to_str().unwrap()),
+            "{devices}"
+        );
+        let path = std::path::Path::new(&devices);
+        assert!(
+            !path.exists() && !path.parent().unwrap().exists(),
+            "{devices} is left"
         );
     }
 

@@ -2,8 +2,9 @@
 //! mlx-rs 0.33 does not wrap) behind a safe, shareable handle.
 //!
 //! The group is what `mx.distributed.init(backend=...)` returns in Python: MLX reads the
-//! backend's own environment (`MLX_RANK` and `MLX_HOSTFILE` for `ring`, as `mlx.launch`
-//! sets them), so an engine started by `mlx.launch` or by `mlxd` joins the same way.
+//! backend's own environment (`MLX_RANK` and `MLX_HOSTFILE` for `ring`; `MLX_RANK`,
+//! `MLX_IBV_DEVICES` and `MLX_JACCL_COORDINATOR` for `jaccl`, as `mlx.launch` sets them), so
+//! an engine started by `mlx.launch` or by `mlxd` joins the same way.
 //! Collectives are lazy MLX ops: they run when their result is evaluated, on every rank, in
 //! the order each rank evaluates them.
 use std::ffi::{c_char, c_void, CStr, CString};
@@ -21,7 +22,7 @@ pub const BACKENDS: &[&str] = &["ring", "jaccl", "nccl"];
 pub enum GroupError {
     #[error("unknown distributed backend {0:?} (known: ring, jaccl, nccl)")]
     UnknownBackend(String),
-    #[error("this MLX build has no {0:?} distributed backend")]
+    #[error("this MLX build has no {0:?} distributed backend{needs}", needs = needs(.0))]
     Unavailable(String),
     #[error("the {backend} group did not form: {reason}")]
     Init { backend: String, reason: String },
@@ -30,6 +31,15 @@ pub enum GroupError {
          in the hostfile does not answer"
     )]
     Timeout { backend: String, seconds: u64 },
+}
+
+/// What a backend missing from this build needs, for its error message.
+fn needs(backend: &str) -> &'static str {
+    match backend {
+        "jaccl" => " (jaccl is RDMA over Thunderbolt 5, in MLX's macOS builds only)",
+        "nccl" => " (nccl is in MLX's CUDA builds only)",
+        _ => "",
+    }
 }
 
 /// An initialized group; clones share it (every sharded layer holds one).
