@@ -192,8 +192,9 @@ pub struct EngineOptions {
     pub generation_checkpoint: Option<u64>,
     /// Run as one rank of an engine group over this MLX distributed backend (ring, jaccl or
     /// nccl), as `mlx.launch` starts one: the rank and the other hosts come from MLX's own
-    /// environment (`MLX_RANK`, `MLX_HOSTFILE`); rank 0 serves, the others take the model and
-    /// every option from it.
+    /// environment (`MLX_RANK`, and `MLX_HOSTFILE` for ring, `MLX_IBV_DEVICES` and
+    /// `MLX_JACCL_COORDINATOR` for jaccl); rank 0 serves, the others take the model and every
+    /// option from it.
     #[cfg_attr(feature = "cli", arg(long, value_parser = parse_distributed))]
     pub distributed: Option<String>,
     /// With --distributed: the group's hosts, one per rank (rank 0 first), comma-separated

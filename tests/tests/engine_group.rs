@@ -4,7 +4,8 @@
 //! alone and batched, and two give mlx-lm's own sharded tokens (`sharded_load`, tensor and
 //! pipeline); a rank count that does not divide the heads, and a hostfile naming a rank that
 //! never comes, fail the load with the reason; `kill -9` of rank 1 takes rank 0 down (the
-//! supervisor restarts the group).
+//! supervisor restarts the group). jaccl (absent from Linux's MLX) fails the load at once,
+//! and its ranks' environment is compared with `mlx.launch`'s own.
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
