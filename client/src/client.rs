@@ -149,6 +149,11 @@ impl Client {
         }
     }
 
+    /// Whether this is an HTTP client (of `mlxd`, whose admin and jobs routes it can use).
+    pub(crate) fn is_http(&self) -> bool {
+        matches!(self.inner.transport, Transport::Http(_))
+    }
+
     /// Where the transport goes, for error messages.
     pub(crate) fn target(&self) -> String {
         self.inner.transport.target()

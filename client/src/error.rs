@@ -74,4 +74,23 @@ impl ClientError {
     pub fn error_type(&self) -> Option<ErrorType> {
         self.body().and_then(ErrorBody::error_type)
     }
+
+    /// The error `code` of the server's body (`model_not_found`, `adapter_in_use`, ...).
+    pub fn code(&self) -> Option<&str> {
+        self.body().and_then(|b| b.error.code.as_deref())
+    }
+
+    /// A 404: the server does not know what the request names (a model, a model's adapter,
+    /// an adapter loaded at run time to unload, a job).
+    pub fn is_not_found(&self) -> bool {
+        self.status() == Some(404)
+    }
+
+    /// A 409: the request conflicts with the server's state and may succeed later or under
+    /// another name: an adapter name already taken (`adapter_exists`), an adapter in use by
+    /// requests in flight (`adapter_in_use`: unload it once they finish), a job that has
+    /// already ended.
+    pub fn is_conflict(&self) -> bool {
+        self.status() == Some(409)
+    }
 }

@@ -27,14 +27,18 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Managed jobs on `mlxd` (quantize, convert a GGUF, fetch; progress, cancel) go through
-//! [`TaskClient`].
+//! Managed jobs on `mlxd` (quantize, convert a GGUF, fetch, fine-tune a LoRA adapter, fuse
+//! one into its base; progress, cancel) go through [`TaskClient`]. LoRA adapters are loaded
+//! into a model's engine at run time with [`Client::load_adapter`] (listed with
+//! [`Client::adapters`], unloaded with [`Client::unload_adapter`]) and then named like a
+//! model in any request: `"model": "<model>:<adapter>"`.
 //!
 //! Runnable examples: `cargo run -p mlxd-client --example http_chat`, `--example unix_chat`,
 //! `--example quantize_job`, and `--features in-process --example in_process_chat`.
 use std::future::Future;
 use std::pin::Pin;
 
+mod adapters;
 mod client;
 mod error;
 #[cfg(feature = "in-process")]
@@ -47,9 +51,11 @@ pub use client::{Client, ClientBuilder};
 pub use error::ClientError;
 #[cfg(feature = "in-process")]
 pub use in_process::{InProcessOptions, RuntimeLimits};
+pub use mlxd_protocol::adapters::{AdapterObject, ModelAdapter, ModelAdapterList, UnloadedAdapter};
 pub use mlxd_protocol::error::{ErrorBody, ErrorType};
 pub use mlxd_protocol::jobs::{
-    Job, JobKind, JobProgress, JobRequest, JobResult, JobState, TrainParams, TrainingProgress,
+    Job, JobKind, JobProgress, JobRequest, JobResult, JobState, LrSchedule, Optimizer, TrainParams,
+    TrainingProgress,
 };
 pub use mlxd_protocol::openai::{
     ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatMessage,

@@ -1,6 +1,8 @@
 //! The admin API's adapter objects: `POST /admin/adapters` (engine) and `POST
 //! /admin/models/{id}/adapters` (mlxd) take an [`AdapterLoad`] and answer an
-//! [`AdapterObject`]; the `GET`s answer an [`AdapterList`].
+//! [`AdapterObject`]; the engine's `GET` answers an [`AdapterList`], mlxd's a
+//! [`ModelAdapterList`] (configured adapters and those loaded at run time); mlxd's `DELETE`
+//! answers an [`UnloadedAdapter`].
 use serde::{Deserialize, Serialize};
 
 /// `object` of an [`AdapterObject`].
@@ -36,4 +38,41 @@ pub struct AdapterObject {
 pub struct AdapterList {
     pub object: String,
     pub data: Vec<AdapterObject>,
+}
+
+/// One adapter of a model as mlxd lists it (`GET /admin/models/{id}/adapters`): mlxd knows
+/// where each came from, not its factors (those are the engine's, in [`AdapterObject`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelAdapter {
+    /// How requests name it: `<model>:<name>`.
+    pub id: String,
+    pub name: String,
+    /// The model it applies to.
+    pub parent: String,
+    /// Its directory, as the engine loads it.
+    pub path: String,
+    /// Loaded at run time (`POST`, and unloadable by `DELETE`), not configured.
+    pub runtime: bool,
+}
+
+/// `GET /admin/models/{id}/adapters`: the configured adapters first, then those loaded at
+/// run time in load order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelAdapterList {
+    pub object: String,
+    /// The model's id (the path may have named an alias).
+    pub model: String,
+    pub data: Vec<ModelAdapter>,
+}
+
+/// `DELETE /admin/models/{id}/adapters/{name}`: the adapter that is no longer served. When
+/// the model's engine was running the answer is its [`AdapterObject`], of which these are
+/// the fields mlxd always has.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct UnloadedAdapter {
+    pub object: String,
+    /// `<model>:<name>`.
+    pub id: String,
+    pub name: String,
+    pub parent: String,
 }

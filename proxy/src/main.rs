@@ -373,64 +373,39 @@ async fn other_verb(verb: &Command, target: Option<&Target>) -> anyhow::Result<(
     Ok(())
 }
 
-/// `mlxd adapter load|unload|ls`: the admin routes `/admin/models/{id}/adapters`.
-async fn adapter(
-    action: &mlxd_proxy::cli::AdapterAction,
-    target: &mlxd_proxy::client::Target,
-) -> anyhow::Result<()> {
+/// `mlxd adapter load|unload|ls`: the admin routes `/admin/models/{id}/adapters`, through
+/// `mlxd-client`.
+async fn adapter(action: &mlxd_proxy::cli::AdapterAction, target: &Target) -> anyhow::Result<()> {
     use mlxd_proxy::cli::AdapterAction;
-    let server = target.server();
+    let client = target.client()?;
     match action {
         AdapterAction::Load { model, name, dir } => {
             let dir = std::path::absolute(dir)
                 .with_context(|| format!("making {} absolute", dir.display()))?;
-            let body = serde_json::json!({"name": name, "path": dir});
-            let v = server
-                .json(
-                    "POST",
-                    &format!("/admin/models/{model}/adapters"),
-                    Some(&body),
-                )
+            let a = client
+                .load_adapter(model, name, &dir)
                 .await
                 .with_context(|| format!("loading adapter {name} into {model}"))?;
-            println!(
-                "{} loaded (rank {}, {} layers)",
-                v["id"].as_str().unwrap_or(name),
-                v["rank"],
-                v["layers"]
-            );
+            println!("{} loaded (rank {}, {} layers)", a.id, a.rank, a.layers);
         }
         AdapterAction::Unload { model, name } => {
-            let v = server
-                .json(
-                    "DELETE",
-                    &format!("/admin/models/{model}/adapters/{name}"),
-                    None,
-                )
+            let a = client
+                .unload_adapter(model, name)
                 .await
                 .with_context(|| format!("unloading adapter {name} from {model}"))?;
-            println!("{} unloaded", v["id"].as_str().unwrap_or(name));
+            println!("{} unloaded", a.id);
         }
         AdapterAction::Ls { model } => {
-            let v = server
-                .json("GET", &format!("/admin/models/{model}/adapters"), None)
+            let list = client
+                .adapters(model)
                 .await
                 .with_context(|| format!("listing the adapters of {model}"))?;
-            let rows = v["data"].as_array().cloned().unwrap_or_default();
-            if rows.is_empty() {
-                println!("{model} has no adapters");
+            if list.data.is_empty() {
+                println!("{} has no adapters", list.model);
             }
-            for a in rows {
-                println!(
-                    "{}\t{}\t{}",
-                    a["id"].as_str().unwrap_or(""),
-                    if a["runtime"].as_bool() == Some(true) {
-                        "run time"
-                    } else {
-                        "configured"
-                    },
-                    a["path"].as_str().unwrap_or("")
-                );
+            for a in list.data {
+                let from = if a.runtime { "run time" } else { "configured" };
+                println!("{}\t{from}\t{}", a.id, a.path);
             }
         }
     }

@@ -890,7 +890,8 @@ async fn admin_adapters(
                 .get("adapters")
                 .and_then(|s| mlxd_protocol::engine_options::parse_adapter_list(s).ok())
                 .unwrap_or_default();
-            let mut data: Vec<Value> = configured
+            // Configured first, then those loaded at run time, in load order.
+            let data = configured
                 .into_iter()
                 .map(|(name, dir)| (name, dir.display().to_string(), false))
                 .chain(
@@ -899,15 +900,24 @@ async fn admin_adapters(
                         .iter()
                         .map(|(n, d)| (n.clone(), d.clone(), true)),
                 )
-                .map(|(name, path, runtime)| {
-                    json!({"id": format!("{id}:{name}"), "name": name, "parent": id, "path": path, "runtime": runtime})
-                })
+                .map(
+                    |(name, path, runtime)| mlxd_protocol::adapters::ModelAdapter {
+                        id: format!("{id}:{name}"),
+                        name,
+                        parent: id.clone(),
+                        path,
+                        runtime,
+                    },
+                )
                 .collect();
-            data.sort_by_key(|v| v["runtime"].as_bool());
-            Ok(json_response(
-                StatusCode::OK,
-                &json!({"object": "list", "model": id, "data": data}),
-            ))
+            let list = mlxd_protocol::adapters::ModelAdapterList {
+                object: mlxd_protocol::openai::OBJECT_LIST.into(),
+                model: id.clone(),
+                data,
+            };
+            let list =
+                serde_json::to_value(list).map_err(|e| ProxyError::Internal(e.to_string()))?;
+            Ok(json_response(StatusCode::OK, &list))
         }
         (&Method::POST, None) => {
             let max = app.config.server.max_body_bytes;
