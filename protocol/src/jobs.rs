@@ -145,6 +145,9 @@ pub struct TrainParams {
     /// A learning-rate schedule in place of the constant `learning_rate` (mlx-lm's
     /// `lr_schedule`).
     pub lr_schedule: Option<LrSchedule>,
+    /// Recompute each layer's activations in the backward pass instead of keeping them:
+    /// the same losses, less memory, more time (mlx-lm's `grad_checkpoint`).
+    pub grad_checkpoint: bool,
 }
 
 /// mlx-lm's `lr_schedule` (`tuner/utils.py`'s `build_schedule`): one of MLX's schedulers by
@@ -246,6 +249,7 @@ impl Default for TrainParams {
             seed: 0,
             mask_prompt: false,
             lr_schedule: None,
+            grad_checkpoint: false,
         }
     }
 }

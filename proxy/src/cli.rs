@@ -208,6 +208,10 @@ pub struct TrainArgs {
     /// Train on completions only (the last assistant message).
     #[arg(long)]
     pub mask_prompt: bool,
+    /// Recompute each layer's activations in the backward pass instead of keeping them
+    /// (less memory, more time).
+    #[arg(long)]
+    pub grad_checkpoint: bool,
     /// Continue the cancelled or crashed run of the same --out from its last checkpoint.
     #[arg(long)]
     pub resume: bool,
@@ -250,6 +254,7 @@ impl TrainArgs {
         put("max_seq_length", self.max_seq_length.map(|v| json!(v)));
         put("seed", self.seed.map(|v| json!(v)));
         put("mask_prompt", self.mask_prompt.then(|| json!(true)));
+        put("grad_checkpoint", self.grad_checkpoint.then(|| json!(true)));
         put("lr_schedule", self.lr_schedule.clone());
         m
     }

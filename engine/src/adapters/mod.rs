@@ -3,6 +3,7 @@
 //! - [`config`]: `adapter_config.json` as mlx-lm writes it (LoRA or DoRA; full fine-tunes
 //!   are refused with the reason);
 //! - [`dora`]: DoRA's per-output-row rescale, its starting magnitude and its fuse;
+//! - [`checkpoint`]: gradient checkpointing of a training step's transformer layers;
 //! - [`table`]: the adapters a model holds, the linear layers they apply to, and each forward
 //!   pass's choice of adapter per row;
 //! - [`model`]: the loaded model with its table, which the runtime reaches through
@@ -10,6 +11,7 @@
 //!
 //! The base model is never reloaded to switch adapters: a row's adapter is a property of the
 //! row, and rows of several adapters and rows of none decode in one forward pass.
+pub mod checkpoint;
 pub mod config;
 pub mod dora;
 pub mod model;
@@ -18,7 +20,7 @@ pub mod table;
 use std::path::PathBuf;
 
 pub use table::{
-    loading_into, site_for, AdapterSummary, AdapterTable, LoraSite, Selected, SiteInfo,
+    layer_of, loading_into, site_for, AdapterSummary, AdapterTable, LoraSite, Selected, SiteInfo,
     TrainingDropout, TrainingFactors,
 };
 

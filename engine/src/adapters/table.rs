@@ -160,6 +160,43 @@ pub struct TrainingFactors {
     pub m: Option<Array>,
 }
 
+/// A training selection's arrays at the linear layers of one transformer layer, which a
+/// checkpointed layer takes as its inputs ([`super::checkpoint`]).
+#[derive(Clone)]
+pub struct LayerTraining {
+    /// Site index, and whether it has DoRA's `m` (`lora_a`, `lora_b`, `m` in `arrays`).
+    sites: Vec<(usize, bool)>,
+    arrays: Vec<Array>,
+    scale: f32,
+    dropout: Option<TrainingDropout>,
+}
+
+impl LayerTraining {
+    /// The arrays, site by site: `lora_a`, `lora_b` (and `m`).
+    pub fn arrays(&self) -> impl Iterator<Item = &Array> {
+        self.arrays.iter()
+    }
+
+    /// The same sites with `arrays` (as many, in the same order) in place of these.
+    pub fn with_arrays(&self, arrays: &[Array]) -> Self {
+        Self {
+            arrays: arrays.to_vec(),
+            ..self.clone()
+        }
+    }
+}
+
+/// The transformer layer of a site's name (`model.layers.12.mlp.up_proj` → 12).
+pub fn layer_of(prefix: &str) -> Option<usize> {
+    let mut parts = prefix.split('.');
+    while let Some(p) = parts.next() {
+        if p == "layers" {
+            return parts.next()?.parse().ok();
+        }
+    }
+    None
+}
+
 /// A linear layer adapters can change, as training addresses it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SiteInfo {
@@ -253,6 +290,69 @@ impl AdapterTable {
         };
         self.engaged.store(true, Ordering::Release);
         Selected { table: Some(self) }
+    }
+
+    /// The current training selection's arrays at the sites of transformer layer `layer`
+    /// (none when no training step is selected).
+    pub fn training_of_layer(&self, layer: usize) -> LayerTraining {
+        let state = self.lock();
+        let mut out = LayerTraining {
+            sites: Vec::new(),
+            arrays: Vec::new(),
+            scale: 0.0,
+            dropout: None,
+        };
+        if let Selection::Training {
+            factors,
+            scale,
+            dropout,
+        } = &state.selection
+        {
+            out.scale = *scale;
+            out.dropout = dropout.clone();
+            for (index, f) in factors.iter().enumerate() {
+                let Some(f) = f else { continue };
+                if state.sites.get(index).and_then(|s| layer_of(&s.prefix)) != Some(layer) {
+                    continue;
+                }
+                out.sites.push((index, f.m.is_some()));
+                out.arrays.extend([f.a.clone(), f.b.clone()]);
+                out.arrays.extend(f.m.clone());
+            }
+        }
+        out
+    }
+
+    /// Runs `f` with `layer`'s arrays as the training selection, then restores the selection
+    /// there was: a checkpointed layer's call, in the forward pass (inside the step's own
+    /// selection) or again in the backward pass (after it).
+    pub fn with_training<R>(&self, layer: LayerTraining, f: impl FnOnce() -> R) -> R {
+        let n = self.lock().sites.len();
+        let mut factors: Vec<Option<Factors>> = vec![None; n];
+        let mut arrays = layer.arrays.into_iter();
+        for (index, dora) in layer.sites {
+            let (Some(a), Some(b)) = (arrays.next(), arrays.next()) else {
+                break;
+            };
+            let m = if dora { arrays.next() } else { None };
+            factors[index] = Some(Factors {
+                a,
+                b,
+                m,
+                rescale: None,
+            });
+        }
+        let selection = Selection::Training {
+            factors,
+            scale: layer.scale,
+            dropout: layer.dropout,
+        };
+        let previous = std::mem::replace(&mut self.lock().selection, selection);
+        let engaged = self.engaged.swap(true, Ordering::AcqRel);
+        let out = f();
+        self.lock().selection = previous;
+        self.engaged.store(engaged, Ordering::Release);
+        out
     }
 
     /// Loads the mlx-lm adapter in `dir` under `name`. Every tensor must be a `lora_a` or

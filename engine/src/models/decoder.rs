@@ -531,14 +531,15 @@ impl<L: DecoderLayer + 'static> Decoder<L> {
     }
 }
 
-impl<L: DecoderLayer> CausalLm for Decoder<L> {
+impl<L: DecoderLayer + 'static> CausalLm for Decoder<L> {
     fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
         let mut h = match &self.link {
             Some(link) if !link.stage.is_first() => link.receive(tokens)?,
             _ => self.trunk.embed(tokens)?,
         };
-        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            h = layer.forward(&h, cache)?;
+        for (i, (layer, cache)) in self.layers.iter().zip(caches.iter_mut()).enumerate() {
+            // A training step with --grad-checkpoint recomputes the layer in its backward pass.
+            h = crate::adapters::checkpoint::layer(i, &h, cache, layer, L::forward)?;
         }
         if let Some(link) = &self.link {
             h = link.pass_on(h)?;

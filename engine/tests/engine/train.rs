@@ -148,6 +148,49 @@ fn dora_training_follows_mlx_lm_losses_and_gives_its_tokens() {
     follows_mlx_lm("tiny-llama", "tiny-llama-dora", "parity");
 }
 
+/// `grad_checkpoint` recomputes each layer in the backward pass: the losses of a LoRA and of
+/// a DoRA run (with dropout, whose masks the recomputation must draw again) are those of the
+/// same run without it. (Its lower peak memory is measured per job process, in
+/// `tests/tests/jobs.rs`: this binary's tests share one MLX allocator.)
+#[test]
+fn gradient_checkpointing_gives_the_same_losses() {
+    let model = tiny_model("tiny-llama");
+    for name in ["tiny-llama-lora-a", "tiny-llama-dora"] {
+        let (fixture, log) = fixture(name);
+        let mut params = params_of(&log["parity"]);
+        params.iters = 5;
+        params.dropout = 0.1;
+        let run_with = |grad_checkpoint: bool| {
+            let work = tempfile::tempdir().unwrap();
+            let params = TrainParams {
+                grad_checkpoint,
+                ..params.clone()
+            };
+            let mut config = config(&model, &fixture.join("data"), params, work.path());
+            config.init_adapter = Some(fixture.join("init_adapters.safetensors"));
+            run(&config)
+        };
+        let (plain, checkpointed) = (run_with(false), run_with(true));
+        assert_eq!(plain.train_losses.len(), 5);
+        let pairs = plain
+            .train_losses
+            .iter()
+            .zip(&checkpointed.train_losses)
+            .chain(plain.val_losses.iter().zip(&checkpointed.val_losses));
+        for ((i, a), (j, b)) in pairs {
+            assert_eq!(i, j);
+            assert!(
+                (a - b).abs() <= 1e-5,
+                "{name}: loss after {i} updates: {a} without checkpointing, {b} with"
+            );
+        }
+        assert!(
+            plain.train_losses[4].1 < plain.train_losses[0].1 - 0.05,
+            "{name}: it trains"
+        );
+    }
+}
+
 /// Trains from the fixture's starting factors with its parity run's settings and compares
 /// losses and the written adapter's tokens with mlx-lm's.
 fn follows_mlx_lm(base: &str, adapter_fixture: &str, which: &str) {

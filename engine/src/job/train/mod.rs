@@ -16,6 +16,8 @@
 //! - batches as mlx-lm's `iterate_batches` builds them ([`data`]); the order of batches in
 //!   each epoch depends on the seed and the epoch only, so a resumed run sees the batches an
 //!   uninterrupted one would;
+//! - with `grad_checkpoint`, each transformer layer of a step is recomputed in the backward
+//!   pass instead of keeping its activations ([`checkpoint`]): the same losses, less memory;
 //! - validation before iteration 1, every `steps_per_eval` and before the last iteration, as
 //!   mlx-lm's loop does it (reported after the updates done so far);
 //! - a checkpoint (factors, Adam's moments, iteration, tokens) every `save_every` iterations,
@@ -36,7 +38,9 @@ use serde_json::{json, Value};
 
 use super::fuse::BaseWeights;
 use super::{io, JobError};
-use crate::adapters::{dora, AdapterTable, SiteInfo, TrainingDropout, TrainingFactors};
+use crate::adapters::{
+    checkpoint, dora, layer_of, AdapterTable, SiteInfo, TrainingDropout, TrainingFactors,
+};
 use crate::cache::LayerKind;
 use crate::models::CausalLm;
 use crate::tokenizer::Tokenizer;
@@ -74,17 +78,6 @@ pub struct TrainSummary {
 
 fn mlx(e: impl std::fmt::Display) -> JobError {
     JobError::Mlx(e.to_string())
-}
-
-/// The layer index in a site's name (`model.layers.12.mlp.up_proj` → 12).
-fn layer_of(prefix: &str) -> Option<usize> {
-    let mut parts = prefix.split('.');
-    while let Some(p) = parts.next() {
-        if p == "layers" {
-            return parts.next()?.parse().ok();
-        }
-    }
-    None
 }
 
 /// The sites mlx-lm's `linear_to_lora_layers` adapts: every linear of `model.layers[-n:]`
@@ -463,6 +456,9 @@ pub fn train(config: &TrainConfig, report: &mut Report<'_>) -> Result<TrainSumma
                     p.scale,
                     dropout.clone(),
                 );
+                let _checkpointing = p
+                    .grad_checkpoint
+                    .then(|| checkpoint::checkpointing(table.clone()));
                 loss(model, &batch)
             };
             let argnums: Vec<i32> = (0..n_params as i32).collect();
