@@ -43,7 +43,8 @@ pub struct GroupHost {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub rdma: Vec<Option<RdmaDevices>>,
     /// This rank's ring port; default: a free one on this machine, [`RING_STARTING_PORT`] plus
-    /// the rank on another.
+    /// the rank on another. For jaccl, rank 0's is the coordinator's port (default: a free
+    /// one); the other ranks' are not used.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub port: Option<u16>,
     /// `mlxd-engine` on that host; default: the path of rank 0's.
