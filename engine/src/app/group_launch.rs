@@ -315,6 +315,7 @@ fn spawn_remote(
         engine: host.engine.as_deref().unwrap_or(engine),
         model,
         env,
+        cleared: plan.cleared,
     };
     tracing::info!(rank, host = %host.ssh, "starting a rank through ssh");
     remote.spawn().map(Rank::Remote)

@@ -47,6 +47,8 @@ pub struct RemoteRank<'a> {
     /// The remote engine's environment besides the files' variables: MLX's (`MLX_RANK`, ...)
     /// and rank 0's settings it shares (`MLXD_GROUP_INIT_TIMEOUT`, `RUST_LOG`).
     pub env: Vec<(&'static str, String)>,
+    /// Variables the remote engine must not inherit from its login's environment.
+    pub cleared: &'a [&'static str],
 }
 
 /// `s` as one word of a POSIX shell command line.
@@ -68,6 +70,9 @@ impl RemoteRank<'_> {
         let mut script = "d=$(mktemp -d) || exit 1; trap 'rm -rf \"$d\"' EXIT; \
                           trap 'exit 129' HUP; trap 'exit 130' INT; trap 'exit 143' TERM; "
             .to_owned();
+        if !self.cleared.is_empty() {
+            script.push_str(&format!("unset {}; ", self.cleared.join(" ")));
+        }
         for file in self.files {
             script.push_str(&format!(
                 "printf '%s\\n' {content} >\"$d/{name}\" || exit 1; ",
@@ -234,6 +239,7 @@ mod tests {
                 ("MLX_RANK", "1".into()),
                 ("MLXD_GROUP_INIT_TIMEOUT", "20".into()),
             ],
+            cleared: &[],
         };
         let args = remote.ssh_args();
         // The host's options first, so that they win; the host after `--`.
@@ -265,7 +271,7 @@ mod tests {
         let fake = dir.path().join("engine");
         std::fs::write(
             &fake,
-            "#!/bin/sh\necho \"$MLX_RANK $MLX_JACCL_COORDINATOR $(cat \"$MLX_IBV_DEVICES\") $*\"\n\
+            "#!/bin/sh\necho \"$MLX_RANK${JACCL_RANK-} $MLX_JACCL_COORDINATOR $(cat \"$MLX_IBV_DEVICES\") $*\"\n\
              echo \"$MLX_IBV_DEVICES\" >&2\nexit 3\n",
         )
         .unwrap();
@@ -288,11 +294,13 @@ mod tests {
                 ("MLX_RANK", "1".into()),
                 ("MLX_JACCL_COORDINATOR", "10.0.0.1:5000".into()),
             ],
+            cleared: &["JACCL_RANK"],
         };
         let out = Command::new("sh")
             .arg("-c")
             .arg(remote.script())
             .env("TMPDIR", dir.path())
+            .env("JACCL_RANK", "7")
             .output()
             .unwrap();
         assert_eq!(out.status.code(), Some(3));
