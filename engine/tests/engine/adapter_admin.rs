@@ -234,18 +234,19 @@ fn adapters_load_and_unload_at_run_time_and_serve_as_if_loaded_at_start() {
         "adapter_unreadable",
         "no-such-adapter",
     );
-    let dora = tempfile::tempdir().unwrap();
+    // A full fine-tune is a model, not an adapter.
+    let full = tempfile::tempdir().unwrap();
     for f in ["adapter_config.json", "adapters.safetensors"] {
-        std::fs::copy(lora_a.join(f), dora.path().join(f)).unwrap();
+        std::fs::copy(lora_a.join(f), full.path().join(f)).unwrap();
     }
-    let config = dora.path().join("adapter_config.json");
+    let config = full.path().join("adapter_config.json");
     let text = std::fs::read_to_string(&config).unwrap();
-    std::fs::write(&config, text.replace("\"lora\"", "\"dora\"")).unwrap();
+    std::fs::write(&config, text.replace("\"lora\"", "\"full\"")).unwrap();
     check(
-        api.load("d", dora.path()),
+        api.load("d", full.path()),
         StatusCode::BAD_REQUEST,
         "adapter_refused",
-        "DoRA",
+        "full",
     );
     check(
         api.load("bad name", &lora_a),
