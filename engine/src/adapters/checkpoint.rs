@@ -205,8 +205,11 @@ mod tests {
         };
         let x = Array::from_slice(&[1.0f32, 2.0, 3.0], &[3]);
         let mut vg = mlx_rs::transforms::value_and_grad(g);
-        let (value, grad) = vg(&[x.clone()]).unwrap();
-        assert_eq!(value[0].item::<f32>(), f(&x).unwrap().item::<f32>());
+        let (value, grad) = vg(std::slice::from_ref(&x)).unwrap();
+        assert_eq!(
+            value[0].item_exact::<f32>(),
+            f(&x).unwrap().item_exact::<f32>()
+        );
         assert_eq!(grad[0].as_slice::<f32>(), &[2.0, 4.0, 6.0]);
     }
 }
