@@ -240,11 +240,13 @@ pub(super) fn reconfigured(
         slot.limits = crate::policy::ModelLimits::new(entry.limits.clone());
     }
     slot.entry = entry;
+    let changed = fields;
     let fields = fields.join(", ");
     info!(model = %slot.id(), changed = %fields, "model settings changed by a configuration reload; they apply at its next load");
     let mut effects = vec![Effect::Log(format!(
         "[mlxd] configuration reloaded: {fields} changed (applies at the next load)"
     ))];
+    effects.extend(standby_after_reload(slot, changed));
     if slot.entry.pinned && (!was_pinned || was_failed) {
         effects.push(Effect::Enqueue);
     } else if !slot.entry.pinned {
@@ -253,6 +255,31 @@ pub(super) fn reconfigured(
         effects.push(Effect::ArmIdleTimer);
     }
     effects
+}
+
+/// What a reload does to a running spare: the spare was launched with the settings before it,
+/// and "applies at the next load" includes a takeover, so a spare whose launch settings
+/// (`source`, `limits`, `options`, `memory`) changed is stopped and another starts with the
+/// new ones once it has exited; with `standby` now off it is stopped for good.
+fn standby_after_reload(slot: &mut Slot, changed: &[&str]) -> Vec<Effect> {
+    if slot.standby.is_none() {
+        return Vec::new();
+    }
+    if !slot.entry.standby {
+        return vec![
+            Effect::Log("[mlxd] the standby engine stops: standby is off".into()),
+            Effect::StopStandby,
+        ];
+    }
+    let launch = ["source", "limits", "options", "memory"];
+    if !changed.iter().any(|f| launch.contains(f)) {
+        return Vec::new();
+    }
+    slot.replace_standby = true;
+    vec![
+        Effect::Log("[mlxd] the standby engine restarts with the reloaded settings".into()),
+        Effect::StopStandby,
+    ]
 }
 
 /// The adapters loaded at run time on the model's engine changed to `adapters`: every later

@@ -236,8 +236,9 @@ pub(super) struct Slot {
     pub spare_socket: PathBuf,
     /// The last engine generation handed out (serving or spare): each start takes the next.
     pub generations: u64,
-    /// The spare was stopped because it lacks the adapters loaded at run time: another
-    /// starts once it has exited ([`super::lifecycle::runtime_adapters`]).
+    /// The spare was stopped because it lacks the adapters loaded at run time or was
+    /// launched with settings a reload changed: another starts once it has exited
+    /// ([`super::lifecycle::runtime_adapters`], [`super::lifecycle::reconfigured`]).
     pub replace_standby: bool,
 }
 

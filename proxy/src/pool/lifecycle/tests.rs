@@ -678,6 +678,30 @@ fn a_drain_stops_the_standby_and_its_exit_forgets_it() {
 }
 
 #[test]
+fn a_reload_that_changes_launch_settings_replaces_the_standby() {
+    let t0 = Instant::now();
+    let mut s = with_ready_standby(t0);
+    let entry = s.entry.clone();
+    // Aliases do not reach the engine: the spare stays.
+    let fx = reconfigured(&mut s, entry.clone(), &["aliases"]);
+    assert!(!names(&fx).contains(&"stop_standby"), "{:?}", names(&fx));
+    assert!(!s.replace_standby);
+    // New options: the spare was launched with the old ones; another starts once it exits.
+    let fx = reconfigured(&mut s, entry.clone(), &["options"]);
+    assert!(names(&fx).contains(&"stop_standby"), "{:?}", names(&fx));
+    let fx = standby_event(&mut s, EngineEvent::Exited(exit(ExitCause::Requested)));
+    assert_eq!(names(&fx), ["log", "place", "standby"]);
+    // Standby turned off: the spare stops and none follows.
+    let mut s = with_ready_standby(t0);
+    let mut off = s.entry.clone();
+    off.standby = false;
+    let fx = reconfigured(&mut s, off, &["standby", "limits"]);
+    assert!(names(&fx).contains(&"stop_standby"), "{:?}", names(&fx));
+    let fx = standby_event(&mut s, EngineEvent::Exited(exit(ExitCause::Requested)));
+    assert_eq!(names(&fx), ["log", "place"]);
+}
+
+#[test]
 fn a_standby_starts_for_a_ready_engine_and_waits_while_requests_are_in_flight() {
     let t0 = Instant::now();
     let mut s = starting(t0);
