@@ -347,12 +347,27 @@ impl AdapterTable {
             scale: layer.scale,
             dropout: layer.dropout,
         };
+        /// Puts the earlier selection back, also when `f` unwinds.
+        struct Restore<'t> {
+            table: &'t AdapterTable,
+            previous: Option<Selection>,
+            engaged: bool,
+        }
+        impl Drop for Restore<'_> {
+            fn drop(&mut self) {
+                if let Some(previous) = self.previous.take() {
+                    self.table.lock().selection = previous;
+                }
+                self.table.engaged.store(self.engaged, Ordering::Release);
+            }
+        }
         let previous = std::mem::replace(&mut self.lock().selection, selection);
-        let engaged = self.engaged.swap(true, Ordering::AcqRel);
-        let out = f();
-        self.lock().selection = previous;
-        self.engaged.store(engaged, Ordering::Release);
-        out
+        let _restore = Restore {
+            table: self,
+            previous: Some(previous),
+            engaged: self.engaged.swap(true, Ordering::AcqRel),
+        };
+        f()
     }
 
     /// Loads the mlx-lm adapter in `dir` under `name`. Every tensor must be a `lora_a` or
