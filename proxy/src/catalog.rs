@@ -264,12 +264,15 @@ impl Catalog {
     }
 
     /// This catalog with the adapters loaded at run time (by model id, name and directory)
-    /// on its models. A model it no longer has loses them, and so does an adapter its
+    /// on its models. A model it no longer has loses them, so does a model whose source
+    /// differs from its source in `before` (the catalog they were loaded under: adapters
+    /// trained for other weights would fail its next load), and so does an adapter its
     /// `adapters` option now lists under the same name (the configured one wins). Returns the
     /// (model, adapter) pairs dropped.
     pub fn with_runtime_adapters(
         mut self,
         overlay: &BTreeMap<String, Vec<(String, String)>>,
+        before: &Catalog,
     ) -> (Self, Vec<(String, String)>) {
         let mut dropped = Vec::new();
         for entry in &mut self.models {
@@ -281,8 +284,9 @@ impl Catalog {
                 continue;
             };
             let entry = &mut self.models[i];
-            if entry.id != *model {
-                // An alias now: the overlay is keyed by id.
+            let moved = before.get(model).is_some_and(|b| b.source != entry.source);
+            if entry.id != *model || moved {
+                // An alias now (the overlay is keyed by id), or other weights.
                 dropped.extend(adapters.iter().map(|(n, _)| (model.clone(), n.clone())));
                 continue;
             }
@@ -509,7 +513,8 @@ mod tests {
                 vec![("x".to_string(), "/d/x".to_string())],
             ),
         ]);
-        let (c, dropped) = c.with_runtime_adapters(&overlay);
+        let before = c.clone();
+        let (c, dropped) = c.with_runtime_adapters(&overlay, &before);
         // A configured name wins; a model no longer there loses its adapters.
         assert_eq!(
             dropped,
@@ -529,8 +534,19 @@ mod tests {
         assert_eq!(base.launch_options()["adapters"], "sql=/d/sql,rt=/d/rt");
         let other = c.get("other").unwrap();
         assert!(!other.launch_options().contains_key("adapters"));
+        // Other weights under the same id: adapters loaded for the old ones are dropped.
+        let moved = catalog(
+            "[[model]]\nid = \"base\"\npath = \"/srv/other-base\"\n[[model]]\nid = \"other\"\n",
+        );
+        let rt = BTreeMap::from([(
+            "base".to_string(),
+            vec![("rt".to_string(), "/d/rt".to_string())],
+        )]);
+        let (m, dropped) = moved.with_runtime_adapters(&rt, &before);
+        assert_eq!(dropped, [("base".to_string(), "rt".to_string())]);
+        assert!(m.get("base").unwrap().runtime_adapters.is_empty());
         // Unloaded: an empty overlay clears them.
-        let (c, _) = c.with_runtime_adapters(&BTreeMap::new());
+        let (c, _) = c.with_runtime_adapters(&BTreeMap::new(), &before);
         assert_eq!(c.get("base").unwrap().adapters(), ["sql"]);
         assert!(matches!(
             c.resolve(Some("base:rt")),

@@ -172,16 +172,17 @@ impl Routing {
         );
     }
 
-    /// `catalog` with the adapters loaded at run time; those of models it lacks (or whose
-    /// names its `adapters` options now list) are forgotten, with a log line.
+    /// `catalog` with the adapters loaded at run time; those of models it lacks, whose source
+    /// changed from the catalog routed by now, or whose names its `adapters` options now list
+    /// are forgotten, with a log line.
     fn overlaid(&self, catalog: Catalog) -> Catalog {
         let mut overlay = self
             .runtime_adapters
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        let (catalog, dropped) = catalog.with_runtime_adapters(&overlay);
+        let (catalog, dropped) = catalog.with_runtime_adapters(&overlay, &self.catalog());
         for (model, name) in &dropped {
-            warn!(model = %model, adapter = %name, "an adapter loaded at run time is dropped: its model was removed or now lists an adapter of that name");
+            warn!(model = %model, adapter = %name, "an adapter loaded at run time is dropped: its model was removed, has another source, or now lists an adapter of that name");
             if let Some(list) = overlay.get_mut(model) {
                 list.retain(|(n, _)| n != name);
             }
