@@ -64,6 +64,13 @@ done
 # Qwen3-MoE with 4 KV heads: four tensor-parallel ranks divide it (tests/tests/engine_group.rs).
 [[ -f $MLXD_TEST_MODELS/family-qwen3_moe-kv4/reference.json ]] ||
   .venv/bin/python scripts/gen_family_models.py --family qwen3_moe --kv-heads 4 --out "$MLXD_TEST_MODELS/family-qwen3_moe-kv4"
+# LoRA on expert stacks: two mlx-lm adapters of the tiny Qwen3-MoE (~5 s each on the CPU),
+# remade when the model is (engine/tests/engine/adapters.rs, train.rs).
+for spec in "5 parity family-qwen3_moe-lora-a" "6 fixture family-qwen3_moe-lora-b"; do
+  read -r seed runs out <<<"$spec"
+  [[ $MLXD_TEST_MODELS/$out/train_log.json -nt $MLXD_TEST_MODELS/family-qwen3_moe/model.safetensors ]] ||
+    .venv/bin/python scripts/gen_lora_adapter.py --model "$MLXD_TEST_MODELS/family-qwen3_moe" --seed "$seed" --runs "$runs" --out "$MLXD_TEST_MODELS/$out"
+done
 
 phase "setup's choice of MLX build (GPU detection)"
 scripts/test_mlx_build.sh

@@ -3,6 +3,7 @@
 //! - [`config`]: `adapter_config.json` as mlx-lm writes it (LoRA or DoRA; full fine-tunes
 //!   are refused with the reason);
 //! - [`dora`]: DoRA's per-output-row rescale, its starting magnitude and its fuse;
+//! - [`experts`]: LoRA on expert stacks (each routed pair takes its expert's factors);
 //! - [`checkpoint`]: gradient checkpointing of a training step's transformer layers;
 //! - [`table`]: the adapters a model holds, the linear layers they apply to, and each forward
 //!   pass's choice of adapter per row;
@@ -14,11 +15,13 @@
 pub mod checkpoint;
 pub mod config;
 pub mod dora;
+pub mod experts;
 pub mod model;
 pub mod table;
 
 use std::path::PathBuf;
 
+pub use experts::PairAdapters;
 pub use table::{
     layer_of, loading_into, site_for, AdapterSummary, AdapterTable, LoraSite, Selected, SiteInfo,
     TrainingDropout, TrainingFactors,

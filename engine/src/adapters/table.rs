@@ -17,6 +17,12 @@
 //!   batched matmuls, so rows of several adapters and base rows share one forward pass; when
 //!   a DoRA adapter changes the site, its rescales are stacked too (ones for the other
 //!   entries) and gathered per row, so a DoRA row costs one multiply more than a LoRA row.
+//!
+//! An expert stack (`SwitchLinear`, `[E, out, in]`) is a site too, registered with its number
+//! of experts: its factors are one pair per expert (`lora_a` `[E, r, in]`, `lora_b`
+//! `[E, out, r]`, mlx-lm's `LoRASwitchLinear`), and each `(token, expert)` pair takes the
+//! pair of the expert it was routed to ([`super::experts`]). mlx-lm has no DoRA for expert
+//! stacks, so a DoRA adapter that changes one is refused.
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fmt;
@@ -29,6 +35,7 @@ use mlx_rs::ops::{concatenate, stack, zeros_dtype};
 use mlx_rs::{Array, Dtype};
 
 use super::config::{self, AdapterKind};
+use super::experts::{self, PairAdapters};
 use super::{dora, AdapterError, AdapterId};
 use crate::models::layers::Matrix;
 
@@ -108,6 +115,8 @@ struct Site {
     prefix: String,
     in_dims: i32,
     out_dims: i32,
+    /// An expert stack's number of experts (`None`: a linear layer).
+    experts: Option<i32>,
     /// Dropped with the linear that registered it: a layer a family loaded through `Linear`
     /// and then took apart (an expert stack) is no site.
     alive: Weak<SiteRef>,
@@ -207,6 +216,9 @@ pub struct SiteInfo {
     pub prefix: String,
     pub in_dims: i32,
     pub out_dims: i32,
+    /// An expert stack's number of experts: its factors are `[E, r, in]` and `[E, out, r]`
+    /// (`None`: a linear layer, `[in, r]` and `[r, out]`).
+    pub experts: Option<i32>,
 }
 
 impl fmt::Debug for AdapterTable {
@@ -259,6 +271,7 @@ impl AdapterTable {
                 prefix: s.prefix.clone(),
                 in_dims: s.in_dims,
                 out_dims: s.out_dims,
+                experts: s.experts,
             })
             .collect()
     }
@@ -428,6 +441,20 @@ impl AdapterTable {
         let mut factors: Vec<Option<Factors>> = vec![None; state.sites.len()];
         let mut names: Vec<&String> = parts.keys().collect();
         names.sort();
+        // Before any other check of its layers: the reason is the adapter's kind.
+        let stack = names.iter().find(|p| {
+            state
+                .sites
+                .iter()
+                .any(|s| s.prefix == ***p && s.experts.is_some())
+        });
+        if let (true, Some(prefix)) = (dora, stack) {
+            return Err(AdapterError::Refused(format!(
+                "{prefix}: a DoRA adapter that changes an expert stack; DoRA has no form for \
+                 expert stacks (mlx-lm refuses it too: \"SwitchLinear doesn't support DoRA\"), \
+                 train a LoRA adapter for this model"
+            )));
+        }
         for prefix in names {
             let [a, b, m] = &parts[prefix];
             let (Some(a), Some(b)) = (a, b) else {
@@ -447,26 +474,39 @@ impl AdapterTable {
             else {
                 return Err(AdapterError::Invalid(format!(
                     "{prefix}: no linear layer of this model has that name (adapters apply to \
-                     the dense linear layers of a model loaded whole: attention and MLP \
-                     projections)"
+                     the linear layers and expert stacks of a model loaded whole: attention, \
+                     MLP and expert projections, routers)"
                 )));
             };
             let site = &state.sites[index];
-            let expect = |what: &str, a: &Array, shape: [i32; 2]| {
+            let expect = |what: &str, a: &Array, shape: &[i32]| {
                 if a.shape() == shape {
                     Ok(())
                 } else {
                     Err(AdapterError::Invalid(format!(
                         "{prefix}.{what}: shape {:?}, expected {shape:?} (rank {rank} from \
-                         adapter_config.json, the layer is {} → {})",
+                         adapter_config.json, the layer is {} → {}{})",
                         a.shape(),
                         site.in_dims,
-                        site.out_dims
+                        site.out_dims,
+                        match site.experts {
+                            Some(e) => format!(", {e} experts"),
+                            None => String::new(),
+                        }
                     )))
                 }
             };
-            expect("lora_a", a, [site.in_dims, rank])?;
-            expect("lora_b", b, [rank, site.out_dims])?;
+            let (n_in, n_out) = (site.in_dims, site.out_dims);
+            match site.experts {
+                Some(e) => {
+                    expect("lora_a", a, &[e, rank, n_in])?;
+                    expect("lora_b", b, &[e, n_out, rank])?;
+                }
+                None => {
+                    expect("lora_a", a, &[n_in, rank])?;
+                    expect("lora_b", b, &[rank, n_out])?;
+                }
+            }
             if let Some(m) = m {
                 if m.shape() != [site.out_dims] {
                     return Err(AdapterError::Invalid(format!(
@@ -586,7 +626,13 @@ impl AdapterTable {
         Ok(Selected { table: Some(self) })
     }
 
-    fn register(self: &Arc<Self>, prefix: &str, in_dims: i32, out_dims: i32) -> LoraSite {
+    fn register(
+        self: &Arc<Self>,
+        prefix: &str,
+        in_dims: i32,
+        out_dims: i32,
+        experts: Option<i32>,
+    ) -> LoraSite {
         let mut state = self.lock();
         let site = Arc::new(SiteRef {
             table: self.clone(),
@@ -597,6 +643,7 @@ impl AdapterTable {
             prefix: prefix.to_owned(),
             in_dims,
             out_dims,
+            experts,
             alive: Arc::downgrade(&site),
             factors: vec![None; adapters],
             stacked: None,
@@ -623,6 +670,12 @@ impl AdapterTable {
         }
         let mut guard = self.lock();
         let state = &mut *guard;
+        if let Some(e) = state.sites[index].experts {
+            return Err(Exception::custom(format!(
+                "{}: an expert stack ({e} experts) was called as one linear layer",
+                state.sites[index].prefix
+            )));
+        }
         // mlx-lm's `LoRALinear`: `linear(x) + (scale * z).astype(x.dtype)`, the scale a
         // Python float (weakly typed: it takes z's dtype). `DoRALinear`: `(x @ W.T + that)`
         // times the rescale in x's dtype, then the bias.
@@ -653,18 +706,7 @@ impl AdapterTable {
                 let Some(Some(f)) = factors.get(index) else {
                     return with_bias(y);
                 };
-                let input = match dropout {
-                    Some(d) if d.p > 0.0 => {
-                        let key = mlx_rs::random::key(
-                            d.seed ^ (index as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15),
-                        )?;
-                        let keep = Array::from_f32(1.0 - d.p);
-                        let mask = mlx_rs::random::bernoulli(&keep, x.shape(), &key)?;
-                        x.multiply(&mask)?
-                            .multiply(&Array::from_f32(1.0 / (1.0 - d.p)).as_dtype(x.dtype())?)?
-                    }
-                    _ => x.clone(),
-                };
+                let input = training_dropout(x, index, dropout.as_ref())?;
                 let z = input.matmul(&f.a)?.matmul(&f.b)?;
                 let update = z.multiply(&Array::from_f32(*scale).as_dtype(z.dtype())?)?;
                 match &f.m {
@@ -717,6 +759,119 @@ impl AdapterTable {
                 }
             }
         }
+    }
+
+    /// Per `(token, expert)` pair of `indices` (`[B, ..., k]`, rows first), its row's adapter
+    /// slot and scale, when this pass mixes rows of different adapters (`None` otherwise: the
+    /// sites then need no per-pair information).
+    fn pair_adapters(&self, indices: &Array) -> Result<Option<PairAdapters>, Exception> {
+        if !self.engaged.load(Ordering::Acquire) {
+            return Ok(None);
+        }
+        match &self.lock().selection {
+            Selection::Mixed {
+                slots,
+                scales,
+                rows,
+            } => PairAdapters::of_rows(slots, scales, *rows, indices).map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    /// The output of expert-stack site `index`: `y` (the experts' projection of `x` for the
+    /// expert ids `indices`, bias included) plus this pass's update, as mlx-lm's
+    /// `LoRASwitchLinear`: `y + (scale * z).astype(x.dtype)` with `z` the two gathered
+    /// matmuls of each pair's expert factors. `pairs`: [`Self::pair_adapters`] of the
+    /// pass, in the order of `indices`.
+    fn apply_experts(
+        &self,
+        index: usize,
+        x: &Array,
+        y: Array,
+        indices: &Array,
+        sorted: bool,
+        pairs: Option<&PairAdapters>,
+    ) -> Result<Array, Exception> {
+        if !self.engaged.load(Ordering::Acquire) {
+            return Ok(y);
+        }
+        let mut guard = self.lock();
+        let state = &mut *guard;
+        let add = |update: Array| y.add(&update.as_dtype(x.dtype())?);
+        let scaled =
+            |z: Array, scale: f32| z.multiply(&Array::from_f32(scale).as_dtype(z.dtype())?);
+        match &state.selection {
+            Selection::Base => Ok(y),
+            Selection::One(i) => {
+                let scale = state.adapters[*i].summary.scale;
+                let Some(f) = &state.sites[index].factors[*i] else {
+                    return Ok(y);
+                };
+                add(scaled(
+                    experts::low_rank(x, &f.a, &f.b, indices, sorted)?,
+                    scale,
+                )?)
+            }
+            Selection::Training {
+                factors,
+                scale,
+                dropout,
+            } => {
+                let Some(Some(f)) = factors.get(index) else {
+                    return Ok(y);
+                };
+                let input = training_dropout(x, index, dropout.as_ref())?;
+                let z = experts::low_rank(&input, &f.a, &f.b, indices, sorted)?;
+                add(scaled(z, *scale)?)
+            }
+            Selection::Mixed { .. } => {
+                let pairs = pairs.ok_or_else(|| {
+                    Exception::custom(
+                        "an expert stack in a pass of rows of different adapters got no \
+                         adapter per (token, expert) pair",
+                    )
+                })?;
+                let site = &mut state.sites[index];
+                if site.factors.iter().all(Option::is_none) {
+                    return Ok(y);
+                }
+                let experts = site.experts.unwrap_or(1);
+                if site.stacked.is_none() {
+                    let factors: Vec<Option<(&Array, &Array)>> = site
+                        .factors
+                        .iter()
+                        .map(|f| f.as_ref().map(|f| (&f.a, &f.b)))
+                        .collect();
+                    let (a, b) = experts::stacked(&factors, experts, site.in_dims, site.out_dims)?;
+                    mlx_rs::transforms::eval([&a, &b])?;
+                    site.stacked = Some(Stacked { a, b, dora: None });
+                }
+                let s = site.stacked.as_ref().expect("built above");
+                add(experts::mixed_update(
+                    x, &s.a, &s.b, experts, indices, pairs,
+                )?)
+            }
+        }
+    }
+}
+
+/// A training step's LoRA input at site `index`: `x` under dropout (mlx-lm's `nn.Dropout` on
+/// the input of `lora_a`), the mask drawn from the step's seed folded with the site's index.
+fn training_dropout(
+    x: &Array,
+    index: usize,
+    dropout: Option<&TrainingDropout>,
+) -> Result<Array, Exception> {
+    match dropout {
+        Some(d) if d.p > 0.0 => {
+            let key =
+                mlx_rs::random::key(d.seed ^ (index as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15))?;
+            let keep = Array::from_f32(1.0 - d.p);
+            let mask = mlx_rs::random::bernoulli(&keep, x.shape(), &key)?;
+            x.multiply(&mask)?
+                .multiply(&Array::from_f32(1.0 / (1.0 - d.p)).as_dtype(x.dtype())?)
+        }
+        _ => Ok(x.clone()),
     }
 }
 
@@ -866,6 +1021,30 @@ impl LoraSite {
     ) -> Result<Array, Exception> {
         self.0.table.apply(self.0.index, x, y, matrix, bias)
     }
+
+    /// An expert stack's output for `x` and the expert ids `indices` (`sorted`: sorted by
+    /// expert): `y` (the experts' projection, bias included) plus the update of the adapters
+    /// selected for this pass, each pair by its expert's factors. `pairs`: the pass's
+    /// [`Self::pair_adapters`] in the order of `indices`.
+    pub fn apply_experts(
+        &self,
+        x: &Array,
+        y: Array,
+        indices: &Array,
+        sorted: bool,
+        pairs: Option<&PairAdapters>,
+    ) -> Result<Array, Exception> {
+        self.0
+            .table
+            .apply_experts(self.0.index, x, y, indices, sorted, pairs)
+    }
+
+    /// When this pass mixes rows of different adapters: each `(token, expert)` pair's adapter
+    /// (`indices` `[B, ..., k]`, the router's choice, rows first). An expert block takes it
+    /// once before it sorts the pairs, and permutes it with them.
+    pub fn pair_adapters(&self, indices: &Array) -> Result<Option<PairAdapters>, Exception> {
+        self.0.table.pair_adapters(indices)
+    }
 }
 
 thread_local! {
@@ -896,14 +1075,16 @@ impl Drop for LoadScope {
 /// loaded, if a load scope is open.
 pub fn site_for(prefix: &str, matrix: &Matrix) -> Option<LoraSite> {
     let table = LOADING.with(|l| l.borrow().clone())?;
-    let shape = matrix.weight().shape();
-    // An expert stack `[E, out, in]` loaded through `Linear` is no site.
-    let &[out_dims, packed] = shape else {
-        return None;
+    // A linear `[out, in]`, or an expert stack `[E, out, in]` (a `SwitchLinear`; one that a
+    // family takes apart after loading drops its site, and adapters naming it are refused).
+    let (experts, out_dims, packed) = match *matrix.weight().shape() {
+        [out, packed] => (None, out, packed),
+        [e, out, packed] => (Some(e), out, packed),
+        _ => return None,
     };
     let in_dims = match matrix {
         Matrix::Dense(_) => packed,
         Matrix::Quantized(q) => packed * 32 / q.bits,
     };
-    Some(table.register(prefix, in_dims, out_dims))
+    Some(table.register(prefix, in_dims, out_dims, experts))
 }

@@ -1,7 +1,10 @@
 //! `fuse` jobs: merges an mlx-lm LoRA or DoRA adapter into its base model, as mlx-lm's `fuse`
 //! does (`LoRALinear.fuse`, `DoRALinear.fuse`): each adapted linear's weight becomes
 //! `W + ((scale * lora_b^T) @ lora_a^T).astype(W.dtype)`, and for DoRA each row of that is
-//! then scaled by `m / ‖row‖` ([`crate::adapters::dora::fuse`]); a quantized weight is
+//! then scaled by `m / ‖row‖` ([`crate::adapters::dora::fuse`]); an expert stack `[E, out, in]`
+//! (`LoRASwitchLinear.fuse`) becomes `W + ((scale * lora_b) @ lora_a).astype(W.dtype)`, each
+//! expert merged with its own pair (`lora_b` `[E, out, r]`, `lora_a` `[E, r, in]`), in the
+//! stacked form mlx-lm writes (`switch_mlp`); a quantized weight is
 //! dequantized with its own settings, merged, and quantized again with the same group size
 //! and bits (mlx-lm's default, without `--dequantize`). Every other tensor, config.json and the
 //! tokenizer files are copied unchanged, so the new directory is a model served by its name.
@@ -87,6 +90,21 @@ pub fn fuse_dir(
         if is_dora && m.is_none() {
             return Err(JobError::Input(format!(
                 "{prefix}: a DoRA adapter's layer has no m (its magnitude)"
+            )));
+        }
+        let stack = a.ndim() == 3;
+        if stack && is_dora {
+            return Err(JobError::Input(format!(
+                "{prefix}: a DoRA adapter changes an expert stack, and DoRA has no form for \
+                 expert stacks (mlx-lm refuses it too)"
+            )));
+        }
+        if stack && !tensors.contains_key(&format!("{prefix}.weight")) {
+            return Err(JobError::Input(format!(
+                "{prefix}: the adapter changes an expert stack, and {} does not hold it stacked \
+                 ({prefix}.weight, mlx-lm's form; a checkpoint with one tensor per expert is \
+                 not fused: convert it with mlx_lm.convert first)",
+                source.display()
             )));
         }
         if !tensors.contains_key(&format!("{prefix}.weight")) {
@@ -254,13 +272,19 @@ fn fuse_one(
 ) -> Result<Vec<(String, Array)>, JobError> {
     let (dense, quant) = dense_of(prefix, weight, tensors, config)?;
     let Delta { a, b, m } = delta;
-    // mlx-lm: `((self.scale * self.lora_b.T) @ self.lora_a.T).astype(weight.dtype)`.
-    let delta = b
-        .t()
-        .multiply(Array::from_f32(scale).as_dtype(b.dtype()).map_err(mlx)?)
-        .and_then(|s| s.matmul(a.t()))
-        .and_then(|d| d.as_dtype(dense.dtype()))
-        .map_err(mlx)?;
+    let scale_of = |b: &Array| Array::from_f32(scale).as_dtype(b.dtype());
+    let delta = if a.ndim() == 3 {
+        // `LoRASwitchLinear.fuse`: `((self.scale * self.lora_b) @ self.lora_a)`, per expert.
+        b.multiply(scale_of(b).map_err(mlx)?)
+            .and_then(|s| s.matmul(a))
+    } else {
+        // `LoRALinear.fuse`: `((self.scale * self.lora_b.T) @ self.lora_a.T)`.
+        b.t()
+            .multiply(scale_of(b).map_err(mlx)?)
+            .and_then(|s| s.matmul(a.t()))
+    }
+    .and_then(|d| d.as_dtype(dense.dtype()))
+    .map_err(mlx)?;
     if delta.shape() != dense.shape() {
         return Err(JobError::Input(format!(
             "{prefix}: the adapter's update has shape {:?}, the layer's weight {:?}",

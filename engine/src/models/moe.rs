@@ -216,7 +216,8 @@ impl Parameters for SigmoidRouter {
 }
 
 /// `argpartition(x, kth=n-1, axis=-2)[..., :n, :]`: the ids of the `n` groups with the lowest
-/// scores (`x` `[..., groups, 1]`), the ones a group-limited router zeroes.
+/// scores (`x` `[..., groups, 1]`), the ones a group-limited router zeroes; without gradient,
+/// as mlx-lm writes it.
 pub(crate) fn lowest_groups(group_scores: &Array, n: i32) -> Result<Array, Exception> {
-    Ok(argpartition_axis(group_scores, n - 1, -2)?.index((Ellipsis, ..n, ..)))
+    mlx_rs::stop_gradient(argpartition_axis(group_scores, n - 1, -2)?.index((Ellipsis, ..n, ..)))
 }

@@ -17,38 +17,54 @@ use super::layers::{swiglu, Linear, Matrix};
 use super::params::{parameters_of, Parameters, Params};
 use super::quant;
 use super::scalar::weak_scalar;
+use crate::adapters::{LoraSite, PairAdapters};
 use crate::loader::{LoadError, Weights};
 
 pub type Result<T> = std::result::Result<T, Exception>;
 
 /// mlx-lm's `SwitchLinear` / `QuantizedSwitchLinear`: one `[out, in]` matrix per expert,
-/// stacked `[E, out, in]`, with an optional bias `[E, out]`.
+/// stacked `[E, out, in]`, with an optional bias `[E, out]`, and its entry in the model's
+/// adapter table (LoRA per expert, mlx-lm's `LoRASwitchLinear`: `crate::adapters::experts`).
 #[derive(Debug)]
 pub struct SwitchLinear {
     pub weight: Matrix,
     pub bias: Option<Array>,
+    pub lora: Option<LoraSite>,
 }
 
 impl SwitchLinear {
     /// Loads `<prefix>.weight` (and `.scales`/`.biases` when quantized, with the layer's own
     /// quantization settings), and `<prefix>.bias` when `bias`.
     pub fn load(w: &mut Weights, prefix: &str, bias: bool) -> std::result::Result<Self, LoadError> {
-        let Linear { matrix, bias, .. } = Linear::load(w, prefix, bias)?;
+        let Linear { matrix, bias, lora } = Linear::load(w, prefix, bias)?;
         Ok(Self {
             weight: matrix,
             bias,
+            lora,
         })
     }
 
     /// `x` `[..., 1, in]` against the experts `indices` `[...]` selects → `[..., 1, out]`.
-    /// `sorted` says the indices are sorted (lets MLX read each expert once).
-    pub fn forward(&self, x: &Array, indices: &Array, sorted: bool) -> Result<Array> {
+    /// `sorted` says the indices are sorted (lets MLX read each expert once). `pairs`: each
+    /// pair's adapter when the pass mixes rows of different adapters
+    /// ([`LoraSite::pair_adapters`]), in the order of `indices`.
+    pub fn forward(
+        &self,
+        x: &Array,
+        indices: &Array,
+        sorted: bool,
+        pairs: Option<&PairAdapters>,
+    ) -> Result<Array> {
         let y = match &self.weight {
             Matrix::Dense(w) => gather_mm(x, w.swap_axes(-1, -2)?, None, indices, sorted)?,
             Matrix::Quantized(q) => quant::gather_qmm(x, q.packed(), indices, true, sorted)?,
         };
-        match &self.bias {
-            Some(b) => y.add(b.take_axis(indices, 0)?.expand_dims(-2)?),
+        let y = match &self.bias {
+            Some(b) => y.add(b.take_axis(indices, 0)?.expand_dims(-2)?)?,
+            None => y,
+        };
+        match &self.lora {
+            Some(site) => site.apply_experts(x, y, indices, sorted, pairs),
             None => Ok(y),
         }
     }
@@ -157,20 +173,36 @@ impl SwitchGlu {
     /// `x` `[..., D]`, `indices` `[..., k]` (uint32 expert ids) → `[..., k, D]`.
     pub fn forward(&self, x: &Array, indices: &Array) -> Result<Array> {
         let x = x.expand_dims_axes(&[-2, -3])?;
+        // As mlx-lm: the ids carry no gradient (a training step whose router is adapted
+        // differentiates through the block; the gathers cannot through their indices).
+        let indices = &mlx_rs::stop_gradient(indices)?;
+        // Rows of different adapters: each pair's adapter, taken before the sort.
+        let pairs = match &self.gate_proj.lora {
+            Some(site) => site.pair_adapters(indices)?,
+            None => None,
+        };
         if indices.size() >= SORT_FROM_PAIRS {
-            let (x, idx, inv_order) = gather_sort(&x, indices)?;
-            let y = self.project(&x, &idx, true)?;
+            let (x, idx, order, inv_order) = gather_sort(&x, indices)?;
+            let pairs = pairs.map(|p| p.permuted(&order)).transpose()?;
+            let y = self.project(&x, &idx, true, pairs.as_ref())?;
             scatter_unsort(&y, &inv_order, indices.shape())?.squeeze_axes(&[-2])
         } else {
-            self.project(&x, indices, false)?.squeeze_axes(&[-2])
+            self.project(&x, indices, false, pairs.as_ref())?
+                .squeeze_axes(&[-2])
         }
     }
 
-    fn project(&self, x: &Array, idx: &Array, sorted: bool) -> Result<Array> {
-        let up = self.up_proj.forward(x, idx, sorted)?;
-        let gate = self.gate_proj.forward(x, idx, sorted)?;
+    fn project(
+        &self,
+        x: &Array,
+        idx: &Array,
+        sorted: bool,
+        pairs: Option<&PairAdapters>,
+    ) -> Result<Array> {
+        let up = self.up_proj.forward(x, idx, sorted, pairs)?;
+        let gate = self.gate_proj.forward(x, idx, sorted, pairs)?;
         self.down_proj
-            .forward(&self.activation.apply(&up, &gate)?, idx, sorted)
+            .forward(&self.activation.apply(&up, &gate)?, idx, sorted, pairs)
     }
 
     /// The parameters, for materialization.
@@ -188,15 +220,17 @@ impl Parameters for SwitchGlu {
 }
 
 /// mlx-lm's `_gather_sort`: one row of `x` per `(token, expert)` pair, ordered by expert.
-/// `x` `[..., 1, 1, D]`, `indices` `[..., k]` → (`[N, 1, D]`, sorted ids `[N]`, inverse order).
-fn gather_sort(x: &Array, indices: &Array) -> Result<(Array, Array, Array)> {
+/// `x` `[..., 1, 1, D]`, `indices` `[..., k]` → (`[N, 1, D]`, sorted ids `[N]`, the order
+/// (pair of each sorted row), its inverse).
+fn gather_sort(x: &Array, indices: &Array) -> Result<(Array, Array, Array, Array)> {
     let k = *indices.shape().last().unwrap_or(&1);
     let flat = indices.flatten(None, None)?;
     let order = argsort_axis(&flat, -1)?;
     let inv_order = argsort_axis(&order, -1)?;
     let token_of_pair = order.floor_divide(Array::from_int(k).as_dtype(order.dtype())?)?;
     let rows = flatten(x, 0, -3)?.take_axis(&token_of_pair, 0)?;
-    Ok((rows, flat.take_axis(&order, 0)?, inv_order))
+    let sorted = flat.take_axis(&order, 0)?;
+    Ok((rows, sorted, order, inv_order))
 }
 
 /// mlx-lm's `_scatter_unsort`: rows back in token order, reshaped to `[..., k, 1, D]`.
@@ -207,16 +241,17 @@ fn scatter_unsort(x: &Array, inv_order: &Array, shape: &[i32]) -> Result<Array> 
 /// The `k` largest of `scores` along the last axis as mlx-lm's routers mostly write it,
 /// `argpartition(-scores, kth=k-1)[..., :k]`. The order of the `k` ids (which fixes the
 /// order of the weighted sum over experts) depends on the formula, so each family uses the
-/// one its mlx-lm file uses.
+/// one its mlx-lm file uses. The ids carry no gradient (`stop_gradient`, as every mlx-lm
+/// router writes it): a training step differentiates through the router's gathers.
 pub fn top_k_of_negated(scores: &Array, k: i32) -> Result<Array> {
-    Ok(argpartition_axis(scores.negative()?, k - 1, -1)?.index((Ellipsis, ..k)))
+    mlx_rs::stop_gradient(argpartition_axis(scores.negative()?, k - 1, -1)?.index((Ellipsis, ..k)))
 }
 
 /// The `k` largest of `scores` as `argpartition(scores, kth=-k)[..., -k:]` (Qwen3-MoE,
-/// Granite-MoE).
+/// Granite-MoE), without gradient as [`top_k_of_negated`].
 pub fn top_k_tail(scores: &Array, k: i32) -> Result<Array> {
     let n = *scores.shape().last().unwrap_or(&0);
-    Ok(argpartition_axis(scores, n - k, -1)?.index((Ellipsis, (n - k)..)))
+    mlx_rs::stop_gradient(argpartition_axis(scores, n - k, -1)?.index((Ellipsis, (n - k)..)))
 }
 
 /// `(y * scores[..., None]).sum(axis=-2)`: the experts' outputs `[..., k, D]` weighted by their
@@ -299,6 +334,7 @@ mod tests {
         let linear = |out: i32, inp: i32, s: u64| SwitchLinear {
             weight: Matrix::Dense(normal(&[EXPERTS, out, inp], s)),
             bias: None,
+            lora: None,
         };
         SwitchGlu {
             gate_proj: linear(HIDDEN, DIM, seed),
@@ -378,15 +414,17 @@ mod tests {
                 mode: quant::QuantMode::Affine,
             }),
             bias: Some(normal(&[EXPERTS, HIDDEN], 31)),
+            lora: None,
         };
         let dense = SwitchLinear {
             weight: Matrix::Dense(back),
             bias: quantized.bias.clone(),
+            lora: None,
         };
         let x = normal(&[5, 1, 1, DIM], 32);
         let ids = Array::from_slice(&[0u32, 3, 1, 2, 2, 0, 3, 1, 1, 1], &[5, 2]);
-        let a = quantized.forward(&x, &ids, false).unwrap();
-        let b = dense.forward(&x, &ids, false).unwrap();
+        let a = quantized.forward(&x, &ids, false, None).unwrap();
+        let b = dense.forward(&x, &ids, false, None).unwrap();
         assert_eq!(a.shape(), &[5, 2, 1, HIDDEN]);
         assert!(max_abs_diff(&a, &b) < 1e-3);
     }

@@ -280,3 +280,100 @@ fn a_requests_model_selects_its_adapter_and_an_unknown_one_of_this_model_is_a_40
     drop(state);
     runtime.join();
 }
+
+/// Twelve tokens: four rows of it prefilled together route 96 `(token, expert)` pairs, enough
+/// for the expert block to sort them by expert (from 64), while one row alone does not.
+const MOE_PROMPT: &[u32] = &[1, 20, 31, 42, 53, 64, 75, 86, 97, 108, 119, 130];
+
+/// LoRA on expert stacks (mlx-lm's `LoRASwitchLinear`): adapters trained by mlx-lm on the tiny
+/// Qwen3-MoE (their factors include `switch_mlp.{gate,up,down}_proj`, `[E, r, in]` and
+/// `[E, out, r]`, and the router) give mlx-lm's tokens alone and in one batch with a base row
+/// and rows of the other adapter, prefilled with the pairs sorted by expert.
+#[test]
+fn an_adapter_on_expert_stacks_gives_mlx_lm_tokens_alone_and_batched() {
+    let model = tiny_model("family-qwen3_moe");
+    let (a, b) = (
+        adapter_dir("family-qwen3_moe-lora-a"),
+        adapter_dir("family-qwen3_moe-lora-b"),
+    );
+    let with = |adapter: &Path, prompt: &[u32]| {
+        crate::common::mlx_lm_greedy_with_adapter(&model, adapter, NEW_TOKENS, prompt)
+    };
+    let (expected_a, expected_b) = (with(&a, MOE_PROMPT), with(&b, OTHER_PROMPT));
+    let expected_b_on_prompt = with(&b, MOE_PROMPT);
+    let expected_base = crate::common::mlx_lm_greedy(&model, NEW_TOKENS, MOE_PROMPT);
+    assert_ne!(
+        expected_a, expected_base,
+        "the fixture adapter must change the greedy tokens, or the test shows nothing"
+    );
+    assert_ne!(expected_a, expected_b_on_prompt, "the two adapters differ");
+    let runtime = start(&model, &[("a", &a), ("b", &b)], 0);
+    let table = runtime.adapters.as_ref().expect("a table");
+    let stacks = table
+        .sites()
+        .into_iter()
+        .filter(|s| s.prefix.contains("switch_mlp"))
+        .map(|s| s.experts)
+        .collect::<Vec<_>>();
+    assert_eq!(
+        stacks,
+        vec![Some(8); 6],
+        "two sparse layers, three stacks each"
+    );
+    let listed = table.list();
+    assert_eq!(
+        listed[0].layers,
+        table.site_count(),
+        "every site, expert stacks included, is changed"
+    );
+    let (ia, ib) = (id(&runtime, "a"), id(&runtime, "b"));
+
+    let alone_a = together(&runtime, &[(MOE_PROMPT, ia)]).remove(0);
+    assert_eq!(alone_a, expected_a, "adapter a alone against mlx-lm");
+    let alone_b = together(&runtime, &[(OTHER_PROMPT, ib)]).remove(0);
+    assert_eq!(alone_b, expected_b, "adapter b alone against mlx-lm");
+    let mixed = together(
+        &runtime,
+        &[
+            (MOE_PROMPT, ia),
+            (OTHER_PROMPT, ib),
+            (MOE_PROMPT, None),
+            (MOE_PROMPT, ib),
+        ],
+    );
+    assert_eq!(mixed[0], expected_a, "adapter a in the mixed batch");
+    assert_eq!(mixed[1], expected_b, "adapter b in the mixed batch");
+    assert_eq!(mixed[2], expected_base, "the base row in the mixed batch");
+    assert_eq!(mixed[3], expected_b_on_prompt, "adapter b on a's prompt");
+    runtime.join();
+}
+
+/// DoRA has no form for expert stacks (mlx-lm refuses it): a DoRA adapter that names one is
+/// refused with that reason, and factors of the wrong shape for an expert stack name it.
+#[test]
+fn adapters_that_cannot_apply_to_expert_stacks_are_refused_with_their_reason() {
+    let model = mlxd_engine::models::load(&tiny_model("family-qwen3_moe")).expect("load");
+    let table: &AdapterTable = model.adapters().expect("a table");
+    let a = adapter_dir("family-qwen3_moe-lora-a");
+    let dora = edited_copy(&a, |c| c.replace("\"lora\"", "\"dora\""));
+    let err = table.load("d", dora.path()).unwrap_err();
+    assert!(
+        matches!(&err, AdapterError::Refused(m) if m.contains("DoRA") && m.contains("switch_mlp")),
+        "{err}"
+    );
+    // An expert stack's factors transposed as a linear layer's would be: the expected
+    // shape names the experts.
+    let swapped = edited_copy(&a, |c| c.to_string());
+    let file = swapped.path().join("adapters.safetensors");
+    let tensors = mlx_rs::Array::load_safetensors(&file).expect("adapter tensors");
+    let key = "model.layers.0.mlp.switch_mlp.up_proj.lora_a";
+    let stack_only = [(key, tensors[key].swap_axes(-1, -2).unwrap())];
+    let b_key = "model.layers.0.mlp.switch_mlp.up_proj.lora_b";
+    let stack_only = stack_only
+        .into_iter()
+        .chain([(b_key, tensors[b_key].clone())]);
+    mlx_rs::Array::save_safetensors(stack_only, None, &file).expect("write");
+    let err = table.load("s", swapped.path()).unwrap_err();
+    assert!(err.to_string().contains("8 experts"), "{err}");
+    assert!(table.list().is_empty());
+}

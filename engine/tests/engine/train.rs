@@ -148,6 +148,34 @@ fn dora_training_follows_mlx_lm_losses_and_gives_its_tokens() {
     follows_mlx_lm("tiny-llama", "tiny-llama-dora", "parity");
 }
 
+/// LoRA on a mixture-of-experts base: the expert stacks train one factor pair per expert
+/// (mlx-lm's `LoRASwitchLinear`), the router and the other linears as usual, with mlx-lm's
+/// losses; mlx-lm loads the adapter mlxd writes.
+#[test]
+fn lora_on_expert_stacks_follows_mlx_lm_losses_and_gives_its_tokens() {
+    follows_mlx_lm("family-qwen3_moe", "family-qwen3_moe-lora-a", "parity");
+}
+
+/// DoRA has no form for expert stacks (mlx-lm refuses it): a DoRA run on a MoE base fails
+/// with the reason, before anything is written.
+#[test]
+fn dora_on_a_mixture_of_experts_base_is_refused() {
+    let model = tiny_model("family-qwen3_moe");
+    let (fixture, log) = fixture("family-qwen3_moe-lora-a");
+    let params = TrainParams {
+        fine_tune_type: "dora".into(),
+        ..params_of(&log["parity"])
+    };
+    let work = tempfile::tempdir().unwrap();
+    let config = config(&model, &fixture.join("data"), params, work.path());
+    let err = train(&config, &mut |_| Ok(())).unwrap_err();
+    assert!(
+        matches!(&err, JobError::Input(m) if m.contains("DoRA") && m.contains("expert stack")),
+        "{err}"
+    );
+    assert!(!config.out.exists(), "no adapter written");
+}
+
 /// `grad_checkpoint` recomputes each layer in the backward pass: the losses of a LoRA and of
 /// a DoRA run (with dropout, whose masks the recomputation must draw again) are those of the
 /// same run without it. (Its lower peak memory is measured per job process, in
@@ -421,6 +449,40 @@ fn a_dora_adapter_is_fused_as_mlx_lm_fuses_it() {
         crate::common::mlx_lm_greedy(&theirs, 8, FUSE_PROMPT),
         with_adapter
     );
+}
+
+/// An adapter with expert-stack factors fused as mlx-lm's `LoRASwitchLinear.fuse` fuses it:
+/// every tensor within float32 rounding of mlx-lm's fuse, and the fused model gives the base's
+/// tokens with the adapter.
+#[test]
+fn an_adapter_on_expert_stacks_is_fused_as_mlx_lm_fuses_it() {
+    let model = tiny_model("family-qwen3_moe");
+    let (adapter, _) = fixture("family-qwen3_moe-lora-a");
+    let work = tempfile::tempdir().unwrap();
+    let fused = fuse(&model, &adapter, work.path());
+    let theirs = mlx_lm_fuse(&model, &adapter, work.path());
+    let load = |dir: &Path| {
+        mlx_rs::Array::load_safetensors(dir.join("model.safetensors")).expect("fused weights")
+    };
+    let (ours, want) = (load(&fused), load(&theirs));
+    assert_eq!(ours.len(), want.len(), "tensor count");
+    let mut stacks = 0;
+    for (name, b) in &want {
+        let a = &ours[name];
+        assert_eq!(a.shape(), b.shape(), "{name}");
+        assert_eq!(a.dtype(), b.dtype(), "{name}");
+        let close = a.all_close(b, 1e-5, 1e-6, None).unwrap();
+        assert!(close, "{name} differs from mlx-lm's fuse");
+        stacks += usize::from(name.contains("switch_mlp"));
+    }
+    assert_eq!(stacks, 6, "the expert stacks were compared");
+    let with_adapter = crate::common::mlx_lm_greedy_with_adapter(&model, &adapter, 8, FUSE_PROMPT);
+    assert_ne!(
+        with_adapter,
+        crate::common::mlx_lm_greedy(&model, 8, FUSE_PROMPT),
+        "the adapter changes the tokens, or the comparison shows nothing"
+    );
+    assert_eq!(greedy_on(&fused, None, FUSE_PROMPT, 8), with_adapter);
 }
 
 /// `mlx_lm fuse` of `adapter` into `model`, in `work/mlx-lm-fused`.

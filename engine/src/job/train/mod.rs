@@ -5,7 +5,9 @@
 //!   staying quantized (QLoRA) and frozen; its linear layers are the sites of its
 //!   [`AdapterTable`], and the attention and MLP projections of the last `num_layers` layers
 //!   (every linear of those layers, mlx-lm's default keys) get factors `lora_a` `[in, r]`
-//!   (uniform in ±1/√in) and `lora_b` `[r, out]` (zeros), in float32; with
+//!   (uniform in ±1/√in) and `lora_b` `[r, out]` (zeros), in float32, and the expert stacks
+//!   of a mixture-of-experts layer one pair per expert, `[E, r, in]` and `[E, out, r]`, as
+//!   mlx-lm's `LoRASwitchLinear` (DoRA has no form for expert stacks and is refused there); with
 //!   `fine_tune_type` `dora`, also DoRA's magnitude `m` `[out]` (the base weight's row norms,
 //!   read from the checkpoint files), trained with them ([`crate::adapters::dora`]);
 //! - a step is mlx-lm's `default_loss` (masked cross-entropy over the targets from each
@@ -142,11 +144,15 @@ impl Lora {
             let (k, next) = mlx_rs::random::split(&key, 2).map_err(mlx)?;
             key = next;
             let bound = 1.0 / (s.in_dims as f32).sqrt();
-            params.push(
-                mlx_rs::random::uniform::<_, f32>(-bound, bound, &[s.in_dims, rank], &k)
-                    .map_err(mlx)?,
-            );
-            params.push(mlx_rs::ops::zeros::<f32>(&[rank, s.out_dims]).map_err(mlx)?);
+            // mlx-lm's layouts: `LoRALinear` `[in, r]`/`[r, out]`, `LoRASwitchLinear`
+            // `[E, r, in]`/`[E, out, r]`.
+            let (a_shape, b_shape) = match s.experts {
+                Some(e) => (vec![e, rank, s.in_dims], vec![e, s.out_dims, rank]),
+                None => (vec![s.in_dims, rank], vec![rank, s.out_dims]),
+            };
+            params
+                .push(mlx_rs::random::uniform::<_, f32>(-bound, bound, &a_shape, &k).map_err(mlx)?);
+            params.push(mlx_rs::ops::zeros::<f32>(&b_shape).map_err(mlx)?);
             if dora {
                 let m = magnitudes
                     .next()
@@ -351,7 +357,17 @@ pub fn train(config: &TrainConfig, report: &mut Report<'_>) -> Result<TrainSumma
         )));
     }
     let magnitudes = match p.fine_tune_type.as_str() {
-        "dora" => Some(base_magnitudes(&config.source, &sites)?),
+        "dora" => {
+            if let Some(s) = sites.iter().find(|s| s.experts.is_some()) {
+                return Err(JobError::Input(format!(
+                    "{}: DoRA has no form for expert stacks ({} is one; mlx-lm refuses it too: \
+                     \"SwitchLinear doesn't support DoRA\"); train a LoRA adapter for this model",
+                    model.info().architecture,
+                    s.prefix
+                )));
+            }
+            Some(base_magnitudes(&config.source, &sites)?)
+        }
         _ => None,
     };
     let mut lora = Lora::fresh(sites, p.rank as i32, p.seed, magnitudes)?;
@@ -677,6 +693,7 @@ mod tests {
             prefix: prefix.into(),
             in_dims: 4,
             out_dims: 4,
+            experts: None,
         }
     }
 
