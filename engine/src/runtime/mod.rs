@@ -355,12 +355,21 @@ impl Runtime {
                         quant: limits.kv_quant,
                         start: limits.quantized_kv_start,
                     };
+                    let adapter_spaces = match load_adapters(model.as_ref(), &limits.adapters) {
+                        Ok(spaces) => spaces,
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e));
+                            return;
+                        }
+                    };
                     // Not in an engine group: its ranks would have to warm up in lockstep.
                     if lockstep.is_none() && limits.warm_up.unwrap_or_else(on_gpu) {
                         let started = std::time::Instant::now();
+                        // After the adapters: their rows compile kernels of their own.
                         if let Err(e) = warm_up::run(
                             model.as_ref(),
                             &info,
+                            &adapter_spaces,
                             scheduler.clone(),
                             limits.kv_budget_bytes,
                             plain_bytes_per_token,
@@ -371,13 +380,6 @@ impl Runtime {
                         }
                         tracing::info!(ms = started.elapsed().as_millis() as u64, "warmed up");
                     }
-                    let adapter_spaces = match load_adapters(model.as_ref(), &limits.adapters) {
-                        Ok(spaces) => spaces,
-                        Err(e) => {
-                            let _ = ready_tx.send(Err(e));
-                            return;
-                        }
-                    };
                     let _ = ready_tx.send(Ok((info.clone(), model.adapters().cloned())));
                     let caches = CacheManager::new(
                         limits.kv_budget_bytes,

@@ -6,8 +6,11 @@
 //! crashed engine's streams at once, would pay it in the middle of the takeover. The warm-up
 //! runs a few short generations through a throwaway [`Executor`] on the loaded model — the
 //! same code path as real requests, prefill, decode and the sampler — so the kernels are
-//! ready before `Ready` is sent. The throwaway executor has no prefix cache, no SSD tier and
-//! its own counters: the warm-up leaves no entry, no KV and no figure behind.
+//! ready before `Ready` is sent. With LoRA adapters loaded, rows of an adapter alone and a
+//! batch mixing the base and every adapter (up to [`MIXED_ADAPTERS`]) follow: the adapter
+//! passes have kernels of their own. The throwaway executor has no prefix cache, no SSD tier
+//! and its own counters: the warm-up leaves no entry, no KV and no figure behind.
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use tokio::sync::mpsc;
@@ -17,7 +20,8 @@ use super::request::{GenerateRequest, TokenEvent};
 use super::sampling_params::SamplingParams;
 use super::scheduler::SchedulerLimits;
 use super::RuntimeStats;
-use crate::cache::{CacheManager, KvLayout};
+use crate::adapters::AdapterId;
+use crate::cache::{CacheManager, KvLayout, KvSpace};
 use crate::loader::LoadError;
 use crate::models::{CausalLm, ModelInfo};
 
@@ -27,6 +31,28 @@ const PROMPT_TOKENS: usize = 48;
 /// Tokens each warm-up generation makes: the first comes from the prefill, the rest from
 /// decode steps.
 const NEW_TOKENS: usize = 3;
+
+/// The most adapters the mixed warm-up batch holds a row of.
+pub const MIXED_ADAPTERS: usize = 4;
+
+/// The warm-up batches with adapters loaded (none without): the first adapter's row alone,
+/// then a batch of a base row and a row of each of the first [`MIXED_ADAPTERS`] adapters.
+pub fn adapter_batches(
+    vocab: usize,
+    adapters: &[AdapterId],
+) -> Vec<Vec<(Vec<u32>, SamplingParams, Option<AdapterId>)>> {
+    let Some(&first) = adapters.first() else {
+        return Vec::new();
+    };
+    let mut plain = requests(vocab).into_iter().map(|(p, s)| (p, s, None));
+    let alone = plain.next().map(|(p, s, _)| (p, s, Some(first)));
+    let mut mixed: Vec<_> = plain.next().into_iter().collect();
+    for (i, &id) in adapters.iter().take(MIXED_ADAPTERS).enumerate() {
+        let (prompt, sampling) = requests(vocab).swap_remove(i % 4);
+        mixed.push((prompt, sampling, Some(id)));
+    }
+    vec![alone.into_iter().collect(), mixed]
+}
 
 /// The warm-up generations: one greedy row alone, then a batch of greedy and sampled rows
 /// (the sampler's kernels), the prompts' lengths different so rows join unaligned. Public so
@@ -56,6 +82,7 @@ pub fn requests(vocab: usize) -> Vec<(Vec<u32>, SamplingParams)> {
 pub fn run(
     model: &dyn CausalLm,
     info: &ModelInfo,
+    adapter_spaces: &HashMap<AdapterId, KvSpace>,
     scheduler: SchedulerLimits,
     kv_budget_bytes: Option<u64>,
     plain_bytes_per_token: usize,
@@ -76,13 +103,21 @@ pub fn run(
         Arc::new(RuntimeStats::default()),
         None,
         None,
-    );
+    )
+    .with_adapter_spaces(adapter_spaces.clone());
     let mut batches = requests(info.vocab_size);
     let rest = batches.split_off(1);
-    for batch in [batches, rest] {
+    let mut all: Vec<Vec<(Vec<u32>, SamplingParams, Option<AdapterId>)>> = [batches, rest]
+        .into_iter()
+        .map(|b| b.into_iter().map(|(p, s)| (p, s, None)).collect())
+        .collect();
+    let mut adapters: Vec<AdapterId> = adapter_spaces.keys().copied().collect();
+    adapters.sort_by_key(|id| id.0);
+    all.extend(adapter_batches(info.vocab_size, &adapters));
+    for batch in all {
         let (work, rx) = mpsc::unbounded_channel();
         let mut events = Vec::new();
-        for (prompt, sampling) in batch {
+        for (prompt, sampling, adapter) in batch {
             let (tx, events_rx) = mpsc::unbounded_channel();
             work.send(GenerateRequest {
                 prompt,
@@ -93,7 +128,7 @@ pub fn run(
                 events: tx,
                 constraint: None,
                 logprobs: None,
-                adapter: None,
+                adapter,
             })
             .expect("the receiver is held here");
             events.push(events_rx);
@@ -109,4 +144,33 @@ pub fn run(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn adapter_rows_are_warmed_alone_and_mixed_with_the_base() {
+        assert!(
+            adapter_batches(100, &[]).is_empty(),
+            "no adapters: no batch"
+        );
+        let ids: Vec<AdapterId> = (1..=6).map(AdapterId).collect();
+        let batches = adapter_batches(100, &ids);
+        let adapters =
+            |b: &Vec<(Vec<u32>, SamplingParams, Option<AdapterId>)>| -> Vec<Option<u64>> {
+                b.iter().map(|(_, _, a)| a.map(|id| id.0)).collect()
+            };
+        assert_eq!(adapters(&batches[0]), [Some(1)]);
+        assert_eq!(
+            adapters(&batches[1]),
+            [None, Some(1), Some(2), Some(3), Some(4)],
+            "a base row beside the first MIXED_ADAPTERS adapters"
+        );
+        // Unaligned prompts and a sampled row, as in the plain warm-up.
+        let lens: Vec<usize> = batches[1].iter().map(|(p, _, _)| p.len()).collect();
+        assert!(lens.iter().any(|&l| l != lens[0]), "{lens:?}");
+        assert!(batches[1].iter().any(|(_, s, _)| s.temperature > 0.0));
+    }
 }

@@ -15,7 +15,8 @@ use crate::common::{
 
 const NEW_TOKENS: usize = 6;
 
-/// A runtime on `model` with adapters `a` and `b`, a prefix cache, and the SSD tier in `ssd`.
+/// A runtime on `model` with adapters `a` and `b`, a prefix cache, the SSD tier in `ssd`, and
+/// the warm-up on.
 fn start(model: &Path, ssd: &Path) -> Runtime {
     let limits = RuntimeLimits {
         prompt_cache_bytes: 64 << 20,
@@ -29,6 +30,9 @@ fn start(model: &Path, ssd: &Path) -> Runtime {
             demote_idle: None,
             checkpoint_every: None,
         }),
+        // The warm-up runs rows of each adapter too (on a GPU it compiles their kernels):
+        // what follows must find no KV, entry or figure of it, in any adapter's space.
+        warm_up: Some(true),
         ..Default::default()
     };
     Runtime::start(model.to_path_buf(), limits, None).expect("load with adapters")
