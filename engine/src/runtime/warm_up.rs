@@ -32,15 +32,15 @@ const PROMPT_TOKENS: usize = 48;
 /// decode steps.
 const NEW_TOKENS: usize = 3;
 
+/// One warm-up generation: its prompt, sampling and adapter (none: the base model).
+pub type WarmUpRow = (Vec<u32>, SamplingParams, Option<AdapterId>);
+
 /// The most adapters the mixed warm-up batch holds a row of.
 pub const MIXED_ADAPTERS: usize = 4;
 
 /// The warm-up batches with adapters loaded (none without): the first adapter's row alone,
 /// then a batch of a base row and a row of each of the first [`MIXED_ADAPTERS`] adapters.
-pub fn adapter_batches(
-    vocab: usize,
-    adapters: &[AdapterId],
-) -> Vec<Vec<(Vec<u32>, SamplingParams, Option<AdapterId>)>> {
+pub fn adapter_batches(vocab: usize, adapters: &[AdapterId]) -> Vec<Vec<WarmUpRow>> {
     let Some(&first) = adapters.first() else {
         return Vec::new();
     };
@@ -107,7 +107,7 @@ pub fn run(
     .with_adapter_spaces(adapter_spaces.clone());
     let mut batches = requests(info.vocab_size);
     let rest = batches.split_off(1);
-    let mut all: Vec<Vec<(Vec<u32>, SamplingParams, Option<AdapterId>)>> = [batches, rest]
+    let mut all: Vec<Vec<WarmUpRow>> = [batches, rest]
         .into_iter()
         .map(|b| b.into_iter().map(|(p, s)| (p, s, None)).collect())
         .collect();
