@@ -317,7 +317,15 @@ impl<'m> Executor<'m> {
                     return;
                 }
                 match self.wait_for_work(&mut rx) {
-                    Woken::Request(req) => self.waiting.push_back(req),
+                    Woken::Request(req) => {
+                        self.waiting.push_back(req);
+                        open = super::arrivals::gather(
+                            &mut rx,
+                            &mut self.waiting,
+                            super::arrivals::GAP,
+                            super::arrivals::MAX,
+                        );
+                    }
                     Woken::Adapter(work) => {
                         open = self.take_requests(&mut rx) && open;
                         self.adapter_work(work);

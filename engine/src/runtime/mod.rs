@@ -11,6 +11,7 @@
 //! - [`sequence`]: one request's state;
 //! - [`step_trace`]: where a decode step's host time goes (`mlxd_engine::step` trace events);
 //! - [`reference`]: the serial single-sequence path that mirrors mlx-lm's `generate_step`.
+mod arrivals;
 pub mod batch;
 pub mod draft;
 pub mod executor;
