@@ -7,8 +7,10 @@
 //!
 //! - `MLXD_FAULT=<kind>@<N>`: `abort` (SIGABRT, as a crashing native library would),
 //!   `oom` (sends `Fatal { OutOfMemory }` and exits, as MLX reporting an allocation
-//!   failure does), or `hang` (the whole process stops itself with SIGSTOP: no tokens, no
-//!   `Stats`), once this process has emitted N generated tokens, all requests together.
+//!   failure does), `hang` (the whole process stops itself with SIGSTOP: no tokens, no
+//!   `Stats`), or `stall` (the model thread stops for good while the rest of the process
+//!   runs and sends `Stats`, as when a GPU stops answering), once this process has emitted N
+//!   generated tokens, all requests together.
 //! - `MLXD_FAULT=slow_load@<ms>`: a supervised engine waits that many milliseconds before it
 //!   loads the model (a slow download or disk, to test waiting for a load).
 //! - `MLXD_FAULT_ONCE=<path>` (optional): fire only if this file exists, and remove it when
@@ -23,6 +25,8 @@ pub enum FaultKind {
     Abort,
     OutOfMemory,
     Hang,
+    /// The model thread sleeps for good; the process lives on.
+    Stall,
     /// Delays the load instead of firing on a token.
     SlowLoad,
 }
@@ -40,15 +44,16 @@ pub struct FaultSpec {
 /// Reads `<kind>@<N>`.
 pub fn parse(spec: &str, once: Option<PathBuf>) -> Result<FaultSpec, String> {
     let (kind, n) = spec.split_once('@').ok_or_else(|| {
-        format!("MLXD_FAULT={spec:?}: expected <abort|oom|hang>@<tokens> or slow_load@<ms>")
+        format!("MLXD_FAULT={spec:?}: expected <abort|oom|hang|stall>@<tokens> or slow_load@<ms>")
     })?;
     let kind = match kind.trim() {
         "abort" => FaultKind::Abort,
         "oom" => FaultKind::OutOfMemory,
         "hang" => FaultKind::Hang,
+        "stall" => FaultKind::Stall,
         "slow_load" => FaultKind::SlowLoad,
         other => {
-            let known = "abort, oom, hang or slow_load";
+            let known = "abort, oom, hang, stall or slow_load";
             return Err(format!(
                 "MLXD_FAULT={spec:?}: unknown fault {other:?}; expected {known}"
             ));
@@ -154,6 +159,12 @@ fn fire(armed: &Armed, n: u64) {
         }
         // Never fires on a token (see `load_delay`).
         FaultKind::SlowLoad => {}
+        FaultKind::Stall => {
+            tracing::error!("{what}: the model thread stops");
+            loop {
+                std::thread::sleep(std::time::Duration::from_secs(3600));
+            }
+        }
         FaultKind::Hang => {
             tracing::error!("{what}: stopping the process (SIGSTOP)");
             // SAFETY: raise(3) with a valid signal number has no memory-safety preconditions.

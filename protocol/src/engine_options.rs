@@ -98,6 +98,12 @@ pub const KEYS: &[(&str, &str)] = &[
          86400 (default 300)",
     ),
     (
+        "step_timeout",
+        "seconds one step of the engine's model thread may run while it has work before the \
+         engine reports itself stalled (a device that stopped answering) and exits for a \
+         restart, 1 to 86400 (default 300; an engine group uses distributed_step_timeout)",
+    ),
+    (
         "state_snapshot_every",
         "models with recurrent layers: prompt tokens between two snapshots of the state in the \
          prefix cache (default 4096)",
@@ -213,6 +219,11 @@ pub struct EngineOptions {
     /// [default: 300].
     #[cfg_attr(feature = "cli", arg(long, value_parser = parse_distributed_step_timeout))]
     pub distributed_step_timeout: Option<u64>,
+    /// Seconds one step of the model thread may run while the engine has work before the
+    /// engine reports itself stalled (a device that stopped answering) and exits, so that the
+    /// supervisor restarts it and resumes its streams [default: 300].
+    #[cfg_attr(feature = "cli", arg(long, value_parser = parse_step_timeout))]
+    pub step_timeout: Option<u64>,
     /// For models with recurrent layers (Qwen3-Next, Mamba-2, ...), whose state cannot be cut
     /// back to a shorter prefix: prompt tokens between two snapshots of the state kept in the
     /// prefix cache, and the most a prefill chunk holds [default: 4096].
@@ -411,6 +422,10 @@ pub fn parse_distributed_step_timeout(s: &str) -> Result<u64, String> {
     parse_in(s, 1, MAX_STEP_TIMEOUT, "seconds")
 }
 
+pub fn parse_step_timeout(s: &str) -> Result<u64, String> {
+    parse_in(s, 1, MAX_STEP_TIMEOUT, "seconds")
+}
+
 pub fn parse_state_snapshot_every(s: &str) -> Result<u64, String> {
     parse_in(s, 16, MAX_TOKENS, "a number of tokens")
 }
@@ -527,6 +542,7 @@ impl EngineOptions {
                 self.distributed_step_timeout =
                     Some(parse_distributed_step_timeout(value).map_err(bad)?)
             }
+            "step_timeout" => self.step_timeout = Some(parse_step_timeout(value).map_err(bad)?),
             "state_snapshot_every" => {
                 self.state_snapshot_every = Some(parse_state_snapshot_every(value).map_err(bad)?)
             }
@@ -604,6 +620,7 @@ impl EngineOptions {
             "distributed_step_timeout",
             self.distributed_step_timeout.map(|v| v.to_string()),
         );
+        put("step_timeout", self.step_timeout.map(|v| v.to_string()));
         put(
             "state_snapshot_every",
             self.state_snapshot_every.map(|v| v.to_string()),
@@ -676,6 +693,12 @@ impl EngineOptions {
         }
         if self.distributed.is_none() && self.distributed_step_timeout.is_some() {
             return Err(refuse("distributed_step_timeout", "needs distributed"));
+        }
+        if self.distributed.is_some() && self.step_timeout.is_some() {
+            return Err(refuse(
+                "step_timeout",
+                "an engine group bounds its steps with distributed_step_timeout",
+            ));
         }
         let (min, max) = self.ngram_sizes();
         if min > max {
@@ -834,6 +857,15 @@ mod tests {
                 &[("distributed", "ring"), ("ssd_cache", "/x")],
                 "engine option ssd_cache = \"/x\": is not supported by an engine group \
                  (distributed) yet: the SSD tier's writes",
+            ),
+            (
+                &[("distributed", "ring"), ("step_timeout", "5")],
+                "engine option step_timeout = \"5\": an engine group bounds its steps with \
+                 distributed_step_timeout",
+            ),
+            (
+                &[("step_timeout", "0")],
+                "engine option step_timeout = \"0\": expected seconds from 1 to 86400",
             ),
             (
                 &[("distributed_step_timeout", "5")],

@@ -409,7 +409,7 @@ async fn injected_out_of_memory_resumes_with_halved_limits() -> Result<()> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn injected_abort_and_hang_are_detected_restarted_and_resumed() -> Result<()> {
+async fn injected_abort_hang_and_stall_are_detected_restarted_and_resumed() -> Result<()> {
     let (p, _marker) = faulted_run_matches_clean_run("abort@10", |_| {}).await?;
     let e = p.engine().await?;
     ensure!(e["last_exit"]["code"] == "crash", "{e}");
@@ -437,6 +437,24 @@ async fn injected_abort_and_hang_are_detected_restarted_and_resumed() -> Result<
     ensure!(
         log.contains("hung: no Stats"),
         "the log does not say the engine hung: {e} {log}"
+    );
+    drop(p);
+
+    // The model thread stops while the process lives on and sends Stats (a GPU that stops
+    // answering): the engine's step watch ends it after step_timeout.
+    let (p, _marker) = faulted_run_matches_clean_run("stall@10", |c| {
+        c.server
+            .engine_options
+            .insert("step_timeout".into(), "2".into());
+    })
+    .await?;
+    let e = p.engine().await?;
+    ensure!(e["restarts"].as_u64() >= Some(1), "{e}");
+    ensure!(
+        e["last_exit"]["cause"]
+            .as_str()
+            .is_some_and(|c| c.contains("step_timeout")),
+        "the exit does not name the stall: {e}"
     );
     Ok(())
 }

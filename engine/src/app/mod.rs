@@ -8,6 +8,7 @@ mod options;
 mod ssh_rank;
 mod standalone;
 mod start_error;
+mod step_watch;
 mod supervised;
 
 pub use load::{load, load_in_group, load_reporting, store_event_progress, Engine};

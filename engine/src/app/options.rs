@@ -73,6 +73,9 @@ pub fn runtime_options(
     if let Some(seconds) = options.distributed_step_timeout {
         limits.group_step_timeout = Duration::from_secs(seconds);
     }
+    if let Some(seconds) = options.step_timeout {
+        limits.step_timeout = Duration::from_secs(seconds);
+    }
     if let Some(n) = options.state_snapshot_every {
         limits.state_snapshot_every = n as usize;
     }

@@ -108,6 +108,8 @@ pub fn run_supervised(home: &Path) -> anyhow::Result<()> {
             fatal_exit(&control, kind, message, 2);
         }
     };
+    // A single engine watches its model thread; a group's ranks watch their own steps.
+    let step_timeout = group.is_none().then_some(options.limits.step_timeout);
     let engine = match load_in_group(
         &launch.model,
         home,
@@ -125,6 +127,22 @@ pub fn run_supervised(home: &Path) -> anyhow::Result<()> {
         }
     };
     *ssd.lock().expect("ssd lock") = engine.runtime.ssd.clone();
+    if let Some(bound) = step_timeout {
+        let stall_control = control.clone();
+        super::step_watch::spawn(
+            engine.runtime.stats.clone(),
+            bound,
+            Box::new(move |message| {
+                tracing::error!(%message, "stalled; exiting so the supervisor restarts the engine");
+                fatal_exit(
+                    &stall_control,
+                    FatalKind::Internal,
+                    message,
+                    super::step_watch::EXIT_STALLED,
+                );
+            }),
+        )?;
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -341,6 +341,7 @@ impl<'m> Executor<'m> {
             if let Err(e) = self.iteration() {
                 self.fail_all(GenerationError::from_mlx(e.to_string()));
             }
+            self.stats.steps.fetch_add(1, Ordering::Relaxed);
             self.publish();
         }
     }

@@ -96,6 +96,10 @@ pub struct RuntimeLimits {
     /// hung (`--distributed-step-timeout`, `crate::distributed::watchdog`); meaningless for
     /// one engine.
     pub group_step_timeout: std::time::Duration,
+    /// How long one iteration of a single engine's model thread may run while it has work
+    /// before the supervised engine reports itself stalled and exits for a restart
+    /// (`step_timeout`; `crate::app::step_watch`).
+    pub step_timeout: std::time::Duration,
     /// Bytes of KV the prefix cache may keep between requests; 0 disables it.
     pub prompt_cache_bytes: u64,
     /// Most prompt tokens of one sequence per prefill forward pass (the measured prefill
@@ -136,6 +140,7 @@ impl Default for RuntimeLimits {
             context_length: None,
             parallelism: Parallelism::Tensor,
             group_step_timeout: crate::distributed::watchdog::STEP_TIMEOUT,
+            step_timeout: crate::distributed::watchdog::STEP_TIMEOUT,
             prompt_cache_bytes: DEFAULT_PROMPT_CACHE_BYTES,
             prefill_chunk: PREFILL_CHUNK,
             prefill_step_tokens: None,
@@ -174,6 +179,9 @@ impl RuntimeLimits {
 /// Counters the runtime publishes for `Stats` messages and `/health`.
 #[derive(Debug, Default)]
 pub struct RuntimeStats {
+    /// Iterations the model thread has finished: the step watch's sign of progress
+    /// (`crate::app::step_watch`).
+    pub steps: AtomicU64,
     pub active: AtomicU64,
     pub queued: AtomicU64,
     /// Admitted sequences still prefilling their prompts, and the prompt tokens they have left.
