@@ -26,6 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sse_client import named_events  # noqa: E402
+
 WORDS = ("harbour lantern tide granite beacon keeper storm gull river stone tree sky under "
          "over near quick slow red green blue cat dog bird runs sleeps eats the a").split()
 
@@ -102,23 +105,7 @@ def follow(port: int, job_id: str):
     """Yields (event name, parsed data) of the job's SSE stream until it ends."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
     conn.request("GET", f"/v1/jobs/{job_id}?follow=1")
-    resp = conn.getresponse()
-    buf = b""
-    while True:
-        chunk = resp.read1(65536)
-        if not chunk:
-            return
-        buf += chunk
-        while b"\n\n" in buf:
-            raw, buf = buf.split(b"\n\n", 1)
-            name, data = "message", b""
-            for line in raw.split(b"\n"):
-                if line.startswith(b"event:"):
-                    name = line[6:].strip().decode()
-                elif line.startswith(b"data:"):
-                    data += line[5:].strip()
-            if data:
-                yield name, json.loads(data)
+    yield from named_events(conn.getresponse())
 
 
 def run_mlxd(args, data: Path, work: Path) -> dict:

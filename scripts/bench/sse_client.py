@@ -47,6 +47,27 @@ def events(resp):
             yield json.loads(data)
 
 
+def named_events(resp):
+    """Yields (event name, parsed data) of an SSE response with named events (`event:` then
+    `data:`; `message` where an event has no name), as they arrive, until it ends."""
+    buf = b""
+    while True:
+        chunk = resp.read1(65536)
+        if not chunk:
+            return
+        buf += chunk
+        while b"\n\n" in buf:
+            raw, buf = buf.split(b"\n\n", 1)
+            name, data = "message", b""
+            for line in raw.split(b"\n"):
+                if line.startswith(b"event:"):
+                    name = line[6:].strip().decode()
+                elif line.startswith(b"data:"):
+                    data += line[5:].strip()
+            if data:
+                yield name, json.loads(data)
+
+
 def choice_tokens(choice):
     """Tokens a streamed choice carries: its `mlxd.token_ids` where present (random-weight
     models may emit ids whose text is empty), else 1 for a non-empty content delta."""

@@ -426,22 +426,9 @@ fn a_dora_adapter_is_fused_as_mlx_lm_fuses_it() {
     let model = tiny_model("tiny-llama");
     let (adapter, _) = fixture("tiny-llama-dora");
     let work = tempfile::tempdir().unwrap();
-    let fused = fuse(&model, &adapter, work.path());
-    let theirs = mlx_lm_fuse(&model, &adapter, work.path());
-    let load = |dir: &Path| {
-        mlx_rs::Array::load_safetensors(dir.join("model.safetensors")).expect("fused weights")
-    };
-    let (ours, want) = (load(&fused), load(&theirs));
-    assert_eq!(ours.len(), want.len(), "tensor count");
-    let mut changed = 0;
-    for (name, b) in &want {
-        let a = &ours[name];
-        assert_eq!(a.shape(), b.shape(), "{name}");
-        assert_eq!(a.dtype(), b.dtype(), "{name}");
-        let close = a.all_close(b, 1e-5, 1e-6, None).unwrap();
-        assert!(close, "{name} differs from mlx-lm's fuse");
-        changed += usize::from(name.contains("layers") && name.ends_with("proj.weight"));
-    }
+    let (fused, theirs, changed) = fuse_like_mlx_lm(&model, &adapter, work.path(), |name| {
+        name.contains("layers") && name.ends_with("proj.weight")
+    });
     assert!(changed > 0, "the adapted weights were compared");
     let with_adapter = crate::common::mlx_lm_greedy_with_adapter(&model, &adapter, 8, FUSE_PROMPT);
     assert_eq!(greedy_on(&fused, None, FUSE_PROMPT, 8), with_adapter);
@@ -459,22 +446,9 @@ fn an_adapter_on_expert_stacks_is_fused_as_mlx_lm_fuses_it() {
     let model = tiny_model("family-qwen3_moe");
     let (adapter, _) = fixture("family-qwen3_moe-lora-a");
     let work = tempfile::tempdir().unwrap();
-    let fused = fuse(&model, &adapter, work.path());
-    let theirs = mlx_lm_fuse(&model, &adapter, work.path());
-    let load = |dir: &Path| {
-        mlx_rs::Array::load_safetensors(dir.join("model.safetensors")).expect("fused weights")
-    };
-    let (ours, want) = (load(&fused), load(&theirs));
-    assert_eq!(ours.len(), want.len(), "tensor count");
-    let mut stacks = 0;
-    for (name, b) in &want {
-        let a = &ours[name];
-        assert_eq!(a.shape(), b.shape(), "{name}");
-        assert_eq!(a.dtype(), b.dtype(), "{name}");
-        let close = a.all_close(b, 1e-5, 1e-6, None).unwrap();
-        assert!(close, "{name} differs from mlx-lm's fuse");
-        stacks += usize::from(name.contains("switch_mlp"));
-    }
+    let (fused, _, stacks) = fuse_like_mlx_lm(&model, &adapter, work.path(), |name| {
+        name.contains("switch_mlp")
+    });
     assert_eq!(stacks, 6, "the expert stacks were compared");
     let with_adapter = crate::common::mlx_lm_greedy_with_adapter(&model, &adapter, 8, FUSE_PROMPT);
     assert_ne!(
@@ -483,6 +457,35 @@ fn an_adapter_on_expert_stacks_is_fused_as_mlx_lm_fuses_it() {
         "the adapter changes the tokens, or the comparison shows nothing"
     );
     assert_eq!(greedy_on(&fused, None, FUSE_PROMPT, 8), with_adapter);
+}
+
+/// Fuses `adapter` into `model` with mlxd's job and with `mlx_lm fuse`, and asserts every
+/// tensor of the two equal in shape and dtype and within float32 rounding; returns mlxd's
+/// fused directory, mlx-lm's, and how many tensors `counted` picks (so that a test can check
+/// the adapted ones were among those compared).
+fn fuse_like_mlx_lm(
+    model: &Path,
+    adapter: &Path,
+    work: &Path,
+    counted: impl Fn(&str) -> bool,
+) -> (PathBuf, PathBuf, usize) {
+    let fused = fuse(model, adapter, work);
+    let theirs = mlx_lm_fuse(model, adapter, work);
+    let load = |dir: &Path| {
+        mlx_rs::Array::load_safetensors(dir.join("model.safetensors")).expect("fused weights")
+    };
+    let (ours, want) = (load(&fused), load(&theirs));
+    assert_eq!(ours.len(), want.len(), "tensor count");
+    let mut picked = 0;
+    for (name, b) in &want {
+        let a = &ours[name];
+        assert_eq!(a.shape(), b.shape(), "{name}");
+        assert_eq!(a.dtype(), b.dtype(), "{name}");
+        let close = a.all_close(b, 1e-5, 1e-6, None).unwrap();
+        assert!(close, "{name} differs from mlx-lm's fuse");
+        picked += usize::from(counted(name));
+    }
+    (fused, theirs, picked)
 }
 
 /// `mlx_lm fuse` of `adapter` into `model`, in `work/mlx-lm-fused`.
