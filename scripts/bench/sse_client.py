@@ -27,29 +27,9 @@ def connect(url, timeout=300):
     return http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
 
 
-def events(resp):
-    """Yields each `data:` event of an SSE response as parsed JSON, as it arrives; `[DONE]`
-    ends the iteration."""
-    buf = b""
-    while True:
-        chunk = resp.read1(65536)
-        if not chunk:
-            return
-        buf += chunk
-        while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            line = event.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                return
-            yield json.loads(data)
-
-
-def named_events(resp):
-    """Yields (event name, parsed data) of an SSE response with named events (`event:` then
-    `data:`; `message` where an event has no name), as they arrive, until it ends."""
+def _raw_events(resp):
+    """Yields (event name, data bytes) of each SSE event as it arrives (`message` where an
+    event has no `event:` line); events without data are skipped."""
     buf = b""
     while True:
         chunk = resp.read1(65536)
@@ -60,12 +40,29 @@ def named_events(resp):
             raw, buf = buf.split(b"\n\n", 1)
             name, data = "message", b""
             for line in raw.split(b"\n"):
+                line = line.strip()
                 if line.startswith(b"event:"):
                     name = line[6:].strip().decode()
                 elif line.startswith(b"data:"):
                     data += line[5:].strip()
             if data:
-                yield name, json.loads(data)
+                yield name, data
+
+
+def events(resp):
+    """Yields each `data:` event of an SSE response as parsed JSON, as it arrives; `[DONE]`
+    ends the iteration."""
+    for _, data in _raw_events(resp):
+        if data == b"[DONE]":
+            return
+        yield json.loads(data)
+
+
+def named_events(resp):
+    """Yields (event name, parsed data) of an SSE response with named events (`event:` then
+    `data:`), as they arrive, until it ends."""
+    for name, data in _raw_events(resp):
+        yield name, json.loads(data)
 
 
 def choice_tokens(choice):
