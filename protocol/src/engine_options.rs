@@ -101,7 +101,8 @@ pub const KEYS: &[(&str, &str)] = &[
         "step_timeout",
         "seconds one step of the engine's model thread may run while it has work before the \
          engine reports itself stalled (a device that stopped answering) and exits for a \
-         restart, 1 to 86400 (default 300; an engine group uses distributed_step_timeout)",
+         restart, 1 to 86400 (default 300 on a GPU, 3600 on the CPU; an engine group uses \
+         distributed_step_timeout)",
     ),
     (
         "state_snapshot_every",
@@ -221,7 +222,8 @@ pub struct EngineOptions {
     pub distributed_step_timeout: Option<u64>,
     /// Seconds one step of the model thread may run while the engine has work before the
     /// engine reports itself stalled (a device that stopped answering) and exits, so that the
-    /// supervisor restarts it and resumes its streams [default: 300].
+    /// supervisor restarts it and resumes its streams [default: 300 on a GPU, 3600 on the
+    /// CPU].
     #[cfg_attr(feature = "cli", arg(long, value_parser = parse_step_timeout))]
     pub step_timeout: Option<u64>,
     /// For models with recurrent layers (Qwen3-Next, Mamba-2, ...), whose state cannot be cut

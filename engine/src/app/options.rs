@@ -74,7 +74,7 @@ pub fn runtime_options(
         limits.group_step_timeout = Duration::from_secs(seconds);
     }
     if let Some(seconds) = options.step_timeout {
-        limits.step_timeout = Duration::from_secs(seconds);
+        limits.step_timeout = Some(Duration::from_secs(seconds));
     }
     if let Some(n) = options.state_snapshot_every {
         limits.state_snapshot_every = n as usize;

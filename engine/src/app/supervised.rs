@@ -128,6 +128,8 @@ pub fn run_supervised(home: &Path) -> anyhow::Result<()> {
     };
     *ssd.lock().expect("ssd lock") = engine.runtime.ssd.clone();
     if let Some(bound) = step_timeout {
+        // The default depends on the device, which the load has selected by now.
+        let bound = bound.unwrap_or_else(crate::runtime::default_step_timeout);
         let stall_control = control.clone();
         super::step_watch::spawn(
             engine.runtime.stats.clone(),

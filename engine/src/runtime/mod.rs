@@ -74,6 +74,18 @@ fn on_gpu() -> bool {
         .and_then(|d| d.get_type())
         .is_ok_and(|t| matches!(t, mlx_rs::DeviceType::Gpu))
 }
+/// The step watch's bound where `step_timeout` is not set: five minutes on a GPU (as for an
+/// engine group's steps), an hour on the CPU, whose first prefill step of a large model may
+/// run minutes before the scheduler has measured its speed, and which does not stall the way
+/// a GPU does.
+pub fn default_step_timeout() -> std::time::Duration {
+    if on_gpu() {
+        crate::distributed::watchdog::STEP_TIMEOUT
+    } else {
+        std::time::Duration::from_secs(3600)
+    }
+}
+
 /// Prefix-cache bytes when no size is given (`--prompt-cache`).
 pub const DEFAULT_PROMPT_CACHE_BYTES: u64 = 1 << 30;
 /// Default [`RuntimeLimits::state_snapshot_every`].
@@ -98,8 +110,8 @@ pub struct RuntimeLimits {
     pub group_step_timeout: std::time::Duration,
     /// How long one iteration of a single engine's model thread may run while it has work
     /// before the supervised engine reports itself stalled and exits for a restart
-    /// (`step_timeout`; `crate::app::step_watch`).
-    pub step_timeout: std::time::Duration,
+    /// (`step_timeout`; `crate::app::step_watch`). `None`: [`default_step_timeout`].
+    pub step_timeout: Option<std::time::Duration>,
     /// Bytes of KV the prefix cache may keep between requests; 0 disables it.
     pub prompt_cache_bytes: u64,
     /// Most prompt tokens of one sequence per prefill forward pass (the measured prefill
@@ -140,7 +152,7 @@ impl Default for RuntimeLimits {
             context_length: None,
             parallelism: Parallelism::Tensor,
             group_step_timeout: crate::distributed::watchdog::STEP_TIMEOUT,
-            step_timeout: crate::distributed::watchdog::STEP_TIMEOUT,
+            step_timeout: None,
             prompt_cache_bytes: DEFAULT_PROMPT_CACHE_BYTES,
             prefill_chunk: PREFILL_CHUNK,
             prefill_step_tokens: None,
