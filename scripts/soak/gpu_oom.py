@@ -10,29 +10,31 @@ many long streams, beside a second model's engine that must not notice.
 2. A hog process (PyTorch) takes the GPU's free memory down to `--free-gb`.
 3. The bystander gets a steady trickle of short requests; the victim gets `--streams` greedy
    streams with prompts of `--prompt-words` words, together needing more KV than is free.
-4. What is recorded: `/engines` snapshots (the victim's `last_exit`, `restarts`, `limits`),
+4. What is recorded: `/engines` snapshots every second (the victim's `last_exit`, `restarts`,
+   `limits`, and the GPU's free memory from `nvidia-smi`),
    every victim stream (tokens, finish, error, longest pause), every bystander request
    (status, latency) and the bystander engine's pid before and after; then the hog exits and
    the time until the victim's limits are back (`limits.reduced` false) is measured, and one
    more victim request must succeed.
 The summary line says whether each claim held: the exit classified as out of memory, the
 streams finished (resumed on the restarted engine), limits shrank then recovered, the
-bystander undisturbed (same pid, no failed request).
+bystander undisturbed (same pid, no failed request). A SIGTERM (a `timeout` around the run)
+still writes what was recorded to `--out`.
 """
 import argparse
 import http.client
 import json
 import os
 import shutil
-import socket
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
-from sse_client import choice_tokens, events  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import choice_tokens, engines, events, free_port, http_json  # noqa: E402
 
 HOG = r"""
 import json, sys, torch
@@ -48,32 +50,8 @@ sys.stdin.read()
 """
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
-
-
-def request(port, method, path, body=None, timeout=600):
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    c.request(method, path, json.dumps(body) if body is not None else None,
-              {"content-type": "application/json"})
-    r = c.getresponse()
-    data = r.read()
-    try:
-        return r.status, json.loads(data)
-    except ValueError:
-        return r.status, data.decode(errors="replace")
-
-
-def engine(port, model):
-    _, body = request(port, "GET", "/engines")
-    for e in body.get("engines", []):
-        if e.get("model") == model:
-            return e
-    return None
+def engine(url, model):
+    return next((e for e in engines(url) if e.get("model") == model), None)
 
 
 def gpu_free_gib():
@@ -112,12 +90,12 @@ def victim_stream(port, i, words, max_tokens, out):
                   total_s=round(time.perf_counter() - t0, 2))
 
 
-def bystander_loop(port, stop, log):
+def bystander_loop(url, stop, log):
     i = 0
     while not stop.is_set():
         t0 = time.perf_counter()
         try:
-            status, body = request(port, "POST", "/v1/chat/completions", {
+            status, body, _ = http_json(url, "POST", "/v1/chat/completions", {
                 "model": "bystander", "max_tokens": 16, "temperature": 0,
                 "messages": [{"role": "user", "content": f"Bystander request {i}."}]}, timeout=120)
             err = None if status == 200 else str(body)[:200]
@@ -140,8 +118,11 @@ def main():
     ap.add_argument("--prompt-words", type=int, default=4500)
     ap.add_argument("--max-tokens", type=int, default=1000)
     args = ap.parse_args()
+    # A `timeout` around the run (the first H100 run stalled) still gets the partial result.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = tempfile.mkdtemp(prefix="gpu-oom-")
     port = free_port()
+    url = f"http://127.0.0.1:{port}"
     cfg = os.path.join(work, "mlxd.toml")
     with open(cfg, "w") as f:
         f.write(f"""[server]
@@ -177,48 +158,50 @@ max_batch_size = 4
         deadline = time.time() + 600
         while time.time() < deadline:
             try:
-                v, b = engine(port, "victim"), engine(port, "bystander")
+                v, b = engine(url, "victim"), engine(url, "bystander")
                 if v and b and v["state"] == "ready" and b["state"] == "ready":
                     break
-            except OSError:
+            except (OSError, RuntimeError):
                 pass
             time.sleep(1)
         else:
             raise SystemExit("the two engines did not become ready")
         for m in ("victim", "bystander"):
-            status, body = request(port, "POST", "/v1/chat/completions", {
+            status, body, _ = http_json(url, "POST", "/v1/chat/completions", {
                 "model": m, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
             assert status == 200, (m, status, body)
-        result["before"] = {"victim": engine(port, "victim"), "bystander": engine(port, "bystander"),
+        result["before"] = {"victim": engine(url, "victim"), "bystander": engine(url, "bystander"),
                             "gpu_free_gib": gpu_free_gib()}
         if args.free_gb > 0:
             hog = subprocess.Popen([sys.executable, "-c", HOG, str(args.free_gb)],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             result["hog"] = json.loads(hog.stdout.readline())
         stop = threading.Event()
-        bys_log = []
-        bys = threading.Thread(target=bystander_loop, args=(port, stop, bys_log))
+        bys_log = result["bystander_requests"] = []
+        bys = threading.Thread(target=bystander_loop, args=(url, stop, bys_log), daemon=True)
         bys.start()
-        streams = {}
+        streams = result["streams"] = {}
         threads = [threading.Thread(target=victim_stream,
-                                    args=(port, i, args.prompt_words, args.max_tokens, streams))
+                                    args=(port, i, args.prompt_words, args.max_tokens, streams),
+                                    daemon=True)
                    for i in range(args.streams)]
         t0 = time.perf_counter()
         for t in threads:
             t.start()
-        snapshots = []
+        snapshots = result["snapshots"] = []
         while any(t.is_alive() for t in threads):
-            v = engine(port, "victim")
+            v = engine(url, "victim")
             snapshots.append(dict(t=round(time.perf_counter() - t0, 1), state=v["state"], pid=v["pid"],
                                   restarts=v["restarts"], limits=v["limits"],
                                   last_exit=(v.get("last_exit") or {}).get("code"),
                                   active=(v.get("stats") or {}).get("active"),
-                                  kv_bytes=(v.get("stats") or {}).get("kv_bytes")))
+                                  kv_bytes=(v.get("stats") or {}).get("kv_bytes"),
+                                  gpu_free_gib=gpu_free_gib()))
             time.sleep(1)
         for t in threads:
             t.join()
         result["streams_s"] = round(time.perf_counter() - t0, 1)
-        result["victim_after_streams"] = engine(port, "victim")
+        result["victim_after_streams"] = engine(url, "victim")
         # The hog goes; the configured limits must come back after limits_recovery_ms.
         if hog:
             hog.stdin.close()
@@ -227,22 +210,19 @@ max_batch_size = 4
         t1 = time.perf_counter()
         recovered = None
         while time.perf_counter() - t1 < 180:
-            v = engine(port, "victim")
+            v = engine(url, "victim")
             if not v["limits"]["reduced"]:
                 recovered = round(time.perf_counter() - t1, 1)
                 break
             time.sleep(1)
         result["limits_recovered_after_s"] = recovered
-        status, body = request(port, "POST", "/v1/chat/completions", {
+        status, body, _ = http_json(url, "POST", "/v1/chat/completions", {
             "model": "victim", "max_tokens": 8, "messages": [{"role": "user", "content": "after"}]})
         result["victim_request_after"] = status
         stop.set()
         bys.join()
-        result["victim_final"] = engine(port, "victim")
-        result["bystander_final"] = engine(port, "bystander")
-        result["snapshots"] = snapshots
-        result["streams"] = streams
-        result["bystander_requests"] = bys_log
+        result["victim_final"] = engine(url, "victim")
+        result["bystander_final"] = engine(url, "bystander")
         ok = [s for s in streams.values() if s["error"] is None]
         exits = {s["last_exit"] for s in snapshots if s["last_exit"]}
         reduced = [s for s in snapshots if s["limits"]["reduced"]]
