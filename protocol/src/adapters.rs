@@ -28,10 +28,18 @@ pub struct AdapterObject {
     /// The model it applies to.
     pub parent: String,
     pub path: String,
+    /// `lora` or `dora`, as mlx-lm's `fine_tune_type` (absent from servers before it was
+    /// reported: `lora`, the only kind they served).
+    #[serde(default = "lora")]
+    pub fine_tune_type: String,
     pub rank: usize,
     pub scale: f32,
     /// Linear layers it changes.
     pub layers: usize,
+}
+
+fn lora() -> String {
+    "lora".into()
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -386,7 +386,10 @@ async fn adapter(action: &mlxd_proxy::cli::AdapterAction, target: &Target) -> an
                 .load_adapter(model, name, &dir)
                 .await
                 .with_context(|| format!("loading adapter {name} into {model}"))?;
-            println!("{} loaded (rank {}, {} layers)", a.id, a.rank, a.layers);
+            println!(
+                "{} loaded ({}, rank {}, {} layers)",
+                a.id, a.fine_tune_type, a.rank, a.layers
+            );
         }
         AdapterAction::Unload { model, name } => {
             let a = client

@@ -210,7 +210,10 @@ async fn the_client_library_trains_serves_unloads_and_fuses_an_adapter() -> Resu
     let out = adapter_verb(&p, &["load", &model, "cli", dir.to_str().context("path")?])?;
     assert_eq!(
         out,
-        format!("{model}:cli loaded (rank 4, {} layers)\n", loaded.layers)
+        format!(
+            "{model}:cli loaded (lora, rank 4, {} layers)\n",
+            loaded.layers
+        )
     );
     let out = adapter_verb(&p, &["ls", &model])?;
     assert_eq!(out, format!("{model}:cli\trun time\t{}\n", dir.display()));

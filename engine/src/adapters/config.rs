@@ -14,6 +14,16 @@ pub enum AdapterKind {
     Dora,
 }
 
+impl AdapterKind {
+    /// mlx-lm's `fine_tune_type` for it.
+    pub fn name(self) -> &'static str {
+        match self {
+            AdapterKind::Lora => "lora",
+            AdapterKind::Dora => "dora",
+        }
+    }
+}
+
 /// An adapter's settings: its kind, `lora_parameters.rank` and `.scale`; `dropout` only
 /// matters in training and is ignored.
 #[derive(Debug, Clone, PartialEq)]

@@ -45,6 +45,8 @@ pub struct AdapterSummary {
     pub id: AdapterId,
     pub name: String,
     pub dir: PathBuf,
+    /// LoRA or DoRA.
+    pub kind: super::config::AdapterKind,
     pub rank: usize,
     pub scale: f32,
     /// Linear layers it changes.
@@ -541,6 +543,7 @@ impl AdapterTable {
                 id,
                 name: name.to_owned(),
                 dir: dir.to_owned(),
+                kind: config.kind,
                 rank: config.rank,
                 scale: config.scale,
                 layers,

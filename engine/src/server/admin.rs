@@ -24,6 +24,7 @@ fn object(state: &ServerState, a: AdapterSummary) -> AdapterObject {
         name: a.name,
         parent: state.model_id.clone(),
         path: a.dir.display().to_string(),
+        fine_tune_type: a.kind.name().into(),
         rank: a.rank,
         scale: a.scale,
         layers: a.layers,

@@ -144,6 +144,7 @@ fn adapters_load_and_unload_at_run_time_and_serve_as_if_loaded_at_start() {
         (loaded["rank"].as_u64(), loaded["scale"].as_f64()),
         (Some(4), Some(10.0))
     );
+    assert_eq!(loaded["fine_tune_type"], "lora");
     let a2 = id(&runtime, "a2");
     assert_eq!(state.adapter_for(Some("tiny:a2")).unwrap(), a2);
     assert_eq!(tokens(&runtime, a2), at_start);
@@ -248,6 +249,12 @@ fn adapters_load_and_unload_at_run_time_and_serve_as_if_loaded_at_start() {
         "adapter_refused",
         "full",
     );
+    // A DoRA adapter loads beside the LoRA ones and says which it is.
+    let (status, dora) = api.load("dora", &adapter_dir("tiny-llama-dora"));
+    assert_eq!(status, StatusCode::OK, "{dora}");
+    assert_eq!(dora["fine_tune_type"], "dora");
+    let (status, _) = api.call("DELETE", "/admin/adapters/dora", None);
+    assert_eq!(status, StatusCode::OK);
     check(
         api.load("bad name", &lora_a),
         StatusCode::BAD_REQUEST,
