@@ -44,14 +44,20 @@ pub fn adapter_batches(vocab: usize, adapters: &[AdapterId]) -> Vec<Vec<WarmUpRo
     let Some(&first) = adapters.first() else {
         return Vec::new();
     };
-    let mut plain = requests(vocab).into_iter().map(|(p, s)| (p, s, None));
-    let alone = plain.next().map(|(p, s, _)| (p, s, Some(first)));
-    let mut mixed: Vec<_> = plain.next().into_iter().collect();
-    for (i, &id) in adapters.iter().take(MIXED_ADAPTERS).enumerate() {
-        let (prompt, sampling) = requests(vocab).swap_remove(i % 4);
-        mixed.push((prompt, sampling, Some(id)));
-    }
-    vec![alone.into_iter().collect(), mixed]
+    let rows = requests(vocab);
+    let row = |(prompt, sampling): &(Vec<u32>, SamplingParams), adapter| {
+        (prompt.clone(), sampling.clone(), adapter)
+    };
+    let alone = vec![row(&rows[0], Some(first))];
+    let mut mixed = vec![row(&rows[1], None)];
+    mixed.extend(
+        adapters
+            .iter()
+            .take(MIXED_ADAPTERS)
+            .zip(rows.iter().cycle())
+            .map(|(&id, r)| row(r, Some(id))),
+    );
+    vec![alone, mixed]
 }
 
 /// The warm-up generations: one greedy row alone, then a batch of greedy and sampled rows
