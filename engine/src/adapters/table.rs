@@ -155,11 +155,13 @@ enum Selection {
 /// Dropout on a training step's LoRA input, as mlx-lm's `LoRALinear` applies it
 /// (`nn.Dropout(p)` on `x` before `lora_a`): each site draws its mask from `key` folded with
 /// the site's index, so a step's masks are a function of the key alone (a resumed run draws
-/// the same ones).
+/// the same ones). The key is an array, not a seed, so that a compiled training step takes
+/// it as an input instead of baking one step's masks into its graph.
 #[derive(Debug, Clone)]
 pub struct TrainingDropout {
     pub p: f32,
-    pub seed: u64,
+    /// The step's PRNG key (`mlx_rs::random::key`).
+    pub key: Array,
 }
 
 /// A training step's arrays at one site: LoRA's factors, and DoRA's magnitude when training
@@ -859,7 +861,8 @@ impl AdapterTable {
 }
 
 /// A training step's LoRA input at site `index`: `x` under dropout (mlx-lm's `nn.Dropout` on
-/// the input of `lora_a`), the mask drawn from the step's seed folded with the site's index.
+/// the input of `lora_a`), the mask drawn from the step's key with the site's index added to
+/// its second word (an op on the key, so it stays an input of a compiled step).
 fn training_dropout(
     x: &Array,
     index: usize,
@@ -867,8 +870,8 @@ fn training_dropout(
 ) -> Result<Array, Exception> {
     match dropout {
         Some(d) if d.p > 0.0 => {
-            let key =
-                mlx_rs::random::key(d.seed ^ (index as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15))?;
+            let fold = Array::from_slice(&[0u32, (index as u32).wrapping_mul(0x9e37_79b9)], &[2]);
+            let key = d.key.add(&fold)?;
             let keep = Array::from_f32(1.0 - d.p);
             let mask = mlx_rs::random::bernoulli(&keep, x.shape(), &key)?;
             x.multiply(&mask)?

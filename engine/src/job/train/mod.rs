@@ -457,10 +457,15 @@ pub fn train(config: &TrainConfig, report: &mut Report<'_>) -> Result<TrainSumma
         let b = nth_batch(&train_batches, p.seed, it - 1);
         let examples: Vec<&data::Example> = b.iter().map(|&i| &set.train[i]).collect();
         let batch = BatchArrays::from(&data::batch(&examples, max_len));
-        let dropout = (p.dropout > 0.0).then(|| TrainingDropout {
-            p: p.dropout,
-            seed: p.seed.wrapping_mul(1_000_003).wrapping_add(it),
-        });
+        let dropout = (p.dropout > 0.0)
+            .then(|| -> Result<TrainingDropout, JobError> {
+                let seed = p.seed.wrapping_mul(1_000_003).wrapping_add(it);
+                Ok(TrainingDropout {
+                    p: p.dropout,
+                    key: mlx_rs::random::key(seed).map_err(mlx)?,
+                })
+            })
+            .transpose()?;
         let (values, grads) = {
             let model = model.as_ref();
             let table = &table;
