@@ -10,6 +10,12 @@
 //! function's inputs for their gradients to flow through it); the function selects those
 //! arrays in the table itself, because MLX calls it again during the backward pass, after the
 //! step's own selection ended. Outside such a scope [`layer`] is the plain call.
+//!
+//! It composes with a compiled step (`job::train::step`), as `mx.checkpoint` does with
+//! mlx-lm's `mx.compile`d step: MLX calls the function while it traces the step (the forward
+//! pass, then the recomputation in the backward pass of `value_and_grad`), and the compiled
+//! graph keeps the recomputation, which depends on the forward pass's outputs, so that
+//! compiling does not merge it back into the forward pass.
 use std::cell::RefCell;
 use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -68,9 +74,11 @@ pub fn layer<L: 'static>(
     let mut inputs = vec![h.clone()];
     inputs.extend(trained.arrays().cloned());
     // SAFETY: the layer is part of the model, which outlives the step: MLX calls the
-    // function now and again only while the step's gradient is computed (the backward pass
-    // of `value_and_grad`), before the training job drops the step's arrays and long before
-    // it drops the model; the function is freed with the graph that holds it.
+    // function now and again only while the step's gradient is built (the backward pass of
+    // `value_and_grad`), before the training job drops the step's arrays and long before it
+    // drops the model; the function is freed with the graph that holds it. A compiled step's
+    // graph holds it until the step function is dropped (MLX's compile cache entry is erased
+    // then), and that function holds the model.
     let layer: &'static L = unsafe { &*(layer as *const L) };
     let function = move |inputs: &[Array]| -> Result<Vec<Array>, Exception> {
         let selection = trained.with_arrays(&inputs[1..]);

@@ -219,6 +219,98 @@ fn gradient_checkpointing_gives_the_same_losses() {
     }
 }
 
+/// The compiled training step (the default) and the same step run op by op give the same
+/// losses, for LoRA and DoRA, with and without gradient checkpointing, with dropout (whose key
+/// is a step input: a key baked into the compiled graph would draw the first step's masks
+/// again), AdamW and a learning-rate schedule (the rate is an input too). The compiled run
+/// traces its step once per batch shape and the uncompiled one once per iteration, so a
+/// compiled path that silently stopped compiling fails here.
+#[test]
+fn compiled_and_uncompiled_steps_give_the_same_losses() {
+    use mlxd_engine::job::train::{data, train_with, StepMode};
+    use mlxd_protocol::jobs::Optimizer;
+    let model = tiny_model("tiny-llama");
+    for (name, grad_checkpoint) in [
+        ("tiny-llama-lora-a", false),
+        ("tiny-llama-lora-a", true),
+        ("tiny-llama-dora", true),
+    ] {
+        let (fixture, log) = fixture(name);
+        let schedule = params_of(&fixture_log_schedule(&log));
+        let params = TrainParams {
+            iters: 8,
+            batch_size: 2,
+            // Long enough that the batches' widths (one plus a multiple of 32) differ.
+            max_seq_length: 2048,
+            dropout: 0.1,
+            optimizer: Optimizer::Adamw,
+            lr_schedule: schedule.lr_schedule,
+            grad_checkpoint,
+            ..params_of(&log["parity"])
+        };
+        assert!(
+            params.lr_schedule.is_some(),
+            "{name}: the fixture has a schedule"
+        );
+        let data_dir = fixture.join("data");
+        let run_as = |mode: StepMode| {
+            let work = tempfile::tempdir().unwrap();
+            let mut config = config(&model, &data_dir, params.clone(), work.path());
+            config.init_adapter = Some(fixture.join("init_adapters.safetensors"));
+            train_with(&config, mode, &mut |_| Ok(()))
+                .unwrap_or_else(|e| panic!("{name}: training ({mode:?}) failed: {e}"))
+        };
+        let (compiled, uncompiled) = (run_as(StepMode::Compiled), run_as(StepMode::Uncompiled));
+        assert_eq!(compiled.train_losses.len(), 8);
+        let pairs = compiled
+            .train_losses
+            .iter()
+            .zip(&uncompiled.train_losses)
+            .chain(compiled.val_losses.iter().zip(&uncompiled.val_losses));
+        for ((i, a), (j, b)) in pairs {
+            assert_eq!(i, j);
+            assert!(
+                (a - b).abs() <= 1e-5,
+                "{name} (checkpointing {grad_checkpoint}): loss after {i} updates: {a} \
+                 compiled, {b} uncompiled"
+            );
+        }
+        assert!(
+            compiled.train_losses[7].1 < compiled.train_losses[0].1 - 0.05,
+            "{name}: it trains"
+        );
+
+        // The shapes the run's batches have: its step is compiled once per shape.
+        let tokenizer = mlxd_engine::tokenizer::Tokenizer::from_dir(&model).unwrap();
+        let set = data::load(&data_dir, &tokenizer, params.mask_prompt).unwrap();
+        let mut widths: Vec<usize> = data::batch_indices(&set.train, 2)
+            .iter()
+            .map(|b| {
+                let rows: Vec<&data::Example> = b.iter().map(|&i| &set.train[i]).collect();
+                data::batch(&rows, 2048).width
+            })
+            .collect();
+        widths.sort();
+        widths.dedup();
+        assert!(widths.len() > 1, "the test's batches have several shapes");
+        assert_eq!(
+            compiled.step_traces,
+            widths.len() as u64,
+            "{name}: compiled once per batch shape ({widths:?})"
+        );
+        assert_eq!(uncompiled.step_traces, 8, "{name}: traced every iteration");
+    }
+}
+
+/// The fixture's scheduled run's log (the LoRA fixture has one; the DoRA fixture takes the
+/// LoRA fixture's schedule).
+fn fixture_log_schedule(log: &Value) -> Value {
+    if log["schedule"].is_object() {
+        return log["schedule"].clone();
+    }
+    fixture("tiny-llama-lora-a").1["schedule"].clone()
+}
+
 /// Trains from the fixture's starting factors with its parity run's settings and compares
 /// losses and the written adapter's tokens with mlx-lm's.
 fn follows_mlx_lm(base: &str, adapter_fixture: &str, which: &str) {

@@ -27,25 +27,25 @@
 //! - the output is mlx-lm's adapter directory: `adapters.safetensors` (keys
 //!   `<layer>.lora_a` / `.lora_b`, and `.m` for DoRA) and `adapter_config.json`.
 pub mod data;
+mod step;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 use std::time::Instant;
 
-use mlx_rs::error::Exception;
-use mlx_rs::ops::indexing::take_along_axis;
 use mlx_rs::{Array, Dtype};
 use mlxd_protocol::jobs::{JobProgress, Optimizer, TrainParams, TrainingProgress};
 use serde_json::{json, Value};
 
 use super::fuse::BaseWeights;
 use super::{io, JobError};
-use crate::adapters::{
-    checkpoint, dora, layer_of, AdapterTable, SiteInfo, TrainingDropout, TrainingFactors,
-};
+use crate::adapters::{dora, layer_of, AdapterTable, SiteInfo};
 use crate::cache::LayerKind;
 use crate::models::CausalLm;
 use crate::tokenizer::Tokenizer;
+pub use step::StepMode;
+use step::{factors_by_site, loss, BatchArrays, Step, StepInputs, StepOutputs, StepSpec};
 
 /// The checkpoint file in a run's checkpoint directory.
 pub const CHECKPOINT: &str = "checkpoint.safetensors";
@@ -76,6 +76,9 @@ pub struct TrainSummary {
     pub trained_tokens: u64,
     /// Bytes of `adapters.safetensors`.
     pub bytes: u64,
+    /// How many times the training step was traced: compiled, once per batch shape the run
+    /// saw; uncompiled, once per iteration.
+    pub step_traces: u64,
 }
 
 fn mlx(e: impl std::fmt::Display) -> JobError {
@@ -224,73 +227,6 @@ fn zeros_like(arrays: &[Array]) -> Result<Vec<Array>, JobError> {
         .collect()
 }
 
-/// A batch as arrays: tokens `[B, T]`, offsets and lengths `[B, 1]`.
-struct BatchArrays {
-    tokens: Array,
-    offsets: Array,
-    lengths: Array,
-}
-
-impl From<&data::Batch> for BatchArrays {
-    fn from(b: &data::Batch) -> Self {
-        let rows = b.rows as i32;
-        let offsets: Vec<i32> = b.offsets.iter().map(|&o| o as i32).collect();
-        let lengths: Vec<i32> = b.lengths.iter().map(|&l| l as i32).collect();
-        Self {
-            tokens: Array::from_slice(&b.tokens, &[rows, b.width as i32]),
-            offsets: Array::from_slice(&offsets, &[rows, 1]),
-            lengths: Array::from_slice(&lengths, &[rows, 1]),
-        }
-    }
-}
-
-/// mlx-lm's `default_loss`: the mean cross-entropy over each row's targets from its offset to
-/// its length; returns `[loss, tokens]`.
-fn loss(model: &dyn CausalLm, batch: &BatchArrays) -> Result<Vec<Array>, Exception> {
-    use mlx_rs::ops::indexing::IndexOp;
-    let t = batch.tokens.shape()[1];
-    let inputs = batch.tokens.index((.., ..t - 1));
-    let targets = batch.tokens.index((.., 1..));
-    let mut caches = model.new_dense_caches();
-    let logits = model.forward(&inputs, &mut caches)?;
-    let steps = Array::arange::<_, i32>(1, t, None)?;
-    let mask = steps
-        .ge(&batch.offsets)?
-        .logical_and(&steps.le(&batch.lengths)?)?;
-    let score = take_along_axis(
-        &logits,
-        &targets.as_dtype(Dtype::Int32)?.expand_dims(-1)?,
-        -1,
-    )?
-    .squeeze_axes(&[-1])?;
-    let ce = logits.logsumexp_axis(-1, None)?.subtract(&score)?;
-    let ce = ce.multiply(&mask.as_dtype(ce.dtype())?)?;
-    let ntoks = mask.as_dtype(Dtype::Int32)?.sum(None)?;
-    let total = ce.as_dtype(Dtype::Float32)?.sum(None)?;
-    Ok(vec![total.divide(&ntoks.as_dtype(Dtype::Float32)?)?, ntoks])
-}
-
-/// The selection of a step's factors on `table` (`per_site` arrays per site: `lora_a`,
-/// `lora_b`, and DoRA's `m` when 3).
-fn factors_by_site(
-    table: &AdapterTable,
-    lora: &[SiteInfo],
-    params: &[Array],
-    per_site: usize,
-) -> Vec<Option<TrainingFactors>> {
-    let n = table.sites().iter().map(|s| s.index + 1).max().unwrap_or(0);
-    let mut out: Vec<Option<TrainingFactors>> = vec![None; n];
-    for (i, s) in lora.iter().enumerate() {
-        let p = &params[per_site * i..per_site * (i + 1)];
-        out[s.index] = Some(TrainingFactors {
-            a: p[0].clone(),
-            b: p[1].clone(),
-            m: p.get(2).cloned(),
-        });
-    }
-    out
-}
-
 /// DoRA's starting magnitudes of `sites`: the row norms of their base weights, read from the
 /// model's files (the loaded model keeps its weights inside its layers).
 fn base_magnitudes(source: &Path, sites: &[SiteInfo]) -> Result<Vec<Array>, JobError> {
@@ -315,8 +251,18 @@ struct Position {
 /// test's stop).
 pub type Report<'a> = dyn FnMut(JobProgress) -> Result<(), JobError> + 'a;
 
-/// Runs the training to its end and writes the adapter into `config.out`.
+/// Runs the training to its end and writes the adapter into `config.out`, its steps compiled
+/// unless `MLXD_TRAIN_COMPILE=0` ([`StepMode::from_env`]).
 pub fn train(config: &TrainConfig, report: &mut Report<'_>) -> Result<TrainSummary, JobError> {
+    train_with(config, StepMode::from_env()?, report)
+}
+
+/// [`train`] with its steps run as `mode` says.
+pub fn train_with(
+    config: &TrainConfig,
+    mode: StepMode,
+    report: &mut Report<'_>,
+) -> Result<TrainSummary, JobError> {
     let p = &config.params;
     p.check().map_err(JobError::Input)?;
     let tokenizer = Tokenizer::from_dir(&config.source)
@@ -332,8 +278,9 @@ pub fn train(config: &TrainConfig, report: &mut Report<'_>) -> Result<TrainSumma
             )));
         }
     }
-    let model = crate::models::load(&config.source)
-        .map_err(|e| JobError::Input(format!("loading {}: {e}", config.source.display())))?;
+    let model: Rc<dyn CausalLm> = crate::models::load(&config.source)
+        .map_err(|e| JobError::Input(format!("loading {}: {e}", config.source.display())))?
+        .into();
     if let Some(kind) = model
         .layer_kinds()
         .into_iter()
@@ -422,6 +369,7 @@ pub fn train(config: &TrainConfig, report: &mut Report<'_>) -> Result<TrainSumma
         val_losses: Vec::new(),
         trained_tokens: 0,
         bytes: 0,
+        step_traces: 0,
     };
     let mut figures = TrainingProgress {
         iteration: at.iteration,
@@ -444,7 +392,21 @@ pub fn train(config: &TrainConfig, report: &mut Report<'_>) -> Result<TrainSumma
     };
     report(progress(&figures, "training"))?;
     let stall = super::stall_after();
-    let n_params = lora.params.len();
+    // Built once and kept: MLX keys its compiled graphs by this function (one per batch
+    // shape). Declared after the model's last use below and dropped before it.
+    let mut step = Step::new(
+        model.clone(),
+        table.clone(),
+        StepSpec {
+            sites: lora.sites.clone(),
+            per_site: lora.per_site(),
+            scale: p.scale,
+            dropout: (p.dropout > 0.0).then_some(p.dropout),
+            grad_checkpoint: p.grad_checkpoint,
+            adamw: p.optimizer == Optimizer::Adamw,
+        },
+        mode,
+    );
     for it in at.iteration + 1..=p.iters {
         if it == 1 || it % p.steps_per_eval == 0 || it == p.iters {
             let val = evaluate(model.as_ref(), &table, &lora, &set.valid, &valid_batches, p)?;
@@ -457,55 +419,42 @@ pub fn train(config: &TrainConfig, report: &mut Report<'_>) -> Result<TrainSumma
         let b = nth_batch(&train_batches, p.seed, it - 1);
         let examples: Vec<&data::Example> = b.iter().map(|&i| &set.train[i]).collect();
         let batch = BatchArrays::from(&data::batch(&examples, max_len));
-        let dropout = (p.dropout > 0.0)
-            .then(|| -> Result<TrainingDropout, JobError> {
-                let seed = p.seed.wrapping_mul(1_000_003).wrapping_add(it);
-                Ok(TrainingDropout {
-                    p: p.dropout,
-                    key: mlx_rs::random::key(seed).map_err(mlx)?,
-                })
-            })
-            .transpose()?;
-        let (values, grads) = {
-            let model = model.as_ref();
-            let table = &table;
-            let sites = &lora.sites;
-            let per_site = lora.per_site();
-            let step = |params: &[Array]| -> Result<Vec<Array>, Exception> {
-                let _selected = table.select_training(
-                    factors_by_site(table, sites, params, per_site),
-                    p.scale,
-                    dropout.clone(),
-                );
-                let _checkpointing = p
-                    .grad_checkpoint
-                    .then(|| checkpoint::checkpointing(table.clone()));
-                loss(model, &batch)
-            };
-            let argnums: Vec<i32> = (0..n_params as i32).collect();
-            let mut vg = mlx_rs::transforms::value_and_grad_with_argnums(step, &argnums[..]);
-            vg(&lora.params).map_err(mlx)?
-        };
+        // The step's dropout key, a function of (seed, iteration) so that a resumed run
+        // draws the masks an uninterrupted one does.
+        let key = (p.dropout > 0.0)
+            .then(|| mlx_rs::random::key(p.seed.wrapping_mul(1_000_003).wrapping_add(it)))
+            .transpose()
+            .map_err(mlx)?;
         // mlx-lm: the schedule replaces the constant rate; MLX evaluates it at the update's
         // step (0 for the first).
         let rate = match &p.lr_schedule {
             Some(schedule) => schedule.rate(it - 1) as f32,
             None => p.learning_rate,
         };
-        let lr = Array::from_f32(rate);
-        let decay = (p.optimizer == Optimizer::Adamw).then_some(rate * 0.01);
-        for (i, g) in grads.iter().enumerate() {
-            let (param, m, v) =
-                adam_step(&lora.params[i], g, &lora.m[i], &lora.v[i], &lr, decay).map_err(mlx)?;
-            lora.params[i] = param;
-            lora.m[i] = m;
-            lora.v[i] = v;
-        }
-        let mut to_eval: Vec<&Array> = values.iter().collect();
+        let StepOutputs {
+            loss,
+            tokens,
+            params,
+            m,
+            v,
+        } = step
+            .run(StepInputs {
+                params: &lora.params,
+                m: &lora.m,
+                v: &lora.v,
+                lr: Array::from_f32(rate),
+                batch: &batch,
+                key,
+            })
+            .map_err(mlx)?;
+        // The old arrays are dropped before the evaluation, so that MLX may reuse their
+        // buffers for the new ones.
+        (lora.params, lora.m, lora.v) = (params, m, v);
+        let mut to_eval: Vec<&Array> = vec![&loss, &tokens];
         to_eval.extend(lora.params.iter().chain(&lora.m).chain(&lora.v));
         mlx_rs::transforms::eval(to_eval).map_err(mlx)?;
-        let train_loss = values[0].item_exact::<f32>() as f64;
-        let tokens = values[1].item_exact::<i32>() as u64;
+        let train_loss = loss.item_exact::<f32>() as f64;
+        let tokens = tokens.item_exact::<i32>() as u64;
         let seconds = started.elapsed().as_secs_f64();
         at.iteration = it;
         at.trained_tokens += tokens;
@@ -534,33 +483,10 @@ pub fn train(config: &TrainConfig, report: &mut Report<'_>) -> Result<TrainSumma
         }
     }
     std::fs::create_dir_all(&config.out).map_err(io(&config.out))?;
+    summary.step_traces = step.traces();
     summary.bytes = save_adapter(&config.out, &lora, config)?;
     report(progress(&figures, "writing"))?;
     Ok(summary)
-}
-
-/// One update of MLX's `Adam` (betas 0.9 and 0.999, eps 1e-8, no bias correction) or, with
-/// `decay` (`learning_rate * weight_decay`), `AdamW`: returns the parameter and the moments.
-fn adam_step(
-    param: &Array,
-    g: &Array,
-    m: &Array,
-    v: &Array,
-    lr: &Array,
-    decay: Option<f32>,
-) -> Result<(Array, Array, Array), Exception> {
-    const B1: f32 = 0.9;
-    const B2: f32 = 0.999;
-    const EPS: f32 = 1e-8;
-    let f = Array::from_f32;
-    let m = m.multiply(f(B1))?.add(g.multiply(f(1.0 - B1))?)?;
-    let v = v.multiply(f(B2))?.add(g.square()?.multiply(f(1.0 - B2))?)?;
-    let param = match decay {
-        Some(d) => param.multiply(f(1.0 - d))?,
-        None => param.clone(),
-    };
-    let update = lr.multiply(&m)?.divide(v.sqrt()?.add(f(EPS))?)?;
-    Ok((param.subtract(update)?, m, v))
 }
 
 /// The batch of (0-based) iteration `i`: the batches in an order per epoch.
