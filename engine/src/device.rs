@@ -4,6 +4,8 @@ use std::ffi::CStr;
 
 use mlxd_protocol::control::{Backend, Device, DeviceKind};
 
+use crate::cache::DeviceMemory;
+
 /// The version string of the libmlx loaded at run time.
 pub fn loaded_mlx_version() -> String {
     // SAFETY: mlx_string_new/mlx_version/mlx_string_data/mlx_string_free are used as mlx-c
@@ -140,6 +142,55 @@ pub fn select_device(request: DeviceRequest) -> Result<Device, String> {
         ));
     }
     Ok(device)
+}
+
+/// The default device's memory as MLX reports it: on CUDA, `free_memory` (system-wide, through
+/// NVML when the driver has it) and `total_memory`. `None` on a device that does not report
+/// its free memory (the CPU; Metal, whose memory is the system's). Read on the MLX thread once
+/// the weights are loaded, so that what they hold is no longer free.
+pub fn device_memory() -> Result<Option<DeviceMemory>, String> {
+    let failed = |what: &str| format!("reading the device's memory: {what} failed");
+    // SAFETY: mlx-c's device and device-info objects are created, filled, read while alive
+    // and freed exactly once, as mlx-c documents; the keys are NUL-terminated literals.
+    unsafe {
+        let mut device = mlx_sys::mlx_device_new();
+        if mlx_sys::mlx_get_default_device(&mut device) != 0 {
+            mlx_sys::mlx_device_free(device);
+            return Err(failed("mlx_get_default_device"));
+        }
+        let mut info = mlx_sys::mlx_device_info_new();
+        let read = mlx_sys::mlx_device_info_get(&mut info, device);
+        mlx_sys::mlx_device_free(device);
+        if read != 0 {
+            mlx_sys::mlx_device_info_free(info);
+            return Err(failed("mlx_device_info_get"));
+        }
+        let size = |key: &CStr| -> Result<Option<u64>, String> {
+            let mut exists = false;
+            if mlx_sys::mlx_device_info_has_key(&mut exists, info, key.as_ptr()) != 0 {
+                return Err(failed("mlx_device_info_has_key"));
+            }
+            if !exists {
+                return Ok(None);
+            }
+            let mut value = 0usize;
+            match mlx_sys::mlx_device_info_get_size(&mut value, info, key.as_ptr()) {
+                0 => Ok(Some(value as u64)),
+                _ => Err(format!(
+                    "reading the device's memory: {} is not a size",
+                    key.to_string_lossy()
+                )),
+            }
+        };
+        let memory = size(c"free_memory").and_then(|free| {
+            Ok(match (free, size(c"total_memory")?) {
+                (Some(free), Some(total)) => Some(DeviceMemory { free, total }),
+                _ => None,
+            })
+        });
+        mlx_sys::mlx_device_info_free(info);
+        memory
+    }
 }
 
 #[cfg(test)]

@@ -15,6 +15,9 @@
 //!   loads the model (a slow download or disk, to test waiting for a load).
 //! - `MLXD_FAULT_ONCE=<path>` (optional): fire only if this file exists, and remove it when
 //!   firing, so that the restarted engine runs clean. Without it, every engine fires.
+//! - `MLXD_FAULT_GPU_MEMORY=<free MiB>/<total MiB>`: the device reports this much memory
+//!   ([`device_memory_override`]), so that the KV budget's start-up check against the GPU's
+//!   free memory runs on a machine without a GPU.
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
@@ -101,6 +104,34 @@ pub fn from_env() -> Result<Option<FaultSpec>, String> {
     parse(&spec, once).map(Some)
 }
 
+/// The device memory `MLXD_FAULT_GPU_MEMORY` stands in for (see the module comment); `None`
+/// when it is unset or faults are not allowed. A malformed value is an error the engine
+/// refuses to start with.
+pub fn device_memory_override() -> Result<Option<crate::cache::DeviceMemory>, String> {
+    let Some(value) = std::env::var_os("MLXD_FAULT_GPU_MEMORY") else {
+        return Ok(None);
+    };
+    let value = value.to_string_lossy().into_owned();
+    if std::env::var("MLXD_ALLOW_FAULTS").as_deref() != Ok("1") {
+        tracing::warn!(%value, "MLXD_FAULT_GPU_MEMORY is ignored without MLXD_ALLOW_FAULTS=1");
+        return Ok(None);
+    }
+    parse_device_memory(&value).map(Some)
+}
+
+/// Reads `<free MiB>/<total MiB>`.
+fn parse_device_memory(value: &str) -> Result<crate::cache::DeviceMemory, String> {
+    let mib = |n: &str| n.trim().parse::<u64>().ok().map(|n| n << 20);
+    match value.split_once('/').map(|(f, t)| (mib(f), mib(t))) {
+        Some((Some(free), Some(total))) if free <= total => {
+            Ok(crate::cache::DeviceMemory { free, total })
+        }
+        _ => Err(format!(
+            "MLXD_FAULT_GPU_MEMORY={value:?}: expected <free MiB>/<total MiB>, free at most total"
+        )),
+    }
+}
+
 /// Arms the switch for this process; `on_oom` is how an `oom` fault exits.
 pub fn arm(spec: FaultSpec, on_oom: OomExit) {
     tracing::warn!(?spec, "fault switch armed (MLXD_ALLOW_FAULTS=1)");
@@ -178,6 +209,15 @@ fn fire(armed: &Armed, n: u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parses_a_device_memory_and_refuses_a_malformed_one() {
+        let m = parse_device_memory("2148/4096").unwrap();
+        assert_eq!((m.free, m.total), (2148 << 20, 4096 << 20));
+        for bad in ["2148", "x/4096", "5000/4096", ""] {
+            assert!(parse_device_memory(bad).is_err(), "{bad:?}");
+        }
+    }
 
     #[test]
     fn parses_kinds_and_counts() {

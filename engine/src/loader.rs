@@ -63,6 +63,13 @@ pub enum LoadError {
     Architecture(String, String),
     #[error("MLX failed while loading weights: {0}")]
     Mlx(#[from] mlx_rs::error::Exception),
+    /// The device's facts could not be read, or a test's stand-in for them is malformed.
+    #[error("{0}")]
+    Device(String),
+    /// The device has no room for a KV cache beside the loaded weights
+    /// ([`crate::cache::kv_budget_within`]); the supervisor treats it as any out-of-memory exit.
+    #[error("out of memory: {0}")]
+    Memory(String),
     /// The loaded model failed its warm-up generations (`crate::runtime::warm_up`).
     #[error("the warm-up pass before serving failed: {0}")]
     WarmUp(String),

@@ -113,6 +113,13 @@ pub struct Ready {
     pub capabilities: Vec<String>,
     /// Where the model runs.
     pub device: Device,
+    /// The limits the engine runs with: the launch's, with the engine's own choices where the
+    /// launch left them unset (the batch size for the device, a KV budget from the GPU's free
+    /// memory, the context cut to what that budget holds) and a KV budget cut to what the GPU
+    /// holds. An out-of-memory exit shrinks these, not the launch's unset ones. Absent from
+    /// older engines.
+    #[serde(default)]
+    pub limits: Option<Limits>,
 }
 
 /// What an engine is doing while it loads, in order.

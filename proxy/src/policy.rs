@@ -141,6 +141,24 @@ pub fn shrink_after_oom(l: &Limits) -> Option<Limits> {
     })
 }
 
+/// The batch size and KV budget an engine launched with `launched` ran with, as it reported
+/// them (`engine`): its own choice where the launch left one unset, the smaller where it cut
+/// one (a KV budget above what the GPU holds). The context length stays the launch's (the
+/// engine cuts it to its budget itself).
+fn with_engine_choices(launched: &Limits, engine: &Limits) -> Limits {
+    fn smaller<T: Ord>(a: Option<T>, b: Option<T>) -> Option<T> {
+        match (a, b) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+    Limits {
+        max_batch_size: smaller(launched.max_batch_size, engine.max_batch_size),
+        kv_budget_bytes: smaller(launched.kv_budget_bytes, engine.kv_budget_bytes),
+        context_length: launched.context_length,
+    }
+}
+
 /// One model's engine limits: the configured ones, and the ones the next engine gets.
 /// Out-of-memory exits halve them; they come back after a stable period, on an admin
 /// reset, or on an admin load/unload — so a burst of memory pressure does not leave a
@@ -174,10 +192,17 @@ impl ModelLimits {
         self.current != self.configured
     }
 
-    /// Records an out-of-memory exit at `now`; returns the new limits if they shrank.
-    pub fn on_oom(&mut self, now: Instant) -> Option<&Limits> {
+    /// Records an out-of-memory exit at `now` of an engine that ran with `in_force` (what its
+    /// `Ready` reported, `None` when it never was ready or did not say); returns the new
+    /// limits if they shrank. The limits halved are the ones it ran with: a batch size or KV
+    /// budget left unset here, which the engine chose itself, shrinks too.
+    pub fn on_oom(&mut self, now: Instant, in_force: Option<&Limits>) -> Option<&Limits> {
         self.last_oom = Some(now);
-        let smaller = shrink_after_oom(&self.current)?;
+        let ran_with = match in_force {
+            Some(engine) => with_engine_choices(&self.current, engine),
+            None => self.current.clone(),
+        };
+        let smaller = shrink_after_oom(&ran_with)?;
         self.current = smaller;
         Some(&self.current)
     }
@@ -424,13 +449,13 @@ mod tests {
         let mut l = ModelLimits::new(limits(1 << 20, 8));
         assert!(!l.reduced());
         assert_eq!(l.recovers_at(&p), None);
-        l.on_oom(Instant::now());
-        l.on_oom(Instant::now());
+        l.on_oom(Instant::now(), None);
+        l.on_oom(Instant::now(), None);
         assert_eq!(l.current(), &limits(1 << 18, 2));
         tokio::time::advance(Duration::from_secs(599)).await;
         assert!(!l.recover_if_stable(&p, Instant::now()));
         // Another OOM restarts the clock.
-        l.on_oom(Instant::now());
+        l.on_oom(Instant::now(), None);
         tokio::time::advance(Duration::from_secs(599)).await;
         assert!(!l.recover_if_stable(&p, Instant::now()));
         tokio::time::advance(Duration::from_secs(1)).await;
@@ -440,10 +465,35 @@ mod tests {
     }
 
     #[test]
+    fn an_oom_halves_what_the_engine_ran_with_where_the_launch_left_limits_unset_or_too_large() {
+        // Nothing configured: the engine chose 128 rows and a 40 GiB budget from the GPU.
+        let mut l = ModelLimits::new(Limits::default());
+        let reported = limits(40 << 30, 128);
+        assert_eq!(
+            l.on_oom(Instant::now(), Some(&reported)),
+            Some(&limits(20 << 30, 64))
+        );
+        assert!(l.reduced());
+        assert!(l.restore());
+        assert_eq!(l.current(), &Limits::default());
+        // Configured above what the GPU held (cut to 40 GiB), batch configured at 32: the
+        // smaller of each is halved.
+        let mut l = ModelLimits::new(limits(200 << 30, 32));
+        assert_eq!(
+            l.on_oom(Instant::now(), Some(&reported)),
+            Some(&limits(20 << 30, 16))
+        );
+        // Without a report (an engine that never was ready) nothing unset can shrink.
+        let mut l = ModelLimits::new(Limits::default());
+        assert_eq!(l.on_oom(Instant::now(), None), None);
+        assert!(!l.reduced());
+    }
+
+    #[test]
     fn restore_brings_back_the_configured_limits() {
         let mut l = ModelLimits::new(limits(1024, 4));
         assert!(!l.restore());
-        l.on_oom(Instant::now());
+        l.on_oom(Instant::now(), None);
         assert!(l.reduced());
         assert!(l.restore());
         assert_eq!(l.current(), l.configured());

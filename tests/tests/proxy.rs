@@ -446,6 +446,60 @@ async fn reduced_limits_refuse_with_503_and_reset_restores_them() -> Result<()> 
     Ok(())
 }
 
+/// An engine that chose its KV budget itself (from the GPU's free memory, as the fake engine's
+/// `device_kv_budget_bytes` stands for) reports it; an out-of-memory exit halves that budget
+/// although none is configured, and a reset gives the choice back to the engine.
+#[tokio::test]
+async fn an_out_of_memory_exit_halves_the_budget_the_engine_chose() -> Result<()> {
+    let mut p = Proxy::start_with(&[("device_kv_budget_bytes", "4096")], |c| {
+        c.server.max_resumes = 0;
+    })
+    .await?;
+    let (s, _, v) = p
+        .post_json("/v1/chat/completions", &chat_tokens(10))
+        .await?;
+    assert_eq!(s, 200, "{v}");
+    let e = p.engine().await?;
+    assert_eq!(e["limits"]["kv_budget_bytes"], Value::Null, "{e}");
+    assert_eq!(e["limits"]["in_force"]["kv_budget_bytes"], 4096, "{e}");
+    // 1001 tokens · 10 bytes: more than the engine's own budget, refused before it is sent.
+    let (s, _, v) = p
+        .post_json("/v1/chat/completions", &chat_tokens(1000))
+        .await?;
+    assert_eq!(s, 400, "{v}");
+    assert_eq!(v["error"]["code"], "kv_budget_exceeded");
+
+    let mut oom = chat(json!({"then": "fatal_oom"}), false);
+    oom["max_tokens"] = json!(100);
+    let (s, _, v) = p.post_json("/v1/chat/completions", &oom).await?;
+    assert_eq!(s, 502, "{v}");
+    let e = p.engine().await?;
+    assert_eq!(e["limits"]["reduced"], true, "{e}");
+    assert_eq!(e["limits"]["kv_budget_bytes"], 2048, "{e}");
+    // 301 tokens · 10 bytes: within what the engine chose, not within half of it.
+    let (s, _, v) = p
+        .post_json("/v1/chat/completions", &chat_tokens(300))
+        .await?;
+    assert_eq!(s, 503, "{v}");
+    assert_eq!(v["error"]["code"], "limits_reduced");
+    let e = p.engine().await?;
+    assert_eq!(e["limits"]["in_force"]["kv_budget_bytes"], 2048, "{e}");
+
+    let (s, _, _) = json_of(send(p.addr, "POST", "/engines/reset", None).await?).await?;
+    assert_eq!(s, 200);
+    let e = p.engine().await?;
+    assert_eq!(e["limits"]["reduced"], false, "{e}");
+    assert_eq!(e["limits"]["kv_budget_bytes"], Value::Null, "{e}");
+    let (s, _, v) = p
+        .post_json("/v1/chat/completions", &chat_tokens(300))
+        .await?;
+    assert_eq!(s, 200, "{v}");
+    let e = p.engine().await?;
+    assert_eq!(e["limits"]["in_force"]["kv_budget_bytes"], 4096, "{e}");
+    p.stop().await?;
+    Ok(())
+}
+
 #[tokio::test]
 async fn oom_restart_shrinks_limits() -> Result<()> {
     let mut p = Proxy::start_with(&[], |c| {

@@ -390,11 +390,16 @@ async fn faulted_run_matches_clean_run(
     Ok((p, marker_dir))
 }
 
+/// The batch size is configured; the KV budget is not, so the engine takes it from the GPU's
+/// free memory (here a stand-in: 2049 MiB free of 4096, less 2 GiB of headroom: 1 MiB). The
+/// out-of-memory exit halves both, the one the engine chose too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn injected_out_of_memory_resumes_with_halved_limits() -> Result<()> {
     let (p, _marker) = faulted_run_matches_clean_run("oom@10", |c| {
         c.server.limits.max_batch_size = Some(16);
-        c.server.limits.kv_budget_bytes = Some(512 << 20);
+        c.server
+            .engine_env
+            .insert("MLXD_FAULT_GPU_MEMORY".into(), "2049/4096".into());
     })
     .await?;
     let e = p.engine().await?;
@@ -403,8 +408,15 @@ async fn injected_out_of_memory_resumes_with_halved_limits() -> Result<()> {
     let limits = &e["limits"];
     ensure!(limits["reduced"] == true, "{e}");
     ensure!(limits["max_batch_size"] == 8, "{e}");
-    ensure!(limits["kv_budget_bytes"] == (256u64 << 20), "{e}");
+    ensure!(limits["kv_budget_bytes"] == (512u64 << 10), "{e}");
     ensure!(limits["configured_max_batch_size"] == 16, "{e}");
+    ensure!(limits["configured_kv_budget_bytes"].is_null(), "{e}");
+    // The restarted engine runs with the halved budget, which fits what the GPU holds.
+    ensure!(
+        limits["in_force"]["kv_budget_bytes"] == (512u64 << 10),
+        "{e}"
+    );
+    ensure!(limits["in_force"]["max_batch_size"] == 8, "{e}");
     Ok(())
 }
 

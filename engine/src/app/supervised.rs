@@ -10,7 +10,8 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use mlxd_ipc::control::{ChildChannel, ControlSender, ParentEvent};
 use mlxd_protocol::control::{
-    ChildMsg, FatalKind, Launch, LoadPhase, Ready, Spilled, SsdStats, Stats, PROTOCOL_VERSION,
+    ChildMsg, FatalKind, Launch, Limits, LoadPhase, Ready, Spilled, SsdStats, Stats,
+    PROTOCOL_VERSION,
 };
 use tokio::sync::Notify;
 
@@ -264,6 +265,11 @@ async fn serve_supervised(
             "token_ids".into(),
         ],
         device: engine.device.clone(),
+        limits: Some(Limits {
+            max_batch_size: Some(engine.runtime.in_force.max_batch_size as u32),
+            kv_budget_bytes: engine.runtime.in_force.kv_budget_bytes,
+            context_length: Some(info.context_length as u32),
+        }),
     })?;
     tracing::info!(socket = %launch.socket_path.display(), device = %engine.device, "ready");
 

@@ -29,7 +29,9 @@ mod state;
 mod stored;
 
 pub use batched::{BatchKv, WINDOW_SLACK};
-pub use budget::{KvBudget, Reservation};
+pub use budget::{
+    context_held, device_headroom, kv_budget_within, BudgetSource, DeviceMemory, KvBudget, Reservation,
+};
 pub use dense::DenseKv;
 pub use manager::{CacheManager, PrefixHit};
 pub use prefix::{PrefixCache, PrefixLookup};

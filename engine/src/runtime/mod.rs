@@ -226,6 +226,8 @@ pub type ModelLoader = Box<dyn FnOnce(&Path) -> Result<Box<dyn CausalLm>, LoadEr
 pub struct Runtime {
     pub work: WorkSender,
     pub info: ModelInfo,
+    /// The batch size and KV budget the engine runs with.
+    pub in_force: LimitsInForce,
     pub stats: Arc<RuntimeStats>,
     /// Flushes the SSD tier's writes (the `Spill` control message).
     pub ssd: Option<SsdHandle>,
@@ -235,6 +237,79 @@ pub struct Runtime {
     /// Loads and unloads adapters on the MLX thread (the admin routes).
     pub adapter_work: AdapterWorkSender,
     thread: thread::JoinHandle<()>,
+}
+
+/// The limits an engine runs with: the launch's, with the engine's own choices where the
+/// launch left them unset (the batch size for the device, a KV budget from the GPU's free
+/// memory) and a configured KV budget cut to what the GPU holds. The supervisor shrinks these
+/// after an out-of-memory exit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LimitsInForce {
+    pub max_batch_size: usize,
+    /// `None`: unlimited (a device that does not report its free memory, without a
+    /// configured budget).
+    pub kv_budget_bytes: Option<u64>,
+}
+
+/// The KV budget of an engine (see [`crate::cache::kv_budget_within`]): on a device that
+/// reports its free memory, outside an engine group, the configured budget while it fits, else
+/// what the device holds; the configured one elsewhere. A group keeps its configured budget:
+/// only its leader admits, and its ranks' devices need not agree. When the budget is the
+/// device's (derived or cut), a context longer than it holds is cut to what it holds, so that
+/// a request without `max_tokens`, which reserves the whole context, is still served.
+fn kv_budget_on_device(
+    configured: Option<u64>,
+    info: &mut ModelInfo,
+    grouped: bool,
+) -> Result<Option<u64>, LoadError> {
+    if grouped {
+        return Ok(configured);
+    }
+    let memory = match crate::fault::device_memory_override() {
+        Ok(Some(m)) => Some(m),
+        Ok(None) => crate::device::device_memory().map_err(LoadError::Device)?,
+        Err(e) => return Err(LoadError::Device(e)),
+    };
+    let Some(memory) = memory else {
+        return Ok(configured);
+    };
+    let (budget, source) =
+        crate::cache::kv_budget_within(configured, memory).map_err(LoadError::Memory)?;
+    if source == crate::cache::BudgetSource::Configured {
+        return Ok(Some(budget));
+    }
+    let context = crate::cache::context_held(
+        budget,
+        info.kv_bytes_per_token as u64,
+        info.state_bytes_per_sequence as u64,
+        info.context_length,
+    )
+    .map_err(|e| LoadError::Memory(format!("{e} (the budget is the GPU's free memory)")))?;
+    tracing::info!(
+        kv_budget_mib = budget >> 20,
+        ?source,
+        free_mib = memory.free >> 20,
+        total_mib = memory.total >> 20,
+        context_length = context,
+        "KV budget from the GPU's free memory"
+    );
+    if let crate::cache::BudgetSource::Clamped { configured } = source {
+        tracing::warn!(
+            configured_mib = configured >> 20,
+            kv_budget_mib = budget >> 20,
+            "the configured KV budget is more than the GPU holds once the weights are loaded: \
+             cut to what it holds"
+        );
+    }
+    if context < info.context_length {
+        tracing::warn!(
+            model_context = info.context_length,
+            context_length = context,
+            "the context is cut to what the KV budget holds"
+        );
+        info.context_length = context;
+    }
+    Ok(Some(budget))
 }
 
 impl Runtime {
@@ -372,6 +447,17 @@ impl Runtime {
                         }
                     };
                     let scheduler = limits.scheduler(on_gpu());
+                    let kv_budget = match kv_budget_on_device(
+                        limits.kv_budget_bytes,
+                        &mut info,
+                        lockstep.is_some(),
+                    ) {
+                        Ok(budget) => budget,
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e));
+                            return;
+                        }
+                    };
                     let layout = KvLayout {
                         quant: limits.kv_quant,
                         start: limits.quantized_kv_start,
@@ -392,7 +478,7 @@ impl Runtime {
                             &info,
                             &adapter_spaces,
                             scheduler.clone(),
-                            limits.kv_budget_bytes,
+                            kv_budget,
                             plain_bytes_per_token,
                             layout,
                         ) {
@@ -401,9 +487,13 @@ impl Runtime {
                         }
                         tracing::info!(ms = started.elapsed().as_millis() as u64, "warmed up");
                     }
-                    let _ = ready_tx.send(Ok((info.clone(), model.adapters().cloned())));
+                    let in_force = LimitsInForce {
+                        max_batch_size: scheduler.max_batch_size,
+                        kv_budget_bytes: kv_budget,
+                    };
+                    let _ = ready_tx.send(Ok((info.clone(), model.adapters().cloned(), in_force)));
                     let caches = CacheManager::new(
-                        limits.kv_budget_bytes,
+                        kv_budget,
                         limits.prompt_cache_bytes,
                         plain_bytes_per_token,
                         info.kv_bytes_per_token,
@@ -437,9 +527,10 @@ impl Runtime {
                 source: e,
             })?;
         match ready_rx.recv() {
-            Ok(Ok((info, adapters))) => Ok(Runtime {
+            Ok(Ok((info, adapters, in_force))) => Ok(Runtime {
                 work,
                 info,
+                in_force,
                 stats,
                 ssd: ssd_handle,
                 adapters,

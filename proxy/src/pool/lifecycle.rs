@@ -719,6 +719,7 @@ pub(super) fn exited(
     // Every branch below leaves a state without an engine.
     let recycled = slot.state.engine().is_some_and(|e| e.recycle);
     let ready_for = slot.state.serving().map(|s| now.duration_since(s.ready_at));
+    let in_force = slot.state.serving().and_then(|s| s.ready.limits.clone());
     slot.last_exit = Some((report.clone(), wall));
     let mut effects = vec![
         Effect::Log(format!("[mlxd] engine exited: {}", report.cause)),
@@ -752,7 +753,7 @@ pub(super) fn exited(
     let load_failed = ready_for.is_none();
     if matches!(report.cause, ExitCause::OutOfMemory { .. }) {
         let old = slot.limits.current().clone();
-        if let Some(smaller) = slot.limits.on_oom(now) {
+        if let Some(smaller) = slot.limits.on_oom(now, in_force.as_ref()) {
             warn!(
                 model = %key,
                 ?old,

@@ -308,7 +308,14 @@ impl Slot {
         let State::Ready { engine, serving } = &self.state else {
             return None;
         };
-        let budget = engine.limits.kv_budget_bytes?;
+        // What the engine runs with (a budget it derived from the GPU's free memory, or cut
+        // to it), else what it was launched with.
+        let budget = serving
+            .ready
+            .limits
+            .as_ref()
+            .and_then(|l| l.kv_budget_bytes)
+            .or(engine.limits.kv_budget_bytes)?;
         let configured = self.limits.configured().kv_budget_bytes;
         Some(KvCapacity {
             kv_bytes_per_token: serving.ready.kv_bytes_per_token,
@@ -316,7 +323,7 @@ impl Slot {
             context_length: serving.ready.context_length,
             budget,
             configured_budget: configured,
-            recovers_in: (configured != Some(budget)).then(|| {
+            recovers_in: self.limits.reduced().then(|| {
                 self.limits
                     .recovers_at(policy)
                     .map_or(Duration::from_secs(1), |at| {

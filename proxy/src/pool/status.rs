@@ -122,6 +122,11 @@ pub struct LimitsInfo {
     pub configured_kv_budget_bytes: Option<u64>,
     /// Seconds until the configured limits return (absent when not reduced).
     pub recovers_in_s: Option<f64>,
+    /// What the running engine runs with: these, with its own choices where they are unset
+    /// (the batch size for its device, a KV budget from the GPU's free memory, the context
+    /// that budget holds). Absent before it is ready, and from older engines.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub in_force: Option<mlxd_protocol::control::Limits>,
 }
 
 impl Slot {
@@ -218,6 +223,7 @@ impl Slot {
                         .limits
                         .recovers_at(policy)
                         .map(|at| at.saturating_duration_since(now).as_secs_f64()),
+                    in_force: self.state.serving().and_then(|s| s.ready.limits.clone()),
                 }
             },
         }

@@ -81,6 +81,7 @@ impl Sim {
                         kind: DeviceKind::Gpu,
                         backend: Backend::Metal,
                     },
+                    limits: None,
                 }));
                 if oom {
                     tokio::time::sleep(Duration::from_millis(10)).await;

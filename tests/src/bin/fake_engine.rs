@@ -26,7 +26,8 @@ use mlxd_ipc::control::{
 };
 use mlxd_ipc::socket::bind_unix;
 use mlxd_protocol::control::{
-    Backend, ChildMsg, Device, DeviceKind, FatalKind, LoadPhase, Ready, Stats, PROTOCOL_VERSION,
+    Backend, ChildMsg, Device, DeviceKind, FatalKind, Limits, LoadPhase, Ready, Stats,
+    PROTOCOL_VERSION,
 };
 use mlxd_protocol::error::{ErrorBody, ErrorType};
 use serde_json::{json, Value};
@@ -90,7 +91,9 @@ impl Script {
 ///
 /// Like the real engine, a request whose KV reservation — (1 prompt token +
 /// `max_tokens`) · 10 bytes, capped at the 2048-token context — exceeds
-/// `Launch.limits.kv_budget_bytes` is answered with a 500 at once.
+/// `Launch.limits.kv_budget_bytes` is answered with a 500 at once. The option
+/// `device_kv_budget_bytes` stands for a GPU's free memory: the budget where none is
+/// launched, the cap of a larger one, reported in `Ready.limits` as the real engine does.
 /// `then` happens after `at` chunks when streaming (default: all), or before the
 /// response when not streaming; with `"once": "<path>"` only if that file exists (it is
 /// removed), so a restarted engine serves the request cleanly.
@@ -217,12 +220,24 @@ fn main() -> Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let kv_budget = launch.limits.kv_budget_bytes;
+    // `device_kv_budget_bytes`: what the "GPU" holds, as the real engine derives from its free
+    // memory: the budget where none is configured, the cap of a larger one.
+    let kv_budget = match (
+        launch.limits.kv_budget_bytes,
+        script.get::<u64>("device_kv_budget_bytes"),
+    ) {
+        (Some(configured), Some(device)) => Some(configured.min(device)),
+        (configured, device) => configured.or(device),
+    };
+    let in_force = Limits {
+        kv_budget_bytes: kv_budget,
+        ..launch.limits.clone()
+    };
     rt.block_on(run(
         script,
         model_id,
         launch.socket_path,
-        kv_budget,
+        in_force,
         tx,
         parent_rx,
     ))
@@ -232,10 +247,11 @@ async fn run(
     script: Script,
     model: String,
     socket: PathBuf,
-    kv_budget: Option<u64>,
+    in_force: Limits,
     tx: ControlSender,
     mut parent: mpsc::UnboundedReceiver<ParentEvent>,
 ) -> Result<()> {
+    let kv_budget = in_force.kv_budget_bytes;
     // Loading.
     let delay = Duration::from_millis(script.get("ready_delay_ms").unwrap_or(0));
     for step in 1..=4u8 {
@@ -302,6 +318,7 @@ async fn run(
             kind: DeviceKind::Cpu,
             backend: Backend::Cpu,
         },
+        limits: Some(in_force),
     })?;
     script.event("ready");
     eprintln!("{{\"level\":\"info\",\"msg\":\"fake engine ready\"}}");

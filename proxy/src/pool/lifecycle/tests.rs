@@ -61,6 +61,7 @@ pub(in crate::pool) fn ready_report() -> Ready {
             kind: DeviceKind::Cpu,
             backend: Backend::Cpu,
         },
+        limits: None,
     }
 }
 
