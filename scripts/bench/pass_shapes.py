@@ -77,36 +77,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()def timed(model, rows, length):
-    mx.synchronize()
-    t0 = time.perf_counter()
-    prefill(model, rows, length)
-    mx.synchronize()
-    return (time.perf_counter() - t0) * 1000
-
-
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("model")
-    ap.add_argument("--out")
-    a = ap.parse_args()
-    model, _ = load(a.model)
-    # The first pass of all compiles what every shape shares; it is not counted.
-    timed(model, 2, 16)
-    lines = []
-    for rows, length in SHAPES:
-        first = timed(model, rows, length)
-        repeats = [timed(model, rows, length) for _ in range(3)]
-        line = {"rows": rows, "length": length, "first_ms": round(first, 1),
-                "repeat_ms": round(min(repeats), 1),
-                "new_shape_ms": round(first - min(repeats), 1),
-                "device": str(mx.default_device()), "mlx": mx.__version__}
-        print(json.dumps(line), flush=True)
-        lines.append(line)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.writelines(json.dumps(l) + "\n" for l in lines)
-
-
-if __name__ == "__main__":
     main()
