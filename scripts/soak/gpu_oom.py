@@ -117,6 +117,9 @@ def main():
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--prompt-words", type=int, default=4500)
     ap.add_argument("--max-tokens", type=int, default=1000)
+    # The victim's step watch: a GPU that crawls instead of failing an allocation (CUDA pages
+    # managed buffers out under pressure) ends as a `stalled` exit within the run.
+    ap.add_argument("--step-timeout-s", type=int, default=60)
     args = ap.parse_args()
     # A `timeout` around the run (the first H100 run stalled) still gets the partial result.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -140,6 +143,7 @@ pinned = true
 kv_budget_bytes = {args.kv_budget_gib * 2**30}
 max_batch_size = {args.streams}
 context_length = 32768
+options = {{ step_timeout = "{args.step_timeout_s}" }}
 
 [[model]]
 id = "bystander"
@@ -196,6 +200,8 @@ max_batch_size = 4
                                   last_exit=(v.get("last_exit") or {}).get("code"),
                                   active=(v.get("stats") or {}).get("active"),
                                   kv_bytes=(v.get("stats") or {}).get("kv_bytes"),
+                                  mlx_active_gib=round(((v.get("stats") or {}).get("memory") or {})
+                                                       .get("mlx_active_bytes", 0) / 2**30, 2),
                                   gpu_free_gib=gpu_free_gib()))
             time.sleep(1)
         for t in threads:
