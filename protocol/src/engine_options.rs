@@ -115,6 +115,11 @@ pub const KEYS: &[(&str, &str)] = &[
          on a GPU, 2048 on the CPU)",
     ),
     (
+        "prefill_pad_to",
+        "pad a group of prompts prefilled together on the left to a multiple of this many tokens, \
+         so that bursts repeat a few pass shapes, 1 to 1024 (default 1: to the longest)",
+    ),
+    (
         "warm_up",
         "true or false: run a few short generations before reporting ready, so kernels are \
          compiled before the first request or a standby's takeover (default: true on a GPU)",
@@ -236,6 +241,12 @@ pub struct EngineOptions {
     /// step outlast half a second [default: 16384 on a GPU, 2048 on the CPU].
     #[cfg_attr(feature = "cli", arg(long, value_parser = parse_prefill_step_tokens))]
     pub prefill_step_tokens: Option<u64>,
+    /// A group of short prompts prefilled together in one pass is padded on the left to a
+    /// multiple of this many tokens, so that bursts of prompts of nearby lengths run a few
+    /// pass shapes (each new one costs a GPU a build of its kernels) [default: 1, to the
+    /// longest prompt].
+    #[cfg_attr(feature = "cli", arg(long, value_parser = parse_prefill_pad_to))]
+    pub prefill_pad_to: Option<u64>,
     /// Run a few short generations before reporting ready, so that the kernels a GPU
     /// compiles on first use are ready before the first request — or before a standby
     /// engine takes over a crashed one's streams [default: true on a GPU, false on the CPU].
@@ -444,6 +455,10 @@ pub fn parse_prefill_step_tokens(s: &str) -> Result<u64, String> {
     parse_in(s, 32, MAX_PREFILL_STEP_TOKENS, "a number of tokens")
 }
 
+pub fn parse_prefill_pad_to(s: &str) -> Result<u64, String> {
+    parse_in(s, 1, 1024, "a number of tokens")
+}
+
 pub fn parse_warm_up(s: &str) -> Result<bool, String> {
     match s.trim() {
         "true" => Ok(true),
@@ -555,6 +570,9 @@ impl EngineOptions {
             "prefill_step_tokens" => {
                 self.prefill_step_tokens = Some(parse_prefill_step_tokens(value).map_err(bad)?)
             }
+            "prefill_pad_to" => {
+                self.prefill_pad_to = Some(parse_prefill_pad_to(value).map_err(bad)?)
+            }
             "warm_up" => self.warm_up = Some(parse_warm_up(value).map_err(bad)?),
             "adapters" => self.adapters = Some(parse_adapters(value).map_err(bad)?),
             _ => {
@@ -635,6 +653,7 @@ impl EngineOptions {
             "prefill_step_tokens",
             self.prefill_step_tokens.map(|v| v.to_string()),
         );
+        put("prefill_pad_to", self.prefill_pad_to.map(|v| v.to_string()));
         put("warm_up", self.warm_up.map(|v| v.to_string()));
         put("adapters", self.adapters.clone());
         map
@@ -777,6 +796,7 @@ mod tests {
             ("generation_checkpoint", "64"),
             ("state_snapshot_every", "1024"),
             ("prefill_step_tokens", "8192"),
+            ("prefill_pad_to", "32"),
             ("warm_up", "false"),
         ]);
         let o = EngineOptions::from_map(&given).unwrap();
@@ -883,6 +903,10 @@ mod tests {
             (
                 &[("prefill_step_tokens", "2000000")],
                 "engine option prefill_step_tokens = \"2000000\": expected a number of tokens",
+            ),
+            (
+                &[("prefill_pad_to", "0")],
+                "engine option prefill_pad_to = \"0\": expected a number of tokens from 1 to 1024",
             ),
             (
                 &[("num_draft_tokens", "2")],

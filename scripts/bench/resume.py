@@ -21,7 +21,8 @@ last checkpoint instead of prefilling everything, and each run's prompts carry t
 number so that no earlier run's finished entry matches them. With `standby` 1 the model keeps a
 standby engine (`standby = true`): each run waits for the spare to be ready before it starts,
 the kill hands the streams to the spare (restart is then the spare's takeover), and a new spare
-loads behind it. Prints one JSON line per run and
+loads behind it. `RESUME_ENGINE_OPTIONS` adds engine options (TOML lines, `;` between
+them). Prints one JSON line per run and
 the medians. Uses `$MLXD_BIN_DIR` (default
 target/release) for `mlxd` and `mlxd-engine`.
 """
@@ -137,6 +138,9 @@ def main():
     if checkpoint > 0:
         engine_options = (f'ssd_cache = "{os.path.join(runtime, "ssd")}"\n'
                           f'generation_checkpoint = "{checkpoint}"\n')
+    # More engine options, as TOML lines (e.g. `prefill_pad_to = "64"`).
+    engine_options += os.environ.get("RESUME_ENGINE_OPTIONS", "").replace(";", "\n") + "\n"
+
     cfg = os.path.join(runtime, "mlxd.toml")
     with open(cfg, "w") as f:
         f.write(f'[server]\nport = {port}\nengine_bin = "{os.path.join(bins, "mlxd-engine")}"\n'

@@ -82,6 +82,9 @@ pub fn runtime_options(
     if let Some(n) = options.prefill_step_tokens {
         limits.prefill_step_tokens = Some(n as usize);
     }
+    if let Some(n) = options.prefill_pad_to {
+        limits.prefill_pad_to = n as usize;
+    }
     limits.warm_up = options.warm_up;
     limits.adapters = options.adapter_list();
     limits.ssd = options.ssd_cache.clone().map(|dir| SsdConfig {

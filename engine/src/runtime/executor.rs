@@ -652,7 +652,7 @@ impl<'m> Executor<'m> {
         let mut queued = Vec::with_capacity(work.len());
         let result = (|| {
             for w in &work {
-                tokens += w.tokens(&views);
+                tokens += w.tokens(&views, self.limits.prefill_pad_to);
                 match w {
                     PrefillWork::Chunk { index, tokens: n } => {
                         let p = slots[*index].as_mut().expect("each index once a step");
@@ -668,7 +668,11 @@ impl<'m> Executor<'m> {
                             .collect();
                         let real: usize = rows.iter().map(Prefilling::remaining).sum();
                         let unit = self.prefill_group(rows)?;
-                        trace.pass(indices.len(), real, w.tokens(&views));
+                        trace.pass(
+                            indices.len(),
+                            real,
+                            w.tokens(&views, self.limits.prefill_pad_to),
+                        );
                         queued.push(Queued::Ready(self.ready.len()));
                         self.ready.push(unit);
                     }
@@ -718,7 +722,7 @@ impl<'m> Executor<'m> {
                 PrefillWork::Chunk { .. } => 1,
                 PrefillWork::Group { indices } => indices.len(),
             };
-            warm &= !seen.insert((rows, w.tokens(views)));
+            warm &= !seen.insert((rows, w.tokens(views, self.limits.prefill_pad_to)));
         }
         warm
     }
@@ -756,7 +760,10 @@ impl<'m> Executor<'m> {
     /// together.
     fn prefill_group(&mut self, rows: Vec<Prefilling>) -> Result<Prefilled, Exception> {
         let lens: Vec<usize> = rows.iter().map(Prefilling::remaining).collect();
-        let longest = lens.iter().copied().max().unwrap_or(0);
+        let longest = scheduler::padded_length(
+            lens.iter().copied().max().unwrap_or(0),
+            self.limits.prefill_pad_to,
+        );
         let mut tokens = Vec::with_capacity(rows.len() * longest);
         let mut padding = Vec::with_capacity(rows.len());
         for (p, &len) in rows.iter().zip(&lens) {

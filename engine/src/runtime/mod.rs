@@ -122,6 +122,10 @@ pub struct RuntimeLimits {
     /// the device ([`DEFAULT_GPU_PREFILL_STEP_TOKENS`] on a GPU,
     /// [`DEFAULT_PREFILL_STEP_TOKENS`] on the CPU).
     pub prefill_step_tokens: Option<usize>,
+    /// A group of fresh prompts prefilled in one pass is padded on the left to a multiple of
+    /// this many tokens (`--prefill-pad-to`; 1: to the longest), so that bursts run a few pass
+    /// shapes.
+    pub prefill_pad_to: usize,
     /// Quantize the KV cache (`--kv-bits`, `--kv-group-size`); `None` keeps the model's dtype.
     pub kv_quant: Option<KvQuant>,
     /// With `kv_quant`: a sequence's KV stays unquantized until it holds more than this many
@@ -156,6 +160,7 @@ impl Default for RuntimeLimits {
             prompt_cache_bytes: DEFAULT_PROMPT_CACHE_BYTES,
             prefill_chunk: PREFILL_CHUNK,
             prefill_step_tokens: None,
+            prefill_pad_to: 1,
             kv_quant: None,
             quantized_kv_start: 0,
             speculation: None,
@@ -183,6 +188,7 @@ impl RuntimeLimits {
             prefill_unit_target: PREFILL_UNIT_TARGET,
             snapshot_boundaries: false,
             prefill_step_tokens: self.prefill_step_tokens.unwrap_or(step).max(1),
+            prefill_pad_to: self.prefill_pad_to.max(1),
             state_snapshot_every: self.state_snapshot_every.max(1),
         }
     }

@@ -723,6 +723,26 @@ fn read_tokens(
     }
 }
 
+/// `prefill_pad_to`: groups of prompts padded on the left to a multiple of 16 tokens (the six
+/// prompts of 1 to 40 tokens become passes 16, 32 or 48 long) give each row its alone output.
+#[test]
+fn groups_padded_to_a_multiple_give_their_alone_output() {
+    let runtime = start_limited(RuntimeLimits {
+        prefill_pad_to: 16,
+        prompt_cache_bytes: 0,
+        ..Default::default()
+    });
+    let gens: Vec<Gen> = prompts()
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Gen::greedy(p, 10 + 2 * i))
+        .collect();
+    let alone = tokens(&generate_alone(&runtime, &gens));
+    let together = tokens(&generate_together(&runtime, &gens));
+    assert_eq!(together, alone, "padded groups change the tokens");
+    runtime.join();
+}
+
 #[test]
 fn prompts_of_very_different_lengths_joining_at_different_steps_get_their_alone_output() {
     // Small chunks and a small step budget, so that one step prefills several passes (chunks
