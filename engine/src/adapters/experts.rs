@@ -2,7 +2,8 @@
 //! `[E, out, in]` are one low-rank pair per expert, `lora_a` `[E, r, in]` and `lora_b`
 //! `[E, out, r]`, and each `(token, expert)` pair the router chose takes its expert's pair:
 //! `y + scale * gather_mm(gather_mm(x, Aᵀ[e]), Bᵀ[e])`, two gathered matmuls over all pairs
-//! of the pass, as the experts' own projection is one.
+//! of the pass, as the experts' own projection is one. A served adapter's `lora_b` carries its
+//! scale since the load (as at linear sites), so the update needs no multiply.
 //!
 //! In a pass whose rows take different adapters, every adapter's factors at a site are
 //! stacked behind a zero entry (no adapter) into `[(n + 1)·E, r_max, in]` and
@@ -15,23 +16,17 @@ use mlx_rs::ops::{concatenate, gather_mm, stack, zeros_dtype};
 use mlx_rs::{Array, Dtype};
 
 /// Per `(token, expert)` pair of a pass that mixes rows: its row's adapter slot (0: none,
-/// `i + 1`: the `i`-th loaded adapter) and that adapter's scale, each shaped as the expert
-/// ids.
+/// `i + 1`: the `i`-th loaded adapter), shaped as the expert ids. (No scale: a served
+/// adapter's `B` carries its own.)
 #[derive(Debug, Clone)]
 pub struct PairAdapters {
     slots: Array,
-    scales: Array,
 }
 
 impl PairAdapters {
     /// The pairs of expert ids `indices` `[B, ..., k]` whose rows (the first axis) take the
-    /// adapter slots `slots` `[B]` with scales `scales` (`B` values).
-    pub(super) fn of_rows(
-        slots: &Array,
-        scales: &Array,
-        rows: i32,
-        indices: &Array,
-    ) -> Result<Self, Exception> {
+    /// adapter slots `slots` `[B]`.
+    pub(super) fn of_rows(slots: &Array, rows: i32, indices: &Array) -> Result<Self, Exception> {
         let shape = indices.shape();
         if shape.len() < 2 || shape[0] != rows {
             return Err(Exception::custom(format!(
@@ -41,28 +36,23 @@ impl PairAdapters {
         }
         let mut per_row = vec![1; shape.len()];
         per_row[0] = rows;
-        let spread = |a: &Array, dtype: Dtype| {
-            mlx_rs::ops::broadcast_to(a.as_dtype(dtype)?.reshape(&per_row)?, shape)
-        };
+        let slots = slots.as_dtype(Dtype::Uint32)?.reshape(&per_row)?;
         Ok(Self {
-            slots: spread(slots, Dtype::Uint32)?,
-            scales: spread(scales, Dtype::Float32)?,
+            slots: mlx_rs::ops::broadcast_to(slots, shape)?,
         })
     }
 
     /// The pairs in the order `order` (indices into the flattened pairs): the order of the
     /// rows a sort by expert gathers.
     pub fn permuted(&self, order: &Array) -> Result<Self, Exception> {
-        let by = |a: &Array| a.flatten(None, None)?.take_axis(order, 0);
         Ok(Self {
-            slots: by(&self.slots)?,
-            scales: by(&self.scales)?,
+            slots: self.slots.flatten(None, None)?.take_axis(order, 0)?,
         })
     }
 }
 
 /// `gather_mm(gather_mm(x, Aᵀ[idx]), Bᵀ[idx])` for `a` `[E, r, in]`, `b` `[E, out, r]`, as
-/// `LoRASwitchLinear` computes it (before its scale).
+/// `LoRASwitchLinear` computes it (before its scale, which a served adapter's `b` carries).
 pub(super) fn low_rank(
     x: &Array,
     a: &Array,
@@ -75,8 +65,8 @@ pub(super) fn low_rank(
 }
 
 /// The update of a pass that mixes rows: each pair's entry `slot · E + expert` of the stacked
-/// factors (`a` `[(n + 1)·E, r, in]`, `b` `[(n + 1)·E, out, r]`), times its row's scale.
-/// `x` and `indices` are as the experts' projection takes them.
+/// factors (`a` `[(n + 1)·E, r, in]`, `b` `[(n + 1)·E, out, r]`, each adapter's `b` carrying
+/// its scale). `x` and `indices` are as the experts' projection takes them.
 pub(super) fn mixed_update(
     x: &Array,
     a: &Array,
@@ -90,10 +80,7 @@ pub(super) fn mixed_update(
         .multiply(Array::from_int(experts).as_dtype(Dtype::Uint32)?)?
         .add(indices.as_dtype(Dtype::Uint32)?)?;
     // Sorted by expert, the entries of several adapters are not sorted.
-    let z = low_rank(x, a, b, &entries, false)?;
-    let mut shape = pairs.scales.shape().to_vec();
-    shape.extend([1, 1]);
-    z.multiply(pairs.scales.reshape(&shape)?.as_dtype(z.dtype())?)
+    low_rank(x, a, b, &entries, false)
 }
 
 /// Every adapter's factors at an expert stack of `experts` experts (`None`: the adapter leaves
@@ -172,16 +159,19 @@ mod tests {
     #[test]
     fn mixed_rows_take_their_adapters_experts_and_base_rows_nothing() {
         // Two adapters of different ranks; rows: adapter 2, none, adapter 1.
+        // Two adapters of different ranks, scales 2 and 0.5 (carried by `b`, as loaded);
+        // rows: adapter 2, none, adapter 1.
         let (a1, b1) = (normal(&[E, 2, IN], 1), normal(&[E, OUT, 2], 2));
         let (a2, b2) = (normal(&[E, 3, IN], 3), normal(&[E, OUT, 3], 4));
-        let (a, b) = stacked(&[Some((&a1, &b1)), Some((&a2, &b2))], E, IN, OUT).unwrap();
+        let scaled = |b: &Array, s: f32| b.multiply(Array::from_f32(s)).unwrap();
+        let (sb1, sb2) = (scaled(&b1, 2.0), scaled(&b2, 0.5));
+        let (a, b) = stacked(&[Some((&a1, &sb1)), Some((&a2, &sb2))], E, IN, OUT).unwrap();
         assert_eq!(a.shape(), &[3 * E, 3, IN]);
         let slots = Array::from_slice(&[2i32, 0, 1], &[3]);
-        let scales = Array::from_slice(&[0.5f32, 0.0, 2.0], &[3, 1, 1]);
         // Three rows of one token, two experts each: x [3, 1, 1, 1, IN], ids [3, 1, 2].
         let x = normal(&[3, 1, 1, 1, IN], 5);
         let ids = Array::from_slice(&[1u32, 3, 0, 2, 3, 1], &[3, 1, 2]);
-        let pairs = PairAdapters::of_rows(&slots, &scales, 3, &ids).unwrap();
+        let pairs = PairAdapters::of_rows(&slots, 3, &ids).unwrap();
         let y = mixed_update(&x, &a, &b, E, &ids, &pairs).unwrap();
         assert_eq!(y.shape(), &[3, 1, 2, 1, OUT]);
         let row = |r: i32| x.index(r).reshape(&[1, IN]).unwrap();
@@ -224,9 +214,8 @@ mod tests {
     #[test]
     fn rows_must_be_the_first_axis_of_the_ids() {
         let slots = Array::from_slice(&[1i32, 0], &[2]);
-        let scales = Array::from_slice(&[1.0f32, 0.0], &[2, 1, 1]);
         let ids = Array::from_slice(&[0u32, 1, 2, 3, 0, 1], &[3, 2]);
-        let err = PairAdapters::of_rows(&slots, &scales, 2, &ids).unwrap_err();
+        let err = PairAdapters::of_rows(&slots, 2, &ids).unwrap_err();
         assert!(err.to_string().contains("first axis"), "{err}");
     }
 }
