@@ -14,12 +14,13 @@
 //!   it), and the add folded into the second matmul (`addmm`) where `x` and the factors share
 //!   a dtype; a DoRA adapter's output is then multiplied by its per-output-row rescale
 //!   ([`super::dora`]), computed from the base weight on the adapter's first pass and kept;
-//! - rows differ: each site keeps every loaded adapter's factors side by side, `A` `[in, R]`
-//!   and `B` `[R, out]` (`R` the sum of the ranks; zeros for an adapter that leaves the site
-//!   alone), and the pass one mask `[B, 1, R]` that keeps each row's own adapter's columns
-//!   (none for a base row): `((x @ A) * mask) @ B` is every row's own update, in two plain
-//!   matmuls and a multiply, however many adapters the rows take (a gather of per-row
-//!   factors costs a GPU more: launches, and a copy of the factors per row and site). When
+//! - rows differ: each site keeps the factors of the adapters the rows take side by side,
+//!   `A` `[in, R]` and `B` `[R, out]` (`R` the sum of their ranks; zeros for an adapter that
+//!   leaves the site alone; rebuilt when that set changes, in the pass's own graph), and the
+//!   pass one mask `[B, 1, R]` that keeps each row's own adapter's columns (none for a base
+//!   row): `((x @ A) * mask) @ B` is every row's own update, in two plain matmuls and a
+//!   multiply, however many adapters the rows take (a gather of per-row factors costs a GPU
+//!   more: launches, and a copy of the factors per row and site). When
 //!   a DoRA adapter changes the site, its rescales are stacked too (ones for the other
 //!   entries) and gathered per row, so a DoRA row costs one multiply more than a LoRA row.
 //!
@@ -112,13 +113,17 @@ impl Factors {
     }
 }
 
-/// A site's factors over every loaded adapter, for passes that mix rows.
+/// A site's factors over the adapters of a pass that mixes rows.
 struct Stacked {
-    /// A linear layer: every adapter's `A` side by side `[in, R]` (`R`: the sum of the
-    /// loaded adapters' ranks, [`Mixed::mask`]'s columns; zeros for an adapter that leaves
-    /// the layer alone). An expert stack: `[(n + 1)·E, r_max, in]` ([`experts::stacked`]).
+    /// A linear layer: the adapters (indices into `State::adapters`, ascending) whose factors
+    /// `a` and `b` hold, those of the passes since it was built ([`Mixed::used`]). An expert
+    /// stack: empty (its stacks hold every loaded adapter).
+    adapters: Vec<usize>,
+    /// A linear layer: those adapters' `A` side by side `[in, R]` (`R`: the sum of their
+    /// ranks, [`Mixed::mask`]'s columns; zeros for one that leaves the layer alone). An
+    /// expert stack: `[(n + 1)·E, r_max, in]` ([`experts::stacked`]).
     a: Array,
-    /// A linear layer: every adapter's scaled `B` stacked `[R, out]`. An expert stack:
+    /// A linear layer: their scaled `B` stacked `[R, out]`. An expert stack:
     /// `[(n + 1)·E, out, r_max]`.
     b: Array,
     /// When a DoRA adapter changes the site: the rescales `[n + 1, 1, out]` (ones for the
@@ -137,8 +142,8 @@ struct Site {
     alive: Weak<SiteRef>,
     /// Per loaded adapter, its factors here (`None`: it leaves this layer alone).
     factors: Vec<Option<Factors>>,
-    /// Every adapter's factors stacked behind a zero entry, for passes that mix rows; built
-    /// by the first such pass after the adapters change.
+    /// The factors of the adapters of a pass that mixes rows, side by side; built by the
+    /// first such pass after the adapters, or the set a pass's rows take, change.
     stacked: Option<Stacked>,
 }
 
@@ -164,11 +169,15 @@ enum Selection {
 struct Mixed {
     /// Per row `[B]`: 0 (no adapter) or `i + 1` (`adapters[i]`).
     slots: Array,
+    /// The adapters the rows take (indices into `State::adapters`, ascending): the sites'
+    /// side-by-side factors hold these alone, so that a pass reads the factors of no adapter
+    /// it does not use however many are loaded.
+    used: Vec<usize>,
     /// Per row, which of the columns of the sites' side-by-side factors (`Stacked::a`, each
-    /// adapter's `rank` columns in load order) are its adapter's: `[B, 1, R]`, one there and
-    /// zero elsewhere (a base row: all zero), in the loaded adapters' dtype ([`mixed_dtype`]).
-    /// Built once per pass; each site multiplies `x @ A` by it, so that a row's update is its
-    /// own adapter's alone.
+    /// used adapter's `rank` columns in `used` order) are its adapter's: `[B, 1, R]`, one
+    /// there and zero elsewhere (a base row: all zero), in the used adapters' dtype
+    /// ([`common_dtype`]). Built once per pass; each site multiplies `x @ A` by it, so that a
+    /// row's update is its own adapter's alone.
     mask: Array,
     rows: i32,
 }
@@ -635,33 +644,43 @@ impl AdapterTable {
         let selection = if rows.iter().all(|r| *r == first) {
             Selection::One(slot(first.expect("some row has an adapter"))?)
         } else {
-            // Each adapter's columns in the sites' side-by-side factors.
-            let mut offsets = Vec::with_capacity(state.adapters.len());
-            let mut width = 0;
-            for a in &state.adapters {
-                offsets.push(width);
-                width += a.summary.rank;
-            }
             let mut slots = Vec::with_capacity(rows.len());
-            let mut mask = vec![0.0f32; rows.len() * width];
-            for (r, row) in rows.iter().enumerate() {
+            let mut used = Vec::new();
+            for row in rows {
                 match row {
                     None => slots.push(0i32),
                     Some(id) => {
                         let i = slot(*id)?;
                         slots.push(i as i32 + 1);
-                        let start = r * width + offsets[i];
-                        mask[start..start + state.adapters[i].summary.rank].fill(1.0);
+                        used.push(i);
                     }
                 }
             }
+            used.sort_unstable();
+            used.dedup();
+            // Each used adapter's columns in the sites' side-by-side factors.
+            let mut offsets = vec![0; state.adapters.len()];
+            let mut width = 0;
+            for &i in &used {
+                offsets[i] = width;
+                width += state.adapters[i].summary.rank;
+            }
+            let mut mask = vec![0.0f32; rows.len() * width];
+            for (r, &s) in slots.iter().enumerate() {
+                if s > 0 {
+                    let i = s as usize - 1;
+                    let start = r * width + offsets[i];
+                    mask[start..start + state.adapters[i].summary.rank].fill(1.0);
+                }
+            }
             let b = rows.len() as i32;
-            let dtypes: Vec<Dtype> = state.adapters.iter().map(|a| a.dtype).collect();
+            let dtypes: Vec<Dtype> = used.iter().map(|&i| state.adapters[i].dtype).collect();
             let mask = Array::from_slice(&mask, &[b, 1, width as i32]);
             // (A cast, when the adapters are not float32, is one op the pass's sites share.)
             let mask = mask.as_dtype(common_dtype(&dtypes))?;
             Selection::Mixed(Mixed {
                 slots: Array::from_slice(&slots, &[b]),
+                used,
                 mask,
                 rows: b,
             })
@@ -773,7 +792,12 @@ impl AdapterTable {
                     None => lora(y, update),
                 }
             }
-            Selection::Mixed(Mixed { slots, mask, rows }) => {
+            Selection::Mixed(Mixed {
+                slots,
+                used,
+                mask,
+                rows,
+            }) => {
                 if x.ndim() != 3 || x.shape()[0] != *rows {
                     return Err(Exception::custom(format!(
                         "a linear layer with adapters got input {:?} in a pass of {rows} rows \
@@ -783,14 +807,13 @@ impl AdapterTable {
                     )));
                 }
                 let site = &mut state.sites[index];
-                if site.factors.iter().all(Option::is_none) {
+                if used.iter().all(|&i| site.factors[i].is_none()) {
                     return with_bias(y);
                 }
-                if site.stacked.is_none() {
-                    let adapters: Vec<(usize, Dtype)> = state
-                        .adapters
+                if site.stacked.as_ref().map(|s| &s.adapters) != Some(used) {
+                    let adapters: Vec<(usize, usize, Dtype)> = used
                         .iter()
-                        .map(|a| (a.summary.rank, a.dtype))
+                        .map(|&i| (i, state.adapters[i].summary.rank, state.adapters[i].dtype))
                         .collect();
                     site.stacked = Some(stacked(site, matrix, &adapters)?);
                 }
@@ -895,7 +918,12 @@ impl AdapterTable {
                         .collect();
                     let (a, b) = experts::stacked(&factors, experts, site.in_dims, site.out_dims)?;
                     mlx_rs::transforms::eval([&a, &b])?;
-                    site.stacked = Some(Stacked { a, b, dora: None });
+                    site.stacked = Some(Stacked {
+                        adapters: Vec::new(),
+                        a,
+                        b,
+                        dora: None,
+                    });
                 }
                 let s = site.stacked.as_ref().expect("built above");
                 add(experts::mixed_update(
@@ -952,22 +980,24 @@ fn common_dtype(dtypes: &[Dtype]) -> Dtype {
     }
 }
 
-/// A linear site's factors over every loaded adapter (`adapters`: each one's rank and dtype,
-/// in load order) side by side, `A` `[in, R]` and `B` `[R, out]`, each adapter's `rank`
-/// columns (rows of `B`) in load order, zeros for an adapter that leaves the site alone, in
-/// [`common_dtype`]; with DoRA adapters among them, the rescales too.
+/// A linear site's factors over the adapters `adapters` (each one's index, rank and dtype, in
+/// the order of [`Mixed::used`]) side by side, `A` `[in, R]` and `B` `[R, out]`, each
+/// adapter's `rank` columns (rows of `B`) in that order, zeros for an adapter that leaves the
+/// site alone, in [`common_dtype`]; with DoRA adapters among the loaded ones, their rescales
+/// (over every loaded adapter, gathered per row by slot). The side-by-side factors are left
+/// to the pass that asked for them to compute (no wait here for a set the rows change).
 fn stacked(
     site: &mut Site,
     matrix: &Matrix,
-    adapters: &[(usize, Dtype)],
+    adapters: &[(usize, usize, Dtype)],
 ) -> Result<Stacked, Exception> {
-    let dtypes: Vec<Dtype> = adapters.iter().map(|(_, d)| *d).collect();
+    let dtypes: Vec<Dtype> = adapters.iter().map(|(_, _, d)| *d).collect();
     let dtype = common_dtype(&dtypes);
     let (n_in, n_out) = (site.in_dims, site.out_dims);
     let mut a_parts = Vec::with_capacity(adapters.len());
     let mut b_parts = Vec::with_capacity(adapters.len());
-    for (f, (rank, _)) in site.factors.iter().zip(adapters) {
-        match f {
+    for (i, rank, _) in adapters {
+        match &site.factors[*i] {
             None => {
                 a_parts.push(zeros_dtype(&[n_in, *rank as i32], dtype)?);
                 b_parts.push(zeros_dtype(&[*rank as i32, n_out], dtype)?);
@@ -1003,13 +1033,14 @@ fn stacked(
         None
     };
     let out = Stacked {
+        adapters: adapters.iter().map(|(i, _, _)| *i).collect(),
         a: concatenate(&a_parts, 1)?,
         b: concatenate(&b_parts, 0)?,
         dora,
     };
-    let mut arrays = vec![&out.a, &out.b];
-    arrays.extend(out.dora.iter().flat_map(|(r, d)| [r, d]));
-    mlx_rs::transforms::eval(arrays)?;
+    if let Some((r, d)) = &out.dora {
+        mlx_rs::transforms::eval([r, d])?;
+    }
     Ok(out)
 }
 
@@ -1276,6 +1307,8 @@ mod tests {
             };
             let mixed = {
                 let _s = table.select(&mixed_rows(&ids)).unwrap();
+                // The first pass of a set of adapters also puts their factors side by side.
+                chain(&sites, &matrix, &x).eval().unwrap();
                 ops(&chain(&sites, &matrix, &x))
             };
             eprintln!(
@@ -1327,7 +1360,12 @@ mod tests {
                 )
             };
             let rows = mixed_rows(&ids);
-            let selections = [vec![Some(ids[2]); 32], rows.clone()];
+            // One adapter; all four and the base; then two of them (the sites' side-by-side
+            // factors rebuilt for the set the rows take), then all four again.
+            let some: Vec<Option<AdapterId>> = (0..32)
+                .map(|i| [None, Some(ids[3]), Some(ids[1])][i % 3])
+                .collect();
+            let selections = [vec![Some(ids[2]); 32], rows.clone(), some, rows.clone()];
             for selected in selections {
                 let _s = table.select(&selected).unwrap();
                 let out = sites[0]

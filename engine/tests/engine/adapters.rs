@@ -377,3 +377,62 @@ fn adapters_that_cannot_apply_to_expert_stacks_are_refused_with_their_reason() {
     assert!(err.to_string().contains("8 experts"), "{err}");
     assert!(table.list().is_empty());
 }
+
+/// Not a test: the decode speed of 32 streams over the adapters in `MLXD_BENCH_ADAPTERS`
+/// (directories, comma-separated; made by `scripts/bench/random_lora.py` for the tiny bf16
+/// Qwen3), against 32 streams of the base and 32 of the first adapter alone. On a CPU it says
+/// little of a GPU's launch-bound step; it compares two builds of the adapter path.
+#[test]
+#[ignore]
+fn decode_speed_of_adapter_rows() {
+    let Some(list) = std::env::var_os("MLXD_BENCH_ADAPTERS") else {
+        return;
+    };
+    let dirs: Vec<std::path::PathBuf> =
+        std::env::split_paths(&list.to_string_lossy().replace(',', ":")).collect();
+    let names: Vec<String> = (0..dirs.len()).map(|i| format!("bench{i}")).collect();
+    let adapters: Vec<(&str, &Path)> = names
+        .iter()
+        .map(String::as_str)
+        .zip(dirs.iter().map(|d| d.as_path()))
+        .collect();
+    let model = tiny_model("tiny-qwen3-bf16");
+    let limits = RuntimeLimits {
+        prompt_cache_bytes: 0,
+        max_batch_size: Some(32),
+        adapters: adapters
+            .iter()
+            .map(|(n, d)| (n.to_string(), d.to_path_buf()))
+            .collect(),
+        ..Default::default()
+    };
+    let runtime = Runtime::start(model, limits, None).expect("load with adapters");
+    let ids: Vec<Option<AdapterId>> = names.iter().map(|n| id(&runtime, n)).collect();
+    let speed = |rows: &[Option<AdapterId>]| {
+        let mut best = 0.0f64;
+        for _ in 0..3 {
+            let t = std::time::Instant::now();
+            let receivers: Vec<_> = rows
+                .iter()
+                .enumerate()
+                .map(|(i, a)| submit_greedy(&runtime, &[1, 10 + i as u32, 7, 9], 96, *a))
+                .collect();
+            let tokens: usize = receivers
+                .into_iter()
+                .map(|rx| collect(rx).tokens.len())
+                .sum();
+            best = best.max(tokens as f64 / t.elapsed().as_secs_f64());
+        }
+        best
+    };
+    let base = speed(&[None; 32]);
+    let one = speed(&[ids[0]; 32]);
+    let mixed: Vec<Option<AdapterId>> = (0..32).map(|i| ids[i % ids.len()]).collect();
+    let mixed = speed(&mixed);
+    eprintln!(
+        "tok/s, 32 streams: base {base:.0}, one adapter {one:.0} ({:.2}x), {} adapters {mixed:.0} ({:.2}x)",
+        one / base,
+        ids.len(),
+        mixed / base
+    );
+}
