@@ -152,14 +152,18 @@ case ${1:-} in
     out=$2
     mkdir -p "$out"
     list=
+    # ADAPTER_DTYPE=bfloat16: factors in the base's dtype (mlx-lm writes float32).
+    dtype=${ADAPTER_DTYPE:-float32}
     for i in 1 2 3 4; do
-      [[ -f $MODELS/lora-$i/adapters.safetensors ]] ||
-        "$PYTHON" scripts/bench/random_lora.py --model "$MODELS/llama-1b-bf16" --out "$MODELS/lora-$i" --seed "$i" >/dev/null
-      list="$list${list:+,}a$i=$MODELS/lora-$i"
+      dir=$MODELS/lora-$dtype-$i
+      [[ -f $dir/adapters.safetensors ]] ||
+        "$PYTHON" scripts/bench/random_lora.py --model "$MODELS/llama-1b-bf16" --out "$dir" --seed "$i" --dtype "$dtype" >/dev/null
+      list="$list${list:+,}a$i=$dir"
     done
     start_mlxd "$MODELS/llama-1b-bf16" --adapters "$list" --max-batch-size 64
     base=llama-1b-bf16
-    for t in 0.7 0; do
+    # ADAPTER_TEMPS: the temperatures run (default "0.7 0").
+    for t in ${ADAPTER_TEMPS:-0.7 0}; do
       for round in warm 1 2; do
         for mix in base one four; do
           case $mix in

@@ -20,6 +20,9 @@ def main() -> int:
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--scale", type=float, default=20.0)
     ap.add_argument("--num-layers", type=int, default=16)
+    # mlx-lm trains and saves factors in float32 (the default); bfloat16 shows what a pass
+    # costs when the factors share the base's dtype.
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
 
     import mlx.core as mx
@@ -33,10 +36,11 @@ def main() -> int:
     linear_to_lora_layers(model, args.num_layers, params)
     factors = {}
     for name, value in tree_flatten(model.parameters()):
+        dtype = getattr(mx, args.dtype)
         if name.endswith(".lora_a"):
-            factors[name] = value
+            factors[name] = value.astype(dtype)
         elif name.endswith(".lora_b"):
-            factors[name] = (0.01 * mx.random.normal(value.shape)).astype(value.dtype)
+            factors[name] = (0.01 * mx.random.normal(value.shape)).astype(dtype)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "adapters.safetensors"), factors)
