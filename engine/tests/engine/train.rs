@@ -642,3 +642,80 @@ fn data_lines_become_mlx_lm_s_tokens_and_prompt_offsets() {
         assert_eq!(ours, want, "{name}");
     }
 }
+
+/// A measurement, run by hand, one process per mode (MLX's peak counter is the process's):
+/// `MLXD_TRAIN_COMPILE=1|0 cargo test -p mlxd-engine --test engine -- --ignored
+/// train_step_figures --nocapture`, on `MLXD_TRAIN_BENCH_MODEL` (default the tiny llama) with
+/// generated text rows filling `MLXD_TRAIN_BENCH_SEQ` tokens (default 256), batch 4,
+/// `MLXD_TRAIN_BENCH_ITERS` iterations (default 30) (`MLXD_TRAIN_BENCH_CHECKPOINT=1`: with gradient checkpointing). Prints the
+/// median tokens/s of the iterations after the first third and MLX's
+/// peak memory, as `scripts/bench/lora_train.py` takes them from a job's progress.
+#[test]
+#[ignore]
+fn train_step_figures() {
+    let var = |k: &str| std::env::var(k).ok();
+    let model = var("MLXD_TRAIN_BENCH_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| tiny_model("tiny-llama"));
+    let seq: u32 = var("MLXD_TRAIN_BENCH_SEQ").map_or(256, |s| s.parse().unwrap());
+    let work = tempfile::tempdir().unwrap();
+    let data = work.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    let words = [
+        "harbour", "lantern", "tide", "granite", "beacon", "storm", "river", "stone",
+    ];
+    for (name, n) in [("train", 32), ("valid", 4)] {
+        let lines: Vec<String> = (0..n)
+            .map(|i| {
+                let text: Vec<&str> = (0..2 * seq as usize)
+                    .map(|j| words[(i * 7 + j * 3 + j / 5) % words.len()])
+                    .collect();
+                serde_json::json!({"text": text.join(" ")}).to_string()
+            })
+            .collect();
+        std::fs::write(data.join(format!("{name}.jsonl")), lines.join("\n")).unwrap();
+    }
+    let iters = var("MLXD_TRAIN_BENCH_ITERS").map_or(30, |s| s.parse().unwrap());
+    let params = TrainParams {
+        iters,
+        batch_size: 4,
+        num_layers: 16,
+        rank: 8,
+        max_seq_length: seq,
+        steps_per_eval: 10 * iters,
+        save_every: 10 * iters,
+        val_batches: 1,
+        grad_checkpoint: var("MLXD_TRAIN_BENCH_CHECKPOINT").as_deref() == Some("1"),
+        ..TrainParams::default()
+    };
+    let grad_checkpoint = params.grad_checkpoint;
+    let config = config(&model, &data, params, work.path());
+    let mut rates = Vec::new();
+    let mut peak = 0;
+    let started = std::time::Instant::now();
+    let summary = train(&config, &mut |p| {
+        if let Some(t) = &p.training {
+            if p.phase == "training" && t.iteration > iters / 3 {
+                rates.push(t.tokens_per_second);
+            }
+            peak = peak.max(t.peak_memory_bytes);
+        }
+        Ok(())
+    })
+    .unwrap();
+    rates.sort_by(f64::total_cmp);
+    println!(
+        "{}",
+        serde_json::json!({
+            "model": model.file_name().map(|n| n.to_string_lossy().into_owned()),
+            "compile": std::env::var("MLXD_TRAIN_COMPILE").unwrap_or_else(|_| "1".into()),
+            "seq": seq,
+            "grad_checkpoint": grad_checkpoint,
+            "tok_s_median": rates[rates.len() / 2],
+            "peak_mb": peak as f64 / 1e6,
+            "traces": summary.step_traces,
+            "last_loss": summary.train_losses.last().map(|l| l.1),
+            "wall_s": started.elapsed().as_secs_f64(),
+        })
+    );
+}
