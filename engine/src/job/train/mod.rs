@@ -14,7 +14,8 @@
 //!   row's offset to its length, summed in float32 and divided by the token count) under
 //!   MLX's `value_and_grad` with respect to the factors only, the forward pass reading the
 //!   traced factors through [`AdapterTable::select_training`]; then an Adam (or AdamW) update
-//!   as MLX's optimizers make it;
+//!   as MLX's optimizers make it; gradient and update are one function compiled by MLX once
+//!   per batch shape, as mlx-lm compiles its step (`step.rs`);
 //! - batches as mlx-lm's `iterate_batches` builds them ([`data`]); the order of batches in
 //!   each epoch depends on the seed and the epoch only, so a resumed run sees the batches an
 //!   uninterrupted one would;
