@@ -30,7 +30,8 @@ mod stored;
 
 pub use batched::{BatchKv, WINDOW_SLACK};
 pub use budget::{
-    context_held, device_headroom, kv_budget_within, BudgetSource, DeviceMemory, KvBudget, Reservation,
+    context_held, device_headroom, kv_budget_within, BudgetSource, DeviceMemory, KvBudget,
+    Reservation,
 };
 pub use dense::DenseKv;
 pub use manager::{CacheManager, PrefixHit};

@@ -26,8 +26,12 @@ fn tokens(outputs: &[Output]) -> Vec<Vec<u32>> {
 
 fn batch_equals_alone(shape: &str) {
     let dir = common::tiny_model(shape);
-    let runtime = start_runtime(&dir, 0);
-    // Different max_tokens, so rows also leave at different steps.
+    assert_batched_equals_alone(start_runtime(&dir, 0), shape);
+}
+
+/// [`prompts`] give `runtime` the same greedy tokens batched as alone, each row its own
+/// `max_tokens` (so rows also leave at different steps); `what` names the case.
+fn assert_batched_equals_alone(runtime: Runtime, what: &str) {
     let gens: Vec<Gen> = prompts()
         .iter()
         .enumerate()
@@ -35,7 +39,7 @@ fn batch_equals_alone(shape: &str) {
         .collect();
     let alone = tokens(&generate_alone(&runtime, &gens));
     let together = tokens(&generate_together(&runtime, &gens));
-    assert_eq!(together, alone, "{shape}: batched greedy tokens differ");
+    assert_eq!(together, alone, "{what}: batched greedy tokens differ");
     for (g, t) in gens.iter().zip(&together) {
         assert_eq!(t.len(), g.max_tokens);
     }
@@ -732,15 +736,7 @@ fn groups_padded_to_a_multiple_give_their_alone_output() {
         prompt_cache_bytes: 0,
         ..Default::default()
     });
-    let gens: Vec<Gen> = prompts()
-        .iter()
-        .enumerate()
-        .map(|(i, p)| Gen::greedy(p, 10 + 2 * i))
-        .collect();
-    let alone = tokens(&generate_alone(&runtime, &gens));
-    let together = tokens(&generate_together(&runtime, &gens));
-    assert_eq!(together, alone, "padded groups change the tokens");
-    runtime.join();
+    assert_batched_equals_alone(runtime, "groups padded to a multiple of 16");
 }
 
 #[test]

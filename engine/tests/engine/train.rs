@@ -81,6 +81,23 @@ fn run(config: &TrainConfig) -> TrainSummary {
     train(config, &mut |_| Ok(())).unwrap_or_else(|e| panic!("training failed: {e}"))
 }
 
+/// Asserts that two runs' train and validation losses agree within 1e-5, update by update;
+/// `what` names the two runs in the message.
+fn assert_same_losses(a: &TrainSummary, b: &TrainSummary, what: &str) {
+    let pairs = a
+        .train_losses
+        .iter()
+        .zip(&b.train_losses)
+        .chain(a.val_losses.iter().zip(&b.val_losses));
+    for ((i, x), (j, y)) in pairs {
+        assert_eq!(i, j);
+        assert!(
+            (x - y).abs() <= 1e-5,
+            "{what}: loss after {i} updates: {x} against {y}"
+        );
+    }
+}
+
 fn pairs(v: &Value) -> Vec<(u64, f64)> {
     v.as_array()
         .unwrap()
@@ -200,18 +217,11 @@ fn gradient_checkpointing_gives_the_same_losses() {
         };
         let (plain, checkpointed) = (run_with(false), run_with(true));
         assert_eq!(plain.train_losses.len(), 5);
-        let pairs = plain
-            .train_losses
-            .iter()
-            .zip(&checkpointed.train_losses)
-            .chain(plain.val_losses.iter().zip(&checkpointed.val_losses));
-        for ((i, a), (j, b)) in pairs {
-            assert_eq!(i, j);
-            assert!(
-                (a - b).abs() <= 1e-5,
-                "{name}: loss after {i} updates: {a} without checkpointing, {b} with"
-            );
-        }
+        assert_same_losses(
+            &plain,
+            &checkpointed,
+            &format!("{name}, without checkpointing and with"),
+        );
         assert!(
             plain.train_losses[4].1 < plain.train_losses[0].1 - 0.05,
             "{name}: it trains"
@@ -262,19 +272,11 @@ fn compiled_and_uncompiled_steps_give_the_same_losses() {
         };
         let (compiled, uncompiled) = (run_as(StepMode::Compiled), run_as(StepMode::Uncompiled));
         assert_eq!(compiled.train_losses.len(), 8);
-        let pairs = compiled
-            .train_losses
-            .iter()
-            .zip(&uncompiled.train_losses)
-            .chain(compiled.val_losses.iter().zip(&uncompiled.val_losses));
-        for ((i, a), (j, b)) in pairs {
-            assert_eq!(i, j);
-            assert!(
-                (a - b).abs() <= 1e-5,
-                "{name} (checkpointing {grad_checkpoint}): loss after {i} updates: {a} \
-                 compiled, {b} uncompiled"
-            );
-        }
+        assert_same_losses(
+            &compiled,
+            &uncompiled,
+            &format!("{name} (checkpointing {grad_checkpoint}), compiled and uncompiled"),
+        );
         assert!(
             compiled.train_losses[7].1 < compiled.train_losses[0].1 - 0.05,
             "{name}: it trains"
