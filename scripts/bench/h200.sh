@@ -162,7 +162,8 @@ case ${1:-} in
     done
     start_mlxd "$MODELS/llama-1b-bf16" --adapters "$list" --max-batch-size 64
     base=llama-1b-bf16
-    # ADAPTER_TEMPS: the temperatures run (default "0.7 0").
+    # ADAPTER_TEMPS: the temperatures run (default "0.7 0"); ADAPTER_TOKENS: each stream's
+    # max_tokens (default 128; longer runs vary less from round to round).
     for t in ${ADAPTER_TEMPS:-0.7 0}; do
       for round in warm 1 2; do
         for mix in base one four; do
@@ -173,7 +174,7 @@ case ${1:-} in
           esac
           label=$mix; [[ $round == warm ]] && label=warm
           "$PYTHON" scripts/bench/serve.py --url "http://127.0.0.1:$port" --streams 32 --temperature "$t" \
-            --model "$models" --label "$label" --out "$out/adapters.jsonl"
+            --max-tokens "${ADAPTER_TOKENS:-128}" --model "$models" --label "$label" --out "$out/adapters.jsonl"
         done
       done
     done
