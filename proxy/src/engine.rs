@@ -52,6 +52,8 @@ pub(crate) const PASSTHROUGH_ENV: &[&str] = &[
     "MLXD_PYPI_URL",
     "MLXD_SMOLLM2_GGUF",
     "MLXD_DEVICE",
+    // A LoRA job's training step op by op (`0`) instead of compiled, for comparing the two.
+    "MLXD_TRAIN_COMPILE",
     // An engine group's rank 0 starts ranks on other machines through ssh, which may log in
     // with the agent's keys.
     "SSH_AUTH_SOCK",

@@ -722,6 +722,27 @@ async fn gradient_checkpointing_keeps_the_losses_and_lowers_the_peak_memory() ->
     Ok(())
 }
 
+/// `mlxd serve` passes `MLXD_TRAIN_COMPILE` on to its jobs (their environment is otherwise
+/// cleared): a value the job refuses fails it, naming the variable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_training_step_switch_reaches_the_job_through_mlxd() -> Result<()> {
+    let tiny = tiny_model("tiny-llama")?;
+    let data = lora_data("tiny-llama-lora-b")?;
+    let mlxd = Mlxd::start(&[&tiny], &[], &[("MLXD_TRAIN_COMPILE", "2")]).await?;
+    let (status, job) = mlxd
+        .post_job(lora_body(&tiny, data.path(), "switch", 2))
+        .await?;
+    ensure!(status == 201, "{status} {job}");
+    let id = job["id"].as_str().context("id")?.to_string();
+    let done = mlxd
+        .wait_job(&id, |j| j["state"] == "failed" || j["state"] == "succeeded")
+        .await?;
+    assert_eq!(done["state"], "failed", "{done}");
+    let error = done["error"].as_str().unwrap_or_default();
+    assert!(error.contains("MLXD_TRAIN_COMPILE"), "{error}");
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mlxd_train_on_the_command_line_and_bad_data_fails_with_its_line() -> Result<()> {
     let tiny = tiny_model("tiny-llama")?;
