@@ -96,6 +96,18 @@ impl Mlxd {
         }
     }
 
+    /// Posts a job that must fail once it runs; returns its error.
+    async fn failure_of(&self, body: Value) -> Result<String> {
+        let (status, job) = self.post_job(body).await?;
+        ensure!(status == 201, "{status} {job}");
+        let id = job["id"].as_str().context("id")?.to_string();
+        let done = self
+            .wait_job(&id, |j| j["state"] == "failed" || j["state"] == "succeeded")
+            .await?;
+        ensure!(done["state"] == "failed", "the job did not fail: {done}");
+        Ok(done["error"].as_str().unwrap_or_default().to_string())
+    }
+
     async fn chat(&self, model: &str, prompt: &str, max_tokens: u32) -> Result<(u16, Value)> {
         let body = json!({"model": model, "messages": [{"role": "user", "content": prompt}],
                           "max_tokens": max_tokens, "temperature": 0});
@@ -729,16 +741,9 @@ async fn the_training_step_switch_reaches_the_job_through_mlxd() -> Result<()> {
     let tiny = tiny_model("tiny-llama")?;
     let data = lora_data("tiny-llama-lora-b")?;
     let mlxd = Mlxd::start(&[&tiny], &[], &[("MLXD_TRAIN_COMPILE", "2")]).await?;
-    let (status, job) = mlxd
-        .post_job(lora_body(&tiny, data.path(), "switch", 2))
+    let error = mlxd
+        .failure_of(lora_body(&tiny, data.path(), "switch", 2))
         .await?;
-    ensure!(status == 201, "{status} {job}");
-    let id = job["id"].as_str().context("id")?.to_string();
-    let done = mlxd
-        .wait_job(&id, |j| j["state"] == "failed" || j["state"] == "succeeded")
-        .await?;
-    assert_eq!(done["state"], "failed", "{done}");
-    let error = done["error"].as_str().unwrap_or_default();
     assert!(error.contains("MLXD_TRAIN_COMPILE"), "{error}");
     Ok(())
 }
@@ -823,16 +828,9 @@ async fn mlxd_train_on_the_command_line_and_bad_data_fails_with_its_line() -> Re
         data.path().join("train.jsonl"),
         "{\"text\": \"red cat\"}\n{\"text\": 7}\n",
     )?;
-    let (status, job) = mlxd
-        .post_job(lora_body(&tiny, data.path(), "bad", 2))
+    let error = mlxd
+        .failure_of(lora_body(&tiny, data.path(), "bad", 2))
         .await?;
-    ensure!(status == 201, "{status} {job}");
-    let id = job["id"].as_str().context("id")?.to_string();
-    let failed = mlxd
-        .wait_job(&id, |j| j["state"] == "failed" || j["state"] == "succeeded")
-        .await?;
-    assert_eq!(failed["state"], "failed", "{failed}");
-    let error = failed["error"].as_str().unwrap_or_default();
     assert!(
         error.contains("train.jsonl:2: \"text\" must be a string"),
         "{error}"
