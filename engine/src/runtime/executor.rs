@@ -652,7 +652,8 @@ impl<'m> Executor<'m> {
         let mut queued = Vec::with_capacity(work.len());
         let result = (|| {
             for w in &work {
-                tokens += w.tokens(&views, self.limits.prefill_pad_to);
+                let pass_tokens = w.tokens(&views, self.limits.prefill_pad_to);
+                tokens += pass_tokens;
                 match w {
                     PrefillWork::Chunk { index, tokens: n } => {
                         let p = slots[*index].as_mut().expect("each index once a step");
@@ -668,11 +669,7 @@ impl<'m> Executor<'m> {
                             .collect();
                         let real: usize = rows.iter().map(Prefilling::remaining).sum();
                         let unit = self.prefill_group(rows)?;
-                        trace.pass(
-                            indices.len(),
-                            real,
-                            w.tokens(&views, self.limits.prefill_pad_to),
-                        );
+                        trace.pass(indices.len(), real, pass_tokens);
                         queued.push(Queued::Ready(self.ready.len()));
                         self.ready.push(unit);
                     }

@@ -126,8 +126,8 @@ impl PrefillWork {
 
 /// The length a group of prompts whose longest has `longest` tokens is padded to: the next
 /// multiple of `pad_to`. On a GPU each pass shape never run before costs a build of its
-/// kernels (85-130 ms on an H100, against 7-14 ms for a shape run before), so that bursts of
-/// prompts of nearby lengths share a few shapes.
+/// kernels (45-65 ms on an H100 whichever dimension changed, `scripts/bench/pass_shapes.py`),
+/// so that bursts of prompts of nearby lengths share a few shapes.
 pub fn padded_length(longest: usize, pad_to: usize) -> usize {
     longest.div_ceil(pad_to.max(1)) * pad_to.max(1)
 }
