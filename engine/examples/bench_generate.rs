@@ -129,6 +129,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() -> anyhow::Result<()> {
+    // `MLXD_CUDA_UNFUSED_ATTENTION`, as the engine applies it.
+    mlxd_engine::models::layers::unfused_attention_from_env().map_err(anyhow::Error::msg)?;
     // With drafting, `RUST_LOG=mlxd_engine::step=trace` shows each decode step's kind, pass
     // width and time on stderr.
     if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_default_env() {

@@ -54,6 +54,9 @@ pub(crate) const PASSTHROUGH_ENV: &[&str] = &[
     "MLXD_DEVICE",
     // A LoRA job's training step op by op (`0`) instead of compiled, for comparing the two.
     "MLXD_TRAIN_COMPILE",
+    // Which attention passes run unfused on CUDA (`mlxd_engine::models::layers`), for
+    // measuring the fused and unfused paths against each other.
+    "MLXD_CUDA_UNFUSED_ATTENTION",
     // An engine group's rank 0 starts ranks on other machines through ssh, which may log in
     // with the agent's keys.
     "SSH_AUTH_SOCK",

@@ -274,7 +274,7 @@ pub fn attend_with(
         );
         if let Some(cap) = opts.softcap {
             softcapped_attention(&queries, &k, &v, scale, cap, &mask)?
-        } else if plain && l > 1 && short && cuda_backend() {
+        } else if plain && cuda_backend() && attends_unfused(&queries, &k, unfused_max_scores()) {
             grouped_attention(&queries, &k, &v, scale, &mask)?
         } else {
             fast::scaled_dot_product_attention(&queries, &k, &v, scale, mask.as_sdpa(), opts.sinks)?
@@ -414,6 +414,65 @@ fn cuda_backend() -> bool {
             .is_ok_and(|t| matches!(t, mlx_rs::DeviceType::Gpu));
         cfg!(target_os = "linux") && gpu
     })
+}
+
+/// Attention scores (rows × query heads × queries × keys) up to which a pass of several
+/// queries attends unfused on CUDA; the default of [`set_unfused_max_scores`].
+///
+/// **Decision: small prefill passes attend unfused too, not only short ones.** MLX's CUDA
+/// fused attention hands every pass of more than one query to cuDNN, which builds an execution
+/// plan per exact shape of queries, keys and values (rows included) before the pass runs:
+/// 45–65 ms on an H100 for each new `[rows, length]` (`scripts/bench/pass_shapes.py`,
+/// BENCHMARKS.md), against ~20 ms for the whole 32 × 128 pass once built. A server meets new
+/// shapes all the time: each burst of prompts, each group of resumed streams after a crash.
+/// Below this size the unfused scores cost less than a plan's build (2^26 scores: 128 MiB in
+/// bf16, well under a millisecond of matmuls on a large GPU); above it (one long prompt, a
+/// prefill chunk over a long context) the fused kernel's memory and speed win and the plan's
+/// build is paid once per long pass.
+pub const DEFAULT_UNFUSED_MAX_SCORES: u64 = 1 << 26;
+
+static UNFUSED_MAX_SCORES: std::sync::atomic::AtomicU64 =
+    std::sync::atomic::AtomicU64::new(DEFAULT_UNFUSED_MAX_SCORES);
+
+/// Sets the process's [`DEFAULT_UNFUSED_MAX_SCORES`], once at start before the model runs; 0
+/// leaves only the short passes (decode-sized, speculative verification) unfused.
+pub fn set_unfused_max_scores(scores: u64) {
+    UNFUSED_MAX_SCORES.store(scores, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The environment variable that overrides [`DEFAULT_UNFUSED_MAX_SCORES`] (a number of scores;
+/// 0 sends every pass of more than [`SHORT_PASS_MAX_QUERIES`] queries to the fused kernel), to
+/// measure the two paths against each other on a GPU.
+pub const UNFUSED_ATTENTION_ENV: &str = "MLXD_CUDA_UNFUSED_ATTENTION";
+
+/// Applies [`UNFUSED_ATTENTION_ENV`] when set; a value that is not a number is an error naming
+/// it (the engine refuses to start rather than guess).
+pub fn unfused_attention_from_env() -> std::result::Result<(), String> {
+    let Ok(value) = std::env::var(UNFUSED_ATTENTION_ENV) else {
+        return Ok(());
+    };
+    let scores = value.trim().parse::<u64>().map_err(|_| {
+        format!(
+            "{UNFUSED_ATTENTION_ENV}={value:?}: expected a number of attention scores (0: only \
+             short passes attend unfused on CUDA; default {DEFAULT_UNFUSED_MAX_SCORES})"
+        )
+    })?;
+    set_unfused_max_scores(scores);
+    Ok(())
+}
+
+fn unfused_max_scores() -> u64 {
+    UNFUSED_MAX_SCORES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Whether a pass of `queries` `[B, heads, L, D]` over `keys` `[B, kv_heads, T, D]` attends
+/// unfused on CUDA: several queries, and either a short pass (its key length changes every
+/// step, so a plan per length would never be reused) or at most `max_scores` scores.
+fn attends_unfused(queries: &Array, keys: &Array, max_scores: u64) -> bool {
+    let q = queries.shape();
+    let (rows, heads, l) = (q[0] as u64, q[1] as u64, q[2]);
+    let t = keys.shape()[2] as u64;
+    l > 1 && (l <= SHORT_PASS_MAX_QUERIES || rows * heads * l as u64 * t <= max_scores)
 }
 
 /// Keys or values in `dtype`, dequantized when stored quantized.
@@ -575,6 +634,36 @@ mod tests {
             .logical_and(keys.le(&query_pos).unwrap())
             .unwrap();
         (q, k, v, vec![Mask::Causal, Mask::Array(padded)])
+    }
+
+    #[test]
+    fn passes_attend_unfused_when_short_or_small() {
+        let pass = |rows, l, t| {
+            (
+                Array::zeros::<f32>(&[rows, 32, l, 64]).unwrap(),
+                Array::zeros::<f32>(&[rows, 8, t, 64]).unwrap(),
+            )
+        };
+        let (q, k) = pass(32, 1, 300);
+        assert!(
+            !attends_unfused(&q, &k, 1 << 26),
+            "a decode step has its own kernel"
+        );
+        let (q, k) = pass(1, 17, 30_000);
+        assert!(
+            attends_unfused(&q, &k, 0),
+            "a verification pass, however long its keys"
+        );
+        // A burst of 32 prompts of 128 tokens: 2^24 scores.
+        let (q, k) = pass(32, 128, 128);
+        assert!(attends_unfused(&q, &k, 1 << 26));
+        assert!(
+            !attends_unfused(&q, &k, 0),
+            "0 leaves only the short passes unfused"
+        );
+        // One 2 048-token prompt: 2^27 scores, past the default.
+        let (q, k) = pass(1, 2048, 2048);
+        assert!(!attends_unfused(&q, &k, DEFAULT_UNFUSED_MAX_SCORES));
     }
 
     #[test]
