@@ -11,13 +11,20 @@
 //!   `Stats`), or `stall` (the model thread stops for good while the rest of the process
 //!   runs and sends `Stats`, as when a GPU stops answering), once this process has emitted N
 //!   generated tokens, all requests together.
+//! - `MLXD_FAULT=crawl@<N>`: once N tokens are out, the device reports 0 MiB free and every
+//!   iteration of the model thread sleeps [`CRAWL_STEP_DELAY`] more, as on a GPU whose memory
+//!   another process took and whose driver pages the engine's buffers out (BENCHMARKS-soak.md
+//!   section 6a): the memory-pressure watch (`crate::app::memory_watch`) must end the engine
+//!   as out of memory. `full@<N>`: the device reports 0 MiB free from then on, the steps keep
+//!   their speed (an engine whose own buffers fill the device): the watch must not fire. Both
+//!   need a device that reports its memory: a GPU, or `MLXD_FAULT_GPU_MEMORY` below.
 //! - `MLXD_FAULT=slow_load@<ms>`: a supervised engine waits that many milliseconds before it
 //!   loads the model (a slow download or disk, to test waiting for a load).
 //! - `MLXD_FAULT_ONCE=<path>` (optional): fire only if this file exists, and remove it when
 //!   firing, so that the restarted engine runs clean. Without it, every engine fires.
 //! - `MLXD_FAULT_GPU_MEMORY=<free MiB>/<total MiB>`: the device reports this much memory
 //!   ([`device_memory_override`]), so that the KV budget's start-up check against the GPU's
-//!   free memory runs on a machine without a GPU.
+//!   free memory, and the memory-pressure watch, run on a machine without a GPU.
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
@@ -32,7 +39,20 @@ pub enum FaultKind {
     Stall,
     /// Delays the load instead of firing on a token.
     SlowLoad,
+    /// The device reports no free memory and every step is slowed ([`CRAWL_STEP_DELAY`]).
+    Crawl,
+    /// The device reports no free memory; the steps keep their speed.
+    Full,
 }
+
+/// How much longer each iteration of the model thread runs under a `crawl` fault: enough to
+/// be many times a tiny test model's step on the CPU (a few milliseconds).
+pub const CRAWL_STEP_DELAY: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// Set once a `crawl` or `full` fault has fired: the device reports 0 MiB free.
+static MEMORY_FULL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// Set once a `crawl` fault has fired: each step sleeps [`CRAWL_STEP_DELAY`].
+static CRAWLING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FaultSpec {
@@ -47,7 +67,10 @@ pub struct FaultSpec {
 /// Reads `<kind>@<N>`.
 pub fn parse(spec: &str, once: Option<PathBuf>) -> Result<FaultSpec, String> {
     let (kind, n) = spec.split_once('@').ok_or_else(|| {
-        format!("MLXD_FAULT={spec:?}: expected <abort|oom|hang|stall>@<tokens> or slow_load@<ms>")
+        format!(
+            "MLXD_FAULT={spec:?}: expected <abort|oom|hang|stall|crawl|full>@<tokens> or \
+             slow_load@<ms>"
+        )
     })?;
     let kind = match kind.trim() {
         "abort" => FaultKind::Abort,
@@ -55,8 +78,10 @@ pub fn parse(spec: &str, once: Option<PathBuf>) -> Result<FaultSpec, String> {
         "hang" => FaultKind::Hang,
         "stall" => FaultKind::Stall,
         "slow_load" => FaultKind::SlowLoad,
+        "crawl" => FaultKind::Crawl,
+        "full" => FaultKind::Full,
         other => {
-            let known = "abort, oom, hang, stall or slow_load";
+            let known = "abort, oom, hang, stall, crawl, full or slow_load";
             return Err(format!(
                 "MLXD_FAULT={spec:?}: unknown fault {other:?}; expected {known}"
             ));
@@ -132,6 +157,19 @@ fn parse_device_memory(value: &str) -> Result<crate::cache::DeviceMemory, String
     }
 }
 
+/// Whether a `crawl` or `full` fault has fired: the device's memory then reads 0 MiB free.
+pub fn memory_full() -> bool {
+    MEMORY_FULL.load(Ordering::SeqCst)
+}
+
+/// Called by the model thread after each iteration: sleeps [`CRAWL_STEP_DELAY`] once a
+/// `crawl` fault has fired, inside the time the iteration is measured by.
+pub fn on_step() {
+    if CRAWLING.load(Ordering::Relaxed) {
+        std::thread::sleep(CRAWL_STEP_DELAY);
+    }
+}
+
 /// Arms the switch for this process; `on_oom` is how an `oom` fault exits.
 pub fn arm(spec: FaultSpec, on_oom: OomExit) {
     tracing::warn!(?spec, "fault switch armed (MLXD_ALLOW_FAULTS=1)");
@@ -190,6 +228,15 @@ fn fire(armed: &Armed, n: u64) {
         }
         // Never fires on a token (see `load_delay`).
         FaultKind::SlowLoad => {}
+        FaultKind::Crawl => {
+            tracing::error!("{what}: the device reports 0 MiB free and every step is slowed");
+            MEMORY_FULL.store(true, Ordering::SeqCst);
+            CRAWLING.store(true, Ordering::SeqCst);
+        }
+        FaultKind::Full => {
+            tracing::error!("{what}: the device reports 0 MiB free");
+            MEMORY_FULL.store(true, Ordering::SeqCst);
+        }
         FaultKind::Stall => {
             tracing::error!("{what}: the model thread stops");
             loop {
@@ -235,6 +282,8 @@ mod tests {
         assert_eq!(hang.once, Some(PathBuf::from("/tmp/x")));
         let slow = parse("slow_load@1500", None).unwrap();
         assert_eq!((slow.kind, slow.after_tokens), (FaultKind::SlowLoad, 1500));
+        assert_eq!(parse("crawl@40", None).unwrap().kind, FaultKind::Crawl);
+        assert_eq!(parse("full@40", None).unwrap().kind, FaultKind::Full);
     }
 
     #[test]

@@ -105,6 +105,19 @@ pub const KEYS: &[(&str, &str)] = &[
          distributed_step_timeout)",
     ),
     (
+        "memory_watch",
+        "seconds the GPU may report its memory full (under 1 % free) while the engine's decode \
+         steps take memory_watch_slowdown times their usual time, before the engine reports \
+         itself out of memory and exits for a restart with halved limits (another process \
+         took the GPU's memory and the driver pages instead of failing), 1 to 3600, or off \
+         (default 30; only on a device that reports its free memory: CUDA)",
+    ),
+    (
+        "memory_watch_slowdown",
+        "with memory_watch: how many times their usual time the decode steps must take, on \
+         average over the window, 2 to 1000 (default 10)",
+    ),
+    (
         "state_snapshot_every",
         "models with recurrent layers: prompt tokens between two snapshots of the state in the \
          prefix cache (default 4096)",
@@ -231,6 +244,16 @@ pub struct EngineOptions {
     /// CPU].
     #[cfg_attr(feature = "cli", arg(long, value_parser = parse_step_timeout))]
     pub step_timeout: Option<u64>,
+    /// Seconds the GPU may report its memory full while the decode steps take
+    /// --memory-watch-slowdown times their usual time, before the engine reports itself out
+    /// of memory and exits, so that the supervisor restarts it with halved limits; `off`
+    /// turns the watch off [default: 30; only where the device reports its free memory].
+    #[cfg_attr(feature = "cli", arg(long, value_parser = parse_memory_watch))]
+    pub memory_watch: Option<MemoryWatch>,
+    /// With --memory-watch: how many times their usual time the decode steps must take
+    /// [default: 10].
+    #[cfg_attr(feature = "cli", arg(long, value_parser = parse_memory_watch_slowdown))]
+    pub memory_watch_slowdown: Option<u32>,
     /// For models with recurrent layers (Qwen3-Next, Mamba-2, ...), whose state cannot be cut
     /// back to a shorter prefix: prompt tokens between two snapshots of the state kept in the
     /// prefix cache, and the most a prefill chunk holds [default: 4096].
@@ -430,6 +453,16 @@ pub const GROUP_REFUSES: &[(&str, &str)] = &[
         "step_timeout",
         "a group bounds its steps with distributed_step_timeout",
     ),
+    (
+        "memory_watch",
+        "the memory-pressure watch runs in a single engine; a group's ranks would have to \
+         agree on the exit",
+    ),
+    (
+        "memory_watch_slowdown",
+        "the memory-pressure watch runs in a single engine; a group's ranks would have to \
+         agree on the exit",
+    ),
 ];
 
 /// Most seconds a group's step may be given (a day).
@@ -441,6 +474,38 @@ pub fn parse_distributed_step_timeout(s: &str) -> Result<u64, String> {
 
 pub fn parse_step_timeout(s: &str) -> Result<u64, String> {
     parse_in(s, 1, MAX_STEP_TIMEOUT, "seconds")
+}
+
+/// The memory-pressure watch's window (`memory_watch`): seconds, or off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemoryWatch {
+    Off,
+    Seconds(u64),
+}
+
+impl std::fmt::Display for MemoryWatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MemoryWatch::Off => f.write_str("off"),
+            MemoryWatch::Seconds(s) => write!(f, "{s}"),
+        }
+    }
+}
+
+/// Longest memory-watch window: an hour of a crawling GPU serves nobody.
+const MAX_MEMORY_WATCH: u64 = 3600;
+
+pub fn parse_memory_watch(s: &str) -> Result<MemoryWatch, String> {
+    if s.trim().eq_ignore_ascii_case("off") {
+        return Ok(MemoryWatch::Off);
+    }
+    parse_in(s, 1, MAX_MEMORY_WATCH, "seconds")
+        .map(MemoryWatch::Seconds)
+        .map_err(|e| format!("{e}, or off"))
+}
+
+pub fn parse_memory_watch_slowdown(s: &str) -> Result<u32, String> {
+    parse_in(s, 2, 1000, "a factor")
 }
 
 pub fn parse_state_snapshot_every(s: &str) -> Result<u64, String> {
@@ -564,6 +629,10 @@ impl EngineOptions {
                     Some(parse_distributed_step_timeout(value).map_err(bad)?)
             }
             "step_timeout" => self.step_timeout = Some(parse_step_timeout(value).map_err(bad)?),
+            "memory_watch" => self.memory_watch = Some(parse_memory_watch(value).map_err(bad)?),
+            "memory_watch_slowdown" => {
+                self.memory_watch_slowdown = Some(parse_memory_watch_slowdown(value).map_err(bad)?)
+            }
             "state_snapshot_every" => {
                 self.state_snapshot_every = Some(parse_state_snapshot_every(value).map_err(bad)?)
             }
@@ -645,6 +714,11 @@ impl EngineOptions {
             self.distributed_step_timeout.map(|v| v.to_string()),
         );
         put("step_timeout", self.step_timeout.map(|v| v.to_string()));
+        put("memory_watch", self.memory_watch.map(|v| v.to_string()));
+        put(
+            "memory_watch_slowdown",
+            self.memory_watch_slowdown.map(|v| v.to_string()),
+        );
         put(
             "state_snapshot_every",
             self.state_snapshot_every.map(|v| v.to_string()),

@@ -420,6 +420,124 @@ async fn injected_out_of_memory_resumes_with_halved_limits() -> Result<()> {
     Ok(())
 }
 
+/// Three greedy streamed completions of `max_tokens` each, with usage.
+fn long_completions(max_tokens: u64) -> Vec<Case> {
+    let extra = json!({"stream": true, "stream_options": {"include_usage": true},
+                       "max_tokens": max_tokens});
+    [
+        "The quick brown fox",
+        "Once upon a time",
+        "In a distant galaxy",
+    ]
+    .into_iter()
+    .map(|prompt| Case::completion(prompt, extra.clone()))
+    .collect()
+}
+
+/// Runs [`long_completions`] twice on an engine whose device reports `memory` (the
+/// `MLXD_FAULT_GPU_MEMORY` stand-in) and whose memory-pressure watch looks at a window of one
+/// second: a clean run first, whose decode steps teach the watch their usual time, then the
+/// same with `kind` (`crawl` or `full`) injected once, a few tokens in. Both runs must answer
+/// the same; returns how long the second took.
+async fn memory_pressure_run(
+    kind: &str,
+    memory: &str,
+    max_tokens: u64,
+) -> Result<(Proxy, tempfile::TempDir, Duration)> {
+    let cases = long_completions(max_tokens);
+    // Each case must use its max_tokens (checked below), so the fault fires in the second run.
+    let fault = format!("{kind}@{}", cases.len() as u64 * max_tokens + 4);
+    let marker_dir = tempfile::tempdir()?;
+    let marker = marker_dir.path().join("fault-once");
+    std::fs::write(&marker, b"")?;
+    let p = start_tiny(|c| {
+        c.server.limits.max_batch_size = Some(16);
+        let env = &mut c.server.engine_env;
+        env.insert("MLXD_ALLOW_FAULTS".into(), "1".into());
+        env.insert("MLXD_FAULT".into(), fault);
+        env.insert("MLXD_FAULT_ONCE".into(), marker.display().to_string());
+        env.insert("MLXD_FAULT_GPU_MEMORY".into(), memory.into());
+        c.server
+            .engine_options
+            .insert("memory_watch".into(), "1".into());
+    })
+    .await?;
+    let clean = run_all(p.addr, &cases, Progress::default()).await?;
+    for answer in &clean {
+        ensure!(
+            answer.contains(&format!("\"completion_tokens\":{max_tokens}")),
+            "a clean answer stopped before max_tokens, so the fault's token count is wrong: {answer}"
+        );
+    }
+    // Looks of the watch with memory free, after those steps.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let started = Instant::now();
+    let faulted = run_all(p.addr, &cases, Progress::default()).await?;
+    let took = started.elapsed();
+    ensure!(
+        !marker.exists(),
+        "the fault never fired (the marker is still there)"
+    );
+    compare(&cases, &clean, &faulted)?;
+    Ok((p, marker_dir, took))
+}
+
+/// A GPU whose memory another process took, and whose driver pages instead of failing
+/// (BENCHMARKS-soak.md section 6a): 0 MiB free and every step 500 ms longer. The engine's
+/// memory-pressure watch ends it as out of memory; its streams finish on the restarted engine
+/// as if nothing happened, and the limits are halved as after MLX's own out-of-memory error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_full_gpu_with_crawling_steps_is_out_of_memory_and_resumes_with_halved_limits(
+) -> Result<()> {
+    let (p, _marker, _) = memory_pressure_run("crawl", "2049/4096", 32).await?;
+    let e = p.engine().await?;
+    ensure!(e["last_exit"]["code"] == "out_of_memory", "{e}");
+    let cause = e["last_exit"]["cause"].as_str().unwrap_or_default();
+    ensure!(
+        cause.contains("0 MiB free") && cause.contains("their usual time"),
+        "the exit does not name the figures: {e}"
+    );
+    ensure!(e["restarts"].as_u64() >= Some(1), "{e}");
+    let limits = &e["limits"];
+    ensure!(limits["reduced"] == true, "{e}");
+    ensure!(limits["max_batch_size"] == 8, "{e}");
+    ensure!(limits["kv_budget_bytes"] == (512u64 << 10), "{e}");
+    ensure!(limits["in_force"]["max_batch_size"] == 8, "{e}");
+    Ok(())
+}
+
+/// A full GPU whose steps keep their speed (the engine's own buffers fill it) is no fault:
+/// the watch lets the engine serve on, for several of its windows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_full_gpu_with_steps_of_normal_speed_is_left_alone() -> Result<()> {
+    let (p, _marker, _) = memory_pressure_run("full", "6144/8192", 480).await?;
+    // The device stays full: more of the same streams, for three windows at least.
+    let until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < until {
+        let started = Instant::now();
+        run_all(p.addr, &long_completions(480), Progress::default()).await?;
+        ensure!(
+            started.elapsed() < Duration::from_secs(10),
+            "a round crawled"
+        );
+    }
+    let e = p.engine().await?;
+    ensure!(e["restarts"] == 0, "{e}");
+    ensure!(e["last_exit"].is_null(), "{e}");
+    let log = send(p.addr, "GET", &format!("/logs/{TINY}?lines=400"), None)
+        .await?
+        .into_body()
+        .collect()
+        .await?
+        .to_bytes();
+    let log = String::from_utf8_lossy(&log);
+    ensure!(
+        log.contains("memory-pressure watch on") && log.contains("reports 0 MiB free"),
+        "the watch was not on, or the fault never fired: {log}"
+    );
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn injected_abort_hang_and_stall_are_detected_restarted_and_resumed() -> Result<()> {
     let (p, _marker) = faulted_run_matches_clean_run("abort@10", |_| {}).await?;

@@ -4,6 +4,7 @@ pub mod group;
 mod group_launch;
 mod load;
 mod memory;
+mod memory_watch;
 mod options;
 mod ssh_rank;
 mod standalone;

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use mlxd_protocol::control::Launch;
-use mlxd_protocol::engine_options::{Draft, EngineOptions, OptionError};
+use mlxd_protocol::engine_options::{Draft, EngineOptions, MemoryWatch, OptionError};
 
 use super::start_error::StartError;
 use crate::cache::ssd::SsdConfig;
@@ -75,6 +75,14 @@ pub fn runtime_options(
     }
     if let Some(seconds) = options.step_timeout {
         limits.step_timeout = Some(Duration::from_secs(seconds));
+    }
+    match options.memory_watch {
+        None => {}
+        Some(MemoryWatch::Off) => limits.memory_watch = None,
+        Some(MemoryWatch::Seconds(s)) => limits.memory_watch = Some(Duration::from_secs(s)),
+    }
+    if let Some(times) = options.memory_watch_slowdown {
+        limits.memory_watch_slowdown = times;
     }
     if let Some(n) = options.state_snapshot_every {
         limits.state_snapshot_every = n as usize;

@@ -111,6 +111,15 @@ pub fn run_supervised(home: &Path) -> anyhow::Result<()> {
     };
     // A single engine watches its model thread; a group's ranks watch their own steps.
     let step_timeout = group.is_none().then_some(options.limits.step_timeout);
+    // Likewise the memory-pressure watch, for a single engine only.
+    let memory_watch = options
+        .limits
+        .memory_watch
+        .filter(|_| group.is_none())
+        .map(|window| super::memory_watch::Bounds {
+            window,
+            slowdown: f64::from(options.limits.memory_watch_slowdown),
+        });
     let engine = match load_in_group(
         &launch.model,
         home,
@@ -145,6 +154,25 @@ pub fn run_supervised(home: &Path) -> anyhow::Result<()> {
                 );
             }),
         )?;
+    }
+    if let Some(bounds) = memory_watch {
+        let oom_control = control.clone();
+        let on = super::memory_watch::spawn(
+            engine.runtime.stats.clone(),
+            bounds,
+            Box::new(move |message| {
+                tracing::error!(%message, "out of memory; exiting so the supervisor restarts the engine");
+                fatal_exit(
+                    &oom_control,
+                    FatalKind::OutOfMemory,
+                    message,
+                    super::memory_watch::EXIT_OUT_OF_MEMORY,
+                );
+            }),
+        )?;
+        if !on {
+            tracing::debug!("no memory-pressure watch: the device does not report its free memory");
+        }
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

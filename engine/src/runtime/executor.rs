@@ -338,12 +338,23 @@ impl<'m> Executor<'m> {
             while let Some(work) = self.adapter_work.as_mut().and_then(|r| r.try_recv().ok()) {
                 self.adapter_work(work);
             }
+            let started = std::time::Instant::now();
             if let Err(e) = self.iteration() {
                 self.fail_all(GenerationError::from_mlx(e.to_string()));
+            }
+            crate::fault::on_step();
+            if self.only_decoded() {
+                self.stats.record_decode_step(started.elapsed());
             }
             self.stats.steps.fetch_add(1, Ordering::Relaxed);
             self.publish();
         }
+    }
+
+    /// Whether the iteration just run only decoded: rows in the batch, and no prompt being
+    /// prefilled or just prefilled (those would join the batch at the next step).
+    fn only_decoded(&self) -> bool {
+        !self.batch.is_empty() && self.prefilling.is_empty() && self.ready.is_empty()
     }
 
     /// Serves the request channel alone ([`Self::run`]), or, in an engine group, through the

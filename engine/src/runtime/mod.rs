@@ -86,6 +86,17 @@ pub fn default_step_timeout() -> std::time::Duration {
     }
 }
 
+/// How long the device must stay full while decode steps crawl before the memory-pressure
+/// watch ends the engine as out of memory (`memory_watch`; `crate::app::memory_watch`): long
+/// against a decode step (tens of milliseconds, so hundreds of them), long enough for a few of
+/// the H100 run's crawling steps (seconds each), short against the minutes that crawl lasted.
+pub const DEFAULT_MEMORY_WATCH: std::time::Duration = std::time::Duration::from_secs(30);
+/// How many times their usual time decode steps must take, on average over the window, with
+/// the device full (`memory_watch_slowdown`): the H100 run's crawl was 30-70× (its bystander
+/// 40-190×), while a healthy engine's decode step grows a few times at most between one row
+/// and a full batch of long contexts.
+pub const DEFAULT_MEMORY_WATCH_SLOWDOWN: u32 = 10;
+
 /// Prefix-cache bytes when no size is given (`--prompt-cache`).
 pub const DEFAULT_PROMPT_CACHE_BYTES: u64 = 1 << 30;
 /// Default [`RuntimeLimits::state_snapshot_every`].
@@ -112,6 +123,13 @@ pub struct RuntimeLimits {
     /// before the supervised engine reports itself stalled and exits for a restart
     /// (`step_timeout`; `crate::app::step_watch`). `None`: [`default_step_timeout`].
     pub step_timeout: Option<std::time::Duration>,
+    /// How long a supervised engine's device may stay full while its decode steps crawl
+    /// before it reports itself out of memory (`memory_watch`; `crate::app::memory_watch`).
+    /// `None`: the watch is off.
+    pub memory_watch: Option<std::time::Duration>,
+    /// How many times their usual time the decode steps must take for the memory watch
+    /// (`memory_watch_slowdown`).
+    pub memory_watch_slowdown: u32,
     /// Bytes of KV the prefix cache may keep between requests; 0 disables it.
     pub prompt_cache_bytes: u64,
     /// Most prompt tokens of one sequence per prefill forward pass (the measured prefill
@@ -157,6 +175,8 @@ impl Default for RuntimeLimits {
             parallelism: Parallelism::Tensor,
             group_step_timeout: crate::distributed::watchdog::STEP_TIMEOUT,
             step_timeout: None,
+            memory_watch: Some(DEFAULT_MEMORY_WATCH),
+            memory_watch_slowdown: DEFAULT_MEMORY_WATCH_SLOWDOWN,
             prompt_cache_bytes: DEFAULT_PROMPT_CACHE_BYTES,
             prefill_chunk: PREFILL_CHUNK,
             prefill_step_tokens: None,
@@ -212,6 +232,22 @@ pub struct RuntimeStats {
     pub accepted: AtomicU64,
     /// The SSD tier's counters (all 0 without one).
     pub ssd: Arc<SsdCounters>,
+    /// Iterations that only decoded (rows in the batch, no prompt prefilled), and their wall
+    /// time in nanoseconds, summed: the memory-pressure watch's measure of a step's usual
+    /// time (`crate::app::memory_watch`). A prefill makes an iteration longer by its prompt,
+    /// so those iterations are left out.
+    pub decode_steps: AtomicU64,
+    pub decode_nanos: AtomicU64,
+}
+
+impl RuntimeStats {
+    /// Counts one iteration that only decoded and took `took`.
+    pub fn record_decode_step(&self, took: std::time::Duration) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let nanos = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
+        self.decode_nanos.fetch_add(nanos, Relaxed);
+        self.decode_steps.fetch_add(1, Relaxed);
+    }
 }
 
 /// Called once, on the MLX thread, when MLX runs out of memory: the process cannot trust its
