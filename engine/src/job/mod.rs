@@ -186,6 +186,7 @@ fn run(spec: JobSpec, reporter: &Reporter, started: Instant) -> Result<JobResult
             if out.exists() {
                 return Err(JobError::OutputExists(out));
             }
+            train::configure_process();
             let built = staging.join("adapter");
             let config = train::TrainConfig {
                 source,

@@ -468,7 +468,7 @@ fn unfused_max_scores() -> u64 {
 /// Whether a pass of `queries` `[B, heads, L, D]` over `keys` `[B, kv_heads, T, D]` attends
 /// unfused on CUDA: several queries, and either a short pass (its key length changes every
 /// step, so a plan per length would never be reused) or at most `max_scores` scores.
-fn attends_unfused(queries: &Array, keys: &Array, max_scores: u64) -> bool {
+pub(crate) fn attends_unfused(queries: &Array, keys: &Array, max_scores: u64) -> bool {
     let q = queries.shape();
     let (rows, heads, l) = (q[0] as u64, q[1] as u64, q[2]);
     let t = keys.shape()[2] as u64;

@@ -27,6 +27,7 @@
 //!   written beside the output and kept after a cancel or crash; `resume` continues from it;
 //! - the output is mlx-lm's adapter directory: `adapters.safetensors` (keys
 //!   `<layer>.lora_a` / `.lora_b`, and `.m` for DoRA) and `adapter_config.json`.
+mod cross_entropy;
 pub mod data;
 mod step;
 
@@ -246,6 +247,27 @@ fn base_magnitudes(source: &Path, sites: &[SiteInfo]) -> Result<Vec<Array>, JobE
 struct Position {
     iteration: u64,
     trained_tokens: u64,
+}
+
+/// The attention scores up to which a training process attends unfused on CUDA
+/// ([`crate::models::layers::set_unfused_max_scores`]): none, so that every pass of more than
+/// a decode's queries goes to MLX's fused kernel, as mlx-lm's attention does.
+///
+/// **Decision: a training process sends its passes to the fused kernel.** The serving default
+/// attends unfused up to 2^26 scores to spare cuDNN a plan per new shape, and a training batch
+/// (4 rows × 32 heads × 511² at Llama 3.2 1B, batch 4 × 512) is under it. Unfused, each
+/// layer's softmax `[B, heads, L, T]` (67 MB in bf16 there) is kept for the backward pass,
+/// and the scores' gradients are made from it, for every adapted layer: with the unfused
+/// cross-entropy, that put mlxd's peak at 12.27 GB against mlx-lm's 9.67 GB on an H100
+/// (`scripts/bench/lora_train.py`). The fused kernel keeps its log-sum-exp per query only; a
+/// run meets a few batch widths (one plan each, built once), not a server's stream of shapes.
+pub const TRAINING_UNFUSED_MAX_SCORES: u64 = 0;
+
+/// Sets what a training job's process attends with ([`TRAINING_UNFUSED_MAX_SCORES`]); called
+/// by the job's process before it loads the model, never inside an engine (a process-wide
+/// setting).
+pub fn configure_process() {
+    crate::models::layers::set_unfused_max_scores(TRAINING_UNFUSED_MAX_SCORES);
 }
 
 /// Called after each event of the run; an error stops it (the job's channel is gone, or a
@@ -626,6 +648,28 @@ mod tests {
             in_dims: 4,
             out_dims: 4,
             experts: None,
+        }
+    }
+
+    /// A training pass longer than a short pass (17 queries) attends fused on CUDA (the
+    /// unfused scores, kept for the backward pass, raised the peak above mlx-lm's), where the
+    /// serving default would attend unfused at these shapes.
+    #[test]
+    fn training_passes_attend_fused_where_serving_would_not() {
+        use crate::models::layers::{attends_unfused, DEFAULT_UNFUSED_MAX_SCORES};
+        let (rows, heads, kv_heads, head_dim) = (4, 32, 8, 64);
+        for width in [19, 33, 65, 129, 257, 512] {
+            let l = width - 1;
+            let q = Array::zeros::<f32>(&[rows, heads, l, head_dim]).unwrap();
+            let k = Array::zeros::<f32>(&[rows, kv_heads, l, head_dim]).unwrap();
+            assert!(
+                !attends_unfused(&q, &k, TRAINING_UNFUSED_MAX_SCORES),
+                "width {width}"
+            );
+            assert!(
+                attends_unfused(&q, &k, DEFAULT_UNFUSED_MAX_SCORES),
+                "width {width}"
+            );
         }
     }
 

@@ -24,10 +24,10 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use mlx_rs::error::Exception;
-use mlx_rs::ops::indexing::take_along_axis;
 use mlx_rs::{Array, Dtype};
 
 use super::super::JobError;
+use super::cross_entropy::cross_entropy;
 use crate::adapters::{checkpoint, AdapterTable, SiteInfo, TrainingDropout, TrainingFactors};
 use crate::models::CausalLm;
 
@@ -78,8 +78,8 @@ impl From<&super::data::Batch> for BatchArrays {
     }
 }
 
-/// mlx-lm's `default_loss`: the mean cross-entropy over each row's targets from its offset to
-/// its length; returns `[loss, tokens]`.
+/// mlx-lm's `default_loss`: the mean cross-entropy ([`cross_entropy`], fused on the GPU as
+/// mlx-lm's) over each row's targets from its offset to its length; returns `[loss, tokens]`.
 pub(super) fn loss(model: &dyn CausalLm, batch: &BatchArrays) -> Result<Vec<Array>, Exception> {
     use mlx_rs::ops::indexing::IndexOp;
     let t = batch.tokens.shape()[1];
@@ -91,13 +91,7 @@ pub(super) fn loss(model: &dyn CausalLm, batch: &BatchArrays) -> Result<Vec<Arra
     let mask = steps
         .ge(&batch.offsets)?
         .logical_and(&steps.le(&batch.lengths)?)?;
-    let score = take_along_axis(
-        &logits,
-        &targets.as_dtype(Dtype::Int32)?.expand_dims(-1)?,
-        -1,
-    )?
-    .squeeze_axes(&[-1])?;
-    let ce = logits.logsumexp_axis(-1, None)?.subtract(&score)?;
+    let ce = cross_entropy(&logits, &targets)?;
     let ce = ce.multiply(&mask.as_dtype(ce.dtype())?)?;
     let ntoks = mask.as_dtype(Dtype::Int32)?.sum(None)?;
     let total = ce.as_dtype(Dtype::Float32)?.sum(None)?;
