@@ -12,7 +12,7 @@
 //!   runs and sends `Stats`, as when a GPU stops answering), once this process has emitted N
 //!   generated tokens, all requests together.
 //! - `MLXD_FAULT=crawl@<N>`: once N tokens are out, the device reports 0 MiB free and every
-//!   iteration of the model thread sleeps [`CRAWL_STEP_DELAY`] more, as on a GPU whose memory
+//!   decode step of the model thread sleeps [`CRAWL_STEP_DELAY`] more, as on a GPU whose memory
 //!   another process took and whose driver pages the engine's buffers out (BENCHMARKS-soak.md
 //!   section 6a): the memory-pressure watch (`crate::app::memory_watch`) must end the engine
 //!   as out of memory. `full@<N>`: the device reports 0 MiB free from then on, the steps keep
@@ -45,7 +45,7 @@ pub enum FaultKind {
     Full,
 }
 
-/// How much longer each iteration of the model thread runs under a `crawl` fault: enough to
+/// How much longer each decode step of the model thread runs under a `crawl` fault: enough to
 /// be many times a tiny test model's step on the CPU (a few milliseconds).
 pub const CRAWL_STEP_DELAY: std::time::Duration = std::time::Duration::from_millis(500);
 
@@ -162,8 +162,8 @@ pub fn memory_full() -> bool {
     MEMORY_FULL.load(Ordering::SeqCst)
 }
 
-/// Called by the model thread after each iteration: sleeps [`CRAWL_STEP_DELAY`] once a
-/// `crawl` fault has fired, inside the time the iteration is measured by.
+/// Called by the model thread after each decode step: sleeps [`CRAWL_STEP_DELAY`] once a
+/// `crawl` fault has fired, inside the time the step is measured by.
 pub fn on_step() {
     if CRAWLING.load(Ordering::Relaxed) {
         std::thread::sleep(CRAWL_STEP_DELAY);

@@ -10,15 +10,24 @@
 //! limits, restarts the engine (whose KV budget then comes from what is free) and resumes its
 //! streams.
 //!
-//! It fires only when two signals hold together for a whole window (`memory_watch`, default
+//! It fires only when three signals hold together for a whole window (`memory_watch`, default
 //! [`DEFAULT_MEMORY_WATCH`](crate::runtime::DEFAULT_MEMORY_WATCH)):
 //! - the device's free memory is under [`low_free_bound`]: near zero. Alone it is no fault: an
 //!   engine whose own buffers fill the device is healthy, and its steps keep their speed;
-//! - the iterations that only decoded ([`RuntimeStats::decode_steps`]) take on average at
-//!   least `memory_watch_slowdown` times (default
-//!   [`DEFAULT_MEMORY_WATCH_SLOWDOWN`](crate::runtime::DEFAULT_MEMORY_WATCH_SLOWDOWN)) their
-//!   usual time, learned while the device had memory free. Alone it is no fault either: a
-//!   long prompt makes its steps slow, which is why iterations that prefill are left out.
+//! - the decode steps ([`RuntimeStats::decode_steps`], the batch's forward pass without the
+//!   prefill that may follow it) take on average at least `memory_watch_slowdown` times
+//!   (default [`DEFAULT_MEMORY_WATCH_SLOWDOWN`](crate::runtime::DEFAULT_MEMORY_WATCH_SLOWDOWN))
+//!   their usual time, learned while the device had memory free. Alone it is no fault either:
+//!   a large batch of long contexts is slower, but not by that much;
+//! - this engine presses on the memory: the KV of its running sequences
+//!   ([`RuntimeStats::running_kv_bytes`]) grew over the window and never shrank between two
+//!   looks. Every engine on a thrashing GPU crawls (the H100 run's bystander engine, with a
+//!   small budget, took 7.6 s for requests of 0.04-0.2 s), but restarting smaller helps only
+//!   the one whose demand outgrew the device: a bystander restarted while nothing is free
+//!   would fail its load. A bystander's requests come and go, so its KV shrinks at each one's
+//!   end; the crawling engine's long streams only grow. (An engine whose streams end within
+//!   every window while it crawls is therefore not caught; the H100 run's streams lasted
+//!   minutes.)
 //!
 //! Until it has learned the usual time (from [`MIN_USUAL_STEPS`] decode steps with memory
 //! free) it never fires; an idle engine, which finishes no step, never fires.
@@ -53,9 +62,11 @@ pub fn low_free_bound(total: u64) -> u64 {
     (total / 100).max(LOW_FREE_FLOOR)
 }
 
-/// Decode steps with memory free before the usual step time counts: the first steps of a
-/// GPU compile kernels and are slower, which only makes the watch less eager.
-pub const MIN_USUAL_STEPS: u64 = 16;
+/// Decode steps with memory free before the usual step time counts: a few, since an engine
+/// handed many long prompts at once decodes its first streams beside the others' prefill for
+/// only seconds before a full device would slow it. The first steps of a GPU compile kernels
+/// and are slower, which only makes the watch less eager.
+pub const MIN_USUAL_STEPS: u64 = 8;
 
 /// How much of the usual step time each look with new decode steps replaces, once learned: it
 /// follows the batch and the contexts as they grow, over tens of seconds.
@@ -76,13 +87,15 @@ pub struct Bounds {
     pub slowdown: f64,
 }
 
-/// One look at the engine: the device's memory and the decode steps' counters.
+/// One look at the engine: the device's memory, the decode steps' counters and the running
+/// sequences' KV.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Sample {
     pub at: Instant,
     pub memory: DeviceMemory,
     pub decode_steps: u64,
     pub decode_nanos: u64,
+    pub running_kv: u64,
 }
 
 impl Sample {
@@ -143,7 +156,7 @@ pub struct Watch {
     last: Sample,
     usual: Usual,
     /// The first look of the current run of looks with the device full, once the usual time
-    /// is known; moved up when the steps since were of normal speed.
+    /// is known; moved up when the steps since were of normal speed or the running KV shrank.
     full_since: Option<Sample>,
 }
 
@@ -173,6 +186,8 @@ pub struct Pressure {
     pub usual: Duration,
     pub steps: u64,
     pub lasted: Duration,
+    /// How much the running sequences' KV grew over the window.
+    pub kv_growth: u64,
 }
 
 impl Pressure {
@@ -182,20 +197,23 @@ impl Pressure {
         format!(
             "out of memory: the device has {} MiB free (under {} MiB for {} s) and its decode \
              steps take {times:.0}× their usual time ({:.1} ms against {:.1} ms, {} steps; \
-             memory_watch): most likely another process holds the GPU's memory and the driver \
-             pages this engine's buffers out instead of failing an allocation",
+             memory_watch) while its KV grew {} KiB: most likely another process holds the \
+             GPU's memory and the driver pages this engine's buffers out instead of failing an \
+             allocation",
             self.free >> 20,
             self.bound >> 20,
             self.lasted.as_secs(),
             self.step.as_secs_f64() * 1e3,
             self.usual.as_secs_f64() * 1e3,
             self.steps,
+            self.kv_growth >> 10,
         )
     }
 }
 
-/// One look at `now`: what to remember, and the pressure when the device has been full and
-/// the decode steps `bounds.slowdown` times their usual time for `bounds.window`.
+/// One look at `now`: what to remember, and the pressure when the device has been full, the
+/// decode steps `bounds.slowdown` times their usual time and the running KV growing for
+/// `bounds.window`.
 pub fn look(watch: Watch, now: Sample, bounds: Bounds) -> (Watch, Option<Pressure>) {
     let mut next = Watch { last: now, ..watch };
     if !now.low() {
@@ -212,6 +230,11 @@ pub fn look(watch: Watch, now: Sample, bounds: Bounds) -> (Watch, Option<Pressur
         next.full_since = watch.usual.learned().map(|_| now);
         return (next, None);
     };
+    if now.running_kv < watch.last.running_kv {
+        // Sequences ended: not an engine whose demand outgrows the device (or not only).
+        next.full_since = Some(now);
+        return (next, None);
+    }
     let lasted = now.at.saturating_duration_since(since.at);
     let (steps, each) = now.steps_since(&since);
     let Some(step) = each.filter(|_| lasted >= bounds.window && steps >= MIN_SLOW_STEPS) else {
@@ -222,6 +245,10 @@ pub fn look(watch: Watch, now: Sample, bounds: Bounds) -> (Watch, Option<Pressur
         next.full_since = Some(now);
         return (next, None);
     }
+    if now.running_kv <= since.running_kv {
+        // Not grown yet: waits for it, or for a look that ends the window.
+        return (next, None);
+    }
     let pressure = Pressure {
         free: now.memory.free,
         bound: low_free_bound(now.memory.total),
@@ -229,6 +256,7 @@ pub fn look(watch: Watch, now: Sample, bounds: Bounds) -> (Watch, Option<Pressur
         usual,
         steps,
         lasted,
+        kv_growth: now.running_kv - since.running_kv,
     };
     (next, Some(pressure))
 }
@@ -279,6 +307,7 @@ pub fn spawn(
         memory,
         decode_steps: stats.decode_steps.load(Ordering::Relaxed),
         decode_nanos: stats.decode_nanos.load(Ordering::Relaxed),
+        running_kv: stats.running_kv_bytes.load(Ordering::Relaxed),
     };
     let period = (bounds.window / 4).clamp(Duration::from_millis(100), Duration::from_secs(1));
     tracing::info!(
@@ -327,14 +356,14 @@ mod tests {
         slowdown: 10.0,
     };
 
-    /// Drives the watch through looks a second apart: each `(free, steps, ms_each)` says the
-    /// free memory at the look and the decode steps since the last one, each `ms_each` long.
-    /// Returns the watch and the look (0-based) that fired, if one did.
+    /// Drives the watch through looks a second apart; each decode step adds a MiB of KV (the
+    /// long streams of a crawling engine), unless `kv` is set by the test.
     struct Drive {
         watch: Watch,
         t: Instant,
         steps: u64,
         nanos: u64,
+        kv: u64,
         looks: usize,
     }
 
@@ -346,12 +375,14 @@ mod tests {
                 memory: free(40 * GIB),
                 decode_steps: 0,
                 decode_nanos: 0,
+                running_kv: 0,
             };
             Drive {
                 watch: Watch::new(first),
                 t,
                 steps: 0,
                 nanos: 0,
+                kv: 0,
                 looks: 0,
             }
         }
@@ -362,12 +393,14 @@ mod tests {
                 self.t += Duration::from_secs(1);
                 self.steps += steps;
                 self.nanos += steps * ms * 1_000_000;
+                self.kv += steps * MIB;
                 self.looks += 1;
                 let now = Sample {
                     at: self.t,
                     memory: free(free_bytes),
                     decode_steps: self.steps,
                     decode_nanos: self.nanos,
+                    running_kv: self.kv,
                 };
                 let (next, pressure) = look(self.watch, now, BOUNDS);
                 self.watch = next;
@@ -498,6 +531,33 @@ mod tests {
     }
 
     #[test]
+    fn a_bystander_whose_requests_come_and_go_never_fires() {
+        let mut d = Drive::healthy();
+        // The H100 run's bystander: one short request after another, each crawling for about
+        // 8 s; its KV grows with each, and falls back at its end.
+        for _ in 0..100 {
+            d.kv = 0;
+            assert_eq!(d.looks(8, 0, 1, 4_000), None);
+        }
+    }
+
+    #[test]
+    fn a_crawl_waits_for_its_kv_to_grow() {
+        let mut d = Drive::healthy();
+        // Rows that do not grow (the KV of a batch grows in blocks): full and slow, but not
+        // yet pressing on the memory.
+        let kv = d.kv;
+        for _ in 0..60 {
+            assert_eq!(d.looks(1, 0, 1, 3_000), None);
+            d.kv = kv;
+        }
+        d.kv = kv + MIB;
+        let p = d.looks(1, 0, 1, 3_000).expect("it grew");
+        assert_eq!(p.kv_growth, MIB);
+        assert!(p.lasted >= Duration::from_secs(60), "{p:?}");
+    }
+
+    #[test]
     fn an_idle_engine_never_fires() {
         let mut d = Drive::healthy();
         assert_eq!(d.looks(3600, 0, 0, 0), None);
@@ -506,9 +566,9 @@ mod tests {
     #[test]
     fn the_usual_time_is_a_mean_then_a_moving_average() {
         let ms = |u: Usual| u.learned().map(|d| (d.as_secs_f64() * 1e3).round() as u64);
-        let u = Usual::NONE.learn(8, Some(Duration::from_millis(10)));
+        let u = Usual::NONE.learn(MIN_USUAL_STEPS / 2, Some(Duration::from_millis(10)));
         assert_eq!(ms(u), None);
-        let u = u.learn(8, Some(Duration::from_millis(30)));
+        let u = u.learn(MIN_USUAL_STEPS / 2, Some(Duration::from_millis(30)));
         assert_eq!(ms(u), Some(20));
         // Then each look moves it a twentieth of the way.
         let u = u.learn(100, Some(Duration::from_millis(120)));

@@ -338,23 +338,12 @@ impl<'m> Executor<'m> {
             while let Some(work) = self.adapter_work.as_mut().and_then(|r| r.try_recv().ok()) {
                 self.adapter_work(work);
             }
-            let started = std::time::Instant::now();
             if let Err(e) = self.iteration() {
                 self.fail_all(GenerationError::from_mlx(e.to_string()));
-            }
-            crate::fault::on_step();
-            if self.only_decoded() {
-                self.stats.record_decode_step(started.elapsed());
             }
             self.stats.steps.fetch_add(1, Ordering::Relaxed);
             self.publish();
         }
-    }
-
-    /// Whether the iteration just run only decoded: rows in the batch, and no prompt being
-    /// prefilled or just prefilled (those would join the batch at the next step).
-    fn only_decoded(&self) -> bool {
-        !self.batch.is_empty() && self.prefilling.is_empty() && self.ready.is_empty()
     }
 
     /// Serves the request channel alone ([`Self::run`]), or, in an engine group, through the
@@ -393,7 +382,15 @@ impl<'m> Executor<'m> {
         // on a slow device, and the counters must show the work it is doing meanwhile.
         self.publish();
         let joining = std::mem::take(&mut self.ready);
+        // The decode step alone is timed (the memory-pressure watch's measure): the prefill
+        // that follows makes an iteration longer by its prompts.
+        let stepped = !self.batch.is_empty() || !joining.is_empty();
+        let started = std::time::Instant::now();
         let departed = self.batch.step(self.model, joining)?;
+        if stepped {
+            crate::fault::on_step();
+            self.stats.record_decode_step(started.elapsed());
+        }
         self.settle(departed)?;
         self.checkpoint()?;
         self.prefill()?;
@@ -883,7 +880,11 @@ impl<'m> Executor<'m> {
             .flat_map(|p| p.layers.iter().flatten())
             .map(LayerCache::nbytes)
             .sum();
-        let kv = self.batch.kv_bytes() + prefill_bytes + self.caches.prefix_bytes() as usize;
+        let running = self.batch.kv_bytes() + prefill_bytes;
+        self.stats
+            .running_kv_bytes
+            .store(running as u64, Ordering::Relaxed);
+        let kv = running + self.caches.prefix_bytes() as usize;
         self.stats.kv_bytes.store(kv as u64, Ordering::Relaxed);
         let drafts = self.batch.draft_counts;
         self.stats.drafted.store(drafts.drafted, Ordering::Relaxed);

@@ -232,16 +232,19 @@ pub struct RuntimeStats {
     pub accepted: AtomicU64,
     /// The SSD tier's counters (all 0 without one).
     pub ssd: Arc<SsdCounters>,
-    /// Iterations that only decoded (rows in the batch, no prompt prefilled), and their wall
-    /// time in nanoseconds, summed: the memory-pressure watch's measure of a step's usual
-    /// time (`crate::app::memory_watch`). A prefill makes an iteration longer by its prompt,
-    /// so those iterations are left out.
+    /// The KV of the running sequences (the batch and prefills in progress, not the prefix
+    /// cache): what the memory-pressure watch sees grow in an engine that presses on a full
+    /// device (`crate::app::memory_watch`).
+    pub running_kv_bytes: AtomicU64,
+    /// Decode steps run (one forward pass of the batch), and their wall time in nanoseconds,
+    /// summed: the memory-pressure watch's measure of a step's usual time. The prefill that
+    /// may follow in the same iteration is not in it (its time depends on the prompts).
     pub decode_steps: AtomicU64,
     pub decode_nanos: AtomicU64,
 }
 
 impl RuntimeStats {
-    /// Counts one iteration that only decoded and took `took`.
+    /// Counts one decode step that took `took`.
     pub fn record_decode_step(&self, took: std::time::Duration) {
         use std::sync::atomic::Ordering::Relaxed;
         let nanos = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
