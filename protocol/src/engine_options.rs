@@ -873,9 +873,15 @@ mod tests {
             ("prefill_step_tokens", "8192"),
             ("prefill_pad_to", "32"),
             ("warm_up", "false"),
+            ("memory_watch", "20"),
+            ("memory_watch_slowdown", "5"),
         ]);
         let o = EngineOptions::from_map(&given).unwrap();
         assert_eq!(o.to_map(), given);
+        assert_eq!(o.memory_watch, Some(MemoryWatch::Seconds(20)));
+        let mut off = EngineOptions::default();
+        off.set("memory_watch", "OFF").unwrap();
+        assert_eq!(off.memory_watch, Some(MemoryWatch::Off));
         assert_eq!(o.kv_quant(), Some((8, 32)));
         assert_eq!(o.prompt_cache_bytes(), 1 << 28);
         assert_eq!(o.ssd_cache_max_bytes(), Some(2 << 30));
@@ -961,6 +967,18 @@ mod tests {
             (
                 &[("step_timeout", "0")],
                 "engine option step_timeout = \"0\": expected seconds from 1 to 86400",
+            ),
+            (
+                &[("memory_watch", "0")],
+                "engine option memory_watch = \"0\": expected seconds from 1 to 3600, or off",
+            ),
+            (
+                &[("memory_watch_slowdown", "1")],
+                "engine option memory_watch_slowdown = \"1\": expected a factor from 2 to 1000",
+            ),
+            (
+                &[("distributed", "ring"), ("memory_watch", "off")],
+                "engine option memory_watch = \"off\": is not supported by an engine group",
             ),
             (
                 &[("distributed_step_timeout", "5")],

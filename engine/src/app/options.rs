@@ -168,6 +168,28 @@ mod tests {
             l.prompt_cache_bytes,
             RuntimeLimits::default().prompt_cache_bytes
         );
+        // The memory-pressure watch: on by default, a window, a factor, or off.
+        assert_eq!(
+            (l.memory_watch, l.memory_watch_slowdown),
+            (
+                Some(crate::runtime::DEFAULT_MEMORY_WATCH),
+                crate::runtime::DEFAULT_MEMORY_WATCH_SLOWDOWN
+            )
+        );
+        let l = launch_options(&launch(&[
+            ("memory_watch", "5"),
+            ("memory_watch_slowdown", "20"),
+        ]))
+        .unwrap()
+        .limits;
+        assert_eq!(
+            (l.memory_watch, l.memory_watch_slowdown),
+            (Some(Duration::from_secs(5)), 20)
+        );
+        let l = launch_options(&launch(&[("memory_watch", "off")]))
+            .unwrap()
+            .limits;
+        assert_eq!(l.memory_watch, None);
     }
 
     #[test]
