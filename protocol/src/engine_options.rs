@@ -107,7 +107,7 @@ pub const KEYS: &[(&str, &str)] = &[
     (
         "memory_watch",
         "seconds the GPU may report its memory full (under 1 % free) while the engine's decode \
-         steps take memory_watch_slowdown times their usual time and its running KV grows, \
+         steps take memory_watch_slowdown times their usual time and its running sequences grow, \
          before the engine reports itself out of memory and exits for a restart with halved \
          limits (another process took the GPU's memory and the driver pages instead of \
          failing), 1 to 3600, or off (default 30; only on a device that reports its free \
@@ -246,7 +246,7 @@ pub struct EngineOptions {
     #[cfg_attr(feature = "cli", arg(long, value_parser = parse_step_timeout))]
     pub step_timeout: Option<u64>,
     /// Seconds the GPU may report its memory full while the decode steps take
-    /// --memory-watch-slowdown times their usual time and the running KV grows, before the engine reports itself out
+    /// --memory-watch-slowdown times their usual time and the running sequences grow, before the engine reports itself out
     /// of memory and exits, so that the supervisor restarts it with halved limits; `off`
     /// turns the watch off [default: 30; only where the device reports its free memory].
     #[cfg_attr(feature = "cli", arg(long, value_parser = parse_memory_watch))]

@@ -19,13 +19,13 @@
 //!   (default [`DEFAULT_MEMORY_WATCH_SLOWDOWN`](crate::runtime::DEFAULT_MEMORY_WATCH_SLOWDOWN))
 //!   their usual time, learned while the device had memory free. Alone it is no fault either:
 //!   a large batch of long contexts is slower, but not by that much;
-//! - this engine presses on the memory: the KV of its running sequences
-//!   ([`RuntimeStats::running_kv_bytes`]) grew over the window and never shrank between two
-//!   looks. Every engine on a thrashing GPU crawls (the H100 run's bystander engine, with a
-//!   small budget, took 7.6 s for requests of 0.04-0.2 s), but restarting smaller helps only
-//!   the one whose demand outgrew the device: a bystander restarted while nothing is free
-//!   would fail its load. A bystander's requests come and go, so its KV shrinks at each one's
-//!   end; the crawling engine's long streams only grow. (An engine whose streams end within
+//! - this engine presses on the memory: the tokens its admitted sequences hold, their KV
+//!   positions ([`RuntimeStats::running_tokens`]), grew over the window and never fell
+//!   between two looks. Every engine on a thrashing GPU crawls (the H100 run's bystander
+//!   engine, with a small budget, took 7.6 s for requests of 0.04-0.2 s), but restarting
+//!   smaller helps only the one whose demand outgrew the device: a bystander restarted while
+//!   nothing is free would fail its load. A bystander's requests come and go, so its tokens
+//!   fall at each one's end; the crawling engine's long streams only grow. (An engine whose streams end within
 //!   every window while it crawls is therefore not caught; the H100 run's streams lasted
 //!   minutes.)
 //!
@@ -88,14 +88,14 @@ pub struct Bounds {
 }
 
 /// One look at the engine: the device's memory, the decode steps' counters and the running
-/// sequences' KV.
+/// sequences' tokens.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Sample {
     pub at: Instant,
     pub memory: DeviceMemory,
     pub decode_steps: u64,
     pub decode_nanos: u64,
-    pub running_kv: u64,
+    pub running_tokens: u64,
 }
 
 impl Sample {
@@ -156,7 +156,7 @@ pub struct Watch {
     last: Sample,
     usual: Usual,
     /// The first look of the current run of looks with the device full, once the usual time
-    /// is known; moved up when the steps since were of normal speed or the running KV shrank.
+    /// is known; moved up when the steps since were of normal speed or the running tokens fell.
     full_since: Option<Sample>,
 }
 
@@ -186,8 +186,8 @@ pub struct Pressure {
     pub usual: Duration,
     pub steps: u64,
     pub lasted: Duration,
-    /// How much the running sequences' KV grew over the window.
-    pub kv_growth: u64,
+    /// How many tokens the running sequences gained over the window.
+    pub tokens_gained: u64,
 }
 
 impl Pressure {
@@ -197,7 +197,7 @@ impl Pressure {
         format!(
             "out of memory: the device has {} MiB free (under {} MiB for {} s) and its decode \
              steps take {times:.0}× their usual time ({:.1} ms against {:.1} ms, {} steps; \
-             memory_watch) while its KV grew {} KiB: most likely another process holds the \
+             memory_watch) while its sequences gained {} tokens of KV: most likely another process holds the \
              GPU's memory and the driver pages this engine's buffers out instead of failing an \
              allocation",
             self.free >> 20,
@@ -206,13 +206,13 @@ impl Pressure {
             self.step.as_secs_f64() * 1e3,
             self.usual.as_secs_f64() * 1e3,
             self.steps,
-            self.kv_growth >> 10,
+            self.tokens_gained,
         )
     }
 }
 
 /// One look at `now`: what to remember, and the pressure when the device has been full, the
-/// decode steps `bounds.slowdown` times their usual time and the running KV growing for
+/// decode steps `bounds.slowdown` times their usual time and the running tokens growing for
 /// `bounds.window`.
 pub fn look(watch: Watch, now: Sample, bounds: Bounds) -> (Watch, Option<Pressure>) {
     let mut next = Watch { last: now, ..watch };
@@ -230,7 +230,7 @@ pub fn look(watch: Watch, now: Sample, bounds: Bounds) -> (Watch, Option<Pressur
         next.full_since = watch.usual.learned().map(|_| now);
         return (next, None);
     };
-    if now.running_kv < watch.last.running_kv {
+    if now.running_tokens < watch.last.running_tokens {
         // Sequences ended: not an engine whose demand outgrows the device (or not only).
         next.full_since = Some(now);
         return (next, None);
@@ -245,7 +245,7 @@ pub fn look(watch: Watch, now: Sample, bounds: Bounds) -> (Watch, Option<Pressur
         next.full_since = Some(now);
         return (next, None);
     }
-    if now.running_kv <= since.running_kv {
+    if now.running_tokens <= since.running_tokens {
         // Not grown yet: waits for it, or for a look that ends the window.
         return (next, None);
     }
@@ -256,7 +256,7 @@ pub fn look(watch: Watch, now: Sample, bounds: Bounds) -> (Watch, Option<Pressur
         usual,
         steps,
         lasted,
-        kv_growth: now.running_kv - since.running_kv,
+        tokens_gained: now.running_tokens - since.running_tokens,
     };
     (next, Some(pressure))
 }
@@ -307,7 +307,7 @@ pub fn spawn(
         memory,
         decode_steps: stats.decode_steps.load(Ordering::Relaxed),
         decode_nanos: stats.decode_nanos.load(Ordering::Relaxed),
-        running_kv: stats.running_kv_bytes.load(Ordering::Relaxed),
+        running_tokens: stats.running_tokens.load(Ordering::Relaxed),
     };
     let period = (bounds.window / 4).clamp(Duration::from_millis(100), Duration::from_secs(1));
     tracing::info!(
@@ -356,16 +356,19 @@ mod tests {
         slowdown: 10.0,
     };
 
-    /// Drives the watch through looks a second apart; each decode step adds a MiB of KV (the
-    /// long streams of a crawling engine), unless `kv` is set by the test.
+    /// Drives the watch through looks a second apart; each decode step adds [`ROWS`] tokens
+    /// (the long streams of a crawling engine), unless the test sets `tokens`.
     struct Drive {
         watch: Watch,
         t: Instant,
         steps: u64,
         nanos: u64,
-        kv: u64,
+        tokens: u64,
         looks: usize,
     }
+
+    /// Rows in the crawling engine's batch (the H100 run's).
+    const ROWS: u64 = 23;
 
     impl Drive {
         fn new() -> Drive {
@@ -375,14 +378,14 @@ mod tests {
                 memory: free(40 * GIB),
                 decode_steps: 0,
                 decode_nanos: 0,
-                running_kv: 0,
+                running_tokens: 0,
             };
             Drive {
                 watch: Watch::new(first),
                 t,
                 steps: 0,
                 nanos: 0,
-                kv: 0,
+                tokens: 0,
                 looks: 0,
             }
         }
@@ -393,14 +396,14 @@ mod tests {
                 self.t += Duration::from_secs(1);
                 self.steps += steps;
                 self.nanos += steps * ms * 1_000_000;
-                self.kv += steps * MIB;
+                self.tokens += steps * ROWS;
                 self.looks += 1;
                 let now = Sample {
                     at: self.t,
                     memory: free(free_bytes),
                     decode_steps: self.steps,
                     decode_nanos: self.nanos,
-                    running_kv: self.kv,
+                    running_tokens: self.tokens,
                 };
                 let (next, pressure) = look(self.watch, now, BOUNDS);
                 self.watch = next;
@@ -534,9 +537,9 @@ mod tests {
     fn a_bystander_whose_requests_come_and_go_never_fires() {
         let mut d = Drive::healthy();
         // The H100 run's bystander: one short request after another, each crawling for about
-        // 8 s; its KV grows with each, and falls back at its end.
+        // 8 s; its tokens grow with each, and fall back at its end.
         for _ in 0..100 {
-            d.kv = 0;
+            d.tokens = 0;
             assert_eq!(d.looks(8, 0, 1, 4_000), None);
         }
     }
@@ -544,16 +547,15 @@ mod tests {
     #[test]
     fn a_crawl_waits_for_its_kv_to_grow() {
         let mut d = Drive::healthy();
-        // Rows that do not grow (the KV of a batch grows in blocks): full and slow, but not
-        // yet pressing on the memory.
-        let kv = d.kv;
+        // Steps that add no token (the test holds the count): full and slow, but not growing.
+        let held = d.tokens;
         for _ in 0..60 {
             assert_eq!(d.looks(1, 0, 1, 3_000), None);
-            d.kv = kv;
+            d.tokens = held;
         }
-        d.kv = kv + MIB;
+        d.tokens = held + 1;
         let p = d.looks(1, 0, 1, 3_000).expect("it grew");
-        assert_eq!(p.kv_growth, MIB);
+        assert_eq!(p.tokens_gained, 1);
         assert!(p.lasted >= Duration::from_secs(60), "{p:?}");
     }
 

@@ -119,6 +119,12 @@ impl DecodeBatch {
         self.rows.len()
     }
 
+    /// Tokens the rows hold (prompt and generated): their KV positions, which grow by one a
+    /// row at each step, exactly (the KV arrays grow in blocks).
+    pub fn held_tokens(&self) -> usize {
+        self.rows.iter().map(|s| s.tokens.len()).sum()
+    }
+
     /// Each row's adapter, in order.
     pub fn adapters(&self) -> impl Iterator<Item = Option<adapters::AdapterId>> + '_ {
         self.rows.iter().map(|s| s.adapter)

@@ -880,11 +880,22 @@ impl<'m> Executor<'m> {
             .flat_map(|p| p.layers.iter().flatten())
             .map(LayerCache::nbytes)
             .sum();
-        let running = self.batch.kv_bytes() + prefill_bytes;
+        let held = self.batch.held_tokens()
+            + self
+                .prefilling
+                .iter()
+                .map(|p| p.seq.tokens.len())
+                .sum::<usize>()
+            + self
+                .ready
+                .iter()
+                .flat_map(|r| &r.seqs)
+                .map(|s| s.tokens.len())
+                .sum::<usize>();
         self.stats
-            .running_kv_bytes
-            .store(running as u64, Ordering::Relaxed);
-        let kv = running + self.caches.prefix_bytes() as usize;
+            .running_tokens
+            .store(held as u64, Ordering::Relaxed);
+        let kv = self.batch.kv_bytes() + prefill_bytes + self.caches.prefix_bytes() as usize;
         self.stats.kv_bytes.store(kv as u64, Ordering::Relaxed);
         let drafts = self.batch.draft_counts;
         self.stats.drafted.store(drafts.drafted, Ordering::Relaxed);

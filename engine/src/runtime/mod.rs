@@ -232,10 +232,11 @@ pub struct RuntimeStats {
     pub accepted: AtomicU64,
     /// The SSD tier's counters (all 0 without one).
     pub ssd: Arc<SsdCounters>,
-    /// The KV of the running sequences (the batch and prefills in progress, not the prefix
-    /// cache): what the memory-pressure watch sees grow in an engine that presses on a full
-    /// device (`crate::app::memory_watch`).
-    pub running_kv_bytes: AtomicU64,
+    /// Tokens the admitted sequences hold (prompt and generated; not the prefix cache): their
+    /// KV positions, which the memory-pressure watch sees grow in an engine that presses on a
+    /// full device (`crate::app::memory_watch`). Counted in tokens, not bytes: the KV arrays
+    /// grow in blocks of positions, and a crawling engine fills a block in minutes.
+    pub running_tokens: AtomicU64,
     /// Decode steps run (one forward pass of the batch), and their wall time in nanoseconds,
     /// summed: the memory-pressure watch's measure of a step's usual time. The prefill that
     /// may follow in the same iteration is not in it (its time depends on the prompts).
