@@ -170,8 +170,7 @@ impl Watch {
     }
 
     /// The usual decode step time, once learned.
-    #[cfg(test)]
-    fn usual(&self) -> Option<Duration> {
+    pub fn usual(&self) -> Option<Duration> {
         self.usual.learned()
     }
 }
@@ -279,6 +278,28 @@ fn read_memory(stand_in: Option<DeviceMemory>) -> Result<Option<DeviceMemory>, S
     }))
 }
 
+/// Says when the device fills up or has memory free again, so that a log shows what the
+/// watch judged (once per change: a device at the bound says it at most once a look).
+fn log_transition(now: &Sample, usual: Option<Duration>) {
+    let free_mib = now.memory.free >> 20;
+    if !now.low() {
+        tracing::info!(free_mib, "the device has memory free again");
+        return;
+    }
+    match usual {
+        Some(usual) => tracing::warn!(
+            free_mib,
+            usual_step_ms = usual.as_secs_f64() * 1e3,
+            "the device's memory is full: watching this engine's decode steps and tokens"
+        ),
+        None => tracing::warn!(
+            free_mib,
+            "the device's memory is full before this engine's usual decode step time was \
+             learned: the memory-pressure watch cannot judge its steps"
+        ),
+    }
+}
+
 /// Watches `stats` and the device's memory from a thread of its own for the life of the
 /// process; `on_pressure` gets the message once, when the watch fires. Returns false, starting
 /// nothing, where the device does not report its free memory.
@@ -334,7 +355,11 @@ pub fn spawn(
                         continue;
                     }
                 };
-                let (next, pressure) = look(watch, sample(memory), bounds);
+                let now = sample(memory);
+                if now.low() != watch.last.low() {
+                    log_transition(&now, watch.usual());
+                }
+                let (next, pressure) = look(watch, now, bounds);
                 watch = next;
                 if let Some(pressure) = pressure {
                     on_pressure(pressure.message());
