@@ -15,7 +15,8 @@
 //! - the device's free memory is under [`low_free_bound`]: near zero. Alone it is no fault: an
 //!   engine whose own buffers fill the device is healthy, and its steps keep their speed;
 //! - the decode steps ([`RuntimeStats::decode_steps`], the batch's forward pass without the
-//!   prefill that may follow it) take on average at least `memory_watch_slowdown` times
+//!   prefill that may follow it, timed per square root of its rows) take on average at least
+//!   `memory_watch_slowdown` times
 //!   (default [`DEFAULT_MEMORY_WATCH_SLOWDOWN`](crate::runtime::DEFAULT_MEMORY_WATCH_SLOWDOWN))
 //!   their usual time, learned while the device had memory free. Alone it is no fault either:
 //!   a large batch of long contexts is slower, but not by that much;
@@ -195,10 +196,10 @@ impl Pressure {
         let times = self.step.as_secs_f64() / self.usual.as_secs_f64().max(1e-9);
         format!(
             "out of memory: the device has {} MiB free (under {} MiB for {} s) and its decode \
-             steps take {times:.0}× their usual time ({:.1} ms against {:.1} ms, {} steps; \
-             memory_watch) while its sequences gained {} tokens of KV: most likely another process holds the \
-             GPU's memory and the driver pages this engine's buffers out instead of failing an \
-             allocation",
+             steps take {times:.0}× their usual time ({:.1} ms against {:.1} ms per √row, {} \
+             steps; memory_watch) while its sequences gained {} tokens of KV: most likely \
+             another process holds the GPU's memory and the driver pages this engine's buffers \
+             out instead of failing an allocation",
             self.free >> 20,
             self.bound >> 20,
             self.lasted.as_secs(),
@@ -492,7 +493,9 @@ mod tests {
         let m = p.message();
         assert!(
             m.starts_with("out of memory: the device has 0 MiB free (under 819 MiB for 30 s)")
-                && m.contains("take 100× their usual time (2000.0 ms against 20.0 ms, 15 steps"),
+                && m.contains(
+                    "take 100× their usual time (2000.0 ms against 20.0 ms per √row, 15 steps"
+                ),
             "{m}"
         );
     }

@@ -384,12 +384,12 @@ impl<'m> Executor<'m> {
         let joining = std::mem::take(&mut self.ready);
         // The decode step alone is timed (the memory-pressure watch's measure): the prefill
         // that follows makes an iteration longer by its prompts.
-        let stepped = !self.batch.is_empty() || !joining.is_empty();
+        let rows = self.batch.len() + joining.iter().map(|r| r.seqs.len()).sum::<usize>();
         let started = std::time::Instant::now();
         let departed = self.batch.step(self.model, joining)?;
-        if stepped {
+        if rows > 0 {
             crate::fault::on_step();
-            self.stats.record_decode_step(started.elapsed());
+            self.stats.record_decode_step(started.elapsed(), rows);
         }
         self.settle(departed)?;
         self.checkpoint()?;
