@@ -93,8 +93,8 @@ pub fn default_step_timeout() -> std::time::Duration {
 pub const DEFAULT_MEMORY_WATCH: std::time::Duration = std::time::Duration::from_secs(30);
 /// How many times their usual time decode steps must take, on average over the window, with
 /// the device full (`memory_watch_slowdown`): the H100 run's crawl was 30-70× (its bystander
-/// 40-190×), while a healthy engine's decode step grows a few times at most between one row
-/// and a full batch of long contexts.
+/// 40-190×), while a healthy engine's decode step per √row (`RuntimeStats::decode_nanos`)
+/// moves a few times at most between one row and a full batch of long contexts.
 pub const DEFAULT_MEMORY_WATCH_SLOWDOWN: u32 = 10;
 
 /// Prefix-cache bytes when no size is given (`--prompt-cache`).
