@@ -212,19 +212,35 @@ impl Stored {
     }
 }
 
-/// Writes `new` at positions `prev..prev + L` of `buf`, growing it by whole
-/// [`STEP`](super::STEP)s of positions as mlx-lm's caches do; returns positions `..prev + L`.
-/// The one write path of every layout.
+/// The positions a buffer is allocated with to hold `needed`: whole [`STEP`](super::STEP)s,
+/// as mlx-lm's caches grow, **plus one**.
+///
+/// **Decision: a buffer's length is never a multiple of 256.** MLX's CUDA attention sends a
+/// decode step to cuDNN when its keys are a slice of a buffer whose length is a multiple of
+/// 256 (the shape mlx-lm's cache makes), and cuDNN builds an execution plan for each new pair
+/// of row count and buffer length before the step runs: 50–400 ms on an H100 against a
+/// 0.1–0.3 ms attention call (`scripts/bench/sdpa_shapes.py`, BENCHMARKS.md). A server's
+/// decode meets a new pair whenever a stream joins or leaves or a buffer grows. Off those
+/// lengths the step runs MLX's own vector kernel, which builds nothing and ran as fast or
+/// faster at every measured shape. One spare position per buffer costs 1/256 of its memory.
+pub(crate) fn capacity_for(needed: i32) -> i32 {
+    let step = super::STEP;
+    ((needed - 2).max(0) / step + 1) * step + 1
+}
+
+/// Writes `new` at positions `prev..prev + L` of `buf`, growing it to
+/// [`capacity_for`] `prev + L`; returns positions `..prev + L`. The one write path of every
+/// layout.
 pub fn write_positions(
     buf: &mut Option<Stored>,
     prev: i32,
     new: &Stored,
 ) -> Result<Stored, Exception> {
-    let step = super::STEP;
     let l = new.positions();
     let capacity = buf.as_ref().map_or(0, Stored::positions);
     if buf.is_none() || prev + l > capacity {
-        let grown = new.zeros(new.first().shape()[0], (step + l - 1) / step * step)?;
+        let kept = if buf.is_some() { prev.min(capacity) } else { 0 };
+        let grown = new.zeros(new.first().shape()[0], capacity_for(prev + l) - kept)?;
         *buf = Some(match buf.take() {
             Some(old) => {
                 let old = if prev < capacity {
@@ -255,6 +271,23 @@ mod tests {
         bits: 8,
         group_size: 64,
     };
+
+    #[test]
+    fn buffers_grow_by_steps_and_are_never_a_multiple_of_256_long() {
+        assert_eq!(capacity_for(1), 257);
+        assert_eq!(capacity_for(257), 257);
+        assert_eq!(capacity_for(258), 513);
+        assert_eq!(capacity_for(513), 513);
+        assert_eq!(capacity_for(514), 769);
+        for needed in 1..2000 {
+            let c = capacity_for(needed);
+            assert!(
+                c >= needed && c - needed <= super::super::STEP,
+                "{needed} -> {c}"
+            );
+            assert_ne!(c % 256, 0, "{needed} -> {c}");
+        }
+    }
 
     #[test]
     fn the_layout_quantizes_past_its_start() {

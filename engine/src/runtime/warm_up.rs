@@ -28,8 +28,8 @@ use crate::models::{CausalLm, ModelInfo};
 /// Prompt tokens of each warm-up generation: long enough for a real prefill pass, short
 /// enough to cost milliseconds on a GPU.
 const PROMPT_TOKENS: usize = 48;
-/// Tokens each warm-up generation makes: the first comes from the prefill, the rest from
-/// decode steps.
+/// Tokens the first row of each warm-up batch makes: the first comes from the prefill, the
+/// rest from decode steps ([`new_tokens`]).
 const NEW_TOKENS: usize = 3;
 
 /// One warm-up generation: its prompt, sampling and adapter (none: the base model).
@@ -61,8 +61,14 @@ pub fn adapter_batches(vocab: usize, adapters: &[AdapterId]) -> Vec<Vec<WarmUpRo
 }
 
 /// The warm-up generations: one greedy row alone, then a batch of greedy and sampled rows
-/// (the sampler's kernels), the prompts' lengths different so rows join unaligned. Public so
-/// that tests can check the warm-up left no prefix-cache entry for these prompts.
+/// (the sampler's kernels: seeded with top-p, and unseeded with the temperature alone, the
+/// two draw their noise differently), the prompts' lengths different so rows join unaligned.
+/// Public so that tests can check the warm-up left no prefix-cache entry for these prompts.
+///
+/// On a machine where MLX has never run, each kernel MLX compiles at first use (and keeps on
+/// disk) costs seconds: a first burst of 32 sampled streams on a fresh H100 waited 8.6 s
+/// (2026-12-05) for kernels this warm-up did not reach then (the unseeded draw, the gathers
+/// that drop finished rows from the batch), which is why both are here.
 pub fn requests(vocab: usize) -> Vec<(Vec<u32>, SamplingParams)> {
     let prompt = |len: usize, salt: usize| -> Vec<u32> {
         (0..len)
@@ -75,12 +81,23 @@ pub fn requests(vocab: usize) -> Vec<(Vec<u32>, SamplingParams)> {
         seed: Some(0),
         ..SamplingParams::default()
     };
+    let unseeded = SamplingParams {
+        temperature: 0.7,
+        ..SamplingParams::default()
+    };
     vec![
         (prompt(PROMPT_TOKENS, 1), SamplingParams::default()),
         (prompt(PROMPT_TOKENS, 2), SamplingParams::default()),
         (prompt(PROMPT_TOKENS / 2, 3), sampled.clone()),
         (prompt(PROMPT_TOKENS + 5, 4), sampled),
+        (prompt(PROMPT_TOKENS - 7, 5), unseeded),
     ]
+}
+
+/// Tokens the `index`-th row of a warm-up batch makes: one more than the row before, so that
+/// rows finish at different steps and the batch drops finished rows while others decode.
+fn new_tokens(index: usize) -> usize {
+    NEW_TOKENS + index
 }
 
 /// Runs the warm-up generations on `model` to the end; an error names the failure (an engine
@@ -123,12 +140,12 @@ pub fn run(
     for batch in all {
         let (work, rx) = mpsc::unbounded_channel();
         let mut events = Vec::new();
-        for (prompt, sampling, adapter) in batch {
+        for (index, (prompt, sampling, adapter)) in batch.into_iter().enumerate() {
             let (tx, events_rx) = mpsc::unbounded_channel();
             work.send(GenerateRequest {
                 prompt,
                 sampling,
-                max_tokens: NEW_TOKENS,
+                max_tokens: new_tokens(index),
                 stop_token_ids: Vec::new(),
                 sample_offset: 0,
                 events: tx,
@@ -155,6 +172,21 @@ pub fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_warm_up_draws_seeded_and_unseeded_and_drops_rows_at_different_steps() {
+        let rows = requests(100);
+        let sampled: Vec<Option<u64>> = rows
+            .iter()
+            .filter(|(_, s)| s.temperature > 0.0)
+            .map(|(_, s)| s.seed)
+            .collect();
+        assert!(sampled.iter().any(Option::is_some), "{sampled:?}");
+        assert!(sampled.iter().any(Option::is_none), "{sampled:?}");
+        let lengths: Vec<usize> = (0..rows.len()).map(new_tokens).collect();
+        assert!(lengths.windows(2).all(|w| w[0] < w[1]), "{lengths:?}");
+        assert_eq!(lengths[0], NEW_TOKENS);
+    }
 
     #[test]
     fn adapter_rows_are_warmed_alone_and_mixed_with_the_base() {
