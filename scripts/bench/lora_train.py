@@ -10,6 +10,11 @@ first third (compilation and warm-up excluded): for mlx-lm, the mean of its repo
 iterations) there; for mlxd, the median of the per-iteration rates its progress events carry
 (events are coalesced, so not every iteration is seen). Peak memory is each side's MLX peak
 (mlx-lm's `Peak mem`, the job's `peak_memory_bytes`). Prints and appends one JSON line.
+
+On a CPU (a model from `gen_lora_cpu_model.py`, a few iterations, small batches) both sides
+run MLX's plain ops for attention and the cross-entropy, since MLX has fused kernels for them
+on the GPU only: a CPU run compares everything else (weights, the step's other activations,
+the optimizer), and the two kernels' share of the peak shows on a GPU only.
 """
 
 import argparse
