@@ -6,8 +6,10 @@
 //! never has it; `MLXD_FAULT` alone is ignored with a warning):
 //!
 //! - `MLXD_FAULT=<kind>@<N>`: `abort` (SIGABRT, as a crashing native library would),
-//!   `oom` (sends `Fatal { OutOfMemory }` and exits, as MLX reporting an allocation
-//!   failure does), `hang` (the whole process stops itself with SIGSTOP: no tokens, no
+//!   `oom` (the model thread's next step fails with an allocation failure, as MLX reports one:
+//!   the executor's own out-of-memory path runs, [`step_error`]), `device_lost` (the next step
+//!   fails with CUDA's illegal memory access, as on an H100 whose memory another process took),
+//!   `hang` (the whole process stops itself with SIGSTOP: no tokens, no
 //!   `Stats`), or `stall` (the model thread stops for good while the rest of the process
 //!   runs and sends `Stats`, as when a GPU stops answering), once this process has emitted N
 //!   generated tokens, all requests together.
@@ -34,6 +36,8 @@ use std::sync::{Mutex, OnceLock};
 pub enum FaultKind {
     Abort,
     OutOfMemory,
+    /// The next step fails with CUDA's illegal memory access.
+    DeviceLost,
     Hang,
     /// The model thread sleeps for good; the process lives on.
     Stall,
@@ -68,20 +72,21 @@ pub struct FaultSpec {
 pub fn parse(spec: &str, once: Option<PathBuf>) -> Result<FaultSpec, String> {
     let (kind, n) = spec.split_once('@').ok_or_else(|| {
         format!(
-            "MLXD_FAULT={spec:?}: expected <abort|oom|hang|stall|crawl|full>@<tokens> or \
-             slow_load@<ms>"
+            "MLXD_FAULT={spec:?}: expected <abort|oom|device_lost|hang|stall|crawl|full>@<tokens> \
+             or slow_load@<ms>"
         )
     })?;
     let kind = match kind.trim() {
         "abort" => FaultKind::Abort,
         "oom" => FaultKind::OutOfMemory,
+        "device_lost" => FaultKind::DeviceLost,
         "hang" => FaultKind::Hang,
         "stall" => FaultKind::Stall,
         "slow_load" => FaultKind::SlowLoad,
         "crawl" => FaultKind::Crawl,
         "full" => FaultKind::Full,
         other => {
-            let known = "abort, oom, hang, stall, crawl, full or slow_load";
+            let known = "abort, oom, device_lost, hang, stall, crawl, full or slow_load";
             return Err(format!(
                 "MLXD_FAULT={spec:?}: unknown fault {other:?}; expected {known}"
             ));
@@ -102,14 +107,14 @@ pub fn parse(spec: &str, once: Option<PathBuf>) -> Result<FaultSpec, String> {
     })
 }
 
-/// How the engine reports an out-of-memory exit (sends `Fatal` under `mlxd`, then exits).
-pub type OomExit = Box<dyn FnOnce(String) + Send>;
-
 struct Armed {
     spec: FaultSpec,
     emitted: AtomicU64,
-    on_oom: Mutex<Option<OomExit>>,
 }
+
+/// The error the model thread's next step fails with, once an `oom` or `device_lost` fault
+/// has fired ([`step_error`]).
+static STEP_ERROR: Mutex<Option<String>> = Mutex::new(None);
 
 static ARMED: OnceLock<Armed> = OnceLock::new();
 
@@ -162,6 +167,13 @@ pub fn memory_full() -> bool {
     MEMORY_FULL.load(Ordering::SeqCst)
 }
 
+/// Called by the model thread before each step: the error that step fails with, once an
+/// `oom` or `device_lost` fault has fired (once: the step after it runs normally, as the
+/// executor has failed or handed on every request by then).
+pub fn step_error() -> Option<String> {
+    STEP_ERROR.lock().unwrap_or_else(|e| e.into_inner()).take()
+}
+
 /// Called by the model thread after each decode step: sleeps [`CRAWL_STEP_DELAY`] once a
 /// `crawl` fault has fired, inside the time the step is measured by.
 pub fn on_step() {
@@ -170,13 +182,12 @@ pub fn on_step() {
     }
 }
 
-/// Arms the switch for this process; `on_oom` is how an `oom` fault exits.
-pub fn arm(spec: FaultSpec, on_oom: OomExit) {
+/// Arms the switch for this process.
+pub fn arm(spec: FaultSpec) {
     tracing::warn!(?spec, "fault switch armed (MLXD_ALLOW_FAULTS=1)");
     let _ = ARMED.set(Armed {
         spec,
         emitted: AtomicU64::new(0),
-        on_oom: Mutex::new(Some(on_oom)),
     });
 }
 
@@ -216,15 +227,17 @@ fn fire(armed: &Armed, n: u64) {
             std::process::abort();
         }
         FaultKind::OutOfMemory => {
-            let message = format!("{what}: out of memory");
-            let hook = armed.on_oom.lock().ok().and_then(|mut h| h.take());
-            match hook {
-                Some(hook) => hook(message),
-                None => {
-                    tracing::error!("{message}");
-                    std::process::exit(3);
-                }
-            }
+            let message =
+                format!("{what}: cudaMallocAsync(&data, size, stream) failed: out of memory");
+            tracing::error!("{message}: the next step fails with it");
+            *STEP_ERROR.lock().unwrap_or_else(|e| e.into_inner()) = Some(message);
+        }
+        FaultKind::DeviceLost => {
+            let message = format!(
+                "{what}: cudaGetLastError() failed: an illegal memory access was encountered"
+            );
+            tracing::error!("{message}: the next step fails with it");
+            *STEP_ERROR.lock().unwrap_or_else(|e| e.into_inner()) = Some(message);
         }
         // Never fires on a token (see `load_delay`).
         FaultKind::SlowLoad => {}

@@ -118,13 +118,7 @@ fn main() -> anyhow::Result<()> {
     };
     let app::LaunchOptions { limits, draft } = app::runtime_options(&args.options, limits)?;
     if let Some(spec) = mlxd_engine::fault::from_env().map_err(anyhow::Error::msg)? {
-        mlxd_engine::fault::arm(
-            spec,
-            Box::new(|message| {
-                tracing::error!(%message, "out of memory; exiting");
-                std::process::exit(3);
-            }),
-        );
+        mlxd_engine::fault::arm(spec);
     }
     let engine = app::load(&args.model, &home, limits, draft, None)?;
     let socket = args.unix.expect("clap requires --unix without --control");

@@ -420,6 +420,24 @@ async fn injected_out_of_memory_resumes_with_halved_limits() -> Result<()> {
     Ok(())
 }
 
+/// A step that fails with CUDA's illegal memory access (an H100 whose memory another process
+/// took, 2026-12-05: every later step of that engine failed too) ends the engine as a crash:
+/// the supervisor restarts it and the streams resume, the same as a clean run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lost_gpu_context_restarts_the_engine_and_resumes_its_streams() -> Result<()> {
+    let (p, _marker) = faulted_run_matches_clean_run("device_lost@10", |_| {}).await?;
+    let e = p.engine().await?;
+    ensure!(e["last_exit"]["code"] == "crash", "{e}");
+    ensure!(
+        e["last_exit"]["cause"]
+            .as_str()
+            .is_some_and(|c| c.contains("illegal memory access")),
+        "the exit does not name the GPU's error: {e}"
+    );
+    ensure!(e["restarts"].as_u64() >= Some(1), "{e}");
+    Ok(())
+}
+
 /// Three greedy streamed completions of `max_tokens` each, with usage.
 fn long_completions(max_tokens: u64) -> Vec<Case> {
     let extra = json!({"stream": true, "stream_options": {"include_usage": true},

@@ -20,7 +20,7 @@ use crate::distributed::{Group, GROUP_INIT_TIMEOUT};
 use crate::loader::{read_config, LoadError, LoadReporter};
 use crate::models;
 use crate::runtime::lockstep::Lockstep;
-use crate::runtime::{MakeLockstep, ModelLoader, OomHook, Parallelism, Runtime, RuntimeLimits};
+use crate::runtime::{FatalHook, MakeLockstep, ModelLoader, Parallelism, Runtime, RuntimeLimits};
 
 /// Joins the group of `backend` as MLX's environment describes it (`MLX_RANK`,
 /// `MLX_HOSTFILE` for `ring`), failing with the reason after [`GROUP_INIT_TIMEOUT`].
@@ -128,7 +128,7 @@ pub fn refused_in_group(limits: &RuntimeLimits) -> Option<String> {
 pub fn start_rank(
     dir: PathBuf,
     mut limits: RuntimeLimits,
-    on_oom: Option<OomHook>,
+    on_fatal: Option<FatalHook>,
     reporter: Option<LoadReporter>,
     group: Group,
 ) -> Result<Runtime, LoadError> {
@@ -169,7 +169,7 @@ pub fn start_rank(
             std::process::exit(crate::distributed::replica::EXIT_GROUP_BROKEN)
         })
     });
-    Runtime::start_in_lockstep(dir, limits, on_oom, load, lockstep)
+    Runtime::start_in_lockstep(dir, limits, on_fatal, load, lockstep)
 }
 
 /// The model's layer count (`num_hidden_layers`), which a pipeline divides.

@@ -9,7 +9,7 @@ use super::options::{DraftChoice, DraftOptions};
 use super::start_error::StartError;
 use crate::loader::LoadReporter;
 use crate::runtime::draft::{DraftSource, Speculation};
-use crate::runtime::{OomHook, Runtime, RuntimeLimits};
+use crate::runtime::{FatalHook, Runtime, RuntimeLimits};
 use crate::server::ServerState;
 use crate::tokenizer::Tokenizer;
 use mlxd_store::{self as store, ResolvedModel};
@@ -30,9 +30,9 @@ pub fn load(
     home: &Path,
     limits: RuntimeLimits,
     draft: Option<DraftOptions>,
-    on_oom: Option<OomHook>,
+    on_fatal: Option<FatalHook>,
 ) -> Result<Engine, StartError> {
-    load_reporting(spec, home, limits, draft, on_oom, None)
+    load_reporting(spec, home, limits, draft, on_fatal, None)
 }
 
 /// What a store event means for the load's progress: downloads and a GGUF conversion are
@@ -57,10 +57,10 @@ pub fn load_reporting(
     home: &Path,
     limits: RuntimeLimits,
     draft: Option<DraftOptions>,
-    on_oom: Option<OomHook>,
+    on_fatal: Option<FatalHook>,
     reporter: Option<LoadReporter>,
 ) -> Result<Engine, StartError> {
-    load_in_group(spec, home, limits, draft, on_oom, reporter, None)
+    load_in_group(spec, home, limits, draft, on_fatal, reporter, None)
 }
 
 /// [`load_reporting`] of this rank's shard when `group` is an engine group's
@@ -70,7 +70,7 @@ pub fn load_in_group(
     home: &Path,
     mut limits: RuntimeLimits,
     draft: Option<DraftOptions>,
-    on_oom: Option<OomHook>,
+    on_fatal: Option<FatalHook>,
     reporter: Option<LoadReporter>,
     group: Option<crate::distributed::Group>,
 ) -> Result<Engine, StartError> {
@@ -128,8 +128,10 @@ pub fn load_in_group(
         }),
     };
     let runtime = match group {
-        None => Runtime::start_reporting(model.dir.clone(), limits, on_oom, reporter),
-        Some(group) => super::group::start_rank(model.dir.clone(), limits, on_oom, reporter, group),
+        None => Runtime::start_reporting(model.dir.clone(), limits, on_fatal, reporter),
+        Some(group) => {
+            super::group::start_rank(model.dir.clone(), limits, on_fatal, reporter, group)
+        }
     }
     .map_err(|source| StartError::Load {
         dir: model.dir.clone(),

@@ -20,7 +20,7 @@ use super::options::launch_options;
 use crate::cache::ssd::{SsdCounters, SsdHandle};
 use crate::distributed::replica::EXIT_GROUP_BROKEN;
 use crate::loader::LoadReporter;
-use crate::runtime::OomHook;
+use crate::runtime::FatalHook;
 use crate::server::{self, ApiError};
 
 /// Supervised mode (`--control`): the whole life of an engine under `mlxd`.
@@ -62,14 +62,7 @@ pub fn run_supervised(home: &Path) -> anyhow::Result<()> {
     };
     match crate::fault::from_env() {
         Ok(Some(spec)) => {
-            let fault_control = control.clone();
-            crate::fault::arm(
-                spec,
-                Box::new(move |message| {
-                    tracing::error!(%message, "out of memory; exiting so the supervisor restarts the engine");
-                    fatal_exit(&fault_control, FatalKind::OutOfMemory, message, 3);
-                }),
-            );
+            crate::fault::arm(spec);
         }
         Ok(None) => {}
         Err(e) => {
@@ -78,9 +71,18 @@ pub fn run_supervised(home: &Path) -> anyhow::Result<()> {
         }
     }
     let oom_control = control.clone();
-    let on_oom: OomHook = Box::new(move |message| {
-        tracing::error!(%message, "out of memory; exiting so the supervisor restarts the engine");
-        fatal_exit(&oom_control, FatalKind::OutOfMemory, message, 3);
+    let on_fatal: FatalHook = Box::new(move |kind, message| {
+        let code = match kind {
+            FatalKind::OutOfMemory => {
+                tracing::error!(%message, "out of memory; exiting so the supervisor restarts the engine smaller");
+                super::memory_watch::EXIT_OUT_OF_MEMORY
+            }
+            _ => {
+                tracing::error!(%message, "the GPU failed; exiting so the supervisor restarts the engine");
+                EXIT_DEVICE_LOST
+            }
+        };
+        fatal_exit(&oom_control, kind, message, code);
     });
     let _ = control.send_loading(LoadPhase::Starting, 0.0);
     if let Some(delay) = crate::fault::load_delay() {
@@ -125,7 +127,7 @@ pub fn run_supervised(home: &Path) -> anyhow::Result<()> {
         home,
         options.limits,
         options.draft,
-        Some(on_oom),
+        Some(on_fatal),
         Some(loading_reporter(control.clone())),
         group,
     ) {
@@ -264,10 +266,19 @@ pub fn worth_reporting(last: Option<(LoadPhase, f32)>, next: (LoadPhase, f32)) -
 static FATAL_EXIT: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
 
 /// Reports `kind` to the supervisor and exits with `code`.
+/// The exit status of an engine whose GPU failed under it
+/// ([`GenerationError::DeviceLost`](crate::runtime::request::GenerationError::DeviceLost)).
+pub const EXIT_DEVICE_LOST: i32 = 5;
+
 fn fatal_exit(control: &ControlSender, kind: FatalKind, message: String, code: i32) -> ! {
     FATAL_EXIT.store(code, Ordering::SeqCst);
     let _ = control.send_fatal(kind, message);
-    std::process::exit(code)
+    // `_exit`, not `exit`: another thread may be inside MLX, and running C++'s static
+    // destructors under it aborted an H100 engine after its out-of-memory report ("double free
+    // or corruption", 2026-12-05). The report is written and flushed above; logs go to stderr
+    // unbuffered.
+    // SAFETY: `_exit` takes any status and has no memory-safety preconditions.
+    unsafe { libc::_exit(code) }
 }
 
 async fn serve_supervised(

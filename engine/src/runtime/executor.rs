@@ -20,7 +20,7 @@ use super::request::{AdapterWork, AdapterWorkError, GenerateRequest, GenerationE
 use super::scheduler::{self, Admission, PrefillView, PrefillWork, SchedulerLimits, WaitingView};
 use super::sequence::Sequence;
 use super::step_trace::PrefillTrace;
-use super::{OomHook, RuntimeStats};
+use super::{FatalHook, RuntimeStats};
 use crate::adapters::{self, AdapterId, AdapterSummary};
 use crate::cache::{CacheManager, KvLayout, KvQuant, KvSpace, LayerCache, LayerKind, SeqKv};
 use crate::models::{CausalLm, ModelInfo};
@@ -61,7 +61,7 @@ pub(super) struct Executor<'m> {
     /// whole: such sequences leave snapshots of their prompts as they prefill.
     stateful: bool,
     pub stats: Arc<RuntimeStats>,
-    pub on_oom: Option<OomHook>,
+    pub on_fatal: Option<FatalHook>,
     waiting: VecDeque<GenerateRequest>,
     prefilling: Vec<Prefilling>,
     ready: Vec<Prefilled>,
@@ -103,7 +103,7 @@ impl<'m> Executor<'m> {
         limits: SchedulerLimits,
         caches: CacheManager,
         stats: Arc<RuntimeStats>,
-        on_oom: Option<OomHook>,
+        on_fatal: Option<FatalHook>,
         spec: Option<Speculator>,
     ) -> Self {
         let kinds = model.layer_kinds();
@@ -132,7 +132,7 @@ impl<'m> Executor<'m> {
             kinds,
             stateful,
             stats,
-            on_oom,
+            on_fatal,
             waiting: VecDeque::new(),
             prefilling: Vec::new(),
             ready: Vec::new(),
@@ -385,6 +385,11 @@ impl<'m> Executor<'m> {
         // The decode step alone is timed (the memory-pressure watch's measure): the prefill
         // that follows makes an iteration longer by its prompts.
         let rows = self.batch.len() + joining.iter().map(|r| r.seqs.len()).sum::<usize>();
+        if let Some(injected) = crate::fault::step_error() {
+            // The requests of `joining` go back to be failed (or resumed) with the rest.
+            self.ready = joining;
+            return Err(Exception::custom(injected));
+        }
         let started = std::time::Instant::now();
         let departed = self.batch.step(self.model, joining)?;
         if rows > 0 {
@@ -822,10 +827,19 @@ impl<'m> Executor<'m> {
         Ok(())
     }
 
-    /// Fails every request this thread holds; after an out-of-memory error, also reports it
-    /// (the supervisor restarts the engine smaller) and drops the prefix cache.
+    /// Fails every request this thread holds and drops the prefix cache. An error that ends
+    /// the engine (out of memory, a lost GPU) goes to the fatal hook first: under a supervisor
+    /// the process reports it and exits right there, its requests unanswered, and the
+    /// supervisor resumes them on the restarted engine. Answering them here would hand every
+    /// client an error instead (an H100 driven out of memory on 2026-12-05: 64 streams failed
+    /// with 503 where they should have resumed).
     fn fail_all(&mut self, error: GenerationError) {
         tracing::error!(%error, "generation step failed");
+        if let Some(kind) = error.ends_engine() {
+            if let Some(hook) = self.on_fatal.take() {
+                hook(kind, error.to_string());
+            }
+        }
         for mut seq in self.batch.drain() {
             seq.fail(error.clone());
         }
@@ -849,12 +863,9 @@ impl<'m> Executor<'m> {
         )
         .with_layers(self.kinds.clone(), self.info.state_bytes_per_sequence)
         .with_ssd(ssd);
-        if let GenerationError::OutOfMemory(message) = &error {
+        if error.ends_engine().is_some() {
             for r in self.waiting.drain(..) {
                 let _ = r.events.send(TokenEvent::Failed(error.clone()));
-            }
-            if let Some(hook) = self.on_oom.take() {
-                hook(message.clone());
             }
         }
         let _ = mlx_rs::memory::clear_cache();

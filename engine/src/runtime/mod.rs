@@ -26,6 +26,7 @@ pub mod sequence;
 pub mod step_trace;
 pub mod warm_up;
 
+use mlxd_protocol::control::FatalKind;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
@@ -259,9 +260,11 @@ impl RuntimeStats {
     }
 }
 
-/// Called once, on the MLX thread, when MLX runs out of memory: the process cannot trust its
-/// allocator any more and should report and exit (the supervisor restarts it smaller).
-pub type OomHook = Box<dyn FnOnce(String) + Send>;
+/// Called once, on the MLX thread, when a step fails in a way the process cannot recover from
+/// ([`request::GenerationError::ends_engine`]): out of memory (the supervisor restarts it
+/// smaller) or a lost GPU context. It reports and exits with the engine's requests still
+/// open, so that the supervisor resumes them on the restarted engine.
+pub type FatalHook = Box<dyn FnOnce(FatalKind, String) + Send>;
 
 /// Makes an engine group rank's [`lockstep::Lockstep`] from the request channel, on the MLX
 /// thread once the model is loaded.
@@ -368,20 +371,20 @@ impl Runtime {
     pub fn start(
         dir: PathBuf,
         limits: RuntimeLimits,
-        on_oom: Option<OomHook>,
+        on_fatal: Option<FatalHook>,
     ) -> Result<Runtime, LoadError> {
-        Self::start_reporting(dir, limits, on_oom, None)
+        Self::start_reporting(dir, limits, on_fatal, None)
     }
 
     /// [`start`](Self::start), reporting the weights read to `reporter` while the model loads.
     pub fn start_reporting(
         dir: PathBuf,
         limits: RuntimeLimits,
-        on_oom: Option<OomHook>,
+        on_fatal: Option<FatalHook>,
         reporter: Option<crate::loader::LoadReporter>,
     ) -> Result<Runtime, LoadError> {
         let load: ModelLoader = Box::new(move |dir| models::load_reporting(dir, reporter));
-        Self::start_with_loader(dir, limits, on_oom, load)
+        Self::start_with_loader(dir, limits, on_fatal, load)
     }
 
     /// [`start`](Self::start) with the model built by `load` (on the MLX thread) instead of
@@ -390,10 +393,10 @@ impl Runtime {
     pub fn start_with_loader(
         dir: PathBuf,
         limits: RuntimeLimits,
-        on_oom: Option<OomHook>,
+        on_fatal: Option<FatalHook>,
         load: ModelLoader,
     ) -> Result<Runtime, LoadError> {
-        Self::start_driven(dir, limits, on_oom, load, None)
+        Self::start_driven(dir, limits, on_fatal, load, None)
     }
 
     /// [`start_with_loader`](Self::start_with_loader) for a rank of an engine group: the
@@ -402,17 +405,17 @@ impl Runtime {
     pub fn start_in_lockstep(
         dir: PathBuf,
         limits: RuntimeLimits,
-        on_oom: Option<OomHook>,
+        on_fatal: Option<FatalHook>,
         load: ModelLoader,
         lockstep: MakeLockstep,
     ) -> Result<Runtime, LoadError> {
-        Self::start_driven(dir, limits, on_oom, load, Some(lockstep))
+        Self::start_driven(dir, limits, on_fatal, load, Some(lockstep))
     }
 
     fn start_driven(
         dir: PathBuf,
         limits: RuntimeLimits,
-        on_oom: Option<OomHook>,
+        on_fatal: Option<FatalHook>,
         load: ModelLoader,
         lockstep: Option<MakeLockstep>,
     ) -> Result<Runtime, LoadError> {
@@ -562,7 +565,7 @@ impl Runtime {
                         scheduler,
                         caches,
                         thread_stats,
-                        on_oom,
+                        on_fatal,
                         spec,
                     )
                     .with_adapter_spaces(adapter_spaces)

@@ -4,6 +4,7 @@
 //! strings. The MLX thread only turns prompt token ids into generated token ids. A request is
 //! cancelled by dropping its [`TokenEvent`] receiver: the MLX thread notices the closed channel
 //! at its next step and frees the sequence.
+use mlxd_protocol::control::FatalKind;
 use tokio::sync::mpsc;
 
 use super::sampling_params::{SamplingError, SamplingParams};
@@ -95,6 +96,11 @@ pub enum GenerationError {
     /// MLX could not allocate; the engine is about to restart with smaller limits.
     #[error("the engine ran out of memory: {0}")]
     OutOfMemory(String),
+    /// The GPU reported an error that leaves its context unusable (an illegal memory access,
+    /// a failed launch): every later operation of the process fails, so the engine is about
+    /// to restart.
+    #[error("the GPU failed: {0}")]
+    DeviceLost(String),
     /// The constraint could not advance or build its mask (a grammar engine failure).
     #[error("{0}")]
     Constraint(String),
@@ -121,10 +127,39 @@ impl GenerationError {
     pub fn from_mlx(message: String) -> Self {
         if is_out_of_memory(&message) {
             GenerationError::OutOfMemory(message)
+        } else if is_device_lost(&message) {
+            GenerationError::DeviceLost(message)
         } else {
             GenerationError::Mlx(message)
         }
     }
+
+    /// How a failed step with this error ends a supervised engine, if it does: out of memory
+    /// (restarted with smaller limits) or a lost device (restarted as after a crash). Either
+    /// way the supervisor resumes the engine's streams on the new one.
+    pub fn ends_engine(&self) -> Option<FatalKind> {
+        match self {
+            GenerationError::OutOfMemory(_) => Some(FatalKind::OutOfMemory),
+            GenerationError::DeviceLost(_) => Some(FatalKind::Internal),
+            _ => None,
+        }
+    }
+}
+
+/// True for CUDA's "sticky" errors, after which the process's GPU context fails every call
+/// (CUDA's documentation: the context must be destroyed). Seen on an H100 whose memory another
+/// process had taken (2026-12-05): "cudaGetLastError() failed: an illegal memory access was
+/// encountered", then every step of that engine failed on.
+pub fn is_device_lost(message: &str) -> bool {
+    let m = message.to_ascii_lowercase();
+    m.contains("illegal memory access")
+        || m.contains("illegal address")
+        || m.contains("unspecified launch failure")
+        || m.contains("device-side assert")
+        || m.contains("illegal instruction")
+        || m.contains("misaligned address")
+        || m.contains("hardware stack error")
+        || m.contains("ecc error")
 }
 
 /// True for MLX's allocation-failure messages (CPU malloc, Metal and CUDA allocators).
@@ -202,3 +237,29 @@ pub enum AdapterWorkError {
 
 /// The sending half of the MLX thread's adapter work.
 pub type AdapterWorkSender = mpsc::UnboundedSender<AdapterWork>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mlx_failures_are_classified_by_what_they_leave_of_the_engine() {
+        let oom = "cudaMallocAsync(&data, size, stream) failed: out of memory at transforms.cpp:15";
+        assert!(matches!(
+            GenerationError::from_mlx(oom.into()),
+            GenerationError::OutOfMemory(_)
+        ));
+        let lost = "cudaGetLastError() failed: an illegal memory access was encountered";
+        let e = GenerationError::from_mlx(lost.into());
+        assert!(matches!(e, GenerationError::DeviceLost(_)), "{e:?}");
+        assert_eq!(e.ends_engine(), Some(FatalKind::Internal));
+        assert_eq!(
+            GenerationError::from_mlx(oom.into()).ends_engine(),
+            Some(FatalKind::OutOfMemory)
+        );
+        // A failure of one operation leaves the engine usable: its requests fail, it serves on.
+        let other = GenerationError::from_mlx("[matmul] shapes (2,3) and (4,5) mismatch".into());
+        assert!(matches!(other, GenerationError::Mlx(_)));
+        assert_eq!(other.ends_engine(), None);
+    }
+}

@@ -95,9 +95,9 @@ impl ApiError {
                 | GenerationError::TokenOutOfRange { .. }
                 | GenerationError::Unsupported { .. } => StatusCode::BAD_REQUEST,
                 // The engine restarts (smaller after running out of memory): try again.
-                GenerationError::OutOfMemory(_) | GenerationError::Stopped => {
-                    StatusCode::SERVICE_UNAVAILABLE
-                }
+                GenerationError::OutOfMemory(_)
+                | GenerationError::DeviceLost(_)
+                | GenerationError::Stopped => StatusCode::SERVICE_UNAVAILABLE,
                 GenerationError::Mlx(_) | GenerationError::Constraint(_) => {
                     StatusCode::INTERNAL_SERVER_ERROR
                 }
@@ -163,6 +163,7 @@ impl ApiError {
                         }),
                     ),
                     GenerationError::OutOfMemory(_) => ("out_of_memory", None),
+                    GenerationError::DeviceLost(_) => ("device_error", None),
                     GenerationError::Stopped => ("engine_stopped", None),
                     GenerationError::Mlx(_) => ("mlx_error", None),
                     GenerationError::Constraint(_) => ("constraint_error", None),
