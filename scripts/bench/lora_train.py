@@ -115,8 +115,10 @@ def follow(port: int, job_id: str):
 
 def run_mlxd(args, data: Path, work: Path) -> dict:
     port = free_port()
+    # LORA_RUST_LOG: the job's log filter (e.g. `warn,mlxd_engine::job=info` shows MLX's memory
+    # after the load, the validation and the first training steps).
     env = dict(os.environ, XDG_RUNTIME_DIR=tempfile.mkdtemp(), MLXD_HOME=str(work / "home"),
-               RUST_LOG="warn")
+               RUST_LOG=os.environ.get("LORA_RUST_LOG", "warn"))
     # The server serves the base too (an idle engine, its own process); the job process loads
     # its own copy, and its peak memory is its own, as mlx-lm's is.
     server = subprocess.Popen([f"{args.mlxd_bin}/mlxd", "serve", "--port", str(port),
@@ -184,11 +186,18 @@ def main() -> int:
     ap.add_argument("--num-layers", type=int, default=16)
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--mlxd-only", action="store_true",
+                    help="run mlxd's job alone (to probe its memory; no ratio)")
     args = ap.parse_args()
     args.model = os.path.abspath(args.model)
     work = Path(tempfile.mkdtemp(prefix="lora-bench-"))
     data = work / "data"
     make_data(data, args.seq)
+    if args.mlxd_only:
+        print(json.dumps(dict(model=os.path.basename(args.model), iters=args.iters,
+                              mlxd=run_mlxd(args, data, work))), flush=True)
+        shutil.rmtree(work, ignore_errors=True)
+        return 0
     mlx_lm = run_mlx_lm(args, data, work)
     ours = run_mlxd(args, data, work)
     line = dict(model=os.path.basename(args.model), iters=args.iters, batch_size=args.batch_size,

@@ -131,7 +131,9 @@ def main():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, XDG_RUNTIME_DIR=runtime, RUST_LOG="warn")
+    # RESUME_RUST_LOG: mlxd's (and its engines') log filter, e.g. `warn,mlxd_engine::step=trace`
+    # for the spare's passes after a takeover (the log goes to stderr).
+    env = dict(os.environ, XDG_RUNTIME_DIR=runtime, RUST_LOG=os.environ.get("RESUME_RUST_LOG", "warn"))
     # Without checkpoints the prefix cache is off: each continuation prefills its prompt and
     # the tokens already sent, the cost a restarted engine pays without a restored KV.
     engine_options = 'prompt_cache = "0"\n'

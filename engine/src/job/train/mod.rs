@@ -304,6 +304,7 @@ pub fn train_with(
     let model: Rc<dyn CausalLm> = crate::models::load(&config.source)
         .map_err(|e| JobError::Input(format!("loading {}: {e}", config.source.display())))?
         .into();
+    log_memory("model loaded", 0);
     if let Some(kind) = model
         .layer_kinds()
         .into_iter()
@@ -430,6 +431,7 @@ pub fn train_with(
         },
         mode,
     );
+    let first_iteration = at.iteration;
     for it in at.iteration + 1..=p.iters {
         if it == 1 || it % p.steps_per_eval == 0 || it == p.iters {
             let val = evaluate(model.as_ref(), &table, &lora, &set.valid, &valid_batches, p)?;
@@ -437,6 +439,7 @@ pub fn train_with(
             figures.val_loss = Some(val);
             figures.val_iteration = Some(it - 1);
             report(progress(&figures, "validating"))?;
+            log_memory("validated", it);
         }
         let started = Instant::now();
         let b = nth_batch(&train_batches, p.seed, it - 1);
@@ -476,6 +479,9 @@ pub fn train_with(
         let mut to_eval: Vec<&Array> = vec![&loss, &tokens];
         to_eval.extend(lora.params.iter().chain(&lora.m).chain(&lora.v));
         mlx_rs::transforms::eval(to_eval).map_err(mlx)?;
+        if it <= first_iteration + 2 {
+            log_memory("trained", it);
+        }
         let train_loss = loss.item_exact::<f32>() as f64;
         let tokens = tokens.item_exact::<i32>() as u64;
         let seconds = started.elapsed().as_secs_f64();
@@ -510,6 +516,18 @@ pub fn train_with(
     summary.bytes = save_adapter(&config.out, &lora, config)?;
     report(progress(&figures, "writing"))?;
     Ok(summary)
+}
+
+/// Logs MLX's active and peak memory at a point of the run (the first iterations only), so
+/// that a run's peak can be placed: the load, a validation pass, a training step.
+fn log_memory(after: &str, iteration: u64) {
+    let gb = |b: Option<usize>| b.map(|b| (b as f64 / 1e9 * 1000.0).round() / 1000.0);
+    tracing::info!(
+        iteration,
+        active_gb = gb(mlx_rs::memory::active_memory().ok()),
+        peak_gb = gb(mlx_rs::memory::peak_memory().ok()),
+        "memory after {after}"
+    );
 }
 
 /// The batch of (0-based) iteration `i`: the batches in an order per epoch.
