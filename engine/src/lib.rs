@@ -10,6 +10,7 @@ pub mod device;
 pub mod distributed;
 pub mod fault;
 pub mod job;
+pub mod kernel_cache;
 pub mod loader;
 pub mod models;
 pub mod rotary;

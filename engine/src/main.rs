@@ -86,6 +86,13 @@ fn main() -> anyhow::Result<()> {
         Some(home) => home,
         None => store::default_home()?,
     };
+    match mlxd_engine::kernel_cache::keep_in_store(&home) {
+        Ok(dir) => tracing::debug!(dir = %dir.display(), "compiled GPU kernels kept here"),
+        Err(e) => tracing::warn!(
+            error = %e,
+            "compiled GPU kernels stay in MLX's default directory (under /tmp: a reboot empties it)"
+        ),
+    }
     if args.control {
         return app::run_supervised(&home);
     }
