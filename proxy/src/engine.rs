@@ -57,6 +57,9 @@ pub(crate) const PASSTHROUGH_ENV: &[&str] = &[
     // Which attention passes run unfused on CUDA (`mlxd_engine::models::layers`), for
     // measuring the fused and unfused paths against each other.
     "MLXD_CUDA_UNFUSED_ATTENTION",
+    // Where MLX keeps the GPU kernels it compiles (engines default to the store,
+    // `mlxd_engine::kernel_cache`); a directory the user chose reaches every engine.
+    "MLX_PTX_CACHE_DIR",
     // An engine group's rank 0 starts ranks on other machines through ssh, which may log in
     // with the agent's keys.
     "SSH_AUTH_SOCK",
