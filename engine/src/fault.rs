@@ -27,6 +27,10 @@
 //! - `MLXD_FAULT_GPU_MEMORY=<free MiB>/<total MiB>`: the device reports this much memory
 //!   ([`device_memory_override`]), so that the KV budget's start-up check against the GPU's
 //!   free memory, and the memory-pressure watch, run on a machine without a GPU.
+//! - `MLXD_FAULT_KV_SCALE=<factor>`: the memory-pressure watch counts the engine's KV this
+//!   many times ([`kv_scale`]), so that a tiny test model holds a large model's share of the
+//!   device (the start-up check keeps at least 2 GiB of a device for activations, so the
+//!   stand-in device cannot be small enough for a few hundred KiB of KV to count).
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
@@ -147,6 +151,26 @@ pub fn device_memory_override() -> Result<Option<crate::cache::DeviceMemory>, St
         return Ok(None);
     }
     parse_device_memory(&value).map(Some)
+}
+
+/// How many times the memory-pressure watch counts the engine's KV: `MLXD_FAULT_KV_SCALE`
+/// (see the module comment), 1 when it is unset or faults are not allowed. A malformed value
+/// is an error.
+pub fn kv_scale() -> Result<u64, String> {
+    let Some(value) = std::env::var_os("MLXD_FAULT_KV_SCALE") else {
+        return Ok(1);
+    };
+    let value = value.to_string_lossy().into_owned();
+    if std::env::var("MLXD_ALLOW_FAULTS").as_deref() != Ok("1") {
+        tracing::warn!(%value, "MLXD_FAULT_KV_SCALE is ignored without MLXD_ALLOW_FAULTS=1");
+        return Ok(1);
+    }
+    match value.trim().parse::<u64>() {
+        Ok(factor) if factor >= 1 => Ok(factor),
+        _ => Err(format!(
+            "MLXD_FAULT_KV_SCALE={value:?}: expected a whole factor of at least 1"
+        )),
+    }
 }
 
 /// Reads `<free MiB>/<total MiB>`.

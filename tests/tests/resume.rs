@@ -452,14 +452,21 @@ fn long_completions(max_tokens: u64) -> Vec<Case> {
     .collect()
 }
 
+/// How many times the watch counts the tiny model's KV (`MLXD_FAULT_KV_SCALE`) where it must
+/// hold a share of the device: its three streams hold a few hundred KiB (256 positions a row
+/// at 512 bytes each), at least 128 KiB; this makes that 512 MiB or more, above a 32nd of the
+/// stand-in devices below (128 and 256 MiB).
+const LARGE_MODEL_KV: u64 = 4096;
+
 /// Runs [`long_completions`] twice on an engine whose device reports `memory` (the
 /// `MLXD_FAULT_GPU_MEMORY` stand-in) and whose memory-pressure watch looks at a window of one
-/// second and a factor of `slowdown`: a clean run first, whose decode steps teach the watch
-/// their usual time, then the same with `kind` (`crawl` or `full`) injected once, a few tokens
-/// in. Both runs must answer the same.
+/// second and a factor of `slowdown`, counting the engine's KV `kv_scale` times: a clean run
+/// first, whose decode steps teach the watch their usual time, then the same with `kind`
+/// (`crawl` or `full`) injected once, a few tokens in. Both runs must answer the same.
 async fn memory_pressure_run(
     kind: &str,
     memory: &str,
+    kv_scale: u64,
     max_tokens: u64,
     slowdown: u32,
 ) -> Result<(Proxy, tempfile::TempDir)> {
@@ -476,6 +483,7 @@ async fn memory_pressure_run(
         env.insert("MLXD_FAULT".into(), fault);
         env.insert("MLXD_FAULT_ONCE".into(), marker.display().to_string());
         env.insert("MLXD_FAULT_GPU_MEMORY".into(), memory.into());
+        env.insert("MLXD_FAULT_KV_SCALE".into(), kv_scale.to_string());
         let options = &mut c.server.engine_options;
         options.insert("memory_watch".into(), "1".into());
         options.insert("memory_watch_slowdown".into(), slowdown.to_string());
@@ -503,16 +511,19 @@ async fn memory_pressure_run(
 /// (BENCHMARKS-soak.md section 6a): 0 MiB free and every step 500 ms longer. The engine's
 /// memory-pressure watch ends it as out of memory; its streams finish on the restarted engine
 /// as if nothing happened, and the limits are halved as after MLX's own out-of-memory error.
+/// The engine's KV counts as a large model's ([`LARGE_MODEL_KV`]).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_full_gpu_with_crawling_steps_is_out_of_memory_and_resumes_with_halved_limits(
 ) -> Result<()> {
     // The default factor: the crawl adds 500 ms to steps of a few milliseconds.
-    let (p, _marker) = memory_pressure_run("crawl", "2049/4096", 32, 10).await?;
+    let (p, _marker) = memory_pressure_run("crawl", "2049/4096", LARGE_MODEL_KV, 32, 10).await?;
     let e = p.engine().await?;
     ensure!(e["last_exit"]["code"] == "out_of_memory", "{e}");
     let cause = e["last_exit"]["cause"].as_str().unwrap_or_default();
     ensure!(
-        cause.contains("0 MiB free") && cause.contains("their usual time"),
+        cause.contains("0 MiB free")
+            && cause.contains("their usual time")
+            && cause.contains("MiB of KV (at least 128 MiB, 1/32 of the device"),
         "the exit does not name the figures: {e}"
     );
     ensure!(e["restarts"].as_u64() >= Some(1), "{e}");
@@ -525,11 +536,12 @@ async fn a_full_gpu_with_crawling_steps_is_out_of_memory_and_resumes_with_halved
 }
 
 /// A full GPU whose steps keep their speed (the engine's own buffers fill it) is no fault:
-/// the watch lets the engine serve on, for several of its windows.
+/// the watch lets the engine serve on, for several of its windows, though its KV counts as a
+/// large model's ([`LARGE_MODEL_KV`]).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_full_gpu_with_steps_of_normal_speed_is_left_alone() -> Result<()> {
     // A factor of 50: steps of normal speed on this shared CPU may vary several times.
-    let (p, _marker) = memory_pressure_run("full", "6144/8192", 480, 50).await?;
+    let (p, _marker) = memory_pressure_run("full", "6144/8192", LARGE_MODEL_KV, 480, 50).await?;
     // The device stays full: more of the same streams, for three windows at least.
     let until = Instant::now() + Duration::from_secs(3);
     while Instant::now() < until {
@@ -554,6 +566,30 @@ async fn a_full_gpu_with_steps_of_normal_speed_is_left_alone() -> Result<()> {
         log.contains("memory-pressure watch on")
             && log.contains("the device's memory is full: watching this engine's decode steps"),
         "the watch was not on, or did not know the usual step time when the device filled: {log}"
+    );
+    Ok(())
+}
+
+/// A full GPU on which this engine's steps crawl while it holds almost no KV (a few hundred
+/// KiB of a 4 GiB device) is a bystander of whatever fills the device (the H100 run's small
+/// engine beside the one whose streams filled it): restarting it smaller would free nothing,
+/// so the watch leaves it to crawl and its streams finish on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_full_gpu_with_crawling_steps_leaves_an_engine_holding_little_kv_alone() -> Result<()> {
+    let (p, _marker) = memory_pressure_run("crawl", "2049/4096", 1, 32, 10).await?;
+    let e = p.engine().await?;
+    ensure!(e["restarts"] == 0, "{e}");
+    ensure!(e["last_exit"].is_null(), "{e}");
+    let log = send(p.addr, "GET", &format!("/logs/{TINY}?lines=400"), None)
+        .await?
+        .into_body()
+        .collect()
+        .await?
+        .to_bytes();
+    let log = String::from_utf8_lossy(&log);
+    ensure!(
+        log.contains("the device's memory is full: watching this engine's decode steps"),
+        "the watch did not know the usual step time when the device filled: {log}"
     );
     Ok(())
 }

@@ -10,7 +10,7 @@
 //! limits, restarts the engine (whose KV budget then comes from what is free) and resumes its
 //! streams.
 //!
-//! It fires only when three signals hold together for a whole window (`memory_watch`, default
+//! It fires only when four signals hold together for a whole window (`memory_watch`, default
 //! [`DEFAULT_MEMORY_WATCH`](crate::runtime::DEFAULT_MEMORY_WATCH)):
 //! - the device's free memory is under [`low_free_bound`]: near zero. Alone it is no fault: an
 //!   engine whose own buffers fill the device is healthy, and its steps keep their speed;
@@ -26,9 +26,17 @@
 //!   engine, with a small budget, took 7.6 s for requests of 0.04-0.2 s), but restarting
 //!   smaller helps only the one whose demand outgrew the device: a bystander restarted while
 //!   nothing is free would fail its load. A bystander's requests come and go, so its tokens
-//!   fall at each one's end; the crawling engine's long streams only grow. (An engine whose streams end within
-//!   every window while it crawls is therefore not caught; the H100 run's streams lasted
-//!   minutes.)
+//!   fall at each one's end; the crawling engine's long streams only grow. (An engine whose
+//!   streams end within every window while it crawls is therefore not caught; the H100 run's
+//!   streams lasted minutes.)
+//! - this engine holds memory that a smaller restart gives back: its KV
+//!   ([`RuntimeStats::kv_bytes`]: the batch, prefills in progress and the prefix cache) is at
+//!   least [`held_bound`], a [`HELD_SHARE`]th of the device, when the watch fires. The third
+//!   signal alone did not tell a bystander from the engine that fills the device: in the
+//!   H100 run of 2026-12-05 (`scripts/soak/gpu_oom.py`) one of the bystander's 16-token
+//!   requests crawled for 34 s, its tokens grew the whole window, and the watch restarted it,
+//!   which freed nothing, while the victim beside it held 5.5 GiB of KV. See [`HELD_SHARE`]
+//!   for the figures.
 //!
 //! Until it has learned the usual time (from [`MIN_USUAL_STEPS`] decode steps with memory
 //! free) it never fires; an idle engine, which finishes no step, never fires.
@@ -76,6 +84,25 @@ pub const USUAL_WEIGHT: f64 = 0.05;
 /// Decode steps a window must hold before its average is judged: one slow step is no crawl.
 pub const MIN_SLOW_STEPS: u64 = 2;
 
+/// The share of the device's memory an engine's KV must hold for the watch to end it: a
+/// 32nd (2.49 GiB of an H100's 79.6 GiB). In the H100 run the victim, whose 64 long streams
+/// filled the device, held 5.5 GiB of KV (more than twice the bound), 4.5-5.2 GiB once
+/// restarted with halved limits and mostly 3.4 GiB after a second halving, while the
+/// bystander (16-token requests, at most 4 rows) held tens of MiB. Its whole KV budget,
+/// 2 GiB, is under the bound: an engine whose budget is a 32nd of the device or less is never
+/// ended by the watch, and an engine the watch ends is ended at most a few times in a row, as
+/// each restart halves its budget until it holds less than the bound. KV rather than MLX's
+/// active memory less the weights: the KV is what the halved limits bound (the budget and the
+/// batch); it changes only as sequences come and go, where a prefill's activations come and go
+/// within a step (the victim's active memory went from 8.3 to 5.4 GiB in a second while its
+/// KV stayed at 3.4 GiB); and the model thread publishes it in an atomic counter.
+pub const HELD_SHARE: u64 = 32;
+
+/// The least KV an engine on a device of `total` bytes must hold for the watch to end it.
+pub fn held_bound(total: u64) -> u64 {
+    total / HELD_SHARE
+}
+
 /// The exit status of an engine the watch ended (as for MLX's own out-of-memory error).
 pub const EXIT_OUT_OF_MEMORY: i32 = 3;
 
@@ -88,8 +115,8 @@ pub struct Bounds {
     pub slowdown: f64,
 }
 
-/// One look at the engine: the device's memory, the decode steps' counters and the running
-/// sequences' tokens.
+/// One look at the engine: the device's memory, the decode steps' counters, the running
+/// sequences' tokens and the KV it holds.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Sample {
     pub at: Instant,
@@ -97,6 +124,8 @@ pub struct Sample {
     pub decode_steps: u64,
     pub decode_nanos: u64,
     pub running_tokens: u64,
+    /// KV bytes held ([`RuntimeStats::kv_bytes`]).
+    pub kv_bytes: u64,
 }
 
 impl Sample {
@@ -188,6 +217,9 @@ pub struct Pressure {
     pub lasted: Duration,
     /// How many tokens the running sequences gained over the window.
     pub tokens_gained: u64,
+    /// The KV the engine holds, and the least it must hold ([`held_bound`]).
+    pub held: u64,
+    pub held_bound: u64,
 }
 
 impl Pressure {
@@ -197,9 +229,10 @@ impl Pressure {
         format!(
             "out of memory: the device has {} MiB free (under {} MiB for {} s) and its decode \
              steps take {times:.0}× their usual time ({:.1} ms against {:.1} ms per √row, {} \
-             steps; memory_watch) while its sequences gained {} tokens of KV: most likely \
-             another process holds the GPU's memory and the driver pages this engine's buffers \
-             out instead of failing an allocation",
+             steps; memory_watch) while its sequences gained {} tokens of KV and it holds {} \
+             MiB of KV (at least {} MiB, 1/{HELD_SHARE} of the device, which a smaller restart \
+             gives back): most likely another process holds the GPU's memory and the driver \
+             pages this engine's buffers out instead of failing an allocation",
             self.free >> 20,
             self.bound >> 20,
             self.lasted.as_secs(),
@@ -207,13 +240,15 @@ impl Pressure {
             self.usual.as_secs_f64() * 1e3,
             self.steps,
             self.tokens_gained,
+            self.held >> 20,
+            self.held_bound >> 20,
         )
     }
 }
 
 /// One look at `now`: what to remember, and the pressure when the device has been full, the
 /// decode steps `bounds.slowdown` times their usual time and the running tokens growing for
-/// `bounds.window`.
+/// `bounds.window`, and the engine now holds at least [`held_bound`] of KV.
 pub fn look(watch: Watch, now: Sample, bounds: Bounds) -> (Watch, Option<Pressure>) {
     let mut next = Watch { last: now, ..watch };
     if !now.low() {
@@ -249,6 +284,12 @@ pub fn look(watch: Watch, now: Sample, bounds: Bounds) -> (Watch, Option<Pressur
         // Not grown yet: waits for it, or for a look that ends the window.
         return (next, None);
     }
+    let held_bound = held_bound(now.memory.total);
+    if now.kv_bytes < held_bound {
+        // A bystander of the engine that fills the device: restarting it smaller frees next
+        // to nothing. Waits, as above, in case it comes to hold more.
+        return (next, None);
+    }
     let pressure = Pressure {
         free: now.memory.free,
         bound: low_free_bound(now.memory.total),
@@ -257,6 +298,8 @@ pub fn look(watch: Watch, now: Sample, bounds: Bounds) -> (Watch, Option<Pressur
         steps,
         lasted,
         tokens_gained: now.running_tokens - since.running_tokens,
+        held: now.kv_bytes,
+        held_bound,
     };
     (next, Some(pressure))
 }
@@ -316,6 +359,13 @@ pub fn spawn(
             return Ok(false);
         }
     };
+    let kv_scale = match crate::fault::kv_scale() {
+        Ok(scale) => scale,
+        Err(e) => {
+            tracing::warn!(error = %e, "the memory-pressure watch is off");
+            return Ok(false);
+        }
+    };
     let first = match read_memory(stand_in) {
         Ok(Some(memory)) => memory,
         Ok(None) => return Ok(false),
@@ -330,12 +380,17 @@ pub fn spawn(
         decode_steps: stats.decode_steps.load(Ordering::Relaxed),
         decode_nanos: stats.decode_nanos.load(Ordering::Relaxed),
         running_tokens: stats.running_tokens.load(Ordering::Relaxed),
+        kv_bytes: stats
+            .kv_bytes
+            .load(Ordering::Relaxed)
+            .saturating_mul(kv_scale),
     };
     let period = (bounds.window / 4).clamp(Duration::from_millis(100), Duration::from_secs(1));
     tracing::info!(
         window_s = bounds.window.as_secs_f64(),
         slowdown = bounds.slowdown,
         low_free_mib = low_free_bound(first.total) >> 20,
+        held_kv_mib = held_bound(first.total) >> 20,
         "memory-pressure watch on"
     );
     std::thread::Builder::new()
@@ -383,18 +438,22 @@ mod tests {
     };
 
     /// Drives the watch through looks a second apart; each decode step adds [`ROWS`] tokens
-    /// (the long streams of a crawling engine), unless the test sets `tokens`.
+    /// (the long streams of a crawling engine), unless the test sets `tokens`. The engine
+    /// holds [`VICTIM_KV`] unless the test sets `kv`.
     struct Drive {
         watch: Watch,
         t: Instant,
         steps: u64,
         nanos: u64,
         tokens: u64,
+        kv: u64,
         looks: usize,
     }
 
     /// Rows in the crawling engine's batch (the H100 run's).
     const ROWS: u64 = 23;
+    /// The KV the H100 run's victim held while the device was full (5.5 GiB).
+    const VICTIM_KV: u64 = 5_907_447_808;
 
     impl Drive {
         fn new() -> Drive {
@@ -405,6 +464,7 @@ mod tests {
                 decode_steps: 0,
                 decode_nanos: 0,
                 running_tokens: 0,
+                kv_bytes: 0,
             };
             Drive {
                 watch: Watch::new(first),
@@ -412,6 +472,7 @@ mod tests {
                 steps: 0,
                 nanos: 0,
                 tokens: 0,
+                kv: VICTIM_KV,
                 looks: 0,
             }
         }
@@ -430,6 +491,7 @@ mod tests {
                     decode_steps: self.steps,
                     decode_nanos: self.nanos,
                     running_tokens: self.tokens,
+                    kv_bytes: self.kv,
                 };
                 let (next, pressure) = look(self.watch, now, BOUNDS);
                 self.watch = next;
@@ -464,6 +526,17 @@ mod tests {
     }
 
     #[test]
+    fn the_held_bound_is_a_32nd_of_the_device_above_the_bystanders_budget() {
+        assert_eq!(held_bound(80 * GIB), 2560 * MIB);
+        // An H100 as NVML reports it: 81559 MiB.
+        let h100 = 81559 * MIB;
+        assert_eq!(held_bound(h100) >> 20, 2548);
+        // The H100 run's bystander could not reach it with its whole budget; the victim held
+        // more than twice it.
+        assert!(2 * GIB < held_bound(h100) && VICTIM_KV > 2 * held_bound(h100));
+    }
+
+    #[test]
     fn a_full_device_with_crawling_steps_fires_after_the_window() {
         let mut d = Drive::healthy();
         // The crawl of the H100 run: 0 MiB free, a step every few seconds.
@@ -495,7 +568,8 @@ mod tests {
             m.starts_with("out of memory: the device has 0 MiB free (under 819 MiB for 30 s)")
                 && m.contains(
                     "take 100× their usual time (2000.0 ms against 20.0 ms per √row, 15 steps"
-                ),
+                )
+                && m.contains("it holds 5633 MiB of KV (at least 2560 MiB, 1/32 of the device"),
             "{m}"
         );
     }
@@ -570,6 +644,25 @@ mod tests {
             d.tokens = 0;
             assert_eq!(d.looks(8, 0, 1, 4_000), None);
         }
+    }
+
+    #[test]
+    fn a_crawling_bystander_holding_little_kv_never_fires() {
+        let mut d = Drive::healthy();
+        // The H100 run's bystander as the watch saw it: one request crawling through the whole
+        // window, its tokens growing at each step, tens of MiB of KV. The three other signals
+        // hold; restarting it would free nothing.
+        d.kv = 40 * MIB;
+        assert_eq!(d.looks(600, 0, 1, 200), None);
+        // Just under the bound, still nothing; once it holds the bound, it fires.
+        d.kv = held_bound(80 * GIB) - 1;
+        assert_eq!(d.looks(60, 0, 1, 200), None);
+        d.kv = held_bound(80 * GIB);
+        let p = d
+            .looks(1, 0, 1, 200)
+            .expect("it holds a 32nd of the device");
+        assert_eq!((p.held, p.held_bound), (2560 * MIB, 2560 * MIB));
+        assert!(p.lasted >= Duration::from_secs(600), "{p:?}");
     }
 
     #[test]
