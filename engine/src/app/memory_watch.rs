@@ -10,8 +10,8 @@
 //! limits, restarts the engine (whose KV budget then comes from what is free) and resumes its
 //! streams.
 //!
-//! It fires only when four signals hold together for a whole window (`memory_watch`, default
-//! [`DEFAULT_MEMORY_WATCH`](crate::runtime::DEFAULT_MEMORY_WATCH)):
+//! It fires only when three signals hold together for a whole window (`memory_watch`, default
+//! [`DEFAULT_MEMORY_WATCH`](crate::runtime::DEFAULT_MEMORY_WATCH)), and a fourth at its end:
 //! - the device's free memory is under [`low_free_bound`]: near zero. Alone it is no fault: an
 //!   engine whose own buffers fill the device is healthy, and its steps keep their speed;
 //! - the decode steps ([`RuntimeStats::decode_steps`], the batch's forward pass without the
@@ -109,7 +109,7 @@ pub const EXIT_OUT_OF_MEMORY: i32 = 3;
 /// What the watch is asked to hold to (`memory_watch`, `memory_watch_slowdown`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Bounds {
-    /// How long both signals must hold.
+    /// How long the signals must hold.
     pub window: Duration,
     /// How many times its usual time a decode step must take on average.
     pub slowdown: f64,
