@@ -425,17 +425,24 @@ async fn injected_out_of_memory_resumes_with_halved_limits() -> Result<()> {
 /// the supervisor restarts it and the streams resume, the same as a clean run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_lost_gpu_context_restarts_the_engine_and_resumes_its_streams() -> Result<()> {
-    let (p, _marker) = faulted_run_matches_clean_run("device_lost@10", |_| {}).await?;
+    crashed_and_resumed("device_lost@10", "illegal memory access").await?;
+    Ok(())
+}
+
+/// Runs [`faulted_run_matches_clean_run`] with `fault` and checks that the engine's exit was
+/// a crash whose cause names `cause`, and that it was restarted.
+async fn crashed_and_resumed(fault: &str, cause: &str) -> Result<Proxy> {
+    let (p, _marker) = faulted_run_matches_clean_run(fault, |_| {}).await?;
     let e = p.engine().await?;
     ensure!(e["last_exit"]["code"] == "crash", "{e}");
     ensure!(
         e["last_exit"]["cause"]
             .as_str()
-            .is_some_and(|c| c.contains("illegal memory access")),
-        "the exit does not name the GPU's error: {e}"
+            .is_some_and(|c| c.contains(cause)),
+        "the exit does not name {cause:?}: {e}"
     );
     ensure!(e["restarts"].as_u64() >= Some(1), "{e}");
-    Ok(())
+    Ok(p)
 }
 
 /// Three greedy streamed completions of `max_tokens` each, with usage.
@@ -596,16 +603,7 @@ async fn a_full_gpu_with_crawling_steps_leaves_an_engine_holding_little_kv_alone
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn injected_abort_hang_and_stall_are_detected_restarted_and_resumed() -> Result<()> {
-    let (p, _marker) = faulted_run_matches_clean_run("abort@10", |_| {}).await?;
-    let e = p.engine().await?;
-    ensure!(e["last_exit"]["code"] == "crash", "{e}");
-    ensure!(
-        e["last_exit"]["cause"]
-            .as_str()
-            .is_some_and(|c| c.contains("signal 6")),
-        "{e}"
-    );
-    drop(p);
+    drop(crashed_and_resumed("abort@10", "signal 6").await?);
 
     // The hung engine stops itself (no tokens, no Stats); the pool kills it after
     // hang_timeout_ms.

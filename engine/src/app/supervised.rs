@@ -142,35 +142,27 @@ pub fn run_supervised(home: &Path) -> anyhow::Result<()> {
     if let Some(bound) = step_timeout {
         // The default depends on the device, which the load has selected by now.
         let bound = bound.unwrap_or_else(crate::runtime::default_step_timeout);
-        let stall_control = control.clone();
         super::step_watch::spawn(
             engine.runtime.stats.clone(),
             bound,
-            Box::new(move |message| {
-                tracing::error!(%message, "stalled; exiting so the supervisor restarts the engine");
-                fatal_exit(
-                    &stall_control,
-                    FatalKind::Internal,
-                    message,
-                    super::step_watch::EXIT_STALLED,
-                );
-            }),
+            exit_with(
+                &control,
+                FatalKind::Internal,
+                super::step_watch::EXIT_STALLED,
+                "stalled; exiting so the supervisor restarts the engine",
+            ),
         )?;
     }
     if let Some(bounds) = memory_watch {
-        let oom_control = control.clone();
         let on = super::memory_watch::spawn(
             engine.runtime.stats.clone(),
             bounds,
-            Box::new(move |message| {
-                tracing::error!(%message, "out of memory; exiting so the supervisor restarts the engine");
-                fatal_exit(
-                    &oom_control,
-                    FatalKind::OutOfMemory,
-                    message,
-                    super::memory_watch::EXIT_OUT_OF_MEMORY,
-                );
-            }),
+            exit_with(
+                &control,
+                FatalKind::OutOfMemory,
+                super::memory_watch::EXIT_OUT_OF_MEMORY,
+                "out of memory; exiting so the supervisor restarts the engine",
+            ),
         )?;
         if !on {
             tracing::debug!("no memory-pressure watch: the device does not report its free memory");
@@ -269,6 +261,21 @@ static FATAL_EXIT: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::
 /// The exit status of an engine whose GPU failed under it
 /// ([`GenerationError::DeviceLost`](crate::runtime::request::GenerationError::DeviceLost)).
 pub const EXIT_DEVICE_LOST: i32 = 5;
+
+/// A watch's way out: logs `what` with the watch's message, reports it as `kind` and exits
+/// with `code` ([`fatal_exit`]).
+fn exit_with(
+    control: &ControlSender,
+    kind: FatalKind,
+    code: i32,
+    what: &'static str,
+) -> Box<dyn FnOnce(String) + Send> {
+    let control = control.clone();
+    Box::new(move |message| {
+        tracing::error!(%message, "{what}");
+        fatal_exit(&control, kind, message, code)
+    })
+}
 
 fn fatal_exit(control: &ControlSender, kind: FatalKind, message: String, code: i32) -> ! {
     FATAL_EXIT.store(code, Ordering::SeqCst);
