@@ -721,3 +721,130 @@ fn train_step_figures() {
         })
     );
 }
+
+/// Set in the child process of [`active_memory_stays_flat_across_iterations`]: the run's
+/// settings (`compiled|uncompiled` and `plain|checkpointed`).
+const MEMORY_CHILD: &str = "MLXD_TRAIN_MEMORY_CHILD";
+/// The line on which the child prints its figures.
+const MEMORY_MARK: &str = "active memory per iteration: ";
+
+/// MLX's active memory after each training iteration stays where it was after the second
+/// (weights, factors, Adam's moments: nothing of a step outlives it), compiled and not, with
+/// and without gradient checkpointing, with dropout, validations and checkpoints between the
+/// steps and batches of several widths (issue 25: on an H100 active memory grew by ~1.3 GB
+/// over six iterations, and the peak with it). Each run is a process of its own, since MLX's
+/// counters are the process's and this binary's tests run side by side.
+#[test]
+fn active_memory_stays_flat_across_iterations() {
+    let exe = std::env::current_exe().unwrap();
+    for settings in [
+        "compiled plain",
+        "uncompiled plain",
+        "compiled checkpointed",
+        "uncompiled checkpointed",
+        "compiled checkpointed dora",
+    ] {
+        let out = std::process::Command::new(&exe)
+            .args([
+                "--exact",
+                "train::active_memory_per_iteration",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(MEMORY_CHILD, settings)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{settings}: the child failed: {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let line = stdout
+            .lines()
+            .find_map(|l| l.split_once(MEMORY_MARK).map(|(_, figures)| figures))
+            .unwrap_or_else(|| panic!("{settings}: no figures in {stdout}"));
+        let active: Vec<i64> = serde_json::from_str(line).unwrap();
+        println!("{settings}: {active:?}");
+        assert_eq!(active.len(), 12, "{settings}");
+        for (i, a) in active.iter().enumerate().skip(2) {
+            assert!(
+                (a - active[1]).abs() <= MEMORY_TOLERANCE,
+                "{settings}: active memory after iteration {} is {a} bytes, after iteration \
+                 2 {} ({active:?})",
+                i + 1,
+                active[1]
+            );
+        }
+    }
+}
+
+/// Bytes of active memory an iteration may differ by from the second: compiled runs on the
+/// CPU vary by up to ~50 KB between iterations (the same widths included, not growing), and a
+/// step's logits alone are 0.8 MB at the widest batch here, so a step's graph kept shows.
+const MEMORY_TOLERANCE: i64 = 256 * 1024;
+
+/// The child of [`active_memory_stays_flat_across_iterations`] (nothing without its
+/// variable): trains the tiny llama 12 iterations on rows of several lengths and prints MLX's
+/// active memory after each.
+#[test]
+#[ignore = "run by active_memory_stays_flat_across_iterations, in a process of its own"]
+fn active_memory_per_iteration() {
+    use mlxd_engine::job::train::{train_with, StepMode};
+    let Ok(settings) = std::env::var(MEMORY_CHILD) else {
+        return;
+    };
+    let mode = if settings.contains("uncompiled") {
+        StepMode::Uncompiled
+    } else {
+        StepMode::Compiled
+    };
+    let model = tiny_model("tiny-llama");
+    let work = tempfile::tempdir().unwrap();
+    let data = work.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    let words = ["harbour", "lantern", "tide", "granite", "beacon", "storm"];
+    for (name, n) in [("train", 16), ("valid", 4)] {
+        let lines: Vec<String> = (0..n)
+            .map(|i| {
+                // 10 to 160 words: batches of several widths.
+                let text: Vec<&str> = (0..10 + 10 * i)
+                    .map(|j| words[(i + j * 5 + j / 3) % words.len()])
+                    .collect();
+                serde_json::json!({"text": text.join(" ")}).to_string()
+            })
+            .collect();
+        std::fs::write(data.join(format!("{name}.jsonl")), lines.join("\n")).unwrap();
+    }
+    let params = TrainParams {
+        iters: 12,
+        batch_size: 2,
+        num_layers: -1,
+        max_seq_length: 256,
+        steps_per_eval: 4,
+        save_every: 5,
+        val_batches: 2,
+        dropout: 0.1,
+        learning_rate: 1e-3,
+        grad_checkpoint: settings.contains("checkpointed"),
+        fine_tune_type: if settings.contains("dora") {
+            "dora"
+        } else {
+            "lora"
+        }
+        .into(),
+        ..TrainParams::default()
+    };
+    let config = config(&model, &data, params, work.path());
+    let mut active = Vec::new();
+    train_with(&config, mode, &mut |p| {
+        let done = p.training.as_ref().map_or(0, |t| t.iteration);
+        if p.phase == "training" && done as usize == active.len() + 1 {
+            active.push(mlx_rs::memory::active_memory().unwrap() as i64);
+        }
+        Ok(())
+    })
+    .unwrap();
+    println!("{MEMORY_MARK}{}", serde_json::to_string(&active).unwrap());
+}

@@ -25,10 +25,13 @@
 //!   mlx-lm's loop does it (reported after the updates done so far);
 //! - a checkpoint (factors, Adam's moments, iteration, tokens) every `save_every` iterations,
 //!   written beside the output and kept after a cancel or crash; `resume` continues from it;
+//! - MLX's memory is read after the load, each validation and each step ([`memory`]): the
+//!   progress carries the run's peak, the log each reading (the first ones at info);
 //! - the output is mlx-lm's adapter directory: `adapters.safetensors` (keys
 //!   `<layer>.lora_a` / `.lora_b`, and `.m` for DoRA) and `adapter_config.json`.
 mod cross_entropy;
 pub mod data;
+mod memory;
 mod step;
 
 use std::collections::HashMap;
@@ -46,6 +49,7 @@ use crate::adapters::{dora, layer_of, AdapterTable, SiteInfo};
 use crate::cache::LayerKind;
 use crate::models::CausalLm;
 use crate::tokenizer::Tokenizer;
+use memory::MemoryProbe;
 pub use step::StepMode;
 use step::{factors_by_site, loss, BatchArrays, Step, StepInputs, StepOutputs, StepSpec};
 
@@ -301,10 +305,11 @@ pub fn train_with(
             )));
         }
     }
+    let mut memory = MemoryProbe::new();
     let model: Rc<dyn CausalLm> = crate::models::load(&config.source)
         .map_err(|e| JobError::Input(format!("loading {}: {e}", config.source.display())))?
         .into();
-    log_memory("model loaded", 0);
+    memory.log("model loaded", 0, None, true)?;
     if let Some(kind) = model
         .layer_kinds()
         .into_iter()
@@ -439,7 +444,7 @@ pub fn train_with(
             figures.val_loss = Some(val);
             figures.val_iteration = Some(it - 1);
             report(progress(&figures, "validating"))?;
-            log_memory("validated", it);
+            memory.log("validated", it, None, true)?;
         }
         let started = Instant::now();
         let b = nth_batch(&train_batches, p.seed, it - 1);
@@ -479,9 +484,10 @@ pub fn train_with(
         let mut to_eval: Vec<&Array> = vec![&loss, &tokens];
         to_eval.extend(lora.params.iter().chain(&lora.m).chain(&lora.v));
         mlx_rs::transforms::eval(to_eval).map_err(mlx)?;
-        if it <= first_iteration + 2 {
-            log_memory("trained", it);
-        }
+        // Every step is read (the run's peak is the readings' largest); the first ones at
+        // info, to place a run's peak without a debug log.
+        let width = batch.tokens.shape()[1];
+        memory.log("trained", it, Some(width), it <= first_iteration + 2)?;
         let train_loss = loss.item_exact::<f32>() as f64;
         let tokens = tokens.item_exact::<i32>() as u64;
         let seconds = started.elapsed().as_secs_f64();
@@ -501,7 +507,7 @@ pub fn train_with(
             0.0
         };
         figures.trained_tokens = at.trained_tokens;
-        figures.peak_memory_bytes = mlx_rs::memory::peak_memory().unwrap_or(0) as u64;
+        figures.peak_memory_bytes = memory.run_peak() as u64;
         report(progress(&figures, "training"))?;
         // The test switch stalls a fresh run only, so that its resumed run can finish.
         if stall == Some(it) && !config.resume {
@@ -516,18 +522,6 @@ pub fn train_with(
     summary.bytes = save_adapter(&config.out, &lora, config)?;
     report(progress(&figures, "writing"))?;
     Ok(summary)
-}
-
-/// Logs MLX's active and peak memory at a point of the run (the first iterations only), so
-/// that a run's peak can be placed: the load, a validation pass, a training step.
-fn log_memory(after: &str, iteration: u64) {
-    let gb = |b: Option<usize>| b.map(|b| (b as f64 / 1e9 * 1000.0).round() / 1000.0);
-    tracing::info!(
-        iteration,
-        active_gb = gb(mlx_rs::memory::active_memory().ok()),
-        peak_gb = gb(mlx_rs::memory::peak_memory().ok()),
-        "memory after {after}"
-    );
 }
 
 /// The batch of (0-based) iteration `i`: the batches in an order per epoch.
