@@ -567,19 +567,24 @@ async fn a_full_gpu_with_steps_of_normal_speed_is_left_alone() -> Result<()> {
     Ok(())
 }
 
-/// The engine was never restarted, and its log (the last 400 lines) says the memory-pressure
-/// watch saw the device fill knowing the engine's usual step time; returns the log.
-async fn left_alone_while_watching(p: &Proxy) -> Result<String> {
-    let e = p.engine().await?;
-    ensure!(e["restarts"] == 0, "{e}");
-    ensure!(e["last_exit"].is_null(), "{e}");
+/// The last 400 lines of the tiny model's engine log (`GET /logs/{model}`).
+async fn engine_log(p: &Proxy) -> Result<String> {
     let log = send(p.addr, "GET", &format!("/logs/{TINY}?lines=400"), None)
         .await?
         .into_body()
         .collect()
         .await?
         .to_bytes();
-    let log = String::from_utf8_lossy(&log).into_owned();
+    Ok(String::from_utf8_lossy(&log).into_owned())
+}
+
+/// The engine was never restarted, and its log (the last 400 lines) says the memory-pressure
+/// watch saw the device fill knowing the engine's usual step time; returns the log.
+async fn left_alone_while_watching(p: &Proxy) -> Result<String> {
+    let e = p.engine().await?;
+    ensure!(e["restarts"] == 0, "{e}");
+    ensure!(e["last_exit"].is_null(), "{e}");
+    let log = engine_log(p).await?;
     ensure!(
         log.contains("the device's memory is full: watching this engine's decode steps"),
         "the watch did not know the usual step time when the device filled: {log}"
@@ -608,13 +613,7 @@ async fn injected_abort_hang_and_stall_are_detected_restarted_and_resumed() -> R
         faulted_run_matches_clean_run("hang@10", |c| c.server.hang_timeout_ms = 4_000).await?;
     let e = p.engine().await?;
     ensure!(e["restarts"].as_u64() >= Some(1), "{e}");
-    let log = send(p.addr, "GET", &format!("/logs/{TINY}?lines=400"), None)
-        .await?
-        .into_body()
-        .collect()
-        .await?
-        .to_bytes();
-    let log = String::from_utf8_lossy(&log);
+    let log = engine_log(&p).await?;
     ensure!(
         log.contains("hung: no Stats"),
         "the log does not say the engine hung: {e} {log}"
