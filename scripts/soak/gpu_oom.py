@@ -106,6 +106,38 @@ def bystander_loop(url, stop, log):
         stop.wait(0.5)
 
 
+def summarize(result):
+    """Whether each claim held, from what `result` recorded (all of it, or up to a cut)."""
+    streams = result.get("streams", {})
+    snapshots = result.get("snapshots", [])
+    bys_log = result.get("bystander_requests", [])
+    ok = [s for s in streams.values() if s["error"] is None]
+    exits = {s["last_exit"] for s in snapshots if s["last_exit"]}
+    reduced = [s for s in snapshots if s["limits"]["reduced"]]
+    before = result.get("before", {}).get("bystander", {}).get("pid")
+    after = (result.get("bystander_final") or {}).get("pid")
+    return dict(
+        victim_restarts=max([s["restarts"] for s in snapshots]
+                            + [(result.get("victim_final") or {}).get("restarts") or 0]),
+        exit_codes_seen=sorted(exits),
+        oom_classified="out_of_memory" in exits,
+        limits_shrank=bool(reduced),
+        reduced_kv_budget_gib=round(min(s["limits"]["kv_budget_bytes"] for s in reduced) / 2**30, 2) if reduced else None,
+        limits_recovered_after_s=result.get("limits_recovered_after_s"),
+        streams_ok=len(ok), streams_failed=len(streams) - len(ok),
+        streams_still_running=result["settings"]["streams"] - len(streams),
+        stream_failures=[s["error"][:200] for s in streams.values() if s["error"]][:3],
+        tokens=sum(s["tokens"] for s in ok),
+        longest_pause_s=max((s["longest_pause_s"] or 0) for s in ok) if ok else None,
+        bystander_requests=len(bys_log),
+        bystander_failed=sum(1 for r in bys_log if r["status"] != 200),
+        bystander_p99_s=sorted(r["s"] for r in bys_log)[int(0.99 * (len(bys_log) - 1))] if bys_log else None,
+        bystander_restarts=max((s.get("bystander_restarts") or 0 for s in snapshots), default=0),
+        bystander_same_pid=(before == after) if after else None,
+        victim_request_after=result.get("victim_request_after"),
+    )
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--mlxd-bin", required=True)
@@ -120,6 +152,10 @@ def main():
     # The victim's step watch: a GPU that crawls instead of failing an allocation (CUDA pages
     # managed buffers out under pressure) ends as a `stalled` exit within the run.
     ap.add_argument("--step-timeout-s", type=int, default=60)
+    # Streams still running after this many seconds are left running (counted as such) while
+    # the hog goes and the limits' recovery is timed, so a bounded run still shows every phase.
+    ap.add_argument("--streams-deadline-s", type=float, default=0,
+                    help="0: wait for every stream")
     args = ap.parse_args()
     # A `timeout` around the run (the first H100 run stalled) still gets the partial result.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -194,7 +230,9 @@ max_batch_size = 4
             t.start()
         snapshots = result["snapshots"] = []
         while any(t.is_alive() for t in threads):
-            v = engine(url, "victim")
+            if args.streams_deadline_s and time.perf_counter() - t0 > args.streams_deadline_s:
+                break
+            v, b = engine(url, "victim"), engine(url, "bystander")
             snapshots.append(dict(t=round(time.perf_counter() - t0, 1), state=v["state"], pid=v["pid"],
                                   restarts=v["restarts"], limits=v["limits"],
                                   last_exit=(v.get("last_exit") or {}).get("code"),
@@ -202,10 +240,10 @@ max_batch_size = 4
                                   kv_bytes=(v.get("stats") or {}).get("kv_bytes"),
                                   mlx_active_gib=round(((v.get("stats") or {}).get("memory") or {})
                                                        .get("mlx_active_bytes", 0) / 2**30, 2),
-                                  gpu_free_gib=gpu_free_gib()))
+                                  gpu_free_gib=gpu_free_gib(),
+                                  bystander_restarts=b["restarts"],
+                                  bystander_last_exit=(b.get("last_exit") or {}).get("code")))
             time.sleep(1)
-        for t in threads:
-            t.join()
         result["streams_s"] = round(time.perf_counter() - t0, 1)
         result["victim_after_streams"] = engine(url, "victim")
         # The hog goes; the configured limits must come back after limits_recovery_ms.
@@ -229,26 +267,7 @@ max_batch_size = 4
         bys.join()
         result["victim_final"] = engine(url, "victim")
         result["bystander_final"] = engine(url, "bystander")
-        ok = [s for s in streams.values() if s["error"] is None]
-        exits = {s["last_exit"] for s in snapshots if s["last_exit"]}
-        reduced = [s for s in snapshots if s["limits"]["reduced"]]
-        result["summary"] = dict(
-            victim_restarts=result["victim_final"]["restarts"],
-            exit_codes_seen=sorted(exits),
-            oom_classified="out_of_memory" in exits,
-            limits_shrank=bool(reduced),
-            reduced_kv_budget_gib=round(min(s["limits"]["kv_budget_bytes"] for s in reduced) / 2**30, 2) if reduced else None,
-            limits_recovered_after_s=recovered,
-            streams_ok=len(ok), streams_failed=len(streams) - len(ok),
-            stream_failures=[s["error"][:200] for s in streams.values() if s["error"]][:3],
-            tokens=sum(s["tokens"] for s in ok),
-            longest_pause_s=max((s["longest_pause_s"] or 0) for s in ok) if ok else None,
-            bystander_requests=len(bys_log),
-            bystander_failed=sum(1 for r in bys_log if r["status"] != 200),
-            bystander_p99_s=sorted(r["s"] for r in bys_log)[int(0.99 * (len(bys_log) - 1))] if bys_log else None,
-            bystander_same_pid=result["before"]["bystander"]["pid"] == result["bystander_final"]["pid"],
-            victim_request_after=result["victim_request_after"],
-        )
+        result["summary"] = summarize(result)
         print(json.dumps(result["summary"]), flush=True)
     finally:
         if hog:
@@ -258,6 +277,10 @@ max_batch_size = 4
             mlxd.wait(timeout=60)
         except subprocess.TimeoutExpired:
             mlxd.kill()
+        if "summary" not in result:
+            # Cut short (a `timeout`, an error): what was recorded so far.
+            result["summary"] = dict(summarize(result), complete=False)
+            print(json.dumps(result["summary"]), flush=True)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
 
