@@ -146,30 +146,44 @@ impl GenerationError {
     }
 }
 
-/// True for CUDA's "sticky" errors, after which the process's GPU context fails every call
-/// (CUDA's documentation: the context must be destroyed). Seen on an H100 whose memory another
-/// process had taken (2026-12-05): "cudaGetLastError() failed: an illegal memory access was
+/// CUDA's "sticky" errors, after which the process's GPU context fails every call (CUDA's
+/// documentation: the context must be destroyed). Seen on an H100 whose memory another process
+/// had taken (2026-12-05): "cudaGetLastError() failed: an illegal memory access was
 /// encountered", then every step of that engine failed on.
-pub fn is_device_lost(message: &str) -> bool {
+const DEVICE_LOST: &[&str] = &[
+    "illegal memory access",
+    "illegal address",
+    "unspecified launch failure",
+    "device-side assert",
+    "illegal instruction",
+    "misaligned address",
+    "hardware stack error",
+    "ecc error",
+];
+
+/// MLX's allocation-failure messages (CPU malloc, Metal and CUDA allocators).
+const OUT_OF_MEMORY: &[&str] = &[
+    "unable to allocate",
+    "out of memory",
+    "outofmemory",
+    "bad_alloc",
+    "insufficient memory",
+];
+
+/// Whether `message`, case aside, contains any of `phrases`.
+fn mentions_any(message: &str, phrases: &[&str]) -> bool {
     let m = message.to_ascii_lowercase();
-    m.contains("illegal memory access")
-        || m.contains("illegal address")
-        || m.contains("unspecified launch failure")
-        || m.contains("device-side assert")
-        || m.contains("illegal instruction")
-        || m.contains("misaligned address")
-        || m.contains("hardware stack error")
-        || m.contains("ecc error")
+    phrases.iter().any(|p| m.contains(p))
 }
 
-/// True for MLX's allocation-failure messages (CPU malloc, Metal and CUDA allocators).
+/// True for one of CUDA's sticky errors ([`DEVICE_LOST`]).
+pub fn is_device_lost(message: &str) -> bool {
+    mentions_any(message, DEVICE_LOST)
+}
+
+/// True for MLX's allocation-failure messages ([`OUT_OF_MEMORY`]).
 pub fn is_out_of_memory(message: &str) -> bool {
-    let m = message.to_ascii_lowercase();
-    m.contains("unable to allocate")
-        || m.contains("out of memory")
-        || m.contains("outofmemory")
-        || m.contains("bad_alloc")
-        || m.contains("insufficient memory")
+    mentions_any(message, OUT_OF_MEMORY)
 }
 
 /// Why a generation ended, in OpenAI's terms.
