@@ -153,6 +153,23 @@ pub fn device_memory_override() -> Result<Option<crate::cache::DeviceMemory>, St
     parse_device_memory(&value).map(Some)
 }
 
+/// The device's memory as this process sees it: `stand_in` ([`device_memory_override`]) or
+/// the device's, with no free memory once a `crawl` or `full` fault has fired. `None` where
+/// the device does not report its free memory. Read by the KV budget at load and by the
+/// memory-pressure watch.
+pub fn observed_memory(
+    stand_in: Option<crate::cache::DeviceMemory>,
+) -> Result<Option<crate::cache::DeviceMemory>, String> {
+    let memory = match stand_in {
+        Some(m) => Some(m),
+        None => crate::device::device_memory()?,
+    };
+    Ok(memory.map(|m| crate::cache::DeviceMemory {
+        free: if memory_full() { 0 } else { m.free },
+        total: m.total,
+    }))
+}
+
 /// How many times the memory-pressure watch counts the engine's KV: `MLXD_FAULT_KV_SCALE`
 /// (see the module comment), 1 when it is unset or faults are not allowed. A malformed value
 /// is an error.
@@ -195,6 +212,8 @@ pub fn memory_full() -> bool {
 /// `oom` or `device_lost` fault has fired (once: the step after it runs normally, as the
 /// executor has failed or handed on every request by then).
 pub fn step_error() -> Option<String> {
+    // Every step calls this: without an armed switch (production) it takes no lock.
+    ARMED.get()?;
     STEP_ERROR.lock().unwrap_or_else(|e| e.into_inner()).take()
 }
 
