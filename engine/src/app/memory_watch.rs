@@ -304,24 +304,6 @@ pub fn look(watch: Watch, now: Sample, bounds: Bounds) -> (Watch, Option<Pressur
     (next, Some(pressure))
 }
 
-/// The device's memory now: `stand_in` (`MLXD_FAULT_GPU_MEMORY`) or the device's, with no
-/// free memory once a `crawl` or `full` fault has fired (`crate::fault`). `None` where the
-/// device does not report its free memory.
-fn read_memory(stand_in: Option<DeviceMemory>) -> Result<Option<DeviceMemory>, String> {
-    let memory = match stand_in {
-        Some(m) => Some(m),
-        None => crate::device::device_memory()?,
-    };
-    Ok(memory.map(|m| DeviceMemory {
-        free: if crate::fault::memory_full() {
-            0
-        } else {
-            m.free
-        },
-        total: m.total,
-    }))
-}
-
 /// Says when the device fills up or has memory free again, so that a log shows what the
 /// watch judged (once per change: a device at the bound says it at most once a look).
 fn log_transition(now: &Sample, usual: Option<Duration>) {
@@ -366,7 +348,7 @@ pub fn spawn(
             return Ok(false);
         }
     };
-    let first = match read_memory(stand_in) {
+    let first = match crate::fault::observed_memory(stand_in) {
         Ok(Some(memory)) => memory,
         Ok(None) => return Ok(false),
         Err(e) => {
@@ -400,7 +382,7 @@ pub fn spawn(
             let mut unreadable = false;
             loop {
                 std::thread::sleep(period);
-                let memory = match read_memory(stand_in) {
+                let memory = match crate::fault::observed_memory(stand_in) {
                     Ok(Some(memory)) => memory,
                     // A device that stops reporting is judged when it reports again.
                     Ok(None) => continue,

@@ -319,11 +319,8 @@ fn kv_budget_on_device(
     if grouped {
         return Ok(configured);
     }
-    let memory = match crate::fault::device_memory_override() {
-        Ok(Some(m)) => Some(m),
-        Ok(None) => crate::device::device_memory().map_err(LoadError::Device)?,
-        Err(e) => return Err(LoadError::Device(e)),
-    };
+    let stand_in = crate::fault::device_memory_override().map_err(LoadError::Device)?;
+    let memory = crate::fault::observed_memory(stand_in).map_err(LoadError::Device)?;
     let Some(memory) = memory else {
         return Ok(configured);
     };
