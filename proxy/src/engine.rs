@@ -54,12 +54,18 @@ pub(crate) const PASSTHROUGH_ENV: &[&str] = &[
     "MLXD_DEVICE",
     // A LoRA job's training step op by op (`0`) instead of compiled, for comparing the two.
     "MLXD_TRAIN_COMPILE",
+    // A LoRA job's cross-entropy through MLX's fused kernel or the plain ops, for comparing
+    // their memory (`mlxd_engine::job::train`).
+    "MLXD_TRAIN_CROSS_ENTROPY",
     // Which attention passes run unfused on CUDA (`mlxd_engine::models::layers`), for
     // measuring the fused and unfused paths against each other.
     "MLXD_CUDA_UNFUSED_ATTENTION",
     // Where MLX keeps the GPU kernels it compiles (engines default to the store,
     // `mlxd_engine::kernel_cache`); a directory the user chose reaches every engine.
     "MLX_PTX_CACHE_DIR",
+    // CUDA's lazy or eager loading of the kernels of its libraries (cuBLAS's first use of a
+    // kernel variant loads it), for measuring what a new pass shape costs.
+    "CUDA_MODULE_LOADING",
     // An engine group's rank 0 starts ranks on other machines through ssh, which may log in
     // with the agent's keys.
     "SSH_AUTH_SOCK",

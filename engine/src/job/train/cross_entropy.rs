@@ -11,6 +11,9 @@
 //! 9.67 GB, `scripts/bench/lora_train.py`). On the CPU MLX has no such kernel (its fallback
 //! upcasts, which `nn.losses.cross_entropy` does not do there), so the plain ops stay, and the
 //! losses stay mlx-lm's on both devices.
+//!
+//! `MLXD_TRAIN_CROSS_ENTROPY=plain` (or `fused`) overrides the device's choice, for A/B runs of
+//! the training's memory and speed (`scripts/bench/lora_train.py`); any other value is refused.
 use mlx_rs::error::Exception;
 use mlx_rs::ops::indexing::take_along_axis;
 use mlx_rs::{Array, Dtype, Stream};
@@ -19,13 +22,29 @@ use mlx_rs::{Array, Dtype, Stream};
 /// (integers), in the logits' dtype: `[B, T]`.
 pub(super) fn cross_entropy(logits: &Array, targets: &Array) -> Result<Array, Exception> {
     let targets = targets.as_dtype(Dtype::Int32)?;
-    if fused_on_this_device() {
+    if uses_fused_kernel()? {
         fused(logits, &targets)?.as_dtype(logits.dtype())
     } else {
         let score = take_along_axis(logits, &targets.expand_dims(-1)?, -1)?.squeeze_axes(&[-1])?;
         logits.logsumexp_axis(-1, None)?.subtract(&score)
     }
 }
+
+/// Whether this process's passes take the fused kernel: `MLXD_TRAIN_CROSS_ENTROPY` when set,
+/// else [`fused_on_this_device`].
+fn uses_fused_kernel() -> Result<bool, Exception> {
+    match std::env::var(CROSS_ENTROPY_ENV).as_deref() {
+        Err(_) => Ok(fused_on_this_device()),
+        Ok("fused") => Ok(true),
+        Ok("plain") => Ok(false),
+        Ok(other) => Err(Exception::custom(format!(
+            "{CROSS_ENTROPY_ENV}={other:?}: expected fused or plain (unset: the device's choice)"
+        ))),
+    }
+}
+
+/// The switch between the fused kernel and the plain ops (A/B runs).
+const CROSS_ENTROPY_ENV: &str = "MLXD_TRAIN_CROSS_ENTROPY";
 
 /// mlx-lm's condition for the fused kernel: the default device is the GPU (a Metal or CUDA
 /// build alike).
