@@ -58,6 +58,7 @@ def free_port() -> int:
 
 MLX_LM_RUNNER = r"""
 import contextlib, json, os, sys, types
+import mlx.core as mx
 from mlx_lm import lora as lora_cli
 from mlx_lm.tuner.callbacks import TrainingCallback
 settings = json.loads(sys.argv[1])
@@ -68,7 +69,8 @@ reports = []
 class Record(TrainingCallback):
     def on_train_loss_report(self, info):
         reports.append(dict(it=info["iteration"], loss=info["train_loss"],
-                            tok_s=info["tokens_per_second"], peak_gb=info["peak_memory"]))
+                            tok_s=info["tokens_per_second"], peak_gb=info["peak_memory"],
+                            active_gb=round(mx.get_active_memory() / 1e9, 3)))
 # What `lora_cli.run` does for --train (it drops a callback given to it: it builds its own).
 import numpy as np
 np.random.seed(run.seed)
@@ -86,7 +88,8 @@ def run_mlx_lm(args, data: Path, work: Path) -> dict:
     `train_model`) in a process of its own, its figures from its reports every 5 iterations."""
     settings = dict(model=args.model, train=True, data=str(data), iters=args.iters,
                     batch_size=args.batch_size, num_layers=args.num_layers,
-                    max_seq_length=args.seq, steps_per_report=5, steps_per_eval=10 * args.iters,
+                    max_seq_length=args.seq, steps_per_report=1 if args.mlx_lm_only else 5,
+                    steps_per_eval=10 * args.iters,
                     val_batches=1, save_every=10 * args.iters,
                     adapter_path=str(work / "mlx-lm-adapter"),
                     lora_parameters={"rank": args.rank, "scale": 20.0, "dropout": 0.0})
@@ -188,11 +191,19 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--mlxd-only", action="store_true",
                     help="run mlxd's job alone (to probe its memory; no ratio)")
+    ap.add_argument("--mlx-lm-only", action="store_true",
+                    help="run mlx-lm's trainer alone, reporting every iteration with MLX's "
+                         "active memory (to compare with mlxd's probe; no ratio)")
     args = ap.parse_args()
     args.model = os.path.abspath(args.model)
     work = Path(tempfile.mkdtemp(prefix="lora-bench-"))
     data = work / "data"
     make_data(data, args.seq)
+    if args.mlx_lm_only:
+        print(json.dumps(dict(model=os.path.basename(args.model), iters=args.iters,
+                              mlx_lm=run_mlx_lm(args, data, work))), flush=True)
+        shutil.rmtree(work, ignore_errors=True)
+        return 0
     if args.mlxd_only:
         print(json.dumps(dict(model=os.path.basename(args.model), iters=args.iters,
                               mlxd=run_mlxd(args, data, work))), flush=True)
