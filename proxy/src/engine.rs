@@ -57,6 +57,9 @@ pub(crate) const PASSTHROUGH_ENV: &[&str] = &[
     // A LoRA job's cross-entropy through MLX's fused kernel or the plain ops, for comparing
     // their memory (`mlxd_engine::job::train`).
     "MLXD_TRAIN_CROSS_ENTROPY",
+    // A LoRA job's bound on MLX's memory (`mlxd_engine::job::train`), for comparing runs
+    // with and without it.
+    "MLXD_TRAIN_MEMORY_LIMIT",
     // Which attention passes run unfused on CUDA (`mlxd_engine::models::layers`), for
     // measuring the fused and unfused paths against each other.
     "MLXD_CUDA_UNFUSED_ATTENTION",

@@ -24,7 +24,7 @@ CHILD = r"""
 import os, sys, time
 import mlx.core as mx
 mb = int(sys.argv[1])
-keep = mx.zeros((max(mb, 1) << 20,), mx.uint8)
+keep = mx.zeros((max(mb, 1), 1 << 20), mx.uint8)
 mx.eval(keep)
 mx.synchronize()
 os.dup2(int(sys.argv[2]), 900)
