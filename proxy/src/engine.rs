@@ -27,6 +27,10 @@ use crate::logs::ModelLog;
 /// Lines of stderr kept for the crash report.
 pub const STDERR_TAIL_LINES: usize = 200;
 
+/// How long an engine's stderr may stay open after its control channel closed before its
+/// exit is reported without the rest (a grandchild that inherited it may hold it).
+const STDERR_AFTER_CONTROL_WAIT: Duration = Duration::from_millis(200);
+
 /// Longer stderr lines are split at this many bytes.
 const STDERR_LINE_MAX: u64 = 16 * 1024;
 
@@ -308,11 +312,24 @@ impl Supervised {
         let mut stop_requested = false;
         let mut killed_for: Option<String> = None;
         let mut control_open = true;
+        let mut reader_task = reader_task;
+        let mut outcome: Option<ReaderOutcome> = None;
         let status = loop {
             tokio::select! {
                 // In this order: a `Drain` sent just before a stop goes out first.
                 biased;
-                status = child.wait() => break status,
+                status = child.wait() => break Some(status),
+                done = async { reader_task.as_mut().expect("guarded").await },
+                    if reader_task.is_some() && outcome.is_none() =>
+                {
+                    outcome = Some(done.unwrap_or_default());
+                    reader_task = None;
+                    // A live engine never closes its control channel: it is exiting. Its
+                    // descriptors close before its GPU context is torn down, ~100 ms before
+                    // the process can be reaped (`scripts/bench/exit_order.py`), so its
+                    // exit is reported now and the process reaped after.
+                    break None;
+                }
                 msg = control.recv(), if control_open => match msg {
                     Some(RunnerCmd::Control(m)) => write_control(&mut stdin, &m).await,
                     Some(RunnerCmd::Kill(reason)) => {
@@ -325,23 +342,32 @@ impl Supervised {
                 _ = &mut stop => {
                     // Sent or dropped: either way the pool wants this engine gone.
                     stop_requested = true;
-                    break self.stop_sequence(&mut child, &mut stdin).await;
+                    break Some(self.stop_sequence(&mut child, &mut stdin).await);
                 }
             }
         };
-        // Anything the engine left behind in its process group goes too.
+        // Anything the engine left behind in its process group goes too (and an engine that
+        // closed its control channel goes at once).
         let _ = killpg(Pid::from_raw(self.pid as i32), Signal::SIGKILL);
         drop(stdin);
 
-        let outcome = match reader_task {
-            Some(t) => match tokio::time::timeout(Duration::from_secs(1), t).await {
+        let outcome = match (outcome, reader_task) {
+            (Some(o), _) => o,
+            (None, Some(t)) => match tokio::time::timeout(Duration::from_secs(1), t).await {
                 Ok(Ok(o)) => o,
                 _ => ReaderOutcome::default(),
             },
-            None => ReaderOutcome::default(),
+            (None, None) => ReaderOutcome::default(),
         };
         if let Some(t) = stderr_task {
-            let _ = tokio::time::timeout(Duration::from_secs(1), t).await;
+            // Its stderr closes with its control channel; the bound covers a grandchild
+            // that keeps it open.
+            let wait = if status.is_some() {
+                Duration::from_secs(1)
+            } else {
+                STDERR_AFTER_CONTROL_WAIT
+            };
+            let _ = tokio::time::timeout(wait, t).await;
         }
         let tail: Vec<String> = tail
             .lock()
@@ -350,17 +376,12 @@ impl Supervised {
             .cloned()
             .collect();
 
-        let raw = match &status {
-            Ok(s) => RawExit {
-                code: s.code(),
-                signal: s.signal(),
-            },
-            Err(_) => RawExit {
-                code: None,
-                signal: None,
-            },
-        };
-        let cause = classify(Evidence {
+        // Unknown while the exit is reported at the control channel's close (reaped below).
+        let raw = status.as_ref().map(raw_exit).unwrap_or(RawExit {
+            code: None,
+            signal: None,
+        });
+        let evidence = Evidence {
             exit: raw,
             fatal: outcome.fatal.as_ref(),
             stderr_tail: &tail,
@@ -371,7 +392,8 @@ impl Supervised {
                 .oom_kills_before
                 .zip(read_oom_kills())
                 .map(|(before, after)| OomKills { before, after }),
-        });
+        };
+        let cause = classify(evidence);
         if cause.is_requested() {
             info!(exit_code = raw.code, signal = raw.signal, "engine stopped");
         } else if cause.is_permanent() {
@@ -385,6 +407,28 @@ impl Supervised {
                 stderr_tail = %tail.join("\n"),
                 "engine exited"
             );
+        }
+        if status.is_none() {
+            // Reported now for the pool (a standby takes over) and for resumed streams; the
+            // status follows once the process is reaped, for error messages.
+            let early = Arc::new(ExitReport::before_reaping(cause, tail.clone()));
+            let _ = death.send(Some(early.clone()));
+            self.emit(EngineEvent::Exited(early));
+            let reported = std::time::Instant::now();
+            let status = child.wait().await;
+            let raw = raw_exit(&status);
+            info!(
+                exit_code = raw.code,
+                signal = raw.signal,
+                after_report_ms = reported.elapsed().as_millis() as u64,
+                "engine process reaped (its exit was reported when its control channel closed)"
+            );
+            let cause = classify(Evidence {
+                exit: raw,
+                ..evidence
+            });
+            let _ = death.send(Some(Arc::new(ExitReport::new(cause, tail))));
+            return;
         }
         let report = Arc::new(ExitReport::new(cause, tail));
         let _ = death.send(Some(report.clone()));
@@ -416,6 +460,20 @@ impl Supervised {
         );
         let _ = killpg(Pid::from_raw(self.pid as i32), Signal::SIGKILL);
         child.wait().await
+    }
+}
+
+/// The status of a reaped process, as the OS gives it.
+fn raw_exit(status: &std::io::Result<std::process::ExitStatus>) -> RawExit {
+    match status {
+        Ok(s) => RawExit {
+            code: s.code(),
+            signal: s.signal(),
+        },
+        Err(_) => RawExit {
+            code: None,
+            signal: None,
+        },
     }
 }
 
@@ -585,5 +643,81 @@ mod tests {
         assert_eq!(last[1].len(), 10);
         assert_eq!(last[2].len(), STDERR_LINE_MAX as usize);
         assert_eq!(last[3], "line 499");
+    }
+
+    /// A child that closes its control channel is reported gone at once, killed, and reaped
+    /// after the report: here it would otherwise live 30 s.
+    #[tokio::test]
+    async fn a_child_that_closes_its_control_channel_is_reported_gone_and_killed() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let bin = dir.path().join("engine.sh");
+        std::fs::write(
+            &bin,
+            "#!/bin/sh\necho going >&2\nexec 1>&-\nexec sleep 30\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let spec = EngineSpec {
+            model: "m".into(),
+            source: "m".into(),
+            bin,
+            args: Vec::new(),
+            env: BTreeMap::new(),
+            socket_path: dir.path().join("engine.sock"),
+            limits: Limits::default(),
+            options: BTreeMap::new(),
+            stop_timeout: Duration::from_secs(5),
+            restarts: 0,
+            log: None,
+        };
+        let (events, mut events_rx) = mpsc::unbounded_channel();
+        let handle = spawn(spec, 1, events).unwrap();
+        let mut death = handle.death();
+        // The pool's event carries the report made when the control channel closed.
+        let report = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                let msg = events_rx.recv().await.expect("the exit is emitted");
+                if let EngineEvent::Exited(report) = msg.event {
+                    return report;
+                }
+            }
+        })
+        .await
+        .expect("the exit is reported long before the child's sleep ends");
+        assert!(
+            !report.reaped,
+            "reported before the process could be reaped"
+        );
+        assert_eq!(report.cause.code(), "load_failed", "{:?}", report.cause);
+        assert!(
+            report.stderr_tail.iter().any(|l| l == "going"),
+            "{:?}",
+            report.stderr_tail
+        );
+        // Then reaped, and reported again with the status: killed by us.
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            death.wait_for(|d| d.as_ref().is_some_and(|r| r.reaped)),
+        )
+        .await
+        .expect("the reaped report follows")
+        .unwrap();
+        let reaped = death.borrow().clone().unwrap();
+        assert!(
+            reaped.cause.to_string().contains("signal 9"),
+            "{}",
+            reaped.cause
+        );
+        // Killed and reaped: the pid goes away.
+        let pid = Pid::from_raw(handle.pid as i32);
+        let gone = async {
+            while nix::sys::signal::kill(pid, None).is_ok() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), gone)
+            .await
+            .expect("the child is killed and reaped");
     }
 }

@@ -80,11 +80,26 @@ fn signal_name(s: i32) -> String {
 pub struct ExitReport {
     pub cause: ExitCause,
     pub stderr_tail: Vec<String>,
+    /// Whether the process's exit status was read. An engine whose control channel closed
+    /// is reported before (its GPU context takes ~100 ms more to go), then again once reaped.
+    pub reaped: bool,
 }
 
 impl ExitReport {
     pub fn new(cause: ExitCause, stderr_tail: Vec<String>) -> Self {
-        Self { cause, stderr_tail }
+        Self {
+            cause,
+            stderr_tail,
+            reaped: true,
+        }
+    }
+
+    /// A report made when the engine's control channel closed, before its status is known.
+    pub fn before_reaping(cause: ExitCause, stderr_tail: Vec<String>) -> Self {
+        Self {
+            reaped: false,
+            ..Self::new(cause, stderr_tail)
+        }
     }
 
     /// The cause plus the last stderr line, for error messages sent to clients.
@@ -111,11 +126,19 @@ fn truncate(s: &str, max: usize) -> &str {
     }
 }
 
-/// How the process ended, as the OS reports it.
+/// How the process ended, as the OS reports it: neither field when its exit is reported
+/// before it can be reaped (its control channel closed; `engine::Supervised::run`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RawExit {
     pub code: Option<i32>,
     pub signal: Option<i32>,
+}
+
+impl RawExit {
+    /// Whether the status is not known yet (reported before it could be reaped).
+    fn unknown(self) -> bool {
+        self.code.is_none() && self.signal.is_none()
+    }
 }
 
 /// What we know when an engine ends.
@@ -255,7 +278,9 @@ pub fn classify(ev: Evidence<'_>) -> ExitCause {
             detail: truncate(line.trim(), 300).to_string(),
         };
     }
-    if ev.exit.signal == Some(SIGKILL) {
+    // A SIGKILL, or an exit reported before its status was known: the OOM killer's record
+    // tells them apart from another process's kill.
+    if ev.exit.signal == Some(SIGKILL) || ev.exit.unknown() {
         if let Some(k) = ev.kernel_oom.filter(|k| k.after > k.before) {
             return ExitCause::OutOfMemory {
                 detail: format!(
@@ -420,6 +445,16 @@ mod tests {
         assert!(
             matches!(classify(e), ExitCause::OutOfMemory { detail } if detail.contains("2 -> 3"))
         );
+        // The same record with the status not known yet (reported when the engine's control
+        // channel closed): out of memory too.
+        let e = Evidence {
+            kernel_oom: Some(OomKills {
+                before: 2,
+                after: 3,
+            }),
+            ..ev(None, None, &[])
+        };
+        assert!(matches!(classify(e), ExitCause::OutOfMemory { .. }));
         // Another process's OOM kill does not explain an engine that exited by itself.
         let e = Evidence {
             kernel_oom: Some(OomKills {

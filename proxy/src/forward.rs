@@ -10,6 +10,7 @@
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
@@ -26,6 +27,7 @@ use tracing::{info, warn};
 use crate::engine::DeathWatch;
 use crate::engine_event::EngineEvent;
 use crate::error::ProxyError;
+use crate::exit::ExitReport;
 use crate::metrics::{Metrics, RequestTap};
 use crate::pool::{Lease, PoolHandle};
 use crate::resume::{ClientBody, NotResumable, Resume, ResumeRecord};
@@ -67,12 +69,28 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
 }
 
 /// Waits briefly for the engine's exit report and turns a broken connection into the
-/// right error: `EngineCrashed` with the cause if the engine died, else `Upstream`.
-pub async fn explain_failure(model: &str, mut death: DeathWatch, detail: String) -> ProxyError {
-    let report = tokio::time::timeout(DEATH_REPORT_WAIT, death.wait_for(|d| d.is_some()))
-        .await
-        .ok()
-        .and_then(|r| r.ok().and_then(|d| d.clone()));
+/// right error: `EngineCrashed` with the cause if the engine died, else `Upstream`. The
+/// report waited for carries the process's exit status (for the client's message).
+pub async fn explain_failure(model: &str, death: DeathWatch, detail: String) -> ProxyError {
+    crash_error(model, exit_report(death, true).await, detail)
+}
+
+/// [`explain_failure`] without waiting for the exit status: a stream resumed on a standby
+/// goes on as soon as the engine is known to be gone.
+async fn explain_failure_early(model: &str, death: DeathWatch, detail: String) -> ProxyError {
+    crash_error(model, exit_report(death, false).await, detail)
+}
+
+/// The engine's exit report, once there is one (`reaped`: one with its exit status), within
+/// [`DEATH_REPORT_WAIT`]; after it, whatever report there is.
+async fn exit_report(mut death: DeathWatch, reaped: bool) -> Option<Arc<ExitReport>> {
+    let wanted = |d: &Option<Arc<ExitReport>>| d.as_ref().is_some_and(|r| r.reaped || !reaped);
+    let _ = tokio::time::timeout(DEATH_REPORT_WAIT, death.wait_for(wanted)).await;
+    let report = death.borrow().clone();
+    report
+}
+
+fn crash_error(model: &str, report: Option<Arc<ExitReport>>, detail: String) -> ProxyError {
     match report {
         Some(report) => ProxyError::EngineCrashed {
             model: model.to_string(),
@@ -433,7 +451,7 @@ async fn reconnect(
 ) -> (Resumption, Result<Upstream, Bytes>) {
     let model = lease.model.clone();
     let mut dead = lease.generation;
-    let mut crash = explain_failure(&model, lease.death.clone(), detail).await;
+    let mut crash = explain_failure_early(&model, lease.death.clone(), detail).await;
     drop(lease);
     loop {
         if !is_crash(&crash) {
