@@ -8,7 +8,9 @@
 use std::path::{Path, PathBuf};
 
 use mlxd_engine::job::fuse::fuse_dir;
-use mlxd_engine::job::train::{train, TrainConfig, TrainSummary};
+use mlxd_engine::job::train::{
+    train, train_with, MemoryBound, Report, StepMode, TrainConfig, TrainSummary,
+};
 use mlxd_engine::job::JobError;
 use mlxd_engine::runtime::request::GenerateRequest;
 use mlxd_engine::runtime::{Runtime, RuntimeLimits};
@@ -77,8 +79,14 @@ fn config(model: &Path, data: &Path, params: TrainParams, work: &Path) -> TrainC
     }
 }
 
+/// [`train`] as a job runs it (its steps as `MLXD_TRAIN_COMPILE` says), MLX's memory limit
+/// left as it is: the limit is the process's, and this binary's tests share theirs.
+fn train_here(config: &TrainConfig, report: &mut Report<'_>) -> Result<TrainSummary, JobError> {
+    train_with(config, StepMode::from_env()?, MemoryBound::Off, report)
+}
+
 fn run(config: &TrainConfig) -> TrainSummary {
-    train(config, &mut |_| Ok(())).unwrap_or_else(|e| panic!("training failed: {e}"))
+    train_here(config, &mut |_| Ok(())).unwrap_or_else(|e| panic!("training failed: {e}"))
 }
 
 /// Asserts that two runs' train and validation losses agree within 1e-5, update by update;
@@ -185,7 +193,7 @@ fn dora_on_a_mixture_of_experts_base_is_refused() {
     };
     let work = tempfile::tempdir().unwrap();
     let config = config(&model, &fixture.join("data"), params, work.path());
-    let err = train(&config, &mut |_| Ok(())).unwrap_err();
+    let err = train_here(&config, &mut |_| Ok(())).unwrap_err();
     assert!(
         matches!(&err, JobError::Input(m) if m.contains("DoRA") && m.contains("expert stack")),
         "{err}"
@@ -237,7 +245,7 @@ fn gradient_checkpointing_gives_the_same_losses() {
 /// compiled path that silently stopped compiling fails here.
 #[test]
 fn compiled_and_uncompiled_steps_give_the_same_losses() {
-    use mlxd_engine::job::train::{data, train_with, StepMode};
+    use mlxd_engine::job::train::data;
     use mlxd_protocol::jobs::Optimizer;
     let model = tiny_model("tiny-llama");
     for (name, grad_checkpoint) in [
@@ -267,7 +275,7 @@ fn compiled_and_uncompiled_steps_give_the_same_losses() {
             let work = tempfile::tempdir().unwrap();
             let mut config = config(&model, &data_dir, params.clone(), work.path());
             config.init_adapter = Some(fixture.join("init_adapters.safetensors"));
-            train_with(&config, mode, &mut |_| Ok(()))
+            train_with(&config, mode, MemoryBound::Off, &mut |_| Ok(()))
                 .unwrap_or_else(|e| panic!("{name}: training ({mode:?}) failed: {e}"))
         };
         let (compiled, uncompiled) = (run_as(StepMode::Compiled), run_as(StepMode::Uncompiled));
@@ -394,7 +402,7 @@ fn a_run_stopped_after_a_checkpoint_and_resumed_ends_where_an_uninterrupted_one_
     let work = tempfile::tempdir().unwrap();
     let mut cfg = config(&model, &fixture.join("data"), params, work.path());
     // Stop (as a cancel does) once iteration 5 is done: the checkpoint of iteration 4 stays.
-    let stopped = train(&cfg, &mut |p| match p.training {
+    let stopped = train_here(&cfg, &mut |p| match p.training {
         Some(t) if t.iteration == 5 && p.phase == "training" => {
             Err(JobError::Input("stopped by the test".into()))
         }
@@ -442,7 +450,7 @@ fn a_malformed_line_fails_with_its_file_and_line_and_nothing_is_written() {
     std::fs::write(data.path().join("valid.jsonl"), "{\"text\": \"sky\"}\n").unwrap();
     let work = tempfile::tempdir().unwrap();
     let cfg = config(&model, data.path(), TrainParams::default(), work.path());
-    let err = train(&cfg, &mut |_| Ok(())).unwrap_err().to_string();
+    let err = train_here(&cfg, &mut |_| Ok(())).unwrap_err().to_string();
     assert!(err.contains("train.jsonl:3: not JSON"), "{err}");
     assert!(!cfg.out.exists() && !cfg.checkpoints.exists());
 
@@ -451,7 +459,7 @@ fn a_malformed_line_fails_with_its_file_and_line_and_nothing_is_written() {
         "{\"text\": \"red cat\"}\n{\"prompt\": \"a\", \"completion\": \"b\"}\n",
     )
     .unwrap();
-    let err = train(&cfg, &mut |_| Ok(())).unwrap_err().to_string();
+    let err = train_here(&cfg, &mut |_| Ok(())).unwrap_err().to_string();
     assert!(err.contains("train.jsonl:2: has \"prompt\""), "{err}");
 }
 
@@ -791,7 +799,6 @@ const MEMORY_TOLERANCE: i64 = 256 * 1024;
 #[test]
 #[ignore = "run by active_memory_stays_flat_across_iterations, in a process of its own"]
 fn active_memory_per_iteration() {
-    use mlxd_engine::job::train::{train_with, StepMode};
     let Ok(settings) = std::env::var(MEMORY_CHILD) else {
         return;
     };
@@ -838,7 +845,7 @@ fn active_memory_per_iteration() {
     };
     let config = config(&model, &data, params, work.path());
     let mut active = Vec::new();
-    train_with(&config, mode, &mut |p| {
+    train_with(&config, mode, MemoryBound::Off, &mut |p| {
         let done = p.training.as_ref().map_or(0, |t| t.iteration);
         if p.phase == "training" && done as usize == active.len() + 1 {
             active.push(mlx_rs::memory::active_memory().unwrap() as i64);
@@ -847,4 +854,130 @@ fn active_memory_per_iteration() {
     })
     .unwrap();
     println!("{MEMORY_MARK}{}", serde_json::to_string(&active).unwrap());
+}
+
+/// Set in the child process of [`the_memory_limit_is_the_first_step_peak_with_the_margin`]:
+/// `unset` or the value of `MLXD_TRAIN_MEMORY_LIMIT` the child's run is given.
+const LIMIT_CHILD: &str = "MLXD_TRAIN_LIMIT_CHILD";
+/// The line on which that child prints its figures.
+const LIMIT_MARK: &str = "memory limit figures: ";
+
+/// A run bounds MLX's memory limit by its batch width's first-step peak times the margin
+/// (`MLXD_TRAIN_MEMORY_LIMIT` unset or `auto`), leaves it as it was with `off`, and refuses
+/// any other value. Each run is a process of its own: the limit and the peak counter are the
+/// process's.
+#[test]
+fn the_memory_limit_is_the_first_step_peak_with_the_margin() {
+    use mlxd_engine::job::train::memory_bound::MARGIN;
+    let exe = std::env::current_exe().unwrap();
+    let child = |value: &str| {
+        let mut command = std::process::Command::new(&exe);
+        command
+            .args([
+                "--exact",
+                "train::memory_limit_of_a_run",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(LIMIT_CHILD, value)
+            .env_remove("MLXD_TRAIN_MEMORY_LIMIT");
+        if value != "unset" {
+            command.env("MLXD_TRAIN_MEMORY_LIMIT", value);
+        }
+        let out = command.output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{value}: the child failed: {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let line = stdout
+            .lines()
+            .find_map(|l| {
+                l.split_once(LIMIT_MARK)
+                    .map(|(_, figures)| figures.to_string())
+            })
+            .unwrap_or_else(|| panic!("{value}: no figures in {stdout}"));
+        serde_json::from_str::<Value>(&line).unwrap()
+    };
+    for value in ["unset", "auto"] {
+        let figures = child(value);
+        println!("{value}: {figures}");
+        let [start, after, first_peak] =
+            ["start", "after", "first_step_peak"].map(|k| figures[k].as_u64().unwrap() as f64);
+        let want = first_peak * MARGIN;
+        assert!(
+            (after - want).abs() <= 1.0,
+            "{value}: MLX's limit after the run is {after} bytes; the first step peaked at \
+             {first_peak}, times {MARGIN} is {want} ({figures})"
+        );
+        assert!(after < start, "{value}: {figures}");
+    }
+    let off = child("off");
+    println!("off: {off}");
+    assert_eq!(off["after"], off["start"], "off: {off}");
+    let refused = child("sometimes");
+    let error = refused["error"].as_str().unwrap();
+    assert!(error.contains("MLXD_TRAIN_MEMORY_LIMIT"), "{error}");
+}
+
+/// The child of [`the_memory_limit_is_the_first_step_peak_with_the_margin`] (nothing without
+/// its variable): trains the tiny llama 6 iterations through [`train`], as a job does, on
+/// rows that all fill `max_seq_length` (one batch width), and prints MLX's limit before and
+/// after the run and the run's peak after its first step (the first step's own: the weights
+/// load and the first validation, before it, hold less). A run that fails prints its error.
+#[test]
+#[ignore = "run by the_memory_limit_is_the_first_step_peak_with_the_margin, in a process of its own"]
+fn memory_limit_of_a_run() {
+    if std::env::var(LIMIT_CHILD).is_err() {
+        return;
+    }
+    let model = tiny_model("tiny-llama");
+    let work = tempfile::tempdir().unwrap();
+    let data = work.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    let words = ["harbour", "lantern", "tide", "granite", "beacon", "storm"];
+    for (name, n) in [("train", 8), ("valid", 2)] {
+        let lines: Vec<String> = (0..n)
+            .map(|i| {
+                let text: Vec<&str> = (0..300)
+                    .map(|j| words[(i + j * 5 + j / 3) % words.len()])
+                    .collect();
+                serde_json::json!({"text": text.join(" ")}).to_string()
+            })
+            .collect();
+        std::fs::write(data.join(format!("{name}.jsonl")), lines.join("\n")).unwrap();
+    }
+    let params = TrainParams {
+        iters: 6,
+        batch_size: 2,
+        num_layers: -1,
+        max_seq_length: 128,
+        steps_per_eval: 100,
+        save_every: 100,
+        val_batches: 1,
+        learning_rate: 1e-3,
+        ..TrainParams::default()
+    };
+    let config = config(&model, &data, params, work.path());
+    let start = mlx_rs::memory::memory_limit().unwrap();
+    let mut first_step_peak = None;
+    let result = train(&config, &mut |p| {
+        if let Some(t) = &p.training {
+            if p.phase == "training" && t.iteration == 1 {
+                first_step_peak = Some(t.peak_memory_bytes);
+            }
+        }
+        Ok(())
+    });
+    let figures = match result {
+        Ok(_) => serde_json::json!({
+            "start": start,
+            "after": mlx_rs::memory::memory_limit().unwrap(),
+            "first_step_peak": first_step_peak.expect("a report after the first step"),
+        }),
+        Err(e) => serde_json::json!({"error": e.to_string()}),
+    };
+    println!("{LIMIT_MARK}{figures}");
 }

@@ -67,7 +67,6 @@ impl MemoryProbe {
         notable: bool,
     ) -> Result<Reading, JobError> {
         let r = self.read()?;
-        let gb = |b: usize| (b as f64 / 1e9 * 1000.0).round() / 1000.0;
         macro_rules! emit {
             ($level:expr) => {
                 tracing::event!(
@@ -89,6 +88,11 @@ impl MemoryProbe {
         }
         Ok(r)
     }
+}
+
+/// Bytes as GB with three decimals, as the job's memory lines give them.
+pub(super) fn gb(bytes: usize) -> f64 {
+    (bytes as f64 / 1e9 * 1000.0).round() / 1000.0
 }
 
 /// `mx.synchronize()` on this thread's default stream (mlx-rs does not wrap it).

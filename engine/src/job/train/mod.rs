@@ -27,11 +27,15 @@
 //!   written beside the output and kept after a cancel or crash; `resume` continues from it;
 //! - MLX's memory is read after the load, each validation and each step ([`memory`]): the
 //!   progress carries the run's peak, the log each reading (the first ones at info);
+//! - MLX's memory limit is set just above the largest first-step peak of the run's batch
+//!   widths, so that the host cannot queue work far ahead of the GPU and keep its dead
+//!   buffers alive ([`memory_bound`]; `MLXD_TRAIN_MEMORY_LIMIT=off` leaves it);
 //! - the output is mlx-lm's adapter directory: `adapters.safetensors` (keys
 //!   `<layer>.lora_a` / `.lora_b`, and `.m` for DoRA) and `adapter_config.json`.
 mod cross_entropy;
 pub mod data;
 mod memory;
+pub mod memory_bound;
 mod step;
 
 use std::collections::HashMap;
@@ -50,6 +54,8 @@ use crate::cache::LayerKind;
 use crate::models::CausalLm;
 use crate::tokenizer::Tokenizer;
 use memory::MemoryProbe;
+pub use memory_bound::MemoryBound;
+use memory_bound::MemoryBounder;
 pub use step::StepMode;
 use step::{factors_by_site, loss, BatchArrays, Step, StepInputs, StepOutputs, StepSpec};
 
@@ -279,15 +285,24 @@ pub fn configure_process() {
 pub type Report<'a> = dyn FnMut(JobProgress) -> Result<(), JobError> + 'a;
 
 /// Runs the training to its end and writes the adapter into `config.out`, its steps compiled
-/// unless `MLXD_TRAIN_COMPILE=0` ([`StepMode::from_env`]).
+/// unless `MLXD_TRAIN_COMPILE=0` ([`StepMode::from_env`]), MLX's memory limit bounded unless
+/// `MLXD_TRAIN_MEMORY_LIMIT=off` ([`MemoryBound::from_env`]). The limit is the process's: this
+/// is a job process's entry.
 pub fn train(config: &TrainConfig, report: &mut Report<'_>) -> Result<TrainSummary, JobError> {
-    train_with(config, StepMode::from_env()?, report)
+    train_with(
+        config,
+        StepMode::from_env()?,
+        MemoryBound::from_env()?,
+        report,
+    )
 }
 
-/// [`train`] with its steps run as `mode` says.
+/// [`train`] with its steps run as `mode` says and MLX's memory limit as `bound` says (`Off`
+/// where the process is shared, as a test binary's is).
 pub fn train_with(
     config: &TrainConfig,
     mode: StepMode,
+    bound: MemoryBound,
     report: &mut Report<'_>,
 ) -> Result<TrainSummary, JobError> {
     let p = &config.params;
@@ -305,6 +320,7 @@ pub fn train_with(
             )));
         }
     }
+    let mut bounder = MemoryBounder::new(bound)?;
     let mut memory = MemoryProbe::new();
     let model: Rc<dyn CausalLm> = crate::models::load(&config.source)
         .map_err(|e| JobError::Input(format!("loading {}: {e}", config.source.display())))?
@@ -450,6 +466,8 @@ pub fn train_with(
         let b = nth_batch(&train_batches, p.seed, it - 1);
         let examples: Vec<&data::Example> = b.iter().map(|&i| &set.train[i]).collect();
         let batch = BatchArrays::from(&data::batch(&examples, max_len));
+        let width = batch.tokens.shape()[1];
+        bounder.before_step(width)?;
         // The step's dropout key, a function of (seed, iteration) so that a resumed run
         // draws the masks an uninterrupted one does.
         let key = (p.dropout > 0.0)
@@ -486,8 +504,8 @@ pub fn train_with(
         mlx_rs::transforms::eval(to_eval).map_err(mlx)?;
         // Every step is read (the run's peak is the readings' largest); the first ones at
         // info, to place a run's peak without a debug log.
-        let width = batch.tokens.shape()[1];
-        memory.log("trained", it, Some(width), it <= first_iteration + 2)?;
+        let reading = memory.log("trained", it, Some(width), it <= first_iteration + 2)?;
+        bounder.after_step(it, width, reading.peak)?;
         let train_loss = loss.item_exact::<f32>() as f64;
         let tokens = tokens.item_exact::<i32>() as u64;
         let seconds = started.elapsed().as_secs_f64();
