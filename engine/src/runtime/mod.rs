@@ -572,6 +572,7 @@ impl Runtime {
                             scheduler.clone(),
                             plain_bytes_per_token,
                             layout,
+                            &adapter_spaces,
                         )
                     });
                     let executor = Executor::new(
