@@ -97,8 +97,13 @@ impl ChildChannel {
         let control_out = io::stdout().as_fd().try_clone_to_owned()?;
         let control_in = io::stdin().as_fd().try_clone_to_owned()?;
         nix::unistd::dup2(2, 1).map_err(io::Error::from)?;
-        let (input, output) = (File::from(control_in), File::from(control_out));
-        Ok(Self::new(input, output))
+        let input = File::from(control_in);
+        Ok(Self {
+            input: Box::new(io::BufReader::new(input)),
+            sender: ControlSender {
+                out: Arc::new(Mutex::new(ControlOut::File(File::from(control_out)))),
+            },
+        })
     }
 
     /// A channel over arbitrary streams (tests).
@@ -106,7 +111,7 @@ impl ChildChannel {
         Self {
             input: Box::new(io::BufReader::new(input)),
             sender: ControlSender {
-                out: Arc::new(Mutex::new(Box::new(output))),
+                out: Arc::new(Mutex::new(ControlOut::Other(Box::new(output)))),
             },
         }
     }
@@ -180,10 +185,68 @@ impl ChildChannel {
 /// Sends child → parent messages; cheap to clone, safe to use from any thread.
 #[derive(Clone)]
 pub struct ControlSender {
-    out: Arc<Mutex<Box<dyn Write + Send>>>,
+    out: Arc<Mutex<ControlOut>>,
+}
+
+/// Where child → parent frames go: the descriptor taken over from stdout, or any stream
+/// (tests).
+enum ControlOut {
+    File(File),
+    Other(Box<dyn Write + Send>),
+}
+
+impl Write for ControlOut {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Self::File(f) => f.write(buf),
+            Self::Other(w) => w.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        match self {
+            Self::File(f) => f.flush(),
+            Self::Other(w) => w.flush(),
+        }
+    }
+}
+
+/// The lowest descriptor number the control channel moves to once the GPU is set up
+/// ([`ControlSender::move_above_gpu`]), or 64 below the process's descriptor limit when that
+/// is lower.
+pub const CONTROL_FD_FLOOR: i32 = 1000;
+
+/// [`CONTROL_FD_FLOOR`] within this process's descriptor limit.
+fn control_fd_floor() -> io::Result<i32> {
+    let (soft, _) = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+        .map_err(io::Error::from)?;
+    let room = i32::try_from(soft.saturating_sub(64)).unwrap_or(i32::MAX);
+    Ok(CONTROL_FD_FLOOR.min(room).max(3))
 }
 
 impl ControlSender {
+    /// Moves the channel to a new descriptor numbered [`CONTROL_FD_FLOOR`] or above (the old
+    /// one is closed), for an engine whose GPU context now exists. When such a process dies,
+    /// the descriptors opened after its GPU context close at once, and those opened before
+    /// it only after the driver tore the context down, ~100 ms later on an H100
+    /// (`scripts/bench/exit_order.py`): the supervisor learns of the death from this
+    /// channel's end, so it learns early. No-op for a channel over another stream.
+    pub fn move_above_gpu(&self) -> io::Result<()> {
+        use std::os::fd::{AsRawFd, FromRawFd};
+        let mut out = self.out.lock().unwrap_or_else(|p| p.into_inner());
+        let ControlOut::File(file) = &mut *out else {
+            return Ok(());
+        };
+        let moved = nix::fcntl::fcntl(
+            file.as_raw_fd(),
+            nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(control_fd_floor()?),
+        )
+        .map_err(io::Error::from)?;
+        // SAFETY: `moved` is a descriptor fcntl just created for us and nothing else owns.
+        *file = unsafe { File::from_raw_fd(moved) };
+        Ok(())
+    }
+
     pub fn send(&self, msg: &ChildMsg) -> Result<(), FrameError> {
         // A poisoned lock only means another thread panicked mid-write; the frame
         // boundary may be broken, and the parent will notice. Keep going.
@@ -316,5 +379,35 @@ mod tests {
             chan.read_launch(),
             Err(ControlError::ClosedBeforeLaunch)
         ));
+    }
+
+    /// The channel moves to a descriptor at or above the floor, the old one closes, and frames
+    /// still reach the reader.
+    #[test]
+    fn the_channel_moves_above_the_gpus_descriptors_and_keeps_working() {
+        use std::os::fd::AsRawFd;
+        let (reader, writer) = nix::unistd::pipe().unwrap();
+        let low = writer.as_raw_fd();
+        let sender = ControlSender {
+            out: Arc::new(Mutex::new(ControlOut::File(File::from(writer)))),
+        };
+        sender.move_above_gpu().unwrap();
+        let fd = match &*sender.out.lock().unwrap() {
+            ControlOut::File(f) => f.as_raw_fd(),
+            ControlOut::Other(_) => unreachable!("a file stays a file"),
+        };
+        assert!(
+            fd >= control_fd_floor().unwrap() && fd > low,
+            "moved to {fd}"
+        );
+        sender.send_stats(Stats::default()).unwrap();
+        drop(sender);
+        let mut reader = File::from(reader);
+        assert!(matches!(
+            read_frame::<ChildMsg, _>(&mut reader).unwrap(),
+            Some(ChildMsg::Stats(_))
+        ));
+        // Its end: the old number no longer holds the pipe's write end either.
+        assert!(read_frame::<ChildMsg, _>(&mut reader).unwrap().is_none());
     }
 }

@@ -296,6 +296,9 @@ async fn serve_supervised(
     shutdown: Arc<Notify>,
 ) -> anyhow::Result<()> {
     let listener = mlxd_ipc::socket::bind_unix(&launch.socket_path)?;
+    // The model is loaded: its GPU context exists, and the supervisor learns of this
+    // process's death sooner through a descriptor opened after it.
+    control.move_above_gpu()?;
     let info = &engine.runtime.info;
     control.send_ready(Ready {
         version: PROTOCOL_VERSION,
