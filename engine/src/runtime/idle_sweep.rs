@@ -11,13 +11,8 @@
 //! decode step's shapes. One pass per idle turn: a request that arrives waits for one pass at
 //! most (a few milliseconds once cuBLAS has chosen), and then the sweep waits behind it.
 //!
-//! With LoRA adapters loaded at start, each row count is visited three times: base rows, rows
-//! of one adapter, and rows spread over the first [`MIXED_ADAPTERS`] adapters (the adapted
-//! projections' own products have shapes of their own).
-//!
 //! The sweep runs on a throwaway executor of its own, as the warm-up does
 //! ([`super::warm_up`]): its KV (one token per row) and counters never touch the engine's.
-use std::collections::HashMap;
 use std::time::Instant;
 
 use mlx_rs::error::Exception;
@@ -27,10 +22,8 @@ use super::executor::Executor;
 use super::request::{GenerateRequest, TokenEvent};
 use super::sampling_params::SamplingParams;
 use super::scheduler::SchedulerLimits;
-use super::warm_up::MIXED_ADAPTERS;
 use super::RuntimeStats;
-use crate::adapters::AdapterId;
-use crate::cache::{CacheManager, KvLayout, KvSpace};
+use crate::cache::{CacheManager, KvLayout};
 use crate::models::{CausalLm, ModelInfo};
 
 /// `MLXD_IDLE_SWEEP`: `1` runs the sweep on any device (tests), `0` never; unset, on CUDA.
@@ -50,37 +43,22 @@ pub fn enabled() -> Result<bool, String> {
     }
 }
 
-/// The passes still to run, largest row count first, each row count once per kind of pass.
+/// The row counts still to visit, largest first: the next pass's size.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Passes {
-    rows: usize,
-    kinds: usize,
-    kind: usize,
+pub struct RowCounts {
+    next: usize,
 }
 
-impl Passes {
-    /// `kinds` passes per row count (1 without adapters: base rows only).
-    pub fn up_to(max_rows: usize, kinds: usize) -> Self {
-        Self {
-            rows: max_rows,
-            kinds: kinds.max(1),
-            kind: 0,
-        }
+impl RowCounts {
+    pub fn up_to(max_rows: usize) -> Self {
+        Self { next: max_rows }
     }
 
-    /// The next pass: its row count and kind (0: base rows, 1: one adapter, 2: mixed); `None`
-    /// once one row was visited by every kind.
-    pub fn take(&mut self) -> Option<(usize, usize)> {
-        if self.rows == 0 {
-            return None;
-        }
-        let pass = (self.rows, self.kind);
-        self.kind += 1;
-        if self.kind == self.kinds {
-            self.kind = 0;
-            self.rows -= 1;
-        }
-        Some(pass)
+    /// The next pass's row count; `None` once one row was visited.
+    pub fn take(&mut self) -> Option<usize> {
+        let rows = self.next;
+        self.next = rows.saturating_sub(1);
+        (rows > 0).then_some(rows)
     }
 }
 
@@ -91,9 +69,7 @@ pub struct IdleSweep<'m> {
     incoming: mpsc::UnboundedReceiver<GenerateRequest>,
     /// The current pass's rows' event channels (kept so that they are not cancelled).
     events: Vec<mpsc::UnboundedReceiver<TokenEvent>>,
-    passes_left: Passes,
-    /// Adapters loaded at start, in id order (the passes of kinds 1 and 2 use them).
-    adapters: Vec<AdapterId>,
+    rows: RowCounts,
     vocab: usize,
     passes: usize,
     started: Instant,
@@ -106,12 +82,8 @@ impl<'m> IdleSweep<'m> {
         scheduler: SchedulerLimits,
         plain_bytes_per_token: usize,
         layout: KvLayout,
-        adapter_spaces: &HashMap<AdapterId, KvSpace>,
     ) -> Self {
-        let mut adapters: Vec<AdapterId> = adapter_spaces.keys().copied().collect();
-        adapters.sort_by_key(|id| id.0);
-        let kinds = if adapters.is_empty() { 1 } else { 3 };
-        let passes_left = Passes::up_to(scheduler.max_batch_size, kinds);
+        let rows = RowCounts::up_to(scheduler.max_batch_size);
         let caches = CacheManager::new(
             None,
             0,
@@ -127,16 +99,14 @@ impl<'m> IdleSweep<'m> {
             std::sync::Arc::new(RuntimeStats::default()),
             None,
             None,
-        )
-        .with_adapter_spaces(adapter_spaces.clone());
+        );
         let (work, incoming) = mpsc::unbounded_channel();
         Self {
             executor: Box::new(executor),
             work,
             incoming,
             events: Vec::new(),
-            passes_left,
-            adapters,
+            rows,
             vocab: info.vocab_size.max(1),
             passes: 0,
             started: Instant::now(),
@@ -150,7 +120,7 @@ impl<'m> IdleSweep<'m> {
             return Ok(true);
         }
         self.fail_on_error()?;
-        let Some((rows, kind)) = self.passes_left.take() else {
+        let Some(rows) = self.rows.take() else {
             tracing::info!(
                 passes = self.passes,
                 ms = self.started.elapsed().as_millis() as u64,
@@ -173,7 +143,7 @@ impl<'m> IdleSweep<'m> {
                 events: tx,
                 constraint: None,
                 logprobs: None,
-                adapter: self.adapter_of(kind, row),
+                adapter: None,
             };
             if self.work.send(request).is_err() {
                 return Err(Exception::custom("the idle sweep's own channel closed"));
@@ -182,16 +152,6 @@ impl<'m> IdleSweep<'m> {
         self.passes += 1;
         self.executor.step_once(&mut self.incoming)?;
         Ok(true)
-    }
-
-    /// The adapter of row `row` of a pass of `kind`.
-    fn adapter_of(&self, kind: usize, row: usize) -> Option<AdapterId> {
-        let mixed = self.adapters.len().min(MIXED_ADAPTERS);
-        match kind {
-            1 => self.adapters.first().copied(),
-            2 if mixed > 0 => Some(self.adapters[row % mixed]),
-            _ => None,
-        }
     }
 
     /// A row of the pass before that failed fails the sweep with its error.
@@ -213,17 +173,10 @@ mod tests {
 
     #[test]
     fn row_counts_go_from_the_largest_batch_down_to_one_row() {
-        let mut passes = Passes::up_to(4, 1);
-        let visited: Vec<(usize, usize)> = std::iter::from_fn(|| passes.take()).collect();
-        assert_eq!(visited, [(4, 0), (3, 0), (2, 0), (1, 0)]);
-        assert_eq!(passes.take(), None);
-        assert_eq!(Passes::up_to(0, 1).take(), None);
-    }
-
-    #[test]
-    fn with_adapters_each_row_count_is_visited_by_each_kind_of_pass() {
-        let mut passes = Passes::up_to(2, 3);
-        let visited: Vec<(usize, usize)> = std::iter::from_fn(|| passes.take()).collect();
-        assert_eq!(visited, [(2, 0), (2, 1), (2, 2), (1, 0), (1, 1), (1, 2)]);
+        let mut counts = RowCounts::up_to(4);
+        let visited: Vec<usize> = std::iter::from_fn(|| counts.take()).collect();
+        assert_eq!(visited, [4, 3, 2, 1]);
+        assert_eq!(counts.take(), None);
+        assert_eq!(RowCounts::up_to(0).take(), None);
     }
 }

@@ -572,7 +572,6 @@ impl Runtime {
                             scheduler.clone(),
                             plain_bytes_per_token,
                             layout,
-                            &adapter_spaces,
                         )
                     });
                     let executor = Executor::new(

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use crate::common::{adapter_dir, tiny_model, EngineProcess};
+use crate::common::{tiny_model, EngineProcess};
 
 const SWEPT: &str = "swept the decode row counts while idle";
 
@@ -55,7 +55,18 @@ async fn an_engine_sweeps_its_row_counts_while_idle_and_serves_meanwhile() {
     .expect("the engine starts");
     // Sent at once: it arrives while the sweep runs (48 passes) or after it.
     let during = greedy_ids(&engine).await;
-    let line = sweep_line(&engine).await;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let line = loop {
+        if let Some(line) = engine.stderr().lines().find(|l| l.contains(SWEPT)) {
+            break line.to_owned();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no sweep within 2 minutes; the log:\n{}",
+            engine.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     assert!(
         plain(&line).contains("passes=48"),
         "one pass per row count from 48 down to 1: {line}"
@@ -65,36 +76,4 @@ async fn an_engine_sweeps_its_row_counts_while_idle_and_serves_meanwhile() {
         during,
         "the sweep changes no output"
     );
-}
-
-/// With an adapter loaded, each row count is visited by base rows, the adapter's rows and
-/// mixed rows.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_an_adapter_each_row_count_is_swept_three_ways() {
-    let adapters = format!("a={}", adapter_dir("tiny-llama-lora-a").display());
-    let engine = EngineProcess::start_with(
-        tiny_model("tiny-llama"),
-        &["--max-batch-size", "8", "--adapters", &adapters],
-        &[("MLXD_IDLE_SWEEP", "1")],
-    )
-    .await
-    .expect("the engine starts");
-    let line = sweep_line(&engine).await;
-    assert!(plain(&line).contains("passes=24"), "3 x 8 passes: {line}");
-}
-
-/// The engine's log line that ends the sweep (waited for up to two minutes).
-async fn sweep_line(engine: &EngineProcess) -> String {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        if let Some(line) = engine.stderr().lines().find(|l| l.contains(SWEPT)) {
-            return line.to_owned();
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no sweep within 2 minutes; the log:\n{}",
-            engine.stderr()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
