@@ -67,9 +67,6 @@ pub(crate) const PASSTHROUGH_ENV: &[&str] = &[
     // Which attention passes run unfused on CUDA (`mlxd_engine::models::layers`), for
     // measuring the fused and unfused paths against each other.
     "MLXD_CUDA_UNFUSED_ATTENTION",
-    // Whether engines sweep the decode row counts while idle (`mlxd_engine::runtime::
-    // idle_sweep`): 1 on any device, 0 never.
-    "MLXD_IDLE_SWEEP",
     // Where MLX keeps the GPU kernels it compiles (engines default to the store,
     // `mlxd_engine::kernel_cache`); a directory the user chose reaches every engine.
     "MLX_PTX_CACHE_DIR",

@@ -28,15 +28,6 @@ impl EngineProcess {
     /// home as its store, and waits until its socket answers `/health` with 200, for up to
     /// five minutes (the first run converts the default model).
     pub async fn start(model: impl AsRef<OsStr>) -> Result<Self> {
-        Self::start_with(model, &[], &[]).await
-    }
-
-    /// [`Self::start`] with more arguments and environment variables.
-    pub async fn start_with(
-        model: impl AsRef<OsStr>,
-        args: &[&str],
-        env: &[(&str, &str)],
-    ) -> Result<Self> {
         let dir = tempfile::tempdir()?;
         let socket = dir.path().join("engine.sock");
         let log = dir.path().join("engine.log");
@@ -47,8 +38,6 @@ impl EngineProcess {
             .arg(&socket)
             .arg("--home")
             .arg(test_home())
-            .args(args)
-            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log)?);

@@ -406,9 +406,7 @@ const SHORT_PASS_MAX_QUERIES: i32 = 17;
 ///   prefix of a buffer with spare capacity is not contiguous: "No implementation for problem
 ///   shape"), and any 64-wide head at group size 64; copying each view contiguous first costs
 ///   what it saves (`scripts/bench/cuda_qmm_probe.py`).
-///
-/// Whether MLX computes on its CUDA backend (a GPU on Linux).
-pub(crate) fn cuda_backend() -> bool {
+fn cuda_backend() -> bool {
     static ANSWER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ANSWER.get_or_init(|| {
         let gpu = mlx_rs::Device::try_default()

@@ -83,9 +83,6 @@ pub(super) struct Executor<'m> {
     /// Adapters to load and unload at run time (the admin routes), handled between
     /// iterations; `None`: no such work comes.
     adapter_work: Option<mpsc::UnboundedReceiver<AdapterWork>>,
-    /// The decode row counts still to visit while idle ([`super::idle_sweep`]); `None` when
-    /// done or not wanted.
-    idle_sweep: Option<super::idle_sweep::IdleSweep<'m>>,
 }
 
 /// What woke an idle executor.
@@ -146,7 +143,6 @@ impl<'m> Executor<'m> {
             prefill_shapes_seen: super::on_gpu().then(HashSet::new),
             adapter_spaces: HashMap::new(),
             adapter_work: None,
-            idle_sweep: None,
         }
     }
 
@@ -154,56 +150,6 @@ impl<'m> Executor<'m> {
     pub fn with_adapter_work(mut self, rx: mpsc::UnboundedReceiver<AdapterWork>) -> Self {
         self.adapter_work = Some(rx);
         self
-    }
-
-    /// Runs `sweep` a pass at a time whenever no request waits ([`super::idle_sweep`]).
-    pub fn with_idle_sweep(mut self, sweep: super::idle_sweep::IdleSweep<'m>) -> Self {
-        self.idle_sweep = Some(sweep);
-        self
-    }
-
-    /// Whether requests are waiting, prefilling or decoding.
-    pub(super) fn has_work(&self) -> bool {
-        !self.idle()
-    }
-
-    /// Takes the requests that arrived on `rx` and runs one iteration if there is work
-    /// (the idle sweep's throwaway executor, driven from outside).
-    pub(super) fn step_once(
-        &mut self,
-        rx: &mut mpsc::UnboundedReceiver<GenerateRequest>,
-    ) -> Result<(), Exception> {
-        self.take_requests(rx);
-        if self.idle() {
-            return Ok(());
-        }
-        self.iteration()
-    }
-
-    /// One pass of the idle sweep, if one is due and nothing else is; true when it ran (the
-    /// caller then looks for requests again before waiting). A failed sweep is dropped with a
-    /// warning: it only makes later steps faster, and a real request's step that failed the
-    /// same way reports it to that request.
-    fn sweep_while_idle(&mut self, rx: &mpsc::UnboundedReceiver<GenerateRequest>) -> bool {
-        let adapter_work = self.adapter_work.as_ref().is_some_and(|r| !r.is_empty());
-        let Some(sweep) = self.idle_sweep.as_mut() else {
-            return false;
-        };
-        if !rx.is_empty() || rx.is_closed() || adapter_work {
-            return false;
-        }
-        match sweep.step() {
-            Ok(true) => true,
-            Ok(false) => {
-                self.idle_sweep = None;
-                true
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "the idle sweep of decode row counts failed; dropped");
-                self.idle_sweep = None;
-                true
-            }
-        }
     }
 
     /// Moves the requests that have arrived into the waiting line; false once the channel is
@@ -369,9 +315,6 @@ impl<'m> Executor<'m> {
             if self.idle() {
                 if !open {
                     return;
-                }
-                if self.sweep_while_idle(&rx) {
-                    continue;
                 }
                 match self.wait_for_work(&mut rx) {
                     Woken::Request(req) => {

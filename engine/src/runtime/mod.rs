@@ -15,7 +15,6 @@ mod arrivals;
 pub mod batch;
 pub mod draft;
 pub mod executor;
-pub mod idle_sweep;
 pub mod lockstep;
 pub mod noise;
 pub mod reference;
@@ -521,14 +520,6 @@ impl Runtime {
                             return;
                         }
                     };
-                    // Not in an engine group: its ranks step in lockstep.
-                    let sweep = match idle_sweep::enabled() {
-                        Ok(on) => on && lockstep.is_none(),
-                        Err(e) => {
-                            let _ = ready_tx.send(Err(LoadError::Config(e)));
-                            return;
-                        }
-                    };
                     // Not in an engine group: its ranks would have to warm up in lockstep.
                     if lockstep.is_none() && limits.warm_up.unwrap_or_else(on_gpu) {
                         let started = std::time::Instant::now();
@@ -565,16 +556,7 @@ impl Runtime {
                         prefill_step_tokens = scheduler.prefill_step_tokens,
                         "batch limits"
                     );
-                    let sweep = sweep.then(|| {
-                        idle_sweep::IdleSweep::new(
-                            model.as_ref(),
-                            &info,
-                            scheduler.clone(),
-                            plain_bytes_per_token,
-                            layout,
-                        )
-                    });
-                    let executor = Executor::new(
+                    Executor::new(
                         model.as_ref(),
                         info,
                         scheduler,
@@ -584,11 +566,7 @@ impl Runtime {
                         spec,
                     )
                     .with_adapter_spaces(adapter_spaces)
-                    .with_adapter_work(adapter_rx);
-                    match sweep {
-                        Some(sweep) => executor.with_idle_sweep(sweep),
-                        None => executor,
-                    }
+                    .with_adapter_work(adapter_rx)
                     .serve(rx, lockstep);
                 }
                 Err(e) => {

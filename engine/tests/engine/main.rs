@@ -13,7 +13,6 @@ mod constrained_batch;
 mod families;
 mod fuzz_headers;
 mod gguf_kquants;
-mod idle_sweep;
 mod loader_errors;
 mod parity_tiny;
 mod runtime_batch;
