@@ -70,6 +70,11 @@ pub(crate) const PASSTHROUGH_ENV: &[&str] = &[
     // Where MLX keeps the GPU kernels it compiles (engines default to the store,
     // `mlxd_engine::kernel_cache`); a directory the user chose reaches every engine.
     "MLX_PTX_CACHE_DIR",
+    // MLX's own switches for its CUDA command buffers (graphs on or off, their size), for
+    // measuring their cost (`scripts/bench/cuda_graphs_ab.sh`).
+    "MLX_USE_CUDA_GRAPHS",
+    "MLX_MAX_OPS_PER_BUFFER",
+    "MLX_MAX_MB_PER_BUFFER",
     // CUDA's lazy or eager loading of the kernels of its libraries (cuBLAS's first use of a
     // kernel variant loads it), for measuring what a new pass shape costs.
     "CUDA_MODULE_LOADING",

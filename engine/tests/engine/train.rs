@@ -67,6 +67,24 @@ fn params_of(log: &Value) -> TrainParams {
     }
 }
 
+/// Writes `data/<name>.jsonl` for each `(name, lines)` of `splits`: `text` lines of six words
+/// in a fixed order, line `i` `words(i)` words long.
+fn write_word_lines(data: &Path, splits: &[(&str, usize)], words: impl Fn(usize) -> usize) {
+    const WORDS: [&str; 6] = ["harbour", "lantern", "tide", "granite", "beacon", "storm"];
+    std::fs::create_dir_all(data).unwrap();
+    for &(name, n) in splits {
+        let lines: Vec<String> = (0..n)
+            .map(|i| {
+                let text: Vec<&str> = (0..words(i))
+                    .map(|j| WORDS[(i + j * 5 + j / 3) % WORDS.len()])
+                    .collect();
+                serde_json::json!({"text": text.join(" ")}).to_string()
+            })
+            .collect();
+        std::fs::write(data.join(format!("{name}.jsonl")), lines.join("\n")).unwrap();
+    }
+}
+
 fn config(model: &Path, data: &Path, params: TrainParams, work: &Path) -> TrainConfig {
     TrainConfig {
         source: model.to_path_buf(),
@@ -810,20 +828,8 @@ fn active_memory_per_iteration() {
     let model = tiny_model("tiny-llama");
     let work = tempfile::tempdir().unwrap();
     let data = work.path().join("data");
-    std::fs::create_dir_all(&data).unwrap();
-    let words = ["harbour", "lantern", "tide", "granite", "beacon", "storm"];
-    for (name, n) in [("train", 16), ("valid", 4)] {
-        let lines: Vec<String> = (0..n)
-            .map(|i| {
-                // 10 to 160 words: batches of several widths.
-                let text: Vec<&str> = (0..10 + 10 * i)
-                    .map(|j| words[(i + j * 5 + j / 3) % words.len()])
-                    .collect();
-                serde_json::json!({"text": text.join(" ")}).to_string()
-            })
-            .collect();
-        std::fs::write(data.join(format!("{name}.jsonl")), lines.join("\n")).unwrap();
-    }
+    // 10 to 160 words: batches of several widths.
+    write_word_lines(&data, &[("train", 16), ("valid", 4)], |i| 10 + 10 * i);
     let params = TrainParams {
         iters: 12,
         batch_size: 2,
@@ -936,19 +942,7 @@ fn memory_limit_of_a_run() {
     let model = tiny_model("tiny-llama");
     let work = tempfile::tempdir().unwrap();
     let data = work.path().join("data");
-    std::fs::create_dir_all(&data).unwrap();
-    let words = ["harbour", "lantern", "tide", "granite", "beacon", "storm"];
-    for (name, n) in [("train", 8), ("valid", 2)] {
-        let lines: Vec<String> = (0..n)
-            .map(|i| {
-                let text: Vec<&str> = (0..300)
-                    .map(|j| words[(i + j * 5 + j / 3) % words.len()])
-                    .collect();
-                serde_json::json!({"text": text.join(" ")}).to_string()
-            })
-            .collect();
-        std::fs::write(data.join(format!("{name}.jsonl")), lines.join("\n")).unwrap();
-    }
+    write_word_lines(&data, &[("train", 8), ("valid", 2)], |_| 300);
     let params = TrainParams {
         iters: 6,
         batch_size: 2,
