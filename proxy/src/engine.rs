@@ -108,10 +108,19 @@ pub struct EngineSpec {
 /// What an engine reports to the pool.
 #[derive(Debug)]
 pub enum EngineEvent {
-    Loading { phase: LoadPhase, progress: f32 },
+    Loading {
+        phase: LoadPhase,
+        progress: f32,
+    },
     Ready(Ready),
     Stats(Stats),
     Exited(Arc<ExitReport>),
+    /// An engine whose exit was reported when its control channel closed has been reaped:
+    /// `reaped` is `early` with the exit status.
+    Reaped {
+        early: Arc<ExitReport>,
+        reaped: Arc<ExitReport>,
+    },
 }
 
 /// An [`EngineEvent`] tagged with its engine.
@@ -418,7 +427,7 @@ impl Supervised {
             // status follows once the process is reaped, for error messages.
             let early = Arc::new(ExitReport::before_reaping(cause, tail.clone()));
             let _ = death.send(Some(early.clone()));
-            self.emit(EngineEvent::Exited(early));
+            self.emit(EngineEvent::Exited(early.clone()));
             let reported = std::time::Instant::now();
             let status = child.wait().await;
             let raw = raw_exit(&status);
@@ -432,7 +441,9 @@ impl Supervised {
                 exit: raw,
                 ..evidence
             });
-            let _ = death.send(Some(Arc::new(ExitReport::new(cause, tail))));
+            let reaped = Arc::new(ExitReport::new(cause, tail));
+            let _ = death.send(Some(reaped.clone()));
+            self.emit(EngineEvent::Reaped { early, reaped });
             return;
         }
         let report = Arc::new(ExitReport::new(cause, tail));
@@ -700,7 +711,20 @@ mod tests {
             "{:?}",
             report.stderr_tail
         );
-        // Then reaped, and reported again with the status: killed by us.
+        // Then reaped: the pool hears of it with the same early report and the status.
+        let (early, by_event) = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                let msg = events_rx.recv().await.expect("the reaping is emitted");
+                if let EngineEvent::Reaped { early, reaped } = msg.event {
+                    return (early, reaped);
+                }
+            }
+        })
+        .await
+        .expect("the reaped report follows");
+        assert!(Arc::ptr_eq(&early, &report));
+        assert!(by_event.reaped && by_event.cause.to_string().contains("signal 9"));
+        // And the death watch carries it, for error messages: killed by us.
         tokio::time::timeout(
             Duration::from_secs(10),
             death.wait_for(|d| d.as_ref().is_some_and(|r| r.reaped)),

@@ -62,7 +62,9 @@ impl fmt::Display for ExitCause {
                 signal: Some(s), ..
             } => write!(f, "crashed (killed by signal {s}{})", signal_name(*s)),
             Self::Crash { code: Some(c), .. } => write!(f, "crashed (exit code {c})"),
-            Self::Crash { .. } => write!(f, "exited unexpectedly"),
+            // Without a status: reported when its control channel closed (the status is logged
+            // once it is reaped), or its wait failed.
+            Self::Crash { .. } => write!(f, "crashed"),
             Self::Requested => write!(f, "stopped on request"),
         }
     }

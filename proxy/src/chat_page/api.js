@@ -60,7 +60,6 @@ const CAUSES = [
   [/^crashed\b/i, "its engine crashed"],
   [/^load failed\b/i, "it failed to load"],
   [/^out of memory\b/i, "it ran out of memory"],
-  [/^exited unexpectedly\b/i, "its engine exited unexpectedly"],
 ];
 
 /// The reason a model is not serving, as the banner shows it.

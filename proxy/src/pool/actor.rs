@@ -686,6 +686,11 @@ impl Pool {
             return;
         };
         let key = msg.model;
+        // Whatever became of the slot since the exit: its record gets the status.
+        if let EngineEvent::Reaped { early, reaped } = msg.event {
+            lifecycle::reaped(slot, &early, reaped);
+            return;
+        }
         if slot
             .standby
             .as_ref()
@@ -725,6 +730,8 @@ impl Pool {
                 self.apply(&key, effects);
             }
             EngineEvent::Exited(report) => self.exited(&key, report),
+            // Handled above, whatever the generation.
+            EngineEvent::Reaped { .. } => {}
         }
     }
 

@@ -385,6 +385,7 @@ pub(super) fn standby_event(slot: &mut Slot, event: EngineEvent) -> Vec<Effect> 
             standby.ready = Some(r);
             vec![Effect::Log(line)]
         }
+        EngineEvent::Reaped { .. } => Vec::new(),
         EngineEvent::Exited(report) => {
             slot.standby = None;
             if !report.cause.is_requested() {
@@ -700,6 +701,26 @@ pub(super) fn reset(slot: &mut Slot) -> ResetDone {
 #[derive(Debug, Clone, Copy)]
 pub(super) struct PoolMood {
     pub shutting_down: bool,
+}
+
+/// An engine reported gone when its control channel closed was reaped: the slot's record of
+/// that exit, and a failure named after it, get the report with the exit status.
+pub(super) fn reaped(slot: &mut Slot, early: &Arc<ExitReport>, reaped: Arc<ExitReport>) {
+    // Only the slot's last exit: an older one's record is gone, and so is what it caused.
+    let Some((report, _)) = slot.last_exit.as_mut() else {
+        return;
+    };
+    if !Arc::ptr_eq(report, early) {
+        return;
+    }
+    *report = reaped.clone();
+    if let State::Failed { cause, .. } = &mut slot.state {
+        if *cause == early.summary() {
+            *cause = reaped.summary();
+        } else if *cause == early.cause.to_string() {
+            *cause = reaped.cause.to_string();
+        }
+    }
 }
 
 /// The engine exited (or could not be spawned). Requested stops leave the model stopped

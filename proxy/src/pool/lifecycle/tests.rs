@@ -306,6 +306,45 @@ fn too_many_crashes_fail_the_model() {
     assert_eq!(s.restarts, 4);
 }
 
+/// An exit reported before the process was reaped: once reaped, the slot's record and the
+/// failure it caused name the exit status.
+#[test]
+fn a_reaped_report_gives_the_exit_and_the_failure_their_status() {
+    let t0 = Instant::now();
+    let mut s = slot(false);
+    let mut early = Arc::new(ExitReport::before_reaping(crash(None, None), vec![]));
+    for i in 0..5 {
+        start_engine(&mut s, 40, i + 1, t0);
+        ready(&mut s, ready_report(), t0, &timing());
+        early = Arc::new(ExitReport::before_reaping(crash(None, None), vec![]));
+        exited(
+            &mut s,
+            early.clone(),
+            t0,
+            SystemTime::now(),
+            &timing(),
+            CALM,
+        );
+    }
+    let failed = |s: &Slot| match &s.state {
+        State::Failed { cause, .. } => cause.clone(),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(failed(&s), "crashed");
+    // Another exit's report changes nothing.
+    let other = Arc::new(ExitReport::before_reaping(crash(None, None), vec![]));
+    reaped(
+        &mut s,
+        &other,
+        Arc::new(ExitReport::new(crash(Some(9), None), vec![])),
+    );
+    assert_eq!(failed(&s), "crashed");
+    let status = Arc::new(ExitReport::new(crash(Some(6), None), vec![]));
+    reaped(&mut s, &early, status.clone());
+    assert_eq!(failed(&s), "crashed (killed by signal 6, SIGABRT)");
+    assert!(Arc::ptr_eq(&s.last_exit.as_ref().unwrap().0, &status));
+}
+
 #[test]
 fn a_load_that_cannot_succeed_fails_at_once_without_a_restart() {
     let t0 = Instant::now();
