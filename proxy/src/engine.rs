@@ -27,9 +27,9 @@ use crate::logs::ModelLog;
 /// Lines of stderr kept for the crash report.
 pub const STDERR_TAIL_LINES: usize = 200;
 
-/// How long an engine's stderr may stay open after its control channel closed before its
-/// exit is reported without the rest (a grandchild that inherited it may hold it).
-const STDERR_AFTER_CONTROL_WAIT: Duration = Duration::from_millis(200);
+/// How long the exit report made when an engine's control channel closed waits for the
+/// stderr pump to read what the engine wrote (its pipe may end only when it is reaped).
+const STDERR_AFTER_CONTROL_WAIT: Duration = Duration::from_millis(20);
 
 /// Longer stderr lines are split at this many bytes.
 const STDERR_LINE_MAX: u64 = 16 * 1024;
@@ -373,22 +373,32 @@ impl Supervised {
             },
             (None, None) => ReaderOutcome::default(),
         };
-        if let Some(t) = stderr_task {
-            // Its stderr closes with its control channel; the bound covers a grandchild
-            // that keeps it open.
-            let wait = if status.is_some() {
-                Duration::from_secs(1)
-            } else {
-                STDERR_AFTER_CONTROL_WAIT
-            };
-            let _ = tokio::time::timeout(wait, t).await;
+        // Reaped: its stderr has ended or ends at once (the bound covers a grandchild that
+        // keeps it open). Not yet reaped: what it wrote is in the pipe already, and the pipe's
+        // end may come only with the reaping (stderr was opened before the GPU context), so the
+        // pump gets a moment to read it, and the rest is read after the reaping.
+        let wait = if status.is_some() {
+            Duration::from_secs(1)
+        } else {
+            STDERR_AFTER_CONTROL_WAIT
+        };
+        let mut stderr_task = stderr_task;
+        let stderr_ended = match stderr_task.as_mut() {
+            Some(t) => tokio::time::timeout(wait, t).await.is_ok(),
+            None => true,
+        };
+        if stderr_ended {
+            // A finished task must not be awaited again.
+            stderr_task = None;
         }
-        let tail: Vec<String> = tail
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .cloned()
-            .collect();
+        let tail_now = || -> Vec<String> {
+            tail.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .cloned()
+                .collect()
+        };
+        let tail: Vec<String> = tail_now();
 
         // Unknown while the exit is reported at the control channel's close (reaped below).
         let raw = status.as_ref().map(raw_exit).unwrap_or(RawExit {
@@ -430,6 +440,10 @@ impl Supervised {
             self.emit(EngineEvent::Exited(early.clone()));
             let reported = std::time::Instant::now();
             let status = child.wait().await;
+            if let Some(t) = stderr_task {
+                let _ = tokio::time::timeout(Duration::from_secs(1), t).await;
+            }
+            let tail = tail_now();
             let raw = raw_exit(&status);
             info!(
                 exit_code = raw.code,
@@ -439,6 +453,7 @@ impl Supervised {
             );
             let cause = classify(Evidence {
                 exit: raw,
+                stderr_tail: &tail,
                 ..evidence
             });
             let reaped = Arc::new(ExitReport::new(cause, tail));
