@@ -194,6 +194,10 @@ max_batch_size = 4
                             env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
     result = {"settings": vars(args)}
     hog = None
+    # Set before mlxd is stopped, however the run ends: the bystander's requests after that
+    # would count as its failures (a cut-short run of 2026-12-05 logged 41 refused connections).
+    stop = threading.Event()
+    bys = None
     try:
         deadline = time.time() + 600
         while time.time() < deadline:
@@ -216,7 +220,6 @@ max_batch_size = 4
             hog = subprocess.Popen([sys.executable, "-c", HOG, str(args.free_gb)],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             result["hog"] = json.loads(hog.stdout.readline())
-        stop = threading.Event()
         bys_log = result["bystander_requests"] = []
         bys = threading.Thread(target=bystander_loop, args=(url, stop, bys_log), daemon=True)
         bys.start()
@@ -270,8 +273,13 @@ max_batch_size = 4
         result["summary"] = summarize(result)
         print(json.dumps(result["summary"]), flush=True)
     finally:
+        stop.set()
+        if bys:
+            bys.join(timeout=130)
         if hog:
             hog.kill()
+        # Victim streams still open now end with the shutdown's error: a cut-short run's
+        # summary says so (`complete: false`), and those errors are the harness's.
         mlxd.terminate()
         try:
             mlxd.wait(timeout=60)
