@@ -401,10 +401,7 @@ impl Supervised {
         let tail: Vec<String> = tail_now();
 
         // Unknown while the exit is reported at the control channel's close (reaped below).
-        let raw = status.as_ref().map(raw_exit).unwrap_or(RawExit {
-            code: None,
-            signal: None,
-        });
+        let raw = status.as_ref().map_or(RawExit::UNKNOWN, raw_exit);
         let evidence = Evidence {
             exit: raw,
             fatal: outcome.fatal.as_ref(),
@@ -501,10 +498,7 @@ fn raw_exit(status: &std::io::Result<std::process::ExitStatus>) -> RawExit {
             code: s.code(),
             signal: s.signal(),
         },
-        Err(_) => RawExit {
-            code: None,
-            signal: None,
-        },
+        Err(_) => RawExit::UNKNOWN,
     }
 }
 

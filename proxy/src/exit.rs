@@ -137,9 +137,15 @@ pub struct RawExit {
 }
 
 impl RawExit {
-    /// Whether the status is not known yet (reported before it could be reaped).
+    /// No status: not known yet (reported before the process could be reaped), or its wait
+    /// failed.
+    pub const UNKNOWN: RawExit = RawExit {
+        code: None,
+        signal: None,
+    };
+
     fn unknown(self) -> bool {
-        self.code.is_none() && self.signal.is_none()
+        self == Self::UNKNOWN
     }
 }
 
