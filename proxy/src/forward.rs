@@ -452,11 +452,15 @@ async fn reconnect(
     let model = lease.model.clone();
     let mut dead = lease.generation;
     let mut crash = explain_failure_early(&model, lease.death.clone(), detail).await;
+    // The watch of the engine behind `crash` while its report may still lack the exit status
+    // (an error shown to the client waits for it: [`with_status`]).
+    let mut crash_death = Some(lease.death.clone());
     drop(lease);
     loop {
         if !is_crash(&crash) {
             // The engine lives (it dropped the request), or mlxd stopped it on purpose
             // (shutdown, eviction): nothing restarts it for this request.
+            let crash = with_status(&model, crash, crash_death.take()).await;
             return (resume, Err(crash.sse_event()));
         }
         let body = match resume.record.resume() {
@@ -465,15 +469,12 @@ async fn reconnect(
             // The engine never said which tokens it sent (one without the `mlxd`
             // extension): the request was never resumable, and the crash is the error.
             Resume::Impossible(NotResumable::UnknownEvent) => {
-                return (resume, Err(crash.sse_event()))
+                let crash = with_status(&model, crash, crash_death.take()).await;
+                return (resume, Err(crash.sse_event()));
             }
             Resume::Impossible(why) => {
-                let err = ProxyError::NotResumed {
-                    model: model.clone(),
-                    crash: crash.to_string(),
-                    reason: why.to_string(),
-                };
-                return (resume, Err(err.sse_event()));
+                let crash = with_status(&model, crash, crash_death.take()).await;
+                return (resume, Err(not_resumed(&model, &crash, why.to_string())));
             }
         };
         info!(
@@ -482,21 +483,16 @@ async fn reconnect(
             attempt = resume.record.resumes(),
             "engine died mid-stream; resuming on its successor"
         );
-        let not_resumed = |e: ProxyError| {
-            ProxyError::NotResumed {
-                model: model.clone(),
-                crash: crash.to_string(),
-                reason: e.to_string(),
-            }
-            .sse_event()
-        };
         let lease = match resume
             .pool
             .lease_for(&model, Some(dead), resume.max_tokens)
             .await
         {
             Ok(l) => l,
-            Err(e) => return (resume, Err(not_resumed(e))),
+            Err(e) => {
+                let crash = with_status(&model, crash, crash_death.take()).await;
+                return (resume, Err(not_resumed(&model, &crash, e.to_string())));
+            }
         };
         let body: ProxyRequestBody = http_body_util::Full::new(body)
             .map_err(|e| match e {})
@@ -531,15 +527,39 @@ async fn reconnect(
                         String::from_utf8_lossy(&body)
                     ),
                 };
-                return (resume, Err(not_resumed(e)));
+                let crash = with_status(&model, crash, crash_death.take()).await;
+                return (resume, Err(not_resumed(&model, &crash, e.to_string())));
             }
             Err(ForwardError::NotDelivered(e) | ForwardError::Failed(e)) => {
-                // Died again before answering: count it and go round.
+                // Died again before answering: count it and go round (`send` waited for the
+                // exit status).
                 dead = lease.generation;
                 crash = e;
+                crash_death = None;
             }
         }
     }
+}
+
+/// `crash` as the client sees it: with the exit status of the engine behind `death` once it
+/// is reaped (within [`DEATH_REPORT_WAIT`]), where its report was made before.
+async fn with_status(model: &str, crash: ProxyError, death: Option<DeathWatch>) -> ProxyError {
+    match (&crash, death) {
+        (ProxyError::EngineCrashed { report, .. }, Some(death)) if !report.reaped => {
+            crash_error(model, exit_report(death, true).await, crash.to_string())
+        }
+        _ => crash,
+    }
+}
+
+/// The error event ending a stream that could not be resumed after `crash`.
+fn not_resumed(model: &str, crash: &ProxyError, reason: String) -> Bytes {
+    ProxyError::NotResumed {
+        model: model.to_string(),
+        crash: crash.to_string(),
+        reason,
+    }
+    .sse_event()
 }
 
 impl Body for ProxyBody {
