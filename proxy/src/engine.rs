@@ -336,13 +336,22 @@ impl Supervised {
                 done = async { reader_task.as_mut().expect("guarded").await },
                     if reader_task.is_some() && outcome.is_none() =>
                 {
-                    outcome = Some(done.unwrap_or_default());
+                    let done = done.unwrap_or_default();
+                    let was_ready = done.ready;
+                    outcome = Some(done);
                     reader_task = None;
-                    // A live engine never closes its control channel: it is exiting. Its
-                    // descriptors close before its GPU context is torn down, ~100 ms before
-                    // the process can be reaped (`scripts/bench/exit_order.py`), so its
-                    // exit is reported now and the process reaped after.
-                    break None;
+                    // A live engine never closes its control channel: it is exiting (or
+                    // broken), and goes at once.
+                    let _ = killpg(Pid::from_raw(self.pid as i32), Signal::SIGKILL);
+                    // A serving engine's descriptors close before its GPU context is torn
+                    // down, ~100 ms before it can be reaped (`scripts/bench/exit_order.py`):
+                    // its exit is reported now, for a standby and the resumed streams, and
+                    // the process reaped after. Before `Ready` nothing waits that long for it
+                    // (no stream, no takeover of a load): its exit is reported once reaped,
+                    // with the status its load failure is explained by.
+                    if was_ready {
+                        break None;
+                    }
                 }
                 msg = control.recv(), if control_open => match msg {
                     Some(RunnerCmd::Control(m)) => write_control(&mut stdin, &m).await,
@@ -670,18 +679,11 @@ mod tests {
         assert_eq!(last[3], "line 499");
     }
 
-    /// A child that closes its control channel is reported gone at once, killed, and reaped
-    /// after the report: here it would otherwise live 30 s.
-    #[tokio::test]
-    async fn a_child_that_closes_its_control_channel_is_reported_gone_and_killed() {
+    /// A child running `script` (its control channel's output on stdout) as the engine.
+    fn spawn_script(dir: &std::path::Path, script: &str) -> (EngineHandle, EngineEvents) {
         use std::os::unix::fs::PermissionsExt;
-        let dir = tempfile::tempdir().unwrap();
-        let bin = dir.path().join("engine.sh");
-        std::fs::write(
-            &bin,
-            "#!/bin/sh\necho going >&2\nexec 1>&-\nexec sleep 30\n",
-        )
-        .unwrap();
+        let bin = dir.join("engine.sh");
+        std::fs::write(&bin, script).unwrap();
         std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
         let spec = EngineSpec {
             model: "m".into(),
@@ -689,48 +691,99 @@ mod tests {
             bin,
             args: Vec::new(),
             env: BTreeMap::new(),
-            socket_path: dir.path().join("engine.sock"),
+            socket_path: dir.join("engine.sock"),
             limits: Limits::default(),
             options: BTreeMap::new(),
             stop_timeout: Duration::from_secs(5),
             restarts: 0,
             log: None,
         };
-        let (events, mut events_rx) = mpsc::unbounded_channel();
-        let handle = spawn(spec, 1, events).unwrap();
-        let mut death = handle.death();
-        // The pool's event carries the report made when the control channel closed.
-        let report = tokio::time::timeout(Duration::from_secs(10), async {
+        let (events, events_rx) = mpsc::unbounded_channel();
+        (spawn(spec, 1, events).unwrap(), events_rx)
+    }
+
+    type EngineEvents = mpsc::UnboundedReceiver<EngineMsg>;
+
+    /// The next event `pick` takes, within 10 s (the scripts below would live 30 s).
+    async fn next<T>(events: &mut EngineEvents, pick: impl Fn(EngineEvent) -> Option<T>) -> T {
+        tokio::time::timeout(Duration::from_secs(10), async {
             loop {
-                let msg = events_rx.recv().await.expect("the exit is emitted");
-                if let EngineEvent::Exited(report) = msg.event {
-                    return report;
+                let msg = events.recv().await.expect("the runner emits it");
+                if let Some(t) = pick(msg.event) {
+                    return t;
                 }
             }
         })
         .await
-        .expect("the exit is reported long before the child's sleep ends");
+        .expect("it comes long before the child's sleep ends")
+    }
+
+    /// The pid goes away: killed and reaped.
+    async fn gone(handle: &EngineHandle) {
+        let pid = Pid::from_raw(handle.pid as i32);
+        let gone = async {
+            while nix::sys::signal::kill(pid, None).is_ok() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), gone)
+            .await
+            .expect("the child is killed and reaped");
+    }
+
+    /// A serving engine that closes its control channel is reported gone before it is reaped,
+    /// killed, then reported again with its status: here it would otherwise live 30 s.
+    #[tokio::test]
+    async fn a_serving_engine_that_closes_its_control_channel_is_reported_before_its_reaping() {
+        use mlxd_protocol::control::{Backend, Device, DeviceKind};
+        let dir = tempfile::tempdir().unwrap();
+        let ready = ChildMsg::Ready(Ready {
+            version: PROTOCOL_VERSION,
+            model_id: "m".into(),
+            weight_bytes: 1,
+            kv_bytes_per_token: 1,
+            state_bytes_per_sequence: 0,
+            context_length: 8,
+            capabilities: vec![],
+            device: Device {
+                kind: DeviceKind::Cpu,
+                backend: Backend::Cpu,
+            },
+            limits: None,
+        });
+        let frame = dir.path().join("ready.frame");
+        std::fs::write(&frame, mlxd_ipc::frame::encode(&ready).unwrap()).unwrap();
+        let script = format!(
+            "#!/bin/sh\ncat '{}'\necho going >&2\nexec 1>&-\nexec sleep 30\n",
+            frame.display()
+        );
+        let (handle, mut events) = spawn_script(dir.path(), &script);
+        let mut death = handle.death();
+        next(&mut events, |e| {
+            matches!(e, EngineEvent::Ready(_)).then_some(())
+        })
+        .await;
+        let report = next(&mut events, |e| match e {
+            EngineEvent::Exited(r) => Some(r),
+            _ => None,
+        })
+        .await;
         assert!(
             !report.reaped,
             "reported before the process could be reaped"
         );
-        assert_eq!(report.cause.code(), "load_failed", "{:?}", report.cause);
+        assert_eq!(report.cause.code(), "crash", "{:?}", report.cause);
         assert!(
             report.stderr_tail.iter().any(|l| l == "going"),
             "{:?}",
             report.stderr_tail
         );
         // Then reaped: the pool hears of it with the same early report and the status.
-        let (early, by_event) = tokio::time::timeout(Duration::from_secs(10), async {
-            loop {
-                let msg = events_rx.recv().await.expect("the reaping is emitted");
-                if let EngineEvent::Reaped { early, reaped } = msg.event {
-                    return (early, reaped);
-                }
-            }
+        let (early, by_event) = next(&mut events, |e| match e {
+            EngineEvent::Reaped { early, reaped } => Some((early, reaped)),
+            _ => None,
         })
-        .await
-        .expect("the reaped report follows");
+        .await;
         assert!(Arc::ptr_eq(&early, &report));
         assert!(by_event.reaped && by_event.cause.to_string().contains("signal 9"));
         // And the death watch carries it, for error messages: killed by us.
@@ -741,21 +794,31 @@ mod tests {
         .await
         .expect("the reaped report follows")
         .unwrap();
-        let reaped = death.borrow().clone().unwrap();
-        assert!(
-            reaped.cause.to_string().contains("signal 9"),
-            "{}",
-            reaped.cause
+        gone(&handle).await;
+    }
+
+    /// Before `Ready` the exit is reported once, reaped, with its status (a failed load is
+    /// explained by it), and still at once: the child is killed.
+    #[tokio::test]
+    async fn a_loading_engine_that_closes_its_control_channel_is_killed_and_reported_reaped() {
+        let dir = tempfile::tempdir().unwrap();
+        let (handle, mut events) = spawn_script(
+            dir.path(),
+            "#!/bin/sh\necho going >&2\nexec 1>&-\nexec sleep 30\n",
         );
-        // Killed and reaped: the pid goes away.
-        let pid = Pid::from_raw(handle.pid as i32);
-        let gone = async {
-            while nix::sys::signal::kill(pid, None).is_ok() {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(10), gone)
-            .await
-            .expect("the child is killed and reaped");
+        let report = next(&mut events, |e| match e {
+            EngineEvent::Exited(r) => Some(r),
+            _ => None,
+        })
+        .await;
+        assert!(report.reaped, "{report:?}");
+        assert_eq!(report.cause.code(), "load_failed", "{:?}", report.cause);
+        assert!(
+            report.cause.to_string().contains("signal 9"),
+            "{}",
+            report.cause
+        );
+        assert!(report.stderr_tail.iter().any(|l| l == "going"));
+        gone(&handle).await;
     }
 }
