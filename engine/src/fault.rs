@@ -20,6 +20,12 @@
 //!   as out of memory. `full@<N>`: the device reports 0 MiB free from then on, the steps keep
 //!   their speed (an engine whose own buffers fill the device): the watch must not fire. Both
 //!   need a device that reports its memory: a GPU, or `MLXD_FAULT_GPU_MEMORY` below.
+//! - `MLXD_FAULT=crawl_prefill@<N>`: once this process has prefilled N prompt tokens (all
+//!   prompts together, padding not counted; the warm-up's too, where it runs), the device
+//!   reports 0 MiB free and every step that prefills sleeps [`CRAWL_STEP_DELAY`] more, while
+//!   decode steps keep their speed: the prompts of an engine whose device filled before its
+//!   first decode step crawl (BENCHMARKS-soak.md section 6c), and the memory-pressure watch
+//!   must end it as out of memory on its prefill passes alone.
 //! - `MLXD_FAULT=slow_load@<ms>`: a supervised engine waits that many milliseconds before it
 //!   loads the model (a slow download or disk, to test waiting for a load).
 //! - `MLXD_FAULT_ONCE=<path>` (optional): fire only if this file exists, and remove it when
@@ -51,22 +57,30 @@ pub enum FaultKind {
     Crawl,
     /// The device reports no free memory; the steps keep their speed.
     Full,
+    /// Once N prompt tokens are prefilled, the device reports no free memory and every step
+    /// that prefills is slowed ([`CRAWL_STEP_DELAY`]); decode steps are not.
+    CrawlPrefill,
 }
 
-/// How much longer each decode step of the model thread runs under a `crawl` fault: enough to
-/// be many times a tiny test model's step on the CPU (a few milliseconds).
+/// How much longer each decode step of the model thread runs under a `crawl` fault, and each
+/// prefill step under `crawl_prefill`: enough to be many times a tiny test model's step on the
+/// CPU (a few milliseconds).
 pub const CRAWL_STEP_DELAY: std::time::Duration = std::time::Duration::from_millis(500);
 
-/// Set once a `crawl` or `full` fault has fired: the device reports 0 MiB free.
+/// Set once a `crawl`, `full` or `crawl_prefill` fault has fired: the device reports 0 MiB
+/// free.
 static MEMORY_FULL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 /// Set once a `crawl` fault has fired: each step sleeps [`CRAWL_STEP_DELAY`].
 static CRAWLING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// Set once a `crawl_prefill` fault has fired: each prefill step sleeps [`CRAWL_STEP_DELAY`].
+static PREFILL_CRAWLING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FaultSpec {
     pub kind: FaultKind,
     /// Fires when this many tokens have been emitted (at least 1); for
-    /// [`FaultKind::SlowLoad`], the milliseconds the load waits.
+    /// [`FaultKind::CrawlPrefill`], prompt tokens prefilled; for [`FaultKind::SlowLoad`], the
+    /// milliseconds the load waits.
     pub after_tokens: u64,
     /// Fires only while this file exists (it is removed on firing).
     pub once: Option<PathBuf>,
@@ -76,8 +90,8 @@ pub struct FaultSpec {
 pub fn parse(spec: &str, once: Option<PathBuf>) -> Result<FaultSpec, String> {
     let (kind, n) = spec.split_once('@').ok_or_else(|| {
         format!(
-            "MLXD_FAULT={spec:?}: expected <abort|oom|device_lost|hang|stall|crawl|full>@<tokens> \
-             or slow_load@<ms>"
+            "MLXD_FAULT={spec:?}: expected <abort|oom|device_lost|hang|stall|crawl|full>@<tokens>, \
+             crawl_prefill@<prompt tokens> or slow_load@<ms>"
         )
     })?;
     let kind = match kind.trim() {
@@ -89,8 +103,10 @@ pub fn parse(spec: &str, once: Option<PathBuf>) -> Result<FaultSpec, String> {
         "slow_load" => FaultKind::SlowLoad,
         "crawl" => FaultKind::Crawl,
         "full" => FaultKind::Full,
+        "crawl_prefill" => FaultKind::CrawlPrefill,
         other => {
-            let known = "abort, oom, device_lost, hang, stall, crawl, full or slow_load";
+            let known =
+                "abort, oom, device_lost, hang, stall, crawl, full, crawl_prefill or slow_load";
             return Err(format!(
                 "MLXD_FAULT={spec:?}: unknown fault {other:?}; expected {known}"
             ));
@@ -113,6 +129,8 @@ pub fn parse(spec: &str, once: Option<PathBuf>) -> Result<FaultSpec, String> {
 
 struct Armed {
     spec: FaultSpec,
+    /// Tokens counted towards the spec's: generated ones, or for
+    /// [`FaultKind::CrawlPrefill`] prompt tokens prefilled.
     emitted: AtomicU64,
 }
 
@@ -154,7 +172,7 @@ pub fn device_memory_override() -> Result<Option<crate::cache::DeviceMemory>, St
 }
 
 /// The device's memory as this process sees it: `stand_in` ([`device_memory_override`]) or
-/// the device's, with no free memory once a `crawl` or `full` fault has fired. `None` where
+/// the device's, with no free memory once a `crawl`, `full` or `crawl_prefill` fault has fired. `None` where
 /// the device does not report its free memory. Read by the KV budget at load and by the
 /// memory-pressure watch.
 pub fn observed_memory(
@@ -203,7 +221,8 @@ fn parse_device_memory(value: &str) -> Result<crate::cache::DeviceMemory, String
     }
 }
 
-/// Whether a `crawl` or `full` fault has fired: the device's memory then reads 0 MiB free.
+/// Whether a `crawl`, `full` or `crawl_prefill` fault has fired: the device's memory then
+/// reads 0 MiB free.
 pub fn memory_full() -> bool {
     MEMORY_FULL.load(Ordering::SeqCst)
 }
@@ -223,6 +242,33 @@ pub fn on_step() {
     if CRAWLING.load(Ordering::Relaxed) {
         std::thread::sleep(CRAWL_STEP_DELAY);
     }
+}
+
+/// Called by the model thread after each step's prefill passes, inside the time the step is
+/// measured by, with the prompt tokens they prefilled (padding not counted): sleeps
+/// [`CRAWL_STEP_DELAY`] once a `crawl_prefill` fault has fired, and counts the tokens towards
+/// an armed one, which fires on the step that reaches its count (this step runs at its speed).
+pub fn on_prefill(tokens: usize) {
+    if PREFILL_CRAWLING.load(Ordering::Relaxed) {
+        std::thread::sleep(CRAWL_STEP_DELAY);
+    }
+    let Some(armed) = ARMED.get() else {
+        return;
+    };
+    if armed.spec.kind != FaultKind::CrawlPrefill {
+        return;
+    }
+    let before = armed.emitted.fetch_add(tokens as u64, Ordering::Relaxed);
+    let n = before + tokens as u64;
+    if before >= armed.spec.after_tokens || n < armed.spec.after_tokens {
+        return;
+    }
+    if let Some(path) = &armed.spec.once {
+        if std::fs::remove_file(path).is_err() {
+            return;
+        }
+    }
+    fire(armed, &format!("{n} prompt tokens prefilled"));
 }
 
 /// Arms the switch for this process.
@@ -246,7 +292,10 @@ pub fn on_token() {
     let Some(armed) = ARMED.get() else {
         return;
     };
-    if armed.spec.kind == FaultKind::SlowLoad {
+    if matches!(
+        armed.spec.kind,
+        FaultKind::SlowLoad | FaultKind::CrawlPrefill
+    ) {
         return;
     }
     let n = armed.emitted.fetch_add(1, Ordering::Relaxed) + 1;
@@ -259,11 +308,12 @@ pub fn on_token() {
             return;
         }
     }
-    fire(armed, n);
+    fire(armed, &format!("{n} generated tokens"));
 }
 
-fn fire(armed: &Armed, n: u64) {
-    let what = format!("injected fault after {n} generated tokens (MLXD_FAULT)");
+/// Fires the armed fault, `after` saying what reached its count.
+fn fire(armed: &Armed, after: &str) {
+    let what = format!("injected fault after {after} (MLXD_FAULT)");
     match armed.spec.kind {
         FaultKind::Abort => {
             tracing::error!("{what}: aborting");
@@ -292,6 +342,13 @@ fn fire(armed: &Armed, n: u64) {
         FaultKind::Full => {
             tracing::error!("{what}: the device reports 0 MiB free");
             MEMORY_FULL.store(true, Ordering::SeqCst);
+        }
+        FaultKind::CrawlPrefill => {
+            tracing::error!(
+                "{what}: the device reports 0 MiB free and every prefill step is slowed"
+            );
+            MEMORY_FULL.store(true, Ordering::SeqCst);
+            PREFILL_CRAWLING.store(true, Ordering::SeqCst);
         }
         FaultKind::Stall => {
             tracing::error!("{what}: the model thread stops");
@@ -340,6 +397,11 @@ mod tests {
         assert_eq!((slow.kind, slow.after_tokens), (FaultKind::SlowLoad, 1500));
         assert_eq!(parse("crawl@40", None).unwrap().kind, FaultKind::Crawl);
         assert_eq!(parse("full@40", None).unwrap().kind, FaultKind::Full);
+        let prefill = parse("crawl_prefill@300", None).unwrap();
+        assert_eq!(
+            (prefill.kind, prefill.after_tokens),
+            (FaultKind::CrawlPrefill, 300)
+        );
     }
 
     #[test]
@@ -347,6 +409,7 @@ mod tests {
         for (bad, says) in [
             ("abort", "expected"),
             ("explode@3", "unknown fault"),
+            ("explode@3", "crawl_prefill"),
             ("oom@0", ">= 1"),
             ("oom@x", ">= 1"),
         ] {

@@ -14,21 +14,27 @@
 //! [`DEFAULT_MEMORY_WATCH`](crate::runtime::DEFAULT_MEMORY_WATCH)), and a fourth at its end:
 //! - the device's free memory is under [`low_free_bound`]: near zero. Alone it is no fault: an
 //!   engine whose own buffers fill the device is healthy, and its steps keep their speed;
-//! - the decode steps ([`RuntimeStats::decode_steps`], the batch's forward pass without the
-//!   prefill that may follow it, timed per square root of its rows) take on average at least
-//!   `memory_watch_slowdown` times
+//! - the engine's steps crawl: the decode steps ([`RuntimeStats::decode_steps`], the batch's
+//!   forward pass without the prefill that may follow it, timed per square root of its rows)
+//!   or the prefill steps ([`RuntimeStats::prefill_steps`], one step's prefill passes, timed
+//!   per prefilled token), whichever ran in the window (at least [`MIN_SLOW_STEPS`] of them),
+//!   take on average at least `memory_watch_slowdown` times
 //!   (default [`DEFAULT_MEMORY_WATCH_SLOWDOWN`](crate::runtime::DEFAULT_MEMORY_WATCH_SLOWDOWN))
 //!   their usual time, learned while the device had memory free. Alone it is no fault either:
-//!   a large batch of long contexts is slower, but not by that much;
+//!   a large batch of long contexts is slower, but not by that much. Both measures, because a
+//!   device may fill before the engine decodes at all: in the H100 run of section 6c, 64
+//!   prompts of ~6 000 tokens filled the device 15 s into their prefill, which then crawled
+//!   for 203-208 s before the first token; a watch of decode steps alone had no usual time
+//!   and nothing to judge. When both ran, either crawling is enough;
 //! - this engine presses on the memory: the tokens its admitted sequences hold, their KV
-//!   positions ([`RuntimeStats::running_tokens`]), grew over the window and never fell
-//!   between two looks. Every engine on a thrashing GPU crawls (the H100 run's bystander
-//!   engine, with a small budget, took 7.6 s for requests of 0.04-0.2 s), but restarting
-//!   smaller helps only the one whose demand outgrew the device: a bystander restarted while
-//!   nothing is free would fail its load. A bystander's requests come and go, so its tokens
-//!   fall at each one's end; the crawling engine's long streams only grow. (An engine whose
-//!   streams end within every window while it crawls is therefore not caught; the H100 run's
-//!   streams lasted minutes.)
+//!   positions ([`RuntimeStats::running_tokens`], a prompt's as it is prefilled), grew over
+//!   the window and never fell between two looks. Every engine on a thrashing GPU crawls (the
+//!   H100 run's bystander engine, with a small budget, took 7.6 s for requests of 0.04-0.2 s),
+//!   but restarting smaller helps only the one whose demand outgrew the device: a bystander
+//!   restarted while nothing is free would fail its load. A bystander's requests come and go,
+//!   so its tokens fall at each one's end; the crawling engine's long streams, and its long
+//!   prompts as they are prefilled, only grow. (An engine whose streams end within every
+//!   window while it crawls is therefore not caught; the H100 run's streams lasted minutes.)
 //! - this engine holds memory that a smaller restart gives back: its KV
 //!   ([`RuntimeStats::kv_bytes`]: the batch, prefills in progress and the prefix cache) is at
 //!   least [`held_bound`], a [`HELD_SHARE`]th of the device, when the watch fires. The third
@@ -38,8 +44,17 @@
 //!   which freed nothing, while the victim beside it held 5.5 GiB of KV. See [`HELD_SHARE`]
 //!   for the figures.
 //!
-//! Until it has learned the usual time (from [`MIN_USUAL_STEPS`] decode steps with memory
-//! free) it never fires; an idle engine, which finishes no step, never fires.
+//! Each measure's usual time is learned from its own steps between two looks with memory
+//! free: decode steps from [`MIN_USUAL_STEPS`] of them, prefill steps from
+//! [`MIN_USUAL_PREFILLS`]. Until one is learned the watch never fires; a measure not yet
+//! learned is not judged; an idle engine, which finishes no step, never fires. Where the
+//! device fills before either is learned the watch cannot judge the engine (it logs so), and
+//! there is no other baseline to take: the warm-up (`crate::runtime::warm_up`) runs its passes
+//! through the same executor, but with counters of its own, before this watch starts, and its
+//! 48-token prompts would teach a time per token many times a long prompt's (fixed costs, and
+//! on CUDA the kernels its first passes compile). The first steps of a GPU compile kernels
+//! and are slower, which only makes the watch less eager; the executor leaves out of the
+//! prefill measure a step with a pass shape new to the process, which mostly compiles.
 //!
 //! Only where the device reports its free memory: CUDA. The CPU's memory is the system's (the
 //! kernel's OOM killer, or an allocation error, ends an engine that runs out of it) and so is
@@ -77,11 +92,19 @@ pub fn low_free_bound(total: u64) -> u64 {
 /// and are slower, which only makes the watch less eager.
 pub const MIN_USUAL_STEPS: u64 = 8;
 
-/// How much of the usual step time each look with new decode steps replaces, once learned: it
-/// follows the batch and the contexts as they grow, over tens of seconds.
+/// Prefill steps with memory free before the usual time per prefilled token counts: fewer
+/// than decode steps, since a prefill step is larger (up to 16 384 tokens on a GPU,
+/// `crate::runtime::DEFAULT_GPU_PREFILL_STEP_TOKENS`: the 64 prompts of ~6 000 tokens of
+/// section 6c are some 24 such steps in all) and a device that fills during the first
+/// prompts leaves few of them with memory free.
+pub const MIN_USUAL_PREFILLS: u64 = 4;
+
+/// How much of a usual time each look with new steps of its measure replaces, once learned:
+/// it follows the batch, the contexts and the prompts as they change, over tens of seconds.
 pub const USUAL_WEIGHT: f64 = 0.05;
 
-/// Decode steps a window must hold before its average is judged: one slow step is no crawl.
+/// Steps of a measure a window must hold before their average is judged: one slow step is no
+/// crawl.
 pub const MIN_SLOW_STEPS: u64 = 2;
 
 /// The share of the device's memory an engine's KV must hold for the watch to end it: a
@@ -111,21 +134,45 @@ pub const EXIT_OUT_OF_MEMORY: i32 = 3;
 pub struct Bounds {
     /// How long the signals must hold.
     pub window: Duration,
-    /// How many times its usual time a decode step must take on average.
+    /// How many times their usual time the decode or prefill steps must take on average.
     pub slowdown: f64,
 }
 
-/// One look at the engine: the device's memory, the decode steps' counters, the running
-/// sequences' tokens and the KV it holds.
+/// What a step's time is judged by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Measure {
+    /// Decode steps, per square root of their rows ([`RuntimeStats::decode_nanos`]).
+    Decode,
+    /// Prefill steps, per prefilled token ([`RuntimeStats::prefill_nanos`]).
+    Prefill,
+}
+
+/// One look at the engine: the device's memory, the decode and prefill steps' counters, the
+/// running sequences' tokens and the KV it holds.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Sample {
     pub at: Instant,
     pub memory: DeviceMemory,
     pub decode_steps: u64,
     pub decode_nanos: u64,
+    /// Prefill steps timed, the tokens their passes ran and their time
+    /// ([`RuntimeStats::prefill_steps`]).
+    pub prefill_steps: u64,
+    pub prefill_tokens: u64,
+    pub prefill_nanos: u64,
     pub running_tokens: u64,
     /// KV bytes held ([`RuntimeStats::kv_bytes`]).
     pub kv_bytes: u64,
+}
+
+/// The steps of one measure between two looks.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Ran {
+    steps: u64,
+    /// Prefilled tokens (prefill steps only).
+    tokens: u64,
+    /// Their average time per unit of the measure (`None` without one).
+    each: Option<Duration>,
 }
 
 impl Sample {
@@ -133,18 +180,33 @@ impl Sample {
         self.memory.free < low_free_bound(self.memory.total)
     }
 
-    /// The decode steps since `earlier`, and their average time (`None` without one).
-    fn steps_since(&self, earlier: &Sample) -> (u64, Option<Duration>) {
-        let steps = self.decode_steps.saturating_sub(earlier.decode_steps);
-        let nanos = self.decode_nanos.saturating_sub(earlier.decode_nanos);
-        (
+    /// The steps of `measure` since `earlier`.
+    fn ran_since(&self, earlier: &Sample, measure: Measure) -> Ran {
+        let (steps, units, nanos) = match measure {
+            Measure::Decode => {
+                let steps = self.decode_steps.saturating_sub(earlier.decode_steps);
+                let nanos = self.decode_nanos.saturating_sub(earlier.decode_nanos);
+                (steps, steps, nanos)
+            }
+            Measure::Prefill => (
+                self.prefill_steps.saturating_sub(earlier.prefill_steps),
+                self.prefill_tokens.saturating_sub(earlier.prefill_tokens),
+                self.prefill_nanos.saturating_sub(earlier.prefill_nanos),
+            ),
+        };
+        Ran {
             steps,
-            (steps > 0).then(|| Duration::from_nanos(nanos / steps)),
-        )
+            tokens: if measure == Measure::Prefill {
+                units
+            } else {
+                0
+            },
+            each: (steps > 0 && units > 0).then(|| Duration::from_nanos(nanos / units)),
+        }
     }
 }
 
-/// A decode step's usual time, learned while the device had memory free.
+/// A measure's usual time per unit, learned while the device had memory free.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Usual {
     steps: u64,
@@ -158,13 +220,13 @@ impl Usual {
     };
 
     /// The usual time with `steps` more steps that took `each` on average: their mean until
-    /// [`MIN_USUAL_STEPS`], then a moving average ([`USUAL_WEIGHT`] per look).
-    fn learn(self, steps: u64, each: Option<Duration>) -> Usual {
+    /// `min` steps, then a moving average ([`USUAL_WEIGHT`] per look).
+    fn learn(self, steps: u64, each: Option<Duration>, min: u64) -> Usual {
         let Some(each) = each else {
             return self;
         };
         let each = each.as_secs_f64();
-        let seconds = if self.steps < MIN_USUAL_STEPS {
+        let seconds = if self.steps < min {
             (self.seconds * self.steps as f64 + each * steps as f64) / (self.steps + steps) as f64
         } else {
             self.seconds + USUAL_WEIGHT * (each - self.seconds)
@@ -175,8 +237,9 @@ impl Usual {
         }
     }
 
-    fn learned(&self) -> Option<Duration> {
-        (self.steps >= MIN_USUAL_STEPS).then(|| Duration::from_secs_f64(self.seconds))
+    /// The usual time, once `min` steps taught it.
+    fn learned(&self, min: u64) -> Option<Duration> {
+        (self.steps >= min).then(|| Duration::from_secs_f64(self.seconds))
     }
 }
 
@@ -185,8 +248,9 @@ impl Usual {
 pub struct Watch {
     last: Sample,
     usual: Usual,
-    /// The first look of the current run of looks with the device full, once the usual time
-    /// is known; moved up when the steps since were of normal speed or the running tokens fell.
+    usual_prefill: Usual,
+    /// The first look of the current run of looks with the device full, once a usual time is
+    /// known; moved up when the steps since were of normal speed or the running tokens fell.
     full_since: Option<Sample>,
 }
 
@@ -195,13 +259,73 @@ impl Watch {
         Watch {
             last: first,
             usual: Usual::NONE,
+            usual_prefill: Usual::NONE,
             full_since: None,
         }
     }
 
-    /// The usual decode step time, once learned.
+    /// The usual decode step time (per √row), once learned.
     pub fn usual(&self) -> Option<Duration> {
-        self.usual.learned()
+        self.usual.learned(MIN_USUAL_STEPS)
+    }
+
+    /// The usual prefill time per prefilled token, once learned.
+    pub fn usual_prefill(&self) -> Option<Duration> {
+        self.usual_prefill.learned(MIN_USUAL_PREFILLS)
+    }
+
+    fn usual_of(&self, measure: Measure) -> Option<Duration> {
+        match measure {
+            Measure::Decode => self.usual(),
+            Measure::Prefill => self.usual_prefill(),
+        }
+    }
+
+    /// Whether some usual time is known: the watch can judge.
+    fn judges(&self) -> bool {
+        self.usual().is_some() || self.usual_prefill().is_some()
+    }
+}
+
+/// How the steps of one measure ran over a window, against their usual time.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Crawl {
+    pub measure: Measure,
+    /// The steps' average time per unit of the measure (per √row, per prefilled token) over
+    /// the window, and the usual one.
+    pub each: Duration,
+    pub usual: Duration,
+    pub steps: u64,
+    /// The tokens the prefill steps ran (0 for decode steps).
+    pub tokens: u64,
+}
+
+impl Crawl {
+    /// How many times its usual time the measure took.
+    pub fn times(&self) -> f64 {
+        self.each.as_secs_f64() / self.usual.as_secs_f64().max(1e-12)
+    }
+
+    /// What the fatal message says of it.
+    fn describe(&self) -> String {
+        let times = self.times();
+        match self.measure {
+            Measure::Decode => format!(
+                "its decode steps take {times:.0}× their usual time ({:.1} ms against {:.1} ms \
+                 per √row, {} steps; memory_watch)",
+                self.each.as_secs_f64() * 1e3,
+                self.usual.as_secs_f64() * 1e3,
+                self.steps,
+            ),
+            Measure::Prefill => format!(
+                "its prefill passes take {times:.0}× their usual time ({:.1} µs against {:.1} \
+                 µs per prefilled token, {} tokens in {} steps; memory_watch)",
+                self.each.as_secs_f64() * 1e6,
+                self.usual.as_secs_f64() * 1e6,
+                self.tokens,
+                self.steps,
+            ),
+        }
     }
 }
 
@@ -210,10 +334,8 @@ impl Watch {
 pub struct Pressure {
     pub free: u64,
     pub bound: u64,
-    /// The decode steps' average time over the window, and the usual one.
-    pub step: Duration,
-    pub usual: Duration,
-    pub steps: u64,
+    /// The measure that crawled (the one furthest over its usual time, if both did).
+    pub crawl: Crawl,
     pub lasted: Duration,
     /// How many tokens the running sequences gained over the window.
     pub tokens_gained: u64,
@@ -225,20 +347,16 @@ pub struct Pressure {
 impl Pressure {
     /// The fatal report's message.
     pub fn message(&self) -> String {
-        let times = self.step.as_secs_f64() / self.usual.as_secs_f64().max(1e-9);
         format!(
-            "out of memory: the device has {} MiB free (under {} MiB for {} s) and its decode \
-             steps take {times:.0}× their usual time ({:.1} ms against {:.1} ms per √row, {} \
-             steps; memory_watch) while its sequences gained {} tokens of KV and it holds {} \
-             MiB of KV (at least {} MiB, 1/{HELD_SHARE} of the device, which a smaller restart \
-             gives back): most likely another process holds the GPU's memory and the driver \
-             pages this engine's buffers out instead of failing an allocation",
+            "out of memory: the device has {} MiB free (under {} MiB for {} s) and {} while its \
+             sequences gained {} tokens of KV and it holds {} MiB of KV (at least {} MiB, \
+             1/{HELD_SHARE} of the device, which a smaller restart gives back): most likely \
+             another process holds the GPU's memory and the driver pages this engine's buffers \
+             out instead of failing an allocation",
             self.free >> 20,
             self.bound >> 20,
             self.lasted.as_secs(),
-            self.step.as_secs_f64() * 1e3,
-            self.usual.as_secs_f64() * 1e3,
-            self.steps,
+            self.crawl.describe(),
             self.tokens_gained,
             self.held >> 20,
             self.held_bound >> 20,
@@ -247,22 +365,29 @@ impl Pressure {
 }
 
 /// One look at `now`: what to remember, and the pressure when the device has been full, the
-/// decode steps `bounds.slowdown` times their usual time and the running tokens growing for
-/// `bounds.window`, and the engine now holds at least [`held_bound`] of KV.
+/// decode or the prefill steps `bounds.slowdown` times their usual time and the running
+/// tokens growing for `bounds.window`, and the engine now holds at least [`held_bound`] of KV.
 pub fn look(watch: Watch, now: Sample, bounds: Bounds) -> (Watch, Option<Pressure>) {
     let mut next = Watch { last: now, ..watch };
     if !now.low() {
         next.full_since = None;
-        // Only steps between two looks with memory free teach the usual time.
+        // Only steps between two looks with memory free teach the usual times.
         if !watch.last.low() {
-            let (steps, each) = now.steps_since(&watch.last);
-            next.usual = watch.usual.learn(steps, each);
+            let decode = now.ran_since(&watch.last, Measure::Decode);
+            next.usual = watch
+                .usual
+                .learn(decode.steps, decode.each, MIN_USUAL_STEPS);
+            let prefill = now.ran_since(&watch.last, Measure::Prefill);
+            next.usual_prefill =
+                watch
+                    .usual_prefill
+                    .learn(prefill.steps, prefill.each, MIN_USUAL_PREFILLS);
         }
         return (next, None);
     }
-    let (Some(usual), Some(since)) = (watch.usual.learned(), watch.full_since) else {
+    let Some(since) = watch.full_since.filter(|_| watch.judges()) else {
         // Without a usual time, never; else the window starts now.
-        next.full_since = watch.usual.learned().map(|_| now);
+        next.full_since = watch.judges().then_some(now);
         return (next, None);
     };
     if now.running_tokens < watch.last.running_tokens {
@@ -271,15 +396,38 @@ pub fn look(watch: Watch, now: Sample, bounds: Bounds) -> (Watch, Option<Pressur
         return (next, None);
     }
     let lasted = now.at.saturating_duration_since(since.at);
-    let (steps, each) = now.steps_since(&since);
-    let Some(step) = each.filter(|_| lasted >= bounds.window && steps >= MIN_SLOW_STEPS) else {
+    if lasted < bounds.window {
         return (next, None);
-    };
-    if step.as_secs_f64() < usual.as_secs_f64() * bounds.slowdown {
+    }
+    // Each measure that has a usual time and ran enough steps in the window.
+    let judged: Vec<Crawl> = [Measure::Decode, Measure::Prefill]
+        .into_iter()
+        .filter_map(|measure| {
+            let usual = watch.usual_of(measure)?;
+            let ran = now.ran_since(&since, measure);
+            let each = ran.each.filter(|_| ran.steps >= MIN_SLOW_STEPS)?;
+            Some(Crawl {
+                measure,
+                each,
+                usual,
+                steps: ran.steps,
+                tokens: ran.tokens,
+            })
+        })
+        .collect();
+    if judged.is_empty() {
+        // Nothing to judge yet: waits for steps.
+        return (next, None);
+    }
+    let Some(crawl) = judged
+        .into_iter()
+        .filter(|c| c.times() >= bounds.slowdown)
+        .max_by(|a, b| a.times().total_cmp(&b.times()))
+    else {
         // Full, but the steps keep their speed: the window starts over.
         next.full_since = Some(now);
         return (next, None);
-    }
+    };
     if now.running_tokens <= since.running_tokens {
         // Not grown yet: waits for it, or for a look that ends the window.
         return (next, None);
@@ -293,9 +441,7 @@ pub fn look(watch: Watch, now: Sample, bounds: Bounds) -> (Watch, Option<Pressur
     let pressure = Pressure {
         free: now.memory.free,
         bound: low_free_bound(now.memory.total),
-        step,
-        usual,
-        steps,
+        crawl,
         lasted,
         tokens_gained: now.running_tokens - since.running_tokens,
         held: now.kv_bytes,
@@ -306,24 +452,35 @@ pub fn look(watch: Watch, now: Sample, bounds: Bounds) -> (Watch, Option<Pressur
 
 /// Says when the device fills up or has memory free again, so that a log shows what the
 /// watch judged (once per change: a device at the bound says it at most once a look).
-fn log_transition(now: &Sample, usual: Option<Duration>) {
+fn log_transition(now: &Sample, watch: &Watch) {
     let free_mib = now.memory.free >> 20;
     if !now.low() {
         tracing::info!(free_mib, "the device has memory free again");
         return;
     }
-    match usual {
-        Some(usual) => tracing::warn!(
-            free_mib,
-            usual_step_ms = usual.as_secs_f64() * 1e3,
-            "the device's memory is full: watching this engine's decode steps and tokens"
-        ),
-        None => tracing::warn!(
-            free_mib,
-            "the device's memory is full before this engine's usual decode step time was \
-             learned: the memory-pressure watch cannot judge its steps"
-        ),
-    }
+    let ms = |d: Option<Duration>| d.map(|d| d.as_secs_f64() * 1e3);
+    let us = |d: Option<Duration>| d.map(|d| d.as_secs_f64() * 1e6);
+    let usual_step_ms = ms(watch.usual());
+    let usual_prefill_us_per_token = us(watch.usual_prefill());
+    let judged = match (watch.usual(), watch.usual_prefill()) {
+        (Some(_), Some(_)) => "decode steps, prefill passes",
+        (Some(_), None) => "decode steps",
+        (None, Some(_)) => "prefill passes",
+        (None, None) => {
+            tracing::warn!(
+                free_mib,
+                "the device's memory is full before this engine's usual decode step or prefill \
+                 time was learned: the memory-pressure watch cannot judge its steps"
+            );
+            return;
+        }
+    };
+    tracing::warn!(
+        free_mib,
+        usual_step_ms,
+        usual_prefill_us_per_token,
+        "the device's memory is full: watching this engine's {judged} and tokens"
+    );
 }
 
 /// Watches `stats` and the device's memory from a thread of its own for the life of the
@@ -361,6 +518,9 @@ pub fn spawn(
         memory,
         decode_steps: stats.decode_steps.load(Ordering::Relaxed),
         decode_nanos: stats.decode_nanos.load(Ordering::Relaxed),
+        prefill_steps: stats.prefill_steps.load(Ordering::Relaxed),
+        prefill_tokens: stats.prefill_tokens.load(Ordering::Relaxed),
+        prefill_nanos: stats.prefill_nanos.load(Ordering::Relaxed),
         running_tokens: stats.running_tokens.load(Ordering::Relaxed),
         kv_bytes: stats
             .kv_bytes
@@ -395,7 +555,7 @@ pub fn spawn(
                 };
                 let now = sample(memory);
                 if now.low() != watch.last.low() {
-                    log_transition(&now, watch.usual());
+                    log_transition(&now, &watch);
                 }
                 let (next, pressure) = look(watch, now, bounds);
                 watch = next;
@@ -420,17 +580,34 @@ mod tests {
     };
 
     /// Drives the watch through looks a second apart; each decode step adds [`ROWS`] tokens
-    /// (the long streams of a crawling engine), unless the test sets `tokens`. The engine
-    /// holds [`VICTIM_KV`] unless the test sets `kv`.
+    /// (the long streams of a crawling engine), and each prefill step the tokens it ran, unless
+    /// the test sets `tokens`. The engine holds [`VICTIM_KV`] unless the test sets `kv`.
     struct Drive {
         watch: Watch,
         t: Instant,
         steps: u64,
         nanos: u64,
+        prefill_steps: u64,
+        prefill_tokens: u64,
+        prefill_nanos: u64,
         tokens: u64,
         kv: u64,
         looks: usize,
     }
+
+    /// Prefill steps of one look: how many, the tokens each ran and the milliseconds each took.
+    #[derive(Clone, Copy)]
+    struct Prefills {
+        steps: u64,
+        tokens: u64,
+        ms: u64,
+    }
+
+    const NO_PREFILL: Prefills = Prefills {
+        steps: 0,
+        tokens: 0,
+        ms: 0,
+    };
 
     /// Rows in the crawling engine's batch (the H100 run's).
     const ROWS: u64 = 23;
@@ -445,6 +622,9 @@ mod tests {
                 memory: free(40 * GIB),
                 decode_steps: 0,
                 decode_nanos: 0,
+                prefill_steps: 0,
+                prefill_tokens: 0,
+                prefill_nanos: 0,
                 running_tokens: 0,
                 kv_bytes: 0,
             };
@@ -453,25 +633,53 @@ mod tests {
                 t,
                 steps: 0,
                 nanos: 0,
+                prefill_steps: 0,
+                prefill_tokens: 0,
+                prefill_nanos: 0,
                 tokens: 0,
                 kv: VICTIM_KV,
                 looks: 0,
             }
         }
 
-        /// `n` looks a second apart with `free` bytes free and `steps` steps of `ms` each.
+        /// `n` looks a second apart with `free` bytes free and `steps` decode steps of `ms`
+        /// each.
         fn looks(&mut self, n: usize, free_bytes: u64, steps: u64, ms: u64) -> Option<Pressure> {
+            self.mixed(n, free_bytes, steps, ms, NO_PREFILL)
+        }
+
+        /// `n` looks a second apart with `free` bytes free and `p` prefill steps each.
+        fn prefills(&mut self, n: usize, free_bytes: u64, p: Prefills) -> Option<Pressure> {
+            self.mixed(n, free_bytes, 0, 0, p)
+        }
+
+        /// `n` looks a second apart with `free` bytes free, `steps` decode steps of `ms` each
+        /// and `p` prefill steps.
+        fn mixed(
+            &mut self,
+            n: usize,
+            free_bytes: u64,
+            steps: u64,
+            ms: u64,
+            p: Prefills,
+        ) -> Option<Pressure> {
             for _ in 0..n {
                 self.t += Duration::from_secs(1);
                 self.steps += steps;
                 self.nanos += steps * ms * 1_000_000;
-                self.tokens += steps * ROWS;
+                self.prefill_steps += p.steps;
+                self.prefill_tokens += p.steps * p.tokens;
+                self.prefill_nanos += p.steps * p.ms * 1_000_000;
+                self.tokens += steps * ROWS + p.steps * p.tokens;
                 self.looks += 1;
                 let now = Sample {
                     at: self.t,
                     memory: free(free_bytes),
                     decode_steps: self.steps,
                     decode_nanos: self.nanos,
+                    prefill_steps: self.prefill_steps,
+                    prefill_tokens: self.prefill_tokens,
+                    prefill_nanos: self.prefill_nanos,
                     running_tokens: self.tokens,
                     kv_bytes: self.kv,
                 };
@@ -490,6 +698,32 @@ mod tests {
             assert_eq!(d.looks(10, 40 * GIB, 50, 20), None);
             assert_eq!(d.watch.usual(), Some(Duration::from_millis(20)));
             d
+        }
+
+        /// An engine handed long prompts on a free device, before any decode step (the H100
+        /// run of section 6c): 5 s of [`PREFILL`] steps, 40 GiB free.
+        fn prefilling() -> Drive {
+            let mut d = Drive::new();
+            assert_eq!(d.prefills(5, 40 * GIB, PREFILL), None);
+            assert_eq!(d.watch.usual_prefill(), Some(Duration::from_micros(10)));
+            assert_eq!(d.watch.usual(), None, "no decode step yet");
+            d
+        }
+    }
+
+    /// The healthy engine's prefill: two steps a second, each of 8 000 tokens in 80 ms (10 µs
+    /// a token).
+    const PREFILL: Prefills = Prefills {
+        steps: 2,
+        tokens: 8000,
+        ms: 80,
+    };
+
+    /// [`PREFILL`]'s steps, each taking `times` as long.
+    fn prefill_slower(times: u64) -> Prefills {
+        Prefills {
+            ms: PREFILL.ms * times,
+            ..PREFILL
         }
     }
 
@@ -538,11 +772,16 @@ mod tests {
         // least 30 s later.
         assert_eq!(d.looks, 41, "{p:?}");
         assert_eq!(
-            (p.free, p.step, p.usual),
-            (0, Duration::from_secs(2), Duration::from_millis(20))
+            (p.free, p.crawl.measure, p.crawl.each, p.crawl.usual),
+            (
+                0,
+                Measure::Decode,
+                Duration::from_secs(2),
+                Duration::from_millis(20)
+            )
         );
         assert!(
-            p.lasted >= BOUNDS.window && p.steps >= MIN_SLOW_STEPS,
+            p.lasted >= BOUNDS.window && p.crawl.steps >= MIN_SLOW_STEPS,
             "{p:?}"
         );
         let m = p.message();
@@ -670,14 +909,123 @@ mod tests {
 
     #[test]
     fn the_usual_time_is_a_mean_then_a_moving_average() {
-        let ms = |u: Usual| u.learned().map(|d| (d.as_secs_f64() * 1e3).round() as u64);
-        let u = Usual::NONE.learn(MIN_USUAL_STEPS / 2, Some(Duration::from_millis(10)));
+        let ms = |u: Usual| {
+            u.learned(MIN_USUAL_STEPS)
+                .map(|d| (d.as_secs_f64() * 1e3).round() as u64)
+        };
+        let min = MIN_USUAL_STEPS;
+        let u = Usual::NONE.learn(min / 2, Some(Duration::from_millis(10)), min);
         assert_eq!(ms(u), None);
-        let u = u.learn(MIN_USUAL_STEPS / 2, Some(Duration::from_millis(30)));
+        let u = u.learn(min / 2, Some(Duration::from_millis(30)), min);
         assert_eq!(ms(u), Some(20));
         // Then each look moves it a twentieth of the way.
-        let u = u.learn(100, Some(Duration::from_millis(120)));
+        let u = u.learn(100, Some(Duration::from_millis(120)), min);
         assert_eq!(ms(u), Some(25));
-        assert_eq!(u.learn(0, None), u);
+        assert_eq!(u.learn(0, None, min), u);
+    }
+
+    #[test]
+    fn a_full_device_with_crawling_prefill_fires_before_any_decode_step() {
+        // The H100 run of section 6c: the device fills while the prompts prefill, before the
+        // first decode step; each prefill step then takes 50× its usual time.
+        let mut d = Drive::prefilling();
+        let crawl = Prefills {
+            steps: 1,
+            ..prefill_slower(50)
+        };
+        let p = d.prefills(60, 0, crawl).expect("the prefill crawl fires");
+        // The window starts at the first full look (look 6); it fires at the first look at
+        // least 30 s later.
+        assert_eq!(d.looks, 36, "{p:?}");
+        assert_eq!(
+            (p.crawl.measure, p.crawl.each, p.crawl.usual),
+            (
+                Measure::Prefill,
+                Duration::from_micros(500),
+                Duration::from_micros(10)
+            )
+        );
+        assert_eq!((p.crawl.steps, p.crawl.tokens), (30, 30 * 8000));
+        assert_eq!(p.tokens_gained, 30 * 8000);
+        let m = p.message();
+        assert!(
+            m.starts_with("out of memory: the device has 0 MiB free (under 819 MiB for 30 s)")
+                && m.contains(
+                    "its prefill passes take 50× their usual time (500.0 µs against 10.0 µs per \
+                     prefilled token, 240000 tokens in 30 steps; memory_watch)"
+                )
+                && m.contains("it holds 5633 MiB of KV"),
+            "{m}"
+        );
+    }
+
+    #[test]
+    fn a_full_device_with_prefill_of_normal_speed_never_fires() {
+        let mut d = Drive::prefilling();
+        // The engine's own buffers fill the device; its prefill keeps its speed, or slows a few
+        // times (longer contexts, shorter passes).
+        assert_eq!(d.prefills(600, 100 * MIB, PREFILL), None);
+        assert_eq!(d.prefills(600, 0, prefill_slower(3)), None);
+        // Just under the factor, still nothing.
+        assert_eq!(d.prefills(600, 0, prefill_slower(9)), None);
+    }
+
+    #[test]
+    fn without_a_usual_prefill_time_a_prefill_crawl_never_fires() {
+        // Full from the start: nothing learned.
+        let mut d = Drive::new();
+        assert_eq!(d.prefills(600, 0, prefill_slower(100)), None);
+        assert_eq!(d.watch.usual_prefill(), None);
+        // Too few prefill steps with memory free to learn from.
+        let mut d = Drive::new();
+        let few = Prefills {
+            steps: MIN_USUAL_PREFILLS - 1,
+            ..PREFILL
+        };
+        assert_eq!(d.prefills(1, 40 * GIB, few), None);
+        assert_eq!(d.watch.usual_prefill(), None);
+        assert_eq!(d.prefills(600, 0, prefill_slower(100)), None);
+        // A usual decode step time does not judge prefill steps: with no decode step in the
+        // window there is nothing to judge.
+        let mut d = Drive::healthy();
+        assert_eq!(d.watch.usual_prefill(), None);
+        assert_eq!(d.prefills(600, 0, prefill_slower(100)), None);
+    }
+
+    #[test]
+    fn a_bystander_whose_prompts_come_and_go_never_fires() {
+        let mut d = Drive::prefilling();
+        // One request after another, each prefilling at 50× its usual time for 8 s and then
+        // gone: the tokens grow with each, and fall back at its end.
+        for _ in 0..100 {
+            d.tokens = 0;
+            assert_eq!(d.prefills(8, 0, prefill_slower(50)), None);
+        }
+    }
+
+    #[test]
+    fn either_measure_crawling_is_enough() {
+        // Both usual times learned: decode steps and prefill steps with memory free.
+        let learned = || {
+            let mut d = Drive::healthy();
+            assert_eq!(d.prefills(5, 40 * GIB, PREFILL), None);
+            assert!(d.watch.usual().is_some() && d.watch.usual_prefill().is_some());
+            d
+        };
+        // Decode steps of normal speed beside prefill steps 50× slower.
+        let mut d = learned();
+        let p = d
+            .mixed(60, 0, 20, 20, prefill_slower(50))
+            .expect("the prefill crawls");
+        assert_eq!(p.crawl.measure, Measure::Prefill);
+        // Decode steps 50× slower beside prefill steps of normal speed.
+        let mut d = learned();
+        let p = d
+            .mixed(60, 0, 1, 1_000, PREFILL)
+            .expect("the decode steps crawl");
+        assert_eq!(p.crawl.measure, Measure::Decode);
+        // Both of normal speed: nothing.
+        let mut d = learned();
+        assert_eq!(d.mixed(600, 0, 20, 20, PREFILL), None);
     }
 }

@@ -77,6 +77,10 @@ pub(super) struct Executor<'m> {
     /// measure the device's speed. Bounded by [`SEEN_SHAPES_MAX`]. `None` on the CPU, which
     /// compiles nothing per shape, so that its first chunk already sizes the next ones.
     prefill_shapes_seen: Option<HashSet<(usize, usize)>>,
+    /// Whether the last iteration prefilled after a decode step with rows: that prefill's wait
+    /// ran the decode pass the next decode step waits for, so the next step's time is not its
+    /// own and is not counted (see [`RuntimeStats::decode_steps`]).
+    prefill_ran_decode_pass: bool,
     /// The prefix-cache space of each loaded adapter (`KvSpace::of_adapter_dir`), so that an
     /// adapter's rows reuse their own earlier prompts' KV and never the base model's.
     adapter_spaces: HashMap<AdapterId, KvSpace>,
@@ -141,6 +145,7 @@ impl<'m> Executor<'m> {
             units: 0,
             prefill_speed: None,
             prefill_shapes_seen: super::on_gpu().then(HashSet::new),
+            prefill_ran_decode_pass: false,
             adapter_spaces: HashMap::new(),
             adapter_work: None,
         }
@@ -383,7 +388,8 @@ impl<'m> Executor<'m> {
         self.publish();
         let joining = std::mem::take(&mut self.ready);
         // The decode step alone is timed (the memory-pressure watch's measure): the prefill
-        // that follows makes an iteration longer by its prompts.
+        // that follows makes an iteration longer by its prompts, and is timed on its own where
+        // no decode pass runs under it (`RuntimeStats::prefill_steps`).
         let rows = self.batch.len() + joining.iter().map(|r| r.seqs.len()).sum::<usize>();
         if let Some(injected) = crate::fault::step_error() {
             // The requests of `joining` go back to be failed (or resumed) with the rest.
@@ -394,11 +400,14 @@ impl<'m> Executor<'m> {
         let departed = self.batch.step(self.model, joining)?;
         if rows > 0 {
             crate::fault::on_step();
-            self.stats.record_decode_step(started.elapsed(), rows);
+            if !self.prefill_ran_decode_pass {
+                self.stats.record_decode_step(started.elapsed(), rows);
+            }
         }
         self.settle(departed)?;
         self.checkpoint()?;
-        self.prefill()?;
+        let prefilled = self.prefill(rows > 0)?;
+        self.prefill_ran_decode_pass = prefilled && rows > 0;
         self.caches.demote_idle()
     }
 
@@ -637,8 +646,11 @@ impl<'m> Executor<'m> {
 
     /// Runs the step's prefill passes ([`scheduler::plan_prefill`]): each is queued as soon as
     /// it is built (`async_eval`), so the device works through one while the host builds the
-    /// next, and the step waits once, at the end.
-    fn prefill(&mut self) -> Result<(), Exception> {
+    /// next, and the step waits once, at the end. `behind_decode`: this iteration's decode
+    /// step had rows, so its pass may still run ahead of these (the step is then not timed for
+    /// the memory-pressure watch, see [`RuntimeStats::prefill_steps`]). Returns whether it ran
+    /// any pass.
+    fn prefill(&mut self, behind_decode: bool) -> Result<bool, Exception> {
         let views: Vec<PrefillView> = self
             .prefilling
             .iter()
@@ -652,7 +664,7 @@ impl<'m> Executor<'m> {
         let step = scheduler::step_budget(&self.limits, self.prefill_speed);
         let work = scheduler::plan_prefill(&self.limits, &views, chunk, step);
         if work.is_empty() {
-            return Ok(());
+            return Ok(false);
         }
         self.units += 1;
         let mut trace = PrefillTrace::start();
@@ -662,6 +674,8 @@ impl<'m> Executor<'m> {
             .map(Some)
             .collect();
         let mut tokens = 0;
+        // Without padding: what the `crawl_prefill` fault counts.
+        let mut prompt_tokens = 0;
         let mut queued = Vec::with_capacity(work.len());
         let result = (|| {
             for w in &work {
@@ -672,6 +686,7 @@ impl<'m> Executor<'m> {
                         let p = slots[*index].as_mut().expect("each index once a step");
                         p.last_unit = self.units;
                         self.prefill_chunk(p, *n)?;
+                        prompt_tokens += *n;
                         trace.pass(1, *n, *n);
                         queued.push(Queued::Slot(*index));
                     }
@@ -682,6 +697,7 @@ impl<'m> Executor<'m> {
                             .collect();
                         let real: usize = rows.iter().map(Prefilling::remaining).sum();
                         let unit = self.prefill_group(rows)?;
+                        prompt_tokens += real;
                         trace.pass(indices.len(), real, pass_tokens);
                         queued.push(Queued::Ready(self.ready.len()));
                         self.ready.push(unit);
@@ -708,14 +724,19 @@ impl<'m> Executor<'m> {
         })();
         self.prefilling = slots.into_iter().flatten().collect();
         result?;
+        crate::fault::on_prefill(prompt_tokens);
         trace.finish(tokens);
-        let seconds = started.elapsed().as_secs_f64();
+        let took = started.elapsed();
+        let seconds = took.as_secs_f64();
         let warm = self.saw_before(&work, &views);
         if warm && scheduler::measures_speed(&self.limits, chunk, step, tokens, seconds) {
             self.prefill_speed = Some(tokens as f64 / seconds);
         }
+        if warm && !behind_decode {
+            self.stats.record_prefill_step(took, tokens);
+        }
         self.promote_prefilled();
-        Ok(())
+        Ok(true)
     }
 
     /// Whether every pass of this step has a shape prefilled before (and remembers them).
@@ -891,12 +912,11 @@ impl<'m> Executor<'m> {
             .flat_map(|p| p.layers.iter().flatten())
             .map(LayerCache::nbytes)
             .sum();
+        // A prompt still prefilling holds the positions written so far: they grow with each
+        // step, which is how the memory-pressure watch sees an engine whose prompts crawl
+        // press on the device.
         let held = self.batch.held_tokens()
-            + self
-                .prefilling
-                .iter()
-                .map(|p| p.seq.tokens.len())
-                .sum::<usize>()
+            + self.prefilling.iter().map(|p| p.written).sum::<usize>()
             + self
                 .ready
                 .iter()

@@ -234,9 +234,10 @@ pub struct RuntimeStats {
     /// The SSD tier's counters (all 0 without one).
     pub ssd: Arc<SsdCounters>,
     /// Tokens the admitted sequences hold (prompt and generated; not the prefix cache): their
-    /// KV positions, which the memory-pressure watch sees grow in an engine that presses on a
-    /// full device (`crate::app::memory_watch`). Counted in tokens, not bytes: the KV arrays
-    /// grow in blocks of positions, and a crawling engine fills a block in minutes.
+    /// KV positions (of a prompt still prefilling, those written so far), which the
+    /// memory-pressure watch sees grow in an engine that presses on a full device, whether it
+    /// decodes or prefills (`crate::app::memory_watch`). Counted in tokens, not bytes: the KV
+    /// arrays grow in blocks of positions, and a crawling engine fills a block in minutes.
     pub running_tokens: AtomicU64,
     /// Decode steps run (one forward pass of the batch), and their wall time in nanoseconds
     /// per square root of their rows, summed: the memory-pressure watch's measure of a step's
@@ -246,8 +247,38 @@ pub struct RuntimeStats {
     /// 32, 6.4× where √32 is 5.7; Qwen3-30B-A3B 11.3 ms at 1, 20.7 ms at 8, 1.8× where √8 is
     /// 2.8), so per √row the usual time learned at one batch size holds within a few times at
     /// another.
+    ///
+    /// A step is counted only when its time is its own: not one that follows an iteration
+    /// whose prefill ran behind that iteration's decode pass (see
+    /// [`RuntimeStats::prefill_steps`]): the prefill's wait already ran the pass this step
+    /// waits for, so it would time next to nothing.
     pub decode_steps: AtomicU64,
     pub decode_nanos: AtomicU64,
+    /// Prefill steps timed (one step's prefill passes: the chunks and groups of
+    /// `scheduler::plan_prefill`), the prompt tokens their passes ran (padding included: the
+    /// device computes it) and their wall time in nanoseconds, summed: the memory-pressure
+    /// watch's measure of the usual time per prefilled token, for an engine whose device fills
+    /// while it prefills, before its first decode step (BENCHMARKS-soak.md section 6c). A step
+    /// is timed from the building of its first pass to the end of the one wait for all of
+    /// them, as a decode step is from its building to its wait, and counted only when that
+    /// time is its own:
+    /// - not when the decode step of the same iteration had rows: that step queues its pass
+    ///   and waits for the one before it (`DecodeBatch`'s pipeline), so its own pass may still
+    ///   be in flight, and the prefill's wait, behind it on the device's one queue, would time
+    ///   it as prefill (and the next decode step, finding it done, next to nothing: that one
+    ///   is left out too, see [`RuntimeStats::decode_steps`]). An engine that prefills beside
+    ///   running streams at every step is thus judged on neither measure until one of them
+    ///   runs alone; the crawl of section 6c had no stream before its prompts were prefilled;
+    /// - not when one of its passes has a shape (rows, tokens) this process had not prefilled
+    ///   before on a GPU: its time then goes mostly to compiling kernels (the executor's
+    ///   `prefill_shapes_seen`, which keeps such a step out of the measured prefill speed too).
+    ///
+    /// Per token the time is not the same at every pass size: a short pass pays the weights'
+    /// reading and the kernels' launches for few tokens, and a pass deep in a long prompt
+    /// attends to more positions; the watch's factor leaves room for that.
+    pub prefill_steps: AtomicU64,
+    pub prefill_tokens: AtomicU64,
+    pub prefill_nanos: AtomicU64,
 }
 
 impl RuntimeStats {
@@ -257,6 +288,16 @@ impl RuntimeStats {
         let nanos = (took.as_nanos() as f64 / (rows.max(1) as f64).sqrt()) as u64;
         self.decode_nanos.fetch_add(nanos, Relaxed);
         self.decode_steps.fetch_add(1, Relaxed);
+    }
+
+    /// Counts one prefill step whose passes ran `tokens` prompt tokens (padding included) in
+    /// `took`.
+    pub fn record_prefill_step(&self, took: std::time::Duration, tokens: usize) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let nanos = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
+        self.prefill_nanos.fetch_add(nanos, Relaxed);
+        self.prefill_tokens.fetch_add(tokens as u64, Relaxed);
+        self.prefill_steps.fetch_add(1, Relaxed);
     }
 }
 
