@@ -129,8 +129,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() -> anyhow::Result<()> {
-    // `MLXD_CUDA_UNFUSED_ATTENTION`, as the engine applies it.
+    // `MLXD_CUDA_UNFUSED_ATTENTION` and `MLXD_STACKED_PROJECTIONS`, as the engine applies them.
     mlxd_engine::models::layers::unfused_attention_from_env().map_err(anyhow::Error::msg)?;
+    mlxd_engine::models::stacked::stacked_projections_from_env().map_err(anyhow::Error::msg)?;
     // With drafting, `RUST_LOG=mlxd_engine::step=trace` shows each decode step's kind, pass
     // width and time on stderr.
     if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_default_env() {

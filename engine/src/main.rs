@@ -82,6 +82,7 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     init_logging(args.control);
     mlxd_engine::models::layers::unfused_attention_from_env().map_err(anyhow::Error::msg)?;
+    mlxd_engine::models::stacked::stacked_projections_from_env().map_err(anyhow::Error::msg)?;
     let home = match args.home {
         Some(home) => home,
         None => store::default_home()?,

@@ -67,6 +67,9 @@ pub(crate) const PASSTHROUGH_ENV: &[&str] = &[
     // Which attention passes run unfused on CUDA (`mlxd_engine::models::layers`), for
     // measuring the fused and unfused paths against each other.
     "MLXD_CUDA_UNFUSED_ATTENTION",
+    // Whether projections that read one input are one product (`mlxd_engine::models::stacked`),
+    // for measuring both ways.
+    "MLXD_STACKED_PROJECTIONS",
     // Where MLX keeps the GPU kernels it compiles (engines default to the store,
     // `mlxd_engine::kernel_cache`); a directory the user chose reaches every engine.
     "MLX_PTX_CACHE_DIR",

@@ -17,17 +17,7 @@ out=$1
 mkdir -p "$out/graphs"
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$root"
-for graphs in 1 0; do
-  for rows in 1 8 32 64; do
-    echo "{\"cuda_graphs\": $graphs, \"rows\": $rows}" >> "$out/engine.jsonl"
-    MLX_USE_CUDA_GRAPHS=$graphs timeout 150 scripts/bench/engine.sh "$MODELS/llama-1b-bf16" 128 128 3 "$rows" 0 |
-      tee -a "$out/engine.jsonl" | tail -1
-  done
-done
-for graphs in 1 0; do
-  MLX_USE_CUDA_GRAPHS=$graphs ADAPTER_TOKENS=512 ADAPTER_TEMPS=0 timeout 200 \
-    scripts/bench/h200.sh adapters "$out/adapters-graphs-$graphs" | grep -v '^{' | tail -1
-done
+scripts/bench/switch_ab.sh "$out" MLX_USE_CUDA_GRAPHS 1 0
 MLX_SAVE_CUDA_GRAPHS_DOT_FILE="$out/graphs/decode8" timeout 120 "$BENCH_BIN" \
   "$MODELS/llama-1b-bf16" 128 8 1 8 0 > /dev/null
 python3 - "$out/graphs" <<'PY'

@@ -9,6 +9,7 @@ use mlx_rs::Array;
 use super::layers::{attend_with, split_heads, AttnOpts, Linear, RmsNorm};
 use super::params::{Parameters, Params};
 use super::rope::ScaledRope;
+use super::stacked::Stacked;
 use crate::cache::LayerCache;
 use crate::loader::{LoadError, Weights};
 
@@ -34,7 +35,8 @@ pub(crate) fn prerotated_opts(scale: f32, window: Option<usize>) -> AttnOpts<'st
     }
 }
 
-/// Query, key, value and output projections (`<prefix>.{q,k,v,o}_proj`).
+/// Query, key, value and output projections (`<prefix>.{q,k,v,o}_proj`), the first three
+/// computed as one product where their matrices stack ([`Stacked`]).
 pub(crate) struct AttnProjections {
     pub q_proj: Linear,
     pub k_proj: Linear,
@@ -42,6 +44,8 @@ pub(crate) struct AttnProjections {
     pub o_proj: Linear,
     pub heads: i32,
     pub kv_heads: i32,
+    /// The query, key and value projections' stacked matrix; `None`: three products.
+    qkv: Option<Box<Stacked>>,
 }
 
 impl AttnProjections {
@@ -55,23 +59,54 @@ impl AttnProjections {
         qkv_bias: bool,
         o_bias: bool,
     ) -> Result<Self, LoadError> {
-        Ok(Self {
-            q_proj: Linear::load(w, &format!("{prefix}.q_proj"), qkv_bias)?,
-            k_proj: Linear::load(w, &format!("{prefix}.k_proj"), qkv_bias)?,
-            v_proj: Linear::load(w, &format!("{prefix}.v_proj"), qkv_bias)?,
-            o_proj: Linear::load(w, &format!("{prefix}.o_proj"), o_bias)?,
+        Self::new(
+            [
+                Linear::load(w, &format!("{prefix}.q_proj"), qkv_bias)?,
+                Linear::load(w, &format!("{prefix}.k_proj"), qkv_bias)?,
+                Linear::load(w, &format!("{prefix}.v_proj"), qkv_bias)?,
+                Linear::load(w, &format!("{prefix}.o_proj"), o_bias)?,
+            ],
             heads,
             kv_heads,
+        )
+    }
+
+    /// The projections `[q, k, v, o]` of a layer with `heads` query and `kv_heads` key and
+    /// value heads, the first three stacked where they can be.
+    pub fn new(
+        [mut q_proj, mut k_proj, mut v_proj, o_proj]: [Linear; 4],
+        heads: i32,
+        kv_heads: i32,
+    ) -> Result<Self, LoadError> {
+        let qkv = Stacked::of(&mut [&mut q_proj, &mut k_proj, &mut v_proj])?.map(Box::new);
+        Ok(Self {
+            q_proj,
+            k_proj,
+            v_proj,
+            o_proj,
+            heads,
+            kv_heads,
+            qkv,
         })
     }
 
     /// Queries, keys and values `[B, L, heads * head_dim]`, before heads are split.
     pub fn qkv(&self, x: &Array) -> Result<(Array, Array, Array), Exception> {
-        Ok((
-            self.q_proj.forward(x)?,
-            self.k_proj.forward(x)?,
-            self.v_proj.forward(x)?,
-        ))
+        let layers = [&self.q_proj, &self.k_proj, &self.v_proj];
+        match &self.qkv {
+            Some(stacked) => {
+                let [q, k, v]: [Array; 3] = stacked
+                    .forward(x, &layers)?
+                    .try_into()
+                    .map_err(|_| Exception::custom("a stacked q/k/v product gave other than 3"))?;
+                Ok((q, k, v))
+            }
+            None => Ok((
+                self.q_proj.forward(x)?,
+                self.k_proj.forward(x)?,
+                self.v_proj.forward(x)?,
+            )),
+        }
     }
 
     /// Queries, keys and values of `x` `[B, L, hidden]`, each `[B, heads, L, head_dim]`.

@@ -601,12 +601,14 @@ fn load_layer(c: &Config, w: &mut Weights, p: &str, shape: LayerShape) -> Result
         o_proj: linear(w, "self_attn.o_proj")?,
         q_norm: norm(w, "self_attn.q_norm")?,
         k_norm: owns_kv.then(|| norm(w, "self_attn.k_norm")).transpose()?,
-        mlp: GatedMlp {
-            gate_proj: with_rows(linear(w, "mlp.gate_proj")?, shape.mlp_width, p)?,
-            up_proj: with_rows(linear(w, "mlp.up_proj")?, shape.mlp_width, p)?,
-            down_proj: linear(w, "mlp.down_proj")?,
-            activation: SwitchActivation::GeluGlu,
-        },
+        mlp: GatedMlp::new(
+            [
+                with_rows(linear(w, "mlp.gate_proj")?, shape.mlp_width, p)?,
+                with_rows(linear(w, "mlp.up_proj")?, shape.mlp_width, p)?,
+                linear(w, "mlp.down_proj")?,
+            ],
+            SwitchActivation::GeluGlu,
+        )?,
         moe,
         per_layer,
         input_layernorm: norm(w, "input_layernorm")?,

@@ -141,7 +141,12 @@ impl Linear {
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        let y = self.matrix.matmul_t(x)?;
+        self.finish(x, self.matrix.matmul_t(x)?)
+    }
+
+    /// The layer's output from its product `y` (`x @ W.T`, computed here or as part of a
+    /// [`Stacked`](super::stacked::Stacked) product): the bias and the adapter update added.
+    pub fn finish(&self, x: &Array, y: Array) -> Result<Array> {
         match &self.lora {
             // The site adds the bias: a DoRA update rescales the output before it.
             Some(site) => site.apply(x, y, &self.matrix, self.bias.as_ref()),

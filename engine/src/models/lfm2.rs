@@ -199,7 +199,8 @@ impl Parameters for ShortConv {
 
 /// What mixes positions in a layer.
 enum Mixer {
-    Attention(Lfm2Attention),
+    /// Boxed: an attention layer's projections are several times a convolution's size.
+    Attention(Box<Lfm2Attention>),
     Conv(ShortConv),
 }
 
@@ -260,20 +261,22 @@ pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadE
         let p = format!("model.layers.{i}");
         let mixer = if attention {
             let a = format!("{p}.self_attn");
-            Mixer::Attention(Lfm2Attention {
-                proj: AttnProjections {
-                    q_proj: Linear::load(w, &format!("{a}.q_proj"), false)?,
-                    k_proj: Linear::load(w, &format!("{a}.k_proj"), false)?,
-                    v_proj: Linear::load(w, &format!("{a}.v_proj"), false)?,
-                    o_proj: Linear::load(w, &format!("{a}.out_proj"), false)?,
+            Mixer::Attention(Box::new(Lfm2Attention {
+                proj: AttnProjections::new(
+                    [
+                        Linear::load(w, &format!("{a}.q_proj"), false)?,
+                        Linear::load(w, &format!("{a}.k_proj"), false)?,
+                        Linear::load(w, &format!("{a}.v_proj"), false)?,
+                        Linear::load(w, &format!("{a}.out_proj"), false)?,
+                    ],
                     heads,
                     kv_heads,
-                },
+                )?,
                 q_layernorm: RmsNorm::load(w, &format!("{a}.q_layernorm"), c.norm_eps)?,
                 k_layernorm: RmsNorm::load(w, &format!("{a}.k_layernorm"), c.norm_eps)?,
                 rope: rope.clone(),
                 scale: (head_dim as f32).powf(-0.5),
-            })
+            }))
         } else {
             Mixer::Conv(ShortConv::load(w, &format!("{p}.conv"), &c)?)
         };
@@ -281,12 +284,14 @@ pub fn build(config: &Value, w: &mut Weights) -> Result<Box<dyn CausalLm>, LoadE
         layers.push(Layer {
             mixer,
             operator_norm: RmsNorm::load(w, &format!("{p}.operator_norm"), c.norm_eps)?,
-            feed_forward: GatedMlp {
-                gate_proj: Linear::load(w, &format!("{f}.w1"), false)?,
-                up_proj: Linear::load(w, &format!("{f}.w3"), false)?,
-                down_proj: Linear::load(w, &format!("{f}.w2"), false)?,
-                activation: SwitchActivation::SwiGlu,
-            },
+            feed_forward: GatedMlp::new(
+                [
+                    Linear::load(w, &format!("{f}.w1"), false)?,
+                    Linear::load(w, &format!("{f}.w3"), false)?,
+                    Linear::load(w, &format!("{f}.w2"), false)?,
+                ],
+                SwitchActivation::SwiGlu,
+            )?,
             ffn_norm: RmsNorm::load(w, &format!("{p}.ffn_norm"), c.norm_eps)?,
         });
     }

@@ -6,6 +6,7 @@ use mlx_rs::Array;
 
 use super::layers::{swiglu, Linear};
 use super::params::{Parameters, Params};
+use super::stacked::Stacked;
 use super::switch::SwitchActivation;
 use crate::loader::{LoadError, Weights};
 
@@ -28,6 +29,8 @@ pub(crate) struct GatedMlp {
     pub up_proj: Linear,
     pub down_proj: Linear,
     pub activation: SwitchActivation,
+    /// The gate and up projections' stacked matrix ([`Stacked`]); `None`: two products.
+    gate_up: Option<Box<Stacked>>,
 }
 
 impl GatedMlp {
@@ -43,21 +46,48 @@ impl GatedMlp {
         bias: bool,
         activation: SwitchActivation,
     ) -> Result<Self, LoadError> {
-        Ok(Self {
-            gate_proj: Linear::load(w, &format!("{prefix}.gate_proj"), bias)?,
-            up_proj: Linear::load(w, &format!("{prefix}.up_proj"), bias)?,
-            down_proj: Linear::load(w, &format!("{prefix}.down_proj"), bias)?,
+        Self::new(
+            [
+                Linear::load(w, &format!("{prefix}.gate_proj"), bias)?,
+                Linear::load(w, &format!("{prefix}.up_proj"), bias)?,
+                Linear::load(w, &format!("{prefix}.down_proj"), bias)?,
+            ],
             activation,
+        )
+    }
+
+    /// The MLP of projections `[gate, up, down]`, gated by `activation`, the first two stacked
+    /// where they can be.
+    pub fn new(
+        [mut gate_proj, mut up_proj, down_proj]: [Linear; 3],
+        activation: SwitchActivation,
+    ) -> Result<Self, LoadError> {
+        let gate_up = Stacked::of(&mut [&mut gate_proj, &mut up_proj])?.map(Box::new);
+        Ok(Self {
+            gate_proj,
+            up_proj,
+            down_proj,
+            activation,
+            gate_up,
         })
     }
 }
 
 impl FeedForward for GatedMlp {
     fn forward(&self, x: &Array) -> Result<Array, Exception> {
-        let gated = self
-            .activation
-            .apply(&self.up_proj.forward(x)?, &self.gate_proj.forward(x)?)?;
-        self.down_proj.forward(&gated)
+        let (gate, up) = match &self.gate_up {
+            Some(stacked) => {
+                let [gate, up]: [Array; 2] = stacked
+                    .forward(x, &[&self.gate_proj, &self.up_proj])?
+                    .try_into()
+                    .map_err(|_| {
+                        Exception::custom("a stacked gate/up product gave other than 2")
+                    })?;
+                (gate, up)
+            }
+            None => (self.gate_proj.forward(x)?, self.up_proj.forward(x)?),
+        };
+        self.down_proj.forward(&self.activation.apply(&up, &gate)?)
     }
 }
 

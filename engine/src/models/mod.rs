@@ -47,6 +47,7 @@ pub mod qwen3_next;
 pub mod rope;
 pub mod scalar;
 pub mod smollm3;
+pub mod stacked;
 pub mod starcoder2;
 pub mod switch;
 #[cfg(test)]

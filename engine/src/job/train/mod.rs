@@ -273,11 +273,13 @@ struct Position {
 /// run meets a few batch widths (one plan each, built once), not a server's stream of shapes.
 pub const TRAINING_UNFUSED_MAX_SCORES: u64 = 0;
 
-/// Sets what a training job's process attends with ([`TRAINING_UNFUSED_MAX_SCORES`]); called
-/// by the job's process before it loads the model, never inside an engine (a process-wide
-/// setting).
+/// Sets what a training job's process attends with ([`TRAINING_UNFUSED_MAX_SCORES`]), and
+/// that its model computes each projection on its own (`crate::models::stacked`: the gradient
+/// of a stacked product's split is a zero-filled array per part); called by the job's process
+/// before it loads the model, never inside an engine (process-wide settings).
 pub fn configure_process() {
     crate::models::layers::set_unfused_max_scores(TRAINING_UNFUSED_MAX_SCORES);
+    crate::models::stacked::set_enabled(false);
 }
 
 /// Called after each event of the run; an error stops it (the job's channel is gone, or a
