@@ -29,7 +29,10 @@
 //! - `MLXD_FAULT=slow_load@<ms>`: a supervised engine waits that many milliseconds before it
 //!   loads the model (a slow download or disk, to test waiting for a load).
 //! - `MLXD_FAULT_ONCE=<path>` (optional): fire only if this file exists, and remove it when
-//!   firing, so that the restarted engine runs clean. Without it, every engine fires.
+//!   firing, so that the restarted engine runs clean. Without it, every engine fires. A
+//!   `crawl_prefill` fault past its count fires at the first prefill step that finds the file,
+//!   so that a test can arm it between two runs by creating the file (how many prompt tokens a
+//!   clean run prefills depends on the tokenizer).
 //! - `MLXD_FAULT_GPU_MEMORY=<free MiB>/<total MiB>`: the device reports this much memory
 //!   ([`device_memory_override`]), so that the KV budget's start-up check against the GPU's
 //!   free memory, and the memory-pressure watch, run on a machine without a GPU.
@@ -247,7 +250,8 @@ pub fn on_step() {
 /// Called by the model thread after each step's prefill passes, inside the time the step is
 /// measured by, with the prompt tokens they prefilled (padding not counted): sleeps
 /// [`CRAWL_STEP_DELAY`] once a `crawl_prefill` fault has fired, and counts the tokens towards
-/// an armed one, which fires on the step that reaches its count (this step runs at its speed).
+/// an armed one, which fires on the first step at or past its count (where `MLXD_FAULT_ONCE`
+/// is set, the first such step that finds the file); that step runs at its speed.
 pub fn on_prefill(tokens: usize) {
     if PREFILL_CRAWLING.load(Ordering::Relaxed) {
         std::thread::sleep(CRAWL_STEP_DELAY);
@@ -258,12 +262,12 @@ pub fn on_prefill(tokens: usize) {
     if armed.spec.kind != FaultKind::CrawlPrefill {
         return;
     }
-    let before = armed.emitted.fetch_add(tokens as u64, Ordering::Relaxed);
-    let n = before + tokens as u64;
-    if before >= armed.spec.after_tokens || n < armed.spec.after_tokens {
+    let n = armed.emitted.fetch_add(tokens as u64, Ordering::Relaxed) + tokens as u64;
+    if n < armed.spec.after_tokens || PREFILL_CRAWLING.load(Ordering::Relaxed) {
         return;
     }
     if let Some(path) = &armed.spec.once {
+        // Only the engine that removes the file fires.
         if std::fs::remove_file(path).is_err() {
             return;
         }

@@ -603,6 +603,86 @@ async fn a_full_gpu_with_crawling_steps_leaves_an_engine_holding_little_kv_alone
     Ok(())
 }
 
+/// A GPU that fills while the engine prefills long prompts, before its first decode step
+/// (BENCHMARKS-soak.md section 6c): 0 MiB free and every prefill step 500 ms longer
+/// (`crawl_prefill`), the decode steps at their speed. A clean run first teaches the watch the
+/// usual prefill time (its prompts are prefilled 32 tokens a step, `prefill_step_tokens`);
+/// the fault is armed once it is over (its file created), and fires at the next run's first
+/// prefill step, so its prompts crawl before any of them decodes. The watch ends the engine as
+/// out of memory on its prefill passes alone, and the streams finish on the restarted engine
+/// as if nothing happened. The engine's KV counts as a large model's ([`LARGE_MODEL_KV`]).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_full_gpu_whose_prefill_crawls_before_any_decode_step_is_out_of_memory() -> Result<()> {
+    let extra = json!({"stream": true, "stream_options": {"include_usage": true},
+                       "max_tokens": 4});
+    let cases: Vec<Case> = [
+        "The quick brown fox",
+        "Once upon a time",
+        "In a distant galaxy",
+    ]
+    .into_iter()
+    .map(|opening| {
+        let prompt = format!(
+            "{opening} {}",
+            "jumps over the lazy dog while the river runs to the sea. ".repeat(6)
+        );
+        Case::completion(&prompt, extra.clone())
+    })
+    .collect();
+    let marker_dir = tempfile::tempdir()?;
+    let marker = marker_dir.path().join("fault-once");
+    let p = start_tiny(|c| {
+        c.server.limits.max_batch_size = Some(16);
+        let env = &mut c.server.engine_env;
+        env.insert("MLXD_ALLOW_FAULTS".into(), "1".into());
+        env.insert("MLXD_FAULT".into(), "crawl_prefill@1".into());
+        env.insert("MLXD_FAULT_ONCE".into(), marker.display().to_string());
+        env.insert("MLXD_FAULT_GPU_MEMORY".into(), "2049/4096".into());
+        env.insert("MLXD_FAULT_KV_SCALE".into(), LARGE_MODEL_KV.to_string());
+        let options = &mut c.server.engine_options;
+        options.insert("memory_watch".into(), "1".into());
+        options.insert("memory_watch_slowdown".into(), "10".into());
+        options.insert("prefill_step_tokens".into(), "32".into());
+    })
+    .await?;
+    let clean = run_all(p.addr, &cases, Progress::default()).await?;
+    for answer in &clean {
+        // Long enough for several prefill steps of 32 tokens each, clean and crawling.
+        let prompt_tokens = answer
+            .split("\"prompt_tokens\":")
+            .nth(1)
+            .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+            .and_then(|n| n.parse::<u64>().ok())
+            .with_context(|| format!("no prompt_tokens in {answer}"))?;
+        ensure!(
+            prompt_tokens >= 128,
+            "a prompt of {prompt_tokens} tokens: {answer}"
+        );
+    }
+    // Looks of the watch with memory free, after those prefill steps; then the fault is armed.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    std::fs::write(&marker, b"")?;
+    let faulted = run_all(p.addr, &cases, Progress::default()).await?;
+    ensure!(
+        !marker.exists(),
+        "the fault never fired (the marker is still there)"
+    );
+    compare(&cases, &clean, &faulted)?;
+    let e = p.engine().await?;
+    ensure!(e["last_exit"]["code"] == "out_of_memory", "{e}");
+    let cause = e["last_exit"]["cause"].as_str().unwrap_or_default();
+    ensure!(
+        cause.contains("0 MiB free")
+            && cause.contains("its prefill passes take")
+            && cause.contains("per prefilled token")
+            && cause.contains("MiB of KV (at least 128 MiB, 1/32 of the device"),
+        "the exit does not name the prefill's figures: {e}"
+    );
+    ensure!(e["restarts"].as_u64() >= Some(1), "{e}");
+    ensure!(e["limits"]["reduced"] == true, "{e}");
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn injected_abort_hang_and_stall_are_detected_restarted_and_resumed() -> Result<()> {
     drop(crashed_and_resumed("abort@10", "signal 6").await?);
