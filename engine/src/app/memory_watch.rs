@@ -25,7 +25,9 @@
 //!   device may fill before the engine decodes at all: in the H100 run of section 6c, 64
 //!   prompts of ~6 000 tokens filled the device 15 s into their prefill, which then crawled
 //!   for 203-208 s before the first token; a watch of decode steps alone had no usual time
-//!   and nothing to judge. When both ran, either crawling is enough;
+//!   and nothing to judge. When both ran, either crawling is enough. An engine that prefills
+//!   beside running streams at every step has neither measure timed (see
+//!   [`RuntimeStats::prefill_steps`]) and is not judged until one of them runs alone;
 //! - this engine presses on the memory: the tokens its admitted sequences hold, their KV
 //!   positions ([`RuntimeStats::running_tokens`], a prompt's as it is prefilled), grew over
 //!   the window and never fell between two looks. Every engine on a thrashing GPU crawls (the

@@ -87,10 +87,11 @@ pub fn default_step_timeout() -> std::time::Duration {
     }
 }
 
-/// How long the device must stay full while decode steps crawl before the memory-pressure
-/// watch ends the engine as out of memory (`memory_watch`; `crate::app::memory_watch`): long
-/// against a decode step (tens of milliseconds, so hundreds of them), long enough for a few of
-/// the H100 run's crawling steps (seconds each), short against the minutes that crawl lasted.
+/// How long the device must stay full while decode (or prefill) steps crawl before the
+/// memory-pressure watch ends the engine as out of memory (`memory_watch`;
+/// `crate::app::memory_watch`): long against a decode step (tens of milliseconds, so hundreds
+/// of them), long enough for a few of the H100 run's crawling steps (seconds each), short
+/// against the minutes that crawl lasted.
 pub const DEFAULT_MEMORY_WATCH: std::time::Duration = std::time::Duration::from_secs(30);
 /// How many times their usual time decode steps must take, on average over the window, with
 /// the device full (`memory_watch_slowdown`): the H100 run's crawl was 30-70× (its bystander
@@ -124,12 +125,12 @@ pub struct RuntimeLimits {
     /// before the supervised engine reports itself stalled and exits for a restart
     /// (`step_timeout`; `crate::app::step_watch`). `None`: [`default_step_timeout`].
     pub step_timeout: Option<std::time::Duration>,
-    /// How long a supervised engine's device may stay full while its decode steps crawl
-    /// before it reports itself out of memory (`memory_watch`; `crate::app::memory_watch`).
+    /// How long a supervised engine's device may stay full while its decode or prefill steps
+    /// crawl before it reports itself out of memory (`memory_watch`; `crate::app::memory_watch`).
     /// `None`: the watch is off.
     pub memory_watch: Option<std::time::Duration>,
-    /// How many times their usual time the decode steps must take for the memory watch
-    /// (`memory_watch_slowdown`).
+    /// How many times their usual time the decode or prefill steps must take for the memory
+    /// watch (`memory_watch_slowdown`).
     pub memory_watch_slowdown: u32,
     /// Bytes of KV the prefix cache may keep between requests; 0 disables it.
     pub prompt_cache_bytes: u64,
