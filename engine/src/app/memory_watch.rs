@@ -22,11 +22,11 @@
 //!   (default [`DEFAULT_MEMORY_WATCH_SLOWDOWN`](crate::runtime::DEFAULT_MEMORY_WATCH_SLOWDOWN))
 //!   their usual time, learned while the device had memory free. Alone it is no fault either:
 //!   a large batch of long contexts is slower, but not by that much. Both measures, because a
-//!   device may fill before the engine decodes at all: in the H100 run of section 6c, 64
-//!   prompts of ~6 000 tokens filled the device 15 s into their prefill, which then crawled
-//!   for 203-208 s before the first token; a watch of decode steps alone had no usual time
-//!   and nothing to judge. When both ran, either crawling is enough. An engine that prefills
-//!   beside running streams at every step has neither measure timed (see
+//!   device may fill before the engine decodes at all: in the H100 run of BENCHMARKS-soak.md
+//!   section 6c, 64 prompts of ~6 000 tokens filled the device 15 s into their prefill, which
+//!   then crawled for 203-208 s before the first token; a watch of decode steps alone had no
+//!   usual time and nothing to judge. When both ran, either crawling is enough. An engine
+//!   that prefills beside running streams at every step has neither measure timed (see
 //!   [`RuntimeStats::prefill_steps`]) and is not judged until one of them runs alone;
 //! - this engine presses on the memory: the tokens its admitted sequences hold, their KV
 //!   positions ([`RuntimeStats::running_tokens`], a prompt's as it is prefilled), grew over
@@ -53,10 +53,11 @@
 //! device fills before either is learned the watch cannot judge the engine (it logs so), and
 //! there is no other baseline to take: the warm-up (`crate::runtime::warm_up`) runs its passes
 //! through the same executor, but with counters of its own, before this watch starts, and its
-//! 48-token prompts would teach a time per token many times a long prompt's (fixed costs, and
-//! on CUDA the kernels its first passes compile). The first steps of a GPU compile kernels
-//! and are slower, which only makes the watch less eager; the executor leaves out of the
-//! prefill measure a step with a pass shape new to the process, which mostly compiles.
+//! 48-token prompts would teach a time per token above a long prompt's (a short pass pays the
+//! weights' reading and the kernels' launches for few tokens; by how much was not measured),
+//! and on CUDA one of kernels compiling. The first steps of a GPU compile kernels and are
+//! slower, which only makes the watch less eager; the executor leaves out of the prefill
+//! measure a step with a pass shape new to the process, which mostly compiles.
 //!
 //! Only where the device reports its free memory: CUDA. The CPU's memory is the system's (the
 //! kernel's OOM killer, or an allocation error, ends an engine that runs out of it) and so is
