@@ -4,6 +4,8 @@
 //!   are refused with the reason);
 //! - [`dora`]: DoRA's per-output-row rescale, its starting magnitude and its fuse;
 //! - [`experts`]: LoRA on expert stacks (each routed pair takes its expert's factors);
+//! - [`group`]: the update of linear layers computed as one stacked product, in one product
+//!   pair;
 //! - [`checkpoint`]: gradient checkpointing of a training step's transformer layers;
 //! - [`table`]: the adapters a model holds, the linear layers they apply to, and each forward
 //!   pass's choice of adapter per row;
@@ -16,12 +18,14 @@ pub mod checkpoint;
 pub mod config;
 pub mod dora;
 pub mod experts;
+pub mod group;
 pub mod model;
 pub mod table;
 
 use std::path::PathBuf;
 
 pub use experts::PairAdapters;
+pub use group::GroupUpdate;
 pub use table::{
     layer_of, loading_into, site_for, AdapterSummary, AdapterTable, LoraSite, Selected, SiteInfo,
     TrainingDropout, TrainingFactors,

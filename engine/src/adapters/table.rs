@@ -42,6 +42,7 @@ use mlx_rs::{Array, Dtype};
 
 use super::config::{self, AdapterKind};
 use super::experts::{self, PairAdapters};
+use super::group::{self, GroupFactors, GroupUpdate};
 use super::{dora, AdapterError, AdapterId};
 use crate::models::layers::Matrix;
 
@@ -74,6 +75,18 @@ struct State {
     adapters: Vec<Loaded>,
     next_id: u64,
     selection: Selection,
+    /// Per group of sites computed as one stacked product (their indices), its factors
+    /// ([`super::group`]); emptied when adapters are loaded or unloaded.
+    groups: HashMap<Vec<usize>, GroupCache>,
+}
+
+/// A group's factors, built by its first pass that needs them.
+#[derive(Default)]
+struct GroupCache {
+    /// Per adapter (index into `State::adapters`) that every row of a pass takes.
+    one: HashMap<usize, GroupFactors>,
+    /// For a pass that mixes rows: the adapters it used ([`Mixed::used`]) and their factors.
+    mixed: Option<(Vec<usize>, GroupFactors)>,
 }
 
 struct Loaded {
@@ -579,6 +592,7 @@ impl AdapterTable {
             site.factors.push(f);
             site.stacked = None;
         }
+        state.groups.clear();
         state.adapters.push(Loaded {
             summary: AdapterSummary {
                 id,
@@ -614,6 +628,7 @@ impl AdapterTable {
             site.factors.remove(index);
             site.stacked = None;
         }
+        state.groups.clear();
         Some(loaded.summary)
     }
 
@@ -688,6 +703,109 @@ impl AdapterTable {
         state.selection = selection;
         self.engaged.store(true, Ordering::Release);
         Ok(Selected { table: Some(self) })
+    }
+
+    /// This pass's update of the sites `sites` (indices; linear layers computed as one
+    /// stacked product, in its order), as one product pair ([`super::group`]).
+    pub(crate) fn group_update(&self, sites: &[usize]) -> Result<GroupUpdate, Exception> {
+        if !self.engaged.load(Ordering::Acquire) {
+            return Ok(GroupUpdate::None);
+        }
+        let mut guard = self.lock();
+        let State {
+            sites: all,
+            adapters,
+            selection,
+            groups,
+            ..
+        } = &mut *guard;
+        let group: Vec<&Site> = sites.iter().map(|&i| &all[i]).collect();
+        if group.iter().any(|s| s.experts.is_some()) {
+            return Err(Exception::custom(
+                "an expert stack was stacked with linear layers as one product",
+            ));
+        }
+        match selection {
+            Selection::Base => Ok(GroupUpdate::None),
+            Selection::Training { .. } => Ok(GroupUpdate::PerLayer),
+            Selection::One(i) => {
+                let i = *i;
+                let factors: Vec<Option<&Factors>> =
+                    group.iter().map(|s| s.factors[i].as_ref()).collect();
+                if factors.iter().all(Option::is_none) {
+                    return Ok(GroupUpdate::None);
+                }
+                if factors.iter().flatten().any(|f| f.m.is_some()) {
+                    return Ok(GroupUpdate::PerLayer);
+                }
+                let cache = groups.entry(sites.to_vec()).or_default();
+                if let Some(f) = cache.one.get(&i) {
+                    return Ok(GroupUpdate::Update(f.clone()));
+                }
+                let one = [(i, adapters[i].summary.rank, adapters[i].dtype)];
+                let mut a = Vec::with_capacity(group.len());
+                let mut b = Vec::with_capacity(group.len());
+                for site in &group {
+                    let (sa, sb) = side_by_side_factors(site, &one)?;
+                    a.push(sa);
+                    b.push(sb);
+                }
+                let dtype = adapters[i].dtype;
+                let f = GroupFactors {
+                    a: group::side_by_side(&a, dtype)?,
+                    b: group::block_diagonal(&b, dtype)?,
+                    mask: None,
+                };
+                cache.one.insert(i, f.clone());
+                Ok(GroupUpdate::Update(f))
+            }
+            Selection::Mixed(Mixed { used, mask, .. }) => {
+                let touched = |s: &&Site| used.iter().any(|&i| s.factors[i].is_some());
+                if !group.iter().any(touched) {
+                    return Ok(GroupUpdate::None);
+                }
+                let dora = |s: &&Site| {
+                    used.iter()
+                        .any(|&i| matches!(&s.factors[i], Some(f) if f.m.is_some()))
+                };
+                if group.iter().any(dora) {
+                    return Ok(GroupUpdate::PerLayer);
+                }
+                let layers = group.len() as i32;
+                let cache = groups.entry(sites.to_vec()).or_default();
+                if let Some((for_used, f)) = &cache.mixed {
+                    if for_used == used {
+                        return Ok(GroupUpdate::Update(GroupFactors {
+                            mask: Some((mask.clone(), layers)),
+                            ..f.clone()
+                        }));
+                    }
+                }
+                let chosen: Vec<(usize, usize, Dtype)> = used
+                    .iter()
+                    .map(|&i| (i, adapters[i].summary.rank, adapters[i].dtype))
+                    .collect();
+                let dtypes: Vec<Dtype> = chosen.iter().map(|c| c.2).collect();
+                let dtype = common_dtype(&dtypes);
+                let mut a = Vec::with_capacity(group.len());
+                let mut b = Vec::with_capacity(group.len());
+                for site in &group {
+                    let (sa, sb) = side_by_side_factors(site, &chosen)?;
+                    a.push(sa);
+                    b.push(sb);
+                }
+                let f = GroupFactors {
+                    a: group::side_by_side(&a, dtype)?,
+                    b: group::block_diagonal(&b, dtype)?,
+                    mask: None,
+                };
+                cache.mixed = Some((used.clone(), f.clone()));
+                Ok(GroupUpdate::Update(GroupFactors {
+                    mask: Some((mask.clone(), layers)),
+                    ..f
+                }))
+            }
+        }
     }
 
     fn register(
@@ -991,23 +1109,8 @@ fn stacked(
     matrix: &Matrix,
     adapters: &[(usize, usize, Dtype)],
 ) -> Result<Stacked, Exception> {
-    let dtypes: Vec<Dtype> = adapters.iter().map(|(_, _, d)| *d).collect();
-    let dtype = common_dtype(&dtypes);
-    let (n_in, n_out) = (site.in_dims, site.out_dims);
-    let mut a_parts = Vec::with_capacity(adapters.len());
-    let mut b_parts = Vec::with_capacity(adapters.len());
-    for (i, rank, _) in adapters {
-        match &site.factors[*i] {
-            None => {
-                a_parts.push(zeros_dtype(&[n_in, *rank as i32], dtype)?);
-                b_parts.push(zeros_dtype(&[*rank as i32, n_out], dtype)?);
-            }
-            Some(f) => {
-                a_parts.push(f.a.as_dtype(dtype)?);
-                b_parts.push(f.b.as_dtype(dtype)?);
-            }
-        }
-    }
+    let (a, b) = side_by_side_factors(site, adapters)?;
+    let n_out = site.out_dims;
     let dora = if site.factors.iter().flatten().any(|f| f.m.is_some()) {
         let ones = mlx_rs::ops::ones::<f32>(&[1, n_out])?;
         let mut rescales = vec![ones.clone()];
@@ -1034,14 +1137,41 @@ fn stacked(
     };
     let out = Stacked {
         adapters: adapters.iter().map(|(i, _, _)| *i).collect(),
-        a: concatenate(&a_parts, 1)?,
-        b: concatenate(&b_parts, 0)?,
+        a,
+        b,
         dora,
     };
     if let Some((r, d)) = &out.dora {
         mlx_rs::transforms::eval([r, d])?;
     }
     Ok(out)
+}
+
+/// A linear site's LoRA factors over `adapters` (each one's index, rank and dtype) side by
+/// side, `A` `[in, R]` and `B` `[R, out]`, each adapter's `rank` columns (rows of `B`) in that
+/// order, zeros for an adapter that leaves the site alone, in [`common_dtype`].
+fn side_by_side_factors(
+    site: &Site,
+    adapters: &[(usize, usize, Dtype)],
+) -> Result<(Array, Array), Exception> {
+    let dtypes: Vec<Dtype> = adapters.iter().map(|(_, _, d)| *d).collect();
+    let dtype = common_dtype(&dtypes);
+    let (n_in, n_out) = (site.in_dims, site.out_dims);
+    let mut a_parts = Vec::with_capacity(adapters.len());
+    let mut b_parts = Vec::with_capacity(adapters.len());
+    for (i, rank, _) in adapters {
+        match &site.factors[*i] {
+            None => {
+                a_parts.push(zeros_dtype(&[n_in, *rank as i32], dtype)?);
+                b_parts.push(zeros_dtype(&[*rank as i32, n_out], dtype)?);
+            }
+            Some(f) => {
+                a_parts.push(f.a.as_dtype(dtype)?);
+                b_parts.push(f.b.as_dtype(dtype)?);
+            }
+        }
+    }
+    Ok((concatenate(&a_parts, 1)?, concatenate(&b_parts, 0)?))
 }
 
 /// The selection of the forward passes built while it lives (see [`AdapterTable::select`]);
@@ -1084,6 +1214,16 @@ impl fmt::Debug for LoraSite {
 }
 
 impl LoraSite {
+    /// When every one of `sites` is in one table: that table and their indices, for
+    /// [`AdapterTable::group_update`]; `None` when they are in different tables.
+    pub fn group<'s>(sites: &[&'s LoraSite]) -> Option<(&'s AdapterTable, Vec<usize>)> {
+        let first = sites.first()?;
+        sites
+            .iter()
+            .all(|s| Arc::ptr_eq(&s.0.table, &first.0.table))
+            .then(|| (&*first.0.table, sites.iter().map(|s| s.0.index).collect()))
+    }
+
     /// The layer's output for `x`: `y` (`x @ W.T` by the layer's `matrix`), the update of
     /// the adapters selected for this pass, and the layer's `bias` (LoRA adds the update
     /// after the bias; DoRA rescales before it). Without a selection, `y + bias`.

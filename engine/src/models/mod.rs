@@ -51,7 +51,7 @@ pub mod stacked;
 pub mod starcoder2;
 pub mod switch;
 #[cfg(test)]
-mod test_arrays;
+pub(crate) mod test_arrays;
 
 use std::path::Path;
 

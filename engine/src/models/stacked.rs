@@ -30,6 +30,7 @@ use mlx_rs::ops::concatenate;
 use mlx_rs::Array;
 
 use super::layers::{Linear, Matrix, QuantizedMatrix};
+use crate::adapters::{GroupUpdate, LoraSite};
 
 /// The environment variable that turns stacking off (`0`) or on (`1`, the default).
 pub const STACKED_PROJECTIONS_ENV: &str = "MLXD_STACKED_PROJECTIONS";
@@ -71,16 +72,22 @@ fn parse_switch(value: &str) -> Result<bool, String> {
 #[derive(Debug)]
 pub struct Stacked {
     matrix: Matrix,
+    /// Their biases end to end, when every layer has one (each layer then keeps a view).
+    bias: Option<Array>,
     /// The split points of the product's last axis: each layer's end but the last's.
     ends: Vec<i32>,
 }
 
 impl Stacked {
     /// Stacks `layers` (in order) and gives each a view of its rows; `None`, with the layers
-    /// left as they were, when stacking is off, there are fewer than two, or their matrices
-    /// differ in kind (see the module comment).
+    /// left as they were, when stacking is off, there are fewer than two, their matrices
+    /// differ in kind (see the module comment), or some have a bias and others none.
     pub fn of(layers: &mut [&mut Linear]) -> Result<Option<Stacked>, Exception> {
         if !enabled() || layers.len() < 2 {
+            return Ok(None);
+        }
+        let biased = layers.iter().filter(|l| l.bias.is_some()).count();
+        if biased != 0 && biased != layers.len() {
             return Ok(None);
         }
         let matrices: Vec<&Matrix> = layers.iter().map(|l| &l.matrix).collect();
@@ -98,25 +105,60 @@ impl Stacked {
         for (layer, view) in layers.iter_mut().zip(views) {
             layer.matrix = view;
         }
-        Ok(Some(Stacked { matrix, ends }))
+        let bias = if biased == 0 {
+            None
+        } else {
+            let biases: Vec<&Array> = layers.iter().filter_map(|l| l.bias.as_ref()).collect();
+            let bias = concatenate(&biases, 0)?;
+            for (layer, view) in layers.iter_mut().zip(bias.split_at_indices(&ends, 0)?) {
+                layer.bias = Some(view);
+            }
+            Some(bias)
+        };
+        Ok(Some(Stacked { matrix, bias, ends }))
     }
 
     /// Each layer's output for input `x`, from one product: `layers` are the ones stacked, in
-    /// the same order.
+    /// the same order. The adapters' update of the layers is one product pair as well
+    /// ([`crate::adapters::group`]) unless this pass needs each layer's own (DoRA, training).
     pub fn forward(&self, x: &Array, layers: &[&Linear]) -> Result<Vec<Array>, Exception> {
-        let parts = self.matrix.matmul_t(x)?.split_at_indices(&self.ends, -1)?;
-        if parts.len() != layers.len() {
+        if layers.len() != self.ends.len() + 1 {
             return Err(Exception::custom(format!(
                 "a stacked product of {} layers was asked for {}",
-                parts.len(),
+                self.ends.len() + 1,
                 layers.len()
             )));
         }
-        layers
-            .iter()
-            .zip(parts)
-            .map(|(layer, y)| layer.finish(x, y))
-            .collect()
+        let y = self.matrix.matmul_t(x)?;
+        let sites: Option<Vec<&LoraSite>> = layers.iter().map(|l| l.lora.as_ref()).collect();
+        let update = match &sites {
+            Some(sites) => match LoraSite::group(sites) {
+                Some((table, indices)) => table.group_update(&indices)?,
+                None => GroupUpdate::PerLayer,
+            },
+            None if layers.iter().any(|l| l.lora.is_some()) => GroupUpdate::PerLayer,
+            None => GroupUpdate::None,
+        };
+        let y = match update {
+            GroupUpdate::PerLayer => {
+                let parts = y.split_at_indices(&self.ends, -1)?;
+                return layers
+                    .iter()
+                    .zip(parts)
+                    .map(|(layer, y)| layer.finish(x, y))
+                    .collect();
+            }
+            GroupUpdate::None => self.with_bias(y)?,
+            GroupUpdate::Update(factors) => factors.add_to(x, self.with_bias(y)?)?,
+        };
+        y.split_at_indices(&self.ends, -1)
+    }
+
+    fn with_bias(&self, y: Array) -> Result<Array, Exception> {
+        match &self.bias {
+            Some(b) => y.add(b),
+            None => Ok(y),
+        }
     }
 }
 

@@ -1,0 +1,171 @@
+//! The adapter update of linear layers computed as one product
+//! ([`crate::models::stacked::Stacked`]: a layer's q/k/v, an MLP's gate/up), in one product
+//! pair instead of a pair per layer.
+//!
+//! The layers' `A` factors sit side by side (`[in, Σr]`: they read the same input) and their
+//! `B` factors on the diagonal of one block matrix (`[Σr, Σout]`, zeros off the blocks), so
+//! `(x @ A) @ B` is each layer's own update laid out as the stacked product's columns. The
+//! zeros add nothing: each output is its own layer's sum over its own rank, exactly as the
+//! layer's own pair computes it. A pass that mixes rows of different adapters masks `x @ A`
+//! per row as one layer does ([`super::table`]'s module comment), the mask repeated for each
+//! layer's block (every layer's side-by-side factors have the same columns: the pass's
+//! adapters' ranks, zeros where an adapter leaves a layer alone).
+//!
+//! The table ([`super::AdapterTable::group_update`]) builds these factors on a group's first
+//! pass with an adapter (or a set of mixed adapters) and keeps them until adapters are loaded
+//! or unloaded; DoRA and training passes go layer by layer.
+use mlx_rs::error::Exception;
+use mlx_rs::ops::{concatenate, zeros_dtype};
+use mlx_rs::{Array, Dtype};
+
+/// What a stacked product of layers gets from the adapters this pass.
+pub enum GroupUpdate {
+    /// No update: no row's adapter changes these layers (or no row has an adapter).
+    None,
+    /// One update for the stacked product ([`GroupFactors::add_to`]).
+    Update(GroupFactors),
+    /// Each layer adds its own (DoRA's rescale, a training step's factors).
+    PerLayer,
+}
+
+/// A group's factors for this pass's adapter(s).
+#[derive(Clone)]
+pub struct GroupFactors {
+    /// `[in, layers · R]`.
+    pub(super) a: Array,
+    /// `[layers · R, Σout]`, block diagonal.
+    pub(super) b: Array,
+    /// A pass of rows of different adapters: its per-row mask `[B, 1, R]` and the number of
+    /// layers, whose blocks of `R` columns each take it.
+    pub(super) mask: Option<(Array, i32)>,
+}
+
+impl GroupFactors {
+    /// `y` (the stacked product, biases added) plus every layer's update for input `x`, in
+    /// the order and dtypes a layer's own update takes: `x @ A`, masked, then `@ B` folded
+    /// into `y` by one `addmm` where `x`, the factors and `y` share a dtype, else cast to
+    /// `x`'s dtype and added (mlx-lm's `(scale * z).astype(x.dtype)`).
+    pub fn add_to(&self, x: &Array, y: Array) -> Result<Array, Exception> {
+        let mut h = x.matmul(&self.a)?;
+        if let Some((mask, layers)) = &self.mask {
+            let s = h.shape().to_vec();
+            let (rows, width) = (mask.shape()[0], mask.shape()[2]);
+            if x.ndim() != 3 || s[0] != rows {
+                return Err(Exception::custom(format!(
+                    "linear layers with adapters got input {:?} in a pass of {rows} rows of \
+                     different adapters; rows must be the first axis of a [B, L, in] input",
+                    x.shape()
+                )));
+            }
+            let by_layer = h.reshape(&[s[0], s[1], *layers, width])?;
+            h = by_layer
+                .multiply(mask.reshape(&[rows, 1, 1, width])?)?
+                .reshape(&s)?;
+        }
+        let dtype = x.dtype();
+        if h.dtype() == dtype && self.b.dtype() == dtype && y.dtype() == dtype {
+            mlx_rs::ops::addmm(&y, &h, &self.b, 1.0, 1.0)
+        } else {
+            y.add(&h.matmul(&self.b)?.as_dtype(dtype)?)
+        }
+    }
+}
+
+/// The layers' `A` factors `[in, r_j]` side by side, in `dtype`.
+pub(super) fn side_by_side(a: &[Array], dtype: Dtype) -> Result<Array, Exception> {
+    let parts = a
+        .iter()
+        .map(|a| a.as_dtype(dtype))
+        .collect::<Result<Vec<_>, _>>()?;
+    concatenate(&parts, 1)
+}
+
+/// The layers' `B` factors `[r_j, out_j]` on the diagonal of one `[Σr, Σout]` matrix, zeros
+/// elsewhere, in `dtype`.
+pub(super) fn block_diagonal(b: &[Array], dtype: Dtype) -> Result<Array, Exception> {
+    let outs: Vec<i32> = b.iter().map(|b| b.shape()[1]).collect();
+    let total: i32 = outs.iter().sum();
+    let mut rows = Vec::with_capacity(b.len());
+    let mut before = 0;
+    for (block, out) in b.iter().zip(&outs) {
+        let r = block.shape()[0];
+        let mut row = Vec::with_capacity(3);
+        if before > 0 {
+            row.push(zeros_dtype(&[r, before], dtype)?);
+        }
+        row.push(block.as_dtype(dtype)?);
+        let after = total - before - out;
+        if after > 0 {
+            row.push(zeros_dtype(&[r, after], dtype)?);
+        }
+        rows.push(concatenate(&row, 1)?);
+        before += out;
+    }
+    concatenate(&rows, 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::test_arrays::{max_abs_diff, normal};
+
+    #[test]
+    fn the_block_diagonal_holds_each_block_and_zeros_elsewhere() {
+        let b1 = normal(&[2, 3], 1);
+        let b2 = normal(&[2, 4], 2);
+        let d = block_diagonal(&[b1.clone(), b2.clone()], Dtype::Float32).unwrap();
+        assert_eq!(d.shape(), &[4, 7]);
+        use mlx_rs::ops::indexing::IndexOp;
+        assert_eq!(max_abs_diff(&d.index((0..2, 0..3)), &b1), 0.0);
+        assert_eq!(max_abs_diff(&d.index((2..4, 3..7)), &b2), 0.0);
+        let off = d.index((0..2, 3..7)).abs().unwrap().sum(None).unwrap();
+        let off2 = d.index((2..4, 0..3)).abs().unwrap().sum(None).unwrap();
+        assert_eq!(off.item_exact::<f32>() + off2.item_exact::<f32>(), 0.0);
+    }
+
+    /// Two layers' updates from one product pair equal each layer's own pair, for a pass of
+    /// one adapter and for rows of different adapters (masked per row).
+    #[test]
+    fn the_group_update_is_each_layers_own() {
+        let x = normal(&[3, 2, 16], 3);
+        let (a1, b1) = (normal(&[16, 4], 4), normal(&[4, 8], 5));
+        let (a2, b2) = (normal(&[16, 4], 6), normal(&[4, 6], 7));
+        let y = normal(&[3, 2, 14], 8);
+        let own = |a: &Array, b: &Array, mask: Option<&Array>| {
+            let h = x.matmul(a).unwrap();
+            let h = match mask {
+                Some(m) => h.multiply(m).unwrap(),
+                None => h,
+            };
+            h.matmul(b).unwrap()
+        };
+        let group = |mask: Option<(Array, i32)>| GroupFactors {
+            a: side_by_side(&[a1.clone(), a2.clone()], Dtype::Float32).unwrap(),
+            b: block_diagonal(&[b1.clone(), b2.clone()], Dtype::Float32).unwrap(),
+            mask,
+        };
+        let expect = |mask: Option<&Array>| {
+            let u = concatenate(&[own(&a1, &b1, mask), own(&a2, &b2, mask)], -1).unwrap();
+            y.add(&u).unwrap()
+        };
+        let got = group(None).add_to(&x, y.clone()).unwrap();
+        assert!(max_abs_diff(&got, &expect(None)) < 1e-5);
+        // Row 0 takes the first two columns, row 1 the last two, row 2 none (a base row).
+        let mask = Array::from_slice(
+            &[
+                1.0f32, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0,
+            ],
+            &[3, 1, 4],
+        );
+        let got = group(Some((mask.clone(), 2)))
+            .add_to(&x, y.clone())
+            .unwrap();
+        assert!(max_abs_diff(&got, &expect(Some(&mask))) < 1e-5);
+        use mlx_rs::ops::indexing::IndexOp;
+        assert_eq!(
+            max_abs_diff(&got.index(2), &y.index(2)),
+            0.0,
+            "a base row is unchanged"
+        );
+    }
+}
