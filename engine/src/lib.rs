@@ -9,6 +9,7 @@ pub mod detokenizer;
 pub mod device;
 pub mod distributed;
 pub mod fault;
+pub mod graph_ops;
 pub mod job;
 pub mod kernel_cache;
 pub mod loader;

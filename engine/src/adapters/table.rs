@@ -1320,44 +1320,8 @@ mod tests {
     /// those of them that compute (not a view: a reshape of a contiguous array, a transpose,
     /// a broadcast): on a GPU, the kernel launches.
     fn ops(out: &Array) -> (usize, usize) {
-        // SAFETY: a temporary file MLX writes the graph into and this reads back; every
-        // object made here is freed here.
-        let text = unsafe {
-            let file = libc::tmpfile();
-            assert!(!file.is_null());
-            let outputs = mlx_sys::mlx_vector_array_new_value(out.as_ptr());
-            let namer = mlx_sys::mlx_node_namer_new();
-            mlx_sys::mlx_print_graph(file.cast(), namer, outputs);
-            mlx_sys::mlx_node_namer_free(namer);
-            mlx_sys::mlx_vector_array_free(outputs);
-            libc::fflush(file);
-            let len = libc::ftell(file) as usize;
-            libc::rewind(file);
-            let mut text = vec![0u8; len];
-            libc::fread(text.as_mut_ptr().cast(), 1, len, file);
-            libc::fclose(file);
-            String::from_utf8_lossy(&text).into_owned()
-        };
-        if std::env::var_os("PRINT_GRAPH").is_some() {
-            eprintln!("{text}");
-        }
-        // "Inputs: …", "Outputs: …", then one line per op, its primitive's name first.
-        let names: Vec<&str> = text
-            .lines()
-            .skip(2)
-            .filter_map(|l| l.split_whitespace().next())
-            .collect();
-        const VIEWS: &[&str] = &[
-            "Flatten",
-            "Unflatten",
-            "Reshape",
-            "Transpose",
-            "Broadcast",
-            "Squeeze",
-            "ExpandDims",
-        ];
-        let computing = names.iter().filter(|n| !VIEWS.contains(n)).count();
-        (names.len(), computing)
+        let counts = crate::graph_ops::op_counts(out);
+        (counts.total(), counts.computing())
     }
 
     /// A table with `sites` linear sites `[d, d]` of weight `w` and LoRA adapters of `ranks`

@@ -257,6 +257,7 @@ fn split_rows(matrix: &Matrix, ends: &[i32]) -> Result<Vec<Matrix>, Exception> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::graph_ops::op_counts;
     use crate::models::quant::QuantMode;
     use crate::models::test_arrays::{max_abs_diff, normal};
 
@@ -331,6 +332,31 @@ mod tests {
             quantized(32, 128, 11, 4),
         ];
         stacks_exactly(layers, &x);
+    }
+
+    #[test]
+    fn the_stacked_layers_build_one_product() {
+        let x = normal(&[4, 1, 64], 22);
+        x.eval().unwrap();
+        let mut layers = [
+            dense(64, 64, 23, true),
+            dense(32, 64, 24, true),
+            dense(32, 64, 25, true),
+        ];
+        for l in &layers {
+            mlx_rs::transforms::eval([l.matrix.weight()]).unwrap();
+        }
+        let alone: Vec<Array> = layers.iter().map(|l| l.forward(&x).unwrap()).collect();
+        let products: usize = alone.iter().map(|y| op_counts(y).products()).sum();
+        assert_eq!(products, 3);
+        let [q, k, v] = &mut layers;
+        let stacked = Stacked::of(&mut [q, k, v]).unwrap().unwrap();
+        let parts = stacked
+            .forward(&x, &[&layers[0], &layers[1], &layers[2]])
+            .unwrap();
+        let out = concatenate(&parts, -1).unwrap();
+        let counts = op_counts(&out);
+        assert_eq!(counts.products(), 1, "{counts:?}");
     }
 
     #[test]
