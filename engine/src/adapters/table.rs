@@ -742,20 +742,7 @@ impl AdapterTable {
                 if let Some(f) = cache.one.get(&i) {
                     return Ok(GroupUpdate::Update(f.clone()));
                 }
-                let one = [(i, adapters[i].summary.rank, adapters[i].dtype)];
-                let mut a = Vec::with_capacity(group.len());
-                let mut b = Vec::with_capacity(group.len());
-                for site in &group {
-                    let (sa, sb) = side_by_side_factors(site, &one)?;
-                    a.push(sa);
-                    b.push(sb);
-                }
-                let dtype = adapters[i].dtype;
-                let f = GroupFactors {
-                    a: group::side_by_side(&a, dtype)?,
-                    b: group::block_diagonal(&b, dtype)?,
-                    mask: None,
-                };
+                let f = group_factors(&group, &[(i, adapters[i].summary.rank, adapters[i].dtype)])?;
                 cache.one.insert(i, f.clone());
                 Ok(GroupUpdate::Update(f))
             }
@@ -785,20 +772,7 @@ impl AdapterTable {
                     .iter()
                     .map(|&i| (i, adapters[i].summary.rank, adapters[i].dtype))
                     .collect();
-                let dtypes: Vec<Dtype> = chosen.iter().map(|c| c.2).collect();
-                let dtype = common_dtype(&dtypes);
-                let mut a = Vec::with_capacity(group.len());
-                let mut b = Vec::with_capacity(group.len());
-                for site in &group {
-                    let (sa, sb) = side_by_side_factors(site, &chosen)?;
-                    a.push(sa);
-                    b.push(sb);
-                }
-                let f = GroupFactors {
-                    a: group::side_by_side(&a, dtype)?,
-                    b: group::block_diagonal(&b, dtype)?,
-                    mask: None,
-                };
+                let f = group_factors(&group, &chosen)?;
                 cache.mixed = Some((used.clone(), f.clone()));
                 Ok(GroupUpdate::Update(GroupFactors {
                     mask: Some((mask.clone(), layers)),
@@ -1172,6 +1146,31 @@ fn side_by_side_factors(
         }
     }
     Ok((concatenate(&a_parts, 1)?, concatenate(&b_parts, 0)?))
+}
+
+/// The factors of linear sites computed as one stacked product, over `adapters` (each one's
+/// index, rank and dtype): each site's side by side ([`side_by_side_factors`]), then the
+/// sites' `A` side by side and their `B` block-diagonal ([`super::group`]), no mask yet.
+fn group_factors(
+    sites: &[&Site],
+    adapters: &[(usize, usize, Dtype)],
+) -> Result<GroupFactors, Exception> {
+    let dtypes: Vec<Dtype> = adapters.iter().map(|(_, _, d)| *d).collect();
+    let dtype = common_dtype(&dtypes);
+    let (mut a, mut b) = (
+        Vec::with_capacity(sites.len()),
+        Vec::with_capacity(sites.len()),
+    );
+    for site in sites {
+        let (sa, sb) = side_by_side_factors(site, adapters)?;
+        a.push(sa);
+        b.push(sb);
+    }
+    Ok(GroupFactors {
+        a: group::side_by_side(&a, dtype)?,
+        b: group::block_diagonal(&b, dtype)?,
+        mask: None,
+    })
 }
 
 /// The selection of the forward passes built while it lives (see [`AdapterTable::select`]);
