@@ -109,6 +109,31 @@ impl AttnProjections {
         }
     }
 
+    /// Queries and keys side by side `[B, L, (heads + kv_heads) · head_dim]`, and values
+    /// `[B, L, kv_heads · head_dim]`, from the stacked product with the queries and keys left
+    /// joined, so that one RoPE call rotates both; `None` when the projections are not stacked,
+    /// query and key heads differ in width, or this pass needs each projection's own output
+    /// ([`Stacked::forward_joined`]).
+    pub fn qk_v(&self, x: &Array) -> Result<Option<(Array, Array)>, Exception> {
+        let Some(stacked) = &self.qkv else {
+            return Ok(None);
+        };
+        let &[q_end, k_end] = stacked.ends() else {
+            return Ok(None);
+        };
+        if q_end * self.kv_heads != (k_end - q_end) * self.heads {
+            return Ok(None);
+        }
+        let layers = [&self.q_proj, &self.k_proj, &self.v_proj];
+        let Some(parts) = stacked.forward_joined(x, &layers, &[k_end])? else {
+            return Ok(None);
+        };
+        let [qk, v]: [Array; 2] = parts
+            .try_into()
+            .map_err(|_| Exception::custom("a q+k/v split gave other than 2 parts"))?;
+        Ok(Some((qk, v)))
+    }
+
     /// Queries, keys and values of `x` `[B, L, hidden]`, each `[B, heads, L, head_dim]`.
     pub fn project(&self, x: &Array) -> Result<(Array, Array, Array), Exception> {
         let (q, k, v) = self.qkv(x)?;
@@ -264,6 +289,20 @@ impl SelfAttention for Attention {
     }
 
     fn forward(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
+        if let (None, Some(rope)) = (&self.norms, &self.rope) {
+            if let Some((qk, v)) = self.proj.qk_v(x)? {
+                // One rotation of queries and keys together: each head is rotated alike at
+                // the cache's positions, whichever projection it came from.
+                let heads = self.proj.heads;
+                let qk = rope.prescale(&split_heads(&qk, heads + self.proj.kv_heads)?)?;
+                let qk = cache.rope(&rope.rope, &qk)?;
+                let parts = qk.split_at_indices(&[heads], 1)?;
+                let v = split_heads(&v, self.proj.kv_heads)?;
+                let opts = prerotated_opts(self.scale, self.window);
+                let out = attend_with(&parts[0], &parts[1], &v, &opts, cache)?;
+                return self.proj.o_proj.forward(&out);
+            }
+        }
         let (mut q, mut k, v) = self.proj.qkv(x)?;
         if let Some((qn, kn)) = self.norms_at(QkNorm::Whole) {
             q = qn.forward(&q)?;

@@ -122,6 +122,27 @@ impl Stacked {
     /// the same order. The adapters' update of the layers is one product pair as well
     /// ([`crate::adapters::group`]) unless this pass needs each layer's own (DoRA, training).
     pub fn forward(&self, x: &Array, layers: &[&Linear]) -> Result<Vec<Array>, Exception> {
+        if let Some(parts) = self.forward_joined(x, layers, &self.ends)? {
+            return Ok(parts);
+        }
+        let parts = self.matrix.matmul_t(x)?.split_at_indices(&self.ends, -1)?;
+        layers
+            .iter()
+            .zip(parts)
+            .map(|(layer, y)| layer.finish(x, y))
+            .collect()
+    }
+
+    /// The stacked output for input `x`, its bias and this pass's adapter update added, split
+    /// at `ends` (some of [`Self::ends`]: neighbouring layers may stay joined, such as queries
+    /// and keys that rotate together); `None` when this pass needs each layer's own output
+    /// (a DoRA adapter, a training step), which [`Self::forward`] then gives.
+    pub fn forward_joined(
+        &self,
+        x: &Array,
+        layers: &[&Linear],
+        ends: &[i32],
+    ) -> Result<Option<Vec<Array>>, Exception> {
         if layers.len() != self.ends.len() + 1 {
             return Err(Exception::custom(format!(
                 "a stacked product of {} layers was asked for {}",
@@ -129,7 +150,6 @@ impl Stacked {
                 layers.len()
             )));
         }
-        let y = self.matrix.matmul_t(x)?;
         let sites: Option<Vec<&LoraSite>> = layers.iter().map(|l| l.lora.as_ref()).collect();
         let update = match &sites {
             Some(sites) => match LoraSite::group(sites) {
@@ -139,19 +159,18 @@ impl Stacked {
             None if layers.iter().any(|l| l.lora.is_some()) => GroupUpdate::PerLayer,
             None => GroupUpdate::None,
         };
+        let y = self.matrix.matmul_t(x)?;
         let y = match update {
-            GroupUpdate::PerLayer => {
-                let parts = y.split_at_indices(&self.ends, -1)?;
-                return layers
-                    .iter()
-                    .zip(parts)
-                    .map(|(layer, y)| layer.finish(x, y))
-                    .collect();
-            }
+            GroupUpdate::PerLayer => return Ok(None),
             GroupUpdate::None => self.with_bias(y)?,
             GroupUpdate::Update(factors) => factors.add_to(x, self.with_bias(y)?)?,
         };
-        y.split_at_indices(&self.ends, -1)
+        Ok(Some(y.split_at_indices(ends, -1)?))
+    }
+
+    /// Where each layer's output ends in the stacked product, but the last's.
+    pub fn ends(&self) -> &[i32] {
+        &self.ends
     }
 
     fn with_bias(&self, y: Array) -> Result<Array, Exception> {
