@@ -126,11 +126,9 @@ impl GatedAttention {
     fn forward(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
         let (b, l) = (x.shape()[0], x.shape()[1]);
         let p = &self.proj;
-        let halves = p
-            .q_proj
-            .forward(x)?
-            .reshape(&[b, l, p.heads, -1])?
-            .split_equal(2, -1)?;
+        // One stacked product where the projections stack (`AttnProjections::qkv`).
+        let (q, k, v) = p.qkv(x)?;
+        let halves = q.reshape(&[b, l, p.heads, -1])?.split_equal(2, -1)?;
         let gate = halves[1].reshape(&[b, l, -1])?;
         let heads_first = [0, 2, 1, 3];
         let queries = self
@@ -139,11 +137,9 @@ impl GatedAttention {
             .transpose_axes(&heads_first)?;
         let keys = self
             .k_norm
-            .forward(&p.k_proj.forward(x)?.reshape(&[b, l, p.kv_heads, -1])?)?
+            .forward(&k.reshape(&[b, l, p.kv_heads, -1])?)?
             .transpose_axes(&heads_first)?;
-        let values = p
-            .v_proj
-            .forward(x)?
+        let values = v
             .reshape(&[b, l, p.kv_heads, -1])?
             .transpose_axes(&heads_first)?;
         let (queries, keys) = (self.rope.prescale(&queries)?, self.rope.prescale(&keys)?);
