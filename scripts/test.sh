@@ -49,8 +49,9 @@ done
   .venv/bin/python scripts/gen_random_model.py --shape tiny-qwen3 --dtype bfloat16 --out "$MLXD_TEST_MODELS/tiny-qwen3-bf16" >/dev/null
 # LoRA adapters trained by mlx-lm's own trainer on the tiny models (~4 s each on the CPU),
 # the fixtures of the adapter parity tests (engine/tests/engine/adapters.rs): two for
-# tiny-llama (different data), one QLoRA adapter for its 4-bit twin.
-for spec in "tiny-llama 1 tiny-llama-lora-a" "tiny-llama 2 tiny-llama-lora-b" "tiny-llama-q4 3 tiny-llama-q4-lora"; do
+# tiny-llama (different data), one QLoRA adapter for its 4-bit twin, one for tiny-qwen2 (biased
+# q/k/v).
+for spec in "tiny-llama 1 tiny-llama-lora-a" "tiny-llama 2 tiny-llama-lora-b" "tiny-llama-q4 3 tiny-llama-q4-lora" "tiny-qwen2 7 tiny-qwen2-lora"; do
   read -r base seed out <<<"$spec"
   [[ -f $MLXD_TEST_MODELS/$out/train_log.json ]] ||
     .venv/bin/python scripts/gen_lora_adapter.py --model "$MLXD_TEST_MODELS/$base" --seed "$seed" --out "$MLXD_TEST_MODELS/$out"

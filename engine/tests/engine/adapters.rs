@@ -100,6 +100,30 @@ fn an_adapter_gives_mlx_lm_tokens_alone_and_batched_beside_another_adapter_and_t
     runtime.join();
 }
 
+/// Biased q/k/v (the tiny Qwen2): the stacked projections add their biases, then the
+/// adapter's update as one product pair (`adapters::group`); mlx-lm adds each layer's bias and
+/// then its update. Same tokens alone, and in one batch with base rows (the mixed pass's mask).
+#[test]
+fn an_adapter_on_biased_projections_gives_mlx_lm_tokens_alone_and_beside_base_rows() {
+    let model = tiny_model("tiny-qwen2");
+    let a = adapter_dir("tiny-qwen2-lora");
+    let expected = crate::common::mlx_lm_greedy_with_adapter(&model, &a, NEW_TOKENS, PROMPT);
+    let expected_base = crate::common::mlx_lm_greedy(&model, NEW_TOKENS, OTHER_PROMPT);
+    assert_ne!(
+        expected,
+        crate::common::mlx_lm_greedy(&model, NEW_TOKENS, PROMPT),
+        "the fixture adapter must change the greedy tokens, or the test shows nothing"
+    );
+    let runtime = start(&model, &[("a", &a)], 0);
+    let ia = id(&runtime, "a");
+    let alone = together(&runtime, &[(PROMPT, ia)]).remove(0);
+    assert_eq!(alone, expected, "the adapter alone against mlx-lm");
+    let mixed = together(&runtime, &[(PROMPT, ia), (OTHER_PROMPT, None)]);
+    assert_eq!(mixed[0], expected, "the adapter's row beside a base row");
+    assert_eq!(mixed[1], expected_base, "the base row beside the adapter's");
+    runtime.join();
+}
+
 /// DoRA (`scripts/gen_lora_adapter.py --fine-tune-type dora`): mlx-lm's tokens with
 /// `adapter_path`, alone and in one batch with rows of a LoRA adapter and of the base.
 #[test]
