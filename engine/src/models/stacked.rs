@@ -43,7 +43,7 @@ pub fn set_enabled(on: bool) {
     ENABLED.store(on, Ordering::Relaxed);
 }
 
-fn enabled() -> bool {
+pub(crate) fn enabled() -> bool {
     ENABLED.load(Ordering::Relaxed)
 }
 
@@ -97,7 +97,7 @@ impl Stacked {
         let mut ends = Vec::with_capacity(layers.len());
         let mut end = 0;
         for l in layers.iter() {
-            end += l.matrix.weight().shape()[0];
+            end += rows_of(l.matrix.weight());
             ends.push(end);
         }
         ends.pop();
@@ -181,19 +181,33 @@ impl Stacked {
     }
 }
 
-/// The matrices stacked row-wise, or `None` when they are not alike.
-fn stack(matrices: &[&Matrix]) -> Result<Option<Matrix>, Exception> {
-    let rows = |arrays: Vec<&Array>| concatenate(&arrays, 0);
+/// A matrix's output rows: its second-to-last axis (`[out, in]`, or an expert stack's
+/// `[E, out, in]`).
+pub(crate) fn rows_of(weight: &Array) -> i32 {
+    weight.shape()[weight.ndim().saturating_sub(2)]
+}
+
+/// Whether two arrays have the same shape but for their rows (the second-to-last axis).
+fn same_but_rows(a: &Array, b: &Array) -> bool {
+    let (a, b) = (a.shape(), b.shape());
+    a.len() >= 2
+        && a.len() == b.len()
+        && a.iter()
+            .zip(b)
+            .enumerate()
+            .all(|(i, (x, y))| i == a.len() - 2 || x == y)
+}
+
+/// The matrices (or expert stacks) stacked along their rows, or `None` when they are not
+/// alike.
+pub(crate) fn stack(matrices: &[&Matrix]) -> Result<Option<Matrix>, Exception> {
+    let rows = |arrays: Vec<&Array>| concatenate(&arrays, -2);
     match matrices[0] {
         Matrix::Dense(first) => {
             let mut weights = Vec::with_capacity(matrices.len());
             for m in matrices {
                 match m {
-                    Matrix::Dense(w)
-                        if w.dtype() == first.dtype()
-                            && w.ndim() == 2
-                            && w.shape()[1] == first.shape()[1] =>
-                    {
+                    Matrix::Dense(w) if w.dtype() == first.dtype() && same_but_rows(w, first) => {
                         weights.push(w)
                     }
                     _ => return Ok(None),
@@ -233,25 +247,29 @@ fn alike(q: &QuantizedMatrix, first: &QuantizedMatrix) -> bool {
         && q.group_size == first.group_size
         && q.mode == first.mode
         && q.biases.is_some() == first.biases.is_some()
-        && q.weight.ndim() == 2
         && q.weight.dtype() == first.weight.dtype()
         && q.scales.dtype() == first.scales.dtype()
-        && q.weight.shape()[1] == first.weight.shape()[1]
+        && same_but_rows(&q.weight, &first.weight)
+        && same_but_rows(&q.scales, &first.scales)
 }
 
 /// The stacked matrix cut back into each layer's rows (views of its buffers).
-fn split_rows(matrix: &Matrix, ends: &[i32]) -> Result<Vec<Matrix>, Exception> {
+pub(crate) fn split_rows(matrix: &Matrix, ends: &[i32]) -> Result<Vec<Matrix>, Exception> {
     match matrix {
         Matrix::Dense(w) => Ok(w
-            .split_at_indices(ends, 0)?
+            .split_at_indices(ends, -2)?
             .into_iter()
             .map(Matrix::Dense)
             .collect()),
         Matrix::Quantized(q) => {
-            let weights = q.weight.split_at_indices(ends, 0)?;
-            let scales = q.scales.split_at_indices(ends, 0)?;
+            let weights = q.weight.split_at_indices(ends, -2)?;
+            let scales = q.scales.split_at_indices(ends, -2)?;
             let mut biases = match &q.biases {
-                Some(b) => b.split_at_indices(ends, 0)?.into_iter().map(Some).collect(),
+                Some(b) => b
+                    .split_at_indices(ends, -2)?
+                    .into_iter()
+                    .map(Some)
+                    .collect(),
                 None => vec![None; weights.len()],
             };
             Ok(weights

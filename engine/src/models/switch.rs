@@ -55,14 +55,24 @@ impl SwitchLinear {
         sorted: bool,
         pairs: Option<&PairAdapters>,
     ) -> Result<Array> {
-        let y = match &self.weight {
-            Matrix::Dense(w) => gather_mm(x, w.swap_axes(-1, -2)?, None, indices, sorted)?,
-            Matrix::Quantized(q) => quant::gather_qmm(x, q.packed(), indices, true, sorted)?,
-        };
-        let y = match &self.bias {
-            Some(b) => y.add(b.take_axis(indices, 0)?.expand_dims(-2)?)?,
-            None => y,
-        };
+        let y = with_expert_bias(
+            gather(x, &self.weight, indices, sorted)?,
+            self.bias.as_ref(),
+            indices,
+        )?;
+        self.adapted(x, y, indices, sorted, pairs)
+    }
+
+    /// `y` (the experts' product, bias added, computed here or as part of a stacked gather)
+    /// with the adapters' update of the pairs added.
+    fn adapted(
+        &self,
+        x: &Array,
+        y: Array,
+        indices: &Array,
+        sorted: bool,
+        pairs: Option<&PairAdapters>,
+    ) -> Result<Array> {
         match &self.lora {
             Some(site) => site.apply_experts(x, y, indices, sorted, pairs),
             None => Ok(y),
@@ -78,6 +88,70 @@ impl SwitchLinear {
 impl Parameters for SwitchLinear {
     fn push_params<'a>(&'a self, p: &mut Params<'a>) {
         p.add(&self.weight).add(&self.bias);
+    }
+}
+
+/// `x` `[..., 1, in]` against the experts `indices` select of `weight` `[E, out, in]`.
+fn gather(x: &Array, weight: &Matrix, indices: &Array, sorted: bool) -> Result<Array> {
+    match weight {
+        Matrix::Dense(w) => gather_mm(x, w.swap_axes(-1, -2)?, None, indices, sorted),
+        Matrix::Quantized(q) => quant::gather_qmm(x, q.packed(), indices, true, sorted),
+    }
+}
+
+/// `y` plus the selected experts' bias `[E, out]`, when there is one.
+fn with_expert_bias(y: Array, bias: Option<&Array>, indices: &Array) -> Result<Array> {
+    match bias {
+        Some(b) => y.add(b.take_axis(indices, 0)?.expand_dims(-2)?),
+        None => Ok(y),
+    }
+}
+
+/// An expert block's gate and up stacks computed as one gather (`super::stacked`, for
+/// expert stacks): `[E, gate_out + up_out, in]`, each projection keeping a view of its rows.
+#[derive(Debug)]
+struct StackedExperts {
+    weight: Matrix,
+    /// The biases `[E, gate_out + up_out]`, when both have one.
+    bias: Option<Array>,
+    /// Where the gate's outputs end.
+    gate_end: i32,
+}
+
+impl StackedExperts {
+    /// Stacks `gate` and `up`; `None`, with both left as they were, when stacking is off or
+    /// they are not alike (or one has a bias and the other none).
+    fn of(gate: &mut SwitchLinear, up: &mut SwitchLinear) -> Result<Option<Self>> {
+        if !super::stacked::enabled() || gate.bias.is_some() != up.bias.is_some() {
+            return Ok(None);
+        }
+        let Some(weight) = super::stacked::stack(&[&gate.weight, &up.weight])? else {
+            return Ok(None);
+        };
+        let gate_end = super::stacked::rows_of(gate.weight.weight());
+        let mut views = super::stacked::split_rows(&weight, &[gate_end])?.into_iter();
+        let (Some(g), Some(u)) = (views.next(), views.next()) else {
+            return Err(Exception::custom(
+                "a stacked gate/up split gave other than 2",
+            ));
+        };
+        gate.weight = g;
+        up.weight = u;
+        let bias = match (&gate.bias, &up.bias) {
+            (Some(g), Some(u)) => {
+                let bias = mlx_rs::ops::concatenate(&[g, u], -1)?;
+                let mut parts = bias.split_at_indices(&[gate_end], -1)?.into_iter();
+                gate.bias = parts.next();
+                up.bias = parts.next();
+                Some(bias)
+            }
+            _ => None,
+        };
+        Ok(Some(Self {
+            weight,
+            bias,
+            gate_end,
+        }))
     }
 }
 
@@ -149,6 +223,8 @@ pub struct SwitchGlu {
     pub up_proj: SwitchLinear,
     pub down_proj: SwitchLinear,
     pub activation: SwitchActivation,
+    /// The gate and up stacks as one ([`StackedExperts`]); `None`: two gathers.
+    gate_up: Option<Box<StackedExperts>>,
 }
 
 /// mlx-lm sorts the routed tokens by expert from this many `(token, expert)` pairs on.
@@ -162,11 +238,29 @@ impl SwitchGlu {
         bias: bool,
         activation: SwitchActivation,
     ) -> std::result::Result<Self, LoadError> {
-        Ok(Self {
-            gate_proj: SwitchLinear::load(w, &format!("{prefix}.gate_proj"), bias)?,
-            up_proj: SwitchLinear::load(w, &format!("{prefix}.up_proj"), bias)?,
-            down_proj: SwitchLinear::load(w, &format!("{prefix}.down_proj"), bias)?,
+        Ok(Self::new(
+            [
+                SwitchLinear::load(w, &format!("{prefix}.gate_proj"), bias)?,
+                SwitchLinear::load(w, &format!("{prefix}.up_proj"), bias)?,
+                SwitchLinear::load(w, &format!("{prefix}.down_proj"), bias)?,
+            ],
             activation,
+        )?)
+    }
+
+    /// The block of expert stacks `[gate, up, down]` gated by `activation`, gate and up
+    /// stacked where they can be (one gather for both).
+    pub fn new(
+        [mut gate_proj, mut up_proj, down_proj]: [SwitchLinear; 3],
+        activation: SwitchActivation,
+    ) -> Result<Self> {
+        let gate_up = StackedExperts::of(&mut gate_proj, &mut up_proj)?.map(Box::new);
+        Ok(Self {
+            gate_proj,
+            up_proj,
+            down_proj,
+            activation,
+            gate_up,
         })
     }
 
@@ -199,8 +293,26 @@ impl SwitchGlu {
         sorted: bool,
         pairs: Option<&PairAdapters>,
     ) -> Result<Array> {
-        let up = self.up_proj.forward(x, idx, sorted, pairs)?;
-        let gate = self.gate_proj.forward(x, idx, sorted, pairs)?;
+        let (up, gate) = match &self.gate_up {
+            Some(s) => {
+                let y = gather(x, &s.weight, idx, sorted)?;
+                let y = with_expert_bias(y, s.bias.as_ref(), idx)?;
+                let mut parts = y.split_at_indices(&[s.gate_end], -1)?.into_iter();
+                let (Some(gate), Some(up)) = (parts.next(), parts.next()) else {
+                    return Err(Exception::custom(
+                        "a stacked gate/up gather gave other than 2",
+                    ));
+                };
+                (
+                    self.up_proj.adapted(x, up, idx, sorted, pairs)?,
+                    self.gate_proj.adapted(x, gate, idx, sorted, pairs)?,
+                )
+            }
+            None => (
+                self.up_proj.forward(x, idx, sorted, pairs)?,
+                self.gate_proj.forward(x, idx, sorted, pairs)?,
+            ),
+        };
         self.down_proj
             .forward(&self.activation.apply(&up, &gate)?, idx, sorted, pairs)
     }
@@ -336,11 +448,52 @@ mod tests {
             bias: None,
             lora: None,
         };
-        SwitchGlu {
-            gate_proj: linear(HIDDEN, DIM, seed),
-            up_proj: linear(HIDDEN, DIM, seed + 1),
-            down_proj: linear(DIM, HIDDEN, seed + 2),
-            activation: SwitchActivation::SwiGlu,
+        let parts = [
+            linear(HIDDEN, DIM, seed),
+            linear(HIDDEN, DIM, seed + 1),
+            linear(DIM, HIDDEN, seed + 2),
+        ];
+        SwitchGlu::new(parts, SwitchActivation::SwiGlu).unwrap()
+    }
+
+    /// [`dense_glu`] with gate and up left as two gathers.
+    fn unstacked_glu(seed: u64) -> SwitchGlu {
+        let mut glu = dense_glu(seed);
+        let stacked = glu.gate_up.take().expect("dense stacks of one shape stack");
+        let [gate, up]: [Array; 2] = match &stacked.weight {
+            Matrix::Dense(w) => w
+                .split_at_indices(&[HIDDEN], 1)
+                .unwrap()
+                .try_into()
+                .unwrap(),
+            Matrix::Quantized(_) => panic!("dense expected"),
+        };
+        // Each its own copy, as loaded before stacking.
+        glu.gate_proj.weight = Matrix::Dense(gate.multiply(Array::from_f32(1.0)).unwrap());
+        glu.up_proj.weight = Matrix::Dense(up.multiply(Array::from_f32(1.0)).unwrap());
+        glu
+    }
+
+    #[test]
+    fn stacked_gate_and_up_give_the_two_gathers_outputs() {
+        for (tokens, k) in [(3, 2), (40, 2)] {
+            let x = normal(&[1, tokens, DIM], 40);
+            let ids: Vec<u32> = (0..tokens * k)
+                .map(|i| ((i * 5 + i / k) % EXPERTS) as u32)
+                .collect();
+            let indices = Array::from_slice(&ids, &[1, tokens, k]);
+            let glu = dense_glu(11);
+            mlx_rs::transforms::eval(glu.parameters()).unwrap();
+            let stacked = glu.forward(&x, &indices).unwrap();
+            let counts = crate::graph_ops::op_counts(&stacked);
+            let gathers = counts.by_primitive.get("GatherMM").copied().unwrap_or(0);
+            assert_eq!(gathers, 2, "gate/up as one gather, then down: {counts:?}");
+            let two = unstacked_glu(11).forward(&x, &indices).unwrap();
+            assert_eq!(
+                max_abs_diff(&stacked, &two),
+                0.0,
+                "{tokens} tokens × top-{k}"
+            );
         }
     }
 
