@@ -1213,6 +1213,11 @@ impl fmt::Debug for LoraSite {
 }
 
 impl LoraSite {
+    /// Whether the current pass selects an adapter for some row (no lock: one atomic load).
+    pub fn engaged(&self) -> bool {
+        self.0.table.engaged.load(Ordering::Acquire)
+    }
+
     /// When every one of `sites` is in one table: that table and their indices, for
     /// [`AdapterTable::group_update`]; `None` when they are in different tables.
     pub fn group<'s>(sites: &[&'s LoraSite]) -> Option<(&'s AdapterTable, Vec<usize>)> {

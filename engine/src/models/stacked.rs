@@ -5,18 +5,22 @@
 //! packed weights, scales and biases of a quantized matrix alike), and each layer keeps a view
 //! of its own rows, which shares the stacked buffer: the weights are held once, and everything
 //! that reads a layer's own matrix (an adapter's DoRA rescale, the parameter list, the memory
-//! figures) reads the same values as before. A pass computes `x @ Wᵀ` once and splits the
-//! result along its last axis (views, no copy); each layer then adds its own bias and adapter
-//! update ([`Linear::finish`]), as it would after its own product.
+//! figures) reads the same values as before. A pass computes `x @ Wᵀ` once, adds the stacked
+//! bias and the layers' adapter update (one product pair for the stack,
+//! [`crate::adapters::group`]) and splits the result along its last axis (views, no copy). A
+//! pass that needs each layer's own update (DoRA, a training step) splits first and lets each
+//! layer finish its part ([`Linear::finish`]), as it would after its own product. An expert
+//! block's gate and up stacks stack the same way along their rows (`super::switch`).
 //!
 //! **Decision: serving stacks, training does not.** A decode step of a small model is made of
 //! many small products, and on CUDA each one that MLX hands to cuBLAS (every product of more
 //! than one row) is a captured sub-graph of its own. Issue 21's H100 runs put mlxd's decode step
 //! at 4.6–5.1 ms for 8 to 64 rows of the 1B shape, against 1.9 ms for one row (where MLX takes
-//! its own matrix-vector kernel) and ~0.7 ms for reading the weights once: the step's cost is
-//! the number of products, not their size. Stacking cuts a Llama layer's seven products to
-//! four, and a narrow product (a 512-wide key projection covers a few of an H100's 132
-//! multiprocessors) becomes part of a wide one. A training pass differentiates through the
+//! its own matrix-vector kernel) and ~0.7 ms for reading the weights once, which points at a
+//! cost per product rather than per byte (not yet measured with stacking: the session that
+//! built it had no GPU; `scripts/bench/switch_ab.sh`). Stacking cuts a Llama layer's seven
+//! products to four, and a narrow product (a 512-wide key projection covers a few of an H100's
+//! 132 multiprocessors) becomes part of a wide one. A training pass differentiates through the
 //! split, whose gradient is a zero-filled array per part, so a training job's process turns
 //! stacking off ([`set_enabled`], called by `crate::job::train::configure_process`).
 //! `MLXD_STACKED_PROJECTIONS=0` turns it off for a serving engine, to measure both ways.
@@ -150,13 +154,21 @@ impl Stacked {
                 layers.len()
             )));
         }
-        let sites: Option<Vec<&LoraSite>> = layers.iter().map(|l| l.lora.as_ref()).collect();
+        // A pass with no adapter row (the base's, every pass of a model without adapters)
+        // builds nothing more and allocates nothing here.
+        let engaged = layers
+            .iter()
+            .any(|l| l.lora.as_ref().is_some_and(LoraSite::engaged));
+        let sites: Option<Vec<&LoraSite>> = match engaged {
+            true => layers.iter().map(|l| l.lora.as_ref()).collect(),
+            false => None,
+        };
         let update = match &sites {
             Some(sites) => match LoraSite::group(sites) {
                 Some((table, indices)) => table.group_update(&indices)?,
                 None => GroupUpdate::PerLayer,
             },
-            None if layers.iter().any(|l| l.lora.is_some()) => GroupUpdate::PerLayer,
+            None if engaged => GroupUpdate::PerLayer,
             None => GroupUpdate::None,
         };
         let y = self.matrix.matmul_t(x)?;
