@@ -178,9 +178,17 @@ impl RmsNorm {
     }
 }
 
-/// `x * sigmoid(x) * up`, as mlx-lm's `swiglu` computes it.
+/// `gate * sigmoid(gate) * up` as one compiled kernel, as mlx-lm compiles its `swiglu` (kept,
+/// see [`silu`]): the SiLU and the product were two launches per layer per step.
 pub fn swiglu(gate: &Array, up: &Array) -> Result<Array> {
-    silu(gate)?.multiply(up)
+    super::kept::call_one(swiglu_ops, true, &[gate.clone(), up.clone()])
+}
+
+fn swiglu_ops(args: &[Array]) -> Result<Vec<Array>> {
+    let (gate, up) = (&args[0], &args[1]);
+    Ok(vec![gate
+        .multiply(mlx_rs::ops::sigmoid(gate)?)?
+        .multiply(up)?])
 }
 
 /// `nn.silu`: `x * sigmoid(x)` as one compiled kernel, as mlx-lm compiles it (kept: mlx-rs's
@@ -639,6 +647,22 @@ mod tests {
             .logical_and(keys.le(&query_pos).unwrap())
             .unwrap();
         (q, k, v, vec![Mask::Causal, Mask::Array(padded)])
+    }
+
+    #[test]
+    fn swiglu_is_one_kernel_and_computes_silu_gate_times_up() {
+        let gate = normal(&[2, 3, 8], 31);
+        let up = normal(&[2, 3, 8], 32);
+        mlx_rs::transforms::eval([&gate, &up]).unwrap();
+        let y = swiglu(&gate, &up).unwrap();
+        let counts = crate::graph_ops::op_counts(&y);
+        assert_eq!(counts.computing(), 1, "{counts:?}");
+        let plain = gate
+            .multiply(mlx_rs::ops::sigmoid(&gate).unwrap())
+            .unwrap()
+            .multiply(&up)
+            .unwrap();
+        assert!(max_abs_diff(&y, &plain) < 1e-6);
     }
 
     #[test]
