@@ -51,6 +51,18 @@ pub struct TimeoutReply {
 }
 
 impl TimeoutReply {
+    /// Makes the connection's close a reset (`SO_LINGER` 0) rather than a FIN: for a
+    /// connection closed to make room before it sent a request (nothing of it is owed an
+    /// answer). A FIN would leave this side in TIME_WAIT for a minute; under a slowloris that
+    /// reconnects at once, those pile up, and a new client whose port matches one has its SYN
+    /// refused and retried a second later (seen as a 1 s `/health/live` in
+    /// `tests/limits.rs`'s slowloris).
+    pub fn reset_on_close(&self) {
+        if let Err(e) = self.tcp.set_zero_linger() {
+            tracing::debug!(error = %e, "could not make an evicted connection's close a reset");
+        }
+    }
+
     /// Called when hyper ended the connection on its header read timeout: writes the 408 in
     /// the OpenAI shape (the route is not known yet), unless the connection was idle between
     /// requests. Best effort: a client that stopped reading just loses the answer.
