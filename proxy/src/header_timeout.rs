@@ -52,8 +52,9 @@ pub struct TimeoutReply {
 
 impl TimeoutReply {
     /// Makes the connection's close a reset (`SO_LINGER` 0) rather than a FIN: for a
-    /// connection closed to make room before it sent a request (nothing of it is owed an
-    /// answer). A FIN would leave this side in TIME_WAIT for a minute; under a slowloris that
+    /// connection evicted to make room before it sent a request (nothing of it is owed an
+    /// answer; a new connection refused past its client's share still gets a FIN, which a
+    /// client reads as the close). A FIN would leave this side in TIME_WAIT for a minute; under a slowloris that
     /// reconnects at once, those pile up, and a new client whose port matches one has its SYN
     /// refused and retried a second later (seen as a 1 s `/health/live` in
     /// `tests/limits.rs`'s slowloris).

@@ -275,10 +275,6 @@ pub async fn serve_with(
             _ = &mut shutdown => break,
         };
         let Some((slot, evicted)) = admitted else {
-            // A reset, as for an evicted connection (`TimeoutReply::reset_on_close`).
-            if let Err(e) = stream.set_zero_linger() {
-                debug!(%peer, error = %e, "could not make a refused connection's close a reset");
-            }
             debug!(%peer, per_client = limits.per_client, "client at its connection limit; closed");
             continue;
         };
