@@ -9,7 +9,7 @@ use mlx_rs::Array;
 use super::layers::{attend_with, split_heads, AttnOpts, Linear, RmsNorm};
 use super::params::{Parameters, Params};
 use super::rope::ScaledRope;
-use super::stacked::Stacked;
+use super::stacked::{self, Stacked};
 use crate::cache::LayerCache;
 use crate::loader::{LoadError, Weights};
 
@@ -93,20 +93,8 @@ impl AttnProjections {
     /// Queries, keys and values `[B, L, heads * head_dim]`, before heads are split.
     pub fn qkv(&self, x: &Array) -> Result<(Array, Array, Array), Exception> {
         let layers = [&self.q_proj, &self.k_proj, &self.v_proj];
-        match &self.qkv {
-            Some(stacked) => {
-                let [q, k, v]: [Array; 3] = stacked
-                    .forward(x, &layers)?
-                    .try_into()
-                    .map_err(|_| Exception::custom("a stacked q/k/v product gave other than 3"))?;
-                Ok((q, k, v))
-            }
-            None => Ok((
-                self.q_proj.forward(x)?,
-                self.k_proj.forward(x)?,
-                self.v_proj.forward(x)?,
-            )),
-        }
+        let [q, k, v] = stacked::project(self.qkv.as_deref(), x, layers)?;
+        Ok((q, k, v))
     }
 
     /// Queries and keys side by side `[B, L, (heads + kv_heads) · head_dim]`, and values

@@ -6,7 +6,7 @@ use mlx_rs::Array;
 
 use super::layers::{swiglu, Linear};
 use super::params::{Parameters, Params};
-use super::stacked::Stacked;
+use super::stacked::{self, Stacked};
 use super::switch::SwitchActivation;
 use crate::loader::{LoadError, Weights};
 
@@ -75,18 +75,8 @@ impl GatedMlp {
 
 impl FeedForward for GatedMlp {
     fn forward(&self, x: &Array) -> Result<Array, Exception> {
-        let (gate, up) = match &self.gate_up {
-            Some(stacked) => {
-                let [gate, up]: [Array; 2] = stacked
-                    .forward(x, &[&self.gate_proj, &self.up_proj])?
-                    .try_into()
-                    .map_err(|_| {
-                        Exception::custom("a stacked gate/up product gave other than 2")
-                    })?;
-                (gate, up)
-            }
-            None => (self.gate_proj.forward(x)?, self.up_proj.forward(x)?),
-        };
+        let layers = [&self.gate_proj, &self.up_proj];
+        let [gate, up] = stacked::project(self.gate_up.as_deref(), x, layers)?;
         self.down_proj.forward(&self.activation.apply(&up, &gate)?)
     }
 }

@@ -210,6 +210,25 @@ fn same_but_rows(a: &Array, b: &Array) -> bool {
             .all(|(i, (x, y))| i == a.len() - 2 || x == y)
 }
 
+/// The outputs of `layers` for input `x`: one product when they are `stacked` (in this
+/// order), each layer's own otherwise.
+pub fn project<const N: usize>(
+    stacked: Option<&Stacked>,
+    x: &Array,
+    layers: [&Linear; N],
+) -> Result<[Array; N], Exception> {
+    let outputs = match stacked {
+        Some(s) => s.forward(x, &layers)?,
+        None => layers
+            .iter()
+            .map(|l| l.forward(x))
+            .collect::<Result<_, _>>()?,
+    };
+    outputs.try_into().map_err(|v: Vec<Array>| {
+        Exception::custom(format!("{N} linear layers gave {} outputs", v.len()))
+    })
+}
+
 /// The matrices (or expert stacks) stacked along their rows, or `None` when they are not
 /// alike.
 pub(crate) fn stack(matrices: &[&Matrix]) -> Result<Option<Matrix>, Exception> {
