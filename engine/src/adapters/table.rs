@@ -738,7 +738,7 @@ impl AdapterTable {
                 if factors.iter().flatten().any(|f| f.m.is_some()) {
                     return Ok(GroupUpdate::PerLayer);
                 }
-                let cache = groups.entry(sites.to_vec()).or_default();
+                let cache = group_cache(groups, sites);
                 if let Some(f) = cache.one.get(&i) {
                     return Ok(GroupUpdate::Update(f.clone()));
                 }
@@ -759,7 +759,7 @@ impl AdapterTable {
                     return Ok(GroupUpdate::PerLayer);
                 }
                 let layers = group.len() as i32;
-                let cache = groups.entry(sites.to_vec()).or_default();
+                let cache = group_cache(groups, sites);
                 if let Some((for_used, f)) = &cache.mixed {
                     if for_used == used {
                         return Ok(GroupUpdate::Update(GroupFactors {
@@ -1146,6 +1146,18 @@ fn side_by_side_factors(
         }
     }
     Ok((concatenate(&a_parts, 1)?, concatenate(&b_parts, 0)?))
+}
+
+/// The cache of the group `sites`, made empty on its first use (a lookup per pass otherwise:
+/// no key is allocated on the adapter rows' hot path).
+fn group_cache<'g>(
+    groups: &'g mut HashMap<Vec<usize>, GroupCache>,
+    sites: &[usize],
+) -> &'g mut GroupCache {
+    if !groups.contains_key(sites) {
+        groups.insert(sites.to_vec(), GroupCache::default());
+    }
+    groups.get_mut(sites).expect("inserted above")
 }
 
 /// The factors of linear sites computed as one stacked product, over `adapters` (each one's
