@@ -5,6 +5,7 @@ pub mod app;
 pub mod cache;
 pub mod chat_template;
 pub mod constraint;
+pub mod cuda_kernel;
 pub mod detokenizer;
 pub mod device;
 pub mod distributed;

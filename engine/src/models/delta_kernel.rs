@@ -11,12 +11,12 @@
 //! with MLX's reductions, so the two agree to float rounding, not bit for bit. Off CUDA, or
 //! with `MLXD_DELTA_KERNEL=0` (to measure the ops path), the ops path runs.
 use std::cell::RefCell;
-use std::ffi::{c_char, CString};
 use std::sync::OnceLock;
 
 use mlx_rs::error::Exception;
-use mlx_rs::{Array, Dtype, Stream};
+use mlx_rs::{Array, Dtype};
 
+use crate::cuda_kernel::{CudaKernel, Launch, OutputSpec};
 use crate::device::gpu_backend;
 use mlxd_protocol::control::Backend;
 
@@ -91,63 +91,9 @@ pub(crate) fn serves(g: &Array, key_dim: i32) -> bool {
     available() && g.ndim() == 3 && key_dim <= MAX_KEY_DIM
 }
 
-/// An MLX custom kernel handle, compiled on first use per shape by MLX.
-struct Kernel(mlx_sys::mlx_fast_cuda_kernel);
-
-impl Kernel {
-    fn new() -> Result<Self, Exception> {
-        let c = |s: &str| CString::new(s).map_err(|e| Exception::custom(e.to_string()));
-        let name = c("mlxd_gated_delta")?;
-        let inputs: Vec<CString> = ["q", "k", "v", "g", "beta", "state_in", "mask"]
-            .iter()
-            .map(|s| c(s))
-            .collect::<Result<_, _>>()?;
-        let outputs: Vec<CString> = ["y", "state_out"]
-            .iter()
-            .map(|s| c(s))
-            .collect::<Result<_, _>>()?;
-        let source = c(SOURCE)?;
-        let header = c("")?;
-        let mut input_ptrs: Vec<*const c_char> = inputs.iter().map(|s| s.as_ptr()).collect();
-        let mut output_ptrs: Vec<*const c_char> = outputs.iter().map(|s| s.as_ptr()).collect();
-        // SAFETY: every pointer is a live NUL-terminated string for the calls; the vectors
-        // are copied by MLX and freed here; the kernel handle is owned by the result.
-        unsafe {
-            let input_names =
-                mlx_sys::mlx_vector_string_new_data(input_ptrs.as_mut_ptr(), input_ptrs.len());
-            let output_names =
-                mlx_sys::mlx_vector_string_new_data(output_ptrs.as_mut_ptr(), output_ptrs.len());
-            let kernel = mlx_sys::mlx_fast_cuda_kernel_new(
-                name.as_ptr(),
-                input_names,
-                output_names,
-                source.as_ptr(),
-                header.as_ptr(),
-                true,
-                0,
-            );
-            mlx_sys::mlx_vector_string_free(input_names);
-            mlx_sys::mlx_vector_string_free(output_names);
-            if kernel.ctx.is_null() {
-                return Err(Exception::custom(
-                    "MLX could not make the gated delta kernel",
-                ));
-            }
-            Ok(Self(kernel))
-        }
-    }
-}
-
-impl Drop for Kernel {
-    fn drop(&mut self) {
-        // SAFETY: the handle is owned here and freed once.
-        unsafe { mlx_sys::mlx_fast_cuda_kernel_free(self.0) };
-    }
-}
-
 thread_local! {
     /// The kernel, made once per thread (the model runs on one thread).
-    static KERNEL: RefCell<Option<Kernel>> = const { RefCell::new(None) };
+    static KERNEL: RefCell<Option<CudaKernel>> = const { RefCell::new(None) };
 }
 
 /// The recurrence over `q`, `k` `[B, T, Hk, Dk]`, `v` `[B, T, Hv, Dv]`, decays `g` and write
@@ -174,94 +120,44 @@ pub(crate) fn run(
         Some(m) => m.as_dtype(Dtype::Bool)?,
         None => mlx_rs::ops::ones::<bool>(&[b, t])?,
     };
-    let inputs = [q, k, v, g, beta, state, &mask];
-    let raw: Vec<mlx_sys::mlx_array> = inputs.iter().map(|a| a.as_ptr()).collect();
-    let y_shape = [b, t, hv, dv];
+    let y_shape = vec![b, t, hv, dv];
     let s_shape = state.shape().to_vec();
-    let stream = Stream::thread_local_or_default();
     KERNEL.with(|cell| {
         let mut slot = cell.borrow_mut();
         if slot.is_none() {
-            *slot = Some(Kernel::new()?);
+            *slot = Some(CudaKernel::new(
+                "mlxd_gated_delta",
+                &["q", "k", "v", "g", "beta", "state_in", "mask"],
+                &["y", "state_out"],
+                SOURCE,
+                true,
+            )?);
         }
         let kernel = slot.as_ref().expect("made above");
-        let c = |s: &str| CString::new(s).map_err(|e| Exception::custom(e.to_string()));
-        let (in_t, st_t) = (c("InT")?, c("StT")?);
-        let ints = [("Dk", dk), ("Dv", dv), ("Hk", hk), ("Hv", hv)]
-            .iter()
-            .map(|(n, v)| Ok((c(n)?, *v)))
-            .collect::<Result<Vec<_>, Exception>>()?;
-        // SAFETY: every handle passed is live for the calls (the arrays through `inputs`, the
-        // config and vectors until freed below); `outputs` is filled by MLX with owned arrays
-        // that are taken out before the vector is freed.
-        unsafe {
-            let config = mlx_sys::mlx_fast_cuda_kernel_config_new();
-            let mut status = 0;
-            status |= mlx_sys::mlx_fast_cuda_kernel_config_add_output_arg(
-                config,
-                y_shape.as_ptr(),
-                y_shape.len(),
-                q.dtype() as mlx_sys::mlx_dtype,
-            );
-            status |= mlx_sys::mlx_fast_cuda_kernel_config_add_output_arg(
-                config,
-                s_shape.as_ptr(),
-                s_shape.len(),
-                state.dtype() as mlx_sys::mlx_dtype,
-            );
-            status |= mlx_sys::mlx_fast_cuda_kernel_config_set_grid(config, b * hv * dv, 1, 1);
-            status |= mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(config, BLOCK, 1, 1);
-            status |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(
-                config,
-                in_t.as_ptr(),
-                q.dtype() as mlx_sys::mlx_dtype,
-            );
-            status |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(
-                config,
-                st_t.as_ptr(),
-                state.dtype() as mlx_sys::mlx_dtype,
-            );
-            for (name, value) in &ints {
-                status |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(
-                    config,
-                    name.as_ptr(),
-                    *value,
-                );
-            }
-            let input_vec = mlx_sys::mlx_vector_array_new_data(raw.as_ptr(), raw.len());
-            let mut outputs = mlx_sys::mlx_vector_array_new();
-            if status == 0 {
-                status = mlx_sys::mlx_fast_cuda_kernel_apply(
-                    &mut outputs,
-                    kernel.0,
-                    input_vec,
-                    config,
-                    stream.as_ref().as_ptr(),
-                );
-            }
-            let mut taken = Vec::with_capacity(2);
-            if status == 0 {
-                for i in 0..mlx_sys::mlx_vector_array_size(outputs) {
-                    let mut a = mlx_sys::mlx_array_new();
-                    mlx_sys::mlx_vector_array_get(&mut a, outputs, i);
-                    taken.push(Array::from_ptr(a));
-                }
-            }
-            mlx_sys::mlx_vector_array_free(outputs);
-            mlx_sys::mlx_vector_array_free(input_vec);
-            mlx_sys::mlx_fast_cuda_kernel_config_free(config);
-            if status != 0 {
-                return Err(Exception::custom(
-                    "MLX could not run the gated delta kernel",
-                ));
-            }
-            let mut taken = taken.into_iter();
-            match (taken.next(), taken.next()) {
-                (Some(y), Some(s)) => Ok((y, s)),
-                _ => Err(Exception::custom(
-                    "the gated delta kernel gave other than two outputs",
-                )),
-            }
+        let outputs = [
+            OutputSpec {
+                shape: y_shape,
+                dtype: q.dtype(),
+            },
+            OutputSpec {
+                shape: s_shape,
+                dtype: state.dtype(),
+            },
+        ];
+        let launch = Launch {
+            grid: (b * hv * dv, 1, 1),
+            block: (BLOCK, 1, 1),
+            dtypes: &[("InT", q.dtype()), ("StT", state.dtype())],
+            ints: &[("Dk", dk), ("Dv", dv), ("Hk", hk), ("Hv", hv)],
+        };
+        let mut out = kernel
+            .apply(&[q, k, v, g, beta, state, &mask], &outputs, &launch)?
+            .into_iter();
+        match (out.next(), out.next()) {
+            (Some(y), Some(s)) => Ok((y, s)),
+            _ => Err(Exception::custom(
+                "the gated delta kernel gave other than two outputs",
+            )),
         }
     })
 }

@@ -39,6 +39,7 @@ pub mod olmoe;
 pub mod params;
 pub mod phi3;
 pub mod quant;
+pub mod quant_attention;
 pub mod qwen2_moe;
 pub mod qwen3;
 pub mod qwen3_5;

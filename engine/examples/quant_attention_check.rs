@@ -1,0 +1,151 @@
+//! Decode attention over a quantized KV cache on CUDA: the fused kernels
+//! (`mlxd_engine::models::quant_attention`) against dequantizing and MLX's fused attention
+//! (what the engine did before), and against bf16 attention over the unquantized keys.
+//!
+//! ```text
+//! cargo run --release -p mlxd-engine --example quant_attention_check -- [iterations]
+//! ```
+//!
+//! For each bit width and `(rows, positions)` shape of the 1B/8B attention (32 query heads
+//! over 8 KV heads, head width 128, groups of 64, bf16): random queries, keys and values in a
+//! buffer longer than the positions (so the cache's views are strided, as in the engine),
+//! rows left-padded by different amounts (a mask, as a batch of different lengths has), then
+//! one JSON line: the largest and mean absolute difference between the kernels and the
+//! dequantizing path over the same quantized values, and milliseconds per call of each path.
+//! Runs only where the kernels serve (a CUDA GPU).
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use mlx_rs::ops::dequantize;
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::{fast, Array, Dtype};
+use mlxd_engine::cache::{KvQuant, Mask, Stored};
+use mlxd_engine::models::quant_attention;
+
+const HEADS: i32 = 32;
+const KV_HEADS: i32 = 8;
+const HEAD_DIM: i32 = 128;
+const GROUP: i32 = 64;
+
+fn timed(iterations: usize, mut f: impl FnMut() -> anyhow::Result<Array>) -> anyhow::Result<f64> {
+    for _ in 0..3 {
+        f()?.eval()?;
+    }
+    let start = Instant::now();
+    for _ in 0..iterations {
+        f()?.eval()?;
+    }
+    Ok(start.elapsed().as_secs_f64() * 1000.0 / iterations as f64)
+}
+
+fn main() -> anyhow::Result<()> {
+    let iterations: usize = match std::env::args().nth(1) {
+        Some(n) => n
+            .parse()
+            .context("usage: quant_attention_check [iterations]")?,
+        None => 50,
+    };
+    let scale = 1.0 / (HEAD_DIM as f32).sqrt();
+    for bits in [8, 4] {
+        let quant = KvQuant {
+            bits,
+            group_size: GROUP,
+        };
+        for (rows, positions) in [
+            (1, 4096),
+            (1, 16_384),
+            (8, 16_384),
+            (32, 4096),
+            (32, 16_384),
+        ] {
+            let capacity = positions + 256;
+            let normal = |shape: &[i32]| -> anyhow::Result<Array> {
+                Ok(mlx_rs::random::normal::<f32>(shape, None, None, None)?
+                    .as_dtype(Dtype::Bfloat16)?)
+            };
+            let q = normal(&[rows, HEADS, 1, HEAD_DIM])?;
+            let k_buf = normal(&[rows, KV_HEADS, capacity, HEAD_DIM])?;
+            let v_buf = normal(&[rows, KV_HEADS, capacity, HEAD_DIM])?;
+            let view = |s: &Stored| s.map(|a| Ok(a.index((.., .., ..positions, ..))));
+            let keys = view(&Stored::new(&k_buf, Some(quant))?)?;
+            let values = view(&Stored::new(&v_buf, Some(quant))?)?;
+            // Row r starts at position 97 r (left padding), the rest of its positions visible.
+            let starts: Vec<i32> = (0..rows).map(|r| (97 * r) % (positions / 2)).collect();
+            let starts = Array::from_slice(&starts, &[rows, 1, 1, 1]);
+            let pos =
+                Array::arange::<_, i32>(None, positions, None)?.reshape(&[1, 1, 1, positions])?;
+            let mask = if rows > 1 {
+                Mask::Array(pos.ge(&starts)?)
+            } else {
+                Mask::None
+            };
+            let mut all: Vec<&Array> = vec![&q, &k_buf, &v_buf];
+            all.extend(keys.arrays());
+            all.extend(values.arrays());
+            mlx_rs::transforms::eval(all)?;
+            if !quant_attention::serves(&q, &keys, &values) {
+                bail!("the quantized attention kernels do not serve here (a CUDA GPU is needed)");
+            }
+            let plain = |s: &Stored| -> anyhow::Result<Array> {
+                match s {
+                    Stored::Quantized {
+                        weights,
+                        scales,
+                        biases,
+                        quant,
+                    } => Ok(
+                        dequantize(weights, scales, biases, quant.group_size, quant.bits)?
+                            .as_dtype(Dtype::Bfloat16)?,
+                    ),
+                    Stored::Plain(a) => Ok(a.clone()),
+                }
+            };
+            let fused = || -> anyhow::Result<Array> {
+                Ok(quant_attention::decode(&q, &keys, &values, scale, &mask)?)
+            };
+            let dequantizing = || -> anyhow::Result<Array> {
+                let (k, v) = (plain(&keys)?, plain(&values)?);
+                Ok(fast::scaled_dot_product_attention(
+                    &q,
+                    &k,
+                    &v,
+                    scale,
+                    mask.as_sdpa(),
+                    None,
+                )?)
+            };
+            let (k16, v16) = (
+                k_buf.index((.., .., ..positions, ..)),
+                v_buf.index((.., .., ..positions, ..)),
+            );
+            let bf16 = || -> anyhow::Result<Array> {
+                Ok(fast::scaled_dot_product_attention(
+                    &q,
+                    &k16,
+                    &v16,
+                    scale,
+                    mask.as_sdpa(),
+                    None,
+                )?)
+            };
+            let (a, b) = (
+                fused()?.as_dtype(Dtype::Float32)?,
+                dequantizing()?.as_dtype(Dtype::Float32)?,
+            );
+            let diff = a.subtract(&b)?.abs()?;
+            let max_diff = diff.max(None)?.item_exact::<f32>();
+            let mean_diff = diff.mean(None)?.item_exact::<f32>();
+            let reference_mean = b.abs()?.mean(None)?.item_exact::<f32>();
+            let ms_fused = timed(iterations, fused)?;
+            let ms_dequantizing = timed(iterations, dequantizing)?;
+            let ms_bf16 = timed(iterations, bf16)?;
+            println!(
+                "{{\"bits\": {bits}, \"rows\": {rows}, \"positions\": {positions}, \
+                 \"max_abs_diff\": {max_diff:.5}, \"mean_abs_diff\": {mean_diff:.6}, \
+                 \"reference_mean_abs\": {reference_mean:.5}, \"ms_fused\": {ms_fused:.4}, \
+                 \"ms_dequantize_sdpa\": {ms_dequantizing:.4}, \"ms_bf16_sdpa\": {ms_bf16:.4}}}"
+            );
+        }
+    }
+    Ok(())
+}
