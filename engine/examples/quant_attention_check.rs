@@ -137,13 +137,27 @@ fn main() -> anyhow::Result<()> {
             let mean_diff = diff.mean(None)?.item_exact::<f32>();
             let reference_mean = b.abs()?.mean(None)?.item_exact::<f32>();
             let ms_fused = timed(iterations, fused)?;
+            // The same kernels with other span counts than the default's.
+            let chosen = quant_attention::spans(positions, rows, KV_HEADS);
+            let mut by_spans = Vec::new();
+            for factor in [0.25, 0.5, 2.0, 4.0] {
+                let n = ((chosen as f64 * factor).round() as i32).max(1);
+                let ms = timed(iterations, || {
+                    Ok(quant_attention::decode_in_spans(
+                        &q, &keys, &values, scale, &mask, n,
+                    )?)
+                })?;
+                by_spans.push(format!("\"{n}\": {ms:.4}"));
+            }
             let ms_dequantizing = timed(iterations, dequantizing)?;
             let ms_bf16 = timed(iterations, bf16)?;
             println!(
                 "{{\"bits\": {bits}, \"rows\": {rows}, \"positions\": {positions}, \
                  \"max_abs_diff\": {max_diff:.5}, \"mean_abs_diff\": {mean_diff:.6}, \
                  \"reference_mean_abs\": {reference_mean:.5}, \"ms_fused\": {ms_fused:.4}, \
-                 \"ms_dequantize_sdpa\": {ms_dequantizing:.4}, \"ms_bf16_sdpa\": {ms_bf16:.4}}}"
+                 \"ms_dequantize_sdpa\": {ms_dequantizing:.4}, \"ms_bf16_sdpa\": {ms_bf16:.4}, \
+                 \"spans\": {chosen}, \"ms_fused_by_spans\": {{{}}}}}",
+                by_spans.join(", ")
             );
         }
     }

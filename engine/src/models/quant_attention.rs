@@ -267,7 +267,7 @@ pub fn serves(queries: &Array, keys: &Stored, values: &Stored) -> bool {
 /// How many spans a row's `positions` are split into, for `rows × kv_heads` blocks per span:
 /// spans of at most [`MAX_SPAN`] positions, more while fewer than [`MIN_BLOCKS`] blocks, but
 /// no span under [`MIN_SPAN`] positions.
-pub(crate) fn spans(positions: i32, rows: i32, kv_heads: i32) -> i32 {
+pub fn spans(positions: i32, rows: i32, kv_heads: i32) -> i32 {
     let ceil = |a: i32, b: i32| (a + b - 1) / b;
     let blocks_per_span = (rows * kv_heads).max(1);
     let wanted = ceil(positions, MAX_SPAN).max(ceil(MIN_BLOCKS, blocks_per_span));
@@ -290,6 +290,29 @@ pub fn decode(
     scale: f32,
     mask: &Mask,
 ) -> Result<Array, Exception> {
+    let (rows, kv_heads, positions) = {
+        let k = keys.arrays()[0].shape();
+        (k[0], k[1], k[2])
+    };
+    decode_in_spans(
+        queries,
+        keys,
+        values,
+        scale,
+        mask,
+        spans(positions, rows, kv_heads),
+    )
+}
+
+/// [`decode`] with the positions split into `spans` spans (the benchmark's tuning knob).
+pub fn decode_in_spans(
+    queries: &Array,
+    keys: &Stored,
+    values: &Stored,
+    scale: f32,
+    mask: &Mask,
+    spans: i32,
+) -> Result<Array, Exception> {
     let (
         Stored::Quantized {
             weights: kw,
@@ -311,13 +334,13 @@ pub fn decode(
     };
     let (b, heads, d) = (queries.shape()[0], queries.shape()[1], queries.shape()[3]);
     let (kv_heads, positions) = (kw.shape()[1], kw.shape()[2]);
+    let spans = spans.clamp(1, positions.max(1));
     let (mask, has_mask) = match mask {
         Mask::None => (Array::from_bool(true).reshape(&[1, 1, 1, 1])?, 0),
         // One query: causal hides nothing.
         Mask::Causal => (Array::from_bool(true).reshape(&[1, 1, 1, 1])?, 0),
         Mask::Array(m) => (m.as_dtype(Dtype::Bool)?, 1),
     };
-    let spans = spans(positions, b, kv_heads);
     let scale_bits = scale.to_bits() as i32;
     KERNELS.with(|cell| {
         let mut slot = cell.borrow_mut();
