@@ -95,6 +95,8 @@ const SPLIT_SOURCE: &str = r#"
   const int64_t vb_row = b * vb_strides[0] + hk * vb_strides[1];
   // A mask of one row applies to every row.
   const int64_t mask_row = mask_shape[0] == 1 ? 0 : b * mask_strides[0];
+  // Unrolled so that the next position's loads are issued before this one's arithmetic.
+#pragma unroll 2
   for (int t = start + warp; t < end; t += WARPS) {
     if (HAS_MASK && !mask[mask_row + t * mask_strides[3]]) {
       continue;
