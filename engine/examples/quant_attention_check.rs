@@ -16,11 +16,10 @@
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use mlx_rs::ops::dequantize;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{fast, Array, Dtype};
 use mlxd_engine::cache::{KvQuant, Mask, Stored};
-use mlxd_engine::models::quant_attention;
+use mlxd_engine::models::{layers, quant_attention};
 
 const HEADS: i32 = 32;
 const KV_HEADS: i32 = 8;
@@ -86,20 +85,7 @@ fn main() -> anyhow::Result<()> {
             if !quant_attention::serves(&q, &keys, &values) {
                 bail!("the quantized attention kernels do not serve here (a CUDA GPU is needed)");
             }
-            let plain = |s: &Stored| -> anyhow::Result<Array> {
-                match s {
-                    Stored::Quantized {
-                        weights,
-                        scales,
-                        biases,
-                        quant,
-                    } => Ok(
-                        dequantize(weights, scales, biases, quant.group_size, quant.bits)?
-                            .as_dtype(Dtype::Bfloat16)?,
-                    ),
-                    Stored::Plain(a) => Ok(a.clone()),
-                }
-            };
+            let plain = |s: &Stored| layers::dequantized(s, Dtype::Bfloat16);
             let fused = || -> anyhow::Result<Array> {
                 Ok(quant_attention::decode(&q, &keys, &values, scale, &mask)?)
             };

@@ -9,6 +9,20 @@ use std::ffi::{c_char, CString};
 
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype, Stream};
+use mlxd_protocol::control::Backend;
+
+use crate::device::gpu_backend;
+
+/// Whether a custom kernel switched by the environment variable `switch` runs here: MLX's
+/// default device is a CUDA GPU and `switch` is not `0` (the ops path it replaces, kept for
+/// measuring). Read once per kernel by its caller.
+pub fn wanted(switch: &str) -> bool {
+    let on_gpu = mlx_rs::Device::try_default()
+        .and_then(|d| d.get_type())
+        .is_ok_and(|t| matches!(t, mlx_rs::DeviceType::Gpu));
+    let asked = std::env::var(switch).map_or(true, |v| v != "0");
+    on_gpu && asked && gpu_backend() == Some(Backend::Cuda)
+}
 
 fn c_string(s: &str) -> Result<CString, Exception> {
     CString::new(s).map_err(|e| Exception::custom(e.to_string()))

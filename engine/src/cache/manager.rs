@@ -8,7 +8,7 @@ use super::ssd::format::EntryKind;
 use super::ssd::SsdTier;
 use super::{
     BatchKv, KvBudget, KvLayout, KvSpace, LayerCache, LayerKind, PrefixCache, Reservation, SeqKv,
-    SeqLayer, StateCache, Stored,
+    SeqLayer, StateCache,
 };
 
 /// A prompt's cached prefix, as fresh one-row caches ready to prefill the rest into.
@@ -273,10 +273,7 @@ impl CacheManager {
                     (k.prefix(n)?, v.prefix(n)?)
                 };
                 // A quantized entry keeps writing quantized; a plain one follows the layout.
-                let quant = match &k {
-                    Stored::Quantized { quant, .. } => Some(*quant),
-                    Stored::Plain(_) => None,
-                };
+                let quant = k.quant();
                 let window = self.kinds.get(layer).and_then(|k| k.window());
                 let mut row = BatchKv::from_row(k, v, start, quant).windowed(window);
                 if let Some(q) = layout.at(matched) {

@@ -96,6 +96,27 @@ impl Stored {
         matches!(self, Stored::Quantized { .. })
     }
 
+    /// The quantization, when stored quantized.
+    pub fn quant(&self) -> Option<KvQuant> {
+        match self {
+            Stored::Quantized { quant, .. } => Some(*quant),
+            Stored::Plain(_) => None,
+        }
+    }
+
+    /// Packed weights, scales and biases, when stored quantized.
+    pub fn packed(&self) -> Option<[&Array; 3]> {
+        match self {
+            Stored::Quantized {
+                weights,
+                scales,
+                biases,
+                ..
+            } => Some([weights, scales, biases]),
+            Stored::Plain(_) => None,
+        }
+    }
+
     /// Positions held (axis 2).
     pub fn positions(&self) -> i32 {
         self.first().shape()[2]

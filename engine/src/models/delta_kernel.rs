@@ -17,8 +17,6 @@ use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
 
 use crate::cuda_kernel::{CudaKernel, Launch, OutputSpec};
-use crate::device::gpu_backend;
-use mlxd_protocol::control::Backend;
 
 /// Threads per block.
 const BLOCK: i32 = 128;
@@ -76,13 +74,7 @@ const SOURCE: &str = r#"
 /// not asked for.
 pub(crate) fn available() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| {
-        let on_gpu = mlx_rs::Device::try_default()
-            .and_then(|d| d.get_type())
-            .is_ok_and(|t| matches!(t, mlx_rs::DeviceType::Gpu));
-        let wanted = std::env::var("MLXD_DELTA_KERNEL").map_or(true, |v| v != "0");
-        on_gpu && wanted && gpu_backend() == Some(Backend::Cuda)
-    })
+    *ON.get_or_init(|| crate::cuda_kernel::wanted("MLXD_DELTA_KERNEL"))
 }
 
 /// Whether the kernel serves these inputs: a scalar decay per head and a key head that fits

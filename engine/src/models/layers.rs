@@ -491,7 +491,7 @@ pub(crate) fn attends_unfused(queries: &Array, keys: &Array, max_scores: u64) ->
 }
 
 /// Keys or values in `dtype`, dequantized when stored quantized.
-fn dequantized(s: &Stored, dtype: mlx_rs::Dtype) -> Result<Array> {
+pub fn dequantized(s: &Stored, dtype: mlx_rs::Dtype) -> Result<Array> {
     match s {
         Stored::Plain(a) => Ok(a.clone()),
         Stored::Quantized {
@@ -563,20 +563,8 @@ fn quantized_attention(
     scale: f32,
     mask: &Mask,
 ) -> Result<Array> {
-    let (
-        Stored::Quantized {
-            weights: kw,
-            scales: ks,
-            biases: kb,
-            quant,
-        },
-        Stored::Quantized {
-            weights: vw,
-            scales: vs,
-            biases: vb,
-            ..
-        },
-    ) = (keys, values)
+    let (Some([kw, ks, kb]), Some([vw, vs, vb]), Some(quant)) =
+        (keys.packed(), values.packed(), keys.quant())
     else {
         return Err(Exception::custom(
             "keys and values of one cache are stored differently",

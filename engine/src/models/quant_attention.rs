@@ -25,8 +25,6 @@ use mlx_rs::{Array, Dtype};
 use crate::cache::Mask;
 use crate::cache::{KvQuant, Stored};
 use crate::cuda_kernel::{CudaKernel, Launch, OutputSpec};
-use crate::device::gpu_backend;
-use mlxd_protocol::control::Backend;
 
 /// Threads per block of the split kernel: four warps.
 const SPLIT_BLOCK: i32 = 128;
@@ -209,13 +207,7 @@ const MERGE_SOURCE: &str = r#"
 /// path was not asked for.
 fn available() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| {
-        let on_gpu = mlx_rs::Device::try_default()
-            .and_then(|d| d.get_type())
-            .is_ok_and(|t| matches!(t, mlx_rs::DeviceType::Gpu));
-        let wanted = std::env::var("MLXD_QUANT_ATTENTION").map_or(true, |v| v != "0");
-        on_gpu && wanted && gpu_backend() == Some(Backend::Cuda)
-    })
+    *ON.get_or_init(|| crate::cuda_kernel::wanted("MLXD_QUANT_ATTENTION"))
 }
 
 /// The shapes the kernels serve, apart from the device: one query; keys and values quantized
@@ -247,22 +239,14 @@ pub(crate) fn fits(
         && (heads / kv_heads) * d <= MAX_GROUP_ELEMENTS
 }
 
-/// The quantization of a stored cache side, if quantized.
-fn quant_of(s: &Stored) -> Option<KvQuant> {
-    match s {
-        Stored::Quantized { quant, .. } => Some(*quant),
-        Stored::Plain(_) => None,
-    }
-}
-
 /// Whether [`decode`] serves this pass here.
 pub fn serves(queries: &Array, keys: &Stored, values: &Stored) -> bool {
     available()
         && fits(
             queries.shape(),
             keys.arrays()[0].shape()[1],
-            quant_of(keys),
-            quant_of(values),
+            keys.quant(),
+            values.quant(),
         )
 }
 
@@ -315,20 +299,8 @@ pub fn decode_in_spans(
     mask: &Mask,
     spans: i32,
 ) -> Result<Array, Exception> {
-    let (
-        Stored::Quantized {
-            weights: kw,
-            scales: ks,
-            biases: kb,
-            quant,
-        },
-        Stored::Quantized {
-            weights: vw,
-            scales: vs,
-            biases: vb,
-            ..
-        },
-    ) = (keys, values)
+    let (Some([kw, ks, kb]), Some([vw, vs, vb]), Some(quant)) =
+        (keys.packed(), values.packed(), keys.quant())
     else {
         return Err(Exception::custom(
             "quantized decode attention over a plain cache",
@@ -416,6 +388,8 @@ pub fn decode_in_spans(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::device::gpu_backend;
+    use mlxd_protocol::control::Backend;
 
     const Q8: KvQuant = KvQuant {
         bits: 8,

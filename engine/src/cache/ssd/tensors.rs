@@ -60,12 +60,7 @@ pub fn prepare(layers: &[SeqLayer]) -> Result<Prepared, Exception> {
     };
     let mut describe = |layer: &SeqLayer| -> Result<LayerDesc, Exception> {
         let mut stored = |s: &Stored| -> Result<StoredDesc, Exception> {
-            let quant = match s {
-                Stored::Plain(_) => None,
-                Stored::Quantized { quant, .. } => {
-                    Some((quant.bits as u8, quant.group_size as u32))
-                }
-            };
+            let quant = s.quant().map(|q| (q.bits as u8, q.group_size as u32));
             let arrays = s
                 .arrays()
                 .into_iter()
