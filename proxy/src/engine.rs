@@ -70,6 +70,12 @@ pub(crate) const PASSTHROUGH_ENV: &[&str] = &[
     // Whether projections that read one input are one product (`mlxd_engine::models::stacked`),
     // for measuring both ways.
     "MLXD_STACKED_PROJECTIONS",
+    // Whether decode attention over a quantized KV cache reads it packed on CUDA
+    // (`mlxd_engine::models::quant_attention`) and whether the gated delta recurrence runs as
+    // its CUDA kernel (`mlxd_engine::models::delta_kernel`): `0` keeps the ops path each
+    // replaces, for measuring both.
+    "MLXD_QUANT_ATTENTION",
+    "MLXD_DELTA_KERNEL",
     // Where MLX keeps the GPU kernels it compiles (engines default to the store,
     // `mlxd_engine::kernel_cache`); a directory the user chose reaches every engine.
     "MLX_PTX_CACHE_DIR",
