@@ -62,13 +62,33 @@ impl GroupFactors {
                 .multiply(mask.reshape(&[rows, 1, 1, width])?)?
                 .reshape(&s)?;
         }
-        let dtype = x.dtype();
-        if h.dtype() == dtype && self.b.dtype() == dtype && y.dtype() == dtype {
-            mlx_rs::ops::addmm(&y, &h, &self.b, 1.0, 1.0)
-        } else {
-            y.add(&h.matmul(&self.b)?.as_dtype(dtype)?)
-        }
+        add_served_update(y, &h, &self.b, x.dtype())
     }
+}
+
+/// `y + h @ b` for a served LoRA update (the scale folded into `b`) on a layer whose input has
+/// `dtype`: one `addmm` where `h`, `b` and `y` all have `dtype` (rounded once where mlx-lm
+/// rounds `h @ b` first); otherwise `h @ b` in the factors' dtype, cast to `dtype` and added
+/// as mlx-lm's `(scale * z).astype(x.dtype)`, the cast and the sum one compiled kernel (float32
+/// factors, as `mlx_lm.lora` writes them, on a bf16 or f16 base: two launches were three).
+pub(crate) fn add_served_update(
+    y: Array,
+    h: &Array,
+    b: &Array,
+    dtype: Dtype,
+) -> Result<Array, Exception> {
+    if h.dtype() == dtype && b.dtype() == dtype && y.dtype() == dtype {
+        mlx_rs::ops::addmm(&y, h, b, 1.0, 1.0)
+    } else if y.dtype() == dtype {
+        crate::models::kept::call_one(cast_and_add, true, &[y, h.matmul(b)?])
+    } else {
+        y.add(&h.matmul(b)?.as_dtype(dtype)?)
+    }
+}
+
+/// `args[0] + args[1]` cast to `args[0]`'s dtype (compiled by [`add_served_update`]).
+fn cast_and_add(args: &[Array]) -> Result<Vec<Array>, Exception> {
+    Ok(vec![args[0].add(&args[1].as_dtype(args[0].dtype())?)?])
 }
 
 /// The layers' `A` factors `[in, r_j]` side by side, in `dtype`.
@@ -121,6 +141,29 @@ mod tests {
         let off = d.index((0..2, 3..7)).abs().unwrap().sum(None).unwrap();
         let off2 = d.index((2..4, 0..3)).abs().unwrap().sum(None).unwrap();
         assert_eq!(off.item_exact::<f32>() + off2.item_exact::<f32>(), 0.0);
+    }
+
+    /// Float32 factors on a float16 layer: the product, then the cast and the sum as one
+    /// compiled kernel, equal to casting and adding op by op.
+    #[test]
+    fn a_float32_update_on_a_float16_layer_is_cast_and_added_in_one_kernel() {
+        let h = normal(&[2, 3, 4], 11);
+        let b = normal(&[4, 8], 12);
+        let y = normal(&[2, 3, 8], 13).as_dtype(Dtype::Float16).unwrap();
+        mlx_rs::transforms::eval([&h, &b, &y]).unwrap();
+        let out = add_served_update(y.clone(), &h, &b, Dtype::Float16).unwrap();
+        assert_eq!(out.dtype(), Dtype::Float16);
+        let counts = crate::graph_ops::op_counts(&out);
+        assert_eq!(
+            counts.computing(),
+            2,
+            "a product and one kernel: {counts:?}"
+        );
+        let plain = y
+            .add(h.matmul(&b).unwrap().as_dtype(Dtype::Float16).unwrap())
+            .unwrap();
+        let f32 = |a: &Array| a.as_dtype(Dtype::Float32).unwrap();
+        assert_eq!(max_abs_diff(&f32(&out), &f32(&plain)), 0.0);
     }
 
     /// Two layers' updates from one product pair equal each layer's own pair, for a pass of

@@ -26,7 +26,7 @@ mod seq_kv;
 mod space;
 pub mod ssd;
 mod state;
-mod stored;
+pub(crate) mod stored;
 
 pub use batched::{BatchKv, WINDOW_SLACK};
 pub use budget::{

@@ -284,14 +284,18 @@ pub fn write_positions(
     }
 }
 
+/// 8 bits in groups of 64, for tests.
+#[cfg(test)]
+pub(crate) const Q8: KvQuant = KvQuant {
+    bits: 8,
+    group_size: 64,
+};
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    const Q8: KvQuant = KvQuant {
-        bits: 8,
-        group_size: 64,
-    };
+    use super::Q8;
 
     #[test]
     fn buffers_grow_by_steps_and_are_never_a_multiple_of_256_long() {

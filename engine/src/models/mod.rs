@@ -23,7 +23,7 @@ pub mod gpt_oss;
 pub mod granite;
 pub mod granitemoe;
 pub mod info;
-mod kept;
+pub(crate) mod kept;
 pub mod layers;
 pub mod lfm2;
 pub mod llama;

@@ -393,10 +393,7 @@ mod tests {
     use crate::device::gpu_backend;
     use mlxd_protocol::control::Backend;
 
-    const Q8: KvQuant = KvQuant {
-        bits: 8,
-        group_size: 64,
-    };
+    use crate::cache::stored::Q8;
 
     #[test]
     fn the_kernels_take_one_query_over_keys_and_values_quantized_alike() {

@@ -55,7 +55,19 @@ const OTHER_PROMPT: &[u32] = &[1, 9, 8, 7, 6, 5];
 
 #[test]
 fn an_adapter_gives_mlx_lm_tokens_alone_and_batched_beside_another_adapter_and_the_base() {
-    let model = tiny_model("tiny-llama");
+    two_adapters_and_the_base_give_mlx_lm_tokens("tiny-llama");
+}
+
+/// The same on a float16 base: the float32 factors `mlx_lm.lora` writes make each update in
+/// float32, cast to the base's dtype and added (one compiled kernel), as mlx-lm's
+/// `(scale * z).astype(x.dtype)`.
+#[test]
+fn float32_adapters_on_a_float16_base_give_mlx_lm_tokens_alone_and_mixed() {
+    two_adapters_and_the_base_give_mlx_lm_tokens("tiny-llama-f16");
+}
+
+fn two_adapters_and_the_base_give_mlx_lm_tokens(base: &str) {
+    let model = tiny_model(base);
     let (a, b) = (
         adapter_dir("tiny-llama-lora-a"),
         adapter_dir("tiny-llama-lora-b"),
