@@ -241,15 +241,15 @@ pub(crate) fn fits(
         && (heads / kv_heads) * d <= MAX_GROUP_ELEMENTS
 }
 
-/// Whether [`decode`] serves this pass here.
+/// Whether [`decode`] serves this pass here: [`fits`], and keys and values as wide as the
+/// queries (the kernels read one head width for all three).
 pub fn serves(queries: &Array, keys: &Stored, values: &Stored) -> bool {
+    let (k, v) = (keys.arrays()[0].shape(), values.arrays()[0].shape());
+    let packed_width = |q: KvQuant| queries.shape().last().map(|d| d * q.bits / 32);
     available()
-        && fits(
-            queries.shape(),
-            keys.arrays()[0].shape()[1],
-            keys.quant(),
-            values.quant(),
-        )
+        && fits(queries.shape(), k[1], keys.quant(), values.quant())
+        && keys.quant().and_then(packed_width) == k.last().copied()
+        && k.last() == v.last()
 }
 
 /// How many spans a row's `positions` are split into, for `rows × kv_heads` blocks per span:
