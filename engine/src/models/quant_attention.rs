@@ -312,9 +312,8 @@ pub fn decode_in_spans(
     let (kv_heads, positions) = (kw.shape()[1], kw.shape()[2]);
     let spans = spans.clamp(1, positions.max(1));
     let (mask, has_mask) = match mask {
-        Mask::None => (Array::from_bool(true).reshape(&[1, 1, 1, 1])?, 0),
-        // One query: causal hides nothing.
-        Mask::Causal => (Array::from_bool(true).reshape(&[1, 1, 1, 1])?, 0),
+        // One query: causal hides nothing. The kernel never reads this placeholder.
+        Mask::None | Mask::Causal => (Array::from_bool(true).reshape(&[1, 1, 1, 1])?, 0),
         Mask::Array(m) => (m.as_dtype(Dtype::Bool)?, 1),
     };
     let scale_bits = scale.to_bits() as i32;

@@ -17,8 +17,9 @@
 //! than one row) is a captured sub-graph of its own. Issue 21's H100 runs put mlxd's decode step
 //! at 4.6–5.1 ms for 8 to 64 rows of the 1B shape, against 1.9 ms for one row (where MLX takes
 //! its own matrix-vector kernel) and ~0.7 ms for reading the weights once, which points at a
-//! cost per product rather than per byte (not yet measured with stacking: the session that
-//! built it had no GPU; `scripts/bench/switch_ab.sh`). Stacking cuts a Llama layer's seven
+//! cost per product rather than per byte; stacking bore it out on an H100 (2026-12-06,
+//! `scripts/bench/switch_ab.sh <out> MLXD_STACKED_PROJECTIONS 1 0`): decode 22% faster at 8
+//! rows, 19% at 32, 8% at 64 (BENCHMARKS.md). Stacking cuts a Llama layer's seven
 //! products to four, and a narrow product (a 512-wide key projection covers a few of an H100's
 //! 132 multiprocessors) becomes part of a wide one. A training pass differentiates through the
 //! split, whose gradient is a zero-filled array per part, so a training job's process turns
