@@ -1,12 +1,14 @@
 //! Engine-core benchmark: the runtime (scheduler, batched forward passes, on-device sampling)
 //! without HTTP, for `batch` concurrent sequences.
 //!
-//! `cargo run --release --example bench_generate -- <model dir> <prompt tokens> <new tokens> <runs> [batch] [temperature] [--draft ngram|<draft model dir>] [--num-draft N] [--prompt-ids FILE] [--kv-bits 4|8]`
+//! `cargo run --release --example bench_generate -- <model dir> <prompt tokens> <new tokens> <runs> [batch] [temperature] [--draft ngram|<draft model dir>] [--num-draft N] [--prompt-ids FILE] [--kv-bits 4|8] [--adapters DIR[,DIR...]]`
 //!
 //! With `--draft`, speculative decoding runs (n-gram prompt lookup or a draft model) and the
 //! line adds `drafted` and `accepted` totals. `--prompt-ids` reads the prompt (a JSON list of
 //! token ids, e.g. a templated input-grounded task) instead of the pseudo-random one; every row
-//! of the batch gets it.
+//! of the batch gets it. `--adapters` loads each LoRA adapter directory beside the model and
+//! gives row `i` adapter `i mod n` (one directory: every row takes it; the line adds
+//! `adapters`), the engine-core share of issue 25's mixed-adapter target.
 //!
 //! Prints one JSON object with the medians of `runs` timed runs after one warm-up run:
 //! `ttft_s` (submission to the first token of the first sequence), `prefill_tps` (prompt
@@ -17,6 +19,7 @@
 //! (`scripts/bench/engine.sh`). The prefix cache is off, so repeated runs do the same work.
 use std::time::Instant;
 
+use mlxd_engine::adapters::AdapterId;
 use mlxd_engine::runtime::draft::{DraftSource, Speculation, DEFAULT_NGRAM, DEFAULT_NUM_DRAFT};
 use mlxd_engine::runtime::request::{GenerateRequest, TokenEvent};
 use mlxd_engine::runtime::sampling_params::SamplingParams;
@@ -46,6 +49,7 @@ fn run(
     prompts: &[Vec<u32>],
     new_tokens: usize,
     temperature: f32,
+    adapters: &[AdapterId],
 ) -> anyhow::Result<Run> {
     let start = Instant::now();
     let receivers: Vec<_> = prompts
@@ -69,7 +73,7 @@ fn run(
                     events: tx,
                     constraint: None,
                     logprobs: None,
-                    adapter: None,
+                    adapter: (!adapters.is_empty()).then(|| adapters[i % adapters.len()]),
                 })
                 .map_err(|_| anyhow::anyhow!("the runtime stopped"))?;
             Ok(rx)
@@ -156,9 +160,12 @@ fn main() -> anyhow::Result<()> {
     let num_draft: usize = option("--num-draft")?.map_or(Ok(DEFAULT_NUM_DRAFT), |s| s.parse())?;
     let prompt_ids = option("--prompt-ids")?;
     let kv_bits: Option<i32> = option("--kv-bits")?.map(|s| s.parse()).transpose()?;
+    let adapter_dirs: Vec<std::path::PathBuf> = option("--adapters")?
+        .map(|list| list.split(',').map(Into::into).collect())
+        .unwrap_or_default();
     anyhow::ensure!(
         (4..=6).contains(&args.len()),
-        "usage: bench_generate <model dir> <prompt tokens> <new tokens> <runs> [batch] [temperature] [--draft ngram|<dir>] [--num-draft N] [--prompt-ids FILE] [--kv-bits 4|8]"
+        "usage: bench_generate <model dir> <prompt tokens> <new tokens> <runs> [batch] [temperature] [--draft ngram|<dir>] [--num-draft N] [--prompt-ids FILE] [--kv-bits 4|8] [--adapters DIR[,DIR...]]"
     );
     let (dir, prompt_len, new_tokens, runs): (&str, usize, usize, usize) = (
         &args[0],
@@ -183,9 +190,25 @@ fn main() -> anyhow::Result<()> {
             bits,
             group_size: 64,
         }),
+        adapters: adapter_dirs
+            .iter()
+            .enumerate()
+            .map(|(i, d)| (format!("a{i}"), d.clone()))
+            .collect(),
         ..Default::default()
     };
     let runtime = Runtime::start(dir.into(), limits, None)?;
+    let adapters: Vec<AdapterId> = match (&runtime.adapters, adapter_dirs.len()) {
+        (_, 0) => Vec::new(),
+        (Some(table), n) => (0..n)
+            .map(|i| {
+                table
+                    .id_of(&format!("a{i}"))
+                    .ok_or_else(|| anyhow::anyhow!("adapter a{i} was not loaded"))
+            })
+            .collect::<anyhow::Result<_>>()?,
+        (None, _) => anyhow::bail!("this model takes no adapters"),
+    };
     let vocab = runtime.info.vocab_size;
     let prompts: Vec<Vec<u32>> = match &prompt_ids {
         Some(file) => {
@@ -195,9 +218,15 @@ fn main() -> anyhow::Result<()> {
         None => (0..batch).map(|r| prompt(prompt_len, vocab, r)).collect(),
     };
     let prompt_len = prompts[0].len();
-    run(&runtime, &prompts, 8.min(new_tokens), temperature)?;
+    run(
+        &runtime,
+        &prompts,
+        8.min(new_tokens),
+        temperature,
+        &adapters,
+    )?;
     let runs: Vec<Run> = (0..runs)
-        .map(|_| run(&runtime, &prompts, new_tokens, temperature))
+        .map(|_| run(&runtime, &prompts, new_tokens, temperature, &adapters))
         .collect::<Result<_, _>>()?;
     let ttft = median(runs.iter().map(|r| r.ttft).collect());
     let prefill = median(runs.iter().map(|r| r.prefill_tps).collect());
@@ -217,8 +246,12 @@ fn main() -> anyhow::Result<()> {
         ),
         None => String::new(),
     };
+    let adapted = match adapters.len() {
+        0 => String::new(),
+        n => format!(",\"adapters\":{n}"),
+    };
     println!(
-        "{{\"impl\":\"mlxd\",\"batch\":{batch},\"temperature\":{temperature},\"prompt_tokens\":{prompt_len},\"new_tokens\":{new_tokens},\"ttft_s\":{ttft:.4},\"prefill_tps\":{prefill:.1},\"decode_tps\":{decode:.2}{draft}{kv}}}"
+        "{{\"impl\":\"mlxd\",\"batch\":{batch},\"temperature\":{temperature},\"prompt_tokens\":{prompt_len},\"new_tokens\":{new_tokens},\"ttft_s\":{ttft:.4},\"prefill_tps\":{prefill:.1},\"decode_tps\":{decode:.2}{draft}{kv}{adapted}}}"
     );
     runtime.join();
     Ok(())

@@ -46,24 +46,54 @@ impl GroupFactors {
     /// into `y` by one `addmm` where `x`, the factors and `y` share a dtype, else cast to
     /// `x`'s dtype and added (mlx-lm's `(scale * z).astype(x.dtype)`).
     pub fn add_to(&self, x: &Array, y: Array) -> Result<Array, Exception> {
-        let mut h = x.matmul(&self.a)?;
-        if let Some((mask, layers)) = &self.mask {
-            let s = h.shape().to_vec();
-            let (rows, width) = (mask.shape()[0], mask.shape()[2]);
-            if x.ndim() != 3 || s[0] != rows {
+        if let Some((mask, _)) = &self.mask {
+            let rows = mask.shape()[0];
+            if x.ndim() != 3 || x.shape()[0] != rows {
                 return Err(Exception::custom(format!(
                     "linear layers with adapters got input {:?} in a pass of {rows} rows of \
                      different adapters; rows must be the first axis of a [B, L, in] input",
                     x.shape()
                 )));
             }
-            let by_layer = h.reshape(&[s[0], s[1], *layers, width])?;
+        }
+        add_served(
+            x,
+            &self.a,
+            &self.b,
+            self.mask.as_ref().map(|(m, l)| (m, *l)),
+            y,
+        )
+    }
+}
+
+/// `y` plus a served LoRA update for input `x`: `((x @ a) * mask) @ b`, the scale in `b`, the
+/// mask (`[B, 1, W]` over `x` `[B, L, in]`, repeated for `layers` blocks of `W` columns)
+/// keeping each row's own adapter's columns. On CUDA, for decode-sized passes, two kernels
+/// ([`super::lora_kernel`]); elsewhere the matmuls, masked, then [`add_served_update`].
+pub(crate) fn add_served(
+    x: &Array,
+    a: &Array,
+    b: &Array,
+    mask: Option<(&Array, i32)>,
+    y: Array,
+) -> Result<Array, Exception> {
+    if super::lora_kernel::serves(x, a, b, &y, mask) {
+        return super::lora_kernel::add_update(x, a, b, &y, mask);
+    }
+    let mut h = x.matmul(a)?;
+    match mask {
+        None => {}
+        Some((mask, 1)) => h = h.multiply(mask)?,
+        Some((mask, layers)) => {
+            let s = h.shape().to_vec();
+            let (rows, width) = (mask.shape()[0], mask.shape()[2]);
+            let by_layer = h.reshape(&[s[0], s[1], layers, width])?;
             h = by_layer
                 .multiply(mask.reshape(&[rows, 1, 1, width])?)?
                 .reshape(&s)?;
         }
-        add_served_update(y, &h, &self.b, x.dtype())
     }
+    add_served_update(y, &h, b, x.dtype())
 }
 
 /// `y + h @ b` for a served LoRA update (the scale folded into `b`) on a layer whose input has

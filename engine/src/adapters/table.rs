@@ -840,9 +840,10 @@ impl AdapterTable {
             let out = y.add(&update.as_dtype(x.dtype())?)?;
             with_bias(out.multiply(&rescale.as_dtype(x.dtype())?)?)
         };
-        // A served LoRA update, `h @ B` with the scale in `B` (`group::add_served_update`).
-        let served_lora = |y: Array, h: Array, b: &Array| {
-            super::group::add_served_update(with_bias(y)?, &h, b, x.dtype())
+        // A served LoRA update, `((x @ A) * mask) @ B` with the scale in `B`
+        // (`group::add_served`).
+        let served_lora = |y: Array, a: &Array, b: &Array, mask: Option<&Array>| {
+            super::group::add_served(x, a, b, mask.map(|m| (m, 1)), with_bias(y)?)
         };
         match &state.selection {
             Selection::Base => with_bias(y),
@@ -850,11 +851,10 @@ impl AdapterTable {
                 let Some(f) = &mut state.sites[index].factors[*i] else {
                     return with_bias(y);
                 };
-                let h = x.matmul(&f.a)?;
-                let b = f.b.clone();
+                let (a, b) = (f.a.clone(), f.b.clone());
                 match f.served_rescale(matrix)? {
-                    Some(rescale) => dora(y, h.matmul(&b)?, rescale),
-                    None => served_lora(y, h, &b),
+                    Some(rescale) => dora(y, x.matmul(&a)?.matmul(&b)?, rescale),
+                    None => served_lora(y, &a, &b, None),
                 }
             }
             Selection::Training {
@@ -904,11 +904,10 @@ impl AdapterTable {
                 let s = site.stacked.as_ref().expect("built above");
                 // Every adapter's `x @ A` at once, each row keeping its own adapter's columns;
                 // the other adapters' (and a base row's) are zero and add nothing through `B`.
-                let h = x.matmul(&s.a)?.multiply(mask)?;
                 let Some((rescales, is_dora)) = &s.dora else {
-                    return served_lora(y, h, &s.b);
+                    return served_lora(y, &s.a, &s.b, Some(mask));
                 };
-                let update = h.matmul(&s.b)?;
+                let update = x.matmul(&s.a)?.multiply(mask)?.matmul(&s.b)?;
                 // Rows of LoRA adapters and of the base take a rescale of one (exact); with a
                 // bias, they keep LoRA's order of additions and DoRA rows theirs.
                 let rescale = rescales.take_axis(slots, 0)?;

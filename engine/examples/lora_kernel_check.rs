@@ -1,0 +1,129 @@
+//! A served LoRA update on CUDA: the two kernels (`mlxd_engine::adapters::lora_kernel`)
+//! against the matmuls the engine runs elsewhere (`x @ A`, the row mask, `@ B`, cast and add).
+//!
+//! ```text
+//! cargo run --release -p mlxd-engine --example lora_kernel_check -- [iterations]
+//! ```
+//!
+//! For the 1B shape's update sites (q/k/v stacked, o, gate/up stacked, down; rank 8), one
+//! adapter or four mixed (a row mask), float32 or bf16 factors, on a bf16 base, at 1 to 128
+//! rows: one JSON line with the largest and mean absolute difference between the two paths
+//! (relative to the mean update) and microseconds per update of each, timed as a chain of
+//! `iterations` updates evaluated once (device time, as in a forward pass). Runs only where
+//! the kernels serve (a CUDA GPU).
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use mlx_rs::{random, Array, Dtype};
+use mlxd_engine::adapters::lora_kernel;
+
+/// The plain ops path: `y + cast(((x @ a) * mask) @ b)`.
+fn ops(
+    x: &Array,
+    a: &Array,
+    b: &Array,
+    y: &Array,
+    mask: Option<(&Array, i32)>,
+) -> anyhow::Result<Array> {
+    let mut h = x.matmul(a)?;
+    if let Some((m, layers)) = mask {
+        let s = h.shape().to_vec();
+        let (rows, w) = (m.shape()[0], m.shape()[2]);
+        h = h
+            .reshape(&[s[0], s[1], layers, w])?
+            .multiply(m.reshape(&[rows, 1, 1, w])?)?
+            .reshape(&s)?;
+    }
+    Ok(y.add(h.matmul(b)?.as_dtype(y.dtype())?)?)
+}
+
+/// Microseconds per update of a chain of `n` updates, each adding to the last one's output.
+fn chained(
+    n: usize,
+    y: &Array,
+    mut f: impl FnMut(&Array) -> anyhow::Result<Array>,
+) -> anyhow::Result<f64> {
+    let mut out = y.clone();
+    for _ in 0..3 {
+        out = f(&out)?;
+    }
+    out.eval()?;
+    let start = Instant::now();
+    let mut out = y.clone();
+    for _ in 0..n {
+        out = f(&out)?;
+    }
+    out.eval()?;
+    Ok(start.elapsed().as_secs_f64() * 1e6 / n as f64)
+}
+
+fn main() -> anyhow::Result<()> {
+    let iterations: usize = match std::env::args().nth(1) {
+        Some(n) => n.parse().context("usage: lora_kernel_check [iterations]")?,
+        None => 200,
+    };
+    // (site, in, layers' outputs): the 1B shape (hidden 2048, 32 heads over 8 of width 64, MLP 8192).
+    let sites: [(&str, i32, &[i32]); 4] = [
+        ("qkv", 2048, &[2048, 512, 512]),
+        ("o", 2048, &[2048]),
+        ("gate_up", 2048, &[8192, 8192]),
+        ("down", 8192, &[2048]),
+    ];
+    let rank = 8;
+    let mut served = 0;
+    for factors in [Dtype::Float32, Dtype::Bfloat16] {
+        for adapters in [1, 4] {
+            for (site, k, outs) in sites {
+                let layers = outs.len() as i32;
+                let n: i32 = outs.iter().sum();
+                let w = rank * adapters;
+                let c = w * layers;
+                let a =
+                    (random::normal::<f32>(&[k, c], None, None, None)? * 0.05).as_dtype(factors)?;
+                let b =
+                    (random::normal::<f32>(&[c, n], None, None, None)? * 0.05).as_dtype(factors)?;
+                for rows in [1, 8, 32, 64, 128] {
+                    let x = random::normal::<f32>(&[rows, 1, k], None, None, None)?
+                        .as_dtype(Dtype::Bfloat16)?;
+                    let y = random::normal::<f32>(&[rows, 1, n], None, None, None)?
+                        .as_dtype(Dtype::Bfloat16)?;
+                    // Row r takes adapter r mod 4 (its rank's columns of each layer's block).
+                    let mask = (adapters > 1).then(|| {
+                        let v: Vec<f32> = (0..rows * w)
+                            .map(|i| f32::from((i % w) / rank == (i / w) % adapters))
+                            .collect();
+                        Array::from_slice(&v, &[rows, 1, w])
+                    });
+                    let mask = mask.as_ref().map(|m| (m, layers));
+                    mlx_rs::transforms::eval([&a, &b, &x, &y])?;
+                    if !lora_kernel::serves(&x, &a, &b, &y, mask) {
+                        continue;
+                    }
+                    served += 1;
+                    let got = lora_kernel::add_update(&x, &a, &b, &y, mask)?;
+                    let want = ops(&x, &a, &b, &y, mask)?;
+                    let f32 = |v: &Array| v.as_dtype(Dtype::Float32);
+                    let diff = f32(&got)?.subtract(f32(&want)?)?.abs()?;
+                    let update = f32(&want)?
+                        .subtract(f32(&y)?)?
+                        .abs()?
+                        .mean(None)?
+                        .item_exact::<f32>();
+                    let max = diff.max(None)?.item_exact::<f32>();
+                    let mean = diff.mean(None)?.item_exact::<f32>();
+                    let kernel_us = chained(iterations, &y, |y| {
+                        Ok(lora_kernel::add_update(&x, &a, &b, y, mask)?)
+                    })?;
+                    let ops_us = chained(iterations, &y, |y| ops(&x, &a, &b, y, mask))?;
+                    println!(
+                        "{{\"site\":\"{site}\",\"factors\":\"{factors:?}\",\"adapters\":{adapters},\"rows\":{rows},\"max_diff\":{max:.5},\"mean_diff\":{mean:.6},\"mean_update\":{update:.4},\"kernel_us\":{kernel_us:.1},\"ops_us\":{ops_us:.1}}}"
+                    );
+                }
+            }
+        }
+    }
+    if served == 0 {
+        bail!("the LoRA kernels serve nothing here (they run on a CUDA GPU)");
+    }
+    Ok(())
+}
