@@ -6,8 +6,8 @@
 //! cargo run --release -p mlxd-engine --example quant_attention_check -- [iterations]
 //! ```
 //!
-//! For each bit width and `(rows, positions)` shape of the 1B/8B attention (32 query heads
-//! over 8 KV heads, head width 128, groups of 64, bf16): random queries, keys and values in a
+//! For each head width (64: the 1B shape, 128: the 8B), bit width and `(rows, positions)`
+//! shape (32 query heads over 8 KV heads, groups of 64, bf16): random queries, keys and values in a
 //! buffer longer than the positions (so the cache's views are strided, as in the engine),
 //! rows left-padded by different amounts (a mask, as a batch of different lengths has), then
 //! one JSON line: the largest and mean absolute difference between the kernels and the
@@ -23,7 +23,6 @@ use mlxd_engine::models::{layers, quant_attention};
 
 const HEADS: i32 = 32;
 const KV_HEADS: i32 = 8;
-const HEAD_DIM: i32 = 128;
 const GROUP: i32 = 64;
 
 fn timed(iterations: usize, mut f: impl FnMut() -> anyhow::Result<Array>) -> anyhow::Result<f64> {
@@ -44,8 +43,8 @@ fn main() -> anyhow::Result<()> {
             .context("usage: quant_attention_check [iterations]")?,
         None => 50,
     };
-    let scale = 1.0 / (HEAD_DIM as f32).sqrt();
-    for bits in [8, 4] {
+    for (head_dim, bits) in [(64, 8), (64, 4), (128, 8), (128, 4)] {
+        let scale = 1.0 / (head_dim as f32).sqrt();
         let quant = KvQuant {
             bits,
             group_size: GROUP,
@@ -62,9 +61,9 @@ fn main() -> anyhow::Result<()> {
                 Ok(mlx_rs::random::normal::<f32>(shape, None, None, None)?
                     .as_dtype(Dtype::Bfloat16)?)
             };
-            let q = normal(&[rows, HEADS, 1, HEAD_DIM])?;
-            let k_buf = normal(&[rows, KV_HEADS, capacity, HEAD_DIM])?;
-            let v_buf = normal(&[rows, KV_HEADS, capacity, HEAD_DIM])?;
+            let q = normal(&[rows, HEADS, 1, head_dim])?;
+            let k_buf = normal(&[rows, KV_HEADS, capacity, head_dim])?;
+            let v_buf = normal(&[rows, KV_HEADS, capacity, head_dim])?;
             let view = |s: &Stored| s.map(|a| Ok(a.index((.., .., ..positions, ..))));
             let keys = view(&Stored::new(&k_buf, Some(quant))?)?;
             let values = view(&Stored::new(&v_buf, Some(quant))?)?;
@@ -138,7 +137,7 @@ fn main() -> anyhow::Result<()> {
             let ms_dequantizing = timed(iterations, dequantizing)?;
             let ms_bf16 = timed(iterations, bf16)?;
             println!(
-                "{{\"bits\": {bits}, \"rows\": {rows}, \"positions\": {positions}, \
+                "{{\"head_dim\": {head_dim}, \"bits\": {bits}, \"rows\": {rows}, \"positions\": {positions}, \
                  \"max_abs_diff\": {max_diff:.5}, \"mean_abs_diff\": {mean_diff:.6}, \
                  \"reference_mean_abs\": {reference_mean:.5}, \"ms_fused\": {ms_fused:.4}, \
                  \"ms_dequantize_sdpa\": {ms_dequantizing:.4}, \"ms_bf16_sdpa\": {ms_bf16:.4}, \

@@ -8,9 +8,11 @@
 //! cache, split over the positions as flash-decoding does:
 //!
 //! 1. `split`: a block owns one row, one KV head (all of its query heads, so each key is read
-//!    once) and one span of positions; each of its warps walks every fourth position, a lane
-//!    dequantizing `D / 32` elements of the key and the value, with a running softmax in
-//!    float32. The warps' partial sums are merged in shared memory and written per span.
+//!    once) and one span of positions. A lane dequantizes a few whole words of a key and a
+//!    value (8 elements at 4 and 8 bits), so a few lanes cover a position and each warp walks
+//!    several positions at once (four at head width 64), summing a dot product over those
+//!    lanes only; the running softmax is float32. The position groups merge by shuffles, the
+//!    warps in shared memory, and the result is written per span.
 //! 2. `merge`: one thread per output element merges the spans' partial sums.
 //!
 //! The cache's views are read in place through their strides (no copy of a sliced buffer).
@@ -44,13 +46,21 @@ const MIN_BLOCKS: i32 = 256;
 
 /// The split kernel's body. Inputs: `q` `[B, H, 1, D]`; `kw`, `vw` packed `[B, Hkv, T, W]`
 /// (uint32); `ks`, `kb`, `vs`, `vb` `[B, Hkv, T, D / GS]`, each read through its own strides;
-/// `mask` `[B | 1, 1, 1, T]` (bool, read only with `HAS_MASK`). Outputs per `(b, h, span)`: the partial output `acc`
-/// `[B, H, S, D]` (float32, not normalized), the running maximum `m` and the sum `l`
-/// `[B, H, S]`. Grid: `(S × 128, Hkv, B)` threads.
+/// `mask` `[B | 1, 1, 1, T]` (bool, read only with `HAS_MASK`). Outputs per `(b, h, span)`:
+/// the partial output `acc` `[B, H, S, D]` (float32, not normalized), the running maximum `m`
+/// and the sum `l` `[B, H, S]`. Grid: `(S × 128, Hkv, B)` threads.
+///
+/// A lane holds `EPL` consecutive elements of a head (whole 32-bit words of the packed cache,
+/// all in one quantization group), so `LP = D / EPL` lanes cover a position and a warp walks
+/// `32 / LP` positions at once: a key's dot product is summed over `LP` lanes (`log2(LP)`
+/// shuffles), not 32. Each group of `LP` lanes keeps its own running softmax; the groups of a
+/// warp merge by shuffles at the end, then the warps in shared memory.
 const SPLIT_SOURCE: &str = r#"
   constexpr int WARPS = 4;
-  constexpr int E = D / 32;
   constexpr int PER_WORD = 32 / BITS;
+  constexpr int WORDS = EPL / PER_WORD;
+  constexpr int LP = D / EPL;
+  constexpr int PPW = 32 / LP;
   constexpr unsigned int LOW = (1u << BITS) - 1u;
   const float scale = __int_as_float(SCALE_BITS);
   const float NEG_INF = -__int_as_float(0x7f800000);
@@ -66,23 +76,28 @@ const SPLIT_SOURCE: &str = r#"
   const int end = min(T, start + per_span);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
+  // This lane's slice of the head (`sub`) and its position among the warp's `PPW` (`slot`).
+  const int sub = lane % LP;
+  const int slot = lane / LP;
+  const int i0 = sub * EPL;
+  const int word0 = i0 / PER_WORD;
+  const int g = i0 / GS;
 
-  float qv[R][E];
+  float qv[R][EPL];
   for (int r = 0; r < R; ++r) {
     const int h = hk * R + r;
-    for (int e = 0; e < E; ++e) {
-      const int i = lane * E + e;
+    for (int e = 0; e < EPL; ++e) {
       qv[r][e] = static_cast<float>(
-          q[b * q_strides[0] + h * q_strides[1] + i * q_strides[3]]) * scale;
+          q[b * q_strides[0] + h * q_strides[1] + (i0 + e) * q_strides[3]]) * scale;
     }
   }
   float m[R];
   float l[R];
-  float acc[R][E];
+  float acc[R][EPL];
   for (int r = 0; r < R; ++r) {
     m[r] = NEG_INF;
     l[r] = 0.0f;
-    for (int e = 0; e < E; ++e) {
+    for (int e = 0; e < EPL; ++e) {
       acc[r][e] = 0.0f;
     }
   }
@@ -95,45 +110,66 @@ const SPLIT_SOURCE: &str = r#"
   const int64_t vb_row = b * vb_strides[0] + hk * vb_strides[1];
   // A mask of one row applies to every row.
   const int64_t mask_row = mask_shape[0] == 1 ? 0 : b * mask_strides[0];
-  // Unrolled so that the next position's loads are issued before this one's arithmetic.
+  // Every lane runs every iteration (the shuffles need the whole warp); a lane whose position
+  // is past the span or masked out reads nothing and keeps its state.
 #pragma unroll 2
-  for (int t = start + warp; t < end; t += WARPS) {
-    if (HAS_MASK && !mask[mask_row + t * mask_strides[3]]) {
-      continue;
-    }
-    float kval[E];
-    float vval[E];
-    for (int e = 0; e < E; ++e) {
-      const int i = lane * E + e;
-      const int word = i / PER_WORD;
-      const int shift = (i % PER_WORD) * BITS;
-      const int g = i / GS;
-      const unsigned int kq =
-          (kw[k_row + t * kw_strides[2] + word * kw_strides[3]] >> shift) & LOW;
-      const unsigned int vq =
-          (vw[v_row + t * vw_strides[2] + word * vw_strides[3]] >> shift) & LOW;
+  for (int base = start + warp * PPW; base < end; base += WARPS * PPW) {
+    const int t = base + slot;
+    const bool valid = t < end && (!HAS_MASK || mask[mask_row + t * mask_strides[3]]);
+    float kval[EPL];
+    float vval[EPL];
+    if (valid) {
       const float k_scale = static_cast<float>(ks[ks_row + t * ks_strides[2] + g * ks_strides[3]]);
       const float k_bias = static_cast<float>(kb[kb_row + t * kb_strides[2] + g * kb_strides[3]]);
       const float v_scale = static_cast<float>(vs[vs_row + t * vs_strides[2] + g * vs_strides[3]]);
       const float v_bias = static_cast<float>(vb[vb_row + t * vb_strides[2] + g * vb_strides[3]]);
-      kval[e] = k_scale * static_cast<float>(kq) + k_bias;
-      vval[e] = v_scale * static_cast<float>(vq) + v_bias;
+      for (int w = 0; w < WORDS; ++w) {
+        const unsigned int kword = kw[k_row + t * kw_strides[2] + (word0 + w) * kw_strides[3]];
+        const unsigned int vword = vw[v_row + t * vw_strides[2] + (word0 + w) * vw_strides[3]];
+        for (int j = 0; j < PER_WORD; ++j) {
+          kval[w * PER_WORD + j] = k_scale * static_cast<float>((kword >> (j * BITS)) & LOW) + k_bias;
+          vval[w * PER_WORD + j] = v_scale * static_cast<float>((vword >> (j * BITS)) & LOW) + v_bias;
+        }
+      }
+    } else {
+      for (int e = 0; e < EPL; ++e) {
+        kval[e] = 0.0f;
+        vval[e] = 0.0f;
+      }
     }
     for (int r = 0; r < R; ++r) {
       float s = 0.0f;
-      for (int e = 0; e < E; ++e) {
+      for (int e = 0; e < EPL; ++e) {
         s += qv[r][e] * kval[e];
       }
-      for (int offset = 16; offset > 0; offset /= 2) {
+      for (int offset = LP / 2; offset > 0; offset /= 2) {
         s += __shfl_xor_sync(0xffffffffu, s, offset);
       }
-      const float top = fmaxf(m[r], s);
-      const float keep = expf(m[r] - top);
-      const float p = expf(s - top);
-      l[r] = l[r] * keep + p;
-      for (int e = 0; e < E; ++e) {
-        acc[r][e] = acc[r][e] * keep + p * vval[e];
+      if (valid) {
+        const float top = fmaxf(m[r], s);
+        const float keep = expf(m[r] - top);
+        const float p = expf(s - top);
+        l[r] = l[r] * keep + p;
+        for (int e = 0; e < EPL; ++e) {
+          acc[r][e] = acc[r][e] * keep + p * vval[e];
+        }
+        m[r] = top;
       }
+    }
+  }
+  // The warp's position groups merge: lanes of one `sub` across the slots.
+  for (int offset = LP; offset < 32; offset *= 2) {
+    for (int r = 0; r < R; ++r) {
+      const float m_other = __shfl_xor_sync(0xffffffffu, m[r], offset);
+      const float l_other = __shfl_xor_sync(0xffffffffu, l[r], offset);
+      const float top = fmaxf(m[r], m_other);
+      const float mine = m[r] == NEG_INF ? 0.0f : expf(m[r] - top);
+      const float theirs = m_other == NEG_INF ? 0.0f : expf(m_other - top);
+      for (int e = 0; e < EPL; ++e) {
+        const float a_other = __shfl_xor_sync(0xffffffffu, acc[r][e], offset);
+        acc[r][e] = acc[r][e] * mine + a_other * theirs;
+      }
+      l[r] = l[r] * mine + l_other * theirs;
       m[r] = top;
     }
   }
@@ -141,13 +177,15 @@ const SPLIT_SOURCE: &str = r#"
   __shared__ float warp_m[WARPS][R];
   __shared__ float warp_l[WARPS][R];
   __shared__ float warp_acc[WARPS][R * D];
-  for (int r = 0; r < R; ++r) {
-    if (lane == 0) {
-      warp_m[warp][r] = m[r];
-      warp_l[warp][r] = l[r];
-    }
-    for (int e = 0; e < E; ++e) {
-      warp_acc[warp][r * D + lane * E + e] = acc[r][e];
+  if (slot == 0) {
+    for (int r = 0; r < R; ++r) {
+      if (lane == 0) {
+        warp_m[warp][r] = m[r];
+        warp_l[warp][r] = l[r];
+      }
+      for (int e = 0; e < EPL; ++e) {
+        warp_acc[warp][r * D + i0 + e] = acc[r][e];
+      }
     }
   }
   __syncthreads();
@@ -212,10 +250,20 @@ fn available() -> bool {
     *ON.get_or_init(|| crate::cuda_kernel::wanted("MLXD_QUANT_ATTENTION"))
 }
 
+/// Elements of a head one lane holds: whole 32-bit words of the packed cache, at least 8.
+fn elements_per_lane(bits: i32) -> i32 {
+    (32 / bits).max(8)
+}
+
+/// The most `heads per KV head × elements per lane` a lane holds (its queries and partial
+/// outputs stay in registers).
+const MAX_LANE_ELEMENTS: i32 = 64;
+
 /// The shapes the kernels serve, apart from the device: one query; keys and values quantized
 /// alike with 2, 4 or 8 bits (a whole number of elements per 32-bit word) in groups that split
-/// `head_dim`; a head width a warp's lanes share evenly (32 to 256); query heads grouped
-/// evenly over the KV heads, few enough that a block's partial outputs fit its shared memory.
+/// `head_dim` and hold whole lanes' slices; a head width that a power of two of lanes (up to a
+/// warp) covers; query heads grouped evenly over the KV heads, few enough that a lane's
+/// registers and a block's shared memory hold their partial outputs.
 pub(crate) fn fits(
     queries: &[i32],
     kv_heads: i32,
@@ -229,16 +277,22 @@ pub(crate) fn fits(
         return false;
     };
     let (heads, l, d) = (*heads, *l, *d);
-    kq == vq
-        && matches!(kq.bits, 2 | 4 | 8)
-        && l == 1
-        && d % 32 == 0
-        && (32..=256).contains(&d)
+    if kq != vq || !matches!(kq.bits, 2 | 4 | 8) || l != 1 || kv_heads <= 0 {
+        return false;
+    }
+    let epl = elements_per_lane(kq.bits);
+    let lanes = d / epl;
+    let group = heads / kv_heads;
+    d % epl == 0
+        && lanes > 0
+        && lanes <= 32
+        && (lanes & (lanes - 1)) == 0
         && kq.group_size > 0
+        && kq.group_size % epl == 0
         && d % kq.group_size == 0
-        && kv_heads > 0
         && heads % kv_heads == 0
-        && (heads / kv_heads) * d <= MAX_GROUP_ELEMENTS
+        && group * epl <= MAX_LANE_ELEMENTS
+        && group * d <= MAX_GROUP_ELEMENTS
 }
 
 /// Whether [`decode`] serves this pass here: [`fits`], and keys and values as wide as the
@@ -360,6 +414,7 @@ pub fn decode_in_spans(
                 ints: &[
                     ("D", d),
                     ("R", heads / kv_heads),
+                    ("EPL", elements_per_lane(quant.bits)),
                     ("BITS", quant.bits),
                     ("GS", quant.group_size),
                     ("HAS_MASK", has_mask),
@@ -416,6 +471,15 @@ mod tests {
         assert!(!fits(&[1, 8, 1, 80], 8, Some(Q8), Some(Q8)));
         assert!(!fits(&[1, 64, 1, 256], 4, Some(Q8), Some(Q8)));
         assert!(!fits(&[1, 30, 1, 128], 8, Some(Q8), Some(Q8)));
+        // The 1B shape (head width 64: eight lanes a position), 2 bits in groups of 32.
+        assert!(fits(&[4, 32, 1, 64], 8, Some(Q8), Some(Q8)));
+        let q2 = KvQuant {
+            bits: 2,
+            group_size: 32,
+        };
+        assert!(fits(&[4, 32, 1, 64], 8, Some(q2), Some(q2)));
+        // Sixteen query heads per KV head: more partial outputs than a lane's registers hold.
+        assert!(!fits(&[1, 64, 1, 64], 4, Some(Q8), Some(Q8)));
     }
 
     #[test]
