@@ -1,4 +1,4 @@
-//! A served LoRA update on CUDA: the two kernels (`mlxd_engine::adapters::lora_kernel`)
+//! A served LoRA update on CUDA: the one kernel (`mlxd_engine::adapters::lora_kernel`)
 //! against the matmuls the engine runs elsewhere (`x @ A`, the row mask, `@ B`, cast and add).
 //!
 //! ```text
@@ -10,7 +10,7 @@
 //! rows: one JSON line with the largest and mean absolute difference between the two paths
 //! (relative to the mean update) and microseconds per update of each, timed as a chain of
 //! `iterations` updates evaluated once (device time, as in a forward pass). Runs only where
-//! the kernels serve (a CUDA GPU).
+//! the kernel serves (a CUDA GPU).
 use std::time::Instant;
 
 use anyhow::{bail, Context};
@@ -123,7 +123,7 @@ fn main() -> anyhow::Result<()> {
         }
     }
     if served == 0 {
-        bail!("the LoRA kernels serve nothing here (they run on a CUDA GPU)");
+        bail!("the LoRA kernel serves nothing here (they run on a CUDA GPU)");
     }
     Ok(())
 }

@@ -1,23 +1,24 @@
-//! A served LoRA update as two CUDA kernels: `y + ((x @ A) * mask) @ B`, cast to `y`'s dtype.
+//! A served LoRA update as one CUDA kernel: `y + ((x @ A) * mask) @ B`, cast to `y`'s dtype.
 //!
-//! The update's products are skinny: a decode pass has a few dozen rows, and `A` `[in, R]` has
-//! a few dozen columns. MLX sends them to cuBLAS, whose kernels for such shapes walk `in`
-//! (2 048 to 8 192) in few blocks; with float32 factors on a bf16 base (as `mlx_lm.lora` writes
-//! them) the update also casts `x` up and the result back. That is four or five launches per
-//! site or stacked group, which took the 1B base's decode of 32 rows from 6.1k to 3.3k tok/s on
-//! an H100 (BENCHMARKS.md). Here:
+//! The engine's decode step is bound by the host: on an H200 the 1B base at 32 rows decodes a
+//! step in ~2.7 ms for ~200 graph nodes, ~13 µs a node, while the device idles. The matmuls of
+//! an update (`x @ A`, its cast of `x`, the mask, `@ B`, the cast and the add) are four or five
+//! nodes per site or stacked group, 64 sites a step: one adapter took the engine core from
+//! 12.0k to 4.2k tok/s at 32 rows (BENCHMARKS.md). Here the whole update is one node. A
+//! block takes a few rows and a slice of the output columns:
 //!
-//! 1. `shrink`: a block takes a few rows and eight of `A`'s columns and splits `in` over its
-//!    threads, reading `x` in its own dtype; the partial sums meet in shared memory. A pass of
-//!    rows of different adapters multiplies each row's sums by its mask (one row of `[B, W]`,
-//!    repeated for each layer's block of `W` columns, as [`super::group`] lays them out).
-//!    `h` is rounded to the factors' dtype, as `x @ A` gives it.
-//! 2. `expand`: a thread takes one output column for a few rows, sums `h @ B` over `R` (the
-//!    rows' `h` in shared memory), rounds it to the factors' dtype and then to `y`'s (mlx-lm's
-//!    `(scale * z).astype(x.dtype)`, the scale in `B` since the load) and adds it to `y`.
+//! 1. its warps compute the rows' `h = x @ A` (a lane per `in` position, a shuffle sum per
+//!    column), times each row's mask (one row of `[B, 1, W]`, repeated for each layer's block
+//!    of `W` columns, as [`super::group`] lays them out), rounded to the factors' dtype as
+//!    `x @ A` gives it, into shared memory;
+//! 2. each thread sums `h @ B` for its columns, rounds it to the factors' dtype and then to
+//!    `y`'s (mlx-lm's `(scale * z).astype(x.dtype)`, the scale in `B` since the load) and adds
+//!    it to `y`.
 //!
-//! Off CUDA, for other shapes, for passes of many rows (prefill: cuBLAS's tiles pay off there)
-//! or with `MLXD_LORA_KERNEL=0` (to measure the ops path), the caller runs the matmuls.
+//! Every column block recomputes its rows' `h` (`A` is small and stays in L2): the device has
+//! time to spare, the host has not. Off CUDA, for other shapes, for passes of many rows
+//! (prefill: cuBLAS's tiles pay off there) or with `MLXD_LORA_KERNEL=0` (to measure the ops
+//! path), the caller runs the matmuls.
 use std::cell::RefCell;
 use std::sync::OnceLock;
 
@@ -26,108 +27,79 @@ use mlx_rs::{Array, Dtype};
 
 use crate::cuda_kernel::{CudaKernel, Launch, OutputSpec};
 
-/// Threads per block of both kernels.
+/// Threads per block.
 const BLOCK: i32 = 128;
-/// `A`'s columns a shrink block sums.
-const SHRINK_COLUMNS: i32 = 8;
-/// Rows a shrink block sums (each of its reads of `A` serves this many rows).
-const SHRINK_ROWS: i32 = 4;
-/// Rows an expand block adds to (each read of `B` serves this many rows).
-const EXPAND_ROWS: i32 = 8;
-/// The widest `R` served: an expand block holds `EXPAND_ROWS × R` floats of `h` in shared
-/// memory (16 KB).
+/// Rows a block updates (each read of `A` and `B` serves this many rows).
+const ROWS: i32 = 8;
+/// Blocks worth launching for a pass: about one per multiprocessor of a large GPU. Fewer
+/// column blocks recompute `h` fewer times; more spread `@ B` wider.
+const TARGET_BLOCKS: i32 = 128;
+/// The widest `R` served: a block holds `ROWS × R` floats of `h` in shared memory (16 KB).
 const MAX_RANK_COLUMNS: i32 = 512;
 /// The most rows (tokens) a pass may have: beyond this, cuBLAS's tiled products are faster.
 const MAX_ROWS: i32 = 256;
 
-/// The shrink kernel's body. Inputs: `x` `[M, K]` (`XT`), `a` `[K, C]` (`FT`), `mask`
-/// `[Bm, W]` (`MT`, read only with `HAS_MASK`: row `m` takes mask row `m / (M / Bm)`, column
-/// `c` its entry `c % W`). Output `h` `[M, C]` (float32). Grid: `(⌈C / 8⌉ × 128, ⌈M / 4⌉)`.
-const SHRINK_SOURCE: &str = r#"
-  constexpr int CPB = 8;
-  constexpr int RPB = 4;
-  constexpr int WARPS = 4;
-  const int M = x_shape[0];
-  const int K = x_shape[1];
-  const int C = a_shape[1];
-  const int c0 = blockIdx.x * CPB;
-  const int m0 = blockIdx.y * RPB;
-  const int t = threadIdx.x;
-  float acc[RPB][CPB];
-  for (int r = 0; r < RPB; ++r)
-    for (int c = 0; c < CPB; ++c) acc[r][c] = 0.0f;
-  for (int k = t; k < K; k += blockDim.x) {
-    float av[CPB];
-    for (int c = 0; c < CPB; ++c)
-      av[c] = (c0 + c < C) ? static_cast<float>(a[(size_t)k * C + c0 + c]) : 0.0f;
-    for (int r = 0; r < RPB; ++r) {
-      if (m0 + r < M) {
-        const float xv = static_cast<float>(x[(size_t)(m0 + r) * K + k]);
-        for (int c = 0; c < CPB; ++c) acc[r][c] += xv * av[c];
-      }
-    }
-  }
-  __shared__ float part[WARPS][RPB * CPB];
-  const int warp = t / 32;
-  const int lane = t % 32;
-  for (int r = 0; r < RPB; ++r) {
-    for (int c = 0; c < CPB; ++c) {
-      float v = acc[r][c];
-      for (int off = 16; off > 0; off /= 2) v += __shfl_down_sync(0xffffffffu, v, off);
-      if (lane == 0) part[warp][r * CPB + c] = v;
-    }
-  }
-  __syncthreads();
-  if (t < RPB * CPB) {
-    const int m = m0 + t / CPB;
-    const int col = c0 + t % CPB;
-    if (m < M && col < C) {
-      float v = 0.0f;
-      for (int w = 0; w < WARPS; ++w) v += part[w][t];
-      v = static_cast<float>(static_cast<FT>(v));
-      if (HAS_MASK) {
-        const int rows = mask_shape[0];
-        const int W = mask_shape[1];
-        v *= static_cast<float>(mask[(size_t)(m / (M / rows)) * W + col % W]);
-      }
-      h[(size_t)m * C + col] = v;
-    }
-  }
-"#;
-
-/// The expand kernel's body. Inputs: `h` `[M, C]` (float32), `b` `[C, N]` (`FT`), `y` `[M, N]`
-/// (`YT`). Output `out` `[M, N]` (`YT`). Grid: `(⌈N / 128⌉ × 128, ⌈M / 8⌉)`.
-const EXPAND_SOURCE: &str = r#"
+/// The kernel's body. Inputs: `x` `[B, L, K]` (`XT`), `a` `[K, C]`, `b` `[C, N]` (`FT`), `y`
+/// `[B, L, N]` (`YT`), `mask` `[Bm, 1, W]` (`MT`, read only with `HAS_MASK`: row `m` of the
+/// `M = B·L` takes mask row `m / (M / Bm)`, column `c` its entry `c % W`). Output `out`
+/// `[B, L, N]` (`YT`). Grid: `(column blocks × 128, ⌈M / 8⌉)` threads.
+const SOURCE: &str = r#"
   constexpr int RB = 8;
-  const int M = y_shape[0];
-  const int N = y_shape[1];
-  const int C = h_shape[1];
-  const int n = blockIdx.x * blockDim.x + threadIdx.x;
+  constexpr int WARPS = 4;
+  const int M = x_shape[0] * x_shape[1];
+  const int K = x_shape[2];
+  const int C = a_shape[1];
+  const int N = b_shape[1];
   const int m0 = blockIdx.y * RB;
+  const int rows = min(RB, M - m0);
+  const int per_block = (N + gridDim.x - 1) / gridDim.x;
+  const int n0 = blockIdx.x * per_block;
+  const int n1 = min(N, n0 + per_block);
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
   __shared__ float hs[RB * MAX_C];
-  for (int i = threadIdx.x; i < RB * C; i += blockDim.x) {
-    const int r = i / C;
-    hs[i] = (m0 + r < M) ? h[(size_t)(m0 + r) * C + i % C] : 0.0f;
+
+  // 1. h = (x @ A) * mask for this block's rows: warp w takes columns w, w + 4, ...
+  for (int c = warp; c < C; c += WARPS) {
+    float acc[RB];
+    for (int r = 0; r < RB; ++r) acc[r] = 0.0f;
+    for (int k = lane; k < K; k += 32) {
+      const float av = static_cast<float>(a[(size_t)k * C + c]);
+      for (int r = 0; r < RB; ++r) {
+        if (r < rows) acc[r] += static_cast<float>(x[(size_t)(m0 + r) * K + k]) * av;
+      }
+    }
+    for (int r = 0; r < RB; ++r) {
+      float v = acc[r];
+      for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+      v = static_cast<float>(static_cast<FT>(v));
+      if (HAS_MASK && r < rows) {
+        const int mask_rows = mask_shape[0];
+        const int W = mask_shape[2];
+        v *= static_cast<float>(mask[(size_t)((m0 + r) / (M / mask_rows)) * W + c % W]);
+      }
+      if (lane == 0) hs[r * C + c] = v;
+    }
   }
   __syncthreads();
-  if (n >= N) return;
-  float acc[RB];
-  for (int r = 0; r < RB; ++r) acc[r] = 0.0f;
-  for (int c = 0; c < C; ++c) {
-    const float bv = static_cast<float>(b[(size_t)c * N + n]);
-    for (int r = 0; r < RB; ++r) acc[r] += hs[r * C + c] * bv;
-  }
-  for (int r = 0; r < RB; ++r) {
-    const int m = m0 + r;
-    if (m < M) {
+
+  // 2. out = y + cast(h @ B) for this block's columns.
+  for (int n = n0 + threadIdx.x; n < n1; n += blockDim.x) {
+    float acc[RB];
+    for (int r = 0; r < RB; ++r) acc[r] = 0.0f;
+    for (int c = 0; c < C; ++c) {
+      const float bv = static_cast<float>(b[(size_t)c * N + n]);
+      for (int r = 0; r < RB; ++r) acc[r] += hs[r * C + c] * bv;
+    }
+    for (int r = 0; r < rows; ++r) {
       const float z = static_cast<float>(static_cast<YT>(static_cast<float>(static_cast<FT>(acc[r]))));
-      const size_t i = (size_t)m * N + n;
+      const size_t i = (size_t)(m0 + r) * N + n;
       out[i] = static_cast<YT>(static_cast<float>(y[i]) + z);
     }
   }
 "#;
 
-/// Whether the kernels run here: MLX's default device is a CUDA GPU, and the ops path was not
+/// Whether the kernel runs here: MLX's default device is a CUDA GPU, and the ops path was not
 /// asked for.
 fn available() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
@@ -138,9 +110,9 @@ fn is_float(d: Dtype) -> bool {
     matches!(d, Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16)
 }
 
-/// The shapes and dtypes the kernels serve, apart from the device: `x` `[..., K]` of at most
-/// [`MAX_ROWS`] rows; `a` `[K, C]` and `b` `[C, N]` of one dtype, float32 or `x`'s (so that
-/// `x @ A` has the factors' dtype); `y` `[..., N]` in `x`'s dtype with `x`'s rows; `C` at most
+/// The shapes and dtypes the kernel serves, apart from the device: `x` `[B, L, K]` of at most
+/// [`MAX_ROWS`] rows (`B·L`); `a` `[K, C]` and `b` `[C, N]` of one dtype, float32 or `x`'s (so
+/// that `x @ A` has the factors' dtype); `y` `[B, L, N]` in `x`'s dtype; `C` at most
 /// [`MAX_RANK_COLUMNS`]; a mask `[Bm, 1, W]` whose `Bm` divides the rows and `W` times the
 /// layers makes `C`.
 pub fn fits(
@@ -151,17 +123,14 @@ pub fn fits(
     mask: Option<(&[i32], i32)>,
 ) -> bool {
     let ((xs, xd), (as_, ad), (bs, bd), (ys, yd)) = (x, a, b, y);
-    let ([k, c], [c2, n]) = (as_, bs) else {
+    let (&[bx, l, k], &[ka, c], &[cb, n], &[by, ly, ny]) = (xs, as_, bs, ys) else {
         return false;
     };
-    let (Some((&xk, x_lead)), Some((&yn, y_lead))) = (xs.split_last(), ys.split_last()) else {
-        return false;
-    };
-    let rows: i64 = x_lead.iter().map(|&d| i64::from(d)).product();
+    let rows = i64::from(bx) * i64::from(l);
     let mask_fits = match mask {
         None => true,
         Some((&[bm, 1, w], layers)) => {
-            bm > 0 && rows % i64::from(bm) == 0 && layers > 0 && w * layers == *c
+            bm > 0 && rows % i64::from(bm) == 0 && layers > 0 && w * layers == c
         }
         Some(_) => false,
     };
@@ -169,13 +138,12 @@ pub fn fits(
         && ad == bd
         && (ad == Dtype::Float32 || ad == xd)
         && yd == xd
-        && xk == *k
-        && c == c2
-        && yn == *n
-        && x_lead == y_lead
+        && k == ka
+        && c == cb
+        && (by, ly, ny) == (bx, l, n)
         && (1..=i64::from(MAX_ROWS)).contains(&rows)
-        && (1..=MAX_RANK_COLUMNS).contains(c)
-        && *n > 0
+        && (1..=MAX_RANK_COLUMNS).contains(&c)
+        && n > 0
         && mask_fits
 }
 
@@ -192,8 +160,17 @@ pub fn serves(x: &Array, a: &Array, b: &Array, y: &Array, mask: Option<(&Array, 
 }
 
 thread_local! {
-    /// The two kernels, made once per thread (the model runs on one thread).
-    static KERNELS: RefCell<Option<(CudaKernel, CudaKernel)>> = const { RefCell::new(None) };
+    /// The kernel, made once per thread (the model runs on one thread), and the mask it is
+    /// given where there is none (never read; an evaluated array adds no node to a pass).
+    static KERNEL: RefCell<Option<(CudaKernel, Array)>> = const { RefCell::new(None) };
+}
+
+/// Column blocks for a pass of `rows` rows and `columns` outputs: about [`TARGET_BLOCKS`]
+/// blocks in all, each at least a block's width of columns.
+fn column_blocks(rows: i32, columns: i32) -> i32 {
+    let ceil = |a: i32, b: i32| (a + b - 1) / b;
+    let row_blocks = ceil(rows, ROWS).max(1);
+    ceil(TARGET_BLOCKS, row_blocks).clamp(1, ceil(columns, BLOCK).max(1))
 }
 
 /// `y + cast(((x @ a) * mask) @ b)`, the mask (`[Bm, 1, W]`, for `layers` blocks of `W`
@@ -205,68 +182,48 @@ pub fn add_update(
     y: &Array,
     mask: Option<(&Array, i32)>,
 ) -> Result<Array, Exception> {
-    let (k, c, n) = (a.shape()[0], a.shape()[1], b.shape()[1]);
-    let rows = x.size() as i32 / k;
-    let x2 = x.reshape(&[rows, k])?;
-    let y2 = y.reshape(&[rows, n])?;
-    let (mask, has_mask, mask_dtype) = match mask {
-        Some((m, _)) => {
-            let (bm, w) = (m.shape()[0], m.shape()[2]);
-            (m.reshape(&[bm, w])?, 1, m.dtype())
-        }
-        None => (Array::from_f32(1.0).reshape(&[1, 1])?, 0, Dtype::Float32),
-    };
-    KERNELS.with(|cell| {
+    let rows = x.shape()[0] * x.shape()[1];
+    let n = b.shape()[1];
+    KERNEL.with(|cell| {
         let mut slot = cell.borrow_mut();
         if slot.is_none() {
-            let shrink = CudaKernel::new(
-                "mlxd_lora_shrink",
-                &["x", "a", "mask"],
-                &["h"],
-                SHRINK_SOURCE,
-                true,
-            )?;
-            let expand = CudaKernel::new(
-                "mlxd_lora_expand",
-                &["h", "b", "y"],
+            let kernel = CudaKernel::new(
+                "mlxd_lora_update",
+                &["x", "a", "b", "y", "mask"],
                 &["out"],
-                EXPAND_SOURCE,
+                SOURCE,
                 true,
             )?;
-            *slot = Some((shrink, expand));
+            let none = Array::from_f32(1.0).reshape(&[1, 1, 1])?;
+            none.eval()?;
+            *slot = Some((kernel, none));
         }
-        let (shrink, expand) = slot.as_ref().expect("made above");
-        let ceil = |a: i32, b: i32| (a + b - 1) / b;
-        let h = shrink.apply(
-            &[&x2, a, &mask],
+        let (kernel, none) = slot.as_ref().expect("made above");
+        let (mask, has_mask) = match mask {
+            Some((m, _)) => (m, 1),
+            None => (none, 0),
+        };
+        let out = kernel.apply(
+            &[x, a, b, y, mask],
             &[OutputSpec {
-                shape: vec![rows, c],
-                dtype: Dtype::Float32,
-            }],
-            &Launch {
-                grid: (ceil(c, SHRINK_COLUMNS) * BLOCK, ceil(rows, SHRINK_ROWS), 1),
-                block: (BLOCK, 1, 1),
-                dtypes: &[("XT", x.dtype()), ("FT", a.dtype()), ("MT", mask_dtype)],
-                ints: &[("HAS_MASK", has_mask)],
-            },
-        )?;
-        let out = expand.apply(
-            &[&h[0], b, &y2],
-            &[OutputSpec {
-                shape: vec![rows, n],
+                shape: y.shape().to_vec(),
                 dtype: y.dtype(),
             }],
             &Launch {
-                grid: (ceil(n, BLOCK) * BLOCK, ceil(rows, EXPAND_ROWS), 1),
+                grid: (column_blocks(rows, n) * BLOCK, (rows + ROWS - 1) / ROWS, 1),
                 block: (BLOCK, 1, 1),
-                dtypes: &[("FT", b.dtype()), ("YT", y.dtype())],
-                ints: &[("MAX_C", MAX_RANK_COLUMNS)],
+                dtypes: &[
+                    ("XT", x.dtype()),
+                    ("FT", a.dtype()),
+                    ("YT", y.dtype()),
+                    ("MT", mask.dtype()),
+                ],
+                ints: &[("HAS_MASK", has_mask), ("MAX_C", MAX_RANK_COLUMNS)],
             },
         )?;
         out.into_iter()
             .next()
-            .ok_or_else(|| Exception::custom("the LoRA expand kernel gave no output"))?
-            .reshape(y.shape())
+            .ok_or_else(|| Exception::custom("the LoRA kernel gave no output"))
     })
 }
 
@@ -330,6 +287,14 @@ mod tests {
             (&[16, 1, 3072], BF),
             None
         ));
+        // Inputs that are not [B, L, ·].
+        assert!(!fits(
+            (&[32, 2048], BF),
+            (a, F32),
+            (b, F32),
+            (&[32, 3072], BF),
+            None
+        ));
         // A prefill pass of many tokens, and more factor columns than shared memory holds.
         assert!(!fits(
             (&[4, 512, 2048], BF),
@@ -345,6 +310,18 @@ mod tests {
             (y, BF),
             None
         ));
+    }
+
+    #[test]
+    fn a_pass_spreads_over_about_128_blocks_without_empty_ones() {
+        // 32 rows: 4 row blocks and 32 column blocks, but q/k/v's 3 072 columns make 24 of 128.
+        assert_eq!(column_blocks(32, 3072), 24);
+        assert_eq!(column_blocks(32, 16_384), 32);
+        // One row: every column block holds at least a block's width of columns.
+        assert_eq!(column_blocks(1, 2048), 16);
+        assert_eq!(column_blocks(1, 100), 1);
+        // 256 rows: 32 row blocks of 4 column blocks.
+        assert_eq!(column_blocks(256, 16_384), 4);
     }
 
     #[test]
