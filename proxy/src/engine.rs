@@ -71,11 +71,13 @@ pub(crate) const PASSTHROUGH_ENV: &[&str] = &[
     // for measuring both ways.
     "MLXD_STACKED_PROJECTIONS",
     // Whether decode attention over a quantized KV cache reads it packed on CUDA
-    // (`mlxd_engine::models::quant_attention`) and whether the gated delta recurrence runs as
-    // its CUDA kernel (`mlxd_engine::models::delta_kernel`): `0` keeps the ops path each
+    // (`mlxd_engine::models::quant_attention`), whether the gated delta recurrence runs as
+    // its CUDA kernel (`mlxd_engine::models::delta_kernel`) and whether a served LoRA update
+    // is one CUDA kernel (`mlxd_engine::adapters::lora_kernel`): `0` keeps the ops path each
     // replaces, for measuring both.
     "MLXD_QUANT_ATTENTION",
     "MLXD_DELTA_KERNEL",
+    "MLXD_LORA_KERNEL",
     // Where MLX keeps the GPU kernels it compiles (engines default to the store,
     // `mlxd_engine::kernel_cache`); a directory the user chose reaches every engine.
     "MLX_PTX_CACHE_DIR",
