@@ -2,14 +2,15 @@
 //! per op more than per byte, so this is the figure behind a launch-bound step.
 //!
 //! ```text
-//! cargo run --release -p mlxd-engine --example step_ops -- <model dir> [rows] [adapter dir]
+//! cargo run --release -p mlxd-engine --example step_ops -- <model dir> [rows] [adapter dir] [--kv-bits 4|8]
 //! ```
 //!
 //! `rows` sequences (default 8) in the batched cache the runtime decodes with: 16-token
 //! prompts are prefilled and evaluated, then the graph of the next token's forward pass is
 //! built (not run) and counted (`mlxd_engine::graph_ops`). With an adapter directory, every
-//! row runs that adapter (`MLXD_STACKED_PROJECTIONS` applies as in the engine). Prints one
-//! JSON line.
+//! row runs that adapter (`MLXD_STACKED_PROJECTIONS` applies as in the engine). With
+//! `--kv-bits`, the cache is quantized (groups of 64) from the start, so the step's ops include
+//! quantizing the new token's keys and values. Prints one JSON line.
 use std::path::PathBuf;
 
 use anyhow::Context;
@@ -18,8 +19,22 @@ use mlxd_engine::graph_ops::op_counts;
 
 fn main() -> anyhow::Result<()> {
     mlxd_engine::models::stacked::stacked_projections_from_env().map_err(anyhow::Error::msg)?;
-    let mut args = std::env::args().skip(1);
-    let usage = "usage: step_ops <model dir> [rows] [adapter dir]";
+    let mut all: Vec<String> = std::env::args().skip(1).collect();
+    let usage = "usage: step_ops <model dir> [rows] [adapter dir] [--kv-bits 4|8]";
+    let kv_bits: Option<i32> = match all.iter().position(|a| a == "--kv-bits") {
+        Some(i) => {
+            anyhow::ensure!(i + 1 < all.len(), "{usage}");
+            let bits = all.remove(i + 1).parse().context(usage)?;
+            all.remove(i);
+            Some(bits)
+        }
+        None => None,
+    };
+    let quant = kv_bits.map(|bits| mlxd_engine::cache::KvQuant {
+        bits,
+        group_size: 64,
+    });
+    let mut args = all.into_iter();
     let dir = PathBuf::from(args.next().context(usage)?);
     let rows: i32 = match args.next() {
         Some(r) => r.parse().context(usage)?,
@@ -40,7 +55,7 @@ fn main() -> anyhow::Result<()> {
     let mut caches: Vec<_> = model
         .layer_kinds()
         .into_iter()
-        .map(|kind| kind.fresh(vec![0; rows as usize], None))
+        .map(|kind| kind.fresh(vec![0; rows as usize], quant))
         .collect();
     let prompt: Vec<u32> = (0..rows * 16).map(|i| 1 + (i % 97) as u32).collect();
     let logits = model.forward(&Array::from_slice(&prompt, &[rows, 16]), &mut caches)?;
@@ -56,6 +71,7 @@ fn main() -> anyhow::Result<()> {
         "adapter": adapter.map(|a| a.display().to_string()),
         "stacked": std::env::var("MLXD_STACKED_PROJECTIONS").unwrap_or_else(|_| "1".into()),
         "rows": rows,
+        "kv_bits": kv_bits,
         "layers": model.info().num_layers,
         "ops": counts.total(),
         "computing": counts.computing(),
