@@ -1,16 +1,16 @@
 //! A served LoRA update as one CUDA kernel: `y + ((x @ A) * mask) @ B`, cast to `y`'s dtype.
 //!
-//! The engine's decode step is bound by the host: on an H200 the 1B base at 32 rows decodes a
-//! step in ~2.7 ms for ~200 graph nodes, ~13 µs a node, while the device idles. The matmuls of
-//! an update (`x @ A`, its cast of `x`, the mask, `@ B`, the cast and the add) are four or five
-//! nodes per site or stacked group, 64 sites a step: one adapter took the engine core from
-//! 12.0k to 4.2k tok/s at 32 rows (BENCHMARKS.md). Here the whole update is one node. A
-//! block takes a few rows and a slice of the output columns:
+//! A decode step is bound by the host's cost per graph node, not by the device: on an H200
+//! the 1B base decodes 32 rows at 12.0k tok/s in the engine core; one float32 adapter's
+//! update as matmuls (`x @ A` with its cast of `x`, `@ B`, the cast and the add: four nodes at
+//! each of 64 sites a step) took that to 4.2k, and as two kernels with their reshapes to 5.5k
+//! (BENCHMARKS.md). Here the whole update is one node. A block takes a few rows and a slice
+//! of the output columns:
 //!
-//! 1. its warps compute the rows' `h = x @ A` (a lane per `in` position, a shuffle sum per
-//!    column), times each row's mask (one row of `[B, 1, W]`, repeated for each layer's block
-//!    of `W` columns, as [`super::group`] lays them out), rounded to the factors' dtype as
-//!    `x @ A` gives it, into shared memory;
+//! 1. its warps compute the rows' `h = x @ A` (a warp per eight of `A`'s columns, its lanes
+//!    splitting `in`, a shuffle sum per column), times each row's mask (one row of
+//!    `[B, 1, W]`, repeated for each layer's block of `W` columns, as [`super::group`] lays
+//!    them out), rounded to the factors' dtype as `x @ A` gives it, into shared memory;
 //! 2. each thread sums `h @ B` for its columns, rounds it to the factors' dtype and then to
 //!    `y`'s (mlx-lm's `(scale * z).astype(x.dtype)`, the scale in `B` since the load) and adds
 //!    it to `y`.
@@ -46,6 +46,7 @@ const MAX_ROWS: i32 = 256;
 const SOURCE: &str = r#"
   constexpr int RB = 8;
   constexpr int WARPS = 4;
+  constexpr int CW = 8;
   const int M = x_shape[0] * x_shape[1];
   const int K = x_shape[2];
   const int C = a_shape[1];
@@ -59,26 +60,36 @@ const SOURCE: &str = r#"
   const int lane = threadIdx.x % 32;
   __shared__ float hs[RB * MAX_C];
 
-  // 1. h = (x @ A) * mask for this block's rows: warp w takes columns w, w + 4, ...
-  for (int c = warp; c < C; c += WARPS) {
-    float acc[RB];
-    for (int r = 0; r < RB; ++r) acc[r] = 0.0f;
+  // 1. h = (x @ A) * mask for this block's rows: warp w takes columns 8w..8w+7, then
+  //    8(w + 4).., each lane every 32nd position of `in` (one sector of A's row per read).
+  for (int c0 = warp * CW; c0 < C; c0 += WARPS * CW) {
+    float acc[RB][CW];
+    for (int r = 0; r < RB; ++r)
+      for (int j = 0; j < CW; ++j) acc[r][j] = 0.0f;
     for (int k = lane; k < K; k += 32) {
-      const float av = static_cast<float>(a[(size_t)k * C + c]);
+      float av[CW];
+      for (int j = 0; j < CW; ++j)
+        av[j] = (c0 + j < C) ? static_cast<float>(a[(size_t)k * C + c0 + j]) : 0.0f;
       for (int r = 0; r < RB; ++r) {
-        if (r < rows) acc[r] += static_cast<float>(x[(size_t)(m0 + r) * K + k]) * av;
+        if (r < rows) {
+          const float xv = static_cast<float>(x[(size_t)(m0 + r) * K + k]);
+          for (int j = 0; j < CW; ++j) acc[r][j] += xv * av[j];
+        }
       }
     }
     for (int r = 0; r < RB; ++r) {
-      float v = acc[r];
-      for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
-      v = static_cast<float>(static_cast<FT>(v));
-      if (HAS_MASK && r < rows) {
-        const int mask_rows = mask_shape[0];
-        const int W = mask_shape[2];
-        v *= static_cast<float>(mask[(size_t)((m0 + r) / (M / mask_rows)) * W + c % W]);
+      for (int j = 0; j < CW; ++j) {
+        float v = acc[r][j];
+        for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+        const int c = c0 + j;
+        v = static_cast<float>(static_cast<FT>(v));
+        if (HAS_MASK && r < rows && c < C) {
+          const int mask_rows = mask_shape[0];
+          const int W = mask_shape[2];
+          v *= static_cast<float>(mask[(size_t)((m0 + r) / (M / mask_rows)) * W + c % W]);
+        }
+        if (lane == 0 && c < C) hs[r * C + c] = v;
       }
-      if (lane == 0) hs[r * C + c] = v;
     }
   }
   __syncthreads();
