@@ -2,7 +2,7 @@
 //! against the matmuls the engine runs elsewhere (`x @ A`, the row mask, `@ B`, cast and add).
 //!
 //! ```text
-//! cargo run --release -p mlxd-engine --example lora_kernel_check -- [iterations]
+//! MLXD_LORA_KERNEL=1 cargo run --release -p mlxd-engine --example lora_kernel_check -- [iterations]
 //! ```
 //!
 //! For the 1B shape's update sites (q/k/v stacked, o, gate/up stacked, down; rank 8), one
@@ -10,7 +10,8 @@
 //! rows: one JSON line with the largest and mean absolute difference between the two paths
 //! (relative to the mean update) and microseconds per update of each, timed as a chain of
 //! `iterations` updates evaluated once (device time, as in a forward pass). Runs only where
-//! the kernel serves (a CUDA GPU).
+//! the kernel serves: a CUDA GPU, with `MLXD_LORA_KERNEL=1` (it is off by default until this
+//! check has run on a GPU).
 use std::time::Instant;
 
 use anyhow::{bail, Context};
@@ -123,7 +124,9 @@ fn main() -> anyhow::Result<()> {
         }
     }
     if served == 0 {
-        bail!("the LoRA kernel serves nothing here (they run on a CUDA GPU)");
+        bail!(
+            "the LoRA kernel serves nothing here (it runs on a CUDA GPU, with MLXD_LORA_KERNEL=1)"
+        );
     }
     Ok(())
 }
