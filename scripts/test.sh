@@ -75,6 +75,8 @@ done
 
 phase "setup's choice of MLX build (GPU detection)"
 scripts/test_mlx_build.sh
+phase "the LoRA update's CUDA kernel under a CPU SIMT emulation"
+.venv/bin/python scripts/emulate_lora_kernel.py
 
 phase "cargo fmt --check"
 cargo fmt --all -- --check
