@@ -75,8 +75,8 @@ done
 
 phase "setup's choice of MLX build (GPU detection)"
 scripts/test_mlx_build.sh
-phase "the LoRA update's CUDA kernel under a CPU SIMT emulation"
-.venv/bin/python scripts/emulate_lora_kernel.py
+phase "the custom CUDA kernels (LoRA update, quantized attention) under a CPU SIMT emulation"
+.venv/bin/python scripts/emulate_cuda_kernels.py
 
 phase "cargo fmt --check"
 cargo fmt --all -- --check

@@ -112,7 +112,7 @@ const SOURCE: &str = r#"
 
 /// Whether the kernel runs here: MLX's default device is a CUDA GPU and `MLXD_LORA_KERNEL=1`.
 /// **Off by default:** this one-node kernel has not run on a GPU yet. Its body runs under a
-/// CPU emulation of the GPU's threads in `scripts/test.sh` (`scripts/emulate_lora_kernel.py`,
+/// CPU emulation of the GPU's threads in `scripts/test.sh` (`scripts/emulate_cuda_kernels.py`,
 /// equal to numpy's update to float rounding), and its two-kernel predecessor agreed with the
 /// matmuls to bf16 rounding on an H200 (BENCHMARKS.md), but its speed is unmeasured: the
 /// matmuls stay the default until `lora_kernel_check` and the adapters benchmark have run it.

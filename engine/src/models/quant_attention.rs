@@ -16,6 +16,9 @@
 //! 2. `merge`: one thread per output element merges the spans' partial sums.
 //!
 //! The cache's views are read in place through their strides (no copy of a sliced buffer).
+//! `scripts/emulate_cuda_kernels.py` runs both bodies on the CPU under a SIMT emulation against
+//! numpy's dequantized attention (a `scripts/test.sh` phase); `examples/quant_attention_check.rs`
+//! checks and times them on a GPU.
 //! Off CUDA, for other shapes, or with `MLXD_QUANT_ATTENTION=0` (to measure the dequantizing
 //! path), the caller dequantizes and runs MLX's fused attention as before.
 use std::cell::RefCell;
