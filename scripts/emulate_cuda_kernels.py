@@ -1,6 +1,7 @@
 """Runs the engine's custom CUDA kernel bodies on the CPU under a small SIMT emulation and compares
-them with numpy: the served LoRA update (engine/src/adapters/lora_kernel.rs) and decode attention
-over a quantized KV cache (engine/src/models/quant_attention.rs, its split and merge kernels).
+them with numpy: the served LoRA update (engine/src/adapters/lora_kernel.rs), decode attention
+over a quantized KV cache (engine/src/models/quant_attention.rs, its split and merge kernels) and
+the gated delta recurrence (engine/src/models/delta_kernel.rs).
 
 No GPU is needed: a body is compiled with g++ inside a function that one std::thread per CUDA
 thread runs, one block at a time, with `__syncthreads` a block-wide barrier, `__shfl_xor_sync` an
@@ -26,6 +27,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 LORA = ROOT / "engine/src/adapters/lora_kernel.rs"
 QUANT = ROOT / "engine/src/models/quant_attention.rs"
+DELTA = ROOT / "engine/src/models/delta_kernel.rs"
 
 HEADER = r"""
 #include <algorithm>
@@ -276,6 +278,52 @@ def quant_case(work: Path, rows: int, heads: int, kv_heads: int, d: int, t: int,
     return report(label, got, want.astype(np.float32), float(np.abs(want).max()))
 
 
+def delta_case(work: Path, b: int, t: int, hk: int, hv: int, dk: int, dv: int) -> bool:
+    """The gated delta recurrence over `t` positions from a random state, the second row's
+    last positions masked out (the state held, zeros written)."""
+    rng = np.random.default_rng(b * 10 + t)
+    q = rng.standard_normal((b, t, hk, dk), dtype=np.float32) * np.float32(0.3)
+    k = rng.standard_normal((b, t, hk, dk), dtype=np.float32) * np.float32(0.3)
+    v = rng.standard_normal((b, t, hv, dv), dtype=np.float32)
+    g = rng.uniform(0.5, 1.0, size=(b, t, hv)).astype(np.float32)
+    beta = rng.uniform(0.0, 1.0, size=(b, t, hv)).astype(np.float32)
+    state = rng.standard_normal((b, hv, dv, dk), dtype=np.float32) * np.float32(0.1)
+    mask = np.ones((b, t), dtype=bool)
+    if b > 1:
+        mask[1, t - 2:] = False
+    want_y = np.zeros((b, t, hv, dv), dtype=np.float32)
+    want_s = state.copy()
+    for bi in range(b):
+        for hi in range(hv):
+            kh = hi // (hv // hk)
+            s_ = want_s[bi, hi]
+            for ti in range(t):
+                if not mask[bi, ti]:
+                    continue
+                s_ = s_ * g[bi, ti, hi]
+                kv = s_ @ k[bi, ti, kh]
+                delta = (v[bi, ti, hi] - kv) * beta[bi, ti, hi]
+                s_ = s_ + np.outer(delta, k[bi, ti, kh])
+                want_y[bi, ti, hi] = s_ @ q[bi, ti, kh]
+            want_s[bi, hi] = s_
+    block = rust_const(DELTA, "BLOCK")
+    got = emulate(
+        work,
+        kernel_body(DELTA, "SOURCE"),
+        {"q": View(q), "k": View(k), "v": View(v), "g": View(g), "beta": View(beta),
+         "state_in": View(state), "mask": View(mask)},
+        {"y": (b, t, hv, dv), "state_out": (b, hv, dv, dk)},
+        {"InT": "float", "StT": "float", "Dk": dk, "Dv": dv, "Hk": hk, "Hv": hv},
+        ((b * hv * dv + block - 1) // block, 1, 1),
+        block,
+    )
+    label = f"gated delta: {b} rows, {t} positions, {hv} value heads over {hk}, Dk {dk}, Dv {dv}"
+    scale = float(max(np.abs(want_y).max(), np.abs(want_s).max()))
+    return report(label + " (output)", got["y"], want_y, scale) & report(
+        label + " (state)", got["state_out"], want_s, scale
+    )
+
+
 def main() -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -302,6 +350,12 @@ def main() -> int:
             (1, 4, 1, 32, 9, 8, 32, 4, False),
         ]:
             results.append(quant_case(work, *case))
+        for case in [
+            # rows, positions, key heads, value heads, key width, value width
+            (1, 5, 1, 2, 16, 8),
+            (2, 7, 2, 4, 32, 24),
+        ]:
+            results.append(delta_case(work, *case))
     return 0 if all(results) else 1
 
 

@@ -75,7 +75,7 @@ done
 
 phase "setup's choice of MLX build (GPU detection)"
 scripts/test_mlx_build.sh
-phase "the custom CUDA kernels (LoRA update, quantized attention) under a CPU SIMT emulation"
+phase "the custom CUDA kernels (LoRA update, quantized attention, gated delta) under a CPU SIMT emulation"
 .venv/bin/python scripts/emulate_cuda_kernels.py
 
 phase "cargo fmt --check"

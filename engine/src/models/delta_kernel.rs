@@ -9,7 +9,9 @@
 //! The arithmetic is the step's (decay, read `kv = S·k`, `delta = (v - kv)·beta`, write
 //! `S += k ⊗ delta`, output `S·q`) in float32, summed in order over `Dk`; the ops path sums
 //! with MLX's reductions, so the two agree to float rounding, not bit for bit. Off CUDA, or
-//! with `MLXD_DELTA_KERNEL=0` (to measure the ops path), the ops path runs.
+//! with `MLXD_DELTA_KERNEL=0` (to measure the ops path), the ops path runs. The body also runs
+//! on the CPU under `scripts/emulate_cuda_kernels.py` (a `scripts/test.sh` phase), against
+//! numpy's recurrence.
 use std::cell::RefCell;
 use std::sync::OnceLock;
 
