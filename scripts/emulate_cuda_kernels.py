@@ -3,7 +3,8 @@ them with numpy: the served LoRA update (engine/src/adapters/lora_kernel.rs), de
 over a quantized KV cache (engine/src/models/quant_attention.rs, its split and merge kernels) and
 the gated delta recurrence (engine/src/models/delta_kernel.rs).
 
-No GPU is needed: a body is compiled with g++ inside a function that one std::thread per CUDA
+No GPU is needed: a body is compiled with a C++20 compiler (clang++, as `scripts/setup.sh`
+installs it, or `$CXX`) inside a function that one std::thread per CUDA
 thread runs, one block at a time, with `__syncthreads` a block-wide barrier, `__shfl_xor_sync` an
 exchange through a per-warp slot array between two warp-wide barriers, and `__shared__` arrays
 shared by the block's threads. Inputs are passed as MLX passes them (a pointer, `<name>_shape`,
@@ -16,7 +17,9 @@ Prints one line per case and exits non-zero if any case differs from numpy by mo
 rounding.
 """
 
+import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -77,6 +80,14 @@ def rust_const(path: Path, name: str) -> int:
     if not match:
         sys.exit(f"no constant {name} in {path}")
     return int(match.group(1))
+
+
+def compiler() -> str:
+    """`$CXX`, else clang++ (which `scripts/setup.sh` installs), else g++."""
+    for candidate in [os.environ.get("CXX"), "clang++", "g++"]:
+        if candidate and shutil.which(candidate):
+            return candidate
+    sys.exit("no C++ compiler: set CXX, or install clang (scripts/setup.sh does)")
 
 
 class View:
@@ -155,7 +166,7 @@ int main() {{
 """
     src, exe = work / "k.cpp", work / "k"
     src.write_text(source)
-    subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-w", str(src), "-o", str(exe)], check=True)
+    subprocess.run([compiler(), "-std=c++20", "-O1", "-pthread", "-w", str(src), "-o", str(exe)], check=True)
     subprocess.run([str(exe)], check=True)
     return {
         name: np.fromfile(work / f"out{j}", dtype=np.float32).reshape(shape)
