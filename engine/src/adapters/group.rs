@@ -42,9 +42,8 @@ pub struct GroupFactors {
 
 impl GroupFactors {
     /// `y` (the stacked product, biases added) plus every layer's update for input `x`, in
-    /// the order and dtypes a layer's own update takes: `x @ A`, masked, then `@ B` folded
-    /// into `y` by one `addmm` where `x`, the factors and `y` share a dtype, else cast to
-    /// `x`'s dtype and added (mlx-lm's `(scale * z).astype(x.dtype)`).
+    /// the order and dtypes a layer's own update takes ([`add_served`], which a single
+    /// layer's update goes through too).
     pub fn add_to(&self, x: &Array, y: Array) -> Result<Array, Exception> {
         if let Some((mask, _)) = &self.mask {
             let rows = mask.shape()[0];
@@ -83,6 +82,8 @@ pub(crate) fn add_served(
     let mut h = x.matmul(a)?;
     match mask {
         None => {}
+        // One layer's block: the mask broadcasts as it is (no reshapes, which are graph nodes
+        // a decode step pays for on the host).
         Some((mask, 1)) => h = h.multiply(mask)?,
         Some((mask, layers)) => {
             let s = h.shape().to_vec();
@@ -101,12 +102,7 @@ pub(crate) fn add_served(
 /// rounds `h @ b` first); otherwise `h @ b` in the factors' dtype, cast to `dtype` and added
 /// as mlx-lm's `(scale * z).astype(x.dtype)`, the cast and the sum one compiled kernel (float32
 /// factors, as `mlx_lm.lora` writes them, on a bf16 or f16 base: two launches were three).
-pub(crate) fn add_served_update(
-    y: Array,
-    h: &Array,
-    b: &Array,
-    dtype: Dtype,
-) -> Result<Array, Exception> {
+fn add_served_update(y: Array, h: &Array, b: &Array, dtype: Dtype) -> Result<Array, Exception> {
     if h.dtype() == dtype && b.dtype() == dtype && y.dtype() == dtype {
         mlx_rs::ops::addmm(&y, h, b, 1.0, 1.0)
     } else if y.dtype() == dtype {
