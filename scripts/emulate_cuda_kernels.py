@@ -203,21 +203,34 @@ def lora_case(work: Path, b: int, l: int, k: int, c: int, n: int, adapters: int,
         mask = np.ones((1, 1, 1), dtype=np.float32)
         want = y + (x @ a) @ bb
     rows = b * l
-    block, row_block, target = (rust_const(LORA, n_) for n_ in ("BLOCK", "ROWS", "TARGET_BLOCKS"))
-    ceil = lambda p, q: (p + q - 1) // q
-    column_blocks = max(1, min(ceil(target, max(1, ceil(rows, row_block))), max(1, ceil(n, block))))
-    grid = (column_blocks, ceil(rows, row_block), 1)
+    block, span, columns, row_tile, expand_rows = (
+        rust_const(LORA, n_) for n_ in ("BLOCK", "SHRINK_SPAN", "SHRINK_COLUMNS", "SHRINK_ROWS", "EXPAND_ROWS")
+    )
+    ceil = lambda p_, q: (p_ + q - 1) // q
+    spans = ceil(k, span)
+    shrink_grid = (spans, ceil(c, columns), ceil(rows, row_tile))
+    partials = emulate(
+        work,
+        kernel_body(LORA, "SHRINK_SOURCE"),
+        {"x": View(x), "a": View(a)},
+        {"p": (spans, rows, c)},
+        {"XT": "float", "FT": "float", "SPAN": span},
+        shrink_grid,
+        block,
+    )["p"]
+    expand_grid = (ceil(n, block), ceil(rows, expand_rows), 1)
     got = emulate(
         work,
-        kernel_body(LORA, "SOURCE"),
-        {"x": View(x), "a": View(a), "b": View(bb), "y": View(y), "mask": View(mask)},
+        kernel_body(LORA, "EXPAND_SOURCE"),
+        {"p": View(partials), "b": View(bb), "y": View(y), "mask": View(mask)},
         {"out": (b, l, n)},
-        {"XT": "float", "FT": "float", "YT": "float", "MT": "float", "HAS_MASK": has_mask,
+        {"FT": "float", "YT": "float", "MT": "float", "HAS_MASK": has_mask,
          "MAX_C": rust_const(LORA, "MAX_RANK_COLUMNS")},
-        grid,
+        expand_grid,
         block,
     )["out"]
-    label = f"lora: rows {b}x{l} in {k} R {c} out {n} adapters {adapters} layers {layers} grid {grid[:2]}"
+    grid = (shrink_grid, expand_grid[:2])
+    label = f"lora: rows {b}x{l} in {k} R {c} out {n} adapters {adapters} layers {layers} grids {grid}"
     return report(label, got, want, float(np.abs(want).max()))
 
 
@@ -346,6 +359,8 @@ def main() -> int:
             # Four adapters mixed (and base rows) over three stacked layers; rows not a multiple of 8.
             (13, 1, 256, 96, 384, 4, 3),
             (32, 1, 512, 96, 640, 4, 3),
+            # More rows than a shrink tile, an `in` off the span.
+            (40, 1, 300, 16, 96, 2, 1),
             # One layer, a prefill-sized pass of a few rows, a rank that is not a multiple of 8.
             (3, 7, 300, 12, 200, 1, 1),
             (4, 2, 128, 20, 130, 2, 1),

@@ -1,24 +1,31 @@
-//! A served LoRA update as one CUDA kernel: `y + ((x @ A) * mask) @ B`, cast to `y`'s dtype.
+//! A served LoRA update as two CUDA kernels: `y + ((x @ A) * mask) @ B`, cast to `y`'s dtype.
 //!
-//! A decode step is bound by the host's cost per graph node, not by the device: on an H200
-//! the 1B base decodes 32 rows at 12.0k tok/s in the engine core; one float32 adapter's
-//! update as matmuls (`x @ A` with its cast of `x`, `@ B`, the cast and the add: four nodes at
-//! each of 64 sites a step) took that to 4.2k, and as two kernels with their reshapes to 5.5k
-//! (BENCHMARKS.md). Here the whole update is one node. A block takes a few rows and a slice
-//! of the output columns:
+//! The update's products are skinny: a decode pass has a few dozen rows, and `A` `[in, C]`
+//! has a few dozen columns (rank × stacked projections × adapters mixed). As matmuls (`x`
+//! cast up to the factors' float32, `x @ A`, the row mask, `@ B`, the cast and the add) a
+//! site is four or five graph nodes, and cuBLAS walks the long `in` axis of such shapes in few
+//! blocks: on an H200 one float32 adapter took the 1B base's decode of 32 rows from 12.0k to
+//! 4.2k tok/s (BENCHMARKS.md). What the update needs is many blocks on the long axis, so:
 //!
-//! 1. its warps compute the rows' `h = x @ A` (a warp per eight of `A`'s columns, its lanes
-//!    splitting `in`, a shuffle sum per column), times each row's mask (one row of
-//!    `[B, 1, W]`, repeated for each layer's block of `W` columns, as [`super::group`] lays
-//!    them out), rounded to the factors' dtype as `x @ A` gives it, into shared memory;
-//! 2. each thread sums `h @ B` for its columns, rounds it to the factors' dtype and then to
-//!    `y`'s (mlx-lm's `(scale * z).astype(x.dtype)`, the scale in `B` since the load) and adds
-//!    it to `y`.
+//! 1. `shrink` splits `in` into spans of [`SHRINK_SPAN`]: a block sums one span for up to
+//!    [`SHRINK_ROWS`] rows and [`SHRINK_COLUMNS`] of `A`'s columns (a lane per column, so its
+//!    reads of `A` coalesce; the rows' span of `x` in shared memory), writing float32 partial
+//!    sums `[spans, M, C]`. A 2 048-wide site of 32 rows is 16 blocks a 32 columns, each
+//!    walking 128 positions.
+//! 2. `expand`: a block takes [`EXPAND_ROWS`] rows; its threads first sum the rows' partials
+//!    over the spans in order (so the result does not depend on scheduling), round them to the
+//!    factors' dtype as `x @ A` gives them, and apply each row's mask (one row of `[B, 1, W]`,
+//!    repeated for each layer's block of `W` columns, as [`super::group`] lays them out) into
+//!    shared memory; then each thread sums `h @ B` for one output column, rounds it to the
+//!    factors' dtype and then to `y`'s (mlx-lm's `(scale * z).astype(x.dtype)`, the scale in
+//!    `B` since the load) and adds it to `y`.
 //!
-//! Every column block recomputes its rows' `h` (`A` is small and stays in L2): the device has
-//! time to spare, the host has not. Off CUDA, for other shapes, for passes of many rows
-//! (prefill: cuBLAS's tiles pay off there), and unless `MLXD_LORA_KERNEL=1` (see
-//! [`available`]), the caller runs the matmuls.
+//! A first version did all of it in one kernel, each block recomputing `h` over the whole of
+//! `in`: one node instead of two, but its few warps walked thousands of positions one after
+//! another, and on an H100 it took 32 rows over four adapters to 1.6k tok/s against the
+//! matmuls' 4.7k. Off CUDA, for other shapes, for passes of many rows (prefill: cuBLAS's
+//! tiles pay off there), and unless `MLXD_LORA_KERNEL=1` (see [`available`]), the caller runs
+//! the matmuls.
 use std::cell::RefCell;
 use std::sync::OnceLock;
 
@@ -27,95 +34,111 @@ use mlx_rs::{Array, Dtype};
 
 use crate::cuda_kernel::{CudaKernel, Launch, OutputSpec};
 
-/// Threads per block.
-const BLOCK: i32 = 128;
-/// Rows a block updates (each read of `A` and `B` serves this many rows).
-const ROWS: i32 = 8;
-/// Blocks worth launching for a pass: about one per multiprocessor of a large GPU. Fewer
-/// column blocks recompute `h` fewer times; more spread `@ B` wider.
-const TARGET_BLOCKS: i32 = 128;
-/// The widest `R` served: a block holds `ROWS × R` floats of `h` in shared memory (16 KB).
+/// Threads per block of both kernels (eight warps).
+const BLOCK: i32 = 256;
+/// Positions of `in` a shrink block sums.
+const SHRINK_SPAN: i32 = 128;
+/// `A`'s columns a shrink block sums: a warp's lanes, one column each.
+const SHRINK_COLUMNS: i32 = 32;
+/// Rows a shrink block sums: each of its eight warps takes every eighth row.
+const SHRINK_ROWS: i32 = 32;
+/// Rows an expand block adds to (each read of `B` serves this many rows).
+const EXPAND_ROWS: i32 = 8;
+/// The widest `C` served: an expand block holds `EXPAND_ROWS × C` floats of `h` in shared
+/// memory (16 KB).
 const MAX_RANK_COLUMNS: i32 = 512;
 /// The most rows (tokens) a pass may have: beyond this, cuBLAS's tiled products are faster.
 const MAX_ROWS: i32 = 256;
 
-/// The kernel's body. Inputs: `x` `[B, L, K]` (`XT`), `a` `[K, C]`, `b` `[C, N]` (`FT`), `y`
-/// `[B, L, N]` (`YT`), `mask` `[Bm, 1, W]` (`MT`, read only with `HAS_MASK`: row `m` of the
-/// `M = B·L` takes mask row `m / (M / Bm)`, column `c` its entry `c % W`). Output `out`
-/// `[B, L, N]` (`YT`). Grid: `(column blocks × 128, ⌈M / 8⌉)` threads.
-const SOURCE: &str = r#"
-  constexpr int RB = 8;
-  constexpr int WARPS = 4;
-  constexpr int CW = 8;
+/// The shrink kernel's body. Inputs: `x` `[B, L, K]` (`XT`), `a` `[K, C]` (`FT`). Output `p`
+/// `[⌈K / SPAN⌉, M, C]` (float32; `M = B·L`): span `s`'s partial sums of `x @ A`. Grid:
+/// `(spans × BLOCK, ⌈C / 32⌉, ⌈M / 32⌉)` threads.
+const SHRINK_SOURCE: &str = r#"
+  constexpr int CT = 32;
+  constexpr int MR = 32;
+  constexpr int WARPS = 8;
+  constexpr int RW = MR / WARPS;
   const int M = x_shape[0] * x_shape[1];
   const int K = x_shape[2];
   const int C = a_shape[1];
-  const int N = b_shape[1];
-  const int m0 = blockIdx.y * RB;
-  const int rows = min(RB, M - m0);
-  const int per_block = (N + gridDim.x - 1) / gridDim.x;
-  const int n0 = blockIdx.x * per_block;
-  const int n1 = min(N, n0 + per_block);
+  const int k0 = blockIdx.x * SPAN;
+  const int span = min(SPAN, K - k0);
+  const int c = blockIdx.y * CT + threadIdx.x % 32;
+  const int m0 = blockIdx.z * MR;
   const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  __shared__ float hs[RB * MAX_C];
-
-  // 1. h = (x @ A) * mask for this block's rows: warp w takes columns 8w..8w+7, then
-  //    8(w + 4).., each lane every 32nd position of `in` (one sector of A's row per read).
-  for (int c0 = warp * CW; c0 < C; c0 += WARPS * CW) {
-    float acc[RB][CW];
-    for (int r = 0; r < RB; ++r)
-      for (int j = 0; j < CW; ++j) acc[r][j] = 0.0f;
-    for (int k = lane; k < K; k += 32) {
-      float av[CW];
-      for (int j = 0; j < CW; ++j)
-        av[j] = (c0 + j < C) ? static_cast<float>(a[(size_t)k * C + c0 + j]) : 0.0f;
-      for (int r = 0; r < RB; ++r) {
-        if (r < rows) {
-          const float xv = static_cast<float>(x[(size_t)(m0 + r) * K + k]);
-          for (int j = 0; j < CW; ++j) acc[r][j] += xv * av[j];
-        }
-      }
-    }
-    for (int r = 0; r < RB; ++r) {
-      for (int j = 0; j < CW; ++j) {
-        float v = acc[r][j];
-        for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
-        const int c = c0 + j;
-        v = static_cast<float>(static_cast<FT>(v));
-        if (HAS_MASK && r < rows && c < C) {
-          const int mask_rows = mask_shape[0];
-          const int W = mask_shape[2];
-          v *= static_cast<float>(mask[(size_t)((m0 + r) / (M / mask_rows)) * W + c % W]);
-        }
-        if (lane == 0 && c < C) hs[r * C + c] = v;
-      }
-    }
+  __shared__ float xs[MR * SPAN];
+  for (int i = threadIdx.x; i < MR * SPAN; i += blockDim.x) {
+    const int r = i / SPAN;
+    const int k = i % SPAN;
+    xs[i] = (m0 + r < M && k < span) ? static_cast<float>(x[(size_t)(m0 + r) * K + k0 + k]) : 0.0f;
   }
   __syncthreads();
-
-  // 2. out = y + cast(h @ B) for this block's columns.
-  for (int n = n0 + threadIdx.x; n < n1; n += blockDim.x) {
-    float acc[RB];
-    for (int r = 0; r < RB; ++r) acc[r] = 0.0f;
-    for (int c = 0; c < C; ++c) {
-      const float bv = static_cast<float>(b[(size_t)c * N + n]);
-      for (int r = 0; r < RB; ++r) acc[r] += hs[r * C + c] * bv;
+  if (c < C) {
+    float acc[RW];
+    for (int j = 0; j < RW; ++j) acc[j] = 0.0f;
+    for (int k = 0; k < span; ++k) {
+      const float av = static_cast<float>(a[(size_t)(k0 + k) * C + c]);
+      for (int j = 0; j < RW; ++j) acc[j] += xs[(warp + WARPS * j) * SPAN + k] * av;
     }
-    for (int r = 0; r < rows; ++r) {
+    for (int j = 0; j < RW; ++j) {
+      const int m = m0 + warp + WARPS * j;
+      if (m < M) p[((size_t)blockIdx.x * M + m) * C + c] = acc[j];
+    }
+  }
+"#;
+
+/// The expand kernel's body. Inputs: `p` `[S, M, C]` (float32, the shrink's partials), `b`
+/// `[C, N]` (`FT`), `y` `[B, L, N]` (`YT`), `mask` `[Bm, 1, W]` (`MT`, read only with
+/// `HAS_MASK`: row `m` takes mask row `m / (M / Bm)`, column `c` its entry `c % W`). Output
+/// `out` `[B, L, N]` (`YT`). Grid: `(⌈N / BLOCK⌉ × BLOCK, ⌈M / 8⌉)` threads.
+const EXPAND_SOURCE: &str = r#"
+  constexpr int RB = 8;
+  const int S = p_shape[0];
+  const int M = p_shape[1];
+  const int C = p_shape[2];
+  const int N = b_shape[1];
+  const int m0 = blockIdx.y * RB;
+  __shared__ float hs[RB * MAX_C];
+  for (int i = threadIdx.x; i < RB * C; i += blockDim.x) {
+    const int r = i / C;
+    const int c = i % C;
+    const int m = m0 + r;
+    float v = 0.0f;
+    if (m < M) {
+      for (int s = 0; s < S; ++s) v += p[((size_t)s * M + m) * C + c];
+      v = static_cast<float>(static_cast<FT>(v));
+      if (HAS_MASK) {
+        const int mask_rows = mask_shape[0];
+        const int W = mask_shape[2];
+        v *= static_cast<float>(mask[(size_t)(m / (M / mask_rows)) * W + c % W]);
+      }
+    }
+    hs[i] = v;
+  }
+  __syncthreads();
+  const int n = blockIdx.x * blockDim.x + threadIdx.x;
+  if (n >= N) return;
+  float acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = 0.0f;
+  for (int c = 0; c < C; ++c) {
+    const float bv = static_cast<float>(b[(size_t)c * N + n]);
+    for (int r = 0; r < RB; ++r) acc[r] += hs[r * C + c] * bv;
+  }
+  for (int r = 0; r < RB; ++r) {
+    const int m = m0 + r;
+    if (m < M) {
       const float z = static_cast<float>(static_cast<YT>(static_cast<float>(static_cast<FT>(acc[r]))));
-      const size_t i = (size_t)(m0 + r) * N + n;
+      const size_t i = (size_t)m * N + n;
       out[i] = static_cast<YT>(static_cast<float>(y[i]) + z);
     }
   }
 "#;
 
-/// Whether the kernel runs here: MLX's default device is a CUDA GPU and `MLXD_LORA_KERNEL=1`.
-/// **Off by default:** this one-node kernel has not run on a GPU yet. Its body runs under a
-/// CPU emulation of the GPU's threads in `scripts/test.sh` (`scripts/emulate_cuda_kernels.py`,
-/// equal to numpy's update to float rounding), and its two-kernel predecessor agreed with the
-/// matmuls to bf16 rounding on an H200 (BENCHMARKS.md), but its speed is unmeasured: the
-/// matmuls stay the default until `lora_kernel_check` and the adapters benchmark have run it.
+/// Whether the kernels run here: MLX's default device is a CUDA GPU and `MLXD_LORA_KERNEL=1`.
+/// **Off by default** until the adapters benchmark shows them ahead of the matmuls on a GPU
+/// (BENCHMARKS.md). Their bodies run under a CPU emulation of the GPU's threads in
+/// `scripts/test.sh` (`scripts/emulate_cuda_kernels.py`, equal to numpy's update to float
+/// rounding).
 fn available() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| crate::cuda_kernel::asked("MLXD_LORA_KERNEL"))
@@ -175,17 +198,52 @@ pub fn serves(x: &Array, a: &Array, b: &Array, y: &Array, mask: Option<(&Array, 
 }
 
 thread_local! {
-    /// The kernel, made once per thread (the model runs on one thread), and the mask it is
+    /// The two kernels, made once per thread (the model runs on one thread), and the mask
     /// given where there is none (never read; an evaluated array adds no node to a pass).
-    static KERNEL: RefCell<Option<(CudaKernel, Array)>> = const { RefCell::new(None) };
+    static KERNELS: RefCell<Option<Kernels>> = const { RefCell::new(None) };
 }
 
-/// Column blocks for a pass of `rows` rows and `columns` outputs: about [`TARGET_BLOCKS`]
-/// blocks in all, each at least a block's width of columns.
-fn column_blocks(rows: i32, columns: i32) -> i32 {
-    let ceil = |a: i32, b: i32| (a + b - 1) / b;
-    let row_blocks = ceil(rows, ROWS).max(1);
-    ceil(TARGET_BLOCKS, row_blocks).clamp(1, ceil(columns, BLOCK).max(1))
+struct Kernels {
+    shrink: CudaKernel,
+    expand: CudaKernel,
+    no_mask: Array,
+}
+
+impl Kernels {
+    fn new() -> Result<Self, Exception> {
+        let no_mask = Array::from_f32(1.0).reshape(&[1, 1, 1])?;
+        no_mask.eval()?;
+        Ok(Self {
+            shrink: CudaKernel::new("mlxd_lora_shrink", &["x", "a"], &["p"], SHRINK_SOURCE, true)?,
+            expand: CudaKernel::new(
+                "mlxd_lora_expand",
+                &["p", "b", "y", "mask"],
+                &["out"],
+                EXPAND_SOURCE,
+                true,
+            )?,
+            no_mask,
+        })
+    }
+}
+
+fn ceil_div(a: i32, b: i32) -> i32 {
+    (a + b - 1) / b
+}
+
+/// The shrink's grid in blocks for `rows` rows, `in` of `k` and `c` columns of `A`: spans of
+/// `in`, column tiles, row tiles.
+fn shrink_blocks(rows: i32, k: i32, c: i32) -> (i32, i32, i32) {
+    (
+        ceil_div(k, SHRINK_SPAN),
+        ceil_div(c, SHRINK_COLUMNS),
+        ceil_div(rows, SHRINK_ROWS),
+    )
+}
+
+/// The expand's grid in blocks for `rows` rows and `n` output columns.
+fn expand_blocks(rows: i32, n: i32) -> (i32, i32) {
+    (ceil_div(n, BLOCK), ceil_div(rows, EXPAND_ROWS))
 }
 
 /// `y + cast(((x @ a) * mask) @ b)`, the mask (`[Bm, 1, W]`, for `layers` blocks of `W`
@@ -198,47 +256,51 @@ pub fn add_update(
     mask: Option<(&Array, i32)>,
 ) -> Result<Array, Exception> {
     let rows = x.shape()[0] * x.shape()[1];
-    let n = b.shape()[1];
-    KERNEL.with(|cell| {
+    let (k, c, n) = (x.shape()[2], a.shape()[1], b.shape()[1]);
+    KERNELS.with(|cell| {
         let mut slot = cell.borrow_mut();
         if slot.is_none() {
-            let kernel = CudaKernel::new(
-                "mlxd_lora_update",
-                &["x", "a", "b", "y", "mask"],
-                &["out"],
-                SOURCE,
-                true,
-            )?;
-            let none = Array::from_f32(1.0).reshape(&[1, 1, 1])?;
-            none.eval()?;
-            *slot = Some((kernel, none));
+            *slot = Some(Kernels::new()?);
         }
-        let (kernel, none) = slot.as_ref().expect("made above");
+        let kernels = slot.as_ref().expect("made above");
+        let (spans, column_tiles, row_tiles) = shrink_blocks(rows, k, c);
+        let partials = kernels.shrink.apply(
+            &[x, a],
+            &[OutputSpec {
+                shape: vec![spans, rows, c],
+                dtype: Dtype::Float32,
+            }],
+            &Launch {
+                grid: (spans * BLOCK, column_tiles, row_tiles),
+                block: (BLOCK, 1, 1),
+                dtypes: &[("XT", x.dtype()), ("FT", a.dtype())],
+                ints: &[("SPAN", SHRINK_SPAN)],
+            },
+        )?;
+        let partials = partials
+            .first()
+            .ok_or_else(|| Exception::custom("the LoRA shrink kernel gave no output"))?;
         let (mask, has_mask) = match mask {
             Some((m, _)) => (m, 1),
-            None => (none, 0),
+            None => (&kernels.no_mask, 0),
         };
-        let out = kernel.apply(
-            &[x, a, b, y, mask],
+        let (column_blocks, row_blocks) = expand_blocks(rows, n);
+        let out = kernels.expand.apply(
+            &[partials, b, y, mask],
             &[OutputSpec {
                 shape: y.shape().to_vec(),
                 dtype: y.dtype(),
             }],
             &Launch {
-                grid: (column_blocks(rows, n) * BLOCK, (rows + ROWS - 1) / ROWS, 1),
+                grid: (column_blocks * BLOCK, row_blocks, 1),
                 block: (BLOCK, 1, 1),
-                dtypes: &[
-                    ("XT", x.dtype()),
-                    ("FT", a.dtype()),
-                    ("YT", y.dtype()),
-                    ("MT", mask.dtype()),
-                ],
+                dtypes: &[("FT", a.dtype()), ("YT", y.dtype()), ("MT", mask.dtype())],
                 ints: &[("HAS_MASK", has_mask), ("MAX_C", MAX_RANK_COLUMNS)],
             },
         )?;
         out.into_iter()
             .next()
-            .ok_or_else(|| Exception::custom("the LoRA kernel gave no output"))
+            .ok_or_else(|| Exception::custom("the LoRA expand kernel gave no output"))
     })
 }
 
@@ -328,15 +390,18 @@ mod tests {
     }
 
     #[test]
-    fn a_pass_spreads_over_about_128_blocks_without_empty_ones() {
-        // 32 rows: 4 row blocks and 32 column blocks, but q/k/v's 3 072 columns make 24 of 128.
-        assert_eq!(column_blocks(32, 3072), 24);
-        assert_eq!(column_blocks(32, 16_384), 32);
-        // One row: every column block holds at least a block's width of columns.
-        assert_eq!(column_blocks(1, 2048), 16);
-        assert_eq!(column_blocks(1, 100), 1);
-        // 256 rows: 32 row blocks of 4 column blocks.
-        assert_eq!(column_blocks(256, 16_384), 4);
+    fn the_long_axis_spreads_over_blocks_and_every_row_and_column_has_one() {
+        // q/k/v of four adapters (C = 96) over 2 048 inputs, 32 rows: 16 spans × 3 tiles.
+        assert_eq!(shrink_blocks(32, 2048, 96), (16, 3, 1));
+        // down's 8 192 inputs: 64 spans; an `in` off the span and a C off the tile round up.
+        assert_eq!(shrink_blocks(32, 8192, 32), (64, 1, 1));
+        assert_eq!(shrink_blocks(33, 300, 20), (3, 1, 2));
+        assert_eq!(shrink_blocks(1, 64, 8), (1, 1, 1));
+        assert_eq!(shrink_blocks(MAX_ROWS, 2048, MAX_RANK_COLUMNS), (16, 16, 8));
+        // The expand: a block per 256 output columns and per 8 rows.
+        assert_eq!(expand_blocks(32, 3072), (12, 4));
+        assert_eq!(expand_blocks(1, 2048), (8, 1));
+        assert_eq!(expand_blocks(13, 257), (2, 2));
     }
 
     #[test]
