@@ -214,7 +214,7 @@ def lora_case(work: Path, b: int, l: int, k: int, c: int, n: int, adapters: int,
         kernel_body(LORA, "SHRINK_SOURCE"),
         {"x": View(x), "a": View(a)},
         {"p": (spans, rows, c)},
-        {"XT": "float", "FT": "float", "SPAN": span},
+        {"XT": "float", "FT": "float", "SPAN": span, "NT": block},
         shrink_grid,
         block,
     )["p"]

@@ -1,17 +1,18 @@
-//! A served LoRA update on CUDA: the one kernel (`mlxd_engine::adapters::lora_kernel`)
-//! against the matmuls the engine runs elsewhere (`x @ A`, the row mask, `@ B`, cast and add).
+//! A served LoRA update on CUDA: the shrink and expand kernels
+//! (`mlxd_engine::adapters::lora_kernel`) against the matmuls the engine runs elsewhere
+//! (`x @ A`, the row mask, `@ B`, cast and add).
 //!
 //! ```text
 //! MLXD_LORA_KERNEL=1 cargo run --release -p mlxd-engine --example lora_kernel_check -- [iterations]
 //! ```
 //!
-//! For the 1B shape's update sites (q/k/v stacked, o, gate/up stacked, down; rank 8), one
-//! adapter or four mixed (a row mask), float32 or bf16 factors, on a bf16 base, at 1 to 128
-//! rows: one JSON line with the largest and mean absolute difference between the two paths
-//! (relative to the mean update) and microseconds per update of each, timed as a chain of
-//! `iterations` updates evaluated once (device time, as in a forward pass). Runs only where
-//! the kernel serves: a CUDA GPU, with `MLXD_LORA_KERNEL=1` (it is off by default until this
-//! check has run on a GPU).
+//! First the chain's cost of one plain node (an add). Then, for a tiny site and the 1B
+//! shape's update sites (q/k/v stacked, o, gate/up stacked, down; rank 8), one adapter or four
+//! mixed (a row mask), float32 or bf16 factors, on a bf16 base, at 1 to 128 rows: one JSON
+//! line with the largest and mean absolute difference between the two paths (relative to the
+//! mean update) and microseconds per update of each, timed as a chain of `iterations` updates
+//! evaluated once (device time, as in a forward pass). Runs only where the kernels serve: a
+//! CUDA GPU, with `MLXD_LORA_KERNEL=1`.
 use std::time::Instant;
 
 use anyhow::{bail, Context};
@@ -64,12 +65,20 @@ fn main() -> anyhow::Result<()> {
         None => 200,
     };
     // (site, in, layers' outputs): the 1B shape (hidden 2048, 32 heads over 8 of width 64, MLP 8192).
-    let sites: [(&str, i32, &[i32]); 4] = [
+    // "tiny": next to no work, so its time is what a chain pays per update for the nodes alone.
+    let sites: [(&str, i32, &[i32]); 5] = [
+        ("tiny", 128, &[128]),
         ("qkv", 2048, &[2048, 512, 512]),
         ("o", 2048, &[2048]),
         ("gate_up", 2048, &[8192, 8192]),
         ("down", 8192, &[2048]),
     ];
+    // The chain's cost of one plain node (an add), to read the updates' times against.
+    let y = random::normal::<f32>(&[32, 1, 2048], None, None, None)?.as_dtype(Dtype::Bfloat16)?;
+    y.eval()?;
+    let one = Array::from_f32(1.0).as_dtype(Dtype::Bfloat16)?;
+    let add_us = chained(iterations, &y, |y| Ok(y.add(&one)?))?;
+    println!("{{\"site\":\"one_add\",\"node_us\":{add_us:.1}}}");
     let rank = 8;
     let mut served = 0;
     for factors in [Dtype::Float32, Dtype::Bfloat16] {

@@ -8,9 +8,10 @@
 //! 4.2k tok/s (BENCHMARKS.md). What the update needs is many blocks on the long axis, so:
 //!
 //! 1. `shrink` splits `in` into spans of [`SHRINK_SPAN`]: a block sums one span for up to
-//!    [`SHRINK_ROWS`] rows and [`SHRINK_COLUMNS`] of `A`'s columns (a lane per column, so its
-//!    reads of `A` coalesce; the rows' span of `x` in shared memory), writing float32 partial
-//!    sums `[spans, M, C]`. A 2 048-wide site of 32 rows is 16 blocks a 32 columns, each
+//!    [`SHRINK_ROWS`] rows and [`SHRINK_COLUMNS`] of `A`'s columns, writing float32 partial
+//!    sums `[spans, M, C]`. Its threads first load the rows' span of `x` and the span's tile
+//!    of `A` into shared memory, all their loads issued before any is used: a pass of a few
+//!    dozen rows gives the device too few warps to hide a load's latency otherwise. A 2 048-wide site of 32 rows is 16 blocks a 32 columns, each
 //!    walking 128 positions.
 //! 2. `expand`: a block takes [`EXPAND_ROWS`] rows; its threads first sum the rows' partials
 //!    over the spans in order (so the result does not depend on scheduling), round them to the
@@ -52,32 +53,46 @@ const MAX_ROWS: i32 = 256;
 
 /// The shrink kernel's body. Inputs: `x` `[B, L, K]` (`XT`), `a` `[K, C]` (`FT`). Output `p`
 /// `[⌈K / SPAN⌉, M, C]` (float32; `M = B·L`): span `s`'s partial sums of `x @ A`. Grid:
-/// `(spans × BLOCK, ⌈C / 32⌉, ⌈M / 32⌉)` threads.
+/// `(spans × NT, ⌈C / 32⌉, ⌈M / 32⌉)` threads, `NT` ([`BLOCK`]) a block.
 const SHRINK_SOURCE: &str = r#"
   constexpr int CT = 32;
   constexpr int MR = 32;
-  constexpr int WARPS = 8;
+  constexpr int WARPS = NT / 32;
   constexpr int RW = MR / WARPS;
   const int M = x_shape[0] * x_shape[1];
   const int K = x_shape[2];
   const int C = a_shape[1];
   const int k0 = blockIdx.x * SPAN;
   const int span = min(SPAN, K - k0);
-  const int c = blockIdx.y * CT + threadIdx.x % 32;
+  const int c0 = blockIdx.y * CT;
   const int m0 = blockIdx.z * MR;
+  const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
+  // The rows' span of x and the span's tile of A into shared memory, every thread's loads
+  // issued before any is used (the device hides their latency in few warps this way).
   __shared__ float xs[MR * SPAN];
-  for (int i = threadIdx.x; i < MR * SPAN; i += blockDim.x) {
+  __shared__ float as[SPAN * CT];
+#pragma unroll
+  for (int j = 0; j < MR * SPAN / NT; ++j) {
+    const int i = threadIdx.x + j * NT;
     const int r = i / SPAN;
     const int k = i % SPAN;
     xs[i] = (m0 + r < M && k < span) ? static_cast<float>(x[(size_t)(m0 + r) * K + k0 + k]) : 0.0f;
   }
+#pragma unroll
+  for (int j = 0; j < SPAN * CT / NT; ++j) {
+    const int i = threadIdx.x + j * NT;
+    const int k = i / CT;
+    const int c = c0 + i % CT;
+    as[i] = (k < span && c < C) ? static_cast<float>(a[(size_t)(k0 + k) * C + c]) : 0.0f;
+  }
   __syncthreads();
+  const int c = c0 + lane;
   if (c < C) {
     float acc[RW];
     for (int j = 0; j < RW; ++j) acc[j] = 0.0f;
     for (int k = 0; k < span; ++k) {
-      const float av = static_cast<float>(a[(size_t)(k0 + k) * C + c]);
+      const float av = as[k * CT + lane];
       for (int j = 0; j < RW; ++j) acc[j] += xs[(warp + WARPS * j) * SPAN + k] * av;
     }
     for (int j = 0; j < RW; ++j) {
@@ -105,6 +120,7 @@ const EXPAND_SOURCE: &str = r#"
     const int m = m0 + r;
     float v = 0.0f;
     if (m < M) {
+#pragma unroll 16
       for (int s = 0; s < S; ++s) v += p[((size_t)s * M + m) * C + c];
       v = static_cast<float>(static_cast<FT>(v));
       if (HAS_MASK) {
@@ -120,6 +136,7 @@ const EXPAND_SOURCE: &str = r#"
   if (n >= N) return;
   float acc[RB];
   for (int r = 0; r < RB; ++r) acc[r] = 0.0f;
+#pragma unroll 16
   for (int c = 0; c < C; ++c) {
     const float bv = static_cast<float>(b[(size_t)c * N + n]);
     for (int r = 0; r < RB; ++r) acc[r] += hs[r * C + c] * bv;
@@ -274,7 +291,7 @@ pub fn add_update(
                 grid: (spans * BLOCK, column_tiles, row_tiles),
                 block: (BLOCK, 1, 1),
                 dtypes: &[("XT", x.dtype()), ("FT", a.dtype())],
-                ints: &[("SPAN", SHRINK_SPAN)],
+                ints: &[("SPAN", SHRINK_SPAN), ("NT", BLOCK)],
             },
         )?;
         let partials = partials
