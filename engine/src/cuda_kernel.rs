@@ -20,13 +20,6 @@ pub fn wanted(switch: &str) -> bool {
     on_cuda() && std::env::var(switch).map_or(true, |v| v != "0")
 }
 
-/// Whether a custom kernel that runs only when asked for runs here: MLX's default device is a
-/// CUDA GPU and `switch` is `1`. For a kernel not yet checked on a GPU: the ops path stays the
-/// default until it is.
-pub fn asked(switch: &str) -> bool {
-    on_cuda() && std::env::var(switch).is_ok_and(|v| v == "1")
-}
-
 /// MLX's default device is a CUDA GPU.
 fn on_cuda() -> bool {
     let on_gpu = mlx_rs::Device::try_default()

@@ -72,9 +72,9 @@ pub(crate) const PASSTHROUGH_ENV: &[&str] = &[
     "MLXD_STACKED_PROJECTIONS",
     // Whether decode attention over a quantized KV cache reads it packed on CUDA
     // (`mlxd_engine::models::quant_attention`) and whether the gated delta recurrence runs as
-    // its CUDA kernel (`mlxd_engine::models::delta_kernel`): `0` keeps the ops path each
-    // replaces, for measuring both. A served LoRA update is one CUDA kernel only with
-    // `MLXD_LORA_KERNEL=1` (`mlxd_engine::adapters::lora_kernel`: not yet run on a GPU).
+    // its CUDA kernel (`mlxd_engine::models::delta_kernel`), and whether a served LoRA update
+    // runs as two CUDA kernels (`mlxd_engine::adapters::lora_kernel`): `0` keeps the ops path
+    // each replaces, for measuring both.
     "MLXD_QUANT_ATTENTION",
     "MLXD_DELTA_KERNEL",
     "MLXD_LORA_KERNEL",
