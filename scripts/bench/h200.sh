@@ -22,7 +22,8 @@
 #                                                  an engine restart, restored against prefilled; the resume
 #                                                  pause with generation checkpoints (1B bf16)
 #   scripts/bench/h200.sh adapters <out dir>       32 streams over 4 random LoRA adapters of the 1B base against
-#                                                  32 on the base alone, one mlxd (models)
+#                                                  32 on the base alone, one mlxd per ADAPTER_SWITCHES value
+#                                                  (MLXD_LORA_KERNEL: kernels or matmuls) (models)
 #   scripts/bench/h200.sh lora <out dir>           LoRA training tokens/s and peak memory: mlxd's lora job against
 #                                                  mlx-lm's trainer, 1B bf16, rank 8, 16 layers, batch 4, 512 tokens
 #   scripts/bench/h200.sh oom <out dir>            scripts/soak/gpu_oom.py: an engine driven out of GPU memory
@@ -160,26 +161,31 @@ case ${1:-} in
         "$PYTHON" scripts/bench/random_lora.py --model "$MODELS/llama-1b-bf16" --out "$dir" --seed "$i" --dtype "$dtype" >/dev/null
       list="$list${list:+,}a$i=$dir"
     done
-    start_mlxd "$MODELS/llama-1b-bf16" --adapters "$list" --max-batch-size 64
     base=llama-1b-bf16
-    # ADAPTER_TEMPS: the temperatures run (default "0.7 0"); ADAPTER_TOKENS: each stream's
-    # max_tokens (default 128; longer runs vary less from round to round).
-    for t in ${ADAPTER_TEMPS:-0.7 0}; do
-      for round in warm 1 2; do
-        for mix in base one four; do
-          case $mix in
-            base) models=$base ;;
-            one) models=$base:a1 ;;
-            four) models=$base:a1,$base:a2,$base:a3,$base:a4 ;;
-          esac
-          label=$mix; [[ $round == warm ]] && label=warm
-          "$PYTHON" scripts/bench/serve.py --url "http://127.0.0.1:$port" --streams 32 --temperature "$t" \
-            --max-tokens "${ADAPTER_TOKENS:-128}" --model "$models" --label "$label" --out "$out/adapters.jsonl"
+    # ADAPTER_SWITCHES: the values of MLXD_LORA_KERNEL to run, one mlxd each, in this order
+    # (default "1": the kernels; "1 0 1 0" alternates them with the matmuls on one machine).
+    for switch in ${ADAPTER_SWITCHES:-1}; do
+      MLXD_LORA_KERNEL=$switch start_mlxd "$MODELS/llama-1b-bf16" --adapters "$list" --max-batch-size 64
+      # ADAPTER_TEMPS: the temperatures run (default "0.7 0"); ADAPTER_TOKENS: each stream's
+      # max_tokens (default 128; longer runs vary less from round to round).
+      for t in ${ADAPTER_TEMPS:-0.7 0}; do
+        for round in warm 1 2; do
+          for mix in base one four; do
+            case $mix in
+              base) models=$base ;;
+              one) models=$base:a1 ;;
+              four) models=$base:a1,$base:a2,$base:a3,$base:a4 ;;
+            esac
+            label=$mix; [[ $round == warm ]] && label=warm
+            "$PYTHON" scripts/bench/serve.py --url "http://127.0.0.1:$port" --streams 32 --temperature "$t" \
+              --max-tokens "${ADAPTER_TOKENS:-128}" --model "$models" --label "$label" \
+              --out "$out/adapters-kernels-$switch.jsonl"
+          done
         done
       done
+      kill "$pid"
+      wait "$pid" 2>/dev/null || true
     done
-    kill "$pid"
-    wait "$pid" 2>/dev/null || true
     ;;
   lora)
     out=$2

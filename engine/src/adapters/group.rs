@@ -67,7 +67,7 @@ impl GroupFactors {
 
 /// `y` plus a served LoRA update for input `x`: `((x @ a) * mask) @ b`, the scale in `b`, the
 /// mask (`[B, 1, W]` over `x` `[B, L, in]`, repeated for `layers` blocks of `W` columns)
-/// keeping each row's own adapter's columns. On CUDA, for decode-sized passes, one kernel
+/// keeping each row's own adapter's columns. On CUDA, for decode-sized passes, two kernels
 /// ([`super::lora_kernel`]); elsewhere the matmuls, masked, then [`add_served_update`].
 pub(crate) fn add_served(
     x: &Array,

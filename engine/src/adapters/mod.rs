@@ -6,7 +6,7 @@
 //! - [`experts`]: LoRA on expert stacks (each routed pair takes its expert's factors);
 //! - [`group`]: the update of linear layers computed as one stacked product, in one product
 //!   pair;
-//! - [`lora_kernel`]: a served update as one CUDA kernel (decode-sized passes);
+//! - [`lora_kernel`]: a served update as two CUDA kernels (decode-sized passes);
 //! - [`checkpoint`]: gradient checkpointing of a training step's transformer layers;
 //! - [`table`]: the adapters a model holds, the linear layers they apply to, and each forward
 //!   pass's choice of adapter per row;
