@@ -11,8 +11,8 @@
 //!    [`SHRINK_ROWS`] rows and [`SHRINK_COLUMNS`] of `A`'s columns, writing float32 partial
 //!    sums `[spans, M, C]`. Its threads first load the rows' span of `x` and the span's tile
 //!    of `A` into shared memory, all their loads issued before any is used: a pass of a few
-//!    dozen rows gives the device too few warps to hide a load's latency otherwise. A 2 048-wide site of 32 rows is 16 blocks a 32 columns, each
-//!    walking 128 positions.
+//!    dozen rows gives the device too few warps to hide a load's latency otherwise. A
+//!    2 048-wide site of 32 rows is 16 blocks for each 32 columns, each walking 128 positions.
 //! 2. `expand`: a block takes [`EXPAND_ROWS`] rows; its threads first sum the rows' partials
 //!    over the spans in order (so the result does not depend on scheduling), round them to the
 //!    factors' dtype as `x @ A` gives them, and apply each row's mask (one row of `[B, 1, W]`,
@@ -41,9 +41,10 @@ use crate::cuda_kernel::{CudaKernel, Launch, OutputSpec};
 const BLOCK: i32 = 256;
 /// Positions of `in` a shrink block sums.
 const SHRINK_SPAN: i32 = 128;
-/// `A`'s columns a shrink block sums: a warp's lanes, one column each.
+/// `A`'s columns a shrink block sums, a thread each (a warp's lanes: its reads of `A`
+/// coalesce); [`BLOCK`] / this many threads share a column, each taking every so-many-th row.
 const SHRINK_COLUMNS: i32 = 32;
-/// Rows a shrink block sums: each of its eight warps takes every eighth row.
+/// Rows a shrink block sums (a multiple of [`BLOCK`] / [`SHRINK_COLUMNS`]).
 const SHRINK_ROWS: i32 = 32;
 /// Rows an expand block adds to (each read of `B` serves this many rows).
 const EXPAND_ROWS: i32 = 8;
@@ -53,14 +54,21 @@ const MAX_RANK_COLUMNS: i32 = 512;
 /// The most rows (tokens) a pass may have: beyond this, cuBLAS's tiled products are faster.
 const MAX_ROWS: i32 = 256;
 
+// The kernels' loops assume these: whole loads per thread, whole row groups, and the
+// shrink's two tiles and the expand's `h` within a block's 48 KB of static shared memory.
+const _: () = assert!(SHRINK_ROWS * SHRINK_SPAN % BLOCK == 0);
+const _: () = assert!(SHRINK_SPAN * SHRINK_COLUMNS % BLOCK == 0);
+const _: () = assert!(BLOCK % SHRINK_COLUMNS == 0 && SHRINK_ROWS % (BLOCK / SHRINK_COLUMNS) == 0);
+const _: () = assert!((SHRINK_ROWS + SHRINK_COLUMNS) * SHRINK_SPAN * 4 <= 48 * 1024);
+const _: () = assert!(EXPAND_ROWS * MAX_RANK_COLUMNS * 4 <= 48 * 1024);
+
 /// The shrink kernel's body. Inputs: `x` `[B, L, K]` (`XT`), `a` `[K, C]` (`FT`). Output `p`
 /// `[⌈K / SPAN⌉, M, C]` (float32; `M = B·L`): span `s`'s partial sums of `x @ A`. Grid:
-/// `(spans × NT, ⌈C / 32⌉, ⌈M / 32⌉)` threads, `NT` ([`BLOCK`]) a block.
+/// `(spans × NT, ⌈C / CT⌉, ⌈M / MR⌉)` threads, `NT` ([`BLOCK`]) a block, `CT` and `MR`
+/// ([`SHRINK_COLUMNS`], [`SHRINK_ROWS`]) a block's columns and rows.
 const SHRINK_SOURCE: &str = r#"
-  constexpr int CT = 32;
-  constexpr int MR = 32;
-  constexpr int WARPS = NT / 32;
-  constexpr int RW = MR / WARPS;
+  constexpr int GROUPS = NT / CT;
+  constexpr int RW = MR / GROUPS;
   const int M = x_shape[0] * x_shape[1];
   const int K = x_shape[2];
   const int C = a_shape[1];
@@ -68,8 +76,8 @@ const SHRINK_SOURCE: &str = r#"
   const int span = min(SPAN, K - k0);
   const int c0 = blockIdx.y * CT;
   const int m0 = blockIdx.z * MR;
-  const int lane = threadIdx.x % 32;
-  const int warp = threadIdx.x / 32;
+  const int col = threadIdx.x % CT;
+  const int group = threadIdx.x / CT;
   // The rows' span of x and the span's tile of A into shared memory, every thread's loads
   // issued before any is used (the device hides their latency in few warps this way).
   __shared__ float xs[MR * SPAN];
@@ -89,16 +97,16 @@ const SHRINK_SOURCE: &str = r#"
     as[i] = (k < span && c < C) ? static_cast<float>(a[(size_t)(k0 + k) * C + c]) : 0.0f;
   }
   __syncthreads();
-  const int c = c0 + lane;
+  const int c = c0 + col;
   if (c < C) {
     float acc[RW];
     for (int j = 0; j < RW; ++j) acc[j] = 0.0f;
     for (int k = 0; k < span; ++k) {
-      const float av = as[k * CT + lane];
-      for (int j = 0; j < RW; ++j) acc[j] += xs[(warp + WARPS * j) * SPAN + k] * av;
+      const float av = as[k * CT + col];
+      for (int j = 0; j < RW; ++j) acc[j] += xs[(group + GROUPS * j) * SPAN + k] * av;
     }
     for (int j = 0; j < RW; ++j) {
-      const int m = m0 + warp + WARPS * j;
+      const int m = m0 + group + GROUPS * j;
       if (m < M) p[((size_t)blockIdx.x * M + m) * C + c] = acc[j];
     }
   }
@@ -107,9 +115,9 @@ const SHRINK_SOURCE: &str = r#"
 /// The expand kernel's body. Inputs: `p` `[S, M, C]` (float32, the shrink's partials), `b`
 /// `[C, N]` (`FT`), `y` `[B, L, N]` (`YT`), `mask` `[Bm, 1, W]` (`MT`, read only with
 /// `HAS_MASK`: row `m` takes mask row `m / (M / Bm)`, column `c` its entry `c % W`). Output
-/// `out` `[B, L, N]` (`YT`). Grid: `(⌈N / BLOCK⌉ × BLOCK, ⌈M / 8⌉)` threads.
+/// `out` `[B, L, N]` (`YT`). Grid: `(⌈N / BLOCK⌉ × BLOCK, ⌈M / RB⌉)` threads, `RB`
+/// ([`EXPAND_ROWS`]) a block's rows.
 const EXPAND_SOURCE: &str = r#"
-  constexpr int RB = 8;
   const int S = p_shape[0];
   const int M = p_shape[1];
   const int C = p_shape[2];
@@ -292,7 +300,12 @@ pub fn add_update(
                 grid: (spans * BLOCK, column_tiles, row_tiles),
                 block: (BLOCK, 1, 1),
                 dtypes: &[("XT", x.dtype()), ("FT", a.dtype())],
-                ints: &[("SPAN", SHRINK_SPAN), ("NT", BLOCK)],
+                ints: &[
+                    ("SPAN", SHRINK_SPAN),
+                    ("NT", BLOCK),
+                    ("CT", SHRINK_COLUMNS),
+                    ("MR", SHRINK_ROWS),
+                ],
             },
         )?;
         let partials = partials
@@ -313,7 +326,11 @@ pub fn add_update(
                 grid: (column_blocks * BLOCK, row_blocks, 1),
                 block: (BLOCK, 1, 1),
                 dtypes: &[("FT", a.dtype()), ("YT", y.dtype()), ("MT", mask.dtype())],
-                ints: &[("HAS_MASK", has_mask), ("MAX_C", MAX_RANK_COLUMNS)],
+                ints: &[
+                    ("HAS_MASK", has_mask),
+                    ("MAX_C", MAX_RANK_COLUMNS),
+                    ("RB", EXPAND_ROWS),
+                ],
             },
         )?;
         out.into_iter()
