@@ -167,9 +167,10 @@ case ${1:-} in
     for switch in ${ADAPTER_SWITCHES:-1}; do
       MLXD_LORA_KERNEL=$switch start_mlxd "$MODELS/llama-1b-bf16" --adapters "$list" --max-batch-size 64
       # ADAPTER_TEMPS: the temperatures run (default "0.7 0"); ADAPTER_TOKENS: each stream's
-      # max_tokens (default 128; longer runs vary less from round to round).
+      # max_tokens (default 128; longer runs vary less from round to round); ADAPTER_ROUNDS:
+      # timed rounds after the warm-up round (default 2).
       for t in ${ADAPTER_TEMPS:-0.7 0}; do
-        for round in warm 1 2; do
+        for round in warm $(seq 1 "${ADAPTER_ROUNDS:-2}"); do
           for mix in base one four; do
             case $mix in
               base) models=$base ;;
