@@ -2,8 +2,8 @@
 //! input and output names, compiles the body with NVRTC on first use per template arguments,
 //! and runs it as one op of the lazy graph.
 //!
-//! The engine's kernels ([`crate::models::delta_kernel`], [`crate::models::quant_attention`])
-//! each hold one [`CudaKernel`] per thread and call [`CudaKernel::apply`]; this module owns
+//! The engine's kernels ([`crate::models::delta_kernel`], [`crate::models::quant_attention`],
+//! [`crate::adapters::lora_kernel`]) each hold their [`CudaKernel`]s per thread and call [`CudaKernel::apply`]; this module owns
 //! the C handles and their lifetimes, so the kernels hold only their source and arguments.
 use std::ffi::{c_char, CString};
 
@@ -17,15 +17,11 @@ use crate::device::gpu_backend;
 /// default device is a CUDA GPU and `switch` is not `0` (the ops path it replaces, kept for
 /// measuring). Read once per kernel by its caller.
 pub fn wanted(switch: &str) -> bool {
-    on_cuda() && std::env::var(switch).map_or(true, |v| v != "0")
-}
-
-/// MLX's default device is a CUDA GPU.
-fn on_cuda() -> bool {
     let on_gpu = mlx_rs::Device::try_default()
         .and_then(|d| d.get_type())
         .is_ok_and(|t| matches!(t, mlx_rs::DeviceType::Gpu));
-    on_gpu && gpu_backend() == Some(Backend::Cuda)
+    let asked = std::env::var(switch).map_or(true, |v| v != "0");
+    on_gpu && asked && gpu_backend() == Some(Backend::Cuda)
 }
 
 fn c_string(s: &str) -> Result<CString, Exception> {

@@ -174,7 +174,7 @@ fn is_float(d: Dtype) -> bool {
     matches!(d, Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16)
 }
 
-/// The shapes and dtypes the kernel serves, apart from the device: `x` `[B, L, K]` of at most
+/// The shapes and dtypes the kernels serve, apart from the device: `x` `[B, L, K]` of at most
 /// [`MAX_ROWS`] rows (`B·L`); `a` `[K, C]` and `b` `[C, N]` of one dtype, float32 or `x`'s (so
 /// that `x @ A` has the factors' dtype); `y` `[B, L, N]` in `x`'s dtype; `C` at most
 /// [`MAX_RANK_COLUMNS`]; a mask `[Bm, 1, W]` whose `Bm` divides the rows and `W` times the
