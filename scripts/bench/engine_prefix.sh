@@ -9,7 +9,9 @@
 #
 # The model's context must hold the longest prefix + 24 tokens. PREFIX_TRACE=FILE writes the
 # engine's prefix spans there (RUST_LOG=mlxd_engine::prefix=debug): lookup, copy-in, the
-# prefill of the rest and the first step of each request. PYTHON and BENCH_BIN as for engine.sh.
+# prefill of the rest and the first step of each request; and the step trace
+# (mlxd_engine::step=trace): each prefill step's build and wait, each decode step's graph,
+# async_eval and wait. PYTHON and BENCH_BIN as for engine.sh.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$root"
@@ -22,7 +24,7 @@ python=${PYTHON:-.venv/bin/python}
 bench=${BENCH_BIN:-target/release/examples/bench_prefix}
 [[ -x $bench ]] || cargo build --release -q -p mlxd-engine --example bench_prefix
 if [[ -n ${PREFIX_TRACE:-} ]]; then
-  RUST_LOG=mlxd_engine::prefix=debug "$bench" "$model" "$runs" "${lengths[@]}" 2>"$PREFIX_TRACE"
+  RUST_LOG=mlxd_engine::prefix=debug,mlxd_engine::step=trace "$bench" "$model" "$runs" "${lengths[@]}" 2>"$PREFIX_TRACE"
 else
   "$bench" "$model" "$runs" "${lengths[@]}"
 fi

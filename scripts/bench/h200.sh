@@ -14,6 +14,8 @@
 #                                                  its GGUF) and 1B drafting for 8B (models, models8b)
 #   scripts/bench/h200.sh kvquant <out dir>        8B shape: decode at 4k/16k context (KV_CTX), bf16 KV against
 #                                                  8- and 4-bit, and mlx-lm's quantized KV (models8b)
+#   scripts/bench/h200.sh decode8b <out dir>       8B shape, one row at 16k (KV_CTX): mlxd and mlx-lm, each also
+#                                                  with MLX's cuDNN attention off, mlxd also unstacked (models8b)
 #   scripts/bench/h200.sh resume <out dir>         a resumed stream's pause after kill -9 against the restart time
 #   scripts/bench/h200.sh standby <out dir>        the same under 32 streams with a standby engine taking over,
 #                                                  against a cold restart (models)
@@ -275,6 +277,29 @@ case ${1:-} in
       done
     done
     ;;
+  decode8b)
+    # Where mlx-lm's lead at one long row comes from: MLX sends a one-query step over mlx-lm's
+    # cache (a buffer of whole 256-position steps) to cuDNN; MLX_CUDA_USE_CUDNN_SDPA=0 sends it
+    # to MLX's vector kernel, as mlxd's buffers do (cache::stored::capacity_for).
+    out=$2
+    mkdir -p "$out"
+    for ctx in ${KV_CTX:-16384}; do
+      for run in "mlxd" "mlxd unstacked" "mlxd cudnn-off" "mlx-lm" "mlx-lm cudnn-off"; do
+        echo "== $run ctx $ctx" >&2
+        cudnn=1; stacked=1
+        [[ $run == *cudnn-off ]] && cudnn=0
+        [[ $run == *unstacked ]] && stacked=0
+        if [[ $run == mlxd* ]]; then
+          MLX_CUDA_USE_CUDNN_SDPA=$cudnn MLXD_STACKED_PROJECTIONS=$stacked \
+            "$BENCH_BIN" "$MODELS/llama-8b-bf16" "$ctx" 64 3 1 0
+        else
+          MLX_CUDA_USE_CUDNN_SDPA=$cudnn "$PYTHON" scripts/bench/mlx_lm_bench.py "$MODELS/llama-8b-bf16" "$ctx" 64 3 1 0 |
+            grep '^{' | tail -n 1
+        fi | "$PYTHON" -c 'import sys, json; print(json.dumps({"case": sys.argv[1], **json.loads(sys.stdin.read())}))' "$run" |
+          tee -a "$out/decode8b.jsonl"
+      done
+    done
+    ;;
   constraint)
     out=$2
     mkdir -p "$out"
@@ -291,7 +316,7 @@ case ${1:-} in
     done
     ;;
   *)
-    sed -n '2,22p' "$0"
+    sed -n '2,/^set -euo pipefail/p' "$0" | sed '$d'
     exit 64
     ;;
 esac
