@@ -78,6 +78,11 @@ print(json.dumps({"model": sys.argv[1], "ours": lines[0], "mlx_lm": lines[1], **
     tee -a "$out/engine.jsonl"
 }
 
+# case_line <case>: the last JSON line on stdin, with "case" first.
+case_line() {
+  "$PYTHON" -c 'import sys, json; last = [l for l in sys.stdin if l.startswith("{")][-1]; print(json.dumps({"case": sys.argv[1], **json.loads(last)}))' "$1"
+}
+
 case ${1:-} in
   models)
     tok=$2
@@ -269,11 +274,11 @@ case ${1:-} in
         kv=(); [[ $bits == none ]] || kv=(--kv-bits "$bits")
         echo "== kv $bits ctx $ctx" >&2
         "$BENCH_BIN" "$MODELS/llama-8b-bf16" "$ctx" 64 3 1 0 "${kv[@]}" |
-          "$PYTHON" -c 'import sys, json; print(json.dumps({"case": "mlxd kv " + sys.argv[1], **json.loads(sys.stdin.read())}))' "$bits" | tee -a "$out/kvquant.jsonl"
+          case_line "mlxd kv $bits" | tee -a "$out/kvquant.jsonl"
         # mlx-lm's quantized cache has no CUDA kernel for long prefill chunks: record the failure.
         { "$PYTHON" scripts/bench/mlx_lm_bench.py "$MODELS/llama-8b-bf16" "$ctx" 64 3 1 0 "${kv[@]}" ||
           echo '{"failed": true}'; } |
-          "$PYTHON" -c 'import sys, json; last = [l for l in sys.stdin if l.startswith("{")][-1]; print(json.dumps({"case": "mlx-lm kv " + sys.argv[1], **json.loads(last)}))' "$bits" | tee -a "$out/kvquant.jsonl"
+          case_line "mlx-lm kv $bits" | tee -a "$out/kvquant.jsonl"
       done
     done
     ;;
@@ -293,10 +298,8 @@ case ${1:-} in
           MLX_CUDA_USE_CUDNN_SDPA=$cudnn MLXD_STACKED_PROJECTIONS=$stacked \
             "$BENCH_BIN" "$MODELS/llama-8b-bf16" "$ctx" 64 3 1 0
         else
-          MLX_CUDA_USE_CUDNN_SDPA=$cudnn "$PYTHON" scripts/bench/mlx_lm_bench.py "$MODELS/llama-8b-bf16" "$ctx" 64 3 1 0 |
-            grep '^{' | tail -n 1
-        fi | "$PYTHON" -c 'import sys, json; print(json.dumps({"case": sys.argv[1], **json.loads(sys.stdin.read())}))' "$run" |
-          tee -a "$out/decode8b.jsonl"
+          MLX_CUDA_USE_CUDNN_SDPA=$cudnn "$PYTHON" scripts/bench/mlx_lm_bench.py "$MODELS/llama-8b-bf16" "$ctx" 64 3 1 0
+        fi | case_line "$run" | tee -a "$out/decode8b.jsonl"
       done
     done
     ;;
