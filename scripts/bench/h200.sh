@@ -25,7 +25,8 @@
 #                                                  pause with generation checkpoints (1B bf16)
 #   scripts/bench/h200.sh adapters <out dir>       32 streams over 4 random LoRA adapters of the 1B base against
 #                                                  32 on the base alone, one mlxd per ADAPTER_SWITCHES value
-#                                                  (MLXD_LORA_KERNEL: kernels or matmuls) (models)
+#                                                  (MLXD_LORA_KERNEL: kernels or matmuls), ADAPTER_TRACE=1 for
+#                                                  the engines' step traces (models)
 #   scripts/bench/h200.sh lora <out dir>           LoRA training tokens/s and peak memory: mlxd's lora job against
 #                                                  mlx-lm's trainer, 1B bf16, rank 8, 16 layers, batch 4, 512 tokens
 #   scripts/bench/h200.sh oom <out dir>            scripts/soak/gpu_oom.py: an engine driven out of GPU memory
@@ -47,11 +48,17 @@ export BENCH_CONSTRAINT_BIN=${BENCH_CONSTRAINT_BIN:-$bins/bench_constraint}
 free_port() { "$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 # start_mlxd <model dir> [serve args]: serves it on a free port; sets $port and $pid.
+# MLXD_TRACE_LOG=<file>: its log, with its engine's step and prefix traces, goes there.
 start_mlxd() {
   port=$(free_port)
   local model=$1
   shift
-  XDG_RUNTIME_DIR=$(mktemp -d) RUST_LOG=warn "$bins/mlxd" serve --model "$model" --port "$port" "$@" &
+  local log=warn stderr=/dev/stderr
+  if [[ -n ${MLXD_TRACE_LOG:-} ]]; then
+    log=warn,mlxd_engine::step=trace,mlxd_engine::prefix=debug,mlxd::engine=trace
+    stderr=$MLXD_TRACE_LOG
+  fi
+  XDG_RUNTIME_DIR=$(mktemp -d) RUST_LOG=$log "$bins/mlxd" serve --model "$model" --port "$port" "$@" 2>>"$stderr" &
   pid=$!
   for _ in $(seq 1 240); do curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null && return 0; sleep 0.5; done
   echo "mlxd did not come up" >&2
@@ -171,8 +178,13 @@ case ${1:-} in
     base=llama-1b-bf16
     # ADAPTER_SWITCHES: the values of MLXD_LORA_KERNEL to run, one mlxd each, in this order
     # (default "1": the kernels; "1 0 1 0" alternates them with the matmuls on one machine).
+    # ADAPTER_TRACE=1: each mlxd's log with its engine's step trace in adapters-trace-<n>.log
+    # (`scripts/bench/step_trace.py --slow 100 <log>` lists the steps and gaps over 100 ms).
+    n=0
     for switch in ${ADAPTER_SWITCHES:-1}; do
-      MLXD_LORA_KERNEL=$switch start_mlxd "$MODELS/llama-1b-bf16" --adapters "$list" --max-batch-size 64
+      n=$((n + 1))
+      trace=; [[ ${ADAPTER_TRACE:-0} == 1 ]] && trace=$out/adapters-trace-$n.log
+      MLXD_TRACE_LOG=$trace MLXD_LORA_KERNEL=$switch start_mlxd "$MODELS/llama-1b-bf16" --adapters "$list" --max-batch-size 64
       # ADAPTER_TEMPS: the temperatures run (default "0.7 0"); ADAPTER_TOKENS: each stream's
       # max_tokens (default 128; longer runs vary less from round to round); ADAPTER_ROUNDS:
       # timed rounds after the warm-up round (default 2).

@@ -1,15 +1,26 @@
 #!/usr/bin/env python3
-"""Summarises the engine's per-step trace: the `decode step` events that mlxd-engine writes
-under target `mlxd_engine::step` (RUST_LOG=mlxd_engine::step=trace), from a log file.
+"""Summarises the engine's per-step trace: the `decode step` and `prefill step` events that
+mlxd-engine writes under target `mlxd_engine::step` (RUST_LOG=mlxd_engine::step=trace), from a
+log file (the engine's own, or mlxd's, which re-emits them under `mlxd::engine` when its
+RUST_LOG also holds `mlxd::engine=trace`).
 
     .venv/bin/python scripts/bench/step_trace.py <log file>
+    .venv/bin/python scripts/bench/step_trace.py --slow MS <log file>
 
 Prints one JSON line per batch size seen in steady steps (no row joining): the number of steps
 and the median microseconds of each part (building the model's graph, building the
 sampler's, async_eval, waiting for the previous step's tokens, the whole step on the host).
 Run it on a greedy and a sampled run to see where sampling costs.
+
+With `--slow MS`: one JSON line per step whose host time passed MS milliseconds (a decode
+step's `total_us`; a prefill step's `build_us + wait_us`), with its time stamp, kind and
+fields, and the idle gap before it (from the end of the step logged before). This finds a
+stall: a wait that all streams share shows up as one slow step or one long gap. A gap is the
+engine not stepping: idle between requests, or busy outside a step. In mlxd's log the time
+stamps are when mlxd re-emitted each line, so its gaps are good to a millisecond or so.
 """
 import collections
+import datetime
 import json
 import re
 import statistics
@@ -17,31 +28,71 @@ import sys
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 FIELD = re.compile(r"(\w+)=(\d+)")
+STAMP = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+)Z")
 PARTS = ["build_forward_us", "build_sampler_us", "async_eval_us", "wait_tokens_us", "total_us"]
 
 
-def main():
-    if len(sys.argv) != 2:
-        sys.exit(__doc__)
-    by_rows = collections.defaultdict(list)
-    with open(sys.argv[1], encoding="utf-8", errors="replace") as log:
+def steps(path):
+    """(kind, time stamp or None, fields) for each step event of the log, in order."""
+    with open(path, encoding="utf-8", errors="replace") as log:
         for line in log:
             line = ANSI.sub("", line)
-            if "decode step" not in line:
+            kind = "decode" if "decode step" in line else "prefill" if "prefill step" in line else None
+            if kind is None:
                 continue
-            fields = {k: int(v) for k, v in FIELD.findall(line)}
-            if fields.get("joined", 1) != 0 or fields.get("rows", 0) == 0:
-                continue
-            by_rows[fields["rows"]].append(fields)
+            stamp = STAMP.match(line)
+            at = datetime.datetime.fromisoformat(stamp.group(1)) if stamp else None
+            yield kind, at, {k: int(v) for k, v in FIELD.findall(line)}
+
+
+def host_us(kind, fields):
+    if kind == "decode":
+        return fields.get("total_us", 0)
+    return fields.get("build_us", 0) + fields.get("wait_us", 0)
+
+
+def slow(path, ms):
+    found = False
+    previous_end = None
+    for kind, at, fields in steps(path):
+        took = host_us(kind, fields)
+        start = at - datetime.timedelta(microseconds=took) if at else None
+        gap = (start - previous_end).total_seconds() * 1e3 if start and previous_end else None
+        if took >= ms * 1e3 or (gap is not None and gap >= ms):
+            found = True
+            print(json.dumps({"at": at.isoformat() if at else None, "kind": kind,
+                              "host_ms": round(took / 1e3, 2),
+                              "gap_before_ms": None if gap is None else round(gap, 2), **fields}))
+        previous_end = at or previous_end
+    if not found:
+        print(json.dumps({"slow_steps": 0, "over_ms": ms}))
+
+
+def summary(path):
+    by_rows = collections.defaultdict(list)
+    for kind, _, fields in steps(path):
+        if kind != "decode" or fields.get("joined", 1) != 0 or fields.get("rows", 0) == 0:
+            continue
+        by_rows[fields["rows"]].append(fields)
     if not by_rows:
-        sys.exit(f"no steady 'decode step' events in {sys.argv[1]} "
+        sys.exit(f"no steady 'decode step' events in {path} "
                  "(was RUST_LOG=mlxd_engine::step=trace set?)")
-    for rows, steps in sorted(by_rows.items()):
-        summary = {"rows": rows, "steps": len(steps),
-                   "sampled_rows": statistics.median(s.get("sampled", 0) for s in steps)}
+    for rows, group in sorted(by_rows.items()):
+        line = {"rows": rows, "steps": len(group),
+                "sampled_rows": statistics.median(s.get("sampled", 0) for s in group)}
         for part in PARTS:
-            summary[f"median_{part}"] = statistics.median(s.get(part, 0) for s in steps)
-        print(json.dumps(summary))
+            line[f"median_{part}"] = statistics.median(s.get(part, 0) for s in group)
+        print(json.dumps(line))
+
+
+def main():
+    args = sys.argv[1:]
+    if len(args) == 3 and args[0] == "--slow":
+        slow(args[2], float(args[1]))
+    elif len(args) == 1:
+        summary(args[0])
+    else:
+        sys.exit(__doc__)
 
 
 if __name__ == "__main__":
