@@ -42,9 +42,6 @@ pub struct Launch<'a> {
     pub block: (i32, i32, i32),
     pub dtypes: &'a [(&'a str, Dtype)],
     pub ints: &'a [(&'a str, i32)],
-    /// Every output filled with this value before the kernel runs (in the same graph node),
-    /// for a kernel whose blocks count in an output; `None`: outputs start undefined.
-    pub init_value: Option<f32>,
 }
 
 /// An MLX custom kernel handle.
@@ -145,9 +142,6 @@ impl CudaKernel {
             let (g, b) = (launch.grid, launch.block);
             status |= mlx_sys::mlx_fast_cuda_kernel_config_set_grid(config, g.0, g.1, g.2);
             status |= mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(config, b.0, b.1, b.2);
-            if let Some(value) = launch.init_value {
-                status |= mlx_sys::mlx_fast_cuda_kernel_config_set_init_value(config, value);
-            }
             for (name, dtype) in &dtype_names {
                 status |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(
                     config,

@@ -29,10 +29,6 @@
 //! after another, and the same decode fell to 1.6k. Off CUDA, for other shapes, for passes
 //! of many rows (prefill: cuBLAS's tiles pay off there), and with `MLXD_LORA_KERNEL=0` (see
 //! [`available`]), the caller runs the matmuls.
-//!
-//! `MLXD_LORA_KERNEL=fused` runs both steps as one kernel ([`FUSED_SOURCE`]): shrink blocks
-//! and expand blocks in one launch, the expand blocks waiting on a count of finished shrink
-//! blocks, so a site is one graph node. It is not the default until a GPU has measured it.
 use std::cell::RefCell;
 use std::sync::OnceLock;
 
@@ -52,9 +48,6 @@ const SHRINK_COLUMNS: i32 = 32;
 const SHRINK_ROWS: i32 = 32;
 /// Rows an expand block adds to (each read of `B` serves this many rows).
 const EXPAND_ROWS: i32 = 8;
-/// Rows an expand block of the one-kernel variant adds to: its shrink tiles and `h` share a
-/// block's 48 KB of static shared memory.
-const FUSED_EXPAND_ROWS: i32 = 4;
 /// The widest `C` served: an expand block holds `EXPAND_ROWS × C` floats of `h` in shared
 /// memory (16 KB).
 const MAX_RANK_COLUMNS: i32 = 512;
@@ -68,34 +61,21 @@ const _: () = assert!(SHRINK_SPAN * SHRINK_COLUMNS % BLOCK == 0);
 const _: () = assert!(BLOCK % SHRINK_COLUMNS == 0 && SHRINK_ROWS % (BLOCK / SHRINK_COLUMNS) == 0);
 const _: () = assert!((SHRINK_ROWS + SHRINK_COLUMNS) * SHRINK_SPAN * 4 <= 48 * 1024);
 const _: () = assert!(EXPAND_ROWS * MAX_RANK_COLUMNS * 4 <= 48 * 1024);
-const _: () = assert!(
-    ((SHRINK_ROWS + SHRINK_COLUMNS) * SHRINK_SPAN + FUSED_EXPAND_ROWS * MAX_RANK_COLUMNS + 1) * 4
-        <= 48 * 1024
-);
 
-/// The shrink kernel's grid: a block per span of `in`, column tile and row tile, the
-/// [`SHRINK_BODY`]'s `span_block`, `column_block` and `row_block`.
-const SHRINK_FROM_GRID: &str = r#"
-  const int span_block = blockIdx.x;
-  const int column_block = blockIdx.y;
-  const int row_block = blockIdx.z;
-"#;
-
-/// One shrink block's work. Inputs: `x` `[B, L, K]` (`XT`), `a` `[K, C]` (`FT`). Output `p`
-/// `[⌈K / SPAN⌉, M, C]` (float32; `M = B·L`): span `s`'s partial sums of `x @ A`. The block
-/// (`NT` threads, [`BLOCK`]) sums span `span_block` for `CT` columns ([`SHRINK_COLUMNS`]) from
-/// `column_block · CT` and `MR` rows ([`SHRINK_ROWS`]) from `row_block · MR`. Two-kernel
-/// grid: `(spans × NT, ⌈C / CT⌉, ⌈M / MR⌉)` threads ([`SHRINK_FROM_GRID`]).
-const SHRINK_BODY: &str = r#"
+/// The shrink kernel's body. Inputs: `x` `[B, L, K]` (`XT`), `a` `[K, C]` (`FT`). Output `p`
+/// `[⌈K / SPAN⌉, M, C]` (float32; `M = B·L`): span `s`'s partial sums of `x @ A`. Grid:
+/// `(spans × NT, ⌈C / CT⌉, ⌈M / MR⌉)` threads, `NT` ([`BLOCK`]) a block, `CT` and `MR`
+/// ([`SHRINK_COLUMNS`], [`SHRINK_ROWS`]) a block's columns and rows.
+const SHRINK_SOURCE: &str = r#"
   constexpr int GROUPS = NT / CT;
   constexpr int RW = MR / GROUPS;
   const int M = x_shape[0] * x_shape[1];
   const int K = x_shape[2];
   const int C = a_shape[1];
-  const int k0 = span_block * SPAN;
+  const int k0 = blockIdx.x * SPAN;
   const int span = min(SPAN, K - k0);
-  const int c0 = column_block * CT;
-  const int m0 = row_block * MR;
+  const int c0 = blockIdx.y * CT;
+  const int m0 = blockIdx.z * MR;
   const int col = threadIdx.x % CT;
   const int group = threadIdx.x / CT;
   // The rows' span of x and the span's tile of A into shared memory, every thread's loads
@@ -127,32 +107,22 @@ const SHRINK_BODY: &str = r#"
     }
     for (int j = 0; j < RW; ++j) {
       const int m = m0 + group + GROUPS * j;
-      if (m < M) p[((size_t)span_block * M + m) * C + c] = acc[j];
+      if (m < M) p[((size_t)blockIdx.x * M + m) * C + c] = acc[j];
     }
   }
 "#;
 
-/// The expand kernel's grid and sizes: a block per `blockDim.x` output columns and `RB` rows,
-/// the sizes from `p`'s shape, for [`EXPAND_BODY`].
-const EXPAND_FROM_GRID: &str = r#"
-  const int column_block = blockIdx.x;
-  const int row_block = blockIdx.y;
+/// The expand kernel's body. Inputs: `p` `[S, M, C]` (float32, the shrink's partials), `b`
+/// `[C, N]` (`FT`), `y` `[B, L, N]` (`YT`), `mask` `[Bm, 1, W]` (`MT`, read only with
+/// `HAS_MASK`: row `m` takes mask row `m / (M / Bm)`, column `c` its entry `c % W`). Output
+/// `out` `[B, L, N]` (`YT`). Grid: `(⌈N / BLOCK⌉ × BLOCK, ⌈M / RB⌉)` threads, `RB`
+/// ([`EXPAND_ROWS`]) a block's rows.
+const EXPAND_SOURCE: &str = r#"
   const int S = p_shape[0];
   const int M = p_shape[1];
   const int C = p_shape[2];
   const int N = b_shape[1];
-"#;
-
-/// One expand block's work, given `S`, `M`, `C`, `N`, `column_block` and `row_block`. Inputs:
-/// `p` `[S, M, C]` (float32, the shrink's partials), `b` `[C, N]` (`FT`), `y` `[B, L, N]`
-/// (`YT`), `mask` `[Bm, 1, W]` (`MT`, read only with `HAS_MASK`: row `m` takes mask row
-/// `m / (M / Bm)`, column `c` its entry `c % W`). Output `out` `[B, L, N]` (`YT`): the block's
-/// `blockDim.x` columns from `column_block · blockDim.x` of `RB` rows ([`EXPAND_ROWS`]) from
-/// `row_block · RB`. Two-kernel grid: `(⌈N / BLOCK⌉ × BLOCK, ⌈M / RB⌉)` threads. The
-/// partials are read past the SM's L1 (`__ldcg`): in [`FUSED_SOURCE`] other blocks of the
-/// same launch wrote them.
-const EXPAND_BODY: &str = r#"
-  const int m0 = row_block * RB;
+  const int m0 = blockIdx.y * RB;
   __shared__ float hs[RB * MAX_C];
   for (int i = threadIdx.x; i < RB * C; i += blockDim.x) {
     const int r = i / C;
@@ -161,7 +131,7 @@ const EXPAND_BODY: &str = r#"
     float v = 0.0f;
     if (m < M) {
 #pragma unroll 16
-      for (int s = 0; s < S; ++s) v += __ldcg(&p[((size_t)s * M + m) * C + c]);
+      for (int s = 0; s < S; ++s) v += p[((size_t)s * M + m) * C + c];
       v = static_cast<float>(static_cast<FT>(v));
       if (HAS_MASK) {
         const int mask_rows = mask_shape[0];
@@ -172,7 +142,7 @@ const EXPAND_BODY: &str = r#"
     hs[i] = v;
   }
   __syncthreads();
-  const int n = column_block * blockDim.x + threadIdx.x;
+  const int n = blockIdx.x * blockDim.x + threadIdx.x;
   if (n >= N) return;
   float acc[RB];
   for (int r = 0; r < RB; ++r) acc[r] = 0.0f;
@@ -191,73 +161,6 @@ const EXPAND_BODY: &str = r#"
   }
 "#;
 
-/// Both steps in one kernel, one graph node a site instead of two (off unless
-/// `MLXD_LORA_KERNEL=fused`: not yet measured on a GPU). Inputs: `x`, `a`, `b`, `y`, `mask` as
-/// above. Outputs: `out`; `p`, the partials, scratch; `tickets` (int32 `[2]`), both zero at
-/// the start (the launch's `init_value`). Grid: shrink blocks then expand blocks, `NT` threads
-/// each, in one dimension.
-///
-/// A block takes a ticket as it starts (`tickets[0]`): tickets below the number of shrink
-/// blocks do shrink work, count themselves done (`tickets[1]`) once their partials are
-/// written and fenced, and leave; the rest do expand work after waiting for that count to
-/// reach every shrink block. Tickets follow the order blocks really start in, so every shrink
-/// block has started (and runs to its end without waiting on anything) before an expand block
-/// begins to wait: the wait cannot hold up a block it waits for, however the device schedules
-/// blocks (the single-pass scan's dynamic block numbering, as in CUB). `/*shrink*/` and
-/// `/*expand*/` stand for [`SHRINK_BODY`] and [`EXPAND_BODY`] ([`fused_source`]).
-const FUSED_SOURCE: &str = r#"
-  __shared__ int ticket_of_block;
-  if (threadIdx.x == 0) ticket_of_block = atomicAdd(&tickets[0], 1);
-  __syncthreads();
-  const int ticket = ticket_of_block;
-  const int spans = (x_shape[2] + SPAN - 1) / SPAN;
-  const int shrink_columns = (a_shape[1] + CT - 1) / CT;
-  const int shrink_blocks = spans * shrink_columns * ((x_shape[0] * x_shape[1] + MR - 1) / MR);
-  if (ticket < shrink_blocks) {
-    const int span_block = ticket % spans;
-    const int column_block = (ticket / spans) % shrink_columns;
-    const int row_block = ticket / (spans * shrink_columns);
-    {
-/*shrink*/
-    }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) atomicAdd(&tickets[1], 1);
-  } else {
-    const int S = spans;
-    const int M = x_shape[0] * x_shape[1];
-    const int C = a_shape[1];
-    const int N = b_shape[1];
-    const int expand_columns = (N + blockDim.x - 1) / blockDim.x;
-    const int column_block = (ticket - shrink_blocks) % expand_columns;
-    const int row_block = (ticket - shrink_blocks) / expand_columns;
-    if (threadIdx.x == 0) {
-      while (atomicAdd(&tickets[1], 0) < shrink_blocks) {
-      }
-      __threadfence();
-    }
-    __syncthreads();
-    {
-/*expand*/
-    }
-  }
-"#;
-
-/// The two-kernel sources and the one-kernel source, from their parts.
-fn shrink_source() -> String {
-    format!("{SHRINK_FROM_GRID}{SHRINK_BODY}")
-}
-
-fn expand_source() -> String {
-    format!("{EXPAND_FROM_GRID}{EXPAND_BODY}")
-}
-
-fn fused_source() -> String {
-    FUSED_SOURCE
-        .replace("/*shrink*/", SHRINK_BODY)
-        .replace("/*expand*/", EXPAND_BODY)
-}
-
 /// Whether the kernels run here: MLX's default device is a CUDA GPU and `MLXD_LORA_KERNEL`
 /// is not `0` (the matmuls, kept for measuring). Their bodies also run under a CPU emulation
 /// of the GPU's threads in `scripts/test.sh` (`scripts/emulate_cuda_kernels.py`, equal to
@@ -265,12 +168,6 @@ fn fused_source() -> String {
 fn available() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| crate::cuda_kernel::wanted("MLXD_LORA_KERNEL"))
-}
-
-/// Whether `MLXD_LORA_KERNEL=fused` asked for the one-kernel variant ([`FUSED_SOURCE`]).
-fn fused() -> bool {
-    static FUSED: OnceLock<bool> = OnceLock::new();
-    *FUSED.get_or_init(|| std::env::var("MLXD_LORA_KERNEL").is_ok_and(|v| v == "fused"))
 }
 
 fn is_float(d: Dtype) -> bool {
@@ -335,7 +232,6 @@ thread_local! {
 struct Kernels {
     shrink: CudaKernel,
     expand: CudaKernel,
-    fused: CudaKernel,
     no_mask: Array,
 }
 
@@ -344,25 +240,12 @@ impl Kernels {
         let no_mask = Array::from_f32(1.0).reshape(&[1, 1, 1])?;
         no_mask.eval()?;
         Ok(Self {
-            shrink: CudaKernel::new(
-                "mlxd_lora_shrink",
-                &["x", "a"],
-                &["p"],
-                &shrink_source(),
-                true,
-            )?,
+            shrink: CudaKernel::new("mlxd_lora_shrink", &["x", "a"], &["p"], SHRINK_SOURCE, true)?,
             expand: CudaKernel::new(
                 "mlxd_lora_expand",
                 &["p", "b", "y", "mask"],
                 &["out"],
-                &expand_source(),
-                true,
-            )?,
-            fused: CudaKernel::new(
-                "mlxd_lora_update",
-                &["x", "a", "b", "y", "mask"],
-                &["out", "p", "tickets"],
-                &fused_source(),
+                EXPAND_SOURCE,
                 true,
             )?,
             no_mask,
@@ -384,16 +267,9 @@ fn shrink_blocks(rows: i32, k: i32, c: i32) -> (i32, i32, i32) {
     )
 }
 
-/// The expand's grid in blocks for `rows` rows of `rows_per_block` and `n` output columns.
-fn expand_blocks(rows: i32, n: i32, rows_per_block: i32) -> (i32, i32) {
-    (ceil_div(n, BLOCK), ceil_div(rows, rows_per_block))
-}
-
-/// The one-kernel variant's blocks: every shrink block, then every expand block.
-fn fused_blocks(rows: i32, k: i32, c: i32, n: i32) -> i32 {
-    let (spans, column_tiles, row_tiles) = shrink_blocks(rows, k, c);
-    let (columns, row_blocks) = expand_blocks(rows, n, FUSED_EXPAND_ROWS);
-    spans * column_tiles * row_tiles + columns * row_blocks
+/// The expand's grid in blocks for `rows` rows and `n` output columns.
+fn expand_blocks(rows: i32, n: i32) -> (i32, i32) {
+    (ceil_div(n, BLOCK), ceil_div(rows, EXPAND_ROWS))
 }
 
 /// `y + cast(((x @ a) * mask) @ b)`, the mask (`[Bm, 1, W]`, for `layers` blocks of `W`
@@ -413,54 +289,7 @@ pub fn add_update(
             *slot = Some(Kernels::new()?);
         }
         let kernels = slot.as_ref().expect("made above");
-        let (mask, has_mask) = match mask {
-            Some((m, _)) => (m, 1),
-            None => (&kernels.no_mask, 0),
-        };
         let (spans, column_tiles, row_tiles) = shrink_blocks(rows, k, c);
-        if fused() {
-            let out = kernels.fused.apply(
-                &[x, a, b, y, mask],
-                &[
-                    OutputSpec {
-                        shape: y.shape().to_vec(),
-                        dtype: y.dtype(),
-                    },
-                    OutputSpec {
-                        shape: vec![spans, rows, c],
-                        dtype: Dtype::Float32,
-                    },
-                    OutputSpec {
-                        shape: vec![2],
-                        dtype: Dtype::Int32,
-                    },
-                ],
-                &Launch {
-                    grid: (fused_blocks(rows, k, c, n) * BLOCK, 1, 1),
-                    block: (BLOCK, 1, 1),
-                    dtypes: &[
-                        ("XT", x.dtype()),
-                        ("FT", a.dtype()),
-                        ("YT", y.dtype()),
-                        ("MT", mask.dtype()),
-                    ],
-                    ints: &[
-                        ("SPAN", SHRINK_SPAN),
-                        ("NT", BLOCK),
-                        ("CT", SHRINK_COLUMNS),
-                        ("MR", SHRINK_ROWS),
-                        ("HAS_MASK", has_mask),
-                        ("MAX_C", MAX_RANK_COLUMNS),
-                        ("RB", FUSED_EXPAND_ROWS),
-                    ],
-                    init_value: Some(0.0),
-                },
-            )?;
-            return out
-                .into_iter()
-                .next()
-                .ok_or_else(|| Exception::custom("the LoRA update kernel gave no output"));
-        }
         let partials = kernels.shrink.apply(
             &[x, a],
             &[OutputSpec {
@@ -477,13 +306,16 @@ pub fn add_update(
                     ("CT", SHRINK_COLUMNS),
                     ("MR", SHRINK_ROWS),
                 ],
-                init_value: None,
             },
         )?;
         let partials = partials
             .first()
             .ok_or_else(|| Exception::custom("the LoRA shrink kernel gave no output"))?;
-        let (column_blocks, row_blocks) = expand_blocks(rows, n, EXPAND_ROWS);
+        let (mask, has_mask) = match mask {
+            Some((m, _)) => (m, 1),
+            None => (&kernels.no_mask, 0),
+        };
+        let (column_blocks, row_blocks) = expand_blocks(rows, n);
         let out = kernels.expand.apply(
             &[partials, b, y, mask],
             &[OutputSpec {
@@ -499,7 +331,6 @@ pub fn add_update(
                     ("MAX_C", MAX_RANK_COLUMNS),
                     ("RB", EXPAND_ROWS),
                 ],
-                init_value: None,
             },
         )?;
         out.into_iter()
@@ -603,23 +434,9 @@ mod tests {
         assert_eq!(shrink_blocks(1, 64, 8), (1, 1, 1));
         assert_eq!(shrink_blocks(MAX_ROWS, 2048, MAX_RANK_COLUMNS), (16, 16, 8));
         // The expand: a block per 256 output columns and per 8 rows.
-        assert_eq!(expand_blocks(32, 3072, EXPAND_ROWS), (12, 4));
-        assert_eq!(expand_blocks(1, 2048, EXPAND_ROWS), (8, 1));
-        assert_eq!(expand_blocks(13, 257, EXPAND_ROWS), (2, 2));
-        // One kernel: the 48 shrink blocks, then 12 × 8 expand blocks of four rows.
-        assert_eq!(fused_blocks(32, 2048, 96, 3072), 48 + 96);
-        assert_eq!(fused_blocks(1, 64, 8, 32), 1 + 1);
-    }
-
-    #[test]
-    fn each_source_holds_its_bodies_once_and_no_placeholder() {
-        let fused = fused_source();
-        for body in [SHRINK_BODY, EXPAND_BODY] {
-            assert_eq!(fused.matches(body).count(), 1);
-        }
-        assert!(!fused.contains("/*shrink*/") && !fused.contains("/*expand*/"));
-        assert!(shrink_source().ends_with(SHRINK_BODY));
-        assert!(expand_source().ends_with(EXPAND_BODY));
+        assert_eq!(expand_blocks(32, 3072), (12, 4));
+        assert_eq!(expand_blocks(1, 2048), (8, 1));
+        assert_eq!(expand_blocks(13, 257), (2, 2));
     }
 
     #[test]

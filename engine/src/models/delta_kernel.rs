@@ -143,7 +143,6 @@ pub(crate) fn run(
             block: (BLOCK, 1, 1),
             dtypes: &[("InT", q.dtype()), ("StT", state.dtype())],
             ints: &[("Dk", dk), ("Dv", dv), ("Hk", hk), ("Hv", hv)],
-            init_value: None,
         };
         let mut out = kernel
             .apply(&[q, k, v, g, beta, state, &mask], &outputs, &launch)?

@@ -423,7 +423,6 @@ pub fn decode_in_spans(
                     ("HAS_MASK", has_mask),
                     ("SCALE_BITS", scale_bits),
                 ],
-                init_value: None,
             },
         )?;
         let out = merge.apply(
@@ -437,7 +436,6 @@ pub fn decode_in_spans(
                 block: (MERGE_BLOCK, 1, 1),
                 dtypes: &[("OutT", queries.dtype())],
                 ints: &[("D", d)],
-                init_value: None,
             },
         )?;
         out.into_iter()
