@@ -13,7 +13,8 @@ sampler's, async_eval, waiting for the previous step's tokens, the whole step on
 Run it on a greedy and a sampled run to see where sampling costs.
 
 With `--slow MS`: one JSON line per step whose host time passed MS milliseconds (a decode
-step's `total_us`; a prefill step's `build_us + wait_us`), with its time stamp, kind and
+step's `total_us`; a prefill step's `build_us + wait_us`, its build split into `graph_us` and
+`async_eval_us`), with its time stamp, kind and
 fields, and the idle gap before it (from the end of the step logged before). This finds a
 stall: a wait that all streams share shows up as one slow step or one long gap. A gap is the
 engine not stepping: idle between requests, or busy outside a step. In mlxd's log the time

@@ -685,7 +685,7 @@ impl<'m> Executor<'m> {
                     PrefillWork::Chunk { index, tokens: n } => {
                         let p = slots[*index].as_mut().expect("each index once a step");
                         p.last_unit = self.units;
-                        self.prefill_chunk(p, *n)?;
+                        self.prefill_chunk(p, *n, &mut trace)?;
                         prompt_tokens += *n;
                         trace.pass(1, *n, *n);
                         queued.push(Queued::Slot(*index));
@@ -696,7 +696,7 @@ impl<'m> Executor<'m> {
                             .map(|&i| slots[i].take().expect("each index once a step"))
                             .collect();
                         let real: usize = rows.iter().map(Prefilling::remaining).sum();
-                        let unit = self.prefill_group(rows)?;
+                        let unit = self.prefill_group(rows, &mut trace)?;
                         prompt_tokens += real;
                         trace.pass(indices.len(), real, pass_tokens);
                         queued.push(Queued::Ready(self.ready.len()));
@@ -759,7 +759,12 @@ impl<'m> Executor<'m> {
     }
 
     /// The next `n` prompt tokens of one sequence into its own cache (queued, not waited for).
-    fn prefill_chunk(&mut self, p: &mut Prefilling, n: usize) -> Result<(), Exception> {
+    fn prefill_chunk(
+        &mut self,
+        p: &mut Prefilling,
+        n: usize,
+        trace: &mut PrefillTrace,
+    ) -> Result<(), Exception> {
         let layout = self.caches.layout();
         let quant = layout.at(0);
         let chunk = &p.seq.tokens[p.written..p.written + n];
@@ -770,7 +775,7 @@ impl<'m> Executor<'m> {
             .unwrap_or_else(|| fresh_layers(&self.kinds, vec![0], quant));
         let mut layers = {
             let _adapters = adapters::select(self.model, [p.seq.adapter])?;
-            queue_prefill(self.model, &input, layers)?
+            queue_prefill(self.model, &input, layers, trace)?
         };
         let before = p.written;
         p.written += n;
@@ -789,7 +794,11 @@ impl<'m> Executor<'m> {
     /// Whole prompts (but their last token) of fresh sequences, padded on the left to one
     /// length, in one forward pass (queued, not waited for); they then join the batch
     /// together.
-    fn prefill_group(&mut self, rows: Vec<Prefilling>) -> Result<Prefilled, Exception> {
+    fn prefill_group(
+        &mut self,
+        rows: Vec<Prefilling>,
+        trace: &mut PrefillTrace,
+    ) -> Result<Prefilled, Exception> {
         let lens: Vec<usize> = rows.iter().map(Prefilling::remaining).collect();
         let longest = scheduler::padded_length(
             lens.iter().copied().max().unwrap_or(0),
@@ -811,6 +820,7 @@ impl<'m> Executor<'m> {
                 self.model,
                 &input,
                 fresh_layers(&self.kinds, padding, layout.at(0)),
+                trace,
             )?
         };
         quantize_past_start(&mut layers, layout, longest)?;
@@ -986,16 +996,21 @@ fn row_snapshot(
 
 /// Runs `input` `[B, L]` into `layers` and queues the caches' evaluation (`async_eval`; the
 /// logits are not needed); windowed layers drop what their windows no longer reach, so that a
-/// prompt waiting to join the batch holds a bounded cache.
+/// prompt waiting to join the batch holds a bounded cache. `trace` times the graph and the
+/// queueing apart.
 fn queue_prefill(
     model: &dyn CausalLm,
     input: &Array,
     mut caches: Vec<LayerCache>,
+    trace: &mut PrefillTrace,
 ) -> Result<Vec<LayerCache>, Exception> {
-    let _ = model.forward(input, &mut caches)?;
-    for cache in &mut caches {
-        cache.evict_outside_window()?;
-    }
-    mlx_rs::transforms::async_eval(caches.iter().flat_map(LayerCache::state))?;
+    trace.graph(|| -> Result<(), Exception> {
+        let _ = model.forward(input, &mut caches)?;
+        for cache in &mut caches {
+            cache.evict_outside_window()?;
+        }
+        Ok(())
+    })?;
+    trace.queue(|| mlx_rs::transforms::async_eval(caches.iter().flat_map(LayerCache::state)))?;
     Ok(caches)
 }

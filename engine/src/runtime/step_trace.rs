@@ -8,8 +8,10 @@
 //! rows and prompt tokens, the padded tokens the passes computed (padding is what a group of
 //! prompts of different lengths pays for sharing a pass), how many passes needed a mask array
 //! and per-row offsets (`padded_passes`; the others ran the plain kernels), the host's time
-//! building them and the wait for the device.
-use std::time::Instant;
+//! building and queueing them (`build_us`; of it, building the model's graphs, `graph_us`,
+//! and `async_eval`, `async_eval_us`: a prefix hit's short pass costs the host several
+//! decode steps, BENCHMARKS.md) and the wait for the device.
+use std::time::{Duration, Instant};
 
 /// The marks of one step, `None` unless the trace is on.
 pub struct StepClock(Option<Marks>);
@@ -114,6 +116,10 @@ pub struct PrefillTrace(Option<PrefillMarks>);
 struct PrefillMarks {
     start: Instant,
     built: Instant,
+    /// Building the passes' model graphs.
+    graph: Duration,
+    /// Queueing them (`async_eval`).
+    queue: Duration,
     passes: usize,
     rows: usize,
     tokens: usize,
@@ -128,6 +134,8 @@ impl PrefillTrace {
         PrefillTrace(on.then_some(PrefillMarks {
             start: now,
             built: now,
+            graph: Duration::ZERO,
+            queue: Duration::ZERO,
             passes: 0,
             rows: 0,
             tokens: 0,
@@ -146,6 +154,31 @@ impl PrefillTrace {
             m.padded += padded;
             m.padded_passes += usize::from(padded > tokens);
         }
+    }
+
+    /// Runs `build` (a pass's model graph), its time counted as `graph_us`.
+    pub fn graph<R>(&mut self, build: impl FnOnce() -> R) -> R {
+        Self::timed(&mut self.0, |m| &mut m.graph, build)
+    }
+
+    /// Runs `queue` (a pass's `async_eval`), its time counted as `async_eval_us`.
+    pub fn queue<R>(&mut self, queue: impl FnOnce() -> R) -> R {
+        Self::timed(&mut self.0, |m| &mut m.queue, queue)
+    }
+
+    /// `f`'s result, its time added to the part `part` picks; no clock read when off.
+    fn timed<R>(
+        marks: &mut Option<PrefillMarks>,
+        part: impl FnOnce(&mut PrefillMarks) -> &mut Duration,
+        f: impl FnOnce() -> R,
+    ) -> R {
+        let Some(m) = marks else {
+            return f();
+        };
+        let started = Instant::now();
+        let result = f();
+        *part(m) += started.elapsed();
+        result
     }
 
     /// The last pass so far is built and queued.
@@ -171,6 +204,8 @@ impl PrefillTrace {
             padded_passes = m.padded_passes,
             budget_tokens,
             build_us = m.built.saturating_duration_since(m.start).as_micros() as u64,
+            graph_us = m.graph.as_micros() as u64,
+            async_eval_us = m.queue.as_micros() as u64,
             wait_us = end.saturating_duration_since(m.built).as_micros() as u64,
             "prefill step"
         );
@@ -259,6 +294,12 @@ mod tests {
         tracing::subscriber::with_default(subscriber, || {
             let mut trace = PrefillTrace::start();
             // A chunk of one prompt, then a group of three padded to 40 tokens each.
+            let graph = trace.graph(|| {
+                std::thread::sleep(std::time::Duration::from_millis(2));
+                7
+            });
+            assert_eq!(graph, 7, "the part's result comes back");
+            trace.queue(|| std::thread::sleep(std::time::Duration::from_millis(1)));
             trace.pass(1, 64, 64);
             trace.built();
             trace.pass(3, 100, 120);
@@ -279,6 +320,19 @@ mod tests {
         ] {
             assert!(text.contains(field), "{field} missing from {text:?}");
         }
+        let value = |name: &str| -> u64 {
+            text.split(&format!(" {name}="))
+                .nth(1)
+                .and_then(|rest| rest.split_whitespace().next())
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("no {name} in {text:?}"))
+        };
+        assert!(value("graph_us") >= 2000, "the 2 ms graph: {text}");
+        assert!(value("async_eval_us") >= 1000, "the 1 ms queue: {text}");
+        assert!(
+            value("build_us") >= value("graph_us") + value("async_eval_us"),
+            "both within the build: {text}"
+        );
     }
 
     #[test]
