@@ -3,7 +3,7 @@
 //! (`x @ A`, the row mask, `@ B`, cast and add).
 //!
 //! ```text
-//! MLXD_LORA_KERNEL=1 cargo run --release -p mlxd-engine --example lora_kernel_check -- [iterations]
+//! cargo run --release -p mlxd-engine --example lora_kernel_check -- [iterations]
 //! ```
 //!
 //! First the chain's cost of one plain node (an add). Then, for a tiny site and the 1B
@@ -12,7 +12,7 @@
 //! line with the largest and mean absolute difference between the two paths (relative to the
 //! mean update) and microseconds per update of each, timed as a chain of `iterations` updates
 //! evaluated once (device time, as in a forward pass). Runs only where the kernels serve: a
-//! CUDA GPU, with `MLXD_LORA_KERNEL=1`.
+//! CUDA GPU, unless `MLXD_LORA_KERNEL=0`.
 use std::time::Instant;
 
 use anyhow::{bail, Context};
@@ -134,7 +134,7 @@ fn main() -> anyhow::Result<()> {
     }
     if served == 0 {
         bail!(
-            "the LoRA kernel serves nothing here (it runs on a CUDA GPU, with MLXD_LORA_KERNEL=1)"
+            "the LoRA kernels serve nothing here (they run on a CUDA GPU, unless MLXD_LORA_KERNEL=0)"
         );
     }
     Ok(())

@@ -3,8 +3,9 @@
 //! and runs it as one op of the lazy graph.
 //!
 //! The engine's kernels ([`crate::models::delta_kernel`], [`crate::models::quant_attention`],
-//! [`crate::adapters::lora_kernel`]) each hold their [`CudaKernel`]s per thread and call [`CudaKernel::apply`]; this module owns
-//! the C handles and their lifetimes, so the kernels hold only their source and arguments.
+//! [`crate::adapters::lora_kernel`]) each hold their [`CudaKernel`]s per thread and call
+//! [`CudaKernel::apply`]; this module owns the C handles and their lifetimes, so the kernels
+//! hold only their source and arguments.
 use std::ffi::{c_char, CString};
 
 use mlx_rs::error::Exception;
