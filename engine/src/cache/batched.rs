@@ -341,45 +341,101 @@ impl BatchKv {
     /// Appends the rows of `other` after this cache's rows, padding whichever side is shorter
     /// on the left so that both end at the same position.
     pub fn extend(&mut self, other: BatchKv) -> Result<(), Exception> {
-        if other.rows() == 0 {
-            return Ok(());
+        let this = std::mem::take(self);
+        *self = Self::join(vec![this, other])?;
+        Ok(())
+    }
+
+    /// The rows of `parts` in one cache, in order, each padded on the left to end where the
+    /// longest ends; plain parts joining a quantized one are quantized (one buffer, one
+    /// layout). Every buffer is copied once (one concatenation per component), so that
+    /// joining many caches costs their bytes once: joining them two at a time copied the
+    /// growing result once per part.
+    /// A part with no rows adds none, but its quantization still applies to the rest (an
+    /// emptied quantized batch stays quantized).
+    pub fn join(parts: Vec<BatchKv>) -> Result<BatchKv, Exception> {
+        let quant = parts.iter().find_map(|p| p.quant);
+        let (mut parts, empty): (Vec<BatchKv>, Vec<BatchKv>) =
+            parts.into_iter().partition(|p| p.rows() > 0);
+        if parts.is_empty() {
+            return Ok(empty.into_iter().next().unwrap_or_default());
         }
-        if self.rows() > 0 && self.window != other.window {
+        if let Some(q) = quant {
+            for part in &mut parts {
+                part.quantize(q)?;
+            }
+        }
+        if parts.len() <= 1 {
+            return Ok(parts.pop().unwrap_or_default());
+        }
+        let window = parts[0].window;
+        if let Some(other) = parts.iter().find(|p| p.window != window) {
             return Err(Exception::custom(format!(
                 "cannot join KV caches bounded by different windows ({:?} and {:?})",
-                self.window, other.window
+                window, other.window
             )));
         }
-        let mut other = other;
-        // One buffer has one layout: a plain side joining a quantized one is quantized.
-        match (self.quant, other.quant) {
-            (Some(q), None) => other.quantize(q)?,
-            (None, Some(q)) if self.rows() > 0 => self.quantize(q)?,
-            _ => {}
-        }
-        if self.rows() == 0 {
-            *self = other;
-            return Ok(());
-        }
-        let template = match (&self.keys, &self.values, &other.keys, &other.values) {
-            (Some(k), Some(v), _, _) | (None, None, Some(k), Some(v)) => (k.clone(), v.clone()),
-            _ => {
-                // Nothing written on either side yet (one-token prompts): positions agree at 0.
-                self.left_padding.extend(other.left_padding);
-                self.holes.extend(other.holes);
-                self.evicted.extend(other.evicted);
-                return Ok(());
-            }
+        let template = parts.iter().find_map(|p| match (&p.keys, &p.values) {
+            (Some(k), Some(v)) => Some((k.clone(), v.clone())),
+            _ => None,
+        });
+        let mut joined = BatchKv {
+            keys: None,
+            values: None,
+            quant,
+            idx: 0,
+            left_padding: Vec::new(),
+            holes: Vec::new(),
+            window,
+            evicted: Vec::new(),
         };
-        let end = self.idx.max(other.idx);
-        let (k1, v1, p1, h1) = self.aligned(end, &template)?;
-        let (k2, v2, p2, h2) = other.aligned(end, &template)?;
-        self.keys = Some(Stored::concat(&[k1, k2], 0)?);
-        self.values = Some(Stored::concat(&[v1, v2], 0)?);
-        self.left_padding = p1.into_iter().chain(p2).collect();
-        self.holes = h1.into_iter().chain(h2).collect();
-        self.evicted.extend(other.evicted);
-        self.idx = end;
+        let Some(template) = template else {
+            // Nothing written in any part yet (one-token prompts): positions agree at 0.
+            for part in parts {
+                joined.left_padding.extend(part.left_padding);
+                joined.holes.extend(part.holes);
+                joined.evicted.extend(part.evicted);
+            }
+            return Ok(joined);
+        };
+        let end = parts.iter().map(|p| p.idx).max().unwrap_or(0);
+        let (mut keys, mut values) = (Vec::with_capacity(parts.len()), Vec::new());
+        for part in parts {
+            let (k, v, padding, holes) = part.aligned(end, &template)?;
+            keys.push(k);
+            values.push(v);
+            joined.left_padding.extend(padding);
+            joined.holes.extend(holes);
+            joined.evicted.extend(part.evicted);
+        }
+        joined.keys = Some(Stored::concat(&keys, 0)?);
+        joined.values = Some(Stored::concat(&values, 0)?);
+        joined.idx = end;
+        Ok(joined)
+    }
+
+    /// Whether this is one row whose positions can be cut back to any length and written
+    /// again ([`Self::rewind`]): nothing evicted by a window, no padding, no holes.
+    pub fn rewindable(&self) -> bool {
+        self.rows() == 1
+            && self.window.is_none()
+            && self.evicted[0] == 0
+            && self.left_padding[0] == 0
+            && self.holes[0].is_empty()
+    }
+
+    /// Cuts a [`Self::rewindable`] row back to its first `len` positions, so that a pass
+    /// writes the positions after them again (a prefix hit prefilled beside other prompts
+    /// re-feeds a few cached tokens to share their pass's length).
+    pub fn rewind(&mut self, len: usize) -> Result<(), Exception> {
+        if !self.rewindable() || len > self.held(0) {
+            return Err(Exception::custom(format!(
+                "cannot rewind a cache of {} rows holding {} positions to {len}",
+                self.rows(),
+                self.longest_row()
+            )));
+        }
+        self.trim(self.held(0) - len);
         Ok(())
     }
 
@@ -702,6 +758,109 @@ mod tests {
         late.update_and_fetch(&k1, &k1).unwrap();
         plain.extend(late).unwrap();
         assert_eq!(plain.rows(), 4);
+    }
+
+    /// One row holding positions `0..len` of [`positions`]'s row `row`.
+    fn one_row(row: i32, len: i32, quant: Option<KvQuant>) -> BatchKv {
+        let mut cache = BatchKv::with_padding(vec![0], quant);
+        let k = positions(row + 1, 0, len).index((row..row + 1, .., .., ..));
+        cache.update_and_fetch(&k, &k).unwrap();
+        cache
+    }
+
+    #[test]
+    fn joining_many_at_once_equals_joining_two_at_a_time() {
+        let q = KvQuant {
+            bits: 8,
+            group_size: 32,
+        };
+        let parts = || {
+            let mut two = BatchKv::with_padding(vec![0, 0], None);
+            let k = positions(2, 0, 4);
+            two.update_and_fetch(&k, &k).unwrap();
+            two.rollback(&[0, 1]).unwrap();
+            vec![
+                one_row(0, 7, None),
+                BatchKv::with_padding(Vec::new(), None),
+                two,
+                one_row(3, 2, Some(q)),
+                one_row(4, 9, None),
+            ]
+        };
+        let mut pairwise = BatchKv::default();
+        for part in parts() {
+            let mut acc = std::mem::take(&mut pairwise);
+            let (quant, rows) = (part.quant(), part.rows());
+            if acc.rows() == 0 && rows > 0 {
+                acc = part;
+            } else if rows > 0 {
+                // The old two-at-a-time rule: pad the shorter side, concatenate the rows.
+                let end = acc.idx.max(part.idx);
+                let (mut a, mut b) = (acc, part);
+                if let Some(q) = a.quant.or(quant) {
+                    a.quantize(q).unwrap();
+                    b.quantize(q).unwrap();
+                }
+                // Every part here holds keys: the template (for parts with none) is unused.
+                let template = (a.keys.clone().unwrap(), a.values.clone().unwrap());
+                let (k1, v1, p1, h1) = a.aligned(end, &template).unwrap();
+                let (k2, v2, p2, h2) = b.aligned(end, &template).unwrap();
+                a.keys = Some(Stored::concat(&[k1, k2], 0).unwrap());
+                a.values = Some(Stored::concat(&[v1, v2], 0).unwrap());
+                a.left_padding = p1.into_iter().chain(p2).collect();
+                a.holes = h1.into_iter().chain(h2).collect();
+                a.evicted.extend(b.evicted);
+                a.idx = end;
+                acc = a;
+            }
+            pairwise = acc;
+        }
+        let joined = BatchKv::join(parts()).unwrap();
+        assert_eq!(joined.rows(), 5);
+        assert_eq!(
+            joined.quant(),
+            Some(q),
+            "one quantized part quantizes the rest"
+        );
+        assert_eq!(joined.left_padding, pairwise.left_padding);
+        assert_eq!(joined.holes, pairwise.holes);
+        assert_eq!(joined.idx, 9);
+        assert_eq!(
+            (0..5).map(|r| joined.row_len(r)).collect::<Vec<_>>(),
+            vec![7, 4, 3, 2, 9]
+        );
+        for r in 0..5 {
+            let (got, _) = joined.row_copy(r).unwrap().unwrap();
+            let (want, _) = pairwise.row_copy(r).unwrap().unwrap();
+            assert_eq!(row_values(&got), row_values(&want), "row {r}");
+        }
+        // Caches bounded by different windows do not join.
+        let windowed = one_row(0, 3, None).windowed(Some(4));
+        assert!(BatchKv::join(vec![one_row(0, 3, None), windowed]).is_err());
+    }
+
+    #[test]
+    fn a_rewound_row_is_written_again_from_where_it_was_cut() {
+        let mut cache = one_row(0, 8, None);
+        assert!(cache.rewindable());
+        cache.rewind(5).unwrap();
+        assert_eq!(cache.row_len(0), 5);
+        // Positions 5.. written again (other values) replace what was there.
+        let again = positions(1, 50, 2);
+        let (held, _) = cache.update_and_fetch(&again, &again).unwrap();
+        let want = Stored::Plain(
+            mlx_rs::ops::concatenate(&[positions(1, 0, 5), positions(1, 50, 2)], 2).unwrap(),
+        );
+        assert_eq!(row_values(&held), row_values(&want));
+        assert!(cache.rewind(9).is_err(), "past what the row holds");
+        // Two rows, a windowed row or a padded one cannot be cut back.
+        let two = BatchKv::join(vec![one_row(0, 3, None), one_row(1, 4, None)]).unwrap();
+        assert!(!two.rewindable());
+        assert!(!one_row(0, 3, None).windowed(Some(8)).rewindable());
+        let mut padded = BatchKv::with_padding(vec![2], None);
+        let k = positions(1, 0, 4);
+        padded.update_and_fetch(&k, &k).unwrap();
+        assert!(!padded.rewindable());
     }
 
     fn mask_rows(mask: &Mask) -> Vec<Vec<bool>> {

@@ -253,6 +253,61 @@ impl LayerCache {
         }
     }
 
+    /// The rows of `parts`, caches of one kind, in one cache, in order (see
+    /// [`BatchKv::join`]: each buffer copied once).
+    pub fn join(parts: Vec<LayerCache>) -> Result<LayerCache, Exception> {
+        let mut parts = parts.into_iter();
+        let Some(first) = parts.next() else {
+            return Err(Exception::custom("joining no layer caches"));
+        };
+        match first {
+            LayerCache::Batched(first) => {
+                let mut all = vec![first];
+                for part in parts {
+                    match part {
+                        LayerCache::Batched(b) => all.push(b),
+                        _ => return Err(wrong_kind("joining rows")),
+                    }
+                }
+                Ok(LayerCache::Batched(BatchKv::join(all)?))
+            }
+            // A recurrent state is a few small arrays per row: joined two at a time.
+            mut first => {
+                for part in parts {
+                    first.extend(part)?;
+                }
+                Ok(first)
+            }
+        }
+    }
+
+    /// The caches of several units of rows (one cache per layer each) as one cache per layer,
+    /// their rows in order: each layer's buffers copied once ([`Self::join`]).
+    pub fn join_sequences(units: Vec<Vec<LayerCache>>) -> Result<Vec<LayerCache>, Exception> {
+        let mut per_layer: Vec<Vec<LayerCache>> = Vec::new();
+        for layers in units {
+            per_layer.resize_with(layers.len().max(per_layer.len()), Vec::new);
+            for (parts, layer) in per_layer.iter_mut().zip(layers) {
+                parts.push(layer);
+            }
+        }
+        per_layer.into_iter().map(LayerCache::join).collect()
+    }
+
+    /// Whether this is one row of attention keys and values that can be cut back and written
+    /// again ([`BatchKv::rewindable`]).
+    pub fn rewindable(&self) -> bool {
+        matches!(self, LayerCache::Batched(c) if c.rewindable())
+    }
+
+    /// Cuts a [`Self::rewindable`] row back to its first `len` positions.
+    pub fn rewind(&mut self, len: usize) -> Result<(), Exception> {
+        match self {
+            LayerCache::Batched(c) => c.rewind(len),
+            _ => Err(wrong_kind("a rewind")),
+        }
+    }
+
     /// Positions (tokens) row `r` holds.
     pub fn row_len(&self, r: usize) -> usize {
         match self {

@@ -54,22 +54,22 @@ fn row_drafts(sampler: &BatchSampler, r: usize, s: &Sequence) -> bool {
 }
 
 /// The units joining in one step as one, in order: their caches are joined among themselves
-/// first (small buffers), so that the batch's buffers, the large ones, are copied once per
-/// step rather than once per unit (a step's prefill may finish several groups and chunks).
-/// The rows' alignment is the same either way: each row ends up padded on the left to the
-/// longest.
+/// first (small buffers, each copied once, [`LayerCache::join_sequences`]), so that the batch's buffers,
+/// the large ones, are copied once per step rather than once per unit (a step's prefill may
+/// finish several groups and chunks). The rows' alignment is the same either way: each row
+/// ends up padded on the left to the longest.
 fn merged(units: Vec<Prefilled>) -> Result<Option<Prefilled>, Exception> {
-    let mut units = units.into_iter();
-    let Some(mut first) = units.next() else {
-        return Ok(None);
-    };
-    for unit in units {
-        for (cache, layer) in first.layers.iter_mut().zip(unit.layers) {
-            cache.extend(layer)?;
-        }
-        first.seqs.extend(unit.seqs);
+    if units.len() <= 1 {
+        return Ok(units.into_iter().next());
     }
-    Ok(Some(first))
+    let mut seqs = Vec::new();
+    let mut units_layers = Vec::new();
+    for unit in units {
+        seqs.extend(unit.seqs);
+        units_layers.push(unit.layers);
+    }
+    let layers = LayerCache::join_sequences(units_layers)?;
+    Ok(Some(Prefilled { seqs, layers }))
 }
 
 pub struct DecodeBatch {

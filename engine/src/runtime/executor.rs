@@ -45,6 +45,14 @@ struct Prefilling {
 
 impl Prefilling {
     /// Prompt tokens still to run here; the last one runs in the first decode step.
+    /// Positions of its cache a group pass may write again ([`PrefillView::rewind`]).
+    fn rewind(&self) -> usize {
+        match &self.layers {
+            Some(layers) if layers.iter().all(LayerCache::rewindable) => self.written,
+            _ => 0,
+        }
+    }
+
     fn remaining(&self) -> usize {
         (self.seq.prompt_len - 1).saturating_sub(self.written)
     }
@@ -658,6 +666,7 @@ impl<'m> Executor<'m> {
                 remaining: p.remaining(),
                 written: p.written,
                 last_unit: p.last_unit,
+                rewind: p.rewind(),
             })
             .collect();
         let chunk = scheduler::chunk_budget(&self.limits, self.prefill_speed);
@@ -791,12 +800,14 @@ impl<'m> Executor<'m> {
         Ok(())
     }
 
-    /// Whole prompts (but their last token) of fresh sequences, padded on the left to one
-    /// length, in one forward pass (queued, not waited for); they then join the batch
-    /// together.
+    /// The remainders (all but their last token) of sequences, in one forward pass of the
+    /// group's padded length (queued, not waited for); they then join the batch together.
+    /// Fresh sequences are padded on the left; sequences that continue a cache each re-feed
+    /// the cached tokens just before their remainder to reach that length, their caches cut
+    /// back to match and joined into one (see [`PrefillWork::Group`]).
     fn prefill_group(
         &mut self,
-        rows: Vec<Prefilling>,
+        mut rows: Vec<Prefilling>,
         trace: &mut PrefillTrace,
     ) -> Result<Prefilled, Exception> {
         let lens: Vec<usize> = rows.iter().map(Prefilling::remaining).collect();
@@ -804,26 +815,44 @@ impl<'m> Executor<'m> {
             lens.iter().copied().max().unwrap_or(0),
             self.limits.prefill_pad_to,
         );
+        let continued = rows.iter().any(|p| p.layers.is_some());
         let mut tokens = Vec::with_capacity(rows.len() * longest);
         let mut padding = Vec::with_capacity(rows.len());
-        for (p, &len) in rows.iter().zip(&lens) {
-            let pad = longest - len;
-            tokens.extend(std::iter::repeat_n(0u32, pad));
-            tokens.extend_from_slice(&p.seq.tokens[..len]);
-            padding.push(pad as i32);
+        let mut parts = Vec::with_capacity(rows.len());
+        for (p, &len) in rows.iter_mut().zip(&lens) {
+            if continued {
+                // The scheduler grouped it within what it can re-feed.
+                let from = (p.written + len).checked_sub(longest).ok_or_else(|| {
+                    Exception::custom("a continued prompt grouped past what it holds")
+                })?;
+                let mut layers = p.layers.take().ok_or_else(|| {
+                    Exception::custom("a fresh prompt grouped with continued ones")
+                })?;
+                for layer in &mut layers {
+                    layer.rewind(from)?;
+                }
+                parts.push(layers);
+                tokens.extend_from_slice(&p.seq.tokens[from..from + longest]);
+            } else {
+                let pad = longest - len;
+                tokens.extend(std::iter::repeat_n(0u32, pad));
+                tokens.extend_from_slice(&p.seq.tokens[..len]);
+                padding.push(pad as i32);
+            }
         }
         let input = Array::from_slice(&tokens, &[rows.len() as i32, longest as i32]);
         let layout = self.caches.layout();
+        let caches = if continued {
+            LayerCache::join_sequences(parts)?
+        } else {
+            fresh_layers(&self.kinds, padding, layout.at(0))
+        };
         let mut layers = {
             let _adapters = adapters::select(self.model, rows.iter().map(|p| p.seq.adapter))?;
-            queue_prefill(
-                self.model,
-                &input,
-                fresh_layers(&self.kinds, padding, layout.at(0)),
-                trace,
-            )?
+            queue_prefill(self.model, &input, caches, trace)?
         };
-        quantize_past_start(&mut layers, layout, longest)?;
+        let held = rows.iter().map(|p| p.written + p.remaining()).max();
+        quantize_past_start(&mut layers, layout, held.unwrap_or(0).max(longest))?;
         if self.stateful {
             for (row, p) in rows.iter().enumerate() {
                 if let Some(space) = p.seq.space {

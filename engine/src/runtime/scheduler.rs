@@ -67,6 +67,10 @@ pub struct PrefillView {
     pub written: usize,
     /// The unit number of its last prefill work; 0 while it has had none.
     pub last_unit: u64,
+    /// Positions of its cache it may write again: all of them when its cache can be cut back
+    /// (one row of attention keys and values, `LayerCache::rewindable`), else 0. A continued
+    /// prompt re-feeds cached tokens to take the length of a group of continued prompts.
+    pub rewind: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,12 +105,22 @@ pub fn admit(
     decisions
 }
 
+/// Which prompts share a group pass (see [`PrefillWork::Group`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Grouping {
+    Fresh,
+    Continued,
+}
+
 /// One forward pass of a step's prefill.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PrefillWork {
     /// The next `tokens` prompt tokens of sequence `index`.
     Chunk { index: usize, tokens: usize },
-    /// All remaining prompt tokens of these fresh sequences, in one padded pass.
+    /// All remaining prompt tokens of these sequences in one pass of the group's padded
+    /// length: either all fresh, each padded on the left, or all continuing a cache, each
+    /// re-feeding the cached tokens just before its remainder (the same keys and values
+    /// again) up to that length, so that the pass has no padding.
     Group { indices: Vec<usize> },
 }
 
@@ -228,8 +242,11 @@ pub fn measures_speed(
 /// the rest to those after it; a prompt that does not fit in what is left waits for a later
 /// step, where it comes first. A fresh prompt whose whole remainder fits in one chunk goes in
 /// a group with the fresh prompts after it that fit beside it (padded on the left to the
-/// longest, in one pass); a longer prompt, or one that continues a cached prefix, runs a chunk
-/// of its own.
+/// longest, in one pass). A prompt that continues a cache and whose remainder fits in a chunk
+/// groups likewise with the continued prompts after it, each re-feeding cached tokens up to
+/// the group's padded length, no more than it can cut back (`rewind`): prefix hits arriving
+/// together cost one pass, not one each. A longer prompt, or one whose cache cannot be cut
+/// back, runs a chunk of its own.
 pub fn plan_prefill(
     limits: &SchedulerLimits,
     prefilling: &[PrefillView],
@@ -242,7 +259,13 @@ pub fn plan_prefill(
         .filter(|&i| prefilling[i].remaining > 0)
         .collect();
     order.sort_by_key(|&i| (prefilling[i].last_unit, i));
-    let groupable = |p: &PrefillView| p.written == 0 && p.remaining <= chunk;
+    // Fresh prompts group with fresh ones, continued with continued ones (see `PrefillWork`).
+    let group_kind = |p: &PrefillView| match (p.written, p.remaining <= chunk) {
+        (_, false) => None,
+        (0, true) => Some(Grouping::Fresh),
+        (_, true) if p.rewind > 0 => Some(Grouping::Continued),
+        _ => None,
+    };
     let mut planned = vec![false; prefilling.len()];
     let mut work = Vec::new();
     for (at, &first) in order.iter().enumerate() {
@@ -253,7 +276,7 @@ pub fn plan_prefill(
             continue;
         }
         let head = &prefilling[first];
-        if !groupable(head) {
+        let Some(kind) = group_kind(head) else {
             let mut tokens = head.remaining.min(chunk).min(left);
             if limits.snapshot_boundaries {
                 let every = limits.state_snapshot_every.max(1);
@@ -271,23 +294,31 @@ pub fn plan_prefill(
                 tokens,
             });
             continue;
-        }
+        };
         if head.remaining > left {
             continue;
         }
         planned[first] = true;
         let mut indices = vec![first];
         let mut longest = head.remaining;
+        // The most tokens every member can run: a continued prompt no more than its remainder
+        // and what it may re-feed.
+        let reach = |p: &PrefillView| match kind {
+            Grouping::Fresh => usize::MAX,
+            Grouping::Continued => p.remaining + p.rewind,
+        };
+        let mut least_reach = reach(head);
         for &i in &order[at + 1..] {
             let p = &prefilling[i];
-            if planned[i] || !groupable(p) {
+            if planned[i] || group_kind(p) != Some(kind) {
                 continue;
             }
-            let padded = longest.max(p.remaining);
-            if (indices.len() + 1) * padded_length(padded, limits.prefill_pad_to) > left {
+            let padded = padded_length(longest.max(p.remaining), limits.prefill_pad_to);
+            if (indices.len() + 1) * padded > left || padded > least_reach.min(reach(p)) {
                 continue;
             }
-            longest = padded;
+            longest = longest.max(p.remaining);
+            least_reach = least_reach.min(reach(p));
             planned[i] = true;
             indices.push(i);
         }
@@ -337,6 +368,7 @@ mod tests {
             remaining,
             written: 0,
             last_unit: 0,
+            rewind: 0,
         }
     }
 
@@ -387,6 +419,7 @@ mod tests {
                 remaining: 10,
                 written: 40,
                 last_unit: 0,
+                rewind: 0,
             },
             fresh(5),
             fresh(7),
@@ -400,6 +433,71 @@ mod tests {
                 }
             ]
         );
+    }
+
+    /// A prompt continuing a cache of `written` positions it can all cut back.
+    fn continued(remaining: usize, written: usize) -> PrefillView {
+        PrefillView {
+            remaining,
+            written,
+            last_unit: 0,
+            rewind: written,
+        }
+    }
+
+    #[test]
+    fn continued_prompts_group_with_continued_ones_only() {
+        let p = [
+            continued(2, 40),
+            fresh(4),
+            continued(9, 30),
+            fresh(6),
+            continued(5, 50),
+        ];
+        assert_eq!(
+            plan(&p, 100, 300),
+            vec![
+                PrefillWork::Group {
+                    indices: vec![0, 2, 4]
+                },
+                PrefillWork::Group {
+                    indices: vec![1, 3]
+                },
+            ]
+        );
+        // The group takes 3 × 9 tokens of the step's budget: its rows re-feed up to 9 each.
+        assert_eq!(plan(&p, 100, 300)[0].tokens(&p, 1), 27);
+    }
+
+    #[test]
+    fn a_continued_prompt_joins_a_group_only_within_what_it_can_re_feed() {
+        // The second holds 3 positions: with its 2 left it reaches 5, short of the group's 9.
+        let p = [continued(9, 40), continued(2, 3), continued(7, 40)];
+        assert_eq!(
+            plan(&p, 100, 300),
+            vec![
+                PrefillWork::Group {
+                    indices: vec![0, 2]
+                },
+                chunk(1, 2)
+            ]
+        );
+        // Nor past what it can cut back: a cache that cannot be cut back runs on its own.
+        let mut fixed = continued(2, 40);
+        fixed.rewind = 0;
+        let p = [continued(9, 40), fixed, continued(7, 40)];
+        assert_eq!(
+            plan(&p, 100, 300),
+            vec![
+                PrefillWork::Group {
+                    indices: vec![0, 2]
+                },
+                chunk(1, 2)
+            ]
+        );
+        // A remainder longer than a chunk runs in chunks, not in a group.
+        let p = [continued(150, 40), continued(7, 40)];
+        assert_eq!(plan(&p, 100, 300), vec![chunk(0, 100), chunk(1, 7)]);
     }
 
     #[test]
@@ -528,9 +626,20 @@ mod tests {
                         served.push((index, tokens));
                     }
                     PrefillWork::Group { indices } => {
+                        let fresh = views[indices[0]].written == 0;
+                        let longest = indices.iter().map(|&i| views[i].remaining).max();
                         for i in indices {
-                            assert_eq!(views[i].written, 0, "a group holds fresh prompts");
-                            served.push((i, views[i].remaining));
+                            let v = &views[i];
+                            if fresh {
+                                assert_eq!(v.written, 0, "a fresh group holds fresh prompts");
+                            } else {
+                                assert!(v.written > 0, "a continued group holds no fresh one");
+                                assert!(
+                                    longest.unwrap_or(0) <= v.remaining + v.rewind,
+                                    "a continued prompt grouped past what it can re-feed"
+                                );
+                            }
+                            served.push((i, v.remaining));
                         }
                     }
                 }
@@ -541,8 +650,11 @@ mod tests {
             assert_eq!(seen.len(), served.len(), "a prompt twice in one step");
             for (i, tokens) in served {
                 let v = &mut views[i];
+                // A fresh prompt's cache, or one that could be cut back, still can.
+                let cuttable = v.written == 0 || v.rewind > 0;
                 v.remaining -= tokens;
                 v.written += tokens;
+                v.rewind = if cuttable { v.written } else { 0 };
                 v.last_unit = unit;
                 if v.remaining == 0 {
                     done[i] = unit;
@@ -561,6 +673,7 @@ mod tests {
                 remaining: 900,
                 written: 100,
                 last_unit: 1,
+                rewind: 0,
             },
             fresh(30),
         ];
@@ -599,10 +712,13 @@ mod tests {
                     } else {
                         0
                     };
+                    // Half of the hits' caches can be cut back.
+                    let rewind = if x.is_multiple_of(2) { written } else { 0 };
                     PrefillView {
                         remaining,
                         written,
                         last_unit: 0,
+                        rewind,
                     }
                 })
                 .collect();
@@ -714,6 +830,7 @@ mod tests {
             remaining: 200,
             written: 37,
             last_unit: 0,
+            rewind: 0,
         }];
         assert_eq!(plan_prefill(&l, &p, 100, 300), vec![chunk(0, 27)]);
     }

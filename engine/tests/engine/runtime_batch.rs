@@ -843,3 +843,63 @@ fn a_warmed_up_runtime_keeps_nothing_from_its_warm_up_and_gives_the_same_tokens(
     cold.join();
     assert_eq!(tokens(&warmed), tokens(&plain));
 }
+
+/// Prefix hits arriving together are prefilled in one pass: each re-feeds the cached tokens
+/// just before its uncached remainder up to the group's length (here the longest remainder,
+/// 9, padded to 16), and each still gets the tokens it gets alone with nothing cached.
+#[test]
+fn prefix_hits_arriving_together_share_one_pass_and_give_their_alone_output() {
+    let (warm, passes) = start_paced(
+        RuntimeLimits {
+            prompt_cache_bytes: 64 << 20,
+            prefill_pad_to: 8,
+            ..Default::default()
+        },
+        std::time::Duration::ZERO,
+    );
+    let prefix = |n: usize, k: usize| -> Vec<u32> {
+        (0..n).map(|i| ((i * k + 3) % 380) as u32 + 1).collect()
+    };
+    let firsts: Vec<Gen> = [(30, 7), (41, 11), (52, 13), (35, 17)]
+        .iter()
+        .map(|&(n, k)| Gen::greedy(&prefix(n, k), 6))
+        .collect();
+    let answers = generate_alone(&warm, &firsts);
+    // Each second turn repeats its first turn and answer, then adds 2 to 9 tokens.
+    let seconds: Vec<Gen> = firsts
+        .iter()
+        .zip(&answers)
+        .zip([2usize, 5, 9, 3])
+        .map(|((g, a), extra)| {
+            let mut prompt = g.prompt.clone();
+            prompt.extend(&a.tokens);
+            prompt.extend((0..extra as u32).map(|i| 40 + i));
+            Gen::greedy(&prompt, 10)
+        })
+        .collect();
+    // A stream decoding meanwhile, so that the four arrive while the runtime is busy and are
+    // admitted in one step.
+    let mut busy = send(&warm, prefix(20, 3), 64);
+    read_tokens(&mut busy, &mut Vec::new(), Some(1));
+    let before = passes.lock().unwrap().len();
+    let together = generate_together(&warm, &seconds);
+    let shapes: Vec<(i32, i32)> = passes.lock().unwrap()[before..].to_vec();
+    read_tokens(&mut busy, &mut Vec::new(), None);
+    for ((g, first), hit) in firsts.iter().zip(&answers).zip(&together) {
+        // Everything but the answer's last token (never fed) was cached.
+        assert_eq!(hit.cached, g.prompt.len() + first.tokens.len() - 1);
+    }
+    assert!(
+        shapes.contains(&(4, 16)),
+        "no pass of the four hits together: {shapes:?}"
+    );
+    assert!(
+        shapes.iter().all(|&(_, len)| len == 1 || len == 16),
+        "a hit ran a pass of its own: {shapes:?}"
+    );
+    warm.join();
+    let cold = common::start_runtime(&common::tiny_model("tiny-llama"), 0);
+    let alone = tokens(&generate_alone(&cold, &seconds));
+    assert_eq!(tokens(&together), alone, "hits prefilled together");
+    cold.join();
+}

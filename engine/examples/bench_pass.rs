@@ -1,0 +1,131 @@
+//! The host cost of one forward pass over a long cached prompt, by what the pass does: where a
+//! prefix hit's short prefill pass spends the ~6 ms of `async_eval` that a decode step over the
+//! same cache does in ~2 (the step trace, H100, 2026-12-06).
+//!
+//! ```text
+//! cargo run --release -p mlxd-engine --example bench_pass -- <model dir> [cached] [new] [reps]
+//! ```
+//!
+//! A `cached`-token prompt (default 5000) is prefilled once into one row's cache. Each
+//! repetition then copies that row out as the prefix cache stores it and times a pass of `new`
+//! tokens (default 15) on it, in these cases:
+//! - `hit`: on the copied row, which must grow (as a prefix hit's pass does);
+//! - `roomy`: on a copy with room for the new tokens (no growth);
+//! - `roomy-1`: one token on the roomy copy (a decode step's forward, no sampler);
+//! - `hit-1`: one token on the copied row (growth, one token).
+//!
+//! Prints one JSON line per case: the medians of graph building, `async_eval` and the wait, and
+//! the pass's ops by primitive (counted on the first repetition, outside the timings).
+//! Run it with `MLX_CUDA_USE_CUDNN_SDPA=0` too, to see cuDNN's share.
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use mlx_rs::Array;
+use mlxd_engine::cache::{BatchKv, LayerCache, SeqLayer, Stored};
+use mlxd_engine::graph_ops::op_counts;
+
+fn median(mut v: Vec<u128>) -> u128 {
+    v.sort_unstable();
+    v[v.len() / 2]
+}
+
+fn main() -> anyhow::Result<()> {
+    let usage = "usage: bench_pass <model dir> [cached] [new] [reps]";
+    let mut args = std::env::args().skip(1);
+    let dir = PathBuf::from(args.next().context(usage)?);
+    let cached: usize = args.next().map_or(Ok(5000), |a| a.parse()).context(usage)?;
+    let new: usize = args.next().map_or(Ok(15), |a| a.parse()).context(usage)?;
+    let reps: usize = args.next().map_or(Ok(10), |a| a.parse()).context(usage)?;
+    let model = mlxd_engine::models::load(&dir)?;
+    let vocab = model.info().vocab_size as u32;
+    let prompt: Vec<u32> = (0..cached as u32)
+        .map(|i| 100 + (i * 7919) % (vocab - 100))
+        .collect();
+    // The row as the prefix cache keeps it: exactly `cached` positions.
+    // The prompt prefilled afresh, into buffers with room to spare.
+    let prefilled = || -> anyhow::Result<Vec<LayerCache>> {
+        let mut layers: Vec<LayerCache> = model
+            .layer_kinds()
+            .into_iter()
+            .map(|kind| kind.fresh(vec![0], None))
+            .collect();
+        for chunk in prompt.chunks(2048) {
+            let input = Array::from_slice(chunk, &[1, chunk.len() as i32]);
+            model.forward(&input, &mut layers)?;
+            mlx_rs::transforms::eval(layers.iter().flat_map(LayerCache::state))?;
+        }
+        Ok(layers)
+    };
+    let base = prefilled()?;
+    let rows: Vec<(Stored, Stored)> = base
+        .iter()
+        .map(|layer| match layer.row_copy(0)? {
+            Some((SeqLayer::Kv(k, v), 0)) => Ok((k, v)),
+            _ => anyhow::bail!("bench_pass reads plain attention caches only"),
+        })
+        .collect::<anyhow::Result<_>>()?;
+    mlx_rs::transforms::eval(
+        rows.iter()
+            .flat_map(|(k, v)| [k.arrays(), v.arrays()])
+            .flatten(),
+    )?;
+    // `roomy`: prefilled afresh; `hit`: the copied row as a hit finds it (the pass grows it
+    // into new buffers, leaving the copy as it was).
+    let layers_for = |roomy: bool| -> anyhow::Result<Vec<LayerCache>> {
+        if roomy {
+            return prefilled();
+        }
+        Ok(rows
+            .iter()
+            .map(|(k, v)| LayerCache::Batched(BatchKv::from_row(k.clone(), v.clone(), 0, None)))
+            .collect())
+    };
+    let question: Vec<u32> = (0..new as u32).map(|i| 200 + i).collect();
+    for (case, roomy, n) in [
+        ("hit", false, new),
+        ("roomy", true, new),
+        ("roomy-1", true, 1),
+        ("hit-1", false, 1),
+    ] {
+        let (mut graph, mut queue, mut wait) = (Vec::new(), Vec::new(), Vec::new());
+        let mut ops = None;
+        for rep in 0..=reps {
+            let mut layers = layers_for(roomy)?;
+            let input = Array::from_slice(&question[..n], &[1, n as i32]);
+            let t0 = Instant::now();
+            let logits = model.forward(&input, &mut layers)?;
+            let t1 = Instant::now();
+            if ops.is_none() {
+                ops = Some(op_counts(&logits));
+            }
+            let mut outs: Vec<&Array> = layers.iter().flat_map(LayerCache::state).collect();
+            outs.push(&logits);
+            mlx_rs::transforms::async_eval(outs.iter().copied())?;
+            let t2 = Instant::now();
+            mlx_rs::transforms::eval(outs)?;
+            let t3 = Instant::now();
+            if rep > 0 {
+                graph.push((t1 - t0).as_micros());
+                queue.push((t2 - t1).as_micros());
+                wait.push((t3 - t2).as_micros());
+            }
+        }
+        println!(
+            "{}",
+            serde_json::json!({
+                "case": case,
+                "cached": cached,
+                "tokens": n,
+                "graph_us": median(graph),
+                "async_eval_us": median(queue),
+                "wait_us": median(wait),
+                "ops": ops.as_ref().map(|o| o.total()),
+                "computing": ops.as_ref().map(|o| o.computing()),
+                "by_primitive": ops.map(|o| o.by_primitive),
+                "cudnn_sdpa": std::env::var("MLX_CUDA_USE_CUDNN_SDPA").unwrap_or_else(|_| "default".into()),
+            })
+        );
+    }
+    Ok(())
+}
