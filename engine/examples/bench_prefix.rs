@@ -3,7 +3,7 @@
 //! for each length `n` given, without HTTP, tokenizer or template (the served path's share is
 //! `scripts/bench/prefix_cache.py`).
 //!
-//! `cargo run --release --example bench_prefix -- <model dir> <runs> <prefix tokens>...`
+//! `cargo run --release --example bench_prefix -- <model dir> <runs> <prefix tokens>... [--together N]`
 //!
 //! Each run takes a fresh pseudo-random prefix (so the miss finds nothing cached), sends it with
 //! a 16-token question and 8 new tokens (the miss; the prefix cache keeps its KV when it
@@ -12,6 +12,12 @@
 //! after one warm-up run: `miss_ttft_s`, `hit_ttft_s`, their ratio and the tokens the hit
 //! found cached. `RUST_LOG=mlxd_engine::prefix=debug` shows where a hit's time goes (lookup,
 //! copy-in, prefill of the rest, first step).
+//!
+//! `--together N`: each run sends `N` prompts of `n` tokens with distinct prefixes at once (the
+//! misses), then the same prefixes with other questions at once (the hits: a burst of prefix
+//! hits, as a chat server sees after a restart of its clients or an agent fanning out), and
+//! prints the medians over runs of the burst's median and slowest time to first token (with a
+//! 32 GiB prefix cache, so that every prefix of the burst stays cached).
 use std::time::Instant;
 
 use mlxd_engine::runtime::request::{GenerateRequest, TokenEvent};
@@ -30,8 +36,17 @@ fn tokens(len: usize, vocab: usize, seed: u64) -> Vec<u32> {
 
 /// Submission to the first token, and the prompt tokens found cached.
 fn ttft(runtime: &Runtime, prompt: Vec<u32>) -> anyhow::Result<(f64, usize)> {
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let start = Instant::now();
+    let rx = submit(runtime, prompt)?;
+    first_token(rx, start)
+}
+
+/// Sends one greedy 8-token request.
+fn submit(
+    runtime: &Runtime,
+    prompt: Vec<u32>,
+) -> anyhow::Result<tokio::sync::mpsc::UnboundedReceiver<TokenEvent>> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     runtime
         .work
         .send(GenerateRequest {
@@ -46,6 +61,15 @@ fn ttft(runtime: &Runtime, prompt: Vec<u32>) -> anyhow::Result<(f64, usize)> {
             adapter: None,
         })
         .map_err(|_| anyhow::anyhow!("the runtime stopped"))?;
+    Ok(rx)
+}
+
+/// Seconds from `start` to the request's first token (read to its end), and the prompt tokens
+/// found cached.
+fn first_token(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<TokenEvent>,
+    start: Instant,
+) -> anyhow::Result<(f64, usize)> {
     let mut first = None;
     let mut cached = 0;
     while let Some(event) = rx.blocking_recv() {
@@ -67,6 +91,25 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// `prompts` sent at once: the median and the slowest time to first token, and the fewest
+/// tokens any of them found cached.
+fn burst(runtime: &Runtime, prompts: Vec<Vec<u32>>) -> anyhow::Result<(f64, f64, usize)> {
+    let start = Instant::now();
+    let receivers = prompts
+        .into_iter()
+        .map(|p| submit(runtime, p))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let mut times = Vec::new();
+    let mut cached = usize::MAX;
+    for rx in receivers {
+        let (t, c) = first_token(rx, start)?;
+        times.push(t);
+        cached = cached.min(c);
+    }
+    let slowest = times.iter().copied().fold(0.0, f64::max);
+    Ok((median(times), slowest, cached))
+}
+
 fn main() -> anyhow::Result<()> {
     if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_default_env() {
         tracing_subscriber::fmt()
@@ -74,20 +117,82 @@ fn main() -> anyhow::Result<()> {
             .with_writer(std::io::stderr)
             .init();
     }
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    anyhow::ensure!(
-        args.len() >= 3,
-        "usage: bench_prefix <model dir> <runs> <prefix tokens>..."
-    );
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let usage = "usage: bench_prefix <model dir> <runs> <prefix tokens>... [--together N]";
+    let together: Option<usize> = match args.iter().position(|a| a == "--together") {
+        Some(i) => {
+            anyhow::ensure!(i + 1 < args.len(), "{usage}");
+            let n = args.remove(i + 1).parse()?;
+            args.remove(i);
+            anyhow::ensure!(n > 0, "--together needs at least one prompt");
+            Some(n)
+        }
+        None => None,
+    };
+    anyhow::ensure!(args.len() >= 3, "{usage}");
     let runs: usize = args[1].parse()?;
     let lengths: Vec<usize> = args[2..]
         .iter()
         .map(|s| s.parse())
         .collect::<Result<_, _>>()?;
-    let runtime = Runtime::start(args[0].clone().into(), RuntimeLimits::default(), None)?;
+    // A burst's prefixes must all stay cached: room for 32 prompts of 30k tokens of a 1B
+    // model (32 KiB a token) rather than the default's 1 GiB.
+    let limits = match together {
+        Some(_) => RuntimeLimits {
+            prompt_cache_bytes: 32 << 30,
+            ..RuntimeLimits::default()
+        },
+        None => RuntimeLimits::default(),
+    };
+    let runtime = Runtime::start(args[0].clone().into(), limits, None)?;
     let vocab = runtime.info.vocab_size;
     let mut seed = 0;
     for &n in &lengths {
+        if let Some(count) = together {
+            let mut rounds = Vec::new();
+            for run in 0..=runs {
+                seed += 1;
+                let prefixes: Vec<Vec<u32>> = (0..count as u64)
+                    .map(|i| tokens(n, vocab, seed * 1000 + i * 7))
+                    .collect();
+                let ask = |q: u64| -> Vec<Vec<u32>> {
+                    prefixes
+                        .iter()
+                        .enumerate()
+                        .map(|(i, p)| {
+                            [
+                                p.clone(),
+                                tokens(16, vocab, seed * 1000 + q + 97 * i as u64),
+                            ]
+                            .concat()
+                        })
+                        .collect()
+                };
+                let miss = burst(&runtime, ask(1))?;
+                let hit = burst(&runtime, ask(2))?;
+                if run > 0 {
+                    rounds.push((miss, hit));
+                }
+            }
+            let pick = |f: &dyn Fn(&((f64, f64, usize), (f64, f64, usize))) -> f64| {
+                median(rounds.iter().map(f).collect())
+            };
+            let found = rounds.iter().map(|r| r.1 .2).min().unwrap_or(0);
+            println!(
+                "{}",
+                serde_json::json!({
+                    "impl": "mlxd",
+                    "together": count,
+                    "prefix_tokens": n,
+                    "cached_tokens_min": found,
+                    "miss_ttft_p50_s": pick(&|r| r.0 .0),
+                    "miss_ttft_max_s": pick(&|r| r.0 .1),
+                    "hit_ttft_p50_s": pick(&|r| r.1 .0),
+                    "hit_ttft_max_s": pick(&|r| r.1 .1),
+                })
+            );
+            continue;
+        }
         let (mut misses, mut hits, mut found) = (Vec::new(), Vec::new(), 0);
         for run in 0..=runs {
             seed += 1;

@@ -11,7 +11,9 @@
 # engine's prefix spans there (RUST_LOG=mlxd_engine::prefix=debug): lookup, copy-in, the
 # prefill of the rest and the first step of each request; and the step trace
 # (mlxd_engine::step=trace): each prefill step's build and wait, each decode step's graph,
-# async_eval and wait. PYTHON and BENCH_BIN as for engine.sh.
+# async_eval and wait. PYTHON and BENCH_BIN as for engine.sh. PREFIX_TOGETHER=N: a burst of N
+# prompts with distinct prefixes at once, misses then hits, in the engine core only
+# (scripts/bench/mlx_lm_prefix.py times one prompt at a time: no reference for a burst).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$root"
@@ -23,6 +25,10 @@ lengths=("$@")
 python=${PYTHON:-.venv/bin/python}
 bench=${BENCH_BIN:-target/release/examples/bench_prefix}
 [[ -x $bench ]] || cargo build --release -q -p mlxd-engine --example bench_prefix
+if [[ -n ${PREFIX_TOGETHER:-} ]]; then
+  "$bench" "$model" "$runs" "${lengths[@]}" --together "$PREFIX_TOGETHER"
+  exit
+fi
 if [[ -n ${PREFIX_TRACE:-} ]]; then
   RUST_LOG=mlxd_engine::prefix=debug,mlxd_engine::step=trace "$bench" "$model" "$runs" "${lengths[@]}" 2>"$PREFIX_TRACE"
 else
