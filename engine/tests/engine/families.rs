@@ -6,6 +6,7 @@
 //! - on a prefix-cache hit (the batch's last prompt shares 32 tokens with the first request;
 //!   a model with recurrent layers resumes from the state snapshot taken at 32);
 //! - restored from the SSD tier by a new runtime;
+//! - on prefix hits arriving together (each prompt's head cached, the four sent at once);
 //! - with n-gram drafts (speculative decoding with rollback), or the family's documented
 //!   refusal of the option;
 //! - with 4-bit weights (mlx-lm's own quantization) against mlx-lm on the same directory.
@@ -210,6 +211,31 @@ fn check_family(name: &str) {
     );
     assert_matches(name, "restored from the SSD tier", &out[0], &cases[4]);
     restored.join();
+
+    // Prefix hits arriving together: each prompt but its last 5 tokens cached first, then the
+    // four whole prompts at once (they share one pass where their caches can be cut back).
+    // Two tokens each: a row whose first token is its last leaves the batch (and is stored)
+    // one step later, after a request sent right away may already have looked it up.
+    let runtime = start(&dir, limits(64 << 20));
+    let cut: Vec<Gen> = cases[1..5]
+        .iter()
+        .filter(|c| c.prompt.len() > 6)
+        .map(|c| Gen::greedy(&c.prompt[..c.prompt.len() - 5], 2))
+        .collect();
+    generate_alone(&runtime, &cut);
+    let hits = generate_together(&runtime, &batch);
+    for (out, case) in hits.iter().zip(&cases[1..5]) {
+        assert_matches(name, "prefix hits together", out, case);
+        if !stateful && case.prompt.len() > 6 {
+            assert!(
+                out.cached >= case.prompt.len() - 5,
+                "{name}: a hit found {} of {} cached",
+                out.cached,
+                case.prompt.len() - 5
+            );
+        }
+    }
+    runtime.join();
 
     // N-gram drafts with rollback leave greedy output unchanged, or are refused by name.
     let speculation = RuntimeLimits {
