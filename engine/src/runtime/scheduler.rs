@@ -244,8 +244,8 @@ pub fn measures_speed(
 /// a group with the fresh prompts after it that fit beside it (padded on the left to the
 /// longest, in one pass). A prompt that continues a cache and whose remainder fits in a chunk
 /// groups likewise with the continued prompts after it, each re-feeding cached tokens up to
-/// the group's padded length, no more than it can cut back (`rewind`): prefix hits arriving
-/// together cost one pass, not one each. A longer prompt, or one whose cache cannot be cut
+/// the group's padded length, no more than it can cut back (`rewind`) and no more than a chunk
+/// for the whole group: prefix hits arriving together cost one pass, not one each. A longer prompt, or one whose cache cannot be cut
 /// back, runs a chunk of its own.
 pub fn plan_prefill(
     limits: &SchedulerLimits,
@@ -308,15 +308,24 @@ pub fn plan_prefill(
             Grouping::Continued => p.remaining + p.rewind,
         };
         let mut least_reach = reach(head);
+        let mut real = head.remaining;
         for &i in &order[at + 1..] {
             let p = &prefilling[i];
             if planned[i] || group_kind(p) != Some(kind) {
                 continue;
             }
             let padded = padded_length(longest.max(p.remaining), limits.prefill_pad_to);
-            if (indices.len() + 1) * padded > left || padded > least_reach.min(reach(p)) {
+            let pass = (indices.len() + 1) * padded;
+            if pass > left || padded > least_reach.min(reach(p)) {
                 continue;
             }
+            // Re-fed tokens are work a pass of its own would not do: a continued group re-feeds
+            // at most one chunk's worth (a hit with a long remainder beside many short ones
+            // would otherwise make each re-feed nearly all of it).
+            if kind == Grouping::Continued && pass - (real + p.remaining) > chunk {
+                continue;
+            }
+            real += p.remaining;
             longest = longest.max(p.remaining);
             least_reach = least_reach.min(reach(p));
             planned[i] = true;
@@ -495,6 +504,25 @@ mod tests {
                 chunk(1, 2)
             ]
         );
+        // The group re-feeds at most a chunk (100): beside a remainder of 90, one of 5 re-feeds
+        // 85; a second would bring it to 170, so the short ones group on their own.
+        let p = [
+            continued(90, 400),
+            continued(5, 400),
+            continued(5, 400),
+            continued(5, 400),
+        ];
+        assert_eq!(
+            plan(&p, 100, 300),
+            vec![
+                PrefillWork::Group {
+                    indices: vec![0, 1]
+                },
+                PrefillWork::Group {
+                    indices: vec![2, 3]
+                }
+            ]
+        );
         // A remainder longer than a chunk runs in chunks, not in a group.
         let p = [continued(150, 40), continued(7, 40)];
         assert_eq!(plan(&p, 100, 300), vec![chunk(0, 100), chunk(1, 7)]);
@@ -628,6 +656,11 @@ mod tests {
                     PrefillWork::Group { indices } => {
                         let fresh = views[indices[0]].written == 0;
                         let longest = indices.iter().map(|&i| views[i].remaining).max();
+                        let refed: usize = indices
+                            .iter()
+                            .map(|&i| longest.unwrap_or(0) - views[i].remaining)
+                            .sum();
+                        assert!(fresh || refed <= chunk, "a group re-fed {refed} tokens");
                         for i in indices {
                             let v = &views[i];
                             if fresh {
