@@ -613,6 +613,35 @@ impl DecodeBatch {
         Ok(())
     }
 
+    /// Rows that are done while none of their tokens is in flight (a row whose first token was
+    /// its last is handed it at once, in the step it joins): they leave now, with their KV,
+    /// rather than at the next step, which a request sent the moment they finished would
+    /// otherwise follow, its prefix lookup missing their prompt (seen: every family's
+    /// one-token requests followed at once by longer ones missed the last of them).
+    pub fn release_finished(&mut self) -> Result<Vec<Departed>, Exception> {
+        if self.in_flight.is_some() || self.rows.iter().all(Sequence::wants_more) {
+            return Ok(Vec::new());
+        }
+        let mut keep = Vec::new();
+        let mut kept = Vec::new();
+        let mut departed = Vec::new();
+        for (i, mut seq) in std::mem::take(&mut self.rows).into_iter().enumerate() {
+            if seq.wants_more() {
+                keep.push(i);
+                kept.push(seq);
+                continue;
+            }
+            let kv = self.row_kv(i, &seq)?;
+            if !seq.finished {
+                seq.finish(FinishReason::Length);
+            }
+            departed.push(Departed { seq, kv });
+        }
+        self.filter(&keep)?;
+        self.rows = kept;
+        Ok(departed)
+    }
+
     /// A copy of row `r`'s KV and the tokens it holds, when the prefix cache wants it.
     fn row_kv(&self, r: usize, seq: &Sequence) -> Result<Option<RowKv>, Exception> {
         // A row with no known space (see `Sequence::space`) is not kept.

@@ -390,6 +390,9 @@ impl<'m> Executor<'m> {
     fn iteration(&mut self) -> Result<(), Exception> {
         self.waiting.retain(|r| !r.events.is_closed());
         self.drop_cancelled_prefills();
+        // Before the lookups: a request may continue a row that just finished.
+        let finished = self.batch.release_finished()?;
+        self.settle(finished)?;
         self.admit()?;
         // Published before the step too: a step that prefills a long chunk may take seconds
         // on a slow device, and the counters must show the work it is doing meanwhile.
