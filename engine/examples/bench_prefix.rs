@@ -91,9 +91,16 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// `prompts` sent at once: the median and the slowest time to first token, and the fewest
-/// tokens any of them found cached.
-fn burst(runtime: &Runtime, prompts: Vec<Vec<u32>>) -> anyhow::Result<(f64, f64, usize)> {
+/// A burst's times to first token (seconds) and the fewest tokens any of its prompts found
+/// cached.
+struct Burst {
+    median: f64,
+    slowest: f64,
+    cached: usize,
+}
+
+/// `prompts` sent at once.
+fn burst(runtime: &Runtime, prompts: Vec<Vec<u32>>) -> anyhow::Result<Burst> {
     let start = Instant::now();
     let receivers = prompts
         .into_iter()
@@ -107,7 +114,11 @@ fn burst(runtime: &Runtime, prompts: Vec<Vec<u32>>) -> anyhow::Result<(f64, f64,
         cached = cached.min(c);
     }
     let slowest = times.iter().copied().fold(0.0, f64::max);
-    Ok((median(times), slowest, cached))
+    Ok(Burst {
+        median: median(times),
+        slowest,
+        cached,
+    })
 }
 
 fn main() -> anyhow::Result<()> {
@@ -174,10 +185,8 @@ fn main() -> anyhow::Result<()> {
                     rounds.push((miss, hit));
                 }
             }
-            let pick = |f: &dyn Fn(&((f64, f64, usize), (f64, f64, usize))) -> f64| {
-                median(rounds.iter().map(f).collect())
-            };
-            let found = rounds.iter().map(|r| r.1 .2).min().unwrap_or(0);
+            let pick = |f: &dyn Fn(&(Burst, Burst)) -> f64| median(rounds.iter().map(f).collect());
+            let found = rounds.iter().map(|r| r.1.cached).min().unwrap_or(0);
             println!(
                 "{}",
                 serde_json::json!({
@@ -185,10 +194,10 @@ fn main() -> anyhow::Result<()> {
                     "together": count,
                     "prefix_tokens": n,
                     "cached_tokens_min": found,
-                    "miss_ttft_p50_s": pick(&|r| r.0 .0),
-                    "miss_ttft_max_s": pick(&|r| r.0 .1),
-                    "hit_ttft_p50_s": pick(&|r| r.1 .0),
-                    "hit_ttft_max_s": pick(&|r| r.1 .1),
+                    "miss_ttft_p50_s": pick(&|r| r.0.median),
+                    "miss_ttft_max_s": pick(&|r| r.0.slowest),
+                    "hit_ttft_p50_s": pick(&|r| r.1.median),
+                    "hit_ttft_max_s": pick(&|r| r.1.slowest),
                 })
             );
             continue;
