@@ -404,23 +404,7 @@ impl DecodeBatch {
         model: &dyn CausalLm,
         joining: Vec<Prefilled>,
     ) -> Result<Vec<Departed>, Exception> {
-        let mut keep = Vec::new();
-        let mut kept = Vec::new();
-        let mut departed = Vec::new();
-        for (i, mut seq) in std::mem::take(&mut self.rows).into_iter().enumerate() {
-            if seq.wants_more() {
-                keep.push(i);
-                kept.push(seq);
-                continue;
-            }
-            let kv = self.row_kv(i, &seq)?;
-            if !seq.finished {
-                seq.finish(FinishReason::Length);
-            }
-            departed.push(Departed { seq, kv });
-        }
-        self.filter(&keep)?;
-        self.rows = kept;
+        let departed = self.leave_done()?;
         let first_joined = self.rows.len();
         let mut unused = Vec::new();
         if let Some(unit) = merged(joining)? {
@@ -622,6 +606,12 @@ impl DecodeBatch {
         if self.in_flight.is_some() || self.rows.iter().all(Sequence::wants_more) {
             return Ok(Vec::new());
         }
+        self.leave_done()
+    }
+
+    /// Takes out the rows that want no more tokens, each with its KV (those not finished yet,
+    /// a closed or full row, finish for length): nothing of theirs may be in flight.
+    fn leave_done(&mut self) -> Result<Vec<Departed>, Exception> {
         let mut keep = Vec::new();
         let mut kept = Vec::new();
         let mut departed = Vec::new();

@@ -480,30 +480,22 @@ mod tests {
 
     #[test]
     fn a_continued_prompt_joins_a_group_only_within_what_it_can_re_feed() {
-        // The second holds 3 positions: with its 2 left it reaches 5, short of the group's 9.
-        let p = [continued(9, 40), continued(2, 3), continued(7, 40)];
-        assert_eq!(
-            plan(&p, 100, 300),
-            vec![
-                PrefillWork::Group {
-                    indices: vec![0, 2]
-                },
-                chunk(1, 2)
-            ]
-        );
-        // Nor past what it can cut back: a cache that cannot be cut back runs on its own.
+        // The second of each runs on its own: holding 3 positions, with its 2 left it reaches
+        // 5, short of the group's 9; or its cache cannot be cut back at all.
         let mut fixed = continued(2, 40);
         fixed.rewind = 0;
-        let p = [continued(9, 40), fixed, continued(7, 40)];
-        assert_eq!(
-            plan(&p, 100, 300),
-            vec![
-                PrefillWork::Group {
-                    indices: vec![0, 2]
-                },
-                chunk(1, 2)
-            ]
-        );
+        for second in [continued(2, 3), fixed] {
+            let p = [continued(9, 40), second, continued(7, 40)];
+            assert_eq!(
+                plan(&p, 100, 300),
+                vec![
+                    PrefillWork::Group {
+                        indices: vec![0, 2]
+                    },
+                    chunk(1, 2)
+                ]
+            );
+        }
         // The group re-feeds at most a chunk (100): beside a remainder of 90, one of 5 re-feeds
         // 85; a second would bring it to 170, so the short ones group on their own.
         let p = [
