@@ -6,13 +6,13 @@
 //! cargo run --release -p mlxd-engine --example bench_pass -- <model dir> [cached] [new] [reps]
 //! ```
 //!
-//! A `cached`-token prompt (default 5000) is prefilled once into one row's cache. Each
-//! repetition then copies that row out as the prefix cache stores it and times a pass of `new`
-//! tokens (default 15) on it, in these cases:
-//! - `hit`: on the copied row, which must grow (as a prefix hit's pass does);
-//! - `roomy`: on a copy with room for the new tokens (no growth);
-//! - `roomy-1`: one token on the roomy copy (a decode step's forward, no sampler);
-//! - `hit-1`: one token on the copied row (growth, one token).
+//! A `cached`-token prompt (default 5000) is prefilled into one row's cache and copied out
+//! once, as the prefix cache stores a row. Each repetition times one pass of `new` tokens
+//! (default 15) in these cases:
+//! - `hit`: on that copy, whose buffers must grow (as a prefix hit's pass does);
+//! - `roomy`: on the prompt prefilled afresh, whose buffers have room (no growth);
+//! - `roomy-1`: one token on a fresh prefill (a decode step's forward, no sampler);
+//! - `hit-1`: one token on the copy (growth, one token).
 //!
 //! Prints one JSON line per case: the medians of graph building, `async_eval` and the wait, and
 //! the pass's ops by primitive (counted on the first repetition, outside the timings).
@@ -81,6 +81,7 @@ fn main() -> anyhow::Result<()> {
             .map(|(k, v)| LayerCache::Batched(BatchKv::from_row(k.clone(), v.clone(), 0, None)))
             .collect())
     };
+    let cudnn = std::env::var("MLX_CUDA_USE_CUDNN_SDPA").unwrap_or_else(|_| "default".into());
     let question: Vec<u32> = (0..new as u32).map(|i| 200 + i).collect();
     for (case, roomy, n) in [
         ("hit", false, new),
@@ -123,7 +124,7 @@ fn main() -> anyhow::Result<()> {
                 "ops": ops.as_ref().map(|o| o.total()),
                 "computing": ops.as_ref().map(|o| o.computing()),
                 "by_primitive": ops.map(|o| o.by_primitive),
-                "cudnn_sdpa": std::env::var("MLX_CUDA_USE_CUDNN_SDPA").unwrap_or_else(|_| "default".into()),
+                "cudnn_sdpa": cudnn,
             })
         );
     }

@@ -351,6 +351,7 @@ impl BatchKv {
     /// layout). Every buffer is copied once (one concatenation per component), so that
     /// joining many caches costs their bytes once: joining them two at a time copied the
     /// growing result once per part.
+    ///
     /// A part with no rows adds none, but its quantization still applies to the rest (an
     /// emptied quantized batch stays quantized).
     pub fn join(parts: Vec<BatchKv>) -> Result<BatchKv, Exception> {

@@ -44,7 +44,6 @@ struct Prefilling {
 }
 
 impl Prefilling {
-    /// Prompt tokens still to run here; the last one runs in the first decode step.
     /// Positions of its cache a group pass may write again ([`PrefillView::rewind`]).
     fn rewind(&self) -> usize {
         match &self.layers {
@@ -53,6 +52,7 @@ impl Prefilling {
         }
     }
 
+    /// Prompt tokens still to run here; the last one runs in the first decode step.
     fn remaining(&self) -> usize {
         (self.seq.prompt_len - 1).saturating_sub(self.written)
     }

@@ -245,8 +245,8 @@ pub fn measures_speed(
 /// longest, in one pass). A prompt that continues a cache and whose remainder fits in a chunk
 /// groups likewise with the continued prompts after it, each re-feeding cached tokens up to
 /// the group's padded length, no more than it can cut back (`rewind`) and no more than a chunk
-/// for the whole group: prefix hits arriving together cost one pass, not one each. A longer prompt, or one whose cache cannot be cut
-/// back, runs a chunk of its own.
+/// for the whole group: prefix hits arriving together cost one pass, not one each. A longer
+/// prompt, or one whose cache cannot be cut back, runs a chunk of its own.
 pub fn plan_prefill(
     limits: &SchedulerLimits,
     prefilling: &[PrefillView],
