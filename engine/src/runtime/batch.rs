@@ -54,21 +54,18 @@ fn row_drafts(sampler: &BatchSampler, r: usize, s: &Sequence) -> bool {
 }
 
 /// The units joining in one step as one, in order: their caches are joined among themselves
-/// first (small buffers, each copied once, [`LayerCache::join_sequences`]), so that the batch's buffers,
-/// the large ones, are copied once per step rather than once per unit (a step's prefill may
-/// finish several groups and chunks). The rows' alignment is the same either way: each row
-/// ends up padded on the left to the longest.
+/// first (small buffers, each copied once: [`LayerCache::join_sequences`]), so that the
+/// batch's buffers, the large ones, are copied once per step rather than once per unit (a
+/// step's prefill may finish several groups and chunks). The rows' alignment is the same
+/// either way: each row ends up padded on the left to the longest.
 fn merged(units: Vec<Prefilled>) -> Result<Option<Prefilled>, Exception> {
     if units.len() <= 1 {
         return Ok(units.into_iter().next());
     }
-    let mut seqs = Vec::new();
-    let mut units_layers = Vec::new();
-    for unit in units {
-        seqs.extend(unit.seqs);
-        units_layers.push(unit.layers);
-    }
-    let layers = LayerCache::join_sequences(units_layers)?;
+    let (seqs, layers): (Vec<Vec<Sequence>>, Vec<Vec<LayerCache>>) =
+        units.into_iter().map(|u| (u.seqs, u.layers)).unzip();
+    let seqs = seqs.into_iter().flatten().collect();
+    let layers = LayerCache::join_sequences(layers)?;
     Ok(Some(Prefilled { seqs, layers }))
 }
 
