@@ -646,6 +646,9 @@ async fn terminal_chat_ctrl_d_leaves_on_a_new_line() -> Result<()> {
     tmux.wait_for(">>> ").await?;
     tmux.keys(&["C-c"])?;
     tmux.wait_for("Use Ctrl-D or /bye to leave.").await?;
+    // The prompt after the message: the line editor reads again. A Ctrl-D sent as soon as
+    // the message showed was lost once on a loaded machine (the editor not yet reading).
+    tmux.wait_for_count(">>> ", 2).await?;
     tmux.keys(&["C-d"])?;
     let code = tmux.wait_exit().await?;
     let screen = tmux.screen()?;
