@@ -42,7 +42,6 @@ fn main() -> anyhow::Result<()> {
     let prompt: Vec<u32> = (0..cached as u32)
         .map(|i| 100 + (i * 7919) % (vocab - 100))
         .collect();
-    // The row as the prefix cache keeps it: exactly `cached` positions.
     // The prompt prefilled afresh, into buffers with room to spare.
     let prefilled = || -> anyhow::Result<Vec<LayerCache>> {
         let mut layers: Vec<LayerCache> = model
@@ -58,6 +57,7 @@ fn main() -> anyhow::Result<()> {
         Ok(layers)
     };
     let base = prefilled()?;
+    // The row as the prefix cache keeps it: exactly `cached` positions.
     let rows: Vec<(Stored, Stored)> = base
         .iter()
         .map(|layer| match layer.row_copy(0)? {

@@ -854,7 +854,8 @@ impl<'m> Executor<'m> {
             let _adapters = adapters::select(self.model, rows.iter().map(|p| p.seq.adapter))?;
             queue_prefill(self.model, &input, caches, trace)?
         };
-        let held = rows.iter().map(|p| p.written + p.remaining()).max();
+        // Every row now holds its prompt but the last token.
+        let held = rows.iter().map(|p| p.seq.prompt_len - 1).max();
         quantize_past_start(&mut layers, layout, held.unwrap_or(0).max(longest))?;
         if self.stateful {
             for (row, p) in rows.iter().enumerate() {
