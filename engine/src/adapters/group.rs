@@ -8,12 +8,13 @@
 //! zeros add nothing: each output is its own layer's sum over its own rank, exactly as the
 //! layer's own pair computes it. A pass that mixes rows of different adapters masks `x @ A`
 //! per row as one layer does ([`super::table`]'s module comment), the mask repeated for each
-//! layer's block (every layer's side-by-side factors have the same columns: the pass's
-//! adapters' ranks, zeros where an adapter leaves a layer alone).
+//! layer's block (every layer's side-by-side factors have the same columns: every loaded
+//! adapter's rank, zeros where an adapter leaves a layer alone).
 //!
 //! The table ([`super::AdapterTable::group_update`]) builds these factors on a group's first
-//! pass with an adapter (or a set of mixed adapters) and keeps them until adapters are loaded
-//! or unloaded; DoRA and training passes go layer by layer.
+//! pass with an adapter (and, for passes that mix rows, once over every loaded adapter) and
+//! keeps them until adapters are loaded or unloaded; DoRA and training passes go layer by
+//! layer.
 use mlx_rs::error::Exception;
 use mlx_rs::ops::{concatenate, zeros_dtype};
 use mlx_rs::{Array, Dtype};

@@ -14,13 +14,19 @@
 //!   it), and the add folded into the second matmul (`addmm`) where `x` and the factors share
 //!   a dtype; a DoRA adapter's output is then multiplied by its per-output-row rescale
 //!   ([`super::dora`]), computed from the base weight on the adapter's first pass and kept;
-//! - rows differ: each site keeps the factors of the adapters the rows take side by side,
-//!   `A` `[in, R]` and `B` `[R, out]` (`R` the sum of their ranks; zeros for an adapter that
-//!   leaves the site alone; rebuilt when that set changes, in the pass's own graph), and the
-//!   pass one mask `[B, 1, R]` that keeps each row's own adapter's columns (none for a base
-//!   row): `((x @ A) * mask) @ B` is every row's own update, in two plain matmuls and a
-//!   multiply, however many adapters the rows take (a gather of per-row factors costs a GPU
-//!   more: launches, and a copy of the factors per row and site). When
+//! - rows differ: each site keeps the factors of every loaded adapter side by side, `A`
+//!   `[in, R]` and `B` `[R, out]` (`R` the sum of their ranks; zeros for an adapter that
+//!   leaves the site alone; built by the first such pass after a load or unload, in its own
+//!   graph, and kept), and the pass one mask `[B, 1, R]` that keeps each row's own adapter's
+//!   columns (none for a base row, nor for a loaded adapter no row takes):
+//!   `((x @ A) * mask) @ B` is every row's own update, in two plain matmuls and a multiply,
+//!   however many adapters the rows take (a gather of per-row factors costs a GPU more:
+//!   launches, and a copy of the factors per row and site). The factors hold every loaded
+//!   adapter, not only those the rows take, because the set the rows take changes as served
+//!   rows join and leave, and rebuilding a 1B model's factors for each new set cost a pass
+//!   tens of milliseconds (`bench_adapter_pass`, BENCHMARKS.md); a pass instead reads the
+//!   factors of loaded adapters it does not use (rank-sized, a few percent of a step's weights
+//!   for a handful of adapters). When
 //!   a DoRA adapter changes the site, its rescales are stacked too (ones for the other
 //!   entries) and gathered per row, so a DoRA row costs one multiply more than a LoRA row.
 //!
@@ -85,8 +91,8 @@ struct State {
 struct GroupCache {
     /// Per adapter (index into `State::adapters`) that every row of a pass takes.
     one: HashMap<usize, GroupFactors>,
-    /// For a pass that mixes rows: the adapters it used ([`Mixed::used`]) and their factors.
-    mixed: Option<(Vec<usize>, GroupFactors)>,
+    /// For a pass that mixes rows: the factors of every loaded adapter.
+    mixed: Option<GroupFactors>,
 }
 
 struct Loaded {
@@ -126,13 +132,9 @@ impl Factors {
     }
 }
 
-/// A site's factors over the adapters of a pass that mixes rows.
+/// A site's factors over every loaded adapter, for passes that mix rows.
 struct Stacked {
-    /// A linear layer: the adapters (indices into `State::adapters`, ascending) whose factors
-    /// `a` and `b` hold, those of the passes since it was built ([`Mixed::used`]). An expert
-    /// stack: empty (its stacks hold every loaded adapter).
-    adapters: Vec<usize>,
-    /// A linear layer: those adapters' `A` side by side `[in, R]` (`R`: the sum of their
+    /// A linear layer: the adapters' `A` side by side `[in, R]` (`R`: the sum of their
     /// ranks, [`Mixed::mask`]'s columns; zeros for one that leaves the layer alone). An
     /// expert stack: `[(n + 1)·E, r_max, in]` ([`experts::stacked`]).
     a: Array,
@@ -182,13 +184,12 @@ enum Selection {
 struct Mixed {
     /// Per row `[B]`: 0 (no adapter) or `i + 1` (`adapters[i]`).
     slots: Array,
-    /// The adapters the rows take (indices into `State::adapters`, ascending): the sites'
-    /// side-by-side factors hold these alone, so that a pass reads the factors of no adapter
-    /// it does not use however many are loaded.
+    /// The adapters the rows take (indices into `State::adapters`, ascending): a site that
+    /// none of them changes adds nothing.
     used: Vec<usize>,
     /// Per row, which of the columns of the sites' side-by-side factors (`Stacked::a`, each
-    /// used adapter's `rank` columns in `used` order) are its adapter's: `[B, 1, R]`, one
-    /// there and zero elsewhere (a base row: all zero), in the used adapters' dtype
+    /// loaded adapter's `rank` columns in load order) are its adapter's: `[B, 1, R]`, one
+    /// there and zero elsewhere (a base row: all zero), in the loaded adapters' dtype
     /// ([`common_dtype`]). Built once per pass; each site multiplies `x @ A` by it, so that a
     /// row's update is its own adapter's alone.
     mask: Array,
@@ -673,12 +674,12 @@ impl AdapterTable {
             }
             used.sort_unstable();
             used.dedup();
-            // Each used adapter's columns in the sites' side-by-side factors.
-            let mut offsets = vec![0; state.adapters.len()];
+            // Each loaded adapter's columns in the sites' side-by-side factors.
+            let mut offsets = Vec::with_capacity(state.adapters.len());
             let mut width = 0;
-            for &i in &used {
-                offsets[i] = width;
-                width += state.adapters[i].summary.rank;
+            for loaded in &state.adapters {
+                offsets.push(width);
+                width += loaded.summary.rank;
             }
             let mut mask = vec![0.0f32; rows.len() * width];
             for (r, &s) in slots.iter().enumerate() {
@@ -689,7 +690,7 @@ impl AdapterTable {
                 }
             }
             let b = rows.len() as i32;
-            let dtypes: Vec<Dtype> = used.iter().map(|&i| state.adapters[i].dtype).collect();
+            let dtypes: Vec<Dtype> = state.adapters.iter().map(|a| a.dtype).collect();
             let mask = Array::from_slice(&mask, &[b, 1, width as i32]);
             // (A cast, when the adapters are not float32, is one op the pass's sites share.)
             let mask = mask.as_dtype(common_dtype(&dtypes))?;
@@ -758,24 +759,17 @@ impl AdapterTable {
                 if group.iter().any(dora) {
                     return Ok(GroupUpdate::PerLayer);
                 }
-                let layers = group.len() as i32;
                 let cache = group_cache(groups, sites);
-                if let Some((for_used, f)) = &cache.mixed {
-                    if for_used == used {
-                        return Ok(GroupUpdate::Update(GroupFactors {
-                            mask: Some((mask.clone(), layers)),
-                            ..f.clone()
-                        }));
+                let f = match &cache.mixed {
+                    Some(f) => f.clone(),
+                    None => {
+                        let f = group_factors(&group, &every_adapter(adapters))?;
+                        cache.mixed = Some(f.clone());
+                        f
                     }
-                }
-                let chosen: Vec<(usize, usize, Dtype)> = used
-                    .iter()
-                    .map(|&i| (i, adapters[i].summary.rank, adapters[i].dtype))
-                    .collect();
-                let f = group_factors(&group, &chosen)?;
-                cache.mixed = Some((used.clone(), f.clone()));
+                };
                 Ok(GroupUpdate::Update(GroupFactors {
-                    mask: Some((mask.clone(), layers)),
+                    mask: Some((mask.clone(), group.len() as i32)),
                     ..f
                 }))
             }
@@ -894,12 +888,8 @@ impl AdapterTable {
                 if used.iter().all(|&i| site.factors[i].is_none()) {
                     return with_bias(y);
                 }
-                if site.stacked.as_ref().map(|s| &s.adapters) != Some(used) {
-                    let adapters: Vec<(usize, usize, Dtype)> = used
-                        .iter()
-                        .map(|&i| (i, state.adapters[i].summary.rank, state.adapters[i].dtype))
-                        .collect();
-                    site.stacked = Some(stacked(site, matrix, &adapters)?);
+                if site.stacked.is_none() {
+                    site.stacked = Some(stacked(site, matrix, &every_adapter(&state.adapters))?);
                 }
                 let s = site.stacked.as_ref().expect("built above");
                 // Every adapter's `x @ A` at once, each row keeping its own adapter's columns;
@@ -1001,12 +991,7 @@ impl AdapterTable {
                         .collect();
                     let (a, b) = experts::stacked(&factors, experts, site.in_dims, site.out_dims)?;
                     mlx_rs::transforms::eval([&a, &b])?;
-                    site.stacked = Some(Stacked {
-                        adapters: Vec::new(),
-                        a,
-                        b,
-                        dora: None,
-                    });
+                    site.stacked = Some(Stacked { a, b, dora: None });
                 }
                 let s = site.stacked.as_ref().expect("built above");
                 add(experts::mixed_update(
@@ -1063,12 +1048,12 @@ fn common_dtype(dtypes: &[Dtype]) -> Dtype {
     }
 }
 
-/// A linear site's factors over the adapters `adapters` (each one's index, rank and dtype, in
-/// the order of [`Mixed::used`]) side by side, `A` `[in, R]` and `B` `[R, out]`, each
+/// A linear site's factors over the adapters `adapters` (each one's index, rank and dtype:
+/// [`every_adapter`]) side by side, `A` `[in, R]` and `B` `[R, out]`, each
 /// adapter's `rank` columns (rows of `B`) in that order, zeros for an adapter that leaves the
 /// site alone, in [`common_dtype`]; with DoRA adapters among the loaded ones, their rescales
 /// (over every loaded adapter, gathered per row by slot). The side-by-side factors are left
-/// to the pass that asked for them to compute (no wait here for a set the rows change).
+/// to the pass that asked for them to compute (no wait here: the rows wait either way).
 fn stacked(
     site: &mut Site,
     matrix: &Matrix,
@@ -1100,16 +1085,21 @@ fn stacked(
     } else {
         None
     };
-    let out = Stacked {
-        adapters: adapters.iter().map(|(i, _, _)| *i).collect(),
-        a,
-        b,
-        dora,
-    };
+    let out = Stacked { a, b, dora };
     if let Some((r, d)) = &out.dora {
         mlx_rs::transforms::eval([r, d])?;
     }
     Ok(out)
+}
+
+/// Every loaded adapter's index, rank and dtype, in load order: the columns of the factors of
+/// passes that mix rows ([`Mixed::mask`]).
+fn every_adapter(loaded: &[Loaded]) -> Vec<(usize, usize, Dtype)> {
+    loaded
+        .iter()
+        .enumerate()
+        .map(|(i, a)| (i, a.summary.rank, a.dtype))
+        .collect()
 }
 
 /// A linear site's LoRA factors over `adapters` (each one's index, rank and dtype) side by
@@ -1433,6 +1423,35 @@ mod tests {
         }
     }
 
+    /// Rows taking a set of adapters new to the table build no factors: a mixed pass's factors
+    /// hold every loaded adapter, built once (served rows of other adapters join and leave
+    /// every few steps, and a 1B model's rebuild cost a pass tens of milliseconds).
+    #[test]
+    fn a_new_set_of_adapters_among_the_rows_builds_no_factors() {
+        let w = normal(&[16, 16], 1, Dtype::Bfloat16);
+        let (table, sites, ids, _dir) = table_with(&w, 2, &[4, 4, 8, 4], Dtype::Float32);
+        let x = normal(&[32, 1, 16], 2, Dtype::Bfloat16);
+        mlx_rs::transforms::eval([&w, &x]).unwrap();
+        let matrix = Matrix::Dense(w.clone());
+        let y = matrix.matmul_t(&x).unwrap();
+        y.eval().unwrap();
+        // The two sites one by one, and as one stacked product's group.
+        let pass = |rows: &[Option<AdapterId>]| {
+            let _s = table.select(rows).unwrap();
+            let GroupUpdate::Update(f) = table.group_update(&[0, 1]).unwrap() else {
+                panic!("rows with adapters got no group update");
+            };
+            (chain(&sites, &matrix, &x), f.add_to(&x, y.clone()).unwrap())
+        };
+        let (chained, grouped) = pass(&mixed_rows(&ids));
+        mlx_rs::transforms::eval([&chained, &grouped]).unwrap();
+        let (chained, grouped) = pass(&mixed_rows(&ids));
+        let every = (ops(&chained), ops(&grouped));
+        let two: Vec<Option<AdapterId>> = (0..32).map(|i| Some(ids[[1, 3][i % 2]])).collect();
+        let (chained, grouped) = pass(&two);
+        assert_eq!((ops(&chained), ops(&grouped)), every);
+    }
+
     /// mlx-lm's `LoRALinear` on one row: `y + (scale * (x @ A) @ B).astype(x.dtype)`.
     fn reference(x: &Array, w: &Array, a: &Array, b: &Array, scale: f32) -> Array {
         let z = x.matmul(a).unwrap().matmul(b).unwrap();
@@ -1472,8 +1491,8 @@ mod tests {
                 )
             };
             let rows = mixed_rows(&ids);
-            // One adapter; all four and the base; then two of them (the sites' side-by-side
-            // factors rebuilt for the set the rows take), then all four again.
+            // One adapter; all four and the base; then two of them (the columns of the two
+            // others masked out), then all four again.
             let some: Vec<Option<AdapterId>> = (0..32)
                 .map(|i| [None, Some(ids[3]), Some(ids[1])][i % 3])
                 .collect();
