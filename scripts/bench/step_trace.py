@@ -6,6 +6,7 @@ RUST_LOG also holds `mlxd::engine=trace`).
 
     .venv/bin/python scripts/bench/step_trace.py <log file>
     .venv/bin/python scripts/bench/step_trace.py --slow MS <log file>
+    .venv/bin/python scripts/bench/step_trace.py --rounds MS <log file>
 
 Prints one JSON line per batch size seen in steady steps (no row joining): the number of steps
 and the median microseconds of each part (building the model's graph, building the
@@ -19,6 +20,12 @@ fields, and the idle gap before it (from the end of the step logged before). Thi
 stall: a wait that all streams share shows up as one slow step or one long gap. A gap is the
 engine not stepping: idle between requests, or busy outside a step. In mlxd's log the time
 stamps are when mlxd re-emitted each line, so its gaps are good to a millisecond or so.
+
+With `--rounds MS`: the log cut into rounds at every idle gap over MS milliseconds (a load
+client started once per round leaves one between rounds), one JSON line per round: its wall
+time from the first step's start to the last step's end, its decode steps and their median
+host time and `async_eval`, the host time of its first five steps, and its prefill steps.
+Where a round's time goes (a slow start, or every step slower) shows in it.
 """
 import collections
 import datetime
@@ -69,6 +76,40 @@ def slow(path, ms):
         print(json.dumps({"slow_steps": 0, "over_ms": ms}))
 
 
+def rounds(path, ms):
+    current, previous_end = None, None
+
+    def emit(r):
+        decode = [f for k, f in r["steps"] if k == "decode" and f.get("rows", 0) > 0]
+        print(json.dumps({
+            "round": r["n"], "wall_ms": round((r["end"] - r["start"]).total_seconds() * 1e3, 1),
+            "decode_steps": len(decode),
+            "median_total_us": statistics.median(f["total_us"] for f in decode) if decode else None,
+            "median_async_eval_us":
+                statistics.median(f.get("async_eval_us", 0) for f in decode) if decode else None,
+            "first_steps_us": [host_us(k, f) for k, f in r["steps"][:5]],
+            "prefill_steps": sum(1 for k, _ in r["steps"] if k == "prefill"),
+        }))
+
+    n = 0
+    for kind, at, fields in steps(path):
+        if at is None:
+            sys.exit(f"{path}: step events without time stamps cannot be cut into rounds")
+        took = host_us(kind, fields)
+        start = at - datetime.timedelta(microseconds=took)
+        gap = (start - previous_end).total_seconds() * 1e3 if previous_end else None
+        if current is None or (gap is not None and gap >= ms):
+            if current is not None:
+                emit(current)
+            n += 1
+            current = {"n": n, "start": start, "end": at, "steps": []}
+        current["steps"].append((kind, fields))
+        current["end"] = at
+        previous_end = at
+    if current is not None:
+        emit(current)
+
+
 def summary(path):
     by_rows = collections.defaultdict(list)
     for kind, _, fields in steps(path):
@@ -90,6 +131,8 @@ def main():
     args = sys.argv[1:]
     if len(args) == 3 and args[0] == "--slow":
         slow(args[2], float(args[1]))
+    elif len(args) == 3 and args[0] == "--rounds":
+        rounds(args[2], float(args[1]))
     elif len(args) == 1:
         summary(args[0])
     else:
