@@ -16,19 +16,16 @@
 //!   leave a served batch);
 //! - `rows-<B>` for B = 3, 5, 7, …: all adapters, each row count new to the process.
 use std::path::PathBuf;
-use std::time::Instant;
 
 use anyhow::Context;
 use mlx_rs::Array;
 use mlxd_engine::adapters::AdapterId;
 use mlxd_engine::cache::LayerCache;
-use mlxd_engine::graph_ops::op_counts;
 use mlxd_engine::models::CausalLm;
 
-fn median(mut v: Vec<u128>) -> u128 {
-    v.sort_unstable();
-    v.get(v.len() / 2).copied().unwrap_or(0)
-}
+#[path = "common/timed_pass.rs"]
+mod timed_pass;
+use timed_pass::{median, timed_pass};
 
 /// Fresh caches for `rows` rows holding 8 prompt tokens each, prefilled with `adapters`.
 fn prefilled(
@@ -65,25 +62,14 @@ fn case(
     for k in 0..reps {
         let tokens: Vec<u32> = (0..rows as u32).map(|i| 700 + i + k as u32).collect();
         let input = Array::from_slice(&tokens, &[rows as i32, 1]);
-        let t0 = Instant::now();
-        let logits = {
+        let (t, counted) = timed_pass(&mut layers, ops.is_none(), |layers| {
             let _selected = mlxd_engine::adapters::select(model, pass(k))?;
-            model.forward(&input, &mut layers)?
-        };
-        let t1 = Instant::now();
-        if ops.is_none() {
-            ops = Some(op_counts(&logits));
-        }
-        let t1b = Instant::now();
-        let mut outs: Vec<&Array> = layers.iter().flat_map(LayerCache::state).collect();
-        outs.push(&logits);
-        mlx_rs::transforms::async_eval(outs.iter().copied())?;
-        let t2 = Instant::now();
-        mlx_rs::transforms::eval(outs)?;
-        let t3 = Instant::now();
-        graph.push((t1 - t0).as_micros());
-        queue.push((t2 - t1b).as_micros());
-        wait.push((t3 - t2).as_micros());
+            Ok(model.forward(&input, layers)?)
+        })?;
+        ops = ops.or(counted);
+        graph.push(t.graph_us);
+        queue.push(t.async_eval_us);
+        wait.push(t.wait_us);
     }
     let first_and_rest = |v: Vec<u128>| (v[0], median(v[1..].to_vec()));
     let (g0, g) = first_and_rest(graph);

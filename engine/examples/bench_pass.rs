@@ -18,17 +18,14 @@
 //! the pass's ops by primitive (counted on the first repetition, outside the timings).
 //! Run it with `MLX_CUDA_USE_CUDNN_SDPA=0` too, to see cuDNN's share.
 use std::path::PathBuf;
-use std::time::Instant;
 
 use anyhow::Context;
 use mlx_rs::Array;
 use mlxd_engine::cache::{BatchKv, LayerCache, SeqLayer, Stored};
-use mlxd_engine::graph_ops::op_counts;
 
-fn median(mut v: Vec<u128>) -> u128 {
-    v.sort_unstable();
-    v[v.len() / 2]
-}
+#[path = "common/timed_pass.rs"]
+mod timed_pass;
+use timed_pass::{median, timed_pass};
 
 fn main() -> anyhow::Result<()> {
     let usage = "usage: bench_pass <model dir> [cached] [new] [reps]";
@@ -94,22 +91,14 @@ fn main() -> anyhow::Result<()> {
         for rep in 0..=reps {
             let mut layers = layers_for(roomy)?;
             let input = Array::from_slice(&question[..n], &[1, n as i32]);
-            let t0 = Instant::now();
-            let logits = model.forward(&input, &mut layers)?;
-            let t1 = Instant::now();
-            if ops.is_none() {
-                ops = Some(op_counts(&logits));
-            }
-            let mut outs: Vec<&Array> = layers.iter().flat_map(LayerCache::state).collect();
-            outs.push(&logits);
-            mlx_rs::transforms::async_eval(outs.iter().copied())?;
-            let t2 = Instant::now();
-            mlx_rs::transforms::eval(outs)?;
-            let t3 = Instant::now();
+            let (t, counted) = timed_pass(&mut layers, ops.is_none(), |layers| {
+                Ok(model.forward(&input, layers)?)
+            })?;
+            ops = ops.or(counted);
             if rep > 0 {
-                graph.push((t1 - t0).as_micros());
-                queue.push((t2 - t1).as_micros());
-                wait.push((t3 - t2).as_micros());
+                graph.push(t.graph_us);
+                queue.push(t.async_eval_us);
+                wait.push(t.wait_us);
             }
         }
         println!(
