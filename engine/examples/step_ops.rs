@@ -2,7 +2,7 @@
 //! per op more than per byte, so this is the figure behind a launch-bound step.
 //!
 //! ```text
-//! cargo run --release -p mlxd-engine --example step_ops -- <model dir> [rows] [adapter dir] [--kv-bits 4|8]
+//! cargo run --release -p mlxd-engine --example step_ops -- <model dir> [rows] [adapter dir] [--kv-bits 4|8] [--padded]
 //! ```
 //!
 //! `rows` sequences (default 8) in the batched cache the runtime decodes with: 16-token
@@ -10,7 +10,9 @@
 //! built (not run) and counted (`mlxd_engine::graph_ops`). With an adapter directory, every
 //! row runs that adapter (`MLXD_STACKED_PROJECTIONS` applies as in the engine). With
 //! `--kv-bits`, the cache is quantized (groups of 64) from the start, so the step's ops include
-//! quantizing the new token's keys and values. Prints one JSON line.
+//! quantizing the new token's keys and values. With `--padded`, every other row is one position
+//! shorter (left-padded by one, as prompts one token apart join a served batch), so the step
+//! takes the padded layout's mask and per-row rotary offsets. Prints one JSON line.
 use std::path::PathBuf;
 
 use anyhow::Context;
@@ -20,7 +22,14 @@ use mlxd_engine::graph_ops::op_counts;
 fn main() -> anyhow::Result<()> {
     mlxd_engine::models::stacked::stacked_projections_from_env().map_err(anyhow::Error::msg)?;
     let mut all: Vec<String> = std::env::args().skip(1).collect();
-    let usage = "usage: step_ops <model dir> [rows] [adapter dir] [--kv-bits 4|8]";
+    let usage = "usage: step_ops <model dir> [rows] [adapter dir] [--kv-bits 4|8] [--padded]";
+    let padded = match all.iter().position(|a| a == "--padded") {
+        Some(i) => {
+            all.remove(i);
+            true
+        }
+        None => false,
+    };
     let kv_bits: Option<i32> = match all.iter().position(|a| a == "--kv-bits") {
         Some(i) => {
             anyhow::ensure!(i + 1 < all.len(), "{usage}");
@@ -55,7 +64,10 @@ fn main() -> anyhow::Result<()> {
     let mut caches: Vec<_> = model
         .layer_kinds()
         .into_iter()
-        .map(|kind| kind.fresh(vec![0; rows as usize], quant))
+        .map(|kind| {
+            let padding = (0..rows).map(|r| i32::from(padded && r % 2 == 1)).collect();
+            kind.fresh(padding, quant)
+        })
         .collect();
     let prompt: Vec<u32> = (0..rows * 16).map(|i| 1 + (i % 97) as u32).collect();
     let logits = model.forward(&Array::from_slice(&prompt, &[rows, 16]), &mut caches)?;
@@ -72,6 +84,7 @@ fn main() -> anyhow::Result<()> {
         "stacked": std::env::var("MLXD_STACKED_PROJECTIONS").unwrap_or_else(|_| "1".into()),
         "rows": rows,
         "kv_bits": kv_bits,
+        "padded": padded,
         "layers": model.info().num_layers,
         "ops": counts.total(),
         "computing": counts.computing(),
