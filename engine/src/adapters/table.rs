@@ -23,10 +23,11 @@
 //!   however many adapters the rows take (a gather of per-row factors costs a GPU more:
 //!   launches, and a copy of the factors per row and site). The factors hold every loaded
 //!   adapter, not only those the rows take, because the set the rows take changes as served
-//!   rows join and leave, and rebuilding a 1B model's factors for each new set cost a pass
-//!   tens of milliseconds (`bench_adapter_pass`, BENCHMARKS.md); a pass instead reads the
-//!   factors of loaded adapters it does not use (rank-sized, a few percent of a step's weights
-//!   for a handful of adapters). When
+//!   rows join and leave, and rebuilding every group's factors for each new set put their
+//!   concatenations into that pass's graph again (35 ops a layer of a tiny Llama with four
+//!   adapters, `bench_adapter_pass`, BENCHMARKS.md); a pass instead reads the factors of
+//!   loaded adapters it does not use (rank-sized, a few percent of a step's weights for a
+//!   handful of adapters). When
 //!   a DoRA adapter changes the site, its rescales are stacked too (ones for the other
 //!   entries) and gathered per row, so a DoRA row costs one multiply more than a LoRA row.
 //!
@@ -1053,7 +1054,7 @@ fn common_dtype(dtypes: &[Dtype]) -> Dtype {
 /// adapter's `rank` columns (rows of `B`) in that order, zeros for an adapter that leaves the
 /// site alone, in [`common_dtype`]; with DoRA adapters among the loaded ones, their rescales
 /// (over every loaded adapter, gathered per row by slot). The side-by-side factors are left
-/// to the pass that asked for them to compute (no wait here: the rows wait either way).
+/// to the pass that asked for them to compute (no wait here).
 fn stacked(
     site: &mut Site,
     matrix: &Matrix,
@@ -1425,7 +1426,7 @@ mod tests {
 
     /// Rows taking a set of adapters new to the table build no factors: a mixed pass's factors
     /// hold every loaded adapter, built once (served rows of other adapters join and leave
-    /// every few steps, and a 1B model's rebuild cost a pass tens of milliseconds).
+    /// every few steps, and each rebuild put every group's concatenations into the pass).
     #[test]
     fn a_new_set_of_adapters_among_the_rows_builds_no_factors() {
         let w = normal(&[16, 16], 1, Dtype::Bfloat16);
