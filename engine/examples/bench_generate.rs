@@ -1,14 +1,19 @@
 //! Engine-core benchmark: the runtime (scheduler, batched forward passes, on-device sampling)
 //! without HTTP, for `batch` concurrent sequences.
 //!
-//! `cargo run --release --example bench_generate -- <model dir> <prompt tokens> <new tokens> <runs> [batch] [temperature] [--draft ngram|<draft model dir>] [--num-draft N] [--prompt-ids FILE] [--kv-bits 4|8] [--adapters DIR[,DIR...]]`
+//! `cargo run --release --example bench_generate -- <model dir> <prompt tokens> <new tokens> <runs> [batch] [temperature] [--draft ngram|<draft model dir>] [--num-draft N] [--prompt-ids FILE] [--kv-bits 4|8] [--adapters DIR[,DIR...]] [--ragged] [--cache-limit BYTES]`
 //!
 //! With `--draft`, speculative decoding runs (n-gram prompt lookup or a draft model) and the
 //! line adds `drafted` and `accepted` totals. `--prompt-ids` reads the prompt (a JSON list of
 //! token ids, e.g. a templated input-grounded task) instead of the pseudo-random one; every row
 //! of the batch gets it. `--adapters` loads each LoRA adapter directory beside the model and
 //! gives row `i` adapter `i mod n` (one directory: every row takes it; the line adds
-//! `adapters`), the engine-core share of issue 25's mixed-adapter target.
+//! `adapters`), the engine-core share of issue 25's mixed-adapter target. `--ragged` makes
+//! every other prompt one token shorter, so that the batch's rows sit at different positions
+//! (its padded layout: a mask and per-row rotary offsets), as served prompts do.
+//! `--cache-limit` bounds MLX's cache of freed buffers as a serving engine does (by default
+//! MLX keeps up to its memory limit; `mlxd-engine` sets a bound from its KV budget, 1 GiB
+//! without one). The line adds `ragged` and `cache_limit` where given.
 //!
 //! Prints one JSON object with the medians of `runs` timed runs after one warm-up run:
 //! `ttft_s` (submission to the first token of the first sequence), `prefill_tps` (prompt
@@ -163,10 +168,21 @@ fn main() -> anyhow::Result<()> {
     let adapter_dirs: Vec<std::path::PathBuf> = option("--adapters")?
         .map(|list| list.split(',').map(Into::into).collect())
         .unwrap_or_default();
+    let cache_limit: Option<usize> = option("--cache-limit")?.map(|s| s.parse()).transpose()?;
+    let ragged = match args.iter().position(|a| a == "--ragged") {
+        Some(i) => {
+            args.remove(i);
+            true
+        }
+        None => false,
+    };
     anyhow::ensure!(
         (4..=6).contains(&args.len()),
-        "usage: bench_generate <model dir> <prompt tokens> <new tokens> <runs> [batch] [temperature] [--draft ngram|<dir>] [--num-draft N] [--prompt-ids FILE] [--kv-bits 4|8] [--adapters DIR[,DIR...]]"
+        "usage: bench_generate <model dir> <prompt tokens> <new tokens> <runs> [batch] [temperature] [--draft ngram|<dir>] [--num-draft N] [--prompt-ids FILE] [--kv-bits 4|8] [--adapters DIR[,DIR...]] [--ragged] [--cache-limit BYTES]"
     );
+    if let Some(limit) = cache_limit {
+        mlx_rs::memory::set_cache_limit(limit)?;
+    }
     let (dir, prompt_len, new_tokens, runs): (&str, usize, usize, usize) = (
         &args[0],
         args[1].parse()?,
@@ -217,6 +233,17 @@ fn main() -> anyhow::Result<()> {
         }
         None => (0..batch).map(|r| prompt(prompt_len, vocab, r)).collect(),
     };
+    let prompts: Vec<Vec<u32>> = prompts
+        .into_iter()
+        .enumerate()
+        .map(|(r, p)| {
+            if ragged && r % 2 == 1 && p.len() > 1 {
+                p[1..].to_vec()
+            } else {
+                p
+            }
+        })
+        .collect();
     let prompt_len = prompts[0].len();
     run(
         &runtime,
@@ -250,8 +277,15 @@ fn main() -> anyhow::Result<()> {
         0 => String::new(),
         n => format!(",\"adapters\":{n}"),
     };
+    let layout = match (ragged, cache_limit) {
+        (false, None) => String::new(),
+        (r, l) => format!(
+            ",\"ragged\":{r}{}",
+            l.map_or(String::new(), |l| format!(",\"cache_limit\":{l}"))
+        ),
+    };
     println!(
-        "{{\"impl\":\"mlxd\",\"batch\":{batch},\"temperature\":{temperature},\"prompt_tokens\":{prompt_len},\"new_tokens\":{new_tokens},\"ttft_s\":{ttft:.4},\"prefill_tps\":{prefill:.1},\"decode_tps\":{decode:.2}{draft}{kv}{adapted}}}"
+        "{{\"impl\":\"mlxd\",\"batch\":{batch},\"temperature\":{temperature},\"prompt_tokens\":{prompt_len},\"new_tokens\":{new_tokens},\"ttft_s\":{ttft:.4},\"prefill_tps\":{prefill:.1},\"decode_tps\":{decode:.2}{draft}{kv}{adapted}{layout}}}"
     );
     runtime.join();
     Ok(())

@@ -9,7 +9,10 @@ With several comma-separated model names, stream i asks for the (i mod n)-th: st
 evenly over the models (e.g. over several adapters of one base, `base:adapter`).
 
 Every stream sends its own prompt (numbered, so no two are identical) with
-`stream_options.include_usage`. Prints one JSON object:
+`stream_options.include_usage`. Numbers of different widths make prompts one token apart, so
+the rows sit at different positions in the engine's batch (its padded layout, as real prompts
+do); `--same-length` writes every number with the same width (zero-padded), so that the rows
+line up, to measure what the padded layout costs. Prints one JSON object:
 - `output_tok_s`: completion tokens of all streams over the wall time of the run;
 - `ttft_ms_p50`/`p99`: request sent to first content token;
 - `itl_ms_p50`/`p99`: gaps between consecutive streamed tokens (a chunk holding k tokens
@@ -36,10 +39,10 @@ def pct(values, p):
     return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
 
 
-def one_stream(url, model, index, max_tokens, temperature, result):
+def one_stream(url, model, index, width, max_tokens, temperature, result):
     body = {
         "messages": [{"role": "user", "content":
-                      f"Request {index}: write a long story about a lighthouse keeper."}],
+                      f"Request {index:0{width}d}: write a long story about a lighthouse keeper."}],
         "max_tokens": max_tokens,
         "temperature": temperature,
         "stream": True,
@@ -81,12 +84,15 @@ def main():
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--same-length", action="store_true")
     args = ap.parse_args()
 
     models = args.model.split(",") if args.model else [None]
     result = {}
     threads = [threading.Thread(target=one_stream,
-                                args=(args.url, models[i % len(models)], i, args.max_tokens,
+                                args=(args.url, models[i % len(models)], i,
+                                      len(str(args.streams - 1)) if args.same_length else 0,
+                                      args.max_tokens,
                                       args.temperature, result))
                for i in range(args.streams)]
     t0 = time.perf_counter()
@@ -115,7 +121,7 @@ def main():
     tokens = sum(r["completion"] for r in ok)
     out = {
         "label": args.label, "models": models if args.model else None, "streams": args.streams, "max_tokens": args.max_tokens,
-        "temperature": args.temperature,
+        "temperature": args.temperature, "same_length": args.same_length,
         "output_tok_s": round(tokens / wall, 1),
         "completion_tokens": tokens,
         "wall_s": round(wall, 3),

@@ -85,6 +85,11 @@ struct State {
     /// Per group of sites computed as one stacked product (their indices), its factors
     /// ([`super::group`]); emptied when adapters are loaded or unloaded.
     groups: HashMap<Vec<usize>, GroupCache>,
+    /// The last pass's selection of rows of different adapters and its rows' slots: the next
+    /// pass whose rows take the same adapters in the same order (every decode step until a
+    /// row joins or leaves) reuses its arrays rather than making two from host data (on
+    /// CUDA, allocations of unified memory). Emptied when adapters are loaded or unloaded.
+    last_mixed: Option<(Vec<i32>, Mixed)>,
 }
 
 /// A group's factors, built by its first pass that needs them.
@@ -182,6 +187,7 @@ enum Selection {
 }
 
 /// A pass whose rows take different adapters.
+#[derive(Clone)]
 struct Mixed {
     /// Per row `[B]`: 0 (no adapter) or `i + 1` (`adapters[i]`).
     slots: Array,
@@ -595,6 +601,7 @@ impl AdapterTable {
             site.stacked = None;
         }
         state.groups.clear();
+        state.last_mixed = None;
         state.adapters.push(Loaded {
             summary: AdapterSummary {
                 id,
@@ -631,6 +638,7 @@ impl AdapterTable {
             site.stacked = None;
         }
         state.groups.clear();
+        state.last_mixed = None;
         Some(loaded.summary)
     }
 
@@ -675,6 +683,14 @@ impl AdapterTable {
             }
             used.sort_unstable();
             used.dedup();
+            if let Some((last, mixed)) = &state.last_mixed {
+                if *last == slots {
+                    let mixed = mixed.clone();
+                    state.selection = Selection::Mixed(mixed);
+                    self.engaged.store(true, Ordering::Release);
+                    return Ok(Selected { table: Some(self) });
+                }
+            }
             // Each loaded adapter's columns in the sites' side-by-side factors.
             let mut offsets = Vec::with_capacity(state.adapters.len());
             let mut width = 0;
@@ -695,12 +711,14 @@ impl AdapterTable {
             let mask = Array::from_slice(&mask, &[b, 1, width as i32]);
             // (A cast, when the adapters are not float32, is one op the pass's sites share.)
             let mask = mask.as_dtype(common_dtype(&dtypes))?;
-            Selection::Mixed(Mixed {
+            let mixed = Mixed {
                 slots: Array::from_slice(&slots, &[b]),
                 used,
                 mask,
                 rows: b,
-            })
+            };
+            state.last_mixed = Some((slots, mixed.clone()));
+            Selection::Mixed(mixed)
         };
         state.selection = selection;
         self.engaged.store(true, Ordering::Release);
@@ -1451,6 +1469,51 @@ mod tests {
         let two: Vec<Option<AdapterId>> = (0..32).map(|i| Some(ids[[1, 3][i % 2]])).collect();
         let (chained, grouped) = pass(&two);
         assert_eq!((ops(&chained), ops(&grouped)), every);
+    }
+
+    /// A pass whose rows take the adapters of the last pass, in the same order, reuses that
+    /// pass's row arrays (each made from host data: on CUDA an allocation of unified memory
+    /// per decode step); other rows, or a load, make new ones, with the new rows' values.
+    #[test]
+    fn the_rows_of_the_last_pass_reuse_its_selection() {
+        let w = normal(&[16, 16], 1, Dtype::Bfloat16);
+        let (table, _sites, ids, dir) = table_with(&w, 1, &[4, 4], Dtype::Float32);
+        let selection = |rows: &[Option<AdapterId>]| {
+            let _s = table.select(rows).unwrap();
+            let Selection::Mixed(m) = &table.lock().selection else {
+                panic!("rows of different adapters selected no mix");
+            };
+            m.slots.eval().unwrap();
+            m.mask.eval().unwrap();
+            (m.slots.clone(), m.mask.clone())
+        };
+        let data = |a: &Array| match a.dtype() {
+            Dtype::Int32 => a.as_slice::<i32>().as_ptr() as usize,
+            _ => a.as_slice::<f32>().as_ptr() as usize,
+        };
+        let rows = [Some(ids[0]), None, Some(ids[1])];
+        let (slots, mask) = selection(&rows);
+        let (again, again_mask) = selection(&rows);
+        assert_eq!(data(&slots), data(&again), "the same rows: the same arrays");
+        assert_eq!(data(&mask), data(&again_mask));
+        let other = [Some(ids[1]), None, Some(ids[0])];
+        let (swapped, _) = selection(&other);
+        assert_ne!(data(&slots), data(&swapped));
+        assert_eq!(swapped.as_slice::<i32>(), &[2, 0, 1]);
+        // A load changes the columns: the same rows get a new mask, one column per rank.
+        let extra = table.load("extra", &dir.path().join("a0")).unwrap();
+        let (_, wider) = selection(&other);
+        assert_eq!(wider.shape(), &[3, 1, 12]);
+        table.unload(extra).unwrap();
+        let (_, narrower) = selection(&other);
+        assert_eq!(narrower.shape(), &[3, 1, 8]);
+        assert_eq!(
+            narrower.as_slice::<f32>(),
+            &[
+                0., 0., 0., 0., 1., 1., 1., 1., 0., 0., 0., 0., 0., 0., 0., 0., 1., 1., 1., 1., 0.,
+                0., 0., 0.
+            ]
+        );
     }
 
     /// mlx-lm's `LoRALinear` on one row: `y + (scale * (x @ A) @ B).astype(x.dtype)`.

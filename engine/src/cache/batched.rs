@@ -37,6 +37,7 @@ use mlx_rs::error::Exception;
 use mlx_rs::ops::indexing::{Ellipsis, IndexOp};
 use mlx_rs::Array;
 
+use super::row_arrays::{self, Kind};
 use super::stored::{write_positions, KvQuant, Stored};
 use super::Mask;
 use crate::rotary::Rope;
@@ -187,8 +188,23 @@ impl BatchKv {
         if (1..self.rows()).all(|r| self.row_len(r) == first) {
             return rope.forward(x, first as i32);
         }
-        let offsets: Vec<i32> = (0..self.rows()).map(|r| self.row_len(r) as i32).collect();
-        rope.forward_per_row(x, &Array::from_slice(&offsets, &[offsets.len() as i32]))
+        rope.forward_per_row(x, &self.offsets()?)
+    }
+
+    /// Each row's rotary offset `[B]` (its logical length), the same array for every layer
+    /// of a pass ([`row_arrays`]): the write position less each row's shift, which is made on
+    /// the host only when rows join, leave or roll back.
+    fn offsets(&self) -> Result<Array, Exception> {
+        // Row r's logical length is `idx - shift[r]`.
+        let shift: Vec<i32> = (0..self.rows())
+            .map(|r| self.idx - self.row_len(r) as i32)
+            .collect();
+        let mut key = shift.clone();
+        key.push(self.idx);
+        row_arrays::shared(Kind::Offsets, &key, || {
+            let shift = row_arrays::host_i32(Kind::Shift, &shift, &[shift.len() as i32])?;
+            Array::from_int(self.idx).subtract(&shift)
+        })
     }
 
     /// Appends `[B, kv_heads, L, head_dim]` at position `idx` of every row; returns the keys and
@@ -233,10 +249,25 @@ impl BatchKv {
         if let (Some(w), true) = (window, has_holes) {
             return Ok(Mask::Array(self.windowed_over_holes(queries, w)));
         }
+        if !has_holes {
+            // The same mask for every layer of the pass ([`row_arrays`]).
+            let mut key = vec![t, queries, window.unwrap_or(-1)];
+            key.extend_from_slice(&self.left_padding);
+            return row_arrays::shared(Kind::Mask, &key, || self.padding_mask(queries, window))
+                .map(Mask::Array);
+        }
+        self.padding_mask(queries, window).map(Mask::Array)
+    }
+
+    /// [`Self::mask`]'s array where padding, holes or a window need one.
+    fn padding_mask(&self, queries: i32, window: Option<i32>) -> Result<Array, Exception> {
+        let t = self.idx;
+        let has_holes = self.holes.iter().any(|h| !h.is_empty());
         let b = self.rows() as i32;
         let keys = Array::arange::<_, i32>(None, t, None)?.reshape(&[1, 1, 1, t])?;
         let mut mask = if !has_holes {
-            keys.ge(Array::from_slice(&self.left_padding, &[b, 1, 1, 1]))?
+            let padding = row_arrays::host_i32(Kind::Padding, &self.left_padding, &[b, 1, 1, 1])?;
+            keys.ge(&padding)?
         } else {
             Array::from_slice(&self.visible(), &[b, 1, 1, t])
         };
@@ -254,7 +285,7 @@ impl BatchKv {
             // padding alone, so the distance between a query and a key is the same in both.
             mask = mask.logical_and(&query_pos.subtract(&keys)?.lt(Array::from_int(w))?)?;
         }
-        Ok(Mask::Array(mask))
+        Ok(mask)
     }
 
     /// The windowed mask of a cache with holes, built on the host: the window counts a row's

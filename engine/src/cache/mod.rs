@@ -22,6 +22,7 @@ mod budget;
 mod dense;
 mod manager;
 mod prefix;
+mod row_arrays;
 mod seq_kv;
 mod space;
 pub mod ssd;

@@ -13,6 +13,8 @@ use mlx_rs::error::Exception;
 use mlx_rs::ops::concatenate;
 use mlx_rs::Array;
 
+use super::row_arrays::{self, Kind};
+
 #[derive(Debug)]
 pub struct StateCache {
     /// The layer's arrays, each `[B, ...]`; `None` until the first forward pass writes them
@@ -64,10 +66,16 @@ impl StateCache {
         if self.padding.iter().all(|&p| p <= 0) {
             return Ok(None);
         }
-        let rows = self.padding.len() as i32;
-        let pos = Array::arange::<_, i32>(None, queries, None)?.reshape(&[1, queries])?;
-        let pad = Array::from_slice(&self.padding, &[rows, 1]);
-        Ok(Some(pos.ge(&pad)?))
+        // The same mask for every state layer of the pass ([`row_arrays`]).
+        let mut key = vec![queries];
+        key.extend_from_slice(&self.padding);
+        row_arrays::shared(Kind::StateMask, &key, || {
+            let rows = self.padding.len() as i32;
+            let pos = Array::arange::<_, i32>(None, queries, None)?.reshape(&[1, queries])?;
+            let pad = row_arrays::host_i32(Kind::StatePadding, &self.padding, &[rows, 1])?;
+            pos.ge(&pad)
+        })
+        .map(Some)
     }
 
     /// Replaces every slot after a forward pass over `queries` positions: the padding ahead is
