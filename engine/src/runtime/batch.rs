@@ -69,6 +69,18 @@ fn merged(units: Vec<Prefilled>) -> Result<Option<Prefilled>, Exception> {
     Ok(Some(Prefilled { seqs, layers }))
 }
 
+/// Whether a pipelined step waits for the previous step's tokens before queueing its own pass
+/// (`MLXD_WAIT_BEFORE_QUEUE=1`; read once), a switch for measuring. MLX updates a buffer in
+/// place only when nothing else holds it when the update is queued; a step queued while the
+/// previous one is in flight finds each layer's KV buffer held by that step's attention, so
+/// its write of one position copies the whole buffer (on the CPU backend: a 33 MB buffer
+/// written 40 times pipelined peaks 72 MB over it, queued after the wait 2.7 MB). Waiting
+/// first gives up the overlap of queueing with the previous step's device time.
+fn wait_before_queue() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("MLXD_WAIT_BEFORE_QUEUE").is_ok_and(|v| v == "1"))
+}
+
 pub struct DecodeBatch {
     rows: Vec<Sequence>,
     caches: Vec<LayerCache>,
@@ -342,6 +354,11 @@ impl DecodeBatch {
             }
             let next = self.sampler.sample(&logits.index((.., -1, ..)))?;
             clock.sampler_built();
+            if wait_before_queue() {
+                if let Some(p) = &pending {
+                    p.eval()?;
+                }
+            }
             let mut state: Vec<&Array> = vec![&next];
             state.extend(self.sampler.state());
             mlx_rs::transforms::async_eval(state)?;
