@@ -935,6 +935,48 @@ mod tests {
         assert_eq!(row_values(&got), row_values(&Stored::Plain(want)));
     }
 
+    /// Two layers' caches of the same rows (one row shorter: padded) give one mask array and
+    /// one offsets array per step, with the values each layer's own would have; the next
+    /// step's are new arrays.
+    #[test]
+    fn the_layers_of_a_padded_batch_share_the_steps_mask_and_offsets() {
+        let layer = || {
+            let mut c = one_row(0, 5, None);
+            c.extend(one_row(1, 4, None)).unwrap();
+            c
+        };
+        let (mut first, mut second) = (layer(), layer());
+        let step = |c: &mut BatchKv, p: i32| {
+            let next = positions(2, p, 1);
+            c.update_and_fetch(&next, &next).unwrap();
+            let Mask::Array(m) = c.mask(1, None).unwrap() else {
+                panic!("a padded batch needs a mask");
+            };
+            let o = c.offsets().unwrap();
+            mlx_rs::transforms::eval([&m, &o]).unwrap();
+            (m, o)
+        };
+        let data = |a: &Array| match a.dtype() {
+            mlx_rs::Dtype::Bool => a.as_slice::<bool>().as_ptr() as usize,
+            _ => a.as_slice::<i32>().as_ptr() as usize,
+        };
+        let (m1, o1) = step(&mut first, 5);
+        let (m2, o2) = step(&mut second, 5);
+        assert_eq!(
+            (data(&m1), data(&o1)),
+            (data(&m2), data(&o2)),
+            "one array each"
+        );
+        assert_eq!(o1.as_slice::<i32>(), &[6, 5]);
+        assert_eq!(
+            m1.as_slice::<bool>(),
+            &[true, true, true, true, true, true, false, true, true, true, true, true]
+        );
+        let (m3, o3) = step(&mut first, 6);
+        assert_ne!(data(&m1), data(&m3), "the next step's mask is its own");
+        assert_eq!(o3.as_slice::<i32>(), &[7, 6]);
+    }
+
     fn concatenate(parts: &[Array]) -> Array {
         mlx_rs::ops::concatenate(parts, 2).unwrap()
     }
