@@ -253,16 +253,23 @@ impl BatchKv {
             // The same mask for every layer of the pass ([`row_arrays`]).
             let mut key = vec![t, queries, window.unwrap_or(-1)];
             key.extend_from_slice(&self.left_padding);
-            return row_arrays::shared(Kind::Mask, &key, || self.padding_mask(queries, window))
-                .map(Mask::Array);
+            return row_arrays::shared(Kind::Mask, &key, || {
+                self.padding_mask(queries, window, false)
+            })
+            .map(Mask::Array);
         }
-        self.padding_mask(queries, window).map(Mask::Array)
+        self.padding_mask(queries, window, true).map(Mask::Array)
     }
 
-    /// [`Self::mask`]'s array where padding, holes or a window need one.
-    fn padding_mask(&self, queries: i32, window: Option<i32>) -> Result<Array, Exception> {
+    /// [`Self::mask`]'s array where padding, holes (`has_holes`: some row has any) or a window
+    /// need one.
+    fn padding_mask(
+        &self,
+        queries: i32,
+        window: Option<i32>,
+        has_holes: bool,
+    ) -> Result<Array, Exception> {
         let t = self.idx;
-        let has_holes = self.holes.iter().any(|h| !h.is_empty());
         let b = self.rows() as i32;
         let keys = Array::arange::<_, i32>(None, t, None)?.reshape(&[1, 1, 1, t])?;
         let mut mask = if !has_holes {
