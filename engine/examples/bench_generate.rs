@@ -13,7 +13,8 @@
 //! (its padded layout: a mask and per-row rotary offsets), as served prompts do.
 //! `--cache-limit` bounds MLX's cache of freed buffers as a serving engine does (by default
 //! MLX keeps up to its memory limit; `mlxd-engine` sets a bound from its KV budget, 1 GiB
-//! without one). The line adds `ragged` and `cache_limit` where given.
+//! without one). The line adds `ragged` and `cache_limit` where given, and always
+//! `peak_memory_bytes`: MLX's peak memory over the timed runs (weights included).
 //!
 //! Prints one JSON object with the medians of `runs` timed runs after one warm-up run:
 //! `ttft_s` (submission to the first token of the first sequence), `prefill_tps` (prompt
@@ -252,6 +253,7 @@ fn main() -> anyhow::Result<()> {
         temperature,
         &adapters,
     )?;
+    mlx_rs::memory::reset_peak_memory()?;
     let runs: Vec<Run> = (0..runs)
         .map(|_| run(&runtime, &prompts, new_tokens, temperature, &adapters))
         .collect::<Result<_, _>>()?;
@@ -284,8 +286,9 @@ fn main() -> anyhow::Result<()> {
             l.map_or(String::new(), |l| format!(",\"cache_limit\":{l}"))
         ),
     };
+    let peak = mlx_rs::memory::peak_memory()?;
     println!(
-        "{{\"impl\":\"mlxd\",\"batch\":{batch},\"temperature\":{temperature},\"prompt_tokens\":{prompt_len},\"new_tokens\":{new_tokens},\"ttft_s\":{ttft:.4},\"prefill_tps\":{prefill:.1},\"decode_tps\":{decode:.2}{draft}{kv}{adapted}{layout}}}"
+        "{{\"impl\":\"mlxd\",\"batch\":{batch},\"temperature\":{temperature},\"prompt_tokens\":{prompt_len},\"new_tokens\":{new_tokens},\"ttft_s\":{ttft:.4},\"prefill_tps\":{prefill:.1},\"decode_tps\":{decode:.2},\"peak_memory_bytes\":{peak}{draft}{kv}{adapted}{layout}}}"
     );
     runtime.join();
     Ok(())
