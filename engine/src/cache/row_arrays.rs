@@ -16,7 +16,8 @@
 //! The memo is per thread (a model runs its passes on one thread) and keyed by the values
 //! themselves, so a layer can never be given another layout's array: at worst two layouts
 //! used in turn (a draft model's batch, a sliding-window layer beside a global one) each make
-//! their own. It keeps the last few arrays of each kind ([`KEPT`]).
+//! their own. It keeps the last few arrays of each kind ([`KEPT`]), none larger than
+//! [`MAX_KEPT_ELEMENTS`].
 use std::cell::RefCell;
 
 use mlx_rs::error::Exception;
@@ -25,6 +26,12 @@ use mlx_rs::Array;
 /// Arrays kept per kind: enough for the layouts one pass uses in turn (a model with windowed
 /// and global layers asks for two masks a step; a draft model's batch adds its own).
 const KEPT: usize = 4;
+
+/// The most elements an array may have to be kept: a decode step's mask of 128 rows over 32k
+/// positions (4 MB of booleans). A larger one (a padded prefill group's mask over a long
+/// context) is made for each call, as before: the memo holds what it keeps past the pass,
+/// outside the KV budget, so it keeps at most `KEPT` such arrays of each kind.
+const MAX_KEPT_ELEMENTS: usize = 1 << 22;
 
 /// What an array stands for; its key holds the values it is made from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,6 +72,9 @@ pub(crate) fn shared(
         return Ok(a);
     }
     let a = make()?;
+    if a.size() > MAX_KEPT_ELEMENTS {
+        return Ok(a);
+    }
     MEMO.with(|m| {
         let mut m = m.borrow_mut();
         if m.iter().filter(|(k, _, _)| *k == kind).count() >= KEPT {
@@ -110,6 +120,27 @@ mod tests {
         assert_eq!(d.shape(), &[2]);
         let e = host_i32(Kind::Shift, &[0, 3], &[2, 1, 1, 1]).unwrap();
         assert_ne!(data(&a), data(&e));
+    }
+
+    #[test]
+    fn an_array_past_the_bound_is_made_each_time() {
+        let big = || {
+            shared(Kind::Mask, &[1, 2, 3], || {
+                Array::zeros::<bool>(&[1, 1, 1, MAX_KEPT_ELEMENTS as i32 + 1])
+            })
+            .unwrap()
+        };
+        let bool_data = |a: &Array| a.as_slice::<bool>().as_ptr();
+        let (a, b) = (big(), big());
+        assert_ne!(bool_data(&a), bool_data(&b), "not kept");
+        let small = || {
+            shared(Kind::Mask, &[1, 2, 4], || {
+                Array::zeros::<bool>(&[1, 1, 1, 8])
+            })
+            .unwrap()
+        };
+        let (a, b) = (small(), small());
+        assert_eq!(bool_data(&a), bool_data(&b), "kept");
     }
 
     #[test]
