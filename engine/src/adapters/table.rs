@@ -683,42 +683,14 @@ impl AdapterTable {
             }
             used.sort_unstable();
             used.dedup();
-            if let Some((last, mixed)) = &state.last_mixed {
-                if *last == slots {
-                    let mixed = mixed.clone();
-                    state.selection = Selection::Mixed(mixed);
-                    self.engaged.store(true, Ordering::Release);
-                    return Ok(Selected { table: Some(self) });
+            match &state.last_mixed {
+                Some((last, mixed)) if *last == slots => Selection::Mixed(mixed.clone()),
+                _ => {
+                    let mixed = mixed_selection(&state.adapters, &slots, used)?;
+                    state.last_mixed = Some((slots, mixed.clone()));
+                    Selection::Mixed(mixed)
                 }
             }
-            // Each loaded adapter's columns in the sites' side-by-side factors.
-            let mut offsets = Vec::with_capacity(state.adapters.len());
-            let mut width = 0;
-            for loaded in &state.adapters {
-                offsets.push(width);
-                width += loaded.summary.rank;
-            }
-            let mut mask = vec![0.0f32; rows.len() * width];
-            for (r, &s) in slots.iter().enumerate() {
-                if s > 0 {
-                    let i = s as usize - 1;
-                    let start = r * width + offsets[i];
-                    mask[start..start + state.adapters[i].summary.rank].fill(1.0);
-                }
-            }
-            let b = rows.len() as i32;
-            let dtypes: Vec<Dtype> = state.adapters.iter().map(|a| a.dtype).collect();
-            let mask = Array::from_slice(&mask, &[b, 1, width as i32]);
-            // (A cast, when the adapters are not float32, is one op the pass's sites share.)
-            let mask = mask.as_dtype(common_dtype(&dtypes))?;
-            let mixed = Mixed {
-                slots: Array::from_slice(&slots, &[b]),
-                used,
-                mask,
-                rows: b,
-            };
-            state.last_mixed = Some((slots, mixed.clone()));
-            Selection::Mixed(mixed)
         };
         state.selection = selection;
         self.engaged.store(true, Ordering::Release);
@@ -1056,6 +1028,42 @@ fn check_name(name: &str) -> Result<(), AdapterError> {
             "adapter name {name:?}: use 1 to 128 of the characters A-Z a-z 0-9 - _ ."
         )))
     }
+}
+
+/// The selection of a pass whose rows take different adapters: `slots` (per row, 0 or the
+/// loaded adapter's index + 1) and the mask of each row's own adapter's columns among every
+/// loaded adapter's (`adapters`), `used` the adapters the rows take.
+fn mixed_selection(
+    adapters: &[Loaded],
+    slots: &[i32],
+    used: Vec<usize>,
+) -> Result<Mixed, Exception> {
+    // Each loaded adapter's columns in the sites' side-by-side factors.
+    let mut offsets = Vec::with_capacity(adapters.len());
+    let mut width = 0;
+    for loaded in adapters {
+        offsets.push(width);
+        width += loaded.summary.rank;
+    }
+    let mut mask = vec![0.0f32; slots.len() * width];
+    for (r, &s) in slots.iter().enumerate() {
+        if s > 0 {
+            let i = s as usize - 1;
+            let start = r * width + offsets[i];
+            mask[start..start + adapters[i].summary.rank].fill(1.0);
+        }
+    }
+    let b = slots.len() as i32;
+    let dtypes: Vec<Dtype> = adapters.iter().map(|a| a.dtype).collect();
+    let mask = Array::from_slice(&mask, &[b, 1, width as i32]);
+    // (A cast, when the adapters are not float32, is one op the pass's sites share.)
+    let mask = mask.as_dtype(common_dtype(&dtypes))?;
+    Ok(Mixed {
+        slots: Array::from_slice(slots, &[b]),
+        used,
+        mask,
+        rows: b,
+    })
 }
 
 /// The dtype of adapters' factors side by side: theirs when they agree, else float32 (the
