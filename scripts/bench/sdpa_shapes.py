@@ -2,7 +2,7 @@
 """Which attention calls pay a per-shape build on this device, and what unfused attention
 costs instead (issues 21 and 23).
 
-    python3 scripts/bench/sdpa_shapes.py [--out result.jsonl]
+    python3 scripts/bench/sdpa_shapes.py [--out result.jsonl] [--decode ROWS:KEYS:BUFFER,...] [--no-prefill]
 
 `pass_shapes.py` showed that on CUDA every prefill pass of a new `[rows, length]` costs
 45-65 ms before its compute. MLX's CUDA fused attention hands a pass of several queries to
@@ -17,6 +17,10 @@ bf16) for each shape's first call and its best repeat:
   matmuls and a float32-accurate softmax);
 - `decode`: one query per row over `keys` positions, the keys a slice of a 256-multiple
   buffer (the cuDNN case) or of a buffer one position longer (the vector kernel's case).
+
+`--decode` replaces the decode shapes (e.g. `64:3128:3329,64:3128:3328` for a long context
+through the vector kernel and through cuDNN); `--no-prefill` skips the prefill shapes. The decode
+lines add the bytes of keys and values a call must read at least once, over its repeat time.
 
 Run it twice, with `MLX_CUDA_USE_CUDNN_SDPA=0` the second time: a build cost that vanishes
 is cuDNN's. One JSON line per shape and path.
@@ -69,7 +73,12 @@ def measure(kind, path, shape, fn):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
+    ap.add_argument("--decode", help="ROWS:KEYS:BUFFER,... (default: the built-in list)")
+    ap.add_argument("--no-prefill", action="store_true")
     a = ap.parse_args()
+    decode = DECODE
+    if a.decode:
+        decode = [tuple(int(n) for n in s.split(":")) for s in a.decode.split(",")]
     scale = DIM ** -0.5
     lines = []
     # Warm what every shape shares (the kernels' first load), not counted.
@@ -77,7 +86,7 @@ def main():
     wk = mx.random.normal((2, KV_HEADS, 16, DIM)).astype(mx.bfloat16)
     timed(lambda: mx.fast.scaled_dot_product_attention(w, wk, wk, scale=scale, mask="causal"))
     timed(lambda: unfused(w, wk, wk, scale, True))
-    for rows, length in PREFILL:
+    for rows, length in [] if a.no_prefill else PREFILL:
         q = mx.random.normal((rows, HEADS, length, DIM)).astype(mx.bfloat16)
         k = mx.random.normal((rows, KV_HEADS, length, DIM)).astype(mx.bfloat16)
         v = mx.random.normal((rows, KV_HEADS, length, DIM)).astype(mx.bfloat16)
@@ -86,15 +95,19 @@ def main():
         lines.append(measure("prefill", "fused", shape, lambda: mx.fast.scaled_dot_product_attention(
             q, k, v, scale=scale, mask="causal")))
         lines.append(measure("prefill", "unfused", shape, lambda: unfused(q, k, v, scale, True)))
-    for rows, keys, buffer in DECODE:
+    for rows, keys, buffer in decode:
         kb = mx.random.normal((rows, KV_HEADS, buffer, DIM)).astype(mx.bfloat16)
         vb = mx.random.normal((rows, KV_HEADS, buffer, DIM)).astype(mx.bfloat16)
         q = mx.random.normal((rows, HEADS, 1, DIM)).astype(mx.bfloat16)
         mx.eval(kb, vb, q)
         k, v = kb[:, :, :keys, :], vb[:, :, :keys, :]
         shape = [rows, keys, buffer]
-        lines.append(measure("decode", "fused", shape,
-                             lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)))
+        line = measure("decode", "fused", shape,
+                       lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale))
+        kv_bytes = 2 * rows * KV_HEADS * keys * DIM * 2
+        print(json.dumps({"kind": "decode_bandwidth", "shape": shape,
+                          "gb_per_s": round(kv_bytes / (line["repeat_ms"] / 1e3) / 1e9, 1)}), flush=True)
+        lines.append(line)
     if a.out:
         with open(a.out, "w") as f:
             f.writelines(json.dumps(l) + "\n" for l in lines)
