@@ -1,6 +1,6 @@
 """Runs the engine's custom CUDA kernel bodies on the CPU under a small SIMT emulation and compares
 them with numpy: the served LoRA update (engine/src/adapters/lora_kernel.rs), decode attention
-over a quantized KV cache (engine/src/models/quant_attention.rs, its split and merge kernels) and
+over a quantized or plain KV cache (engine/src/models/decode_attention.rs, its split and merge kernels) and
 the gated delta recurrence (engine/src/models/delta_kernel.rs).
 
 No GPU is needed: a body is compiled with a C++20 compiler (clang++, as `scripts/setup.sh`
@@ -29,7 +29,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 LORA = ROOT / "engine/src/adapters/lora_kernel.rs"
-QUANT = ROOT / "engine/src/models/quant_attention.rs"
+ATTENTION = ROOT / "engine/src/models/decode_attention.rs"
 DELTA = ROOT / "engine/src/models/delta_kernel.rs"
 
 HEADER = r"""
@@ -234,34 +234,49 @@ def lora_case(work: Path, b: int, l: int, k: int, c: int, n: int, adapters: int,
     return report(label, got, want, float(np.abs(want).max()))
 
 
-def quant_case(work: Path, rows: int, heads: int, kv_heads: int, d: int, t: int, bits: int, group: int, spans: int, masked: bool) -> bool:
-    """Decode attention of one query per row over `t` quantized positions (a view of a longer
-    buffer, as a cache's), split over `spans` spans, then merged."""
+def attention_case(work: Path, rows: int, heads: int, kv_heads: int, d: int, t: int, bits: int, group: int, spans: int, masked: bool) -> bool:
+    """Decode attention of one query per row over `t` positions of a cache (a view of a longer
+    buffer, as a cache's), quantized with `bits` (0: plain), split over `spans` spans, then
+    merged."""
     rng = np.random.default_rng(rows * 100 + d + bits)
-    per_word = 32 // bits
     cap = t + 5
-    kw = rng.integers(0, 2**32, size=(rows, kv_heads, cap, d // per_word), dtype=np.uint64).astype(np.uint32)
-    vw = rng.integers(0, 2**32, size=(rows, kv_heads, cap, d // per_word), dtype=np.uint64).astype(np.uint32)
-    groups = d // group
-    ks, kb, vs, vb = (
-        (rng.standard_normal((rows, kv_heads, cap, groups), dtype=np.float32) * np.float32(s)).astype(np.float32)
-        for s in (0.02, 0.5, 0.02, 0.5)
-    )
     q = rng.standard_normal((rows, heads, 1, d), dtype=np.float32)
     scale = np.float32(1.0 / np.sqrt(d))
     starts = np.array([(7 * r) % max(1, t // 2) for r in range(rows)])
     mask = (np.arange(t)[None, :] >= starts[:, None]).reshape(rows, 1, 1, t) if masked else np.ones((1, 1, 1, 1), bool)
 
-    def dequantize(words, s, b_):
-        w = words[:, :, :t]
-        shifts = (np.arange(per_word, dtype=np.uint32) * bits)
-        vals = (w[..., None] >> shifts) & np.uint32((1 << bits) - 1)
-        vals = vals.reshape(rows, kv_heads, t, d).astype(np.float32)
-        s = np.repeat(s[:, :, :t], group, axis=-1)
-        b_ = np.repeat(b_[:, :, :t], group, axis=-1)
-        return vals * s + b_
+    def view(buf):
+        return View(buf, shape=[rows, kv_heads, t, buf.shape[-1]])
 
-    keys, values = dequantize(kw, ks, kb), dequantize(vw, vs, vb)
+    if bits:
+        per_word = 32 // bits
+        kw = rng.integers(0, 2**32, size=(rows, kv_heads, cap, d // per_word), dtype=np.uint64).astype(np.uint32)
+        vw = rng.integers(0, 2**32, size=(rows, kv_heads, cap, d // per_word), dtype=np.uint64).astype(np.uint32)
+        groups = d // group
+        ks, kb, vs, vb = (
+            (rng.standard_normal((rows, kv_heads, cap, groups), dtype=np.float32) * np.float32(s)).astype(np.float32)
+            for s in (0.02, 0.5, 0.02, 0.5)
+        )
+
+        def dequantize(words, s, b_):
+            w = words[:, :, :t]
+            shifts = (np.arange(per_word, dtype=np.uint32) * bits)
+            vals = (w[..., None] >> shifts) & np.uint32((1 << bits) - 1)
+            vals = vals.reshape(rows, kv_heads, t, d).astype(np.float32)
+            s = np.repeat(s[:, :, :t], group, axis=-1)
+            b_ = np.repeat(b_[:, :, :t], group, axis=-1)
+            return vals * s + b_
+
+        keys, values = dequantize(kw, ks, kb), dequantize(vw, vs, vb)
+        cache = {"kw": view(kw), "ks": view(ks), "kb": view(kb), "vw": view(vw), "vs": view(vs), "vb": view(vb)}
+        walk, consts = "PACKED_WALK", {"EPL": max(8, 32 // bits), "BITS": bits, "GS": group}
+    else:
+        kbuf = rng.standard_normal((rows, kv_heads, cap, d), dtype=np.float32)
+        vbuf = rng.standard_normal((rows, kv_heads, cap, d), dtype=np.float32)
+        keys, values = kbuf[:, :, :t], vbuf[:, :, :t]
+        cache = {"k": view(kbuf), "v": view(vbuf)}
+        walk, consts = "PLAIN_WALK", {"EPL": 8}
+
     r = heads // kv_heads
     keys, values = np.repeat(keys, r, axis=1), np.repeat(values, r, axis=1)
     scores = (q * scale) @ keys.transpose(0, 1, 3, 2)
@@ -271,34 +286,31 @@ def quant_case(work: Path, rows: int, heads: int, kv_heads: int, d: int, t: int,
     p = np.exp(scores)
     want = (p / p.sum(-1, keepdims=True)) @ values
 
-    def view(buf):
-        return View(buf, shape=[rows, kv_heads, t, buf.shape[-1]])
-
-    split_block = rust_const(QUANT, "SPLIT_BLOCK")
-    epl = max(8, 32 // bits)
+    split_block = rust_const(ATTENTION, "SPLIT_BLOCK")
+    body = "".join(kernel_body(ATTENTION, piece) for piece in ("SPLIT_PROLOGUE", walk, "SPLIT_EPILOGUE"))
     parts = emulate(
         work,
-        kernel_body(QUANT, "SPLIT_SOURCE"),
-        {"q": View(q), "kw": view(kw), "ks": view(ks), "kb": view(kb), "vw": view(vw), "vs": view(vs),
-         "vb": view(vb), "mask": View(mask)},
+        body,
+        {"q": View(q), **cache, "mask": View(mask)},
         {"part_acc": (rows, heads, spans, d), "part_m": (rows, heads, spans), "part_l": (rows, heads, spans)},
-        {"D": d, "R": r, "EPL": epl, "BITS": bits, "GS": group, "HAS_MASK": int(masked),
+        {"D": d, "R": r, **consts, "HAS_MASK": int(masked),
          "SCALE_BITS": int(np.array([scale], dtype=np.float32).view(np.int32)[0])},
         (spans, kv_heads, rows),
         split_block,
     )
-    merge_block = rust_const(QUANT, "MERGE_BLOCK")
+    merge_block = rust_const(ATTENTION, "MERGE_BLOCK")
     total = rows * heads * d
     got = emulate(
         work,
-        kernel_body(QUANT, "MERGE_SOURCE"),
+        kernel_body(ATTENTION, "MERGE_SOURCE"),
         {"part_acc": View(parts["part_acc"]), "part_m": View(parts["part_m"]), "part_l": View(parts["part_l"])},
         {"out": (rows, heads, 1, d)},
         {"OutT": "float", "D": d},
         ((total + merge_block - 1) // merge_block, 1, 1),
         merge_block,
     )["out"]
-    label = f"quant attention: {rows} rows, {heads}/{kv_heads} heads of {d}, {t} positions, {bits} bits, {spans} spans{', masked' if masked else ''}"
+    cache_label = f"{bits} bits" if bits else "plain"
+    label = f"decode attention: {rows} rows, {heads}/{kv_heads} heads of {d}, {t} positions, {cache_label}, {spans} spans{', masked' if masked else ''}"
     return report(label, got, want.astype(np.float32), float(np.abs(want).max()))
 
 
@@ -374,8 +386,13 @@ def main() -> int:
             (2, 8, 2, 64, 40, 2, 32, 1, True),
             # More spans than a span's positions fill: empty spans merge as nothing.
             (1, 4, 1, 32, 9, 8, 32, 4, False),
+            # Plain caches (bits 0): 8 lanes a position at width 64, 16 at 128, 4 at 32.
+            (3, 8, 2, 64, 130, 0, 0, 3, True),
+            (1, 8, 2, 64, 100, 0, 0, 2, False),
+            (2, 4, 2, 128, 50, 0, 0, 4, True),
+            (1, 4, 1, 32, 9, 0, 0, 4, False),
         ]:
-            results.append(quant_case(work, *case))
+            results.append(attention_case(work, *case))
         for case in [
             # rows, positions, key heads, value heads, key width, value width
             (1, 5, 1, 2, 16, 8),

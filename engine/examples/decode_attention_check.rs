@@ -1,9 +1,10 @@
-//! Decode attention over a quantized KV cache on CUDA: the fused kernels
-//! (`mlxd_engine::models::quant_attention`) against dequantizing and MLX's fused attention
-//! (what the engine did before), and against bf16 attention over the unquantized keys.
+//! Decode attention on CUDA: the split/merge kernels (`mlxd_engine::models::decode_attention`)
+//! over a quantized KV cache against dequantizing and MLX's fused attention (what the engine
+//! did before) and against bf16 attention over the unquantized keys; then over a plain bf16
+//! cache against MLX's fused attention over the same views.
 //!
 //! ```text
-//! cargo run --release -p mlxd-engine --example quant_attention_check -- [iterations]
+//! cargo run --release -p mlxd-engine --example decode_attention_check -- [iterations] [--plain]
 //! ```
 //!
 //! For each head width (64: the 1B shape, 128: the 8B), bit width and `(rows, positions)`
@@ -12,14 +13,16 @@
 //! rows left-padded by different amounts (a mask, as a batch of different lengths has), then
 //! one JSON line: the largest and mean absolute difference between the kernels and the
 //! dequantizing path over the same quantized values, and milliseconds per call of each path.
-//! Runs only where the kernels serve (a CUDA GPU).
+//! The plain lines (`"bits": 0`) compare the kernels with MLX's attention over the same bf16
+//! views (MLX's vector kernel: buffers one position past a multiple of 256, as the engine's)
+//! and time both (`--plain`: only those). Runs only where the kernels serve (a CUDA GPU).
 use std::time::Instant;
 
 use anyhow::{bail, Context};
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{fast, Array, Dtype};
 use mlxd_engine::cache::{KvQuant, Mask, Stored};
-use mlxd_engine::models::{layers, quant_attention};
+use mlxd_engine::models::{decode_attention, layers};
 
 const HEADS: i32 = 32;
 const KV_HEADS: i32 = 8;
@@ -37,12 +40,16 @@ fn timed(iterations: usize, mut f: impl FnMut() -> anyhow::Result<Array>) -> any
 }
 
 fn main() -> anyhow::Result<()> {
-    let iterations: usize = match std::env::args().nth(1) {
-        Some(n) => n
-            .parse()
-            .context("usage: quant_attention_check [iterations]")?,
+    let usage = "usage: decode_attention_check [iterations] [--plain]";
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let plain_only = args.iter().any(|a| a == "--plain");
+    let iterations: usize = match args.iter().find(|a| *a != "--plain") {
+        Some(n) => n.parse().context(usage)?,
         None => 50,
     };
+    if plain_only {
+        return plain(iterations);
+    }
     for (head_dim, bits) in [(64, 8), (64, 4), (128, 8), (128, 4)] {
         let scale = 1.0 / (head_dim as f32).sqrt();
         let quant = KvQuant {
@@ -81,12 +88,12 @@ fn main() -> anyhow::Result<()> {
             all.extend(keys.arrays());
             all.extend(values.arrays());
             mlx_rs::transforms::eval(all)?;
-            if !quant_attention::serves(&q, &keys, &values) {
+            if !decode_attention::serves(&q, &keys, &values) {
                 bail!("the quantized attention kernels do not serve here (a CUDA GPU is needed)");
             }
             let plain = |s: &Stored| layers::dequantized(s, Dtype::Bfloat16);
             let fused = || -> anyhow::Result<Array> {
-                Ok(quant_attention::decode(&q, &keys, &values, scale, &mask)?)
+                Ok(decode_attention::decode(&q, &keys, &values, scale, &mask)?)
             };
             let dequantizing = || -> anyhow::Result<Array> {
                 let (k, v) = (plain(&keys)?, plain(&values)?);
@@ -123,12 +130,12 @@ fn main() -> anyhow::Result<()> {
             let reference_mean = b.abs()?.mean(None)?.item_exact::<f32>();
             let ms_fused = timed(iterations, fused)?;
             // The same kernels with other span counts than the default's.
-            let chosen = quant_attention::spans(positions, rows, KV_HEADS);
+            let chosen = decode_attention::spans(positions, rows, KV_HEADS);
             let mut by_spans = Vec::new();
             for factor in [0.25, 0.5, 2.0, 4.0] {
                 let n = ((chosen as f64 * factor).round() as i32).max(1);
                 let ms = timed(iterations, || {
-                    Ok(quant_attention::decode_in_spans(
+                    Ok(decode_attention::decode_in_spans(
                         &q, &keys, &values, scale, &mask, n,
                     )?)
                 })?;
@@ -143,6 +150,83 @@ fn main() -> anyhow::Result<()> {
                  \"ms_dequantize_sdpa\": {ms_dequantizing:.4}, \"ms_bf16_sdpa\": {ms_bf16:.4}, \
                  \"spans\": {chosen}, \"ms_fused_by_spans\": {{{}}}}}",
                 by_spans.join(", ")
+            );
+        }
+    }
+    plain(iterations)
+}
+
+/// The kernels over a plain bf16 cache against MLX's fused attention over the same views.
+fn plain(iterations: usize) -> anyhow::Result<()> {
+    for head_dim in [64, 128] {
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        for (rows, positions) in [
+            (1, 4096),
+            (1, 16_384),
+            (8, 16_384),
+            (32, 1024),
+            (32, 3128),
+            (64, 1024),
+            (64, 3128),
+            (128, 3128),
+            (64, 8000),
+        ] {
+            // One position past a multiple of 256, as the engine's buffers are.
+            let capacity = (positions / 256 + 1) * 256 + 1;
+            let normal = |shape: &[i32]| -> anyhow::Result<Array> {
+                Ok(mlx_rs::random::normal::<f32>(shape, None, None, None)?
+                    .as_dtype(Dtype::Bfloat16)?)
+            };
+            let q = normal(&[rows, HEADS, 1, head_dim])?;
+            let k_buf = normal(&[rows, KV_HEADS, capacity, head_dim])?;
+            let v_buf = normal(&[rows, KV_HEADS, capacity, head_dim])?;
+            let (k, v) = (
+                k_buf.index((.., .., ..positions, ..)),
+                v_buf.index((.., .., ..positions, ..)),
+            );
+            let (keys, values) = (Stored::new(&k, None)?, Stored::new(&v, None)?);
+            let starts: Vec<i32> = (0..rows).map(|r| (97 * r) % (positions / 2)).collect();
+            let starts = Array::from_slice(&starts, &[rows, 1, 1, 1]);
+            let pos =
+                Array::arange::<_, i32>(None, positions, None)?.reshape(&[1, 1, 1, positions])?;
+            let mask = if rows > 1 {
+                Mask::Array(pos.ge(&starts)?)
+            } else {
+                Mask::None
+            };
+            mlx_rs::transforms::eval([&q, &k_buf, &v_buf, &k, &v])?;
+            if !decode_attention::serves(&q, &keys, &values) {
+                bail!("the decode attention kernels do not serve a plain cache of {positions} positions here");
+            }
+            let kernels = || -> anyhow::Result<Array> {
+                Ok(decode_attention::decode(&q, &keys, &values, scale, &mask)?)
+            };
+            let sdpa = || -> anyhow::Result<Array> {
+                Ok(fast::scaled_dot_product_attention(
+                    &q,
+                    &k,
+                    &v,
+                    scale,
+                    mask.as_sdpa(),
+                    None,
+                )?)
+            };
+            let (a, b) = (
+                kernels()?.as_dtype(Dtype::Float32)?,
+                sdpa()?.as_dtype(Dtype::Float32)?,
+            );
+            let diff = a.subtract(&b)?.abs()?;
+            let max_diff = diff.max(None)?.item_exact::<f32>();
+            let mean_diff = diff.mean(None)?.item_exact::<f32>();
+            let reference_mean = b.abs()?.mean(None)?.item_exact::<f32>();
+            let ms_kernels = timed(iterations, kernels)?;
+            let ms_sdpa = timed(iterations, sdpa)?;
+            println!(
+                "{{\"head_dim\": {head_dim}, \"bits\": 0, \"rows\": {rows}, \"positions\": {positions}, \
+                 \"max_abs_diff\": {max_diff:.5}, \"mean_abs_diff\": {mean_diff:.6}, \
+                 \"reference_mean_abs\": {reference_mean:.5}, \"ms_kernels\": {ms_kernels:.4}, \
+                 \"ms_sdpa\": {ms_sdpa:.4}, \"spans\": {}}}",
+                decode_attention::spans(positions, rows, KV_HEADS)
             );
         }
     }

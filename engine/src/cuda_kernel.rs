@@ -2,7 +2,7 @@
 //! input and output names, compiles the body with NVRTC on first use per template arguments,
 //! and runs it as one op of the lazy graph.
 //!
-//! The engine's kernels ([`crate::models::delta_kernel`], [`crate::models::quant_attention`],
+//! The engine's kernels ([`crate::models::delta_kernel`], [`crate::models::decode_attention`],
 //! [`crate::adapters::lora_kernel`]) each hold their [`CudaKernel`]s per thread and call
 //! [`CudaKernel::apply`]; this module owns the C handles and their lifetimes, so the kernels
 //! hold only their source and arguments.

@@ -70,12 +70,14 @@ pub(crate) const PASSTHROUGH_ENV: &[&str] = &[
     // Whether projections that read one input are one product (`mlxd_engine::models::stacked`),
     // for measuring both ways.
     "MLXD_STACKED_PROJECTIONS",
-    // Whether decode attention over a quantized KV cache reads it packed on CUDA
-    // (`mlxd_engine::models::quant_attention`) and whether the gated delta recurrence runs as
+    // Whether decode attention over a quantized KV cache reads it packed on CUDA, and from how
+    // many positions decode over a plain cache takes the same kernels
+    // (`mlxd_engine::models::decode_attention`), and whether the gated delta recurrence runs as
     // its CUDA kernel (`mlxd_engine::models::delta_kernel`), and whether a served LoRA update
     // runs as two CUDA kernels (`mlxd_engine::adapters::lora_kernel`): `0` keeps the ops path
     // each replaces, for measuring both.
     "MLXD_QUANT_ATTENTION",
+    "MLXD_PLAIN_DECODE_ATTENTION",
     "MLXD_DELTA_KERNEL",
     "MLXD_LORA_KERNEL",
     // Where MLX keeps the GPU kernels it compiles (engines default to the store,

@@ -1,5 +1,4 @@
-//! Decode attention over a quantized KV cache as two CUDA kernels, reading the packed keys and
-//! values directly.
+//! Decode attention as two CUDA kernels that read the KV cache in place, packed or plain.
 //!
 //! MLX 0.32's fused attention has no quantized variant, and its quantized matmuls refuse the
 //! cache's views on CUDA (BENCHMARKS.md, "quantized KV attention on CUDA"), so the cache was
@@ -15,12 +14,18 @@
 //!    warps in shared memory, and the result is written per span.
 //! 2. `merge`: one thread per output element merges the spans' partial sums.
 //!
+//! **A plain cache takes the same kernels over long contexts** (the split's walk reads 8
+//! elements a lane instead of dequantizing them, [`PLAIN_WALK`]). MLX's own decode kernel reads
+//! the keys and values once per query head, which at many rows over thousands of positions
+//! costs several times what reading them once per KV head does; below
+//! [`PLAIN_MIN_POSITIONS`] it stays MLX's (one graph node instead of two).
+//!
 //! The cache's views are read in place through their strides (no copy of a sliced buffer).
 //! `scripts/emulate_cuda_kernels.py` runs both bodies on the CPU under a SIMT emulation against
-//! numpy's dequantized attention (a `scripts/test.sh` phase); `examples/quant_attention_check.rs`
-//! checks and times them on a GPU.
-//! Off CUDA, for other shapes, or with `MLXD_QUANT_ATTENTION=0` (to measure the dequantizing
-//! path), the caller dequantizes and runs MLX's fused attention as before.
+//! numpy's attention (a `scripts/test.sh` phase); `examples/decode_attention_check.rs` checks
+//! and times them on a GPU. Off CUDA, for other shapes, or with `MLXD_QUANT_ATTENTION=0` (packed:
+//! the dequantizing path) or `MLXD_PLAIN_DECODE_ATTENTION=0` (plain: MLX's attention), the
+//! caller runs MLX's fused attention as before.
 use std::cell::RefCell;
 use std::sync::OnceLock;
 
@@ -44,27 +49,28 @@ const MAX_SPAN: i32 = 1024;
 const MIN_SPAN: i32 = 32;
 /// Blocks worth launching at least: two per multiprocessor of a large GPU. More spans than
 /// that cost more in the merge than they gain (an H100 at one row and 16k positions: 0.16 ms
-/// with 32 spans, 0.19 ms with 128, 0.37 ms with 512; `quant_attention_check`).
+/// with 32 spans, 0.19 ms with 128, 0.37 ms with 512; `decode_attention_check`).
 const MIN_BLOCKS: i32 = 256;
 
-/// The split kernel's body. Inputs: `q` `[B, H, 1, D]`; `kw`, `vw` packed `[B, Hkv, T, W]`
-/// (uint32); `ks`, `kb`, `vs`, `vb` `[B, Hkv, T, D / GS]`, each read through its own strides;
-/// `mask` `[B | 1, 1, 1, T]` (bool, read only with `HAS_MASK`). Outputs per `(b, h, span)`:
-/// the partial output `acc` `[B, H, S, D]` (float32, not normalized), the running maximum `m`
-/// and the sum `l` `[B, H, S]`. Grid: `(S × 128, Hkv, B)` threads.
+/// The split kernel's body is three pieces ([`split_source`]): [`SPLIT_PROLOGUE`], a walk over
+/// the positions that loads each position's key and value ([`PACKED_WALK`] or [`PLAIN_WALK`]),
+/// and [`SPLIT_EPILOGUE`], which closes the walk's loop. Inputs: `q` `[B, H, 1, D]`; the cache's
+/// keys and values (the walk's); `mask` `[B | 1, 1, 1, T]` (bool, read only with `HAS_MASK`).
+/// Outputs per `(b, h, span)`: the partial output `acc` `[B, H, S, D]` (float32, not
+/// normalized), the running maximum `m` and the sum `l` `[B, H, S]`. Grid: `(S × 128, Hkv, B)`
+/// threads.
 ///
-/// A lane holds `EPL` consecutive elements of a head (whole 32-bit words of the packed cache,
-/// all in one quantization group), so `LP = D / EPL` lanes cover a position and a warp walks
-/// `32 / LP` positions at once: a key's dot product is summed over `LP` lanes (`log2(LP)`
-/// shuffles), not 32. Each group of `LP` lanes keeps its own running softmax; the groups of a
-/// warp merge by shuffles at the end, then the warps in shared memory.
-const SPLIT_SOURCE: &str = r#"
+/// A lane holds `EPL` consecutive elements of a head (packed: whole 32-bit words, all in one
+/// quantization group), so `LP = D / EPL` lanes cover a position and a warp walks `32 / LP`
+/// positions at once: a key's dot product is summed over `LP` lanes (`log2(LP)` shuffles), not
+/// 32. Each group of `LP` lanes keeps its own running softmax; the groups of a warp merge by
+/// shuffles at the end, then the warps in shared memory.
+///
+/// The start: indices, this lane's slice of its query heads (scaled) and its running softmax.
+const SPLIT_PROLOGUE: &str = r#"
   constexpr int WARPS = 4;
-  constexpr int PER_WORD = 32 / BITS;
-  constexpr int WORDS = EPL / PER_WORD;
   constexpr int LP = D / EPL;
   constexpr int PPW = 32 / LP;
-  constexpr unsigned int LOW = (1u << BITS) - 1u;
   const float scale = __int_as_float(SCALE_BITS);
   const float NEG_INF = -__int_as_float(0x7f800000);
   const int span = blockIdx.x;
@@ -73,18 +79,12 @@ const SPLIT_SOURCE: &str = r#"
   const int b = blockIdx.z;
   const int kv_heads = gridDim.y;
   const int heads = kv_heads * R;
-  const int T = kw_shape[2];
-  const int per_span = (T + spans - 1) / spans;
-  const int start = span * per_span;
-  const int end = min(T, start + per_span);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   // This lane's slice of the head (`sub`) and its position among the warp's `PPW` (`slot`).
   const int sub = lane % LP;
   const int slot = lane / LP;
   const int i0 = sub * EPL;
-  const int word0 = i0 / PER_WORD;
-  const int g = i0 / GS;
 
   float qv[R][EPL];
   for (int r = 0; r < R; ++r) {
@@ -105,6 +105,21 @@ const SPLIT_SOURCE: &str = r#"
     }
   }
 
+"#;
+
+/// The walk over a packed cache: `kw`, `vw` `[B, Hkv, T, W]` (uint32 words), `ks`, `kb`, `vs`,
+/// `vb` `[B, Hkv, T, D / GS]` (scales and biases), each through its own strides; a lane
+/// dequantizes `EPL` elements of a key and a value.
+const PACKED_WALK: &str = r#"
+  constexpr int PER_WORD = 32 / BITS;
+  constexpr int WORDS = EPL / PER_WORD;
+  constexpr unsigned int LOW = (1u << BITS) - 1u;
+  const int word0 = i0 / PER_WORD;
+  const int g = i0 / GS;
+  const int T = kw_shape[2];
+  const int per_span = (T + spans - 1) / spans;
+  const int start = span * per_span;
+  const int end = min(T, start + per_span);
   const int64_t k_row = b * kw_strides[0] + hk * kw_strides[1];
   const int64_t ks_row = b * ks_strides[0] + hk * ks_strides[1];
   const int64_t kb_row = b * kb_strides[0] + hk * kb_strides[1];
@@ -140,6 +155,45 @@ const SPLIT_SOURCE: &str = r#"
         vval[e] = 0.0f;
       }
     }
+"#;
+
+/// The walk over a plain cache: `k`, `v` `[B, Hkv, T, D]` in any float dtype, each through its
+/// strides; a lane reads `EPL` elements of a key and a value.
+const PLAIN_WALK: &str = r#"
+  const int T = k_shape[2];
+  const int per_span = (T + spans - 1) / spans;
+  const int start = span * per_span;
+  const int end = min(T, start + per_span);
+  const int64_t k_row = b * k_strides[0] + hk * k_strides[1];
+  const int64_t v_row = b * v_strides[0] + hk * v_strides[1];
+  // A mask of one row applies to every row.
+  const int64_t mask_row = mask_shape[0] == 1 ? 0 : b * mask_strides[0];
+  // Every lane runs every iteration (the shuffles need the whole warp); a lane whose position
+  // is past the span or masked out reads nothing and keeps its state.
+#pragma unroll 2
+  for (int base = start + warp * PPW; base < end; base += WARPS * PPW) {
+    const int t = base + slot;
+    const bool valid = t < end && (!HAS_MASK || mask[mask_row + t * mask_strides[3]]);
+    float kval[EPL];
+    float vval[EPL];
+    if (valid) {
+      const int64_t kt = k_row + t * k_strides[2] + i0 * k_strides[3];
+      const int64_t vt = v_row + t * v_strides[2] + i0 * v_strides[3];
+      for (int e = 0; e < EPL; ++e) {
+        kval[e] = static_cast<float>(k[kt + e * k_strides[3]]);
+        vval[e] = static_cast<float>(v[vt + e * v_strides[3]]);
+      }
+    } else {
+      for (int e = 0; e < EPL; ++e) {
+        kval[e] = 0.0f;
+        vval[e] = 0.0f;
+      }
+    }
+"#;
+
+/// The end of the split kernel: each position's score and softmax update (closing the walk's
+/// loop), then the merges of the lanes' and the warps' states into one partial result per span.
+const SPLIT_EPILOGUE: &str = r#"
     for (int r = 0; r < R; ++r) {
       float s = 0.0f;
       for (int e = 0; e < EPL; ++e) {
@@ -246,28 +300,88 @@ const MERGE_SOURCE: &str = r#"
   out[idx] = static_cast<OutT>(sum > 0.0f ? value / sum : 0.0f);
 "#;
 
-/// Whether the kernels run here: MLX's default device is a CUDA GPU, and the dequantizing
-/// path was not asked for.
+/// Whether the kernels run over packed caches here: MLX's default device is a CUDA GPU, and
+/// the dequantizing path was not asked for (`MLXD_QUANT_ATTENTION=0`).
 fn available() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| crate::cuda_kernel::wanted("MLXD_QUANT_ATTENTION"))
 }
 
-/// Elements of a head one lane holds: whole 32-bit words of the packed cache, at least 8.
-fn elements_per_lane(bits: i32) -> i32 {
-    (32 / bits).max(8)
+/// The fewest positions at which a decode step over a plain cache takes these kernels rather
+/// than MLX's own vector kernel, unless `MLXD_PLAIN_DECODE_ATTENTION` says otherwise.
+///
+/// On an H100 (1B shape: 32 query heads over 8 KV heads, head width 64, bf16) MLX's vector
+/// kernel, which reads the keys and values once per query head, took 1.21 ms a layer at 64 rows
+/// over 3 128 positions and 2.06 ms at 128 rows, and the engine core decoded 64 rows over
+/// 3 000-token prompts at 2.0k tok/s, where the same batch over an 8-bit cache, read by these
+/// kernels once per KV head, decoded at 7.9k (BENCHMARKS.md, session 43). Below about a
+/// thousand positions the vector kernel is fast (0.12 ms at 32 rows over 300) and a second
+/// graph node costs more than it saves.
+const PLAIN_MIN_POSITIONS: i32 = 1024;
+
+/// The fewest positions at which decode over a plain cache takes these kernels on this
+/// machine, or `None` where they never do: off a CUDA GPU, or with
+/// `MLXD_PLAIN_DECODE_ATTENTION=0`. Another number sets the threshold (for measuring); a value
+/// that is not a number is reported once and the default kept.
+fn plain_min_positions() -> Option<i32> {
+    static MIN: OnceLock<Option<i32>> = OnceLock::new();
+    *MIN.get_or_init(|| {
+        const SWITCH: &str = "MLXD_PLAIN_DECODE_ATTENTION";
+        if !crate::cuda_kernel::wanted(SWITCH) {
+            return None;
+        }
+        match std::env::var(SWITCH) {
+            Err(_) => Some(PLAIN_MIN_POSITIONS),
+            Ok(v) => match v.parse::<i32>() {
+                Ok(n) if n > 0 => Some(n),
+                _ => {
+                    tracing::warn!(
+                        "{SWITCH}={v:?} is not a positive number of positions (0 turns the \
+                         kernels off); using {PLAIN_MIN_POSITIONS}"
+                    );
+                    Some(PLAIN_MIN_POSITIONS)
+                }
+            },
+        }
+    })
+}
+
+/// Elements of a head one lane holds: whole 32-bit words of the packed cache, at least 8 (a
+/// plain cache: 8).
+fn elements_per_lane(quant: Option<KvQuant>) -> i32 {
+    quant.map_or(8, |q| (32 / q.bits).max(8))
 }
 
 /// The most `heads per KV head × elements per lane` a lane holds (its queries and partial
 /// outputs stay in registers).
 const MAX_LANE_ELEMENTS: i32 = 64;
 
-/// The shapes the kernels serve, apart from the device: one query; keys and values quantized
-/// alike with 2, 4 or 8 bits (a whole number of elements per 32-bit word) in groups that split
-/// `head_dim` and hold whole lanes' slices; a head width that a power of two of lanes (up to a
-/// warp) covers; query heads grouped evenly over the KV heads, few enough that a lane's
-/// registers and a block's shared memory hold their partial outputs.
-pub(crate) fn fits(
+/// The query and head shapes the kernels serve with `epl` elements a lane: one query; a head
+/// width that a power of two of lanes (up to a warp) covers; query heads grouped evenly over
+/// the KV heads, few enough that a lane's registers and a block's shared memory hold their
+/// partial outputs.
+fn heads_fit(queries: &[i32], kv_heads: i32, epl: i32) -> bool {
+    let [_, heads, l, d] = queries else {
+        return false;
+    };
+    let (heads, l, d) = (*heads, *l, *d);
+    if l != 1 || kv_heads <= 0 || heads % kv_heads != 0 {
+        return false;
+    }
+    let lanes = d / epl;
+    let group = heads / kv_heads;
+    d % epl == 0
+        && lanes > 0
+        && lanes <= 32
+        && (lanes & (lanes - 1)) == 0
+        && group * epl <= MAX_LANE_ELEMENTS
+        && group * d <= MAX_GROUP_ELEMENTS
+}
+
+/// The packed shapes the kernels serve, apart from the device: keys and values quantized alike
+/// with 2, 4 or 8 bits (a whole number of elements per 32-bit word) in groups that split
+/// `head_dim` and hold whole lanes' slices, and [`heads_fit`].
+pub(crate) fn fits_packed(
     queries: &[i32],
     kv_heads: i32,
     keys: Option<KvQuant>,
@@ -276,37 +390,63 @@ pub(crate) fn fits(
     let (Some(kq), Some(vq)) = (keys, values) else {
         return false;
     };
-    let [_, heads, l, d] = queries else {
+    let Some(&d) = queries.last() else {
         return false;
     };
-    let (heads, l, d) = (*heads, *l, *d);
-    if kq != vq || !matches!(kq.bits, 2 | 4 | 8) || l != 1 || kv_heads <= 0 {
-        return false;
-    }
-    let epl = elements_per_lane(kq.bits);
-    let lanes = d / epl;
-    let group = heads / kv_heads;
-    d % epl == 0
-        && lanes > 0
-        && lanes <= 32
-        && (lanes & (lanes - 1)) == 0
+    let epl = elements_per_lane(Some(kq));
+    kq == vq
+        && matches!(kq.bits, 2 | 4 | 8)
         && kq.group_size > 0
         && kq.group_size % epl == 0
         && d % kq.group_size == 0
-        && heads % kv_heads == 0
-        && group * epl <= MAX_LANE_ELEMENTS
-        && group * d <= MAX_GROUP_ELEMENTS
+        && heads_fit(queries, kv_heads, epl)
 }
 
-/// Whether [`decode`] serves this pass here: [`fits`], and keys and values as wide as the
-/// queries (the kernels read one head width for all three).
+/// The plain shapes the kernels serve, apart from the device: keys and values `[B, Hkv, T, D]`
+/// as wide as the queries, in a float dtype, over at least `min_positions` positions, and
+/// [`heads_fit`].
+pub(crate) fn fits_plain(
+    queries: &[i32],
+    keys: (&[i32], Dtype),
+    values: (&[i32], Dtype),
+    min_positions: i32,
+) -> bool {
+    let is_float = |d: Dtype| matches!(d, Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16);
+    let (&[b, kv_heads, t, dk], &[vb, vh, vt, dv]) = (keys.0, values.0) else {
+        return false;
+    };
+    queries.first() == Some(&b)
+        && (vb, vh, vt) == (b, kv_heads, t)
+        && queries.last() == Some(&dk)
+        && dv == dk
+        && is_float(keys.1)
+        && is_float(values.1)
+        && t >= min_positions
+        && heads_fit(queries, kv_heads, elements_per_lane(None))
+}
+
+/// Whether [`decode`] serves this pass here: a packed cache ([`fits_packed`], keys and values
+/// as wide as the queries: the kernels read one head width for all three), or a plain one over
+/// enough positions ([`fits_plain`], [`plain_min_positions`]).
 pub fn serves(queries: &Array, keys: &Stored, values: &Stored) -> bool {
-    let (k, v) = (keys.arrays()[0].shape(), values.arrays()[0].shape());
-    let packed_width = |q: KvQuant| queries.shape().last().map(|d| d * q.bits / 32);
-    available()
-        && fits(queries.shape(), k[1], keys.quant(), values.quant())
-        && keys.quant().and_then(packed_width) == k.last().copied()
-        && k.last() == v.last()
+    let (k, v) = (keys.arrays()[0], values.arrays()[0]);
+    match (keys.quant(), values.quant()) {
+        (None, None) => plain_min_positions().is_some_and(|min| {
+            fits_plain(
+                queries.shape(),
+                (k.shape(), k.dtype()),
+                (v.shape(), v.dtype()),
+                min,
+            )
+        }),
+        (kq, vq) => {
+            let packed_width = |q: KvQuant| queries.shape().last().map(|d| d * q.bits / 32);
+            available()
+                && fits_packed(queries.shape(), k.shape()[1], kq, vq)
+                && kq.and_then(packed_width) == k.shape().last().copied()
+                && k.shape().last() == v.shape().last()
+        }
+    }
 }
 
 /// How many spans a row's `positions` are split into, for `rows × kv_heads` blocks per span:
@@ -319,15 +459,61 @@ pub fn spans(positions: i32, rows: i32, kv_heads: i32) -> i32 {
     wanted.min(ceil(positions, MIN_SPAN)).max(1)
 }
 
-thread_local! {
-    /// The two kernels, made once per thread (the model runs on one thread).
-    static KERNELS: RefCell<Option<(CudaKernel, CudaKernel)>> = const { RefCell::new(None) };
+/// The split kernel's whole body over a packed or a plain cache.
+fn split_source(packed: bool) -> String {
+    let walk = if packed { PACKED_WALK } else { PLAIN_WALK };
+    [SPLIT_PROLOGUE, walk, SPLIT_EPILOGUE].concat()
 }
 
-/// Attention of one query per row over quantized `keys` and `values` (`[B, kv_heads, T, ·]`
-/// views of a cache), `queries` `[B, heads, 1, D]` scaled by `scale`, positions hidden by
-/// `mask` (`[B, 1, 1, T]`, true = attend) left out → `[B, heads, 1, D]` in the queries' dtype.
-/// Call only where [`serves`] said yes.
+/// The kernels, made once per thread (the model runs on one thread).
+struct Kernels {
+    packed_split: CudaKernel,
+    plain_split: CudaKernel,
+    merge: CudaKernel,
+}
+
+impl Kernels {
+    fn new() -> Result<Self, Exception> {
+        let split = |name: &str, kv: &[&str], packed: bool| {
+            let inputs: Vec<&str> = ["q"]
+                .into_iter()
+                .chain(kv.iter().copied())
+                .chain(["mask"])
+                .collect();
+            CudaKernel::new(
+                name,
+                &inputs,
+                &["part_acc", "part_m", "part_l"],
+                &split_source(packed),
+                false,
+            )
+        };
+        Ok(Self {
+            packed_split: split(
+                "mlxd_quant_attention_split",
+                &["kw", "ks", "kb", "vw", "vs", "vb"],
+                true,
+            )?,
+            plain_split: split("mlxd_plain_attention_split", &["k", "v"], false)?,
+            merge: CudaKernel::new(
+                "mlxd_decode_attention_merge",
+                &["part_acc", "part_m", "part_l"],
+                &["out"],
+                MERGE_SOURCE,
+                true,
+            )?,
+        })
+    }
+}
+
+thread_local! {
+    static KERNELS: RefCell<Option<Kernels>> = const { RefCell::new(None) };
+}
+
+/// Attention of one query per row over the cache's `keys` and `values` (`[B, kv_heads, T, ·]`
+/// views, packed or plain), `queries` `[B, heads, 1, D]` scaled by `scale`, positions hidden
+/// by `mask` (`[B, 1, 1, T]`, true = attend) left out → `[B, heads, 1, D]` in the queries'
+/// dtype. Call only where [`serves`] said yes.
 pub fn decode(
     queries: &Array,
     keys: &Stored,
@@ -358,15 +544,18 @@ pub fn decode_in_spans(
     mask: &Mask,
     spans: i32,
 ) -> Result<Array, Exception> {
-    let (Some([kw, ks, kb]), Some([vw, vs, vb]), Some(quant)) =
-        (keys.packed(), values.packed(), keys.quant())
-    else {
+    let quant = keys.quant();
+    if quant != values.quant() {
         return Err(Exception::custom(
-            "quantized decode attention over a plain cache",
+            "decode attention over keys and values stored differently",
         ));
+    }
+    let cache: Vec<&Array> = match (keys.packed(), values.packed()) {
+        (Some([kw, ks, kb]), Some([vw, vs, vb])) => vec![kw, ks, kb, vw, vs, vb],
+        _ => vec![keys.arrays()[0], values.arrays()[0]],
     };
     let (b, heads, d) = (queries.shape()[0], queries.shape()[1], queries.shape()[3]);
-    let (kv_heads, positions) = (kw.shape()[1], kw.shape()[2]);
+    let (kv_heads, positions) = (cache[0].shape()[1], cache[0].shape()[2]);
     let spans = spans.clamp(1, positions.max(1));
     let (mask, has_mask) = match mask {
         // One query: causal hides nothing. The kernel never reads this placeholder.
@@ -374,28 +563,33 @@ pub fn decode_in_spans(
         Mask::Array(m) => (m.as_dtype(Dtype::Bool)?, 1),
     };
     let scale_bits = scale.to_bits() as i32;
+    let mut ints = vec![
+        ("D", d),
+        ("R", heads / kv_heads),
+        ("EPL", elements_per_lane(quant)),
+        ("HAS_MASK", has_mask),
+        ("SCALE_BITS", scale_bits),
+    ];
+    if let Some(q) = quant {
+        ints.extend([("BITS", q.bits), ("GS", q.group_size)]);
+    }
     KERNELS.with(|cell| {
         let mut slot = cell.borrow_mut();
         if slot.is_none() {
-            let split = CudaKernel::new(
-                "mlxd_quant_attention_split",
-                &["q", "kw", "ks", "kb", "vw", "vs", "vb", "mask"],
-                &["part_acc", "part_m", "part_l"],
-                SPLIT_SOURCE,
-                false,
-            )?;
-            let merge = CudaKernel::new(
-                "mlxd_quant_attention_merge",
-                &["part_acc", "part_m", "part_l"],
-                &["out"],
-                MERGE_SOURCE,
-                true,
-            )?;
-            *slot = Some((split, merge));
+            *slot = Some(Kernels::new()?);
         }
-        let (split, merge) = slot.as_ref().expect("made above");
+        let kernels = slot.as_ref().expect("made above");
+        let split = if quant.is_some() {
+            &kernels.packed_split
+        } else {
+            &kernels.plain_split
+        };
+        let inputs: Vec<&Array> = std::iter::once(queries)
+            .chain(cache.iter().copied())
+            .chain(std::iter::once(&mask))
+            .collect();
         let parts = split.apply(
-            &[queries, kw, ks, kb, vw, vs, vb, &mask],
+            &inputs,
             &[
                 OutputSpec {
                     shape: vec![b, heads, spans, d],
@@ -414,18 +608,10 @@ pub fn decode_in_spans(
                 grid: (spans * SPLIT_BLOCK, kv_heads, b),
                 block: (SPLIT_BLOCK, 1, 1),
                 dtypes: &[],
-                ints: &[
-                    ("D", d),
-                    ("R", heads / kv_heads),
-                    ("EPL", elements_per_lane(quant.bits)),
-                    ("BITS", quant.bits),
-                    ("GS", quant.group_size),
-                    ("HAS_MASK", has_mask),
-                    ("SCALE_BITS", scale_bits),
-                ],
+                ints: &ints,
             },
         )?;
-        let out = merge.apply(
+        let out = kernels.merge.apply(
             &[&parts[0], &parts[1], &parts[2]],
             &[OutputSpec {
                 shape: vec![b, heads, 1, d],
@@ -455,34 +641,68 @@ mod tests {
     #[test]
     fn the_kernels_take_one_query_over_keys_and_values_quantized_alike() {
         let q = [4, 32, 1, 128];
-        assert!(fits(&q, 8, Some(Q8), Some(Q8)));
+        assert!(fits_packed(&q, 8, Some(Q8), Some(Q8)));
         let q4 = KvQuant { bits: 4, ..Q8 };
-        assert!(fits(&q, 8, Some(q4), Some(q4)));
+        assert!(fits_packed(&q, 8, Some(q4), Some(q4)));
         // Prefill, plain sides, sides quantized differently.
-        assert!(!fits(&[4, 32, 2, 128], 8, Some(Q8), Some(Q8)));
-        assert!(!fits(&q, 8, None, Some(Q8)));
-        assert!(!fits(&q, 8, Some(Q8), Some(q4)));
+        assert!(!fits_packed(&[4, 32, 2, 128], 8, Some(Q8), Some(Q8)));
+        assert!(!fits_packed(&q, 8, None, Some(Q8)));
+        assert!(!fits_packed(&q, 8, Some(Q8), Some(q4)));
         // Bits that straddle 32-bit words, groups that do not split the head.
         let q3 = KvQuant { bits: 3, ..Q8 };
-        assert!(!fits(&q, 8, Some(q3), Some(q3)));
+        assert!(!fits_packed(&q, 8, Some(q3), Some(q3)));
         let g48 = KvQuant {
             group_size: 48,
             ..Q8
         };
-        assert!(!fits(&q, 8, Some(g48), Some(g48)));
+        assert!(!fits_packed(&q, 8, Some(g48), Some(g48)));
         // Heads the lanes cannot share evenly, or too many query heads per KV head.
-        assert!(!fits(&[1, 8, 1, 80], 8, Some(Q8), Some(Q8)));
-        assert!(!fits(&[1, 64, 1, 256], 4, Some(Q8), Some(Q8)));
-        assert!(!fits(&[1, 30, 1, 128], 8, Some(Q8), Some(Q8)));
+        assert!(!fits_packed(&[1, 8, 1, 80], 8, Some(Q8), Some(Q8)));
+        assert!(!fits_packed(&[1, 64, 1, 256], 4, Some(Q8), Some(Q8)));
+        assert!(!fits_packed(&[1, 30, 1, 128], 8, Some(Q8), Some(Q8)));
         // The 1B shape (head width 64: eight lanes a position), 2 bits in groups of 32.
-        assert!(fits(&[4, 32, 1, 64], 8, Some(Q8), Some(Q8)));
+        assert!(fits_packed(&[4, 32, 1, 64], 8, Some(Q8), Some(Q8)));
         let q2 = KvQuant {
             bits: 2,
             group_size: 32,
         };
-        assert!(fits(&[4, 32, 1, 64], 8, Some(q2), Some(q2)));
+        assert!(fits_packed(&[4, 32, 1, 64], 8, Some(q2), Some(q2)));
         // Sixteen query heads per KV head: more partial outputs than a lane's registers hold.
-        assert!(!fits(&[1, 64, 1, 64], 4, Some(Q8), Some(Q8)));
+        assert!(!fits_packed(&[1, 64, 1, 64], 4, Some(Q8), Some(Q8)));
+    }
+
+    #[test]
+    fn a_plain_cache_takes_the_kernels_over_enough_positions_as_wide_as_the_queries() {
+        const BF: Dtype = Dtype::Bfloat16;
+        let q = [64, 32, 1, 64];
+        let kv: &[i32] = &[64, 8, 3128, 64];
+        assert!(fits_plain(&q, (kv, BF), (kv, BF), 1024));
+        assert!(fits_plain(
+            &q,
+            (kv, Dtype::Float16),
+            (kv, Dtype::Float16),
+            1024
+        ));
+        // Too few positions for the threshold: MLX's own kernel.
+        assert!(!fits_plain(&q, (kv, BF), (kv, BF), 4096));
+        // Prefill, integer caches, values of another width (latent attention), other rows.
+        assert!(!fits_plain(&[64, 32, 2, 64], (kv, BF), (kv, BF), 1));
+        assert!(!fits_plain(&q, (kv, Dtype::Uint32), (kv, Dtype::Uint32), 1));
+        assert!(!fits_plain(&q, (kv, BF), (&[64, 8, 3128, 128], BF), 1));
+        assert!(!fits_plain(
+            &q,
+            (&[32, 8, 3128, 64], BF),
+            (&[32, 8, 3128, 64], BF),
+            1
+        ));
+        // Head width 128 (16 lanes a position) and 256 (a warp); 80 is no power of two of lanes.
+        let kv128: &[i32] = &[4, 8, 2000, 128];
+        assert!(fits_plain(&[4, 32, 1, 128], (kv128, BF), (kv128, BF), 1024));
+        let kv80: &[i32] = &[4, 8, 2000, 80];
+        assert!(!fits_plain(&[4, 32, 1, 80], (kv80, BF), (kv80, BF), 1024));
+        // Sixteen query heads per KV head: more than a lane's registers hold.
+        let kv4: &[i32] = &[4, 4, 2000, 64];
+        assert!(!fits_plain(&[4, 64, 1, 64], (kv4, BF), (kv4, BF), 1024));
     }
 
     #[test]
@@ -498,12 +718,14 @@ mod tests {
 
     #[test]
     fn nothing_runs_off_cuda() {
-        // This machine's tests run on the CPU: the caller dequantizes.
+        // This machine's tests run on the CPU: the caller dequantizes, or runs MLX's attention.
         let q = Array::zeros::<f32>(&[1, 8, 1, 64]).unwrap();
-        let x = Array::zeros::<f32>(&[1, 2, 4, 64]).unwrap();
+        let x = Array::zeros::<f32>(&[1, 2, 4096, 64]).unwrap();
         let k = Stored::new(&x, Some(Q8)).unwrap();
+        let plain = Stored::new(&x, None).unwrap();
         if gpu_backend() != Some(Backend::Cuda) {
             assert!(!serves(&q, &k, &k));
+            assert!(!serves(&q, &plain, &plain));
         }
     }
 }
