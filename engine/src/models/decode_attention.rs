@@ -17,8 +17,8 @@
 //! **A plain cache takes the same kernels over long contexts** (the split's walk reads 8
 //! elements a lane instead of dequantizing them, [`PLAIN_WALK`]). MLX's own decode kernel reads
 //! the keys and values once per query head, which at many rows over thousands of positions
-//! costs several times what reading them once per KV head does; below
-//! [`PLAIN_MIN_POSITIONS`] it stays MLX's (one graph node instead of two).
+//! costs four to five times what reading them once per KV head does; below
+//! [`PLAIN_MIN_POSITIONS`] and at one row ([`PLAIN_MIN_ROWS`]) it stays MLX's.
 //!
 //! The cache's views are read in place through their strides (no copy of a sliced buffer).
 //! `scripts/emulate_cuda_kernels.py` runs both bodies on the CPU under a SIMT emulation against
@@ -310,13 +310,14 @@ fn available() -> bool {
 /// The fewest positions at which a decode step over a plain cache takes these kernels rather
 /// than MLX's own vector kernel, unless `MLXD_PLAIN_DECODE_ATTENTION` says otherwise.
 ///
-/// On an H100 (1B shape: 32 query heads over 8 KV heads, head width 64, bf16) MLX's vector
-/// kernel, which reads the keys and values once per query head, took 1.21 ms a layer at 64 rows
-/// over 3 128 positions and 2.06 ms at 128 rows, and the engine core decoded 64 rows over
-/// 3 000-token prompts at 2.0k tok/s, where the same batch over an 8-bit cache, read by these
-/// kernels once per KV head, decoded at 7.9k (BENCHMARKS.md, session 43). Below about a
-/// thousand positions the vector kernel is fast (0.12 ms at 32 rows over 300) and a second
-/// graph node costs more than it saves.
+/// MLX's kernel reads the keys and values once per query head; these once per KV head. On an
+/// H100 (32 query heads over 8 KV heads, bf16, `decode_attention_check --plain`), one layer's
+/// call at head width 64 took 0.18 ms against MLX's 0.77 at 64 rows over 1 024 positions,
+/// 0.40 against 1.80 over 3 128, 0.79 against 4.13 over 8 000, and 0.28 against 1.11 at 8
+/// rows over 16 384; the engine core decoded 64 rows over 3 000-token prompts at 7.5k tok/s
+/// against 2.0k (BENCHMARKS.md, session 43). Shorter contexts were not measured with these
+/// kernels; there MLX's kernel is fast (0.12 ms at 32 rows over 300) and the merge is a second
+/// graph node a step pays for on the host.
 const PLAIN_MIN_POSITIONS: i32 = 1024;
 
 /// The fewest positions at which decode over a plain cache takes these kernels on this
@@ -345,6 +346,12 @@ fn plain_min_positions() -> Option<i32> {
         }
     })
 }
+
+/// The fewest rows for which a plain cache takes these kernels. At one row MLX's kernel was
+/// the faster (0.067 against 0.092 ms over 4 096 positions, 0.097 against 0.11 over 16 384):
+/// its cost grows with the rows and these kernels' far less (8 rows over 16 384: 1.11 against
+/// 0.28 ms), so from two rows on these read less.
+const PLAIN_MIN_ROWS: i32 = 2;
 
 /// Elements of a head one lane holds: whole 32-bit words of the packed cache, at least 8 (a
 /// plain cache: 8).
@@ -402,9 +409,9 @@ pub(crate) fn fits_packed(
         && heads_fit(queries, kv_heads, epl)
 }
 
-/// The plain shapes the kernels serve, apart from the device: keys and values `[B, Hkv, T, D]`
-/// as wide as the queries, in a float dtype, over at least `min_positions` positions, and
-/// [`heads_fit`].
+/// The plain shapes the kernels serve, apart from the device: at least [`PLAIN_MIN_ROWS`] rows
+/// of keys and values `[B, Hkv, T, D]` as wide as the queries, in a float dtype, over at least
+/// `min_positions` positions, and [`heads_fit`].
 pub(crate) fn fits_plain(
     queries: &[i32],
     keys: (&[i32], Dtype),
@@ -416,6 +423,7 @@ pub(crate) fn fits_plain(
         return false;
     };
     queries.first() == Some(&b)
+        && b >= PLAIN_MIN_ROWS
         && (vb, vh, vt) == (b, kv_heads, t)
         && queries.last() == Some(&dk)
         && dv == dk
@@ -683,8 +691,12 @@ mod tests {
             (kv, Dtype::Float16),
             1024
         ));
-        // Too few positions for the threshold: MLX's own kernel.
+        // Too few positions for the threshold, or one row: MLX's own kernel.
         assert!(!fits_plain(&q, (kv, BF), (kv, BF), 4096));
+        let one: &[i32] = &[1, 8, 3128, 64];
+        assert!(!fits_plain(&[1, 32, 1, 64], (one, BF), (one, BF), 1024));
+        let two: &[i32] = &[2, 8, 3128, 64];
+        assert!(fits_plain(&[2, 32, 1, 64], (two, BF), (two, BF), 1024));
         // Prefill, integer caches, values of another width (latent attention), other rows.
         assert!(!fits_plain(&[64, 32, 2, 64], (kv, BF), (kv, BF), 1));
         assert!(!fits_plain(&q, (kv, Dtype::Uint32), (kv, Dtype::Uint32), 1));
