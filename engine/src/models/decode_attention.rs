@@ -353,6 +353,29 @@ fn plain_min_positions() -> Option<i32> {
 /// 0.28 ms), so from two rows on these read less.
 const PLAIN_MIN_ROWS: i32 = 2;
 
+thread_local! {
+    /// Set while the engine warms up ([`warming_up`]).
+    static WARMING_UP: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` (the engine's warm-up) with the plain-cache kernels taking every pass of two or
+/// more rows whatever its length, so that MLX compiles them, for this model's head shapes and
+/// scale, before the engine reports ready: the warm-up's prompts are far shorter than
+/// [`PLAIN_MIN_POSITIONS`], and the first long context would otherwise compile them in the
+/// middle of a request (on an H100 where they had never run, a 64-row decode over 3 000
+/// positions took more than 20 s longer the first time). Does nothing where the kernels are off.
+pub fn warming_up<R>(f: impl FnOnce() -> R) -> R {
+    struct Reset;
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            WARMING_UP.with(|w| w.set(false));
+        }
+    }
+    WARMING_UP.with(|w| w.set(true));
+    let _reset = Reset;
+    f()
+}
+
 /// Elements of a head one lane holds: whole 32-bit words of the packed cache, at least 8 (a
 /// plain cache: 8).
 fn elements_per_lane(quant: Option<KvQuant>) -> i32 {
@@ -440,6 +463,7 @@ pub fn serves(queries: &Array, keys: &Stored, values: &Stored) -> bool {
     let (k, v) = (keys.arrays()[0], values.arrays()[0]);
     match (keys.quant(), values.quant()) {
         (None, None) => plain_min_positions().is_some_and(|min| {
+            let min = if WARMING_UP.with(|w| w.get()) { 1 } else { min };
             fits_plain(
                 queries.shape(),
                 (k.shape(), k.dtype()),

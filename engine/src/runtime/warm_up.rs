@@ -8,8 +8,12 @@
 //! same code path as real requests, prefill, decode and the sampler — so the kernels are
 //! ready before `Ready` is sent. With LoRA adapters loaded, rows of an adapter alone and a
 //! batch mixing the base and every adapter (up to [`MIXED_ADAPTERS`]) follow: the adapter
-//! passes have kernels of their own. The throwaway executor has no prefix cache, no SSD tier
-//! and its own counters: the warm-up leaves no entry, no KV and no figure behind.
+//! passes have kernels of their own. On CUDA the decode attention kernels for plain caches,
+//! which serve only long contexts, take every warm-up pass of two or more rows
+//! ([`crate::models::decode_attention::warming_up`]), and one batch holds two rows of one
+//! length, whose passes have no mask, so both variants compile here. The throwaway executor
+//! has no prefix cache, no SSD tier and its own counters: the warm-up leaves no entry, no KV
+//! and no figure behind.
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -70,11 +74,7 @@ pub fn adapter_batches(vocab: usize, adapters: &[AdapterId]) -> Vec<Vec<WarmUpRo
 /// (2026-12-05) for kernels this warm-up did not reach then (the unseeded draw, the gathers
 /// that drop finished rows from the batch), which is why both are here.
 pub fn requests(vocab: usize) -> Vec<(Vec<u32>, SamplingParams)> {
-    let prompt = |len: usize, salt: usize| -> Vec<u32> {
-        (0..len)
-            .map(|i| ((i * 7 + salt) % vocab.max(1)) as u32)
-            .collect()
-    };
+    let prompt = |len: usize, salt: usize| prompt(vocab, len, salt);
     let sampled = SamplingParams {
         temperature: 0.7,
         top_p: 0.9,
@@ -92,6 +92,13 @@ pub fn requests(vocab: usize) -> Vec<(Vec<u32>, SamplingParams)> {
         (prompt(PROMPT_TOKENS + 5, 4), sampled),
         (prompt(PROMPT_TOKENS - 7, 5), unseeded),
     ]
+}
+
+/// A warm-up prompt of `len` tokens below `vocab`, varied by `salt`.
+fn prompt(vocab: usize, len: usize, salt: usize) -> Vec<u32> {
+    (0..len)
+        .map(|i| ((i * 7 + salt) % vocab.max(1)) as u32)
+        .collect()
 }
 
 /// Tokens the `index`-th row of a warm-up batch makes: one more than the row before, so that
@@ -137,6 +144,21 @@ pub fn run(
     let mut adapters: Vec<AdapterId> = adapter_spaces.keys().copied().collect();
     adapters.sort_by_key(|id| id.0);
     all.extend(adapter_batches(info.vocab_size, &adapters));
+    // Two rows of one length: an aligned batch (no mask), which the others are not.
+    all.insert(
+        1,
+        [1, 6]
+            .map(|salt| {
+                let prompt = prompt(info.vocab_size, PROMPT_TOKENS, salt);
+                (prompt, SamplingParams::default(), None)
+            })
+            .to_vec(),
+    );
+    crate::models::decode_attention::warming_up(|| run_batches(&mut executor, all))
+}
+
+/// Runs each warm-up batch to its end on `executor`; the first failed row fails the warm-up.
+fn run_batches(executor: &mut Executor<'_>, all: Vec<Vec<WarmUpRow>>) -> Result<(), LoadError> {
     for batch in all {
         let (work, rx) = mpsc::unbounded_channel();
         let mut events = Vec::new();
