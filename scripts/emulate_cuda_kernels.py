@@ -269,13 +269,13 @@ def attention_case(work: Path, rows: int, heads: int, kv_heads: int, d: int, t: 
 
         keys, values = dequantize(kw, ks, kb), dequantize(vw, vs, vb)
         cache = {"kw": view(kw), "ks": view(ks), "kb": view(kb), "vw": view(vw), "vs": view(vs), "vb": view(vb)}
-        walk, consts = "PACKED_WALK", {"EPL": max(8, 32 // bits), "BITS": bits, "GS": group}
+        kind, consts = "PACKED", {"EPL": max(8, 32 // bits), "BITS": bits, "GS": group}
     else:
         kbuf = rng.standard_normal((rows, kv_heads, cap, d), dtype=np.float32)
         vbuf = rng.standard_normal((rows, kv_heads, cap, d), dtype=np.float32)
         keys, values = kbuf[:, :, :t], vbuf[:, :, :t]
         cache = {"k": view(kbuf), "v": view(vbuf)}
-        walk, consts = "PLAIN_WALK", {"EPL": 8}
+        kind, consts = "PLAIN", {"EPL": 8}
 
     r = heads // kv_heads
     keys, values = np.repeat(keys, r, axis=1), np.repeat(values, r, axis=1)
@@ -287,7 +287,8 @@ def attention_case(work: Path, rows: int, heads: int, kv_heads: int, d: int, t: 
     want = (p / p.sum(-1, keepdims=True)) @ values
 
     split_block = rust_const(ATTENTION, "SPLIT_BLOCK")
-    body = "".join(kernel_body(ATTENTION, piece) for piece in ("SPLIT_PROLOGUE", walk, "SPLIT_EPILOGUE"))
+    pieces = ("SPLIT_PROLOGUE", f"{kind}_ROWS", "SPLIT_WALK", f"{kind}_LOAD", "SPLIT_EPILOGUE")
+    body = "".join(kernel_body(ATTENTION, piece) for piece in pieces)
     parts = emulate(
         work,
         body,

@@ -39,6 +39,56 @@ fn timed(iterations: usize, mut f: impl FnMut() -> anyhow::Result<Array>) -> any
     Ok(start.elapsed().as_secs_f64() * 1000.0 / iterations as f64)
 }
 
+/// Random bf16 values of `shape`.
+fn normal(shape: &[i32]) -> anyhow::Result<Array> {
+    Ok(mlx_rs::random::normal::<f32>(shape, None, None, None)?.as_dtype(Dtype::Bfloat16)?)
+}
+
+/// The mask of `rows` rows over `positions`, row r starting at position 97 r (left padding, as
+/// a batch of different lengths has), the rest visible; none for one row.
+fn left_padded(rows: i32, positions: i32) -> anyhow::Result<Mask> {
+    if rows == 1 {
+        return Ok(Mask::None);
+    }
+    let starts: Vec<i32> = (0..rows).map(|r| (97 * r) % (positions / 2)).collect();
+    let starts = Array::from_slice(&starts, &[rows, 1, 1, 1]);
+    let pos = Array::arange::<_, i32>(None, positions, None)?.reshape(&[1, 1, 1, positions])?;
+    Ok(Mask::Array(pos.ge(&starts)?))
+}
+
+/// The largest and mean absolute difference of `got` from `reference`, and the reference's
+/// mean magnitude.
+fn differences(got: &Array, reference: &Array) -> anyhow::Result<(f32, f32, f32)> {
+    let (a, b) = (
+        got.as_dtype(Dtype::Float32)?,
+        reference.as_dtype(Dtype::Float32)?,
+    );
+    let diff = a.subtract(&b)?.abs()?;
+    Ok((
+        diff.max(None)?.item_exact::<f32>(),
+        diff.mean(None)?.item_exact::<f32>(),
+        b.abs()?.mean(None)?.item_exact::<f32>(),
+    ))
+}
+
+/// MLX's fused attention, what the engine runs where the kernels do not serve.
+fn mlx_attention(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    mask: &Mask,
+) -> anyhow::Result<Array> {
+    Ok(fast::scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        scale,
+        mask.as_sdpa(),
+        None,
+    )?)
+}
+
 fn main() -> anyhow::Result<()> {
     let usage = "usage: decode_attention_check [iterations] [--plain]";
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -64,26 +114,13 @@ fn main() -> anyhow::Result<()> {
             (32, 16_384),
         ] {
             let capacity = positions + 256;
-            let normal = |shape: &[i32]| -> anyhow::Result<Array> {
-                Ok(mlx_rs::random::normal::<f32>(shape, None, None, None)?
-                    .as_dtype(Dtype::Bfloat16)?)
-            };
             let q = normal(&[rows, HEADS, 1, head_dim])?;
             let k_buf = normal(&[rows, KV_HEADS, capacity, head_dim])?;
             let v_buf = normal(&[rows, KV_HEADS, capacity, head_dim])?;
             let view = |s: &Stored| s.map(|a| Ok(a.index((.., .., ..positions, ..))));
             let keys = view(&Stored::new(&k_buf, Some(quant))?)?;
             let values = view(&Stored::new(&v_buf, Some(quant))?)?;
-            // Row r starts at position 97 r (left padding), the rest of its positions visible.
-            let starts: Vec<i32> = (0..rows).map(|r| (97 * r) % (positions / 2)).collect();
-            let starts = Array::from_slice(&starts, &[rows, 1, 1, 1]);
-            let pos =
-                Array::arange::<_, i32>(None, positions, None)?.reshape(&[1, 1, 1, positions])?;
-            let mask = if rows > 1 {
-                Mask::Array(pos.ge(&starts)?)
-            } else {
-                Mask::None
-            };
+            let mask = left_padded(rows, positions)?;
             let mut all: Vec<&Array> = vec![&q, &k_buf, &v_buf];
             all.extend(keys.arrays());
             all.extend(values.arrays());
@@ -97,37 +134,14 @@ fn main() -> anyhow::Result<()> {
             };
             let dequantizing = || -> anyhow::Result<Array> {
                 let (k, v) = (plain(&keys)?, plain(&values)?);
-                Ok(fast::scaled_dot_product_attention(
-                    &q,
-                    &k,
-                    &v,
-                    scale,
-                    mask.as_sdpa(),
-                    None,
-                )?)
+                mlx_attention(&q, &k, &v, scale, &mask)
             };
             let (k16, v16) = (
                 k_buf.index((.., .., ..positions, ..)),
                 v_buf.index((.., .., ..positions, ..)),
             );
-            let bf16 = || -> anyhow::Result<Array> {
-                Ok(fast::scaled_dot_product_attention(
-                    &q,
-                    &k16,
-                    &v16,
-                    scale,
-                    mask.as_sdpa(),
-                    None,
-                )?)
-            };
-            let (a, b) = (
-                fused()?.as_dtype(Dtype::Float32)?,
-                dequantizing()?.as_dtype(Dtype::Float32)?,
-            );
-            let diff = a.subtract(&b)?.abs()?;
-            let max_diff = diff.max(None)?.item_exact::<f32>();
-            let mean_diff = diff.mean(None)?.item_exact::<f32>();
-            let reference_mean = b.abs()?.mean(None)?.item_exact::<f32>();
+            let bf16 = || -> anyhow::Result<Array> { mlx_attention(&q, &k16, &v16, scale, &mask) };
+            let (max_diff, mean_diff, reference_mean) = differences(&fused()?, &dequantizing()?)?;
             let ms_fused = timed(iterations, fused)?;
             // The same kernels with other span counts than the default's.
             let chosen = decode_attention::spans(positions, rows, KV_HEADS);
@@ -173,10 +187,6 @@ fn plain(iterations: usize) -> anyhow::Result<()> {
         ] {
             // One position past a multiple of 256, as the engine's buffers are.
             let capacity = (positions / 256 + 1) * 256 + 1;
-            let normal = |shape: &[i32]| -> anyhow::Result<Array> {
-                Ok(mlx_rs::random::normal::<f32>(shape, None, None, None)?
-                    .as_dtype(Dtype::Bfloat16)?)
-            };
             let q = normal(&[rows, HEADS, 1, head_dim])?;
             let k_buf = normal(&[rows, KV_HEADS, capacity, head_dim])?;
             let v_buf = normal(&[rows, KV_HEADS, capacity, head_dim])?;
@@ -185,15 +195,7 @@ fn plain(iterations: usize) -> anyhow::Result<()> {
                 v_buf.index((.., .., ..positions, ..)),
             );
             let (keys, values) = (Stored::new(&k, None)?, Stored::new(&v, None)?);
-            let starts: Vec<i32> = (0..rows).map(|r| (97 * r) % (positions / 2)).collect();
-            let starts = Array::from_slice(&starts, &[rows, 1, 1, 1]);
-            let pos =
-                Array::arange::<_, i32>(None, positions, None)?.reshape(&[1, 1, 1, positions])?;
-            let mask = if rows > 1 {
-                Mask::Array(pos.ge(&starts)?)
-            } else {
-                Mask::None
-            };
+            let mask = left_padded(rows, positions)?;
             mlx_rs::transforms::eval([&q, &k_buf, &v_buf, &k, &v])?;
             if !decode_attention::serves(&q, &keys, &values) {
                 bail!("the decode attention kernels do not serve a plain cache of {positions} positions here");
@@ -201,24 +203,8 @@ fn plain(iterations: usize) -> anyhow::Result<()> {
             let kernels = || -> anyhow::Result<Array> {
                 Ok(decode_attention::decode(&q, &keys, &values, scale, &mask)?)
             };
-            let sdpa = || -> anyhow::Result<Array> {
-                Ok(fast::scaled_dot_product_attention(
-                    &q,
-                    &k,
-                    &v,
-                    scale,
-                    mask.as_sdpa(),
-                    None,
-                )?)
-            };
-            let (a, b) = (
-                kernels()?.as_dtype(Dtype::Float32)?,
-                sdpa()?.as_dtype(Dtype::Float32)?,
-            );
-            let diff = a.subtract(&b)?.abs()?;
-            let max_diff = diff.max(None)?.item_exact::<f32>();
-            let mean_diff = diff.mean(None)?.item_exact::<f32>();
-            let reference_mean = b.abs()?.mean(None)?.item_exact::<f32>();
+            let sdpa = || -> anyhow::Result<Array> { mlx_attention(&q, &k, &v, scale, &mask) };
+            let (max_diff, mean_diff, reference_mean) = differences(&kernels()?, &sdpa()?)?;
             let ms_kernels = timed(iterations, kernels)?;
             let ms_sdpa = timed(iterations, sdpa)?;
             println!(

@@ -15,7 +15,7 @@
 //! 2. `merge`: one thread per output element merges the spans' partial sums.
 //!
 //! **A plain cache takes the same kernels over long contexts** (the split's walk reads 8
-//! elements a lane instead of dequantizing them, [`PLAIN_WALK`]). MLX's own decode kernel reads
+//! elements a lane instead of dequantizing them, [`PLAIN_LOAD`]). MLX's own decode kernel reads
 //! the keys and values once per query head, which at many rows over thousands of positions
 //! costs four to five times what reading them once per KV head does; below
 //! [`PLAIN_MIN_POSITIONS`] and at one row ([`PLAIN_MIN_ROWS`]) it stays MLX's.
@@ -52,9 +52,10 @@ const MIN_SPAN: i32 = 32;
 /// with 32 spans, 0.19 ms with 128, 0.37 ms with 512; `decode_attention_check`).
 const MIN_BLOCKS: i32 = 256;
 
-/// The split kernel's body is three pieces ([`split_source`]): [`SPLIT_PROLOGUE`], a walk over
-/// the positions that loads each position's key and value ([`PACKED_WALK`] or [`PLAIN_WALK`]),
-/// and [`SPLIT_EPILOGUE`], which closes the walk's loop. Inputs: `q` `[B, H, 1, D]`; the cache's
+/// The split kernel's body is put together from pieces ([`split_source`]): [`SPLIT_PROLOGUE`],
+/// the cache's rows ([`PACKED_ROWS`] or [`PLAIN_ROWS`]), [`SPLIT_WALK`] over the span's
+/// positions, the load of a position's key and value ([`PACKED_LOAD`] or [`PLAIN_LOAD`]), and
+/// [`SPLIT_EPILOGUE`], which closes the walk's loop. Inputs: `q` `[B, H, 1, D]`; the cache's
 /// keys and values (the walk's); `mask` `[B | 1, 1, 1, T]` (bool, read only with `HAS_MASK`).
 /// Outputs per `(b, h, span)`: the partial output `acc` `[B, H, S, D]` (float32, not
 /// normalized), the running maximum `m` and the sum `l` `[B, H, S]`. Grid: `(S × 128, Hkv, B)`
@@ -107,25 +108,36 @@ const SPLIT_PROLOGUE: &str = r#"
 
 "#;
 
-/// The walk over a packed cache: `kw`, `vw` `[B, Hkv, T, W]` (uint32 words), `ks`, `kb`, `vs`,
-/// `vb` `[B, Hkv, T, D / GS]` (scales and biases), each through its own strides; a lane
-/// dequantizes `EPL` elements of a key and a value.
-const PACKED_WALK: &str = r#"
+/// A packed cache's rows: `kw`, `vw` `[B, Hkv, T, W]` (uint32 words), `ks`, `kb`, `vs`, `vb`
+/// `[B, Hkv, T, D / GS]` (scales and biases), each read through its own strides.
+const PACKED_ROWS: &str = r#"
   constexpr int PER_WORD = 32 / BITS;
   constexpr int WORDS = EPL / PER_WORD;
   constexpr unsigned int LOW = (1u << BITS) - 1u;
   const int word0 = i0 / PER_WORD;
   const int g = i0 / GS;
   const int T = kw_shape[2];
-  const int per_span = (T + spans - 1) / spans;
-  const int start = span * per_span;
-  const int end = min(T, start + per_span);
   const int64_t k_row = b * kw_strides[0] + hk * kw_strides[1];
   const int64_t ks_row = b * ks_strides[0] + hk * ks_strides[1];
   const int64_t kb_row = b * kb_strides[0] + hk * kb_strides[1];
   const int64_t v_row = b * vw_strides[0] + hk * vw_strides[1];
   const int64_t vs_row = b * vs_strides[0] + hk * vs_strides[1];
   const int64_t vb_row = b * vb_strides[0] + hk * vb_strides[1];
+"#;
+
+/// A plain cache's rows: `k`, `v` `[B, Hkv, T, D]` in any float dtype, each read through its
+/// own strides.
+const PLAIN_ROWS: &str = r#"
+  const int T = k_shape[2];
+  const int64_t k_row = b * k_strides[0] + hk * k_strides[1];
+  const int64_t v_row = b * v_strides[0] + hk * v_strides[1];
+"#;
+
+/// The walk over this span's positions, up to loading a visible position's key and value.
+const SPLIT_WALK: &str = r#"
+  const int per_span = (T + spans - 1) / spans;
+  const int start = span * per_span;
+  const int end = min(T, start + per_span);
   // A mask of one row applies to every row.
   const int64_t mask_row = mask_shape[0] == 1 ? 0 : b * mask_strides[0];
   // Every lane runs every iteration (the shuffles need the whole warp); a lane whose position
@@ -137,6 +149,10 @@ const PACKED_WALK: &str = r#"
     float kval[EPL];
     float vval[EPL];
     if (valid) {
+"#;
+
+/// A packed position: a lane dequantizes `EPL` elements of its key and its value.
+const PACKED_LOAD: &str = r#"
       const float k_scale = static_cast<float>(ks[ks_row + t * ks_strides[2] + g * ks_strides[3]]);
       const float k_bias = static_cast<float>(kb[kb_row + t * kb_strides[2] + g * kb_strides[3]]);
       const float v_scale = static_cast<float>(vs[vs_row + t * vs_strides[2] + g * vs_strides[3]]);
@@ -149,51 +165,28 @@ const PACKED_WALK: &str = r#"
           vval[w * PER_WORD + j] = v_scale * static_cast<float>((vword >> (j * BITS)) & LOW) + v_bias;
         }
       }
-    } else {
-      for (int e = 0; e < EPL; ++e) {
-        kval[e] = 0.0f;
-        vval[e] = 0.0f;
-      }
-    }
 "#;
 
-/// The walk over a plain cache: `k`, `v` `[B, Hkv, T, D]` in any float dtype, each through its
-/// strides; a lane reads `EPL` elements of a key and a value.
-const PLAIN_WALK: &str = r#"
-  const int T = k_shape[2];
-  const int per_span = (T + spans - 1) / spans;
-  const int start = span * per_span;
-  const int end = min(T, start + per_span);
-  const int64_t k_row = b * k_strides[0] + hk * k_strides[1];
-  const int64_t v_row = b * v_strides[0] + hk * v_strides[1];
-  // A mask of one row applies to every row.
-  const int64_t mask_row = mask_shape[0] == 1 ? 0 : b * mask_strides[0];
-  // Every lane runs every iteration (the shuffles need the whole warp); a lane whose position
-  // is past the span or masked out reads nothing and keeps its state.
-#pragma unroll 2
-  for (int base = start + warp * PPW; base < end; base += WARPS * PPW) {
-    const int t = base + slot;
-    const bool valid = t < end && (!HAS_MASK || mask[mask_row + t * mask_strides[3]]);
-    float kval[EPL];
-    float vval[EPL];
-    if (valid) {
+/// A plain position: a lane reads `EPL` elements of its key and its value.
+const PLAIN_LOAD: &str = r#"
       const int64_t kt = k_row + t * k_strides[2] + i0 * k_strides[3];
       const int64_t vt = v_row + t * v_strides[2] + i0 * v_strides[3];
       for (int e = 0; e < EPL; ++e) {
         kval[e] = static_cast<float>(k[kt + e * k_strides[3]]);
         vval[e] = static_cast<float>(v[vt + e * v_strides[3]]);
       }
+"#;
+
+/// The end of the split kernel: a hidden position's zeros, each position's score and softmax
+/// update (closing the walk's loop), then the merges of the lanes' and the warps' states into
+/// one partial result per span.
+const SPLIT_EPILOGUE: &str = r#"
     } else {
       for (int e = 0; e < EPL; ++e) {
         kval[e] = 0.0f;
         vval[e] = 0.0f;
       }
     }
-"#;
-
-/// The end of the split kernel: each position's score and softmax update (closing the walk's
-/// loop), then the merges of the lanes' and the warps' states into one partial result per span.
-const SPLIT_EPILOGUE: &str = r#"
     for (int r = 0; r < R; ++r) {
       float s = 0.0f;
       for (int e = 0; e < EPL; ++e) {
@@ -493,8 +486,12 @@ pub fn spans(positions: i32, rows: i32, kv_heads: i32) -> i32 {
 
 /// The split kernel's whole body over a packed or a plain cache.
 fn split_source(packed: bool) -> String {
-    let walk = if packed { PACKED_WALK } else { PLAIN_WALK };
-    [SPLIT_PROLOGUE, walk, SPLIT_EPILOGUE].concat()
+    let (rows, load) = if packed {
+        (PACKED_ROWS, PACKED_LOAD)
+    } else {
+        (PLAIN_ROWS, PLAIN_LOAD)
+    };
+    [SPLIT_PROLOGUE, rows, SPLIT_WALK, load, SPLIT_EPILOGUE].concat()
 }
 
 /// The kernels, made once per thread (the model runs on one thread).
