@@ -351,6 +351,11 @@ thread_local! {
     static WARMING_UP: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
+/// Whether a plain cache takes these kernels on this machine (from some number of positions).
+pub fn serves_plain_caches() -> bool {
+    plain_min_positions().is_some()
+}
+
 /// Runs `f` (the engine's warm-up) with the plain-cache kernels taking every pass of two or
 /// more rows whatever its length, so that MLX compiles them, for this model's head shapes and
 /// scale, before the engine reports ready: the warm-up's prompts are far shorter than

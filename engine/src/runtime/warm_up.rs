@@ -11,7 +11,7 @@
 //! passes have kernels of their own. On CUDA the decode attention kernels for plain caches,
 //! which serve only long contexts, take every warm-up pass of two or more rows
 //! ([`crate::models::decode_attention::warming_up`]), and one batch holds two rows of one
-//! length, whose passes have no mask, so both variants compile here. The throwaway executor
+//! length, whose passes have no mask (only there), so both variants compile here. The throwaway executor
 //! has no prefix cache, no SSD tier and its own counters: the warm-up leaves no entry, no KV
 //! and no figure behind.
 use std::collections::HashMap;
@@ -27,7 +27,7 @@ use super::RuntimeStats;
 use crate::adapters::AdapterId;
 use crate::cache::{CacheManager, KvLayout, KvSpace};
 use crate::loader::LoadError;
-use crate::models::{CausalLm, ModelInfo};
+use crate::models::{decode_attention, CausalLm, ModelInfo};
 
 /// Prompt tokens of each warm-up generation: long enough for a real prefill pass, short
 /// enough to cost milliseconds on a GPU.
@@ -74,7 +74,6 @@ pub fn adapter_batches(vocab: usize, adapters: &[AdapterId]) -> Vec<Vec<WarmUpRo
 /// (2026-12-05) for kernels this warm-up did not reach then (the unseeded draw, the gathers
 /// that drop finished rows from the batch), which is why both are here.
 pub fn requests(vocab: usize) -> Vec<(Vec<u32>, SamplingParams)> {
-    let prompt = |len: usize, salt: usize| prompt(vocab, len, salt);
     let sampled = SamplingParams {
         temperature: 0.7,
         top_p: 0.9,
@@ -86,11 +85,11 @@ pub fn requests(vocab: usize) -> Vec<(Vec<u32>, SamplingParams)> {
         ..SamplingParams::default()
     };
     vec![
-        (prompt(PROMPT_TOKENS, 1), SamplingParams::default()),
-        (prompt(PROMPT_TOKENS, 2), SamplingParams::default()),
-        (prompt(PROMPT_TOKENS / 2, 3), sampled.clone()),
-        (prompt(PROMPT_TOKENS + 5, 4), sampled),
-        (prompt(PROMPT_TOKENS - 7, 5), unseeded),
+        (prompt(vocab, PROMPT_TOKENS, 1), SamplingParams::default()),
+        (prompt(vocab, PROMPT_TOKENS, 2), SamplingParams::default()),
+        (prompt(vocab, PROMPT_TOKENS / 2, 3), sampled.clone()),
+        (prompt(vocab, PROMPT_TOKENS + 5, 4), sampled),
+        (prompt(vocab, PROMPT_TOKENS - 7, 5), unseeded),
     ]
 }
 
@@ -144,17 +143,19 @@ pub fn run(
     let mut adapters: Vec<AdapterId> = adapter_spaces.keys().copied().collect();
     adapters.sort_by_key(|id| id.0);
     all.extend(adapter_batches(info.vocab_size, &adapters));
-    // Two rows of one length: an aligned batch (no mask), which the others are not.
-    all.insert(
-        1,
-        [1, 6]
-            .map(|salt| {
-                let prompt = prompt(info.vocab_size, PROMPT_TOKENS, salt);
-                (prompt, SamplingParams::default(), None)
-            })
-            .to_vec(),
-    );
-    crate::models::decode_attention::warming_up(|| run_batches(&mut executor, all))
+    if decode_attention::serves_plain_caches() {
+        // Two rows of one length: an aligned batch (no mask), which the others are not.
+        all.insert(
+            1,
+            [1, 6]
+                .map(|salt| {
+                    let prompt = prompt(info.vocab_size, PROMPT_TOKENS, salt);
+                    (prompt, SamplingParams::default(), None)
+                })
+                .to_vec(),
+        );
+    }
+    decode_attention::warming_up(|| run_batches(&mut executor, all))
 }
 
 /// Runs each warm-up batch to its end on `executor`; the first failed row fails the warm-up.
