@@ -27,6 +27,9 @@
 #                                                  32 on the base alone, one mlxd per ADAPTER_SWITCHES value
 #                                                  (MLXD_LORA_KERNEL: kernels or matmuls), ADAPTER_TRACE=1 for
 #                                                  the engines' step traces (models)
+#   scripts/bench/h200.sh longctx <out dir>        served decode over long prompts (LONG_WORDS numbered words,
+#                                                  ~3.8 tokens each): 32 and 64 streams on the 1B, one mlxd per
+#                                                  LONG_SWITCHES value of MLXD_PLAIN_DECODE_ATTENTION (models)
 #   scripts/bench/h200.sh lora <out dir>           LoRA training tokens/s and peak memory: mlxd's lora job against
 #                                                  mlx-lm's trainer, 1B bf16, rank 8, 16 layers, batch 4, 512 tokens
 #   scripts/bench/h200.sh oom <out dir>            scripts/soak/gpu_oom.py: an engine driven out of GPU memory
@@ -201,6 +204,31 @@ case ${1:-} in
               --max-tokens "${ADAPTER_TOKENS:-128}" --model "$models" --label "$label" \
               --out "$out/adapters-kernels-$switch.jsonl"
           done
+        done
+      done
+      kill "$pid"
+      wait "$pid" 2>/dev/null || true
+    done
+    ;;
+  longctx)
+    # Long contexts served: every stream's prompt is ~LONG_WORDS × 3.8 tokens, so each decode
+    # step attends over thousands of positions. The first round of a process is its cold one
+    # (a prefill of every prompt; a kernel compiled mid-request shows in its time to first
+    # token); later rounds repeat the prompts, so they are prefix hits and mostly decode.
+    out=$2
+    mkdir -p "$out"
+    for switch in ${LONG_SWITCHES:-default 0}; do
+      if [[ $switch == default ]]; then
+        start_mlxd "$MODELS/llama-1b-bf16" --max-batch-size 64
+      else
+        MLXD_PLAIN_DECODE_ATTENTION=$switch start_mlxd "$MODELS/llama-1b-bf16" --max-batch-size 64
+      fi
+      for streams in ${LONG_STREAMS:-32 64}; do
+        for round in cold $(seq 1 "${LONG_ROUNDS:-2}"); do
+          "$PYTHON" scripts/bench/serve.py --url "http://127.0.0.1:$port" --streams "$streams" \
+            --temperature "${LONG_TEMP:-0}" --max-tokens "${LONG_TOKENS:-128}" \
+            --context-words "${LONG_WORDS:-700}" --label "plain-$switch-$round" \
+            --out "$out/longctx.jsonl"
         done
       done
       kill "$pid"

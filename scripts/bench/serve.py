@@ -3,7 +3,7 @@
 server, with the metrics of `vllm bench serve`.
 
     python3 scripts/bench/serve.py --url http://127.0.0.1:PORT|unix:/path/to.sock --streams 32 --max-tokens 128 \
-        --temperature 0.7 [--model NAME[,NAME...]] [--label mlxd] [--out result.json]
+        --temperature 0.7 [--model NAME[,NAME...]] [--label mlxd] [--out result.json] [--context-words N]
 
 With several comma-separated model names, stream i asks for the (i mod n)-th: streams spread
 evenly over the models (e.g. over several adapters of one base, `base:adapter`).
@@ -39,10 +39,13 @@ def pct(values, p):
     return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
 
 
-def one_stream(url, model, index, width, max_tokens, temperature, result):
+def one_stream(url, model, index, width, max_tokens, temperature, context_words, result):
+    # A long context: numbered words after the request's own number (so no two streams share
+    # a prefix beyond the template's), then the question.
+    context = "".join(f" note{j}" for j in range(context_words))
     body = {
         "messages": [{"role": "user", "content":
-                      f"Request {index:0{width}d}: write a long story about a lighthouse keeper."}],
+                      f"Request {index:0{width}d}:{context} write a long story about a lighthouse keeper."}],
         "max_tokens": max_tokens,
         "temperature": temperature,
         "stream": True,
@@ -85,6 +88,8 @@ def main():
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=None)
     ap.add_argument("--same-length", action="store_true")
+    ap.add_argument("--context-words", type=int, default=0,
+                    help="numbered words before each stream's question: a long prompt")
     args = ap.parse_args()
 
     models = args.model.split(",") if args.model else [None]
@@ -93,7 +98,7 @@ def main():
                                 args=(args.url, models[i % len(models)], i,
                                       len(str(args.streams - 1)) if args.same_length else 0,
                                       args.max_tokens,
-                                      args.temperature, result))
+                                      args.temperature, args.context_words, result))
                for i in range(args.streams)]
     t0 = time.perf_counter()
     for t in threads:
@@ -122,6 +127,7 @@ def main():
     out = {
         "label": args.label, "models": models if args.model else None, "streams": args.streams, "max_tokens": args.max_tokens,
         "temperature": args.temperature, "same_length": args.same_length,
+        "context_words": args.context_words,
         "output_tok_s": round(tokens / wall, 1),
         "completion_tokens": tokens,
         "wall_s": round(wall, 3),
