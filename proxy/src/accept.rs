@@ -10,7 +10,12 @@
 //! mlxd stopped accepting and even `/health` waited in the kernel's backlog. Now:
 //! - a connection still waiting for its request head (new, or idle between keep-alive
 //!   requests) is the first to go: at a limit, a new connection replaces the oldest of them,
-//!   so a client that sends its request at once is always served;
+//!   so a client that sends its request at once is always served. A new connection becomes
+//!   replaceable only once the server has read all it sent and found no whole head
+//!   ([`ConnectionTable::waiting_for_client`]): under a slowloris that reconnects as fast as
+//!   it is closed, the slots turn over in milliseconds, and a probe whose head sat unread in
+//!   its socket for that long (a loaded machine) used to be replaced before it was read. Until
+//!   then the accept loop waits, which ties its pace to the connections' tasks;
 //! - one client (peer IP) holds at most `per_client` connections; past that its own oldest
 //!   waiting connection is replaced, or the new one is closed;
 //! - `reserve` connections beyond the cap serve only health, monitoring and admin routes, so
@@ -127,8 +132,28 @@ pub enum Admit {
 struct Conn {
     ip: IpAddr,
     reserve: bool,
-    /// Set while the connection waits for a request head: since when.
-    waiting_since: Option<Instant>,
+    state: ConnState,
+}
+
+/// Where a connection stands with its requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ConnState {
+    /// Admitted at `since`; the server has not yet read all the client sent.
+    Unread { since: Instant },
+    /// Waiting for the client to send (the rest of) a request head, since `since`: its
+    /// admission, or its last response. Replaceable.
+    Waiting { since: Instant },
+    /// A request is in flight.
+    Busy,
+}
+
+impl Conn {
+    fn waiting_since(&self) -> Option<Instant> {
+        match self.state {
+            ConnState::Waiting { since } => Some(since),
+            ConnState::Unread { .. } | ConnState::Busy => None,
+        }
+    }
 }
 
 /// Who holds a connection slot, and which of them only wait for a request head. Pure.
@@ -159,7 +184,7 @@ impl ConnectionTable {
         self.conns
             .iter()
             .filter(|(_, c)| ip.is_none_or(|ip| c.ip == ip))
-            .filter_map(|(id, c)| c.waiting_since.map(|t| (t, *id)))
+            .filter_map(|(id, c)| c.waiting_since().map(|t| (t, *id)))
             .min()
             .map(|(_, id)| id)
     }
@@ -168,7 +193,7 @@ impl ConnectionTable {
     pub fn has_room(&self) -> bool {
         self.general < self.limits.cap
             || self.reserved < self.limits.reserve
-            || self.conns.values().any(|c| c.waiting_since.is_some())
+            || self.conns.values().any(|c| c.waiting_since().is_some())
     }
 
     /// Admits a connection from `ip` arriving at `now`.
@@ -198,7 +223,7 @@ impl ConnectionTable {
             Conn {
                 ip,
                 reserve,
-                waiting_since: Some(now),
+                state: ConnState::Unread { since: now },
             },
         );
         *self.per_ip.entry(ip).or_default() += 1;
@@ -210,17 +235,33 @@ impl ConnectionTable {
         Admit::Go { id, reserve, evict }
     }
 
+    /// The server read all that new connection `id` sent without a whole request head: it
+    /// now waits for its client, and may be replaced (in its place by admission time).
+    /// Returns whether that made it replaceable.
+    pub fn waiting_for_client(&mut self, id: u64) -> bool {
+        match self.conns.get_mut(&id) {
+            Some(c) => match c.state {
+                ConnState::Unread { since } => {
+                    c.state = ConnState::Waiting { since };
+                    true
+                }
+                ConnState::Waiting { .. } | ConnState::Busy => false,
+            },
+            None => false,
+        }
+    }
+
     /// Connection `id` delivered a request head.
     pub fn request_started(&mut self, id: u64) {
         if let Some(c) = self.conns.get_mut(&id) {
-            c.waiting_since = None;
+            c.state = ConnState::Busy;
         }
     }
 
     /// Connection `id` finished a response and waits for the next request head.
     pub fn request_finished(&mut self, id: u64, now: Instant) {
         if let Some(c) = self.conns.get_mut(&id) {
-            c.waiting_since = Some(now);
+            c.state = ConnState::Waiting { since: now };
         }
     }
 
@@ -327,6 +368,15 @@ impl Connections {
 }
 
 impl Slot {
+    /// The server read all the new connection sent, without a whole request head: it is
+    /// replaceable from now on ([`ConnectionTable::waiting_for_client`]).
+    pub fn waiting_for_client(&self) {
+        let replaceable = self.conns.lock().table.waiting_for_client(self.id);
+        if replaceable {
+            self.conns.room.notify_one();
+        }
+    }
+
     /// The connection delivered a request head: it is no longer replaceable.
     pub fn request_started(&self) {
         self.conns.lock().table.request_started(self.id);
@@ -379,6 +429,9 @@ mod tests {
         let a = go(t.admit(ip(2), t0)).0;
         let b = go(t.admit(ip(3), t0 + Duration::from_millis(1))).0;
         let c = go(t.admit(ip(4), t0 + Duration::from_millis(2))).0;
+        for id in [a, b, c] {
+            assert!(t.waiting_for_client(id));
+        }
         t.request_started(a);
         // At the cap: the oldest connection still waiting for its head (b) is replaced.
         let (d, reserve, evict) = go(t.admit(ip(1), t0 + Duration::from_millis(3)));
@@ -402,6 +455,34 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_new_connection_is_replaceable_only_once_the_server_found_it_waiting() {
+        let mut t = ConnectionTable::new(Limits {
+            cap: 2,
+            reserve: 0,
+            per_client: 10,
+        });
+        let t0 = Instant::now();
+        let a = go(t.admit(ip(2), t0)).0;
+        let b = go(t.admit(ip(3), t0 + Duration::from_millis(1))).0;
+        // Both unread (a probe's head may sit in its socket): nothing to replace, so wait.
+        assert!(!t.has_room());
+        assert_eq!(t.admit(ip(4), t0), Admit::Wait);
+        // b was read and waits for more: replaceable although a is older.
+        assert!(t.waiting_for_client(b));
+        assert!(t.has_room());
+        let (c, _, evict) = go(t.admit(ip(4), t0 + Duration::from_millis(2)));
+        assert_eq!(evict, Some(b));
+        // Found waiting later than a newer one, a still goes first: admission order counts.
+        assert!(t.waiting_for_client(c));
+        assert!(t.waiting_for_client(a));
+        assert_eq!(go(t.admit(ip(5), t0)).2, Some(a));
+        // Only an unread connection becomes waiting this way; a busy one does not.
+        t.request_started(c);
+        assert!(!t.waiting_for_client(c));
+        assert!(!t.waiting_for_client(12345));
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn one_client_holds_at_most_its_share() {
         let mut t = ConnectionTable::new(Limits {
             cap: 10,
@@ -413,6 +494,9 @@ mod tests {
         let b = go(t.admit(ip(2), now + Duration::from_millis(1))).0;
         // Its own oldest waiting connection makes room; others are untouched.
         let other = go(t.admit(ip(3), now)).0;
+        for id in [a, b, other] {
+            t.waiting_for_client(id);
+        }
         assert_eq!(go(t.admit(ip(2), now)).2, Some(a));
         t.request_started(b);
         let c = t.conns.keys().copied().max().unwrap();

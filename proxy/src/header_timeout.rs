@@ -6,6 +6,10 @@
 //! writes the 408 once hyper has given up. A connection that sat idle between requests
 //! (nothing received since the last response) is closed quietly instead, as keep-alive clients
 //! expect: a 408 there could be read as the answer to a request sent at the same moment.
+//!
+//! The shared stream also tells the connection table when the server first finds the client
+//! owing bytes (a read that would block), which makes a new connection replaceable
+//! ([`crate::accept::ConnectionTable::waiting_for_client`]).
 
 use std::io;
 use std::os::fd::AsRawFd;
@@ -23,8 +27,12 @@ use crate::error::ProxyError;
 /// How long writing the 408 may take before the connection is simply closed.
 const REPLY_WRITE_LIMIT: Duration = Duration::from_secs(1);
 
-/// Splits an accepted connection into the stream hyper serves and the 408 writer.
-pub fn share(stream: TcpStream) -> (SharedStream, TimeoutReply) {
+/// What a [`SharedStream`] calls once, at its first read that would block.
+pub type OnWaiting = Box<dyn FnOnce() + Send + Sync>;
+
+/// Splits an accepted connection into the stream hyper serves and the 408 writer;
+/// `on_waiting` runs the first time a read finds nothing to read.
+pub fn share(stream: TcpStream, on_waiting: OnWaiting) -> (SharedStream, TimeoutReply) {
     let tcp = Arc::new(stream);
     // A new connection owes a request: one that sends nothing at all also gets the 408.
     let request_begun = Arc::new(AtomicBool::new(true));
@@ -32,6 +40,7 @@ pub fn share(stream: TcpStream) -> (SharedStream, TimeoutReply) {
         SharedStream {
             tcp: tcp.clone(),
             request_begun: request_begun.clone(),
+            on_waiting: Some(on_waiting),
         },
         TimeoutReply { tcp, request_begun },
     )
@@ -42,6 +51,8 @@ pub fn share(stream: TcpStream) -> (SharedStream, TimeoutReply) {
 pub struct SharedStream {
     tcp: Arc<TcpStream>,
     request_begun: Arc<AtomicBool>,
+    /// Taken at the first read that would block.
+    on_waiting: Option<OnWaiting>,
 }
 
 /// The accept loop's hold on the socket, for the 408.
@@ -111,13 +122,19 @@ impl AsyncRead for SharedStream {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
         loop {
-            ready!(self.tcp.poll_read_ready(cx))?;
+            if this.tcp.poll_read_ready(cx)?.is_pending() {
+                if let Some(on_waiting) = this.on_waiting.take() {
+                    on_waiting();
+                }
+                return Poll::Pending;
+            }
             // `try_read` clears the readiness on WouldBlock, so the next poll waits.
-            match self.tcp.try_read(buf.initialize_unfilled()) {
+            match this.tcp.try_read(buf.initialize_unfilled()) {
                 Ok(n) => {
                     if n > 0 {
-                        self.request_begun.store(true, Ordering::Relaxed);
+                        this.request_begun.store(true, Ordering::Relaxed);
                     }
                     buf.advance(n);
                     return Poll::Ready(Ok(()));

@@ -282,8 +282,12 @@ pub async fn serve_with(
         let app = app.clone();
         let slot = Arc::new(slot);
         let conn_slot = slot.clone();
+        let waiting_slot = slot.clone();
         let svc = service_fn(move |req| serve_request(app.clone(), slot.clone(), limits, req));
-        let (stream, timeout_reply) = crate::header_timeout::share(stream);
+        let (stream, timeout_reply) = crate::header_timeout::share(
+            stream,
+            Box::new(move || waiting_slot.waiting_for_client()),
+        );
         let conn = builder.serve_connection(TokioIo::new(stream), svc);
         let conn = graceful.watch(conn);
         let header_timeout_ms = config.server.header_timeout_ms;
