@@ -418,17 +418,29 @@ mod tests {
         }
     }
 
+    fn table(cap: usize, reserve: usize, per_client: usize) -> ConnectionTable {
+        ConnectionTable::new(Limits {
+            cap,
+            reserve,
+            per_client,
+        })
+    }
+
+    /// Admits one connection from each of `ips`, a millisecond apart from `t0`.
+    fn admitted(t: &mut ConnectionTable, ips: &[u8], t0: Instant) -> Vec<u64> {
+        ips.iter()
+            .zip(0u64..)
+            .map(|(&last, ms)| go(t.admit(ip(last), t0 + Duration::from_millis(ms))).0)
+            .collect()
+    }
+
     #[tokio::test(start_paused = true)]
     async fn waiting_connections_make_room_oldest_first() {
-        let mut t = ConnectionTable::new(Limits {
-            cap: 3,
-            reserve: 1,
-            per_client: 10,
-        });
+        let mut t = table(3, 1, 10);
         let t0 = Instant::now();
-        let a = go(t.admit(ip(2), t0)).0;
-        let b = go(t.admit(ip(3), t0 + Duration::from_millis(1))).0;
-        let c = go(t.admit(ip(4), t0 + Duration::from_millis(2))).0;
+        let [a, b, c] = admitted(&mut t, &[2, 3, 4], t0)[..] else {
+            unreachable!()
+        };
         for id in [a, b, c] {
             assert!(t.waiting_for_client(id));
         }
@@ -456,14 +468,11 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_new_connection_is_replaceable_only_once_the_server_found_it_waiting() {
-        let mut t = ConnectionTable::new(Limits {
-            cap: 2,
-            reserve: 0,
-            per_client: 10,
-        });
+        let mut t = table(2, 0, 10);
         let t0 = Instant::now();
-        let a = go(t.admit(ip(2), t0)).0;
-        let b = go(t.admit(ip(3), t0 + Duration::from_millis(1))).0;
+        let [a, b] = admitted(&mut t, &[2, 3], t0)[..] else {
+            unreachable!()
+        };
         // Both unread (a probe's head may sit in its socket): nothing to replace, so wait.
         assert!(!t.has_room());
         assert_eq!(t.admit(ip(4), t0), Admit::Wait);
@@ -484,16 +493,12 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn one_client_holds_at_most_its_share() {
-        let mut t = ConnectionTable::new(Limits {
-            cap: 10,
-            reserve: 2,
-            per_client: 2,
-        });
+        let mut t = table(10, 2, 2);
         let now = Instant::now();
-        let a = go(t.admit(ip(2), now)).0;
-        let b = go(t.admit(ip(2), now + Duration::from_millis(1))).0;
         // Its own oldest waiting connection makes room; others are untouched.
-        let other = go(t.admit(ip(3), now)).0;
+        let [a, b, other] = admitted(&mut t, &[2, 2, 3], now)[..] else {
+            unreachable!()
+        };
         for id in [a, b, other] {
             t.waiting_for_client(id);
         }
