@@ -156,7 +156,7 @@ mod proptests {
         /// Valid frames round-trip, whatever follows them.
         #[test]
         fn stats_round_trip(active in any::<u32>(), kv in any::<u64>(), tail in proptest::collection::vec(any::<u8>(), 0..32)) {
-            let msg = ChildMsg::Stats(mlxd_protocol::control::Stats { active, queued: 0, kv_bytes: kv, memory_bytes: kv, drafted_tokens: kv / 2, accepted_tokens: kv / 3, ssd: Default::default(), prefilling: 1, prefill_tokens_left: kv, memory: (active % 2 == 0).then_some(mlxd_protocol::control::MemoryStats { rss_bytes: kv, mlx_active_bytes: kv / 2, mlx_cache_bytes: kv / 3, mlx_cache_limit_bytes: kv / 4, mlx_peak_bytes: kv, mlx_memory_limit_bytes: u64::MAX }) });
+            let msg = ChildMsg::Stats(mlxd_protocol::control::Stats { active, queued: 0, kv_bytes: kv, memory_bytes: kv, drafted_tokens: kv / 2, accepted_tokens: kv / 3, ssd: Default::default(), prefilling: 1, prefill_tokens_left: kv, memory: (active % 2 == 0).then_some(mlxd_protocol::control::MemoryStats { rss_bytes: kv, mlx_active_bytes: kv / 2, mlx_cache_bytes: kv / 3, mlx_cache_limit_bytes: kv / 4, mlx_peak_bytes: kv, mlx_memory_limit_bytes: u64::MAX }), prefix: mlxd_protocol::control::PrefixStats { lookups: kv, hits: kv / 2, reused_tokens: kv / 3, evictions: kv / 4, entries: u64::from(active), bytes: kv } });
             let mut bytes = encode(&msg).unwrap();
             bytes.extend_from_slice(&tail);
             let back = read_frame::<ChildMsg, _>(&mut io::Cursor::new(&bytes[..])).unwrap();
@@ -229,6 +229,7 @@ mod tests {
                 mlx_cache_limit_bytes: 64 << 20,
                 ..Default::default()
             }),
+            prefix: Default::default(),
         });
         let mut buf = Vec::new();
         write_frame_async(&mut buf, &msg).await.unwrap();

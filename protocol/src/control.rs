@@ -95,6 +95,24 @@ pub struct SsdStats {
     pub write_errors: u64,
 }
 
+/// The prefix cache's figures in [`Stats`], counted since the engine started (all 0 with the
+/// cache off, `prompt_cache = 0`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PrefixStats {
+    /// Prompts looked up, those that found a cached prefix (in memory, or on the SSD tier),
+    /// and the prompt tokens those prefixes spared the prefill.
+    pub lookups: u64,
+    pub hits: u64,
+    pub reused_tokens: u64,
+    /// Entries dropped to stay within the cache's budget (not those a longer entry of the same
+    /// tokens made redundant). Many evictions and few hits: the prompts being reused outgrow
+    /// `prompt_cache`, and each evicts what the next one needed.
+    pub evictions: u64,
+    /// Entries and bytes held now.
+    pub entries: u64,
+    pub bytes: u64,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Ready {
     /// The child's [`PROTOCOL_VERSION`].
@@ -226,6 +244,9 @@ pub struct Stats {
     /// engines, and when the engine could not read a figure).
     #[serde(default)]
     pub memory: Option<MemoryStats>,
+    /// The prefix cache since the engine started (absent from older engines).
+    #[serde(default)]
+    pub prefix: PrefixStats,
 }
 
 /// An engine's memory by where it is: the process as the kernel sees it, and MLX's

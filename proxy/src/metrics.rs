@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use crate::engine_event::EngineEvent;
 use bytes::Bytes;
-use mlxd_protocol::control::SsdStats;
+use mlxd_protocol::control::{PrefixStats, SsdStats};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -71,6 +71,11 @@ pub struct Metrics {
     pub ssd_writes: Family<ModelLabel, Counter>,
     pub ssd_invalid: Family<ModelLabel, Counter>,
     pub ssd_bytes: Family<ModelLabel, Gauge>,
+    pub prefix_lookups: Family<ModelLabel, Counter>,
+    pub prefix_hits: Family<ModelLabel, Counter>,
+    pub prefix_reused_tokens: Family<ModelLabel, Counter>,
+    pub prefix_evictions: Family<ModelLabel, Counter>,
+    pub prefix_bytes: Family<ModelLabel, Gauge>,
 }
 
 impl Metrics {
@@ -100,6 +105,11 @@ impl Metrics {
             ssd_writes: Family::default(),
             ssd_invalid: Family::default(),
             ssd_bytes: Family::default(),
+            prefix_lookups: Family::default(),
+            prefix_hits: Family::default(),
+            prefix_reused_tokens: Family::default(),
+            prefix_evictions: Family::default(),
+            prefix_bytes: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -208,6 +218,31 @@ impl Metrics {
             "Bytes of the model's SSD KV files, as its running engine reports",
             m.ssd_bytes.clone(),
         );
+        registry.register(
+            "mlxd_prefix_lookups",
+            "Prompts the engines looked up in their prefix caches",
+            m.prefix_lookups.clone(),
+        );
+        registry.register(
+            "mlxd_prefix_hits",
+            "Prompt lookups that found a cached prefix (in memory or on the SSD tier)",
+            m.prefix_hits.clone(),
+        );
+        registry.register(
+            "mlxd_prefix_reused_tokens",
+            "Prompt tokens taken from the prefix cache instead of prefilled",
+            m.prefix_reused_tokens.clone(),
+        );
+        registry.register(
+            "mlxd_prefix_evictions",
+            "Prefix-cache entries evicted to stay within prompt_cache (many, with few hits: the reused prompts outgrow it)",
+            m.prefix_evictions.clone(),
+        );
+        registry.register(
+            "mlxd_prefix_cache_bytes",
+            "Bytes of KV the model's prefix cache holds, as its running engine reports",
+            m.prefix_bytes.clone(),
+        );
         Self { registry, ..m }
     }
 
@@ -233,6 +268,26 @@ impl Metrics {
         self.ssd_bytes.get_or_create(&l).set(now.bytes as i64);
     }
 
+    /// Adds the prefix cache's new counts (deltas between two `Stats` of one engine, whose
+    /// counters start at 0) and sets its size.
+    pub fn record_prefix(&self, model: &str, before: &PrefixStats, now: &PrefixStats) {
+        let l = Self::label(model);
+        let counters = [
+            (&self.prefix_lookups, now.lookups, before.lookups),
+            (&self.prefix_hits, now.hits, before.hits),
+            (
+                &self.prefix_reused_tokens,
+                now.reused_tokens,
+                before.reused_tokens,
+            ),
+            (&self.prefix_evictions, now.evictions, before.evictions),
+        ];
+        for (family, now, before) in counters {
+            family.get_or_create(&l).inc_by(now.saturating_sub(before));
+        }
+        self.prefix_bytes.get_or_create(&l).set(now.bytes as i64);
+    }
+
     /// Drops the gauges of a model a configuration reload removed (its counters stay: they
     /// are history).
     pub fn forget_model(&self, model: &str) {
@@ -242,6 +297,7 @@ impl Metrics {
         self.memory.remove(&l);
         self.loaded.remove(&l);
         self.acceptance.remove(&l);
+        self.prefix_bytes.remove(&l);
     }
 
     /// Adds an engine's new drafted and accepted tokens (deltas of its `Stats`).
@@ -537,6 +593,50 @@ fn usage_of(v: &Value) -> Option<(u64, u64)> {
 mod tests {
     use super::*;
     use std::sync::Arc;
+
+    #[test]
+    fn prefix_counters_add_each_engines_deltas_and_the_size_is_the_last_report() {
+        let m = Metrics::new();
+        let first = PrefixStats {
+            lookups: 3,
+            hits: 2,
+            reused_tokens: 100,
+            evictions: 1,
+            entries: 2,
+            bytes: 500,
+        };
+        m.record_prefix("a", &PrefixStats::default(), &first);
+        let later = PrefixStats {
+            lookups: 5,
+            hits: 3,
+            reused_tokens: 140,
+            bytes: 400,
+            ..first
+        };
+        m.record_prefix("a", &first, &later);
+        // A restarted engine counts from 0 again: its first report adds whole.
+        let restarted = PrefixStats {
+            lookups: 1,
+            hits: 1,
+            reused_tokens: 10,
+            evictions: 0,
+            entries: 1,
+            bytes: 50,
+        };
+        m.record_prefix("a", &PrefixStats::default(), &restarted);
+        let text = m.encode();
+        for line in [
+            "mlxd_prefix_lookups_total{model=\"a\"} 6",
+            "mlxd_prefix_hits_total{model=\"a\"} 4",
+            "mlxd_prefix_reused_tokens_total{model=\"a\"} 150",
+            "mlxd_prefix_evictions_total{model=\"a\"} 1",
+            "mlxd_prefix_cache_bytes{model=\"a\"} 50",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} not in:\n{text}");
+        }
+        m.forget_model("a");
+        assert!(!m.encode().contains("mlxd_prefix_cache_bytes{"));
+    }
 
     #[test]
     fn decode_rates() {

@@ -195,6 +195,7 @@ async fn a_new_engine_restores_a_long_prefix_from_ssd_and_answers_the_same() -> 
         "two unusable files at start: {e}"
     );
     ensure!(names(&mdir)? == vec![entry.clone()], "{:?}", names(&mdir)?);
+    prefix_hit_counted(&p, prompt_tokens - 1).await?;
 
     // kill -9: the restarted engine has nothing in memory and restores from disk again.
     let pid = ready_pid(&p).await?;
@@ -208,6 +209,7 @@ async fn a_new_engine_restores_a_long_prefix_from_ssd_and_answers_the_same() -> 
     ensure!(cached(&usage) == prompt_tokens - 1, "{usage}");
     let e = wait_ssd(&p, "restored", |s| s["hits"].as_u64() >= Some(1)).await?;
     ensure!(e["pid"].as_i64() != Some(i64::from(pid)), "{e}");
+    prefix_hit_counted(&p, prompt_tokens - 1).await?;
     let text = send(p.addr, "GET", "/metrics", None)
         .await?
         .into_body()
@@ -219,6 +221,38 @@ async fn a_new_engine_restores_a_long_prefix_from_ssd_and_answers_the_same() -> 
         text.lines()
             .any(|l| l.starts_with("mlxd_ssd_hits_total{") && !l.ends_with(" 0")),
         "no SSD hits in /metrics:\n{text}"
+    );
+    // One hit from each of the two engines that restored; /metrics sums the engines.
+    let total = |name: &str| {
+        text.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+    };
+    ensure!(
+        total("mlxd_prefix_hits_total{") == Some(2)
+            && total("mlxd_prefix_lookups_total{") >= Some(2)
+            && total("mlxd_prefix_reused_tokens_total{") == Some(2 * (prompt_tokens - 1)),
+        "prefix-cache counters in /metrics:\n{text}"
+    );
+    Ok(())
+}
+
+/// Waits for the ready engine's stats to show its one prefix lookup, a hit of `tokens`
+/// (a restore from the SSD tier is a prefix-cache hit too).
+async fn prefix_hit_counted(p: &Proxy, tokens: u64) -> Result<()> {
+    let e = p
+        .wait_engine("a prefix hit counted", Duration::from_secs(60), |e| {
+            e["state"] == "ready" && e["stats"]["prefix"]["hits"].as_u64() >= Some(1)
+        })
+        .await?;
+    let prefix = &e["stats"]["prefix"];
+    ensure!(
+        prefix["lookups"].as_u64() == Some(1)
+            && prefix["hits"].as_u64() == Some(1)
+            && prefix["reused_tokens"].as_u64() == Some(tokens)
+            && prefix["entries"].as_u64() >= Some(1)
+            && prefix["bytes"].as_u64() > Some(0),
+        "{e}"
     );
     Ok(())
 }

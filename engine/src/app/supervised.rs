@@ -350,6 +350,7 @@ async fn serve_supervised(
                 prefilling: stats.prefilling.load(Ordering::Relaxed) as u32,
                 prefill_tokens_left: stats.prefill_tokens_left.load(Ordering::Relaxed),
                 memory,
+                prefix: *stats.prefix.lock().unwrap_or_else(|p| p.into_inner()),
             };
             if stats_control.send_stats(message).is_err() {
                 return;

@@ -3,6 +3,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use mlx_rs::error::Exception;
+use mlxd_protocol::control::PrefixStats;
 
 use super::ssd::format::EntryKind;
 use super::ssd::SsdTier;
@@ -35,6 +36,10 @@ pub struct CacheManager {
     ssd: Option<SsdTier>,
     /// When idle entries were last demoted to the SSD tier.
     demoted_at: Option<Instant>,
+    /// Lookups, hits and reused tokens since the manager was made ([`Self::prefix_stats`]).
+    lookups: u64,
+    hits: u64,
+    reused_tokens: u64,
 }
 
 impl CacheManager {
@@ -55,6 +60,9 @@ impl CacheManager {
             layout,
             ssd: None,
             demoted_at: None,
+            lookups: 0,
+            hits: 0,
+            reused_tokens: 0,
         }
     }
 
@@ -192,6 +200,19 @@ impl CacheManager {
         self.prefix.bytes()
     }
 
+    /// The prefix cache's figures for `Stats`: what [`Self::lookup`] found, what the budget
+    /// evicted, what it holds.
+    pub fn prefix_stats(&self) -> PrefixStats {
+        PrefixStats {
+            lookups: self.lookups,
+            hits: self.hits,
+            reused_tokens: self.reused_tokens,
+            evictions: self.prefix.evictions(),
+            entries: self.prefix.len() as u64,
+            bytes: self.prefix.bytes(),
+        }
+    }
+
     /// The longest cached prefix of `prompt` in `space` (the adapter it runs with) that an
     /// entry can restore, leaving at least its last token to run: from memory, or restored
     /// from the SSD tier when a file there matches further. An entry whose windowed layers
@@ -205,6 +226,17 @@ impl CacheManager {
         if !self.prefix.enabled() || prompt.len() < 2 {
             return Ok(None);
         }
+        self.lookups += 1;
+        let found = self.find(space, prompt)?;
+        if let Some(hit) = &found {
+            self.hits += 1;
+            self.reused_tokens += hit.tokens as u64;
+        }
+        Ok(found)
+    }
+
+    /// [`Self::lookup`]'s search, for a prompt of at least two tokens.
+    fn find(&mut self, space: KvSpace, prompt: &[u32]) -> Result<Option<PrefixHit>, Exception> {
         let max = prompt.len() - 1;
         let kinds = &self.kinds;
         let in_memory = self

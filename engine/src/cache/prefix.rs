@@ -40,6 +40,8 @@ pub struct PrefixCache<T> {
     budget: u64,
     bytes: u64,
     clock: u64,
+    /// Entries evicted for the budget so far.
+    evictions: u64,
 }
 
 impl<T> PrefixCache<T> {
@@ -50,6 +52,7 @@ impl<T> PrefixCache<T> {
             budget,
             bytes: 0,
             clock: 0,
+            evictions: 0,
         }
     }
 
@@ -67,6 +70,12 @@ impl<T> PrefixCache<T> {
 
     pub fn len(&self) -> usize {
         self.entries.len()
+    }
+
+    /// Entries evicted to stay within the budget since the cache was made (entries made
+    /// redundant by a longer one, or demoted, or cleared, are not counted).
+    pub fn evictions(&self) -> u64 {
+        self.evictions
     }
 
     pub fn is_empty(&self) -> bool {
@@ -164,6 +173,7 @@ impl<T> PrefixCache<T> {
                 .map(|(i, _)| i)
                 .expect("over budget means at least one entry");
             self.entries.swap_remove(lru);
+            self.evictions += 1;
             self.recount();
         }
         before + 1 - self.entries.len()
@@ -245,6 +255,10 @@ mod tests {
         assert!(c.lookup(&[2, 0], 1).is_none());
         assert!(c.lookup(&[1, 0], 1).is_some());
         assert_eq!(c.bytes(), 20);
+        assert_eq!(c.evictions(), 1);
+        // A longer entry replacing its own prefix is not an eviction.
+        c.insert(vec![1, 5], "a2", 10);
+        assert_eq!((c.len(), c.evictions()), (2, 1));
     }
 
     #[test]

@@ -971,6 +971,7 @@ impl<'m> Executor<'m> {
             .store(held as u64, Ordering::Relaxed);
         let kv = self.batch.kv_bytes() + prefill_bytes + self.caches.prefix_bytes() as usize;
         self.stats.kv_bytes.store(kv as u64, Ordering::Relaxed);
+        *self.stats.prefix.lock().unwrap_or_else(|p| p.into_inner()) = self.caches.prefix_stats();
         let drafts = self.batch.draft_counts;
         self.stats.drafted.store(drafts.drafted, Ordering::Relaxed);
         self.stats

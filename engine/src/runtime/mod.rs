@@ -234,6 +234,8 @@ pub struct RuntimeStats {
     pub accepted: AtomicU64,
     /// The SSD tier's counters (all 0 without one).
     pub ssd: Arc<SsdCounters>,
+    /// The prefix cache's figures, as of the model thread's last iteration.
+    pub prefix: std::sync::Mutex<mlxd_protocol::control::PrefixStats>,
     /// Tokens the admitted sequences hold (prompt and generated; not the prefix cache): their
     /// KV positions (of a prompt still prefilling, those written so far), which the
     /// memory-pressure watch sees grow in an engine that presses on a full device, whether it

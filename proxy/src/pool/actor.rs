@@ -709,17 +709,20 @@ impl Pool {
             EngineEvent::Stats(_) if slot.state.engine().is_none() => {}
             EngineEvent::Stats(s) => {
                 // The engine's totals restart with the process (`stats` go with it).
-                let (drafted, accepted, ssd) = (s.drafted_tokens, s.accepted_tokens, s.ssd);
+                let (drafted, accepted, ssd, prefix) =
+                    (s.drafted_tokens, s.accepted_tokens, s.ssd, s.prefix);
                 let before = lifecycle::stats(slot, s, Instant::now());
-                let (d0, a0, ssd0) = before.map_or((0, 0, Default::default()), |p| {
-                    (p.drafted_tokens, p.accepted_tokens, p.ssd)
-                });
+                let (d0, a0, ssd0, prefix0) = before
+                    .map_or((0, 0, Default::default(), Default::default()), |p| {
+                        (p.drafted_tokens, p.accepted_tokens, p.ssd, p.prefix)
+                    });
                 self.metrics.record_drafts(
                     &key,
                     drafted.saturating_sub(d0),
                     accepted.saturating_sub(a0),
                 );
                 self.metrics.record_ssd(&key, &ssd0, &ssd);
+                self.metrics.record_prefix(&key, &prefix0, &prefix);
                 // Reported memory changed what fits.
                 if !self.queue.is_empty() {
                     self.place();

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::UNIX_EPOCH;
 
-use mlxd_protocol::control::{LoadPhase, MemoryStats, SsdStats};
+use mlxd_protocol::control::{LoadPhase, MemoryStats, PrefixStats, SsdStats};
 use serde::Serialize;
 use tokio::time::Instant;
 
@@ -104,6 +104,9 @@ pub struct StatsInfo {
     /// The SSD KV tier of the running engine (absent without `ssd_cache`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ssd: Option<SsdStats>,
+    /// The running engine's prefix cache: lookups, hits, reused tokens, evictions since it
+    /// started, and what it holds now.
+    pub prefix: PrefixStats,
     /// The engine's memory by where it is: resident set, MLX's arrays, cache and peak
     /// (absent when the engine does not report it).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -198,6 +201,7 @@ impl Slot {
                 prefilling: s.prefilling,
                 prefill_tokens_left: s.prefill_tokens_left,
                 ssd: (s.ssd != SsdStats::default()).then_some(s.ssd),
+                prefix: s.prefix,
                 memory: s.memory.clone(),
             }),
             standby: self.standby.as_ref().map(|s| StandbyInfo {

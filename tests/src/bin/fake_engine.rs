@@ -362,6 +362,7 @@ async fn run(
                     prefilling: engine.prefilling.load(Ordering::Relaxed),
                     prefill_tokens_left: engine.prefill_tokens_left.load(Ordering::Relaxed),
                     memory: None,
+                    prefix: Default::default(),
                 });
                 if shutting_down && active == 0 {
                     script.event("shutdown complete");
