@@ -492,6 +492,20 @@ fn until_cell(e: &Value) -> String {
     }
 }
 
+/// `mlxd ps`'s PREFIX HITS column: the running engine's prompt lookups that found a cached
+/// prefix, of all its lookups, and the entries its budget evicted (many evictions with few hits:
+/// `--prompt-cache` is too small for the prompts being reused); `-` before its first stats.
+fn prefix_cell(e: &Value) -> String {
+    let p = &e["stats"]["prefix"];
+    let (Some(hits), Some(lookups)) = (p["hits"].as_u64(), p["lookups"].as_u64()) else {
+        return "-".into();
+    };
+    match p["evictions"].as_u64().unwrap_or(0) {
+        0 => format!("{hits}/{lookups}"),
+        evicted => format!("{hits}/{lookups}, {evicted} evicted"),
+    }
+}
+
 /// `mlxd ps`: running engines, from `GET /engines`; with `verbose`, every configured model
 /// and whole failure reasons.
 pub fn ps_table(engines: &Value, verbose: bool) -> String {
@@ -516,6 +530,7 @@ pub fn ps_table(engines: &Value, verbose: bool) -> String {
                 e["in_flight"].to_string(),
                 e["queued_requests"].to_string(),
                 e["restarts"].as_u64().map_or("-".into(), |n| n.to_string()),
+                prefix_cell(e),
                 e["device"]
                     .as_str()
                     .or_else(|| e["ready"]["device"].as_str())
@@ -535,6 +550,7 @@ pub fn ps_table(engines: &Value, verbose: bool) -> String {
             "IN-FLIGHT",
             "QUEUED",
             "RESTARTS",
+            "PREFIX HITS",
             "DEVICE",
         ],
         &rows,
@@ -891,9 +907,18 @@ mod tests {
         ]});
         assert_eq!(
             ps_table(&engines, false),
-            "MODEL  PID  STATE         MEMORY   UPTIME  UNTIL  IN-FLIGHT  QUEUED  RESTARTS  DEVICE\n\
-             a      42   ready         3.0 GiB  1m15s   never  2          0       -         -\n\
-             bb     -    failed: boom  0 B      -       -      0          0       -         -\n"
+            "MODEL  PID  STATE         MEMORY   UPTIME  UNTIL  IN-FLIGHT  QUEUED  RESTARTS  PREFIX HITS  DEVICE\n\
+             a      42   ready         3.0 GiB  1m15s   never  2          0       -         -            -\n\
+             bb     -    failed: boom  0 B      -       -      0          0       -         -            -\n"
+        );
+        let cached = |prefix: Value| json!({"stats": {"prefix": prefix}});
+        assert_eq!(
+            prefix_cell(&cached(json!({"lookups": 40, "hits": 12, "evictions": 0}))),
+            "12/40"
+        );
+        assert_eq!(
+            prefix_cell(&cached(json!({"lookups": 40, "hits": 2, "evictions": 31}))),
+            "2/40, 31 evicted"
         );
         let idle = json!({"engines": [
             {"model": "a", "pid": 1, "state": "ready", "ttl_s": 300.0, "idle_s": 10.2},
