@@ -105,8 +105,9 @@ pub struct PrefixStats {
     pub hits: u64,
     pub reused_tokens: u64,
     /// Entries dropped to stay within the cache's budget (not those a longer entry of the same
-    /// tokens made redundant). Many evictions and few hits: the prompts being reused outgrow
-    /// `prompt_cache`, and each evicts what the next one needed.
+    /// tokens made redundant). Many evictions and few hits, where prompts repeat: they outgrow
+    /// `prompt_cache`, and each evicts what the next one needed (where every prompt is new,
+    /// evictions only make room).
     pub evictions: u64,
     /// Entries and bytes held now.
     pub entries: u64,

@@ -493,8 +493,8 @@ fn until_cell(e: &Value) -> String {
 }
 
 /// `mlxd ps`'s PREFIX HITS column: the running engine's prompt lookups that found a cached
-/// prefix, of all its lookups, and the entries its budget evicted (many evictions with few hits:
-/// `--prompt-cache` is too small for the prompts being reused); `-` before its first stats.
+/// prefix, of all its lookups, and the entries its budget evicted (many evictions with few hits,
+/// where prompts repeat: `--prompt-cache` is too small for them); `-` before its first stats.
 fn prefix_cell(e: &Value) -> String {
     let p = &e["stats"]["prefix"];
     let (Some(hits), Some(lookups)) = (p["hits"].as_u64(), p["lookups"].as_u64()) else {

@@ -235,7 +235,7 @@ impl Metrics {
         );
         registry.register(
             "mlxd_prefix_evictions",
-            "Prefix-cache entries evicted to stay within prompt_cache (many, with few hits: the reused prompts outgrow it)",
+            "Prefix-cache entries evicted to stay within prompt_cache (many, with few hits where prompts repeat: they outgrow it)",
             m.prefix_evictions.clone(),
         );
         registry.register(
