@@ -15,6 +15,8 @@
 //! MLX keeps up to its memory limit; `mlxd-engine` sets a bound from its KV budget, 1 GiB
 //! without one). The line adds `ragged` and `cache_limit` where given, and always
 //! `peak_memory_bytes`: MLX's peak memory over the timed runs (weights included).
+//! `MLXD_HOST_PROFILE=<file>` (Linux) samples the host over the timed runs
+//! (`support/host_sampler.rs`; `scripts/bench/host_profile.py` reads the file).
 //!
 //! Prints one JSON object with the medians of `runs` timed runs after one warm-up run:
 //! `ttft_s` (submission to the first token of the first sequence), `prefill_tps` (prompt
@@ -24,6 +26,10 @@
 //! `scripts/bench/mlx_lm_bench.py` uses, so the two can be compared in one run
 //! (`scripts/bench/engine.sh`). The prefix cache is off, so repeated runs do the same work.
 use std::time::Instant;
+
+#[cfg(target_os = "linux")]
+#[path = "support/host_sampler.rs"]
+mod host_sampler;
 
 use mlxd_engine::adapters::AdapterId;
 use mlxd_engine::runtime::draft::{DraftSource, Speculation, DEFAULT_NGRAM, DEFAULT_NUM_DRAFT};
@@ -254,9 +260,20 @@ fn main() -> anyhow::Result<()> {
         &adapters,
     )?;
     mlx_rs::memory::reset_peak_memory()?;
+    #[cfg(target_os = "linux")]
+    let sampler = host_sampler::Sampler::from_env()?;
+    #[cfg(not(target_os = "linux"))]
+    anyhow::ensure!(
+        std::env::var_os("MLXD_HOST_PROFILE").is_none(),
+        "MLXD_HOST_PROFILE samples the host on Linux only"
+    );
     let runs: Vec<Run> = (0..runs)
         .map(|_| run(&runtime, &prompts, new_tokens, temperature, &adapters))
         .collect::<Result<_, _>>()?;
+    #[cfg(target_os = "linux")]
+    if let Some(sampler) = sampler {
+        sampler.finish()?;
+    }
     let ttft = median(runs.iter().map(|r| r.ttft).collect());
     let prefill = median(runs.iter().map(|r| r.prefill_tps).collect());
     let decode = median(runs.iter().map(|r| r.decode_tps).collect());

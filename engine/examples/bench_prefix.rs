@@ -18,7 +18,14 @@
 //! hits, as a chat server sees after a restart of its clients or an agent fanning out), and
 //! prints the medians over runs of the burst's median and slowest time to first token (with a
 //! 32 GiB prefix cache, so that every prefix of the burst stays cached).
+//!
+//! `MLXD_HOST_PROFILE=<file>` (Linux) samples the host during the timed hits only
+//! (`support/host_sampler.rs`; `scripts/bench/host_profile.py` reads the file).
 use std::time::Instant;
+
+#[cfg(target_os = "linux")]
+#[path = "support/host_sampler.rs"]
+mod host_sampler;
 
 use mlxd_engine::runtime::request::{GenerateRequest, TokenEvent};
 use mlxd_engine::runtime::{Runtime, RuntimeLimits};
@@ -157,6 +164,26 @@ fn main() -> anyhow::Result<()> {
     };
     let runtime = Runtime::start(args[0].clone().into(), limits, None)?;
     let vocab = runtime.info.vocab_size;
+    #[cfg(target_os = "linux")]
+    let sampler = host_sampler::Sampler::from_env()?;
+    #[cfg(not(target_os = "linux"))]
+    anyhow::ensure!(
+        std::env::var_os("MLXD_HOST_PROFILE").is_none(),
+        "MLXD_HOST_PROFILE samples the host on Linux only"
+    );
+    // Samples the timed single hits alone.
+    let sample_hits = |on: bool| {
+        #[cfg(target_os = "linux")]
+        if let Some(s) = &sampler {
+            if on {
+                s.resume()
+            } else {
+                s.pause()
+            }
+        }
+        let _ = on;
+    };
+    sample_hits(false);
     let mut seed = 0;
     for &n in &lengths {
         if let Some(count) = together {
@@ -208,7 +235,10 @@ fn main() -> anyhow::Result<()> {
             let prefix = tokens(n, vocab, seed * 1000);
             let ask = |q: u64| [prefix.clone(), tokens(16, vocab, seed * 1000 + q)].concat();
             let (miss, _) = ttft(&runtime, ask(1))?;
-            let (hit, cached) = ttft(&runtime, ask(2))?;
+            sample_hits(run > 0);
+            let hit = ttft(&runtime, ask(2));
+            sample_hits(false);
+            let (hit, cached) = hit?;
             if run > 0 {
                 misses.push(miss);
                 hits.push(hit);
@@ -220,6 +250,10 @@ fn main() -> anyhow::Result<()> {
             "{{\"impl\":\"mlxd\",\"prefix_tokens\":{n},\"cached_tokens\":{found},\"miss_ttft_s\":{miss:.4},\"hit_ttft_s\":{hit:.4},\"hit_over_miss\":{:.3}}}",
             hit / miss
         );
+    }
+    #[cfg(target_os = "linux")]
+    if let Some(sampler) = sampler {
+        sampler.finish()?;
     }
     runtime.join();
     Ok(())
