@@ -27,7 +27,6 @@
 //! (`scripts/bench/engine.sh`). The prefix cache is off, so repeated runs do the same work.
 use std::time::Instant;
 
-#[cfg(target_os = "linux")]
 #[path = "support/host_sampler.rs"]
 mod host_sampler;
 
@@ -260,17 +259,10 @@ fn main() -> anyhow::Result<()> {
         &adapters,
     )?;
     mlx_rs::memory::reset_peak_memory()?;
-    #[cfg(target_os = "linux")]
     let sampler = host_sampler::Sampler::from_env()?;
-    #[cfg(not(target_os = "linux"))]
-    anyhow::ensure!(
-        std::env::var_os("MLXD_HOST_PROFILE").is_none(),
-        "MLXD_HOST_PROFILE samples the host on Linux only"
-    );
     let runs: Vec<Run> = (0..runs)
         .map(|_| run(&runtime, &prompts, new_tokens, temperature, &adapters))
         .collect::<Result<_, _>>()?;
-    #[cfg(target_os = "linux")]
     if let Some(sampler) = sampler {
         sampler.finish()?;
     }

@@ -23,7 +23,6 @@
 //! (`support/host_sampler.rs`; `scripts/bench/host_profile.py` reads the file).
 use std::time::Instant;
 
-#[cfg(target_os = "linux")]
 #[path = "support/host_sampler.rs"]
 mod host_sampler;
 
@@ -164,16 +163,9 @@ fn main() -> anyhow::Result<()> {
     };
     let runtime = Runtime::start(args[0].clone().into(), limits, None)?;
     let vocab = runtime.info.vocab_size;
-    #[cfg(target_os = "linux")]
     let sampler = host_sampler::Sampler::from_env()?;
-    #[cfg(not(target_os = "linux"))]
-    anyhow::ensure!(
-        std::env::var_os("MLXD_HOST_PROFILE").is_none(),
-        "MLXD_HOST_PROFILE samples the host on Linux only"
-    );
     // Samples the timed single hits alone.
     let sample_hits = |on: bool| {
-        #[cfg(target_os = "linux")]
         if let Some(s) = &sampler {
             if on {
                 s.resume()
@@ -181,7 +173,6 @@ fn main() -> anyhow::Result<()> {
                 s.pause()
             }
         }
-        let _ = on;
     };
     sample_hits(false);
     let mut seed = 0;
@@ -251,7 +242,6 @@ fn main() -> anyhow::Result<()> {
             hit / miss
         );
     }
-    #[cfg(target_os = "linux")]
     if let Some(sampler) = sampler {
         sampler.finish()?;
     }

@@ -44,6 +44,20 @@ def load(path):
     return samples, threads, maps
 
 
+def symbols(path, flags):
+    """The function symbols of `path` (`nm` with `flags`), sorted: start addresses, names."""
+    starts, names = [], []
+    out = subprocess.run(
+        ["nm", "-C", "-n", "--defined-only", *flags, path], capture_output=True, text=True
+    ).stdout
+    for line in out.splitlines():
+        f = line.split(" ", 2)
+        if len(f) == 3 and f[1] in "tTwWiI":
+            starts.append(int(f[0], 16))
+            names.append(f[2])
+    return starts, names
+
+
 class Binary:
     """One file's symbols by virtual address."""
 
@@ -54,24 +68,9 @@ class Binary:
             f = line.split()
             if f and f[0] == "LOAD":
                 self.segments.append((int(f[1], 16), int(f[2], 16), int(f[4], 16)))
-        starts, names = [], []
-        out = subprocess.run(
-            ["nm", "-C", "-n", "--defined-only", path], capture_output=True, text=True
-        ).stdout
-        for line in out.splitlines():
-            f = line.split(" ", 2)
-            if len(f) == 3 and f[1] in "tTwWiI":
-                starts.append(int(f[0], 16))
-                names.append(f[2])
+        starts, names = symbols(path, [])
         if not starts:  # stripped: the dynamic symbols
-            out = subprocess.run(
-                ["nm", "-C", "-D", "-n", "--defined-only", path], capture_output=True, text=True
-            ).stdout
-            for line in out.splitlines():
-                f = line.split(" ", 2)
-                if len(f) == 3 and f[1] in "tTwWiI":
-                    starts.append(int(f[0], 16))
-                    names.append(f[2])
+            starts, names = symbols(path, ["-D"])
         self.starts, self.names = starts, names
 
     def name(self, file_offset):

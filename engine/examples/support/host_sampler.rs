@@ -42,10 +42,22 @@ extern "C" fn on_sigprof(_: c_int) {
     // the buffer of `CAPACITY * SLOT` words, which lives until the process exits.
     unsafe {
         let slot = buffer.add(i * SLOT);
-        *slot = libc::syscall(libc::SYS_gettid) as usize;
+        *slot = thread_id();
         let frames = backtrace(slot.add(2).cast(), DEPTH as c_int);
         *slot.add(1) = frames.max(0) as usize;
     }
+}
+
+/// The calling thread's kernel id (its `/proc/self/task` entry); async-signal-safe.
+#[cfg(target_os = "linux")]
+fn thread_id() -> usize {
+    // SAFETY: `gettid` takes no arguments and cannot fail.
+    unsafe { libc::syscall(libc::SYS_gettid) as usize }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn thread_id() -> usize {
+    0
 }
 
 /// A running sampler; [`Sampler::finish`] stops it and writes what it took.
@@ -54,11 +66,16 @@ pub struct Sampler {
 }
 
 impl Sampler {
-    /// Starts sampling when `MLXD_HOST_PROFILE` names a file; `None` otherwise.
+    /// Starts sampling when `MLXD_HOST_PROFILE` names a file; `None` otherwise. Linux only
+    /// (thread ids and `/proc/self/maps`): elsewhere the variable is an error.
     pub fn from_env() -> anyhow::Result<Option<Self>> {
         let Some(path) = std::env::var_os("MLXD_HOST_PROFILE") else {
             return Ok(None);
         };
+        anyhow::ensure!(
+            cfg!(target_os = "linux"),
+            "MLXD_HOST_PROFILE samples the host on Linux only"
+        );
         let words = vec![0usize; CAPACITY * SLOT].into_boxed_slice();
         BUFFER.store(Box::leak(words).as_mut_ptr(), Ordering::Release);
         // The first call loads the unwinder (`dlopen`), which a signal handler must not do.
