@@ -19,7 +19,7 @@
 //! prints the medians over runs of the burst's median and slowest time to first token (with a
 //! 32 GiB prefix cache, so that every prefix of the burst stays cached).
 //!
-//! `MLXD_HOST_PROFILE=<file>` (Linux) samples the host during the timed hits only
+//! `MLXD_HOST_PROFILE=<file>` (Linux) samples the host during the timed single hits only
 //! (`support/host_sampler.rs`; `scripts/bench/host_profile.py` reads the file).
 use std::time::Instant;
 
@@ -164,14 +164,10 @@ fn main() -> anyhow::Result<()> {
     let runtime = Runtime::start(args[0].clone().into(), limits, None)?;
     let vocab = runtime.info.vocab_size;
     let sampler = host_sampler::Sampler::from_env()?;
-    // Samples the timed single hits alone.
+    // Samples the timed single hits alone (nothing with `--together`).
     let sample_hits = |on: bool| {
         if let Some(s) = &sampler {
-            if on {
-                s.resume()
-            } else {
-                s.pause()
-            }
+            s.set_sampling(on);
         }
     };
     sample_hits(false);

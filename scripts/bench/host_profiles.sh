@@ -4,12 +4,13 @@
 #   scripts/bench/host_profiles.sh <model dir> <adapter dir>[,<adapter dir>...] <out dir>
 #
 # Engine core at 32 greedy rows, 128-token prompts, 256 new tokens: the base, then every row
-# taking one of the adapters in turn, each sampled on the host (MLXD_HOST_PROFILE, with the
-# step trace on stderr); then prefix hits at 5 000 tokens (bench_prefix, the hits alone
-# sampled); then MLX's CUDA graph size (MLX_MAX_OPS_PER_BUFFER=400, MLX_MAX_MB_PER_BUFFER=20000
-# against MLX's defaults), base and adapters, unprofiled; then the CUDA graphs of one miss and
-# one hit as dot files (MLX_SAVE_CUDA_GRAPHS_DOT_FILE, in graphs.tgz). Read the profiles here
-# with scripts/bench/host_profile.py and the same build's unstripped binaries. BENCH_BIN and
+# taking one of the adapters in turn, each sampled on the host (MLXD_HOST_PROFILE, with the step
+# trace on stderr); then 60 prefix hits at 5 000 tokens (bench_prefix, the hits alone sampled: a
+# hit is ~12 ms on an H100, ~3 samples at the kernel's 4 ms tick); then MLX's CUDA graph size
+# (MLX_MAX_OPS_PER_BUFFER=400, MLX_MAX_MB_PER_BUFFER=20000 against MLX's defaults), base and
+# adapters, unprofiled; then the CUDA graphs of one miss and one hit as dot files
+# (MLX_SAVE_CUDA_GRAPHS_DOT_FILE, in graphs.tgz). Read the profiles here with
+# scripts/bench/host_profile.py and the same build's unstripped binaries. BENCH_BIN and
 # PREFIX_BIN override the benchmark binaries (default target/release/examples/).
 set -uo pipefail
 model=$1 adapters=$2 out=$3
@@ -29,7 +30,7 @@ profile() {
 profile base
 profile adapters --adapters "$adapters"
 MLXD_HOST_PROFILE=$out/profile-hit.txt RUST_LOG=mlxd_engine::step=trace,mlxd_engine::prefix=debug \
-  timeout 90 "$prefix" "$model" 8 5000 >"$out/prefix.jsonl" 2>"$out/trace-hit.log"
+  timeout 120 "$prefix" "$model" 60 5000 >"$out/prefix.jsonl" 2>"$out/trace-hit.log"
 echo "prefix hits: rc $? at $((SECONDS - t0)) s: $(cat "$out/prefix.jsonl")"
 core() {
   local ops=$1

@@ -1,13 +1,15 @@
 //! A sampling profiler of the host for the benchmarks: where a decode step's host time goes
 //! (graph building, MLX's evaluation, the CUDA driver), which the step trace only splits in two.
 //!
-//! `SIGPROF` fires every millisecond of the process's CPU time (`setitimer(ITIMER_PROF)`); the
-//! handler records the interrupted thread's id and its return addresses (glibc's `backtrace`,
-//! which unwinds through MLX's and the driver's frames by their `.eh_frame`) into a buffer
-//! allocated before the timer starts. [`Sampler::finish`] writes the samples, the threads'
-//! names and `/proc/self/maps`; `scripts/bench/host_profile.py` turns them into functions on
-//! the machine that has the same binaries unstripped. Nothing here runs unless a benchmark is
-//! given a file to write (`MLXD_HOST_PROFILE`).
+//! `SIGPROF` fires as the process spends CPU time (`setitimer(ITIMER_PROF)`, asked for every
+//! millisecond; the kernel delivers at its tick, every 4 ms at 250 Hz, so a short phase needs
+//! many repeats to be sampled well); the handler records the interrupted thread's id and its
+//! return addresses (glibc's `backtrace`, which unwinds through MLX's and the driver's frames
+//! by their `.eh_frame`) into a buffer allocated before the timer starts. [`Sampler::finish`]
+//! writes the samples, the threads' names and `/proc/self/maps`;
+//! `scripts/bench/host_profile.py` turns them into functions on the machine that has the same
+//! binaries unstripped. Nothing here runs unless a benchmark is given a file to write
+//! (`MLXD_HOST_PROFILE`).
 use std::ffi::{c_int, c_void};
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
@@ -26,7 +28,7 @@ extern "C" {
 
 static BUFFER: AtomicPtr<usize> = AtomicPtr::new(std::ptr::null_mut());
 static NEXT: AtomicUsize = AtomicUsize::new(0);
-/// Whether a signal takes a sample ([`Sampler::pause`] keeps the timer but takes none).
+/// Whether a signal takes a sample ([`Sampler::set_sampling`]).
 static ACTIVE: AtomicBool = AtomicBool::new(true);
 
 extern "C" fn on_sigprof(_: c_int) {
@@ -111,16 +113,11 @@ impl Sampler {
         Ok(Some(Self { path: path.into() }))
     }
 
-    /// Takes no samples until [`Sampler::resume`] (a benchmark's untimed work).
-    #[allow(dead_code)] // not every benchmark pauses
-    pub fn pause(&self) {
-        ACTIVE.store(false, Ordering::Relaxed);
-    }
-
-    /// Takes samples again after [`Sampler::pause`].
-    #[allow(dead_code)]
-    pub fn resume(&self) {
-        ACTIVE.store(true, Ordering::Relaxed);
+    /// Whether signals take samples from now on (off: a benchmark's untimed work; the timer
+    /// keeps running).
+    #[allow(dead_code)] // not every benchmark turns it off
+    pub fn set_sampling(&self, on: bool) {
+        ACTIVE.store(on, Ordering::Relaxed);
     }
 
     /// Stops the timer and writes `S <tid> <address>…` per sample, `T <tid> <name>` per thread
