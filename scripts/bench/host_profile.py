@@ -83,13 +83,17 @@ class Binary:
         return self.names[i] if i >= 0 else None
 
 
+# Each file's symbols, read once (`--compare` names two profiles' frames in the same files).
+BINARIES = {}
+
+
 def symbolizer(maps, dirs):
     found = {}
     for d in dirs:
         for root, _, files in os.walk(d):
             for f in files:
                 found.setdefault(f, os.path.join(root, f))
-    binaries, cache = {}, {}
+    cache = {}
     starts = [m[0] for m in maps]
 
     def name(address):
@@ -102,9 +106,9 @@ def symbolizer(maps, dirs):
             base = os.path.basename(path)
             local = found.get(base)
             if local:
-                if local not in binaries:
-                    binaries[local] = Binary(local)
-                n = binaries[local].name(address - lo + offset)
+                if local not in BINARIES:
+                    BINARIES[local] = Binary(local)
+                n = BINARIES[local].name(address - lo + offset)
                 result = n if n else f"{base}+?"
             else:
                 result = f"{base}+?"
@@ -127,7 +131,7 @@ def analyse(path, dirs, thread):
     else:
         tids = {by_thread.most_common(1)[0][0]} if by_thread else set()
     name = symbolizer(maps, dirs)
-    inclusive, own, callers = collections.Counter(), collections.Counter(), {}
+    inclusive, own = collections.Counter(), collections.Counter()
     stacks = []
     for tid, frames in samples:
         if tid not in tids:
