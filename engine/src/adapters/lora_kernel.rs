@@ -24,7 +24,8 @@
 //! On an H100 the engine core then decodes 32 rows over four float32 adapters at 8.2–8.8k
 //! tok/s against the matmuls' 5.4k (the base alone: 13.2–13.6k), and a site's two nodes cost
 //! what two plain nodes do in a chain of them (BENCHMARKS.md): what is left is the host's
-//! cost per node. A first version did all of it in one kernel, each block recomputing `h`
+//! cost per node, MLX's custom-kernel call path the larger part of it (which
+//! [`crate::cuda_kernel`] trims by specialising each kernel once). A first version did all of it in one kernel, each block recomputing `h`
 //! over the whole of `in`: one node, but its few warps walked thousands of positions one
 //! after another, and the same decode fell to 1.6k. A single launch whose expand blocks wait
 //! on a count of finished shrink blocks (95d41bf, reverted) agreed with the matmuls but cost
