@@ -25,9 +25,10 @@
 //! tok/s against the matmuls' 5.4k (the base alone: 13.2–13.6k), and a site's two nodes cost
 //! what two plain nodes do in a chain of them (BENCHMARKS.md): what is left is the host's
 //! cost per node, MLX's custom-kernel call path the larger part of it (which
-//! [`crate::cuda_kernel`] trims by specialising each kernel once). A first version did all of it in one kernel, each block recomputing `h`
-//! over the whole of `in`: one node, but its few warps walked thousands of positions one
-//! after another, and the same decode fell to 1.6k. A single launch whose expand blocks wait
+//! [`crate::cuda_kernel`] trims by specialising each kernel once). A first version did all of
+//! it in one kernel, each block recomputing `h` over the whole of `in`: one node, but its few
+//! warps walked thousands of positions one after another, and the same decode fell to 1.6k.
+//! A single launch whose expand blocks wait
 //! on a count of finished shrink blocks (95d41bf, reverted) agreed with the matmuls but cost
 //! 55–8 900 µs a site against these kernels' 32–62 (BENCHMARKS.md, session 39). Off CUDA, for other shapes, for passes
 //! of many rows (prefill: cuBLAS's tiles pay off there), and with `MLXD_LORA_KERNEL=0` (see
