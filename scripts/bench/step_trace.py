@@ -24,7 +24,9 @@ stamps are when mlxd re-emitted each line, so its gaps are good to a millisecond
 With `--rounds MS`: the log cut into rounds at every idle gap over MS milliseconds (a load
 client started once per round leaves one between rounds), one JSON line per round: its wall
 time from the first step's start to the last step's end, its decode steps and their median
-host time and `async_eval`, the host time of its first five steps, and its prefill steps.
+host time and `async_eval`, the host time of its first five steps, its prefill steps, and the
+steady steps (no row joining) of its commonest batch size with their medians of building the
+graph, `async_eval` and the whole step: the figures to set beside the engine core's.
 Where a round's time goes (a slow start, or every step slower) shows in it.
 """
 import collections
@@ -76,6 +78,21 @@ def slow(path, ms):
         print(json.dumps({"slow_steps": 0, "over_ms": ms}))
 
 
+def steady_parts(decode):
+    """The steady steps of a round's commonest batch size: their rows, count and medians of
+    building the model's graph, `async_eval` and the whole step."""
+    steady = [f for f in decode if f.get("joined", 1) == 0]
+    if not steady:
+        return {"steady_rows": None}
+    rows = collections.Counter(f["rows"] for f in steady).most_common(1)[0][0]
+    group = [f for f in steady if f["rows"] == rows]
+    return {
+        "steady_rows": rows, "steady_steps": len(group),
+        **{f"steady_median_{part}": statistics.median(f.get(part, 0) for f in group)
+           for part in ("build_forward_us", "async_eval_us", "total_us")},
+    }
+
+
 def rounds(path, ms):
     current, previous_end = None, None
 
@@ -89,6 +106,9 @@ def rounds(path, ms):
                 statistics.median(f.get("async_eval_us", 0) for f in decode) if decode else None,
             "first_steps_us": [host_us(k, f) for k, f in r["steps"][:5]],
             "prefill_steps": sum(1 for k, _ in r["steps"] if k == "prefill"),
+            # Steps of the round's commonest batch size with no row joining: the same work
+            # each, so their medians compare from round to round (and with the engine core's).
+            **steady_parts(decode),
         }))
 
     n = 0
