@@ -17,11 +17,15 @@ model=$1 adapters=$2 out=$3
 mkdir -p "$out"
 t0=$SECONDS
 left() { echo $((${DEADLINE:-600} - (SECONDS - t0))); }
+# A run's time limit: `limit` seconds, or what is left before DEADLINE if less. The first runs
+# of a fresh machine wait for MLX to compile its kernels (on an H100 in session 47 the first
+# core run took over 60 s and the first served warm-up round 110 s), so the limits leave room.
+cap() { local l; l=$(left); echo $(($1 < l ? $1 : (l > 1 ? l : 1))); }
 dir_of() { [[ $1 == old ]] && echo "$OLD" || echo "$NEW"; }
 core() { # core <old|new> [bench_generate args]
   local which=$1
   shift
-  timeout 60 "$(dir_of "$which")/bench_generate" "$model" 128 256 3 32 0 "$@" >"$out/line.tmp" 2>/dev/null
+  timeout "$(cap 150)" "$(dir_of "$which")/bench_generate" "$model" 128 256 3 32 0 "$@" >"$out/line.tmp" 2>/dev/null
   echo "core $which ${1:+adapters }rc $? at $((SECONDS - t0)) s: $(grep -o '"decode_tps":[0-9.]*' "$out/line.tmp")"
   sed "s/}\$/,\"build\":\"$which\"}/" "$out/line.tmp" >>"$out/core.jsonl"
 }
@@ -37,7 +41,7 @@ for which in new old; do
   [[ $(left) -gt 70 ]] || break
   # h200.sh finds the base and its adapters by name under MODELS.
   MODELS=$models_dir MLXD_BIN_DIR=$(dir_of "$which") ADAPTER_TOKENS=256 ADAPTER_ROUNDS=2 ADAPTER_TEMPS=0 \
-    timeout 120 bash scripts/bench/h200.sh adapters "$out/served-$which" >/dev/null 2>&1
+    timeout "$(cap 240)" bash scripts/bench/h200.sh adapters "$out/served-$which" >/dev/null 2>&1
   echo "served $which rc $? at $((SECONDS - t0)) s"
   sed "s/}\$/,\"build\":\"$which\"}/" "$out/served-$which/adapters-kernels-1.jsonl" >>"$out/served.jsonl"
 done
