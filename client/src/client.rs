@@ -190,6 +190,31 @@ impl Client {
         Err(self.error_from(resp).await)
     }
 
+    /// [`Self::exchange`] for a route that answers with server-sent events: a success that is
+    /// not a `200` event stream is [`ClientError::Decode`], naming `what` was asked for.
+    pub(crate) async fn exchange_events(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+        what: &str,
+    ) -> Result<Response<Body>, ClientError> {
+        let resp = self.exchange(method, path, body).await?;
+        let is_sse = resp
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        if resp.status() != StatusCode::OK || !is_sse {
+            return Err(ClientError::Decode(format!(
+                "{what}: the answer is {} {:?}, not an event stream",
+                resp.status(),
+                resp.headers().get(header::CONTENT_TYPE)
+            )));
+        }
+        Ok(resp)
+    }
+
     async fn error_from(&self, resp: Response<Body>) -> ClientError {
         let status = resp.status();
         let retry_after = resp
@@ -284,20 +309,13 @@ impl CompletionClient for Client {
     async fn stream(&self, request: ChatCompletionRequest) -> Result<ChunkStream, ClientError> {
         let body = encode(&request, true)?;
         let resp = self
-            .exchange(Method::POST, "/v1/chat/completions", Some(body))
+            .exchange_events(
+                Method::POST,
+                "/v1/chat/completions",
+                Some(body),
+                "a streamed completion",
+            )
             .await?;
-        let is_sse = resp
-            .headers()
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.starts_with("text/event-stream"));
-        if resp.status() != StatusCode::OK || !is_sse {
-            return Err(ClientError::Decode(format!(
-                "a stream was asked for, the answer is {} {:?}",
-                resp.status(),
-                resp.headers().get(header::CONTENT_TYPE)
-            )));
-        }
         let reader = ChunkReader::new(
             resp.into_body(),
             self.inner.timeout,

@@ -49,7 +49,7 @@ use std::pin::Pin;
 
 use bytes::Bytes;
 use futures::StreamExt;
-use http::{header, Method, StatusCode};
+use http::Method;
 use http_body_util::BodyExt;
 use mlxd_ipc::sse::SseSplitter;
 use mlxd_protocol::jobs::{event, Job, JobList, JobProgress, JobRequest, JobState};
@@ -120,20 +120,13 @@ impl TaskClient {
     pub async fn follow(&self, id: &str) -> Result<JobUpdates, ClientError> {
         let resp = self
             .client
-            .exchange(Method::GET, &format!("/v1/jobs/{id}?follow=1"), None)
+            .exchange_events(
+                Method::GET,
+                &format!("/v1/jobs/{id}?follow=1"),
+                None,
+                &format!("following job {id}"),
+            )
             .await?;
-        let is_sse = resp
-            .headers()
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.starts_with("text/event-stream"));
-        if resp.status() != StatusCode::OK || !is_sse {
-            return Err(ClientError::Decode(format!(
-                "following job {id}: the answer is {} {:?}, not an event stream",
-                resp.status(),
-                resp.headers().get(header::CONTENT_TYPE)
-            )));
-        }
         let reader = UpdateReader {
             body: Some(resp.into_body()),
             splitter: SseSplitter::new(),

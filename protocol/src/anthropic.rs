@@ -122,19 +122,21 @@ impl<'de> Deserialize<'de> for Content {
 }
 
 /// `system`: a string or text blocks.
+/// Text given either as a string or as text blocks: a request's `system`, a tool result's
+/// `content`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]
-pub enum SystemPrompt {
+pub enum TextOrBlocks {
     Text(String),
     Blocks(Vec<TextBlock>),
 }
 
-impl SystemPrompt {
+impl TextOrBlocks {
     /// The text, blocks joined with newlines.
     pub fn to_text(&self) -> String {
         match self {
-            SystemPrompt::Text(s) => s.clone(),
-            SystemPrompt::Blocks(blocks) => blocks
+            TextOrBlocks::Text(s) => s.clone(),
+            TextOrBlocks::Blocks(blocks) => blocks
                 .iter()
                 .map(|b| b.text.as_str())
                 .collect::<Vec<_>>()
@@ -142,6 +144,9 @@ impl SystemPrompt {
         }
     }
 }
+
+/// A request's `system` prompt.
+pub type SystemPrompt = TextOrBlocks;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TextBlock {
@@ -184,25 +189,8 @@ pub enum ContentBlock {
 }
 
 /// A tool result's content: a string or text blocks.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(untagged)]
-pub enum ToolResultContent {
-    Text(String),
-    Blocks(Vec<TextBlock>),
-}
-
-impl ToolResultContent {
-    pub fn to_text(&self) -> String {
-        match self {
-            ToolResultContent::Text(s) => s.clone(),
-            ToolResultContent::Blocks(blocks) => blocks
-                .iter()
-                .map(|b| b.text.as_str())
-                .collect::<Vec<_>>()
-                .join("\n"),
-        }
-    }
-}
+/// A tool result's `content`.
+pub type ToolResultContent = TextOrBlocks;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Tool {

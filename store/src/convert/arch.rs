@@ -109,6 +109,19 @@ impl TensorTable {
         self.add(gguf, TensorRole::plain(module, Param::Weight, shape), true);
     }
 
+    /// The ends of a decoder over `vocab` tokens of width `hidden` as mlx-lm names them: the
+    /// token embedding, the final norm's weight, and the output projection, absent when it is
+    /// tied to the embedding.
+    pub fn embedding_and_head(&mut self, vocab: usize, hidden: usize) {
+        self.weight("token_embd", "model.embed_tokens".into(), vec![vocab, hidden]);
+        self.weight("output_norm", "model.norm".into(), vec![hidden]);
+        self.add(
+            "output",
+            TensorRole::plain("lm_head".into(), Param::Weight, vec![vocab, hidden]),
+            false,
+        );
+    }
+
     /// A tensor that the hyper-parameters consumed.
     pub fn metadata(&mut self, gguf: &str) {
         self.metadata.insert(gguf.to_string());

@@ -11,7 +11,7 @@
 //! window off (and mlx-lm's Phi-3 has none), so `attention.sliding_window` is not carried over.
 use serde_json::json;
 
-use super::arch::{f32_json, f32_vector, ArchPlan, Common, Meta, Param, TensorRole, TensorTable};
+use super::arch::{f32_json, f32_vector, ArchPlan, Common, Meta, TensorTable};
 use super::gguf::GgufFile;
 use super::ConvertError;
 
@@ -137,13 +137,7 @@ fn tensors(c: &Common) -> TensorTable {
     let (h, v, q, ff) = (c.hidden_size, c.vocab_size, c.q_rows(), c.intermediate_size);
     let qkv = q + 2 * c.kv_rows();
     let mut t = TensorTable::new("phi3");
-    t.weight("token_embd", "model.embed_tokens".into(), vec![v, h]);
-    t.weight("output_norm", "model.norm".into(), vec![h]);
-    t.add(
-        "output",
-        TensorRole::plain("lm_head".into(), Param::Weight, vec![v, h]),
-        false,
-    );
+    t.embedding_and_head(v, h);
     for l in 0..c.n_layers {
         let blk = |s: &str| format!("blk.{l}.{s}");
         let m = |s: &str| format!("model.layers.{l}.{s}");

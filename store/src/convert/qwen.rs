@@ -144,14 +144,7 @@ pub fn plan(g: &GgufFile, variant: Variant) -> Result<ArchPlan, ConvertError> {
 fn tensors(c: &Common, variant: Variant, experts: Option<Experts>) -> TensorTable {
     let (h, v, q, kv) = (c.hidden_size, c.vocab_size, c.q_rows(), c.kv_rows());
     let mut t = TensorTable::new(variant.arch());
-    t.weight("token_embd", "model.embed_tokens".into(), vec![v, h]);
-    t.weight("output_norm", "model.norm".into(), vec![h]);
-    // Absent when the output projection is tied to the embedding.
-    t.add(
-        "output",
-        TensorRole::plain("lm_head".into(), Param::Weight, vec![v, h]),
-        false,
-    );
+    t.embedding_and_head(v, h);
     for l in 0..c.n_layers {
         let blk = |s: &str| format!("blk.{l}.{s}");
         let m = |s: &str| format!("model.layers.{l}.{s}");
