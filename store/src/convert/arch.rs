@@ -113,7 +113,11 @@ impl TensorTable {
     /// token embedding, the final norm's weight, and the output projection, absent when it is
     /// tied to the embedding.
     pub fn embedding_and_head(&mut self, vocab: usize, hidden: usize) {
-        self.weight("token_embd", "model.embed_tokens".into(), vec![vocab, hidden]);
+        self.weight(
+            "token_embd",
+            "model.embed_tokens".into(),
+            vec![vocab, hidden],
+        );
         self.weight("output_norm", "model.norm".into(), vec![hidden]);
         self.add(
             "output",
