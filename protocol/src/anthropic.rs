@@ -121,7 +121,6 @@ impl<'de> Deserialize<'de> for Content {
     }
 }
 
-/// `system`: a string or text blocks.
 /// Text given either as a string or as text blocks: a request's `system`, a tool result's
 /// `content`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -188,7 +187,6 @@ pub enum ContentBlock {
     },
 }
 
-/// A tool result's content: a string or text blocks.
 /// A tool result's `content`.
 pub type ToolResultContent = TextOrBlocks;
 
