@@ -6,9 +6,9 @@
 #   MLXD_BIN_DIR=<dir> scripts/bench/cache_limit.sh <model dir> <out dir>
 #
 # 1. The engine core (`bench_generate`, 32 greedy rows, 128-token prompts, 256 new tokens,
-#    three runs), rows of one length and `--ragged`, each with MLX's own limit, 1 GiB and
-#    16 GiB, in rounds (CORE_ROUNDS, default 1) so that each arm meets the machine's drift in
-#    turn: core.jsonl, one line per run with its arm.
+#    three runs), rows of one length and `--ragged`, each with the limits of CORE_LIMITS
+#    (GiB, or `mlx` for MLX's own; default "mlx 1 16"), in rounds (CORE_ROUNDS, default 1) so
+#    that each arm meets the machine's drift in turn: core.jsonl, one line per run with its arm.
 # 2. The served engine (`mlxd serve`, 32 streams of SERVED_TOKENS (default 512) greedy tokens
 #    through scripts/bench/serve.py, SERVED_ROUNDS (default 3) timed rounds after a warm-up
 #    round), one mlxd per arm of SERVED_ARMS (default "1g default 4g 1g default"): `default`
@@ -46,7 +46,7 @@ core() { # core <arm> [bench_generate args]
 for _ in $(seq 1 "${CORE_ROUNDS:-1}"); do
   for layout in even ragged; do
     flag=(); [[ $layout == ragged ]] && flag=(--ragged)
-    for limit in mlx 1 16; do
+    for limit in ${CORE_LIMITS:-mlx 1 16}; do
       [[ $(left) -gt 60 ]] || break 3
       if [[ $limit == mlx ]]; then
         core "$layout-mlx" "${flag[@]}"
