@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # MLX's cache limit and the decode step: is the served step slower than the engine core's
 # because the serving engine bounds MLX's cache of freed buffers (1 GiB without a KV budget,
-# `engine/src/app/memory.rs`)?
+# `engine/src/app/memory.rs`)? Session 48 on an H100: no (BENCHMARKS.md).
 #
 #   MLXD_BIN_DIR=<dir> scripts/bench/cache_limit.sh <model dir> <out dir>
 #
@@ -11,13 +11,12 @@
 #    that each arm meets the machine's drift in turn: core.jsonl, one line per run with its arm.
 # 2. The served engine (`mlxd serve`, 32 streams of SERVED_TOKENS (default 512) greedy tokens
 #    through scripts/bench/serve.py, SERVED_ROUNDS (default 3) timed rounds after a warm-up
-#    round), one mlxd per arm of SERVED_ARMS (default "1g default 4g 1g default"): `default`
-#    without a configured KV budget (the limit a quarter of the budget derived from the GPU's
-#    free memory), `1g` and `4g` with configured budgets of 4 and 16 GiB (limits of 1 and
-#    4 GiB; 1 GiB is what an unconfigured engine kept before session 48): served.jsonl, each
-#    engine's figures (`/engines`, its cache limit among them) in served-<arm>-<n>.engines.json
-#    and each mlxd's log with the engine's step trace in served-<arm>-<n>.log
-#    (`scripts/bench/step_trace.py --rounds 500 <log>`).
+#    round), one mlxd per arm of SERVED_ARMS (default "1g 16g 4g 1g 16g"): `1g` without a
+#    configured KV budget (the engine's 1 GiB limit), `4g` and `16g` with configured budgets of
+#    16 and 64 GiB (limits of 4 and 16 GiB: a quarter of the budget): served.jsonl, each
+#    engine's figures (`/engines`, its cache limit and cached bytes among them) in
+#    served-<arm>-<n>.engines.json and each mlxd's log with the engine's step trace in
+#    served-<arm>-<n>.log (`scripts/bench/step_trace.py --rounds 500 <log>`).
 # DEADLINE (seconds, default 600) stops before a step that would not fit.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -92,13 +91,13 @@ served() { # served <arm> <run number> <KV budget or "none">
   wait "$pid" 2>/dev/null
 }
 n=0
-for arm in ${SERVED_ARMS:-1g default 4g 1g default}; do
+for arm in ${SERVED_ARMS:-1g 16g 4g 1g 16g}; do
   [[ $(left) -gt 90 ]] || break
   n=$((n + 1))
   case $arm in
-    default) served default $n none ;;
-    1g) served 1g $n 4GiB ;;
+    1g) served 1g $n none ;;
     4g) served 4g $n 16GiB ;;
+    16g) served 16g $n 64GiB ;;
     *) echo "cache_limit.sh: unknown arm $arm" >&2 ;;
   esac
 done

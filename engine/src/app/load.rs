@@ -84,7 +84,7 @@ pub fn load_in_group(
         cache_limit,
         mlx_default,
         kv_budget = ?limits.kv_budget_bytes,
-        "MLX's buffer cache bounded by the configured KV budget while the model loads"
+        "MLX's buffer cache bounded by the KV budget"
     );
     let mut opts = store::StoreOptions::from_env(home);
     if let Some(report) = reporter.clone() {
@@ -137,14 +137,6 @@ pub fn load_in_group(
         dir: model.dir.clone(),
         source,
     })?;
-    let cache_limit =
-        super::memory::follow_kv_budget(runtime.in_force.kv_budget_bytes, mlx_default)
-            .map_err(StartError::Mlx)?;
-    tracing::info!(
-        cache_limit,
-        kv_budget = ?runtime.in_force.kv_budget_bytes,
-        "MLX's buffer cache bounded by the KV budget in force"
-    );
     tracing::info!(
         model = %model.id,
         weight_bytes = runtime.info.weight_bytes,

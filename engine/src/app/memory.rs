@@ -6,11 +6,7 @@
 //! is its memory limit on a GPU (on CUDA 80 % of the device: an engine that served a burst
 //! kept tens of GB it no longer used, which the supervisor's memory-fit policy does not see),
 //! and 32 MiB on the CPU. The buffers worth keeping are those the next steps allocate again:
-//! KV growing and activations, both of a size set by the KV budget, so the limit follows it:
-//! first the configured budget (while the weights load), then the budget in force once the
-//! runtime has derived it from the GPU's free memory ([`follow_kv_budget`]). Too low a limit
-//! costs every decode step on CUDA: at the limit MLX frees each released buffer at once, and
-//! its managed-memory buffers go back with a `cudaFree` that waits for the device.
+//! KV growing and activations, both of a size set by the KV budget, so the limit follows it.
 //! The C heap around MLX (the tokenizer's and the server's allocations) is bounded by
 //! `mlxd_ipc::heap`.
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -21,9 +17,11 @@ use mlxd_protocol::control::MemoryStats;
 /// be allocated afresh each time.
 pub const MIN_CACHE_LIMIT: u64 = 64 << 20;
 
-/// The cache limit without a KV budget (a device that does not report its free memory,
-/// without a configured budget: the KV cache may grow to the context of every sequence, so
-/// no size is given): as much as a budget of 4 GiB would give.
+/// The cache limit without a KV budget (the KV cache may grow to the context of every
+/// sequence, so the budget gives no size): as much as a budget of 4 GiB would give. Not a
+/// cost to serving: on an H100 an engine whose limit was a quarter of its device-derived
+/// budget (18.6 GB, of which it kept 7.6 GB) served 32 streams no faster than at this limit
+/// (session 48, `scripts/bench/cache_limit.sh`).
 pub const UNBUDGETED_CACHE_LIMIT: u64 = 1 << 30;
 
 /// The share of the KV budget that MLX may keep in freed buffers.
@@ -43,35 +41,16 @@ pub fn cache_limit_for(kv_budget: Option<u64>, mlx_default: u64) -> u64 {
 /// The cache limit in force (MLX has no call that reads it back).
 static CACHE_LIMIT: AtomicU64 = AtomicU64::new(0);
 
-fn set_cache_limit(limit: u64) -> Result<u64, String> {
-    let previous = mlx_rs::memory::set_cache_limit(limit as usize)
-        .map_err(|e| format!("setting MLX's cache limit: {e}"))?;
-    CACHE_LIMIT.store(limit, Ordering::Relaxed);
-    Ok(previous as u64)
-}
-
-/// Sets MLX's cache limit from the configured KV budget; returns the limit set and MLX's
-/// default. Call once the device is chosen (the default depends on it) and before the model
-/// loads.
+/// Sets MLX's cache limit from the KV budget; returns the limit set and MLX's default.
+/// Call once the device is chosen (the default depends on it) and before the model loads.
 pub fn bound_mlx_cache(kv_budget: Option<u64>) -> Result<(u64, u64), String> {
+    let mlx_err = |e: mlx_rs::error::Exception| format!("setting MLX's cache limit: {e}");
     // Setting a limit returns the previous one: the default, at start-up.
-    let default = set_cache_limit(u64::MAX)?;
+    let default = mlx_rs::memory::set_cache_limit(usize::MAX).map_err(mlx_err)? as u64;
     let limit = cache_limit_for(kv_budget, default);
-    set_cache_limit(limit)?;
+    mlx_rs::memory::set_cache_limit(limit as usize).map_err(mlx_err)?;
+    CACHE_LIMIT.store(limit, Ordering::Relaxed);
     Ok((limit, default))
-}
-
-/// Sets MLX's cache limit from the KV budget in force (the configured one, cut to what the
-/// GPU holds, or derived from its free memory: `Runtime::in_force`), so that a GPU engine
-/// without a configured budget keeps a quarter of its derived one rather than
-/// [`UNBUDGETED_CACHE_LIMIT`]; `mlx_default` as [`bound_mlx_cache`] returned it. Returns the
-/// limit now in force.
-pub fn follow_kv_budget(kv_budget: Option<u64>, mlx_default: u64) -> Result<u64, String> {
-    let limit = cache_limit_for(kv_budget, mlx_default);
-    if limit != CACHE_LIMIT.load(Ordering::Relaxed) {
-        set_cache_limit(limit)?;
-    }
-    Ok(limit)
 }
 
 /// The figures `Stats.memory` reports now. A figure MLX cannot give is an error: the
@@ -105,9 +84,6 @@ mod tests {
         let gpu_default = 113 * GIB;
         assert_eq!(cache_limit_for(Some(16 * GIB), gpu_default), 4 * GIB);
         assert_eq!(cache_limit_for(Some(GIB), gpu_default), 256 * MIB);
-        // A budget derived from an H100's free memory once a 1B model is loaded
-        // (`follow_kv_budget`): a quarter of it, below MLX's default of 80 % of the device.
-        assert_eq!(cache_limit_for(Some(60 * GIB), 64 * GIB), 15 * GIB);
         // A small budget still keeps a step's activations.
         assert_eq!(cache_limit_for(Some(MIB), gpu_default), MIN_CACHE_LIMIT);
         assert_eq!(
