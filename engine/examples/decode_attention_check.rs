@@ -125,7 +125,7 @@ fn main() -> anyhow::Result<()> {
             all.extend(keys.arrays());
             all.extend(values.arrays());
             mlx_rs::transforms::eval(all)?;
-            if !decode_attention::serves(&q, &keys, &values) {
+            if !decode_attention::serves(&q, &keys, &values, true) {
                 bail!("the quantized attention kernels do not serve here (a CUDA GPU is needed)");
             }
             let plain = |s: &Stored| layers::dequantized(s, Dtype::Bfloat16);
@@ -200,7 +200,7 @@ fn plain(iterations: usize) -> anyhow::Result<()> {
             // One row stays on MLX's kernel in the engine (the faster there); it is timed
             // here to keep that choice measured.
             if !decode_attention::serves_plain_caches()
-                || (rows > 1 && !decode_attention::serves(&q, &keys, &values))
+                || (rows > 1 && !decode_attention::serves(&q, &keys, &values, true))
             {
                 bail!("the decode attention kernels do not serve a plain cache of {rows} rows over {positions} positions here");
             }

@@ -18,7 +18,9 @@
 //! elements a lane instead of dequantizing them, [`PLAIN_LOAD`]). MLX's own decode kernel reads
 //! the keys and values once per query head, which at many rows over thousands of positions
 //! costs four to five times what reading them once per KV head does; below
-//! [`PLAIN_MIN_POSITIONS`] and at one row ([`PLAIN_MIN_ROWS`]) it stays MLX's.
+//! [`PLAIN_MIN_POSITIONS`] and at one row ([`PLAIN_MIN_ROWS`]) it stays MLX's, unless the pass
+//! has an array mask (rows at different positions), which MLX's vector kernel refuses
+//! ([`plain_threshold`]).
 //!
 //! The cache's views are read in place through their strides (no copy of a sliced buffer).
 //! `scripts/emulate_cuda_kernels.py` runs both bodies on the CPU under a SIMT emulation against
@@ -454,14 +456,29 @@ pub(crate) fn fits_plain(
         && heads_fit(queries, kv_heads, elements_per_lane(None))
 }
 
+/// The fewest positions at which a plain pass takes the kernels, given the unmasked
+/// threshold `min`: one while warming up, and one for a pass with an array mask (rows at
+/// different positions, as every served batch of different prompts has). MLX 0.32's CUDA
+/// vector kernel refuses an array mask (`supports_sdpa_vector`), so a masked decode step does
+/// not get MLX's fast kernel but its unfused fallback: a score matmul, the mask, a softmax and
+/// a second matmul per layer, each its own graph node and launch, where the kernels are two.
+fn plain_threshold(min: i32, masked: bool, warming_up: bool) -> i32 {
+    if masked || warming_up {
+        1
+    } else {
+        min
+    }
+}
+
 /// Whether [`decode`] serves this pass here: a packed cache ([`fits_packed`], keys and values
 /// as wide as the queries: the kernels read one head width for all three), or a plain one over
-/// enough positions ([`fits_plain`], [`plain_min_positions`]).
-pub fn serves(queries: &Array, keys: &Stored, values: &Stored) -> bool {
+/// enough positions ([`fits_plain`], [`plain_min_positions`], [`plain_threshold`]); `masked`:
+/// the pass has an array mask.
+pub fn serves(queries: &Array, keys: &Stored, values: &Stored, masked: bool) -> bool {
     let (k, v) = (keys.arrays()[0], values.arrays()[0]);
     match (keys.quant(), values.quant()) {
         (None, None) => plain_min_positions().is_some_and(|min| {
-            let min = if WARMING_UP.with(|w| w.get()) { 1 } else { min };
+            let min = plain_threshold(min, masked, WARMING_UP.with(|w| w.get()));
             fits_plain(
                 queries.shape(),
                 (k.shape(), k.dtype()),
@@ -744,6 +761,33 @@ mod tests {
     }
 
     #[test]
+    fn a_masked_pass_takes_the_kernels_at_any_length() {
+        assert_eq!(plain_threshold(PLAIN_MIN_POSITIONS, false, false), 1024);
+        assert_eq!(
+            plain_threshold(PLAIN_MIN_POSITIONS, true, false),
+            1,
+            "MLX's vector kernel refuses an array mask: its fallback is unfused"
+        );
+        assert_eq!(plain_threshold(PLAIN_MIN_POSITIONS, false, true), 1);
+        // A ragged batch of 32 rows over 300 positions fits the kernels from one position.
+        const BF: Dtype = Dtype::Bfloat16;
+        let kv: &[i32] = &[32, 8, 300, 64];
+        let q = [32, 32, 1, 64];
+        assert!(fits_plain(
+            &q,
+            (kv, BF),
+            (kv, BF),
+            plain_threshold(1024, true, false)
+        ));
+        assert!(!fits_plain(
+            &q,
+            (kv, BF),
+            (kv, BF),
+            plain_threshold(1024, false, false)
+        ));
+    }
+
+    #[test]
     fn spans_keep_every_multiprocessor_busy_without_tiny_spans() {
         // One row: many short spans (256 blocks), none under 32 positions.
         assert_eq!(spans(16_384, 1, 8), 32);
@@ -762,8 +806,8 @@ mod tests {
         let k = Stored::new(&x, Some(Q8)).unwrap();
         let plain = Stored::new(&x, None).unwrap();
         if gpu_backend() != Some(Backend::Cuda) {
-            assert!(!serves(&q, &k, &k));
-            assert!(!serves(&q, &plain, &plain));
+            assert!(!serves(&q, &k, &k, true));
+            assert!(!serves(&q, &plain, &plain, true));
         }
     }
 }

@@ -278,7 +278,8 @@ pub fn attend_with(
     let scale = opts.scale;
     let short = l <= SHORT_PASS_MAX_QUERIES;
     let plain = opts.sinks.is_none() && opts.softcap.is_none();
-    let out = if plain && super::decode_attention::serves(&queries, &keys, &values) {
+    let masked = matches!(mask, Mask::Array(_));
+    let out = if plain && super::decode_attention::serves(&queries, &keys, &values, masked) {
         super::decode_attention::decode(&queries, &keys, &values, scale, &mask)?
     } else if plain && keys.is_quantized() && short && !cuda_backend() {
         quantized_attention(&queries, &keys, &values, scale, &mask)?
