@@ -47,16 +47,16 @@ impl Bar {
     }
 }
 
-/// Loads `model` through the pool (as a request would), showing its progress, then prints the
-/// URL line; a failed load is printed with its reason, and serving goes on (the model is
-/// retried on the next request).
+/// Loads `model` through the pool (as a request would, without taking a place of its
+/// request queue), showing its progress, then prints the URL line; a failed load is printed
+/// with its reason, and serving goes on (the model is retried on the next request).
 pub async fn run(pool: PoolHandle, model: String, url: String, json_logs: bool) {
     let bar = Bar::new(json_logs);
     // Shown at once: a fast load may end before the first report is read.
     bar.update(&model, "starting", 0.0);
     let load = {
         let (pool, model) = (pool.clone(), model.clone());
-        tokio::spawn(async move { pool.load(&model).await })
+        tokio::spawn(async move { pool.load_at_start_up(&model).await })
     };
     tokio::pin!(load);
     let mut tick = tokio::time::interval(POLL);

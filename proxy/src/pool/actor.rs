@@ -15,7 +15,7 @@ use tracing::{error, info, warn};
 use super::handle::{Command, Lease, PoolHandle, Reply};
 use super::lifecycle::{self, Effect, PoolMood, StandbyStart, Timing};
 use super::queue::{self, Admission, AdmitRules, Pass, Placement, Room, Unload};
-use super::slot::{KeepAlive, Slot, Waiter};
+use super::slot::{KeepAlive, Slot, WaitKind, Waiter};
 use crate::catalog::Catalog;
 use crate::config::Config;
 use crate::engine::{self, EngineEvent, EngineHandle, EngineMsg, EngineSpec};
@@ -258,8 +258,9 @@ impl Pool {
             Command::Acquire {
                 model,
                 not_generation,
+                kind,
                 reply,
-            } => self.acquire(&model, not_generation, reply),
+            } => self.acquire(&model, not_generation, kind, reply),
             Command::Unload { model, reply } => self.unload(&model, reply),
             Command::KeepAlive { model, keep, reply } => {
                 let _ = reply.send(self.keep_alive(&model, keep));
@@ -368,6 +369,7 @@ impl Pool {
         &mut self,
         key: &str,
         not_generation: Option<u64>,
+        kind: WaitKind,
         reply: Reply<Result<Lease, ProxyError>>,
     ) {
         let now = Instant::now();
@@ -379,7 +381,7 @@ impl Pool {
         };
         let mood = self.mood();
         let slot = self.slots.get_mut(key);
-        match queue::request(slot, key, mood, not_generation, now, &rules) {
+        match queue::request(slot, key, mood, not_generation, kind, now, &rules) {
             Admission::Grant => {
                 let lease = self
                     .slots
@@ -398,7 +400,11 @@ impl Pool {
                 let Some(slot) = self.slots.get_mut(key) else {
                     return;
                 };
-                let effects = queue::wait(slot, Waiter { id, reply }, self.config.queue_timeout());
+                let effects = queue::wait(
+                    slot,
+                    Waiter { id, kind, reply },
+                    self.config.queue_timeout(),
+                );
                 self.apply(key, effects);
             }
         }

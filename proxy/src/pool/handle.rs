@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
 
-use super::slot::KeepAlive;
+use super::slot::{KeepAlive, WaitKind};
 use super::status::EngineStatus;
 use crate::catalog::Catalog;
 use crate::config::Config;
@@ -56,6 +56,8 @@ pub(super) enum Command {
         model: String,
         /// Do not hand out this engine generation (it was found dead).
         not_generation: Option<u64>,
+        /// A request, or the start-up load (which takes no place of the request queue).
+        kind: WaitKind,
         reply: Reply<Result<Lease, ProxyError>>,
     },
     Unload {
@@ -134,10 +136,20 @@ impl PoolHandle {
         id: &str,
         not_generation: Option<u64>,
     ) -> Result<Lease, ProxyError> {
+        self.acquire_as(id, not_generation, WaitKind::Request).await
+    }
+
+    async fn acquire_as(
+        &self,
+        id: &str,
+        not_generation: Option<u64>,
+        kind: WaitKind,
+    ) -> Result<Lease, ProxyError> {
         let rx = self
             .ask(|reply| Command::Acquire {
                 model: id.to_string(),
                 not_generation,
+                kind,
                 reply,
             })
             .await
@@ -170,9 +182,17 @@ impl PoolHandle {
         Ok(lease)
     }
 
-    /// Loads model `id` (as a request would) and waits until it is ready.
+    /// Loads model `id` (as a request would, taking a place of its request queue) and waits
+    /// until it is ready.
     pub async fn load(&self, id: &str) -> Result<(), ProxyError> {
         self.acquire(id).await.map(drop)
+    }
+
+    /// The server's start-up load of model `id` (`mlxd serve --model`): like [`load`](Self::load),
+    /// but it takes no place of the request queue, which stays whole for the clients that
+    /// arrive while the model loads.
+    pub async fn load_at_start_up(&self, id: &str) -> Result<(), ProxyError> {
+        self.acquire_as(id, None, WaitKind::StartUp).await.map(drop)
     }
 
     /// Drains and stops model `id`'s engine (in-flight requests finish first); waits

@@ -14,7 +14,7 @@ use tracing::{info, warn};
 
 use super::actor::Timer;
 use super::lifecycle::{self, Effect, PoolMood};
-use super::slot::{Slot, State, Waiter};
+use super::slot::{Slot, State, WaitKind, Waiter};
 use crate::error::ProxyError;
 use crate::placement::{self, Budget, Plan, Resident, Shortfall};
 
@@ -26,6 +26,7 @@ pub(super) fn request(
     key: &str,
     mood: PoolMood,
     avoid: Option<u64>,
+    kind: WaitKind,
     now: Instant,
     rules: &AdmitRules,
 ) -> Admission {
@@ -42,7 +43,7 @@ pub(super) fn request(
             "model {key} was removed from the configuration"
         )));
     }
-    admit(slot, avoid, now, rules)
+    admit(slot, avoid, kind, now, rules)
 }
 
 /// What a request may ask of the pool.
@@ -68,10 +69,12 @@ pub(super) enum Admission {
 
 /// Decides a request for the slot's model (`avoid`: an engine generation the caller found
 /// dead). A failed model answers with its failure until the cool-down is over, and is then
-/// tried again; a full queue answers 429 with when to retry.
+/// tried again; a full queue answers a request 429 with when to retry (the start-up load,
+/// which takes no place, always waits).
 pub(super) fn admit(
     slot: &mut Slot,
     avoid: Option<u64>,
+    kind: WaitKind,
     now: Instant,
     rules: &AdmitRules,
 ) -> Admission {
@@ -124,7 +127,7 @@ pub(super) fn admit(
         | State::Queued { .. }
         | State::Draining { .. } => Duration::from_secs(1),
     };
-    if slot.live_waiters() >= rules.queue_capacity {
+    if kind == WaitKind::Request && slot.queued_requests() >= rules.queue_capacity {
         return Admission::Refuse(ProxyError::QueueFull {
             model: key,
             capacity: rules.queue_capacity,

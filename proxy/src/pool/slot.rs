@@ -182,11 +182,25 @@ pub enum KeepAlive {
     Forever,
 }
 
-/// A request waiting for its model's engine.
+/// Who waits for a model's engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum WaitKind {
+    /// A client's request (an Ollama or admin load included): one place of the model's
+    /// request queue, refused when the queue is full.
+    Request,
+    /// The server's own start-up load (`mlxd serve --model`): it waits like a request but
+    /// takes no place, so a burst of `queue_capacity` requests at a server still loading its
+    /// model all wait (one of 64 streams was refused 429 on an H100 while the preload held a
+    /// place).
+    StartUp,
+}
+
+/// A request (or the start-up load) waiting for its model's engine.
 #[derive(Debug)]
 pub(super) struct Waiter {
     /// Names its queue-timeout timer.
     pub id: u64,
+    pub kind: WaitKind,
     pub reply: Reply<Result<Lease, ProxyError>>,
 }
 
@@ -366,6 +380,15 @@ impl Slot {
     pub fn live_waiters(&mut self) -> usize {
         self.waiters.retain(|w| !w.is_closed());
         self.waiters.len()
+    }
+
+    /// The places of the request queue taken: live waiters that are requests.
+    pub fn queued_requests(&mut self) -> usize {
+        self.live_waiters();
+        self.waiters
+            .iter()
+            .filter(|w| w.kind == WaitKind::Request)
+            .count()
     }
 
     pub fn fail_waiters(&mut self, err: &ProxyError) {

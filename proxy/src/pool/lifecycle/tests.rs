@@ -605,7 +605,14 @@ pub(in crate::pool) fn waiter(
     tokio::sync::oneshot::Receiver<Result<crate::pool::Lease, ProxyError>>,
 ) {
     let (reply, rx) = tokio::sync::oneshot::channel();
-    (super::super::slot::Waiter { id, reply }, rx)
+    (
+        super::super::slot::Waiter {
+            id,
+            kind: super::super::slot::WaitKind::Request,
+            reply,
+        },
+        rx,
+    )
 }
 
 /// A ready engine (generation 1, pid 42) of a model that keeps a standby, and its ready

@@ -22,18 +22,24 @@ const RULES: AdmitRules = AdmitRules {
 fn admission_grants_a_ready_engine_up_to_its_in_flight_limit() {
     let t0 = Instant::now();
     let mut s = starting(t0);
-    assert!(matches!(admit(&mut s, None, t0, &RULES), Admission::Wait));
+    assert!(matches!(
+        admit(&mut s, None, WaitKind::Request, t0, &RULES),
+        Admission::Wait
+    ));
     ready(&mut s, ready_report(), t0, &timing());
-    assert!(matches!(admit(&mut s, None, t0, &RULES), Admission::Grant));
+    assert!(matches!(
+        admit(&mut s, None, WaitKind::Request, t0, &RULES),
+        Admission::Grant
+    ));
     let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
     let _lease = s.grant(&tx, &timing().policy, t0).unwrap();
     assert!(matches!(
-        admit(&mut s, None, t0, &RULES),
+        admit(&mut s, None, WaitKind::Request, t0, &RULES),
         Admission::Refuse(ProxyError::TooManyInFlight { limit: 1, .. })
     ));
     // An engine the caller found dead: wait for its successor instead.
     assert!(matches!(
-        admit(&mut s, Some(1), t0, &RULES),
+        admit(&mut s, Some(1), WaitKind::Request, t0, &RULES),
         Admission::Wait
     ));
 }
@@ -43,14 +49,26 @@ fn admission_answers_from_the_failed_state_until_the_cool_down_ends() {
     let t0 = Instant::now();
     let mut s = starting(t0);
     exit_calmly(&mut s, cannot_load("no such model"), t0);
-    match admit(&mut s, None, t0 + Duration::from_secs(100), &RULES) {
+    match admit(
+        &mut s,
+        None,
+        WaitKind::Request,
+        t0 + Duration::from_secs(100),
+        &RULES,
+    ) {
         Admission::Refuse(ProxyError::CannotLoad { retry_after, .. }) => {
             assert_eq!(retry_after, Duration::from_secs(200))
         }
         other => panic!("{other:?}"),
     }
     assert!(matches!(
-        admit(&mut s, None, t0 + Duration::from_secs(300), &RULES),
+        admit(
+            &mut s,
+            None,
+            WaitKind::Request,
+            t0 + Duration::from_secs(300),
+            &RULES
+        ),
         Admission::Wait
     ));
     assert!(s.state.is_cold(), "tried again: {:?}", s.state);
@@ -65,9 +83,13 @@ fn admission_refuses_a_full_queue_with_the_restart_delay() {
     for id in 0..2 {
         let (reply, rx) = tokio::sync::oneshot::channel();
         keep.push(rx);
-        s.waiters.push_back(Waiter { id, reply });
+        s.waiters.push_back(Waiter {
+            id,
+            kind: WaitKind::Request,
+            reply,
+        });
     }
-    match admit(&mut s, None, t0, &RULES) {
+    match admit(&mut s, None, WaitKind::Request, t0, &RULES) {
         Admission::Refuse(ProxyError::QueueFull {
             capacity: 2,
             retry_after,
@@ -77,7 +99,10 @@ fn admission_refuses_a_full_queue_with_the_restart_delay() {
     }
     // Waiters that gave up free their places.
     keep.clear();
-    assert!(matches!(admit(&mut s, None, t0, &RULES), Admission::Wait));
+    assert!(matches!(
+        admit(&mut s, None, WaitKind::Request, t0, &RULES),
+        Admission::Wait
+    ));
 }
 
 const CALM: PoolMood = PoolMood {
@@ -229,17 +254,25 @@ fn a_request_to_a_pool_shutting_down_or_for_an_unknown_or_removed_model_is_refus
         shutting_down: true,
     };
     assert!(matches!(
-        request(Some(&mut s), "m", shutting, None, t0, &RULES),
+        request(
+            Some(&mut s),
+            "m",
+            shutting,
+            None,
+            WaitKind::Request,
+            t0,
+            &RULES
+        ),
         Admission::Refuse(ProxyError::ShuttingDown)
     ));
-    match request(None, "x", CALM, None, t0, &RULES) {
+    match request(None, "x", CALM, None, WaitKind::Request, t0, &RULES) {
         Admission::Refuse(ProxyError::NotFound(why)) => {
             assert_eq!(why, "model x is not configured")
         }
         other => panic!("{other:?}"),
     }
     s.removed = true;
-    match request(Some(&mut s), "m", CALM, None, t0, &RULES) {
+    match request(Some(&mut s), "m", CALM, None, WaitKind::Request, t0, &RULES) {
         Admission::Refuse(ProxyError::NotFound(why)) => {
             assert_eq!(why, "model m was removed from the configuration")
         }
@@ -247,7 +280,7 @@ fn a_request_to_a_pool_shutting_down_or_for_an_unknown_or_removed_model_is_refus
     }
     s.removed = false;
     assert!(matches!(
-        request(Some(&mut s), "m", CALM, None, t0, &RULES),
+        request(Some(&mut s), "m", CALM, None, WaitKind::Request, t0, &RULES),
         Admission::Wait
     ));
 }
@@ -262,11 +295,14 @@ fn a_waiter_whose_client_left_frees_its_place_and_its_deadline_answers_nobody() 
     wait(&mut s, w1, Duration::from_secs(10));
     wait(&mut s, w2, Duration::from_secs(10));
     assert!(matches!(
-        admit(&mut s, None, t0, &RULES),
+        admit(&mut s, None, WaitKind::Request, t0, &RULES),
         Admission::Refuse(ProxyError::QueueFull { .. })
     ));
     drop(rx1);
-    assert!(matches!(admit(&mut s, None, t0, &RULES), Admission::Wait));
+    assert!(matches!(
+        admit(&mut s, None, WaitKind::Request, t0, &RULES),
+        Admission::Wait
+    ));
     assert_eq!(s.waiters.len(), 1, "the one that left is gone");
     assert!(waiter_deadline(&mut s, 1).is_empty(), "nobody to answer");
     assert_eq!(names(&waiter_deadline(&mut s, 2)), ["fail_one"]);
@@ -387,7 +423,7 @@ fn an_engine_that_fails_while_requests_wait_answers_them_or_keeps_them_for_the_r
     let mut s = starting(t0);
     ready(&mut s, ready_report(), t0, &timing());
     assert!(matches!(
-        admit(&mut s, Some(1), t0, &RULES),
+        admit(&mut s, Some(1), WaitKind::Request, t0, &RULES),
         Admission::Wait
     ));
     let (w, _rx) = waiter(1);
@@ -396,7 +432,10 @@ fn an_engine_that_fails_while_requests_wait_answers_them_or_keeps_them_for_the_r
     assert!(!fx.iter().any(|e| matches!(e, Effect::FailWaiters(_))));
     assert_eq!(s.state.name(), "restarting");
     assert_eq!(s.waiters.len(), 1);
-    assert!(matches!(admit(&mut s, None, t0, &RULES), Admission::Wait));
+    assert!(matches!(
+        admit(&mut s, None, WaitKind::Request, t0, &RULES),
+        Admission::Wait
+    ));
     // The restarted engine's load fails: now they get its error.
     start_engine(&mut s, 43, 2, t0);
     let fx = exit_calmly(&mut s, load_failed("exit code 2 before ready"), t0);
@@ -491,4 +530,42 @@ fn a_ready_engine_grants_the_waiters_still_there_in_order() {
     let granted: Vec<u64> = to_grant(&mut s).iter().map(|w| w.id).collect();
     assert_eq!(granted, [0, 2], "the one whose client left gets no lease");
     assert!(s.waiters.is_empty());
+}
+
+#[test]
+fn the_start_up_load_takes_no_place_of_the_request_queue() {
+    let t0 = Instant::now();
+    let mut s = starting(t0);
+    // `mlxd serve --model`'s own load waits first...
+    let (reply, _load_rx) = tokio::sync::oneshot::channel();
+    let load = Waiter {
+        id: 0,
+        kind: WaitKind::StartUp,
+        reply,
+    };
+    assert!(matches!(
+        admit(&mut s, None, WaitKind::StartUp, t0, &RULES),
+        Admission::Wait
+    ));
+    wait(&mut s, load, Duration::from_secs(10));
+    // ...and the queue's two places are still the clients'.
+    let (w1, _rx1) = waiter(1);
+    let (w2, _rx2) = waiter(2);
+    for w in [w1, w2] {
+        assert!(matches!(
+            admit(&mut s, None, WaitKind::Request, t0, &RULES),
+            Admission::Wait
+        ));
+        wait(&mut s, w, Duration::from_secs(10));
+    }
+    assert_eq!(s.waiters.len(), 3);
+    assert!(matches!(
+        admit(&mut s, None, WaitKind::Request, t0, &RULES),
+        Admission::Refuse(ProxyError::QueueFull { capacity: 2, .. })
+    ));
+    // A full queue never refuses the start-up load.
+    assert!(matches!(
+        admit(&mut s, None, WaitKind::StartUp, t0, &RULES),
+        Admission::Wait
+    ));
 }
