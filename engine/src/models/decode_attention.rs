@@ -462,6 +462,9 @@ pub(crate) fn fits_plain(
 /// vector kernel refuses an array mask (`supports_sdpa_vector`), so a masked decode step does
 /// not get MLX's fast kernel but its unfused fallback: a score matmul, the mask, a softmax and
 /// a second matmul per layer, each its own graph node and launch, where the kernels are two.
+/// On an H100 the engine core's 32 ragged rows decoded 23–26% faster this way and a served
+/// 32-stream step fell from ~5.0 to ~4.2 ms (BENCHMARKS.md, session 49); unmasked passes
+/// below the threshold keep MLX's kernel, the faster there.
 fn plain_threshold(min: i32, masked: bool, warming_up: bool) -> i32 {
     if masked || warming_up {
         1
