@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The H200 benchmark set behind BENCHMARKS.md, run on the device machine (see
 # ../shared/gpu/README.md) after `source .gpu/b/on-device.sh`, with the release binaries in
-# $MLXD_BIN_DIR. Every figure is mlxd against mlx-lm on the same MLX build, in one run.
+# $MLXD_BIN_DIR (or, in two calls, after `source scripts/gpu_on_device.sh`: see
+# scripts/gpu_bundle.sh). Every figure is mlxd against mlx-lm on the same MLX build, in one run.
 #
 #   scripts/bench/h200.sh models <tokenizer dir>   random-weight Llama shapes under $MODELS
 #   scripts/bench/h200.sh engine <out dir>         engine core against mlx-lm (1B shapes)
