@@ -80,6 +80,9 @@ pub(crate) const PASSTHROUGH_ENV: &[&str] = &[
     "MLXD_PLAIN_DECODE_ATTENTION",
     "MLXD_DELTA_KERNEL",
     "MLXD_LORA_KERNEL",
+    // Whether decode-sized dense products run through MLX's grouped GEMM instead of cuBLASLt
+    // on CUDA (`mlxd_engine::models::decode_gemm`; `1`: on), for measuring both.
+    "MLXD_DECODE_GEMM",
     // Where MLX keeps the GPU kernels it compiles (engines default to the store,
     // `mlxd_engine::kernel_cache`); a directory the user chose reaches every engine.
     "MLX_PTX_CACHE_DIR",
