@@ -257,6 +257,34 @@ async fn kill_9_of_the_engine_mid_generation_costs_the_clients_nothing() -> Resu
     Ok(())
 }
 
+/// Streams resuming after a crash were admitted once: they wait for the successor without
+/// taking places of the request queue, so that more streams than the queue holds all resume
+/// (a queue of 2 here, 8 streams in flight). Before, the streams past the queue's places
+/// were answered 429 "queue full" mid-stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn more_streams_than_the_queue_holds_all_resume_after_a_kill_9() -> Result<()> {
+    let p = start_tiny(|c| c.server.queue_capacity = 2).await?;
+    // Loaded first: 8 requests at a cold model would be answered by the queue of 2.
+    run(
+        p.addr,
+        &Case::completion("Hello", json!({})),
+        Progress::default(),
+    )
+    .await?;
+    let cases: Vec<Case> = (0..8)
+        .map(|i| {
+            Case::completion(
+                &format!("story number {i}:"),
+                json!({"stream": true, "max_tokens": 300}),
+            )
+        })
+        .collect();
+    kill_9_mid_run(&p, &cases, 30).await?;
+    let e = p.engine().await?;
+    ensure!(e["restarts"].as_u64() >= Some(1), "{e}");
+    Ok(())
+}
+
 /// A hybrid model (a tiny Qwen3-Next: gated delta-net layers, whose recurrent state cannot
 /// be cut back, beside attention) resumes as an attention-only model does: the restarted
 /// engine prefills the prompt and the tokens sent so far into a fresh state, and the client

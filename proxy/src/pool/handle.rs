@@ -130,13 +130,19 @@ impl PoolHandle {
     }
 
     /// Like [`acquire`](Self::acquire), but never returns engine generation
-    /// `not_generation` (one the caller found dead before the pool heard of its exit).
+    /// `not_generation` (one the caller found dead before the pool heard of its exit). Such a
+    /// caller is a request admitted before, sent again or resumed: it waits without taking a
+    /// place of the request queue ([`WaitKind::Retry`]).
     pub async fn acquire_avoiding(
         &self,
         id: &str,
         not_generation: Option<u64>,
     ) -> Result<Lease, ProxyError> {
-        self.acquire_as(id, not_generation, WaitKind::Request).await
+        let kind = match not_generation {
+            Some(_) => WaitKind::Retry,
+            None => WaitKind::Request,
+        };
+        self.acquire_as(id, not_generation, kind).await
     }
 
     async fn acquire_as(

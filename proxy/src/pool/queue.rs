@@ -69,8 +69,8 @@ pub(super) enum Admission {
 
 /// Decides a request for the slot's model (`avoid`: an engine generation the caller found
 /// dead). A failed model answers with its failure until the cool-down is over, and is then
-/// tried again; a full queue answers a request 429 with when to retry (the start-up load,
-/// which takes no place, always waits).
+/// tried again; a full queue answers a new request 429 with when to retry (a retried request
+/// and the start-up load, which take no place, always wait: [`WaitKind::takes_a_place`]).
 pub(super) fn admit(
     slot: &mut Slot,
     avoid: Option<u64>,
@@ -127,7 +127,7 @@ pub(super) fn admit(
         | State::Queued { .. }
         | State::Draining { .. } => Duration::from_secs(1),
     };
-    if kind == WaitKind::Request && slot.queued_requests() >= rules.queue_capacity {
+    if kind.takes_a_place() && slot.queued_requests() >= rules.queue_capacity {
         return Admission::Refuse(ProxyError::QueueFull {
             model: key,
             capacity: rules.queue_capacity,

@@ -188,14 +188,25 @@ pub(super) enum WaitKind {
     /// A client's request (an Ollama or admin load included): one place of the model's
     /// request queue, refused when the queue is full.
     Request,
-    /// The server's own start-up load (`mlxd serve --model`): it waits like a request but
-    /// takes no place, so a burst of `queue_capacity` requests at a server still loading its
-    /// model all wait (one of 64 streams was refused 429 on an H100 while the preload held a
-    /// place).
+    /// A request admitted before whose engine died under it: sent again, or its stream
+    /// resumed on the successor. The queue bounds new work, and this is not new: refusing it
+    /// would break a stream the client already holds (with more streams in flight than the
+    /// queue has places, a `kill -9` cost the streams past them a 429 mid-stream).
+    Retry,
+    /// The server's own start-up load (`mlxd serve --model`): a burst of `queue_capacity`
+    /// requests at a server still loading its model must all wait (one of 64 streams was
+    /// refused 429 on an H100 while the preload held a place).
     StartUp,
 }
 
-/// A request (or the start-up load) waiting for its model's engine.
+impl WaitKind {
+    /// Whether the waiter takes a place of the request queue (only new requests do).
+    pub fn takes_a_place(self) -> bool {
+        self == WaitKind::Request
+    }
+}
+
+/// A request (or a retried one, or the start-up load) waiting for its model's engine.
 #[derive(Debug)]
 pub(super) struct Waiter {
     /// Names its queue-timeout timer.
@@ -387,7 +398,7 @@ impl Slot {
         self.live_waiters();
         self.waiters
             .iter()
-            .filter(|w| w.kind == WaitKind::Request)
+            .filter(|w| w.kind.takes_a_place())
             .count()
     }
 

@@ -569,3 +569,38 @@ fn the_start_up_load_takes_no_place_of_the_request_queue() {
         Admission::Wait
     ));
 }
+
+#[test]
+fn a_retried_request_waits_however_full_the_queue_is() {
+    let t0 = Instant::now();
+    let mut s = starting(t0);
+    exit_calmly(&mut s, crash(Some(9), None), t0);
+    let (w1, _rx1) = waiter(1);
+    let (w2, _rx2) = waiter(2);
+    wait(&mut s, w1, Duration::from_secs(10));
+    wait(&mut s, w2, Duration::from_secs(10));
+    assert!(matches!(
+        admit(&mut s, None, WaitKind::Request, t0, &RULES),
+        Admission::Refuse(ProxyError::QueueFull { .. })
+    ));
+    // A stream whose engine died resumes on the successor: it was admitted once.
+    assert!(matches!(
+        admit(&mut s, Some(1), WaitKind::Retry, t0, &RULES),
+        Admission::Wait
+    ));
+    let (reply, _rx3) = tokio::sync::oneshot::channel();
+    wait(
+        &mut s,
+        Waiter {
+            id: 3,
+            kind: WaitKind::Retry,
+            reply,
+        },
+        Duration::from_secs(10),
+    );
+    assert_eq!(s.queued_requests(), 2, "the retry took no place");
+    assert!(matches!(
+        admit(&mut s, Some(1), WaitKind::Retry, t0, &RULES),
+        Admission::Wait
+    ));
+}
