@@ -285,19 +285,29 @@ fn a_request_to_a_pool_shutting_down_or_for_an_unknown_or_removed_model_is_refus
     ));
 }
 
-#[test]
-fn a_waiter_whose_client_left_frees_its_place_and_its_deadline_answers_nobody() {
-    let t0 = Instant::now();
+/// The end of a waiter's answer.
+type Answer = tokio::sync::oneshot::Receiver<Result<crate::pool::Lease, ProxyError>>;
+
+/// A restarting slot whose queue of two ([`RULES`]) waiters 1 and 2 fill, with their answers'
+/// ends (dropping one frees its place).
+fn full_queue(t0: Instant) -> (Slot, Answer, Answer) {
     let mut s = starting(t0);
     exit_calmly(&mut s, crash(Some(9), None), t0);
     let (w1, rx1) = waiter(1);
-    let (w2, _rx2) = waiter(2);
+    let (w2, rx2) = waiter(2);
     wait(&mut s, w1, Duration::from_secs(10));
     wait(&mut s, w2, Duration::from_secs(10));
     assert!(matches!(
         admit(&mut s, None, WaitKind::Request, t0, &RULES),
         Admission::Refuse(ProxyError::QueueFull { .. })
     ));
+    (s, rx1, rx2)
+}
+
+#[test]
+fn a_waiter_whose_client_left_frees_its_place_and_its_deadline_answers_nobody() {
+    let t0 = Instant::now();
+    let (mut s, rx1, _rx2) = full_queue(t0);
     drop(rx1);
     assert!(matches!(
         admit(&mut s, None, WaitKind::Request, t0, &RULES),
@@ -573,16 +583,7 @@ fn the_start_up_load_takes_no_place_of_the_request_queue() {
 #[test]
 fn a_retried_request_waits_however_full_the_queue_is() {
     let t0 = Instant::now();
-    let mut s = starting(t0);
-    exit_calmly(&mut s, crash(Some(9), None), t0);
-    let (w1, _rx1) = waiter(1);
-    let (w2, _rx2) = waiter(2);
-    wait(&mut s, w1, Duration::from_secs(10));
-    wait(&mut s, w2, Duration::from_secs(10));
-    assert!(matches!(
-        admit(&mut s, None, WaitKind::Request, t0, &RULES),
-        Admission::Refuse(ProxyError::QueueFull { .. })
-    ));
+    let (mut s, _rx1, _rx2) = full_queue(t0);
     // A stream whose engine died resumes on the successor: it was admitted once.
     assert!(matches!(
         admit(&mut s, Some(1), WaitKind::Retry, t0, &RULES),
