@@ -255,12 +255,7 @@ impl Pool {
 
     fn command(&mut self, cmd: Command) {
         match cmd {
-            Command::Acquire {
-                model,
-                not_generation,
-                kind,
-                reply,
-            } => self.acquire(&model, not_generation, kind, reply),
+            Command::Acquire { model, kind, reply } => self.acquire(&model, kind, reply),
             Command::Unload { model, reply } => self.unload(&model, reply),
             Command::KeepAlive { model, keep, reply } => {
                 let _ = reply.send(self.keep_alive(&model, keep));
@@ -365,13 +360,7 @@ impl Pool {
     }
 
     /// A request for `key`'s engine; see [`queue::request`].
-    fn acquire(
-        &mut self,
-        key: &str,
-        not_generation: Option<u64>,
-        kind: WaitKind,
-        reply: Reply<Result<Lease, ProxyError>>,
-    ) {
+    fn acquire(&mut self, key: &str, kind: WaitKind, reply: Reply<Result<Lease, ProxyError>>) {
         let now = Instant::now();
         let c = &self.config.server;
         let rules = AdmitRules {
@@ -381,7 +370,7 @@ impl Pool {
         };
         let mood = self.mood();
         let slot = self.slots.get_mut(key);
-        match queue::request(slot, key, mood, not_generation, kind, now, &rules) {
+        match queue::request(slot, key, mood, kind, now, &rules) {
             Admission::Grant => {
                 let lease = self
                     .slots

@@ -54,9 +54,8 @@ pub(super) type Reply<T> = oneshot::Sender<T>;
 pub(super) enum Command {
     Acquire {
         model: String,
-        /// Do not hand out this engine generation (it was found dead).
-        not_generation: Option<u64>,
-        /// A request, or the start-up load (which takes no place of the request queue).
+        /// A request, a retried one (never handed the engine generation it found dead), or
+        /// the start-up load; only a request takes a place of the request queue.
         kind: WaitKind,
         reply: Reply<Result<Lease, ProxyError>>,
     },
@@ -139,22 +138,16 @@ impl PoolHandle {
         not_generation: Option<u64>,
     ) -> Result<Lease, ProxyError> {
         let kind = match not_generation {
-            Some(_) => WaitKind::Retry,
+            Some(dead) => WaitKind::Retry { dead },
             None => WaitKind::Request,
         };
-        self.acquire_as(id, not_generation, kind).await
+        self.acquire_as(id, kind).await
     }
 
-    async fn acquire_as(
-        &self,
-        id: &str,
-        not_generation: Option<u64>,
-        kind: WaitKind,
-    ) -> Result<Lease, ProxyError> {
+    async fn acquire_as(&self, id: &str, kind: WaitKind) -> Result<Lease, ProxyError> {
         let rx = self
             .ask(|reply| Command::Acquire {
                 model: id.to_string(),
-                not_generation,
                 kind,
                 reply,
             })
@@ -198,7 +191,7 @@ impl PoolHandle {
     /// but it takes no place of the request queue, which stays whole for the clients that
     /// arrive while the model loads.
     pub async fn load_at_start_up(&self, id: &str) -> Result<(), ProxyError> {
-        self.acquire_as(id, None, WaitKind::StartUp).await.map(drop)
+        self.acquire_as(id, WaitKind::StartUp).await.map(drop)
     }
 
     /// Drains and stops model `id`'s engine (in-flight requests finish first); waits

@@ -25,7 +25,6 @@ pub(super) fn request(
     slot: Option<&mut Slot>,
     key: &str,
     mood: PoolMood,
-    avoid: Option<u64>,
     kind: WaitKind,
     now: Instant,
     rules: &AdmitRules,
@@ -43,7 +42,7 @@ pub(super) fn request(
             "model {key} was removed from the configuration"
         )));
     }
-    admit(slot, avoid, kind, now, rules)
+    admit(slot, kind, now, rules)
 }
 
 /// What a request may ask of the pool.
@@ -67,17 +66,18 @@ pub(super) enum Admission {
     Wait,
 }
 
-/// Decides a request for the slot's model (`avoid`: an engine generation the caller found
-/// dead). A failed model answers with its failure until the cool-down is over, and is then
-/// tried again; a full queue answers a new request 429 with when to retry (a retried request
-/// and the start-up load, which take no place, always wait: [`WaitKind::takes_a_place`]).
+/// Decides a request for the slot's model (a retried one never gets the engine generation it
+/// found dead). A failed model answers with its failure until the cool-down is over, and is
+/// then tried again; a full queue answers a new request 429 with when to retry (a retried
+/// request and the start-up load, which take no place, always wait:
+/// [`WaitKind::takes_a_place`]).
 pub(super) fn admit(
     slot: &mut Slot,
-    avoid: Option<u64>,
     kind: WaitKind,
     now: Instant,
     rules: &AdmitRules,
 ) -> Admission {
+    let avoid = kind.avoids();
     let key = slot.entry.id.clone();
     let known_dead = avoid.is_some() && avoid == slot.state.engine().map(|e| e.handle.generation);
     let in_flight = slot.in_flight();

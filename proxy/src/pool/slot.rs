@@ -188,11 +188,12 @@ pub(super) enum WaitKind {
     /// A client's request (an Ollama or admin load included): one place of the model's
     /// request queue, refused when the queue is full.
     Request,
-    /// A request admitted before whose engine died under it: sent again, or its stream
-    /// resumed on the successor. The queue bounds new work, and this is not new: refusing it
-    /// would break a stream the client already holds (with more streams in flight than the
-    /// queue has places, a `kill -9` cost the streams past them a 429 mid-stream).
-    Retry,
+    /// A request admitted before whose engine (generation `dead`) died under it: sent again,
+    /// or its stream resumed on the successor, never on `dead`. The queue bounds new work,
+    /// and this is not new: refusing it would break a stream the client already holds (with
+    /// more streams in flight than the queue has places, a `kill -9` cost the streams past
+    /// them a 429 mid-stream).
+    Retry { dead: u64 },
     /// The server's own start-up load (`mlxd serve --model`): a burst of `queue_capacity`
     /// requests at a server still loading its model must all wait (one of 64 streams was
     /// refused 429 on an H100 while the preload held a place).
@@ -203,6 +204,14 @@ impl WaitKind {
     /// Whether the waiter takes a place of the request queue (only new requests do).
     pub fn takes_a_place(self) -> bool {
         self == WaitKind::Request
+    }
+
+    /// The engine generation not to hand out: the one a retried request found dead.
+    pub fn avoids(self) -> Option<u64> {
+        match self {
+            WaitKind::Retry { dead } => Some(dead),
+            WaitKind::Request | WaitKind::StartUp => None,
+        }
     }
 }
 

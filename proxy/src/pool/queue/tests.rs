@@ -23,23 +23,23 @@ fn admission_grants_a_ready_engine_up_to_its_in_flight_limit() {
     let t0 = Instant::now();
     let mut s = starting(t0);
     assert!(matches!(
-        admit(&mut s, None, WaitKind::Request, t0, &RULES),
+        admit(&mut s, WaitKind::Request, t0, &RULES),
         Admission::Wait
     ));
     ready(&mut s, ready_report(), t0, &timing());
     assert!(matches!(
-        admit(&mut s, None, WaitKind::Request, t0, &RULES),
+        admit(&mut s, WaitKind::Request, t0, &RULES),
         Admission::Grant
     ));
     let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
     let _lease = s.grant(&tx, &timing().policy, t0).unwrap();
     assert!(matches!(
-        admit(&mut s, None, WaitKind::Request, t0, &RULES),
+        admit(&mut s, WaitKind::Request, t0, &RULES),
         Admission::Refuse(ProxyError::TooManyInFlight { limit: 1, .. })
     ));
     // An engine the caller found dead: wait for its successor instead.
     assert!(matches!(
-        admit(&mut s, Some(1), WaitKind::Request, t0, &RULES),
+        admit(&mut s, WaitKind::Retry { dead: 1 }, t0, &RULES),
         Admission::Wait
     ));
 }
@@ -51,7 +51,6 @@ fn admission_answers_from_the_failed_state_until_the_cool_down_ends() {
     exit_calmly(&mut s, cannot_load("no such model"), t0);
     match admit(
         &mut s,
-        None,
         WaitKind::Request,
         t0 + Duration::from_secs(100),
         &RULES,
@@ -64,7 +63,6 @@ fn admission_answers_from_the_failed_state_until_the_cool_down_ends() {
     assert!(matches!(
         admit(
             &mut s,
-            None,
             WaitKind::Request,
             t0 + Duration::from_secs(300),
             &RULES
@@ -89,7 +87,7 @@ fn admission_refuses_a_full_queue_with_the_restart_delay() {
             reply,
         });
     }
-    match admit(&mut s, None, WaitKind::Request, t0, &RULES) {
+    match admit(&mut s, WaitKind::Request, t0, &RULES) {
         Admission::Refuse(ProxyError::QueueFull {
             capacity: 2,
             retry_after,
@@ -100,7 +98,7 @@ fn admission_refuses_a_full_queue_with_the_restart_delay() {
     // Waiters that gave up free their places.
     keep.clear();
     assert!(matches!(
-        admit(&mut s, None, WaitKind::Request, t0, &RULES),
+        admit(&mut s, WaitKind::Request, t0, &RULES),
         Admission::Wait
     ));
 }
@@ -254,25 +252,17 @@ fn a_request_to_a_pool_shutting_down_or_for_an_unknown_or_removed_model_is_refus
         shutting_down: true,
     };
     assert!(matches!(
-        request(
-            Some(&mut s),
-            "m",
-            shutting,
-            None,
-            WaitKind::Request,
-            t0,
-            &RULES
-        ),
+        request(Some(&mut s), "m", shutting, WaitKind::Request, t0, &RULES),
         Admission::Refuse(ProxyError::ShuttingDown)
     ));
-    match request(None, "x", CALM, None, WaitKind::Request, t0, &RULES) {
+    match request(None, "x", CALM, WaitKind::Request, t0, &RULES) {
         Admission::Refuse(ProxyError::NotFound(why)) => {
             assert_eq!(why, "model x is not configured")
         }
         other => panic!("{other:?}"),
     }
     s.removed = true;
-    match request(Some(&mut s), "m", CALM, None, WaitKind::Request, t0, &RULES) {
+    match request(Some(&mut s), "m", CALM, WaitKind::Request, t0, &RULES) {
         Admission::Refuse(ProxyError::NotFound(why)) => {
             assert_eq!(why, "model m was removed from the configuration")
         }
@@ -280,7 +270,7 @@ fn a_request_to_a_pool_shutting_down_or_for_an_unknown_or_removed_model_is_refus
     }
     s.removed = false;
     assert!(matches!(
-        request(Some(&mut s), "m", CALM, None, WaitKind::Request, t0, &RULES),
+        request(Some(&mut s), "m", CALM, WaitKind::Request, t0, &RULES),
         Admission::Wait
     ));
 }
@@ -298,7 +288,7 @@ fn full_queue(t0: Instant) -> (Slot, Answer, Answer) {
     wait(&mut s, w1, Duration::from_secs(10));
     wait(&mut s, w2, Duration::from_secs(10));
     assert!(matches!(
-        admit(&mut s, None, WaitKind::Request, t0, &RULES),
+        admit(&mut s, WaitKind::Request, t0, &RULES),
         Admission::Refuse(ProxyError::QueueFull { .. })
     ));
     (s, rx1, rx2)
@@ -310,7 +300,7 @@ fn a_waiter_whose_client_left_frees_its_place_and_its_deadline_answers_nobody() 
     let (mut s, rx1, _rx2) = full_queue(t0);
     drop(rx1);
     assert!(matches!(
-        admit(&mut s, None, WaitKind::Request, t0, &RULES),
+        admit(&mut s, WaitKind::Request, t0, &RULES),
         Admission::Wait
     ));
     assert_eq!(s.waiters.len(), 1, "the one that left is gone");
@@ -433,7 +423,7 @@ fn an_engine_that_fails_while_requests_wait_answers_them_or_keeps_them_for_the_r
     let mut s = starting(t0);
     ready(&mut s, ready_report(), t0, &timing());
     assert!(matches!(
-        admit(&mut s, Some(1), WaitKind::Request, t0, &RULES),
+        admit(&mut s, WaitKind::Retry { dead: 1 }, t0, &RULES),
         Admission::Wait
     ));
     let (w, _rx) = waiter(1);
@@ -443,7 +433,7 @@ fn an_engine_that_fails_while_requests_wait_answers_them_or_keeps_them_for_the_r
     assert_eq!(s.state.name(), "restarting");
     assert_eq!(s.waiters.len(), 1);
     assert!(matches!(
-        admit(&mut s, None, WaitKind::Request, t0, &RULES),
+        admit(&mut s, WaitKind::Request, t0, &RULES),
         Admission::Wait
     ));
     // The restarted engine's load fails: now they get its error.
@@ -554,7 +544,7 @@ fn the_start_up_load_takes_no_place_of_the_request_queue() {
         reply,
     };
     assert!(matches!(
-        admit(&mut s, None, WaitKind::StartUp, t0, &RULES),
+        admit(&mut s, WaitKind::StartUp, t0, &RULES),
         Admission::Wait
     ));
     wait(&mut s, load, Duration::from_secs(10));
@@ -563,19 +553,19 @@ fn the_start_up_load_takes_no_place_of_the_request_queue() {
     let (w2, _rx2) = waiter(2);
     for w in [w1, w2] {
         assert!(matches!(
-            admit(&mut s, None, WaitKind::Request, t0, &RULES),
+            admit(&mut s, WaitKind::Request, t0, &RULES),
             Admission::Wait
         ));
         wait(&mut s, w, Duration::from_secs(10));
     }
     assert_eq!(s.waiters.len(), 3);
     assert!(matches!(
-        admit(&mut s, None, WaitKind::Request, t0, &RULES),
+        admit(&mut s, WaitKind::Request, t0, &RULES),
         Admission::Refuse(ProxyError::QueueFull { capacity: 2, .. })
     ));
     // A full queue never refuses the start-up load.
     assert!(matches!(
-        admit(&mut s, None, WaitKind::StartUp, t0, &RULES),
+        admit(&mut s, WaitKind::StartUp, t0, &RULES),
         Admission::Wait
     ));
 }
@@ -586,7 +576,7 @@ fn a_retried_request_waits_however_full_the_queue_is() {
     let (mut s, _rx1, _rx2) = full_queue(t0);
     // A stream whose engine died resumes on the successor: it was admitted once.
     assert!(matches!(
-        admit(&mut s, Some(1), WaitKind::Retry, t0, &RULES),
+        admit(&mut s, WaitKind::Retry { dead: 1 }, t0, &RULES),
         Admission::Wait
     ));
     let (reply, _rx3) = tokio::sync::oneshot::channel();
@@ -594,14 +584,14 @@ fn a_retried_request_waits_however_full_the_queue_is() {
         &mut s,
         Waiter {
             id: 3,
-            kind: WaitKind::Retry,
+            kind: WaitKind::Retry { dead: 1 },
             reply,
         },
         Duration::from_secs(10),
     );
     assert_eq!(s.queued_requests(), 2, "the retry took no place");
     assert!(matches!(
-        admit(&mut s, Some(1), WaitKind::Retry, t0, &RULES),
+        admit(&mut s, WaitKind::Retry { dead: 1 }, t0, &RULES),
         Admission::Wait
     ));
 }
