@@ -84,8 +84,9 @@ pub(super) fn admit(
     let retry_after = match &slot.state {
         // Its exit is on the way: wait in the queue for the restart.
         State::Ready { .. } if known_dead => Duration::from_secs(1),
-        // The engine's own queue is bounded here, before it grows without limit.
-        State::Ready { .. } if in_flight >= rules.max_in_flight => {
+        // The engine's own queue is bounded here, before it grows without limit; as with the
+        // request queue, only new work is refused (a retried request was in flight before).
+        State::Ready { .. } if in_flight >= rules.max_in_flight && kind.takes_a_place() => {
             return Admission::Refuse(ProxyError::TooManyInFlight {
                 model: key,
                 limit: rules.max_in_flight,

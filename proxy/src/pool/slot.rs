@@ -189,10 +189,10 @@ pub(super) enum WaitKind {
     /// request queue, refused when the queue is full.
     Request,
     /// A request admitted before whose engine (generation `dead`) died under it: sent again,
-    /// or its stream resumed on the successor, never on `dead`. The queue bounds new work,
-    /// and this is not new: refusing it would break a stream the client already holds (with
-    /// more streams in flight than the queue has places, a `kill -9` cost the streams past
-    /// them a 429 mid-stream).
+    /// or its stream resumed on the successor, never on `dead`. The request queue and the
+    /// engine's in-flight limit bound new work, and this is not new: refusing it would break
+    /// a stream the client already holds (with more streams in flight than the queue has
+    /// places, a `kill -9` cost the streams past them a 429 mid-stream).
     Retry { dead: u64 },
     /// The server's own start-up load (`mlxd serve --model`): a burst of `queue_capacity`
     /// requests at a server still loading its model must all wait (one of 64 streams was
@@ -201,7 +201,8 @@ pub(super) enum WaitKind {
 }
 
 impl WaitKind {
-    /// Whether the waiter takes a place of the request queue (only new requests do).
+    /// Whether the waiter takes a place of the request queue, and is refused when the queue
+    /// is full or the engine at its in-flight limit (only new requests are).
     pub fn takes_a_place(self) -> bool {
         self == WaitKind::Request
     }

@@ -42,6 +42,11 @@ fn admission_grants_a_ready_engine_up_to_its_in_flight_limit() {
         admit(&mut s, WaitKind::Retry { dead: 1 }, t0, &RULES),
         Admission::Wait
     ));
+    // A request whose earlier engine died was in flight before: the limit does not refuse it.
+    assert!(matches!(
+        admit(&mut s, WaitKind::Retry { dead: 0 }, t0, &RULES),
+        Admission::Grant
+    ));
 }
 
 #[test]
