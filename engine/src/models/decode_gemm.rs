@@ -49,7 +49,6 @@ pub fn fits(x: (&[i32], Dtype), w: (&[i32], Dtype)) -> bool {
     let rows: i64 = lead.iter().map(|&d| i64::from(d)).product();
     matches!(xd, Dtype::Float16 | Dtype::Bfloat16)
         && wd == xd
-        && !lead.is_empty()
         && k == kw
         && k > 0
         && n > 0
