@@ -10,6 +10,9 @@
 #   scripts/bench/h200.sh engine8b-q4 <out dir>    the 8B shape in 4 bits (models8b-q4)
 #   scripts/bench/h200.sh serve <out dir>          mlxd against mlx_lm.server, prefix cache
 #   scripts/bench/h200.sh prefix <out dir>         the prefix-cache part alone
+#   scripts/bench/h200.sh served <out dir>         issue 21's served target: 64 and 128 streams of 128 tokens
+#                                                  at 0.7 through one mlxd on the 1B (default batch size), a
+#                                                  warm-up round first, ROUNDS (default 3) rounds of each
 #   scripts/bench/h200.sh proxy <out dir>          streams straight to an engine against through mlxd
 #   scripts/bench/h200.sh speculative <out dir> <gguf>  n-gram drafting on the default model (from
 #                                                  its GGUF) and 1B drafting for 8B (models, models8b)
@@ -140,6 +143,24 @@ case ${1:-} in
     start_mlxd "$MODELS/llama-1b-bf16"
     for words in ${PREFIX_WORDS:-1500 6000}; do
       "$PYTHON" scripts/bench/prefix_cache.py --url "http://127.0.0.1:$port" --history-words "$words" --out "$out/prefix.jsonl"
+    done
+    kill "$pid"
+    wait "$pid" 2>/dev/null || true
+    ;;
+  served)
+    out=$2
+    mkdir -p "$out"
+    start_mlxd "$MODELS/llama-1b-bf16"
+    # The fresh engine compiles its kernels for each shape in the warm-up round.
+    for streams in 64 128; do
+      "$PYTHON" scripts/bench/serve.py --url "http://127.0.0.1:$port" --streams "$streams" --temperature 0.7 \
+        --max-tokens 128 --label "$streams-warm" --out "$out/served.jsonl" >/dev/null
+    done
+    for round in $(seq 1 "${ROUNDS:-3}"); do
+      for streams in 64 128; do
+        "$PYTHON" scripts/bench/serve.py --url "http://127.0.0.1:$port" --streams "$streams" --temperature 0.7 \
+          --max-tokens 128 --label "$streams-$round" --out "$out/served.jsonl" | tail -1
+      done
     done
     kill "$pid"
     wait "$pid" 2>/dev/null || true
