@@ -234,6 +234,42 @@ def lora_case(work: Path, b: int, l: int, k: int, c: int, n: int, adapters: int,
     return report(label, got, want, float(np.abs(want).max()))
 
 
+def lora_wide_case(work: Path, b: int, l: int, c: int, n: int, adapters: int, layers: int, mask_rows: int) -> bool:
+    """The widened expand: `yw` carries `x @ A` as its last `c` columns; the output is its first
+    `n` columns plus `(masked x @ A) @ B` (`mask_rows` 1: every row takes the same adapter)."""
+    rng = np.random.default_rng(b * 7 + c + n)
+    z = rng.standard_normal((b, l, c), dtype=np.float32)
+    y = rng.standard_normal((b, l, n), dtype=np.float32)
+    yw = np.concatenate([y, z], axis=-1)
+    bb = rng.standard_normal((c, n), dtype=np.float32) * np.float32(0.05)
+    w = c // layers
+    rank = w // adapters
+    mask = np.zeros((mask_rows, 1, w), dtype=np.float32)
+    for row in range(mask_rows):
+        slot = (row + 1) % (adapters + 1)  # the last slot: a base row, no columns
+        if slot < adapters:
+            mask[row, 0, slot * rank:(slot + 1) * rank] = 1.0
+    per = (b * l) // mask_rows
+    row_mask = np.repeat(mask.reshape(mask_rows, w), per, axis=0).reshape(b, l, 1, w)
+    want = y + (z.reshape(b, l, layers, w) * row_mask).reshape(b, l, c) @ bb
+    rows = b * l
+    block, expand_rows = (rust_const(LORA, n_) for n_ in ("BLOCK", "EXPAND_ROWS"))
+    ceil = lambda p_, q: (p_ + q - 1) // q
+    grid = (ceil(n, block), ceil(rows, expand_rows), 1)
+    got = emulate(
+        work,
+        kernel_body(LORA, "EXPAND_WIDE_SOURCE"),
+        {"yw": View(yw), "b": View(bb), "mask": View(mask)},
+        {"out": (b, l, n)},
+        {"FT": "float", "YT": "float", "MT": "float",
+         "MAX_C": rust_const(LORA, "MAX_RANK_COLUMNS"), "RB": expand_rows},
+        grid,
+        block,
+    )["out"]
+    label = f"lora widened: rows {b}x{l} R {c} out {n} adapters {adapters} layers {layers} mask rows {mask_rows}"
+    return report(label, got, want, float(np.abs(want).max()))
+
+
 def attention_case(work: Path, rows: int, heads: int, kv_heads: int, d: int, t: int, bits: int, group: int, spans: int, masked: bool) -> bool:
     """Decode attention of one query per row over `t` positions of a cache (a view of a longer
     buffer, as a cache's), quantized with `bits` (0: plain), split over `spans` spans, then
@@ -379,6 +415,14 @@ def main() -> int:
             (4, 2, 128, 20, 130, 2, 1),
         ]:
             results.append(lora_case(work, *case))
+        for case in [
+            # rows, positions, R, out, adapters, layers, mask rows
+            (32, 1, 96, 640, 4, 3, 32),
+            (13, 1, 24, 300, 2, 2, 13),
+            # Every row one adapter (a mask of one row), a prefill-sized pass.
+            (3, 7, 16, 130, 2, 1, 1),
+        ]:
+            results.append(lora_wide_case(work, *case))
         for case in [
             # rows, heads, kv heads, head width, positions, bits, group, spans, masked
             (1, 8, 2, 64, 100, 8, 64, 3, False),

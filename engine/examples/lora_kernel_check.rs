@@ -12,7 +12,10 @@
 //! line with the largest and mean absolute difference between the two paths (relative to the
 //! mean update) and microseconds per update of each, timed as a chain of `iterations` updates
 //! evaluated once (device time, as in a forward pass). Runs only where the kernels serve: a
-//! CUDA GPU, unless `MLXD_LORA_KERNEL=0`.
+//! CUDA GPU, unless `MLXD_LORA_KERNEL=0`. Each such line is followed by one for the widened
+//! path (`mlxd_engine::adapters::widened`, `"path":"widened"`): its difference from the ops,
+//! and for the sites whose output is as wide as their input, a chain of widened sites against
+//! a chain of base products each with the two kernels.
 use std::time::Instant;
 
 use anyhow::{bail, Context};
@@ -57,6 +60,70 @@ fn chained(
     }
     out.eval()?;
     Ok(start.elapsed().as_secs_f64() * 1e6 / n as f64)
+}
+
+/// The widened path (`mlxd_engine::adapters::widened`) at one site: the product by the base
+/// weight widened by `Aᵀ` (bf16), then the one expand kernel, against the base product plus
+/// the ops' update (`mask`: a one-adapter pass's is all ones). For sites whose output feeds
+/// their input (`tiny`, `o`), microseconds per site of a chain of widened products against a
+/// chain of base products each followed by the two kernels.
+#[allow(clippy::too_many_arguments)]
+fn widened(
+    site: &str,
+    factors: Dtype,
+    adapters: i32,
+    rows: i32,
+    (k, n, w, layers): (i32, i32, i32, i32),
+    x: &Array,
+    a: &Array,
+    b: &Array,
+    mask: Option<(&Array, i32)>,
+    iterations: usize,
+) -> anyhow::Result<()> {
+    let ones = mlx_rs::ops::ones::<f32>(&[1, 1, w])?;
+    let mask = mask.unwrap_or((&ones, layers));
+    let weight =
+        (random::normal::<f32>(&[n, k], None, None, None)? * 0.02).as_dtype(Dtype::Bfloat16)?;
+    let wide = mlx_rs::ops::concatenate(&[&weight, &a.t().as_dtype(Dtype::Bfloat16)?], 0)?;
+    mlx_rs::transforms::eval([&weight, &wide])?;
+    let yw = x.matmul(wide.t())?;
+    if !lora_kernel::serves_widened(&yw, b, mask) {
+        return Ok(());
+    }
+    let got = lora_kernel::widened_update(&yw, b, mask)?;
+    let base = x.matmul(weight.t())?;
+    let want = ops(x, a, b, &base, Some(mask))?;
+    let f32 = |v: &Array| v.as_dtype(Dtype::Float32);
+    let diff = f32(&got)?.subtract(f32(&want)?)?.abs()?;
+    let update = f32(&want)?
+        .subtract(f32(&base)?)?
+        .abs()?
+        .mean(None)?
+        .item_exact::<f32>();
+    let (max, mean) = (
+        diff.max(None)?.item_exact::<f32>(),
+        diff.mean(None)?.item_exact::<f32>(),
+    );
+    let mut times = String::new();
+    if n == k {
+        let one_node = chained(iterations, x, |x| {
+            Ok(lora_kernel::widened_update(&x.matmul(wide.t())?, b, mask)?)
+        })?;
+        let two_nodes = chained(iterations, x, |x| {
+            Ok(lora_kernel::add_update(
+                x,
+                a,
+                b,
+                &x.matmul(weight.t())?,
+                Some(mask),
+            )?)
+        })?;
+        times = format!(",\"widened_site_us\":{one_node:.1},\"two_kernel_site_us\":{two_nodes:.1}");
+    }
+    println!(
+        "{{\"site\":\"{site}\",\"path\":\"widened\",\"factors\":\"{factors:?}\",\"adapters\":{adapters},\"rows\":{rows},\"max_diff\":{max:.5},\"mean_diff\":{mean:.6},\"mean_update\":{update:.4}{times}}}"
+    );
+    Ok(())
 }
 
 fn main() -> anyhow::Result<()> {
@@ -128,6 +195,18 @@ fn main() -> anyhow::Result<()> {
                     println!(
                         "{{\"site\":\"{site}\",\"factors\":\"{factors:?}\",\"adapters\":{adapters},\"rows\":{rows},\"max_diff\":{max:.5},\"mean_diff\":{mean:.6},\"mean_update\":{update:.4},\"kernel_us\":{kernel_us:.1},\"ops_us\":{ops_us:.1}}}"
                     );
+                    widened(
+                        site,
+                        factors,
+                        adapters,
+                        rows,
+                        (k, n, w, layers),
+                        &x,
+                        &a,
+                        &b,
+                        mask,
+                        iterations,
+                    )?;
                 }
             }
         }

@@ -83,6 +83,9 @@ pub(crate) const PASSTHROUGH_ENV: &[&str] = &[
     // Whether decode-sized dense products run through MLX's grouped GEMM instead of cuBLASLt
     // on CUDA (`mlxd_engine::models::decode_gemm`; `1`: on), for measuring both.
     "MLXD_DECODE_GEMM",
+    // Whether a served LoRA update takes `x @ A` from a base product widened by the adapters'
+    // `A` (`mlxd_engine::adapters::widened`; `1`: on), for measuring both.
+    "MLXD_LORA_WIDENED",
     // Where MLX keeps the GPU kernels it compiles (engines default to the store,
     // `mlxd_engine::kernel_cache`); a directory the user chose reaches every engine.
     "MLX_PTX_CACHE_DIR",

@@ -80,22 +80,27 @@ pub(crate) fn add_served(
     if super::lora_kernel::serves(x, a, b, &y, mask) {
         return super::lora_kernel::add_update(x, a, b, &y, mask);
     }
-    let mut h = x.matmul(a)?;
+    let h = masked(x.matmul(a)?, mask)?;
+    add_served_update(y, &h, b, x.dtype())
+}
+
+/// `h` (`x @ A`, `[B, L, layers · W]`) times the per-row mask (`[B, 1, W]`, repeated for each
+/// of `layers` blocks of `W` columns); `h` as it is without one.
+pub(super) fn masked(h: Array, mask: Option<(&Array, i32)>) -> Result<Array, Exception> {
     match mask {
-        None => {}
+        None => Ok(h),
         // One layer's block: the mask broadcasts as it is (no reshapes, which are graph nodes
         // a decode step pays for on the host).
-        Some((mask, 1)) => h = h.multiply(mask)?,
+        Some((mask, 1)) => h.multiply(mask),
         Some((mask, layers)) => {
             let s = h.shape().to_vec();
             let (rows, width) = (mask.shape()[0], mask.shape()[2]);
             let by_layer = h.reshape(&[s[0], s[1], layers, width])?;
-            h = by_layer
+            by_layer
                 .multiply(mask.reshape(&[rows, 1, 1, width])?)?
-                .reshape(&s)?;
+                .reshape(&s)
         }
     }
-    add_served_update(y, &h, b, x.dtype())
 }
 
 /// `y + h @ b` for a served LoRA update (the scale folded into `b`) on a layer whose input has
@@ -103,7 +108,12 @@ pub(crate) fn add_served(
 /// rounds `h @ b` first); otherwise `h @ b` in the factors' dtype, cast to `dtype` and added
 /// as mlx-lm's `(scale * z).astype(x.dtype)`, the cast and the sum one compiled kernel (float32
 /// factors, as `mlx_lm.lora` writes them, on a bf16 or f16 base: two launches were three).
-fn add_served_update(y: Array, h: &Array, b: &Array, dtype: Dtype) -> Result<Array, Exception> {
+pub(super) fn add_served_update(
+    y: Array,
+    h: &Array,
+    b: &Array,
+    dtype: Dtype,
+) -> Result<Array, Exception> {
     if h.dtype() == dtype && b.dtype() == dtype && y.dtype() == dtype {
         mlx_rs::ops::addmm(&y, h, b, 1.0, 1.0)
     } else if y.dtype() == dtype {

@@ -165,6 +165,50 @@ const EXPAND_SOURCE: &str = r#"
   }
 "#;
 
+/// The widened expand's body ([`super::widened`]): the base product already carries `x @ A`
+/// as its last `C` columns. Inputs: `yw` `[B, L, N + C]` (`YT`), `b` `[C, N]` (`FT`), `mask`
+/// `[Bm, 1, W]` (`MT`: row `m` takes mask row `m / (M / Bm)`, column `c` its entry `c % W`).
+/// Output `out` `[B, L, N]` (`YT`): `yw`'s first `N` columns plus `((x @ A) * mask) @ B`,
+/// rounded as the expand above rounds it. Grid as the expand's.
+const EXPAND_WIDE_SOURCE: &str = r#"
+  const int C = b_shape[0];
+  const int N = b_shape[1];
+  const int WIDTH = yw_shape[2];
+  const int M = yw_shape[0] * yw_shape[1];
+  const int mask_rows = mask_shape[0];
+  const int W = mask_shape[2];
+  const int m0 = blockIdx.y * RB;
+  __shared__ float hs[RB * MAX_C];
+  for (int i = threadIdx.x; i < RB * C; i += blockDim.x) {
+    const int r = i / C;
+    const int c = i % C;
+    const int m = m0 + r;
+    float v = 0.0f;
+    if (m < M) {
+      v = static_cast<float>(yw[(size_t)m * WIDTH + N + c]);
+      v *= static_cast<float>(mask[(size_t)(m / (M / mask_rows)) * W + c % W]);
+    }
+    hs[i] = v;
+  }
+  __syncthreads();
+  const int n = blockIdx.x * blockDim.x + threadIdx.x;
+  if (n >= N) return;
+  float acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = 0.0f;
+#pragma unroll 16
+  for (int c = 0; c < C; ++c) {
+    const float bv = static_cast<float>(b[(size_t)c * N + n]);
+    for (int r = 0; r < RB; ++r) acc[r] += hs[r * C + c] * bv;
+  }
+  for (int r = 0; r < RB; ++r) {
+    const int m = m0 + r;
+    if (m < M) {
+      const float z = static_cast<float>(static_cast<YT>(static_cast<float>(static_cast<FT>(acc[r]))));
+      out[(size_t)m * N + n] = static_cast<YT>(static_cast<float>(yw[(size_t)m * WIDTH + n]) + z);
+    }
+  }
+"#;
+
 /// Whether the kernels run here: MLX's default device is a CUDA GPU and `MLXD_LORA_KERNEL`
 /// is not `0` (the matmuls, kept for measuring). Their bodies also run under a CPU emulation
 /// of the GPU's threads in `scripts/test.sh` (`scripts/emulate_cuda_kernels.py`, equal to
@@ -227,6 +271,38 @@ pub fn serves(x: &Array, a: &Array, b: &Array, y: &Array, mask: Option<(&Array, 
         )
 }
 
+/// The shapes and dtypes the widened expand serves, apart from the device: `yw` `[B, L, N + C]`
+/// of at most [`MAX_ROWS`] rows, float16 or bfloat16; `b` `[C, N]` of a float dtype, `C` at
+/// most [`MAX_RANK_COLUMNS`]; a mask `[Bm, 1, W]` whose `Bm` divides the rows and `W` times
+/// `layers` makes `C`.
+pub fn fits_widened(yw: (&[i32], Dtype), b: (&[i32], Dtype), mask: (&[i32], i32)) -> bool {
+    let ((ys, yd), (bs, bd), (ms, layers)) = (yw, b, mask);
+    let (&[by, l, width], &[c, n], &[bm, 1, w]) = (ys, bs, ms) else {
+        return false;
+    };
+    let rows = i64::from(by) * i64::from(l);
+    matches!(yd, Dtype::Float16 | Dtype::Bfloat16)
+        && is_float(bd)
+        && n > 0
+        && width == n + c
+        && (1..=i64::from(MAX_ROWS)).contains(&rows)
+        && (1..=MAX_RANK_COLUMNS).contains(&c)
+        && bm > 0
+        && rows % i64::from(bm) == 0
+        && layers > 0
+        && w * layers == c
+}
+
+/// Whether [`widened_update`] serves this update here: the device and [`fits_widened`].
+pub fn serves_widened(yw: &Array, b: &Array, mask: (&Array, i32)) -> bool {
+    available()
+        && fits_widened(
+            (yw.shape(), yw.dtype()),
+            (b.shape(), b.dtype()),
+            (mask.0.shape(), mask.1),
+        )
+}
+
 thread_local! {
     /// The two kernels, made once per thread (the model runs on one thread), and the mask
     /// given where there is none (never read; an evaluated array adds no node to a pass).
@@ -236,6 +312,7 @@ thread_local! {
 struct Kernels {
     shrink: CudaKernel,
     expand: CudaKernel,
+    expand_wide: CudaKernel,
     no_mask: Array,
 }
 
@@ -252,9 +329,27 @@ impl Kernels {
                 EXPAND_SOURCE,
                 true,
             )?,
+            expand_wide: CudaKernel::new(
+                "mlxd_lora_expand_wide",
+                &["yw", "b", "mask"],
+                &["out"],
+                EXPAND_WIDE_SOURCE,
+                true,
+            )?,
             no_mask,
         })
     }
+}
+
+/// Runs `f` with this thread's kernels, made on first use.
+fn with_kernels<R>(f: impl FnOnce(&Kernels) -> Result<R, Exception>) -> Result<R, Exception> {
+    KERNELS.with(|cell| {
+        let mut slot = cell.borrow_mut();
+        if slot.is_none() {
+            *slot = Some(Kernels::new()?);
+        }
+        f(slot.as_ref().expect("made above"))
+    })
 }
 
 fn ceil_div(a: i32, b: i32) -> i32 {
@@ -287,12 +382,7 @@ pub fn add_update(
 ) -> Result<Array, Exception> {
     let rows = x.shape()[0] * x.shape()[1];
     let (k, c, n) = (x.shape()[2], a.shape()[1], b.shape()[1]);
-    KERNELS.with(|cell| {
-        let mut slot = cell.borrow_mut();
-        if slot.is_none() {
-            *slot = Some(Kernels::new()?);
-        }
-        let kernels = slot.as_ref().expect("made above");
+    with_kernels(|kernels| {
         let (spans, column_tiles, row_tiles) = shrink_blocks(rows, k, c);
         let partials = kernels.shrink.apply(
             &[x, a],
@@ -340,6 +430,33 @@ pub fn add_update(
         out.into_iter()
             .next()
             .ok_or_else(|| Exception::custom("the LoRA expand kernel gave no output"))
+    })
+}
+
+/// `yw`'s first `N` columns plus `cast(((x @ A) * mask) @ b)`, `x @ A` being `yw`'s last `C`
+/// columns (`b` `[C, N]`; the mask `[Bm, 1, W]` for `layers` blocks of `W` columns). Call only
+/// where [`serves_widened`] said yes.
+pub fn widened_update(yw: &Array, b: &Array, mask: (&Array, i32)) -> Result<Array, Exception> {
+    let (rows, n) = (yw.shape()[0] * yw.shape()[1], b.shape()[1]);
+    let mask = mask.0;
+    with_kernels(|kernels| {
+        let (column_blocks, row_blocks) = expand_blocks(rows, n);
+        let out = kernels.expand_wide.apply(
+            &[yw, b, mask],
+            &[OutputSpec {
+                shape: vec![yw.shape()[0], yw.shape()[1], n],
+                dtype: yw.dtype(),
+            }],
+            &Launch {
+                grid: (column_blocks * BLOCK, row_blocks, 1),
+                block: (BLOCK, 1, 1),
+                dtypes: &[("FT", b.dtype()), ("YT", yw.dtype()), ("MT", mask.dtype())],
+                ints: &[("MAX_C", MAX_RANK_COLUMNS), ("RB", EXPAND_ROWS)],
+            },
+        )?;
+        out.into_iter()
+            .next()
+            .ok_or_else(|| Exception::custom("the widened LoRA expand kernel gave no output"))
     })
 }
 
@@ -425,6 +542,35 @@ mod tests {
             (&[600, 3072], F32),
             (y, BF),
             None
+        ));
+    }
+
+    #[test]
+    fn the_widened_expand_takes_decode_sized_products_that_carry_c_more_columns() {
+        // q/k/v (3 072 outputs) over four adapters of rank 8: 96 more columns.
+        let yw: &[i32] = &[32, 1, 3072 + 96];
+        let b: &[i32] = &[96, 3072];
+        assert!(fits_widened((yw, BF), (b, F32), (&[32, 1, 32], 3)));
+        assert!(fits_widened((yw, BF), (b, BF), (&[1, 1, 32], 3)));
+        // Columns that do not add up, a mask that does not make C or divide the rows.
+        assert!(!fits_widened(
+            (&[32, 1, 3072 + 95], BF),
+            (b, F32),
+            (&[32, 1, 32], 3)
+        ));
+        assert!(!fits_widened((yw, BF), (b, F32), (&[32, 1, 30], 3)));
+        assert!(!fits_widened((yw, BF), (b, F32), (&[5, 1, 32], 3)));
+        // A float32 product, a prefill pass of many tokens, too many factor columns.
+        assert!(!fits_widened((yw, F32), (b, F32), (&[32, 1, 32], 3)));
+        assert!(!fits_widened(
+            (&[4, 512, 3168], BF),
+            (b, F32),
+            (&[4, 1, 32], 3)
+        ));
+        assert!(!fits_widened(
+            (&[32, 1, 3072 + 600], BF),
+            (&[600, 3072], F32),
+            (&[32, 1, 200], 3)
         ));
     }
 

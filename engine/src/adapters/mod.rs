@@ -10,6 +10,7 @@
 //! - [`checkpoint`]: gradient checkpointing of a training step's transformer layers;
 //! - [`table`]: the adapters a model holds, the linear layers they apply to, and each forward
 //!   pass's choice of adapter per row;
+//! - [`widened`]: a served update whose `x @ A` comes out of the base product (a switch);
 //! - [`model`]: the loaded model with its table, which the runtime reaches through
 //!   [`CausalLm::adapters`](crate::models::CausalLm::adapters).
 //!
@@ -23,6 +24,7 @@ pub mod group;
 pub mod lora_kernel;
 pub mod model;
 pub mod table;
+pub mod widened;
 
 use std::path::PathBuf;
 

@@ -50,6 +50,7 @@ use mlx_rs::{Array, Dtype};
 use super::config::{self, AdapterKind};
 use super::experts::{self, PairAdapters};
 use super::group::{self, GroupFactors, GroupUpdate};
+use super::widened::{self, Widened};
 use super::{dora, AdapterError, AdapterId};
 use crate::models::layers::Matrix;
 
@@ -90,6 +91,10 @@ struct State {
     /// row joins or leaves) reuses its arrays rather than making two from host data (on
     /// CUDA, allocations of unified memory). Emptied when adapters are loaded or unloaded.
     last_mixed: Option<(Vec<i32>, Mixed)>,
+    /// Per loaded adapter (index into `adapters`), the mask `[1, 1, R]` of its columns, for a
+    /// pass whose rows all take it through a widened product ([`widened`]). Emptied when
+    /// adapters are loaded or unloaded.
+    one_masks: HashMap<usize, Array>,
 }
 
 /// A group's factors, built by its first pass that needs them.
@@ -99,6 +104,8 @@ struct GroupCache {
     one: HashMap<usize, GroupFactors>,
     /// For a pass that mixes rows: the factors of every loaded adapter.
     mixed: Option<GroupFactors>,
+    /// The stacked matrix widened by every loaded adapter's `A` ([`widened`]).
+    widened: Option<Widened>,
 }
 
 struct Loaded {
@@ -166,6 +173,9 @@ struct Site {
     /// The factors of the adapters of a pass that mixes rows, side by side; built by the
     /// first such pass after the adapters, or the set a pass's rows take, change.
     stacked: Option<Stacked>,
+    /// The site's matrix widened by every loaded adapter's `A` ([`widened`]); built by the
+    /// first pass that takes it after adapters are loaded or unloaded.
+    widened: Option<Widened>,
 }
 
 #[derive(Default)]
@@ -599,9 +609,11 @@ impl AdapterTable {
         for (site, f) in state.sites.iter_mut().zip(factors) {
             site.factors.push(f);
             site.stacked = None;
+            site.widened = None;
         }
         state.groups.clear();
         state.last_mixed = None;
+        state.one_masks.clear();
         state.adapters.push(Loaded {
             summary: AdapterSummary {
                 id,
@@ -636,9 +648,11 @@ impl AdapterTable {
         for site in &mut state.sites {
             site.factors.remove(index);
             site.stacked = None;
+            site.widened = None;
         }
         state.groups.clear();
         state.last_mixed = None;
+        state.one_masks.clear();
         Some(loaded.summary)
     }
 
@@ -767,6 +781,75 @@ impl AdapterTable {
         }
     }
 
+    /// The output of the sites `sites` (a stacked product of `matrix`, in its order) for
+    /// input `x` through a widened product ([`widened`]), when this pass takes one: the switch
+    /// is on, `x` and `matrix` fit, a row's adapter changes one of the sites and no loaded
+    /// adapter is DoRA at them. `None`: the caller computes the product and the update.
+    pub(crate) fn widened_group(
+        &self,
+        sites: &[usize],
+        matrix: &Matrix,
+        x: &Array,
+    ) -> Result<Option<Array>, Exception> {
+        if !self.engaged.load(Ordering::Acquire) || !widened::applies(x, matrix) {
+            return Ok(None);
+        }
+        let mut guard = self.lock();
+        let state = &mut *guard;
+        let group: Vec<&Site> = sites.iter().map(|&i| &state.sites[i]).collect();
+        if !widens(&group, &state.selection) {
+            return Ok(None);
+        }
+        drop(group);
+        let Some(mask) = widened_mask(state)? else {
+            return Ok(None);
+        };
+        let cache = group_cache(&mut state.groups, sites);
+        let w = match &cache.widened {
+            Some(w) => w.clone(),
+            None => {
+                let group: Vec<&Site> = sites.iter().map(|&i| &state.sites[i]).collect();
+                let f = group_factors(&group, &every_adapter(&state.adapters))?;
+                let w = Widened::new(matrix.weight(), &f.a, f.b)?;
+                cache.widened = Some(w.clone());
+                w
+            }
+        };
+        w.output(x, (&mask, sites.len() as i32)).map(Some)
+    }
+
+    /// [`Self::widened_group`] for the single linear site `index` (with no bias).
+    fn widened_site(
+        &self,
+        index: usize,
+        matrix: &Matrix,
+        x: &Array,
+    ) -> Result<Option<Array>, Exception> {
+        if !self.engaged.load(Ordering::Acquire) || !widened::applies(x, matrix) {
+            return Ok(None);
+        }
+        let mut guard = self.lock();
+        let state = &mut *guard;
+        if !widens(&[&state.sites[index]], &state.selection) {
+            return Ok(None);
+        }
+        let Some(mask) = widened_mask(state)? else {
+            return Ok(None);
+        };
+        let every = every_adapter(&state.adapters);
+        let site = &mut state.sites[index];
+        let w = match &site.widened {
+            Some(w) => w.clone(),
+            None => {
+                let (a, b) = side_by_side_factors(site, &every)?;
+                let w = Widened::new(matrix.weight(), &a, b)?;
+                site.widened = Some(w.clone());
+                w
+            }
+        };
+        w.output(x, (&mask, 1)).map(Some)
+    }
+
     fn register(
         self: &Arc<Self>,
         prefix: &str,
@@ -788,6 +871,7 @@ impl AdapterTable {
             alive: Arc::downgrade(&site),
             factors: vec![None; adapters],
             stacked: None,
+            widened: None,
         });
         LoraSite(site)
     }
@@ -1156,6 +1240,41 @@ fn side_by_side_factors(
     Ok((concatenate(&a_parts, 1)?, concatenate(&b_parts, 0)?))
 }
 
+/// Whether `sites` take a widened product in a pass of `selection`: one adapter or rows of
+/// several, some row's adapter changes one of the sites, and no loaded adapter is DoRA at
+/// any of them (its rescale needs each layer's own output) nor any site an expert stack.
+fn widens(sites: &[&Site], selection: &Selection) -> bool {
+    let plain =
+        |s: &&Site| s.experts.is_none() && s.factors.iter().flatten().all(|f| f.m.is_none());
+    let takes = |i: usize| sites.iter().any(|s| s.factors[i].is_some());
+    sites.iter().all(plain)
+        && match selection {
+            Selection::One(i) => takes(*i),
+            Selection::Mixed(Mixed { used, .. }) => used.iter().any(|&i| takes(i)),
+            Selection::Base | Selection::Training { .. } => false,
+        }
+}
+
+/// The mask of this pass's rows over every loaded adapter's columns, for a widened product:
+/// a mixed pass's own, or (every row taking adapter `i`) `i`'s columns `[1, 1, R]`, made once
+/// per adapter. `None` for a selection that takes none.
+fn widened_mask(state: &mut State) -> Result<Option<Array>, Exception> {
+    match &state.selection {
+        Selection::Mixed(Mixed { mask, .. }) => Ok(Some(mask.clone())),
+        Selection::One(i) => {
+            let i = *i;
+            if let Some(m) = state.one_masks.get(&i) {
+                return Ok(Some(m.clone()));
+            }
+            let m = mixed_selection(&state.adapters, &[i as i32 + 1], vec![i])?.mask;
+            m.eval()?;
+            state.one_masks.insert(i, m.clone());
+            Ok(Some(m))
+        }
+        Selection::Base | Selection::Training { .. } => Ok(None),
+    }
+}
+
 /// The cache of the group `sites`, made empty on its first use (a lookup per pass otherwise:
 /// no key is allocated on the adapter rows' hot path).
 fn group_cache<'g>(
@@ -1259,6 +1378,16 @@ impl LoraSite {
         bias: Option<&Array>,
     ) -> Result<Array, Exception> {
         self.0.table.apply(self.0.index, x, y, matrix, bias)
+    }
+
+    /// The layer's output for `x` through a widened product ([`widened`]), bias-free layers
+    /// only, when this pass takes one; `None`: the caller computes `x @ W.T` and
+    /// [`Self::apply`]s the update. No lock for a pass without adapter rows.
+    pub fn widened(&self, x: &Array, matrix: &Matrix) -> Result<Option<Array>, Exception> {
+        if !self.engaged() {
+            return Ok(None);
+        }
+        self.0.table.widened_site(self.0.index, matrix, x)
     }
 
     /// An expert stack's output for `x` and the expert ids `indices` (`sorted`: sorted by
@@ -1448,6 +1577,81 @@ mod tests {
             );
             assert!(one.1 - base.1 <= most.0 && mixed.1 - base.1 <= most.1);
         }
+    }
+
+    /// Through a widened product (`MLXD_LORA_WIDENED`, forced here on the CPU) a linear site
+    /// and a stacked group of two give each row its own adapter's update, as the product and
+    /// the update computed apart do, to bfloat16's rounding of `x @ A`; a base row is the
+    /// base product. The widened matrices are built once per load.
+    #[test]
+    fn a_widened_product_gives_each_row_its_own_update() {
+        let w = normal(&[16, 16], 1, Dtype::Bfloat16);
+        let (table, sites, ids, _dir) = table_with(&w, 2, &[4, 2, 8, 4], Dtype::Float32);
+        let x = normal(&[32, 1, 16], 2, Dtype::Bfloat16);
+        let matrix = Matrix::Dense(w.clone());
+        let stacked = Matrix::Dense(concatenate(&[&w, &w], 0).unwrap());
+        let f32 = |a: &Array| a.as_dtype(Dtype::Float32).unwrap();
+        let close = |got: &Array, want: &Array, what: &str| {
+            let size = f32(want)
+                .abs()
+                .unwrap()
+                .max(None)
+                .unwrap()
+                .item_exact::<f32>();
+            let diff = max_abs_diff(&f32(got), &f32(want));
+            assert!(diff <= 3.0 / 128.0 * size.max(1.0), "{what}: off by {diff}");
+        };
+        super::super::widened::force(true);
+        let some: Vec<Option<AdapterId>> = (0..32)
+            .map(|i| [None, Some(ids[2]), Some(ids[0])][i % 3])
+            .collect();
+        for rows in [vec![Some(ids[1]); 32], mixed_rows(&ids), some] {
+            let _s = table.select(&rows).unwrap();
+            let widened = sites[0]
+                .widened(&x, &matrix)
+                .unwrap()
+                .expect("a widened pass");
+            let apart = sites[0]
+                .apply(&x, matrix.matmul_t(&x).unwrap(), &matrix, None)
+                .unwrap();
+            close(&widened, &apart, "one site");
+            let GroupUpdate::Update(f) = table.group_update(&[0, 1]).unwrap() else {
+                panic!("rows with adapters got no group update");
+            };
+            let grouped = table
+                .widened_group(&[0, 1], &stacked, &x)
+                .unwrap()
+                .expect("a widened pass");
+            assert_eq!(grouped.shape(), &[32, 1, 32]);
+            close(
+                &grouped,
+                &f.add_to(&x, stacked.matmul_t(&x).unwrap()).unwrap(),
+                "group",
+            );
+            for (r, row) in rows.iter().enumerate() {
+                if row.is_none() {
+                    let r = Array::from_int(r as i32);
+                    let base = x.take_axis(&r, 0).unwrap().matmul(w.t()).unwrap();
+                    let got = widened.take_axis(&r, 0).unwrap();
+                    assert_eq!(max_abs_diff(&f32(&got), &f32(&base)), 0.0, "a base row");
+                }
+            }
+        }
+        let state = table.lock();
+        let widened = state.sites.iter().filter(|s| s.widened.is_some()).count();
+        assert_eq!(widened, 1, "site 0's widened matrix, built once");
+        drop(state);
+        // A pass without adapter rows, and a float32 layer, take the plain product.
+        let _s = table.select(&vec![None; 32]).unwrap();
+        assert!(sites[0].widened(&x, &matrix).unwrap().is_none());
+        drop(_s);
+        let _s = table.select(&mixed_rows(&ids)).unwrap();
+        let x32 = f32(&x);
+        assert!(sites[0]
+            .widened(&x32, &Matrix::Dense(f32(&w)))
+            .unwrap()
+            .is_none());
+        super::super::widened::force(false);
     }
 
     /// Rows taking a set of adapters new to the table build no factors: a mixed pass's factors

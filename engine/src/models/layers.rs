@@ -145,6 +145,11 @@ impl Linear {
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
+        if let (Some(site), None) = (&self.lora, &self.bias) {
+            if let Some(out) = site.widened(x, &self.matrix)? {
+                return Ok(out);
+            }
+        }
         self.finish(x, self.matrix.matmul_t(x)?)
     }
 

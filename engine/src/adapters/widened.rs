@@ -1,0 +1,188 @@
+//! A served LoRA update whose `x @ A` comes out of the base product itself
+//! (`MLXD_LORA_WIDENED=1`; off by default until it is measured on a GPU).
+//!
+//! On CUDA a decode pass's update is two custom-kernel nodes a site ([`super::lora_kernel`]):
+//! a decode step over adapters on every projection of a 16-layer model makes 128 of them, and
+//! each costs the host ~12 µs in MLX's custom-kernel path where a plain node costs ~4
+//! (BENCHMARKS.md, sessions 46 and 49): four mixed adapters step at 5.5 ms against the base's
+//! 3.6–4.1, and issue 25 asks for 0.8× the base. With this switch a site's matrix is kept
+//! widened by the side-by-side `A` of every loaded adapter, `W' = [W; Aᵀ]` (`[out + C, in]`,
+//! `A` in the weight's dtype), so one product gives `[x @ Wᵀ, x @ A]` and a single kernel
+//! ([`super::lora_kernel::widened_update`]) masks `x @ A` per row, multiplies it by `B` and
+//! adds it to the base columns: one node a site instead of two, and the shrink's work rides
+//! on the product the step makes anyway (`C` is a few dozen columns beside thousands).
+//!
+//! What it changes: `A` and `x @ A` are rounded to the base's dtype (bfloat16 or float16)
+//! where the two kernels keep float32 factors' `x @ A` in float32 — vLLM's LoRA runs in the
+//! model's dtype too; the update is a small addition to `y`, rounded to `y`'s dtype after.
+//! And it costs memory: the widened matrices are copies of the adapted layers' weights, held
+//! beside the base's while adapters are loaded (the base's own matrices are views the model
+//! holds and cannot drop), which the engine's KV budget does not count. Both are why it is a
+//! switch. Passes of more than [`super::lora_kernel`]'s decode-sized rows, quantized bases,
+//! layers with a bias, DoRA adapters and training keep the two-kernel or matmul paths.
+use std::sync::OnceLock;
+
+use mlx_rs::error::Exception;
+use mlx_rs::ops::concatenate;
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::{Array, Dtype};
+
+use crate::models::layers::Matrix;
+
+/// The environment variable that turns the widened product on (`1`); off otherwise.
+pub const WIDENED_ENV: &str = "MLXD_LORA_WIDENED";
+
+/// The most rows (tokens) a pass may have to take this path: the widened expand's.
+const MAX_ROWS: i64 = 256;
+
+#[cfg(test)]
+thread_local! {
+    /// A unit test's way to take this path on the CPU (its update then runs as ops).
+    static FORCED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Takes the widened path on this thread whatever the switch and device (unit tests).
+#[cfg(test)]
+pub(crate) fn force(on: bool) {
+    FORCED.with(|f| f.set(on));
+}
+
+/// Whether `MLXD_LORA_WIDENED=1` asks for this path and MLX's default device is a CUDA GPU.
+fn available() -> bool {
+    #[cfg(test)]
+    if FORCED.with(|f| f.get()) {
+        return true;
+    }
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var(WIDENED_ENV).is_ok_and(|v| v == "1")
+            && crate::cuda_kernel::wanted(WIDENED_ENV)
+    })
+}
+
+/// Whether a site with `matrix` takes the widened product for input `x` (the switch and the
+/// device aside): a dense float16 or bfloat16 matrix of `x`'s dtype, and `x` `[B, L, in]` of
+/// at most [`MAX_ROWS`] rows.
+pub fn fits(x: (&[i32], Dtype), matrix: &Matrix) -> bool {
+    let Matrix::Dense(w) = matrix else {
+        return false;
+    };
+    let (xs, xd) = x;
+    let &[b, l, _] = xs else {
+        return false;
+    };
+    let rows = i64::from(b) * i64::from(l);
+    matches!(xd, Dtype::Float16 | Dtype::Bfloat16)
+        && w.dtype() == xd
+        && (1..=MAX_ROWS).contains(&rows)
+}
+
+/// [`fits`] where the switch is on and the device is a CUDA GPU.
+pub fn applies(x: &Array, matrix: &Matrix) -> bool {
+    available() && fits((x.shape(), x.dtype()), matrix)
+}
+
+/// A site's (or a stacked group's) widened matrix and the `B` its update multiplies by.
+#[derive(Clone)]
+pub struct Widened {
+    /// `[out + C, in]`: the base's rows, then `Aᵀ` in the base's dtype.
+    matrix: Array,
+    /// `[C, out]`, the scale folded in (as [`super::group::GroupFactors::b`]).
+    b: Array,
+}
+
+impl Widened {
+    /// `weight` (`[out, in]`) widened by `a` (`[in, C]`, every loaded adapter's side by side)
+    /// and `b` (`[C, out]`). Left to the pass that first uses it to compute.
+    pub fn new(weight: &Array, a: &Array, b: Array) -> Result<Self, Exception> {
+        let matrix = concatenate(&[weight, &a.t().as_dtype(weight.dtype())?], 0)?;
+        Ok(Self { matrix, b })
+    }
+
+    /// The site's output for `x` (`[B, L, in]`): the base product plus each row's update,
+    /// `mask` (`[Bm, 1, W]` for `layers` blocks of `W` columns) keeping each row's own
+    /// adapter's columns.
+    pub fn output(&self, x: &Array, mask: (&Array, i32)) -> Result<Array, Exception> {
+        let yw = Matrix::Dense(self.matrix.clone()).matmul_t(x)?;
+        if super::lora_kernel::serves_widened(&yw, &self.b, mask) {
+            return super::lora_kernel::widened_update(&yw, &self.b, mask);
+        }
+        // The same update as ops (off CUDA, where the switch is off: the unit tests).
+        let n = self.b.shape()[1];
+        let y = yw.index((.., .., ..n));
+        let h = super::group::masked(yw.index((.., .., n..)), Some(mask))?;
+        super::group::add_served_update(y, &h, &self.b, x.dtype())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::adapters::group::add_served;
+    use crate::models::test_arrays::{max_abs_diff, normal};
+
+    const BF: Dtype = Dtype::Bfloat16;
+
+    #[test]
+    fn decode_sized_dense_passes_of_the_weights_dtype_fit() {
+        let w = Matrix::Dense(normal(&[48, 16], 1).as_dtype(BF).unwrap());
+        assert!(fits((&[32, 1, 16], BF), &w));
+        assert!(fits((&[1, 1, 16], BF), &w));
+        assert!(fits((&[2, 128, 16], BF), &w));
+        // A prefill pass of many tokens, another dtype, float32, an input not [B, L, in].
+        assert!(!fits((&[4, 512, 16], BF), &w));
+        assert!(!fits((&[32, 1, 16], Dtype::Float16), &w));
+        let w32 = Matrix::Dense(normal(&[48, 16], 1));
+        assert!(!fits((&[32, 1, 16], Dtype::Float32), &w32));
+        assert!(!fits((&[32, 16], BF), &w));
+    }
+
+    /// The widened product's update equals the two-product update of the same factors: exactly
+    /// in float32, and to the base dtype's rounding of `x @ A` in bfloat16.
+    #[test]
+    fn the_widened_output_is_the_base_product_plus_each_rows_update() {
+        let (rows, k, n, rank, adapters, layers) = (5, 32, 24, 4, 2, 2);
+        let c = rank * adapters * layers;
+        let x = normal(&[rows, 1, k], 2);
+        let w = normal(&[n, k], 3);
+        let a = normal(&[k, c], 4).multiply(Array::from_f32(0.3)).unwrap();
+        let b = normal(&[c, n], 5).multiply(Array::from_f32(0.3)).unwrap();
+        // Rows 0 and 3 take adapter 0, rows 1 and 4 adapter 1, row 2 none (a base row).
+        let width = rank * adapters;
+        let mut m = vec![0.0f32; (rows * width) as usize];
+        for r in 0..rows {
+            let slot = [Some(0), Some(1), None, Some(0), Some(1)][r as usize];
+            if let Some(s) = slot {
+                let start = (r * width + s * rank) as usize;
+                m[start..start + rank as usize].fill(1.0);
+            }
+        }
+        let mask = Array::from_slice(&m, &[rows, 1, width]);
+        let want = |x: &Array, w: &Array| {
+            let y = x.matmul(w.t()).unwrap();
+            add_served(x, &a, &b, Some((&mask, layers)), y).unwrap()
+        };
+        let got = Widened::new(&w, &a, b.clone())
+            .unwrap()
+            .output(&x, (&mask, layers))
+            .unwrap();
+        assert_eq!(got.shape(), &[rows, 1, n]);
+        assert!(max_abs_diff(&got, &want(&x, &w)) < 1e-4);
+        let base = x.matmul(w.t()).unwrap();
+        assert!(
+            max_abs_diff(&got.index(2), &base.index(2)) < 1e-6,
+            "a base row is the base product"
+        );
+
+        let (xb, wb) = (x.as_dtype(BF).unwrap(), w.as_dtype(BF).unwrap());
+        let got = Widened::new(&wb, &a, b.clone())
+            .unwrap()
+            .output(&xb, (&mask, layers))
+            .unwrap();
+        assert_eq!(got.dtype(), BF);
+        let f32 = |a: &Array| a.as_dtype(Dtype::Float32).unwrap();
+        let want = f32(&want(&xb, &wb));
+        let scale = want.abs().unwrap().max(None).unwrap().item_exact::<f32>();
+        assert!(max_abs_diff(&f32(&got), &want) <= scale * 2e-2);
+    }
+}
