@@ -1654,6 +1654,68 @@ mod tests {
         super::super::widened::force(false);
     }
 
+    /// A model's own linear layers take the widened product through their forward: one
+    /// layer alone, and two as one stacked product, give what they give without it.
+    #[test]
+    fn linear_and_stacked_layers_forward_through_the_widened_product() {
+        use crate::models::layers::Linear;
+        use crate::models::stacked::Stacked;
+        let w = normal(&[16, 16], 1, Dtype::Bfloat16);
+        let (table, sites, ids, _dir) = table_with(&w, 2, &[4, 2, 8, 4], Dtype::Float32);
+        let x = normal(&[32, 1, 16], 2, Dtype::Bfloat16);
+        let f32 = |a: &Array| a.as_dtype(Dtype::Float32).unwrap();
+        let close = |got: &Array, want: &Array| {
+            let size = f32(want)
+                .abs()
+                .unwrap()
+                .max(None)
+                .unwrap()
+                .item_exact::<f32>();
+            max_abs_diff(&f32(got), &f32(want)) <= 3.0 / 128.0 * size.max(1.0)
+        };
+        let mut sites = sites.into_iter();
+        let mut layer = |site| Linear {
+            matrix: Matrix::Dense(w.clone()),
+            bias: None,
+            lora: site,
+        };
+        let (mut l0, mut l1) = (layer(sites.next()), layer(sites.next()));
+        let _s = table.select(&mixed_rows(&ids)).unwrap();
+        let widened = || {
+            table
+                .lock()
+                .sites
+                .iter()
+                .filter(|s| s.widened.is_some())
+                .count()
+        };
+        let plain = l0.forward(&x).unwrap();
+        assert_eq!(widened(), 0);
+        super::super::widened::force(true);
+        assert!(close(&l0.forward(&x).unwrap(), &plain));
+        assert_eq!(widened(), 1, "the layer's site widened");
+        super::super::widened::force(false);
+        let stacked = Stacked::of(&mut [&mut l0, &mut l1])
+            .unwrap()
+            .expect("two like layers stack");
+        let plain = stacked.forward(&x, &[&l0, &l1]).unwrap();
+        super::super::widened::force(true);
+        let wide = stacked.forward(&x, &[&l0, &l1]).unwrap();
+        super::super::widened::force(false);
+        assert_eq!(wide.len(), 2);
+        for (got, want) in wide.iter().zip(&plain) {
+            assert_eq!(got.shape(), &[32, 1, 16]);
+            assert!(close(got, want));
+        }
+        let groups = table
+            .lock()
+            .groups
+            .values()
+            .filter(|g| g.widened.is_some())
+            .count();
+        assert_eq!(groups, 1, "the stacked pair's group widened");
+    }
+
     /// Rows taking a set of adapters new to the table build no factors: a mixed pass's factors
     /// hold every loaded adapter, built once (served rows of other adapters join and leave
     /// every few steps, and each rebuild put every group's concatenations into the pass).
