@@ -1674,7 +1674,7 @@ mod tests {
             max_abs_diff(&f32(got), &f32(want)) <= 3.0 / 128.0 * size.max(1.0)
         };
         let mut sites = sites.into_iter();
-        let mut layer = |site| Linear {
+        let layer = |site| Linear {
             matrix: Matrix::Dense(w.clone()),
             bias: None,
             lora: site,
