@@ -224,7 +224,7 @@ def lora_case(work: Path, b: int, l: int, k: int, c: int, n: int, adapters: int,
         kernel_body(LORA, "EXPAND_SOURCE"),
         {"p": View(partials), "b": View(bb), "y": View(y), "mask": View(mask)},
         {"out": (b, l, n)},
-        {"FT": "float", "YT": "float", "MT": "float", "HAS_MASK": has_mask,
+        {"FT": "float", "YT": "float", "MT": "float", "HAS_MASK": has_mask, "WIDE": 0,
          "MAX_C": rust_const(LORA, "MAX_RANK_COLUMNS"), "RB": expand_rows},
         expand_grid,
         block,
@@ -235,7 +235,7 @@ def lora_case(work: Path, b: int, l: int, k: int, c: int, n: int, adapters: int,
 
 
 def lora_wide_case(work: Path, b: int, l: int, c: int, n: int, adapters: int, layers: int, mask_rows: int) -> bool:
-    """The widened expand: `yw` carries `x @ A` as its last `c` columns; the output is its first
+    """The expand widened (`WIDE`): `yw` carries `x @ A` as its last `c` columns; the output is its first
     `n` columns plus `(masked x @ A) @ B` (`mask_rows` 1: every row takes the same adapter)."""
     rng = np.random.default_rng(b * 7 + c + n)
     z = rng.standard_normal((b, l, c), dtype=np.float32)
@@ -258,10 +258,10 @@ def lora_wide_case(work: Path, b: int, l: int, c: int, n: int, adapters: int, la
     grid = (ceil(n, block), ceil(rows, expand_rows), 1)
     got = emulate(
         work,
-        kernel_body(LORA, "EXPAND_WIDE_SOURCE"),
-        {"yw": View(yw), "b": View(bb), "mask": View(mask)},
+        kernel_body(LORA, "EXPAND_SOURCE"),
+        {"p": View(np.ones((1, 1, 1), dtype=np.float32)), "b": View(bb), "y": View(yw), "mask": View(mask)},
         {"out": (b, l, n)},
-        {"FT": "float", "YT": "float", "MT": "float",
+        {"FT": "float", "YT": "float", "MT": "float", "HAS_MASK": 1, "WIDE": 1,
          "MAX_C": rust_const(LORA, "MAX_RANK_COLUMNS"), "RB": expand_rows},
         grid,
         block,

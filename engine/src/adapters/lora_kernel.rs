@@ -120,12 +120,14 @@ const SHRINK_SOURCE: &str = r#"
 /// `[C, N]` (`FT`), `y` `[B, L, N]` (`YT`), `mask` `[Bm, 1, W]` (`MT`, read only with
 /// `HAS_MASK`: row `m` takes mask row `m / (M / Bm)`, column `c` its entry `c % W`). Output
 /// `out` `[B, L, N]` (`YT`). Grid: `(⌈N / BLOCK⌉ × BLOCK, ⌈M / RB⌉)` threads, `RB`
-/// ([`EXPAND_ROWS`]) a block's rows.
+/// ([`EXPAND_ROWS`]) a block's rows. With `WIDE` ([`super::widened`]) `y` is `[B, L, N + C]`,
+/// the base product carrying `x @ A` as its last `C` columns, which the kernel reads instead of
+/// summing `p` (then never read); `out` is `y`'s first `N` columns plus the update.
 const EXPAND_SOURCE: &str = r#"
-  const int S = p_shape[0];
-  const int M = p_shape[1];
-  const int C = p_shape[2];
+  const int C = b_shape[0];
   const int N = b_shape[1];
+  const int M = y_shape[0] * y_shape[1];
+  const int WIDTH = y_shape[2];
   const int m0 = blockIdx.y * RB;
   __shared__ float hs[RB * MAX_C];
   for (int i = threadIdx.x; i < RB * C; i += blockDim.x) {
@@ -134,9 +136,14 @@ const EXPAND_SOURCE: &str = r#"
     const int m = m0 + r;
     float v = 0.0f;
     if (m < M) {
+      if (WIDE) {
+        v = static_cast<float>(y[(size_t)m * WIDTH + N + c]);
+      } else {
+        const int S = p_shape[0];
 #pragma unroll 16
-      for (int s = 0; s < S; ++s) v += p[((size_t)s * M + m) * C + c];
-      v = static_cast<float>(static_cast<FT>(v));
+        for (int s = 0; s < S; ++s) v += p[((size_t)s * M + m) * C + c];
+        v = static_cast<float>(static_cast<FT>(v));
+      }
       if (HAS_MASK) {
         const int mask_rows = mask_shape[0];
         const int W = mask_shape[2];
@@ -159,52 +166,7 @@ const EXPAND_SOURCE: &str = r#"
     const int m = m0 + r;
     if (m < M) {
       const float z = static_cast<float>(static_cast<YT>(static_cast<float>(static_cast<FT>(acc[r]))));
-      const size_t i = (size_t)m * N + n;
-      out[i] = static_cast<YT>(static_cast<float>(y[i]) + z);
-    }
-  }
-"#;
-
-/// The widened expand's body ([`super::widened`]): the base product already carries `x @ A`
-/// as its last `C` columns. Inputs: `yw` `[B, L, N + C]` (`YT`), `b` `[C, N]` (`FT`), `mask`
-/// `[Bm, 1, W]` (`MT`: row `m` takes mask row `m / (M / Bm)`, column `c` its entry `c % W`).
-/// Output `out` `[B, L, N]` (`YT`): `yw`'s first `N` columns plus `((x @ A) * mask) @ B`,
-/// rounded as the expand above rounds it. Grid as the expand's.
-const EXPAND_WIDE_SOURCE: &str = r#"
-  const int C = b_shape[0];
-  const int N = b_shape[1];
-  const int WIDTH = yw_shape[2];
-  const int M = yw_shape[0] * yw_shape[1];
-  const int mask_rows = mask_shape[0];
-  const int W = mask_shape[2];
-  const int m0 = blockIdx.y * RB;
-  __shared__ float hs[RB * MAX_C];
-  for (int i = threadIdx.x; i < RB * C; i += blockDim.x) {
-    const int r = i / C;
-    const int c = i % C;
-    const int m = m0 + r;
-    float v = 0.0f;
-    if (m < M) {
-      v = static_cast<float>(yw[(size_t)m * WIDTH + N + c]);
-      v *= static_cast<float>(mask[(size_t)(m / (M / mask_rows)) * W + c % W]);
-    }
-    hs[i] = v;
-  }
-  __syncthreads();
-  const int n = blockIdx.x * blockDim.x + threadIdx.x;
-  if (n >= N) return;
-  float acc[RB];
-  for (int r = 0; r < RB; ++r) acc[r] = 0.0f;
-#pragma unroll 16
-  for (int c = 0; c < C; ++c) {
-    const float bv = static_cast<float>(b[(size_t)c * N + n]);
-    for (int r = 0; r < RB; ++r) acc[r] += hs[r * C + c] * bv;
-  }
-  for (int r = 0; r < RB; ++r) {
-    const int m = m0 + r;
-    if (m < M) {
-      const float z = static_cast<float>(static_cast<YT>(static_cast<float>(static_cast<FT>(acc[r]))));
-      out[(size_t)m * N + n] = static_cast<YT>(static_cast<float>(yw[(size_t)m * WIDTH + n]) + z);
+      out[(size_t)m * N + n] = static_cast<YT>(static_cast<float>(y[(size_t)m * WIDTH + n]) + z);
     }
   }
 "#;
@@ -271,7 +233,7 @@ pub fn serves(x: &Array, a: &Array, b: &Array, y: &Array, mask: Option<(&Array, 
         )
 }
 
-/// The shapes and dtypes the widened expand serves, apart from the device: `yw` `[B, L, N + C]`
+/// The shapes and dtypes the expand serves widened (`WIDE`), apart from the device: `yw` `[B, L, N + C]`
 /// of at most [`MAX_ROWS`] rows, float16 or bfloat16; `b` `[C, N]` of a float dtype, `C` at
 /// most [`MAX_RANK_COLUMNS`]; a mask `[Bm, 1, W]` whose `Bm` divides the rows and `W` times
 /// `layers` makes `C`.
@@ -305,14 +267,14 @@ pub fn serves_widened(yw: &Array, b: &Array, mask: (&Array, i32)) -> bool {
 
 thread_local! {
     /// The two kernels, made once per thread (the model runs on one thread), and the mask
-    /// given where there is none (never read; an evaluated array adds no node to a pass).
+    /// given where there is none (never read; an evaluated array adds no node to a pass),
+    /// which is also the widened expand's `p` (never read either).
     static KERNELS: RefCell<Option<Kernels>> = const { RefCell::new(None) };
 }
 
 struct Kernels {
     shrink: CudaKernel,
     expand: CudaKernel,
-    expand_wide: CudaKernel,
     no_mask: Array,
 }
 
@@ -327,13 +289,6 @@ impl Kernels {
                 &["p", "b", "y", "mask"],
                 &["out"],
                 EXPAND_SOURCE,
-                true,
-            )?,
-            expand_wide: CudaKernel::new(
-                "mlxd_lora_expand_wide",
-                &["yw", "b", "mask"],
-                &["out"],
-                EXPAND_WIDE_SOURCE,
                 true,
             )?,
             no_mask,
@@ -422,6 +377,7 @@ pub fn add_update(
                 dtypes: &[("FT", a.dtype()), ("YT", y.dtype()), ("MT", mask.dtype())],
                 ints: &[
                     ("HAS_MASK", has_mask),
+                    ("WIDE", 0),
                     ("MAX_C", MAX_RANK_COLUMNS),
                     ("RB", EXPAND_ROWS),
                 ],
@@ -433,16 +389,16 @@ pub fn add_update(
     })
 }
 
-/// `yw`'s first `N` columns plus `cast(((x @ A) * mask) @ b)`, `x @ A` being `yw`'s last `C`
-/// columns (`b` `[C, N]`; the mask `[Bm, 1, W]` for `layers` blocks of `W` columns). Call only
+/// The expand alone (`WIDE`): `yw`'s first `N` columns plus `cast(((x @ A) * mask) @ b)`,
+/// `x @ A` being `yw`'s last `C` columns (`b` `[C, N]`; the mask `[Bm, 1, W]` for `layers` blocks of `W` columns). Call only
 /// where [`serves_widened`] said yes.
 pub fn widened_update(yw: &Array, b: &Array, mask: (&Array, i32)) -> Result<Array, Exception> {
     let (rows, n) = (yw.shape()[0] * yw.shape()[1], b.shape()[1]);
     let mask = mask.0;
     with_kernels(|kernels| {
         let (column_blocks, row_blocks) = expand_blocks(rows, n);
-        let out = kernels.expand_wide.apply(
-            &[yw, b, mask],
+        let out = kernels.expand.apply(
+            &[&kernels.no_mask, b, yw, mask],
             &[OutputSpec {
                 shape: vec![yw.shape()[0], yw.shape()[1], n],
                 dtype: yw.dtype(),
@@ -451,7 +407,12 @@ pub fn widened_update(yw: &Array, b: &Array, mask: (&Array, i32)) -> Result<Arra
                 grid: (column_blocks * BLOCK, row_blocks, 1),
                 block: (BLOCK, 1, 1),
                 dtypes: &[("FT", b.dtype()), ("YT", yw.dtype()), ("MT", mask.dtype())],
-                ints: &[("MAX_C", MAX_RANK_COLUMNS), ("RB", EXPAND_ROWS)],
+                ints: &[
+                    ("HAS_MASK", 1),
+                    ("WIDE", 1),
+                    ("MAX_C", MAX_RANK_COLUMNS),
+                    ("RB", EXPAND_ROWS),
+                ],
             },
         )?;
         out.into_iter()

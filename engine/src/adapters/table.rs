@@ -104,7 +104,8 @@ struct GroupCache {
     one: HashMap<usize, GroupFactors>,
     /// For a pass that mixes rows: the factors of every loaded adapter.
     mixed: Option<GroupFactors>,
-    /// The stacked matrix widened by every loaded adapter's `A` ([`widened`]).
+    /// The group's matrix (one linear layer's, or a stacked product's) widened by every
+    /// loaded adapter's `A` ([`widened`]).
     widened: Option<Widened>,
 }
 
@@ -173,9 +174,6 @@ struct Site {
     /// The factors of the adapters of a pass that mixes rows, side by side; built by the
     /// first such pass after the adapters, or the set a pass's rows take, change.
     stacked: Option<Stacked>,
-    /// The site's matrix widened by every loaded adapter's `A` ([`widened`]); built by the
-    /// first pass that takes it after adapters are loaded or unloaded.
-    widened: Option<Widened>,
 }
 
 #[derive(Default)]
@@ -609,7 +607,6 @@ impl AdapterTable {
         for (site, f) in state.sites.iter_mut().zip(factors) {
             site.factors.push(f);
             site.stacked = None;
-            site.widened = None;
         }
         state.groups.clear();
         state.last_mixed = None;
@@ -648,7 +645,6 @@ impl AdapterTable {
         for site in &mut state.sites {
             site.factors.remove(index);
             site.stacked = None;
-            site.widened = None;
         }
         state.groups.clear();
         state.last_mixed = None;
@@ -781,10 +777,11 @@ impl AdapterTable {
         }
     }
 
-    /// The output of the sites `sites` (a stacked product of `matrix`, in its order) for
-    /// input `x` through a widened product ([`widened`]), when this pass takes one: the switch
-    /// is on, `x` and `matrix` fit, a row's adapter changes one of the sites and no loaded
-    /// adapter is DoRA at them. `None`: the caller computes the product and the update.
+    /// The output of the sites `sites` (one linear layer's, or a stacked product's in its
+    /// order; `matrix` theirs, no bias) for input `x` through a widened product ([`widened`]),
+    /// when this pass takes one: the switch is on, `x` and `matrix` fit, a row's adapter
+    /// changes one of the sites and no loaded adapter is DoRA at them. `None`: the caller
+    /// computes the product and the update.
     pub(crate) fn widened_group(
         &self,
         sites: &[usize],
@@ -818,38 +815,6 @@ impl AdapterTable {
         w.output(x, (&mask, sites.len() as i32)).map(Some)
     }
 
-    /// [`Self::widened_group`] for the single linear site `index` (with no bias).
-    fn widened_site(
-        &self,
-        index: usize,
-        matrix: &Matrix,
-        x: &Array,
-    ) -> Result<Option<Array>, Exception> {
-        if !self.engaged.load(Ordering::Acquire) || !widened::applies(x, matrix) {
-            return Ok(None);
-        }
-        let mut guard = self.lock();
-        let state = &mut *guard;
-        if !widens(&[&state.sites[index]], &state.selection) {
-            return Ok(None);
-        }
-        let Some(mask) = widened_mask(state)? else {
-            return Ok(None);
-        };
-        let every = every_adapter(&state.adapters);
-        let site = &mut state.sites[index];
-        let w = match &site.widened {
-            Some(w) => w.clone(),
-            None => {
-                let (a, b) = side_by_side_factors(site, &every)?;
-                let w = Widened::new(matrix.weight(), &a, b)?;
-                site.widened = Some(w.clone());
-                w
-            }
-        };
-        w.output(x, (&mask, 1)).map(Some)
-    }
-
     fn register(
         self: &Arc<Self>,
         prefix: &str,
@@ -871,7 +836,6 @@ impl AdapterTable {
             alive: Arc::downgrade(&site),
             factors: vec![None; adapters],
             stacked: None,
-            widened: None,
         });
         LoraSite(site)
     }
@@ -1387,7 +1351,7 @@ impl LoraSite {
         if !self.engaged() {
             return Ok(None);
         }
-        self.0.table.widened_site(self.0.index, matrix, x)
+        self.0.table.widened_group(&[self.0.index], matrix, x)
     }
 
     /// An expert stack's output for `x` and the expert ids `indices` (`sorted`: sorted by
@@ -1637,10 +1601,13 @@ mod tests {
                 }
             }
         }
-        let state = table.lock();
-        let widened = state.sites.iter().filter(|s| s.widened.is_some()).count();
-        assert_eq!(widened, 1, "site 0's widened matrix, built once");
-        drop(state);
+        let widened = table
+            .lock()
+            .groups
+            .values()
+            .filter(|g| g.widened.is_some())
+            .count();
+        assert_eq!(widened, 2, "site 0's and the pair's, built once");
         // A pass without adapter rows, and a float32 layer, take the plain product.
         let _s = table.select(&vec![None; 32]).unwrap();
         assert!(sites[0].widened(&x, &matrix).unwrap().is_none());
@@ -1682,11 +1649,11 @@ mod tests {
         let (mut l0, mut l1) = (layer(sites.next()), layer(sites.next()));
         let _s = table.select(&mixed_rows(&ids)).unwrap();
         let widened = || {
-            table
-                .lock()
-                .sites
-                .iter()
-                .filter(|s| s.widened.is_some())
+            let state = table.lock();
+            state
+                .groups
+                .values()
+                .filter(|g| g.widened.is_some())
                 .count()
         };
         let plain = l0.forward(&x).unwrap();
@@ -1707,13 +1674,7 @@ mod tests {
             assert_eq!(got.shape(), &[32, 1, 16]);
             assert!(close(got, want));
         }
-        let groups = table
-            .lock()
-            .groups
-            .values()
-            .filter(|g| g.widened.is_some())
-            .count();
-        assert_eq!(groups, 1, "the stacked pair's group widened");
+        assert_eq!(widened(), 2, "the layer's and the stacked pair's");
     }
 
     /// Rows taking a set of adapters new to the table build no factors: a mixed pass's factors
