@@ -1543,6 +1543,14 @@ mod tests {
         }
     }
 
+    /// Whether `got` is `want` to three bfloat16 ulps of `want`'s largest value (at least 1):
+    /// a widened product rounds `x @ A` to bfloat16 where the two products keep float32.
+    fn within_bf16(got: &Array, want: &Array) -> bool {
+        let f32 = |a: &Array| a.as_dtype(Dtype::Float32).unwrap();
+        let size = f32(want).abs().unwrap().max(None).unwrap();
+        max_abs_diff(&f32(got), &f32(want)) <= 3.0 / 128.0 * size.item_exact::<f32>().max(1.0)
+    }
+
     /// Through a widened product (`MLXD_LORA_WIDENED`, forced here on the CPU) a linear site
     /// and a stacked group of two give each row its own adapter's update, as the product and
     /// the update computed apart do, to bfloat16's rounding of `x @ A`; a base row is the
@@ -1556,14 +1564,7 @@ mod tests {
         let stacked = Matrix::Dense(concatenate(&[&w, &w], 0).unwrap());
         let f32 = |a: &Array| a.as_dtype(Dtype::Float32).unwrap();
         let close = |got: &Array, want: &Array, what: &str| {
-            let size = f32(want)
-                .abs()
-                .unwrap()
-                .max(None)
-                .unwrap()
-                .item_exact::<f32>();
-            let diff = max_abs_diff(&f32(got), &f32(want));
-            assert!(diff <= 3.0 / 128.0 * size.max(1.0), "{what}: off by {diff}");
+            assert!(within_bf16(got, want), "{what}: {got:?} against {want:?}");
         };
         super::super::widened::force(true);
         let some: Vec<Option<AdapterId>> = (0..32)
@@ -1630,16 +1631,7 @@ mod tests {
         let w = normal(&[16, 16], 1, Dtype::Bfloat16);
         let (table, sites, ids, _dir) = table_with(&w, 2, &[4, 2, 8, 4], Dtype::Float32);
         let x = normal(&[32, 1, 16], 2, Dtype::Bfloat16);
-        let f32 = |a: &Array| a.as_dtype(Dtype::Float32).unwrap();
-        let close = |got: &Array, want: &Array| {
-            let size = f32(want)
-                .abs()
-                .unwrap()
-                .max(None)
-                .unwrap()
-                .item_exact::<f32>();
-            max_abs_diff(&f32(got), &f32(want)) <= 3.0 / 128.0 * size.max(1.0)
-        };
+        let close = within_bf16;
         let mut sites = sites.into_iter();
         let layer = |site| Linear {
             matrix: Matrix::Dense(w.clone()),
