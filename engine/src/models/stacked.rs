@@ -165,21 +165,20 @@ impl Stacked {
             false => None,
         };
         let group = sites.as_deref().and_then(LoraSite::group);
+        // The adapters' `x @ A` as more columns of the product itself, where this pass takes
+        // it (`crate::adapters::widened`; bias-free stacks), before any factors are built
+        // for the two-product update it replaces.
+        if let (Some((table, indices)), None) = (&group, &self.bias) {
+            if let Some(y) = table.widened_group(indices, &self.matrix, x)? {
+                return Ok(Some(y.split_at_indices(ends, -1)?));
+            }
+        }
         let update = match (&sites, &group) {
             (Some(_), Some((table, indices))) => table.group_update(indices)?,
             (Some(_), None) => GroupUpdate::PerLayer,
             (None, _) if engaged => GroupUpdate::PerLayer,
             (None, _) => GroupUpdate::None,
         };
-        // The adapters' `x @ A` as more columns of the product itself, where this pass takes
-        // it (`crate::adapters::widened`; bias-free stacks).
-        if let (GroupUpdate::Update(_), Some((table, indices)), None) =
-            (&update, &group, &self.bias)
-        {
-            if let Some(y) = table.widened_group(indices, &self.matrix, x)? {
-                return Ok(Some(y.split_at_indices(ends, -1)?));
-            }
-        }
         let y = self.matrix.matmul_t(x)?;
         let y = match update {
             GroupUpdate::PerLayer => return Ok(None),
