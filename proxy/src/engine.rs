@@ -84,7 +84,8 @@ pub(crate) const PASSTHROUGH_ENV: &[&str] = &[
     // on CUDA (`mlxd_engine::models::decode_gemm`; `1`: on), for measuring both.
     "MLXD_DECODE_GEMM",
     // Whether a served LoRA update takes `x @ A` from a base product widened by the adapters'
-    // `A` (`mlxd_engine::adapters::widened`; `1`: on), for measuring both.
+    // `A` (`mlxd_engine::adapters::widened`; on by default on CUDA, `0`: the two kernels),
+    // for measuring both.
     "MLXD_LORA_WIDENED",
     // Where MLX keeps the GPU kernels it compiles (engines default to the store,
     // `mlxd_engine::kernel_cache`); a directory the user chose reaches every engine.

@@ -50,9 +50,9 @@ use mlx_rs::{Array, Dtype};
 use super::config::{self, AdapterKind};
 use super::experts::{self, PairAdapters};
 use super::group::{self, GroupFactors, GroupUpdate};
-use super::widened::{self, Widened};
+use super::widened::{self, Widened, WidenedPass};
 use super::{dora, AdapterError, AdapterId};
-use crate::models::layers::Matrix;
+use crate::models::layers::{Matrix, MatrixCell};
 
 /// One loaded adapter, as listed.
 #[derive(Debug, Clone, PartialEq)]
@@ -785,10 +785,16 @@ impl AdapterTable {
     pub(crate) fn widened_group(
         &self,
         sites: &[usize],
-        matrix: &Matrix,
+        product: &MatrixCell,
         x: &Array,
-    ) -> Result<Option<Array>, Exception> {
-        if !self.engaged.load(Ordering::Acquire) || !widened::applies(x, matrix) {
+    ) -> Result<Option<WidenedPass>, Exception> {
+        if !self.engaged.load(Ordering::Acquire) {
+            return Ok(None);
+        }
+        // Taken before the table's lock: a cell's holder takes no other lock, and the cell is
+        // replaced below while the table's is held.
+        let matrix = product.get();
+        if !widened::applies(x, &matrix) {
             return Ok(None);
         }
         let mut guard = self.lock();
@@ -802,17 +808,21 @@ impl AdapterTable {
             return Ok(None);
         };
         let cache = group_cache(&mut state.groups, sites);
-        let w = match &cache.widened {
-            Some(w) => w.clone(),
+        let (w, rebuilt) = match &cache.widened {
+            Some(w) => (w.clone(), false),
             None => {
                 let group: Vec<&Site> = sites.iter().map(|&i| &state.sites[i]).collect();
                 let f = group_factors(&group, &every_adapter(&state.adapters))?;
-                let w = Widened::new(matrix.weight(), &f.a, f.b)?;
+                let (w, base_rows) = Widened::new(matrix.weight(), &f.a, f.b)?;
+                // The layer holds the widened buffer's first rows from now on, so that the
+                // base's weights are held once (the old buffer goes with its last view).
+                product.replace(Matrix::Dense(base_rows));
                 cache.widened = Some(w.clone());
-                w
+                (w, true)
             }
         };
-        w.output(x, (&mask, sites.len() as i32)).map(Some)
+        let output = w.output(x, (&mask, sites.len() as i32))?;
+        Ok(Some(WidenedPass { output, rebuilt }))
     }
 
     fn register(
@@ -1347,7 +1357,11 @@ impl LoraSite {
     /// The layer's output for `x` through a widened product ([`widened`]), bias-free layers
     /// only, when this pass takes one; `None`: the caller computes `x @ W.T` and
     /// [`Self::apply`]s the update. No lock for a pass without adapter rows.
-    pub fn widened(&self, x: &Array, matrix: &Matrix) -> Result<Option<Array>, Exception> {
+    pub fn widened(
+        &self,
+        x: &Array,
+        matrix: &MatrixCell,
+    ) -> Result<Option<WidenedPass>, Exception> {
         if !self.engaged() {
             return Ok(None);
         }
@@ -1562,6 +1576,10 @@ mod tests {
         let x = normal(&[32, 1, 16], 2, Dtype::Bfloat16);
         let matrix = Matrix::Dense(w.clone());
         let stacked = Matrix::Dense(concatenate(&[&w, &w], 0).unwrap());
+        let (cell, stacked_cell) = (
+            MatrixCell::new(matrix.clone()),
+            MatrixCell::new(stacked.clone()),
+        );
         let f32 = |a: &Array| a.as_dtype(Dtype::Float32).unwrap();
         let close = |got: &Array, want: &Array, what: &str| {
             assert!(within_bf16(got, want), "{what}: {got:?} against {want:?}");
@@ -1570,12 +1588,17 @@ mod tests {
         let some: Vec<Option<AdapterId>> = (0..32)
             .map(|i| [None, Some(ids[2]), Some(ids[0])][i % 3])
             .collect();
-        for rows in [vec![Some(ids[1]); 32], mixed_rows(&ids), some] {
+        for (pass, rows) in [vec![Some(ids[1]); 32], mixed_rows(&ids), some]
+            .into_iter()
+            .enumerate()
+        {
             let _s = table.select(&rows).unwrap();
             let widened = sites[0]
-                .widened(&x, &matrix)
+                .widened(&x, &cell)
                 .unwrap()
                 .expect("a widened pass");
+            assert_eq!(widened.rebuilt, pass == 0, "built by the first pass only");
+            let widened = widened.output;
             let apart = sites[0]
                 .apply(&x, matrix.matmul_t(&x).unwrap(), &matrix, None)
                 .unwrap();
@@ -1584,9 +1607,10 @@ mod tests {
                 panic!("rows with adapters got no group update");
             };
             let grouped = table
-                .widened_group(&[0, 1], &stacked, &x)
+                .widened_group(&[0, 1], &stacked_cell, &x)
                 .unwrap()
-                .expect("a widened pass");
+                .expect("a widened pass")
+                .output;
             assert_eq!(grouped.shape(), &[32, 1, 32]);
             close(
                 &grouped,
@@ -1609,16 +1633,69 @@ mod tests {
             .filter(|g| g.widened.is_some())
             .count();
         assert_eq!(widened, 2, "site 0's and the pair's, built once");
+        // Each cell now holds its widened matrix's first rows: the base's values, in the
+        // widened buffer (the weight is held once).
+        let data = |a: &Array| crate::cache::ssd::tensors::bytes(a).unwrap().as_ptr();
+        for (c, group, want) in [
+            (&cell, vec![0], &matrix),
+            (&stacked_cell, vec![0, 1], &stacked),
+        ] {
+            let held = c.get();
+            assert_eq!(max_abs_diff(&f32(held.weight()), &f32(want.weight())), 0.0);
+            let state = table.lock();
+            let wide = state.groups[&group].widened.as_ref().unwrap().matrix();
+            assert_eq!(
+                data(held.weight()),
+                data(wide),
+                "a view of the widened buffer"
+            );
+        }
         // A pass without adapter rows, and a float32 layer, take the plain product.
         let _s = table.select(&vec![None; 32]).unwrap();
-        assert!(sites[0].widened(&x, &matrix).unwrap().is_none());
+        assert!(sites[0].widened(&x, &cell).unwrap().is_none());
         drop(_s);
         let _s = table.select(&mixed_rows(&ids)).unwrap();
         let x32 = f32(&x);
-        assert!(sites[0]
-            .widened(&x32, &Matrix::Dense(f32(&w)))
-            .unwrap()
-            .is_none());
+        let cell32 = MatrixCell::new(Matrix::Dense(f32(&w)));
+        assert!(sites[0].widened(&x32, &cell32).unwrap().is_none());
+        super::super::widened::force(false);
+    }
+
+    /// An unload drops the widened matrices, and the next widened pass builds them again
+    /// from the layer's rows (a view of the old widened buffer): the base's values survive
+    /// every rebuild, and the rows that remain give what they gave.
+    #[test]
+    fn a_widened_product_is_rebuilt_after_an_unload() {
+        let w = normal(&[16, 16], 1, Dtype::Bfloat16);
+        let (table, sites, ids, _dir) = table_with(&w, 1, &[4, 2, 8], Dtype::Float32);
+        let x = normal(&[32, 1, 16], 2, Dtype::Bfloat16);
+        let cell = MatrixCell::new(Matrix::Dense(w.clone()));
+        let rows: Vec<Option<AdapterId>> = (0..32).map(|i| Some(ids[[0, 2][i % 2]])).collect();
+        super::super::widened::force(true);
+        let pass = |rows: &[Option<AdapterId>]| {
+            let _s = table.select(rows).unwrap();
+            sites[0]
+                .widened(&x, &cell)
+                .unwrap()
+                .expect("a widened pass")
+        };
+        let before = pass(&rows);
+        assert!(before.rebuilt);
+        let width = |table: &AdapterTable| {
+            let state = table.lock();
+            state.groups[&vec![0]]
+                .widened
+                .as_ref()
+                .map(|w| w.matrix().shape()[0])
+        };
+        assert_eq!(width(&table), Some(16 + 4 + 2 + 8));
+        table.unload(ids[1]).expect("loaded");
+        assert!(table.lock().groups.is_empty(), "an unload drops them");
+        let after = pass(&rows);
+        assert!(after.rebuilt);
+        assert_eq!(width(&table), Some(16 + 4 + 8));
+        assert_eq!(max_abs_diff(cell.get().weight(), &w), 0.0);
+        assert_eq!(max_abs_diff(&before.output, &after.output), 0.0);
         super::super::widened::force(false);
     }
 
@@ -1633,11 +1710,7 @@ mod tests {
         let x = normal(&[32, 1, 16], 2, Dtype::Bfloat16);
         let close = within_bf16;
         let mut sites = sites.into_iter();
-        let layer = |site| Linear {
-            matrix: Matrix::Dense(w.clone()),
-            bias: None,
-            lora: site,
-        };
+        let layer = |site| Linear::new(Matrix::Dense(w.clone()), None, site);
         let (mut l0, mut l1) = (layer(sites.next()), layer(sites.next()));
         let _s = table.select(&mixed_rows(&ids)).unwrap();
         let widened = || {
@@ -1667,6 +1740,31 @@ mod tests {
             assert!(close(got, want));
         }
         assert_eq!(widened(), 2, "the layer's and the stacked pair's");
+        // The stacked layers hold their rows of the pair's widened matrix (the buffer they
+        // shared before is gone), with the base's values; a base pass gives what it gave.
+        let data = |a: &Array| crate::cache::ssd::tensors::bytes(a).unwrap().as_ptr();
+        let wide_start = {
+            let state = table.lock();
+            let w = state.groups[&vec![0, 1]]
+                .widened
+                .as_ref()
+                .unwrap()
+                .matrix()
+                .clone();
+            data(&w) as usize
+        };
+        for (i, l) in [&l0, &l1].into_iter().enumerate() {
+            let held = l.matrix.get();
+            assert_eq!(max_abs_diff(held.weight(), &w), 0.0);
+            assert_eq!(data(held.weight()) as usize, wide_start + i * 16 * 16 * 2);
+        }
+        drop(_s);
+        let _s = table.select(&vec![None; 32]).unwrap();
+        let base = stacked.forward(&x, &[&l0, &l1]).unwrap();
+        let want = x.matmul(w.t()).unwrap();
+        for part in &base {
+            assert_eq!(max_abs_diff(part, &want), 0.0);
+        }
     }
 
     /// Rows taking a set of adapters new to the table build no factors: a mixed pass's factors

@@ -1,25 +1,32 @@
-//! A served LoRA update whose `x @ A` comes out of the base product itself
-//! (`MLXD_LORA_WIDENED=1`; off by default until it is measured on a GPU).
+//! A served LoRA update whose `x @ A` comes out of the base product itself: on CUDA, by
+//! default (`MLXD_LORA_WIDENED=0` turns it off, to measure the two kernels it replaces).
 //!
 //! On CUDA a decode pass's update is two custom-kernel nodes a site ([`super::lora_kernel`]):
 //! a decode step over adapters on every projection of a 16-layer model makes 128 of them, and
 //! each costs the host ~12 µs in MLX's custom-kernel path where a plain node costs ~4
 //! (BENCHMARKS.md, sessions 46 and 49): four mixed adapters step at 5.5 ms against the base's
-//! 3.6–4.1, and issue 25 asks for 0.8× the base. With this switch a site's matrix is kept
-//! widened by the side-by-side `A` of every loaded adapter, `W' = [W; Aᵀ]` (`[out + C, in]`,
-//! `A` in the weight's dtype), so one product gives `[x @ Wᵀ, x @ A]` and a single kernel
+//! 3.6–4.1, and issue 25 asks for 0.8× the base. Here a site's matrix is widened by the
+//! side-by-side `A` of every loaded adapter, `W' = [W; Aᵀ]` (`[out + C, in]`, `A` in the
+//! weight's dtype), so one product gives `[x @ Wᵀ, x @ A]` and a single kernel
 //! ([`super::lora_kernel::widened_update`]) masks `x @ A` per row, multiplies it by `B` and
 //! adds it to the base columns: one node a site instead of two, and the shrink's work rides
-//! on the product the step makes anyway (`C` is a few dozen columns beside thousands).
+//! on the product the step makes anyway (`C` is a few dozen columns beside thousands). On an
+//! H100 a site costs 50 µs against 68, and 32 greedy streams over four adapters run at
+//! 0.77–0.81× the base against 0.70× (BENCHMARKS.md, sessions 50 and 51).
+//!
+//! **The base's weights are held once.** The pass that builds `W'` puts a view of its first
+//! `out` rows in the layer's [`MatrixCell`](crate::models::layers::MatrixCell) in place of the layer's own matrix (a stacked
+//! product's layers take views of those rows, [`crate::models::stacked`]), so the old buffer
+//! is freed and what the adapters add is their `Aᵀ` rows: ~21 MB for four rank-8 adapters on
+//! every projection of a 1B model. A load or unload of an adapter drops the widened matrices;
+//! the next pass builds them again from the layers' rows, one group at a time (the copy of a
+//! group is the most held twice).
 //!
 //! What it changes: `A` and `x @ A` are rounded to the base's dtype (bfloat16 or float16)
 //! where the two kernels keep float32 factors' `x @ A` in float32 — vLLM's LoRA runs in the
 //! model's dtype too; the update is a small addition to `y`, rounded to `y`'s dtype after.
-//! And it costs memory: the widened matrices are copies of the adapted layers' weights, held
-//! beside the base's while adapters are loaded (the base's own matrices are views the model
-//! holds and cannot drop), which the engine's KV budget does not count. Both are why it is a
-//! switch. Passes of more than [`super::lora_kernel`]'s decode-sized rows, quantized bases,
-//! layers with a bias, DoRA adapters and training keep the two-kernel or matmul paths.
+//! Passes of more than [`MAX_ROWS`] rows, quantized bases, layers with a bias, DoRA adapters
+//! and training keep the two-kernel or matmul paths.
 use std::sync::OnceLock;
 
 use mlx_rs::error::Exception;
@@ -29,7 +36,7 @@ use mlx_rs::{Array, Dtype};
 
 use crate::models::layers::Matrix;
 
-/// The environment variable that turns the widened product on (`1`); off otherwise.
+/// The environment variable that turns the widened product off (`0`); on otherwise, on CUDA.
 pub const WIDENED_ENV: &str = "MLXD_LORA_WIDENED";
 
 /// The most rows (tokens) a pass may have to take this path: the widened expand's.
@@ -47,17 +54,14 @@ pub(crate) fn force(on: bool) {
     FORCED.with(|f| f.set(on));
 }
 
-/// Whether `MLXD_LORA_WIDENED=1` asks for this path and MLX's default device is a CUDA GPU.
+/// Whether MLX's default device is a CUDA GPU and `MLXD_LORA_WIDENED` is not `0`.
 fn available() -> bool {
     #[cfg(test)]
     if FORCED.with(|f| f.get()) {
         return true;
     }
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| {
-        std::env::var(WIDENED_ENV).is_ok_and(|v| v == "1")
-            && crate::cuda_kernel::wanted(WIDENED_ENV)
-    })
+    *ON.get_or_init(|| crate::cuda_kernel::wanted(WIDENED_ENV))
 }
 
 /// Whether a site with `matrix` takes the widened product for input `x` (the switch and the
@@ -82,6 +86,14 @@ pub fn applies(x: &Array, matrix: &Matrix) -> bool {
     available() && fits((x.shape(), x.dtype()), matrix)
 }
 
+/// A pass's output through a widened product, and whether the pass built the widened matrix:
+/// the product's [`MatrixCell`](crate::models::layers::MatrixCell) then holds a view of its base rows, and views of the old
+/// matrix held elsewhere (a stacked product's layers) must follow for its buffer to go.
+pub struct WidenedPass {
+    pub output: Array,
+    pub rebuilt: bool,
+}
+
 /// A site's (or a stacked group's) widened matrix and the `B` its update multiplies by.
 #[derive(Clone)]
 pub struct Widened {
@@ -93,10 +105,19 @@ pub struct Widened {
 
 impl Widened {
     /// `weight` (`[out, in]`) widened by `a` (`[in, C]`, every loaded adapter's side by side)
-    /// and `b` (`[C, out]`). Left to the pass that first uses it to compute.
-    pub fn new(weight: &Array, a: &Array, b: Array) -> Result<Self, Exception> {
+    /// and `b` (`[C, out]`), computed now, and its first `out` rows: a view of the widened
+    /// buffer, for the layer to hold in place of `weight` (which can then be freed).
+    pub fn new(weight: &Array, a: &Array, b: Array) -> Result<(Self, Array), Exception> {
         let matrix = concatenate(&[weight, &a.t().as_dtype(weight.dtype())?], 0)?;
-        Ok(Self { matrix, b })
+        let base = matrix.index(..weight.shape()[0]);
+        mlx_rs::transforms::eval([&matrix, &base])?;
+        Ok((Self { matrix, b }, base))
+    }
+
+    /// The widened matrix `[out + C, in]`.
+    #[cfg(test)]
+    pub fn matrix(&self) -> &Array {
+        &self.matrix
     }
 
     /// The site's output for `x` (`[B, L, in]`): the base product plus each row's update,
@@ -162,11 +183,20 @@ mod tests {
             let y = x.matmul(w.t()).unwrap();
             add_served(x, &a, &b, Some((&mask, layers)), y).unwrap()
         };
-        let got = Widened::new(&w, &a, b.clone())
-            .unwrap()
-            .output(&x, (&mask, layers))
-            .unwrap();
+        let (widened, base_rows) = Widened::new(&w, &a, b.clone()).unwrap();
+        let got = widened.output(&x, (&mask, layers)).unwrap();
         assert_eq!(got.shape(), &[rows, 1, n]);
+        assert_eq!(
+            max_abs_diff(&base_rows, &w),
+            0.0,
+            "the base rows are the weight"
+        );
+        let start = |a: &Array| a.as_slice::<f32>().as_ptr();
+        assert_eq!(
+            start(&base_rows),
+            start(&widened.matrix),
+            "a view, not a copy"
+        );
         assert!(max_abs_diff(&got, &want(&x, &w)) < 1e-4);
         let base = x.matmul(w.t()).unwrap();
         assert!(
@@ -177,6 +207,7 @@ mod tests {
         let (xb, wb) = (x.as_dtype(BF).unwrap(), w.as_dtype(BF).unwrap());
         let got = Widened::new(&wb, &a, b.clone())
             .unwrap()
+            .0
             .output(&xb, (&mask, layers))
             .unwrap();
         assert_eq!(got.dtype(), BF);

@@ -667,11 +667,11 @@ fn matrix_with_rows(m: Matrix, rows: i32, at: &str) -> Result<Matrix, LoadError>
 }
 
 fn with_rows(l: Linear, rows: i32, at: &str) -> Result<Linear, LoadError> {
-    Ok(Linear {
-        matrix: matrix_with_rows(l.matrix, rows, at)?,
-        bias: l.bias,
-        lora: l.lora,
-    })
+    Ok(Linear::new(
+        matrix_with_rows(l.matrix.into_inner(), rows, at)?,
+        l.bias,
+        l.lora,
+    ))
 }
 
 /// `[B, L, heads * d]` → `[B, L, heads, d]`.

@@ -6,6 +6,7 @@ use mlx_rs::fast;
 use mlx_rs::ops::indexing::{Ellipsis, IndexOp};
 use mlx_rs::ops::{dequantize, quantized_matmul};
 use mlx_rs::Array;
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use super::quant::{self, Packed, QuantMode};
 use crate::adapters::LoraSite;
@@ -17,8 +18,9 @@ pub use crate::rotary::Rope;
 
 pub type Result<T> = std::result::Result<T, Exception>;
 
-/// A weight matrix `[out, in]`, dense or quantized as MLX stores it.
-#[derive(Debug)]
+/// A weight matrix `[out, in]`, dense or quantized as MLX stores it. A clone holds the same
+/// arrays (MLX arrays are shared handles).
+#[derive(Debug, Clone)]
 pub enum Matrix {
     Dense(Array),
     Quantized(QuantizedMatrix),
@@ -26,7 +28,7 @@ pub enum Matrix {
 
 /// A matrix packed by MLX's quantization: the packed weight, its scales, its biases (the
 /// affine mode only) and how it was packed.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct QuantizedMatrix {
     pub weight: Array,
     pub scales: Array,
@@ -122,12 +124,52 @@ impl Matrix {
     }
 }
 
+/// A layer's matrix, which its adapter site may replace while the model serves: a widened
+/// product (`crate::adapters::widened`) computes the base rows and the adapters' `x @ A` from
+/// one matrix `[W; Aᵀ]`, and the layer's own then becomes a view of its first rows, so that
+/// the base's weights are held once. A stacked product's layers hold views of its rows the same
+/// way ([`super::stacked`]). The lock is uncontended (a model serves from one thread); whoever
+/// holds it takes no other lock.
+#[derive(Debug)]
+pub struct MatrixCell(Mutex<Matrix>);
+
+impl MatrixCell {
+    pub fn new(matrix: Matrix) -> Self {
+        Self(Mutex::new(matrix))
+    }
+
+    /// The matrix now (the same arrays, not a copy).
+    pub fn get(&self) -> Matrix {
+        self.lock().clone()
+    }
+
+    /// `f` of the matrix, without cloning it; `f` must not lock an adapter table.
+    pub fn with<R>(&self, f: impl FnOnce(&Matrix) -> R) -> R {
+        f(&self.lock())
+    }
+
+    /// Puts `matrix` in its place; the one it replaces is dropped here.
+    pub fn replace(&self, matrix: Matrix) {
+        *self.lock() = matrix;
+    }
+
+    pub fn into_inner(self) -> Matrix {
+        self.0.into_inner().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Matrix> {
+        // A panic while the lock was held left a whole matrix in place (each write is one
+        // assignment), so a poisoned lock's value is sound.
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
 /// `nn.Linear` (optionally `nn.QuantizedLinear`), with an optional bias, and its entry in
 /// the model's adapter table (`crate::adapters`): the LoRA update of the rows whose adapter
 /// changes this layer is added to its output.
 #[derive(Debug)]
 pub struct Linear {
-    pub matrix: Matrix,
+    pub matrix: MatrixCell,
     pub bias: Option<Array>,
     pub lora: Option<LoraSite>,
 }
@@ -141,16 +183,25 @@ impl Linear {
             None
         };
         let lora = crate::adapters::site_for(prefix, &matrix);
-        Ok(Self { matrix, bias, lora })
+        Ok(Self::new(matrix, bias, lora))
+    }
+
+    pub fn new(matrix: Matrix, bias: Option<Array>, lora: Option<LoraSite>) -> Self {
+        Self {
+            matrix: MatrixCell::new(matrix),
+            bias,
+            lora,
+        }
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
         if let (Some(site), None) = (&self.lora, &self.bias) {
             if let Some(out) = site.widened(x, &self.matrix)? {
-                return Ok(out);
+                return Ok(out.output);
             }
         }
-        self.finish(x, self.matrix.matmul_t(x)?)
+        let y = self.matrix.with(|m| m.matmul_t(x))?;
+        self.finish(x, y)
     }
 
     /// The layer's output from its product `y` (`x @ W.T`, computed here or as part of a
@@ -158,8 +209,10 @@ impl Linear {
     pub fn finish(&self, x: &Array, y: Array) -> Result<Array> {
         match &self.lora {
             // The site adds the bias: a DoRA update rescales the output before it.
-            Some(site) => site.apply(x, y, &self.matrix, self.bias.as_ref()),
-            None => match &self.bias {
+            Some(site) if site.engaged() => {
+                site.apply(x, y, &self.matrix.get(), self.bias.as_ref())
+            }
+            _ => match &self.bias {
                 Some(b) => y.add(b),
                 None => Ok(y),
             },

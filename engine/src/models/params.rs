@@ -1,9 +1,11 @@
 //! The parameter list a model evaluates at load. Every part that holds weights implements
 //! [`Parameters`], so a family lists its parameters by naming its parts once, and
 //! [`Params::materialize`] reads them from disk in that order and returns the bytes held.
+use std::marker::PhantomData;
+
 use mlx_rs::Array;
 
-use super::layers::{LayerNorm, Linear, Matrix, RmsNorm};
+use super::layers::{LayerNorm, Linear, Matrix, MatrixCell, RmsNorm};
 use crate::loader::{LoadError, LoadReporter};
 
 /// A part of a model that holds parameter arrays.
@@ -12,9 +14,11 @@ pub(crate) trait Parameters {
     fn push_params<'a>(&'a self, p: &mut Params<'a>);
 }
 
-/// The parameter arrays of a model, in the order they are evaluated at load.
+/// The parameter arrays of a model, in the order they are evaluated at load: the same arrays
+/// the parts hold (shared handles), taken rather than borrowed because a linear layer's
+/// matrix may be replaced while the model serves ([`super::layers::MatrixCell`]).
 #[derive(Default)]
-pub(crate) struct Params<'a>(Vec<&'a Array>);
+pub(crate) struct Params<'a>(Vec<Array>, PhantomData<&'a ()>);
 
 impl<'a> Params<'a> {
     /// Appends the arrays of `part`.
@@ -26,12 +30,12 @@ impl<'a> Params<'a> {
     /// Evaluates every parameter (reading it from disk now), reporting the bytes read;
     /// returns the bytes held.
     pub fn materialize(&self, reporter: Option<&LoadReporter>) -> Result<usize, LoadError> {
-        crate::loader::materialize(&self.0, reporter)
+        crate::loader::materialize(&self.0.iter().collect::<Vec<_>>(), reporter)
     }
 }
 
 /// The arrays of `part`, in order.
-pub(crate) fn parameters_of<P: Parameters + ?Sized>(part: &P) -> Vec<&Array> {
+pub(crate) fn parameters_of<P: Parameters + ?Sized>(part: &P) -> Vec<Array> {
     let mut p = Params::default();
     p.add(part);
     p.0
@@ -39,7 +43,7 @@ pub(crate) fn parameters_of<P: Parameters + ?Sized>(part: &P) -> Vec<&Array> {
 
 impl Parameters for Array {
     fn push_params<'a>(&'a self, p: &mut Params<'a>) {
-        p.0.push(self);
+        p.0.push(self.clone());
     }
 }
 
@@ -49,6 +53,16 @@ impl Parameters for Matrix {
             Matrix::Dense(w) => p.add(w),
             Matrix::Quantized(q) => p.add(&q.weight).add(&q.scales).add(&q.biases),
         };
+    }
+}
+
+impl Parameters for MatrixCell {
+    fn push_params<'a>(&'a self, p: &mut Params<'a>) {
+        self.with(|m| {
+            for a in parameters_of(m) {
+                p.0.push(a);
+            }
+        });
     }
 }
 

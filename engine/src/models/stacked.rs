@@ -34,7 +34,8 @@ use mlx_rs::error::Exception;
 use mlx_rs::ops::concatenate;
 use mlx_rs::Array;
 
-use super::layers::{Linear, Matrix, QuantizedMatrix};
+use super::layers::{Linear, Matrix, MatrixCell, QuantizedMatrix};
+use super::params::parameters_of;
 use crate::adapters::{GroupUpdate, LoraSite};
 
 /// The environment variable that turns stacking off (`0`) or on (`1`, the default).
@@ -76,7 +77,8 @@ fn parse_switch(value: &str) -> Result<bool, String> {
 /// The stacked matrix of some linear layers and where each one's output ends.
 #[derive(Debug)]
 pub struct Stacked {
-    matrix: Matrix,
+    /// Replaceable as a layer's is ([`MatrixCell`]): a widened product swaps in a view.
+    matrix: MatrixCell,
     /// Their biases end to end, when every layer has one (each layer then keeps a view).
     bias: Option<Array>,
     /// The split points of the product's last axis: each layer's end but the last's.
@@ -95,20 +97,21 @@ impl Stacked {
         if biased != 0 && biased != layers.len() {
             return Ok(None);
         }
-        let matrices: Vec<&Matrix> = layers.iter().map(|l| &l.matrix).collect();
-        let Some(matrix) = stack(&matrices)? else {
+        let matrices: Vec<Matrix> = layers.iter().map(|l| l.matrix.get()).collect();
+        let Some(matrix) = stack(&matrices.iter().collect::<Vec<_>>())? else {
             return Ok(None);
         };
         let mut ends = Vec::with_capacity(layers.len());
         let mut end = 0;
-        for l in layers.iter() {
-            end += rows_of(l.matrix.weight());
+        for m in &matrices {
+            end += rows_of(m.weight());
             ends.push(end);
         }
         ends.pop();
+        drop(matrices);
         let views = split_rows(&matrix, &ends)?;
         for (layer, view) in layers.iter_mut().zip(views) {
-            layer.matrix = view;
+            layer.matrix.replace(view);
         }
         let bias = if biased == 0 {
             None
@@ -120,7 +123,11 @@ impl Stacked {
             }
             Some(bias)
         };
-        Ok(Some(Stacked { matrix, bias, ends }))
+        Ok(Some(Stacked {
+            matrix: MatrixCell::new(matrix),
+            bias,
+            ends,
+        }))
     }
 
     /// Each layer's output for input `x`, from one product: `layers` are the ones stacked, in
@@ -130,7 +137,10 @@ impl Stacked {
         if let Some(parts) = self.forward_joined(x, layers, &self.ends)? {
             return Ok(parts);
         }
-        let parts = self.matrix.matmul_t(x)?.split_at_indices(&self.ends, -1)?;
+        let parts = self
+            .matrix
+            .with(|m| m.matmul_t(x))?
+            .split_at_indices(&self.ends, -1)?;
         layers
             .iter()
             .zip(parts)
@@ -169,8 +179,13 @@ impl Stacked {
         // it (`crate::adapters::widened`; bias-free stacks), before any factors are built
         // for the two-product update it replaces.
         if let (Some((table, indices)), None) = (&group, &self.bias) {
-            if let Some(y) = table.widened_group(indices, &self.matrix, x)? {
-                return Ok(Some(y.split_at_indices(ends, -1)?));
+            if let Some(pass) = table.widened_group(indices, &self.matrix, x)? {
+                if pass.rebuilt {
+                    // The stacked matrix is now a view of the widened one: the layers' views
+                    // of the old buffer follow, which lets it go.
+                    self.point_layers_at_stack(layers)?;
+                }
+                return Ok(Some(pass.output.split_at_indices(ends, -1)?));
             }
         }
         let update = match (&sites, &group) {
@@ -179,13 +194,30 @@ impl Stacked {
             (None, _) if engaged => GroupUpdate::PerLayer,
             (None, _) => GroupUpdate::None,
         };
-        let y = self.matrix.matmul_t(x)?;
+        let y = self.matrix.with(|m| m.matmul_t(x))?;
         let y = match update {
             GroupUpdate::PerLayer => return Ok(None),
             GroupUpdate::None => self.with_bias(y)?,
             GroupUpdate::Update(factors) => factors.add_to(x, self.with_bias(y)?)?,
         };
         Ok(Some(y.split_at_indices(ends, -1)?))
+    }
+
+    /// Gives each of `layers` (the ones stacked, in order) a view of its rows of the stacked
+    /// matrix as it is now.
+    fn point_layers_at_stack(&self, layers: &[&Linear]) -> Result<(), Exception> {
+        let views = split_rows(&self.matrix.get(), &self.ends)?;
+        mlx_rs::transforms::eval(
+            views
+                .iter()
+                .flat_map(parameters_of)
+                .collect::<Vec<_>>()
+                .iter(),
+        )?;
+        for (layer, view) in layers.iter().zip(views) {
+            layer.matrix.replace(view);
+        }
+        Ok(())
     }
 
     /// Where each layer's output ends in the stacked product, but the last's.
@@ -338,18 +370,18 @@ mod tests {
     use crate::models::test_arrays::{max_abs_diff, normal};
 
     fn dense(rows: i32, inputs: i32, seed: u64, bias: bool) -> Linear {
-        Linear {
-            matrix: Matrix::Dense(normal(&[rows, inputs], seed)),
-            bias: bias.then(|| normal(&[rows], seed + 100)),
-            lora: None,
-        }
+        Linear::new(
+            Matrix::Dense(normal(&[rows, inputs], seed)),
+            bias.then(|| normal(&[rows], seed + 100)),
+            None,
+        )
     }
 
     fn quantized(rows: i32, inputs: i32, seed: u64, bits: i32) -> Linear {
         let (weight, scales, biases) =
             mlx_rs::ops::quantize(normal(&[rows, inputs], seed), 64, bits).unwrap();
-        Linear {
-            matrix: Matrix::Quantized(QuantizedMatrix {
+        Linear::new(
+            Matrix::Quantized(QuantizedMatrix {
                 weight,
                 scales,
                 biases: Some(biases),
@@ -357,9 +389,9 @@ mod tests {
                 bits,
                 mode: QuantMode::Affine,
             }),
-            bias: None,
-            lora: None,
-        }
+            None,
+            None,
+        )
     }
 
     /// Each layer's own output before stacking, then the stacked product's parts and each
@@ -420,7 +452,7 @@ mod tests {
             dense(32, 64, 25, true),
         ];
         for l in &layers {
-            mlx_rs::transforms::eval([l.matrix.weight()]).unwrap();
+            mlx_rs::transforms::eval([l.matrix.get().weight()]).unwrap();
         }
         let alone: Vec<Array> = layers.iter().map(|l| l.forward(&x).unwrap()).collect();
         let products: usize = alone.iter().map(|y| op_counts(y).products()).sum();
@@ -440,13 +472,13 @@ mod tests {
         let mut layers = [dense(64, 64, 13, false), dense(32, 64, 14, false)];
         let [q, k] = &mut layers;
         let stacked = Stacked::of(&mut [q, k]).unwrap().unwrap();
-        let Matrix::Dense(all) = &stacked.matrix else {
+        let Matrix::Dense(all) = &stacked.matrix.get() else {
             panic!("dense layers stack dense")
         };
         mlx_rs::transforms::eval([all]).unwrap();
         let base = all.as_slice::<f32>().as_ptr();
         for (layer, offset) in layers.iter().zip([0usize, 64 * 64]) {
-            let Matrix::Dense(view) = &layer.matrix else {
+            let Matrix::Dense(view) = &layer.matrix.get() else {
                 panic!("a dense layer keeps a dense view")
             };
             mlx_rs::transforms::eval([view]).unwrap();
@@ -465,7 +497,7 @@ mod tests {
         let [a, b] = &mut mixed;
         assert!(Stacked::of(&mut [a, b]).unwrap().is_none());
         assert!(
-            matches!(mixed[1].matrix, Matrix::Quantized(_)),
+            matches!(mixed[1].matrix.get(), Matrix::Quantized(_)),
             "left as it was"
         );
         let mut bits = [quantized(64, 128, 17, 4), quantized(64, 128, 18, 8)];

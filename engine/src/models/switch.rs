@@ -38,7 +38,7 @@ impl SwitchLinear {
     pub fn load(w: &mut Weights, prefix: &str, bias: bool) -> std::result::Result<Self, LoadError> {
         let Linear { matrix, bias, lora } = Linear::load(w, prefix, bias)?;
         Ok(Self {
-            weight: matrix,
+            weight: matrix.into_inner(),
             bias,
             lora,
         })
@@ -80,7 +80,7 @@ impl SwitchLinear {
     }
 
     /// The parameters, for materialization.
-    pub fn parameters(&self) -> Vec<&Array> {
+    pub fn parameters(&self) -> Vec<Array> {
         parameters_of(self)
     }
 }
@@ -156,7 +156,7 @@ impl StackedExperts {
 }
 
 /// The arrays a [`Matrix`] holds.
-pub fn matrix_parameters(m: &Matrix) -> Vec<&Array> {
+pub fn matrix_parameters(m: &Matrix) -> Vec<Array> {
     parameters_of(m)
 }
 
@@ -318,7 +318,7 @@ impl SwitchGlu {
     }
 
     /// The parameters, for materialization.
-    pub fn parameters(&self) -> Vec<&Array> {
+    pub fn parameters(&self) -> Vec<Array> {
         parameters_of(self)
     }
 }
@@ -483,7 +483,7 @@ mod tests {
                 .collect();
             let indices = Array::from_slice(&ids, &[1, tokens, k]);
             let glu = dense_glu(11);
-            mlx_rs::transforms::eval(glu.parameters()).unwrap();
+            mlx_rs::transforms::eval(glu.parameters().iter()).unwrap();
             let stacked = glu.forward(&x, &indices).unwrap();
             let counts = crate::graph_ops::op_counts(&stacked);
             let gathers = counts.by_primitive.get("GatherMM").copied().unwrap_or(0);

@@ -15,7 +15,7 @@
 pub mod format;
 pub mod identity;
 pub mod index;
-mod tensors;
+pub(crate) mod tensors;
 mod writer;
 
 use std::path::{Path, PathBuf};
