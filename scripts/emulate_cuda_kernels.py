@@ -222,9 +222,10 @@ def lora_case(work: Path, b: int, l: int, k: int, c: int, n: int, adapters: int,
     got = emulate(
         work,
         kernel_body(LORA, "EXPAND_SOURCE"),
-        {"p": View(partials), "b": View(bb), "y": View(y), "mask": View(mask)},
+        {"p": View(partials), "b": View(bb), "y": View(y), "mask": View(mask),
+         "res": View(np.ones((1, 1, 1), dtype=np.float32))},
         {"out": (b, l, n)},
-        {"FT": "float", "YT": "float", "MT": "float", "HAS_MASK": has_mask, "WIDE": 0,
+        {"FT": "float", "YT": "float", "MT": "float", "HAS_MASK": has_mask, "WIDE": 0, "EPILOGUE": 0,
          "MAX_C": rust_const(LORA, "MAX_RANK_COLUMNS"), "RB": expand_rows},
         expand_grid,
         block,
@@ -234,9 +235,12 @@ def lora_case(work: Path, b: int, l: int, k: int, c: int, n: int, adapters: int,
     return report(label, got, want, float(np.abs(want).max()))
 
 
-def lora_wide_case(work: Path, b: int, l: int, c: int, n: int, adapters: int, layers: int, mask_rows: int) -> bool:
+def lora_wide_case(
+    work: Path, b: int, l: int, c: int, n: int, adapters: int, layers: int, mask_rows: int, epilogue: int = 0
+) -> bool:
     """The expand widened (`WIDE`): `yw` carries `x @ A` as its last `c` columns; the output is its first
-    `n` columns plus `(masked x @ A) @ B` (`mask_rows` 1: every row takes the same adapter)."""
+    `n` columns plus `(masked x @ A) @ B` (`mask_rows` 1: every row takes the same adapter), then the
+    `epilogue`: 0 none, 1 added to a residual, 2 `silu(g) * u` of its halves."""
     rng = np.random.default_rng(b * 7 + c + n)
     z = rng.standard_normal((b, l, c), dtype=np.float32)
     y = rng.standard_normal((b, l, n), dtype=np.float32)
@@ -252,21 +256,33 @@ def lora_wide_case(work: Path, b: int, l: int, c: int, n: int, adapters: int, la
     per = (b * l) // mask_rows
     row_mask = np.repeat(mask.reshape(mask_rows, w), per, axis=0).reshape(b, l, 1, w)
     want = y + (z.reshape(b, l, layers, w) * row_mask).reshape(b, l, c) @ bb
+    res = rng.standard_normal((b, l, n), dtype=np.float32)
+    out_n = n
+    if epilogue == 1:
+        want = res + want
+    elif epilogue == 2:
+        out_n = n // 2
+        g, u = want[..., :out_n], want[..., out_n:]
+        want = g / (1.0 + np.exp(-g)) * u
     rows = b * l
     block, expand_rows = (rust_const(LORA, n_) for n_ in ("BLOCK", "EXPAND_ROWS"))
     ceil = lambda p_, q: (p_ + q - 1) // q
-    grid = (ceil(n, block), ceil(rows, expand_rows), 1)
+    grid = (ceil(out_n, block), ceil(rows, expand_rows), 1)
     got = emulate(
         work,
         kernel_body(LORA, "EXPAND_SOURCE"),
-        {"p": View(np.ones((1, 1, 1), dtype=np.float32)), "b": View(bb), "y": View(yw), "mask": View(mask)},
-        {"out": (b, l, n)},
-        {"FT": "float", "YT": "float", "MT": "float", "HAS_MASK": 1, "WIDE": 1,
+        {"p": View(np.ones((1, 1, 1), dtype=np.float32)), "b": View(bb), "y": View(yw), "mask": View(mask),
+         "res": View(res if epilogue == 1 else np.ones((1, 1, 1), dtype=np.float32))},
+        {"out": (b, l, out_n)},
+        {"FT": "float", "YT": "float", "MT": "float", "HAS_MASK": 1, "WIDE": 1, "EPILOGUE": epilogue,
          "MAX_C": rust_const(LORA, "MAX_RANK_COLUMNS"), "RB": expand_rows},
         grid,
         block,
     )["out"]
-    label = f"lora widened: rows {b}x{l} R {c} out {n} adapters {adapters} layers {layers} mask rows {mask_rows}"
+    label = (
+        f"lora widened: rows {b}x{l} R {c} out {n} adapters {adapters} layers {layers} mask rows {mask_rows}"
+        f" epilogue {['none', 'residual', 'swiglu'][epilogue]}"
+    )
     return report(label, got, want, float(np.abs(want).max()))
 
 
@@ -421,6 +437,11 @@ def main() -> int:
             (13, 1, 24, 300, 2, 2, 13),
             # Every row one adapter (a mask of one row), a prefill-sized pass.
             (3, 7, 16, 130, 2, 1, 1),
+            # The residual add in the kernel (an o or down projection), rows off the row tile.
+            (13, 1, 32, 300, 4, 1, 13, 1),
+            # SwiGLU of a gate/up pair: 2 x 260 columns, 260 outputs (off the block's 256).
+            (13, 1, 64, 520, 4, 2, 13, 2),
+            (3, 2, 16, 96, 2, 2, 1, 2),
         ]:
             results.append(lora_wide_case(work, *case))
         for case in [

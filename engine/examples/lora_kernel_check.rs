@@ -14,13 +14,17 @@
 //! evaluated once (device time, as in a forward pass). Runs only where the kernels serve: a
 //! CUDA GPU, unless `MLXD_LORA_KERNEL=0`. Each such line is followed by one for the widened
 //! path (`mlxd_engine::adapters::widened`, `"path":"widened"`): its difference from the ops,
-//! and for the sites whose output is as wide as their input, a chain of widened sites against
-//! a chain of base products each with the two kernels.
+//! its epilogues' (a residual add: `residual_rel_diff`; SwiGLU of the gate/up halves:
+//! `swiglu_rel_diff`; largest difference relative to the mean output), and for the sites
+//! whose output is as wide as their input, a chain of widened sites against a chain of base
+//! products each with the two kernels, and a chain of widened sites that add their residual
+//! in the kernel against one that adds it as a node of its own.
 use std::time::Instant;
 
 use anyhow::{bail, Context};
 use mlx_rs::{random, Array, Dtype};
 use mlxd_engine::adapters::lora_kernel;
+use mlxd_engine::adapters::widened::Epilogue;
 
 /// The plain ops path: `y + cast(((x @ a) * mask) @ b)`.
 fn ops(
@@ -87,10 +91,10 @@ fn widened(
     let wide = mlx_rs::ops::concatenate(&[&weight, &a.t().as_dtype(Dtype::Bfloat16)?], 0)?;
     mlx_rs::transforms::eval([&weight, &wide])?;
     let yw = x.matmul(wide.t())?;
-    if !lora_kernel::serves_widened(&yw, b, mask) {
+    if !lora_kernel::serves_widened(&yw, b, mask, Epilogue::None) {
         return Ok(());
     }
-    let got = lora_kernel::widened_update(&yw, b, mask)?;
+    let got = lora_kernel::widened_update(&yw, b, mask, Epilogue::None)?;
     let base = x.matmul(weight.t())?;
     let want = ops(x, a, b, &base, Some(mask))?;
     let f32 = |v: &Array| v.as_dtype(Dtype::Float32);
@@ -104,10 +108,52 @@ fn widened(
         diff.max(None)?.item_exact::<f32>(),
         diff.mean(None)?.item_exact::<f32>(),
     );
+    // The epilogues against the same ops after the ops' output.
+    let rel = |got: &Array, want: &Array| -> anyhow::Result<f32> {
+        let scale = f32(want)?.abs()?.mean(None)?.item_exact::<f32>();
+        let diff = f32(got)?.subtract(f32(want)?)?.abs()?.max(None)?;
+        Ok(diff.item_exact::<f32>() / scale)
+    };
+    let mut epilogues = String::new();
+    let residual = random::normal::<f32>(base.shape(), None, None, None)?.as_dtype(base.dtype())?;
+    if lora_kernel::serves_widened(&yw, b, mask, Epilogue::Residual(&residual)) {
+        let got = lora_kernel::widened_update(&yw, b, mask, Epilogue::Residual(&residual))?;
+        let r = rel(&got, &residual.add(&want)?)?;
+        epilogues += &format!(",\"residual_rel_diff\":{r:.5}");
+    }
+    if layers == 2 && lora_kernel::serves_widened(&yw, b, mask, Epilogue::SwiGlu) {
+        let got = lora_kernel::widened_update(&yw, b, mask, Epilogue::SwiGlu)?;
+        let halves = want.split_equal(2, -1)?;
+        let (g, u) = (&halves[0], &halves[1]);
+        let swiglu = g.multiply(mlx_rs::ops::sigmoid(g)?)?.multiply(u)?;
+        let r = rel(&got, &swiglu)?;
+        epilogues += &format!(",\"swiglu_rel_diff\":{r:.5}");
+    }
     let mut times = String::new();
     if n == k {
         let one_node = chained(iterations, x, |x| {
-            Ok(lora_kernel::widened_update(&x.matmul(wide.t())?, b, mask)?)
+            Ok(lora_kernel::widened_update(
+                &x.matmul(wide.t())?,
+                b,
+                mask,
+                Epilogue::None,
+            )?)
+        })?;
+        let with_add = chained(iterations, x, |x| {
+            Ok(lora_kernel::widened_update(
+                &x.matmul(wide.t())?,
+                b,
+                mask,
+                Epilogue::Residual(x),
+            )?)
+        })?;
+        let add_apart = chained(iterations, x, |x| {
+            Ok(x.add(lora_kernel::widened_update(
+                &x.matmul(wide.t())?,
+                b,
+                mask,
+                Epilogue::None,
+            )?)?)
         })?;
         let two_nodes = chained(iterations, x, |x| {
             Ok(lora_kernel::add_update(
@@ -118,10 +164,12 @@ fn widened(
                 Some(mask),
             )?)
         })?;
-        times = format!(",\"widened_site_us\":{one_node:.1},\"two_kernel_site_us\":{two_nodes:.1}");
+        times = format!(
+            ",\"widened_site_us\":{one_node:.1},\"two_kernel_site_us\":{two_nodes:.1},\"residual_in_kernel_us\":{with_add:.1},\"residual_apart_us\":{add_apart:.1}"
+        );
     }
     println!(
-        "{{\"site\":\"{site}\",\"path\":\"widened\",\"factors\":\"{factors:?}\",\"adapters\":{adapters},\"rows\":{rows},\"max_diff\":{max:.5},\"mean_diff\":{mean:.6},\"mean_update\":{update:.4}{times}}}"
+        "{{\"site\":\"{site}\",\"path\":\"widened\",\"factors\":\"{factors:?}\",\"adapters\":{adapters},\"rows\":{rows},\"max_diff\":{max:.5},\"mean_diff\":{mean:.6},\"mean_update\":{update:.4}{epilogues}{times}}}"
     );
     Ok(())
 }

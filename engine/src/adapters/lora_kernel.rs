@@ -39,6 +39,7 @@ use std::sync::OnceLock;
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
 
+use super::widened::Epilogue;
 use crate::cuda_kernel::{CudaKernel, Launch, OutputSpec};
 
 /// Threads per block of both kernels (eight warps).
@@ -123,11 +124,17 @@ const SHRINK_SOURCE: &str = r#"
 /// ([`EXPAND_ROWS`]) a block's rows. With `WIDE` ([`super::widened`]) `y` is `[B, L, N + C]`,
 /// the base product carrying `x @ A` as its last `C` columns, which the kernel reads instead of
 /// summing `p` (then never read); `out` is `y`'s first `N` columns plus the update.
+/// `EPILOGUE` ([`Epilogue`], widened only): 0 writes that sum, rounded to `YT` (the layer's
+/// output); 1 adds it to `res` `[B, L, N]` (`YT`) and writes that, rounded again (the block's
+/// residual add); 2 writes `silu(g) · u` `[B, L, N / 2]` of its halves `g` (columns below
+/// `N / 2`) and `u`, each rounded to `YT` first and each op after, as the compiled SwiGLU
+/// rounds them (the grid then covers `N / 2` columns). `res` is never read otherwise.
 const EXPAND_SOURCE: &str = r#"
   const int C = b_shape[0];
   const int N = b_shape[1];
   const int M = y_shape[0] * y_shape[1];
   const int WIDTH = y_shape[2];
+  const int OUT_N = (EPILOGUE == 2) ? N / 2 : N;
   const int m0 = blockIdx.y * RB;
   __shared__ float hs[RB * MAX_C];
   for (int i = threadIdx.x; i < RB * C; i += blockDim.x) {
@@ -154,19 +161,36 @@ const EXPAND_SOURCE: &str = r#"
   }
   __syncthreads();
   const int n = blockIdx.x * blockDim.x + threadIdx.x;
-  if (n >= N) return;
+  if (n >= OUT_N) return;
   float acc[RB];
-  for (int r = 0; r < RB; ++r) acc[r] = 0.0f;
+  float acc_up[RB];
+  for (int r = 0; r < RB; ++r) { acc[r] = 0.0f; acc_up[r] = 0.0f; }
 #pragma unroll 16
   for (int c = 0; c < C; ++c) {
     const float bv = static_cast<float>(b[(size_t)c * N + n]);
     for (int r = 0; r < RB; ++r) acc[r] += hs[r * C + c] * bv;
+    if (EPILOGUE == 2) {
+      const float bu = static_cast<float>(b[(size_t)c * N + OUT_N + n]);
+      for (int r = 0; r < RB; ++r) acc_up[r] += hs[r * C + c] * bu;
+    }
   }
   for (int r = 0; r < RB; ++r) {
     const int m = m0 + r;
     if (m < M) {
       const float z = static_cast<float>(static_cast<YT>(static_cast<float>(static_cast<FT>(acc[r]))));
-      out[(size_t)m * N + n] = static_cast<YT>(static_cast<float>(y[(size_t)m * WIDTH + n]) + z);
+      const YT v = static_cast<YT>(static_cast<float>(y[(size_t)m * WIDTH + n]) + z);
+      if (EPILOGUE == 0) {
+        out[(size_t)m * N + n] = v;
+      } else if (EPILOGUE == 1) {
+        out[(size_t)m * N + n] = static_cast<YT>(static_cast<float>(res[(size_t)m * N + n]) + static_cast<float>(v));
+      } else {
+        const float zu = static_cast<float>(static_cast<YT>(static_cast<float>(static_cast<FT>(acc_up[r]))));
+        const float g = static_cast<float>(v);
+        const float u = static_cast<float>(static_cast<YT>(static_cast<float>(y[(size_t)m * WIDTH + OUT_N + n]) + zu));
+        const float sig = static_cast<float>(static_cast<YT>(1.0f / (1.0f + expf(-g))));
+        const float t = static_cast<float>(static_cast<YT>(g * sig));
+        out[(size_t)m * OUT_N + n] = static_cast<YT>(t * u);
+      }
     }
   }
 "#;
@@ -236,14 +260,25 @@ pub fn serves(x: &Array, a: &Array, b: &Array, y: &Array, mask: Option<(&Array, 
 /// The shapes and dtypes the expand serves widened (`WIDE`), apart from the device: `yw` `[B, L, N + C]`
 /// of at most [`MAX_ROWS`] rows, float16 or bfloat16; `b` `[C, N]` of a float dtype, `C` at
 /// most [`MAX_RANK_COLUMNS`]; a mask `[Bm, 1, W]` whose `Bm` divides the rows and `W` times
-/// `layers` makes `C`.
-pub fn fits_widened(yw: (&[i32], Dtype), b: (&[i32], Dtype), mask: (&[i32], i32)) -> bool {
+/// `layers` makes `C`; a residual `[B, L, N]` of `yw`'s dtype, or for SwiGLU an even `N`.
+pub fn fits_widened(
+    yw: (&[i32], Dtype),
+    b: (&[i32], Dtype),
+    mask: (&[i32], i32),
+    epilogue: Option<(&[i32], Dtype)>,
+    swiglu: bool,
+) -> bool {
     let ((ys, yd), (bs, bd), (ms, layers)) = (yw, b, mask);
     let (&[by, l, width], &[c, n], &[bm, 1, w]) = (ys, bs, ms) else {
         return false;
     };
     let rows = i64::from(by) * i64::from(l);
-    matches!(yd, Dtype::Float16 | Dtype::Bfloat16)
+    let epilogue_fits = match epilogue {
+        Some((rs, rd)) => rs == [by, l, n] && rd == yd,
+        None => !swiglu || n % 2 == 0,
+    };
+    epilogue_fits
+        && matches!(yd, Dtype::Float16 | Dtype::Bfloat16)
         && is_float(bd)
         && n > 0
         && width == n + c
@@ -256,12 +291,18 @@ pub fn fits_widened(yw: (&[i32], Dtype), b: (&[i32], Dtype), mask: (&[i32], i32)
 }
 
 /// Whether [`widened_update`] serves this update here: the device and [`fits_widened`].
-pub fn serves_widened(yw: &Array, b: &Array, mask: (&Array, i32)) -> bool {
+pub fn serves_widened(yw: &Array, b: &Array, mask: (&Array, i32), epilogue: Epilogue<'_>) -> bool {
+    let residual = match epilogue {
+        Epilogue::Residual(r) => Some((r.shape(), r.dtype())),
+        Epilogue::None | Epilogue::SwiGlu => None,
+    };
     available()
         && fits_widened(
             (yw.shape(), yw.dtype()),
             (b.shape(), b.dtype()),
             (mask.0.shape(), mask.1),
+            residual,
+            matches!(epilogue, Epilogue::SwiGlu),
         )
 }
 
@@ -286,7 +327,7 @@ impl Kernels {
             shrink: CudaKernel::new("mlxd_lora_shrink", &["x", "a"], &["p"], SHRINK_SOURCE, true)?,
             expand: CudaKernel::new(
                 "mlxd_lora_expand",
-                &["p", "b", "y", "mask"],
+                &["p", "b", "y", "mask", "res"],
                 &["out"],
                 EXPAND_SOURCE,
                 true,
@@ -366,7 +407,7 @@ pub fn add_update(
         };
         let (column_blocks, row_blocks) = expand_blocks(rows, n);
         let out = kernels.expand.apply(
-            &[partials, b, y, mask],
+            &[partials, b, y, mask, &kernels.no_mask],
             &[OutputSpec {
                 shape: y.shape().to_vec(),
                 dtype: y.dtype(),
@@ -378,6 +419,7 @@ pub fn add_update(
                 ints: &[
                     ("HAS_MASK", has_mask),
                     ("WIDE", 0),
+                    ("EPILOGUE", 0),
                     ("MAX_C", MAX_RANK_COLUMNS),
                     ("RB", EXPAND_ROWS),
                 ],
@@ -390,17 +432,31 @@ pub fn add_update(
 }
 
 /// The expand alone (`WIDE`): `yw`'s first `N` columns plus `cast(((x @ A) * mask) @ b)`,
-/// `x @ A` being `yw`'s last `C` columns (`b` `[C, N]`; the mask `[Bm, 1, W]` for `layers` blocks of `W` columns). Call only
-/// where [`serves_widened`] said yes.
-pub fn widened_update(yw: &Array, b: &Array, mask: (&Array, i32)) -> Result<Array, Exception> {
+/// `x @ A` being `yw`'s last `C` columns (`b` `[C, N]`; the mask `[Bm, 1, W]` for `layers`
+/// blocks of `W` columns), then `epilogue`. Call only where [`serves_widened`] said yes.
+pub fn widened_update(
+    yw: &Array,
+    b: &Array,
+    mask: (&Array, i32),
+    epilogue: Epilogue<'_>,
+) -> Result<Array, Exception> {
     let (rows, n) = (yw.shape()[0] * yw.shape()[1], b.shape()[1]);
     let mask = mask.0;
+    let (code, out_n) = match epilogue {
+        Epilogue::None => (0, n),
+        Epilogue::Residual(_) => (1, n),
+        Epilogue::SwiGlu => (2, n / 2),
+    };
     with_kernels(|kernels| {
-        let (column_blocks, row_blocks) = expand_blocks(rows, n);
+        let res = match epilogue {
+            Epilogue::Residual(r) => r,
+            Epilogue::None | Epilogue::SwiGlu => &kernels.no_mask,
+        };
+        let (column_blocks, row_blocks) = expand_blocks(rows, out_n);
         let out = kernels.expand.apply(
-            &[&kernels.no_mask, b, yw, mask],
+            &[&kernels.no_mask, b, yw, mask, res],
             &[OutputSpec {
-                shape: vec![yw.shape()[0], yw.shape()[1], n],
+                shape: vec![yw.shape()[0], yw.shape()[1], out_n],
                 dtype: yw.dtype(),
             }],
             &Launch {
@@ -410,6 +466,7 @@ pub fn widened_update(yw: &Array, b: &Array, mask: (&Array, i32)) -> Result<Arra
                 ints: &[
                     ("HAS_MASK", 1),
                     ("WIDE", 1),
+                    ("EPILOGUE", code),
                     ("MAX_C", MAX_RANK_COLUMNS),
                     ("RB", EXPAND_ROWS),
                 ],
@@ -511,28 +568,92 @@ mod tests {
         // q/k/v (3 072 outputs) over four adapters of rank 8: 96 more columns.
         let yw: &[i32] = &[32, 1, 3072 + 96];
         let b: &[i32] = &[96, 3072];
-        assert!(fits_widened((yw, BF), (b, F32), (&[32, 1, 32], 3)));
-        assert!(fits_widened((yw, BF), (b, BF), (&[1, 1, 32], 3)));
+        assert!(fits_widened(
+            (yw, BF),
+            (b, F32),
+            (&[32, 1, 32], 3),
+            None,
+            false
+        ));
+        assert!(fits_widened(
+            (yw, BF),
+            (b, BF),
+            (&[1, 1, 32], 3),
+            None,
+            false
+        ));
         // Columns that do not add up, a mask that does not make C or divide the rows.
         assert!(!fits_widened(
             (&[32, 1, 3072 + 95], BF),
             (b, F32),
-            (&[32, 1, 32], 3)
+            (&[32, 1, 32], 3),
+            None,
+            false
         ));
-        assert!(!fits_widened((yw, BF), (b, F32), (&[32, 1, 30], 3)));
-        assert!(!fits_widened((yw, BF), (b, F32), (&[5, 1, 32], 3)));
+        assert!(!fits_widened(
+            (yw, BF),
+            (b, F32),
+            (&[32, 1, 30], 3),
+            None,
+            false
+        ));
+        assert!(!fits_widened(
+            (yw, BF),
+            (b, F32),
+            (&[5, 1, 32], 3),
+            None,
+            false
+        ));
         // A float32 product, a prefill pass of many tokens, too many factor columns.
-        assert!(!fits_widened((yw, F32), (b, F32), (&[32, 1, 32], 3)));
+        assert!(!fits_widened(
+            (yw, F32),
+            (b, F32),
+            (&[32, 1, 32], 3),
+            None,
+            false
+        ));
         assert!(!fits_widened(
             (&[4, 512, 3168], BF),
             (b, F32),
-            (&[4, 1, 32], 3)
+            (&[4, 1, 32], 3),
+            None,
+            false
         ));
         assert!(!fits_widened(
             (&[32, 1, 3072 + 600], BF),
             (&[600, 3072], F32),
-            (&[32, 1, 200], 3)
+            (&[32, 1, 200], 3),
+            None,
+            false
         ));
+        // A residual of the output's shape and dtype; SwiGLU halves an even N.
+        let mask: (&[i32], i32) = (&[32, 1, 32], 3);
+        let res: &[i32] = &[32, 1, 3072];
+        assert!(fits_widened(
+            (yw, BF),
+            (b, F32),
+            mask,
+            Some((res, BF)),
+            false
+        ));
+        assert!(!fits_widened(
+            (yw, BF),
+            (b, F32),
+            mask,
+            Some((yw, BF)),
+            false
+        ));
+        assert!(!fits_widened(
+            (yw, BF),
+            (b, F32),
+            mask,
+            Some((res, F32)),
+            false
+        ));
+        assert!(fits_widened((yw, BF), (b, F32), mask, None, true));
+        let odd: (&[i32], &[i32]) = (&[32, 1, 3071 + 96], &[96, 3071]);
+        assert!(fits_widened((odd.0, BF), (odd.1, F32), mask, None, false));
+        assert!(!fits_widened((odd.0, BF), (odd.1, F32), mask, None, true));
     }
 
     #[test]

@@ -50,7 +50,7 @@ use mlx_rs::{Array, Dtype};
 use super::config::{self, AdapterKind};
 use super::experts::{self, PairAdapters};
 use super::group::{self, GroupFactors, GroupUpdate};
-use super::widened::{self, Widened, WidenedPass};
+use super::widened::{self, Epilogue, Widened, WidenedPass};
 use super::{dora, AdapterError, AdapterId};
 use crate::models::layers::{Matrix, MatrixCell};
 
@@ -778,15 +778,16 @@ impl AdapterTable {
     }
 
     /// The output of the sites `sites` (one linear layer's, or a stacked product's in its
-    /// order; `matrix` theirs, no bias) for input `x` through a widened product ([`widened`]),
-    /// when this pass takes one: the switch is on, `x` and `matrix` fit, a row's adapter
-    /// changes one of the sites and no loaded adapter is DoRA at them. `None`: the caller
-    /// computes the product and the update.
+    /// order; `product` their matrix, no bias) for input `x` through a widened product
+    /// ([`widened`]), then `epilogue`, when this pass takes one: the switch is on, `x` and the
+    /// matrix fit, a row's adapter changes one of the sites and no loaded adapter is DoRA at
+    /// them. `None`: the caller computes the product and the update.
     pub(crate) fn widened_group(
         &self,
         sites: &[usize],
         product: &MatrixCell,
         x: &Array,
+        epilogue: Epilogue<'_>,
     ) -> Result<Option<WidenedPass>, Exception> {
         if !self.engaged.load(Ordering::Acquire) {
             return Ok(None);
@@ -821,7 +822,7 @@ impl AdapterTable {
                 (w, true)
             }
         };
-        let output = w.output(x, (&mask, sites.len() as i32))?;
+        let output = w.output(x, (&mask, sites.len() as i32), epilogue)?;
         Ok(Some(WidenedPass { output, rebuilt }))
     }
 
@@ -1361,11 +1362,14 @@ impl LoraSite {
         &self,
         x: &Array,
         matrix: &MatrixCell,
+        epilogue: Epilogue<'_>,
     ) -> Result<Option<WidenedPass>, Exception> {
         if !self.engaged() {
             return Ok(None);
         }
-        self.0.table.widened_group(&[self.0.index], matrix, x)
+        self.0
+            .table
+            .widened_group(&[self.0.index], matrix, x, epilogue)
     }
 
     /// An expert stack's output for `x` and the expert ids `indices` (`sorted`: sorted by
@@ -1594,7 +1598,7 @@ mod tests {
         {
             let _s = table.select(&rows).unwrap();
             let widened = sites[0]
-                .widened(&x, &cell)
+                .widened(&x, &cell, Epilogue::None)
                 .unwrap()
                 .expect("a widened pass");
             assert_eq!(widened.rebuilt, pass == 0, "built by the first pass only");
@@ -1607,7 +1611,7 @@ mod tests {
                 panic!("rows with adapters got no group update");
             };
             let grouped = table
-                .widened_group(&[0, 1], &stacked_cell, &x)
+                .widened_group(&[0, 1], &stacked_cell, &x, Epilogue::None)
                 .unwrap()
                 .expect("a widened pass")
                 .output;
@@ -1652,12 +1656,18 @@ mod tests {
         }
         // A pass without adapter rows, and a float32 layer, take the plain product.
         let _s = table.select(&vec![None; 32]).unwrap();
-        assert!(sites[0].widened(&x, &cell).unwrap().is_none());
+        assert!(sites[0]
+            .widened(&x, &cell, Epilogue::None)
+            .unwrap()
+            .is_none());
         drop(_s);
         let _s = table.select(&mixed_rows(&ids)).unwrap();
         let x32 = f32(&x);
         let cell32 = MatrixCell::new(Matrix::Dense(f32(&w)));
-        assert!(sites[0].widened(&x32, &cell32).unwrap().is_none());
+        assert!(sites[0]
+            .widened(&x32, &cell32, Epilogue::None)
+            .unwrap()
+            .is_none());
         super::super::widened::force(false);
     }
 
@@ -1675,7 +1685,7 @@ mod tests {
         let pass = |rows: &[Option<AdapterId>]| {
             let _s = table.select(rows).unwrap();
             sites[0]
-                .widened(&x, &cell)
+                .widened(&x, &cell, Epilogue::None)
                 .unwrap()
                 .expect("a widened pass")
         };
@@ -1722,10 +1732,14 @@ mod tests {
                 .count()
         };
         let plain = l0.forward(&x).unwrap();
+        let residual = normal(&[32, 1, 16], 3, Dtype::Bfloat16);
         assert_eq!(widened(), 0);
         super::super::widened::force(true);
         assert!(close(&l0.forward(&x).unwrap(), &plain));
         assert_eq!(widened(), 1, "the layer's site widened");
+        // The residual add taken into the site's pass.
+        let added = l0.forward_add(&x, &residual).unwrap();
+        assert!(close(&added, &residual.add(&plain).unwrap()));
         super::super::widened::force(false);
         let stacked = Stacked::of(&mut [&mut l0, &mut l1])
             .unwrap()
@@ -1733,7 +1747,19 @@ mod tests {
         let plain = stacked.forward(&x, &[&l0, &l1]).unwrap();
         super::super::widened::force(true);
         let wide = stacked.forward(&x, &[&l0, &l1]).unwrap();
+        // SwiGLU of the pair (gate, up) taken into the pass.
+        let activated = stacked
+            .widened_swiglu(&x, &[&l0, &l1])
+            .unwrap()
+            .expect("a widened pass");
+        let want = crate::models::layers::swiglu(&plain[0], &plain[1]).unwrap();
+        assert_eq!(activated.shape(), &[32, 1, 16]);
+        assert!(close(&activated, &want));
         super::super::widened::force(false);
+        assert!(
+            stacked.widened_swiglu(&x, &[&l0, &l1]).unwrap().is_none(),
+            "off the widened path the caller activates"
+        );
         assert_eq!(wide.len(), 2);
         for (got, want) in wide.iter().zip(&plain) {
             assert_eq!(got.shape(), &[32, 1, 16]);

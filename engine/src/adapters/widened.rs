@@ -86,6 +86,22 @@ pub fn applies(x: &Array, matrix: &Matrix) -> bool {
     available() && fits((x.shape(), x.dtype()), matrix)
 }
 
+/// What a widened site's kernel does with the site's output before writing it: each folds a
+/// node the step would make next into the expand, which on CUDA costs the host as much as a
+/// plain node (BENCHMARKS.md, session 51).
+#[derive(Clone, Copy)]
+pub enum Epilogue<'a> {
+    /// Writes it: the layer's output.
+    None,
+    /// Adds it to `residual` `[B, L, out]` (the layer's input's dtype) and writes the sum: a
+    /// block's attention or MLP output projection, whose output the block adds to its residual
+    /// stream (`residual + output`, each rounded as the two ops round).
+    Residual(&'a Array),
+    /// `silu(gate) · up` of its halves `[B, L, out / 2]`: a gated MLP's stacked gate and up
+    /// projections, as the compiled SwiGLU ([`crate::models::layers::swiglu`]) gives it.
+    SwiGlu,
+}
+
 /// A pass's output through a widened product, and whether the pass built the widened matrix:
 /// the product's [`MatrixCell`](crate::models::layers::MatrixCell) then holds a view of its base rows, and views of the old
 /// matrix held elsewhere (a stacked product's layers) must follow for its buffer to go.
@@ -122,17 +138,31 @@ impl Widened {
 
     /// The site's output for `x` (`[B, L, in]`): the base product plus each row's update,
     /// `mask` (`[Bm, 1, W]` for `layers` blocks of `W` columns) keeping each row's own
-    /// adapter's columns.
-    pub fn output(&self, x: &Array, mask: (&Array, i32)) -> Result<Array, Exception> {
+    /// adapter's columns, then `epilogue`.
+    pub fn output(
+        &self,
+        x: &Array,
+        mask: (&Array, i32),
+        epilogue: Epilogue<'_>,
+    ) -> Result<Array, Exception> {
         let yw = Matrix::Dense(self.matrix.clone()).matmul_t(x)?;
-        if super::lora_kernel::serves_widened(&yw, &self.b, mask) {
-            return super::lora_kernel::widened_update(&yw, &self.b, mask);
+        if super::lora_kernel::serves_widened(&yw, &self.b, mask, epilogue) {
+            return super::lora_kernel::widened_update(&yw, &self.b, mask, epilogue);
         }
-        // The same update as ops (off CUDA, where the switch is off: the unit tests).
+        // The same update and epilogue as ops (off CUDA, where the kernel does not run: the
+        // unit tests; or a residual whose shape the kernel does not take).
         let n = self.b.shape()[1];
         let y = yw.index((.., .., ..n));
         let h = super::group::masked(yw.index((.., .., n..)), Some(mask))?;
-        super::group::add_served_update(y, &h, &self.b, x.dtype())
+        let out = super::group::add_served_update(y, &h, &self.b, x.dtype())?;
+        match epilogue {
+            Epilogue::None => Ok(out),
+            Epilogue::Residual(r) => r.add(&out),
+            Epilogue::SwiGlu => {
+                let halves = out.split_equal(2, -1)?;
+                crate::models::layers::swiglu(&halves[0], &halves[1])
+            }
+        }
     }
 }
 
@@ -184,7 +214,7 @@ mod tests {
             add_served(x, &a, &b, Some((&mask, layers)), y).unwrap()
         };
         let (widened, base_rows) = Widened::new(&w, &a, b.clone()).unwrap();
-        let got = widened.output(&x, (&mask, layers)).unwrap();
+        let got = widened.output(&x, (&mask, layers), Epilogue::None).unwrap();
         assert_eq!(got.shape(), &[rows, 1, n]);
         assert_eq!(
             max_abs_diff(&base_rows, &w),
@@ -208,7 +238,7 @@ mod tests {
         let got = Widened::new(&wb, &a, b.clone())
             .unwrap()
             .0
-            .output(&xb, (&mask, layers))
+            .output(&xb, (&mask, layers), Epilogue::None)
             .unwrap();
         assert_eq!(got.dtype(), BF);
         let f32 = |a: &Array| a.as_dtype(Dtype::Float32).unwrap();

@@ -17,6 +17,17 @@ use crate::loader::{LoadError, Weights};
 /// through the layer's cache.
 pub(crate) trait SelfAttention: Parameters + Send {
     fn forward(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception>;
+    /// `residual + self.forward(x, cache)`, the block's residual add after attention; an
+    /// attention whose output projection can take the add into its own kernel does
+    /// ([`Linear::forward_add`]).
+    fn forward_add(
+        &self,
+        x: &Array,
+        cache: &mut LayerCache,
+        residual: &Array,
+    ) -> Result<Array, Exception> {
+        residual.add(self.forward(x, cache)?)
+    }
     /// The sliding window this attention keeps to, `None` for a global layer.
     fn window(&self) -> Option<usize> {
         None
@@ -277,6 +288,24 @@ impl SelfAttention for Attention {
     }
 
     fn forward(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
+        self.proj.o_proj.forward(&self.attended(x, cache)?)
+    }
+
+    fn forward_add(
+        &self,
+        x: &Array,
+        cache: &mut LayerCache,
+        residual: &Array,
+    ) -> Result<Array, Exception> {
+        self.proj
+            .o_proj
+            .forward_add(&self.attended(x, cache)?, residual)
+    }
+}
+
+impl Attention {
+    /// The heads' attention output `[B, L, heads · d]`, the output projection's input.
+    fn attended(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
         if let (None, Some(rope)) = (&self.norms, &self.rope) {
             if let Some((qk, v)) = self.proj.qk_v(x)? {
                 // One rotation of queries and keys together: each head is rotated alike at
@@ -287,8 +316,7 @@ impl SelfAttention for Attention {
                 let parts = qk.split_at_indices(&[heads], 1)?;
                 let v = split_heads(&v, self.proj.kv_heads)?;
                 let opts = prerotated_opts(self.scale, self.window);
-                let out = attend_with(&parts[0], &parts[1], &v, &opts, cache)?;
-                return self.proj.o_proj.forward(&out);
+                return attend_with(&parts[0], &parts[1], &v, &opts, cache);
             }
         }
         let (mut q, mut k, v) = self.proj.qkv(x)?;
@@ -309,9 +337,7 @@ impl SelfAttention for Attention {
             rope: self.rope.as_ref().map(|r| &r.rope),
             ..prerotated_opts(self.scale, self.window)
         };
-        self.proj
-            .o_proj
-            .forward(&attend_with(&q, &k, &v, &opts, cache)?)
+        attend_with(&q, &k, &v, &opts, cache)
     }
 }
 

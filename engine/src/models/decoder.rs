@@ -185,6 +185,16 @@ fn normed(norm: &Option<Norm>, x: &Array) -> Result<Array, Exception> {
 
 impl<A: SelfAttention, F: FeedForward> DecoderLayer for Block<A, F> {
     fn forward(&self, h: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
+        if self.attn_output.is_none() && self.mlp_output.is_none() && self.residual_scale.is_none()
+        {
+            // Each branch's output straight into its residual add: the branch may take the
+            // add into its output projection's kernel (a widened adapter pass); the same two
+            // ops otherwise.
+            let h = self
+                .attn
+                .forward_add(&normed(&self.attn_input, h)?, cache, h)?;
+            return self.mlp.forward_add(&normed(&self.mlp_input, &h)?, &h);
+        }
         self.forward_with(h, cache, |attn, x, cache| attn.forward(x, cache))
     }
 

@@ -9,6 +9,7 @@ use mlx_rs::Array;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use super::quant::{self, Packed, QuantMode};
+use crate::adapters::widened::Epilogue;
 use crate::adapters::LoraSite;
 use crate::cache::{LayerCache, Mask, Stored};
 use crate::loader::{LoadError, Weights};
@@ -195,13 +196,31 @@ impl Linear {
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        if let (Some(site), None) = (&self.lora, &self.bias) {
-            if let Some(out) = site.widened(x, &self.matrix)? {
-                return Ok(out.output);
-            }
+        if let Some(out) = self.widened(x, Epilogue::None)? {
+            return Ok(out);
         }
         let y = self.matrix.with(|m| m.matmul_t(x))?;
         self.finish(x, y)
+    }
+
+    /// `residual + self.forward(x)`: a block's output projection and its residual add, which a
+    /// widened adapter pass does in the site's one kernel ([`Epilogue::Residual`]).
+    pub fn forward_add(&self, x: &Array, residual: &Array) -> Result<Array> {
+        match self.widened(x, Epilogue::Residual(residual))? {
+            Some(out) => Ok(out),
+            None => residual.add(self.forward(x)?),
+        }
+    }
+
+    /// The layer's output for `x` through its adapter site's widened product, then
+    /// `epilogue`, when this pass takes one (bias-free layers only).
+    fn widened(&self, x: &Array, epilogue: Epilogue<'_>) -> Result<Option<Array>> {
+        match (&self.lora, &self.bias) {
+            (Some(site), None) => Ok(site
+                .widened(x, &self.matrix, epilogue)?
+                .map(|pass| pass.output)),
+            _ => Ok(None),
+        }
     }
 
     /// The layer's output from its product `y` (`x @ W.T`, computed here or as part of a

@@ -13,11 +13,22 @@ use crate::loader::{LoadError, Weights};
 /// A block's feed-forward part: `x` `[B, L, D]` → `[B, L, D]`.
 pub(crate) trait FeedForward: Parameters + Send {
     fn forward(&self, x: &Array) -> Result<Array, Exception>;
+
+    /// `residual + self.forward(x)`, the block's residual add after this branch; a part whose
+    /// output projection can take the add into its own kernel does
+    /// ([`Linear::forward_add`]).
+    fn forward_add(&self, x: &Array, residual: &Array) -> Result<Array, Exception> {
+        residual.add(self.forward(x)?)
+    }
 }
 
 impl<T: FeedForward + ?Sized> FeedForward for Box<T> {
     fn forward(&self, x: &Array) -> Result<Array, Exception> {
         (**self).forward(x)
+    }
+
+    fn forward_add(&self, x: &Array, residual: &Array) -> Result<Array, Exception> {
+        (**self).forward_add(x, residual)
     }
 }
 
@@ -73,11 +84,29 @@ impl GatedMlp {
     }
 }
 
+impl GatedMlp {
+    /// `act(up(x), gate(x))`, the input of the down projection. A SwiGLU over stacked gate
+    /// and up projections takes the activation into a widened adapter pass's kernel
+    /// ([`Stacked::widened_swiglu`]).
+    fn activated(&self, x: &Array) -> Result<Array, Exception> {
+        let layers = [&self.gate_proj, &self.up_proj];
+        if let (Some(stack), SwitchActivation::SwiGlu) = (&self.gate_up, self.activation) {
+            if let Some(h) = stack.widened_swiglu(x, &layers)? {
+                return Ok(h);
+            }
+        }
+        let [gate, up] = stacked::project(self.gate_up.as_deref(), x, layers)?;
+        self.activation.apply(&up, &gate)
+    }
+}
+
 impl FeedForward for GatedMlp {
     fn forward(&self, x: &Array) -> Result<Array, Exception> {
-        let layers = [&self.gate_proj, &self.up_proj];
-        let [gate, up] = stacked::project(self.gate_up.as_deref(), x, layers)?;
-        self.down_proj.forward(&self.activation.apply(&up, &gate)?)
+        self.down_proj.forward(&self.activated(x)?)
+    }
+
+    fn forward_add(&self, x: &Array, residual: &Array) -> Result<Array, Exception> {
+        self.down_proj.forward_add(&self.activated(x)?, residual)
     }
 }
 

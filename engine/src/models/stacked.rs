@@ -36,6 +36,7 @@ use mlx_rs::Array;
 
 use super::layers::{Linear, Matrix, MatrixCell, QuantizedMatrix};
 use super::params::parameters_of;
+use crate::adapters::widened::Epilogue;
 use crate::adapters::{GroupUpdate, LoraSite};
 
 /// The environment variable that turns stacking off (`0`) or on (`1`, the default).
@@ -165,6 +166,12 @@ impl Stacked {
                 layers.len()
             )));
         }
+        // The adapters' `x @ A` as more columns of the product itself, where this pass takes
+        // it (`crate::adapters::widened`; bias-free stacks), before any factors are built
+        // for the two-product update it replaces.
+        if let Some(y) = self.widened(x, layers, Epilogue::None)? {
+            return Ok(Some(y.split_at_indices(ends, -1)?));
+        }
         // A pass with no adapter row (the base's, every pass of a model without adapters)
         // builds nothing more and allocates nothing here.
         let engaged = layers
@@ -175,19 +182,6 @@ impl Stacked {
             false => None,
         };
         let group = sites.as_deref().and_then(LoraSite::group);
-        // The adapters' `x @ A` as more columns of the product itself, where this pass takes
-        // it (`crate::adapters::widened`; bias-free stacks), before any factors are built
-        // for the two-product update it replaces.
-        if let (Some((table, indices)), None) = (&group, &self.bias) {
-            if let Some(pass) = table.widened_group(indices, &self.matrix, x)? {
-                if pass.rebuilt {
-                    // The stacked matrix is now a view of the widened one: the layers' views
-                    // of the old buffer follow, which lets it go.
-                    self.point_layers_at_stack(layers)?;
-                }
-                return Ok(Some(pass.output.split_at_indices(ends, -1)?));
-            }
-        }
         let update = match (&sites, &group) {
             (Some(_), Some((table, indices))) => table.group_update(indices)?,
             (Some(_), None) => GroupUpdate::PerLayer,
@@ -201,6 +195,50 @@ impl Stacked {
             GroupUpdate::Update(factors) => factors.add_to(x, self.with_bias(y)?)?,
         };
         Ok(Some(y.split_at_indices(ends, -1)?))
+    }
+
+    /// `silu(gate) · up` of a stacked gate and up projection (`layers`, in that order) for
+    /// `x`, when this pass takes a widened product (which then does the activation in the
+    /// site's kernel, [`Epilogue::SwiGlu`]); `None`: the caller projects and activates.
+    pub fn widened_swiglu(
+        &self,
+        x: &Array,
+        layers: &[&Linear],
+    ) -> Result<Option<Array>, Exception> {
+        if layers.len() != 2 || self.ends.len() != 1 {
+            return Ok(None);
+        }
+        self.widened(x, layers, Epilogue::SwiGlu)
+    }
+
+    /// The stacked output for `x` through the layers' widened product, then `epilogue`, when
+    /// this pass takes one (a row's adapter changes a layer, bias-free stacks).
+    fn widened(
+        &self,
+        x: &Array,
+        layers: &[&Linear],
+        epilogue: Epilogue<'_>,
+    ) -> Result<Option<Array>, Exception> {
+        if self.bias.is_some()
+            || !layers
+                .iter()
+                .any(|l| l.lora.as_ref().is_some_and(LoraSite::engaged))
+        {
+            return Ok(None);
+        }
+        let sites: Option<Vec<&LoraSite>> = layers.iter().map(|l| l.lora.as_ref()).collect();
+        let Some((table, indices)) = sites.as_deref().and_then(LoraSite::group) else {
+            return Ok(None);
+        };
+        let Some(pass) = table.widened_group(&indices, &self.matrix, x, epilogue)? else {
+            return Ok(None);
+        };
+        if pass.rebuilt {
+            // The stacked matrix is now a view of the widened one: the layers' views of the
+            // old buffer follow, which lets it go.
+            self.point_layers_at_stack(layers)?;
+        }
+        Ok(Some(pass.output))
     }
 
     /// Gives each of `layers` (the ones stacked, in order) a view of its rows of the stacked
