@@ -10,9 +10,12 @@
 //! weight's dtype), so one product gives `[x @ Wᵀ, x @ A]` and a single kernel
 //! ([`super::lora_kernel::widened_update`]) masks `x @ A` per row, multiplies it by `B` and
 //! adds it to the base columns: one node a site instead of two, and the shrink's work rides
-//! on the product the step makes anyway (`C` is a few dozen columns beside thousands). On an
-//! H100 a site costs 50 µs against 68, and 32 greedy streams over four adapters run at
-//! 0.77–0.81× the base against 0.70× (BENCHMARKS.md, sessions 50 and 51).
+//! on the product the step makes anyway (`C` is a few dozen columns beside thousands). The
+//! kernel can also do the node that follows the site ([`Epilogue`]: the block's residual add
+//! after an o or down projection, SwiGLU after a stacked gate/up), so that of a Llama layer's
+//! four adapted sites only q/k/v's adds a node to the base's step. On an H100 a site costs
+//! 45–50 µs against 56–68, and 32 greedy streams over four adapters run at 0.80–0.84× the base
+//! against 0.59–0.63× with the two kernels (BENCHMARKS.md, sessions 50 and 51).
 //!
 //! **The base's weights are held once.** The pass that builds `W'` puts a view of its first
 //! `out` rows in the layer's [`MatrixCell`](crate::models::layers::MatrixCell) in place of the layer's own matrix (a stacked
