@@ -826,6 +826,17 @@ impl AdapterTable {
         Ok(Some(WidenedPass { output, rebuilt }))
     }
 
+    /// How many groups of sites hold a widened matrix.
+    #[cfg(test)]
+    pub(crate) fn widened_groups(&self) -> usize {
+        let state = self.lock();
+        state
+            .groups
+            .values()
+            .filter(|g| g.widened.is_some())
+            .count()
+    }
+
     fn register(
         self: &Arc<Self>,
         prefix: &str,

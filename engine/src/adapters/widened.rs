@@ -175,6 +175,156 @@ mod tests {
     use crate::adapters::group::add_served;
     use crate::models::test_arrays::{max_abs_diff, normal};
 
+    /// A two-layer Llama of bfloat16 random weights (hidden 64, MLP 128, 4 heads over 2 KV
+    /// heads, tied embeddings) and two LoRA adapters of rank 4 on every projection, written to
+    /// `dir` (`model`, `a0`, `a1`).
+    fn tiny_llama_with_adapters(dir: &std::path::Path, factors: Dtype) {
+        let (hidden, mlp, kv, vocab) = (64, 128, 32, 96);
+        let model = dir.join("model");
+        std::fs::create_dir_all(&model).unwrap();
+        let config = serde_json::json!({
+            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
+            "intermediate_size": mlp, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "max_position_embeddings": 512, "tie_word_embeddings": true, "vocab_size": vocab,
+            "torch_dtype": "bfloat16"
+        });
+        std::fs::write(model.join("config.json"), config.to_string()).unwrap();
+        let bf = |shape: &[i32], seed: u64, scale: f32| {
+            normal(shape, seed)
+                .multiply(Array::from_f32(scale))
+                .unwrap()
+                .as_dtype(BF)
+                .unwrap()
+        };
+        let projections = [
+            ("self_attn.q_proj", hidden, hidden),
+            ("self_attn.k_proj", kv, hidden),
+            ("self_attn.v_proj", kv, hidden),
+            ("self_attn.o_proj", hidden, hidden),
+            ("mlp.gate_proj", mlp, hidden),
+            ("mlp.up_proj", mlp, hidden),
+            ("mlp.down_proj", hidden, mlp),
+        ];
+        let ones = |n: i32| Array::ones::<f32>(&[n]).unwrap().as_dtype(BF).unwrap();
+        let mut weights = vec![
+            (
+                "model.embed_tokens.weight".to_string(),
+                bf(&[vocab, hidden], 1, 1.0),
+            ),
+            ("model.norm.weight".to_string(), ones(hidden)),
+        ];
+        let mut seed = 10;
+        for layer in 0..2 {
+            let p = format!("model.layers.{layer}");
+            weights.push((format!("{p}.input_layernorm.weight"), ones(hidden)));
+            weights.push((format!("{p}.post_attention_layernorm.weight"), ones(hidden)));
+            for (name, out, inp) in projections {
+                seed += 1;
+                weights.push((format!("{p}.{name}.weight"), bf(&[out, inp], seed, 0.15)));
+            }
+        }
+        Array::save_safetensors(weights, None, model.join("model.safetensors")).unwrap();
+        for adapter in 0..2 {
+            let path = dir.join(format!("a{adapter}"));
+            std::fs::create_dir_all(&path).unwrap();
+            let config =
+                r#"{"fine_tune_type": "lora", "lora_parameters": {"rank": 4, "scale": 2.0}}"#;
+            std::fs::write(path.join("adapter_config.json"), config).unwrap();
+            let mut tensors = Vec::new();
+            for layer in 0..2 {
+                for (name, out, inp) in projections {
+                    seed += 2;
+                    let p = format!("model.layers.{layer}.{name}");
+                    tensors.push((
+                        format!("{p}.lora_a"),
+                        normal(&[inp, 4], seed)
+                            .multiply(Array::from_f32(0.2))
+                            .unwrap()
+                            .as_dtype(factors)
+                            .unwrap(),
+                    ));
+                    tensors.push((
+                        format!("{p}.lora_b"),
+                        normal(&[4, out], seed + 1)
+                            .multiply(Array::from_f32(0.2))
+                            .unwrap()
+                            .as_dtype(factors)
+                            .unwrap(),
+                    ));
+                }
+            }
+            Array::save_safetensors(tensors, None, path.join("adapters.safetensors")).unwrap();
+        }
+    }
+
+    /// The logits of a prefill and a decode step over rows of two adapters and the base,
+    /// through the widened product or not, and how many groups of sites it widened.
+    fn tiny_llama_logits(factors: Dtype, widened: bool) -> ([Array; 2], usize) {
+        let dir = tempfile::tempdir().unwrap();
+        tiny_llama_with_adapters(dir.path(), factors);
+        let model = crate::models::load(&dir.path().join("model")).unwrap();
+        let table = model.adapters().expect("a model loaded whole has a table");
+        let ids = [
+            table.load("a0", &dir.path().join("a0")).unwrap(),
+            table.load("a1", &dir.path().join("a1")).unwrap(),
+        ];
+        let rows = [Some(ids[0]), Some(ids[1]), None, Some(ids[0])];
+        let prompt = Array::from_slice(
+            &[1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15, 4, 8, 12, 16],
+            &[4, 4],
+        );
+        let next = Array::from_slice(&[20, 21, 22, 23], &[4, 1]);
+        force(widened);
+        let _s = table.select(&rows).unwrap();
+        let mut caches = model.new_dense_caches();
+        let first = model.forward(&prompt, &mut caches).unwrap();
+        let step = model.forward(&next, &mut caches).unwrap();
+        mlx_rs::transforms::eval([&first, &step]).unwrap();
+        force(false);
+        ([first, step], table.widened_groups())
+    }
+
+    /// A whole model through the widened product (forced on the CPU, where its update runs as
+    /// ops) gives the logits the two-product path gives: exactly with factors in the base's
+    /// dtype (both round `x @ A` to it), to the rounding of `A` and `x @ A` to bfloat16 with
+    /// float32 factors; a base row's exactly. The blocks' residual adds and the MLPs' SwiGLU are
+    /// taken into the sites, and the layers' matrices become views of the widened ones on the
+    /// first pass.
+    #[test]
+    fn a_model_gives_the_same_logits_through_the_widened_product() {
+        let f32 = |a: &Array| a.as_dtype(Dtype::Float32).unwrap();
+        // With float32 factors the bound is this small model's sensitivity to rounding them:
+        // the two-product path itself moves its logits by 1.06 of 27 (4%) when its factors are
+        // rounded to bfloat16 first; the widened path differs from it by at most 1.31 of 27.
+        for (factors, most) in [(BF, 0.0), (Dtype::Float32, 0.08)] {
+            let (plain, none) = tiny_llama_logits(factors, false);
+            let (wide, widened) = tiny_llama_logits(factors, true);
+            assert_eq!(
+                (none, widened),
+                (0, 2 * 4),
+                "q/k/v, o, gate/up, down in two layers"
+            );
+            for (got, want) in wide.iter().zip(&plain) {
+                assert_eq!(got.shape(), want.shape());
+                for row in 0..4 {
+                    let r = Array::from_int(row);
+                    let (got, want) = (
+                        f32(&got.take_axis(&r, 0).unwrap()),
+                        f32(&want.take_axis(&r, 0).unwrap()),
+                    );
+                    let size = want.abs().unwrap().max(None).unwrap().item_exact::<f32>();
+                    let diff = max_abs_diff(&got, &want);
+                    let most = if row == 2 { 0.0 } else { most };
+                    assert!(
+                        diff <= most * size,
+                        "{factors:?} row {row}: logits differ by {diff} (largest {size})"
+                    );
+                }
+            }
+        }
+    }
+
     const BF: Dtype = Dtype::Bfloat16;
 
     #[test]
