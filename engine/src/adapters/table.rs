@@ -1641,13 +1641,11 @@ mod tests {
                 }
             }
         }
-        let widened = table
-            .lock()
-            .groups
-            .values()
-            .filter(|g| g.widened.is_some())
-            .count();
-        assert_eq!(widened, 2, "site 0's and the pair's, built once");
+        assert_eq!(
+            table.widened_groups(),
+            2,
+            "site 0's and the pair's, built once"
+        );
         // Each cell now holds its widened matrix's first rows: the base's values, in the
         // widened buffer (the weight is held once).
         let data = |a: &Array| crate::cache::ssd::tensors::bytes(a).unwrap().as_ptr();
@@ -1734,14 +1732,7 @@ mod tests {
         let layer = |site| Linear::new(Matrix::Dense(w.clone()), None, site);
         let (mut l0, mut l1) = (layer(sites.next()), layer(sites.next()));
         let _s = table.select(&mixed_rows(&ids)).unwrap();
-        let widened = || {
-            let state = table.lock();
-            state
-                .groups
-                .values()
-                .filter(|g| g.widened.is_some())
-                .count()
-        };
+        let widened = || table.widened_groups();
         let plain = l0.forward(&x).unwrap();
         let residual = normal(&[32, 1, 16], 3, Dtype::Bfloat16);
         assert_eq!(widened(), 0);
