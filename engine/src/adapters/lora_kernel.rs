@@ -260,13 +260,13 @@ pub fn serves(x: &Array, a: &Array, b: &Array, y: &Array, mask: Option<(&Array, 
 /// The shapes and dtypes the expand serves widened (`WIDE`), apart from the device: `yw` `[B, L, N + C]`
 /// of at most [`MAX_ROWS`] rows, float16 or bfloat16; `b` `[C, N]` of a float dtype, `C` at
 /// most [`MAX_RANK_COLUMNS`]; a mask `[Bm, 1, W]` whose `Bm` divides the rows and `W` times
-/// `layers` makes `C`; a residual `[B, L, N]` of `yw`'s dtype, or for SwiGLU an even `N`.
+/// `layers` makes `C`; for the epilogue, a residual `[B, L, N]` of `yw`'s dtype, or for SwiGLU
+/// an even `N`.
 pub fn fits_widened(
     yw: (&[i32], Dtype),
     b: (&[i32], Dtype),
     mask: (&[i32], i32),
-    epilogue: Option<(&[i32], Dtype)>,
-    swiglu: bool,
+    epilogue: Epilogue<'_>,
 ) -> bool {
     let ((ys, yd), (bs, bd), (ms, layers)) = (yw, b, mask);
     let (&[by, l, width], &[c, n], &[bm, 1, w]) = (ys, bs, ms) else {
@@ -274,8 +274,9 @@ pub fn fits_widened(
     };
     let rows = i64::from(by) * i64::from(l);
     let epilogue_fits = match epilogue {
-        Some((rs, rd)) => rs == [by, l, n] && rd == yd,
-        None => !swiglu || n % 2 == 0,
+        Epilogue::None => true,
+        Epilogue::Residual(r) => r.shape() == [by, l, n] && r.dtype() == yd,
+        Epilogue::SwiGlu => n % 2 == 0,
     };
     epilogue_fits
         && matches!(yd, Dtype::Float16 | Dtype::Bfloat16)
@@ -292,17 +293,12 @@ pub fn fits_widened(
 
 /// Whether [`widened_update`] serves this update here: the device and [`fits_widened`].
 pub fn serves_widened(yw: &Array, b: &Array, mask: (&Array, i32), epilogue: Epilogue<'_>) -> bool {
-    let residual = match epilogue {
-        Epilogue::Residual(r) => Some((r.shape(), r.dtype())),
-        Epilogue::None | Epilogue::SwiGlu => None,
-    };
     available()
         && fits_widened(
             (yw.shape(), yw.dtype()),
             (b.shape(), b.dtype()),
             (mask.0.shape(), mask.1),
-            residual,
-            matches!(epilogue, Epilogue::SwiGlu),
+            epilogue,
         )
 }
 
@@ -572,88 +568,91 @@ mod tests {
             (yw, BF),
             (b, F32),
             (&[32, 1, 32], 3),
-            None,
-            false
+            Epilogue::None
         ));
         assert!(fits_widened(
             (yw, BF),
             (b, BF),
             (&[1, 1, 32], 3),
-            None,
-            false
+            Epilogue::None
         ));
         // Columns that do not add up, a mask that does not make C or divide the rows.
         assert!(!fits_widened(
             (&[32, 1, 3072 + 95], BF),
             (b, F32),
             (&[32, 1, 32], 3),
-            None,
-            false
+            Epilogue::None
         ));
         assert!(!fits_widened(
             (yw, BF),
             (b, F32),
             (&[32, 1, 30], 3),
-            None,
-            false
+            Epilogue::None
         ));
         assert!(!fits_widened(
             (yw, BF),
             (b, F32),
             (&[5, 1, 32], 3),
-            None,
-            false
+            Epilogue::None
         ));
         // A float32 product, a prefill pass of many tokens, too many factor columns.
         assert!(!fits_widened(
             (yw, F32),
             (b, F32),
             (&[32, 1, 32], 3),
-            None,
-            false
+            Epilogue::None
         ));
         assert!(!fits_widened(
             (&[4, 512, 3168], BF),
             (b, F32),
             (&[4, 1, 32], 3),
-            None,
-            false
+            Epilogue::None
         ));
         assert!(!fits_widened(
             (&[32, 1, 3072 + 600], BF),
             (&[600, 3072], F32),
             (&[32, 1, 200], 3),
-            None,
-            false
+            Epilogue::None
         ));
         // A residual of the output's shape and dtype; SwiGLU halves an even N.
         let mask: (&[i32], i32) = (&[32, 1, 32], 3);
-        let res: &[i32] = &[32, 1, 3072];
+        let residual =
+            |shape: &[i32], dtype| Array::zeros::<f32>(shape).unwrap().as_dtype(dtype).unwrap();
+        let res = residual(&[32, 1, 3072], BF);
         assert!(fits_widened(
             (yw, BF),
             (b, F32),
             mask,
-            Some((res, BF)),
-            false
+            Epilogue::Residual(&res)
         ));
+        let wide = residual(yw, BF);
         assert!(!fits_widened(
             (yw, BF),
             (b, F32),
             mask,
-            Some((yw, BF)),
-            false
+            Epilogue::Residual(&wide)
         ));
+        let res32 = residual(&[32, 1, 3072], F32);
         assert!(!fits_widened(
             (yw, BF),
             (b, F32),
             mask,
-            Some((res, F32)),
-            false
+            Epilogue::Residual(&res32)
         ));
-        assert!(fits_widened((yw, BF), (b, F32), mask, None, true));
+        assert!(fits_widened((yw, BF), (b, F32), mask, Epilogue::SwiGlu));
         let odd: (&[i32], &[i32]) = (&[32, 1, 3071 + 96], &[96, 3071]);
-        assert!(fits_widened((odd.0, BF), (odd.1, F32), mask, None, false));
-        assert!(!fits_widened((odd.0, BF), (odd.1, F32), mask, None, true));
+        assert!(fits_widened(
+            (odd.0, BF),
+            (odd.1, F32),
+            mask,
+            Epilogue::None
+        ));
+        assert!(!fits_widened(
+            (odd.0, BF),
+            (odd.1, F32),
+            mask,
+            Epilogue::SwiGlu
+        ));
     }
 
     #[test]

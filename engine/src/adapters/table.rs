@@ -792,10 +792,9 @@ impl AdapterTable {
         if !self.engaged.load(Ordering::Acquire) {
             return Ok(None);
         }
-        // Taken before the table's lock: a cell's holder takes no other lock, and the cell is
-        // replaced below while the table's is held.
-        let matrix = product.get();
-        if !widened::applies(x, &matrix) {
+        // Read before the table's lock is taken: a cell's holder takes no other lock, and the
+        // cell is read and replaced below while the table's is held.
+        if !product.with(|m| widened::applies(x, m)) {
             return Ok(None);
         }
         let mut guard = self.lock();
@@ -809,19 +808,17 @@ impl AdapterTable {
             return Ok(None);
         };
         let cache = group_cache(&mut state.groups, sites);
-        let (w, rebuilt) = match &cache.widened {
-            Some(w) => (w.clone(), false),
-            None => {
-                let group: Vec<&Site> = sites.iter().map(|&i| &state.sites[i]).collect();
-                let f = group_factors(&group, &every_adapter(&state.adapters))?;
-                let (w, base_rows) = Widened::new(matrix.weight(), &f.a, f.b)?;
-                // The layer holds the widened buffer's first rows from now on, so that the
-                // base's weights are held once (the old buffer goes with its last view).
-                product.replace(Matrix::Dense(base_rows));
-                cache.widened = Some(w.clone());
-                (w, true)
-            }
-        };
+        let rebuilt = cache.widened.is_none();
+        if rebuilt {
+            let group: Vec<&Site> = sites.iter().map(|&i| &state.sites[i]).collect();
+            let f = group_factors(&group, &every_adapter(&state.adapters))?;
+            let (w, base_rows) = Widened::new(product.get().weight(), &f.a, f.b)?;
+            // The layer holds the widened buffer's first rows from now on, so that the base's
+            // weights are held once (the old buffer goes with its last view).
+            product.replace(Matrix::Dense(base_rows));
+            cache.widened = Some(w);
+        }
+        let w = cache.widened.as_ref().expect("built above");
         let output = w.output(x, (&mask, sites.len() as i32), epilogue)?;
         Ok(Some(WidenedPass { output, rebuilt }))
     }

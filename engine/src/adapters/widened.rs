@@ -114,7 +114,6 @@ pub struct WidenedPass {
 }
 
 /// A site's (or a stacked group's) widened matrix and the `B` its update multiplies by.
-#[derive(Clone)]
 pub struct Widened {
     /// `[out + C, in]`: the base's rows, then `Aᵀ` in the base's dtype.
     matrix: Array,

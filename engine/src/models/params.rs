@@ -58,11 +58,7 @@ impl Parameters for Matrix {
 
 impl Parameters for MatrixCell {
     fn push_params<'a>(&'a self, p: &mut Params<'a>) {
-        self.with(|m| {
-            for a in parameters_of(m) {
-                p.0.push(a);
-            }
-        });
+        p.0.extend(self.with(parameters_of));
     }
 }
 
