@@ -37,7 +37,7 @@ use mlx_rs::Array;
 use super::layers::{Linear, Matrix, MatrixCell, QuantizedMatrix};
 use super::params::parameters_of;
 use crate::adapters::widened::Epilogue;
-use crate::adapters::{GroupUpdate, LoraSite};
+use crate::adapters::{AdapterTable, GroupUpdate, LoraSite};
 
 /// The environment variable that turns stacking off (`0`) or on (`1`, the default).
 pub const STACKED_PROJECTIONS_ENV: &str = "MLXD_STACKED_PROJECTIONS";
@@ -166,27 +166,17 @@ impl Stacked {
                 layers.len()
             )));
         }
+        let rows = AdapterRows::of(layers);
         // The adapters' `x @ A` as more columns of the product itself, where this pass takes
         // it (`crate::adapters::widened`; bias-free stacks), before any factors are built
         // for the two-product update it replaces.
-        if let Some(y) = self.widened(x, layers, Epilogue::None)? {
+        if let Some(y) = self.widened(x, layers, &rows, Epilogue::None)? {
             return Ok(Some(y.split_at_indices(ends, -1)?));
         }
-        // A pass with no adapter row (the base's, every pass of a model without adapters)
-        // builds nothing more and allocates nothing here.
-        let engaged = layers
-            .iter()
-            .any(|l| l.lora.as_ref().is_some_and(LoraSite::engaged));
-        let sites: Option<Vec<&LoraSite>> = match engaged {
-            true => layers.iter().map(|l| l.lora.as_ref()).collect(),
-            false => None,
-        };
-        let group = sites.as_deref().and_then(LoraSite::group);
-        let update = match (&sites, &group) {
-            (Some(_), Some((table, indices))) => table.group_update(indices)?,
-            (Some(_), None) => GroupUpdate::PerLayer,
-            (None, _) if engaged => GroupUpdate::PerLayer,
-            (None, _) => GroupUpdate::None,
+        let update = match &rows {
+            AdapterRows::Base => GroupUpdate::None,
+            AdapterRows::Group(table, indices) => table.group_update(indices)?,
+            AdapterRows::Apart => GroupUpdate::PerLayer,
         };
         let y = self.matrix.with(|m| m.matmul_t(x))?;
         let y = match update {
@@ -208,7 +198,7 @@ impl Stacked {
         if layers.len() != 2 || self.ends.len() != 1 {
             return Ok(None);
         }
-        self.widened(x, layers, Epilogue::SwiGlu)
+        self.widened(x, layers, &AdapterRows::of(layers), Epilogue::SwiGlu)
     }
 
     /// The stacked output for `x` through the layers' widened product, then `epilogue`, when
@@ -217,20 +207,13 @@ impl Stacked {
         &self,
         x: &Array,
         layers: &[&Linear],
+        rows: &AdapterRows<'_>,
         epilogue: Epilogue<'_>,
     ) -> Result<Option<Array>, Exception> {
-        if self.bias.is_some()
-            || !layers
-                .iter()
-                .any(|l| l.lora.as_ref().is_some_and(LoraSite::engaged))
-        {
-            return Ok(None);
-        }
-        let sites: Option<Vec<&LoraSite>> = layers.iter().map(|l| l.lora.as_ref()).collect();
-        let Some((table, indices)) = sites.as_deref().and_then(LoraSite::group) else {
+        let (AdapterRows::Group(table, indices), None) = (rows, &self.bias) else {
             return Ok(None);
         };
-        let Some(pass) = table.widened_group(&indices, &self.matrix, x, epilogue)? else {
+        let Some(pass) = table.widened_group(indices, &self.matrix, x, epilogue)? else {
             return Ok(None);
         };
         if pass.rebuilt {
@@ -267,6 +250,33 @@ impl Stacked {
         match &self.bias {
             Some(b) => y.add(b),
             None => Ok(y),
+        }
+    }
+}
+
+/// What a pass's rows ask of some stacked layers' adapter sites.
+enum AdapterRows<'s> {
+    /// No row's adapter changes any of the layers (the base's passes, every pass of a model
+    /// without adapters): nothing more is built or allocated.
+    Base,
+    /// Some row's adapter does, and the layers are sites of one table: their indices there.
+    Group(&'s AdapterTable, Vec<usize>),
+    /// Some row's adapter does, but the layers are not one group (a layer without a site).
+    Apart,
+}
+
+impl<'s> AdapterRows<'s> {
+    fn of(layers: &[&'s Linear]) -> Self {
+        if !layers
+            .iter()
+            .any(|l| l.lora.as_ref().is_some_and(LoraSite::engaged))
+        {
+            return AdapterRows::Base;
+        }
+        let sites: Option<Vec<&LoraSite>> = layers.iter().map(|l| l.lora.as_ref()).collect();
+        match sites.as_deref().and_then(LoraSite::group) {
+            Some((table, indices)) => AdapterRows::Group(table, indices),
+            None => AdapterRows::Apart,
         }
     }
 }
