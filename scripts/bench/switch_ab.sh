@@ -10,7 +10,10 @@
 #
 # Run on the device machine like scripts/bench/h200.sh (after `source .gpu/b/on-device.sh`, the
 # release binaries in $MLXD_BIN_DIR, BENCH_BIN pointing at bench_generate, $MODELS with
-# llama-1b-bf16). ROWS and SKIP_ADAPTERS=1 narrow the run.
+# llama-1b-bf16). ROWS and SKIP_ADAPTERS=1 narrow the run. CORE_ONLY=1 runs the engine core
+# alone instead (no mlx-lm, no served streams: a host-side change's A/B, where mlx-lm's figure
+# does not move): `bench_generate <1B> 128 256 3 <rows> 0` ROUNDS times (default 2) per row
+# count and value, alternated, each line tagged with the value, in core.jsonl.
 set -uo pipefail
 out=$1 var=$2
 shift 2
@@ -19,6 +22,17 @@ values=("$@")
 mkdir -p "$out"
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$root"
+if [[ ${CORE_ONLY:-0} == 1 ]]; then
+  for rows in ${ROWS:-8 32 64 128}; do
+    for _ in $(seq 1 "${ROUNDS:-2}"); do
+      for value in "${values[@]}"; do
+        line=$(env "$var=$value" timeout 150 "$BENCH_BIN" "$MODELS/llama-1b-bf16" 128 256 3 "$rows" 0)
+        echo "${line%\}},\"$var\":\"$value\"}" | tee -a "$out/core.jsonl"
+      done
+    done
+  done
+  exit 0
+fi
 for rows in ${ROWS:-1 8 32 64}; do
   for value in "${values[@]}"; do
     echo "{\"$var\": \"$value\", \"rows\": $rows}" >> "$out/engine.jsonl"

@@ -85,13 +85,9 @@ impl Matrix {
         }
     }
 
-    /// `x @ W.T` (a decode-sized dense product on CUDA through MLX's grouped GEMM where
-    /// `MLXD_DECODE_GEMM=1`, see [`super::decode_gemm`]).
+    /// `x @ W.T`.
     pub fn matmul_t(&self, x: &Array) -> Result<Array> {
         match self {
-            Matrix::Dense(w) if super::decode_gemm::serves(x, w) => {
-                super::decode_gemm::matmul_t(x, w)
-            }
             Matrix::Dense(w) => x.matmul(w.t()),
             Matrix::Quantized(q) => quant::quantized_matmul(x, q.packed(), true),
         }

@@ -8,7 +8,6 @@ pub mod cohere;
 pub mod cohere2;
 pub mod config;
 pub mod decode_attention;
-pub mod decode_gemm;
 pub mod decoder;
 pub mod deepseek_v2;
 pub mod deepseek_v3;
