@@ -424,14 +424,15 @@ def skinny_case(work: Path, lead: tuple, k: int, n: int) -> bool:
     x = rng.standard_normal(lead + (k,)).astype(np.float32)
     w = rng.standard_normal((n, k)).astype(np.float32)
     rows = int(np.prod(lead))
-    per_block = rust_const(SKINNY, "OUT_PER_BLOCK")
+    per_warp = rust_const(SKINNY, "OUT_PER_WARP")
     block = rust_const(SKINNY, "BLOCK")
+    per_block = block // 32 * per_warp
     got = emulate(
         work,
         kernel_body(SKINNY, "SOURCE"),
         {"x": View(x), "w": View(w)},
         {"out": lead + (n,)},
-        {"T": "float", "M": rows, "R": per_block, "NT": block},
+        {"T": "float", "M": rows, "R": per_warp, "U": rust_const(SKINNY, "UNROLL"), "NT": block},
         ((n + per_block - 1) // per_block, 1, 1),
         block,
     )
@@ -492,10 +493,11 @@ def main() -> int:
         ]:
             results.append(delta_case(work, *case))
         for case in [
-            # leading axes, in, out: two rows; eight decode rows over more than one step of
-            # the block's loads and an out off the block's columns; a 15-token prefill pass.
+            # leading axes, in, out: two rows; eight decode rows over more than one round of
+            # a warp's unrolled loads and an out off the block's columns (idle warps, a warp
+            # with one row); a 15-token prefill pass.
             ((2, 1), 64, 8),
-            ((8, 1), 2056, 10),
+            ((8, 1), 1288, 11),
             ((1, 15), 128, 7),
         ]:
             results.append(skinny_case(work, *case))

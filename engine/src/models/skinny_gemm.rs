@@ -12,14 +12,17 @@
 //! (its 256-row tiles; session 52).
 //!
 //! Here a product of 2 to [`MAX_ROWS`] rows reads each row of `W` once for every row of `x`,
-//! as a matrix-vector kernel does for one: a block owns [`OUT_PER_BLOCK`] output columns (rows
-//! of `W`); its eight warps split the inner axis, each lane loading eight consecutive elements
-//! (one 16-byte load) of each of the block's rows of `W` and of each row of `x` per step, so a
-//! warp's loads of a row of `W` are 512 contiguous bytes. Each lane keeps `M × OUT_PER_BLOCK`
-//! float32 sums; the lanes merge by shuffles, the warps in shared memory in a fixed order, and
-//! one thread per output rounds the sum to the inputs' dtype (cuBLAS's float32 accumulation
-//! and one rounding; the order of the sums differs). The kernel is specialised per row count
-//! `M` ([`crate::cuda_kernel`]), so its loops over rows are unrolled.
+//! as a matrix-vector kernel does for one: a warp owns [`OUT_PER_WARP`] output columns (rows
+//! of `W`) over the whole inner axis, each lane loading eight consecutive elements (one
+//! 16-byte load) of each of them and of each row of `x` per step, so a warp's loads of a row
+//! of `W` are 512 contiguous bytes, [`UNROLL`] steps of them issued before any is used. Each
+//! lane keeps `M × OUT_PER_WARP` float32 sums over its share of the inner axis; the lanes merge
+//! by shuffles (a few per output, against a split of the inner axis over a block's warps,
+//! whose merge cost more than the products at these sizes) and lane 0 rounds each sum to the
+//! inputs' dtype (cuBLAS's float32 accumulation and one rounding; the order of the sums
+//! differs). `x` is read by every warp, from the L1 and L2 caches (a few dozen KB). The
+//! kernel is specialised per row count `M` ([`crate::cuda_kernel`]), so its loops over rows
+//! are unrolled.
 //!
 //! `scripts/emulate_cuda_kernels.py` runs the body on the CPU against numpy (a
 //! `scripts/test.sh` phase); `examples/skinny_gemm_check.rs` checks and times it on a GPU
@@ -35,27 +38,31 @@ use crate::cuda_kernel::{CudaKernel, Launch, OutputSpec};
 
 /// The switch: `1` sends products of a few rows through the kernel on CUDA.
 pub const SWITCH: &str = "MLXD_SKINNY_GEMM";
-/// Threads per block (eight warps).
-const BLOCK: i32 = 256;
-/// Output columns (rows of `W`) a block computes.
-pub const OUT_PER_BLOCK: i32 = 4;
-/// The most rows a product may have to take the kernel: each lane holds `M × OUT_PER_BLOCK`
+/// Threads per block (four warps).
+const BLOCK: i32 = 128;
+/// Output columns (rows of `W`) a warp computes.
+const OUT_PER_WARP: i32 = 2;
+/// Steps of a warp's loads issued together (each 512 bytes of each of its rows of `W`).
+const UNROLL: i32 = 4;
+/// The most rows a product may have to take the kernel: each lane holds `M × OUT_PER_WARP`
 /// sums in registers. One row takes MLX's matrix-vector kernel.
 pub const MAX_ROWS: i32 = 16;
 /// Elements of a row a lane loads at once (16 bytes of a 2-byte dtype).
 const PER_LOAD: i32 = 8;
 
 /// The kernel's body. Inputs: `x` `[..., K]` (`M` rows, row-contiguous), `w` `[N, K]`, both
-/// `T`, `K` a multiple of [`PER_LOAD`]. Output `out` `[..., N]` (`T`). Grid: `⌈N / R⌉ × NT`
-/// threads in blocks of `NT` ([`BLOCK`]); `R` ([`OUT_PER_BLOCK`]) and `M` are constants.
+/// `T`, `K` a multiple of [`PER_LOAD`]. Output `out` `[..., N]` (`T`). Grid: `⌈N / (NT / 32 ·
+/// R)⌉ × NT` threads in blocks of `NT` ([`BLOCK`]); `R` ([`OUT_PER_WARP`]), `U` ([`UNROLL`])
+/// and `M` are constants.
 const SOURCE: &str = r#"
   constexpr int WARPS = NT / 32;
-  constexpr int STEP = NT * 8;
+  constexpr int STEP = 32 * 8;
   const int K = w_shape[1];
   const int N = w_shape[0];
-  const int n0 = blockIdx.x * R;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
+  const int n0 = (blockIdx.x * WARPS + warp) * R;
+  if (n0 >= N) return;
   // Eight consecutive elements into floats: one 16-byte load of a 2-byte dtype.
   auto load8 = [](const T* p, float* v) {
     if constexpr (sizeof(T) == 2) {
@@ -72,45 +79,43 @@ const SOURCE: &str = r#"
   for (int m = 0; m < M; ++m)
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
-  for (int k = threadIdx.x * 8; k < K; k += STEP) {
-    float wv[R][8];
+  for (int k0 = lane * 8; k0 < K; k0 += STEP * U) {
+    // U steps of the warp's rows of W loaded before any is used: their loads in flight at once.
+    float wv[U][R][8];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      if (n0 + r < N) {
-        load8(w + (size_t)(n0 + r) * K + k, wv[r]);
-      } else {
-        for (int j = 0; j < 8; ++j) wv[r][j] = 0.0f;
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int k = k0 + u * STEP;
+        if (k < K && n0 + r < N) {
+          load8(w + (size_t)(n0 + r) * K + k, wv[u][r]);
+        } else {
+          for (int j = 0; j < 8; ++j) wv[u][r][j] = 0.0f;
+        }
+      }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = k0 + u * STEP;
+      if (k >= K) break;
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        float xv[8];
+        load8(x + (size_t)m * K + k, xv);
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[m][r] += xv[j] * wv[u][r][j];
       }
     }
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      float xv[8];
-      load8(x + (size_t)m * K + k, xv);
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[m][r] += xv[j] * wv[r][j];
-    }
   }
-  __shared__ float part[WARPS * M * R];
 #pragma unroll
   for (int m = 0; m < M; ++m)
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       float s = acc[m][r];
       for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffff, s, o);
-      if (lane == 0) part[(warp * M + m) * R + r] = s;
+      if (lane == 0 && n0 + r < N) out[(size_t)m * N + n0 + r] = static_cast<T>(s);
     }
-  __syncthreads();
-  for (int i = threadIdx.x; i < M * R; i += NT) {
-    const int m = i / R;
-    const int r = i % R;
-    if (n0 + r < N) {
-      float s = 0.0f;
-      for (int q = 0; q < WARPS; ++q) s += part[(q * M + m) * R + r];
-      out[(size_t)m * N + n0 + r] = static_cast<T>(s);
-    }
-  }
 "#;
 
 /// Whether the switch asks for the kernel and MLX's default device is a CUDA GPU.
@@ -157,7 +162,8 @@ pub fn matmul_t(x: &Array, w: &Array) -> Result<Array, Exception> {
     let n = w.shape()[0];
     let mut out_shape = lead.to_vec();
     out_shape.push(n);
-    let blocks = (n + OUT_PER_BLOCK - 1) / OUT_PER_BLOCK;
+    let per_block = BLOCK / 32 * OUT_PER_WARP;
+    let blocks = (n + per_block - 1) / per_block;
     KERNEL.with(|cell| {
         let mut cell = cell.borrow_mut();
         if cell.is_none() {
@@ -180,7 +186,12 @@ pub fn matmul_t(x: &Array, w: &Array) -> Result<Array, Exception> {
                 grid: (blocks * BLOCK, 1, 1),
                 block: (BLOCK, 1, 1),
                 dtypes: &[("T", x.dtype())],
-                ints: &[("M", rows), ("R", OUT_PER_BLOCK), ("NT", BLOCK)],
+                ints: &[
+                    ("M", rows),
+                    ("R", OUT_PER_WARP),
+                    ("U", UNROLL),
+                    ("NT", BLOCK),
+                ],
             },
         )?;
         outs.pop()
