@@ -47,6 +47,7 @@ pub mod qwen3_moe;
 pub mod qwen3_next;
 pub mod rope;
 pub mod scalar;
+pub mod skinny_gemm;
 pub mod smollm3;
 pub mod stacked;
 pub mod starcoder2;
