@@ -1,8 +1,7 @@
 """Runs the engine's custom CUDA kernel bodies on the CPU under a small SIMT emulation and compares
 them with numpy: the served LoRA update (engine/src/adapters/lora_kernel.rs), decode attention
-over a quantized or plain KV cache (engine/src/models/decode_attention.rs, its split and merge kernels),
-the gated delta recurrence (engine/src/models/delta_kernel.rs) and the product of a few rows
-(engine/src/models/skinny_gemm.rs).
+over a quantized or plain KV cache (engine/src/models/decode_attention.rs, its split and merge kernels) and
+the gated delta recurrence (engine/src/models/delta_kernel.rs).
 
 No GPU is needed: a body is compiled with a C++20 compiler (clang++, as `scripts/setup.sh`
 installs it, or `$CXX`) inside a function that one std::thread per CUDA
@@ -32,7 +31,6 @@ ROOT = Path(__file__).resolve().parents[1]
 LORA = ROOT / "engine/src/adapters/lora_kernel.rs"
 ATTENTION = ROOT / "engine/src/models/decode_attention.rs"
 DELTA = ROOT / "engine/src/models/delta_kernel.rs"
-SKINNY = ROOT / "engine/src/models/skinny_gemm.rs"
 
 HEADER = r"""
 #include <algorithm>
@@ -62,9 +60,6 @@ static float __shfl_xor_sync(unsigned, float v, int offset) {
   warp_barriers[warp]->arrive_and_wait();
   return other;
 }
-// CUDA's 16-byte vector type, for bodies that load 2-byte dtypes through it (here every
-// floating type is float, so such a load's branch is compiled but never taken).
-struct uint4 { uint32_t x, y, z, w; };
 static float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 #define __shared__ static
 #pragma GCC diagnostic ignored "-Wunknown-pragmas"
@@ -418,28 +413,6 @@ def delta_case(work: Path, b: int, t: int, hk: int, hv: int, dk: int, dv: int) -
     )
 
 
-def skinny_case(work: Path, lead: tuple, k: int, n: int) -> bool:
-    """`x @ w.T` for `x` of shape `lead + (k,)` and `w` `[n, k]`."""
-    rng = np.random.default_rng(sum(lead) * 1000 + k + n)
-    x = rng.standard_normal(lead + (k,)).astype(np.float32)
-    w = rng.standard_normal((n, k)).astype(np.float32)
-    rows = int(np.prod(lead))
-    per_warp = rust_const(SKINNY, "OUT_PER_WARP")
-    block = rust_const(SKINNY, "BLOCK")
-    per_block = block // 32 * per_warp
-    got = emulate(
-        work,
-        kernel_body(SKINNY, "SOURCE"),
-        {"x": View(x), "w": View(w)},
-        {"out": lead + (n,)},
-        {"T": "float", "M": rows, "R": per_warp, "U": rust_const(SKINNY, "UNROLL"), "NT": block},
-        ((n + per_block - 1) // per_block, 1, 1),
-        block,
-    )
-    want = x @ w.T
-    return report(f"skinny product: {lead} x {k} -> {n}", got["out"], want, float(np.abs(want).max()))
-
-
 def main() -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -492,15 +465,6 @@ def main() -> int:
             (2, 7, 2, 4, 32, 24),
         ]:
             results.append(delta_case(work, *case))
-        for case in [
-            # leading axes, in, out: two rows; eight decode rows over more than one round of
-            # a warp's unrolled loads and an out off the block's columns (idle warps, a warp
-            # with one row); a 15-token prefill pass.
-            ((2, 1), 64, 8),
-            ((8, 1), 1288, 11),
-            ((1, 15), 128, 7),
-        ]:
-            results.append(skinny_case(work, *case))
     return 0 if all(results) else 1
 
 

@@ -80,9 +80,6 @@ pub(crate) const PASSTHROUGH_ENV: &[&str] = &[
     "MLXD_PLAIN_DECODE_ATTENTION",
     "MLXD_DELTA_KERNEL",
     "MLXD_LORA_KERNEL",
-    // Whether dense products of a few rows run through the engine's kernel instead of
-    // cuBLASLt on CUDA (`mlxd_engine::models::skinny_gemm`; `1`: on), for measuring both.
-    "MLXD_SKINNY_GEMM",
     // Whether a served LoRA update takes `x @ A` from a base product widened by the adapters'
     // `A` (`mlxd_engine::adapters::widened`; on by default on CUDA, `0`: the two kernels),
     // for measuring both.

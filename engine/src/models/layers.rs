@@ -85,13 +85,9 @@ impl Matrix {
         }
     }
 
-    /// `x @ W.T` (a product of a few rows on CUDA through the engine's kernel where
-    /// `MLXD_SKINNY_GEMM=1`, see [`super::skinny_gemm`]).
+    /// `x @ W.T`.
     pub fn matmul_t(&self, x: &Array) -> Result<Array> {
         match self {
-            Matrix::Dense(w) if super::skinny_gemm::serves(x, w) => {
-                super::skinny_gemm::matmul_t(x, w)
-            }
             Matrix::Dense(w) => x.matmul(w.t()),
             Matrix::Quantized(q) => quant::quantized_matmul(x, q.packed(), true),
         }

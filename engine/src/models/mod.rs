@@ -47,7 +47,6 @@ pub mod qwen3_moe;
 pub mod qwen3_next;
 pub mod rope;
 pub mod scalar;
-pub mod skinny_gemm;
 pub mod smollm3;
 pub mod stacked;
 pub mod starcoder2;
