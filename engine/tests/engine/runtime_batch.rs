@@ -520,11 +520,60 @@ fn a_quantized_kv_start_keeps_short_sequences_unquantized_and_converts_long_ones
 
 /// The tiny model, recording the shape `[rows, tokens]` of every forward pass and sleeping
 /// `per_token` for each token of a prefill pass: a slow device, as far as the runtime's clock
-/// can tell.
+/// can tell. A pass waits while its [`Hold`] is closed.
 struct Paced {
     inner: Box<dyn mlxd_engine::models::CausalLm>,
     per_token: std::time::Duration,
     passes: std::sync::Arc<std::sync::Mutex<Vec<(i32, i32)>>>,
+    hold: std::sync::Arc<Hold>,
+}
+
+/// Stops the runtime's thread inside its next forward pass until the test lets it go, so
+/// that requests the test sends meanwhile all arrive before the runtime's next look at its
+/// channel (without it, a busy machine can run a step between two sends).
+#[derive(Default)]
+struct Hold {
+    /// (closed, a pass is waiting)
+    state: std::sync::Mutex<(bool, bool)>,
+    changed: std::sync::Condvar,
+}
+
+impl Hold {
+    /// The next pass waits; returns once one is waiting (within a minute).
+    fn stop_next_pass(&self) {
+        let start = std::time::Instant::now();
+        let mut state = self.state.lock().unwrap();
+        state.0 = true;
+        while !state.1 {
+            assert!(
+                start.elapsed().as_secs() < 60,
+                "no forward pass came to the hold"
+            );
+            state = self
+                .changed
+                .wait_timeout(state, std::time::Duration::from_secs(1))
+                .unwrap()
+                .0;
+        }
+    }
+
+    /// Lets the waiting pass (and every later one) run.
+    fn release(&self) {
+        let mut state = self.state.lock().unwrap();
+        *state = (false, false);
+        self.changed.notify_all();
+    }
+
+    fn pass(&self) {
+        let mut state = self.state.lock().unwrap();
+        if state.0 {
+            state.1 = true;
+            self.changed.notify_all();
+            while state.0 {
+                state = self.changed.wait(state).unwrap();
+            }
+        }
+    }
 }
 
 impl mlxd_engine::models::CausalLm for Paced {
@@ -535,6 +584,7 @@ impl mlxd_engine::models::CausalLm for Paced {
     ) -> Result<mlx_rs::Array, mlx_rs::error::Exception> {
         let shape = tokens.shape();
         let (rows, len) = (shape[0], shape[1]);
+        self.hold.pass();
         if len > 1 {
             std::thread::sleep(self.per_token * (rows * len) as u32);
         }
@@ -549,19 +599,30 @@ impl mlxd_engine::models::CausalLm for Paced {
 type Passes = std::sync::Arc<std::sync::Mutex<Vec<(i32, i32)>>>;
 
 fn start_paced(limits: RuntimeLimits, per_token: std::time::Duration) -> (Runtime, Passes) {
+    let (runtime, passes, _) = start_held(limits, per_token);
+    (runtime, passes)
+}
+
+/// [`start_paced`], with the [`Hold`] on its passes.
+fn start_held(
+    limits: RuntimeLimits,
+    per_token: std::time::Duration,
+) -> (Runtime, Passes, std::sync::Arc<Hold>) {
     let passes = Passes::default();
-    let recorded = passes.clone();
+    let hold = std::sync::Arc::new(Hold::default());
+    let (recorded, held) = (passes.clone(), hold.clone());
     let load: mlxd_engine::runtime::ModelLoader = Box::new(move |dir: &std::path::Path| {
         let inner = mlxd_engine::models::load(dir)?;
         Ok(Box::new(Paced {
             inner,
             per_token,
             passes: recorded,
+            hold: held,
         }) as Box<dyn mlxd_engine::models::CausalLm>)
     });
     let runtime = Runtime::start_with_loader(common::tiny_model("tiny-llama"), limits, None, load)
         .expect("load");
-    (runtime, passes)
+    (runtime, passes, hold)
 }
 
 fn send(
@@ -850,7 +911,7 @@ fn a_warmed_up_runtime_keeps_nothing_from_its_warm_up_and_gives_the_same_tokens(
 /// it gets alone with nothing cached.
 #[test]
 fn prefix_hits_arriving_together_share_one_pass_and_give_their_alone_output() {
-    let (warm, passes) = start_paced(
+    let (warm, passes, hold) = start_held(
         RuntimeLimits {
             prompt_cache_bytes: 64 << 20,
             prefill_pad_to: 8,
@@ -878,12 +939,15 @@ fn prefix_hits_arriving_together_share_one_pass_and_give_their_alone_output() {
             Gen::greedy(&prompt, 10)
         })
         .collect();
-    // A stream decoding meanwhile, so that the four arrive while the runtime is busy and are
-    // admitted in one step.
+    // A stream decoding meanwhile, held inside a pass while the four are sent, so that they
+    // arrive while the runtime is busy and are admitted in one step.
     let mut busy = send(&warm, prefix(20, 3), 64);
     read_tokens(&mut busy, &mut Vec::new(), Some(1));
+    hold.stop_next_pass();
     let before = passes.lock().unwrap().len();
-    let together = generate_together(&warm, &seconds);
+    let receivers: Vec<_> = seconds.iter().map(|g| common::submit(&warm, g)).collect();
+    hold.release();
+    let together: Vec<_> = receivers.into_iter().map(common::collect).collect();
     let shapes: Vec<(i32, i32)> = passes.lock().unwrap()[before..].to_vec();
     read_tokens(&mut busy, &mut Vec::new(), None);
     for ((g, first), hit) in firsts.iter().zip(&answers).zip(&together) {
