@@ -189,13 +189,14 @@ mod tests {
             "torch_dtype": "bfloat16"
         });
         std::fs::write(model.join("config.json"), config.to_string()).unwrap();
-        let bf = |shape: &[i32], seed: u64, scale: f32| {
+        let scaled = |shape: &[i32], seed: u64, scale: f32, dtype: Dtype| {
             normal(shape, seed)
                 .multiply(Array::from_f32(scale))
                 .unwrap()
-                .as_dtype(BF)
+                .as_dtype(dtype)
                 .unwrap()
         };
+        let bf = |shape: &[i32], seed: u64, scale: f32| scaled(shape, seed, scale, BF);
         let projections = [
             ("self_attn.q_proj", hidden, hidden),
             ("self_attn.k_proj", kv, hidden),
@@ -235,21 +236,10 @@ mod tests {
                 for (name, out, inp) in projections {
                     seed += 2;
                     let p = format!("model.layers.{layer}.{name}");
-                    tensors.push((
-                        format!("{p}.lora_a"),
-                        normal(&[inp, 4], seed)
-                            .multiply(Array::from_f32(0.2))
-                            .unwrap()
-                            .as_dtype(factors)
-                            .unwrap(),
-                    ));
+                    tensors.push((format!("{p}.lora_a"), scaled(&[inp, 4], seed, 0.2, factors)));
                     tensors.push((
                         format!("{p}.lora_b"),
-                        normal(&[4, out], seed + 1)
-                            .multiply(Array::from_f32(0.2))
-                            .unwrap()
-                            .as_dtype(factors)
-                            .unwrap(),
+                        scaled(&[4, out], seed + 1, 0.2, factors),
                     ));
                 }
             }
