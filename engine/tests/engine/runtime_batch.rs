@@ -533,9 +533,16 @@ struct Paced {
 /// channel (without it, a busy machine can run a step between two sends).
 #[derive(Default)]
 struct Hold {
-    /// (closed, a pass is waiting)
-    state: std::sync::Mutex<(bool, bool)>,
+    state: std::sync::Mutex<HoldState>,
     changed: std::sync::Condvar,
+}
+
+#[derive(Default)]
+struct HoldState {
+    /// Passes wait.
+    closed: bool,
+    /// A pass is waiting.
+    waiting: bool,
 }
 
 impl Hold {
@@ -543,8 +550,8 @@ impl Hold {
     fn stop_next_pass(&self) {
         let start = std::time::Instant::now();
         let mut state = self.state.lock().unwrap();
-        state.0 = true;
-        while !state.1 {
+        state.closed = true;
+        while !state.waiting {
             assert!(
                 start.elapsed().as_secs() < 60,
                 "no forward pass came to the hold"
@@ -560,16 +567,16 @@ impl Hold {
     /// Lets the waiting pass (and every later one) run.
     fn release(&self) {
         let mut state = self.state.lock().unwrap();
-        *state = (false, false);
+        *state = HoldState::default();
         self.changed.notify_all();
     }
 
     fn pass(&self) {
         let mut state = self.state.lock().unwrap();
-        if state.0 {
-            state.1 = true;
+        if state.closed {
+            state.waiting = true;
             self.changed.notify_all();
-            while state.0 {
+            while state.closed {
                 state = self.changed.wait(state).unwrap();
             }
         }
