@@ -9,8 +9,9 @@
 //! dribble their request headers (slowloris) used to fill the connection cap, after which
 //! mlxd stopped accepting and even `/health` waited in the kernel's backlog. Now:
 //! - a connection still waiting for its request head (new, or idle between keep-alive
-//!   requests) is the first to go: at a limit, a new connection replaces the oldest of them,
-//!   so a client that sends its request at once is always served. A new connection becomes
+//!   requests) is the first to go: at a limit, a new connection replaces the oldest of them
+//!   (one in a general slot before any in the reserve, since the new connection takes the
+//!   replaced one's slot), so a client that sends its request at once is always served. A new connection becomes
 //!   replaceable only once the server has read all it sent and found no whole head
 //!   ([`ConnectionTable::waiting_for_client`]): under a slowloris that reconnects as fast as
 //!   it is closed, the slots turn over in milliseconds, and a probe whose head sat unread in
@@ -179,11 +180,12 @@ impl ConnectionTable {
         }
     }
 
-    /// The longest-waiting connection that has not sent a request head, of `ip` if given.
-    fn oldest_waiting(&self, ip: Option<IpAddr>) -> Option<u64> {
+    /// The longest-waiting connection that has not sent a request head, of `ip` if given, in
+    /// the reserve or a general slot as `reserve` says.
+    fn oldest_waiting(&self, ip: Option<IpAddr>, reserve: bool) -> Option<u64> {
         self.conns
             .iter()
-            .filter(|(_, c)| ip.is_none_or(|ip| c.ip == ip))
+            .filter(|(_, c)| ip.is_none_or(|ip| c.ip == ip) && c.reserve == reserve)
             .filter_map(|(id, c)| c.waiting_since().map(|t| (t, *id)))
             .min()
             .map(|(_, id)| id)
@@ -196,20 +198,28 @@ impl ConnectionTable {
             || self.conns.values().any(|c| c.waiting_since().is_some())
     }
 
-    /// Admits a connection from `ip` arriving at `now`.
+    /// Admits a connection from `ip` arriving at `now`. A replaced connection's slot passes to
+    /// the new one, so a waiting connection in a general slot goes before one in the reserve:
+    /// the new connection then serves every route, where taking a reserve connection's place
+    /// would leave it only health and admin routes while general slots merely wait.
     pub fn admit(&mut self, ip: IpAddr, now: Instant) -> Admit {
         let (evict, reserve) =
             if self.per_ip.get(&ip).copied().unwrap_or(0) >= self.limits.per_client {
-                match self.oldest_waiting(Some(ip)) {
-                    Some(victim) => (Some(victim), self.conns[&victim].reserve),
-                    None => return Admit::Refuse,
+                if let Some(victim) = self.oldest_waiting(Some(ip), false) {
+                    (Some(victim), false)
+                } else if let Some(victim) = self.oldest_waiting(Some(ip), true) {
+                    (Some(victim), true)
+                } else {
+                    return Admit::Refuse;
                 }
             } else if self.general < self.limits.cap {
                 (None, false)
-            } else if let Some(victim) = self.oldest_waiting(None) {
-                (Some(victim), self.conns[&victim].reserve)
+            } else if let Some(victim) = self.oldest_waiting(None, false) {
+                (Some(victim), false)
             } else if self.reserved < self.limits.reserve {
                 (None, true)
+            } else if let Some(victim) = self.oldest_waiting(None, true) {
+                (Some(victim), true)
             } else {
                 return Admit::Wait;
             };
@@ -464,6 +474,30 @@ mod tests {
         t.request_started(f);
         t.closed(e);
         assert!(go(t.admit(ip(6), t0)).1);
+    }
+
+    /// At the cap, a waiting connection in a general slot is replaced before an older one in
+    /// the reserve, so the new connection serves every route (a slowloris fills the reserve
+    /// too: `tests/limits.rs` saw a chat request take a reserve connection's place and get 503).
+    #[tokio::test(start_paused = true)]
+    async fn a_general_slot_is_replaced_before_the_reserve() {
+        let mut t = table(2, 1, 10);
+        let t0 = Instant::now();
+        let [a, b] = admitted(&mut t, &[2, 3], t0)[..] else {
+            unreachable!()
+        };
+        t.request_started(a);
+        t.request_started(b);
+        let (r, reserve, _) = go(t.admit(ip(4), t0 + Duration::from_millis(2)));
+        assert!(reserve);
+        assert!(t.waiting_for_client(r));
+        // b finishes and waits; r, in the reserve, has waited longer, yet b is replaced.
+        t.request_finished(b, t0 + Duration::from_millis(5));
+        let (_, reserve, evict) = go(t.admit(ip(5), t0 + Duration::from_millis(6)));
+        assert_eq!((reserve, evict), (false, Some(b)));
+        // With no general slot waiting and the reserve full, the reserve's waiting one goes.
+        let (_, reserve, evict) = go(t.admit(ip(6), t0 + Duration::from_millis(7)));
+        assert_eq!((reserve, evict), (true, Some(r)));
     }
 
     #[tokio::test(start_paused = true)]
