@@ -25,8 +25,17 @@ impl Adapted {
 }
 
 impl CausalLm for Adapted {
+    fn hidden(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
+        self.inner.hidden(tokens, caches)
+    }
+    fn head(&self, hidden: &Array) -> Result<Array, Exception> {
+        self.inner.head(hidden)
+    }
     fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
         self.inner.forward(tokens, caches)
+    }
+    fn forward_last(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
+        self.inner.forward_last(tokens, caches)
     }
     fn info(&self) -> &ModelInfo {
         self.inner.info()

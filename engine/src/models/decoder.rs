@@ -542,7 +542,7 @@ impl<L: DecoderLayer + 'static> Decoder<L> {
 }
 
 impl<L: DecoderLayer + 'static> CausalLm for Decoder<L> {
-    fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
+    fn hidden(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
         let mut h = match &self.link {
             Some(link) if !link.stage.is_first() => link.receive(tokens)?,
             _ => self.trunk.embed(tokens)?,
@@ -554,7 +554,11 @@ impl<L: DecoderLayer + 'static> CausalLm for Decoder<L> {
         if let Some(link) = &self.link {
             h = link.pass_on(h)?;
         }
-        self.trunk.logits(&h)
+        Ok(h)
+    }
+
+    fn head(&self, hidden: &Array) -> Result<Array, Exception> {
+        self.trunk.logits(hidden)
     }
 
     fn info(&self) -> &ModelInfo {

@@ -289,12 +289,16 @@ struct FalconH1 {
 }
 
 impl CausalLm for FalconH1 {
-    fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
+    fn hidden(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
         let mut h = self.trunk.embed(tokens)?;
         for (layer, pair) in self.layers.iter().zip(caches.chunks_mut(2)) {
             h = layer.forward(&h, pair)?;
         }
-        self.trunk.logits(&h)
+        Ok(h)
+    }
+
+    fn head(&self, hidden: &Array) -> Result<Array, Exception> {
+        self.trunk.logits(hidden)
     }
 
     fn info(&self) -> &ModelInfo {

@@ -297,7 +297,7 @@ pub(crate) fn softcap(x: &Array, cap: f32) -> Result<Array, Exception> {
 }
 
 impl CausalLm for Gemma2 {
-    fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
+    fn hidden(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
         let h = self.embed_tokens.rows(tokens)?;
         let mut h = scale_by(&h, self.embed_scale)?;
         for (b, cache) in self.layers.iter().zip(caches.iter_mut()) {
@@ -305,7 +305,11 @@ impl CausalLm for Gemma2 {
                 .sandwich
                 .forward(&h, |x| self.attention(&b.proj, x, cache), |x, r| x.add(r))?;
         }
-        let logits = self.embed_tokens.matmul_t(&self.norm.forward(&h)?)?;
+        Ok(h)
+    }
+
+    fn head(&self, hidden: &Array) -> Result<Array, Exception> {
+        let logits = self.embed_tokens.matmul_t(&self.norm.forward(hidden)?)?;
         softcap(&logits, self.final_softcap)
     }
 

@@ -328,7 +328,7 @@ impl Gemma3 {
 }
 
 impl CausalLm for Gemma3 {
-    fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
+    fn hidden(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
         let h = self.embed_tokens.rows(tokens)?;
         let mut h = h.multiply(&self.embed_scale.as_dtype(h.dtype())?)?;
         for (b, cache) in self.layers.iter().zip(caches.iter_mut()) {
@@ -336,7 +336,11 @@ impl CausalLm for Gemma3 {
                 .sandwich
                 .forward(&h, |x| self.attention(b, x, cache), clip_residual)?;
         }
-        let h = self.norm.forward(&h)?;
+        Ok(h)
+    }
+
+    fn head(&self, hidden: &Array) -> Result<Array, Exception> {
+        let h = self.norm.forward(hidden)?;
         match &self.lm_head {
             Some(head) => head.matmul_t(&h),
             None => self.embed_tokens.matmul_t(&h),

@@ -798,7 +798,7 @@ impl Gemma4 {
 }
 
 impl CausalLm for Gemma4 {
-    fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
+    fn hidden(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
         let h = self.embed_tokens.rows(tokens)?;
         let root = (f64::from(self.hidden_size)).sqrt() as f32;
         let mut h = scale_by(&h, root)?;
@@ -825,7 +825,11 @@ impl CausalLm for Gemma4 {
             }
             h = h.multiply(&l.layer_scalar)?;
         }
-        let h = self.norm.forward(&h)?;
+        Ok(h)
+    }
+
+    fn head(&self, hidden: &Array) -> Result<Array, Exception> {
+        let h = self.norm.forward(hidden)?;
         let logits = match &self.lm_head {
             Some(head) => head.matmul_t(&h)?,
             None => self.embed_tokens.matmul_t(&h)?,

@@ -479,7 +479,7 @@ pub(crate) struct BackboneSizes {
 }
 
 impl CausalLm for Backbone {
-    fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
+    fn hidden(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
         let mut h = self.embeddings.rows(tokens)?;
         let mut caches = caches.iter_mut();
         for block in &self.blocks {
@@ -489,7 +489,11 @@ impl CausalLm for Backbone {
             };
             h = block.forward(&h, cache)?;
         }
-        let h = self.norm_f.forward(&h)?;
+        Ok(h)
+    }
+
+    fn head(&self, hidden: &Array) -> Result<Array, Exception> {
+        let h = self.norm_f.forward(hidden)?;
         self.lm_head
             .as_ref()
             .unwrap_or(&self.embeddings)

@@ -395,7 +395,7 @@ fn build_text(
 }
 
 impl CausalLm for Ministral3 {
-    fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
+    fn hidden(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
         let mut h = self.trunk.embed(tokens)?;
         let temperature = match (&self.temperature, caches.first()) {
             (Some(t), Some(cache)) => {
@@ -408,7 +408,11 @@ impl CausalLm for Ministral3 {
                 attn.forward(x, temperature.as_ref(), cache)
             })?;
         }
-        self.trunk.logits(&h)
+        Ok(h)
+    }
+
+    fn head(&self, hidden: &Array) -> Result<Array, Exception> {
+        self.trunk.logits(hidden)
     }
 
     fn layer_windows(&self) -> Vec<Option<usize>> {

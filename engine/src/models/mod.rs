@@ -57,6 +57,7 @@ pub(crate) mod test_arrays;
 use std::path::Path;
 
 use mlx_rs::error::Exception;
+use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 use serde_json::Value;
 
@@ -89,9 +90,31 @@ pub struct ModelInfo {
 
 /// A causal language model.
 pub trait CausalLm: Send {
-    /// `tokens` is `[B, L]` (uint32); returns logits `[B, L, vocab]`. `caches` holds one cache
-    /// per layer, in any layout, with `B` rows.
-    fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception>;
+    /// `tokens` is `[B, L]` (uint32); returns the last layer's hidden states `[B, L, D]`,
+    /// before the final norm (what [`Self::head`] takes). `caches` holds one cache per layer,
+    /// in any layout, with `B` rows.
+    fn hidden(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception>;
+    /// Logits `[B, L, vocab]` of hidden states from [`Self::hidden`]: the final norm, the
+    /// head and the family's scaling or soft-capping.
+    fn head(&self, hidden: &Array) -> Result<Array, Exception>;
+    /// Logits `[B, L, vocab]` of `tokens` `[B, L]` (see [`Self::hidden`]).
+    fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
+        let h = self.hidden(tokens, caches)?;
+        self.head(&h)
+    }
+    /// Logits `[B, 1, vocab]` of the last position of `tokens` only: the head runs on one
+    /// position per row, so a prefill pass that samples its prompts' first tokens does not
+    /// compute (and hold) logits for every prompt position.
+    fn forward_last(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
+        let h = self.hidden(tokens, caches)?;
+        let len = h.shape()[1];
+        let last = if len == 1 {
+            h
+        } else {
+            h.index((.., len - 1.., ..))
+        };
+        self.head(&last)
+    }
     fn info(&self) -> &ModelInfo;
     /// Why this model cannot serve `feature` exactly, naming the family and the option; `None`
     /// when it can. The engine refuses a refused option at load instead of serving wrong

@@ -2,9 +2,10 @@
 //!
 //! A step runs one step ahead, as mlx-lm does: it builds and queues (`async_eval`) the forward
 //! pass for the tokens sampled in the previous step, and only then reads those tokens back, so
-//! the device never waits for the host. Rows join (prefilled sequences, their last prompt token
-//! as input) and leave (limit reached, stop token, client gone) between steps; the one token a
-//! finished row had in flight is discarded.
+//! the device never waits for the host. Rows join (prefilled sequences, with the first token
+//! their last prefill pass sampled as input: [`super::first_token`]) and leave (limit reached,
+//! stop token, client gone) between steps; the one token a finished row had in flight is
+//! discarded.
 use std::time::Instant;
 
 use mlx_rs::error::Exception;
@@ -369,12 +370,6 @@ impl DecodeBatch {
             self.in_flight = Some(next);
         }
 
-        // Rows joining a batch with nothing in flight (a burst arriving together, or a request
-        // alone) get their first token now rather than one step later: there is no earlier
-        // step to overlap this one with, so waiting for it costs the device nothing but saves
-        // every new row a whole step of time to first token. The next step then starts from
-        // the host's tokens and the pipeline resumes.
-        let first_tokens_now = pending.is_none() && !join_tokens.is_empty();
         match pending {
             Some(pending) => {
                 clock.reading();
@@ -396,10 +391,7 @@ impl DecodeBatch {
                 }
             }
         }
-        if first_tokens_now
-            || self.rows.iter().any(|s| s.constraint.is_some())
-            || self.sampler.wants_logprobs()
-        {
+        if self.rows.iter().any(|s| s.constraint.is_some()) || self.sampler.wants_logprobs() {
             self.hand_out_now()?;
         }
         if clock.is_on() {
@@ -575,18 +567,7 @@ impl DecodeBatch {
     /// The `[B, vocab]` mask of the next token when some row is constrained: each constrained
     /// row's allowed set, zeros for the others.
     fn constraint_mask(&mut self) -> Result<Option<Array>, Exception> {
-        if self.rows.iter().all(|s| s.constraint.is_none()) {
-            return Ok(None);
-        }
-        let v = self.sampler.vocab();
-        let mut mask = vec![0.0f32; v * self.rows.len()];
-        for (seq, row) in self.rows.iter_mut().zip(mask.chunks_mut(v)) {
-            seq.write_mask(row);
-        }
-        Ok(Some(Array::from_slice(
-            &mask,
-            &[self.rows.len() as i32, v as i32],
-        )))
+        super::first_token::constraint_mask(&mut self.rows, self.sampler.vocab())
     }
 
     /// Reads this step's tokens back and hands them out at once (the synchronous step of a
@@ -730,12 +711,13 @@ impl DecodeBatch {
                 params: &s.params,
                 seed: s.seed,
                 prompt: s.prompt(),
+                generated: &s.tokens[s.prompt_len..],
                 next_step: (s.sample_offset + s.sampled) as u64,
                 logprobs: s.logprobs,
             })
             .collect();
         self.sampler.extend(&joining)?;
-        join_tokens.extend(seqs.iter().map(Sequence::last_prompt_token));
+        join_tokens.extend(seqs.iter().map(Sequence::last_token));
         let shadowed = matches!(
             self.spec,
             Some(Speculator {

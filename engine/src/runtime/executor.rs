@@ -3,20 +3,25 @@
 //! Each iteration admits what the [`scheduler`](super::scheduler) allows, runs one decode
 //! step for every sequence past its prompt (one forward pass, [`DecodeBatch`]) and one prefill
 //! unit (a chunk of one prompt or a padded group of short ones), then publishes its counters.
-//! Sequences whose prompt is in their cache join the decode batch at the next step. MLX
-//! arrays never leave this thread.
+//! The pass that completes a prompt samples its first token ([`super::first_token`]);
+//! sequences whose prompt is in their cache join the decode batch at the next step, that token
+//! their input. MLX arrays never leave this thread.
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
 use mlx_rs::error::Exception;
+use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 use tokio::sync::mpsc;
 
 use super::batch::{DecodeBatch, Departed, Prefilled};
 use super::draft::Speculator;
-use super::request::{AdapterWork, AdapterWorkError, GenerateRequest, GenerationError, TokenEvent};
+use super::first_token::FirstTokens;
+use super::request::{
+    AdapterWork, AdapterWorkError, FinishReason, GenerateRequest, GenerationError, TokenEvent,
+};
 use super::scheduler::{self, Admission, PrefillView, PrefillWork, SchedulerLimits, WaitingView};
 use super::sequence::Sequence;
 use super::step_trace::PrefillTrace;
@@ -52,9 +57,10 @@ impl Prefilling {
         }
     }
 
-    /// Prompt tokens still to run here; the last one runs in the first decode step.
+    /// Prompt tokens still to run here, its last one included (the pass that runs it samples
+    /// the first token).
     fn remaining(&self) -> usize {
-        (self.seq.prompt_len - 1).saturating_sub(self.written)
+        self.seq.prompt_len.saturating_sub(self.written)
     }
 }
 
@@ -582,8 +588,15 @@ impl<'m> Executor<'m> {
         Ok(())
     }
 
-    /// Token ids the model cannot embed or bias are refused before they reach MLX.
+    /// Token ids the model cannot embed or bias are refused before they reach MLX, and so is
+    /// a prompt of no tokens (its first token has no position to be sampled from).
     fn check_vocabulary(&self, req: &GenerateRequest) -> Result<(), GenerationError> {
+        if req.prompt.is_empty() {
+            return Err(GenerationError::Unsupported {
+                param: Some("prompt"),
+                reason: "the prompt has no tokens: a generation needs at least one".into(),
+            });
+        }
         let vocab = self.info.vocab_size;
         if let Some(&token) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(GenerationError::TokenOutOfRange {
@@ -622,15 +635,63 @@ impl<'m> Executor<'m> {
                 prefilled_us = p.seq.admitted.elapsed().as_micros() as u64,
                 "prompt in its cache"
             );
-            let layers = p
-                .layers
-                .unwrap_or_else(|| fresh_layers(&self.kinds, vec![0], self.caches.layout().at(1)));
+            let Some(layers) = p.layers else {
+                // Not reached: admission refuses empty prompts, and any other runs a pass.
+                let mut seq = p.seq;
+                if let Some(r) = seq.reservation.take() {
+                    self.caches.release(r);
+                }
+                seq.fail(GenerationError::Mlx(
+                    "a prompt finished its prefill without a cache".into(),
+                ));
+                continue;
+            };
             self.ready.push(Prefilled {
                 seqs: vec![p.seq],
                 layers,
             });
         }
         self.prefilling = still;
+    }
+
+    /// Takes the prefilled rows whose first token was also their last (a stop token,
+    /// `max_tokens` of 1, a finished constraint, a client gone) out of the ready units, their
+    /// prompts' KV to the prefix cache, rather than joining them to the batch for nothing: a
+    /// request sent the moment they finish finds their prompt cached.
+    fn depart_finished_ready(&mut self) -> Result<(), Exception> {
+        let keep_kv = self.caches.prefix_enabled();
+        let mut departed = Vec::new();
+        for unit in &mut self.ready {
+            if unit.seqs.iter().all(Sequence::wants_more) {
+                continue;
+            }
+            let mut keep = Vec::with_capacity(unit.seqs.len());
+            let mut kept = Vec::with_capacity(unit.seqs.len());
+            for (r, mut seq) in std::mem::take(&mut unit.seqs).into_iter().enumerate() {
+                if seq.wants_more() {
+                    keep.push(r);
+                    kept.push(seq);
+                    continue;
+                }
+                let kv = match (keep_kv, seq.space) {
+                    (true, Some(_)) => row_snapshot(&unit.layers, r, seq.prompt_len)?
+                        .map(|kv| (seq.prompt().to_vec(), kv)),
+                    _ => None,
+                };
+                if !seq.finished {
+                    seq.finish(FinishReason::Length);
+                }
+                departed.push(Departed { seq, kv });
+            }
+            if !keep.is_empty() {
+                for layer in &mut unit.layers {
+                    layer.filter(&keep)?;
+                }
+            }
+            unit.seqs = kept;
+        }
+        self.ready.retain(|u| !u.seqs.is_empty());
+        self.settle(departed)
     }
 
     /// Releases the reservations of sequences that left the batch and keeps their KV.
@@ -689,7 +750,7 @@ impl<'m> Executor<'m> {
         // Without padding: what the `crawl_prefill` fault counts.
         let mut prompt_tokens = 0;
         let mut queued = Vec::with_capacity(work.len());
-        let result = (|| {
+        let result = (|| -> Result<(), Exception> {
             for w in &work {
                 let pass_tokens = w.tokens(&views, self.limits.prefill_pad_to);
                 tokens += pass_tokens;
@@ -697,10 +758,10 @@ impl<'m> Executor<'m> {
                     PrefillWork::Chunk { index, tokens: n } => {
                         let p = slots[*index].as_mut().expect("each index once a step");
                         p.last_unit = self.units;
-                        self.prefill_chunk(p, *n, &mut trace)?;
+                        let first = self.prefill_chunk(p, *n, &mut trace)?;
                         prompt_tokens += *n;
                         trace.pass(1, *n, *n);
-                        queued.push(Queued::Slot(*index));
+                        queued.push((Queued::Slot(*index), first));
                     }
                     PrefillWork::Group { indices } => {
                         let rows: Vec<Prefilling> = indices
@@ -708,10 +769,10 @@ impl<'m> Executor<'m> {
                             .map(|&i| slots[i].take().expect("each index once a step"))
                             .collect();
                         let real: usize = rows.iter().map(Prefilling::remaining).sum();
-                        let unit = self.prefill_group(rows, &mut trace)?;
+                        let (unit, first) = self.prefill_group(rows, &mut trace)?;
                         prompt_tokens += real;
                         trace.pass(indices.len(), real, pass_tokens);
-                        queued.push(Queued::Ready(self.ready.len()));
+                        queued.push((Queued::Ready(self.ready.len()), Some(first)));
                         self.ready.push(unit);
                     }
                 }
@@ -719,7 +780,8 @@ impl<'m> Executor<'m> {
             }
             // One wait for every pass of the step.
             let mut state = Vec::new();
-            for q in &queued {
+            for (q, first) in &queued {
+                state.extend(first.iter().flat_map(FirstTokens::arrays));
                 match q {
                     Queued::Slot(i) => state.extend(
                         slots[*i]
@@ -732,7 +794,18 @@ impl<'m> Executor<'m> {
                     }
                 }
             }
-            mlx_rs::transforms::eval(state)
+            mlx_rs::transforms::eval(state)?;
+            for (q, first) in &queued {
+                let Some(first) = first else { continue };
+                match q {
+                    Queued::Slot(i) => {
+                        let p = slots[*i].as_mut().expect("a queued slot stays");
+                        first.hand_out(std::slice::from_mut(&mut p.seq))?;
+                    }
+                    Queued::Ready(r) => first.hand_out(&mut self.ready[*r].seqs)?,
+                }
+            }
+            Ok(())
         })();
         self.prefilling = slots.into_iter().flatten().collect();
         result?;
@@ -748,6 +821,7 @@ impl<'m> Executor<'m> {
             self.stats.record_prefill_step(took, tokens);
         }
         self.promote_prefilled();
+        self.depart_finished_ready()?;
         Ok(true)
     }
 
@@ -771,48 +845,80 @@ impl<'m> Executor<'m> {
     }
 
     /// The next `n` prompt tokens of one sequence into its own cache (queued, not waited for).
+    /// A chunk that ends the prompt samples its first token too (returned, still on the
+    /// device); with recurrent layers its last token runs in a pass of its own, so that the
+    /// state before it is kept as a snapshot (see [`Self::final_pieces`]).
     fn prefill_chunk(
         &mut self,
         p: &mut Prefilling,
         n: usize,
         trace: &mut PrefillTrace,
-    ) -> Result<(), Exception> {
+    ) -> Result<Option<FirstTokens>, Exception> {
         let layout = self.caches.layout();
-        let quant = layout.at(0);
-        let chunk = &p.seq.tokens[p.written..p.written + n];
-        let input = Array::from_slice(chunk, &[1, n as i32]);
-        let layers = p
+        let ends = p.written + n == p.seq.prompt_len;
+        let mut layers = p
             .layers
             .take()
-            .unwrap_or_else(|| fresh_layers(&self.kinds, vec![0], quant));
-        let mut layers = {
-            let _adapters = adapters::select(self.model, [p.seq.adapter])?;
-            queue_prefill(self.model, &input, layers, trace)?
-        };
-        let before = p.written;
-        p.written += n;
-        quantize_past_start(&mut layers, layout, p.written)?;
-        let written = p.written;
-        let every = self.limits.state_snapshot_every.max(1);
-        let boundary = written == p.seq.prompt_len - 1 || written / every > before / every;
-        if let (true, true, Some(space)) = (self.stateful, boundary, p.seq.space) {
-            let tokens = p.seq.tokens[..written].to_vec();
-            self.snapshot_row(space, tokens, &layers, 0)?;
+            .unwrap_or_else(|| fresh_layers(&self.kinds, vec![0], layout.at(0)));
+        let mut last_logits = None;
+        for piece in self.final_pieces(n, ends) {
+            let chunk = &p.seq.tokens[p.written..p.written + piece];
+            let input = Array::from_slice(chunk, &[1, piece as i32]);
+            let sample = ends && p.written + piece == p.seq.prompt_len;
+            let (queued, logits) = {
+                let _adapters = adapters::select(self.model, [p.seq.adapter])?;
+                queue_prefill(self.model, &input, layers, sample, trace)?
+            };
+            layers = queued;
+            last_logits = logits;
+            let before = p.written;
+            p.written += piece;
+            quantize_past_start(&mut layers, layout, p.written)?;
+            let written = p.written;
+            let every = self.limits.state_snapshot_every.max(1);
+            let boundary = written == p.seq.prompt_len - 1 || written / every > before / every;
+            if let (true, true, Some(space)) = (self.stateful, boundary, p.seq.space) {
+                let tokens = p.seq.tokens[..written].to_vec();
+                self.snapshot_row(space, tokens, &layers, 0)?;
+            }
         }
         p.layers = Some(layers);
-        Ok(())
+        last_logits
+            .map(|logits| {
+                FirstTokens::sample(std::slice::from_mut(&mut p.seq), &logits, self.vocab())
+            })
+            .transpose()
     }
 
-    /// The remainders (all but their last token) of sequences, in one forward pass of the
-    /// group's padded length (queued, not waited for); they then join the batch together.
-    /// Fresh sequences are padded on the left; sequences that continue a cache each re-feed
-    /// the cached tokens just before their remainder to reach that length, their caches cut
-    /// back to match and joined into one (see [`PrefillWork::Group`]).
+    /// How the `n` tokens of a pass run: in one pass, but where they end a prompt of a model
+    /// with recurrent layers, the last token in a pass of its own. A recurrent state cannot be
+    /// cut back, so a later request with this very prompt (a regenerated answer) can only
+    /// continue from a snapshot of the state before the prompt's last token; the extra pass is
+    /// what every prompt paid before first tokens came from the prefill.
+    fn final_pieces(&self, n: usize, ends: bool) -> Vec<usize> {
+        if self.stateful && ends && n > 1 {
+            vec![n - 1, 1]
+        } else {
+            vec![n]
+        }
+    }
+
+    fn vocab(&self) -> usize {
+        self.info.vocab_size
+    }
+
+    /// The remainders of sequences, last tokens included, in one forward pass of the group's
+    /// padded length (queued, not waited for), which samples their first tokens (returned, on
+    /// the device); they then join the batch together. Fresh sequences are padded on the
+    /// left; sequences that continue a cache each re-feed the cached tokens just before their
+    /// remainder to reach that length, their caches cut back to match and joined into one
+    /// (see [`PrefillWork::Group`]). With recurrent layers the last column runs in a pass of
+    /// its own ([`Self::final_pieces`]).
     fn prefill_group(
         &mut self,
         mut rows: Vec<Prefilling>,
         trace: &mut PrefillTrace,
-    ) -> Result<Prefilled, Exception> {
+    ) -> Result<(Prefilled, FirstTokens), Exception> {
         let lens: Vec<usize> = rows.iter().map(Prefilling::remaining).collect();
         let longest = scheduler::padded_length(
             lens.iter().copied().max().unwrap_or(0),
@@ -843,32 +949,43 @@ impl<'m> Executor<'m> {
                 padding.push(pad as i32);
             }
         }
-        let input = Array::from_slice(&tokens, &[rows.len() as i32, longest as i32]);
+        let b = rows.len() as i32;
+        let input = Array::from_slice(&tokens, &[b, longest as i32]);
         let layout = self.caches.layout();
-        let caches = if continued {
+        let mut layers = if continued {
             LayerCache::join_sequences(parts)?
         } else {
             fresh_layers(&self.kinds, padding, layout.at(0))
         };
-        let mut layers = {
-            let _adapters = adapters::select(self.model, rows.iter().map(|p| p.seq.adapter))?;
-            queue_prefill(self.model, &input, caches, trace)?
-        };
-        // Every row now holds its prompt but the last token.
-        let held = rows.iter().map(|p| p.seq.prompt_len - 1).max();
-        quantize_past_start(&mut layers, layout, held.unwrap_or(0).max(longest))?;
-        if self.stateful {
-            for (row, p) in rows.iter().enumerate() {
-                if let Some(space) = p.seq.space {
-                    let tokens = p.seq.tokens[..lens[row]].to_vec();
-                    self.snapshot_row(space, tokens, &layers, row)?;
+        let mut logits = None;
+        let mut done = 0;
+        for piece in self.final_pieces(longest, true) {
+            let columns = input.index((.., done as i32..(done + piece) as i32));
+            done += piece;
+            let sample = done == longest;
+            let (queued, l) = {
+                let _adapters = adapters::select(self.model, rows.iter().map(|p| p.seq.adapter))?;
+                queue_prefill(self.model, &columns, layers, sample, trace)?
+            };
+            layers = queued;
+            logits = l;
+            if self.stateful && !sample {
+                // Every row holds its prompt but the last token: the snapshot a repeat needs.
+                for (row, p) in rows.iter().enumerate() {
+                    if let Some(space) = p.seq.space {
+                        let tokens = p.seq.tokens[..p.seq.prompt_len - 1].to_vec();
+                        self.snapshot_row(space, tokens, &layers, row)?;
+                    }
                 }
             }
         }
-        Ok(Prefilled {
-            seqs: rows.into_iter().map(|p| p.seq).collect(),
-            layers,
-        })
+        // Every row now holds its whole prompt.
+        let held = rows.iter().map(|p| p.seq.prompt_len).max();
+        quantize_past_start(&mut layers, layout, held.unwrap_or(0).max(longest))?;
+        let mut seqs: Vec<Sequence> = rows.into_iter().map(|p| p.seq).collect();
+        let logits = logits.ok_or_else(|| Exception::custom("a prefill group ran no pass"))?;
+        let first = FirstTokens::sample(&mut seqs, &logits, self.vocab())?;
+        Ok((Prefilled { seqs, layers }, first))
     }
 
     /// Keeps row `row` of a prompt's caches in the prefix cache as the cache of `tokens`: a
@@ -1028,23 +1145,31 @@ fn row_snapshot(
     Ok(Some(SeqKv::new(copies, starts)))
 }
 
-/// Runs `input` `[B, L]` into `layers` and queues the caches' evaluation (`async_eval`; the
-/// logits are not needed); windowed layers drop what their windows no longer reach, so that a
-/// prompt waiting to join the batch holds a bounded cache. `trace` times the graph and the
-/// queueing apart.
+/// Runs `input` `[B, L]` into `layers` and queues the caches' evaluation (`async_eval`);
+/// windowed layers drop what their windows no longer reach, so that a prompt waiting to join
+/// the batch holds a bounded cache. With `sample`, also returns the logits of the last
+/// position `[B, vocab]` (lazy: the head runs on that position only), from which the pass's
+/// first tokens are sampled. `trace` times the graph and the queueing apart.
 fn queue_prefill(
     model: &dyn CausalLm,
     input: &Array,
     mut caches: Vec<LayerCache>,
+    sample: bool,
     trace: &mut PrefillTrace,
-) -> Result<Vec<LayerCache>, Exception> {
-    trace.graph(|| -> Result<(), Exception> {
-        let _ = model.forward(input, &mut caches)?;
+) -> Result<(Vec<LayerCache>, Option<Array>), Exception> {
+    let logits = trace.graph(|| -> Result<Option<Array>, Exception> {
+        let logits = if sample {
+            let last = model.forward_last(input, &mut caches)?;
+            Some(last.index((.., -1, ..)))
+        } else {
+            let _ = model.hidden(input, &mut caches)?;
+            None
+        };
         for cache in &mut caches {
             cache.evict_outside_window()?;
         }
-        Ok(())
+        Ok(logits)
     })?;
     trace.queue(|| mlx_rs::transforms::async_eval(caches.iter().flat_map(LayerCache::state)))?;
-    Ok(caches)
+    Ok((caches, logits))
 }

@@ -7,6 +7,7 @@
 //! - [`executor`]: the MLX thread's loop, which runs one decode step and one prefill unit per
 //!   iteration;
 //! - [`batch`]: the decode batch (one forward pass for every decoding sequence);
+//! - [`first_token`]: a prompt's first token, sampled from its last prefill pass;
 //! - [`sampler`] and [`noise`]: on-device sampling for the whole batch;
 //! - [`sequence`]: one request's state;
 //! - [`step_trace`]: where a decode step's host time goes (`mlxd_engine::step` trace events);
@@ -15,6 +16,7 @@ mod arrivals;
 pub mod batch;
 pub mod draft;
 pub mod executor;
+mod first_token;
 pub mod lockstep;
 pub mod noise;
 pub mod reference;

@@ -40,6 +40,10 @@ pub struct RowSampling<'a> {
     pub seed: u64,
     /// Prompt tokens (for the repetition penalty).
     pub prompt: &'a [u32],
+    /// Tokens the row generated before it joins (its first, sampled from its prompt's last
+    /// prefill pass): seen by the repetition penalty and counted by the presence and
+    /// frequency penalties, exactly as if this sampler had sampled them.
+    pub generated: &'a [u32],
     /// Index of this row's next generated token in its random stream.
     pub next_step: u64,
     /// Alternatives to report with each token's log-probability (`None`: no log-probabilities).
@@ -184,7 +188,7 @@ impl BatchSampler {
                 .iter()
                 .flat_map(|r| {
                     let mut row = vec![0.0f32; v];
-                    for &t in r.prompt {
+                    for &t in r.prompt.iter().chain(r.generated) {
                         if let Some(slot) = row.get_mut(t as usize) {
                             *slot = 1.0;
                         }
@@ -198,7 +202,18 @@ impl BatchSampler {
             .iter()
             .any(|r| r.params.presence_penalty != 0.0 || r.params.frequency_penalty != 0.0);
         if self.counts.is_some() || wants_counts {
-            let rows = vec![0.0f32; v * joining.len()];
+            let rows: Vec<f32> = joining
+                .iter()
+                .flat_map(|r| {
+                    let mut row = vec![0.0f32; v];
+                    for &t in r.generated {
+                        if let Some(slot) = row.get_mut(t as usize) {
+                            *slot += 1.0;
+                        }
+                    }
+                    row
+                })
+                .collect();
             self.counts = Some(append_rows(self.counts.take(), old, self.vocab, &rows)?);
         }
         let column = |f: &dyn Fn(&RowSampling<'_>) -> u32| {
@@ -526,6 +541,7 @@ mod tests {
                 params: p,
                 seed: *seed,
                 prompt,
+                generated: &[],
                 next_step: 0,
                 logprobs: None,
             })
@@ -653,6 +669,7 @@ mod tests {
                 params: p,
                 seed: 0,
                 prompt: &[],
+                generated: &[],
                 next_step: 0,
                 logprobs: *lp,
             })
@@ -748,6 +765,7 @@ mod snapshot {
                 params: p,
                 seed: (1000 + 7 * i as u64) | ((i as u64) << 33),
                 prompt: &prompt,
+                generated: &[],
                 next_step: i as u64,
                 logprobs: None,
             })
@@ -845,6 +863,59 @@ mod snapshot {
         }
     }
 
+    /// A row whose first token another sampler drew (a prompt's last prefill pass) and that
+    /// joins with it as `generated`, its next step after it, draws what it would have drawn
+    /// had one sampler drawn every token: its penalties see and count that token.
+    #[test]
+    fn a_row_joining_with_its_first_token_draws_as_if_never_moved() {
+        fn row<'a>(
+            params: &'a SamplingParams,
+            generated: &'a [u32],
+            next_step: u64,
+        ) -> RowSampling<'a> {
+            RowSampling {
+                params,
+                seed: 5,
+                prompt: &[0, 3, 3],
+                generated,
+                next_step,
+                logprobs: None,
+            }
+        }
+        let vocab = 64;
+        for params in configurations().into_iter().flatten() {
+            let draw = |s: &mut BatchSampler, step| {
+                let l = logits(1, vocab as i32, step, Dtype::Float32);
+                s.sample(&l).unwrap().as_slice::<u32>()[0]
+            };
+            let mut one = BatchSampler::new(vocab);
+            one.extend(&[row(&params, &[], 0)]).unwrap();
+            let all: Vec<u32> = (0..5).map(|step| draw(&mut one, step)).collect();
+            let mut first = BatchSampler::new(vocab);
+            first.extend(&[row(&params, &[], 0)]).unwrap();
+            assert_eq!(draw(&mut first, 0), all[0], "{params:?}");
+            let mut joined = BatchSampler::new(vocab);
+            joined.extend(&[row(&params, &all[..1], 1)]).unwrap();
+            let rest: Vec<u32> = (1..5).map(|step| draw(&mut joined, step)).collect();
+            assert_eq!(rest, all[1..], "{params:?}");
+        }
+        // Where the penalty decides: greedy over constant logits takes token 1 first, then
+        // token 2 only if the joined row's penalty knows token 1 was generated (the prompt
+        // holds neither).
+        let flat = Array::from_slice(&[0.0f32, 3.0, 2.8, 0.0, 0.0, 0.0, 0.0, 0.0], &[1, 8]);
+        let penalties = [
+            with(|p| p.repetition_penalty = 1.5),
+            with(|p| p.presence_penalty = 1.0),
+            with(|p| p.frequency_penalty = 1.0),
+        ];
+        for params in &penalties {
+            let mut joined = BatchSampler::new(8);
+            joined.extend(&[row(params, &[1], 1)]).unwrap();
+            let next = joined.sample(&flat).unwrap().as_slice::<u32>()[0];
+            assert_eq!(next, 2, "{params:?}");
+        }
+    }
+
     /// Rows joining and leaving between steps (a new traced shape each time) change no row's
     /// draws: each row draws what it draws alone.
     #[test]
@@ -856,6 +927,7 @@ mod snapshot {
             params: &params[i],
             seed: 77 + i as u64,
             prompt: &[2, 4],
+            generated: &[],
             next_step: 0,
             logprobs: None,
         };

@@ -61,7 +61,7 @@ pub struct WaitingView {
 /// A sequence admitted and still prefilling.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PrefillView {
-    /// Prompt tokens still to run before decoding (its last token runs in the decode step).
+    /// Prompt tokens still to run before decoding, its last token included.
     pub remaining: usize,
     /// Positions already in its cache (a prefix-cache hit or earlier chunks).
     pub written: usize,

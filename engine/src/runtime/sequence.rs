@@ -90,13 +90,7 @@ impl Sequence {
         &self.tokens[..self.prompt_len]
     }
 
-    /// The prompt's last token, which the first decode step runs.
-    pub fn last_prompt_token(&self) -> u32 {
-        self.tokens[self.prompt_len - 1]
-    }
-
-    /// The last token held: the newest generated one (or the prompt's last), which the next
-    /// decode step runs.
+    /// The last token held: the newest generated one, which the next decode step runs.
     pub fn last_token(&self) -> u32 {
         *self.tokens.last().expect("a sequence is never empty")
     }

@@ -584,7 +584,7 @@ impl Hold {
 }
 
 impl mlxd_engine::models::CausalLm for Paced {
-    fn forward(
+    fn hidden(
         &self,
         tokens: &mlx_rs::Array,
         caches: &mut [mlxd_engine::cache::LayerCache],
@@ -596,7 +596,10 @@ impl mlxd_engine::models::CausalLm for Paced {
             std::thread::sleep(self.per_token * (rows * len) as u32);
         }
         self.passes.lock().unwrap().push((rows, len));
-        self.inner.forward(tokens, caches)
+        self.inner.hidden(tokens, caches)
+    }
+    fn head(&self, hidden: &mlx_rs::Array) -> Result<mlx_rs::Array, mlx_rs::error::Exception> {
+        self.inner.head(hidden)
     }
     fn info(&self) -> &mlxd_engine::models::ModelInfo {
         self.inner.info()
@@ -665,6 +668,44 @@ fn passes_to_first_token(
             _ => {}
         }
     }
+}
+
+#[test]
+fn the_pass_that_ends_a_prompt_samples_its_first_token_and_a_one_token_answer_keeps_its_prompt() {
+    // No chunking (the 40 tokens fit one pass) and the prefix cache on.
+    let (runtime, passes) = start_paced(
+        RuntimeLimits {
+            prompt_cache_bytes: 16 << 20,
+            ..Default::default()
+        },
+        std::time::Duration::ZERO,
+    );
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 13 + 7) % 390).collect();
+    // The first token comes out of the one pass over the whole prompt: no decode step runs
+    // before it (mlx-lm's order, the prompt's last token in the first decode step, took two).
+    let mut rx = send(&runtime, prompt.clone(), 3);
+    assert_eq!(passes_to_first_token(&mut rx, &passes), 1);
+    assert_eq!(passes.lock().unwrap()[0], (1, 40));
+    let mut rest = Vec::new();
+    read_tokens(&mut rx, &mut rest, None);
+    assert_eq!(rest.len(), 2, "two more tokens after the first");
+    // A one-token answer never joins the batch: one pass, and its prompt is cached at once,
+    // so the same prompt sent the moment it ends runs only its last token.
+    let other: Vec<u32> = (0..24).map(|i| (i * 29 + 3) % 390).collect();
+    let before = passes.lock().unwrap().len();
+    let mut rx = send(&runtime, other.clone(), 1);
+    let mut got = Vec::new();
+    read_tokens(&mut rx, &mut got, None);
+    assert_eq!(got.len(), 1);
+    assert_eq!(passes.lock().unwrap()[before..], [(1, 24)]);
+    let again = generate_alone(&runtime, &[Gen::greedy(&other, 1)]);
+    assert_eq!(again[0].cached, other.len() - 1);
+    assert_eq!(
+        again[0].tokens, got,
+        "the cached prompt gives the same token"
+    );
+    assert_eq!(passes.lock().unwrap()[before + 1..], [(1, 1)]);
+    runtime.join();
 }
 
 #[test]
@@ -774,7 +815,8 @@ fn on_a_slow_device_prefill_chunks_shrink_to_the_unit_target() {
         prefill[1..].iter().all(|&c| (32..=128).contains(&c)) && prefill.len() >= 3,
         "later chunks shrink: {prefill:?}"
     );
-    assert_eq!(prefill.iter().sum::<i32>(), 599);
+    // The whole prompt, its last token too: that chunk samples the first token.
+    assert_eq!(prefill.iter().sum::<i32>(), 600);
     runtime.join();
 }
 

@@ -33,8 +33,11 @@ struct Windowed {
 }
 
 impl CausalLm for Windowed {
-    fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
-        self.inner.forward(tokens, caches)
+    fn hidden(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
+        self.inner.hidden(tokens, caches)
+    }
+    fn head(&self, hidden: &Array) -> Result<Array, Exception> {
+        self.inner.head(hidden)
     }
     fn info(&self) -> &ModelInfo {
         self.inner.info()
