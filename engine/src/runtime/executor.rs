@@ -3,9 +3,10 @@
 //! Each iteration admits what the [`scheduler`](super::scheduler) allows, runs one decode
 //! step for every sequence past its prompt (one forward pass, [`DecodeBatch`]) and one prefill
 //! unit (a chunk of one prompt or a padded group of short ones), then publishes its counters.
-//! The pass that completes a prompt samples its first token ([`super::first_token`]);
-//! sequences whose prompt is in their cache join the decode batch at the next step, that token
-//! their input. MLX arrays never leave this thread.
+//! Sequences whose prompt is in their cache join the decode batch at the next step, the
+//! prompt's last token their input, or with `first_token_from_prefill` the first token the
+//! pass that completed the prompt sampled ([`super::first_token`]). MLX arrays never leave
+//! this thread.
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -46,6 +47,9 @@ struct Prefilling {
     written: usize,
     /// The prefill unit that last ran some of its prompt (0: none yet), for taking turns.
     last_unit: u64,
+    /// Its prompt's last token runs here, and samples the first token
+    /// ([`SchedulerLimits::first_token_from_prefill`]); otherwise in its first decode step.
+    last_in_prefill: bool,
 }
 
 impl Prefilling {
@@ -57,10 +61,15 @@ impl Prefilling {
         }
     }
 
-    /// Prompt tokens still to run here, its last one included (the pass that runs it samples
-    /// the first token).
+    /// Prompt tokens still to run here: all of them where the pass that runs the last one
+    /// samples the first token, else all but the last.
     fn remaining(&self) -> usize {
-        self.seq.prompt_len.saturating_sub(self.written)
+        let end = if self.last_in_prefill {
+            self.seq.prompt_len
+        } else {
+            self.seq.prompt_len.saturating_sub(1)
+        };
+        end.saturating_sub(self.written)
     }
 }
 
@@ -580,6 +589,7 @@ impl<'m> Executor<'m> {
                         layers,
                         written,
                         last_unit: 0,
+                        last_in_prefill: self.limits.first_token_from_prefill,
                     });
                 }
             }
@@ -635,16 +645,23 @@ impl<'m> Executor<'m> {
                 prefilled_us = p.seq.admitted.elapsed().as_micros() as u64,
                 "prompt in its cache"
             );
-            let Some(layers) = p.layers else {
-                // Not reached: admission refuses empty prompts, and any other runs a pass.
-                let mut seq = p.seq;
-                if let Some(r) = seq.reservation.take() {
-                    self.caches.release(r);
+            let layers = match p.layers {
+                Some(layers) => layers,
+                // A one-token prompt whose token runs in its first decode step.
+                None if !p.last_in_prefill => {
+                    fresh_layers(&self.kinds, vec![0], self.caches.layout().at(1))
                 }
-                seq.fail(GenerationError::Mlx(
-                    "a prompt finished its prefill without a cache".into(),
-                ));
-                continue;
+                None => {
+                    // Not reached: admission refuses empty prompts, and any other runs a pass.
+                    let mut seq = p.seq;
+                    if let Some(r) = seq.reservation.take() {
+                        self.caches.release(r);
+                    }
+                    seq.fail(GenerationError::Mlx(
+                        "a prompt finished its prefill without a cache".into(),
+                    ));
+                    continue;
+                }
             };
             self.ready.push(Prefilled {
                 seqs: vec![p.seq],
@@ -661,14 +678,17 @@ impl<'m> Executor<'m> {
     fn depart_finished_ready(&mut self) -> Result<(), Exception> {
         let keep_kv = self.caches.prefix_enabled();
         let mut departed = Vec::new();
+        // Only rows that were handed a token: one whose first token is still to come (its
+        // prompt's last token runs in its first decode step) joins whatever its limits.
+        let done = |s: &Sequence| s.sampled > 0 && !s.wants_more();
         for unit in &mut self.ready {
-            if unit.seqs.iter().all(Sequence::wants_more) {
+            if !unit.seqs.iter().any(done) {
                 continue;
             }
             let mut keep = Vec::with_capacity(unit.seqs.len());
             let mut kept = Vec::with_capacity(unit.seqs.len());
             for (r, mut seq) in std::mem::take(&mut unit.seqs).into_iter().enumerate() {
-                if seq.wants_more() {
+                if !done(&seq) {
                     keep.push(r);
                     kept.push(seq);
                     continue;
@@ -772,7 +792,7 @@ impl<'m> Executor<'m> {
                         let (unit, first) = self.prefill_group(rows, &mut trace)?;
                         prompt_tokens += real;
                         trace.pass(indices.len(), real, pass_tokens);
-                        queued.push((Queued::Ready(self.ready.len()), Some(first)));
+                        queued.push((Queued::Ready(self.ready.len()), first));
                         self.ready.push(unit);
                     }
                 }
@@ -845,8 +865,8 @@ impl<'m> Executor<'m> {
     }
 
     /// The next `n` prompt tokens of one sequence into its own cache (queued, not waited for).
-    /// A chunk that ends the prompt samples its first token too (returned, still on the
-    /// device); with recurrent layers its last token runs in a pass of its own, so that the
+    /// A chunk that ends the prompt (only with [`SchedulerLimits::first_token_from_prefill`])
+    /// samples its first token too (returned, still on the device); with recurrent layers its last token runs in a pass of its own, so that the
     /// state before it is kept as a snapshot (see [`Self::final_pieces`]).
     fn prefill_chunk(
         &mut self,
@@ -907,10 +927,11 @@ impl<'m> Executor<'m> {
         self.info.vocab_size
     }
 
-    /// The remainders of sequences, last tokens included, in one forward pass of the group's
-    /// padded length (queued, not waited for), which samples their first tokens (returned, on
-    /// the device); they then join the batch together. Fresh sequences are padded on the
-    /// left; sequences that continue a cache each re-feed the cached tokens just before their
+    /// The remainders of sequences (all but their last tokens; with
+    /// [`SchedulerLimits::first_token_from_prefill`], all of them, the pass then sampling their
+    /// first tokens, returned on the device) in one forward pass of the group's padded length
+    /// (queued, not waited for); they then join the batch together. Fresh sequences are padded
+    /// on the left; sequences that continue a cache each re-feed the cached tokens just before their
     /// remainder to reach that length, their caches cut back to match and joined into one
     /// (see [`PrefillWork::Group`]). With recurrent layers the last column runs in a pass of
     /// its own ([`Self::final_pieces`]).
@@ -918,7 +939,7 @@ impl<'m> Executor<'m> {
         &mut self,
         mut rows: Vec<Prefilling>,
         trace: &mut PrefillTrace,
-    ) -> Result<(Prefilled, FirstTokens), Exception> {
+    ) -> Result<(Prefilled, Option<FirstTokens>), Exception> {
         let lens: Vec<usize> = rows.iter().map(Prefilling::remaining).collect();
         let longest = scheduler::padded_length(
             lens.iter().copied().max().unwrap_or(0),
@@ -957,12 +978,13 @@ impl<'m> Executor<'m> {
         } else {
             fresh_layers(&self.kinds, padding, layout.at(0))
         };
+        let samples = self.limits.first_token_from_prefill;
         let mut logits = None;
         let mut done = 0;
-        for piece in self.final_pieces(longest, true) {
+        for piece in self.final_pieces(longest, samples) {
             let columns = input.index((.., done as i32..(done + piece) as i32));
             done += piece;
-            let sample = done == longest;
+            let sample = samples && done == longest;
             let (queued, l) = {
                 let _adapters = adapters::select(self.model, rows.iter().map(|p| p.seq.adapter))?;
                 queue_prefill(self.model, &columns, layers, sample, trace)?
@@ -979,12 +1001,16 @@ impl<'m> Executor<'m> {
                 }
             }
         }
-        // Every row now holds its whole prompt.
-        let held = rows.iter().map(|p| p.seq.prompt_len).max();
+        // Every row now holds its whole prompt, or all of it but the last token.
+        let held = rows
+            .iter()
+            .map(|p| p.seq.prompt_len - usize::from(!samples))
+            .max();
         quantize_past_start(&mut layers, layout, held.unwrap_or(0).max(longest))?;
         let mut seqs: Vec<Sequence> = rows.into_iter().map(|p| p.seq).collect();
-        let logits = logits.ok_or_else(|| Exception::custom("a prefill group ran no pass"))?;
-        let first = FirstTokens::sample(&mut seqs, &logits, self.vocab())?;
+        let first = logits
+            .map(|logits| FirstTokens::sample(&mut seqs, &logits, self.vocab()))
+            .transpose()?;
         Ok((Prefilled { seqs, layers }, first))
     }
 

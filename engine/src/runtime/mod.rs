@@ -168,6 +168,23 @@ pub struct RuntimeLimits {
     /// LoRA adapters loaded beside the model at start, by name (`--adapter name=dir`,
     /// `crate::adapters`).
     pub adapters: Vec<(String, PathBuf)>,
+    /// Sample each prompt's first token from the prefill pass that runs its last token
+    /// ([`first_token`]) instead of running that token in the row's first decode step.
+    /// Default: `MLXD_FIRST_TOKEN_FROM_PREFILL=1` ([`first_token_from_prefill_env`]), else
+    /// off. It saves every request a decode step of time to first token, which on a GPU is
+    /// mostly host time (3.8 ms of an H200's 11.2 ms prefix hit at 5k), but the pass must then
+    /// compute the last layer's attention output and MLP over the whole final chunk, which
+    /// mlx-lm's order never computes for prompt positions: on this 2-core CPU, compute-bound,
+    /// that made a tiny two-layer model's 416-token miss 1.7–2.6× slower (session 53). Off until a
+    /// GPU run measures both sides.
+    pub first_token_from_prefill: bool,
+}
+
+/// `MLXD_FIRST_TOKEN_FROM_PREFILL=1` (read once): the default of
+/// [`RuntimeLimits::first_token_from_prefill`], a switch for measuring it on a device.
+pub fn first_token_from_prefill_env() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("MLXD_FIRST_TOKEN_FROM_PREFILL").is_ok_and(|v| v == "1"))
 }
 
 impl Default for RuntimeLimits {
@@ -192,6 +209,7 @@ impl Default for RuntimeLimits {
             state_snapshot_every: STATE_SNAPSHOT_EVERY,
             warm_up: None,
             adapters: Vec::new(),
+            first_token_from_prefill: first_token_from_prefill_env(),
         }
     }
 }
@@ -214,6 +232,7 @@ impl RuntimeLimits {
             prefill_step_tokens: self.prefill_step_tokens.unwrap_or(step).max(1),
             prefill_pad_to: self.prefill_pad_to.max(1),
             state_snapshot_every: self.state_snapshot_every.max(1),
+            first_token_from_prefill: self.first_token_from_prefill,
         }
     }
 }

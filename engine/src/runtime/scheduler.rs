@@ -49,6 +49,10 @@ pub struct SchedulerLimits {
     /// Prompt tokens between two snapshots of a recurrent state (see
     /// [`RuntimeLimits::state_snapshot_every`](super::RuntimeLimits::state_snapshot_every)).
     pub state_snapshot_every: usize,
+    /// Whether the pass that ends a prompt runs its last token and samples the first token
+    /// ([`super::first_token`]); otherwise the last token runs in the row's first decode step
+    /// (mlx-lm's order). See [`super::RuntimeLimits::first_token_from_prefill`].
+    pub first_token_from_prefill: bool,
 }
 
 /// A request waiting for admission.
@@ -362,6 +366,7 @@ mod tests {
             prefill_step_tokens: 300,
             prefill_pad_to: 1,
             state_snapshot_every: 4096,
+            first_token_from_prefill: false,
         }
     }
 

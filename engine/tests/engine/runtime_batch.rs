@@ -671,11 +671,66 @@ fn passes_to_first_token(
 }
 
 #[test]
+fn first_tokens_sampled_from_the_prefill_are_those_of_the_first_decode_step() {
+    // Both orders on the float32 tiny Llama, a burst of greedy, seeded and penalized rows (a
+    // one-token prompt among them), then the same burst again as prefix hits: the same tokens.
+    let dir = common::tiny_model("tiny-llama");
+    let start = |on: bool| {
+        Runtime::start(
+            dir.clone(),
+            RuntimeLimits {
+                prompt_cache_bytes: 64 << 20,
+                first_token_from_prefill: on,
+                ..Default::default()
+            },
+            None,
+        )
+        .expect("load")
+    };
+    let penalized = SamplingParams {
+        repetition_penalty: 1.3,
+        frequency_penalty: 0.4,
+        ..sampled(7)
+    };
+    let gens: Vec<Gen> = prompts()
+        .into_iter()
+        .enumerate()
+        .map(|(i, prompt)| Gen {
+            prompt,
+            sampling: match i % 3 {
+                0 => SamplingParams::default(),
+                1 => sampled(i as u64),
+                _ => penalized.clone(),
+            },
+            max_tokens: 8,
+            logprobs: (i == 0).then_some(2),
+        })
+        .collect();
+    let (decode, prefill) = (start(false), start(true));
+    for round in ["misses", "hits"] {
+        let a = generate_together(&decode, &gens);
+        let b = generate_together(&prefill, &gens);
+        assert_eq!(tokens(&a), tokens(&b), "{round}");
+        assert_eq!(
+            b[0].logprobs.len(),
+            8,
+            "{round}: a log-probability per token"
+        );
+        if round == "hits" {
+            assert!(b.iter().skip(2).all(|o| o.cached > 0), "{round}: {b:?}");
+        }
+    }
+    decode.join();
+    prefill.join();
+}
+
+#[test]
 fn the_pass_that_ends_a_prompt_samples_its_first_token_and_a_one_token_answer_keeps_its_prompt() {
     // No chunking (the 40 tokens fit one pass) and the prefix cache on.
     let (runtime, passes) = start_paced(
         RuntimeLimits {
             prompt_cache_bytes: 16 << 20,
+            first_token_from_prefill: true,
             ..Default::default()
         },
         std::time::Duration::ZERO,
@@ -815,8 +870,7 @@ fn on_a_slow_device_prefill_chunks_shrink_to_the_unit_target() {
         prefill[1..].iter().all(|&c| (32..=128).contains(&c)) && prefill.len() >= 3,
         "later chunks shrink: {prefill:?}"
     );
-    // The whole prompt, its last token too: that chunk samples the first token.
-    assert_eq!(prefill.iter().sum::<i32>(), 600);
+    assert_eq!(prefill.iter().sum::<i32>(), 599);
     runtime.join();
 }
 
