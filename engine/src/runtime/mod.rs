@@ -175,7 +175,7 @@ pub struct RuntimeLimits {
     /// mostly host time (3.8 ms of an H200's 11.2 ms prefix hit at 5k), but the pass must then
     /// compute the last layer's attention output and MLP over the whole final chunk, which
     /// mlx-lm's order never computes for prompt positions: on this 2-core CPU, compute-bound,
-    /// that made a tiny two-layer model's 416-token miss 1.7–2.6× slower (session 53). Off until a
+    /// that made a tiny two-layer model's 416-token miss 1.8× slower (session 53). Off until a
     /// GPU run measures both sides.
     pub first_token_from_prefill: bool,
 }
