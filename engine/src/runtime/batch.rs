@@ -716,17 +716,7 @@ impl DecodeBatch {
         for (cache, layer) in self.caches.iter_mut().zip(layers) {
             cache.extend(layer)?;
         }
-        let joining: Vec<RowSampling> = seqs
-            .iter()
-            .map(|s| RowSampling {
-                params: &s.params,
-                seed: s.seed,
-                prompt: s.prompt(),
-                generated: &s.tokens[s.prompt_len..],
-                next_step: (s.sample_offset + s.sampled) as u64,
-                logprobs: s.logprobs,
-            })
-            .collect();
+        let joining: Vec<RowSampling> = seqs.iter().map(Sequence::row_sampling).collect();
         self.sampler.extend(&joining)?;
         join_tokens.extend(seqs.iter().map(Sequence::last_token));
         let shadowed = matches!(

@@ -49,17 +49,7 @@ impl FirstTokens {
     /// last position), as the decode batch's sampler would at the row's first step.
     pub fn sample(seqs: &mut [Sequence], logits: &Array, vocab: usize) -> Result<Self, Exception> {
         let mut sampler = BatchSampler::new(vocab);
-        let rows: Vec<RowSampling<'_>> = seqs
-            .iter()
-            .map(|s| RowSampling {
-                params: &s.params,
-                seed: s.seed,
-                prompt: s.prompt(),
-                generated: &s.tokens[s.prompt_len..],
-                next_step: (s.sample_offset + s.sampled) as u64,
-                logprobs: s.logprobs,
-            })
-            .collect();
+        let rows: Vec<RowSampling<'_>> = seqs.iter().map(Sequence::row_sampling).collect();
         sampler.extend(&rows)?;
         if let Some(mask) = constraint_mask(seqs, vocab)? {
             sampler.set_mask(mask);

@@ -4,6 +4,7 @@ use std::time::Instant;
 use tokio::sync::mpsc;
 
 use super::request::{FinishReason, GenerateRequest, GenerationError, TokenEvent, TokenLogprobs};
+use super::sampler::RowSampling;
 use super::sampling_params::SamplingParams;
 use crate::adapters::AdapterId;
 use crate::cache::KvSpace;
@@ -88,6 +89,19 @@ impl Sequence {
 
     pub fn prompt(&self) -> &[u32] {
         &self.tokens[..self.prompt_len]
+    }
+
+    /// What a sampler needs of this row as it joins one: its parameters, seed and step, its
+    /// prompt and the tokens it has generated so far (for the penalties).
+    pub fn row_sampling(&self) -> RowSampling<'_> {
+        RowSampling {
+            params: &self.params,
+            seed: self.seed,
+            prompt: self.prompt(),
+            generated: &self.tokens[self.prompt_len..],
+            next_step: (self.sample_offset + self.sampled) as u64,
+            logprobs: self.logprobs,
+        }
     }
 
     /// The last token held: the newest generated one, which the next decode step runs.
