@@ -84,6 +84,9 @@ pub(crate) const PASSTHROUGH_ENV: &[&str] = &[
     // `A` (`mlxd_engine::adapters::widened`; on by default on CUDA, `0`: the two kernels),
     // for measuring both.
     "MLXD_LORA_WIDENED",
+    // Whether a prompt's first token is sampled from its last prefill pass
+    // (`mlxd_engine::runtime::first_token`; off by default), for measuring both orders served.
+    "MLXD_FIRST_TOKEN_FROM_PREFILL",
     // Where MLX keeps the GPU kernels it compiles (engines default to the store,
     // `mlxd_engine::kernel_cache`); a directory the user chose reaches every engine.
     "MLX_PTX_CACHE_DIR",

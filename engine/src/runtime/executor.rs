@@ -866,8 +866,9 @@ impl<'m> Executor<'m> {
 
     /// The next `n` prompt tokens of one sequence into its own cache (queued, not waited for).
     /// A chunk that ends the prompt (only with [`SchedulerLimits::first_token_from_prefill`])
-    /// samples its first token too (returned, still on the device); with recurrent layers its last token runs in a pass of its own, so that the
-    /// state before it is kept as a snapshot (see [`Self::final_pieces`]).
+    /// samples its first token too (returned, still on the device); with recurrent layers its
+    /// last token runs in a pass of its own, so that the state before it is kept as a snapshot
+    /// (see [`Self::final_pieces`]).
     fn prefill_chunk(
         &mut self,
         p: &mut Prefilling,
@@ -931,10 +932,10 @@ impl<'m> Executor<'m> {
     /// [`SchedulerLimits::first_token_from_prefill`], all of them, the pass then sampling their
     /// first tokens, returned on the device) in one forward pass of the group's padded length
     /// (queued, not waited for); they then join the batch together. Fresh sequences are padded
-    /// on the left; sequences that continue a cache each re-feed the cached tokens just before their
-    /// remainder to reach that length, their caches cut back to match and joined into one
-    /// (see [`PrefillWork::Group`]). With recurrent layers the last column runs in a pass of
-    /// its own ([`Self::final_pieces`]).
+    /// on the left; sequences that continue a cache each re-feed the cached tokens just before
+    /// their remainder to reach that length, their caches cut back to match and joined into
+    /// one (see [`PrefillWork::Group`]). With recurrent layers the last column runs in a pass
+    /// of its own ([`Self::final_pieces`]).
     fn prefill_group(
         &mut self,
         mut rows: Vec<Prefilling>,
@@ -970,8 +971,7 @@ impl<'m> Executor<'m> {
                 padding.push(pad as i32);
             }
         }
-        let b = rows.len() as i32;
-        let input = Array::from_slice(&tokens, &[b, longest as i32]);
+        let input = Array::from_slice(&tokens, &[rows.len() as i32, longest as i32]);
         let layout = self.caches.layout();
         let mut layers = if continued {
             LayerCache::join_sequences(parts)?
@@ -982,7 +982,11 @@ impl<'m> Executor<'m> {
         let mut logits = None;
         let mut done = 0;
         for piece in self.final_pieces(longest, samples) {
-            let columns = input.index((.., done as i32..(done + piece) as i32));
+            let columns = if piece == longest {
+                input.clone()
+            } else {
+                input.index((.., done as i32..(done + piece) as i32))
+            };
             done += piece;
             let sample = samples && done == longest;
             let (queued, l) = {
