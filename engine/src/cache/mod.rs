@@ -44,6 +44,7 @@ pub use stored::{KvLayout, KvQuant, Stored};
 
 use mlx_rs::error::Exception;
 use mlx_rs::fast::ScaledDotProductAttentionMask;
+use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 
 use crate::rotary::Rope;
@@ -109,6 +110,17 @@ pub enum Mask {
 }
 
 impl Mask {
+    /// The mask of the last of `queries` queries alone: the last position of a pass sees
+    /// every key a causal mask lets it see, so only an explicit mask (padding, a window)
+    /// stays, as its last row (`[B, 1, 1, T]`; one already that shape is every query's).
+    pub fn last_query(self, queries: i32) -> Mask {
+        match self {
+            Mask::None | Mask::Causal => Mask::None,
+            Mask::Array(a) if a.shape()[2] == 1 => Mask::Array(a),
+            Mask::Array(a) => Mask::Array(a.index((.., .., queries - 1.., ..))),
+        }
+    }
+
     pub fn as_sdpa(&self) -> Option<ScaledDotProductAttentionMask<'_>> {
         match self {
             Mask::None => None,

@@ -29,10 +29,43 @@ impl<T> Summed<T> {
     }
 }
 
+// Every method is forwarded, so that the inner part's own versions hold (an output projection
+// that takes the residual add into its kernel, attention for the last query alone). The adds
+// go to the inner part only outside a group: a rank's output is a partial sum, and each rank
+// adding the residual before the sum would count it once per rank.
 impl<T: SelfAttention> SelfAttention for Summed<T> {
     fn forward(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
         let partial = self.inner.forward(x, cache)?;
         self.complete(partial)
+    }
+
+    fn forward_add(
+        &self,
+        x: &Array,
+        cache: &mut LayerCache,
+        residual: &Array,
+    ) -> Result<Array, Exception> {
+        match self.group {
+            None => self.inner.forward_add(x, cache, residual),
+            Some(_) => residual.add(self.forward(x, cache)?),
+        }
+    }
+
+    fn forward_last(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
+        let partial = self.inner.forward_last(x, cache)?;
+        self.complete(partial)
+    }
+
+    fn forward_last_add(
+        &self,
+        x: &Array,
+        cache: &mut LayerCache,
+        residual: &Array,
+    ) -> Result<Array, Exception> {
+        match self.group {
+            None => self.inner.forward_last_add(x, cache, residual),
+            Some(_) => residual.add(self.forward_last(x, cache)?),
+        }
     }
 
     fn window(&self) -> Option<usize> {
@@ -44,6 +77,13 @@ impl<T: FeedForward> FeedForward for Summed<T> {
     fn forward(&self, x: &Array) -> Result<Array, Exception> {
         let partial = self.inner.forward(x)?;
         self.complete(partial)
+    }
+
+    fn forward_add(&self, x: &Array, residual: &Array) -> Result<Array, Exception> {
+        match self.group {
+            None => self.inner.forward_add(x, residual),
+            Some(_) => residual.add(self.forward(x)?),
+        }
     }
 }
 

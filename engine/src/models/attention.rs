@@ -6,7 +6,8 @@
 use mlx_rs::error::Exception;
 use mlx_rs::Array;
 
-use super::layers::{attend_with, split_heads, AttnOpts, Linear, RmsNorm};
+use super::last_position;
+use super::layers::{attend_queries, split_heads, AttnOpts, Linear, Queries, RmsNorm};
 use super::params::{Parameters, Params};
 use super::rope::ScaledRope;
 use super::stacked::{self, Stacked};
@@ -27,6 +28,23 @@ pub(crate) trait SelfAttention: Parameters + Send {
         residual: &Array,
     ) -> Result<Array, Exception> {
         residual.add(self.forward(x, cache)?)
+    }
+    /// The output of the last position alone `[B, 1, D]`, every position's keys and values
+    /// entering the cache (a prefill pass's last layer, when only the last position's logits
+    /// are read). Here the whole output, sliced; [`Attention`] attends with the last query
+    /// only.
+    fn forward_last(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
+        Ok(last_position(&self.forward(x, cache)?))
+    }
+    /// `residual + self.forward_last(x, cache)`, `residual` being the last position's alone
+    /// (see [`Self::forward_add`]).
+    fn forward_last_add(
+        &self,
+        x: &Array,
+        cache: &mut LayerCache,
+        residual: &Array,
+    ) -> Result<Array, Exception> {
+        residual.add(self.forward_last(x, cache)?)
     }
     /// The sliding window this attention keeps to, `None` for a global layer.
     fn window(&self) -> Option<usize> {
@@ -288,7 +306,9 @@ impl SelfAttention for Attention {
     }
 
     fn forward(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
-        self.proj.o_proj.forward(&self.attended(x, cache)?)
+        self.proj
+            .o_proj
+            .forward(&self.attended(x, cache, Queries::All)?)
     }
 
     fn forward_add(
@@ -299,13 +319,36 @@ impl SelfAttention for Attention {
     ) -> Result<Array, Exception> {
         self.proj
             .o_proj
-            .forward_add(&self.attended(x, cache)?, residual)
+            .forward_add(&self.attended(x, cache, Queries::All)?, residual)
+    }
+
+    fn forward_last(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
+        self.proj
+            .o_proj
+            .forward(&self.attended(x, cache, Queries::Last)?)
+    }
+
+    fn forward_last_add(
+        &self,
+        x: &Array,
+        cache: &mut LayerCache,
+        residual: &Array,
+    ) -> Result<Array, Exception> {
+        self.proj
+            .o_proj
+            .forward_add(&self.attended(x, cache, Queries::Last)?, residual)
     }
 }
 
 impl Attention {
-    /// The heads' attention output `[B, L, heads · d]`, the output projection's input.
-    fn attended(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
+    /// The heads' attention output of the positions `which` names, the output projection's
+    /// input: `[B, L, heads · d]`, or `[B, 1, heads · d]` for the last alone.
+    fn attended(
+        &self,
+        x: &Array,
+        cache: &mut LayerCache,
+        which: Queries,
+    ) -> Result<Array, Exception> {
         if let (None, Some(rope)) = (&self.norms, &self.rope) {
             if let Some((qk, v)) = self.proj.qk_v(x)? {
                 // One rotation of queries and keys together: each head is rotated alike at
@@ -316,7 +359,7 @@ impl Attention {
                 let parts = qk.split_at_indices(&[heads], 1)?;
                 let v = split_heads(&v, self.proj.kv_heads)?;
                 let opts = prerotated_opts(self.scale, self.window);
-                return attend_with(&parts[0], &parts[1], &v, &opts, cache);
+                return attend_queries(&parts[0], &parts[1], &v, &opts, cache, which);
             }
         }
         let (mut q, mut k, v) = self.proj.qkv(x)?;
@@ -337,7 +380,7 @@ impl Attention {
             rope: self.rope.as_ref().map(|r| &r.rope),
             ..prerotated_opts(self.scale, self.window)
         };
-        attend_with(&q, &k, &v, &opts, cache)
+        attend_queries(&q, &k, &v, &opts, cache, which)
     }
 }
 

@@ -70,6 +70,13 @@ impl NormKind {
 /// One layer of a decoder: the residual stream `[B, L, D]` in and out, through its cache.
 pub(crate) trait DecoderLayer: Parameters + Send {
     fn forward(&self, h: &Array, cache: &mut LayerCache) -> Result<Array, Exception>;
+    /// The last position's output alone `[B, 1, D]`, every position's keys and values (or
+    /// state) entering the cache: the last layer of a pass that reads only the last
+    /// position's logits. Here the whole output, sliced; [`Block`] runs its attention output
+    /// and feed-forward on the last position only.
+    fn forward_last(&self, h: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
+        Ok(super::last_position(&self.forward(h, cache)?))
+    }
     /// The layer's sliding window ([`CausalLm::layer_windows`]), `None` for a global layer.
     fn window(&self) -> Option<usize> {
         None
@@ -161,9 +168,21 @@ impl<A, F: FeedForward> Block<A, F> {
         attend: impl FnOnce(&A, &Array, &mut LayerCache) -> Result<Array, Exception>,
     ) -> Result<Array, Exception> {
         let r = attend(&self.attn, &normed(&self.attn_input, h)?, cache)?;
-        let h = self.residual(h, &normed(&self.attn_output, &r)?)?;
+        self.after_attention(h, &r)
+    }
+
+    /// The block from the attention branch's output `r` on: its residual add onto `h` (the
+    /// positions `r` has), then the feed-forward branch.
+    fn after_attention(&self, h: &Array, r: &Array) -> Result<Array, Exception> {
+        let h = self.residual(h, &normed(&self.attn_output, r)?)?;
         let r = self.mlp.forward(&normed(&self.mlp_input, &h)?)?;
         self.residual(&h, &normed(&self.mlp_output, &r)?)
+    }
+
+    /// Whether each branch's output goes straight into its residual add (no norm after it,
+    /// no residual scale), so that the branch may take the add into its own kernel.
+    fn adds_plainly(&self) -> bool {
+        self.attn_output.is_none() && self.mlp_output.is_none() && self.residual_scale.is_none()
     }
 
     /// `x` plus the branch output `r`, scaled first when the block has a residual scale.
@@ -185,8 +204,7 @@ fn normed(norm: &Option<Norm>, x: &Array) -> Result<Array, Exception> {
 
 impl<A: SelfAttention, F: FeedForward> DecoderLayer for Block<A, F> {
     fn forward(&self, h: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
-        if self.attn_output.is_none() && self.mlp_output.is_none() && self.residual_scale.is_none()
-        {
+        if self.adds_plainly() {
             // Each branch's output straight into its residual add: the branch may take the
             // add into its output projection's kernel (a widened adapter pass); the same two
             // ops otherwise.
@@ -196,6 +214,19 @@ impl<A: SelfAttention, F: FeedForward> DecoderLayer for Block<A, F> {
             return self.mlp.forward_add(&normed(&self.mlp_input, &h)?, &h);
         }
         self.forward_with(h, cache, |attn, x, cache| attn.forward(x, cache))
+    }
+
+    fn forward_last(&self, h: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
+        // Every position is normalised and projected into keys and values; from the
+        // attention output on, the last position alone.
+        let x = normed(&self.attn_input, h)?;
+        let last = super::last_position(h);
+        if self.adds_plainly() {
+            let h = self.attn.forward_last_add(&x, cache, &last)?;
+            return self.mlp.forward_add(&normed(&self.mlp_input, &h)?, &h);
+        }
+        let r = self.attn.forward_last(&x, cache)?;
+        self.after_attention(&last, &r)
     }
 
     fn window(&self) -> Option<usize> {
@@ -559,6 +590,29 @@ impl<L: DecoderLayer + 'static> CausalLm for Decoder<L> {
 
     fn head(&self, hidden: &Array) -> Result<Array, Exception> {
         self.trunk.logits(hidden)
+    }
+
+    fn forward_last(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
+        let Some((last, layers)) = self.layers.split_last().filter(|_| self.link.is_none()) else {
+            // A pipeline stage passes every position on (and an empty model has no last
+            // layer): the whole pass, then the last position.
+            return self.head(&super::last_position(&self.hidden(tokens, caches)?));
+        };
+        let [before @ .., last_cache] = caches else {
+            return Err(Exception::custom("a forward pass without layer caches"));
+        };
+        if before.len() != layers.len() {
+            return Err(Exception::custom(format!(
+                "{} layer caches for {} layers",
+                caches.len(),
+                self.layers.len()
+            )));
+        }
+        let mut h = self.trunk.embed(tokens)?;
+        for (layer, cache) in layers.iter().zip(before.iter_mut()) {
+            h = layer.forward(&h, cache)?;
+        }
+        self.head(&last.forward_last(&h, last_cache)?)
     }
 
     fn info(&self) -> &ModelInfo {

@@ -16,7 +16,7 @@ use super::attention::{AttnProjections, SelfAttention};
 use super::config::{parse_config, sliding_layers};
 use super::decoder::{load_stack, Decoder, Head, NormKind, Sizes, Stack};
 use super::info::KvShape;
-use super::layers::{attend_with, AttnOpts, Linear};
+use super::layers::{attend_queries, AttnOpts, Linear, Queries};
 use super::mlp::FeedForward;
 use super::params::{Parameters, Params};
 use super::rope::{initialize_rope, ScaledRope};
@@ -156,6 +156,22 @@ impl SelfAttention for Attention {
     }
 
     fn forward(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
+        self.attend(x, cache, Queries::All)
+    }
+
+    fn forward_last(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
+        self.attend(x, cache, Queries::Last)
+    }
+}
+
+impl Attention {
+    /// The output of the positions `which` names.
+    fn attend(
+        &self,
+        x: &Array,
+        cache: &mut LayerCache,
+        which: Queries,
+    ) -> Result<Array, Exception> {
         let (q, k, v) = self.proj.project(x)?;
         let (q, k) = (self.rope.prescale(&q)?, self.rope.prescale(&k)?);
         let opts = AttnOpts {
@@ -165,7 +181,7 @@ impl SelfAttention for Attention {
         };
         self.proj
             .o_proj
-            .forward(&attend_with(&q, &k, &v, &opts, cache)?)
+            .forward(&attend_queries(&q, &k, &v, &opts, cache, which)?)
     }
 }
 

@@ -332,6 +332,29 @@ pub fn attend_with(
     opts: &AttnOpts<'_>,
     cache: &mut LayerCache,
 ) -> Result<Array> {
+    attend_queries(queries, keys, values, opts, cache, Queries::All)
+}
+
+/// Which queries of a pass attend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Queries {
+    /// Every position's: the output is `[B, L, heads * head_dim]`.
+    All,
+    /// The last position's alone, `[B, 1, heads * head_dim]`; every position's keys and
+    /// values still enter the cache. A prefill pass that samples its prompts' first tokens
+    /// reads nothing else of its last layer.
+    Last,
+}
+
+/// [`attend_with`] for the `queries` [`Queries`] names.
+pub(crate) fn attend_queries(
+    queries: &Array,
+    keys: &Array,
+    values: &Array,
+    opts: &AttnOpts<'_>,
+    cache: &mut LayerCache,
+    which: Queries,
+) -> Result<Array> {
     let (queries, keys) = match opts.rope {
         Some(rope) => (cache.rope(rope, queries)?, cache.rope(rope, keys)?),
         None => (queries.clone(), keys.clone()),
@@ -352,6 +375,12 @@ pub fn attend_with(
             (keys, values, mask)
         }
     };
+    let (queries, mask) = if which == Queries::Last && l > 1 {
+        (queries.index((.., .., l - 1.., ..)), mask.last_query(l))
+    } else {
+        (queries, mask)
+    };
+    let l = queries.shape()[2];
     let scale = opts.scale;
     let short = l <= SHORT_PASS_MAX_QUERIES;
     let plain = opts.sinks.is_none() && opts.softcap.is_none();

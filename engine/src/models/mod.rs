@@ -88,6 +88,14 @@ pub struct ModelInfo {
     pub eos_token_ids: Vec<u32>,
 }
 
+/// The last position `[B, 1, ...]` of `[B, L, ...]` (`x` itself when `L` is 1).
+pub(crate) fn last_position(x: &Array) -> Array {
+    match x.shape()[1] {
+        1 => x.clone(),
+        len => x.index((.., len - 1.., ..)),
+    }
+}
+
 /// A causal language model.
 pub trait CausalLm: Send {
     /// `tokens` is `[B, L]` (uint32); returns the last layer's hidden states `[B, L, D]`,
@@ -104,16 +112,11 @@ pub trait CausalLm: Send {
     }
     /// Logits `[B, 1, vocab]` of the last position of `tokens` only: the head runs on one
     /// position per row, so a prefill pass that samples its prompts' first tokens does not
-    /// compute (and hold) logits for every prompt position.
+    /// compute (and hold) logits for every prompt position. The generic decoder also runs
+    /// its last layer's attention output and feed-forward on that position alone
+    /// ([`decoder::DecoderLayer::forward_last`]); other families run the whole last layer.
     fn forward_last(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array, Exception> {
-        let h = self.hidden(tokens, caches)?;
-        let len = h.shape()[1];
-        let last = if len == 1 {
-            h
-        } else {
-            h.index((.., len - 1.., ..))
-        };
-        self.head(&last)
+        self.head(&last_position(&self.hidden(tokens, caches)?))
     }
     fn info(&self) -> &ModelInfo;
     /// Why this model cannot serve `feature` exactly, naming the family and the option; `None`

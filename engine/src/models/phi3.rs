@@ -11,7 +11,7 @@ use super::attention::SelfAttention;
 use super::config::{check_heads, default_rope_theta, implied_head_dim, parse_config};
 use super::decoder::{load_stack, Decoder, Head, NormKind, Sizes, Stack};
 use super::info::KvShape;
-use super::layers::{attend_with, split_heads, AttnOpts, Linear, Rope};
+use super::layers::{attend_queries, split_heads, AttnOpts, Linear, Queries, Rope};
 use super::mlp::FusedGatedMlp;
 use super::params::{Parameters, Params};
 use super::rope::ScaledRope;
@@ -161,6 +161,22 @@ struct FusedAttention {
 
 impl SelfAttention for FusedAttention {
     fn forward(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
+        self.attend(x, cache, Queries::All)
+    }
+
+    fn forward_last(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
+        self.attend(x, cache, Queries::Last)
+    }
+}
+
+impl FusedAttention {
+    /// The output of the positions `which` names.
+    fn attend(
+        &self,
+        x: &Array,
+        cache: &mut LayerCache,
+        which: Queries,
+    ) -> Result<Array, Exception> {
         let q_end = self.heads * self.head_dim;
         let k_end = q_end + self.kv_heads * self.head_dim;
         let qkv = self
@@ -177,7 +193,8 @@ impl SelfAttention for FusedAttention {
             sinks: None,
             softcap: None,
         };
-        self.o_proj.forward(&attend_with(&q, &k, &v, &opts, cache)?)
+        self.o_proj
+            .forward(&attend_queries(&q, &k, &v, &opts, cache, which)?)
     }
 }
 

@@ -154,6 +154,7 @@ fn check_family(name: &str) {
         serial, cases[0].greedy,
         "{name}: the serial reference path differs from mlx-lm"
     );
+    assert_last_position_alone_is_the_whole_pass(name, model.as_ref(), &cases[0].prompt);
     // A model with recurrent layers can only resume from a snapshot of its state, taken every
     // 16 prompt tokens here: the shared 32 tokens exactly. Drafts it refuses by name.
     let stateful = model.layer_kinds().iter().any(|k| k.is_state());
@@ -282,6 +283,48 @@ fn check_family(name: &str) {
         assert_matches(name, "4-bit in a batch", o, case);
     }
     runtime.join();
+}
+
+/// `forward_last` (the last position's logits, the generic decoder's last layer run on that
+/// position alone) gives the last position of `forward`, and leaves the caches as `forward`
+/// does: the next token's logits after each are the same.
+fn assert_last_position_alone_is_the_whole_pass(
+    name: &str,
+    model: &dyn models::CausalLm,
+    prompt: &[u32],
+) {
+    let input = Array::from_slice(prompt, &[1, prompt.len() as i32]);
+    let next = Array::from_slice(&prompt[..1], &[1, 1]);
+    let (mut whole, mut last) = (model.new_dense_caches(), model.new_dense_caches());
+    let logits = |a: Array| -> Vec<f32> {
+        let a = a.as_dtype(mlx_rs::Dtype::Float32).expect("float32");
+        a.as_slice::<f32>().to_vec()
+    };
+    let full = model.forward(&input, &mut whole).expect("forward");
+    let l = full.shape()[1];
+    let expected = logits(mlx_rs::ops::indexing::IndexOp::index(
+        &full,
+        (.., l - 1.., ..),
+    ));
+    let got = logits(model.forward_last(&input, &mut last).expect("forward_last"));
+    assert_close(name, "the last position's logits", &got, &expected);
+    let after_whole = logits(model.forward(&next, &mut whole).expect("next"));
+    let after_last = logits(model.forward(&next, &mut last).expect("next"));
+    assert_close(name, "the next token's logits", &after_last, &after_whole);
+}
+
+fn assert_close(name: &str, what: &str, got: &[f32], expected: &[f32]) {
+    assert_eq!(got.len(), expected.len(), "{name}: {what}");
+    let scale = expected.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-3);
+    let worst = got
+        .iter()
+        .zip(expected)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        worst <= 1e-3 * scale,
+        "{name}: {what} differ by {worst} (largest logit {scale})"
+    );
 }
 
 macro_rules! family {

@@ -583,12 +583,9 @@ impl Hold {
     }
 }
 
-impl mlxd_engine::models::CausalLm for Paced {
-    fn hidden(
-        &self,
-        tokens: &mlx_rs::Array,
-        caches: &mut [mlxd_engine::cache::LayerCache],
-    ) -> Result<mlx_rs::Array, mlx_rs::error::Exception> {
+impl Paced {
+    /// A pass over `tokens` begins: it waits at the hold, takes its time and is recorded.
+    fn begin(&self, tokens: &mlx_rs::Array) {
         let shape = tokens.shape();
         let (rows, len) = (shape[0], shape[1]);
         self.hold.pass();
@@ -596,7 +593,25 @@ impl mlxd_engine::models::CausalLm for Paced {
             std::thread::sleep(self.per_token * (rows * len) as u32);
         }
         self.passes.lock().unwrap().push((rows, len));
+    }
+}
+
+impl mlxd_engine::models::CausalLm for Paced {
+    fn hidden(
+        &self,
+        tokens: &mlx_rs::Array,
+        caches: &mut [mlxd_engine::cache::LayerCache],
+    ) -> Result<mlx_rs::Array, mlx_rs::error::Exception> {
+        self.begin(tokens);
         self.inner.hidden(tokens, caches)
+    }
+    fn forward_last(
+        &self,
+        tokens: &mlx_rs::Array,
+        caches: &mut [mlxd_engine::cache::LayerCache],
+    ) -> Result<mlx_rs::Array, mlx_rs::error::Exception> {
+        self.begin(tokens);
+        self.inner.forward_last(tokens, caches)
     }
     fn head(&self, hidden: &mlx_rs::Array) -> Result<mlx_rs::Array, mlx_rs::error::Exception> {
         self.inner.head(hidden)
@@ -844,14 +859,18 @@ fn on_a_slow_device_prefill_chunks_shrink_to_the_unit_target() {
     // `PROBE_CHUNK` (256) tokens, not the configured 2 048 (the whole 600-token prompt here).
     // 3 ms a token: the probe takes 0.77 s, past the 0.5 s target, so the next chunks hold at
     // most 128 (333 tokens/s × 0.5 s, rounded down to a power of two).
-    let (runtime, passes) = start_paced(
-        RuntimeLimits {
-            prefill_chunk: 2048,
-            prompt_cache_bytes: 0,
-            ..Default::default()
-        },
-        std::time::Duration::from_millis(3),
-    );
+    let limits = RuntimeLimits {
+        prefill_chunk: 2048,
+        prompt_cache_bytes: 0,
+        ..Default::default()
+    };
+    // The prompt's last token is prefilled too when the first token is sampled there.
+    let prefilled = if limits.first_token_from_prefill {
+        600
+    } else {
+        599
+    };
+    let (runtime, passes) = start_paced(limits, std::time::Duration::from_millis(3));
     let long: Vec<u32> = (0..600).map(|i| (i * 17 + 3) % 390).collect();
     let mut rx = send(&runtime, long, 1);
     passes_to_first_token(&mut rx, &passes);
@@ -871,7 +890,7 @@ fn on_a_slow_device_prefill_chunks_shrink_to_the_unit_target() {
         prefill[1..].iter().all(|&c| (32..=128).contains(&c)) && prefill.len() >= 3,
         "later chunks shrink: {prefill:?}"
     );
-    assert_eq!(prefill.iter().sum::<i32>(), 599);
+    assert_eq!(prefill.iter().sum::<i32>(), prefilled);
     runtime.join();
 }
 
