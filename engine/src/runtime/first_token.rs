@@ -6,10 +6,10 @@
 //! step's prefill is evaluated. The row then joins the decode batch with that token as its
 //! input. mlx-lm instead keeps the prompt's last token for its first decode step, which costs
 //! every request a whole decode step of time to first token (a prefix hit at 5k on an H200: a
-//! 3.8 ms step after a 7.4 ms pass), but never computes the last layer's attention output and
-//! MLP for prompt positions, which this pass must for its whole chunk. Which costs more
-//! depends on the device, so the order is a switch
-//! ([`super::RuntimeLimits::first_token_from_prefill`]), off until measured on a GPU.
+//! 3.8 ms step after a 7.4 ms pass). Its lazy graph never computes the last layer's attention
+//! output and feed-forward for prompt positions; this pass computes them for the last position
+//! alone (`CausalLm::forward_last`), so it costs no more. On by default; the switch
+//! ([`super::RuntimeLimits::first_token_from_prefill`]) keeps mlx-lm's order for comparison.
 use mlx_rs::error::Exception;
 use mlx_rs::Array;
 

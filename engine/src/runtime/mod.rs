@@ -170,21 +170,22 @@ pub struct RuntimeLimits {
     pub adapters: Vec<(String, PathBuf)>,
     /// Sample each prompt's first token from the prefill pass that runs its last token
     /// ([`first_token`]) instead of running that token in the row's first decode step.
-    /// Default: `MLXD_FIRST_TOKEN_FROM_PREFILL=1` ([`first_token_from_prefill_env`]), else
-    /// off. It saves every request a decode step of time to first token, which on a GPU is
-    /// mostly host time (3.8 ms of an H200's 11.2 ms prefix hit at 5k), but the pass must then
-    /// compute the last layer's attention output and MLP over the whole final chunk, which
-    /// mlx-lm's order never computes for prompt positions: on this 2-core CPU, compute-bound,
-    /// that made a tiny two-layer model's 416-token miss 1.8× slower (session 53). Off until a
-    /// GPU run measures both sides.
+    /// Default on; `MLXD_FIRST_TOKEN_FROM_PREFILL=0` ([`first_token_from_prefill_env`]) turns
+    /// it off, for measuring both orders on one binary. It saves every request a decode step
+    /// of time to first token (on a GPU mostly host time: 3.8 ms of an H200's 11.2 ms prefix
+    /// hit at 5k). The pass runs its last layer's attention output and feed-forward on the
+    /// last position alone (`Queries::Last`), so it computes no more than mlx-lm's order,
+    /// whose lazy graph never evaluates them for prompt positions: on this 2-core CPU a tiny
+    /// model's 400-token prefix hit 20% sooner, the default model's time to first token and
+    /// decode unchanged (session 54).
     pub first_token_from_prefill: bool,
 }
 
-/// `MLXD_FIRST_TOKEN_FROM_PREFILL=1` (read once): the default of
-/// [`RuntimeLimits::first_token_from_prefill`], a switch for measuring it on a device.
+/// The default of [`RuntimeLimits::first_token_from_prefill`] (read once): on, unless
+/// `MLXD_FIRST_TOKEN_FROM_PREFILL=0` (a switch for measuring mlx-lm's order on one binary).
 pub fn first_token_from_prefill_env() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("MLXD_FIRST_TOKEN_FROM_PREFILL").is_ok_and(|v| v == "1"))
+    *ON.get_or_init(|| std::env::var("MLXD_FIRST_TOKEN_FROM_PREFILL").map_or(true, |v| v != "0"))
 }
 
 impl Default for RuntimeLimits {
