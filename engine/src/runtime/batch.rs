@@ -364,6 +364,7 @@ impl DecodeBatch {
             }
             let mut state: Vec<&Array> = vec![&next];
             state.extend(self.sampler.state());
+            super::step_graph::maybe_write(&state, pending.as_ref());
             mlx_rs::transforms::async_eval(state)?;
             clock.queued();
             for seq in &mut self.rows {

@@ -25,6 +25,7 @@ pub mod sampler;
 pub mod sampling_params;
 pub mod scheduler;
 pub mod sequence;
+mod step_graph;
 pub mod step_trace;
 pub mod warm_up;
 
