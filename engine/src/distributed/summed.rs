@@ -7,6 +7,7 @@ use mlx_rs::Array;
 use super::Group;
 use crate::cache::LayerCache;
 use crate::models::attention::SelfAttention;
+use crate::models::layers::Queries;
 use crate::models::mlp::FeedForward;
 use crate::models::params::{Parameters, Params};
 
@@ -34,37 +35,26 @@ impl<T> Summed<T> {
 // go to the inner part only outside a group: a rank's output is a partial sum, and each rank
 // adding the residual before the sum would count it once per rank.
 impl<T: SelfAttention> SelfAttention for Summed<T> {
-    fn forward(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
-        let partial = self.inner.forward(x, cache)?;
-        self.complete(partial)
-    }
-
-    fn forward_add(
+    fn attend(
         &self,
         x: &Array,
         cache: &mut LayerCache,
-        residual: &Array,
+        which: Queries,
     ) -> Result<Array, Exception> {
-        match self.group {
-            None => self.inner.forward_add(x, cache, residual),
-            Some(_) => residual.add(self.forward(x, cache)?),
-        }
-    }
-
-    fn forward_last(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
-        let partial = self.inner.forward_last(x, cache)?;
+        let partial = self.inner.attend(x, cache, which)?;
         self.complete(partial)
     }
 
-    fn forward_last_add(
+    fn attend_add(
         &self,
         x: &Array,
         cache: &mut LayerCache,
+        which: Queries,
         residual: &Array,
     ) -> Result<Array, Exception> {
         match self.group {
-            None => self.inner.forward_last_add(x, cache, residual),
-            Some(_) => residual.add(self.forward_last(x, cache)?),
+            None => self.inner.attend_add(x, cache, which, residual),
+            Some(_) => residual.add(self.attend(x, cache, which)?),
         }
     }
 

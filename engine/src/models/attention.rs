@@ -6,7 +6,6 @@
 use mlx_rs::error::Exception;
 use mlx_rs::Array;
 
-use super::last_position;
 use super::layers::{attend_queries, split_heads, AttnOpts, Linear, Queries, RmsNorm};
 use super::params::{Parameters, Params};
 use super::rope::ScaledRope;
@@ -17,34 +16,22 @@ use crate::loader::{LoadError, Weights};
 /// A block's attention half: normalised hidden states `[B, L, D]` → its output `[B, L, D]`,
 /// through the layer's cache.
 pub(crate) trait SelfAttention: Parameters + Send {
-    fn forward(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception>;
-    /// `residual + self.forward(x, cache)`, the block's residual add after attention; an
-    /// attention whose output projection can take the add into its own kernel does
-    /// ([`Linear::forward_add`]).
-    fn forward_add(
+    /// The output of the positions `which` names: `[B, L, D]` for all, `[B, 1, D]` for the
+    /// last alone (a prefill pass's last layer when only the last position's logits are
+    /// read). Every position's keys and values (or state) enter the cache either way.
+    fn attend(&self, x: &Array, cache: &mut LayerCache, which: Queries)
+        -> Result<Array, Exception>;
+    /// `residual + self.attend(x, cache, which)`, `residual` holding the same positions: the
+    /// block's residual add after attention, which an output projection able to take it into
+    /// its own kernel does ([`Linear::forward_add`]).
+    fn attend_add(
         &self,
         x: &Array,
         cache: &mut LayerCache,
+        which: Queries,
         residual: &Array,
     ) -> Result<Array, Exception> {
-        residual.add(self.forward(x, cache)?)
-    }
-    /// The output of the last position alone `[B, 1, D]`, every position's keys and values
-    /// entering the cache (a prefill pass's last layer, when only the last position's logits
-    /// are read). Here the whole output, sliced; [`Attention`] attends with the last query
-    /// only.
-    fn forward_last(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
-        Ok(last_position(&self.forward(x, cache)?))
-    }
-    /// `residual + self.forward_last(x, cache)`, `residual` being the last position's alone
-    /// (see [`Self::forward_add`]).
-    fn forward_last_add(
-        &self,
-        x: &Array,
-        cache: &mut LayerCache,
-        residual: &Array,
-    ) -> Result<Array, Exception> {
-        residual.add(self.forward_last(x, cache)?)
+        residual.add(self.attend(x, cache, which)?)
     }
     /// The sliding window this attention keeps to, `None` for a global layer.
     fn window(&self) -> Option<usize> {
@@ -305,38 +292,25 @@ impl SelfAttention for Attention {
         self.window
     }
 
-    fn forward(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
-        self.proj
-            .o_proj
-            .forward(&self.attended(x, cache, Queries::All)?)
-    }
-
-    fn forward_add(
+    fn attend(
         &self,
         x: &Array,
         cache: &mut LayerCache,
+        which: Queries,
+    ) -> Result<Array, Exception> {
+        self.proj.o_proj.forward(&self.attended(x, cache, which)?)
+    }
+
+    fn attend_add(
+        &self,
+        x: &Array,
+        cache: &mut LayerCache,
+        which: Queries,
         residual: &Array,
     ) -> Result<Array, Exception> {
         self.proj
             .o_proj
-            .forward_add(&self.attended(x, cache, Queries::All)?, residual)
-    }
-
-    fn forward_last(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
-        self.proj
-            .o_proj
-            .forward(&self.attended(x, cache, Queries::Last)?)
-    }
-
-    fn forward_last_add(
-        &self,
-        x: &Array,
-        cache: &mut LayerCache,
-        residual: &Array,
-    ) -> Result<Array, Exception> {
-        self.proj
-            .o_proj
-            .forward_add(&self.attended(x, cache, Queries::Last)?, residual)
+            .forward_add(&self.attended(x, cache, which)?, residual)
     }
 }
 

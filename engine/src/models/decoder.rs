@@ -11,7 +11,7 @@ use serde_json::Value;
 
 use super::attention::SelfAttention;
 use super::info::{activation_dtype, model_info_in, KvShape};
-use super::layers::{LayerNorm, Matrix, RmsNorm};
+use super::layers::{LayerNorm, Matrix, Queries, RmsNorm};
 use super::mlp::FeedForward;
 use super::params::{Parameters, Params};
 use super::scalar::{divide_by, scale_by};
@@ -210,10 +210,12 @@ impl<A: SelfAttention, F: FeedForward> DecoderLayer for Block<A, F> {
             // ops otherwise.
             let h = self
                 .attn
-                .forward_add(&normed(&self.attn_input, h)?, cache, h)?;
+                .attend_add(&normed(&self.attn_input, h)?, cache, Queries::All, h)?;
             return self.mlp.forward_add(&normed(&self.mlp_input, &h)?, &h);
         }
-        self.forward_with(h, cache, |attn, x, cache| attn.forward(x, cache))
+        self.forward_with(h, cache, |attn, x, cache| {
+            attn.attend(x, cache, Queries::All)
+        })
     }
 
     fn forward_last(&self, h: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
@@ -222,10 +224,10 @@ impl<A: SelfAttention, F: FeedForward> DecoderLayer for Block<A, F> {
         let x = normed(&self.attn_input, h)?;
         let last = super::last_position(h);
         if self.adds_plainly() {
-            let h = self.attn.forward_last_add(&x, cache, &last)?;
+            let h = self.attn.attend_add(&x, cache, Queries::Last, &last)?;
             return self.mlp.forward_add(&normed(&self.mlp_input, &h)?, &h);
         }
-        let r = self.attn.forward_last(&x, cache)?;
+        let r = self.attn.attend(&x, cache, Queries::Last)?;
         self.after_attention(&last, &r)
     }
 

@@ -7,7 +7,7 @@ use mlx_rs::{fast, Array};
 use serde_json::Value;
 
 use super::attention::SelfAttention;
-use super::layers::Linear;
+use super::layers::{Linear, Queries};
 use super::mla::{
     build_deepseek, drop_unused, stack_experts, unquantized, DeepseekConfig, FamilyParts,
     LatentProjections,
@@ -110,7 +110,12 @@ impl ExpandedAttention {
 }
 
 impl SelfAttention for ExpandedAttention {
-    fn forward(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
+    fn attend(
+        &self,
+        x: &Array,
+        cache: &mut LayerCache,
+        which: Queries,
+    ) -> Result<Array, Exception> {
         let (b, l) = (x.shape()[0], x.shape()[1]);
         let heads = self.inputs.heads;
         let inputs = self.inputs.forward(x)?;
@@ -147,7 +152,7 @@ impl SelfAttention for ExpandedAttention {
             None,
         )?;
         let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?;
-        self.o_proj.forward(&out)
+        self.o_proj.forward(&which.pick(out))
     }
 }
 

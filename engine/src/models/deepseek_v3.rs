@@ -15,7 +15,7 @@ use mlx_rs::{fast, Array};
 use serde_json::Value;
 
 use super::attention::SelfAttention;
-use super::layers::{Linear, Matrix, QuantizedMatrix};
+use super::layers::{Linear, Matrix, QuantizedMatrix, Queries};
 use super::mla::{
     build_deepseek, drop_unused, mask_array, plain_deepseek_rope, stack_experts, unquantized,
     DeepseekConfig, FamilyParts, LatentProjections, MultiLinear,
@@ -133,7 +133,12 @@ impl LatentAttention {
 }
 
 impl SelfAttention for LatentAttention {
-    fn forward(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
+    fn attend(
+        &self,
+        x: &Array,
+        cache: &mut LayerCache,
+        which: Queries,
+    ) -> Result<Array, Exception> {
         let (b, l) = (x.shape()[0], x.shape()[1]);
         let inputs = self.inputs.forward(x)?;
         let kv_latent = self
@@ -170,7 +175,7 @@ impl SelfAttention for LatentAttention {
             )?
         };
         let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?;
-        self.o_proj.forward(&out)
+        self.o_proj.forward(&which.pick(out))
     }
 }
 

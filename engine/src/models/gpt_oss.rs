@@ -155,17 +155,6 @@ impl SelfAttention for Attention {
         self.window
     }
 
-    fn forward(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
-        self.attend(x, cache, Queries::All)
-    }
-
-    fn forward_last(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
-        self.attend(x, cache, Queries::Last)
-    }
-}
-
-impl Attention {
-    /// The output of the positions `which` names.
     fn attend(
         &self,
         x: &Array,

@@ -346,6 +346,17 @@ pub(crate) enum Queries {
     Last,
 }
 
+impl Queries {
+    /// The positions this names of `out` `[B, L, ...]`: an attention that computes every
+    /// position's output hands on only the last for [`Queries::Last`].
+    pub fn pick(self, out: Array) -> Array {
+        match self {
+            Queries::All => out,
+            Queries::Last => super::last_position(&out),
+        }
+    }
+}
+
 /// [`attend_with`] for the `queries` [`Queries`] names.
 pub(crate) fn attend_queries(
     queries: &Array,

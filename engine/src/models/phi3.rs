@@ -160,17 +160,6 @@ struct FusedAttention {
 }
 
 impl SelfAttention for FusedAttention {
-    fn forward(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
-        self.attend(x, cache, Queries::All)
-    }
-
-    fn forward_last(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
-        self.attend(x, cache, Queries::Last)
-    }
-}
-
-impl FusedAttention {
-    /// The output of the positions `which` names.
     fn attend(
         &self,
         x: &Array,

@@ -19,7 +19,7 @@ use super::config::{check_heads, parse_config};
 use super::decoder::{Block, Decoder, DecoderLayer, Head, NormKind, NormPlacement, Sizes, Trunk};
 use super::gated_delta::{self, DeltaShape, GatedDeltaNet, ProjectionLayout};
 use super::info::{dtype_bytes, KvShape};
-use super::layers::{attend_with, AttnOpts, Linear, RmsNorm};
+use super::layers::{attend_with, AttnOpts, Linear, Queries, RmsNorm};
 use super::mlp::{FeedForward, GatedMlp};
 use super::moe::{RoutedExperts, SharedExperts, SoftmaxRouter};
 use super::params::{Parameters, Params};
@@ -167,11 +167,17 @@ pub(crate) enum Mixer {
 }
 
 impl SelfAttention for Mixer {
-    fn forward(&self, x: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
-        match self {
-            Mixer::Delta(d) => d.forward(x, cache),
-            Mixer::Attention(a) => a.forward(x, cache),
-        }
+    fn attend(
+        &self,
+        x: &Array,
+        cache: &mut LayerCache,
+        which: Queries,
+    ) -> Result<Array, Exception> {
+        let out = match self {
+            Mixer::Delta(d) => d.forward(x, cache)?,
+            Mixer::Attention(a) => a.forward(x, cache)?,
+        };
+        Ok(which.pick(out))
     }
 }
 
@@ -189,8 +195,9 @@ pub(crate) struct HybridLayer(Block<Mixer, Box<dyn FeedForward>>);
 
 impl DecoderLayer for HybridLayer {
     fn forward(&self, h: &Array, cache: &mut LayerCache) -> Result<Array, Exception> {
-        self.0
-            .forward_with(h, cache, |mixer, x, cache| mixer.forward(x, cache))
+        self.0.forward_with(h, cache, |mixer, x, cache| {
+            mixer.attend(x, cache, Queries::All)
+        })
     }
 
     fn kind(&self) -> LayerKind {
