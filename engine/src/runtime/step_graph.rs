@@ -1,8 +1,9 @@
 //! `MLXD_STEP_DOT=<file>`: the graph of one warm decode step (the 32nd a runtime runs) written
 //! as Graphviz DOT, before it is queued: what a step asks of MLX, node by node, to set against
 //! mlx-lm's own step (`scripts/bench/step_graph.py` writes and counts both). One row is
-//! host-bound on a GPU (issue 21: 1.4 ms a step, a quarter of it building the graph and most
-//! of the rest committing it), so the nodes a step holds are what it costs.
+//! host-bound on a GPU (issue 21: 1.4 ms a step on an H100, a quarter of it building the graph
+//! and most of the rest in `async_eval`); the count tells whether a step asks for more than
+//! mlx-lm's does (session 54: a quarter fewer primitives, so not that).
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use mlx_rs::Array;
@@ -43,16 +44,22 @@ fn write(path: &str, outputs: &[&Array]) -> Result<(), String> {
             return Err(std::io::Error::last_os_error().to_string());
         }
         let vector = mlx_sys::mlx_vector_array_new();
-        for a in outputs {
-            mlx_sys::mlx_vector_array_append_value(vector, a.as_ptr());
-        }
+        let appended = outputs
+            .iter()
+            .all(|a| mlx_sys::mlx_vector_array_append_value(vector, a.as_ptr()) == 0);
         let namer = mlx_sys::mlx_node_namer_new();
-        let status = mlx_sys::mlx_export_to_dot(file.cast(), namer, vector);
+        let status = if appended {
+            mlx_sys::mlx_export_to_dot(file.cast(), namer, vector)
+        } else {
+            -1
+        };
         mlx_sys::mlx_node_namer_free(namer);
         mlx_sys::mlx_vector_array_free(vector);
         libc::fclose(file);
         if status != 0 {
-            return Err(format!("mlx_export_to_dot returned {status}"));
+            return Err(format!(
+                "mlx_export_to_dot returned {status} (-1: an output could not be listed)"
+            ));
         }
     }
     Ok(())
